@@ -1,0 +1,1 @@
+"""pdm_jax.analysis."""
