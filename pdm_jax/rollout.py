@@ -1,0 +1,191 @@
+"""`RolloutBatch`: the one contract between the sampler and the trainer.
+
+Everything the trainer needs from generation travels in this host-side (numpy)
+structure: prompt and completion ids, the completion mask, the behaviour
+policy's log-probabilities of the sampled tokens, its top-K view, the weights
+version each sequence was sampled with and, after the verifier, the rewards.
+The analysis, the tests and any future sampler backend (vLLM, ...) speak it.
+
+Shapes (N sequences = prompts x samples per prompt, rows prompt-major: row
+``i * n + j`` is sample ``j`` of prompt ``i``; P prompt length; T completion
+length; K top-K):
+
+====================  =================  =========  ==========================================
+field                 shape              dtype      meaning
+====================  =================  =========  ==========================================
+prompt_ids            [N, P]             int32      left-padded prompt token ids
+prompt_mask           [N, P]             bool       True on real prompt tokens
+completion_ids        [N, T]             int32      right-padded generated ids (stop token kept)
+completion_mask       [N, T]             bool       True on generated tokens (incl. the stop token)
+behavior_logprobs     [N, T]             float32    log mu(y_t) of the sampled token (0 on pads)
+topk_ids              [N, T, K]          int32      the sampler's K most likely ids, rank order
+topk_logprobs         [N, T, K]          float32    their log mu, descending (0 on pads)
+weights_version       [N]                int32      policy version that sampled each sequence
+group_ids             [N]                int32      index of the prompt within the batch
+finish_reason         [N]                str        "stop" (stop token) or "length"
+rewards               [N] or None        float32    verifier rewards, filled in by the trainer
+====================  =================  =========  ==========================================
+
+mu is softmax(z_q / tau) of the (quantized) sampler weights at temperature tau,
+i.e. the distribution the tokens were actually drawn from (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """Host-side rollouts with behaviour log-probabilities (see module docstring).
+
+    Raises:
+      ValueError: on inconsistent shapes, wrong dtypes that cannot be cast
+        losslessly, an unknown finish reason, or non-finite rewards; the message
+        names the field and the offending value or shape.
+    """
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    completion_ids: np.ndarray
+    completion_mask: np.ndarray
+    behavior_logprobs: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    weights_version: np.ndarray
+    group_ids: np.ndarray
+    finish_reason: np.ndarray
+    rewards: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        self.prompt_ids = _as(self.prompt_ids, np.int32, "prompt_ids", 2)
+        self.prompt_mask = _as(self.prompt_mask, bool, "prompt_mask", 2)
+        self.completion_ids = _as(self.completion_ids, np.int32, "completion_ids", 2)
+        self.completion_mask = _as(self.completion_mask, bool, "completion_mask", 2)
+        self.behavior_logprobs = _as(self.behavior_logprobs, np.float32, "behavior_logprobs", 2)
+        self.topk_ids = _as(self.topk_ids, np.int32, "topk_ids", 3)
+        self.topk_logprobs = _as(self.topk_logprobs, np.float32, "topk_logprobs", 3)
+        self.weights_version = _as(self.weights_version, np.int32, "weights_version", 1)
+        self.group_ids = _as(self.group_ids, np.int32, "group_ids", 1)
+        self.finish_reason = np.asarray(self.finish_reason, dtype=object).reshape(-1)
+        n, t = self.completion_ids.shape
+        k = self.topk_ids.shape[-1]
+        expect = {
+            "prompt_ids": (n, self.prompt_ids.shape[1]),
+            "prompt_mask": (n, self.prompt_ids.shape[1]),
+            "completion_mask": (n, t),
+            "behavior_logprobs": (n, t),
+            "topk_ids": (n, t, k),
+            "topk_logprobs": (n, t, k),
+            "weights_version": (n,),
+            "group_ids": (n,),
+            "finish_reason": (n,),
+        }
+        for name, shape in expect.items():
+            got = getattr(self, name).shape
+            if tuple(got) != shape:
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(got)}, expected {shape}")
+        bad = [r for r in self.finish_reason if r not in FINISH_REASONS]
+        if bad:
+            raise ValueError(f"RolloutBatch.finish_reason has {bad[0]!r}; expected one of {FINISH_REASONS}")
+        if self.rewards is not None:
+            self.rewards = _as(self.rewards, np.float32, "rewards", 1)
+            if self.rewards.shape != (n,):
+                raise ValueError(f"RolloutBatch.rewards has shape {self.rewards.shape}, expected {(n,)}")
+            nonfinite = np.flatnonzero(~np.isfinite(self.rewards))
+            if nonfinite.size:
+                i = int(nonfinite[0])
+                raise ValueError(f"RolloutBatch.rewards[{i}] (sample {i}, group {int(self.group_ids[i])}) is {self.rewards[i]}")
+
+    @property
+    def num_sequences(self) -> int:
+        """N, the number of sequences (prompts x samples per prompt)."""
+        return int(self.completion_ids.shape[0])
+
+    @property
+    def top_k(self) -> int:
+        """K, the number of top-K behaviour log-probabilities per token."""
+        return int(self.topk_ids.shape[-1])
+
+    def replace(self, **changes) -> "RolloutBatch":
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def select(self, rows) -> "RolloutBatch":
+        """The sub-batch of the given row indices (int array or slice)."""
+        kw = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = None if v is None else v[rows]
+        return RolloutBatch(**kw)
+
+    @staticmethod
+    def concatenate(batches) -> "RolloutBatch":
+        """Concatenates batches along N, right-padding T (and left-padding P) to the longest.
+
+        Pads completions with id 0, mask False, logprobs 0; prompts are left-padded.
+        `group_ids` are offset so that groups of different batches stay distinct.
+        Raises ValueError if the batches disagree on K or on whether rewards are set.
+        """
+        batches = list(batches)
+        if not batches:
+            raise ValueError("RolloutBatch.concatenate needs at least one batch")
+        ks = {b.top_k for b in batches}
+        if len(ks) != 1:
+            raise ValueError(f"RolloutBatch.concatenate: batches have different top_k {sorted(ks)}")
+        if len({b.rewards is None for b in batches}) != 1:
+            raise ValueError("RolloutBatch.concatenate: some batches have rewards and some do not")
+        p = max(b.prompt_ids.shape[1] for b in batches)
+        t = max(b.completion_ids.shape[1] for b in batches)
+
+        def rpad(x, width):
+            pad = [(0, 0)] * x.ndim
+            pad[1] = (0, width - x.shape[1])
+            return np.pad(x, pad)
+
+        def lpad(x, width):
+            pad = [(0, 0)] * x.ndim
+            pad[1] = (width - x.shape[1], 0)
+            return np.pad(x, pad)
+
+        offset, gids = 0, []
+        for b in batches:
+            gids.append(b.group_ids + offset)
+            offset += int(b.group_ids.max()) + 1 if b.num_sequences else 0
+        cat = np.concatenate
+        return RolloutBatch(
+            prompt_ids=cat([lpad(b.prompt_ids, p) for b in batches]),
+            prompt_mask=cat([lpad(b.prompt_mask, p) for b in batches]),
+            completion_ids=cat([rpad(b.completion_ids, t) for b in batches]),
+            completion_mask=cat([rpad(b.completion_mask, t) for b in batches]),
+            behavior_logprobs=cat([rpad(b.behavior_logprobs, t) for b in batches]),
+            topk_ids=cat([rpad(b.topk_ids, t) for b in batches]),
+            topk_logprobs=cat([rpad(b.topk_logprobs, t) for b in batches]),
+            weights_version=cat([b.weights_version for b in batches]),
+            group_ids=cat(gids),
+            finish_reason=cat([b.finish_reason for b in batches]),
+            rewards=None if batches[0].rewards is None else cat([b.rewards for b in batches]),
+        )
+
+
+def _as(x, dtype, name, ndim):
+    a = np.asarray(x)
+    if a.ndim != ndim:
+        raise ValueError(f"RolloutBatch.{name} must have {ndim} dimensions, got shape {a.shape}")
+    if dtype is bool:
+        if a.dtype != bool:
+            if not np.isin(a, (0, 1)).all():
+                raise ValueError(f"RolloutBatch.{name} must be boolean (0/1), got values outside {{0,1}}")
+            a = a.astype(bool)
+        return a
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        if not np.issubdtype(a.dtype, np.integer):
+            if a.size and (not np.all(np.isfinite(a)) or not np.all(a == np.round(a))):
+                raise ValueError(f"RolloutBatch.{name} must hold integers, got dtype {a.dtype}")
+        return a.astype(dtype)
+    return a.astype(dtype)
