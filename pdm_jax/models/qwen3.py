@@ -1,0 +1,549 @@
+"""Qwen3 dense decoder in Flax NNX, numerically matching Hugging Face's ``Qwen3ForCausalLM``.
+
+Reference checked against: ``transformers`` 5.24 ``models/qwen3/modeling_qwen3.py``
+(RMSNorm in f32, per-head q/k RMSNorm *before* RoPE, rotate-half RoPE with the config's
+``rope_theta``, grouped-query attention with scale ``head_dim**-0.5``, SwiGLU MLP,
+tied or untied LM head). Parity to <= 1e-4 in f32 is tested in ``tests/test_qwen3.py``
+against logits produced by ``scripts/make_qwen3_reference.py``.
+
+Axis letters used in einsum strings and shape-suffixed names:
+
+    B batch, T query length, S key length (cache slots), D hidden size (embed),
+    N query heads, K key/value heads, G = N // K query heads per kv head,
+    H head dim, F MLP intermediate size, V vocab, L layers.
+
+Parameter layout (einsum friendly; ``pdm_jax.models.hf_io`` maps to/from HF's
+``[out, in]`` Linear weights):
+
+    embed_tokens.embedding       [V, D]
+    layers[i].input_layernorm.scale            [D]
+    layers[i].self_attn.q_proj.kernel          [D, N, H]
+    layers[i].self_attn.k_proj.kernel          [D, K, H]
+    layers[i].self_attn.v_proj.kernel          [D, K, H]
+    layers[i].self_attn.o_proj.kernel          [N, H, D]
+    layers[i].self_attn.q_norm.scale           [H]
+    layers[i].self_attn.k_norm.scale           [H]
+    layers[i].post_attention_layernorm.scale   [D]
+    layers[i].mlp.gate_proj.kernel             [D, F]
+    layers[i].mlp.up_proj.kernel               [D, F]
+    layers[i].mlp.down_proj.kernel             [F, D]
+    norm.scale                                 [D]
+    lm_head.kernel                             [D, V]   (absent when tie_word_embeddings)
+
+Every parameter carries logical axis names in its ``out_sharding`` metadata
+(see ``pdm_jax.sharding``); the model holds only ``nnx.Param`` state.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pdm_jax import sharding as shd
+
+Array = jax.Array
+
+_INIT_STD = 0.02  # HF Qwen3 initializer_range default; only matters for random init.
+
+
+# --------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Dense Qwen3 hyper-parameters (names follow HF ``Qwen3Config``).
+
+    Raises:
+      ValueError: naming the field and value when a size is not positive, when
+        ``num_attention_heads`` is not divisible by ``num_key_value_heads``, when
+        ``head_dim`` is odd (RoPE rotates halves), or ``rms_norm_eps``/``rope_theta`` <= 0.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Qwen3Config.{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "Qwen3Config.num_attention_heads must be divisible by num_key_value_heads, got "
+                f"num_attention_heads={self.num_attention_heads}, "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3Config.head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"Qwen3Config.{name} must be a positive float, got {value!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(
+                f"Qwen3Config.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+
+    @property
+    def num_query_groups(self) -> int:
+        """G = num_attention_heads // num_key_value_heads."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "Qwen3Config":
+        """Builds a config from an HF ``config.json`` dict (transformers 4.x or 5.x layout).
+
+        Accepts ``rope_theta`` at top level (4.x) or in ``rope_parameters`` (5.x).
+
+        Raises:
+          ValueError: naming the field for anything this model does not implement:
+            ``model_type`` != "qwen3", ``hidden_act`` != "silu", ``attention_bias`` true,
+            ``use_sliding_window`` true, ``rope_scaling``/``rope_parameters`` with a
+            ``rope_type`` other than "default", a ``layer_types`` entry other than
+            "full_attention", MoE fields (``num_experts`` > 0), or a missing required field.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"HF config must be a dict, got {type(d).__name__}")
+        model_type = d.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise ValueError(f"model_type={model_type!r} is not supported (only 'qwen3')")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("attention_bias", False):
+            raise ValueError(f"attention_bias={d['attention_bias']!r} is not supported")
+        if d.get("use_sliding_window", False):
+            raise ValueError(f"use_sliding_window={d['use_sliding_window']!r} is not supported")
+        if d.get("num_experts", 0):
+            raise ValueError(f"num_experts={d['num_experts']!r} (MoE) is not supported")
+        layer_types = d.get("layer_types")
+        if layer_types is not None:
+            bad = sorted({t for t in layer_types if t != "full_attention"})
+            if bad:
+                raise ValueError(f"layer_types contains {bad} (only 'full_attention' supported)")
+        rope_theta = d.get("rope_theta")
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = d.get(key)
+            if rope is None:
+                continue
+            if not isinstance(rope, dict):
+                raise ValueError(f"{key}={rope!r} must be a dict or null")
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"{key}.rope_type={rope_type!r} is not supported (only 'default')")
+            if "rope_theta" in rope:
+                rope_theta = rope["rope_theta"]
+            extra = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
+            if extra:
+                raise ValueError(f"{key} has unsupported entries {extra}")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        for name in required:
+            if name not in d:
+                raise ValueError(f"HF config is missing required field {name!r}")
+        num_kv = d.get("num_key_value_heads") or d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        kwargs: dict[str, Any] = dict(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"], num_key_value_heads=num_kv,
+            head_dim=head_dim,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+        if "rms_norm_eps" in d:
+            kwargs["rms_norm_eps"] = float(d["rms_norm_eps"])
+        if rope_theta is not None:
+            kwargs["rope_theta"] = float(rope_theta)
+        if d.get("max_position_embeddings") is not None:
+            kwargs["max_position_embeddings"] = d["max_position_embeddings"]
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict:
+        """An HF ``Qwen3Config``-compatible dict (loads with transformers 4.51+ and 5.x)."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "initializer_range": _INIT_STD,
+            "use_cache": True,
+            "torch_dtype": "float32",
+        }
+
+
+# --------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer key/value cache, a pytree.
+
+    Attributes:
+      k: [L, B, S, K, H] rotated keys (model dtype unless given).
+      v: [L, B, S, K, H] values.
+    Slot ``s`` of row ``b`` is valid iff the caller's ``kv_mask[b, s]``; the cache itself
+    carries no index (the sampler owns ``cache_index`` and ``kv_mask``).
+    """
+
+    k: Array
+    v: Array
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+
+# --------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------
+
+
+def _param(rngs: nnx.Rngs, shape, logical_axes, param_dtype, init="normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, param_dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(param_dtype)
+    # eager_sharding=False: logical names are resolved by pdm_jax.sharding, not at creation.
+    return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """y = scale * x / sqrt(mean(x^2) + eps), normalised in f32 (HF ``Qwen3RMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float, *, logical_axis: str, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        self.scale = _param(rngs, (dim,), (logical_axis,), param_dtype, init="ones")
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x_BxTx_: Array) -> Array:
+        x32 = x_BxTx_.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
+        return self.scale.value.astype(self.dtype) * normed
+
+
+class Embed(nnx.Module):
+    """Token embedding table ``embedding`` [V, D]; ``attend`` gives tied-head logits."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        self.embedding = _param(rngs, (vocab_size, hidden_size), ("vocab", "embed"), param_dtype)
+        self.dtype = dtype
+
+    def __call__(self, ids_BxT: Array) -> Array:
+        return jnp.take(self.embedding.value, ids_BxT, axis=0).astype(self.dtype)
+
+    def attend(self, x_BxTxD: Array) -> Array:
+        return jnp.einsum("btd,vd->btv", x_BxTxD, self.embedding.value.astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class Proj(nnx.Module):
+    """A bias-free projection ``y = einsum(eqn, x, kernel)`` with an arbitrary kernel shape."""
+
+    def __init__(self, eqn: str, shape, logical_axes, *, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        self.kernel = _param(rngs, tuple(shape), logical_axes, param_dtype)
+        self.eqn = eqn
+        self.dtype = dtype
+
+    def __call__(self, x: Array, preferred_element_type=None) -> Array:
+        return jnp.einsum(self.eqn, x.astype(self.dtype), self.kernel.value.astype(self.dtype),
+                          preferred_element_type=preferred_element_type)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> Array:
+    """inv_freq[j] = theta^(-2j/H), j < H/2, f32 (RoFormer, Su et al. 2021, eq. 15)."""
+    exponent_J = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    return 1.0 / (jnp.float32(theta) ** exponent_J)
+
+
+def apply_rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float) -> Array:
+    """Rotate-half RoPE as in HF Llama/Qwen3: x*cos + rotate_half(x)*sin, computed in f32."""
+    head_dim = x_BxTxNxH.shape[-1]
+    freqs_BxTxJ = positions_BxT.astype(jnp.float32)[..., None] * rope_inv_freq(head_dim, theta)
+    angles_BxTxH = jnp.concatenate([freqs_BxTxJ, freqs_BxTxJ], axis=-1)
+    cos_BxTx1xH = jnp.cos(angles_BxTxH)[:, :, None, :]
+    sin_BxTx1xH = jnp.sin(angles_BxTxH)[:, :, None, :]
+    x32 = x_BxTxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos_BxTx1xH + rotated * sin_BxTx1xH).astype(x_BxTxNxH.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with per-head q/k RMSNorm before RoPE (Qwen3)."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        c = config
+        D, N, K, H = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = Proj("btd,dnh->btnh", (D, N, H), ("embed", "heads", "head_dim"), **kw)
+        self.k_proj = Proj("btd,dkh->btkh", (D, K, H), ("embed", "kv_heads", "head_dim"), **kw)
+        self.v_proj = Proj("btd,dkh->btkh", (D, K, H), ("embed", "kv_heads", "head_dim"), **kw)
+        self.o_proj = Proj("btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), **kw)
+        self.q_norm = RMSNorm(H, c.rms_norm_eps, logical_axis="norm", **kw)
+        self.k_norm = RMSNorm(H, c.rms_norm_eps, logical_axis="norm", **kw)
+        self.num_kv_heads = K
+        self.num_groups = c.num_query_groups
+        self.head_dim = H
+        self.rope_theta = c.rope_theta
+        self.dtype = dtype
+
+    def __call__(self, x_BxTxD: Array, positions_BxT: Array, mask_BxTxS: Array,
+                 cache: KVCache | None = None, layer_index: int = 0,
+                 cache_index: Array | None = None) -> tuple[Array, KVCache | None]:
+        """Attends the T queries to S keys.
+
+        Without ``cache``, keys are the T current tokens (S = T). With a ``cache``
+        (k, v [L,B,S,K,H]) the current keys/values are written into layer
+        ``layer_index`` at slots ``cache_index .. cache_index+T-1`` (one
+        ``dynamic_update_slice`` on the full cache, in place under buffer donation) and
+        queries attend to all S slots of that layer. ``mask_BxTxS`` (bool) says which
+        keys each query may see.
+
+        Returns (out [B,T,D], updated cache or None).
+        """
+        B, T, _ = x_BxTxD.shape
+        q_BxTxNxH = self.q_norm(self.q_proj(x_BxTxD))
+        k_BxTxKxH = self.k_norm(self.k_proj(x_BxTxD))
+        v_BxTxKxH = self.v_proj(x_BxTxD)
+        q_BxTxNxH = apply_rope(q_BxTxNxH, positions_BxT, self.rope_theta)
+        k_BxTxKxH = apply_rope(k_BxTxKxH, positions_BxT, self.rope_theta)
+        q_BxTxNxH = shd.constrain(q_BxTxNxH, ("batch", "length", "heads", "head_dim"))
+        if cache is None:
+            k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
+        else:
+            zero = jnp.zeros((), jnp.int32)
+            start = (jnp.int32(layer_index), zero, cache_index, zero, zero)
+            cache = KVCache(
+                k=jax.lax.dynamic_update_slice(cache.k, k_BxTxKxH[None].astype(cache.k.dtype),
+                                               start),
+                v=jax.lax.dynamic_update_slice(cache.v, v_BxTxKxH[None].astype(cache.v.dtype),
+                                               start))
+            k_BxSxKxH, v_BxSxKxH = cache.k[layer_index], cache.v[layer_index]
+        q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, self.num_kv_heads, self.num_groups, self.head_dim)
+        scores_BxKxGxTxS = jnp.einsum(
+            "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH.astype(self.dtype),
+            preferred_element_type=jnp.float32) * (self.head_dim ** -0.5)
+        # A finite fill keeps fully masked rows (pure padding queries) NaN-free.
+        scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None, :, :], scores_BxKxGxTxS,
+                                     jnp.finfo(jnp.float32).min)
+        probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(self.dtype)
+        out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS,
+                                   v_BxSxKxH.astype(self.dtype))
+        out_BxTxNxH = out_BxTxKxGxH.reshape(B, T, -1, self.head_dim)
+        return self.o_proj(out_BxTxNxH), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) (HF ``Qwen3MLP``)."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        D, F = config.hidden_size, config.intermediate_size
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Proj("btd,df->btf", (D, F), ("embed", "mlp"), **kw)
+        self.up_proj = Proj("btd,df->btf", (D, F), ("embed", "mlp"), **kw)
+        self.down_proj = Proj("btf,fd->btd", (F, D), ("mlp", "embed"), **kw)
+
+    def __call__(self, x_BxTxD: Array) -> Array:
+        h_BxTxF = jax.nn.silu(self.gate_proj(x_BxTxD)) * self.up_proj(x_BxTxD)
+        h_BxTxF = shd.constrain(h_BxTxF, ("batch", "length", "mlp"))
+        return self.down_proj(h_BxTxF)
+
+
+def make_mlp(config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+             param_dtype=jnp.float32) -> nnx.Module:
+    """The feed-forward submodule of a block: any module mapping [B,T,D] -> [B,T,D].
+
+    The single switch point for a future MoE block (Qwen3-MoE): decide on the config here.
+    """
+    return MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        D, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(D, eps, logical_axis="norm", **kw)
+        self.self_attn = Attention(config, **kw)
+        self.post_attention_layernorm = RMSNorm(D, eps, logical_axis="norm", **kw)
+        self.mlp = make_mlp(config, **kw)
+
+    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, cache=None, layer_index=0,
+                 cache_index=None):
+        """[B,T,D] -> ([B,T,D], cache); see ``Attention.__call__`` for the cache arguments."""
+        attn_BxTxD, cache = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT,
+                                           mask_BxTxS, cache, layer_index, cache_index)
+        x_BxTxD = x_BxTxD + attn_BxTxD
+        x_BxTxD = x_BxTxD + self.mlp(self.post_attention_layernorm(x_BxTxD))
+        return shd.constrain(x_BxTxD, ("batch", "length", "embed")), cache
+
+
+# --------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------
+
+
+def default_positions(input_ids_BxT: Array, attention_mask_BxT: Array | None = None) -> Array:
+    """[B,T] int32: cumsum(mask)-1 clipped at 0 (left padding friendly), or arange(T)."""
+    B, T = input_ids_BxT.shape
+    if attention_mask_BxT is None:
+        return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+class Qwen3ForCausalLM(nnx.Module):
+    """Qwen3 dense causal LM (HF ``Qwen3ForCausalLM``), holding only ``nnx.Param`` state.
+
+    Args:
+      config: a validated ``Qwen3Config``.
+      rngs: used only at construction for the N(0, 0.02) init (norms start at 1);
+        not stored.
+      dtype: computation dtype (activations, matmul inputs). Attention softmax, RMSNorm
+        statistics and RoPE run in f32; logits are always f32.
+      param_dtype: storage dtype of the parameters.
+    """
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        self.config = config
+        self.dtype = dtype
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nnx.List([DecoderLayer(config, **kw)
+                                for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, logical_axis="norm", **kw)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Proj("btd,dv->btv", (config.hidden_size, config.vocab_size),
+                                ("embed", "vocab"), **kw)
+
+    # ------------------------------------------------------------------ helpers
+    def _logits(self, x_BxTxD: Array) -> Array:
+        h_BxTxD = self.norm(x_BxTxD)
+        if self.lm_head is None:
+            logits_BxTxV = self.embed_tokens.attend(h_BxTxD)
+        else:
+            logits_BxTxV = self.lm_head(h_BxTxD, preferred_element_type=jnp.float32)
+        return shd.constrain(logits_BxTxV.astype(jnp.float32), ("batch", "length", "vocab"))
+
+    def _embed(self, input_ids_BxT: Array) -> Array:
+        x_BxTxD = self.embed_tokens(input_ids_BxT.astype(jnp.int32))
+        return shd.constrain(x_BxTxD, ("batch", "length", "embed"))
+
+    # ------------------------------------------------------------------ full forward
+    def __call__(self, input_ids: Array, positions: Array | None = None,
+                 attention_mask: Array | None = None) -> Array:
+        """Full causal forward.
+
+        Args:
+          input_ids: [B, T] int32 token ids.
+          positions: [B, T] int32 rotary positions; default ``cumsum(attention_mask)-1``
+            clipped at 0, or ``arange(T)`` without a mask.
+          attention_mask: [B, T] bool/int, 1 = real token. Padded keys are never attended
+            (left or right padding). Logits at padded query positions are finite but
+            meaningless.
+        Returns:
+          logits: [B, T, V] float32.
+        """
+        input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
+        if input_ids_BxT.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids_BxT.shape}")
+        B, T = input_ids_BxT.shape
+        if positions is None:
+            positions_BxT = default_positions(input_ids_BxT, attention_mask)
+        else:
+            positions_BxT = jnp.asarray(positions, jnp.int32)
+        if positions_BxT.shape != (B, T):
+            raise ValueError(f"positions must have shape {(B, T)}, got {positions_BxT.shape}")
+        causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
+        if attention_mask is None:
+            mask_BxTxS = jnp.broadcast_to(causal_TxS, (B, T, T))
+        else:
+            key_mask_BxT = jnp.asarray(attention_mask).astype(bool)
+            if key_mask_BxT.shape != (B, T):
+                raise ValueError(
+                    f"attention_mask must have shape {(B, T)}, got {key_mask_BxT.shape}")
+            mask_BxTxS = causal_TxS[None] & key_mask_BxT[:, None, :]
+        x_BxTxD = self._embed(input_ids_BxT)
+        for layer in self.layers:
+            x_BxTxD, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS)
+        return self._logits(x_BxTxD)
+
+    # ------------------------------------------------------------------ KV cache path
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """Zero cache with k, v of shape [L, B, max_length, K, H] (dtype default: model dtype)."""
+        c = self.config
+        shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        dtype = self.dtype if dtype is None else dtype
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def decode(self, input_ids: Array, positions: Array, cache: KVCache, cache_index: Array,
+               kv_mask: Array) -> tuple[Array, KVCache]:
+        """Incremental forward through the KV cache (prefill or one-token decode).
+
+        Args:
+          input_ids: [B, T] int32, written into cache slots cache_index .. cache_index+T-1.
+          positions: [B, T] int32 rotary positions of those tokens.
+          cache: ``KVCache`` from ``init_cache`` (k, v [L, B, S, K, H]).
+          cache_index: int32 scalar (may be traced), first slot written.
+          kv_mask: [B, S] bool, which slots hold real tokens, including those written now.
+        Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and
+        s <= cache_index + t.
+        Returns:
+          (logits [B, T, V] float32, updated KVCache).
+        """
+        input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
+        positions_BxT = jnp.asarray(positions, jnp.int32)
+        B, T = input_ids_BxT.shape
+        L, Bc, S = cache.k.shape[:3]
+        if Bc != B or positions_BxT.shape != (B, T) or kv_mask.shape != (B, S):
+            raise ValueError(
+                f"decode shapes disagree: input_ids {input_ids_BxT.shape}, positions "
+                f"{positions_BxT.shape}, cache batch {Bc} / length {S}, kv_mask {kv_mask.shape}")
+        cache_index = jnp.asarray(cache_index, jnp.int32)
+        slot_T = cache_index + jnp.arange(T, dtype=jnp.int32)
+        causal_TxS = jnp.arange(S, dtype=jnp.int32)[None, :] <= slot_T[:, None]
+        mask_BxTxS = causal_TxS[None] & kv_mask.astype(bool)[:, None, :]
+        x_BxTxD = self._embed(input_ids_BxT)
+        for i, layer in enumerate(self.layers):
+            x_BxTxD, cache = layer(x_BxTxD, positions_BxT, mask_BxTxS, cache, i, cache_index)
+        return self._logits(x_BxTxD), cache

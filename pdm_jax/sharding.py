@@ -1,0 +1,288 @@
+"""Device mesh, logical-axis rules and partition specs for params and activations.
+
+Mesh axes are ``("data", "fsdp", "tensor")``:
+
+* ``data``   pure data parallelism (params replicated across it),
+* ``fsdp``   data parallelism with parameters sharded along their ``embed`` axis
+  (ZeRO-3 style; XLA all-gathers them per layer),
+* ``tensor`` Megatron-style tensor parallelism over heads / MLP / vocab.
+
+Every model parameter carries *logical* axis names in its NNX ``out_sharding``
+metadata (e.g. q_proj kernel ``("embed", "heads", "head_dim")``); a *rules* table
+maps logical names to mesh axes (flax's logical partitioning convention: a tuple of
+``(logical_name, mesh_axis | tuple[mesh_axis, ...] | None)`` pairs, first match wins).
+
+Resolution, in ``logical_to_spec``: a mesh axis is used at most once per array (a
+later dimension that asks for an already used axis stays replicated), and, when the
+mesh and shape are known, a mesh axis whose size does not divide the dimension (or
+that the mesh lacks) is dropped for that dimension, so e.g. 8 kv heads on a 16-way
+``tensor`` axis are replicated instead of failing.
+
+Activations: the model calls ``constrain(x, logical_axes)`` at block boundaries. It is
+a no-op unless a mesh is active (``jax.set_mesh(mesh)`` or ``with activation_sharding(mesh)``),
+then it applies ``jax.lax.with_sharding_constraint`` with the spec from the active rules.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Union
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+MeshAxes = Union[str, tuple[str, ...], None]
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+# Logical axis -> mesh axes. Parameters: embed over fsdp; heads/kv_heads/mlp/vocab over
+# tensor; norms and head_dim replicated. Activations: batch over (data, fsdp).
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("layers", None),
+)
+
+# Sequence parallel variant is not provided; add rules here rather than in callers.
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape over ``("data", "fsdp", "tensor")``; exactly one entry may be -1 (= the rest).
+
+    Raises ValueError (naming the field) for sizes that are 0, < -1, more than one -1,
+    or a product that does not equal the device count.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    def axis_sizes(self, num_devices: int) -> tuple[int, int, int]:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            if not isinstance(size, int) or size == 0 or size < -1:
+                raise ValueError(f"MeshConfig.{name} must be a positive int or -1, got {size!r}")
+        free = [n for n, s in sizes.items() if s == -1]
+        if len(free) > 1:
+            raise ValueError(f"MeshConfig: only one axis may be -1, got {free}")
+        fixed = math.prod(s for s in sizes.values() if s != -1)
+        if free:
+            if num_devices % fixed:
+                raise ValueError(
+                    f"MeshConfig: {num_devices} devices not divisible by the fixed axes "
+                    f"{ {n: s for n, s in sizes.items() if s != -1} } (product {fixed})")
+            sizes[free[0]] = num_devices // fixed
+        if math.prod(sizes.values()) != num_devices:
+            raise ValueError(
+                f"MeshConfig: data*fsdp*tensor = {math.prod(sizes.values())} != "
+                f"{num_devices} devices ({sizes})")
+        return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+    def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
+        return make_mesh(data=self.data, fsdp=self.fsdp, tensor=self.tensor, devices=devices)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+              devices: Sequence[Any] | None = None) -> Mesh:
+    """A ``Mesh`` with axes ``("data", "fsdp", "tensor")`` of ``AxisType.Auto``.
+
+    Args:
+      data, fsdp, tensor: axis sizes; one of them may be -1 (= all remaining devices).
+      devices: defaults to ``jax.devices()``.
+    Auto axes: shardings are hints resolved by the XLA partitioner (the model's einsums
+    need no explicit ``out_sharding``).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = MeshConfig(data=data, fsdp=fsdp, tensor=tensor).axis_sizes(len(devices))
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+
+
+# --------------------------------------------------------------------------------------
+# Logical -> physical
+# --------------------------------------------------------------------------------------
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+def _lookup(rules: Rules, name: str | None) -> tuple[str, ...]:
+    if name is None:
+        return ()
+    for logical, mesh_axes in rules:
+        if logical == name:
+            return _as_tuple(mesh_axes)
+    raise ValueError(f"logical axis {name!r} has no rule; rules cover {[r[0] for r in rules]}")
+
+
+def _mesh_shape(mesh: Mesh | jax.sharding.AbstractMesh | None) -> Mapping[str, int] | None:
+    return None if mesh is None else dict(mesh.shape)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules = DEFAULT_RULES,
+                    mesh: Mesh | jax.sharding.AbstractMesh | None = None,
+                    shape: Sequence[int] | None = None) -> PartitionSpec:
+    """PartitionSpec for an array whose dims have the given logical names.
+
+    Args:
+      logical_axes: one logical name (or None = replicated) per dimension.
+      rules: logical -> mesh axes table.
+      mesh, shape: if both given, mesh axes that the mesh lacks or whose size does not
+        divide the dimension are dropped (that dim stays replicated on them).
+    Raises:
+      ValueError: a logical name without a rule, or ``shape`` rank != len(logical_axes).
+    """
+    if shape is not None and len(shape) != len(logical_axes):
+        raise ValueError(f"shape {tuple(shape)} has rank {len(shape)} but logical axes "
+                         f"{tuple(logical_axes)} have {len(logical_axes)}")
+    sizes = _mesh_shape(mesh)
+    used: set[str] = set()
+    spec: list[MeshAxes] = []
+    for dim, name in enumerate(logical_axes):
+        kept = []
+        remaining = None if shape is None else shape[dim]
+        for axis in _lookup(rules, name):
+            if axis in used:
+                continue
+            if sizes is not None:
+                if axis not in sizes:
+                    continue
+                if remaining is not None:
+                    if remaining % sizes[axis]:
+                        continue
+                    remaining //= sizes[axis]
+            kept.append(axis)
+            used.add(axis)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*spec)
+
+
+def _param_state(model_or_state) -> nnx.State:
+    if isinstance(model_or_state, nnx.Module):
+        return nnx.state(model_or_state, nnx.Param)
+    return model_or_state
+
+
+def param_logical_axes(model_or_state) -> nnx.State:
+    """State tree (like ``nnx.state(model, nnx.Param)``) of each param's logical-axis tuple.
+
+    Raises ValueError naming the parameter path if one lacks ``out_sharding`` metadata.
+    """
+    state = _param_state(model_or_state)
+
+    def get(path, var):
+        axes = var.get_metadata().get("out_sharding")
+        if axes is None:
+            raise ValueError(f"parameter {'/'.join(map(str, path))} has no logical axes "
+                             "(out_sharding metadata)")
+        return tuple(axes)
+
+    return nnx.map_state(get, state)
+
+
+def param_partition_specs(model_or_state, rules: Rules = DEFAULT_RULES,
+                          mesh: Mesh | None = None) -> nnx.State:
+    """A ``PartitionSpec`` for every parameter, as a State with the params' tree structure.
+
+    Args:
+      model_or_state: an NNX module (concrete or from ``nnx.eval_shape``) or its
+        ``nnx.state(model, nnx.Param)``.
+      rules: logical -> mesh axis rules.
+      mesh: if given, non-dividing / missing mesh axes are dropped per parameter.
+    """
+    state = _param_state(model_or_state)
+
+    def spec(path, var):
+        axes = var.get_metadata().get("out_sharding")
+        if axes is None:
+            raise ValueError(f"parameter {'/'.join(map(str, path))} has no logical axes "
+                             "(out_sharding metadata)")
+        return logical_to_spec(axes, rules, mesh, var.value.shape)
+
+    return nnx.map_state(spec, state)
+
+
+def param_shardings(model_or_state, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """``NamedSharding`` for every parameter (``param_partition_specs`` on ``mesh``)."""
+    specs = param_partition_specs(model_or_state, rules, mesh)
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
+    """Moves every parameter of ``model`` onto its ``NamedSharding`` (in place); returns it."""
+    state = nnx.state(model, nnx.Param)
+    shardings = param_shardings(state, mesh, rules)
+    values = jax.tree.map(lambda v: v, nnx.to_pure_dict(state))
+    placed = jax.tree.map(jax.device_put, values, nnx.to_pure_dict(shardings))
+    nnx.replace_by_pure_dict(state, placed)
+    nnx.update(model, state)
+    return model
+
+
+def kv_cache_spec(rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None,
+                  shape: Sequence[int] | None = None) -> PartitionSpec:
+    """PartitionSpec of a KV cache array [L, B, S, K, H] (layers, batch, length, kv_heads, head_dim)."""
+    return logical_to_spec(("layers", "batch", "length", "kv_heads", "head_dim"), rules, mesh,
+                           shape)
+
+
+# --------------------------------------------------------------------------------------
+# Activation constraints
+# --------------------------------------------------------------------------------------
+
+_ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar(
+    "pdm_jax_sharding_rules", default=DEFAULT_RULES)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules) -> Iterator[Rules]:
+    """Sets the rules ``constrain`` uses (default ``DEFAULT_RULES``) within the block."""
+    token = _ACTIVE_RULES.set(tuple(rules))
+    try:
+        yield rules
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
+    """``jax.set_mesh(mesh)`` + ``use_rules(rules)``: activates ``constrain`` (trace inside)."""
+    with jax.set_mesh(mesh), use_rules(rules):
+        yield mesh
+
+
+def active_rules() -> Rules:
+    return _ACTIVE_RULES.get()
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """``with_sharding_constraint`` of ``x`` by logical axes when a mesh is active, else ``x``.
+
+    The mesh is the one set by ``jax.set_mesh`` (or ``activation_sharding``); rules are
+    ``active_rules()``. Non-dividing mesh axes are dropped per dimension.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    spec = logical_to_spec(logical_axes, active_rules(), mesh, x.shape)
+    return jax.lax.with_sharding_constraint(x, spec)
