@@ -1,0 +1,584 @@
+"""GRPO-family objective: group advantages, per-token policy losses, exact aggregation.
+
+Pure ``jnp`` functions (jit-, grad- and vmap-friendly) plus one host-side
+validator. Notation follows ``DESIGN.md`` section 1-2: ``logprobs`` = log pi(y_t)
+of the trainer policy, ``behavior_logprobs`` = log mu(y_t) of the sampler,
+``advantages`` = A_t, ``mask`` = the trust-region mask M_t (already AND-ed with
+the completion/valid mask), ``valid_mask`` = real (non-pad) completion tokens.
+
+Shapes: B sequences, T completion positions. Per-token arrays are ``[B, T]``;
+advantages may be ``[B]`` (one value per sequence, broadcast over T) or
+``[B, T]``. Inputs may be bf16 or f32; all math runs in f32 and outputs are f32.
+
+Padding contract: every per-token function that takes a mask returns exactly
+0 loss AND exactly 0 gradient at masked positions, even when the inputs there
+are NaN/inf (the "double where": the inputs are replaced before any arithmetic,
+so no NaN enters the backward pass either). Positions whose *logits* are NaN are
+the caller's job (sanitise logits before the log-softmax: a NaN in the logits
+of one row poisons that row's softmax Jacobian regardless of any mask).
+
+Micro-batching contract: :func:`aggregate_loss` returns ``(loss_sum,
+denominator)``; the loss of a global batch split into micro-batches is
+``sum_mb loss_sum / sum_mb denominator`` (:func:`combine`), never a mean of
+per-micro-batch means, and its gradient is ``sum_mb grad(loss_sum) /
+sum_mb denominator``. The denominator depends only on masks, so a trainer can
+also compute the global denominator first (:func:`loss_denominator`) and
+accumulate ``grad(loss_sum / global_denominator)`` directly.
+
+Sources: GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3 advantages); DPPO
+(arXiv 2602.04879: unnormalised group advantages, truncated-IS surrogate);
+PPO clip (Schulman et al. 2017, arXiv 1707.06347, eq. 7); dual clip (Ye et al.
+2020, arXiv 1912.09729, eq. 5); clip-higher and token-mean (DAPO, arXiv
+2503.14476, eq. 8-10); seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783);
+KL estimators k1/k2/k3 (J. Schulman, "Approximating KL Divergence", 2020).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "AGGREGATION_MODES",
+    "KL_KINDS",
+    "LOSS_TYPES",
+    "LOG_RATIO_CLAMP",
+    "validate_rewards",
+    "group_advantages",
+    "safe_log_ratio",
+    "tis_policy_loss",
+    "ppo_clip_policy_loss",
+    "kl_penalty",
+    "aggregate_loss",
+    "loss_denominator",
+    "combine",
+    "policy_loss_and_metrics",
+]
+
+AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_KINDS = ("k1", "k2", "k3")
+LOSS_TYPES = ("tis", "ppo_clip")
+
+#: |log pi - log mu| is clamped to this before ``exp`` in the PPO ratio and the
+#: k3 estimator, so ``inf`` never appears (e^20 ~ 4.9e8). Beyond the clamp the
+#: ratio is constant, i.e. its gradient is 0: such tokens are far outside any
+#: sensible trust region (and are clipped or masked by every objective here).
+LOG_RATIO_CLAMP = 20.0
+
+
+# --------------------------------------------------------------------------- #
+# Advantages
+# --------------------------------------------------------------------------- #
+
+
+def _check_group_size(num_samples: int, group_size) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)):
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    group_size = int(group_size)
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if num_samples % group_size != 0:
+        raise ValueError(
+            f"number of rewards N={num_samples} is not divisible by group_size={group_size}"
+        )
+    return group_size
+
+
+def validate_rewards(rewards, group_size: Optional[int] = None) -> np.ndarray:
+    """Host-side check of verifier rewards before they enter a jitted step.
+
+    Args:
+      rewards: array-like ``[N]`` of float rewards (numpy, list, or a concrete
+        jax array), rows prompt-major: row ``i * G + j`` is sample ``j`` of
+        prompt ``i``.
+      group_size: G, samples per prompt; when given, N must be divisible by it
+        and error messages name the group (prompt index) of a bad sample.
+
+    Returns:
+      The rewards as a float32 numpy array ``[N]``.
+
+    Raises:
+      ValueError: if ``rewards`` is not 1-D, if N is not divisible by
+        ``group_size`` (naming both), or if any reward is NaN or +-inf (naming
+        the first offending sample index, its group and value, and the count).
+    """
+    arr = np.asarray(rewards, dtype=np.float32)
+    if arr.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {arr.shape}")
+    if group_size is not None:
+        group_size = _check_group_size(arr.shape[0], group_size)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        i = int(bad[0])
+        where = f"sample index {i}"
+        if group_size is not None:
+            where += f" (group {i // group_size}, sample {i % group_size} within the group)"
+        raise ValueError(
+            f"non-finite reward {arr[i]!r} at {where}; {bad.size} non-finite reward(s) in total"
+        )
+    return arr
+
+
+def group_advantages(
+    rewards: jax.Array,
+    group_size: int,
+    *,
+    normalize_std: bool = False,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Group-relative advantages with a per-prompt mean baseline.
+
+    A_ij = r_ij - mean_j r_ij, optionally divided by (std_j r_ij + eps)
+    (population std, ddof=0). DPPO uses no std normalisation (the default);
+    GRPO (arXiv 2402.03300, section 4.1.2) divides by the std.
+
+    A group whose rewards are all equal gets exactly 0 (no 0/0 NaN, and no
+    rounding residue of the mean amplified by 1/eps).
+
+    Args:
+      rewards: ``[N]`` float rewards, prompt-major (row ``i * G + j`` is sample
+        ``j`` of prompt ``i``). When concrete (not traced) they are checked by
+        :func:`validate_rewards`; inside ``jit`` call that on the host first.
+      group_size: G (static Python int).
+      normalize_std: divide the centred rewards by the group std + ``eps``.
+      eps: added to the std, > 0.
+
+    Returns:
+      ``[N]`` float32 advantages.
+
+    Raises:
+      ValueError: rewards not 1-D; N not divisible by ``group_size`` (naming
+        both); bad ``group_size`` or ``eps``; a NaN/inf reward when the rewards
+        are concrete (naming the sample index and group).
+    """
+    if not isinstance(rewards, jax.core.Tracer):
+        validate_rewards(rewards, group_size)
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {rewards.shape}")
+    group_size = _check_group_size(rewards.shape[0], group_size)
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    r_PxG = rewards.reshape(-1, group_size)
+    centred_PxG = r_PxG - jnp.mean(r_PxG, axis=1, keepdims=True)
+    if normalize_std:
+        std_Px1 = jnp.sqrt(jnp.mean(jnp.square(centred_PxG), axis=1, keepdims=True))
+        centred_PxG = centred_PxG / (std_Px1 + eps)
+    all_equal_Px1 = jnp.max(r_PxG, axis=1, keepdims=True) == jnp.min(r_PxG, axis=1, keepdims=True)
+    adv_PxG = jnp.where(all_equal_Px1, 0.0, centred_PxG)
+    return adv_PxG.reshape(-1)
+
+
+# --------------------------------------------------------------------------- #
+# Per-token policy losses
+# --------------------------------------------------------------------------- #
+
+
+def _broadcast_advantages(advantages, shape) -> jax.Array:
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == 1:
+        if adv.shape[0] != shape[0]:
+            raise ValueError(f"advantages shape {adv.shape} does not match batch size B={shape[0]}")
+        adv = adv[:, None]
+    elif adv.shape != tuple(shape):
+        raise ValueError(f"advantages must be [B] or [B,T]={tuple(shape)}, got shape {adv.shape}")
+    return jnp.broadcast_to(adv, shape)
+
+
+def _check_same_shape(**arrays):
+    shapes = {k: tuple(jnp.shape(v)) for k, v in arrays.items() if v is not None}
+    ref_name, ref = next(iter(shapes.items()))
+    if len(ref) != 2:
+        raise ValueError(f"{ref_name} must be [B,T], got shape {ref}")
+    for k, s in shapes.items():
+        if s != ref:
+            raise ValueError(f"{k} shape {s} != {ref_name} shape {ref}")
+    return ref
+
+
+def _sanitize(x, mask, fill=0.0):
+    """f32 copy of x with masked-out entries replaced by ``fill`` (before any math)."""
+    x = jnp.asarray(x, jnp.float32)
+    if mask is None:
+        return x
+    return jnp.where(mask, x, fill)
+
+
+def safe_log_ratio(logprobs, behavior_logprobs, clamp: float = LOG_RATIO_CLAMP) -> jax.Array:
+    """log r = log pi - log mu clamped to [-clamp, clamp] so ``exp`` stays finite.
+
+    Args:
+      logprobs, behavior_logprobs: ``[...]`` same shape, any float dtype.
+      clamp: positive float (default :data:`LOG_RATIO_CLAMP`).
+
+    Returns:
+      f32 array of the same shape. NaN inputs stay NaN (mask them first).
+      ``log mu = -inf`` (zero behaviour probability) gives ``+clamp``.
+    """
+    lr = jnp.asarray(logprobs, jnp.float32) - jnp.asarray(behavior_logprobs, jnp.float32)
+    return jnp.clip(lr, -clamp, clamp)
+
+
+def tis_policy_loss(
+    logprobs: jax.Array,
+    behavior_logprobs: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    tis_cap: float,
+) -> jax.Array:
+    """Truncated-importance-sampling policy-gradient loss per token.
+
+    loss_t = -A_t * sg(min(r_t, C)) * M_t * log pi(y_t),  r_t = pi(y_t)/mu(y_t)
+
+    (DESIGN.md section 2; DPPO arXiv 2602.04879; the PDM paper arXiv 2607.10848).
+    Its gradient w.r.t. the logits z_t is -A_t * min(r_t, C) * M_t * (e_k - pi_t).
+
+    The truncated ratio is computed as ``exp(min(log pi - log mu, log C))``: the
+    log-ratio is clipped *before* the exponential, so ``inf`` never appears
+    (also not for ``log mu = -inf``) and the value is exactly min(r, C).
+
+    Args:
+      logprobs: ``[B,T]`` log pi(y_t) of the trainer policy (differentiable).
+      behavior_logprobs: ``[B,T]`` log mu(y_t) of the sampler.
+      advantages: ``[B]`` or ``[B,T]`` A_t.
+      mask: ``[B,T]`` bool (or 0/1) M_t: trust-region mask AND valid mask.
+        Masked positions give exactly 0 loss and 0 gradient even if any input
+        there is NaN/inf.
+      tis_cap: C > 0, the truncation of the IS ratio (typically 2-10).
+
+    Returns:
+      ``[B,T]`` float32 per-token loss (not aggregated; see :func:`aggregate_loss`).
+
+    Raises:
+      ValueError: on shape mismatch or ``tis_cap`` not > 0 (naming the field).
+    """
+    if not (isinstance(tis_cap, (int, float)) and tis_cap > 0 and math.isfinite(tis_cap)):
+        raise ValueError(f"tis_cap must be a finite float > 0, got {tis_cap!r}")
+    shape = _check_same_shape(logprobs=logprobs, behavior_logprobs=behavior_logprobs, mask=mask)
+    mask = jnp.asarray(mask).astype(bool)
+    logp = _sanitize(logprobs, mask)
+    behavior_logp = _sanitize(behavior_logprobs, mask)
+    adv = _sanitize(_broadcast_advantages(advantages, shape), mask)
+    log_ratio = jnp.minimum(logp - behavior_logp, math.log(tis_cap))
+    truncated_ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))
+    loss = -adv * truncated_ratio * logp
+    return jnp.where(mask, loss, 0.0)
+
+
+def ppo_clip_policy_loss(
+    logprobs: jax.Array,
+    behavior_logprobs: jax.Array,
+    advantages: jax.Array,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    dual_clip: Optional[float] = None,
+    mask: Optional[jax.Array] = None,
+) -> jax.Array:
+    """PPO clipped surrogate per token, with clip-higher and optional dual clip.
+
+    loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+    (PPO eq. 7 with DAPO's decoupled eps_low/eps_high). With ``dual_clip = c``
+    (c > 1), tokens with A_t < 0 use min(loss_t, -c A_t) (Ye et al. 2020, eq. 5):
+    the loss of a negative-advantage token is bounded by c|A_t| however large r
+    gets. Tokens with A_t >= 0 are never dual-clipped.
+
+    r_t = exp(clip(log pi - log mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) (see
+    :data:`LOG_RATIO_CLAMP`: beyond e^+-20 the ratio stops moving).
+
+    Args:
+      logprobs: ``[B,T]`` log pi(y_t) (differentiable).
+      behavior_logprobs: ``[B,T]`` log mu(y_t) (the "old" policy of PPO).
+      advantages: ``[B]`` or ``[B,T]``.
+      clip_eps_low: eps_low in [0, 1).
+      clip_eps_high: eps_high >= 0 (clip-higher: eps_high > eps_low).
+      dual_clip: None or c > 1.
+      mask: optional ``[B,T]`` bool; masked positions give exactly 0 loss and
+        gradient even with NaN inputs there. Without it, pads must be finite
+        (``aggregate_loss`` zeroes their *value* but cannot stop a NaN gradient).
+
+    Returns:
+      ``[B,T]`` float32 per-token loss.
+
+    Raises:
+      ValueError: bad eps/dual_clip (naming the field and value) or shapes.
+    """
+    if not (0.0 <= clip_eps_low < 1.0):
+        raise ValueError(f"clip_eps_low must be in [0, 1), got {clip_eps_low!r}")
+    if not (clip_eps_high >= 0.0 and math.isfinite(clip_eps_high)):
+        raise ValueError(f"clip_eps_high must be a finite float >= 0, got {clip_eps_high!r}")
+    if dual_clip is not None and not (dual_clip > 1.0 and math.isfinite(dual_clip)):
+        raise ValueError(f"dual_clip must be None or a finite float > 1, got {dual_clip!r}")
+    shape = _check_same_shape(logprobs=logprobs, behavior_logprobs=behavior_logprobs, mask=mask)
+    if mask is not None:
+        mask = jnp.asarray(mask).astype(bool)
+    logp = _sanitize(logprobs, mask)
+    behavior_logp = _sanitize(behavior_logprobs, mask)
+    adv = _sanitize(_broadcast_advantages(advantages, shape), mask)
+    ratio = jnp.exp(safe_log_ratio(logp, behavior_logp))
+    clipped_ratio = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    loss = jnp.maximum(-adv * ratio, -adv * clipped_ratio)
+    if dual_clip is not None:
+        loss = jnp.where(adv < 0, jnp.minimum(loss, -adv * dual_clip), loss)
+    if mask is not None:
+        loss = jnp.where(mask, loss, 0.0)
+    return loss
+
+
+def kl_penalty(
+    logprobs: jax.Array,
+    ref_logprobs: jax.Array,
+    kind: str = "k3",
+    *,
+    mask: Optional[jax.Array] = None,
+) -> jax.Array:
+    """Per-token estimator of KL(pi || pi_ref) at the sampled token.
+
+    With d = log pi_ref(y) - log pi(y) (clamped to +-:data:`LOG_RATIO_CLAMP`):
+      k1 = -d                 (unbiased, high variance, can be negative)
+      k2 = d^2 / 2            (biased, low variance, >= 0)
+      k3 = exp(d) - d - 1     (unbiased for samples of pi, low variance, >= 0;
+                               Schulman 2020, used by GRPO eq. 4)
+    The coefficient beta (0 = no penalty) is applied by the caller.
+
+    Args:
+      logprobs: ``[B,T]`` log pi(y_t) (differentiable).
+      ref_logprobs: ``[B,T]`` log pi_ref(y_t) of the frozen reference policy.
+      kind: "k1" | "k2" | "k3".
+      mask: optional ``[B,T]`` bool; masked positions give exactly 0 and a 0
+        gradient even with NaN inputs.
+
+    Returns:
+      ``[B,T]`` float32.
+
+    Raises:
+      ValueError: unknown ``kind`` (naming it) or shape mismatch.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kl kind must be one of {KL_KINDS}, got {kind!r}")
+    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    if mask is not None:
+        mask = jnp.asarray(mask).astype(bool)
+    logp = _sanitize(logprobs, mask)
+    ref_logp = _sanitize(ref_logprobs, mask)
+    d = safe_log_ratio(ref_logp, logp)
+    if kind == "k1":
+        kl = -d
+    elif kind == "k2":
+        kl = 0.5 * jnp.square(d)
+    else:
+        kl = jnp.expm1(d) - d
+    if mask is not None:
+        kl = jnp.where(mask, kl, 0.0)
+    return kl
+
+
+# --------------------------------------------------------------------------- #
+# Aggregation (exact under micro-batching)
+# --------------------------------------------------------------------------- #
+
+
+def _check_mode(mode: str, max_response_length):
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"aggregation mode must be one of {AGGREGATION_MODES}, got {mode!r}")
+    if max_response_length is not None and (
+        isinstance(max_response_length, bool)
+        or not isinstance(max_response_length, (int, np.integer))
+        or max_response_length < 1
+    ):
+        raise ValueError(f"max_response_length must be None or an int >= 1, got {max_response_length!r}")
+
+
+def loss_denominator(
+    valid_mask: jax.Array, mode: str, *, max_response_length: Optional[int] = None
+) -> jax.Array:
+    """The denominator of :func:`aggregate_loss` alone (depends only on the mask).
+
+    token_mean: number of valid tokens; seq_mean_token_mean: number of
+    sequences with >= 1 valid token; seq_mean_token_sum_norm: that number times
+    ``max_response_length`` (default: T of ``valid_mask``; pass the generation
+    budget explicitly when micro-batches may have different T).
+
+    Args:
+      valid_mask: ``[B,T]`` bool.
+      mode: one of :data:`AGGREGATION_MODES`.
+      max_response_length: int >= 1 or None.
+
+    Returns:
+      scalar float32.
+
+    Raises:
+      ValueError: unknown ``mode`` or bad ``max_response_length`` (naming it).
+    """
+    _check_mode(mode, max_response_length)
+    valid_mask = jnp.asarray(valid_mask).astype(bool)
+    if valid_mask.ndim != 2:
+        raise ValueError(f"valid_mask must be [B,T], got shape {valid_mask.shape}")
+    if mode == "token_mean":
+        return jnp.sum(valid_mask, dtype=jnp.float32)
+    num_seqs = jnp.sum(jnp.any(valid_mask, axis=1), dtype=jnp.float32)
+    if mode == "seq_mean_token_mean":
+        return num_seqs
+    length = valid_mask.shape[1] if max_response_length is None else int(max_response_length)
+    return num_seqs * jnp.float32(length)
+
+
+def aggregate_loss(
+    per_token_loss: jax.Array,
+    valid_mask: jax.Array,
+    mode: str,
+    *,
+    max_response_length: Optional[int] = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Reduce a per-token loss to ``(loss_sum, denominator)``; loss = sum/denominator.
+
+    ``mode``:
+      * ``"token_mean"`` (DAPO eq. 10): sum_{b,t} l * v  /  sum_{b,t} v.
+      * ``"seq_mean_token_mean"`` (GRPO eq. 3): sum_b [sum_t l v / sum_t v]  /
+        #sequences, counting only sequences with >= 1 valid token (all-pad rows,
+        e.g. sharding fill, contribute 0 to both).
+      * ``"seq_mean_token_sum_norm"`` (Dr. GRPO): sum_{b,t} l * v  /
+        (#sequences * max_response_length).
+
+    The global loss over micro-batches is ``combine(sums, denominators)``; this
+    is exact for token_mean with ANY split of the tokens (rows, chunks of a
+    flattened batch) and for the sequence modes with sequence-aligned splits.
+
+    Masked positions contribute exactly 0 even if ``per_token_loss`` is NaN
+    there (``where``, not a product) -- but only in value: make the per-token
+    loss itself NaN-free at pads (pass ``mask`` to the loss functions) for a
+    NaN-free gradient.
+
+    Args:
+      per_token_loss: ``[B,T]`` float.
+      valid_mask: ``[B,T]`` bool, True on real completion tokens.
+      mode: one of :data:`AGGREGATION_MODES`.
+      max_response_length: for ``seq_mean_token_sum_norm`` (default T).
+
+    Returns:
+      ``(loss_sum, denominator)``: two float32 scalars.
+
+    Raises:
+      ValueError: unknown ``mode``, bad ``max_response_length`` or shapes.
+    """
+    _check_mode(mode, max_response_length)
+    _check_same_shape(per_token_loss=per_token_loss, valid_mask=valid_mask)
+    valid_mask = jnp.asarray(valid_mask).astype(bool)
+    loss = _sanitize(per_token_loss, valid_mask)
+    denominator = loss_denominator(valid_mask, mode, max_response_length=max_response_length)
+    if mode == "seq_mean_token_mean":
+        tokens_per_seq = jnp.sum(valid_mask, axis=1, dtype=jnp.float32)
+        per_seq = jnp.sum(loss, axis=1) / jnp.maximum(tokens_per_seq, 1.0)
+        return jnp.sum(per_seq), denominator
+    return jnp.sum(loss), denominator
+
+
+def combine(loss_sums, denominators) -> jax.Array:
+    """Global loss from per-micro-batch ``(loss_sum, denominator)`` pairs.
+
+    ``sum(loss_sums) / sum(denominators)``, and 0 (not NaN) when the total
+    denominator is 0 (everything masked). Works on a sequence of scalars or on
+    stacked ``[num_micro_batches]`` arrays, inside or outside ``jit``.
+
+    Returns:
+      scalar float32.
+    """
+    total = jnp.sum(jnp.stack([jnp.asarray(s, jnp.float32) for s in loss_sums]))
+    denom = jnp.sum(jnp.stack([jnp.asarray(d, jnp.float32) for d in denominators]))
+    return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
+# --------------------------------------------------------------------------- #
+# Convenience
+# --------------------------------------------------------------------------- #
+
+
+def policy_loss_and_metrics(
+    logprobs: jax.Array,
+    behavior_logprobs: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    valid_mask: jax.Array,
+    *,
+    loss_type: str = "tis",
+    aggregation: str = "token_mean",
+    tis_cap: float = 5.0,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.28,
+    dual_clip: Optional[float] = None,
+    ref_logprobs: Optional[jax.Array] = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    max_response_length: Optional[int] = None,
+) -> tuple[jax.Array, jax.Array, dict]:
+    """Per-token policy loss (+ beta * KL) aggregated to ``(loss_sum, denominator, metrics)``.
+
+    ``loss_type="tis"``: :func:`tis_policy_loss` with M = ``mask & valid_mask``.
+    ``loss_type="ppo_clip"``: :func:`ppo_clip_policy_loss` on ``mask & valid_mask``
+    (PPO's own ratio clip is its trust region; pass ``mask = valid_mask`` for
+    plain PPO, or a DPPO/PDM mask to combine both).
+    With ``kl_coef > 0`` and ``ref_logprobs`` given, ``kl_coef * kl_penalty`` is
+    added to every valid token (also the trust-region-masked ones).
+
+    Metrics (float32 scalars, token means over ``valid_mask`` of this call, so
+    combine micro-batches weighted by ``num_valid_tokens``): ``num_valid_tokens``,
+    ``masked_fraction`` (valid tokens with M=0), ``ratio_mean`` (clamped r),
+    ``tis_capped_fraction`` (r > C; TIS only), ``clip_fraction`` (PPO clip
+    active; PPO only), ``kl_mean`` (with a reference).
+
+    Raises:
+      ValueError: unknown ``loss_type``/``aggregation``/``kl_kind``, ``kl_coef``
+        < 0, or ``kl_coef`` > 0 without ``ref_logprobs`` (naming the field).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    _check_mode(aggregation, max_response_length)
+    if kl_kind not in KL_KINDS:
+        raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {kl_kind!r}")
+    if not (kl_coef >= 0.0 and math.isfinite(kl_coef)):
+        raise ValueError(f"kl_coef must be a finite float >= 0, got {kl_coef!r}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (got None)")
+    valid_mask = jnp.asarray(valid_mask).astype(bool)
+    keep = jnp.asarray(mask).astype(bool) & valid_mask
+    if loss_type == "tis":
+        per_token = tis_policy_loss(logprobs, behavior_logprobs, advantages, keep, tis_cap=tis_cap)
+    else:
+        per_token = ppo_clip_policy_loss(
+            logprobs, behavior_logprobs, advantages,
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+            dual_clip=dual_clip, mask=keep,
+        )
+    n_valid = jnp.sum(valid_mask, dtype=jnp.float32)
+
+    def vmean(x):
+        return jnp.sum(jnp.where(valid_mask, x, 0.0)) / jnp.maximum(n_valid, 1.0)
+
+    ratio = jnp.exp(safe_log_ratio(_sanitize(logprobs, valid_mask), _sanitize(behavior_logprobs, valid_mask)))
+    ratio = jax.lax.stop_gradient(ratio)
+    metrics = {
+        "num_valid_tokens": n_valid,
+        "masked_fraction": vmean((~keep).astype(jnp.float32)),
+        "ratio_mean": vmean(ratio),
+    }
+    if loss_type == "tis":
+        metrics["tis_capped_fraction"] = vmean((ratio > tis_cap).astype(jnp.float32))
+    else:
+        shape = ratio.shape
+        adv = jax.lax.stop_gradient(_sanitize(_broadcast_advantages(advantages, shape), valid_mask))
+        clipped = ((ratio > 1.0 + clip_eps_high) & (adv > 0)) | ((ratio < 1.0 - clip_eps_low) & (adv < 0))
+        metrics["clip_fraction"] = vmean(clipped.astype(jnp.float32))
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, kl_kind, mask=valid_mask)
+        metrics["kl_mean"] = jax.lax.stop_gradient(vmean(kl))
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * kl
+    loss_sum, denominator = aggregate_loss(
+        per_token, valid_mask, aggregation, max_response_length=max_response_length
+    )
+    return loss_sum, denominator, metrics

@@ -1,0 +1,435 @@
+"""Tests for pdm_jax.objectives: advantages, TIS / PPO-clip losses, KL penalty, aggregation.
+
+Closed forms are checked against jax.grad, PPO against an independent per-element
+numpy reference, and aggregation against a full-batch computation under
+micro-batching (1-token and 99-token chunks; sequence-aligned splits).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdm_jax import objectives as obj
+
+RNG = np.random.default_rng(0)
+
+
+def _token_logprobs(logits_BxTxV, tokens_BxT):
+    logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens_BxT[..., None], axis=-1)[..., 0]
+
+
+# --------------------------------------------------------------------------- #
+# Advantages
+# --------------------------------------------------------------------------- #
+
+
+def test_group_advantages_mean_and_std_match_numpy():
+    rewards = RNG.normal(size=12).astype(np.float32)
+    g = 4
+    r = rewards.reshape(-1, g)
+    centred = r - r.mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(obj.group_advantages(rewards, g), centred.reshape(-1), atol=1e-6)
+    expected_std = centred / (r.std(axis=1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(
+        obj.group_advantages(rewards, g, normalize_std=True), expected_std.reshape(-1), rtol=1e-5, atol=1e-6
+    )
+    # jit (traced rewards, static group size) gives the same numbers.
+    jitted = jax.jit(lambda x: obj.group_advantages(x, g, normalize_std=True))
+    np.testing.assert_allclose(jitted(rewards), expected_std.reshape(-1), rtol=1e-5, atol=1e-6)
+    # Per-group advantages sum to 0 (mean baseline), rows prompt-major.
+    np.testing.assert_allclose(np.asarray(obj.group_advantages(rewards, g)).reshape(-1, g).sum(1), 0, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalize_std", [False, True])
+def test_all_equal_group_gives_exact_zero(normalize_std):
+    # 0.1 is not representable: the f32 group mean differs from 0.1 by rounding,
+    # which 1/(std + eps) would amplify without the all-equal guard.
+    rewards = np.array([0.1, 0.1, 0.1, 0.0, 1.0, 1.0, 7.3, 7.3, 7.3], np.float32)
+    for fn in (lambda x: obj.group_advantages(x, 3, normalize_std=normalize_std),
+               jax.jit(lambda x: obj.group_advantages(x, 3, normalize_std=normalize_std))):
+        adv = np.asarray(fn(rewards))
+        assert np.all(np.isfinite(adv))
+        assert np.all(adv[:3] == 0.0) and np.all(adv[6:] == 0.0)
+        assert np.all(adv[3:6] != 0.0)
+
+
+def test_nan_reward_error_names_sample_and_group():
+    rewards = np.zeros(8, np.float32)
+    rewards[5] = np.nan
+    with pytest.raises(ValueError, match=r"sample index 5 \(group 1, sample 1"):
+        obj.group_advantages(rewards, 4)
+    with pytest.raises(ValueError, match="sample index 5"):
+        obj.validate_rewards(rewards)
+    rewards[5] = 0.0
+    rewards[2] = -np.inf
+    with pytest.raises(ValueError, match=r"-inf.*sample index 2 \(group 0"):
+        obj.validate_rewards(rewards, group_size=4)
+
+
+def test_group_size_errors_name_both_numbers():
+    with pytest.raises(ValueError, match=r"N=10.*group_size=4"):
+        obj.group_advantages(np.zeros(10, np.float32), 4)
+    with pytest.raises(ValueError, match=r"N=10.*group_size=3"):
+        obj.validate_rewards(np.zeros(10), group_size=3)
+    with pytest.raises(ValueError, match="group_size"):
+        obj.group_advantages(np.zeros(4, np.float32), 0)
+    with pytest.raises(ValueError, match="rewards must be 1-D"):
+        obj.group_advantages(np.zeros((2, 2), np.float32), 2)
+
+
+# --------------------------------------------------------------------------- #
+# Truncated-IS loss
+# --------------------------------------------------------------------------- #
+
+
+def test_tis_gradient_equals_closed_form_on_softmax_logits():
+    b, t, v, cap = 3, 5, 7, 1.5
+    logits = jnp.asarray(RNG.normal(size=(b, t, v)) * 1.5, jnp.float32)
+    behavior_logits = logits + jnp.asarray(RNG.normal(size=(b, t, v)), jnp.float32)
+    tokens = jnp.asarray(RNG.integers(0, v, size=(b, t)), jnp.int32)
+    behavior_logprobs = _token_logprobs(behavior_logits, tokens)
+    advantages = jnp.asarray([1.3, -0.7, 0.4], jnp.float32)
+    mask = jnp.asarray(RNG.random((b, t)) > 0.3)
+
+    def loss_fn(z):
+        lp = _token_logprobs(z, tokens)
+        return jnp.sum(obj.tis_policy_loss(lp, behavior_logprobs, advantages, mask, tis_cap=cap))
+
+    grad = jax.grad(loss_fn)(logits)
+
+    pi = jax.nn.softmax(logits, axis=-1)
+    ratio = np.exp(np.asarray(_token_logprobs(logits, tokens) - behavior_logprobs))
+    c = np.minimum(ratio, cap)
+    assert np.any(ratio > cap) and np.any(ratio < cap), "test should exercise the truncation"
+    onehot = jax.nn.one_hot(tokens, v)
+    expected = -(np.asarray(advantages)[:, None] * c * np.asarray(mask))[..., None] * (onehot - pi)
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
+
+    # Value: -A * min(r, C) * M * log pi(k).
+    lp = np.asarray(_token_logprobs(logits, tokens))
+    expected_value = -np.asarray(advantages)[:, None] * c * np.asarray(mask) * lp
+    np.testing.assert_allclose(
+        obj.tis_policy_loss(lp, behavior_logprobs, advantages, mask, tis_cap=cap), expected_value, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_tis_ratio_is_finite_for_zero_behaviour_probability():
+    lp = jnp.asarray([[-0.5, -2.0, -1.0]])
+    blp = jnp.asarray([[-jnp.inf, -100.0, -1.0]])
+    adv = jnp.asarray([[1.0, -1.0, 2.0]])
+    mask = jnp.ones((1, 3), bool)
+    loss = obj.tis_policy_loss(lp, blp, adv, mask, tis_cap=4.0)
+    # r = inf -> C; r = e^98 -> C; r = 1 -> 1.
+    np.testing.assert_allclose(loss, [[4.0 * 0.5, -4.0 * 2.0, 2.0]], rtol=1e-6)
+    g = jax.grad(lambda x: jnp.sum(obj.tis_policy_loss(x, blp, adv, mask, tis_cap=4.0)))(lp)
+    np.testing.assert_allclose(g, [[-4.0, 4.0, -2.0]], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# PPO clip
+# --------------------------------------------------------------------------- #
+
+
+def _ppo_reference(ratio, adv, eps_low, eps_high, dual_clip):
+    """Per-element textbook PPO (+ dual clip for A < 0), written with branches."""
+    out = np.zeros_like(ratio, dtype=np.float64)
+    for idx in np.ndindex(ratio.shape):
+        r, a = float(ratio[idx]), float(adv[idx])
+        unclipped = r * a
+        clipped = min(max(r, 1 - eps_low), 1 + eps_high) * a
+        objective = min(unclipped, clipped)
+        if dual_clip is not None and a < 0:
+            objective = max(objective, dual_clip * a)
+        out[idx] = -objective
+    return out
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_clip_matches_numpy_reference(dual_clip):
+    ratios = np.array([0.01, 0.5, 0.79, 0.8, 0.95, 1.0, 1.1, 1.27, 1.29, 2.0, 3.5, 10.0, 1e4], np.float64)
+    advs = np.array([-2.0, -0.3, 0.0, 0.5, 1.7])
+    r_grid, a_grid = np.meshgrid(ratios, advs, indexing="ij")
+    behavior = RNG.normal(size=r_grid.shape) - 1.0
+    logp = behavior + np.log(r_grid)
+    loss = obj.ppo_clip_policy_loss(
+        jnp.asarray(logp, jnp.float32), jnp.asarray(behavior, jnp.float32), jnp.asarray(a_grid, jnp.float32),
+        clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip,
+    )
+    expected = _ppo_reference(r_grid, a_grid, 0.2, 0.28, dual_clip)
+    np.testing.assert_allclose(loss, expected, rtol=2e-5, atol=1e-5)
+
+    # Spot checks that distinguish the variants.
+    i_big, i_pos, i_neg = list(ratios).index(1e4), list(advs).index(1.7), list(advs).index(-2.0)
+    # A > 0, r huge: clip-higher caps at (1 + eps_high) A, never dual-clipped.
+    np.testing.assert_allclose(loss[i_big, i_pos], -1.28 * 1.7, rtol=1e-5)
+    # A < 0, r huge: unbounded (-A r) without dual clip, c |A| with it.
+    want = 2.0 * 1e4 if dual_clip is None else 3.0 * 2.0
+    np.testing.assert_allclose(loss[i_big, i_neg], want, rtol=1e-4)
+    # clip-higher is asymmetric: r=1.27 unclipped for A>0, r=0.79 clipped for A<0 only if r<0.8.
+    i127, i079 = list(ratios).index(1.27), list(ratios).index(0.79)
+    np.testing.assert_allclose(loss[i127, i_pos], -1.27 * 1.7, rtol=1e-5)
+    np.testing.assert_allclose(loss[i079, i_neg], 0.8 * 2.0, rtol=1e-5)
+
+
+def test_ppo_clip_gradient_zero_where_clipped():
+    behavior = jnp.zeros((1, 4))
+    logp = jnp.log(jnp.asarray([[1.5, 1.5, 0.5, 0.5]]))
+    adv = jnp.asarray([[1.0, -1.0, 1.0, -1.0]])
+    g = jax.grad(lambda x: jnp.sum(obj.ppo_clip_policy_loss(x, behavior, adv, clip_eps_low=0.2, clip_eps_high=0.2)))(logp)
+    # d(-A r)/d log pi = -A r where unclipped; 0 where the clip is active.
+    np.testing.assert_allclose(g, [[0.0, 1.5, -0.5, 0.0]], rtol=1e-6)
+
+
+def test_advantages_broadcast_b_equals_bt():
+    logp = jnp.asarray(RNG.normal(size=(2, 3)) - 1, jnp.float32)
+    blp = jnp.asarray(RNG.normal(size=(2, 3)) - 1, jnp.float32)
+    adv_b = jnp.asarray([0.5, -1.0])
+    adv_bt = jnp.broadcast_to(adv_b[:, None], (2, 3))
+    m = jnp.ones((2, 3), bool)
+    np.testing.assert_array_equal(
+        obj.tis_policy_loss(logp, blp, adv_b, m, tis_cap=2.0), obj.tis_policy_loss(logp, blp, adv_bt, m, tis_cap=2.0)
+    )
+    kw = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=2.0)
+    np.testing.assert_array_equal(
+        obj.ppo_clip_policy_loss(logp, blp, adv_b, **kw), obj.ppo_clip_policy_loss(logp, blp, adv_bt, **kw)
+    )
+    with pytest.raises(ValueError, match="advantages"):
+        obj.tis_policy_loss(logp, blp, jnp.zeros(3), m, tis_cap=2.0)
+
+
+# --------------------------------------------------------------------------- #
+# KL penalty
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_unbiased_kl_estimators_expectation_is_exact_kl(kind):
+    # E_{y ~ pi}[k(y)] = KL(pi || ref) exactly for k1 and k3 (enumerate the vocabulary).
+    v = 11
+    logp = jax.nn.log_softmax(jnp.asarray(RNG.normal(size=v), jnp.float32))
+    ref = jax.nn.log_softmax(jnp.asarray(RNG.normal(size=v), jnp.float32))
+    per_token = obj.kl_penalty(logp[None], ref[None], kind)[0]
+    expectation = jnp.sum(jnp.exp(logp) * per_token)
+    exact = jnp.sum(jnp.exp(logp) * (logp - ref))
+    np.testing.assert_allclose(expectation, exact, rtol=1e-5, atol=1e-6)
+    if kind == "k3":
+        assert np.all(np.asarray(per_token) >= 0)
+
+
+def test_kl_values_and_kind_validation():
+    logp = jnp.asarray([[-1.0, -2.0]])
+    ref = jnp.asarray([[-1.5, -1.0]])
+    d = np.array([[-0.5, 1.0]])
+    np.testing.assert_allclose(obj.kl_penalty(logp, ref, "k1"), -d, rtol=1e-6)
+    np.testing.assert_allclose(obj.kl_penalty(logp, ref, "k2"), 0.5 * d**2, rtol=1e-6)
+    np.testing.assert_allclose(obj.kl_penalty(logp, ref, "k3"), np.exp(d) - d - 1, rtol=1e-6)
+    with pytest.raises(ValueError, match="kl kind.*'k4'"):
+        obj.kl_penalty(logp, ref, "k4")
+
+
+# --------------------------------------------------------------------------- #
+# Aggregation
+# --------------------------------------------------------------------------- #
+
+
+def test_aggregation_values_match_numpy():
+    loss = RNG.normal(size=(4, 6)).astype(np.float32)
+    lengths = np.array([6, 2, 0, 4])
+    valid = np.arange(6)[None, :] < lengths[:, None]
+    loss_with_nan_pads = np.where(valid, loss, np.nan)
+    s, d = obj.aggregate_loss(loss_with_nan_pads, valid, "token_mean")
+    np.testing.assert_allclose(s / d, loss[valid].mean(), rtol=1e-6)
+    s, d = obj.aggregate_loss(loss_with_nan_pads, valid, "seq_mean_token_mean")
+    per_seq = [loss[i, : lengths[i]].mean() for i in range(4) if lengths[i] > 0]
+    assert float(d) == 3.0  # the all-pad row is not a sequence
+    np.testing.assert_allclose(s / d, np.mean(per_seq), rtol=1e-6)
+    s, d = obj.aggregate_loss(loss_with_nan_pads, valid, "seq_mean_token_sum_norm", max_response_length=10)
+    np.testing.assert_allclose(s / d, loss[valid].sum() / (3 * 10), rtol=1e-6)
+    s, d = obj.aggregate_loss(loss_with_nan_pads, valid, "seq_mean_token_sum_norm")
+    assert float(d) == 3 * 6  # default max_response_length = T
+    # Everything masked: 0, not NaN.
+    s, d = obj.aggregate_loss(loss_with_nan_pads, np.zeros_like(valid), "token_mean")
+    assert float(obj.combine([s], [d])) == 0.0
+
+
+def test_aggregation_and_loss_validation_names_the_field():
+    x = jnp.zeros((2, 3))
+    m = jnp.ones((2, 3), bool)
+    with pytest.raises(ValueError, match="aggregation mode.*'seq_mean'"):
+        obj.aggregate_loss(x, m, "seq_mean")
+    with pytest.raises(ValueError, match="max_response_length"):
+        obj.aggregate_loss(x, m, "seq_mean_token_sum_norm", max_response_length=0)
+    with pytest.raises(ValueError, match="tis_cap"):
+        obj.tis_policy_loss(x, x, x, m, tis_cap=0.0)
+    with pytest.raises(ValueError, match="dual_clip"):
+        obj.ppo_clip_policy_loss(x, x, x, clip_eps_low=0.2, clip_eps_high=0.2, dual_clip=1.0)
+    with pytest.raises(ValueError, match="clip_eps_low"):
+        obj.ppo_clip_policy_loss(x, x, x, clip_eps_low=1.2, clip_eps_high=0.2)
+    with pytest.raises(ValueError, match="behavior_logprobs shape"):
+        obj.tis_policy_loss(x, jnp.zeros((2, 4)), x, m, tis_cap=2.0)
+    with pytest.raises(ValueError, match="loss_type.*'grpo'"):
+        obj.policy_loss_and_metrics(x, x, x, m, m, loss_type="grpo")
+    with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logprobs"):
+        obj.policy_loss_and_metrics(x, x, x, m, m, kl_coef=0.1)
+
+
+# --------------------------------------------------------------------------- #
+# Micro-batching is exact
+# --------------------------------------------------------------------------- #
+
+B, T, D, V = 4, 50, 6, 9
+
+
+def _problem(num_rows=B, all_pad_row=None):
+    """A tiny linear 'policy' logits = x @ W with padding (NaN behaviour logprobs on pads)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(num_rows, T, D)).astype(np.float32)
+    w = (rng.normal(size=(D, V)) * 0.7).astype(np.float32)
+    tokens = rng.integers(0, V, size=(num_rows, T)).astype(np.int32)
+    lengths = rng.integers(1, T + 1, size=num_rows)
+    if all_pad_row is not None:
+        lengths[all_pad_row] = 0
+    valid = np.arange(T)[None, :] < lengths[:, None]
+    logp = np.asarray(_token_logprobs(jnp.einsum("btd,dv->btv", x, w), tokens))
+    behavior = logp + rng.normal(size=(num_rows, T)).astype(np.float32) * 0.5
+    behavior = np.where(valid, behavior, np.nan).astype(np.float32)
+    adv = np.broadcast_to(rng.normal(size=(num_rows, 1)), (num_rows, T)).astype(np.float32)
+    adv = np.where(valid, adv, np.nan).astype(np.float32)
+    trust = (rng.random((num_rows, T)) > 0.2) & valid
+    return dict(x=x, tokens=tokens, behavior=behavior, adv=adv, trust=trust, valid=valid), w
+
+
+def _loss_parts(w, batch, loss_type, mode, max_len):
+    logits = jnp.einsum("btd,dv->btv", batch["x"], w)
+    logp = _token_logprobs(logits, batch["tokens"])
+    s, d, _ = obj.policy_loss_and_metrics(
+        logp, batch["behavior"], batch["adv"], batch["trust"], batch["valid"],
+        loss_type=loss_type, aggregation=mode, tis_cap=2.0, clip_eps_low=0.2, clip_eps_high=0.28,
+        dual_clip=3.0, max_response_length=max_len,
+    )
+    return s, d
+
+
+_value_and_grad_sum = jax.jit(
+    jax.value_and_grad(_loss_parts, has_aux=True), static_argnames=("loss_type", "mode", "max_len")
+)
+
+
+def _full(w, batch, loss_type, mode, max_len=None):
+    def f(w_):
+        s, d = _loss_parts(w_, batch, loss_type, mode, max_len)
+        return obj.combine([s], [d])
+
+    return jax.jit(jax.value_and_grad(f))(w)
+
+
+def _accumulate(w, chunks, loss_type, mode, max_len=None):
+    sums, denoms, grad = [], [], jnp.zeros_like(w)
+    for chunk in chunks:
+        (s, d), g = _value_and_grad_sum(w, chunk, loss_type, mode, max_len)
+        sums.append(s)
+        denoms.append(d)
+        grad = grad + g
+    total_denom = jnp.sum(jnp.stack(denoms))
+    return obj.combine(sums, denoms), grad / total_denom
+
+
+def _token_chunks(batch, size):
+    """Flatten [B,T] to one row of B*T tokens and cut it into [1, size] chunks (last one padded)."""
+    flat = {k: v.reshape(1, -1, *v.shape[2:]) for k, v in batch.items()}
+    n = flat["tokens"].shape[1]
+    n_pad = (-n) % size
+    pad_values = dict(x=0.0, tokens=0, behavior=np.nan, adv=np.nan, trust=False, valid=False)
+    for k, v in flat.items():
+        widths = [(0, 0), (0, n_pad)] + [(0, 0)] * (v.ndim - 2)
+        flat[k] = np.pad(v, widths, constant_values=pad_values[k])
+    return [{k: v[:, i : i + size] for k, v in flat.items()} for i in range(0, n + n_pad, size)]
+
+
+@pytest.mark.parametrize("loss_type", ["tis", "ppo_clip"])
+def test_token_mean_exact_under_token_micro_batches(loss_type):
+    batch, w = _problem()
+    full_loss, full_grad = _full(w, batch, loss_type, "token_mean")
+    assert np.isfinite(full_loss) and np.all(np.isfinite(full_grad))
+    for size in (1, 99):
+        chunks = _token_chunks(batch, size)
+        assert len(chunks) == math.ceil(B * T / size)
+        loss, grad = _accumulate(w, chunks, loss_type, "token_mean")
+        np.testing.assert_allclose(loss, full_loss, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(grad, full_grad, rtol=1e-6, atol=1e-6)
+    # A mean of per-micro-batch means would be wrong (sanity check that the test can fail).
+    chunks = _token_chunks(batch, 99)
+    means = [float(obj.combine(*[[p] for p in _loss_parts(w, c, loss_type, "token_mean", None)])) for c in chunks]
+    assert abs(np.mean(means) - float(full_loss)) > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_sequence_modes_exact_under_sequence_micro_batches(mode):
+    batch, w = _problem(num_rows=6, all_pad_row=4)
+    max_len = 64 if mode == "seq_mean_token_sum_norm" else None
+    full_loss, full_grad = _full(w, batch, "tis", mode, max_len)
+    assert np.isfinite(full_loss) and np.all(np.isfinite(full_grad))
+    for rows in (1, 3):
+        chunks = [{k: v[i : i + rows] for k, v in batch.items()} for i in range(0, 6, rows)]
+        loss, grad = _accumulate(w, chunks, "tis", mode, max_len)
+        np.testing.assert_allclose(loss, full_loss, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(grad, full_grad, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# NaN in padded positions
+# --------------------------------------------------------------------------- #
+
+
+def test_nan_pads_never_reach_loss_or_gradient():
+    valid = jnp.asarray([[True, True, False, False], [True, False, False, False]])
+    nan = jnp.nan
+    logp = jnp.asarray([[-1.0, -2.0, nan, -jnp.inf], [-0.5, nan, jnp.inf, nan]])
+    blp = jnp.asarray([[-1.2, -1.5, nan, nan], [-0.7, -jnp.inf, nan, nan]])
+    adv = jnp.asarray([[0.5, 0.5, nan, nan], [-1.0, nan, nan, nan]])
+    ref = jnp.asarray([[-1.1, -2.1, nan, nan], [-0.6, nan, nan, nan]])
+
+    def total(lp, loss_type, mode):
+        s, d, metrics = obj.policy_loss_and_metrics(
+            lp, blp, adv, valid, valid, loss_type=loss_type, aggregation=mode, dual_clip=2.0,
+            ref_logprobs=ref, kl_coef=0.1,
+        )
+        return obj.combine([s], [d]), metrics
+
+    for loss_type in obj.LOSS_TYPES:
+        for mode in obj.AGGREGATION_MODES:
+            (value, metrics), g = jax.value_and_grad(total, has_aux=True)(logp, loss_type, mode)
+            assert np.isfinite(value), (loss_type, mode)
+            assert all(np.isfinite(m) for m in metrics.values()), (loss_type, mode, metrics)
+            assert np.all(np.isfinite(g)), (loss_type, mode, g)
+            np.testing.assert_array_equal(np.asarray(g)[~np.asarray(valid)], 0.0)
+            assert np.all(np.asarray(g)[np.asarray(valid)] != 0.0)
+
+    # Through the log-softmax: finite logits everywhere, NaN behaviour data on pads.
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    logits = jnp.asarray(RNG.normal(size=(2, 4, 5)), jnp.float32)
+    g = jax.grad(lambda z: total(_token_logprobs(z, tokens), "tis", "token_mean")[0])(logits)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_array_equal(np.asarray(g)[~np.asarray(valid)], 0.0)
+
+
+def test_policy_loss_and_metrics_values():
+    logp = jnp.log(jnp.asarray([[0.5, 0.5, 0.2]]))
+    blp = jnp.log(jnp.asarray([[0.25, 0.5, 0.4]]))  # r = 2, 1, 0.5
+    adv = jnp.asarray([1.0])
+    trust = jnp.asarray([[True, False, True]])
+    valid = jnp.ones((1, 3), bool)
+    s, d, m = obj.policy_loss_and_metrics(logp, blp, adv, trust, valid, tis_cap=1.5)
+    expected = -(1.5 * np.log(0.5) + 0.5 * np.log(0.2))
+    np.testing.assert_allclose(s, expected, rtol=1e-6)
+    assert float(d) == 3.0
+    np.testing.assert_allclose(m["masked_fraction"], 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(m["tis_capped_fraction"], 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(m["ratio_mean"], 3.5 / 3, rtol=1e-6)
+    _, _, m = obj.policy_loss_and_metrics(logp, blp, adv, valid, valid, loss_type="ppo_clip",
+                                          clip_eps_low=0.2, clip_eps_high=0.28)
+    np.testing.assert_allclose(m["clip_fraction"], 1 / 3, rtol=1e-6)  # r=2 with A>0
