@@ -1,0 +1,387 @@
+"""Prompt sources: the `Example` record, the `PromptSource` protocol and the
+offline reasoning-gym source.
+
+A prompt source hands the trainer three things:
+
+* a deterministic, index-addressed training stream (`train_example(index)`):
+  the stream position is a plain int that the trainer checkpoints, so a
+  resumed run sees exactly the same prompts;
+* a fixed held-out evaluation set (`eval_examples()`), disjoint *by prompt
+  content* from every example the training stream can return;
+* a verifier (`score(completion, example) -> float in [0, 1]`) that never
+  raises on garbage completions, and the supervised warm-start target
+  (`sft_target(example)`).
+
+Reasoning-gym (https://github.com/open-thought/reasoning-gym, v0.1.25) tasks
+are procedural: item `i` of a dataset with seed `s` is generated from
+`random.Random(s + i)`, so any index can be produced on demand, offline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import reasoning_gym
+
+# Characters of the tiny model's character tokenizer (besides its special
+# tokens). Compact chain-sum prompts and answers use only these.
+COMPACT_ALPHABET = "0123456789+-="
+
+# The held-out set is drawn from the same task with seed `seed + EVAL_SEED_OFFSET`.
+# reasoning-gym seeds item i with `seed + i`, so the offset must exceed any
+# index the training stream ever probes (< train_size * MAX_PROBES) or the two
+# streams would replay each other's generator states.
+EVAL_SEED_OFFSET = 1 << 40
+# The train stream replaces an example whose prompt is in the held-out set by
+# probing rg indices j, j + train_size, j + 2 * train_size, ... (see
+# `ReasoningGymSource.train_example`). This bounds the probing.
+MAX_PROBES = 1000
+
+_COMPACT_PROMPT_RE = re.compile(r"^[0-9+\-]+=$")
+_COMPACT_ANSWER_RE = re.compile(r"^-?[0-9]+$")
+_COMPACT_EXTRACT_RE = re.compile(r"\s*(-?[0-9]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt with its reference answer.
+
+    Attributes:
+      prompt: text fed to the tokenizer, already formatted for the model (when
+        the source's `chat` is True the caller still applies the tokenizer's
+        chat template to it, as a single user message).
+      answer: reference answer string; used by the verifier and (through
+        `PromptSource.sft_target`) by the supervised warm start.
+      uid: stable id, e.g. "chain_sum/train/123" or "gsm8k/eval/7".
+      meta: JSON-serialisable source metadata.
+    """
+
+    prompt: str
+    answer: str
+    uid: str
+    meta: dict
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """What the trainer needs from a task. See the module docstring."""
+
+    name: str
+    chat: bool
+
+    def train_example(self, index: int) -> Example:
+        """The training example at stream position `index` (int >= 0).
+
+        Deterministic in (config seed, index); wraps around the training pool;
+        never returns a held-out example (disjoint by prompt content)."""
+        ...
+
+    def train_batch(self, start: int, count: int) -> list[Example]:
+        """`[train_example(start + i) for i in range(count)]`."""
+        ...
+
+    def eval_examples(self) -> list[Example]:
+        """The fixed held-out set (num_eval examples, unique prompts)."""
+        ...
+
+    def score(self, completion: str, example: Example) -> float:
+        """Reward in [0, 1] for `completion`; returns 0.0 (never raises) on garbage."""
+        ...
+
+    def sft_target(self, example: Example) -> str:
+        """Completion text used for the supervised warm start."""
+        ...
+
+
+def _json_safe(value: Any) -> Any:
+    """Round-trip through JSON (tuples -> lists, unknown objects -> str)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _check_index(index: int, name: str = "index") -> int:
+    if isinstance(index, bool) or not isinstance(index, int) and not hasattr(index, "__index__"):
+        raise ValueError(f"{name} must be an int, got {index!r}")
+    index = int(index)
+    if index < 0:
+        raise ValueError(f"{name} must be >= 0, got {index}")
+    return index
+
+
+# ---------------------------------------------------------------------------
+# Answer extraction for reasoning-gym "question" prompts.
+# ---------------------------------------------------------------------------
+
+_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_HASH_ANSWER_RE = re.compile(r"####\s*(.+)")
+_ANSWER_LINE_RE = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
+
+
+def extract_compact_answer(completion: str) -> str:
+    """Leading integer of a compact completion ("144=..." -> "144", "x" -> "").
+
+    The completion is stripped of leading whitespace and read up to the first
+    character that cannot belong to an integer answer ([-]digits)."""
+    if not isinstance(completion, str):
+        return ""
+    match = _COMPACT_EXTRACT_RE.match(completion)
+    return match.group(1) if match else ""
+
+
+def extract_tagged_answer(completion: str) -> str:
+    """Final answer of a free-form completion, for reasoning-gym question prompts.
+
+    Tried in order, last occurrence wins in each: `<answer>x</answer>`,
+    `\\boxed{x}`, a line `#### x`, a line `Answer: x`; otherwise the whole
+    stripped completion (short direct answers). Returns "" for non-strings.
+    """
+    # Local import: verifiers.py pulls in nothing heavy at import time, but
+    # keeps the brace-matching helper in one place.
+    from pdm_jax.data.verifiers import last_boxed_content
+
+    if not isinstance(completion, str):
+        return ""
+    tags = _ANSWER_TAG_RE.findall(completion)
+    if tags:
+        return tags[-1].strip()
+    boxed = last_boxed_content(completion)
+    if boxed is not None:
+        return boxed.strip()
+    for pattern in (_HASH_ANSWER_RE, _ANSWER_LINE_RE):
+        found = pattern.findall(completion)
+        if found:
+            return found[-1].strip()
+    return completion.strip()
+
+
+# ---------------------------------------------------------------------------
+# Reasoning-gym source.
+# ---------------------------------------------------------------------------
+
+
+class ReasoningGymSource:
+    """A reasoning-gym task as a `PromptSource`, fully offline.
+
+    Streams:
+      * train: rg dataset `task` with seed `seed`; stream position `index`
+        maps to rg index `j = index % train_size` (wrap-around pool of
+        `train_size` positions). If that item's prompt is in the held-out set,
+        rg indices `j + train_size`, `j + 2 * train_size`, ... are probed until
+        one is not (at most MAX_PROBES, else RuntimeError). The result is a
+        deterministic function of (seed, index) drawn from the task
+        distribution conditioned on "prompt not held out".
+      * eval: rg dataset with seed `seed + EVAL_SEED_OFFSET`, items 0, 1, ...
+        keeping the first `num_eval` distinct prompts (duplicates dropped).
+        Disjointness check: every train example is checked against the set of
+        held-out prompt strings before it is returned (see `train_example`),
+        so no held-out prompt can appear in training, whatever the task.
+
+    Prompt formats:
+      * "compact": `expression-without-spaces + "="` (e.g. "57+87="), answer
+        the integer string ("144"). Requires a task whose rg metadata carries
+        an `expression` of integers, + and - only (chain_sum; basic_arithmetic
+        with only +/-), so prompts and answers use only COMPACT_ALPHABET;
+        anything else raises ValueError (field `prompt_format`). `chat` False.
+      * "question": reasoning-gym's own question text, answer rg's answer.
+        `chat` True.
+
+    Scoring: the answer is extracted from the completion (compact: the leading
+    integer, `extract_compact_answer`; question: `extract_tagged_answer`) and
+    scored by the task's own `score_answer(answer, entry)` on the original rg
+    entry (regenerated from the example's rg index). For chain_sum that is
+    `reasoning_gym.utils.compute_decimal_reward`: 1.0 if numerically equal;
+    partial credit len(oracle)/len(answer) if the oracle is a substring of the
+    answer (e.g. "1445" for "144" gives 0.75); 0 otherwise. Accuracy should be
+    computed as `score == 1.0`. Exceptions inside the rg scorer are counted in
+    `score_failures` and give 0.0.
+
+    Args:
+      task: registered reasoning-gym dataset name (e.g. "chain_sum").
+      task_config: kwargs of the task's rg config (e.g. {"min_terms": 2,
+        "max_terms": 2, "min_digits": 1, "max_digits": 2}); must not contain
+        `seed` or `size` (they are set by this class).
+      prompt_format: "compact" or "question".
+      num_eval: number of held-out examples (>= 1).
+      seed: int, base seed of both streams.
+      train_size: number of stream positions before the train stream wraps.
+      chat: override of the `chat` flag (default: False for compact, True for
+        question).
+
+    Raises:
+      ValueError naming the field and value for an unknown task, bad
+      task_config kwargs, an unknown prompt_format, a task that has no
+      compact form, num_eval / train_size < 1, or a task too small to yield
+      num_eval distinct held-out prompts.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        task_config: Mapping[str, Any] | None = None,
+        *,
+        prompt_format: str = "compact",
+        num_eval: int = 256,
+        seed: int = 0,
+        train_size: int = 1 << 20,
+        chat: bool | None = None,
+    ):
+        task_config = dict(task_config or {})
+        if not isinstance(task, str) or task not in reasoning_gym.factory.DATASETS:
+            raise ValueError(f"data.task: unknown reasoning-gym task {task!r}")
+        for reserved in ("seed", "size"):
+            if reserved in task_config:
+                raise ValueError(
+                    f"data.task_config: {reserved!r} is set by the source (use data.seed / "
+                    f"data.train_size), got {reserved}={task_config[reserved]!r}"
+                )
+        if prompt_format not in ("compact", "question"):
+            raise ValueError(
+                f"data.prompt_format must be 'compact' or 'question', got {prompt_format!r}"
+            )
+        if int(num_eval) < 1:
+            raise ValueError(f"data.num_eval must be >= 1, got {num_eval!r}")
+        if int(train_size) < 1:
+            raise ValueError(f"data.train_size must be >= 1, got {train_size!r}")
+        self.task = task
+        self.task_config = task_config
+        self.prompt_format = prompt_format
+        self.num_eval = int(num_eval)
+        self.seed = int(seed)
+        self.train_size = int(train_size)
+        self.name = f"reasoning_gym/{task}"
+        self.chat = (prompt_format == "question") if chat is None else bool(chat)
+        self.score_failures = 0
+        self._lock = threading.Lock()
+
+        # The rg dataset `size` only bounds its own iteration; __getitem__
+        # accepts any index. Set it to the largest index we may touch.
+        train_span = self.train_size * MAX_PROBES
+        self._train_ds = self._create(self.seed, train_span)
+        eval_attempts = max(100 * self.num_eval, 10_000)
+        self._eval_ds = self._create(self.seed + EVAL_SEED_OFFSET, eval_attempts)
+
+        self._eval: list[Example] = []
+        self._eval_entries: dict[int, dict] = {}
+        seen: set[str] = set()
+        for rg_index in range(eval_attempts):
+            entry = self._eval_ds[rg_index]
+            example = self._make_example(entry, "eval", rg_index, len(self._eval))
+            if example.prompt in seen:
+                continue
+            seen.add(example.prompt)
+            self._eval.append(example)
+            if len(self._eval) == self.num_eval:
+                break
+        if len(self._eval) < self.num_eval:
+            raise ValueError(
+                f"data.num_eval={self.num_eval}: task {task!r} with task_config {task_config!r} "
+                f"yielded only {len(self._eval)} distinct prompts in {eval_attempts} draws"
+            )
+        self._eval_prompts = frozenset(seen)
+
+    # -- construction helpers ------------------------------------------------
+
+    def _create(self, seed: int, size: int):
+        try:
+            return reasoning_gym.create_dataset(self.task, seed=seed, size=size, **self.task_config)
+        except (TypeError, AssertionError, ValueError) as err:
+            raise ValueError(
+                f"data.task_config: invalid config {self.task_config!r} for reasoning-gym task "
+                f"{self.task!r}: {err}"
+            ) from err
+
+    def _make_example(self, entry: Mapping[str, Any], split: str, rg_index: int, position: int) -> Example:
+        answer = str(entry["answer"])
+        metadata = entry.get("metadata", {})
+        if self.prompt_format == "compact":
+            expression = metadata.get("expression") if isinstance(metadata, Mapping) else None
+            if not isinstance(expression, str):
+                raise ValueError(
+                    f"data.prompt_format='compact' needs a task whose metadata has an "
+                    f"'expression'; task {self.task!r} has none"
+                )
+            prompt = expression.replace(" ", "") + "="
+            if not _COMPACT_PROMPT_RE.match(prompt) or not _COMPACT_ANSWER_RE.match(answer):
+                raise ValueError(
+                    f"data.prompt_format='compact': task {self.task!r} produced prompt {prompt!r} / "
+                    f"answer {answer!r} outside the compact alphabet {COMPACT_ALPHABET!r}"
+                )
+        else:
+            prompt = str(entry["question"])
+        meta = {
+            "source": self.name,
+            "split": split,
+            "rg_seed": self.seed if split == "train" else self.seed + EVAL_SEED_OFFSET,
+            "rg_index": rg_index,
+            "question": str(entry["question"]),
+            "rg_metadata": _json_safe(metadata),
+        }
+        uid = f"{self.task}/{split}/{position}"
+        return Example(prompt=prompt, answer=answer, uid=uid, meta=meta)
+
+    # -- PromptSource ------------------------------------------------------------
+
+    def train_example(self, index: int) -> Example:
+        """See the class docstring (probing past held-out prompts)."""
+        index = _check_index(index)
+        base = index % self.train_size
+        for probe in range(MAX_PROBES):
+            rg_index = base + probe * self.train_size
+            example = self._make_example(self._train_ds[rg_index], "train", rg_index, index)
+            # Disjointness check: never hand out a held-out prompt.
+            if example.prompt not in self._eval_prompts:
+                return example
+        raise RuntimeError(
+            f"{self.name}: {MAX_PROBES} probes at stream index {index} all hit held-out prompts; "
+            f"the task space is too small for data.num_eval={self.num_eval}"
+        )
+
+    def train_batch(self, start: int, count: int) -> list[Example]:
+        start = _check_index(start, "start")
+        count = _check_index(count, "count")
+        return [self.train_example(start + i) for i in range(count)]
+
+    def eval_examples(self) -> list[Example]:
+        return list(self._eval)
+
+    def extract_answer(self, completion: str) -> str:
+        """The answer string the verifier scores (see class docstring)."""
+        if self.prompt_format == "compact":
+            return extract_compact_answer(completion)
+        return extract_tagged_answer(completion)
+
+    def _entry(self, example: Example) -> dict:
+        meta = example.meta or {}
+        try:
+            dataset = self._train_ds if meta["split"] == "train" else self._eval_ds
+            entry = dataset[int(meta["rg_index"])]
+            if str(entry["answer"]) == example.answer:
+                return entry
+        except Exception:  # foreign/hand-built example: fall back below
+            pass
+        return {"question": meta.get("question", example.prompt), "answer": example.answer,
+                "metadata": meta.get("rg_metadata", {})}
+
+    def score(self, completion: str, example: Example) -> float:
+        """rg `score_answer` on the extracted answer, clipped to [0, 1]; 0.0 on any failure."""
+        try:
+            answer = self.extract_answer(completion)
+            if not answer:
+                return 0.0
+            reward = float(self._train_ds.score_answer(answer, self._entry(example)))
+        except Exception:
+            with self._lock:
+                self.score_failures += 1
+            return 0.0
+        if not reward == reward:  # NaN
+            with self._lock:
+                self.score_failures += 1
+            return 0.0
+        return min(max(reward, 0.0), 1.0)
+
+    def sft_target(self, example: Example) -> str:
+        """The reference answer itself (compact and question formats)."""
+        return example.answer
