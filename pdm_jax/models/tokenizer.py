@@ -1,0 +1,233 @@
+"""Tokenizers in Hugging Face format: a character-level tokenizer for tiny tasks, local loading.
+
+Everything here goes through the `tokenizers` library (the Rust backend) and
+`transformers` (``PreTrainedTokenizerFast`` / ``AutoTokenizer``), so a directory
+written by :func:`build_char_tokenizer` is an ordinary Hugging Face tokenizer
+directory (``tokenizer.json`` + ``tokenizer_config.json``) that any
+``AutoTokenizer.from_pretrained(dir)`` loads offline.
+
+The real Qwen3 tokenizer is built by :mod:`pdm_jax.models.build_qwen3_tokenizer`.
+
+Public API:
+  * :func:`build_char_tokenizer` -- character-level tokenizer (one token per symbol).
+  * :func:`encode_strict` -- encode text, raising ``ValueError`` on characters the
+    tokenizer cannot represent (never a silent unknown token).
+  * :func:`load_tokenizer` -- ``AutoTokenizer`` from a local directory only.
+"""
+
+from __future__ import annotations
+
+import os
+import unicodedata
+from pathlib import Path
+
+import tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+__all__ = ["build_char_tokenizer", "encode_strict", "load_tokenizer"]
+
+# Files whose presence marks a directory as a Hugging Face tokenizer directory.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+# Never present in a char vocabulary (it is two characters long), so the WordLevel
+# model raises instead of emitting an unknown id if ``tokenizer(text)`` is called
+# on an unrepresentable character without going through :func:`encode_strict`.
+_ABSENT_UNK = "<unk-not-in-vocab>"
+
+
+def _describe_char(ch: str) -> str:
+    name = unicodedata.name(ch, "unnamed")
+    return f"{ch!r} (U+{ord(ch):04X} {name})"
+
+
+def build_char_tokenizer(
+    symbols: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    pad_token: str = "<pad>",
+    eos_token: str = "<eos>",
+    bos_token: str | None = None,
+) -> PreTrainedTokenizerFast:
+    """Builds and saves a character-level tokenizer in Hugging Face format.
+
+    Vocabulary layout (ids are ``int32``-safe small integers):
+      * ``pad_token`` -> 0, ``eos_token`` -> 1, ``bos_token`` -> 2 when given,
+      * then ``symbols[i]`` -> ``num_special + i`` in the order given.
+
+    Each symbol is exactly one token: the backend is a ``tokenizers`` ``WordLevel``
+    model over single characters behind a ``Split`` pre-tokenizer that isolates every
+    character (``[\\s\\S]``, so spaces and newlines are symbols like any other), and
+    a ``Fuse`` decoder that concatenates tokens with no separator, so
+    ``decode(encode(x)) == x`` for every string over ``symbols``. No special token is
+    added automatically (no post-processor); callers append ``eos`` explicitly, e.g.
+    with :func:`encode_strict` ``(add_eos=True)``. There is no chat template.
+
+    The directory gets ``tokenizer.json``, ``tokenizer_config.json`` (and whatever
+    else ``save_pretrained`` writes), loadable offline with
+    ``transformers.AutoTokenizer.from_pretrained(out_dir)`` or :func:`load_tokenizer`.
+
+    Args:
+      symbols: the characters of the vocabulary, each exactly once, e.g.
+        ``"0123456789+-= "``.
+      out_dir: directory to write (created if missing; existing tokenizer files
+        are overwritten).
+      pad_token, eos_token: special tokens with ids 0 and 1 (multi-character strings
+        are recommended, so they can never collide with a symbol).
+      bos_token: optional special token with id 2.
+
+    Returns:
+      The tokenizer, as reloaded from ``out_dir`` (so the caller holds exactly what
+      a later ``from_pretrained`` returns).
+
+    Raises:
+      ValueError: ``symbols`` empty or with a repeated character; a special token
+        empty, repeated, or equal to one of the symbols.
+    """
+    if not isinstance(symbols, str) or not symbols:
+        raise ValueError(f"symbols must be a non-empty string, got {symbols!r}")
+    seen: set[str] = set()
+    for i, ch in enumerate(symbols):
+        if ch in seen:
+            raise ValueError(f"symbols has a repeated character {_describe_char(ch)} at position {i}")
+        seen.add(ch)
+    specials = [("pad_token", pad_token), ("eos_token", eos_token)]
+    if bos_token is not None:
+        specials.append(("bos_token", bos_token))
+    special_values: set[str] = set()
+    for field, value in specials:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{field} must be a non-empty string, got {value!r}")
+        if value in special_values:
+            raise ValueError(f"{field}={value!r} repeats another special token")
+        if value in seen:
+            raise ValueError(f"{field}={value!r} is also one of the symbols")
+        special_values.add(value)
+
+    vocab = {value: i for i, (_, value) in enumerate(specials)}
+    for ch in symbols:
+        vocab[ch] = len(vocab)
+
+    backend = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token=_ABSENT_UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    # Registers the specials as added tokens at their existing ids (0, 1, 2).
+    backend.add_special_tokens([tokenizers.AddedToken(v, special=True, normalized=False) for _, v in specials])
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+        **{field: value for field, value in specials},
+    )
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_path))
+    reloaded = load_tokenizer(out_path)
+    got = {value: reloaded.convert_tokens_to_ids(value) for value in vocab}
+    if got != vocab:  # guards the contract against a transformers behaviour change
+        raise RuntimeError(f"saved char tokenizer in {out_path} reloads with ids {got}, expected {vocab}")
+    return reloaded
+
+
+def _char_vocab(tokenizer: PreTrainedTokenizerBase) -> dict[str, int] | None:
+    """The symbol -> id map of a char-level (WordLevel) tokenizer, else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.model, models.WordLevel):
+        return None
+    specials = set(tokenizer.all_special_tokens)
+    return {tok: i for tok, i in tokenizer.get_vocab().items() if len(tok) == 1 and tok not in specials}
+
+
+def encode_strict(
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    *,
+    add_bos: bool = False,
+    add_eos: bool = False,
+) -> list[int]:
+    """Encodes ``text`` exactly, refusing characters the tokenizer cannot represent.
+
+    For a char-level tokenizer (from :func:`build_char_tokenizer`) every character of
+    ``text`` must be one of its symbols and maps to that symbol's id; special-token
+    strings inside ``text`` are NOT interpreted (``"<eos>"`` is five characters, all
+    of which must be symbols). For any other tokenizer the text is encoded without
+    automatic special tokens and an output containing the unknown-token id is refused.
+
+    Args:
+      tokenizer: a Hugging Face tokenizer.
+      text: the string to encode.
+      add_bos: prepend ``tokenizer.bos_token_id`` (error if the tokenizer has none).
+      add_eos: append ``tokenizer.eos_token_id`` (error if the tokenizer has none).
+
+    Returns:
+      Token ids, a ``list[int]`` of length ``len(text) + add_bos + add_eos`` for a
+      char-level tokenizer.
+
+    Raises:
+      ValueError: a character not in the vocabulary (the message names the
+        character, its code point and its position), an unknown-token id in the
+        output, or ``add_bos``/``add_eos`` on a tokenizer without that token.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str, got {type(text).__name__}")
+    char_vocab = _char_vocab(tokenizer)
+    if char_vocab is not None:
+        ids = []
+        for i, ch in enumerate(text):
+            tok_id = char_vocab.get(ch)
+            if tok_id is None:
+                raise ValueError(
+                    f"character {_describe_char(ch)} at position {i} of text {text!r} is not in the "
+                    f"tokenizer vocabulary (symbols: {''.join(sorted(char_vocab, key=char_vocab.get))!r})"
+                )
+            ids.append(tok_id)
+    else:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        unk = tokenizer.unk_token_id
+        if unk is not None and unk in ids:
+            pos = ids.index(unk)
+            raise ValueError(f"text {text!r} encodes to the unknown token {tokenizer.unk_token!r} at token {pos}")
+    if add_bos:
+        if tokenizer.bos_token_id is None:
+            raise ValueError("add_bos=True but the tokenizer has no bos_token")
+        ids.insert(0, tokenizer.bos_token_id)
+    if add_eos:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("add_eos=True but the tokenizer has no eos_token")
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Loads a Hugging Face tokenizer from a LOCAL directory (never the Hub).
+
+    Args:
+      path: a directory holding ``tokenizer.json`` and/or ``tokenizer_config.json``
+        (e.g. one written by :func:`build_char_tokenizer`,
+        :func:`pdm_jax.models.build_qwen3_tokenizer.build_qwen3_tokenizer`, or a
+        downloaded checkpoint directory).
+
+    Returns:
+      ``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+
+    Raises:
+      FileNotFoundError: ``path`` does not exist, is not a directory, or holds no
+        tokenizer file; the message names the path.
+      ValueError: transformers failed to load the directory (wraps its error and
+        names the path).
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"tokenizer path {str(p)!r} does not exist")
+    if not p.is_dir():
+        raise FileNotFoundError(f"tokenizer path {str(p)!r} is not a directory")
+    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"tokenizer path {str(p)!r} holds none of {', '.join(_TOKENIZER_FILES)}"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the path named
+        raise ValueError(f"could not load a tokenizer from {str(p)!r}: {type(e).__name__}: {e}") from e
+

