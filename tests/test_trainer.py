@@ -1,0 +1,154 @@
+"""The main job: config validation, a short end-to-end run, resume after SIGKILL, sampler failure."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdm_jax.config import apply_arg, get_base_config
+from pdm_jax.trainer import validate_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_test_config(**overrides):
+    """The tiny task with a smaller model and very few steps (seconds of compute)."""
+    c = get_base_config()
+    c.model.hidden_size = 32
+    c.model.intermediate_size = 64
+    c.model.num_hidden_layers = 1
+    c.model.num_attention_heads = 2
+    c.model.num_key_value_heads = 1
+    c.model.head_dim = 16
+    c.sft.steps = 10
+    c.sft.batch_size = 32
+    c.rl.steps = 4
+    c.rl.prompts_per_step = 4
+    c.rl.group_size = 4
+    c.rl.num_minibatches = 2
+    c.rl.max_new_tokens = 5
+    c.rl.top_k_logprobs = 4
+    c.rl.learning_rate = 1e-3
+    c.eval.every_steps = 100
+    c.eval.num_prompts = 8
+    c.eval.samples_per_prompt = 2
+    c.data.num_eval = 16
+    c.checkpoint.every_steps = 1
+    c.log.progress = False
+    c.log.tensorboard = False
+    c.sampler.startup_timeout_s = 240.0
+    for k, v in overrides.items():
+        node = c
+        parts = k.split(".")
+        for p in parts[:-1]:
+            node = node[p]
+        node[parts[-1]] = v
+    return c
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"trust_region.estimator": "gaussian_tail"}, "estimator"),
+        ({"trust_region.delta": 0.0}, "delta"),
+        ({"trust_region.delta": -0.1}, "delta"),
+        ({"trust_region.mask": "trpo"}, "mask"),
+        ({"rl.group_size": 1}, "rl.group_size"),
+        ({"rl.num_minibatches": 3}, "rl.num_minibatches"),
+        ({"model.hf_path": "/nonexistent/qwen3"}, "model.hf_path"),
+        ({"data.kind": "gsm8k", "data.path": "/nonexistent/gsm8k.jsonl"}, "data.path"),
+        ({"sampler.quantization": "int3"}, "sampler.quantization"),
+        ({"rl.max_staleness": -1}, "rl.max_staleness"),
+    ],
+)
+def test_bad_configs_name_the_field(overrides, field):
+    c = tiny_test_config(**overrides)
+    with pytest.raises(ValueError, match=field):
+        validate_config(c)
+
+
+def test_topk_larger_than_vocab_is_rejected():
+    c = tiny_test_config(**{"rl.top_k_logprobs": 17})
+    with pytest.raises(ValueError, match="rl.top_k_logprobs"):
+        validate_config(c, vocab_size=16)
+
+
+def test_config_argument_string():
+    c = apply_arg(get_base_config(), "delta=0.15,estimator=uniform_tail,seed=3")
+    assert c.trust_region.delta == 0.15 and c.trust_region.estimator == "uniform_tail" and c.seed == 3
+    with pytest.raises(ValueError, match="nosuchfield"):
+        apply_arg(get_base_config(), "nosuchfield=1")
+
+
+def _run_cli(workdir, args, timeout=900):
+    cmd = [sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", f"--workdir={workdir}"] + args
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+SMALL = [
+    "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_hidden_layers=1",
+    "--config.model.num_attention_heads=2", "--config.model.num_key_value_heads=1", "--config.model.head_dim=16",
+    "--config.sft.steps=20", "--config.sft.batch_size=32", "--config.rl.steps=4", "--config.rl.prompts_per_step=4",
+    "--config.rl.group_size=4", "--config.eval.num_prompts=8", "--config.eval.samples_per_prompt=2",
+    "--config.data.num_eval=16", "--config.checkpoint.every_steps=1", "--config.eval.every_steps=2",
+    "--config.log.progress=False",
+]
+
+DETERMINISTIC_KEYS = ("reward", "loss", "frac_masked", "frac_outside", "mean_divergence", "entropy", "grad_norm",
+                      "response_length", "mean_tail_mass")
+
+
+def _rl_records(workdir):
+    recs = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if line.strip()]
+    return {r["step"]: r for r in recs if r["phase"] == "rl"}
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_then_resume_after_sigkill(tmp_path):
+    """A short run of the README command through the fp8 sampler subprocess, then a SIGKILLed run resumed.
+
+    The resumed run must reproduce the uninterrupted run's metrics for the steps after the kill.
+    """
+    full = tmp_path / "full"
+    r = _run_cli(full, SMALL)
+    assert r.returncode == 0, r.stderr[-4000:]
+    summary = json.load(open(full / "summary.json"))
+    assert summary["steps"] == 4
+    for key in ("warmstart_accuracy", "final_accuracy", "wall_seconds"):
+        assert summary[key] is not None
+    assert (full / "curves.png").stat().st_size > 1000
+    ref = _rl_records(full)
+    assert sorted(ref) == [1, 2, 3, 4]
+    assert all(ref[s]["staleness"] == 0 for s in ref)
+
+    killed = tmp_path / "killed"
+    r = _run_cli(killed, SMALL + ["--config.debug.kill_after_rl_step=2"])
+    assert r.returncode == -9, (r.returncode, r.stderr[-3000:])
+    r = _run_cli(killed, SMALL)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = _rl_records(killed)
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in (3, 4):
+        for k in DETERMINISTIC_KEYS:
+            assert got[s][k] == pytest.approx(ref[s][k], rel=1e-5, abs=1e-6), (s, k)
+
+
+@pytest.mark.slow
+def test_sampler_killed_mid_run_is_restarted_without_losing_a_batch(tmp_path):
+    full = tmp_path / "full"
+    r = _run_cli(full, SMALL + ["--config.rl.steps=3"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    ref = _rl_records(full)
+    broken = tmp_path / "broken"
+    r = _run_cli(broken, SMALL + ["--config.rl.steps=3", "--config.debug.kill_sampler_after_rl_step=1"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = _rl_records(broken)
+    assert sorted(got) == [1, 2, 3]
+    assert got[3]["sampler_restarts"] >= 1
+    for s in (2, 3):
+        for k in DETERMINISTIC_KEYS:
+            assert got[s][k] == pytest.approx(ref[s][k], rel=1e-5, abs=1e-6), (s, k)
