@@ -216,7 +216,7 @@ def param_partition_specs(model_or_state, rules: Rules = DEFAULT_RULES,
         if axes is None:
             raise ValueError(f"parameter {'/'.join(map(str, path))} has no logical axes "
                              "(out_sharding metadata)")
-        return logical_to_spec(axes, rules, mesh, var.value.shape)
+        return logical_to_spec(axes, rules, mesh, var.get_value().shape)
 
     return nnx.map_state(spec, state)
 

@@ -228,11 +228,34 @@ class KVCache:
 # --------------------------------------------------------------------------------------
 
 
-def _param(rngs: nnx.Rngs, shape, logical_axes, param_dtype, init="normal") -> nnx.Param:
+class KeySeq:
+    """Deterministic key stream ``fold_in(key, 0), fold_in(key, 1), ...`` for initialisation.
+
+    Drawing every parameter's key from ``nnx.Rngs`` costs a state update per parameter
+    (slow under ``nnx.eval_shape`` for 64-layer models); the model draws one key from its
+    ``rngs`` and hands this stream to its submodules.
+    """
+
+    def __init__(self, key: Array):
+        self.key = key
+        self.count = 0
+
+    def next(self) -> Array:
+        self.count += 1
+        return jax.random.fold_in(self.key, self.count - 1)
+
+
+def _next_key(rngs: nnx.Rngs | KeySeq) -> Array:
+    return rngs.next() if isinstance(rngs, KeySeq) else rngs.params()
+
+
+def _param(rngs: nnx.Rngs | KeySeq, shape, logical_axes, param_dtype,
+           init="normal") -> nnx.Param:
     if init == "ones":
         value = jnp.ones(shape, param_dtype)
     else:
-        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(param_dtype)
+        value = (_INIT_STD * jax.random.normal(_next_key(rngs), shape, jnp.float32)
+                 ).astype(param_dtype)
     # eager_sharding=False: logical names are resolved by pdm_jax.sharding, not at creation.
     return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
 
@@ -250,7 +273,7 @@ class RMSNorm(nnx.Module):
         x32 = x_BxTx_.astype(jnp.float32)
         var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
         normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
-        return self.scale.value.astype(self.dtype) * normed
+        return self.scale.get_value().astype(self.dtype) * normed
 
 
 class Embed(nnx.Module):
@@ -262,10 +285,16 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, ids_BxT: Array) -> Array:
-        return jnp.take(self.embedding.value, ids_BxT, axis=0).astype(self.dtype)
+        # Under a mesh, gather from a replicated view of the table (FSDP-style: weights are
+        # all-gathered for use, like every layer's kernels) with batch-sharded ids; a
+        # gather from a vocab/embed-sharded table makes the SPMD partitioner fall back to
+        # full rematerialisation.
+        table_VxD = shd.constrain(self.embedding.get_value(), (None, None))
+        ids_BxT = shd.constrain(ids_BxT, ("batch", "length"))
+        return jnp.take(table_VxD, ids_BxT, axis=0).astype(self.dtype)
 
     def attend(self, x_BxTxD: Array) -> Array:
-        return jnp.einsum("btd,vd->btv", x_BxTxD, self.embedding.value.astype(self.dtype),
+        return jnp.einsum("btd,vd->btv", x_BxTxD, self.embedding.get_value().astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
 
@@ -279,7 +308,7 @@ class Proj(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: Array, preferred_element_type=None) -> Array:
-        return jnp.einsum(self.eqn, x.astype(self.dtype), self.kernel.value.astype(self.dtype),
+        return jnp.einsum(self.eqn, x.astype(self.dtype), self.kernel.get_value().astype(self.dtype),
                           preferred_element_type=preferred_element_type)
 
 
@@ -445,7 +474,7 @@ class Qwen3ForCausalLM(nnx.Module):
                  param_dtype=jnp.float32):
         self.config = config
         self.dtype = dtype
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = dict(rngs=KeySeq(_next_key(rngs)), dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
         self.layers = nnx.List([DecoderLayer(config, **kw)
                                 for _ in range(config.num_hidden_layers)])
@@ -488,6 +517,9 @@ class Qwen3ForCausalLM(nnx.Module):
         if input_ids_BxT.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids_BxT.shape}")
         B, T = input_ids_BxT.shape
+        if attention_mask is not None and jnp.shape(attention_mask) != (B, T):
+            raise ValueError(
+                f"attention_mask must have shape {(B, T)}, got {jnp.shape(attention_mask)}")
         if positions is None:
             positions_BxT = default_positions(input_ids_BxT, attention_mask)
         else:
@@ -499,9 +531,6 @@ class Qwen3ForCausalLM(nnx.Module):
             mask_BxTxS = jnp.broadcast_to(causal_TxS, (B, T, T))
         else:
             key_mask_BxT = jnp.asarray(attention_mask).astype(bool)
-            if key_mask_BxT.shape != (B, T):
-                raise ValueError(
-                    f"attention_mask must have shape {(B, T)}, got {key_mask_BxT.shape}")
             mask_BxTxS = causal_TxS[None] & key_mask_BxT[:, None, :]
         x_BxTxD = self._embed(input_ids_BxT)
         for layer in self.layers:

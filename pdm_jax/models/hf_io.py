@@ -1,0 +1,419 @@
+"""Hugging Face checkpoint I/O for the NNX Qwen3: local ``config.json`` + safetensors.
+
+Layout read and written (the one ``transformers.Qwen3ForCausalLM.save_pretrained`` uses):
+
+* ``config.json``;
+* ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` plus
+  ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
+  "weight_map": {tensor_name: file}}``).
+
+Tensor names map to NNX parameter paths with the regex table ``KEY_MAP``. HF ``nn.Linear``
+weights are ``[out, in]``; our kernels are ``[in..., out...]`` with heads split out
+(e.g. q_proj ``[N*H, D]`` <-> ``[D, N, H]``, o_proj ``[D, N*H]`` <-> ``[N, H, D]``).
+
+Loading never materialises the whole model on the host: the model structure comes from
+``nnx.eval_shape`` (no allocation), then each parameter is read on its own, either whole
+(no mesh) or slice by slice for each device through ``jax.make_array_from_callback``
+with the parameter's ``NamedSharding`` (each device reads only the rows/columns it holds
+from the memory-mapped safetensors file).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from pdm_jax import sharding as shd
+from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRule:
+    """One row of the key map.
+
+    hf: regex over HF tensor names (groups are substituted into ``nnx``).
+    nnx: NNX path template, dot separated, ``{0}`` = first regex group (an int index).
+    num_in_axes: for Linear kernels, how many leading kernel axes are HF's ``in`` axis
+      (kernel.reshape(prod(in), prod(out)).T is the HF weight); None = same layout.
+    """
+
+    hf: str
+    nnx: str
+    num_in_axes: int | None
+
+
+_L = r"model\.layers\.(\d+)\."
+KEY_MAP: tuple[KeyRule, ...] = (
+    KeyRule(r"model\.embed_tokens\.weight", "embed_tokens.embedding", None),
+    KeyRule(r"model\.norm\.weight", "norm.scale", None),
+    KeyRule(r"lm_head\.weight", "lm_head.kernel", 1),
+    KeyRule(_L + r"input_layernorm\.weight", "layers.{0}.input_layernorm.scale", None),
+    KeyRule(_L + r"post_attention_layernorm\.weight",
+            "layers.{0}.post_attention_layernorm.scale", None),
+    KeyRule(_L + r"self_attn\.q_proj\.weight", "layers.{0}.self_attn.q_proj.kernel", 1),
+    KeyRule(_L + r"self_attn\.k_proj\.weight", "layers.{0}.self_attn.k_proj.kernel", 1),
+    KeyRule(_L + r"self_attn\.v_proj\.weight", "layers.{0}.self_attn.v_proj.kernel", 1),
+    KeyRule(_L + r"self_attn\.o_proj\.weight", "layers.{0}.self_attn.o_proj.kernel", 2),
+    KeyRule(_L + r"self_attn\.q_norm\.weight", "layers.{0}.self_attn.q_norm.scale", None),
+    KeyRule(_L + r"self_attn\.k_norm\.weight", "layers.{0}.self_attn.k_norm.scale", None),
+    KeyRule(_L + r"mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_proj.kernel", 1),
+    KeyRule(_L + r"mlp\.up_proj\.weight", "layers.{0}.mlp.up_proj.kernel", 1),
+    KeyRule(_L + r"mlp\.down_proj\.weight", "layers.{0}.mlp.down_proj.kernel", 1),
+)
+
+
+def _nnx_path_str(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def hf_to_nnx(name: str) -> tuple[str, int | None] | None:
+    """(NNX dotted path, num_in_axes) for an HF tensor name, or None if no rule matches."""
+    for rule in KEY_MAP:
+        m = re.fullmatch(rule.hf, name)
+        if m:
+            return rule.nnx.format(*m.groups()), rule.num_in_axes
+    return None
+
+
+def nnx_to_hf(path: str) -> tuple[str, int | None]:
+    """(HF tensor name, num_in_axes) for an NNX dotted path.
+
+    Raises ValueError naming the path when no rule covers it.
+    """
+    for rule in KEY_MAP:
+        pattern = re.escape(rule.nnx).replace(re.escape("{0}"), r"(\d+)")
+        m = re.fullmatch(pattern, path)
+        if m:
+            hf = rule.hf.replace(r"(\d+)", "{0}").replace("\\.", ".").format(*m.groups())
+            return hf, rule.num_in_axes
+    raise ValueError(f"no HF key rule for parameter {path!r}")
+
+
+def hf_shape(kernel_shape: tuple[int, ...], num_in_axes: int | None) -> tuple[int, ...]:
+    """The HF tensor shape of a parameter with our ``kernel_shape``."""
+    if num_in_axes is None:
+        return tuple(kernel_shape)
+    return (math.prod(kernel_shape[num_in_axes:]), math.prod(kernel_shape[:num_in_axes]))
+
+
+def to_hf_layout(value: np.ndarray, num_in_axes: int | None) -> np.ndarray:
+    """Our layout -> HF layout (a contiguous copy for Linear kernels)."""
+    if num_in_axes is None:
+        return np.ascontiguousarray(value)
+    shape = value.shape
+    return np.ascontiguousarray(
+        value.reshape(math.prod(shape[:num_in_axes]), math.prod(shape[num_in_axes:])).T)
+
+
+# --------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------
+
+
+class _Checkpoint:
+    """Name -> file index over a local HF directory; opens safetensors files lazily."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index_path = os.path.join(path, INDEX_FILE)
+        single_path = os.path.join(path, SINGLE_FILE)
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                index = json.load(f)
+            if "weight_map" not in index:
+                raise ValueError(f"{index_path} has no 'weight_map'")
+            self.weight_map: dict[str, str] = dict(index["weight_map"])
+            for name, fname in self.weight_map.items():
+                if not os.path.exists(os.path.join(path, fname)):
+                    raise ValueError(f"tensor {name!r}: shard file {fname!r} listed in "
+                                     f"{INDEX_FILE} does not exist in {path}")
+        elif os.path.exists(single_path):
+            with safe_open(single_path, framework="numpy") as f:
+                self.weight_map = {k: SINGLE_FILE for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+        self._handles: dict[str, Any] = {}
+
+    def _open(self, fname: str):
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(os.path.join(self.path, fname), framework="numpy")
+        return self._handles[fname]
+
+    def slice(self, name: str):
+        """A lazy safetensors slice (``.get_shape()``, ``[...]`` reads only that part)."""
+        handle = self._open(self.weight_map[name])
+        if name not in handle.keys():
+            raise ValueError(f"tensor {name!r} is listed in {INDEX_FILE} under "
+                             f"{self.weight_map[name]!r} but that file lacks it")
+        return handle.get_slice(name)
+
+    def close(self):
+        self._handles.clear()
+
+
+def _read_block(hf_slice, kernel_shape: tuple[int, ...], num_in_axes: int | None,
+                index: tuple[slice, ...]) -> np.ndarray:
+    """Reads the block ``kernel[index]`` of our layout from an HF-layout lazy slice.
+
+    For each HF axis (a group of our axes flattened), the contiguous row range covering
+    the group's *first* axis slice is read, then the remaining axes are sliced in memory.
+    """
+    index = tuple(slice(*s.indices(n)) for s, n in zip(index, kernel_shape))
+    if num_in_axes is None:
+        return np.asarray(hf_slice[index])
+    in_axes = list(range(num_in_axes))
+    out_axes = list(range(num_in_axes, len(kernel_shape)))
+
+    def flat_range(axes):
+        inner = math.prod(kernel_shape[a] for a in axes[1:])
+        first = index[axes[0]]
+        return slice(first.start * inner, first.stop * inner)
+
+    # HF weight is [out, in]
+    block = np.asarray(hf_slice[flat_range(out_axes), flat_range(in_axes)])
+    n_out = index[out_axes[0]].stop - index[out_axes[0]].start
+    n_in = index[in_axes[0]].stop - index[in_axes[0]].start
+    block = block.T.reshape((n_in, *[kernel_shape[a] for a in in_axes[1:]],
+                             n_out, *[kernel_shape[a] for a in out_axes[1:]]))
+    inner_index = tuple(slice(None) if a in (in_axes[0], out_axes[0]) else index[a]
+                        for a in range(len(kernel_shape)))
+    return np.ascontiguousarray(block[inner_index])
+
+
+def load_config(path: str) -> Qwen3Config:
+    """``Qwen3Config.from_hf_dict`` of ``path/config.json`` (FileNotFoundError if absent)."""
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
+    with open(cfg_path) as f:
+        return Qwen3Config.from_hf_dict(json.load(f))
+
+
+def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
+                    rules: shd.Rules | None = None, param_dtype=None) -> Qwen3ForCausalLM:
+    """Loads a local HF Qwen3 directory into a ``Qwen3ForCausalLM``.
+
+    Args:
+      path: directory with ``config.json`` and ``model.safetensors`` (or shards + index).
+      dtype: computation dtype, and parameter dtype unless ``param_dtype`` is given;
+        tensors are cast from their stored dtype.
+      mesh: if given, every parameter is created directly with its ``NamedSharding``
+        (``pdm_jax.sharding.param_shardings`` under ``rules``); each device reads only
+        its own block. Without a mesh, parameters go to the default device.
+      rules: logical-axis rules (default ``pdm_jax.sharding.DEFAULT_RULES``).
+      param_dtype: storage dtype of the parameters (default: ``dtype``).
+    Returns:
+      The model (only ``nnx.Param`` state).
+    Raises:
+      FileNotFoundError: missing config or weights.
+      ValueError: unsupported config (names the field); missing tensors, unexpected
+        tensors, or tensors with the wrong shape (names each tensor, with expected and
+        found HF shapes). With ``tie_word_embeddings`` an ``lm_head.weight`` in the file
+        is tolerated and ignored (some exports keep the alias).
+    """
+    config = load_config(path)
+    param_dtype = dtype if param_dtype is None else param_dtype
+    rules = shd.DEFAULT_RULES if rules is None else rules
+    abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(
+        config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
+    graphdef, abs_state = nnx.split(abstract)
+    flat = nnx.to_flat_state(abs_state)
+    shardings = None
+    if mesh is not None:
+        shardings = dict(nnx.to_flat_state(shd.param_shardings(abs_state, mesh, rules)))
+
+    ckpt = _Checkpoint(path)
+    try:
+        expected: dict[str, tuple[tuple, str, int | None]] = {}
+        for p, var in flat:
+            name, num_in = nnx_to_hf(_nnx_path_str(p))
+            expected[name] = (p, var, num_in)
+        present = set(ckpt.weight_map)
+        missing = sorted(set(expected) - present)
+        extra = sorted(present - set(expected))
+        if config.tie_word_embeddings and "lm_head.weight" in extra:
+            extra.remove("lm_head.weight")
+        problems = []
+        if missing:
+            problems.append(f"missing tensors: {missing}")
+        if extra:
+            problems.append(f"unexpected tensors: {extra}")
+        for name in sorted(set(expected) & present):
+            _, var, num_in = expected[name]
+            want = hf_shape(var.get_value().shape, num_in)
+            got = tuple(ckpt.slice(name).get_shape())
+            if got != want:
+                problems.append(f"tensor {name!r} has shape {got}, expected {want}")
+        if problems:
+            raise ValueError(f"checkpoint {path} does not match {config}: " + "; ".join(problems))
+
+        new_values = []
+        for p, var in flat:
+            name, num_in = nnx_to_hf(_nnx_path_str(p))
+            hf_slice = ckpt.slice(name)
+            shape, target = tuple(var.get_value().shape), var.get_value().dtype
+            if shardings is None:
+                full = _read_block(hf_slice, shape, num_in, tuple(slice(None) for _ in shape))
+                array = jnp.asarray(full.astype(target))
+            else:
+                cache: dict[tuple, np.ndarray] = {}
+
+                def callback(index, hf_slice=hf_slice, shape=shape, num_in=num_in,
+                             target=target, cache=cache):
+                    key = tuple((s.start, s.stop) for s in
+                                (slice(*i.indices(n)) for i, n in zip(index, shape)))
+                    if key not in cache:
+                        cache[key] = _read_block(hf_slice, shape, num_in, index).astype(target)
+                    return cache[key]
+
+                array = jax.make_array_from_callback(shape, shardings[p], callback)
+            new_values.append((p, array))
+    finally:
+        ckpt.close()
+    state = nnx.from_flat_state([(p, var.replace(value)) for (p, var), (_, value)
+                                 in zip(flat, new_values)])
+    return nnx.merge(graphdef, state)
+
+
+# --------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------
+
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+               "B": 1}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB", "500MiB" (transformers convention)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    if isinstance(size, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", size.upper())
+        if m:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    raise ValueError(f"max_shard_size must be a positive int or a string like '5GB', got {size!r}")
+
+
+def _host_value(value: jax.Array) -> np.ndarray:
+    """Full host copy of one (possibly sharded) parameter."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(jax.device_get(value))
+
+
+def save_pretrained(model: Qwen3ForCausalLM, path: str, *,
+                    max_shard_size: int | str = "5GB") -> list[str]:
+    """Writes ``config.json`` and safetensors in the HF layout (round trip bit-exact).
+
+    Tensors keep the parameters' stored dtype. One ``model.safetensors`` if everything
+    fits in ``max_shard_size`` bytes, else ``model-XXXXX-of-YYYYY.safetensors`` shards
+    plus ``model.safetensors.index.json``. Only one shard's worth of tensors is on the
+    host at a time. Multi-host: every process gathers, only process 0 writes.
+
+    Returns the list of weight files written (names relative to ``path``).
+    Raises ValueError for a bad ``max_shard_size``.
+    """
+    limit = parse_size(max_shard_size)
+    config: Qwen3Config = model.config
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    entries = []  # (hf_name, path, num_in, nbytes)
+    for p, var in flat:
+        name, num_in = nnx_to_hf(_nnx_path_str(p))
+        v = var.get_value()
+        entries.append((name, v, num_in, int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize))
+    entries.sort(key=lambda e: _hf_sort_key(e[0]))
+    groups: list[list] = [[]]
+    size = 0
+    for e in entries:
+        if groups[-1] and size + e[3] > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e[3]
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        for stale in (SINGLE_FILE, INDEX_FILE):
+            if os.path.exists(os.path.join(path, stale)):
+                os.remove(os.path.join(path, stale))
+        with open(os.path.join(path, CONFIG_NAME), "w") as f:
+            json.dump(config.to_hf_dict(), f, indent=2)
+    n = len(groups)
+    fnames = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                            for i in range(n)]
+    weight_map = {}
+    for fname, group in zip(fnames, groups):
+        tensors = {name: to_hf_layout(_host_value(v), num_in) for name, v, num_in, _ in group}
+        if writer:
+            save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in tensors})
+        del tensors
+    if writer and n > 1:
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": sum(e[3] for e in entries)},
+                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    return fnames
+
+
+def _hf_sort_key(name: str):
+    """Embedding first, then layers in numeric order, then final norm and head."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m:
+        return (1, int(m.group(1)), name)
+    return (0 if "embed_tokens" in name else 2, 0, name)
+
+
+def hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, np.ndarray]:
+    """All parameters as an HF-named dict of host numpy arrays (small models / tests)."""
+    out = {}
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, num_in = nnx_to_hf(_nnx_path_str(p))
+        out[name] = to_hf_layout(_host_value(var.get_value()), num_in)
+    return out
+
+
+def load_hf_state_dict(model: Qwen3ForCausalLM, tensors: dict[str, Any]) -> Qwen3ForCausalLM:
+    """Sets ``model``'s params in place from an HF-named dict of arrays (small models / tests).
+
+    Raises ValueError naming missing/unexpected tensors or wrong shapes.
+    """
+    state = nnx.state(model, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    seen = set()
+    for p, var in flat:
+        name, num_in = nnx_to_hf(_nnx_path_str(p))
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name!r}")
+        arr = np.asarray(tensors[name])
+        want = hf_shape(var.get_value().shape, num_in)
+        if arr.shape != want:
+            raise ValueError(f"tensor {name!r} has shape {arr.shape}, expected {want}")
+        full = _read_block(arr, tuple(var.get_value().shape), num_in,
+                           tuple(slice(None) for _ in var.get_value().shape))
+        var.set_value(jnp.asarray(full, var.get_value().dtype))
+        seen.add(name)
+    extra = sorted(set(tensors) - seen - ({"lm_head.weight"} if model.config.tie_word_embeddings
+                                          else set()))
+    if extra:
+        raise ValueError(f"unexpected tensors: {extra}")
+    nnx.update(model, state)
+    return model

@@ -1,0 +1,292 @@
+"""Qwen3 NNX model: parity with transformers' PyTorch Qwen3, KV-cache decode, config, presets."""
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pdm_jax.models import (KVCache, Qwen3Config, Qwen3ForCausalLM, from_pretrained,
+                            save_pretrained)
+from pdm_jax.models import presets
+
+REF_DIR = os.path.join(os.path.dirname(__file__), "data", "qwen3_reference")
+CASES = ("gqa_untied", "mqa_tied", "sharded")
+
+TINY = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   rope_theta=10_000.0)
+
+
+def _scaled_model(config: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
+    """Random model with O(1) logits (the 0.02 init gives near-uniform attention)."""
+    model = Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    new = [jax.random.normal(k, x.shape) * (1.0 if x.ndim == 1 else 1.0 / np.sqrt(x.shape[0]))
+           + (1.0 if x.ndim == 1 else 0.0) for k, x in zip(keys, leaves)]
+    nnx.update(model, jax.tree.unflatten(treedef, new))
+    return model
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_committed_reference_parity(case):
+    """Our from_pretrained + forward vs transformers' logits (padded batch, positions > 0)."""
+    path = os.path.join(REF_DIR, case)
+    ref = np.load(os.path.join(path, "reference.npz"))
+    model = from_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    assert model.config.tie_word_embeddings == hf["tie_word_embeddings"]
+    assert model.config.rope_theta == hf["rope_parameters"]["rope_theta"]
+    logits = model(ref["input_ids"], positions=ref["position_ids"],
+                   attention_mask=ref["attention_mask"])
+    assert logits.dtype == jnp.float32 and logits.shape == ref["logits"].shape
+    real = ref["attention_mask"].astype(bool)
+    err = np.abs(np.asarray(logits) - ref["logits"])[real].max()
+    assert err <= 1e-4, err
+    assert np.abs(ref["logits"][real]).max() > 1.0  # the reference is not trivially flat
+    assert np.isfinite(np.asarray(logits)).all()  # pure-padding queries stay finite
+
+
+def test_positions_matter():
+    """Row 2 of the reference uses stride-2 positions: arange positions must disagree."""
+    path = os.path.join(REF_DIR, "gqa_untied")
+    ref = np.load(os.path.join(path, "reference.npz"))
+    model = from_pretrained(path)
+    logits = model(ref["input_ids"][2:], attention_mask=ref["attention_mask"][2:])
+    assert np.abs(np.asarray(logits[0]) - ref["logits"][2]).max() > 1e-2
+
+
+def test_live_torch_parity(tmp_path):
+    """transformers model -> HF save -> our load, and our save -> transformers load."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    hf_config = transformers.Qwen3Config(
+        vocab_size=40, hidden_size=24, intermediate_size=36, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 2_000.0},
+        tie_word_embeddings=False, attn_implementation="eager")
+    hf_model = transformers.Qwen3ForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.copy_(torch.randn(p.shape) / (p.shape[-1] ** 0.5 if p.ndim == 2 else 1.0)
+                    + (1.0 if p.ndim == 1 else 0.0))
+    hf_model.save_pretrained(tmp_path / "hf")
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 40, (2, 11))
+    mask = np.ones((2, 11), np.int64)
+    mask[0, :4] = 0
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0) + 17
+    with torch.no_grad():
+        want = hf_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                        position_ids=torch.tensor(positions)).logits.numpy()
+    ours = from_pretrained(str(tmp_path / "hf"))
+    got = np.asarray(ours(ids, positions=positions, attention_mask=mask))
+    assert np.abs(got - want)[mask.astype(bool)].max() <= 1e-4
+    # Our writer produces a directory transformers loads to the same function.
+    save_pretrained(ours, str(tmp_path / "ours"), max_shard_size="4KB")
+    back = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        again = back(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                     position_ids=torch.tensor(positions)).logits.numpy()
+    assert np.abs(again - want)[mask.astype(bool)].max() <= 1e-5
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+def _left_padded_batch(rng, vocab, prompt_lens, total_len):
+    B = len(prompt_lens)
+    P = max(prompt_lens)
+    ids = rng.randint(0, vocab, (B, total_len)).astype(np.int32)
+    mask = np.ones((B, total_len), bool)
+    for b, n in enumerate(prompt_lens):
+        mask[b, : P - n] = False
+    return ids, mask, P
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_matches_full_forward(tied):
+    """Prefill a left-padded prompt batch, then decode one token at a time (positions up to
+    22, past the prefill chunk); every step's logits equal the full forward's."""
+    config = dataclasses.replace(TINY, tie_word_embeddings=tied)
+    model = _scaled_model(config, seed=3)
+    rng = np.random.RandomState(1)
+    total, max_len = 16, 20
+    ids, mask, P = _left_padded_batch(rng, config.vocab_size, [5, 2, 7], total)
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32) + 7  # positions > 0
+    full = np.asarray(model(ids, positions=positions, attention_mask=mask))
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, ids, pos, cache, index, kv_mask):
+        return nnx.merge(graphdef, state).decode(ids, pos, cache, index, kv_mask)
+
+    kv_mask = np.zeros((3, max_len), bool)
+    kv_mask[:, :P] = mask[:, :P]
+    cache = model.init_cache(3, max_len)
+    assert isinstance(cache, KVCache) and cache.k.shape == (2, 3, max_len, 2, 8)
+    logits, cache = step(state, ids[:, :P], positions[:, :P], cache, jnp.int32(0), kv_mask)
+    real = mask[:, :P]
+    np.testing.assert_allclose(np.asarray(logits)[real], full[:, :P][real], atol=2e-5)
+    for t in range(P, total):
+        kv_mask[:, t] = True
+        logits, cache = step(state, ids[:, t:t + 1], positions[:, t:t + 1], cache,
+                             jnp.int32(t), kv_mask)
+        np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, t], atol=2e-5,
+                                   err_msg=f"step {t}")
+
+
+def test_chunked_prefill_and_stale_slots():
+    """Prefill in two chunks (T > 1 at cache_index > 0); garbage in unmasked-out future
+    slots and in masked slots must not leak into the logits."""
+    model = _scaled_model(TINY, seed=5)
+    rng = np.random.RandomState(2)
+    ids, mask, _ = _left_padded_batch(rng, TINY.vocab_size, [9, 6], 9)
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
+    full = np.asarray(model(ids, positions=positions, attention_mask=mask))
+    cache = model.init_cache(2, 12)
+    cache = KVCache(k=cache.k + 5.0, v=cache.v - 3.0)  # stale values everywhere
+    kv_mask = np.zeros((2, 12), bool)
+    kv_mask[:, :9] = mask
+    l1, cache = model.decode(ids[:, :4], positions[:, :4], cache, 0, kv_mask)
+    l2, cache = model.decode(ids[:, 4:], positions[:, 4:], cache, jnp.int32(4), kv_mask)
+    got = np.concatenate([np.asarray(l1), np.asarray(l2)], axis=1)
+    np.testing.assert_allclose(got[mask], full[mask], atol=2e-5)
+
+
+def test_bf16_forward_close_to_f32():
+    model = _scaled_model(TINY, seed=4)
+    ids = np.random.RandomState(0).randint(0, TINY.vocab_size, (2, 6))
+    want = np.asarray(model(ids))
+    state = nnx.state(model, nnx.Param)
+    bf = Qwen3ForCausalLM(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    nnx.update(bf, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
+    got = bf(ids)
+    assert got.dtype == jnp.float32
+    assert np.abs(np.asarray(got) - want).max() < 0.1 * np.abs(want).max()
+
+
+def test_model_holds_only_params_and_grads_are_finite():
+    model = _scaled_model(TINY)
+    graphdef, state = nnx.split(model)
+    variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert variables and all(type(v) is nnx.Param for v in variables)
+    ids = np.arange(12).reshape(2, 6) % TINY.vocab_size
+
+    def loss(state):
+        logits = nnx.merge(graphdef, state)(ids)
+        return -jax.nn.log_softmax(logits)[..., 0].mean()
+
+    grads = jax.jit(jax.grad(loss))(state)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_bad_inputs():
+    model = Qwen3ForCausalLM(TINY, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="positions"):
+        model(np.zeros((2, 3), np.int32), positions=np.zeros((2, 4), np.int32))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(np.zeros((2, 3), np.int32), attention_mask=np.ones((2, 2)))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(np.zeros((3,), np.int32))
+    cache = model.init_cache(2, 5)
+    with pytest.raises(ValueError, match="kv_mask"):
+        model.decode(np.zeros((2, 1), np.int32), np.zeros((2, 1), np.int32), cache, 0,
+                     np.ones((2, 4), bool))
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_size", 0, "hidden_size"),
+    ("num_key_value_heads", 3, "divisible"),
+    ("head_dim", 7, "head_dim"),
+    ("rope_theta", -1.0, "rope_theta"),
+    ("vocab_size", 2.5, "vocab_size"),
+    ("tie_word_embeddings", 1, "tie_word_embeddings"),
+])
+def test_config_validation(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(TINY, **{field: value})
+
+
+def test_hf_dict_round_trip_and_transformers_accepts_it():
+    d = TINY.to_hf_dict()
+    assert d["model_type"] == "qwen3" and d["architectures"] == ["Qwen3ForCausalLM"]
+    assert Qwen3Config.from_hf_dict(d) == TINY
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen3Config(**d)
+    assert Qwen3Config.from_hf_dict(hf.to_dict()) == TINY  # 5.x layout (rope_parameters)
+
+
+@pytest.mark.parametrize("update,field", [
+    ({"model_type": "llama"}, "model_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_parameters"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"use_sliding_window": True, "sliding_window": 128}, "use_sliding_window"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_experts": 8}, "num_experts"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ({"num_attention_heads": 5}, "num_attention_heads"),
+])
+def test_from_hf_dict_rejects_unsupported(update, field):
+    d = {**TINY.to_hf_dict(), **update}
+    with pytest.raises(ValueError, match=field):
+        Qwen3Config.from_hf_dict(d)
+
+
+def test_from_hf_dict_missing_field():
+    d = TINY.to_hf_dict()
+    del d["intermediate_size"]
+    with pytest.raises(ValueError, match="intermediate_size"):
+        Qwen3Config.from_hf_dict(d)
+
+
+# ----------------------------------------------------------------------------- presets
+
+# Published totals / non-embedding counts (model cards of Qwen/Qwen3-*), in billions.
+PUBLISHED = {
+    "qwen3_0p6b": (0.6, 0.44), "qwen3_1p7b": (1.7, 1.4), "qwen3_4b": (4.0, 3.6),
+    "qwen3_8b": (8.2, 6.95), "qwen3_14b": (14.8, 13.2), "qwen3_32b": (32.8, 31.2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_param_counts(name):
+    config = presets.get_preset(name)
+    total, non_emb = PUBLISHED[name]
+    got_total = presets.count_params(config) / 1e9
+    got_non_emb = presets.count_params(config, non_embedding=True) / 1e9
+    # Model cards round to 2 significant digits ("1.7B" is 1.72B).
+    assert abs(got_total - total) <= 0.03 * total, got_total
+    assert abs(got_non_emb - non_emb) <= 0.03 * non_emb, got_non_emb
+
+
+def test_count_params_closed_form():
+    c = TINY
+    D, F, N, K, H, V, L = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                           c.num_key_value_heads, c.head_dim, c.vocab_size, c.num_hidden_layers)
+    per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D + 2 * H
+    assert presets.count_params(c) == 2 * V * D + L * per_layer + D
+    tied = dataclasses.replace(c, tie_word_embeddings=True)
+    assert presets.count_params(tied) == V * D + L * per_layer + D
+    assert presets.count_params(c, non_embedding=True) == L * per_layer + D
+
+
+def test_get_preset_unknown():
+    with pytest.raises(ValueError, match="qwen3_8b"):
+        presets.get_preset("qwen3_7b")
