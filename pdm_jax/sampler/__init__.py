@@ -1,1 +1,31 @@
-"""pdm_jax.sampler."""
+"""pdm_jax.sampler: the rollout service.
+
+quantize   bf16 / fp8-e4m3 (per-output-channel, weight-only) sampler weights
+weights    save_weights / load_weights: the trainer -> sampler weight-sync format
+engine     SamplingEngine (jitted KV-cache prefill + decode -> RolloutBatch), InProcessSampler
+server     python -m pdm_jax.sampler.server (FastAPI + uvicorn)
+client     SamplerClient (msgpack over HTTP, retries)
+launcher   start_sampler_server -> SamplerProcess
+
+Names are imported lazily so that `python -m pdm_jax.sampler.server --help`
+does not pay for importing JAX.
+"""
+
+_EXPORTS = {
+    "SamplingEngine": "engine", "InProcessSampler": "engine", "RequestError": "engine",
+    "StaleWeightsError": "engine",
+    "save_weights": "weights", "load_weights": "weights", "WeightsError": "weights",
+    "prepare_sampler_params": "quantize", "quantize_fp8": "quantize",
+    "SamplerClient": "client", "SamplerError": "client", "SamplerRequestError": "client",
+    "start_sampler_server": "launcher", "SamplerProcess": "launcher", "SamplerStartupError": "launcher",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"pdm_jax.sampler.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'pdm_jax.sampler' has no attribute {name!r}")

@@ -1,0 +1,166 @@
+"""`SamplerClient`: what the trainer uses to talk to the sampler service.
+
+Speaks msgpack (top-K tables travel as raw f32/int32 arrays; schema in
+``pdm_jax.sampler.wire``), with a per-request timeout and retries with
+exponential backoff on connection errors, timeouts and 5xx answers.  A
+generation request always carries a seed (drawn here when the caller gives
+none), so a retried request returns the same tokens.  4xx answers are not
+retried: they raise `SamplerRequestError` with the server's message.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pdm_jax.rollout import RolloutBatch
+from pdm_jax.sampler import wire
+
+
+class SamplerError(RuntimeError):
+    """The sampler could not be reached or kept failing (after all retries)."""
+
+
+class SamplerRequestError(ValueError):
+    """The sampler rejected a request (HTTP 4xx); ``status``, ``field`` and ``message`` say why."""
+
+    def __init__(self, status: int, message: str, field: Optional[str] = None):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status, self.message, self.field = status, message, field
+
+
+class SamplerClient:
+    """HTTP client of ``python -m pdm_jax.sampler.server``.
+
+    Args:
+      base_url: e.g. ``"http://127.0.0.1:8000"``.
+      timeout_s: per-request timeout in seconds (generation included).
+      retries: extra attempts after the first on connection errors, timeouts, 5xx.
+      backoff_s: first backoff; doubles per retry.
+      token: shared bearer token when the server was started with ``--token``.
+    """
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5,
+                 token: Optional[str] = None):
+        import httpx
+
+        if retries < 0 or timeout_s <= 0 or backoff_s < 0:
+            raise ValueError(f"SamplerClient: need retries >= 0, timeout_s > 0, backoff_s >= 0; got "
+                             f"retries={retries}, timeout_s={timeout_s}, backoff_s={backoff_s}")
+        self.base_url = base_url.rstrip("/")
+        self.retries, self.backoff_s, self.timeout_s = int(retries), float(backoff_s), float(timeout_s)
+        headers = {"accept": wire.MSGPACK}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+
+    def close(self) -> None:
+        """Closes the connection pool."""
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _request(self, method: str, path: str, payload=None, *, retries: Optional[int] = None) -> dict:
+        import httpx
+
+        retries = self.retries if retries is None else retries
+        content = None if payload is None else wire.dumps(payload, msgpack=True)
+        headers = {} if payload is None else {"content-type": wire.MSGPACK}
+        last = None
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                r = self._http.request(method, path, content=content, headers=headers)
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            body = self._decode(r)
+            if r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {body if not isinstance(body, dict) else body.get('error', body)}"
+                continue
+            if r.status_code >= 400:
+                err = body.get("error", {}) if isinstance(body, dict) else {}
+                raise SamplerRequestError(r.status_code, err.get("message") or str(body), err.get("field"))
+            return body
+        raise SamplerError(f"{method} {self.base_url}{path} failed after {retries + 1} attempt(s): {last}")
+
+    @staticmethod
+    def _decode(r):
+        try:
+            return wire.loads(r.content, msgpack=wire.is_msgpack(r.headers.get("content-type")))
+        except ValueError:
+            return r.text
+
+    def health(self, *, retries: Optional[int] = None) -> dict:
+        """``GET /health``: {"status", "model", "quantization", "version", ...}."""
+        return self._request("GET", "/health", retries=retries)
+
+    def load_weights(self, path: str, version: int) -> dict:
+        """``POST /v1/weights``; raises SamplerRequestError (403 outside root, 404 missing, 409 stale)."""
+        return self._request("POST", "/v1/weights", {"path": str(path), "version": int(version)})
+
+    @property
+    def version(self) -> int:
+        """The server's current weights version (one /health call)."""
+        return int(self.health()["version"])
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
+                 max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
+                 stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
+                 top_k: int = 0) -> RolloutBatch:
+        """``POST /v1/generate``; same arguments and result as `SamplingEngine.generate`.
+
+        Raises:
+          SamplerRequestError: the server rejected the request (names the field).
+          SamplerError: unreachable / 5xx after all retries.
+        """
+        prompts = [[int(t) for t in p] for p in prompts]
+        payload = {"prompt": prompts, "n": int(n), "temperature": float(temperature), "top_p": float(top_p),
+                   "top_k": int(top_k), "logprobs": int(top_k_logprobs),
+                   "stop_token_ids": [int(s) for s in stop_token_ids or ()],
+                   "seed": int(seed) if seed is not None else secrets.randbelow(2**32)}
+        if max_new_tokens is not None:
+            payload["max_tokens"] = int(max_new_tokens)
+        else:
+            payload["max_tokens"] = int(self.health().get("max_new_tokens", 16))
+        resp = self._request("POST", "/v1/generate", payload)
+        return response_to_batch(prompts, resp, top_k_logprobs=int(top_k_logprobs))
+
+
+def response_to_batch(prompts: Sequence[Sequence[int]], resp: dict, *, top_k_logprobs: int) -> RolloutBatch:
+    """Builds a RolloutBatch from a /v1/generate response (JSON or msgpack decoded)."""
+    choices = sorted(resp["choices"], key=lambda c: c["index"])
+    n_rows, k = len(choices), int(top_k_logprobs)
+    toks = [np.asarray(c["token_ids"], np.int32).reshape(-1) for c in choices]
+    t_out = max(1, max(len(x) for x in toks))
+    p_out = max(len(p) for p in prompts)
+    out = dict(
+        prompt_ids=np.zeros((n_rows, p_out), np.int32), prompt_mask=np.zeros((n_rows, p_out), bool),
+        completion_ids=np.zeros((n_rows, t_out), np.int32), completion_mask=np.zeros((n_rows, t_out), bool),
+        behavior_logprobs=np.zeros((n_rows, t_out), np.float32), topk_ids=np.zeros((n_rows, t_out, k), np.int32),
+        topk_logprobs=np.zeros((n_rows, t_out, k), np.float32))
+    versions, groups, reasons = [], [], []
+    for r, c in enumerate(choices):
+        i, t = int(c["prompt_index"]), len(toks[r])
+        pr = prompts[i]
+        out["prompt_ids"][r, p_out - len(pr):] = pr
+        out["prompt_mask"][r, p_out - len(pr):] = True
+        out["completion_ids"][r, :t] = toks[r]
+        out["completion_mask"][r, :t] = True
+        out["behavior_logprobs"][r, :t] = wire.float_list(c["logprobs"]).reshape(-1)
+        if k and t:
+            out["topk_ids"][r, :t] = np.asarray(c["top_logprobs"]["ids"], np.int32).reshape(t, k)
+            out["topk_logprobs"][r, :t] = wire.float_list(c["top_logprobs"]["logprobs"]).reshape(t, k)
+        versions.append(int(c.get("weights_version", resp["weights_version"])))
+        groups.append(i)
+        reasons.append(c["finish_reason"])
+    return RolloutBatch(**out, weights_version=np.array(versions, np.int32), group_ids=np.array(groups, np.int32),
+                        finish_reason=np.array(reasons, dtype=object))

@@ -1,0 +1,546 @@
+"""Batched, jitted KV-cache generation with behaviour log-probabilities and top-K.
+
+`SamplingEngine` holds a quantized copy of the policy (see `quantize.py`) and
+turns prompts into a `RolloutBatch`: for every generated token the sampled id,
+log mu of it, and the K most likely ids with their log mu, where
+mu = softmax(z_q / tau) is *the distribution the token was drawn from*
+(DESIGN.md section 1).
+
+Shapes are static per bucket: batch (powers of two up to ``max_batch_size``;
+larger requests are split into chunks), prompt length (powers of two, at least
+``min_prompt_bucket``, up to ``max_prompt_length``, prompts left-padded) and the
+number of new tokens (powers of two up to ``max_new_tokens``).  One bucket
+compiles once.  Prefill runs the whole (left-padded) prompt through
+``Qwen3ForCausalLM.decode`` at cache slot 0; the decode loop is a
+``jax.lax.while_loop`` inside the same jitted program (no host round-trip per
+token on CPU), writing token t's key/value at slot ``P + t`` and stopping as soon
+as every row has finished (stop token or its ``max_new_tokens``).
+
+Sampling (per row, per token):
+
+* ``temperature > 0``: z / tau, optional top-k (keep the k largest) then top-p
+  (keep the smallest prefix of the sorted distribution whose mass reaches p;
+  the most likely token is always kept), renormalised; the token is drawn with
+  ``jax.random.categorical``.  All returned log-probabilities (sampled and
+  top-K) are of this *renormalised, filtered* distribution -- the one actually
+  sampled from -- so filtered-out ids have log mu = -inf.  With filters on, the
+  trainer's ratio pi/mu then compares the unfiltered policy with a truncated
+  behaviour policy: mu(k) >= softmax(z_q/tau)(k), and log-ratios are biased
+  downwards on kept tokens (README).  Filters are off by default (top_p=1, top_k=0).
+* ``temperature == 0``: greedy (argmax of the logits); the returned
+  log-probabilities are those of softmax(z) at tau = 1 (after the same filters),
+  i.e. what the trainer computes with temperature 1.
+* Reproducible: row ``i * n + j`` (sample j of prompt i) uses the key
+  ``fold_in(fold_in(PRNGKey(seed), i), j)`` and token t ``fold_in(row_key, t)``,
+  so the same request with the same seed gives the same output, independent of
+  chunking into batches.
+
+Finish reasons: ``"stop"`` when a stop token was generated (it is kept in the
+completion and in the mask), ``"length"`` when ``max_new_tokens`` was reached.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import secrets
+import threading
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pdm_jax.rollout import RolloutBatch
+from pdm_jax.sampler import quantize as quant
+from pdm_jax.sampler import weights as wts
+
+MAX_SEED = 2**32 - 1
+
+
+class RequestError(ValueError):
+    """An invalid generation request; ``field`` names the offending request field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class StaleWeightsError(wts.WeightsError):
+    """A weights load with a version that is not newer than the current one."""
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _bucket(x: int, lo: int, hi: int) -> int:
+    return int(min(max(_next_pow2(x), lo), hi))
+
+
+def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs, stop_token_ids, seed,
+                     top_p, top_k, vocab_size: int, max_prompt_length: int, max_new_tokens_limit: int,
+                     max_stop_tokens: int) -> list:
+    """Checks a generation request; returns the prompts as a list of int lists.
+
+    Raises:
+      RequestError: naming the field, for an empty prompt list or prompt, a prompt
+        longer than `max_prompt_length`, ids outside [0, vocab_size), n <= 0,
+        temperature < 0 or non-finite, top_p outside (0, 1], top_k < 0,
+        max_new_tokens outside [1, max_new_tokens_limit], top_k_logprobs outside
+        [0, vocab_size], more than `max_stop_tokens` stop ids or ids outside the
+        vocabulary, a seed outside [0, 2**32).
+    """
+    def is_int(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(prompts, np.ndarray):
+        raise RequestError("prompt", "must be a list of token-id lists")
+    out = []
+    if len(prompts) == 0:
+        raise RequestError("prompt", "is empty; need at least one prompt")
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+            raise RequestError("prompt", f"prompt[{i}] must be a list of token ids, got {type(p).__name__}")
+        p = list(p)
+        if len(p) == 0:
+            raise RequestError("prompt", f"prompt[{i}] is empty")
+        if len(p) > max_prompt_length:
+            raise RequestError("prompt", f"prompt[{i}] has {len(p)} tokens, longer than the context limit "
+                               f"max_prompt_length={max_prompt_length}")
+        for t in p:
+            if not is_int(t):
+                raise RequestError("prompt", f"prompt[{i}] holds a non-integer token {t!r}")
+            if not 0 <= int(t) < vocab_size:
+                raise RequestError("prompt", f"prompt[{i}] holds token id {int(t)} outside the vocabulary [0, {vocab_size})")
+        out.append([int(t) for t in p])
+    if not is_int(n) or n <= 0:
+        raise RequestError("n", f"must be an integer >= 1, got {n!r}")
+    if not isinstance(temperature, (int, float, np.floating, np.integer)) or isinstance(temperature, bool) \
+            or not math.isfinite(float(temperature)) or float(temperature) < 0:
+        raise RequestError("temperature", f"must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float, np.floating, np.integer)) or not (0.0 < float(top_p) <= 1.0):
+        raise RequestError("top_p", f"must be in (0, 1], got {top_p!r}")
+    if not is_int(top_k) or top_k < 0:
+        raise RequestError("top_k", f"must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not is_int(max_new_tokens) or not 1 <= max_new_tokens <= max_new_tokens_limit:
+        raise RequestError("max_tokens", f"must be an integer in [1, {max_new_tokens_limit}], got {max_new_tokens!r}")
+    if not is_int(top_k_logprobs) or not 0 <= top_k_logprobs <= vocab_size:
+        raise RequestError("logprobs", f"K must be an integer in [0, vocab_size={vocab_size}], got {top_k_logprobs!r}")
+    stops = list(stop_token_ids or ())
+    if len(stops) > max_stop_tokens:
+        raise RequestError("stop_token_ids", f"at most {max_stop_tokens} stop ids, got {len(stops)}")
+    for s in stops:
+        if not is_int(s) or not 0 <= int(s) < vocab_size:
+            raise RequestError("stop_token_ids", f"id {s!r} outside the vocabulary [0, {vocab_size})")
+    if seed is not None and (not is_int(seed) or not 0 <= int(seed) <= MAX_SEED):
+        raise RequestError("seed", f"must be an integer in [0, 2**32), got {seed!r}")
+    return out
+
+
+def sampling_distribution(logits_BxV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
+                          top_k_B: jax.Array) -> jax.Array:
+    """log mu [B, V] f32: the distribution tokens are drawn from (see module docstring).
+
+    log_softmax(z / tau) with tau = temperature (1 for greedy rows, temperature 0),
+    then top-k (k > 0) and top-p (p < 1) filtering with renormalisation; filtered
+    ids get -inf.  Ties at the top-k threshold are all kept.
+    """
+    z = logits_BxV.astype(jnp.float32)
+    tau_B = jnp.where(temperature_B > 0, temperature_B, 1.0).astype(jnp.float32)
+    logp_BxV = jax.nn.log_softmax(z / tau_B[:, None], axis=-1)
+
+    def filtered(logp):
+        v = logp.shape[-1]
+        sorted_BxV = -jnp.sort(-logp, axis=-1)  # descending
+        k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, v), v)
+        kth_B = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=-1)[:, 0]
+        keep = logp >= kth_B[:, None]
+        # top-p on the top-k-filtered, renormalised distribution
+        sorted_k = jnp.where(jnp.arange(v)[None, :] < k_B[:, None], sorted_BxV, -jnp.inf)
+        sorted_k = sorted_k - jax.nn.logsumexp(sorted_k, axis=-1, keepdims=True)
+        probs = jnp.exp(sorted_k)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        in_p = (mass_before < top_p_B[:, None]) & (jnp.arange(v)[None, :] < k_B[:, None])
+        n_keep_B = jnp.maximum(jnp.sum(in_p, axis=-1), 1)
+        pth_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)[:, 0]
+        keep = keep & (logp >= pth_B[:, None])
+        masked = jnp.where(keep, logp, -jnp.inf)
+        return masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True)
+
+    active = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
+    return jax.lax.cond(active, filtered, lambda x: x, logp_BxV)
+
+
+def _sample_step(logits_BxV, keys_B, t, temperature_B, top_p_B, top_k_B, k_logprobs: int):
+    """One sampling step: (token [B] i32, log mu(token) [B] f32, topk ids [B,K], topk log mu [B,K])."""
+    logmu_BxV = sampling_distribution(logits_BxV, temperature_B, top_p_B, top_k_B)
+    step_keys_B = jax.vmap(lambda k: jax.random.fold_in(k, t))(keys_B)
+    drawn_B = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(step_keys_B, logmu_BxV)
+    greedy_B = jnp.argmax(logits_BxV, axis=-1)
+    token_B = jnp.where(temperature_B > 0, drawn_B, greedy_B).astype(jnp.int32)
+    logp_B = jnp.take_along_axis(logmu_BxV, token_B[:, None], axis=-1)[:, 0]
+    topk_lp_BxK, topk_ids_BxK = jax.lax.top_k(logmu_BxV, k_logprobs)
+    return token_B, logp_B, topk_ids_BxK.astype(jnp.int32), topk_lp_BxK
+
+
+def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_B, prompt_idx_B, sample_idx_B,
+                      temperature_B, top_p_B, top_k_B, max_new_B, stop_ids_BxS, *, num_new: int, k_logprobs: int,
+                      cache_dtype):
+    """The jitted prefill + while-loop decode for one (B, P, T=num_new, K) bucket."""
+    model = nnx.merge(graphdef, state)
+    b, p = prompt_ids_BxP.shape
+    s_len = p + num_new
+    cache = model.init_cache(b, s_len, dtype=cache_dtype)
+    prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
+    positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
+    kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.ones((b, num_new), bool)], axis=-1)
+    logits_BxPxV, cache = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0), kv_mask_BxS)
+    row_keys_B = jax.vmap(lambda s, i, j: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), i), j))(
+        seeds_B, prompt_idx_B, sample_idx_B)
+    sample = functools.partial(_sample_step, temperature_B=temperature_B, top_p_B=top_p_B, top_k_B=top_k_B,
+                               k_logprobs=k_logprobs)
+
+    tokens_BxT = jnp.zeros((b, num_new), jnp.int32)
+    logp_BxT = jnp.zeros((b, num_new), jnp.float32)
+    topk_ids_BxTxK = jnp.zeros((b, num_new, k_logprobs), jnp.int32)
+    topk_lp_BxTxK = jnp.zeros((b, num_new, k_logprobs), jnp.float32)
+
+    def record(carry_out, t, done_B, length_B, stopped_B, logits_BxV):
+        tokens, logp, tk_ids, tk_lp = carry_out
+        tok_B, lp_B, ids_BxK, lps_BxK = sample(logits_BxV, row_keys_B, t)
+        tokens = jax.lax.dynamic_update_slice(tokens, tok_B[:, None], (0, t))
+        logp = jax.lax.dynamic_update_slice(logp, lp_B[:, None], (0, t))
+        tk_ids = jax.lax.dynamic_update_slice(tk_ids, ids_BxK[:, None, :], (0, t, 0))
+        tk_lp = jax.lax.dynamic_update_slice(tk_lp, lps_BxK[:, None, :], (0, t, 0))
+        live_B = ~done_B
+        is_stop_B = jnp.any(tok_B[:, None] == stop_ids_BxS, axis=-1)
+        length_B = jnp.where(live_B, t + 1, length_B)
+        stopped_B = stopped_B | (live_B & is_stop_B)
+        done_B = done_B | is_stop_B | (t + 1 >= max_new_B)
+        return (tokens, logp, tk_ids, tk_lp), tok_B, done_B, length_B, stopped_B
+
+    done0_B = max_new_B <= 0  # batch-padding rows never keep the loop alive
+    outs, tok_B, done_B, length_B, stopped_B = record(
+        (tokens_BxT, logp_BxT, topk_ids_BxTxK, topk_lp_BxTxK), jnp.int32(0), done0_B,
+        jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), logits_BxPxV[:, -1, :])
+
+    def cond(c):
+        t, _, _, done, *_ = c
+        return (t < num_new) & ~jnp.all(done)
+
+    def body(c):
+        t, prev_B, cache, done, length, stopped, outs = c
+        pos_Bx1 = (prompt_len_B + t - 1)[:, None]
+        logits_Bx1xV, cache = model.decode(prev_B[:, None], pos_Bx1, cache, (p + t - 1).astype(jnp.int32), kv_mask_BxS)
+        outs, tok, done, length, stopped = record(outs, t, done, length, stopped, logits_Bx1xV[:, 0, :])
+        return t + 1, tok, cache, done, length, stopped, outs
+
+    t_final, _, _, _, length_B, stopped_B, outs = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), tok_B, cache, done_B, length_B, stopped_B, outs))
+    tokens_BxT, logp_BxT, topk_ids_BxTxK, topk_lp_BxTxK = outs
+    return dict(tokens=tokens_BxT, logp=logp_BxT, topk_ids=topk_ids_BxTxK, topk_logp=topk_lp_BxTxK,
+                length=length_B, stopped=stopped_B, steps=t_final)
+
+
+# One module-level jit: engines with equal configs (equal graphdefs) share compiled buckets.
+_GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,), static_argnames=("num_new", "k_logprobs", "cache_dtype"))
+
+
+class SamplingEngine:
+    """Quantized-copy sampler with KV-cache decode; produces `RolloutBatch`es.
+
+    Args:
+      config: ``pdm_jax.models.qwen3.Qwen3Config``.
+      params: trainer weights: an ``nnx.Module``, ``nnx.State`` or nested pure
+        dict of arrays (any float dtype; f32 expected).
+      quantization: ``"none"`` (f32, bit-compatible with the trainer), ``"bf16"``
+        or ``"fp8"`` (e4m3 weight-only, per-output-channel; see quantize.py).
+      version: weights version of `params`, reported per sequence.
+      weights_path: where `params` came from (for idempotent reloads), or None.
+      compute_dtype: activations/weights dtype of the sampler forward (default:
+        f32 for none, bf16 for bf16/fp8); logits are always f32.
+      max_prompt_length: longest accepted prompt (tokens); also the largest prompt bucket.
+      max_new_tokens: largest accepted ``max_new_tokens``; the largest decode bucket.
+      max_batch_size: largest batch bucket; bigger requests run in chunks.
+      min_prompt_bucket: smallest prompt bucket (fewer compiles for short prompts).
+      min_new_tokens_bucket: smallest decode bucket (the loop still stops at the
+        requested max_new_tokens; a larger bucket costs cache memory and attention
+        over masked slots).
+      max_stop_tokens: capacity of the per-row stop-id table.
+    Raises:
+      ValueError: bad quantization or limits (prompt + new tokens beyond the
+        model's ``max_position_embeddings``, non-positive sizes).
+    """
+
+    def __init__(self, config, params, *, quantization: str = "none", version: int = 0,
+                 weights_path: Optional[str] = None, compute_dtype=None, max_prompt_length: int = 512,
+                 max_new_tokens: int = 256, max_batch_size: int = 64, min_prompt_bucket: int = 8,
+                 min_new_tokens_bucket: int = 16, max_stop_tokens: int = 8, output_axes_fn=quant.default_output_axes):
+        from pdm_jax.models.qwen3 import Qwen3ForCausalLM
+
+        quant.check_quantization(quantization)
+        for name, v in (("max_prompt_length", max_prompt_length), ("max_new_tokens", max_new_tokens),
+                        ("max_batch_size", max_batch_size), ("min_prompt_bucket", min_prompt_bucket),
+                        ("min_new_tokens_bucket", min_new_tokens_bucket),
+                        ("max_stop_tokens", max_stop_tokens)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"SamplingEngine: {name} must be an integer >= 1, got {v!r}")
+        if max_prompt_length + max_new_tokens > config.max_position_embeddings:
+            raise ValueError(f"SamplingEngine: max_prompt_length + max_new_tokens = {max_prompt_length + max_new_tokens} "
+                             f"exceeds max_position_embeddings = {config.max_position_embeddings}")
+        self.config = config
+        self.quantization = quantization
+        self.compute_dtype = jnp.dtype(compute_dtype or quant.default_compute_dtype(quantization))
+        self.max_prompt_length = int(max_prompt_length)
+        self.max_new_tokens = int(max_new_tokens)
+        self.max_batch_size = _next_pow2(int(max_batch_size))
+        self.min_prompt_bucket = int(min_prompt_bucket)
+        self.min_new_tokens_bucket = int(min_new_tokens_bucket)
+        self.max_stop_tokens = int(max_stop_tokens)
+        self._output_axes_fn = output_axes_fn
+        dt = self.compute_dtype
+        abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt))
+        self._graphdef, self._abstract_state = nnx.split(abstract_model)
+        self._lock = threading.RLock()
+        self._program = _GENERATE_JIT
+        self._state = None
+        self._version = None
+        self._weights_path = None
+        self.set_params(params, version=version, weights_path=weights_path)
+
+    # ----------------------------------------------------------------- weights
+    @property
+    def version(self) -> int:
+        """The weights version currently loaded."""
+        return self._version
+
+    @property
+    def weights_path(self) -> Optional[str]:
+        """The directory the current weights were loaded from (None if given in memory)."""
+        return self._weights_path
+
+    def set_params(self, params, *, version: int, weights_path: Optional[str] = None) -> None:
+        """Quantizes `params` (module/state/pure dict, f32) and installs them as `version`."""
+        pure = wts.to_pure_dict(params)
+        prepared = quant.prepare_sampler_params(pure, self.quantization, compute_dtype=self.compute_dtype,
+                                                output_axes_fn=self._output_axes_fn)
+        state = jax.tree.map(lambda x: x, self._abstract_state)
+        try:
+            nnx.replace_by_pure_dict(state, prepared)
+        except Exception as e:
+            raise wts.WeightsError(f"parameters do not match the model structure: {type(e).__name__}: {e}") from e
+        bad = [(str(a.shape), str(b.shape)) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(self._abstract_state))
+               if tuple(a.shape) != tuple(b.shape)]
+        if bad:
+            raise wts.WeightsError(f"parameter shapes do not match the model: got {bad[0][0]}, expected {bad[0][1]}")
+        with self._lock:
+            self._state = jax.device_put(state)
+            self._version = int(version)
+            self._weights_path = None if weights_path is None else os.path.realpath(weights_path)
+
+    def load_weights(self, path: str, version: int) -> dict:
+        """Loads weights `version` from a `save_weights` directory and re-quantizes.
+
+        Accepted when ``version > self.version``, or ``version == self.version``
+        and `path` is the directory the current weights came from (idempotent
+        reload: the output is then identical).
+        Returns ``{"version", "path", "seconds", "reloaded"}``.
+        Raises:
+          StaleWeightsError: version <= current (except the idempotent case).
+          WeightsError: missing/incomplete directory, or its recorded version
+            differs from `version`, or shapes do not match the model.
+        """
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise wts.WeightsError(f"version must be an integer, got {version!r}")
+        real = os.path.realpath(path)
+        with self._lock:
+            same = version == self._version and self._weights_path is not None and real == self._weights_path
+            if version < self._version or (version == self._version and not same):
+                raise StaleWeightsError(
+                    f"stale weights version {version}: the sampler holds version {self._version}"
+                    f" (from {self._weights_path!r}); a new load needs a higher version, or the same version "
+                    f"and the same path")
+            t0 = time.perf_counter()
+            pure = wts.load_weights(real, abstract=wts.to_pure_dict(self._abstract_state_f32()), version=version)
+            self.set_params(pure, version=int(version), weights_path=real)
+            return {"version": int(version), "path": real, "seconds": time.perf_counter() - t0, "reloaded": bool(same)}
+
+    def _abstract_state_f32(self):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), self._abstract_state)
+
+    @property
+    def params(self) -> dict:
+        """The sampler's (quantized, compute-dtype) parameters as a nested pure dict."""
+        return nnx.to_pure_dict(self._state)
+
+    def model(self):
+        """An ``nnx`` Qwen3ForCausalLM holding the sampler's current (quantized) weights."""
+        return nnx.merge(self._graphdef, self._state)
+
+    def health(self) -> dict:
+        """``{"status", "model", "quantization", "version", "compute_dtype", limits...}``."""
+        c = self.config
+        return {"status": "ok",
+                "model": f"qwen3(L={c.num_hidden_layers},H={c.hidden_size},V={c.vocab_size})",
+                "quantization": self.quantization, "version": self._version,
+                "compute_dtype": str(self.compute_dtype), "vocab_size": c.vocab_size,
+                "max_prompt_length": self.max_prompt_length, "max_new_tokens": self.max_new_tokens,
+                "weights_path": self._weights_path}
+
+    # -------------------------------------------------------------- generation
+    def validate(self, prompts, *, n=1, temperature=1.0, max_new_tokens=None, top_k_logprobs=20,
+                 stop_token_ids=(), seed=None, top_p=1.0, top_k=0) -> list:
+        """`validate_request` against this engine's limits (raises RequestError)."""
+        return validate_request(
+            prompts, n=n, temperature=temperature,
+            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed, top_p=top_p, top_k=top_k,
+            vocab_size=self.config.vocab_size, max_prompt_length=self.max_prompt_length,
+            max_new_tokens_limit=self.max_new_tokens, max_stop_tokens=self.max_stop_tokens)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
+                 max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
+                 stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
+                 top_k: int = 0) -> RolloutBatch:
+        """Samples `n` completions per prompt; returns a RolloutBatch (rows prompt-major).
+
+        Args:
+          prompts: token-id lists, each 1..max_prompt_length long, ids in [0, V).
+          n: samples per prompt (>= 1); row i*n+j is sample j of prompt i, group_ids = i.
+          temperature: tau >= 0 (0 = greedy, logprobs then at tau = 1).
+          max_new_tokens: 1..engine.max_new_tokens (default: the engine's).
+          top_k_logprobs: K in [0, V]; topk_* arrays are [N, T, K] f32/int32.
+          stop_token_ids: ids that end a sequence (kept, finish_reason "stop").
+          seed: in [0, 2**32); None draws a fresh random seed.
+          top_p, top_k: nucleus / top-k filters (off: 1.0 / 0).
+        Returns:
+          RolloutBatch with T = the longest completion; pads are id 0, logprob 0.
+        Raises:
+          RequestError: invalid request (names the field).
+        """
+        prompts = self.validate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+                                top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed,
+                                top_p=top_p, top_k=top_k)
+        max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        seed = secrets.randbelow(MAX_SEED + 1) if seed is None else int(seed)
+        rows = [(i, j) for i in range(len(prompts)) for j in range(int(n))]
+        with self._lock:
+            version, state = self._version, self._state
+            parts = []
+            for start in range(0, len(rows), self.max_batch_size):
+                chunk = rows[start:start + self.max_batch_size]
+                parts.append(self._run_chunk(state, prompts, chunk, temperature=float(temperature),
+                                             top_p=float(top_p), top_k=int(top_k), max_new=max_new,
+                                             k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed))
+        return self._to_batch(prompts, rows, parts, version)
+
+    def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed):
+        n_rows = len(chunk)
+        b = _bucket(n_rows, 1, self.max_batch_size)
+        longest = max(len(prompts[i]) for i, _ in chunk)
+        p = _bucket(longest, self.min_prompt_bucket, self.max_prompt_length)
+        if p < longest:  # max_prompt_length not a power of two
+            p = self.max_prompt_length
+        t = _bucket(max_new, self.min_new_tokens_bucket, self.max_new_tokens)
+        if t < max_new:
+            t = self.max_new_tokens
+        ids = np.zeros((b, p), np.int32)
+        mask = np.zeros((b, p), bool)
+        mask[:, -1] = True  # padding rows: one dummy token, never a fully masked row
+        for r, (i, _) in enumerate(chunk):
+            pr = prompts[i]
+            ids[r, p - len(pr):] = pr
+            mask[r] = False
+            mask[r, p - len(pr):] = True
+        prompt_idx = np.zeros((b,), np.uint32)
+        sample_idx = np.zeros((b,), np.uint32)
+        for r, (i, j) in enumerate(chunk):
+            prompt_idx[r], sample_idx[r] = i, j
+        max_new_b = np.zeros((b,), np.int32)
+        max_new_b[:n_rows] = max_new
+        stop_arr = np.full((b, self.max_stop_tokens), -1, np.int32)
+        stop_arr[:, :len(stops)] = stops
+        out = self._program(
+            self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.full((b,), seed, jnp.uint32),
+            jnp.asarray(prompt_idx), jnp.asarray(sample_idx), jnp.full((b,), temperature, jnp.float32),
+            jnp.full((b,), top_p, jnp.float32), jnp.full((b,), top_k, jnp.int32), jnp.asarray(max_new_b),
+            jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype)
+        out = jax.device_get(out)
+        return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
+
+    def _to_batch(self, prompts, rows, parts, version) -> RolloutBatch:
+        cat = {k: [p[k] for p in parts] for k in parts[0]}
+        length = np.concatenate(cat["length"])
+        stopped = np.concatenate(cat["stopped"])
+        t_out = int(max(length.max(), 1))
+        tr = lambda a: np.concatenate([x[:, :t_out] for x in a])  # noqa: E731
+        tokens, logp, tk_ids, tk_lp = tr(cat["tokens"]), tr(cat["logp"]), tr(cat["topk_ids"]), tr(cat["topk_logp"])
+        comp_mask = np.arange(t_out)[None, :] < length[:, None]
+        tokens = np.where(comp_mask, tokens, 0)
+        logp = np.where(comp_mask, logp, 0.0)
+        tk_ids = np.where(comp_mask[..., None], tk_ids, 0)
+        tk_lp = np.where(comp_mask[..., None], tk_lp, 0.0)
+        p_out = max(len(p) for p in prompts)
+        prompt_ids = np.zeros((len(rows), p_out), np.int32)
+        prompt_mask = np.zeros((len(rows), p_out), bool)
+        for r, (i, _) in enumerate(rows):
+            prompt_ids[r, p_out - len(prompts[i]):] = prompts[i]
+            prompt_mask[r, p_out - len(prompts[i]):] = True
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens, completion_mask=comp_mask,
+            behavior_logprobs=logp, topk_ids=tk_ids, topk_logprobs=tk_lp,
+            weights_version=np.full((len(rows),), version, np.int32),
+            group_ids=np.array([i for i, _ in rows], np.int32),
+            finish_reason=np.array(["stop" if s else "length" for s in stopped], dtype=object))
+
+
+class InProcessSampler:
+    """The `SamplerClient` interface over an in-process `SamplingEngine` (tests, in-process trainer).
+
+    ``load_weights`` applies the server's path rule when `checkpoint_root` is
+    given (see `check_weights_path`).
+    """
+
+    def __init__(self, engine: SamplingEngine, *, checkpoint_root: Optional[str] = None):
+        self.engine = engine
+        self.checkpoint_root = checkpoint_root
+
+    def health(self) -> dict:
+        """Same fields as the server's ``GET /health``."""
+        return self.engine.health()
+
+    def generate(self, prompts, **kwargs) -> RolloutBatch:
+        """See `SamplingEngine.generate`."""
+        return self.engine.generate(prompts, **kwargs)
+
+    def load_weights(self, path: str, version: int) -> dict:
+        """See `SamplingEngine.load_weights` (plus the checkpoint-root rule)."""
+        if self.checkpoint_root is not None:
+            path = check_weights_path(path, self.checkpoint_root)
+        return self.engine.load_weights(path, version)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+
+def check_weights_path(path: str, checkpoint_root: str) -> str:
+    """Resolves `path` (absolute, or relative to the root) and checks it lies under `checkpoint_root`.
+
+    Raises:
+      wts.WeightsError: a ``..`` component, or a resolved path (symlinks
+        followed) outside the root.
+    """
+    if not isinstance(path, str) or not path:
+        raise wts.WeightsError(f"path must be a non-empty string, got {path!r}")
+    if ".." in path.replace("\\", "/").split("/"):
+        raise wts.WeightsError(f"path {path!r} contains '..'; refused")
+    root = os.path.realpath(checkpoint_root)
+    full = os.path.realpath(path if os.path.isabs(path) else os.path.join(root, path))
+    if os.path.commonpath([root, full]) != root:
+        raise wts.WeightsError(f"path {path!r} is outside the checkpoint root {root!r}; refused")
+    return full

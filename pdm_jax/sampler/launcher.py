@@ -1,0 +1,159 @@
+"""Start the sampler service as a subprocess and wait until it answers ``/health``.
+
+``start_sampler_server(...)`` runs ``python -m pdm_jax.sampler.server`` with a
+port file (``--port=0`` lets the OS pick a free port), polls the port file and
+then ``GET /health`` until ``startup_timeout_s``; if the process exits or never
+comes up it is killed and a `SamplerStartupError` carries the tail of its
+stderr.  The returned `SamplerProcess` has ``.url``, ``.client``, ``.alive()``,
+``.stop()`` and ``.restart()`` (same flags, new port).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+from pdm_jax.sampler.client import SamplerClient, SamplerError
+
+
+class SamplerStartupError(RuntimeError):
+    """The sampler subprocess died or did not answer /health in time (message has its stderr tail)."""
+
+
+def _tail(path: str, n_chars: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - n_chars))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return "<no stderr>"
+
+
+class SamplerProcess:
+    """A running sampler subprocess (see `start_sampler_server`)."""
+
+    def __init__(self, argv: Sequence[str], *, host: str, token: Optional[str], startup_timeout_s: float,
+                 client_kwargs: Optional[dict] = None, env: Optional[dict] = None):
+        self._argv = list(argv)
+        self._host, self._token = host, token
+        self._startup_timeout_s = float(startup_timeout_s)
+        self._client_kwargs = dict(client_kwargs or {})
+        self._env = env
+        self.proc: Optional[subprocess.Popen] = None
+        self.client: Optional[SamplerClient] = None
+        self.url: Optional[str] = None
+        self.port: Optional[int] = None
+        self._start()
+
+    @property
+    def stderr_path(self) -> str:
+        """File receiving the subprocess's stdout+stderr."""
+        return self._log_path
+
+    def _start(self) -> None:
+        self._workdir = tempfile.mkdtemp(prefix="pdm_sampler_")
+        port_file = os.path.join(self._workdir, "port")
+        self._log_path = os.path.join(self._workdir, "server.log")
+        argv = self._argv + [f"--port_file={port_file}"]
+        log = open(self._log_path, "wb")
+        env = dict(os.environ if self._env is None else self._env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self._token:  # via the environment, not argv (argv is visible to `ps`)
+            env["PDM_SAMPLER_TOKEN"] = self._token
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + self._startup_timeout_s
+        try:
+            while not os.path.exists(port_file):
+                self._check_alive_or_timeout(deadline, "writing its port file")
+                time.sleep(0.05)
+            with open(port_file) as f:
+                self.port = int(f.read().strip())
+            host = f"[{self._host}]" if ":" in self._host else self._host
+            self.url = f"http://{host}:{self.port}"
+            kw = dict(timeout_s=600.0, retries=3, backoff_s=0.5)
+            kw.update(self._client_kwargs)
+            self.client = SamplerClient(self.url, token=self._token, **kw)
+            while True:
+                self._check_alive_or_timeout(deadline, "answering /health")
+                try:
+                    self.client.health(retries=0)
+                    return
+                except SamplerError:
+                    time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _check_alive_or_timeout(self, deadline: float, what: str) -> None:
+        if self.proc.poll() is not None:
+            raise SamplerStartupError(f"sampler server exited with code {self.proc.returncode} before {what}; "
+                                      f"output tail:\n{_tail(self._log_path)}")
+        if time.monotonic() > deadline:
+            raise SamplerStartupError(f"sampler server not {what} after {self._startup_timeout_s:.0f} s; "
+                                      f"output tail:\n{_tail(self._log_path)}")
+
+    def alive(self) -> bool:
+        """True while the subprocess runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`; closes the client. Idempotent."""
+        if self.client is not None:
+            self.client.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self) -> "SamplerProcess":
+        """Stops the process and starts it again with the same flags (a new port); returns self."""
+        self.stop()
+        self._start()
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start_sampler_server(*, model_config: str, weights: Optional[str], version: int = 0, quantization: str = "fp8",
+                         checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
+                         token: Optional[str] = None, startup_timeout_s: float = 120.0,
+                         max_prompt_length: int = 512, max_new_tokens: int = 256, max_batch_size: int = 64,
+                         max_body_bytes: Optional[int] = None, extra_args: Sequence[str] = (),
+                         client_kwargs: Optional[dict] = None, env: Optional[dict] = None) -> SamplerProcess:
+    """Starts ``python -m pdm_jax.sampler.server`` and waits for ``/health``.
+
+    Args mirror the server's flags; `weights` None starts from a random init.
+    `client_kwargs` go to `SamplerClient` (timeout_s, retries, backoff_s);
+    `env` replaces the subprocess environment (default: inherit).
+    Returns:
+      SamplerProcess (``.url``, ``.client``, ``.stop()``, ``.alive()``, ``.restart()``).
+    Raises:
+      SamplerStartupError: the process exited or did not answer within
+        `startup_timeout_s`; the message holds its output tail.
+    """
+    argv = [sys.executable, "-m", "pdm_jax.sampler.server", f"--model_config={model_config}",
+            f"--version={int(version)}", f"--quantization={quantization}", f"--checkpoint_root={checkpoint_root}",
+            f"--host={host}", f"--port={int(port)}", f"--max_prompt_length={int(max_prompt_length)}",
+            f"--max_new_tokens={int(max_new_tokens)}", f"--max_batch_size={int(max_batch_size)}"]
+    if weights:
+        argv.append(f"--weights={weights}")
+    if max_body_bytes is not None:
+        argv.append(f"--max_body_bytes={int(max_body_bytes)}")
+    argv += list(extra_args)
+    return SamplerProcess(argv, host=host, token=token, startup_timeout_s=startup_timeout_s,
+                          client_kwargs=client_kwargs, env=env)

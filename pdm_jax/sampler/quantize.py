@@ -1,0 +1,231 @@
+"""Sampler weight copies: f32, bf16, and fp8-e4m3 weight-only with per-output-channel scales.
+
+The sampler generates from a *quantized copy* of the trainer's weights; the gap
+between the sampler's distribution mu = softmax(z_q / tau) and the trainer's
+pi = softmax(z / tau) is the off-policy gap the trust-region masks exist for
+(DESIGN.md sections 1-2).
+
+Representation (fp8).  Each matmul weight W is stored as
+``qvalue = round_e4m3(W / scale)`` (``float8_e4m3fn``) with an f32 ``scale`` per
+output channel, ``scale = max|W| / 448`` reduced over the contraction (input)
+axes -- the usual symmetric absmax ("per-channel") weight-only fp8 scheme of
+vLLM / TensorRT-LLM, computed with qwix's ``qwix.quantize`` (Google's JAX
+quantization library).  The forward pass uses ``dequantize(W_q) = qvalue * scale``
+cast once, at load, to the compute dtype (bf16 by default).  This is exactly what
+a weight-only fp8 kernel computes (the fp8 values are upcast and rescaled before
+the bf16/f32 MXU/FMA accumulation), up to the order of accumulation; we checked
+that qwix's own model-level PTQ (``qwix.quantize_model`` with a weight-only
+``float8_e4m3fn`` rule) gives the same outputs as dequantize-then-matmul to f32
+rounding.  We do not use ``qwix.quantize_model`` itself: it rewrites the module
+tree (params become ``{array: {qvalue, scale}}`` boxes found by intercepting
+einsum/dot_general at trace time), which would have to be redone on every weight
+sync and leaves lookups (embeddings) untouched, while CPU/XLA has no fp8 matmul
+that would make keeping fp8 operands worthwhile.  Quantizing per tensor, with a
+rule that names the output axes of each parameter of our own model, is explicit,
+cheap to redo on every sync, and testable.
+
+What is quantized (``fp8``): every >=2-D weight of the decoder layers (attention
+q/k/v/o projections, MLP gate/up/down).  Embedding table, ``lm_head`` and the
+RMSNorm scales stay in the compute dtype unless asked otherwise -- vLLM's fp8
+default, because the output projection dominates the logit error per byte saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QUANTIZATIONS = ("none", "bf16", "fp8")
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
+
+# Path = tuple of str keys into the nested pure-dict parameter tree.
+Path = Tuple[str, ...]
+
+
+def default_compute_dtype(quantization: str):
+    """The dtype the sampler computes in for a given quantization mode.
+
+    ``none`` -> float32 (bit-compatible with the trainer), ``bf16`` -> bfloat16,
+    ``fp8`` -> bfloat16 (fp8 weights are dequantized into bf16, as on TPU/GPU).
+    Raises ValueError for an unknown mode.
+    """
+    check_quantization(quantization)
+    return jnp.float32 if quantization == "none" else jnp.bfloat16
+
+
+def check_quantization(quantization: str) -> str:
+    """Returns `quantization` if it is one of QUANTIZATIONS, else raises ValueError."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}; expected one of {QUANTIZATIONS}")
+    return quantization
+
+
+def default_output_axes(path: Path, shape: Sequence[int], *, quantize_embedding: bool = False,
+                        quantize_lm_head: bool = False) -> Optional[Tuple[int, ...]]:
+    """Which axes of a Qwen3 parameter are *output channels* (each gets its own fp8 scale).
+
+    Layouts are those of ``pdm_jax.models.qwen3`` (einsum kernels, input axes first):
+    q/k/v_proj ``[D, N|K, H]`` -> output axes (1, 2) (one scale per head and head
+    dim, reduced over D); o_proj ``[N, H, D]`` -> (2,) (reduced over N and H);
+    gate/up ``[D, F]`` and down ``[F, D]`` -> (1,); lm_head ``[D, V]`` -> (1,)
+    (only with ``quantize_lm_head``); the embedding table ``[V, D]`` is a lookup,
+    its channel is the row, (0,) (only with ``quantize_embedding``).
+
+    Returns None for parameters that stay unquantized: 1-D RMSNorm scales and, by
+    default, the embedding table and lm_head.
+
+    Args:
+      path: key path of the parameter in the nested pure dict, e.g.
+        ``("layers", "0", "self_attn", "q_proj", "kernel")``.
+      shape: the parameter's shape.
+    """
+    names = [str(p) for p in path]
+    ndim = len(shape)
+    if ndim < 2:
+        return None
+    if "embed_tokens" in names or names[-1] == "embedding":
+        return (0,) if quantize_embedding else None
+    if "lm_head" in names:
+        return (ndim - 1,) if quantize_lm_head else None
+    if "o_proj" in names:
+        return (ndim - 1,)
+    return tuple(range(1, ndim))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Tensor:
+    """A weight-only fp8 tensor: ``W ~= qvalue.astype(f32) * scale``.
+
+    Attributes:
+      qvalue: ``float8_e4m3fn`` array, same shape as the original weight.
+      scale: float32 array, the weight's shape with every contraction (input)
+        axis reduced to size 1 (broadcastable against ``qvalue``).
+    """
+
+    qvalue: jax.Array
+    scale: jax.Array
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """``qvalue * scale`` in f32, then cast to `dtype`."""
+        return (self.qvalue.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+def quantize_fp8(w: jax.Array, output_axes: Sequence[int]) -> Fp8Tensor:
+    """fp8-e4m3 (``float8_e4m3fn``) symmetric absmax quantization, per output channel.
+
+    scale[c] = max_{contraction axes} |W[..c..]| / 448 (an all-zero channel gets
+    scale 0 and is stored as exact zeros); qvalue = round-to-nearest-even of
+    W / scale in e4m3 (via ``qwix.quantize``, channelwise_axes = output_axes).
+
+    Args:
+      w: the weight, any float dtype, shape [...].
+      output_axes: axes that get their own scale (see `default_output_axes`).
+    Returns:
+      Fp8Tensor with qvalue [...] float8_e4m3fn and scale f32 (reduced axes kept as 1).
+    Raises:
+      ValueError: if an axis is out of range or the weight is not finite.
+    """
+    import qwix  # local import: qwix pulls in flax.linen; only needed for fp8
+
+    w = jnp.asarray(w, jnp.float32)
+    axes = tuple(int(a) % w.ndim for a in output_axes)
+    if any(a >= w.ndim or a < 0 for a in axes):
+        raise ValueError(f"output_axes={tuple(output_axes)} out of range for shape {w.shape}")
+    if not bool(jnp.all(jnp.isfinite(w))):
+        raise ValueError(f"cannot quantize a weight with non-finite values (shape {w.shape})")
+    qa = qwix.quantize(w, FP8_DTYPE, channelwise_axes=axes, calibration_method="absmax",
+                       scale_dtype=jnp.float32)
+    qvalue, scale = qa.qvalue, qa.scale.astype(jnp.float32)
+    if qvalue.dtype != FP8_DTYPE:  # qwix keeps the logical qtype as storage for fp8
+        qvalue = qvalue.astype(FP8_DTYPE)
+    return Fp8Tensor(qvalue=qvalue, scale=scale)
+
+
+def _map_with_path(fn: Callable[[Path, Any], Any], tree: Mapping, prefix: Path = ()) -> dict:
+    out = {}
+    for k, v in tree.items():
+        p = prefix + (str(k),)
+        if isinstance(v, Mapping):
+            out[k] = _map_with_path(fn, v, p)
+        else:
+            out[k] = fn(p, v)
+    return out
+
+
+def quantize_params_fp8(params: Mapping, *, output_axes_fn: Callable = default_output_axes) -> dict:
+    """Quantizes a nested pure-dict parameter tree; leaves become Fp8Tensor or stay arrays.
+
+    Args:
+      params: nested dict of arrays (``nnx.State.to_pure_dict()`` of the model).
+      output_axes_fn: ``(path, shape) -> axes or None`` (None = keep as is).
+    Returns:
+      the same tree with the selected leaves replaced by Fp8Tensor.
+    """
+    def q(path, x):
+        axes = output_axes_fn(path, tuple(np.shape(x)))
+        return x if axes is None else quantize_fp8(x, axes)
+    return _map_with_path(q, params)
+
+
+def dequantize_params(params: Mapping, dtype) -> dict:
+    """Fp8Tensor leaves -> dequantized arrays in `dtype`; other leaves cast to `dtype`."""
+    def dq(path, x):
+        if isinstance(x, Fp8Tensor):
+            return x.dequantize(dtype)
+        return jnp.asarray(x).astype(dtype)
+    return _map_with_path(dq, params)
+
+
+def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=None,
+                           output_axes_fn: Callable = default_output_axes) -> dict:
+    """The parameter tree the sampler computes with, for a quantization mode.
+
+    ``none``: the f32 weights unchanged (cast to `compute_dtype`, default f32).
+    ``bf16``: every leaf rounded to bfloat16 (then cast to `compute_dtype`, default bf16).
+    ``fp8``: matmul weights quantized to fp8-e4m3 per output channel and
+    dequantized into `compute_dtype` (default bf16); other leaves cast to it.
+
+    Args:
+      params: nested pure dict of float arrays (trainer weights, any float dtype).
+      quantization: one of QUANTIZATIONS.
+      compute_dtype: dtype of the returned leaves (default: `default_compute_dtype`).
+    Returns:
+      nested dict of arrays in `compute_dtype`, same structure as `params`.
+    Raises:
+      ValueError: unknown quantization, or a non-finite weight (fp8).
+    """
+    check_quantization(quantization)
+    dtype = jnp.dtype(compute_dtype or default_compute_dtype(quantization))
+    if quantization == "none":
+        return dequantize_params(params, dtype)
+    if quantization == "bf16":
+        return dequantize_params(dequantize_params(params, jnp.bfloat16), dtype)
+    return dequantize_params(quantize_params_fp8(params, output_axes_fn=output_axes_fn), dtype)
+
+
+def relative_errors(reference: Mapping, approx: Mapping) -> dict:
+    """Relative Frobenius error ||W - W_q||_F / ||W||_F per leaf, as {"a/b/c": float}.
+
+    Both trees must have the same structure; leaves are compared in f32.
+    A zero reference tensor reports 0 if the approximation is zero too, else inf.
+    """
+    out = {}
+
+    def rec(a, b, prefix):
+        for k, v in a.items():
+            p = prefix + (str(k),)
+            if isinstance(v, Mapping):
+                rec(v, b[k], p)
+            else:
+                w = np.asarray(jnp.asarray(v, jnp.float32), np.float64)
+                wq = b[k].dequantize(jnp.float32) if isinstance(b[k], Fp8Tensor) else b[k]
+                wq = np.asarray(jnp.asarray(wq, jnp.float32), np.float64)
+                num, den = np.linalg.norm(w - wq), np.linalg.norm(w)
+                out["/".join(p)] = float(num / den) if den > 0 else (0.0 if num == 0 else float("inf"))
+    rec(reference, approx, ())
+    return out
