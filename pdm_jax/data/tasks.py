@@ -260,7 +260,7 @@ class ReasoningGymSource:
         # accepts any index. Set it to the largest index we may touch.
         train_span = self.train_size * MAX_PROBES
         self._train_ds = self._create(self.seed, train_span)
-        eval_attempts = max(100 * self.num_eval, 10_000)
+        eval_attempts = max(20 * self.num_eval, 2_000)
         self._eval_ds = self._create(self.seed + EVAL_SEED_OFFSET, eval_attempts)
 
         self._eval: list[Example] = []

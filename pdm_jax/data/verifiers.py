@@ -2,18 +2,20 @@
 
 `math_verify.parse` / `math_verify.verify` (Hugging Face, v0.9) enforce their
 timeouts with `signal.alarm`, which only works in the main thread of the main
-interpreter: called from another thread they raise ValueError. This module
-never uses those internal timeouts. Instead:
+interpreter: called from another thread they raise ValueError. Moreover a
+signal only interrupts Python bytecode, not a long C-level computation (e.g.
+the integer power in `\\boxed{9^{9^{9^{9}}}}`), so even a main-thread alarm
+can hang forever. This module never uses math-verify's internal timeouts:
 
-* in the main thread (and when no other ITIMER_REAL timer is armed) the whole
-  parse + parse + verify runs under one `signal.setitimer` budget of
-  `timeout_s` seconds (float precision);
-* in any other thread the call is shipped to a small process pool (spawn
-  context). Each pool worker runs tasks in *its* main thread, so it applies the
-  same itimer budget; the caller additionally waits at most
-  `timeout_s + HARD_TIMEOUT_GRACE_S` and, if a worker is stuck where signals
-  cannot interrupt it, terminates the pool (a fresh one is created on the next
-  call).
+* default (`in_process=False`, any thread): the verification runs in one of a
+  few lazily started worker subprocesses (plain `python -c`, JSON lines over
+  pipes). The worker runs it in *its* main thread under a `signal.setitimer`
+  budget of `timeout_s` (soft limit); the caller waits at most
+  `timeout_s + HARD_TIMEOUT_GRACE_S` and kills a worker that misses that hard
+  deadline (a fresh one replaces it on demand). First call: ~1-3 s start-up.
+* `in_process=True`: runs in the calling thread; in the main thread under the
+  same itimer soft budget, off the main thread without any timeout (only for
+  trusted inputs).
 
 A timeout, a parse failure or any exception gives reward 0.0 and is counted
 per reason (`verifier_counts()`); `math_verdict` also returns the reason.
@@ -30,7 +32,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import multiprocessing
 import os
 import re
 import signal
@@ -38,7 +39,7 @@ import threading
 from typing import Optional
 
 HARD_TIMEOUT_GRACE_S = 2.0
-# Seconds allowed for a fresh worker pool to start (spawn + importing sympy).
+# Seconds allowed for a fresh worker process to start (python + importing sympy).
 POOL_START_TIMEOUT_S = 120.0
 
 REASONS = ("correct", "wrong", "no_answer", "unparsable_answer", "unparsable_gold", "timeout", "error")
@@ -135,8 +136,9 @@ def extract_final_answer(text: str) -> Optional[str]:
 # ---------------------------------------------------------------------------
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """Raised by our SIGALRM handler. A BaseException so that math-verify's
+    `except Exception` blocks cannot swallow it and report "wrong"."""
 
 
 def _raise_timeout(signum, frame):  # signal handler
@@ -189,28 +191,191 @@ def _verdict_unbounded(completion: str, ground_truth: str) -> MathVerdict:
 
 
 def _verdict_with_itimer(completion: str, ground_truth: str, timeout_s: float) -> MathVerdict:
-    """Main-thread only: the whole verification under one ITIMER_REAL budget."""
+    """Main-thread only: the whole verification under one ITIMER_REAL budget (soft:
+    the signal interrupts Python bytecode only)."""
     previous = signal.signal(signal.SIGALRM, _raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return _verdict_unbounded(completion, ground_truth)
-    except _Timeout:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            return _verdict_unbounded(completion, ground_truth)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0.0)
+    except _Timeout:  # also when the alarm lands just before it is cancelled
         return MathVerdict(0.0, "timeout", None)
     except Exception:
         return MathVerdict(0.0, "error", None)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0.0)
         signal.signal(signal.SIGALRM, previous)
 
 
-def _worker_verdict(completion: str, ground_truth: str, timeout_s: float) -> MathVerdict:
-    """Pool task: pool workers run tasks in their main thread, so signals work."""
-    return _verdict_with_itimer(completion, ground_truth, timeout_s)
+# ---------------------------------------------------------------------------
+# Worker subprocesses for calls off the main thread.
+#
+# A worker is `python -c "...; _worker_main()"` speaking JSON lines over its
+# stdin/stdout. It runs requests in its main thread, so the itimer budget
+# applies there too; the caller also enforces a hard deadline and kills a
+# worker that misses it. Plain subprocesses (not multiprocessing) avoid
+# re-importing the caller's __main__ module, which breaks for stdin scripts
+# and notebooks under the spawn start method.
+# ---------------------------------------------------------------------------
+
+_WORKER_CODE = "from pdm_jax.data.verifiers import _worker_main; _worker_main()"
 
 
-def _worker_ready() -> bool:
+def _worker_main() -> None:
+    """Entry point of a verifier worker process (JSON lines on stdin/stdout)."""
+    import json
+    import sys
+
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
+    sys.stdout = sys.stderr  # nothing else may write to the protocol stream
     _import_math_verify()
-    return True
+    protocol.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            verdict = _verdict_with_itimer(request["completion"], request["ground_truth"],
+                                           float(request["timeout_s"]))
+        except Exception:
+            verdict = MathVerdict(0.0, "error", None)
+        protocol.write(json.dumps(dataclasses.asdict(verdict)) + "\n")
+
+
+class _Worker:
+    """One verifier subprocess; not thread-safe (the pool hands it to one thread at a time)."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        import pdm_jax
+
+        env = dict(os.environ)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(pdm_jax.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_CODE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        self._buffer = b""
+        ready = self._read_line(POOL_START_TIMEOUT_S)
+        if ready is None:
+            self.kill()
+            raise RuntimeError("math-verify worker did not start")
+
+    def _read_line(self, timeout_s: float) -> Optional[bytes]:
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            readable, _, _ = select.select([fd], [], [], remaining)
+            if not readable:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:  # worker died
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def call(self, completion: str, ground_truth: str, timeout_s: float) -> Optional[MathVerdict]:
+        """The worker's verdict, or None if it missed the hard deadline or died."""
+        import json
+
+        request = json.dumps({"completion": completion, "ground_truth": ground_truth, "timeout_s": timeout_s})
+        try:
+            self.proc.stdin.write(request.encode("utf-8") + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return None
+        line = self._read_line(timeout_s + HARD_TIMEOUT_GRACE_S)
+        if line is None:
+            return None
+        fields = json.loads(line)
+        return MathVerdict(float(fields["reward"]), str(fields["reason"]), fields["extracted"])
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except Exception:
+            pass
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except Exception:
+                pass
+
+
+class _WorkerPool:
+    """Up to `size` lazily started workers shared by all non-main threads."""
+
+    def __init__(self, size: int):
+        import queue
+
+        self.size = size
+        self._idle: "queue.Queue[_Worker]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._started = 0
+        self._all: list[_Worker] = []
+
+    def _acquire(self) -> _Worker:
+        import queue
+
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            start_new = self._started < self.size
+            if start_new:
+                self._started += 1
+        if not start_new:
+            return self._idle.get()
+        try:
+            worker = _Worker()
+        except Exception:
+            with self._lock:
+                self._started -= 1
+            raise
+        with self._lock:
+            self._all.append(worker)
+        return worker
+
+    def _retire(self, worker: _Worker) -> None:
+        worker.kill()
+        with self._lock:
+            self._started -= 1
+            if worker in self._all:
+                self._all.remove(worker)
+
+    def verdict(self, completion: str, ground_truth: str, timeout_s: float) -> MathVerdict:
+        worker = self._acquire()
+        try:
+            result = worker.call(completion, ground_truth, timeout_s)
+        except Exception:
+            result = None
+            self._retire(worker)
+            return MathVerdict(0.0, "error", None)
+        if result is None:  # hard deadline missed (or worker died): kill it
+            self._retire(worker)
+            return MathVerdict(0.0, "timeout", None)
+        self._idle.put(worker)
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._all = list(self._all), []
+        for worker in workers:
+            worker.kill()
 
 
 def _can_use_signals() -> bool:
@@ -225,33 +390,18 @@ def _can_use_signals() -> bool:
         return False
 
 
-def _get_pool():
+def _get_pool() -> _WorkerPool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            context = multiprocessing.get_context("spawn")
-            pool = context.Pool(processes=_pool_workers)
-            try:
-                pool.apply_async(_worker_ready).get(timeout=POOL_START_TIMEOUT_S)
-            except Exception:
-                pool.terminate()
-                raise
-            _pool = pool
+            _pool = _WorkerPool(_pool_workers)
         return _pool
 
 
-def _discard_pool(pool) -> None:
-    global _pool
-    with _pool_lock:
-        if _pool is pool:
-            _pool = None
-    pool.terminate()
-
-
 def set_pool_workers(num_workers: int) -> None:
-    """Number of worker processes used for off-main-thread calls (default min(4, cpus)).
+    """Number of worker processes for off-main-thread calls (default min(4, cpus)).
 
-    Takes effect for the next pool created; the current pool is closed."""
+    Closes the current workers; new ones start on demand."""
     global _pool_workers
     if int(num_workers) < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers!r}")
@@ -260,12 +410,12 @@ def set_pool_workers(num_workers: int) -> None:
 
 
 def shutdown_pool() -> None:
-    """Terminate the worker pool, if any (also registered at interpreter exit)."""
+    """Kill the worker processes, if any (also registered at interpreter exit)."""
     global _pool
     with _pool_lock:
         pool, _pool = _pool, None
     if pool is not None:
-        pool.terminate()
+        pool.close()
 
 
 import atexit  # noqa: E402
@@ -294,7 +444,9 @@ def reset_verifier_counts() -> None:
         _counts.clear()
 
 
-def math_verdict(completion: str, ground_truth: str, *, timeout_s: float = 5.0) -> MathVerdict:
+def math_verdict(
+    completion: str, ground_truth: str, *, timeout_s: float = 5.0, in_process: bool = False
+) -> MathVerdict:
     """Verify a math completion against a ground-truth answer; never raises on bad input.
 
     Args:
@@ -303,8 +455,10 @@ def math_verdict(completion: str, ground_truth: str, *, timeout_s: float = 5.0) 
       ground_truth: reference answer, e.g. "72", "\\frac{1}{2}" (a "#### x" or
         boxed ground truth is unwrapped the same way).
       timeout_s: wall-clock budget in seconds for parsing and comparing
-        (> 0). Off the main thread the hard limit is timeout_s +
-        HARD_TIMEOUT_GRACE_S plus the one-off pool start-up.
+        (> 0); the hard limit is timeout_s + HARD_TIMEOUT_GRACE_S (plus the
+        one-off worker start-up).
+      in_process: run in the calling thread instead of a worker subprocess
+        (see module docstring: soft timeout in the main thread, none elsewhere).
 
     Returns:
       MathVerdict(reward in {0.0, 1.0}, reason in REASONS, extracted answer).
@@ -322,31 +476,34 @@ def math_verdict(completion: str, ground_truth: str, *, timeout_s: float = 5.0) 
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
     if not isinstance(completion, str) or not isinstance(ground_truth, str):
         verdict = MathVerdict(0.0, "error", None)
+    elif not in_process:
+        verdict = _verdict_in_pool(completion, ground_truth, timeout_s)
     elif _can_use_signals():
         verdict = _verdict_with_itimer(completion, ground_truth, timeout_s)
     else:
-        verdict = _verdict_in_pool(completion, ground_truth, timeout_s)
+        verdict = _verdict_no_timeout(completion, ground_truth)
     _count(verdict.reason)
     return verdict
 
 
+def _verdict_no_timeout(completion: str, ground_truth: str) -> MathVerdict:
+    try:
+        return _verdict_unbounded(completion, ground_truth)
+    except Exception:
+        return MathVerdict(0.0, "error", None)
+
+
 def _verdict_in_pool(completion: str, ground_truth: str, timeout_s: float) -> MathVerdict:
     try:
-        pool = _get_pool()
-    except Exception:
-        return MathVerdict(0.0, "error", None)
-    try:
-        result = pool.apply_async(_worker_verdict, (completion, ground_truth, timeout_s))
-        return result.get(timeout=timeout_s + HARD_TIMEOUT_GRACE_S)
-    except multiprocessing.TimeoutError:
-        _discard_pool(pool)
-        return MathVerdict(0.0, "timeout", None)
+        return _get_pool().verdict(completion, ground_truth, timeout_s)
     except Exception:
         return MathVerdict(0.0, "error", None)
 
 
-def math_reward(completion: str, ground_truth: str, *, timeout_s: float = 5.0) -> float:
+def math_reward(
+    completion: str, ground_truth: str, *, timeout_s: float = 5.0, in_process: bool = False
+) -> float:
     """`math_verdict(...).reward`: 1.0 if equivalent, 0.0 otherwise (incl. timeout/parse failure).
 
     Safe to call from any thread; outcomes are counted in `verifier_counts()`."""
-    return math_verdict(completion, ground_truth, timeout_s=timeout_s).reward
+    return math_verdict(completion, ground_truth, timeout_s=timeout_s, in_process=in_process).reward
