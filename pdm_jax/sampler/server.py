@@ -91,6 +91,8 @@ class HTTPError(Exception):
     """An error response: status code, message, optional field name."""
 
     def __init__(self, status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request"):
+        if field and not message.startswith(f"{field}:"):
+            message = f"{field}: {message}"
         super().__init__(message)
         self.status, self.message, self.field, self.kind = status, message, field, kind
 
