@@ -1,5 +1,6 @@
 """Tests for pdm_jax.data: reasoning-gym source, local math datasets, math verifier."""
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -375,3 +376,17 @@ def test_math_reward_timeouts(monkeypatch):
     assert math_verdict("\\boxed{1}", "1", timeout_s=0.2, in_process=True).reason == "timeout"
     assert time.monotonic() - start < 2.0
     assert verifier_counts()["timeout"] == 3
+
+
+def test_score_batch_matches_score(rg_source):
+    examples = rg_source.train_batch(0, 6)
+    completions = [e.answer for e in examples[:3]] + ["0", "", "x"]
+    assert rg_source.score_batch(completions, examples) == [
+        rg_source.score(c, e) for c, e in zip(completions, examples)]
+    source = make_source(_math_config(kind="dapo_math", path=str(FIXTURES / "dapo_math_tiny.jsonl")))
+    examples = source.train_batch(0, 4) * 2
+    completions = [source.sft_target(e) for e in examples[:4]] + ["Answer: 999"] * 3 + ["no answer"]
+    assert source.score_batch(completions, examples) == [1.0] * 4 + [0.0] * 4
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
+    with pytest.raises(ValueError, match="score_batch"):
+        source.score_batch(completions[:2], examples)

@@ -28,6 +28,9 @@ for epoch `e = index // n_train`: a fresh deterministic shuffle per pass.
 
 Scoring: `pdm_jax.data.verifiers.math_reward` (math-verify) on the answer
 extracted from `\\boxed{}`, `#### x` or `Answer: x`; safe from any thread.
+
+Cost: reading goes through the `datasets` Arrow cache (~/.cache/huggingface);
+about 3 s per 100k rows on a laptop-class CPU (the 1.8M-row DAPO parquet: ~1 min).
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
 from pdm_jax.data.tasks import Example, _check_index, _json_safe
+from pdm_jax.data import verifiers
 from pdm_jax.data.verifiers import math_reward
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -49,10 +53,13 @@ _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
 _GSM8K_FINAL_RE = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 
 
-def load_records(path: str | os.PathLike, *, field: str = "data.path") -> list[dict]:
-    """All rows of a local json/jsonl/parquet file as Python dicts, via `datasets`.
+def load_records(path: str | os.PathLike, *, field: str = "data.path") -> Iterator[dict]:
+    """The rows of a local json/jsonl/parquet file as Python dicts, via `datasets`.
 
-    Sets HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1 (no hub access ever).
+    Returns an iterator (rows are converted in batches of 4096, so that a large
+    file with many repeats, like the published DAPO-Math-17k parquet with ~1.8M
+    rows, is never materialised as Python objects at once). Sets
+    HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1 (no hub access ever).
 
     Raises:
       ValueError naming `field`: missing path, file not found, unsupported
@@ -75,7 +82,14 @@ def load_records(path: str | os.PathLike, *, field: str = "data.path") -> list[d
         dataset = datasets.load_dataset(builder, data_files=str(file), split="train")
     except Exception as err:
         raise ValueError(f"{field}: cannot read {str(path)!r} with datasets ({builder}): {err}") from err
-    return dataset.to_list()
+    return _iter_rows(dataset)
+
+
+def _iter_rows(dataset, batch_size: int = 4096) -> Iterator[dict]:
+    for batch in dataset.iter(batch_size=batch_size):
+        columns = list(batch)
+        for i in range(len(batch[columns[0]]) if columns else 0):
+            yield {name: batch[name][i] for name in columns}
 
 
 def _require(row: dict, keys: tuple[str, ...], kind: str, field: str, row_number: int) -> None:
@@ -188,6 +202,8 @@ class MathSource:
     "\\frac{1}{2}"). `sft_target`: GSM8K "<reasoning>\\n#### <answer>" (the
     reference reasoning without calculator annotations); DAPO "Answer: <answer>"
     (no reference reasoning exists; this is DAPO's requested final line).
+    `score_batch(completions, examples)` verifies concurrently (one thread per
+    math-verify worker process); `score` is safe from any thread.
 
     Raises:
       ValueError naming the field: kind, path/eval_path, prompt_format,
@@ -286,6 +302,18 @@ class MathSource:
             return math_reward(completion, example.answer, timeout_s=self.verify_timeout_s)
         except Exception:
             return 0.0
+
+    def score_batch(self, completions: Sequence[str], examples: Sequence[Example]) -> list[float]:
+        """`[score(c, e) for c, e in zip(completions, examples)]`, verified concurrently
+        by the math-verify worker processes (`verifiers.set_pool_workers`)."""
+        if len(completions) != len(examples):
+            raise ValueError(f"score_batch: {len(completions)} completions for {len(examples)} examples")
+        if len(completions) <= 1:
+            return [self.score(c, e) for c, e in zip(completions, examples)]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=verifiers.pool_workers()) as executor:
+            return list(executor.map(self.score, completions, examples))
 
     def sft_target(self, example: Example) -> str:
         reasoning = (example.meta or {}).get("reasoning")

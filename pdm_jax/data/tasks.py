@@ -23,7 +23,7 @@ import dataclasses
 import json
 import re
 import threading
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import reasoning_gym
 
@@ -381,6 +381,12 @@ class ReasoningGymSource:
                 self.score_failures += 1
             return 0.0
         return min(max(reward, 0.0), 1.0)
+
+    def score_batch(self, completions: Sequence[str], examples: Sequence[Example]) -> list[float]:
+        """`[score(c, e) for c, e in zip(completions, examples)]` (rg scoring is cheap)."""
+        if len(completions) != len(examples):
+            raise ValueError(f"score_batch: {len(completions)} completions for {len(examples)} examples")
+        return [self.score(c, e) for c, e in zip(completions, examples)]
 
     def sft_target(self, example: Example) -> str:
         """The reference answer itself (compact and question formats)."""

@@ -409,6 +409,11 @@ def set_pool_workers(num_workers: int) -> None:
     shutdown_pool()
 
 
+def pool_workers() -> int:
+    """The configured number of verifier worker processes."""
+    return _pool_workers
+
+
 def shutdown_pool() -> None:
     """Kill the worker processes, if any (also registered at interpreter exit)."""
     global _pool
