@@ -390,3 +390,14 @@ def test_score_batch_matches_score(rg_source):
     assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
     with pytest.raises(ValueError, match="score_batch"):
         source.score_batch(completions[:2], examples)
+
+
+def test_index_validation(rg_source):
+    import numpy as np
+
+    assert rg_source.train_example(np.int64(5)) == rg_source.train_example(5)
+    for bad in (-1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="index"):
+            rg_source.train_example(bad)
+    with pytest.raises(ValueError, match="count"):
+        rg_source.train_batch(0, -2)

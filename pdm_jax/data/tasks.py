@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import re
 import threading
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
-import reasoning_gym
+# reasoning_gym is imported lazily (it takes ~3 s): the math sources and the
+# verifier worker processes import this module without needing it.
 
 # Characters of the tiny model's character tokenizer (besides its special
 # tokens). Compact chain-sum prompts and answers use only these.
@@ -103,9 +105,12 @@ def _json_safe(value: Any) -> Any:
 
 
 def _check_index(index: int, name: str = "index") -> int:
-    if isinstance(index, bool) or not isinstance(index, int) and not hasattr(index, "__index__"):
+    if isinstance(index, bool):
         raise ValueError(f"{name} must be an int, got {index!r}")
-    index = int(index)
+    try:
+        index = operator.index(index)  # int, numpy integer; not float
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {index!r}") from None
     if index < 0:
         raise ValueError(f"{name} must be >= 0, got {index}")
     return index
@@ -228,6 +233,8 @@ class ReasoningGymSource:
         train_size: int = 1 << 20,
         chat: bool | None = None,
     ):
+        import reasoning_gym
+
         task_config = dict(task_config or {})
         if not isinstance(task, str) or task not in reasoning_gym.factory.DATASETS:
             raise ValueError(f"data.task: unknown reasoning-gym task {task!r}")
@@ -285,6 +292,8 @@ class ReasoningGymSource:
     # -- construction helpers ------------------------------------------------
 
     def _create(self, seed: int, size: int):
+        import reasoning_gym
+
         try:
             return reasoning_gym.create_dataset(self.task, seed=seed, size=size, **self.task_config)
         except (TypeError, AssertionError, ValueError) as err:
