@@ -33,6 +33,14 @@ def _scaled_model(config: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
     return model
 
 
+def forward(model, ids, positions=None, attention_mask=None):
+    """Jitted full forward (one compile instead of op-by-op eager dispatch)."""
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda st, i, p, m: nnx.merge(graphdef, st)(i, positions=p, attention_mask=m))
+    return fn(state, jnp.asarray(ids), None if positions is None else jnp.asarray(positions),
+              None if attention_mask is None else jnp.asarray(attention_mask))
+
+
 # ----------------------------------------------------------------------------- parity
 
 
@@ -46,8 +54,8 @@ def test_committed_reference_parity(case):
         hf = json.load(f)
     assert model.config.tie_word_embeddings == hf["tie_word_embeddings"]
     assert model.config.rope_theta == hf["rope_parameters"]["rope_theta"]
-    logits = model(ref["input_ids"], positions=ref["position_ids"],
-                   attention_mask=ref["attention_mask"])
+    logits = forward(model, ref["input_ids"], positions=ref["position_ids"],
+                     attention_mask=ref["attention_mask"])
     assert logits.dtype == jnp.float32 and logits.shape == ref["logits"].shape
     real = ref["attention_mask"].astype(bool)
     err = np.abs(np.asarray(logits) - ref["logits"])[real].max()
@@ -61,7 +69,7 @@ def test_positions_matter():
     path = os.path.join(REF_DIR, "gqa_untied")
     ref = np.load(os.path.join(path, "reference.npz"))
     model = from_pretrained(path)
-    logits = model(ref["input_ids"][2:], attention_mask=ref["attention_mask"][2:])
+    logits = forward(model, ref["input_ids"][2:], attention_mask=ref["attention_mask"][2:])
     assert np.abs(np.asarray(logits[0]) - ref["logits"][2]).max() > 1e-2
 
 
@@ -90,7 +98,7 @@ def test_live_torch_parity(tmp_path):
         want = hf_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                         position_ids=torch.tensor(positions)).logits.numpy()
     ours = from_pretrained(str(tmp_path / "hf"))
-    got = np.asarray(ours(ids, positions=positions, attention_mask=mask))
+    got = np.asarray(forward(ours, ids, positions=positions, attention_mask=mask))
     assert np.abs(got - want)[mask.astype(bool)].max() <= 1e-4
     # Our writer produces a directory transformers loads to the same function.
     save_pretrained(ours, str(tmp_path / "ours"), max_shard_size="4KB")
@@ -124,7 +132,7 @@ def test_decode_matches_full_forward(tied):
     total, max_len = 16, 20
     ids, mask, P = _left_padded_batch(rng, config.vocab_size, [5, 2, 7], total)
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32) + 7  # positions > 0
-    full = np.asarray(model(ids, positions=positions, attention_mask=mask))
+    full = np.asarray(forward(model, ids, positions=positions, attention_mask=mask))
 
     graphdef, state = nnx.split(model)
 
@@ -154,13 +162,15 @@ def test_chunked_prefill_and_stale_slots():
     rng = np.random.RandomState(2)
     ids, mask, _ = _left_padded_batch(rng, TINY.vocab_size, [9, 6], 9)
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
-    full = np.asarray(model(ids, positions=positions, attention_mask=mask))
+    full = np.asarray(forward(model, ids, positions=positions, attention_mask=mask))
     cache = model.init_cache(2, 12)
     cache = KVCache(k=cache.k + 5.0, v=cache.v - 3.0)  # stale values everywhere
     kv_mask = np.zeros((2, 12), bool)
     kv_mask[:, :9] = mask
-    l1, cache = model.decode(ids[:, :4], positions[:, :4], cache, 0, kv_mask)
-    l2, cache = model.decode(ids[:, 4:], positions[:, 4:], cache, jnp.int32(4), kv_mask)
+    graphdef, state = nnx.split(model)
+    decode = jax.jit(lambda st, *a: nnx.merge(graphdef, st).decode(*a))
+    l1, cache = decode(state, ids[:, :4], positions[:, :4], cache, jnp.int32(0), kv_mask)
+    l2, cache = decode(state, ids[:, 4:], positions[:, 4:], cache, jnp.int32(4), kv_mask)
     got = np.concatenate([np.asarray(l1), np.asarray(l2)], axis=1)
     np.testing.assert_allclose(got[mask], full[mask], atol=2e-5)
 
@@ -168,11 +178,11 @@ def test_chunked_prefill_and_stale_slots():
 def test_bf16_forward_close_to_f32():
     model = _scaled_model(TINY, seed=4)
     ids = np.random.RandomState(0).randint(0, TINY.vocab_size, (2, 6))
-    want = np.asarray(model(ids))
+    want = np.asarray(forward(model, ids))
     state = nnx.state(model, nnx.Param)
     bf = Qwen3ForCausalLM(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     nnx.update(bf, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
-    got = bf(ids)
+    got = forward(bf, ids)
     assert got.dtype == jnp.float32
     assert np.abs(np.asarray(got) - want).max() < 0.1 * np.abs(want).max()
 

@@ -36,6 +36,7 @@ Every parameter carries logical axis names in its ``out_sharding`` metadata
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -576,3 +577,32 @@ class Qwen3ForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             x_BxTxD, cache = layer(x_BxTxD, positions_BxT, mask_BxTxS, cache, i, cache_index)
         return self._logits(x_BxTxD), cache
+
+
+def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,
+               param_dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
+               rules: shd.Rules | None = None) -> Qwen3ForCausalLM:
+    """Randomly initialised ``Qwen3ForCausalLM`` built by one compiled program.
+
+    Same initialisation as ``Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed), ...)`` (equal
+    up to float rounding of the fused random-normal scaling), but run as one ``jax.jit``
+    program, cached per (config, dtypes, mesh, rules) with the seed as an argument. With
+    ``mesh``, every parameter is created directly on its ``NamedSharding``
+    (``pdm_jax.sharding.param_shardings`` under ``rules``), so a large model never exists
+    unsharded on one device.
+    """
+    rules = shd.DEFAULT_RULES if rules is None else tuple(rules)
+    graphdef, init_fn = _compiled_init(config, jnp.dtype(dtype), jnp.dtype(param_dtype), mesh,
+                                       rules)
+    return nnx.merge(graphdef, init_fn(jnp.int32(seed)))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_init(config, dtype, param_dtype, mesh, rules):
+    def create(seed):
+        return Qwen3ForCausalLM(config, rngs=nnx.Rngs(jax.random.key(seed)), dtype=dtype,
+                                param_dtype=param_dtype)
+
+    graphdef, abs_state = nnx.split(nnx.eval_shape(create, jnp.int32(0)))
+    out_shardings = None if mesh is None else shd.param_shardings(abs_state, mesh, rules)
+    return graphdef, jax.jit(lambda seed: nnx.state(create(seed)), out_shardings=out_shardings)
