@@ -171,6 +171,7 @@ ARG_ALIASES = {
     "tokenizer_path": "tokenizer.path",
     "data_path": "data.path",
     "eval_path": "data.eval_path",
+    "num_eval": "data.num_eval",
 }
 
 
@@ -223,9 +224,10 @@ def dapo_config(hf_path: str, data_path: str, eval_path: str):
     c.tokenizer.kind = "path"
     c.tokenizer.path = hf_path  # HF checkpoints ship tokenizer.json
     c.data.kind = "dapo_math"
+    c.data.prompt_format = "question"
     c.data.path = data_path  # local DAPO-Math-17k parquet/jsonl (schema: prompt, reward_model.ground_truth, ...)
     c.data.eval_path = eval_path
-    c.data.num_eval = 256
+    c.data.num_eval = 256  # at most the number of distinct eval prompts (AIME-24: 30; pass num_eval=30)
     c.sft.steps = 0
     c.rl.steps = 500
     c.rl.prompts_per_step = 128

@@ -79,7 +79,7 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_curves(records: Iterable[dict], out_png: str,
-                keys=("reward", "eval_accuracy", "frac_masked", "mean_divergence")) -> None:
+                keys=("reward", "eval_accuracy", "frac_masked", "mean_topk_kl")) -> None:
     """Draws RL curves (reward, accuracy, masked fraction, top-K KL against step) with matplotlib."""
     import matplotlib
 
@@ -88,7 +88,7 @@ def plot_curves(records: Iterable[dict], out_png: str,
 
     recs = [r for r in records if r.get("phase") in ("rl", "eval")]
     titles = {"reward": "mean reward", "eval_accuracy": "held-out accuracy (avg@k)",
-              "frac_masked": "fraction of tokens masked", "mean_divergence": "mean top-K KL(mu||pi)"}
+              "frac_masked": "fraction of tokens masked", "mean_topk_kl": "mean top-K KL(mu||pi)"}
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2))
     for ax, key in zip(np.atleast_1d(axes), keys):
         pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]

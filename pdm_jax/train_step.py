@@ -169,6 +169,12 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
         loss = loss_sum / denom
         log_ratio = jnp.where(valid, logprobs - batch["behavior_logprobs"], 0.0)
         aux = dict(tr_stats)
+        if tr_config.divergence == "topk_kl" and tr_config.mask in ("dppo", "pdm"):
+            aux["mean_topk_kl"] = tr_stats["mean_divergence"]
+        else:  # always report the top-K KL, whatever the configured proximity test
+            kl_topk = trust_region.topk_kl(jax.lax.stop_gradient(logits), tokens, batch["topk_ids"],
+                                           batch["topk_logprobs"], batch["behavior_logprobs"])
+            aux["mean_topk_kl"] = _masked_mean(kl_topk, valid)
         aux.update(
             entropy=_masked_mean(_entropy(jax.lax.stop_gradient(logits)), valid),
             mean_ratio=_masked_mean(jnp.exp(jnp.clip(log_ratio, -20.0, 20.0)), valid),

@@ -465,11 +465,12 @@ class Trainer:
         return out
 
     def _score(self, rb: RolloutBatch, examples, n: int) -> np.ndarray:
-        scores = np.zeros(rb.num_sequences, np.float32)
-        for i in range(rb.num_sequences):
-            text = self.decode_completion(rb.completion_ids[i], rb.completion_mask[i])
-            scores[i] = float(self.source.score(text, examples[i // n]))
-        return scores
+        """Verifier rewards [N] f32 of each completion against its prompt's example (rows prompt-major)."""
+        texts = [self.decode_completion(rb.completion_ids[i], rb.completion_mask[i]) for i in range(rb.num_sequences)]
+        exs = [examples[i // n] for i in range(rb.num_sequences)]
+        if hasattr(self.source, "score_batch"):  # concurrent verification (math-verify workers)
+            return np.asarray(self.source.score_batch(texts, exs), np.float32)
+        return np.asarray([self.source.score(t, e) for t, e in zip(texts, exs)], np.float32)
 
     # ---------------------------------------------------------------- the run
     def run(self) -> dict:
@@ -625,7 +626,7 @@ class Trainer:
                     writer.write(step + 1, "eval", last_eval)
                 writer.write(step + 1, "rl", rec)
                 bar.set_postfix(reward=f"{rec['reward']:.2f}", masked=f"{rec['frac_masked']:.3f}",
-                                kl=f"{rec['mean_divergence']:.4f}")
+                                kl=f"{rec['mean_topk_kl']:.4f}")
                 if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == rl.steps:
                     self._checkpoint(state, meta)
                 self._fault_injection(step + 1)
