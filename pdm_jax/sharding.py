@@ -18,9 +18,21 @@ mesh and shape are known, a mesh axis whose size does not divide the dimension (
 that the mesh lacks) is dropped for that dimension, so e.g. 8 kv heads on a 16-way
 ``tensor`` axis are replicated instead of failing.
 
-Activations: the model calls ``constrain(x, logical_axes)`` at block boundaries. It is
-a no-op unless a mesh is active (``jax.set_mesh(mesh)`` or ``with activation_sharding(mesh)``),
+Activations: the model calls ``constrain(x, logical_axes)`` at block boundaries
+(embeddings, each block output, the MLP hidden, queries, logits). It is a no-op unless a
+mesh is active *while the function is traced* (``jax.set_mesh(mesh)`` or
+``with activation_sharding(mesh, rules)`` around the first call of the jitted function),
 then it applies ``jax.lax.with_sharding_constraint`` with the spec from the active rules.
+Meshes from ``make_mesh`` have ``AxisType.Auto`` axes (``jax.make_mesh``'s default is
+Explicit, under which these constraints and the model's einsums are not designed to run).
+
+Typical use::
+
+    mesh = make_mesh(data=1, fsdp=-1, tensor=4)
+    model = shard_model(model, mesh)                # or from_pretrained(path, mesh=mesh)
+    graphdef, state = nnx.split(model)
+    with activation_sharding(mesh):
+        logits = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, ids)
 """
 from __future__ import annotations
 
@@ -231,11 +243,7 @@ def param_shardings(model_or_state, mesh: Mesh, rules: Rules = DEFAULT_RULES) ->
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
     """Moves every parameter of ``model`` onto its ``NamedSharding`` (in place); returns it."""
     state = nnx.state(model, nnx.Param)
-    shardings = param_shardings(state, mesh, rules)
-    values = jax.tree.map(lambda v: v, nnx.to_pure_dict(state))
-    placed = jax.tree.map(jax.device_put, values, nnx.to_pure_dict(shardings))
-    nnx.replace_by_pure_dict(state, placed)
-    nnx.update(model, state)
+    nnx.update(model, jax.device_put(state, param_shardings(state, mesh, rules)))
     return model
 
 

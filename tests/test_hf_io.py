@@ -113,6 +113,9 @@ def test_load_with_mesh_places_each_param_on_its_sharding(model, tmp_path):
     o = loaded2.layers[0].self_attn.o_proj.kernel.get_value()
     assert o.sharding.spec == P(None, "tensor", "fsdp")
     assert o.addressable_shards[0].data.shape == (4, 4, 16)
+    # Saving a sharded model gathers each tensor: same bytes as the unsharded save.
+    hf_io.save_pretrained(loaded2, str(tmp_path / "from_sharded"))
+    _assert_bit_equal(model, hf_io.from_pretrained(str(tmp_path / "from_sharded")))
 
 
 def test_tied_checkpoint_with_lm_head_alias_is_accepted(tmp_path):

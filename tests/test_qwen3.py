@@ -175,6 +175,20 @@ def test_chunked_prefill_and_stale_slots():
     np.testing.assert_allclose(got[mask], full[mask], atol=2e-5)
 
 
+def test_out_of_range_pad_ids_do_not_leak():
+    """Padding ids -1 or >= V at masked positions leave the real logits unchanged (no NaN)."""
+    model = _scaled_model(TINY, seed=6)
+    ids = np.random.RandomState(3).randint(0, TINY.vocab_size, (2, 6)).astype(np.int32)
+    mask = np.ones((2, 6), bool)
+    mask[0, :2] = False
+    mask[1, -1] = False
+    want = np.asarray(forward(model, ids, attention_mask=mask))
+    for pad in (-1, TINY.vocab_size + 5):
+        got = np.asarray(forward(model, np.where(mask, ids, pad), attention_mask=mask))
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got[mask], want[mask])
+
+
 def test_bf16_forward_close_to_f32():
     model = _scaled_model(TINY, seed=4)
     ids = np.random.RandomState(0).randint(0, TINY.vocab_size, (2, 6))

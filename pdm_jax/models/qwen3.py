@@ -292,7 +292,10 @@ class Embed(nnx.Module):
         # full rematerialisation.
         table_VxD = shd.constrain(self.embedding.get_value(), (None, None))
         ids_BxT = shd.constrain(ids_BxT, ("batch", "length"))
-        return jnp.take(table_VxD, ids_BxT, axis=0).astype(self.dtype)
+        # mode="clip": out-of-range ids (e.g. -1 padding) read a real row instead of the
+        # NaN that jnp.take's default "fill" mode returns, which would leak through the
+        # zero-weighted attention values (0 * NaN = NaN).
+        return jnp.take(table_VxD, ids_BxT, axis=0, mode="clip").astype(self.dtype)
 
     def attend(self, x_BxTxD: Array) -> Array:
         return jnp.einsum("btd,vd->btv", x_BxTxD, self.embedding.get_value().astype(self.dtype),
@@ -505,7 +508,8 @@ class Qwen3ForCausalLM(nnx.Module):
         """Full causal forward.
 
         Args:
-          input_ids: [B, T] int32 token ids.
+          input_ids: [B, T] int32 token ids (ids outside [0, V) are clipped, so any pad id
+            is safe at masked positions).
           positions: [B, T] int32 rotary positions; default ``cumsum(attention_mask)-1``
             clipped at 0, or ``arange(T)`` without a mask.
           attention_mask: [B, T] bool/int, 1 = real token. Padded keys are never attended
