@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdm_jax import objectives as obj
 
@@ -175,6 +177,30 @@ def test_ppo_clip_matches_numpy_reference(dual_clip):
     np.testing.assert_allclose(loss[i079, i_neg], 0.8 * 2.0, rtol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    log_ratio=st.lists(st.floats(-3.0, 3.0), min_size=6, max_size=6),
+    adv=st.lists(st.floats(-5.0, 5.0), min_size=6, max_size=6),
+    eps_low=st.floats(0.0, 0.5),
+    eps_extra=st.floats(0.0, 0.5),
+    dual_clip=st.one_of(st.none(), st.floats(1.01, 10.0)),
+)
+def test_ppo_clip_property_matches_reference(log_ratio, adv, eps_low, eps_extra, dual_clip):
+    lr = np.asarray(log_ratio, np.float32).reshape(2, 3)
+    a = np.asarray(adv, np.float32).reshape(2, 3)
+    behavior = np.full_like(lr, -2.0)
+    loss = obj.ppo_clip_policy_loss(jnp.asarray(behavior + lr), jnp.asarray(behavior), jnp.asarray(a),
+                                    clip_eps_low=eps_low, clip_eps_high=eps_low + eps_extra, dual_clip=dual_clip)
+    ratio = np.exp((behavior + lr).astype(np.float64) - behavior)
+    expected = _ppo_reference(ratio, a, eps_low, eps_low + eps_extra, dual_clip)
+    np.testing.assert_allclose(loss, expected, rtol=1e-4, atol=1e-4)
+    # The clipped surrogate is never below the unclipped one (pessimistic bound), except
+    # where the dual clip caps a negative-advantage token.
+    unclipped = -ratio * a
+    capped = (a < 0) & (dual_clip is not None) & (unclipped > (-(dual_clip or 0) * a))
+    assert np.all((np.asarray(loss) >= unclipped - 1e-4) | capped)
+
+
 def test_ppo_clip_gradient_zero_where_clipped():
     behavior = jnp.zeros((1, 4))
     logp = jnp.log(jnp.asarray([[1.5, 1.5, 0.5, 0.5]]))
@@ -218,6 +244,14 @@ def test_unbiased_kl_estimators_expectation_is_exact_kl(kind):
     np.testing.assert_allclose(expectation, exact, rtol=1e-5, atol=1e-6)
     if kind == "k3":
         assert np.all(np.asarray(per_token) >= 0)
+
+
+def test_k3_gradient_closed_form():
+    # d k3 / d log pi = 1 - pi_ref / pi  (k3 = e^d - d - 1, d = log pi_ref - log pi).
+    logp = jnp.asarray([[-1.0, -2.0, -0.3]])
+    ref = jnp.asarray([[-1.5, -1.0, -0.3]])
+    g = jax.grad(lambda x: jnp.sum(obj.kl_penalty(x, ref, "k3")))(logp)
+    np.testing.assert_allclose(g, 1.0 - np.exp(np.asarray(ref - logp)), rtol=1e-6, atol=1e-7)
 
 
 def test_kl_values_and_kind_validation():
