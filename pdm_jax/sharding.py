@@ -44,7 +44,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -68,7 +67,6 @@ DEFAULT_RULES: Rules = (
     ("layers", None),
 )
 
-# Sequence parallel variant is not provided; add rules here rather than in callers.
 
 
 @dataclasses.dataclass(frozen=True)

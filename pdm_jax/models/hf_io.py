@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
 from typing import Any
 
 import jax
