@@ -163,15 +163,23 @@ class Trainer:
         metrics.jsonl, TensorBoard events, summary.json and curves.png go here.
         An existing workdir is resumed from its latest checkpoint.
 
+      callbacks: objects with ``before_update(trainer, rl_step, batch, state)``
+        and ``after_update(trainer, rl_step, batch, state, metrics)``, called
+        around every optimizer step of the RL phase with the device batch
+        (pdm_jax.train_step layout) and the TrainState (read-only: the step
+        donates the old state, so read what you need in before_update). Used
+        by the token-level analysis; they must not change training.
+
     Raises:
       ValueError: a bad config (names the field) or a missing path.
       SamplerFailure: the sampler never came up, or died more than
         ``sampler.max_restarts`` times.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, callbacks=()):
         validate_config(config)
         self.config = config
+        self.callbacks = list(callbacks)
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.tr_config = trust_region_config(config)
@@ -593,8 +601,12 @@ class Trainer:
                     perm = rng.permutation(n_seq)
                     for j in range(rl.num_minibatches):
                         rows = perm[j * mb:(j + 1) * mb]
-                        sub = {k: v[rows] for k, v in arrays.items()}
-                        state, m = step_fn(state, self._put_batch(sub))
+                        sub = self._put_batch({k: v[rows] for k, v in arrays.items()})
+                        for cb in self.callbacks:
+                            cb.before_update(self, step + 1, sub, state)
+                        state, m = step_fn(state, sub)
+                        for cb in self.callbacks:
+                            cb.after_update(self, step + 1, sub, state, m)
                         step_metrics.append(m)
                 step_metrics = jax.device_get(step_metrics)
                 t_train = time.time() - t1
@@ -732,3 +744,13 @@ class _RolloutProducer:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
+
+
+class TrainerCallback:
+    """Base class of RL-phase hooks (see `Trainer`): both methods do nothing by default."""
+
+    def before_update(self, trainer: Trainer, rl_step: int, batch: dict, state: ts.TrainState) -> None:
+        """Called before each optimizer step with the device batch and the current state."""
+
+    def after_update(self, trainer: Trainer, rl_step: int, batch: dict, state: ts.TrainState, metrics: dict) -> None:
+        """Called after each optimizer step with the same batch, the new state and the step's metrics."""
