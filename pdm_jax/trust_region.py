@@ -25,9 +25,8 @@ input with an error naming the position. Out-of-range ids are clipped into
 
 Tail masses. mu_T = max(0, 1 - sum_E mu_i) (clamped: rounding can make the
 top-K sum exceed 1) and pi_T = sum over the complement of E, computed as a
-log-sum-exp over the complement (the complement is marked by one boolean
-scatter of the K+1 candidate ids; the log-sum-exp is shifted by the maximal
-tail logit), so pi_T keeps full relative precision even when it is 1e-30 and
+log-sum-exp over the complement (the candidates are masked to -inf by K+1
+elementwise compares; the log-sum-exp is shifted by the maximal tail logit), so pi_T keeps full relative precision even when it is 1e-30 and
 log pi_T is finite whenever the logits are. An empty tail (E covers the whole
 vocabulary) gives mu_T = pi_T = 0 and zero tail terms. 0 log 0 = 0 throughout;
 ``-inf`` behaviour log-probs are zero probabilities.
@@ -47,10 +46,10 @@ DESIGN.md's (pi_k - mu_k) + sum_E pi_i (mu_i - pi_i) + tail term. Since
 pi_T/|T| <= q <= pi_T, bucket_exact lies between the two paper estimators.
 
 Efficiency. :func:`trust_region_mask_and_logprobs` runs ONE log-softmax over
-the vocabulary, gathers it at the K+1 candidates and does at most three more
-fused reductions over V (the tail max, the tail sum and, for bucket_exact, the
-tail sum of squares); the only extra ``[B,T,V]`` buffer is the boolean
-complement marker. The same log-softmax also yields the differentiable
+the vocabulary, gathers it at the K+1 candidates, writes log pi with the
+candidates masked out (one extra ``[B,T,V]`` f32 buffer) and reduces it two or
+three times (the tail max, the tail sum and, for bucket_exact only, the tail
+sum of squares). The same log-softmax also yields the differentiable
 log pi(y_t) of the loss.
 """
 
@@ -127,12 +126,19 @@ def _first_occurrence(topk_ids: jax.Array) -> jax.Array:
     return ~jnp.any(eq & earlier, axis=-1)
 
 
-def _complement_marker(cand_ids: jax.Array, vocab_size: int) -> jax.Array:
-    """[...,V] bool, True at the candidate ids (one scatter; duplicates are idempotent)."""
-    lead = cand_ids.shape[:-1]
-    flat = cand_ids.reshape((-1, cand_ids.shape[-1]))
-    marker = jax.vmap(lambda ids: jnp.zeros((vocab_size,), bool).at[ids].set(True))(flat)
-    return marker.reshape(lead + (vocab_size,))
+def _tail_logp(logp: jax.Array, cand_ids: jax.Array) -> jax.Array:
+    """[...,V] log pi with -inf at the candidate ids: log pi restricted to the tail.
+
+    Built from C = K+1 elementwise compares against a vocabulary iota (no
+    scatter: XLA's CPU scatter is a slow serial loop) and materialised once
+    (optimization barrier), so the compares are not repeated inside each of
+    the tail reductions that read it.
+    """
+    iota = jax.lax.broadcasted_iota(jnp.int32, logp.shape, logp.ndim - 1)
+    tail = logp
+    for j in range(cand_ids.shape[-1]):
+        tail = jnp.where(iota == cand_ids[..., j:j + 1], -jnp.inf, tail)
+    return jax.lax.optimization_barrier(tail)
 
 
 @functools.partial(jax.jit, static_argnames=("with_tail_squares",))
@@ -181,8 +187,7 @@ def token_quantities(
     mu_t = jnp.where(tail_nonempty, jnp.maximum(1.0 - jnp.sum(mu_e, axis=-1), 0.0), 0.0)
 
     # Log-sum-exp over the complement of E, shifted by the maximal tail log-prob.
-    in_e = _complement_marker(cand_ids, vocab)
-    tail_logp = jnp.where(in_e, -jnp.inf, logp)
+    tail_logp = _tail_logp(logp, cand_ids)
     tail_max = jax.lax.stop_gradient(jnp.max(tail_logp, axis=-1))
     tail_has_mass = jnp.isfinite(tail_max)
     tail_shift = jnp.where(tail_has_mass, tail_max, 0.0)
@@ -194,7 +199,9 @@ def token_quantities(
 
     q = None
     if with_tail_squares:
-        s2 = jnp.sum(scaled * scaled, axis=-1)
+        # exp(2x - 2 shift) rather than scaled**2: no shared [...,V] subexpression with s1, so
+        # XLA fuses each reduction with its own exp instead of materialising `x - shift`.
+        s2 = jnp.sum(jnp.exp(2.0 * tail_logp - (2.0 * tail_shift)[..., None]), axis=-1)
         # sum_T pi^2 / pi_T = pi_T * s2 / s1^2; clamp to its exact bounds [pi_T/|T|, pi_T].
         q = pi_t * (s2 / (s1_safe * s1_safe))
         q = jnp.clip(q, pi_t / jnp.maximum(tail_size, 1.0), pi_t)

@@ -95,7 +95,23 @@ def close(a, b, atol=2e-6, rtol=2e-5):
 
 
 # The standard tiny shape shared by most tests (one compile of `evaluate` per shape).
-STD = dict(B=2, T=3, V=12, K=4)
+STD = dict(B=4, T=6, V=12, K=4)
+B_, T_ = STD["B"], STD["T"]
+
+# Canonical configs, reused across tests so each (shape, config) compiles once.
+CFG = {
+    "none": tr.TrustRegionConfig(mask="none", delta=0.02),
+    "ppo": tr.TrustRegionConfig(mask="ppo", clip_eps_low=0.2, clip_eps_high=0.28),
+    "dppo_kl": tr.TrustRegionConfig(mask="dppo", divergence="topk_kl", delta=0.02, delta_low=0.05, delta_high=0.01),
+    "dppo_bkl": tr.TrustRegionConfig(mask="dppo", divergence="binary_kl", delta=0.005),
+    "dppo_btv": tr.TrustRegionConfig(mask="dppo", divergence="binary_tv", delta=0.01),
+    "pdm_btv": tr.TrustRegionConfig(mask="pdm", divergence="binary_tv", estimator="autodiff", delta=0.01),
+    "pdm_agg": tr.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator="aggregated_tail", delta=0.02),
+    "pdm_unif": tr.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator="uniform_tail", delta=0.02),
+    "pdm_exact": tr.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator="bucket_exact", delta=0.02,
+                                      delta_low=0.01, delta_high=0.04),
+    "pdm_tv": tr.TrustRegionConfig(mask="pdm", divergence="topk_tv", estimator="autodiff", delta=0.05),
+}
 
 
 @jax.jit
@@ -257,7 +273,7 @@ def test_finite_step_changes_divergence_to_first_order():
 
 
 def test_binary_tv_predictive_direction_equals_ratio_direction():
-    c = make_case(seed=7, B=4, T=6, V=12, K=4)
+    c = make_case(seed=7, **STD)
     o = run(c)
     ratio, ddot = o["ratio"], o["ad_binary_tv"]
     nz = np.abs(ratio - 1) > 1e-6
@@ -266,10 +282,8 @@ def test_binary_tv_predictive_direction_equals_ratio_direction():
     # therefore the two masks coincide, with zero measured disagreement
     adv = np.random.default_rng(0).normal(size=(4,)).astype(np.float32)
     valid = np.ones((4, 6), bool)
-    kw = dict(divergence="binary_tv", delta=0.01)
-    m_pdm, s_pdm = tr.trust_region_mask(c["z"], *args_of(c), adv, valid,
-                                        tr.TrustRegionConfig(mask="pdm", estimator="autodiff", **kw))
-    m_dppo, s_dppo = tr.trust_region_mask(c["z"], *args_of(c), adv, valid, tr.TrustRegionConfig(mask="dppo", **kw))
+    m_pdm, s_pdm = tr.trust_region_mask(c["z"], *args_of(c), adv, valid, CFG["pdm_btv"])
+    m_dppo, s_dppo = tr.trust_region_mask(c["z"], *args_of(c), adv, valid, CFG["dppo_btv"])
     np.testing.assert_array_equal(np.asarray(m_pdm), np.asarray(m_dppo))
     assert float(s_pdm["frac_direction_disagree"]) == 0.0 == float(s_dppo["frac_direction_disagree"])
     assert 0 < float(s_pdm["frac_masked"]) < 1
@@ -321,7 +335,7 @@ def test_duplicate_topk_ids_validate_and_first_occurrence_semantics():
     with pytest.raises(ValueError, match=r"position \(1, 0\).*id %d" % d["topk_ids"][1, 0, 1]):
         tr.validate_topk(d["topk_ids"], vocab_size=V)
     tr.validate_topk(c["topk_ids"], vocab_size=V)
-    tr.validate_topk(d["topk_ids"], vocab_size=V, valid_mask=np.array([[True, True, True], [False, True, True]]))
+    tr.validate_topk(d["topk_ids"], vocab_size=V, valid_mask=np.arange(B_ * T_).reshape(B_, T_) != T_)
     bad = c["topk_ids"].copy()
     bad[0, 1, 2] = V
     with pytest.raises(ValueError, match=r"position \(0, 1\).*outside \[0, 12\)"):
@@ -480,22 +494,12 @@ def reference_mask(c, adv_bt, valid, cfg):
     return keep & valid, stats
 
 
-MASK_CONFIGS = [
-    tr.TrustRegionConfig(mask="none", delta=0.02),
-    tr.TrustRegionConfig(mask="ppo", clip_eps_low=0.2, clip_eps_high=0.28),
-    tr.TrustRegionConfig(mask="dppo", divergence="topk_kl", delta=0.02, delta_low=0.05, delta_high=0.01),
-    tr.TrustRegionConfig(mask="dppo", divergence="binary_kl", delta=0.005),
-    tr.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator="aggregated_tail", delta=0.02),
-    tr.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator="uniform_tail", delta=0.02),
-    tr.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator="bucket_exact", delta=0.02,
-                         delta_low=0.01, delta_high=0.04),
-    tr.TrustRegionConfig(mask="pdm", divergence="topk_tv", estimator="autodiff", delta=0.05),
-]
+MASK_CONFIGS = [CFG[k] for k in ("none", "ppo", "dppo_kl", "dppo_bkl", "pdm_agg", "pdm_unif", "pdm_exact", "pdm_tv")]
 
 
 @pytest.mark.parametrize("cfg", MASK_CONFIGS, ids=lambda c: f"{c.mask}-{c.divergence}-{c.estimator}")
 def test_mask_matches_reference_semantics(cfg):
-    c = make_case(seed=30, B=4, T=6, V=12, K=4, scale=1.5, noise=0.8)
+    c = make_case(seed=30, scale=1.5, noise=0.8, **STD)
     rng = np.random.default_rng(31)
     adv_b = rng.normal(size=(4,)).astype(np.float32)
     adv_b[0] = 0.0
@@ -518,10 +522,10 @@ def test_mask_matches_reference_semantics(cfg):
 
 
 def test_pdm_and_dppo_masks_differ_somewhere():
-    c = make_case(seed=32, B=4, T=6, V=12, K=4, scale=1.0, noise=1.0)
+    c = make_case(seed=32, scale=1.0, noise=1.0, **STD)
     adv = np.random.default_rng(33).normal(size=(4,)).astype(np.float32)
     valid = np.ones((4, 6), bool)
-    _, s = tr.trust_region_mask(c["z"], *args_of(c), adv, valid, tr.TrustRegionConfig(mask="pdm", delta=0.01))
+    _, s = tr.trust_region_mask(c["z"], *args_of(c), adv, valid, CFG["pdm_exact"])
     assert float(s["frac_direction_disagree"]) > 0
 
 
@@ -538,17 +542,17 @@ def corrupt_padding(c, valid):
     return c
 
 
-@pytest.mark.parametrize("mode", ["pdm", "dppo", "ppo"])
+@pytest.mark.parametrize("mode", ["pdm_exact", "ppo"])
 def test_nan_in_padded_positions_never_reaches_outputs_or_gradients(mode):
-    B, T = 3, 4
-    c = make_case(seed=40, B=B, T=T, V=12, K=4)
+    B, T = B_, T_
+    c = make_case(seed=40, **STD)
     valid = np.ones((B, T), bool)
     valid[0, 2:] = False
     valid[2, 1:] = False
-    adv = np.array([1.0, -1.0, 0.5], np.float32)
+    adv = np.array([1.0, -1.0, 0.5, 2.0], np.float32)
     adv_bt = np.broadcast_to(adv[:, None], (B, T)).copy()
     adv_bt[~valid] = np.nan
-    cfg = tr.TrustRegionConfig(mask=mode, delta=0.01)
+    cfg = CFG[mode]
     clean_mask, clean_stats = tr.trust_region_mask(c["z"], *args_of(c), adv, valid, cfg)
     d = corrupt_padding(c, valid)
 
@@ -575,11 +579,11 @@ def test_nan_in_padded_positions_never_reaches_outputs_or_gradients(mode):
 
 
 def test_nonfinite_valid_positions_are_counted_and_masked():
-    B, T = 2, 3
-    c = make_case(seed=41, B=B, T=T, V=12, K=4)
+    B, T = B_, T_
+    c = make_case(seed=41, **STD)
     valid = np.ones((B, T), bool)
-    adv = np.array([1.0, -1.0], np.float32)
-    cfg = tr.TrustRegionConfig(mask="pdm", delta=0.01)
+    adv = np.array([1.0, -1.0, 0.3, -2.0], np.float32)
+    cfg = CFG["pdm_exact"]
     clean_mask, _ = tr.trust_region_mask(c["z"], *args_of(c), adv, valid, cfg)
     d = {k: np.array(v) for k, v in c.items()}
     d["z"][0, 1, 3] = np.nan
@@ -610,9 +614,9 @@ def test_nonfinite_valid_positions_are_counted_and_masked():
 
 def test_nonfinite_error_policy_raises_naming_position():
     c = make_case(seed=42, **STD)
-    valid = np.ones((2, 3), bool)
+    valid = np.ones((B_, T_), bool)
     cfg = tr.TrustRegionConfig(nonfinite="error")
-    adv = np.ones((2,), np.float32)
+    adv = np.ones((B_,), np.float32)
     tr.trust_region_mask(c["z"], *args_of(c), adv, valid, cfg)  # clean input: no error
     d = {k: np.array(v) for k, v in c.items()}
     d["behavior_lp"][1, 2] = np.nan
@@ -648,15 +652,14 @@ def test_identical_weights_at_temperature_give_ratio_one_and_zero_divergence():
     # the untempered logits are NOT the sampler's distribution: ratio != 1 there
     assert np.abs(run(dict(c, z=raw))["ratio"] - 1).max() > 0.1
     adv = rng.normal(size=(B,)).astype(np.float32)
-    for cfg in (tr.TrustRegionConfig(mask="pdm", delta=1e-4), tr.TrustRegionConfig(mask="dppo", delta=1e-4),
-                tr.TrustRegionConfig(mask="ppo", clip_eps_low=1e-3, clip_eps_high=1e-3)):
+    for cfg in (CFG["pdm_exact"], CFG["dppo_kl"], CFG["ppo"]):
         mask, stats = tr.trust_region_mask(logits, *args_of(c), adv, np.ones((B, T), bool), cfg)
         assert bool(jnp.all(mask)) and float(stats["frac_outside"]) == 0.0
 
 
 def test_token_logprobs_valid_mask_double_where():
     c = make_case(seed=51, **STD)
-    valid = np.array([[True, True, False], [True, False, False]])
+    valid = np.random.default_rng(5).random((B_, T_)) < 0.6
     z = np.array(c["z"])
     z[~valid] = np.nan
     lp_ref = np.take_along_axis(np.asarray(jax.nn.log_softmax(jnp.asarray(c["z"]))), c["tokens"][..., None], -1)[..., 0]
@@ -673,10 +676,75 @@ def test_single_log_softmax_shared_by_mask_and_logprobs():
     """The differentiable log-probs from the mask function equal token_logprobs, gradient included."""
     c = make_case(seed=52, **STD)
     valid = np.ones(c["tokens"].shape, bool)
-    cfg = tr.TrustRegionConfig()
+    cfg = CFG["pdm_exact"]
     adv = np.ones((c["tokens"].shape[0],), np.float32)
     f1 = lambda z: jnp.sum(tr.trust_region_mask_and_logprobs(z, *args_of(c), adv, valid, cfg)[1])  # noqa: E731
     f2 = lambda z: jnp.sum(tr.token_logprobs(z, c["tokens"]))  # noqa: E731
     z = jnp.asarray(c["z"])
     close(f1(z), f2(z))
     close(jax.grad(f1)(z), jax.grad(f2)(z))
+
+
+# ----------------------------------------------------------------------------- property tests (hypothesis)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+PROP_V = 6
+
+
+@jax.jit
+def _props(z, tokens, topk_ids, topk_lp, behavior_lp):
+    a = (tokens, topk_ids, topk_lp, behavior_lp)
+    v = onehot_minus(jax.nn.softmax(z, -1), tokens)
+    out = {est: tr.kl_directional_derivative(z, *a, estimator=est) for est in ESTIMATORS}
+    out["D"], out["jvp"] = jax.jvp(lambda zz: tr.topk_kl(zz, *a), (z,), (v,))
+    out["tv"] = tr.topk_tv(z, *a)
+    out["grad"] = jax.grad(lambda zz: jnp.sum(tr.topk_kl(zz, *a)))(z)
+    return out
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2 ** 16), k=st.integers(1, PROP_V),
+       scale=st.sampled_from([0.05, 1.0, 4.0, 12.0]), noise=st.sampled_from([0.0, 0.3, 2.0]),
+       sampled=st.sampled_from(["any", "inside", "outside"]))
+def test_properties_over_peaked_and_flat_logits(seed, k, scale, noise, sampled):
+    if sampled == "outside" and k == PROP_V:
+        sampled = "inside"
+    c = make_case(seed=seed, B=2, T=2, V=PROP_V, K=k, scale=scale, noise=noise, sampled=sampled)
+    o = {key: np.asarray(val, np.float64) for key, val in _props(c["z"], *args_of(c)).items()}
+    for key, val in o.items():
+        assert np.all(np.isfinite(val)), key
+    # bucket_exact is the exact derivative of topk_kl (tolerance scaled by the terms' size)
+    close(o["bucket_exact"], o["jvp"], atol=5e-6, rtol=1e-4)
+    # between the paper's two estimators
+    lo = np.minimum(o["uniform_tail"], o["aggregated_tail"]) - 1e-6
+    hi = np.maximum(o["uniform_tail"], o["aggregated_tail"]) + 1e-6
+    assert np.all((o["bucket_exact"] >= lo) & (o["bucket_exact"] <= hi))
+    # divergences in range; KL = 0 and direction = 0 when mu = pi
+    assert np.all(o["D"] >= -1e-6)
+    assert np.all((o["tv"] >= -1e-6) & (o["tv"] <= 1 + 1e-6))
+    if noise == 0.0:
+        close(o["D"], 0.0, atol=2e-6, rtol=0)
+        for est in ESTIMATORS:
+            close(o[est], 0.0, atol=2e-6, rtol=0)
+    # float64 restatement of the closed forms (DESIGN.md section 2 table)
+    E = candidate_set(c["tokens"], c["topk_ids"], PROP_V)
+    mu = dense_mu(c, PROP_V).astype(np.float64)
+    logp = np.asarray(c["z"], np.float64)
+    logp = logp - np.log(np.exp(logp - logp.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logp.max(-1, keepdims=True)
+    pi = np.exp(logp)
+    pi_t = np.where(E, 0, pi).sum(-1)
+    n_t = (~E).sum(-1)
+    mu_t = np.where(n_t > 0, np.maximum(1 - np.where(E, mu, 0).sum(-1), 0), 0)
+    s = np.where(E, mu, 0).sum(-1) + mu_t
+    pk = np.take_along_axis(pi, c["tokens"][..., None], -1)[..., 0]
+    mk = np.take_along_axis(mu, c["tokens"][..., None], -1)[..., 0]
+    head = s * (pk - np.where(E, pi ** 2, 0).sum(-1)) - mk + np.where(E, mu * pi, 0).sum(-1)
+    q = {"aggregated_tail": pi_t, "uniform_tail": pi_t / np.maximum(n_t, 1),
+         "bucket_exact": np.where(pi_t > 0, np.where(E, 0, pi ** 2).sum(-1) / np.where(pi_t > 0, pi_t, 1), 0)}
+    for est in ESTIMATORS:
+        close(o[est], head + q[est] * (mu_t - s * pi_t), atol=5e-6, rtol=1e-4)
+    # grad of topk_kl along e_k - pi is the jvp
+    v = np.asarray(onehot_minus(jnp.asarray(pi, jnp.float32), c["tokens"]), np.float64)
+    close((o["grad"] * v).sum(-1), o["jvp"], atol=5e-6, rtol=1e-4)
