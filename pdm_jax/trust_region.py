@@ -570,9 +570,12 @@ class TrustRegionConfig:
         under ``jit`` (where it surfaces as a ``JaxRuntimeError`` carrying the
         message when the result is computed).
       direction_stats: compute ``frac_direction_disagree`` also for the masks
-        that do not need the predictive direction (none/ppo/dppo); pdm always
-        reports it. With False the key is absent for those masks and D' is not
-        computed (it costs a jvp for non-top-K-KL divergences).
+        that do not need the predictive direction (none/ppo/dppo), when the
+        (divergence, estimator) pair defines one (``divergence="topk_kl"`` or
+        ``estimator="autodiff"``; see :attr:`defines_predictive_direction`).
+        pdm always reports it. Otherwise the key is absent and D' is not
+        computed (the closed forms cost a few [B,T,K] ops and, for
+        bucket_exact, one more reduction over V; autodiff costs a jvp).
 
     Raises:
       ValueError: naming the field and the value, for any invalid field.
@@ -614,6 +617,11 @@ class TrustRegionConfig:
                 f"mask='pdm' with divergence={self.divergence!r} needs estimator='autodiff'")
 
     @property
+    def defines_predictive_direction(self) -> bool:
+        """True if (divergence, estimator) names a predictive direction (closed form or jvp)."""
+        return self.divergence == "topk_kl" or self.estimator == "autodiff"
+
+    @property
     def radius_low(self) -> float:
         return self.delta if self.delta_low is None else self.delta_low
 
@@ -638,9 +646,9 @@ def _raise_nonfinite(count, flat_index, shape):
     if count > 0:
         position = tuple(int(i) for i in np.unravel_index(int(flat_index), shape))
         raise ValueError(
-            f"trust_region_mask: {count} valid position(s) with non-finite inputs (NaN/inf logits, "
-            f"NaN/+inf behaviour or top-K log-probs, or non-finite advantages); first at "
-            f"position {position}")
+            f"trust_region_mask: {count} valid position(s) with non-finite values (NaN/inf logits, "
+            f"NaN/+inf behaviour or top-K log-probs, non-finite advantages, or a non-finite "
+            f"divergence/direction); first at position {position}")
 
 
 
@@ -723,7 +731,7 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
 
     # ---- everything below is statistics / mask: no gradient ----
     logp_sg = jax.lax.stop_gradient(logp)
-    need_pred = config.mask == "pdm" or config.direction_stats
+    need_pred = config.mask == "pdm" or (config.direction_stats and config.defines_predictive_direction)
     closed_form = config.divergence == "topk_kl" and config.estimator != "autodiff"
     tq = token_quantities(logp_sg, tokens_safe, topk_ids_safe, topk_lp_safe, behavior_safe,
                           with_tail_squares=need_pred and closed_form and config.estimator == "bucket_exact")
