@@ -67,6 +67,7 @@ class PolicyLossConfig:
     kl_beta: float = 0.0
     kl_estimator: str = "k3"
     temperature: float = 1.0
+    logits_chunk_size: int = 0  # > 0: pdm_jax.chunked_loss, logits [B,c,V] c positions at a time
 
     def __post_init__(self):
         if self.policy_loss not in ("tis", "ppo_clip"):
@@ -79,6 +80,9 @@ class PolicyLossConfig:
             raise ValueError(f"rl.temperature must be > 0, got {self.temperature}")
         if self.kl_beta < 0:
             raise ValueError(f"rl.kl_beta must be >= 0, got {self.kl_beta}")
+        if isinstance(self.logits_chunk_size, bool) or not isinstance(self.logits_chunk_size, int) \
+                or self.logits_chunk_size < 0:
+            raise ValueError(f"rl.logits_chunk_size must be an int >= 0 (0 = unchunked), got {self.logits_chunk_size!r}")
 
 
 def make_optimizer(learning_rate, *, weight_decay=0.0, b1=0.9, b2=0.999, max_grad_norm=1.0,
@@ -135,7 +139,13 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
     the per-token loss is the truncated-IS loss -A sg(min(r,C)) M log pi(y_t)
     (DESIGN.md §2, with M the trust-region mask of `tr_config`) or the PPO
     clipped surrogate, plus kl_beta * KL(pi || pi_ref) when kl_beta > 0.
+    With ``loss_config.logits_chunk_size`` = c > 0 the same loss is computed by
+    ``pdm_jax.chunked_loss`` c sequence positions at a time.
     """
+    if loss_config.logits_chunk_size > 0:  # same values, never all [B,T,V] logits at once
+        from pdm_jax.chunked_loss import make_chunked_rl_loss
+
+        return make_chunked_rl_loss(graphdef, tr_config, loss_config, loss_config.logits_chunk_size)
     tau = loss_config.temperature
 
     def loss_fn(params, batch):

@@ -491,7 +491,15 @@ class Qwen3ForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------ helpers
     def _logits(self, x_BxTxD: Array) -> Array:
-        h_BxTxD = self.norm(x_BxTxD)
+        return self.logits_from_hidden(self.norm(x_BxTxD))
+
+    def logits_from_hidden(self, h_BxTxD: Array) -> Array:
+        """The LM head alone: final hidden states [B,T,D] (after ``norm``) -> logits [B,T,V] f32.
+
+        Tied (``embed_tokens.attend``) or untied (``lm_head``) projection. Lets a loss
+        project a few positions at a time (``pdm_jax.chunked_loss``) instead of
+        materialising all [B,T,V] logits.
+        """
         if self.lm_head is None:
             logits_BxTxV = self.embed_tokens.attend(h_BxTxD)
         else:
@@ -541,6 +549,36 @@ class Qwen3ForCausalLM(nnx.Module):
         for layer in self.layers:
             x_BxTxD, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS)
         return self._logits(x_BxTxD)
+
+    def hidden_states(self, input_ids: Array, positions: Array | None = None,
+                      attention_mask: Array | None = None) -> Array:
+        """Final hidden states [B,T,D] (compute dtype), after the final RMSNorm, before the LM head.
+
+        Same arguments as ``__call__``;
+        ``self.logits_from_hidden(self.hidden_states(...))`` equals ``self(...)``.
+        """
+        input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
+        if input_ids_BxT.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {input_ids_BxT.shape}")
+        B, T = input_ids_BxT.shape
+        if attention_mask is not None and jnp.shape(attention_mask) != (B, T):
+            raise ValueError(
+                f"attention_mask must have shape {(B, T)}, got {jnp.shape(attention_mask)}")
+        if positions is None:
+            positions_BxT = default_positions(input_ids_BxT, attention_mask)
+        else:
+            positions_BxT = jnp.asarray(positions, jnp.int32)
+        if positions_BxT.shape != (B, T):
+            raise ValueError(f"positions must have shape {(B, T)}, got {positions_BxT.shape}")
+        causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
+        if attention_mask is None:
+            mask_BxTxS = jnp.broadcast_to(causal_TxS, (B, T, T))
+        else:
+            mask_BxTxS = causal_TxS[None] & jnp.asarray(attention_mask).astype(bool)[:, None, :]
+        x_BxTxD = self._embed(input_ids_BxT)
+        for layer in self.layers:
+            x_BxTxD, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS)
+        return shd.constrain(self.norm(x_BxTxD), ("batch", "length", "embed"))
 
     # ------------------------------------------------------------------ KV cache path
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:

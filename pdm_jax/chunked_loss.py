@@ -1,0 +1,232 @@
+"""Sequence-chunked RL loss: the trust-region mask and the policy loss without [B,T,V] logits.
+
+For Qwen3 (V = 151,936) a micro-batch of 8 sequences x 8k response tokens has
+f32 logits of 8 * 8192 * 151936 * 4 B = 40 GB, and the log-softmax, the tail
+reductions of the top-K divergence and their gradients need several buffers of
+that size. This module computes exactly the same loss, gradient and statistics
+as ``pdm_jax.train_step.make_rl_loss`` while holding only ``[B, c, V]`` logits
+at a time (c = ``chunk_size`` sequence positions):
+
+1. the model runs once up to its final hidden states ``h [B,T,D]``
+   (``Qwen3ForCausalLM.hidden_states``; D << V);
+2. ``jax.lax.scan`` walks over the T axis in chunks of c positions; each step
+   projects its chunk to logits ``[B,c,V]`` (``logits_from_hidden``), divides by
+   the temperature and calls ``trust_region.trust_region_mask_and_logprobs`` --
+   ONE log-softmax, the gathers at the K+1 candidates, the tail log-sum-exp and
+   (for ``bucket_exact``) the tail sum of squares Σ_T π_i², then the mask -- and
+   finishes the per-token loss (truncated IS or PPO clip, optional KL penalty),
+   the entropy and the top-K KL of the chunk;
+3. the step body is wrapped in ``jax.checkpoint``: the backward pass recomputes
+   each chunk's logits from its hidden states instead of storing them, so the
+   peak memory of the loss grows with c, not with T.
+
+Only ``[B,T]`` per-token arrays leave the scan; they are aggregated with
+``objectives.aggregate_loss`` over the whole batch, so every aggregation mode is
+exact (no mean of chunk means). The statistics of the trust-region mask are
+recombined from the chunks' counts: ``num_*`` are summed, ``frac_*`` are
+fractions of all valid tokens and ``mean_*`` means over all valid tokens with
+finite inputs (``n_good = num_valid - num_nonfinite - num_bad_ids``), as in
+``trust_region.trust_region_mask_and_logprobs``.
+
+T is padded up to a multiple of c with invalid positions (masked, zero loss).
+With ``nonfinite="error"`` the first bad position named in the error is relative
+to its chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pdm_jax import objectives, trust_region
+
+_F32 = jnp.float32
+
+
+def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Final hidden states predicting each completion token, and the LM-head function.
+
+    Runs the model on concat(prompt, completion) and keeps positions P-1 .. P+T-2,
+    as ``train_step.completion_logits`` does for the logits.
+
+    Args:
+      graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
+      prompt_ids [B,P] int32, prompt_mask [B,P] bool, completion_ids [B,T] int32,
+      completion_mask [B,T] bool.
+
+    Returns:
+      ``(h [B,T,D] in the compute dtype, head_fn)`` where ``head_fn(h_chunk [B,c,D])``
+      returns f32 logits ``[B,c,V]`` (``Qwen3ForCausalLM.logits_from_hidden``).
+    """
+    model = nnx.merge(graphdef, params)
+    input_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
+    attn = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+    h_BxLxD = model.hidden_states(input_ids, attention_mask=attn)
+    p = prompt_ids.shape[1]
+    t = completion_ids.shape[1]
+    return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden
+
+
+def _combine_stats(stats_N: dict) -> dict:
+    """Recombines per-chunk statistics ([N] arrays) into whole-batch statistics (see module doc)."""
+    n_valid_N = stats_N["num_valid"]
+    n_good_N = n_valid_N - stats_N["num_nonfinite"] - stats_N["num_bad_ids"]
+    total_valid = jnp.sum(n_valid_N)
+    total_good = jnp.sum(n_good_N)
+    out = {}
+    for key, v_N in stats_N.items():
+        if key.startswith("num_"):
+            out[key] = jnp.sum(v_N)
+        elif key.startswith("frac_"):
+            out[key] = jnp.sum(v_N * jnp.maximum(n_valid_N, 1.0)) / jnp.maximum(total_valid, 1.0)
+        elif key.startswith("mean_"):
+            out[key] = jnp.sum(v_N * jnp.maximum(n_good_N, 1.0)) / jnp.maximum(total_good, 1.0)
+        else:
+            raise ValueError(f"chunked loss: cannot recombine the trust-region statistic {key!r} "
+                             "(expected a num_/frac_/mean_ prefix)")
+    return out
+
+
+def _masked_mean(x, m):
+    m = m.astype(_F32)
+    return jnp.sum(jnp.where(m > 0, x, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_region.TrustRegionConfig,
+                     loss_config, chunk_size: int):
+    """Per-token loss terms from hidden states, one ``[B,c,V]`` chunk of logits at a time.
+
+    Args:
+      h_BxTxD: ``[B,T,D]`` final hidden states (after the final norm), differentiable.
+      head_fn: ``[B,c,D] -> [B,c,V]`` f32 logits (the LM head; may close over params).
+      batch: the train-step batch (``pdm_jax.train_step`` layout): completion_ids,
+        completion_mask, behavior_logprobs, topk_ids, topk_logprobs, advantages
+        ``[B]`` or ``[B,T]``, and ref_logprobs when ``loss_config.kl_beta > 0``.
+      tr_config: the trust-region mask configuration (static).
+      loss_config: a ``train_step.PolicyLossConfig`` (static).
+      chunk_size: c >= 1 sequence positions per chunk (T is padded to a multiple of c).
+
+    Returns:
+      ``(per_token [B,T] f32, logprobs [B,T] f32, mask [B,T] bool, kl [B,T] f32,
+      entropy [B,T] f32, topk_kl [B,T] f32 or None, stats)``: ``per_token`` is the
+      policy loss (+ kl_beta * kl) per token, 0 at invalid positions;
+      ``logprobs`` log pi(y_t) at temperature tau (0 at invalid positions);
+      ``topk_kl`` is only computed when the configured proximity is not already
+      the top-K KL of a dppo/pdm mask; ``stats`` the recombined trust-region
+      statistics (see module doc).
+
+    Raises:
+      ValueError: chunk_size < 1 or shapes that disagree.
+    """
+    if not (isinstance(chunk_size, int) and chunk_size >= 1):
+        raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
+    b, t, d = h_BxTxD.shape
+    if batch["completion_ids"].shape != (b, t):
+        raise ValueError(f"completion_ids has shape {batch['completion_ids'].shape}, hidden states {h_BxTxD.shape}")
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    pad = n * c - t
+    tau = loss_config.temperature
+    need_topk_kl = not (tr_config.divergence == "topk_kl" and tr_config.mask in ("dppo", "pdm"))
+    adv = jnp.asarray(batch["advantages"]).astype(_F32)
+    adv_BxT = jnp.broadcast_to(adv[:, None], (b, t)) if adv.ndim == 1 else adv
+
+    def to_chunks(x, fill=0):
+        """[B,T,...] -> [N,B,c,...] (padded with `fill`)."""
+        x = jnp.asarray(x)
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        x = x.reshape((b, n, c) + x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    xs = dict(
+        h=to_chunks(h_BxTxD), tokens=to_chunks(batch["completion_ids"]),
+        valid=to_chunks(jnp.asarray(batch["completion_mask"]).astype(bool), False),
+        topk_ids=to_chunks(batch["topk_ids"]), topk_lp=to_chunks(batch["topk_logprobs"]),
+        behavior_lp=to_chunks(batch["behavior_logprobs"]), adv=to_chunks(adv_BxT))
+    if loss_config.kl_beta > 0:
+        xs["ref_lp"] = to_chunks(batch["ref_logprobs"])
+
+    def chunk(x):
+        logits = head_fn(x["h"]).astype(_F32) / tau  # [B,c,V]: the only vocabulary-sized buffers
+        valid = x["valid"]
+        mask, logprobs, stats = trust_region.trust_region_mask_and_logprobs(
+            logits, x["tokens"], x["topk_ids"], x["topk_lp"], x["behavior_lp"], x["adv"], valid, tr_config)
+        if loss_config.policy_loss == "tis":
+            per_token = objectives.tis_policy_loss(logprobs, x["behavior_lp"], x["adv"], mask,
+                                                   tis_cap=loss_config.tis_cap)
+        else:
+            per_token = objectives.ppo_clip_policy_loss(
+                logprobs, x["behavior_lp"], x["adv"], clip_eps_low=loss_config.clip_eps_low,
+                clip_eps_high=loss_config.clip_eps_high,
+                dual_clip=loss_config.dual_clip if loss_config.dual_clip else None)
+            if tr_config.mask != "ppo":  # the PPO mask is the clip itself (as in make_rl_loss)
+                per_token = jnp.where(mask, per_token, 0.0)
+        kl = jnp.zeros_like(logprobs)
+        if loss_config.kl_beta > 0:
+            kl = objectives.kl_penalty(logprobs, x["ref_lp"], kind=loss_config.kl_estimator)
+            per_token = per_token + loss_config.kl_beta * kl
+        per_token = jnp.where(valid, per_token, 0.0)
+        logits_sg = jax.lax.stop_gradient(logits)
+        logp_sg = jax.nn.log_softmax(logits_sg, axis=-1)
+        entropy = -jnp.sum(jnp.exp(logp_sg) * logp_sg, axis=-1)
+        out = dict(per_token=per_token, logprobs=logprobs, mask=mask, kl=kl, entropy=entropy, stats=stats)
+        if need_topk_kl:
+            out["topk_kl"] = trust_region.topk_kl(logits_sg, x["tokens"], x["topk_ids"], x["topk_lp"],
+                                                  x["behavior_lp"])
+        return out
+
+    # Rematerialise each chunk in the backward pass: only h and the per-token inputs are saved.
+    chunk = jax.checkpoint(chunk, policy=jax.checkpoint_policies.nothing_saveable)
+    _, ys = jax.lax.scan(lambda carry, x: (carry, chunk(x)), None, xs)
+
+    def from_chunks(y_NxBxc):
+        y = jnp.moveaxis(y_NxBxc, 0, 1).reshape((b, n * c) + y_NxBxc.shape[3:])
+        return y[:, :t]
+
+    stats = _combine_stats(ys["stats"])
+    topk_kl = from_chunks(ys["topk_kl"]) if need_topk_kl else None
+    return (from_chunks(ys["per_token"]), from_chunks(ys["logprobs"]), from_chunks(ys["mask"]),
+            from_chunks(ys["kl"]), from_chunks(ys["entropy"]), topk_kl, stats)
+
+
+def make_chunked_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config, chunk_size: int):
+    """``loss_fn(params, batch) -> (loss, aux)`` equal to ``train_step.make_rl_loss`` without [B,T,V] logits.
+
+    Same loss (``objectives.aggregate_loss`` sum / denominator), the same
+    gradient and the same ``aux`` keys as the unchunked path (DESIGN.md §2;
+    checked to 1e-5 by tests/test_chunked_loss.py for PDM with every estimator,
+    DPPO and PPO-clip); the logits exist only ``chunk_size`` positions at a time
+    (see the module docstring).
+
+    Raises:
+      ValueError: chunk_size < 1.
+    """
+    if not (isinstance(chunk_size, int) and chunk_size >= 1):
+        raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
+
+    def loss_fn(params, batch):
+        h_BxTxD, head_fn = completion_hidden_states(graphdef, params, batch["prompt_ids"], batch["prompt_mask"],
+                                                    batch["completion_ids"], batch["completion_mask"])
+        valid = jnp.asarray(batch["completion_mask"]).astype(bool)
+        per_token, logprobs, _, kl, entropy, topk_kl, tr_stats = chunked_rl_terms(
+            h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
+        loss_sum, denom = objectives.aggregate_loss(per_token, valid, loss_config.loss_aggregation,
+                                                    max_response_length=loss_config.max_response_length)
+        loss = loss_sum / denom
+        log_ratio = jnp.where(valid, logprobs - batch["behavior_logprobs"], 0.0)
+        aux = dict(tr_stats)
+        aux["mean_topk_kl"] = tr_stats["mean_divergence"] if topk_kl is None else _masked_mean(topk_kl, valid)
+        aux.update(
+            entropy=_masked_mean(entropy, valid),
+            mean_ratio=_masked_mean(jnp.exp(jnp.clip(log_ratio, -20.0, 20.0)), valid),
+            mean_abs_log_ratio=_masked_mean(jnp.abs(log_ratio), valid),
+            kl_to_ref=_masked_mean(kl, valid),
+            policy_loss=loss,
+        )
+        return loss, aux
+
+    return loss_fn
