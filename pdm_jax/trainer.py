@@ -381,6 +381,11 @@ class Trainer:
             self._sampler_proc = None
             self._sampler = SamplerClient(sc.address, timeout_s=sc.request_timeout_s, retries=sc.retries,
                                           token=sc.token or None)
+            try:
+                self._sampler.health()
+            except Exception as e:  # noqa: BLE001 - any transport error means "not reachable"
+                raise SamplerFailure(f"sampler.address = {sc.address!r} is not reachable "
+                                     f"(after {sc.retries} retries): {e}") from e
             self._sampler.load_weights(path, version)
         else:
             self._sampler_proc = None

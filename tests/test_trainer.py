@@ -152,3 +152,36 @@ def test_sampler_killed_mid_run_is_restarted_without_losing_a_batch(tmp_path):
     for s in (2, 3):
         for k in DETERMINISTIC_KEYS:
             assert got[s][k] == pytest.approx(ref[s][k], rel=1e-5, abs=1e-6), (s, k)
+
+
+def test_unreachable_sampler_fails_fast_with_a_clear_error(tmp_path):
+    import socket
+    import time
+
+    from pdm_jax.trainer import SamplerFailure, Trainer
+
+    with socket.socket() as s:  # a free loopback port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = tiny_test_config(**{"sampler.mode": "remote", "sampler.address": f"http://127.0.0.1:{port}",
+                            "sampler.retries": 1, "sampler.request_timeout_s": 5.0})
+    t = Trainer(c, str(tmp_path))
+    t.push_weights(t.params, 0)
+    t0 = time.time()
+    with pytest.raises(SamplerFailure, match=f"127.0.0.1:{port}"):
+        t._start_sampler(0)
+    assert time.time() - t0 < 30
+
+
+def test_sampler_that_never_comes_up_is_an_error_within_the_timeout(tmp_path):
+    import time
+
+    from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
+
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    t0 = time.time()
+    with pytest.raises(SamplerStartupError):
+        start_sampler_server(model_config=str(bad), weights=None, checkpoint_root=str(tmp_path),
+                             startup_timeout_s=60)
+    assert time.time() - t0 < 60
