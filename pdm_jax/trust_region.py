@@ -64,6 +64,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = [
+    "TrustRegionConfig", "TokenQuantities", "token_quantities", "sanitize_inputs",
+    "topk_kl", "topk_tv", "topk_reverse_kl", "binary_tv", "binary_kl", "full_kl", "DIVERGENCE_FNS",
+    "kl_directional_derivative", "full_kl_directional_derivative", "autodiff_directional_derivative",
+    "policy_gradient_direction", "token_logprobs", "token_logprobs_and_ratio",
+    "trust_region_mask", "trust_region_mask_and_logprobs", "validate_topk",
+]
+
 MASK_MODES = ("none", "ppo", "dppo", "pdm")
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "topk_reverse_kl")
 CLOSED_FORM_ESTIMATORS = ("aggregated_tail", "uniform_tail", "bucket_exact")
