@@ -1,0 +1,277 @@
+"""Multi-host runs on JAX's own distributed runtime: initialisation, per-process batches, primary process.
+
+One trainer process runs per host (TPU VM worker, GPU node, or several CPU
+processes on one machine for tests). Every process executes the same program
+on the same global mesh; ``jax.devices()`` lists the devices of ALL processes
+once ``jax.distributed.initialize`` has run, ``jax.local_devices()`` this
+process's.
+
+* :func:`initialize` / :func:`initialize_from_config` start the runtime from
+  explicit arguments, from ``config.multihost``, from the environment
+  (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``,
+  ``JAX_LOCAL_DEVICE_IDS``) or, when those are absent, from JAX's cluster
+  auto-detection (Cloud TPU, SLURM, Open MPI, ...). On CPU the cross-process
+  collectives are JAX's gloo TCP collectives (``jax_cpu_collectives_implementation``).
+* :func:`put_global_batch` turns host arrays into global ``jax.Array`` batches
+  sharded over the mesh's batch axes with
+  ``jax.make_array_from_process_local_data``: each process contributes only
+  the rows held by its own devices (:func:`local_batch_rows`).
+* :func:`is_primary`: only process 0 writes metrics, TensorBoard events,
+  ``summary.json`` and plots. Orbax checkpoints are saved collectively (every
+  process calls save; orbax writes each shard once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+log = logging.getLogger("pdm_jax.distributed")
+
+#: Environment variables read when the config leaves a field unset.
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
+CPU_COLLECTIVES = ("gloo", "mpi", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """Where the runtime's coordinator is and who this process is (None = resolve from env / cluster).
+
+    Fields: ``coordinator_address`` "host:port" of process 0's coordinator;
+    ``num_processes`` >= 1; ``process_id`` in [0, num_processes);
+    ``local_device_ids`` device ids this process uses (GPU) or None;
+    ``cpu_collectives`` "gloo" | "mpi" | "none" (CPU cross-process collectives);
+    ``initialization_timeout_s`` seconds to wait for all processes.
+
+    Raises:
+      ValueError: naming the field and value when a given field is invalid.
+    """
+
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    local_device_ids: Optional[tuple] = None
+    cpu_collectives: str = "gloo"
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self):
+        if self.coordinator_address is not None:
+            host, sep, port = str(self.coordinator_address).rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"multihost.coordinator_address must be 'host:port', got {self.coordinator_address!r}")
+        if self.num_processes is not None and not (isinstance(self.num_processes, int) and self.num_processes >= 1):
+            raise ValueError(f"multihost.num_processes must be an int >= 1, got {self.num_processes!r}")
+        if self.process_id is not None:
+            if not (isinstance(self.process_id, int) and self.process_id >= 0):
+                raise ValueError(f"multihost.process_id must be an int >= 0, got {self.process_id!r}")
+            if self.num_processes is not None and self.process_id >= self.num_processes:
+                raise ValueError(f"multihost.process_id = {self.process_id} must be < num_processes = "
+                                 f"{self.num_processes}")
+        if self.cpu_collectives not in CPU_COLLECTIVES:
+            raise ValueError(f"multihost.cpu_collectives must be one of {CPU_COLLECTIVES}, got {self.cpu_collectives!r}")
+        if not (isinstance(self.initialization_timeout_s, int) and self.initialization_timeout_s > 0):
+            raise ValueError(f"multihost.initialization_timeout_s must be an int > 0, "
+                             f"got {self.initialization_timeout_s!r}")
+
+
+def _env_int(name: str, environ: Mapping[str, str]) -> Optional[int]:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def settings_from_config(config, environ: Optional[Mapping[str, str]] = None) -> DistributedSettings:
+    """Resolves :class:`DistributedSettings` from ``config.multihost`` then the environment.
+
+    Config fields win; empty / sentinel values (``""``, ``0`` processes, ``-1``
+    process id) fall back to ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+    ``JAX_PROCESS_ID`` and ``JAX_LOCAL_DEVICE_IDS`` (comma-separated ints); what
+    is still unset is left to JAX's cluster auto-detection.
+
+    Raises:
+      ValueError: naming the field (or environment variable) and the bad value.
+    """
+    environ = os.environ if environ is None else environ
+    mh = config.get("multihost") if hasattr(config, "get") else None
+    get = (lambda k, d: mh.get(k, d)) if mh is not None else (lambda k, d: d)  # noqa: E731
+    address = get("coordinator_address", "") or environ.get(ENV_COORDINATOR) or None
+    num = int(get("num_processes", 0)) or _env_int(ENV_NUM_PROCESSES, environ)
+    pid = int(get("process_id", -1))
+    pid = pid if pid >= 0 else _env_int(ENV_PROCESS_ID, environ)
+    ids_raw = get("local_device_ids", "") or environ.get(ENV_LOCAL_DEVICE_IDS, "")
+    try:
+        ids = tuple(int(x) for x in str(ids_raw).split(",") if x.strip()) or None
+    except ValueError:
+        raise ValueError(f"multihost.local_device_ids / {ENV_LOCAL_DEVICE_IDS} must be comma-separated ints, "
+                         f"got {ids_raw!r}") from None
+    return DistributedSettings(coordinator_address=address, num_processes=num, process_id=pid,
+                               local_device_ids=ids, cpu_collectives=str(get("cpu_collectives", "gloo")),
+                               initialization_timeout_s=int(get("initialization_timeout_s", 300)))
+
+
+def initialize(settings: Optional[DistributedSettings] = None) -> None:
+    """Starts JAX's distributed runtime (``jax.distributed.initialize``) with CPU collectives.
+
+    Must run before anything touches a JAX backend (device lists, arrays, jit).
+    Already-initialised runtimes are left alone (a second call is a no-op).
+
+    Raises:
+      RuntimeError: a JAX backend was already initialised in this process (too late).
+      ValueError: from :class:`DistributedSettings` or JAX (missing coordinator etc.).
+    """
+    import jax
+    from jax._src import distributed as _jax_distributed
+    from jax._src import xla_bridge
+
+    settings = settings or DistributedSettings()
+    if _jax_distributed.global_state.client is not None:
+        log.info("jax.distributed already initialised (process %d)", jax.process_index())
+        return
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("jax.distributed must be initialised before any JAX computation or device query "
+                           "(call pdm_jax.distributed.initialize first thing in the process)")
+    jax.config.update("jax_cpu_collectives_implementation",
+                      None if settings.cpu_collectives == "none" else settings.cpu_collectives)
+    jax.distributed.initialize(
+        coordinator_address=settings.coordinator_address, num_processes=settings.num_processes,
+        process_id=settings.process_id,
+        local_device_ids=list(settings.local_device_ids) if settings.local_device_ids else None,
+        initialization_timeout=settings.initialization_timeout_s)
+    log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
+             jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def initialize_from_config(config) -> bool:
+    """Initialises the runtime when ``config.distributed`` is true; returns whether it did.
+
+    Settings come from :func:`settings_from_config` (config.multihost, then the
+    environment, then cluster auto-detection).
+    """
+    if not bool(config.get("distributed", False)):
+        return False
+    initialize(settings_from_config(config))
+    return True
+
+
+def is_primary() -> bool:
+    """True on process 0 (the one that writes logs, summaries and plots)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def batch_sharding(mesh, ndim: int, batch_axes: Sequence[str] = ("data", "fsdp")):
+    """``NamedSharding`` splitting the leading axis of an ``ndim``-d array over ``batch_axes``."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return NamedSharding(mesh, P(tuple(batch_axes), *([None] * (ndim - 1))))
+
+
+def local_batch_rows(num_rows: int, mesh, batch_axes: Sequence[str] = ("data", "fsdp")) -> slice:
+    """The rows [start, stop) of a global batch of ``num_rows`` that this process's devices hold.
+
+    The batch is split over ``batch_axes`` of ``mesh``; rows held by several
+    local devices (replication over the other axes) count once.
+
+    Raises:
+      ValueError: ``num_rows`` not divisible by the number of batch shards, or
+        this process's rows are not one contiguous block (a mesh whose device
+        order interleaves processes along the batch axes).
+    """
+    import jax
+
+    n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    if num_rows % n_shards:
+        raise ValueError(f"batch of {num_rows} rows is not divisible by the {n_shards} batch shards "
+                         f"of mesh axes {tuple(batch_axes)} {dict(mesh.shape)}")
+    index_map = batch_sharding(mesh, 1, batch_axes).addressable_devices_indices_map((num_rows,))
+    starts = sorted({idx[0].indices(num_rows)[0] for idx in index_map.values()})
+    size = num_rows // n_shards
+    start, stop = starts[0], starts[-1] + size
+    if stop - start != size * len(starts):
+        raise ValueError(f"process {jax.process_index()} holds non-contiguous batch rows (shard starts {starts}); "
+                         "order the mesh devices so each process owns a contiguous block of the batch axes")
+    return slice(start, stop)
+
+
+def put_global_batch(arrays: Mapping[str, np.ndarray], mesh, *, batch_axes: Sequence[str] = ("data", "fsdp"),
+                     process_local: bool = False) -> dict:
+    """Global, batch-sharded ``jax.Array``s from host arrays, correct with one or many processes.
+
+    Args:
+      arrays: name -> host array ``[N, ...]``.
+      mesh: the global mesh.
+      batch_axes: mesh axes the leading (row) axis is split over.
+      process_local: False (default): every process passes the same GLOBAL
+        batch and contributes the rows of :func:`local_batch_rows`; True: each
+        process passes only its own rows (``N / process_count`` of them, in
+        process order), e.g. from a per-host data loader.
+
+    Arrays whose leading size does not divide into the batch shards (in
+    global mode) are replicated on every device; every process must then pass
+    the same full array.
+
+    Returns:
+      name -> ``jax.Array`` with the global shape, built by
+      ``jax.make_array_from_process_local_data``.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    out = {}
+    for name, value in arrays.items():
+        value = np.asarray(value)
+        if value.ndim == 0:
+            out[name] = jax.make_array_from_process_local_data(NamedSharding(mesh, P()), value, value.shape)
+            continue
+        if process_local:
+            sharding = batch_sharding(mesh, value.ndim, batch_axes)
+            out[name] = jax.make_array_from_process_local_data(sharding, value)
+        elif value.shape[0] % n_shards == 0:
+            rows = local_batch_rows(value.shape[0], mesh, batch_axes)
+            sharding = batch_sharding(mesh, value.ndim, batch_axes)
+            out[name] = jax.make_array_from_process_local_data(sharding, value[rows], value.shape)
+        else:
+            out[name] = jax.make_array_from_process_local_data(NamedSharding(mesh, P()), value, value.shape)
+    return out
+
+
+def to_host(tree):
+    """Host numpy copies of (possibly not fully addressable) global arrays, on every process.
+
+    Uses ``multihost_utils.process_allgather(tiled=True)`` when there are
+    several processes (a collective: every process must call it), else
+    ``jax.device_get``.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+class NullMetricsWriter:
+    """Drop-in for ``pdm_jax.metrics.MetricsWriter`` on non-primary processes: writes nothing."""
+
+    def __init__(self, path: str = os.devnull):
+        self.path = path
+
+    def write(self, *args, **kwargs) -> None:
+        """Ignores the record."""
+
+    def close(self) -> None:
+        """Nothing to close."""

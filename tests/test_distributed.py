@@ -1,0 +1,113 @@
+"""Multi-host support: 2 processes x 4 CPU devices give the same loss and gradients as 1 x 8.
+
+The slow test launches tests/distributed_worker.py three times on loopback:
+two processes of one jax.distributed run (gloo CPU collectives, 4 fake CPU
+devices each) and one single-process reference with 8 fake devices.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from pdm_jax import distributed
+from pdm_jax.sharding import make_mesh
+
+WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out, devices, env_extra):
+    env = dict(os.environ)
+    env.pop("JAX_COORDINATOR_ADDRESS", None)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), **env_extra)
+    return subprocess.Popen([sys.executable, WORKER, out], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tmp_path):
+    port = _free_port()
+    common = dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
+    two = str(tmp_path / "two.npz")
+    one = str(tmp_path / "one.npz")
+    procs = [_launch(two, 4, dict(common, JAX_PROCESS_ID="0")),
+             _launch(two, 4, dict(common, JAX_PROCESS_ID="1")),
+             _launch(one, 8, dict(JAX_NUM_PROCESSES="1"))]
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=240)
+            logs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, logs):
+        assert p.returncode == 0, out[-3000:]
+    assert "process 1/2 rows 4:8" in logs[1], logs[1][-2000:]  # process 1 fed the second half only
+    a, b = np.load(one), np.load(two)
+    assert int(a["process_count"]) == 1 and int(b["process_count"]) == 2
+    assert list(b["rows"]) == [0, 4] and list(a["rows"]) == [0, 8]
+    assert set(a.files) == set(b.files)
+    grads = [k for k in a.files if k.startswith("grad/")]
+    assert len(grads) > 10
+    assert 0.0 < float(a["aux/frac_masked"]) < 1.0
+    for k in a.files:
+        if k in ("rows", "process_count"):
+            continue
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_settings_from_config_and_env():
+    c = ml_collections.ConfigDict(dict(distributed=True, multihost=dict(
+        coordinator_address="", num_processes=0, process_id=-1, local_device_ids="",
+        cpu_collectives="gloo", initialization_timeout_s=60)))
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    s = distributed.settings_from_config(c, env)
+    assert (s.coordinator_address, s.num_processes, s.process_id, s.local_device_ids) == ("10.0.0.1:1234", 4, 3, None)
+    c.multihost.coordinator_address = "host:99"
+    c.multihost.process_id = 1
+    c.multihost.local_device_ids = "0,1"
+    s = distributed.settings_from_config(c, env)
+    assert (s.coordinator_address, s.num_processes, s.process_id, s.local_device_ids) == ("host:99", 4, 1, (0, 1))
+    empty = distributed.settings_from_config(c.multihost.__class__(dict(distributed=True)), {})
+    assert empty.coordinator_address is None and empty.num_processes is None  # left to auto-detection
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
+        distributed.settings_from_config(ml_collections.ConfigDict(dict(distributed=True)), {"JAX_NUM_PROCESSES": "x"})
+    with pytest.raises(ValueError, match="process_id"):
+        distributed.DistributedSettings(num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="coordinator_address"):
+        distributed.DistributedSettings(coordinator_address="nohostport")
+    with pytest.raises(ValueError, match="cpu_collectives"):
+        distributed.DistributedSettings(cpu_collectives="nccl")
+    assert distributed.initialize_from_config(ml_collections.ConfigDict(dict(distributed=False))) is False
+
+
+def test_single_process_batch_feeding_equals_device_put():
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    assert distributed.local_batch_rows(8, mesh) == slice(0, 8)
+    with pytest.raises(ValueError, match="not divisible"):
+        distributed.local_batch_rows(6, mesh)
+    arrays = dict(x=np.arange(8 * 3, dtype=np.float32).reshape(8, 3), odd=np.arange(3), s=np.float32(2.0))
+    out = distributed.put_global_batch(arrays, mesh)
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(np.asarray(out[k]), v)
+    assert out["x"].sharding.spec[0] == ("data", "fsdp")
+    assert out["odd"].sharding.is_fully_replicated
+    assert {s.data.shape for s in out["x"].addressable_shards} == {(2, 3)}
+    assert float(jax.jit(lambda x: jnp.sum(x))(out["x"])) == float(arrays["x"].sum())
+    assert distributed.is_primary()
