@@ -154,9 +154,10 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
         valid = batch["completion_mask"]
         tokens = batch["completion_ids"]
         adv_B = batch["advantages"]
-        logprobs = trust_region.token_logprobs(logits, tokens)
-        mask, tr_stats = trust_region.trust_region_mask(
-            jax.lax.stop_gradient(logits), tokens, batch["topk_ids"], batch["topk_logprobs"],
+        # One log-softmax gives the mask (under stop_gradient) and the differentiable log pi(y_t),
+        # with padded / non-finite positions replaced before the math (no NaN in loss or gradient).
+        mask, logprobs, tr_stats = trust_region.trust_region_mask_and_logprobs(
+            logits, tokens, batch["topk_ids"], batch["topk_logprobs"],
             batch["behavior_logprobs"], adv_B, valid, tr_config)
         if loss_config.policy_loss == "tis":
             per_token = objectives.tis_policy_loss(
