@@ -1,0 +1,457 @@
+#!/usr/bin/env python
+"""Sweep runner: expand a sweep definition, run it (locally or on a TPU pod), aggregate a table.
+
+A sweep definition is a Python file with ``get_sweep(arg=None) -> dict``
+(big_vision style; ``launch/sweeps/tiny_delta_estimator.py`` is the example)::
+
+    dict(
+      config="configs/tiny.py",          # the config file every run uses
+      fixed="sft.steps=300,steps=60",    # argument string shared by every run
+      axes=[                             # the grid: product of the axes, last axis fastest
+        ("delta", [0.05, 0.15]),
+        ("criterion", ["ratio", "pdm_aggregated_tail", "pdm_bucket_exact"]),
+        ("seed", [0, 1, 2]),
+      ],
+      flags={"sampler.mode": "in_process"},  # optional --config.<field>=<value> flags
+      collapse_margin=0.1,               # optional; see `collapse_events`
+      share_warmstart_by=("seed",),      # optional; see `run_local`
+    )
+
+Axis values become ``key=value`` items of the config argument string
+(``configs/tiny.py:<fixed>,delta=0.05,mask=dppo,seed=0``), read by
+``pdm_jax.config.apply_arg``; the ``criterion`` axis is a shorthand that
+expands to the mask and estimator (`CRITERIA`).
+
+Usage::
+
+    python launch/sweep.py --sweep=launch/sweeps/tiny_delta_estimator.py --out=runs/sweep      # run + table
+    python launch/sweep.py --sweep=... --out=... --print_only                                   # local commands
+    python launch/sweep.py --sweep=... --out=gs://b/sweep --print_only --pod --tpu_name=pdm-v4  # pod commands
+    python launch/sweep.py --sweep=... --out=runs/sweep --aggregate_only                        # table only
+
+Runs are sequential and resumable: a run whose workdir holds ``summary.json``
+is skipped, an interrupted one is resumed by the trainer from its workdir.
+Child processes share a persistent XLA compilation cache (``--compile_cache``),
+so runs with the same shapes compile once.
+
+The table (``<out>/sweep_runs.csv``, ``<out>/sweep_table.md``) has one row per
+run and one row per grid point without the seed axis (mean and 95% t-interval
+over seeds) with: warm-start and final held-out accuracy, their difference,
+the reward-curve area (mean training reward over RL steps, i.e. the area under
+the reward curve divided by the number of steps), the mean masked and outside
+fractions, and collapse events (`collapse_events`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import itertools
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Iterable, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: The ``criterion`` axis: direction test of the mask (ratio = DPPO, predictive = PDM with an estimator).
+CRITERIA = {
+    "ratio": "mask=dppo",
+    "pdm_aggregated_tail": "mask=pdm,estimator=aggregated_tail",
+    "pdm_uniform_tail": "mask=pdm,estimator=uniform_tail",
+    "pdm_bucket_exact": "mask=pdm,estimator=bucket_exact",
+    "ppo": "mask=ppo",
+    "none": "mask=none",
+}
+
+#: Columns of the per-run table, in order.
+RUN_COLUMNS = ("name", "warmstart_accuracy", "final_accuracy", "accuracy_gain", "final_greedy_accuracy",
+               "reward_area", "mean_frac_masked", "mean_frac_outside", "mean_topk_kl", "collapse_events",
+               "eval_points", "steps", "wall_seconds")
+#: Metrics summarised over seeds in the grouped table.
+GROUP_METRICS = ("final_accuracy", "accuracy_gain", "reward_area", "mean_frac_masked", "mean_frac_outside",
+                 "collapse_events")
+
+
+# ----------------------------------------------------------------------------- definitions
+def load_sweep(path: str, arg: Optional[str] = None) -> dict:
+    """Loads a sweep definition file and returns its validated dict.
+
+    Raises:
+      ValueError: the file has no ``get_sweep``, or a field is missing/malformed
+        (names the field), or a ``criterion`` value is not in `CRITERIA`.
+      FileNotFoundError: no such file.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"sweep definition {path!r} does not exist")
+    spec = importlib.util.spec_from_file_location("_sweep_def", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "get_sweep"):
+        raise ValueError(f"sweep definition {path!r} has no get_sweep(arg) function")
+    sweep = mod.get_sweep(arg) if arg is not None else mod.get_sweep()
+    return validate_sweep(sweep)
+
+
+def validate_sweep(sweep: dict) -> dict:
+    """Checks the fields of a sweep dict (see module docstring); returns it with defaults filled in."""
+    if not isinstance(sweep, dict):
+        raise ValueError(f"a sweep definition must be a dict, got {type(sweep).__name__}")
+    if not isinstance(sweep.get("config"), str) or not sweep["config"]:
+        raise ValueError(f"sweep.config must be a config file path, got {sweep.get('config')!r}")
+    axes = sweep.get("axes")
+    if not isinstance(axes, (list, tuple)) or not axes:
+        raise ValueError(f"sweep.axes must be a non-empty list of (key, values), got {axes!r}")
+    keys = set()
+    for item in axes:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], (list, tuple)) and len(item[1]) > 0):
+            raise ValueError(f"sweep.axes item {item!r} must be (key, non-empty list of values)")
+        if item[0] in keys:
+            raise ValueError(f"sweep.axes: axis {item[0]!r} appears twice")
+        keys.add(item[0])
+        for v in item[1]:
+            if "," in str(v) or "=" in str(v):
+                raise ValueError(f"sweep.axes {item[0]!r}: value {v!r} may not contain ',' or '='")
+            if item[0] == "criterion" and v not in CRITERIA:
+                raise ValueError(f"sweep.axes criterion: {v!r} is not one of {sorted(CRITERIA)}")
+    out = dict(sweep)
+    out.setdefault("fixed", "")
+    out.setdefault("flags", {})
+    out.setdefault("collapse_margin", 0.1)
+    out.setdefault("share_warmstart_by", None)
+    if out["share_warmstart_by"] is not None:
+        bad = [k for k in out["share_warmstart_by"] if k not in keys]
+        if bad:
+            raise ValueError(f"sweep.share_warmstart_by names {bad}, which are not axes {sorted(keys)}")
+    if not isinstance(out["flags"], dict):
+        raise ValueError(f"sweep.flags must be a dict of --config.<field> overrides, got {out['flags']!r}")
+    return out
+
+
+def _fmt(v) -> str:
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def expand(sweep: dict) -> list[dict]:
+    """The grid points of a sweep, in order (last axis fastest).
+
+    Returns a list of dicts ``{name, point, arg, config_arg, flags}``: ``point``
+    maps axis key -> value, ``arg`` is the argument string after the config
+    path (fixed items first, then the axes; ``criterion`` expanded via
+    `CRITERIA`), ``config_arg`` = ``"<config>:<arg>"``, ``name`` a filesystem-safe
+    run name like ``delta=0.05_criterion=ratio_seed=0``.
+    """
+    sweep = validate_sweep(sweep)
+    keys = [k for k, _ in sweep["axes"]]
+    runs = []
+    for values in itertools.product(*[v for _, v in sweep["axes"]]):
+        point = dict(zip(keys, values))
+        items = [s for s in sweep["fixed"].split(",") if s.strip()]
+        for k, v in point.items():
+            items.append(CRITERIA[v] if k == "criterion" else f"{k}={_fmt(v)}")
+        arg = ",".join(items)
+        name = "_".join(f"{k}={_fmt(v)}" for k, v in point.items())
+        runs.append(dict(name=name, point=point, arg=arg, config_arg=f"{sweep['config']}:{arg}",
+                         flags=dict(sweep["flags"])))
+    return runs
+
+
+def train_command(run: dict, workdir: str, python: str = "python") -> list[str]:
+    """argv of ``python -m pdm_jax.train`` for one grid point."""
+    cmd = [python, "-m", "pdm_jax.train", f"--config={run['config_arg']}", f"--workdir={workdir}"]
+    cmd += [f"--config.{k}={v}" for k, v in run["flags"].items()]
+    return cmd
+
+
+def pod_command(run: dict, index: int, workdir: str, *, tpu_name: str, project: str, zone: str, accelerator: str,
+                results: str) -> list[str]:
+    """argv of ``launch/tpu_pod.sh`` running grid point number `index` on its own TPU VM pod ``<tpu_name>-<index>``."""
+    cmd = ["launch/tpu_pod.sh", f"--name={tpu_name}-{index:03d}",
+           f"--project={project}", f"--zone={zone}", f"--accelerator={accelerator}",
+           f"--config={run['config_arg']}", f"--workdir={workdir}", f"--results={results}/{run['name']}"]
+    cmd += [f"--flag=--config.{k}={v}" for k, v in run["flags"].items()]
+    return cmd
+
+
+# ----------------------------------------------------------------------------- running
+def _warmstart_groups(runs: list[dict], keys: tuple) -> dict:
+    groups: dict = {}
+    for run in runs:
+        groups.setdefault(tuple((k, run["point"].get(k)) for k in keys), []).append(run)
+    return groups
+
+
+def _run_one(cmd: list[str], logfile: str, env: dict, timeout_s: Optional[float]) -> int:
+    with open(logfile, "a") as f:
+        try:
+            return subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            return -9
+
+
+def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, compile_cache: Optional[str] = None,
+              timeout_s: Optional[float] = None, share_warmstart_by: Optional[tuple] = None, log=print) -> list[dict]:
+    """Runs the grid points one after another (``python -m pdm_jax.train``), skipping finished ones.
+
+    Each run's stdout/stderr go to ``<out>/<name>/train.log``. Returns one dict
+    per run ``{name, returncode, seconds, skipped}``; a failed run is reported
+    and the sweep continues.
+
+    share_warmstart_by: axis keys that determine the warm start (e.g.
+      ``("seed",)``). Runs that agree on them share ONE supervised warm start:
+      it is run once as ``rl.steps=0`` into ``<out>/_warmstart/<key>``
+      (the trainer checkpoints right after the warm start and its evaluation),
+      and each run starts from a copy of that workdir, which the trainer resumes
+      at RL step 0 with the run's own config. This relies on the trainer's
+      exact resume (same metrics as an uninterrupted run, issue 5), and is only
+      valid when the other axes change nothing before the RL phase (trust
+      region, RL settings). None: every run does its own warm start.
+    """
+    import shutil
+
+    os.makedirs(out, exist_ok=True)
+    env = dict(os.environ)
+    if compile_cache:
+        os.makedirs(compile_cache, exist_ok=True)
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.abspath(compile_cache))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    runs = list(runs)
+    warm_dirs = {}
+    if share_warmstart_by:
+        for key, members in _warmstart_groups(runs, tuple(share_warmstart_by)).items():
+            tag = "_".join(f"{k}={_fmt(v)}" for k, v in key) or "all"
+            wd = os.path.join(out, "_warmstart", tag)
+            for r in members:
+                warm_dirs[r["name"]] = wd
+            if os.path.exists(os.path.join(wd, "summary.json")):
+                continue
+            os.makedirs(wd, exist_ok=True)
+            warm_run = dict(members[0], config_arg=members[0]["config_arg"] + ",rl.steps=0")
+            cmd = train_command(warm_run, wd, python=python)
+            log(f"[warm start {tag}] {shlex.join(cmd)}")
+            t0 = time.time()
+            rc = _run_one(cmd, os.path.join(wd, "train.log"), env, timeout_s)
+            log(f"    -> rc={rc} in {time.time() - t0:.0f}s")
+    results = []
+    for i, run in enumerate(runs):
+        wd = os.path.join(out, run["name"])
+        if os.path.exists(os.path.join(wd, "summary.json")):
+            log(f"[{i + 1}/{len(runs)}] {run['name']}: done already, skipped")
+            results.append(dict(name=run["name"], returncode=0, seconds=0.0, skipped=True))
+            continue
+        warm = warm_dirs.get(run["name"])
+        if warm is not None and not os.path.exists(wd):
+            if not os.path.exists(os.path.join(warm, "summary.json")):
+                log(f"[{i + 1}/{len(runs)}] {run['name']}: its warm start {warm} failed; skipped")
+                results.append(dict(name=run["name"], returncode=1, seconds=0.0, skipped=True))
+                continue
+            shutil.copytree(warm, wd, ignore=shutil.ignore_patterns("summary.json", "curves.png", "train.log",
+                                                                    "tensorboard"))
+        os.makedirs(wd, exist_ok=True)
+        cmd = train_command(run, wd, python=python)
+        log(f"[{i + 1}/{len(runs)}] {run['name']}: {shlex.join(cmd)}")
+        t0 = time.time()
+        rc = _run_one(cmd, os.path.join(wd, "train.log"), env, timeout_s)
+        dt = time.time() - t0
+        log(f"    -> rc={rc} in {dt:.0f}s")
+        results.append(dict(name=run["name"], returncode=rc, seconds=dt, skipped=False))
+    return results
+
+
+# ----------------------------------------------------------------------------- aggregation
+def _read_jsonl(path: str) -> list[dict]:
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return out
+
+
+def collapse_events(eval_accuracies: list[float], warmstart: Optional[float], margin: float) -> int:
+    """Number of held-out evaluations during RL whose accuracy is below ``warmstart - margin``.
+
+    Counts each evaluation point (the final one included) separately; 0 when
+    the warm-start accuracy is unknown.
+    """
+    if warmstart is None:
+        return 0
+    return int(sum(1 for a in eval_accuracies if a is not None and a < warmstart - margin))
+
+
+def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
+    """Reads ``summary.json`` and ``metrics.jsonl`` of one run into a table row (None if unfinished).
+
+    Fields: see `RUN_COLUMNS`. ``reward_area`` is the mean of the per-step
+    training reward over the RL steps; ``mean_frac_masked``/``mean_frac_outside``/
+    ``mean_topk_kl`` are means over RL steps; accuracies are the trainer's
+    avg@k held-out accuracies.
+    """
+    path = os.path.join(workdir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        s = json.load(f)
+    recs = _read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rl = [r for r in recs if r.get("phase") == "rl"]
+    ev = [r for r in recs if r.get("phase") == "eval" and r.get("step", 0) > 0]
+
+    def mean_of(key):
+        vals = [r[key] for r in rl if r.get(key) is not None]
+        return float(sum(vals) / len(vals)) if vals else float("nan")
+
+    warm = s.get("warmstart_accuracy")
+    final = s.get("final_accuracy")
+    return dict(
+        name=os.path.basename(os.path.normpath(workdir)),
+        warmstart_accuracy=warm, final_accuracy=final,
+        accuracy_gain=(final - warm) if (final is not None and warm is not None) else None,
+        final_greedy_accuracy=s.get("final_greedy_accuracy"),
+        reward_area=mean_of("reward"), mean_frac_masked=mean_of("frac_masked"),
+        mean_frac_outside=mean_of("frac_outside"), mean_topk_kl=mean_of("mean_topk_kl"),
+        collapse_events=collapse_events([r.get("eval_accuracy") for r in ev], warm, collapse_margin),
+        eval_points=len(ev), steps=s.get("steps"), wall_seconds=s.get("wall_seconds"),
+    )
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% Student-t interval) of finite values; half-width NaN for < 2 values."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not xs:
+        return float("nan"), float("nan")
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    from scipy import stats
+
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return m, float(stats.t.ppf(0.975, len(xs) - 1) * sd / math.sqrt(len(xs)))
+
+
+def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key: str = "seed") -> dict:
+    """Builds the per-run and per-group tables; writes ``sweep_runs.csv`` and ``sweep_table.md`` under `out`.
+
+    Returns ``{"rows": [...], "groups": [...], "markdown": str}``; groups are
+    the grid points without `seed_key`, each metric as (mean, ci95 half-width, n).
+    """
+    rows = []
+    for run in runs:
+        row = summarize_run(os.path.join(out, run["name"]), collapse_margin)
+        if row is None:
+            continue
+        row["point"] = run["point"]
+        rows.append(row)
+    os.makedirs(out, exist_ok=True)
+    axis_keys = list(runs[0]["point"].keys()) if runs else []
+    with open(os.path.join(out, "sweep_runs.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(axis_keys + list(RUN_COLUMNS))
+        for r in rows:
+            w.writerow([r["point"][k] for k in axis_keys] + [r[c] for c in RUN_COLUMNS])
+    group_keys = [k for k in axis_keys if k != seed_key]
+    groups = {}
+    for r in rows:
+        groups.setdefault(tuple(r["point"][k] for k in group_keys), []).append(r)
+    group_rows = []
+    for key, members in groups.items():
+        g = dict(zip(group_keys, key))
+        g["n"] = len(members)
+        for m in GROUP_METRICS:
+            g[m] = mean_ci95([r[m] for r in members])
+        g["warmstart_accuracy"] = mean_ci95([r["warmstart_accuracy"] for r in members])
+        group_rows.append(g)
+
+    def cell(mc):
+        m, ci = mc
+        if not math.isfinite(m):
+            return "–"
+        return f"{m:.3f}" if not math.isfinite(ci) else f"{m:.3f} ± {ci:.3f}"
+
+    lines = ["| " + " | ".join(group_keys + ["n", "warm start acc", "final acc", "gain", "reward area",
+                                              "masked frac", "outside frac", "collapse events"]) + " |",
+             "|" + "---|" * (len(group_keys) + 8)]
+    for g in group_rows:
+        lines.append("| " + " | ".join([str(g[k]) for k in group_keys] + [str(g["n"]), cell(g["warmstart_accuracy"])]
+                                       + [cell(g[m]) for m in GROUP_METRICS]) + " |")
+    lines += ["", "Per run:", "",
+              "| " + " | ".join(axis_keys + ["warm start", "final", "gain", "reward area", "masked", "outside",
+                                             "collapses", "wall s"]) + " |",
+              "|" + "---|" * (len(axis_keys) + 8)]
+    f3 = lambda v: "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else (  # noqa: E731
+        f"{v:.3f}" if isinstance(v, float) else str(v))
+    for r in rows:
+        lines.append("| " + " | ".join([str(r["point"][k]) for k in axis_keys]
+                                       + [f3(r[c]) for c in ("warmstart_accuracy", "final_accuracy", "accuracy_gain",
+                                                            "reward_area", "mean_frac_masked", "mean_frac_outside",
+                                                            "collapse_events")]
+                                       + [f"{r['wall_seconds']:.0f}" if r.get("wall_seconds") else "–"]) + " |")
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "sweep_table.md"), "w") as f:
+        f.write(md)
+    return dict(rows=rows, groups=group_rows, markdown=md)
+
+
+# ----------------------------------------------------------------------------- CLI
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", required=True, help="sweep definition file (get_sweep(arg) -> dict)")
+    p.add_argument("--sweep_arg", default=None, help="argument passed to get_sweep")
+    p.add_argument("--out", required=True, help="directory holding one workdir per run, and the tables")
+    p.add_argument("--print_only", action="store_true", help="print the commands instead of running them")
+    p.add_argument("--pod", action="store_true", help="with --print_only: launch/tpu_pod.sh commands")
+    p.add_argument("--tpu_name", default="pdm-sweep")
+    p.add_argument("--project", default="my-project")
+    p.add_argument("--zone", default="us-central2-b")
+    p.add_argument("--accelerator", default="v4-32")
+    p.add_argument("--aggregate_only", action="store_true", help="only (re)build the tables")
+    p.add_argument("--only", default="", help="comma-separated substrings: run only matching run names")
+    p.add_argument("--compile_cache", default=None,
+                   help="persistent XLA compilation cache shared by the runs (default <out>/.xla_cache)")
+    p.add_argument("--timeout_s", type=float, default=None, help="per-run wall-clock limit")
+    p.add_argument("--no_shared_warmstart", action="store_true",
+                   help="every run does its own warm start even if the sweep sets share_warmstart_by")
+    args = p.parse_args(argv)
+    sweep = load_sweep(args.sweep, args.sweep_arg)
+    runs = expand(sweep)
+    if args.only:
+        pats = [s for s in args.only.split(",") if s]
+        runs = [r for r in runs if any(s in r["name"] for s in pats)]
+    if args.print_only:
+        for i, r in enumerate(runs):
+            wd = os.path.join(args.out, r["name"])
+            if args.pod:
+                cmd = pod_command(r, i, "/tmp/pdm_run", tpu_name=args.tpu_name, project=args.project, zone=args.zone,
+                                  accelerator=args.accelerator, results=args.out)
+            else:
+                cmd = train_command(r, wd)
+            print(shlex.join(cmd))
+        return 0
+    if not args.aggregate_only:
+        res = run_local(runs, args.out, compile_cache=args.compile_cache or os.path.join(args.out, ".xla_cache"),
+                        timeout_s=args.timeout_s,
+                        share_warmstart_by=None if args.no_shared_warmstart else sweep["share_warmstart_by"])
+        failed = [r["name"] for r in res if r["returncode"] != 0]
+        if failed:
+            print(f"{len(failed)} run(s) failed: {failed}", file=sys.stderr)
+    table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]))
+    print(table["markdown"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Run pdm_jax.train on a Cloud TPU VM pod: create -> copy code -> install -> train on every
+# worker (multi-host, jax.distributed) with streamed logs -> copy results -> delete.
+#
+#   launch/tpu_pod.sh --name=pdm-v4 --project=my-proj --zone=us-central2-b --accelerator=v4-32 \
+#       --config=configs/qwen3_8b_dapo.py:hf_path=/mnt/ckpt/Qwen3-8B-Base,data_path=/mnt/data/dapo.parquet \
+#       --workdir=/tmp/pdm_run --results=runs/pod_qwen3_8b
+#
+#   launch/tpu_pod.sh --dry-run ...    prints every command instead of running it
+#
+# Flags (all --key=value):
+#   --name          TPU VM name (required)
+#   --project       GCP project (required)
+#   --zone          zone, e.g. us-central2-b (required)
+#   --accelerator   accelerator type, e.g. v4-32, v5litepod-16 (required)
+#   --version       TPU VM runtime image (default tpu-ubuntu2204-base)
+#   --config        config spec passed to --config= of pdm_jax.train (default configs/tiny.py)
+#   --workdir       run directory ON the workers (default /tmp/pdm_run); a local path on each host
+#   --results       where the results go: a local directory (scp from worker 0) or gs://... (copied
+#                   by worker 0 with gsutil) (default runs/<name>)
+#   --repo          git URL to clone on the workers; default: the local checkout, packed with
+#                   `git archive HEAD` and copied to every worker
+#   --branch        branch/tag for --repo (default main)
+#   --install       install command run in the code directory on every worker
+#                   (default: pip install -e . && pip install 'jax[tpu]==<pinned jax version>')
+#   --flag          extra argument for pdm_jax.train (repeatable), e.g. --flag=--config.rl.steps=10
+#   --spot          create a spot TPU VM
+#   --keep          do not delete the TPU VM at the end (also skipped on failure with --keep)
+#   --dry-run       print the commands, run nothing
+#
+# Every worker runs the same command with --config.distributed=True, so pdm_jax.train calls
+# jax.distributed.initialize() (the TPU runtime provides the coordinator); `--worker=all`
+# streams every worker's output (prefixed by gcloud) to this terminal and to <results>/pod.log.
+set -euo pipefail
+
+NAME="" PROJECT="" ZONE="" ACCEL="" VERSION="tpu-ubuntu2204-base"
+CONFIG="configs/tiny.py" WORKDIR="/tmp/pdm_run" RESULTS="" REPO="" BRANCH="main" INSTALL=""
+SPOT=0 KEEP=0 DRY=0
+EXTRA=()
+CODE_DIR="pdm_jax_src"
+
+die() { echo "tpu_pod.sh: $*" >&2; exit 2; }
+
+for arg in "$@"; do
+  case "$arg" in
+    --name=*) NAME="${arg#*=}" ;;
+    --project=*) PROJECT="${arg#*=}" ;;
+    --zone=*) ZONE="${arg#*=}" ;;
+    --accelerator=*) ACCEL="${arg#*=}" ;;
+    --version=*) VERSION="${arg#*=}" ;;
+    --config=*) CONFIG="${arg#*=}" ;;
+    --workdir=*) WORKDIR="${arg#*=}" ;;
+    --results=*) RESULTS="${arg#*=}" ;;
+    --repo=*) REPO="${arg#*=}" ;;
+    --branch=*) BRANCH="${arg#*=}" ;;
+    --install=*) INSTALL="${arg#*=}" ;;
+    --flag=*) EXTRA+=("${arg#*=}") ;;
+    --spot) SPOT=1 ;;
+    --keep) KEEP=1 ;;
+    --dry-run|--dry_run) DRY=1 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    *) die "unknown argument '$arg' (see --help)" ;;
+  esac
+done
+
+[[ -n "$NAME" ]] || die "--name is required"
+[[ -n "$PROJECT" ]] || die "--project is required"
+[[ -n "$ZONE" ]] || die "--zone is required"
+[[ -n "$ACCEL" ]] || die "--accelerator is required (e.g. v4-32)"
+[[ "$NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "--name='$NAME': lowercase letters, digits and hyphens, starting with a letter"
+[[ -n "$RESULTS" ]] || RESULTS="runs/$NAME"
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "$INSTALL" ]]; then
+  JAX_PIN="$(sed -n 's/^ *"jax==\([0-9.]*\)".*/\1/p' "$REPO_ROOT/pyproject.toml" | head -n1)"
+  INSTALL="python3 -m pip install -q -e . && python3 -m pip install -q 'jax[tpu]==${JAX_PIN:-0.10.2}'"
+fi
+
+GC=(gcloud compute tpus tpu-vm)
+LOC=(--project="$PROJECT" --zone="$ZONE")
+
+# sq STRING: STRING quoted for a POSIX shell (bare if it only has safe characters, else '...').
+sq() {
+  if [[ "$1" =~ ^[-A-Za-z0-9_./:=,@%+]+$ ]]; then printf '%s' "$1"
+  else printf "'%s'" "${1//\'/\'\\\'\'}"; fi
+}
+
+# show CMD...: the command line, each word quoted with sq.
+show() { local out="+" w; for w in "$@"; do out+=" $(sq "$w")"; done; printf '%s' "$out"; }
+
+# run CMD...: print it (always, prefixed with '+'), execute it unless --dry-run.
+run() {
+  show "$@"; printf '\n'
+  if [[ $DRY -eq 0 ]]; then "$@"; fi
+}
+
+remote() {  # remote WORKER COMMAND: ssh into the pod and run COMMAND on WORKER (all | 0 | ...)
+  run "${GC[@]}" ssh "$NAME" "${LOC[@]}" --worker="$1" --command="$2"
+}
+
+cleanup() {
+  local rc=$?
+  if [[ $KEEP -eq 0 ]]; then
+    echo "# deleting TPU VM $NAME"
+    run "${GC[@]}" delete "$NAME" "${LOC[@]}" --quiet || true
+  else
+    echo "# --keep: TPU VM $NAME left running"
+  fi
+  exit $rc
+}
+
+# 1. create
+CREATE=("${GC[@]}" create "$NAME" "${LOC[@]}" --accelerator-type="$ACCEL" --version="$VERSION")
+[[ $SPOT -eq 1 ]] && CREATE+=(--spot)
+run "${CREATE[@]}"
+trap cleanup EXIT
+
+# 2. code on every worker
+if [[ -n "$REPO" ]]; then
+  remote all "rm -rf $CODE_DIR && git clone --depth 1 --branch $(sq "$BRANCH") $(sq "$REPO") $CODE_DIR"
+else
+  TARBALL="/tmp/${NAME}_src.tar.gz"
+  run git -C "$REPO_ROOT" archive --format=tar.gz --prefix="$CODE_DIR/" -o "$TARBALL" HEAD
+  run "${GC[@]}" scp "$TARBALL" "$NAME:~/src.tar.gz" "${LOC[@]}" --worker=all
+  remote all "rm -rf $CODE_DIR && tar xzf src.tar.gz && rm src.tar.gz"
+fi
+
+# 3. install
+remote all "cd $CODE_DIR && $INSTALL"
+
+# 4. train on every worker (multi-host), streaming the logs here and into <results>/pod.log
+TRAIN="cd $CODE_DIR && python3 -m pdm_jax.train --config=$(sq "$CONFIG") --workdir=$(sq "$WORKDIR") --config.distributed=True"
+for f in "${EXTRA[@]+"${EXTRA[@]}"}"; do TRAIN+=" $(sq "$f")"; done
+TRAIN+=" 2>&1 | tee $(sq "$WORKDIR.log")"
+if [[ "$RESULTS" != gs://* ]]; then run mkdir -p "$RESULTS"; fi
+LOGFILE="/tmp/${NAME}_pod.log"
+[[ "$RESULTS" != gs://* ]] && LOGFILE="$RESULTS/pod.log"
+show "${GC[@]}" ssh "$NAME" "${LOC[@]}" --worker=all --command="$TRAIN"; printf ' 2>&1 | tee %s\n' "$(sq "$LOGFILE")"
+if [[ $DRY -eq 0 ]]; then
+  "${GC[@]}" ssh "$NAME" "${LOC[@]}" --worker=all --command="$TRAIN" 2>&1 | tee "$LOGFILE"
+fi
+
+# 5. results (worker 0 holds metrics.jsonl, summary.json, curves.png, checkpoints)
+if [[ "$RESULTS" == gs://* ]]; then
+  remote 0 "gsutil -m cp -r $(sq "$WORKDIR") $(sq "$WORKDIR.log") $(sq "$RESULTS/")"
+else
+  run "${GC[@]}" scp --recurse "$NAME:$WORKDIR" "$NAME:$WORKDIR.log" "$RESULTS/" "${LOC[@]}" --worker=0
+fi
+
+# 6. delete (trap)
+echo "# done: results in $RESULTS"

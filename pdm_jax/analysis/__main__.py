@@ -1,0 +1,85 @@
+"""CLI of the token-level analysis: ``python -m pdm_jax.analysis {run,report} ...``.
+
+``run``    runs ``--seeds`` short tiny-task runs with the `AlignmentCallback` in
+           one process, saves each seed under ``<out>/seeds/`` and writes the report;
+``report`` rebuilds ``<out>/README.md`` and the figures from the saved seeds.
+
+Example (the committed report)::
+
+    python -m pdm_jax.analysis run --out=reports/analysis --seeds=20
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+
+
+def _parse_seeds(text: str) -> list:
+    """"20" -> 0..19; "3-7" -> 3..7; "1,4,9" -> [1, 4, 9]. Raises ValueError for anything else."""
+    text = text.strip()
+    try:
+        if "," in text:
+            return [int(x) for x in text.split(",") if x.strip()]
+        if "-" in text:
+            a, b = text.split("-", 1)
+            return list(range(int(a), int(b) + 1))
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"--seeds={text!r}: expected N, A-B or a comma-separated list") from None
+    if n < 1:
+        raise ValueError(f"--seeds={text!r}: need at least one seed")
+    return list(range(n))
+
+
+def main(argv=None) -> int:
+    from pdm_jax.analysis.run import DEFAULT_ARG
+
+    p = argparse.ArgumentParser(prog="python -m pdm_jax.analysis", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run seeds with the analysis callback, then write the report")
+    r.add_argument("--out", required=True, help="output directory (seeds/, README.md, figures)")
+    r.add_argument("--seeds", default="20", help="N (seeds 0..N-1), A-B, or a comma-separated list")
+    r.add_argument("--config", default="configs/tiny.py", help="config file (get_config(arg))")
+    r.add_argument("--arg", default=DEFAULT_ARG, help="config argument string (default: the analysis settings)")
+    r.add_argument("--overrides", default="", help="extra key=value,... applied after --arg (e.g. delta=0.01)")
+    r.add_argument("--isolated_tokens", type=int, default=8, help="tokens per optimizer step in isolated mode (0=off)")
+    r.add_argument("--isolated_step", type=float, default=1e-2, help="isolated normalized step length ε")
+    r.add_argument("--no_full_mu", action="store_true", help="skip recomputing μ from the quantized weights")
+    r.add_argument("--compile_cache", default=os.path.join(tempfile.gettempdir(), "pdm_jax_xla_cache"),
+                   help="persistent XLA compilation cache shared by the seeds ('' = off)")
+    r.add_argument("--no_report", action="store_true")
+    q = sub.add_parser("report", help="rebuild the report from <out>/seeds")
+    q.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    from pdm_jax.analysis import report, run
+
+    if args.cmd == "run":
+        seeds = _parse_seeds(args.seeds)
+        t0 = time.time()
+        run.run_seeds(seeds, args.out, config_spec=args.config, arg=args.arg, overrides=args.overrides or None,
+                      isolated_tokens=args.isolated_tokens, isolated_step=args.isolated_step,
+                      full_mu=not args.no_full_mu,
+                      compile_cache=args.compile_cache or None)
+        print(f"{len(seeds)} seeds in {time.time() - t0:.0f}s")
+        if args.no_report:
+            return 0
+    loaded = run.load_seeds(os.path.join(args.out, "seeds"))
+    if not loaded:
+        print(f"no saved seeds under {os.path.join(args.out, 'seeds')}", file=sys.stderr)
+        return 1
+    report.write_report(loaded, args.out)
+    print(f"report written to {os.path.join(args.out, 'README.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Token-level alignment of mask decisions with the *realized* change of the divergence.
+
+The PDM paper (arXiv 2607.10848, token-level analysis) asks, for every token
+outside the trust region: did the mask keep it, and did the optimizer update
+actually push its divergence D_t further out or back in? A good direction
+criterion keeps the tokens whose D decreases (corrective) and masks those whose
+D increases (unsafe). This module holds the pure per-token bookkeeping; the
+callback (`pdm_jax.analysis.callback`) feeds it logits before and after each
+real optimizer step, and `pdm_jax.analysis.report` aggregates seeds.
+
+Criteria (the "direction" half of M_t = 0 iff D_t > δ and Â_t·dir_t > 0):
+
+* ``ratio``            dir = r − 1 (DPPO; sign of log π(k) − log μ(k));
+* ``aggregated_tail``  dir = Ḋ with the paper's aggregated-tail estimator;
+* ``uniform_tail``     dir = Ḋ with the paper's uniform-tail estimator;
+* ``bucket_exact``     dir = Ḋ, the exact derivative of the top-K KL (ours);
+* ``full``             dir = Ḋ of the full-vocabulary KL with the full μ
+  (an oracle: needs the behaviour logits, recomputed from the quantized weights).
+
+Every keep decision is taken by `pdm_jax.trust_region.trust_region_mask` itself
+(so the analysis sees exactly what training would do), except ``full``, which
+the library has no mask for (same rule, written out here). D is the top-K KL
+(`pdm_jax.trust_region.topk_kl`, DESIGN.md §2) with the *same* μ (the batch's
+top-K and behaviour log-probs) before and after the update.
+
+Definitions (over tokens outside the region with Â ≠ 0; tokens with Â = 0 get
+no policy gradient and are dropped; a realized change of exactly 0 counts in
+neither conditional):
+
+* unsafe-keep rate  = P(kept | ΔD > 0)        (lower is better)
+* corrective rate   = P(kept | ΔD < 0)        (higher is better)
+* sign agreement    = P(sign(Â·dir) = sign(ΔD)) (the predicted sign of the change)
+* disagreement set  = tokens where the criterion's keep decision differs from
+  the ratio criterion's; its size, and P(criterion right | disagreement) where
+  "right" = kept and ΔD < 0, or masked and ΔD > 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdm_jax import trust_region as tr
+
+ESTIMATORS = ("aggregated_tail", "uniform_tail", "bucket_exact")
+CRITERIA = ("ratio",) + ESTIMATORS
+ORACLE = "full"
+
+#: Per-token record fields (host numpy, one entry per selected token).
+RECORD_FIELDS = ("d_before", "d_after", "advantage", "tail_mass", "log_ratio", "keep_ratio", "keep_aggregated_tail",
+                 "keep_uniform_tail", "keep_bucket_exact", "dir_aggregated_tail", "dir_uniform_tail",
+                 "dir_bucket_exact")
+
+
+@functools.partial(jax.jit, static_argnames=("delta", "delta_low", "delta_high"))
+def token_analysis(logits_before, logits_after, batch: Mapping[str, jax.Array], *, delta: float,
+                   delta_low: Optional[float] = None, delta_high: Optional[float] = None,
+                   behavior_logits=None) -> dict:
+    """Per-token divergences, predictions, keep decisions and realized change, all ``[B,T]``.
+
+    Args:
+      logits_before: ``[B,T,V]`` temperature-scaled trainer logits at the
+        parameters *before* the optimizer step (f32 or bf16).
+      logits_after: ``[B,T,V]`` the same positions after the step (or after an
+        isolated step), same μ.
+      batch: the train-step batch (``pdm_jax.train_step`` layout): uses
+        ``completion_ids`` [B,T], ``completion_mask`` [B,T] bool,
+        ``behavior_logprobs`` [B,T], ``topk_ids``/``topk_logprobs`` [B,T,K],
+        ``advantages`` [B] or [B,T] f32.
+      delta, delta_low, delta_high: the trust-region radius (nats), as in
+        `pdm_jax.trust_region.TrustRegionConfig` (static).
+      behavior_logits: optional ``[B,T,V]`` temperature-scaled behaviour
+        logits z_q/τ (full μ); adds the ``full`` oracle fields.
+
+    Returns:
+      dict of ``[B,T]`` arrays: ``valid`` (bool), ``outside`` (D > δ_Â),
+      ``advantage`` f32, ``d_before``/``d_after``/``delta_d`` (nats, f32),
+      ``log_ratio`` f32, ``tail_mass`` (μ_T, f32), ``dir_<estimator>`` f32 (Ḋ),
+      ``keep_<criterion>`` bool for every name in `CRITERIA` (True on
+      tokens inside the region), and with ``behavior_logits``: ``dir_full``,
+      ``keep_full``, ``full_kl_before``.
+    """
+    tokens = batch["completion_ids"]
+    valid = batch["completion_mask"].astype(bool)
+    topk_ids, topk_lp = batch["topk_ids"], batch["topk_logprobs"]
+    behavior = batch["behavior_logprobs"]
+    adv = jnp.asarray(batch["advantages"], jnp.float32)
+    if adv.ndim == 1:
+        adv = jnp.broadcast_to(adv[:, None], tokens.shape)
+    zb = jnp.asarray(logits_before, jnp.float32)
+    za = jnp.asarray(logits_after, jnp.float32)
+    d_before = tr.topk_kl(zb, tokens, topk_ids, topk_lp, behavior)
+    d_after = tr.topk_kl(za, tokens, topk_ids, topk_lp, behavior)
+    radius = jnp.where(adv < 0, delta if delta_low is None else delta_low,
+                       jnp.where(adv > 0, delta if delta_high is None else delta_high, delta))
+    outside = valid & (d_before > radius)
+    logp = jax.nn.log_softmax(zb, axis=-1)
+    tq = tr.token_quantities(logp, tokens, topk_ids, topk_lp, behavior, with_tail_squares=False)
+    out = dict(valid=valid, outside=outside, advantage=adv, d_before=d_before, d_after=d_after,
+               delta_d=d_after - d_before, log_ratio=tq.logp_k - jnp.asarray(behavior, jnp.float32),
+               tail_mass=tq.mu_t)
+    for name in CRITERIA:
+        if name == "ratio":
+            cfg = tr.TrustRegionConfig(mask="dppo", divergence="topk_kl", delta=delta, delta_low=delta_low,
+                                       delta_high=delta_high, direction_stats=False)
+        else:
+            cfg = tr.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator=name, delta=delta,
+                                       delta_low=delta_low, delta_high=delta_high)
+            out[f"dir_{name}"] = tr.kl_directional_derivative(zb, tokens, topk_ids, topk_lp, behavior,
+                                                              estimator=name)
+        mask, _ = tr.trust_region_mask(zb, tokens, topk_ids, topk_lp, behavior, adv, valid, cfg)
+        out[f"keep_{name}"] = mask | ~valid
+    if behavior_logits is not None:
+        zq = jnp.asarray(behavior_logits, jnp.float32)
+        dir_full = tr.full_kl_directional_derivative(zb, zq, tokens)
+        out["dir_full"] = dir_full
+        out["keep_full"] = ~(outside & (adv * dir_full > 0))
+        out["full_kl_before"] = tr.full_kl(zb, zq)
+    return out
+
+
+def select_tokens(analysis: Mapping[str, jax.Array], *, require_outside: bool = True) -> dict:
+    """Host numpy arrays ``[N]`` of the tokens to record: valid, Â ≠ 0 and (by default) outside the region.
+
+    Returns a dict with every ``[B,T]`` field of `token_analysis` flattened to
+    the N selected tokens, plus ``row``/``col`` (int32 positions in the batch).
+    """
+    a = jax.device_get(dict(analysis))
+    sel = np.asarray(a["valid"]) & (np.asarray(a["advantage"]) != 0)
+    if require_outside:
+        sel &= np.asarray(a["outside"])
+    rows, cols = np.nonzero(sel)
+    out = {k: np.asarray(v)[rows, cols] for k, v in a.items()}
+    out["row"] = rows.astype(np.int32)
+    out["col"] = cols.astype(np.int32)
+    return out
+
+
+def concat_records(parts: Sequence[Mapping[str, np.ndarray]]) -> dict:
+    """Concatenates per-step token records (dicts of ``[N_i]`` arrays) along the token axis.
+
+    Keys present in only some parts (e.g. the ``full`` oracle) are dropped.
+    """
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    keys = set(parts[0])
+    for p in parts[1:]:
+        keys &= set(p)
+    return {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in sorted(keys)}
+
+
+def criteria_in(records: Mapping[str, np.ndarray]) -> list:
+    """The criteria with a keep decision in `records` (`CRITERIA`, plus ``full`` when present)."""
+    return [c for c in CRITERIA + (ORACLE,) if f"keep_{c}" in records]
+
+
+def alignment_counts(records: Mapping[str, np.ndarray], *, change_key: str = "delta_d") -> dict:
+    """Counts behind the alignment rates, per criterion (pooled over the records' tokens).
+
+    Args:
+      records: dict of ``[N]`` arrays from `select_tokens` (tokens outside the
+        region with Â ≠ 0): needs ``keep_<criterion>`` bool and `change_key`
+        (the realized ΔD, f32).
+      change_key: which realized change to use (``delta_d`` for the real
+        optimizer step, ``iso_delta_d`` for the isolated step).
+
+    Returns:
+      ``{"n": N, "n_increase", "n_decrease", "n_tie", criterion: {"kept_increase",
+      "kept_decrease", "agree", "disagree_with_ratio", "right_on_disagreement"}}``
+      (ints). ``agree`` counts tokens with ΔD ≠ 0 whose predicted sign
+      (= not kept, for outside tokens) matches the sign of ΔD.
+    """
+    if not records or change_key not in records:
+        return {"n": 0, "n_increase": 0, "n_decrease": 0, "n_tie": 0}
+    dd = np.asarray(records[change_key], np.float64)
+    finite = np.isfinite(dd)
+    inc, dec = finite & (dd > 0), finite & (dd < 0)
+    out = {"n": int(dd.size), "n_increase": int(inc.sum()), "n_decrease": int(dec.sum()),
+           "n_tie": int((finite & (dd == 0)).sum())}
+    keep_ratio = np.asarray(records["keep_ratio"], bool)
+    for c in criteria_in(records):
+        keep = np.asarray(records[f"keep_{c}"], bool)
+        disagree = keep != keep_ratio
+        right = (keep & dec) | (~keep & inc)
+        out[c] = {"kept_increase": int((keep & inc).sum()), "kept_decrease": int((keep & dec).sum()),
+                  "agree": int(((~keep) & inc).sum() + (keep & dec).sum()),
+                  "disagree_with_ratio": int(disagree.sum()),
+                  "right_on_disagreement": int((disagree & right).sum())}
+    return out
+
+
+def _ratio(num: int, den: int) -> float:
+    return float(num) / float(den) if den > 0 else float("nan")
+
+
+def alignment_rates(counts: Mapping) -> dict:
+    """Rates from `alignment_counts`: per criterion ``unsafe_keep``, ``corrective``,
+    ``sign_agreement``, ``disagreement_frac`` (of the N tokens), ``disagreement_n``,
+    ``right_on_disagreement``; NaN where a denominator is 0."""
+    out = {}
+    n, ninc, ndec = counts.get("n", 0), counts.get("n_increase", 0), counts.get("n_decrease", 0)
+    for c in CRITERIA + (ORACLE,):
+        if c not in counts:
+            continue
+        k = counts[c]
+        out[c] = dict(unsafe_keep=_ratio(k["kept_increase"], ninc), corrective=_ratio(k["kept_decrease"], ndec),
+                      sign_agreement=_ratio(k["agree"], ninc + ndec),
+                      disagreement_frac=_ratio(k["disagree_with_ratio"], n),
+                      disagreement_n=float(k["disagree_with_ratio"]),
+                      right_on_disagreement=_ratio(k["right_on_disagreement"], k["disagree_with_ratio"]))
+    return out
+
+
+# ----------------------------------------------------------------------------- estimator fidelity
+#: Bin edges of the behaviour tail mass μ_T for the fidelity curves.
+TAIL_MASS_BINS = (0.0, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0 + 1e-9)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def fidelity_analysis(logits, behavior_logits, tokens, valid, *, k: int) -> dict:
+    """Sign of each closed-form Ḋ estimator vs the full-vocabulary Ḋ, with a self-consistent μ.
+
+    μ is the full behaviour distribution softmax(behavior_logits) (recomputed from
+    the quantized weights); its top-K view is *derived from the same μ* (the K
+    most likely ids, their log μ, and log μ(y_t)), so the comparison measures the
+    tail approximation of each estimator only, not recomputation noise.
+
+    Args:
+      logits: ``[B,T,V]`` temperature-scaled trainer logits (π).
+      behavior_logits: ``[B,T,V]`` temperature-scaled behaviour logits (μ).
+      tokens: ``[B,T]`` int sampled ids; valid: ``[B,T]`` bool.
+      k: K of the top-K view (static).
+
+    Returns:
+      dict of ``[B,T]`` arrays: ``valid``, ``tail_mass`` (μ_T over the
+      complement of TopK ∪ {y_t}), ``dir_full`` and ``dir_<estimator>`` (f32),
+      and ``agree_<estimator>`` (bool: same sign as ``dir_full``; exact zeros
+      agree only with exact zeros).
+    """
+    logmu = jax.nn.log_softmax(jnp.asarray(behavior_logits, jnp.float32), axis=-1)
+    z = jnp.asarray(logits, jnp.float32)
+    topk_lp, topk_ids = jax.lax.top_k(logmu, k)
+    behavior = jnp.take_along_axis(logmu, tokens[..., None], axis=-1)[..., 0]
+    dir_full = tr.full_kl_directional_derivative(z, logmu, tokens)
+    tq = tr.token_quantities(jax.nn.log_softmax(z, axis=-1), tokens, topk_ids, topk_lp, behavior,
+                             with_tail_squares=False)
+    out = dict(valid=valid.astype(bool), tail_mass=tq.mu_t, dir_full=dir_full)
+    for name in ESTIMATORS:
+        d = tr.kl_directional_derivative(z, tokens, topk_ids, topk_lp, behavior, estimator=name)
+        out[f"dir_{name}"] = d
+        out[f"agree_{name}"] = jnp.sign(d) == jnp.sign(dir_full)
+    return out
+
+
+def fidelity_counts(fid: Mapping[str, np.ndarray], bins: Sequence[float] = TAIL_MASS_BINS) -> dict:
+    """Per tail-mass bin: number of valid tokens and, per estimator, how many agree in sign with the full Ḋ.
+
+    Returns ``{"bins": [edges], "n": [nbins] int, "<estimator>": [nbins] int}``.
+    """
+    f = jax.device_get(dict(fid))
+    valid = np.asarray(f["valid"], bool)
+    mass = np.asarray(f["tail_mass"], np.float64)[valid]
+    idx = np.clip(np.digitize(mass, bins) - 1, 0, len(bins) - 2)
+    out = {"bins": list(bins), "n": np.bincount(idx, minlength=len(bins) - 1).astype(np.int64)}
+    for name in ESTIMATORS:
+        agree = np.asarray(f[f"agree_{name}"], bool)[valid]
+        out[name] = np.bincount(idx, weights=agree.astype(np.float64), minlength=len(bins) - 1).astype(np.int64)
+    return out
+
+
+def add_fidelity_counts(a: Optional[dict], b: dict) -> dict:
+    """Sum of two `fidelity_counts` results (a may be None)."""
+    if a is None:
+        return {k: (list(v) if k == "bins" else np.asarray(v).copy()) for k, v in b.items()}
+    return {k: (a[k] if k == "bins" else np.asarray(a[k]) + np.asarray(b[k])) for k in a}
+
+
+# ----------------------------------------------------------------------------- statistics over seeds
+def mean_ci95(values: Sequence[float]) -> tuple:
+    """(mean, 95% Student-t half-width, n) over the finite values; half-width NaN for n < 2."""
+    xs = np.asarray([v for v in values if v is not None and math.isfinite(float(v))], np.float64)
+    if xs.size == 0:
+        return float("nan"), float("nan"), 0
+    m = float(xs.mean())
+    if xs.size < 2:
+        return m, float("nan"), 1
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.975, xs.size - 1) * xs.std(ddof=1) / math.sqrt(xs.size))
+    return m, half, int(xs.size)

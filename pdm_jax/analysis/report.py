@@ -1,0 +1,361 @@
+"""Aggregate per-seed analysis results into a markdown report with matplotlib figures.
+
+Statistics: each seed's rates are computed from all of its recorded tokens
+(pooled over its optimizer steps); the report gives the mean over seeds and a
+95% Student-t interval (`alignment.mean_ci95`), seeds with an empty
+denominator dropping out (n is shown). Paired differences (criterion − ratio)
+are computed per seed, then averaged the same way.
+
+The paper's numbers (PDM, arXiv 2607.10848, token-level analysis over 61 seeds)
+are shown beside ours: unsafe-keep 34.2% (predictive) vs 36.9% (ratio),
+corrective 65.1% vs 62.9%.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pdm_jax.analysis import alignment as al
+
+PAPER = dict(seeds=61, unsafe_keep=dict(predictive=0.342, ratio=0.369), corrective=dict(predictive=0.651, ratio=0.629))
+METRICS = ("unsafe_keep", "corrective", "sign_agreement", "disagreement_frac", "right_on_disagreement")
+LABELS = {"ratio": "ratio (DPPO)", "aggregated_tail": "predictive, aggregated tail",
+          "uniform_tail": "predictive, uniform tail", "bucket_exact": "predictive, bucket exact",
+          "full": "predictive, full μ (oracle)"}
+
+
+def seed_rates(seeds: Sequence[dict], change_key: str = "delta_d") -> list:
+    """Per seed: ``{"seed", "counts", "rates"}`` from its token records (isolated: ``iso_delta_d``)."""
+    out = []
+    for s in seeds:
+        rec = s["records"]
+        if change_key != "delta_d" and change_key in rec:
+            keep = np.isfinite(rec[change_key])
+            rec = {k: np.asarray(v)[keep] for k, v in rec.items()}
+        counts = al.alignment_counts(rec, change_key=change_key)
+        out.append(dict(seed=s["seed"], counts=counts, rates=al.alignment_rates(counts)))
+    return out
+
+
+def summarize(per_seed: list) -> dict:
+    """criterion -> metric -> (mean, ci95, n) over seeds, plus ``diff_vs_ratio`` for unsafe_keep/corrective."""
+    crits = []
+    for p in per_seed:
+        for c in p["rates"]:
+            if c not in crits:
+                crits.append(c)
+    out = {}
+    for c in crits:
+        out[c] = {m: al.mean_ci95([p["rates"][c][m] for p in per_seed if c in p["rates"]]) for m in METRICS}
+        if c != "ratio":
+            out[c]["diff_vs_ratio"] = {
+                m: al.mean_ci95([p["rates"][c][m] - p["rates"]["ratio"][m] for p in per_seed
+                                 if c in p["rates"] and "ratio" in p["rates"]])
+                for m in ("unsafe_keep", "corrective", "sign_agreement")}
+    out["_totals"] = dict(
+        tokens=int(sum(p["counts"]["n"] for p in per_seed)),
+        increase=int(sum(p["counts"]["n_increase"] for p in per_seed)),
+        decrease=int(sum(p["counts"]["n_decrease"] for p in per_seed)),
+        tie=int(sum(p["counts"]["n_tie"] for p in per_seed)), seeds=len(per_seed))
+    return out
+
+
+def _pct(mc, digits=1) -> str:
+    m, ci, n = mc
+    if not math.isfinite(m):
+        return "–"
+    s = f"{100 * m:.{digits}f}%"
+    return s + (f" ± {100 * ci:.{digits}f}" if math.isfinite(ci) else "")
+
+
+def _pts(mc) -> str:
+    m, ci, n = mc
+    if not math.isfinite(m):
+        return "–"
+    return f"{100 * m:+.1f} pts" + (f" (95% CI {100 * (m - ci):+.1f} to {100 * (m + ci):+.1f})" if math.isfinite(ci) else "")
+
+
+def verdict(summary: dict, criterion: str) -> str:
+    """One honest sentence comparing `criterion` with the ratio direction against the paper's direction."""
+    d = summary.get(criterion, {}).get("diff_vs_ratio")
+    if not d:
+        return f"No {criterion} results."
+    du, dc = d["unsafe_keep"], d["corrective"]
+    paper_du = PAPER["unsafe_keep"]["predictive"] - PAPER["unsafe_keep"]["ratio"]
+    paper_dc = PAPER["corrective"]["predictive"] - PAPER["corrective"]["ratio"]
+
+    def judge(mc, want_sign):
+        m, ci, _ = mc
+        if not math.isfinite(m):
+            return "undetermined"
+        if math.isfinite(ci) and abs(m) <= ci:
+            return "same direction as the paper but not significant" if m * want_sign > 0 else (
+                "opposite direction to the paper but not significant" if m * want_sign < 0 else "no difference")
+        return "same direction as the paper (significant)" if m * want_sign > 0 else (
+            "opposite direction to the paper (significant)" if m * want_sign < 0 else "no difference")
+
+    return (f"{LABELS.get(criterion, criterion)} vs ratio: unsafe-keep {_pts(du)} "
+            f"(paper {100 * paper_du:+.1f} pts) — {judge(du, -1)}; corrective {_pts(dc)} "
+            f"(paper {100 * paper_dc:+.1f} pts) — {judge(dc, +1)}.")
+
+
+# ----------------------------------------------------------------------------- figures
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def figure_paper_vs_ours(summary: dict, iso_summary: Optional[dict], path: str) -> None:
+    """Bars: unsafe-keep and corrective rates, paper (ratio vs predictive) beside ours (every criterion)."""
+    plt = _plt()
+    crits = [c for c in al.CRITERIA + (al.ORACLE,) if c in summary]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, title in zip(axes, ("unsafe_keep", "corrective"),
+                                 ("unsafe-keep  P(kept | D increased)  ↓", "corrective  P(kept | D decreased)  ↑")):
+        xs, labels = [], []
+        x = 0
+        ax.bar([x, x + 1], [PAPER[metric]["ratio"], PAPER[metric]["predictive"]], color=["#999999", "#4c72b0"],
+               hatch="//", edgecolor="white")
+        labels += ["paper\nratio", "paper\npredictive"]
+        xs += [x, x + 1]
+        x += 2.6
+        for src, summ, hatch in (("ours", summary, None), ("isolated", iso_summary, "..")):
+            if not summ:
+                continue
+            for c in crits:
+                if c not in summ:
+                    continue
+                m, ci, _ = summ[c][metric]
+                color = "#999999" if c == "ratio" else {"aggregated_tail": "#4c72b0", "uniform_tail": "#55a868",
+                                                         "bucket_exact": "#c44e52", "full": "#8172b2"}[c]
+                ax.bar([x], [m], yerr=[ci if math.isfinite(ci) else 0], color=color, hatch=hatch, capsize=3,
+                       edgecolor="white")
+                labels.append(f"{src}\n{c.replace('_tail', '').replace('_', ' ')}")
+                xs.append(x)
+                x += 1
+            x += 0.6
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=7, rotation=0)
+        ax.set_ylim(0, 1)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"Paper ({PAPER['seeds']} seeds) vs ours ({summary['_totals']['seeds']} seeds; mean ± 95% CI)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure_paired(per_seed: list, path: str, criterion: str = "aggregated_tail") -> None:
+    """Per-seed scatter: criterion vs ratio, for unsafe-keep and corrective (points below/above the diagonal)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.8))
+    for ax, metric in zip(axes, ("unsafe_keep", "corrective")):
+        pts = [(p["rates"]["ratio"][metric], p["rates"][criterion][metric]) for p in per_seed
+               if criterion in p["rates"] and "ratio" in p["rates"]]
+        pts = [(a, b) for a, b in pts if math.isfinite(a) and math.isfinite(b)]
+        if pts:
+            a, b = zip(*pts)
+            ax.scatter(a, b, s=18)
+        ax.plot([0, 1], [0, 1], color="k", lw=0.8)
+        ax.scatter([PAPER[metric]["ratio"]], [PAPER[metric]["predictive"]], marker="*", s=120, color="C3",
+                   label="paper (mean)")
+        ax.set_xlabel("ratio criterion")
+        ax.set_ylabel(criterion.replace("_", " "))
+        ax.set_title(metric.replace("_", "-") + " per seed", fontsize=10)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure_fidelity(fidelity: dict, path: str) -> None:
+    """Sign agreement of each estimator with the full-vocabulary Ḋ against the behaviour tail mass μ_T."""
+    plt = _plt()
+    bins = np.asarray(fidelity["bins"], np.float64)
+    n = np.asarray(fidelity["n"], np.float64)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    centers = np.arange(len(n))
+    for name, color in (("aggregated_tail", "#4c72b0"), ("uniform_tail", "#55a868"), ("bucket_exact", "#c44e52")):
+        agree = np.asarray(fidelity[name], np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rate = np.where(n > 0, agree / n, np.nan)
+            se = np.where(n > 0, 1.96 * np.sqrt(np.clip(rate * (1 - rate), 0, None) / np.maximum(n, 1)), np.nan)
+        ax.errorbar(centers, rate, yerr=se, marker="o", capsize=3, label=name.replace("_", " "), color=color)
+    ax.set_xticks(centers)
+    ax.set_xticklabels([f"[{bins[i]:.0e},\n{min(bins[i + 1], 1):.0e})\nn={int(n[i])}" for i in range(len(n))],
+                       fontsize=6)
+    ax.set_xlabel("behaviour tail mass μ_T (tokens outside TopK ∪ {y_t})")
+    ax.set_ylabel("sign agreement with full-vocab Ḋ")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- markdown
+def _table(summary: dict, crits: Sequence[str]) -> list:
+    lines = ["| criterion | unsafe-keep ↓ | corrective ↑ | sign agreement ↑ | disagreement set (frac. of tokens) "
+             "| right on disagreement | Δ unsafe-keep vs ratio | Δ corrective vs ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in crits:
+        if c not in summary:
+            continue
+        s = summary[c]
+        d = s.get("diff_vs_ratio")
+        lines.append(f"| {LABELS.get(c, c)} | {_pct(s['unsafe_keep'])} | {_pct(s['corrective'])} | "
+                     f"{_pct(s['sign_agreement'])} | {_pct(s['disagreement_frac'])} | "
+                     f"{_pct(s['right_on_disagreement'])} | "
+                     f"{_pts(d['unsafe_keep']) if d else '–'} | {_pts(d['corrective']) if d else '–'} |")
+    return lines
+
+
+def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysis of the direction criteria",
+                 extra_notes: Sequence[str] = ()) -> str:
+    """Writes ``<out_dir>/README.md`` and figures from loaded seeds (`run.load_seeds`); returns the markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    per_seed = seed_rates(seeds)
+    summary = summarize(per_seed)
+    iso_per_seed = seed_rates(seeds, change_key="iso_delta_d")
+    iso_summary = summarize(iso_per_seed) if any(p["counts"]["n"] for p in iso_per_seed) else None
+    fidelity = None
+    for s in seeds:
+        if s.get("fidelity"):
+            fidelity = al.add_fidelity_counts(fidelity, {k: (v if k == "bins" else np.asarray(v))
+                                                         for k, v in s["fidelity"].items()})
+    figure_paper_vs_ours(summary, iso_summary, os.path.join(out_dir, "paper_vs_ours.png"))
+    figure_paired(per_seed, os.path.join(out_dir, "per_seed_aggregated_tail.png"), "aggregated_tail")
+    figure_paired(per_seed, os.path.join(out_dir, "per_seed_bucket_exact.png"), "bucket_exact")
+    if fidelity is not None:
+        figure_fidelity(fidelity, os.path.join(out_dir, "estimator_fidelity.png"))
+
+    settings = seeds[0].get("settings", {}) if seeds else {}
+    steps = [st for s in seeds for st in s.get("steps", [])]
+    n_valid = sum(st["num_valid"] for st in steps)
+    n_out = sum(st["num_outside"] for st in steps)
+    n_sel = sum(st["num_selected"] for st in steps)
+    errs = [st["behavior_logprob_max_err"] for st in steps if st.get("behavior_logprob_max_err") is not None]
+    lags = [st["behavior_version_lag"] for st in steps if st.get("behavior_version_lag") is not None]
+    secs = [s.get("seconds", float("nan")) for s in seeds]
+    warm = [s["summary"].get("warmstart_accuracy") for s in seeds]
+    final = [s["summary"].get("final_accuracy") for s in seeds]
+    crits = [c for c in al.CRITERIA + (al.ORACLE,) if c in summary]
+    t = summary["_totals"]
+    md = [f"# {title}", "",
+          f"Generated by `python -m pdm_jax.analysis` from {len(seeds)} seeds "
+          f"(seeds {min(s['seed'] for s in seeds)}–{max(s['seed'] for s in seeds)}).", "",
+          "## Verdict", ""]
+    for c in ("aggregated_tail", "bucket_exact", "uniform_tail", "full"):
+        if c in summary:
+            md.append(f"- {verdict(summary, c)}")
+    md += ["", "## Setup", "",
+           f"- Config: `{settings.get('config', '?')}:{settings.get('arg', '')}`"
+           + (f" + `{settings['overrides']}`" if settings.get("overrides") else "") + ".",
+           "- Each seed is an independent run (own model init, warm start, rollouts): tiny Qwen3 (d 128, 3 layers) "
+           "on reasoning-gym `chain_sum`, fp8-e4m3 sampler (in process), 4 mini-batches × 2 iterations per rollout "
+           "batch (8 optimizer steps, 7 of them off-policy), staleness 1, trained with the configured mask.",
+           f"- Trust region δ = {_delta_of(settings)} nats (top-K KL, K = 4, V = 16), smaller than the tiny default "
+           "δ = 0.05: with fp8 rollouts and lr 1e-4 almost no token leaves a 0.05 region within one rollout batch "
+           "(the tiny default run reports frac_outside ≈ 0 after the first steps).",
+           f"- Tokens: {n_valid} valid completion tokens seen by {len(steps)} optimizer steps; {n_out} outside the "
+           f"region ({100 * n_out / max(n_valid, 1):.2f}%), {n_sel} of them with Â ≠ 0 analysed "
+           f"({t['increase']} with D increased, {t['decrease']} decreased, {t['tie']} unchanged).",
+           "- Realized change: ΔD_t = D_t(θ_after) − D_t(θ_before), recomputed on the same mini-batch with the same "
+           "μ (the batch's top-K and log μ(y_t)) after the actual AdamW update of the run.",
+           ]
+    if iso_summary:
+        md.append(f"- Isolated mode: for up to {settings.get('isolated_tokens')} tokens per optimizer step, ΔD_t "
+                  f"after a normalized gradient step of length ε = {settings.get('isolated_step')} (parameter L2 "
+                  "norm) on that token's loss alone, −Â·sg(min(r, C))·log π(y_t).")
+    if errs:
+        md.append(f"- Full μ recomputed from the fp8 weights of the matching version (lag 0: "
+                  f"{sum(1 for x in lags if x == 0)}, lag 1: {sum(1 for x in lags if x == 1)} steps); "
+                  f"max |Δ log μ(y_t)| vs the sampler's = {max(errs):.1e}.")
+    md.append(f"- Warm-start accuracy {_fmt_mean(warm)}, final {_fmt_mean(final)} (avg@k on the few held-out "
+              f"prompts of the short runs); wall time per seed {np.nanmean(secs):.0f} s (total {np.nansum(secs):.0f} s).")
+    md += [""] + [f"- {n}" for n in extra_notes]
+    md += ["", "## Paper vs ours", "",
+           "| | unsafe-keep ↓ (ratio → predictive) | corrective ↑ (ratio → predictive) | seeds |",
+           "|---|---|---|---|",
+           f"| paper (PDM, arXiv 2607.10848) | {100 * PAPER['unsafe_keep']['ratio']:.1f}% → "
+           f"{100 * PAPER['unsafe_keep']['predictive']:.1f}% | {100 * PAPER['corrective']['ratio']:.1f}% → "
+           f"{100 * PAPER['corrective']['predictive']:.1f}% | {PAPER['seeds']} |"]
+    for c in crits:
+        if c == "ratio":
+            continue
+        md.append(f"| ours, {LABELS[c]} | {_pct(summary['ratio']['unsafe_keep'])} → {_pct(summary[c]['unsafe_keep'])} "
+                  f"| {_pct(summary['ratio']['corrective'])} → {_pct(summary[c]['corrective'])} | {t['seeds']} |")
+    md += ["", "![paper vs ours](paper_vs_ours.png)", "",
+           "## Real optimizer step (mean ± 95% CI over seeds)", ""] + _table(summary, crits)
+    md += ["", "Per-seed pairs (each point one seed; below the diagonal = predictive keeps fewer unsafe tokens, "
+           "above = more corrective ones):", "",
+           "![per seed, aggregated tail](per_seed_aggregated_tail.png)",
+           "![per seed, bucket exact](per_seed_bucket_exact.png)", ""]
+    if iso_summary:
+        it = iso_summary["_totals"]
+        md += ["## Isolated step (mean ± 95% CI over seeds)", "",
+               f"{it['tokens']} tokens ({it['increase']} increased, {it['decrease']} decreased, {it['tie']} unchanged)."
+               , ""] + _table(iso_summary, crits)
+        md += ["", "Verdicts on the isolated step:", ""]
+        for c in ("aggregated_tail", "bucket_exact"):
+            if c in iso_summary:
+                md.append(f"- {verdict(iso_summary, c)}")
+        md.append("")
+    if fidelity is not None:
+        n = np.asarray(fidelity["n"])
+        md += ["## Estimator fidelity", "",
+               "Sign agreement of each closed-form Ḋ with the full-vocabulary Ḋ (full μ recomputed from the fp8 "
+               "weights; the estimators see the top-K view of that same μ), over every valid token, binned by the "
+               "behaviour tail mass μ_T:", "",
+               "| μ_T bin | tokens | aggregated tail | uniform tail | bucket exact |", "|---|---|---|---|---|"]
+        bins = fidelity["bins"]
+        for i in range(len(n)):
+            if n[i] == 0:
+                continue
+            cells = [f"{100 * np.asarray(fidelity[e])[i] / n[i]:.1f}%" for e in al.ESTIMATORS]
+            md.append(f"| [{bins[i]:.0e}, {min(bins[i + 1], 1.0):.0e}) | {int(n[i])} | " + " | ".join(cells) + " |")
+        tot = n.sum()
+        md.append("| all | " + str(int(tot)) + " | " + " | ".join(
+            f"{100 * np.asarray(fidelity[e]).sum() / max(tot, 1):.1f}%" for e in al.ESTIMATORS) + " |")
+        md += ["", "![estimator fidelity](estimator_fidelity.png)", ""]
+    md += ["## Definitions", "",
+           "Over tokens outside the trust region (top-K KL D_t > δ) with Â ≠ 0, per seed: unsafe-keep = "
+           "P(kept | ΔD > 0), corrective = P(kept | ΔD < 0), sign agreement = P(predicted sign of Â·dir = sign ΔD), "
+           "disagreement set = tokens where the criterion's keep decision differs from the ratio criterion's, "
+           "'right on disagreement' = P(criterion right | disagreement) with right = kept & ΔD < 0 or masked & "
+           "ΔD > 0. Keep decisions come from `pdm_jax.trust_region.trust_region_mask` (the training code); "
+           "`full` is the same rule with the full-vocabulary Ḋ. Intervals: Student-t over seeds; a seed whose "
+           "denominator is empty drops out of that mean.", ""]
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(out_dir, "README.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def _delta_of(settings: dict) -> str:
+    """The last ``delta=`` item of the run's argument strings (later items override earlier ones)."""
+    val = "?"
+    for item in (settings.get("arg", "") + "," + settings.get("overrides", "")).split(","):
+        if item.strip().startswith("delta="):
+            val = item.split("=", 1)[1]
+    return val
+
+
+def _fmt_mean(xs) -> str:
+    m, ci, n = al.mean_ci95([x for x in xs if x is not None])
+    if not math.isfinite(m):
+        return "–"
+    return f"{m:.3f}" + (f" ± {ci:.3f}" if math.isfinite(ci) else "")

@@ -1,0 +1,255 @@
+"""Token-level analysis: hand-checked bookkeeping, isolated step vs autodiff, fidelity, no effect on training."""
+
+import json
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdm_jax.analysis import alignment as al
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _softmax(z):
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def _hand_topk_kl(z, mu_e: dict, token):
+    """Top-K KL by hand: E = the ids in mu_e (top-K ∪ {token}); one tail bucket for the rest."""
+    pi = _softmax(np.asarray(z, np.float64))
+    d = sum(m * math.log(m / pi[i]) for i, m in mu_e.items())
+    mu_t = 1.0 - sum(mu_e.values())
+    pi_t = 1.0 - sum(pi[i] for i in mu_e)
+    return d + mu_t * math.log(mu_t / pi_t)
+
+
+def _hand_ddot_aggregated(z, mu_e: dict, token):
+    """DESIGN.md §2: (π_k − μ_k) + Σ_E π_i(μ_i − π_i) + π_T(μ_T − π_T)."""
+    pi = _softmax(np.asarray(z, np.float64))
+    mu_t = 1.0 - sum(mu_e.values())
+    pi_t = 1.0 - sum(pi[i] for i in mu_e)
+    return (pi[token] - mu_e[token]) + sum(pi[i] * (m - pi[i]) for i, m in mu_e.items()) + pi_t * (mu_t - pi_t)
+
+
+def _batch_one_position(tokens, topk_ids, topk_mu, mu_k, adv):
+    """Train-step batch of B sequences with one completion token each (V = 4, K = 1)."""
+    b = len(tokens)
+    return dict(
+        completion_ids=jnp.asarray(np.array(tokens, np.int32)[:, None]),
+        completion_mask=jnp.ones((b, 1), bool),
+        behavior_logprobs=jnp.asarray(np.log(np.array(mu_k, np.float32))[:, None]),
+        topk_ids=jnp.asarray(np.array(topk_ids, np.int32)[:, None, None]),
+        topk_logprobs=jnp.asarray(np.log(np.array(topk_mu, np.float32))[:, None, None]),
+        advantages=jnp.asarray(np.array(adv, np.float32)),
+    )
+
+
+def test_realized_change_bookkeeping_by_hand():
+    # Three tokens, V = 4, K = 1. mu puts 0.7 on id 0 (the top-1) in every row.
+    #  row 0: sampled id 0 (in the top-K), A = +1, pi moved away from mu -> outside; the update moves
+    #         the logits back towards mu (D decreases).
+    #  row 1: sampled id 2 (not in the top-K, mu(2) = 0.1), A = -1, outside; the update pushes further (D up).
+    #  row 2: sampled id 0, A = +1 but inside the region (pi = mu up to 1e-3 in the logits).
+    mu = np.array([0.7, 0.1, 0.1, 0.1])
+    zmu = np.log(mu)
+    before = np.stack([zmu + np.array([-0.8, 0.3, 0.0, 0.0]), zmu + np.array([0.0, 0.0, 0.9, -0.4]),
+                       zmu + np.array([1e-3, 0.0, 0.0, 0.0])])
+    after = np.stack([zmu + np.array([-0.5, 0.2, 0.0, 0.0]), zmu + np.array([0.0, 0.0, 1.3, -0.4]),
+                      zmu + np.array([2e-3, 0.0, 0.0, 0.0])])
+    batch = _batch_one_position(tokens=[0, 2, 0], topk_ids=[0, 0, 0], topk_mu=[0.7] * 3, mu_k=[0.7, 0.1, 0.7],
+                                adv=[1.0, -1.0, 1.0])
+    delta = 0.01
+    a = jax.device_get(al.token_analysis(jnp.asarray(before[:, None], jnp.float32),
+                                         jnp.asarray(after[:, None], jnp.float32), batch, delta=delta))
+    mu_e = [{0: 0.7}, {0: 0.7, 2: 0.1}, {0: 0.7}]
+    tokens = [0, 2, 0]
+    for r in range(3):
+        d0 = _hand_topk_kl(before[r], mu_e[r], tokens[r])
+        d1 = _hand_topk_kl(after[r], mu_e[r], tokens[r])
+        np.testing.assert_allclose(a["d_before"][r, 0], d0, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(a["d_after"][r, 0], d1, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(a["delta_d"][r, 0], d1 - d0, rtol=1e-3, atol=1e-6)
+        np.testing.assert_allclose(a["dir_aggregated_tail"][r, 0], _hand_ddot_aggregated(before[r], mu_e[r], tokens[r]),
+                                   rtol=1e-4, atol=1e-6)
+    assert a["delta_d"][0, 0] < 0 < a["delta_d"][1, 0]
+    assert list(a["outside"][:, 0]) == [True, True, False]
+    # ratio keep: masked iff outside and A (log pi(k) - log mu(k)) > 0.
+    #  row 0: log r = -0.8 - log Z < 0 (pi(0) < 0.7), A = +1 -> A log r < 0 -> kept.
+    #  row 1: pi(2) > 0.1 -> log r > 0, A = -1 -> kept.
+    pi0 = _softmax(before[0])[0]
+    pi1 = _softmax(before[1])[2]
+    assert pi0 < 0.7 and pi1 > 0.1
+    assert list(a["keep_ratio"][:, 0]) == [True, True, True]
+    # predictive (aggregated tail): masked iff A * Ddot > 0.
+    for r in range(2):
+        ddot = _hand_ddot_aggregated(before[r], mu_e[r], tokens[r])
+        assert bool(a["keep_aggregated_tail"][r, 0]) == (not (batch["advantages"][r] * ddot > 0))
+    # Selection drops the inside token; counts follow from the hand-known signs and keeps.
+    rec = al.select_tokens(a)
+    assert list(rec["row"]) == [0, 1]
+    c = al.alignment_counts(rec)
+    assert (c["n"], c["n_increase"], c["n_decrease"]) == (2, 1, 1)
+    assert c["ratio"] == dict(kept_increase=1, kept_decrease=1, agree=1, disagree_with_ratio=0,
+                              right_on_disagreement=0)
+    rates = al.alignment_rates(c)
+    assert rates["ratio"]["unsafe_keep"] == 1.0 and rates["ratio"]["corrective"] == 1.0
+    assert rates["ratio"]["sign_agreement"] == 0.5
+
+
+def test_alignment_counts_by_hand():
+    # 6 tokens: ΔD signs + + + - - 0; ratio keeps K K M K M K; predictive keeps M K M K K K.
+    rec = dict(delta_d=np.array([0.1, 0.2, 0.3, -0.1, -0.2, 0.0]),
+               keep_ratio=np.array([1, 1, 0, 1, 0, 1], bool),
+               keep_bucket_exact=np.array([0, 1, 0, 1, 1, 1], bool))
+    c = al.alignment_counts(rec)
+    assert (c["n"], c["n_increase"], c["n_decrease"], c["n_tie"]) == (6, 3, 2, 1)
+    r = al.alignment_rates(c)
+    assert r["ratio"]["unsafe_keep"] == pytest.approx(2 / 3)
+    assert r["ratio"]["corrective"] == pytest.approx(1 / 2)
+    assert r["bucket_exact"]["unsafe_keep"] == pytest.approx(1 / 3)
+    assert r["bucket_exact"]["corrective"] == pytest.approx(2 / 2)
+    # agreement: predicted increase = masked. ratio right on tokens 2 (masked, +) and 3 (kept, -): 2/5.
+    assert r["ratio"]["sign_agreement"] == pytest.approx(2 / 5)
+    # predictive right on 0 (M,+), 2 (M,+), 3 (K,-), 4 (K,-): 4/5.
+    assert r["bucket_exact"]["sign_agreement"] == pytest.approx(4 / 5)
+    # disagreement with ratio: tokens 0 and 4 (token 5 ties, keeps equal) -> 2 of 6; predictive right on both.
+    assert r["bucket_exact"]["disagreement_n"] == 2
+    assert r["bucket_exact"]["disagreement_frac"] == pytest.approx(2 / 6)
+    assert r["bucket_exact"]["right_on_disagreement"] == 1.0
+    assert math.isnan(al.alignment_rates(al.alignment_counts(dict(delta_d=np.array([0.1]),
+                                                                  keep_ratio=np.array([True]))))["ratio"]["corrective"])
+
+
+def test_mean_ci95_against_scipy_free_reference():
+    xs = [0.3, 0.5, 0.4, 0.6]
+    m, half, n = al.mean_ci95(xs + [float("nan")])
+    sd = np.std(xs, ddof=1)
+    assert n == 4 and m == pytest.approx(0.45)
+    assert half == pytest.approx(3.182446305284263 * sd / 2.0, rel=1e-6)  # t_{0.975, 3}
+    assert math.isnan(al.mean_ci95([0.2])[1])
+
+
+def test_fidelity_exact_when_the_tail_has_at_most_one_token():
+    # V = 5, K = 4: E = TopK ∪ {y} covers >= 4 ids, so |T| <= 1 and every estimator is the exact
+    # full-vocabulary derivative (uniform = aggregated = bucket_exact): agreement must be 100%.
+    rng = np.random.default_rng(0)
+    z = jnp.asarray(rng.normal(size=(3, 7, 5)) * 2, jnp.float32)
+    zq = z + jnp.asarray(rng.normal(size=(3, 7, 5)) * 0.3, jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 5, size=(3, 7)), jnp.int32)
+    f = jax.device_get(al.fidelity_analysis(z, zq, tokens, jnp.ones((3, 7), bool), k=4))
+    for name in al.ESTIMATORS:
+        np.testing.assert_allclose(f[f"dir_{name}"], f["dir_full"], rtol=2e-4, atol=2e-6)
+        assert f[f"agree_{name}"].all()
+    counts = al.fidelity_counts(f)
+    assert counts["n"].sum() == 21 and all(counts[e].sum() == 21 for e in al.ESTIMATORS)
+
+
+def test_fidelity_bins_count_tail_mass():
+    fid = dict(valid=np.array([True, True, True, False]), tail_mass=np.array([5e-5, 0.05, 0.5, 0.5]),
+               agree_aggregated_tail=np.array([True, False, True, True]),
+               agree_uniform_tail=np.array([True, True, False, True]),
+               agree_bucket_exact=np.array([True, True, True, True]))
+    c = al.fidelity_counts(fid)
+    assert list(c["n"]) == [1, 0, 0, 0, 1, 0, 1]
+    assert list(c["aggregated_tail"]) == [1, 0, 0, 0, 0, 0, 1]
+    assert list(c["uniform_tail"]) == [1, 0, 0, 0, 1, 0, 0]
+    total = al.add_fidelity_counts(al.add_fidelity_counts(None, c), c)
+    assert list(total["n"]) == [2, 0, 0, 0, 2, 0, 2]
+
+
+def _tiny_model(seed=0):
+    from flax import nnx
+
+    from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, max_position_embeddings=32, tie_word_embeddings=True)
+    return nnx.split(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)))
+
+
+def test_isolated_step_matches_autodiff_reference():
+    """iso_first_order = −∇D·∇ℓ/‖∇ℓ‖ (independent grads), and the finite step ≈ ε × first order."""
+    from pdm_jax import train_step as ts
+    from pdm_jax import trust_region as tr
+    from pdm_jax.analysis.callback import isolated_changes
+
+    graphdef, params = _tiny_model()
+    rng = np.random.default_rng(1)
+    n, p, t, k = 2, 3, 4, 2
+    prompt_ids = rng.integers(0, 8, size=(n, p)).astype(np.int32)
+    prompt_mask = np.ones((n, p), bool)
+    comp = rng.integers(0, 8, size=(n, t)).astype(np.int32)
+    cmask = np.ones((n, t), bool)
+    zq = rng.normal(size=(n, t, 8)).astype(np.float32)
+    logmu = zq - np.log(np.exp(zq).sum(-1, keepdims=True))
+    topk_ids = np.argsort(-logmu, -1)[..., :k].astype(np.int32)
+    topk_lp = np.take_along_axis(logmu, topk_ids, -1)
+    beh = np.take_along_axis(logmu, comp[..., None], -1)[..., 0]
+    adv = np.array([1.0, -0.5], np.float32)
+    cols = np.array([1, 3], np.int32)
+    eps = 1e-3
+    d, first, gnorm = jax.device_get(isolated_changes(graphdef, params, prompt_ids, prompt_mask, comp, cmask, beh,
+                                                      topk_ids, topk_lp, adv, cols, temperature=1.0, tis_cap=5.0,
+                                                      step_size=eps))
+    for i in range(n):
+        c = int(cols[i])
+
+        def logits_at(prm):
+            z = ts.completion_logits(graphdef, prm, prompt_ids[i:i + 1], prompt_mask[i:i + 1], comp[i:i + 1],
+                                     cmask[i:i + 1])
+            return z[0, c]
+
+        def dfn(prm):
+            return tr.topk_kl(logits_at(prm), comp[i, c], topk_ids[i, c], topk_lp[i, c], beh[i, c])
+
+        def loss(prm):
+            lp = jax.nn.log_softmax(logits_at(prm))[comp[i, c]]
+            return -adv[i] * jax.lax.stop_gradient(jnp.minimum(jnp.exp(lp - beh[i, c]), 5.0)) * lp
+
+        gd, gl = jax.grad(dfn)(params), jax.grad(loss)(params)
+        dot = sum(float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(gd), jax.tree.leaves(gl)))
+        norm = math.sqrt(sum(float(jnp.vdot(b, b)) for b in jax.tree.leaves(gl)))
+        assert gnorm[i] == pytest.approx(norm, rel=1e-4)
+        assert first[i] == pytest.approx(-dot / norm, rel=1e-3, abs=1e-7)
+        assert d[i] == pytest.approx(eps * first[i], rel=0.05, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_analysis_changes_nothing_in_training(tmp_path):
+    """Two short in-process runs, with and without the callback: identical training metrics and weights."""
+    from test_trainer import tiny_test_config
+
+    from pdm_jax.analysis.callback import AlignmentCallback
+    from pdm_jax.metrics import read_metrics
+    from pdm_jax.trainer import Trainer
+
+    overrides = {"sampler.mode": "in_process", "rl.steps": 2, "sft.steps": 4, "rl.num_iterations": 2,
+                 "rl.max_staleness": 1, "trust_region.delta": 1e-4, "eval.num_prompts": 4,
+                 "eval.samples_per_prompt": 1, "eval.greedy": False}
+    cb = AlignmentCallback(full_mu=True, isolated_tokens=2)
+    runs = {}
+    for name, callbacks in (("plain", []), ("analysed", [cb])):
+        wd = str(tmp_path / name)
+        summary = Trainer(tiny_test_config(**overrides), wd, callbacks=callbacks).run()
+        recs = [r for r in read_metrics(os.path.join(wd, "metrics.jsonl")) if r["phase"] in ("rl", "eval")]
+        timing = {"step_seconds", "generate_seconds", "train_seconds", "sampler_tokens_per_second"}
+        runs[name] = ([{k: v for k, v in r.items() if k not in timing} for r in recs], summary)
+    assert runs["plain"][0] == runs["analysed"][0]
+    assert runs["plain"][1]["final_accuracy"] == runs["analysed"][1]["final_accuracy"]
+    # The callback saw every optimizer step (2 RL steps x 2 mini-batches x 2 iterations) and its "before"
+    # logits are the trainer's: same mean top-K KL and outside fraction as the step's own metrics.
+    assert len(cb.steps) == 8
+    for st in cb.steps:
+        assert st["mean_d_before"] == pytest.approx(st["trainer_mean_topk_kl"], rel=1e-4, abs=1e-7)
+        assert st["num_outside"] / st["num_valid"] == pytest.approx(st["trainer_frac_outside"], abs=1e-6)
+        assert st["behavior_logprob_max_err"] < 1e-3
+    rec = cb.token_records()
+    assert len(rec["delta_d"]) > 0 and np.isfinite(rec["delta_d"]).all()
+    assert np.isfinite(rec["iso_delta_d"]).any()
+    assert cb.fidelity is not None and cb.fidelity["n"].sum() > 0

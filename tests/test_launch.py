@@ -1,0 +1,195 @@
+"""launch/: sweep expansion, local runner (shared warm start), table aggregation, tpu_pod.sh --dry-run."""
+
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sweep_module():
+    spec = importlib.util.spec_from_file_location("launch_sweep", os.path.join(REPO, "launch", "sweep.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sweep = _sweep_module()
+
+
+def test_issue_sweep_expands_to_18_config_strings():
+    d = sweep.load_sweep(os.path.join(REPO, "launch", "sweeps", "tiny_delta_estimator.py"))
+    runs = sweep.expand(d)
+    assert len(runs) == 18
+    assert len({r["name"] for r in runs}) == 18
+    first = runs[0]
+    assert first["point"] == {"delta": 0.05, "criterion": "ratio", "seed": 0}
+    assert first["config_arg"].startswith("configs/tiny.py:")
+    assert first["arg"].endswith("delta=0.05,mask=dppo,seed=0")
+    by_name = {r["name"]: r for r in runs}
+    r = by_name["delta=0.15_criterion=pdm_bucket_exact_seed=2"]
+    assert r["arg"].endswith("delta=0.15,mask=pdm,estimator=bucket_exact,seed=2")
+    # Every argument string is accepted by the config's own parser and sets what it says.
+    from pdm_jax.config import apply_arg, get_base_config
+
+    c = apply_arg(get_base_config(), r["arg"])
+    assert (c.trust_region.delta, c.trust_region.mask, c.trust_region.estimator, c.seed) == (0.15, "pdm", "bucket_exact", 2)
+    assert c.rl.max_staleness == 1 and c.rl.num_iterations == 2
+    cmd = sweep.train_command(r, "/tmp/wd")
+    assert cmd[1:3] == ["-m", "pdm_jax.train"] and "--workdir=/tmp/wd" in cmd
+    assert "--config.sampler.mode=in_process" in cmd
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(axes=[]), "axes"),
+    (dict(axes=[("criterion", ["ratio", "magic"])]), "criterion"),
+    (dict(axes=[("delta", [0.1]), ("delta", [0.2])]), "twice"),
+    (dict(axes=[("delta", ["0.1,seed=3"])]), "may not contain"),
+    (dict(axes=[("delta", [0.1])], share_warmstart_by=("seed",)), "share_warmstart_by"),
+])
+def test_bad_sweep_definitions_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        sweep.validate_sweep(dict(dict(config="configs/tiny.py"), **bad))
+
+
+def test_print_only_and_pod_commands():
+    path = os.path.join(REPO, "launch", "sweeps", "tiny_delta_estimator.py")
+    out = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", "--out=runs/x", "--print_only"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(out) == 18 and all(l.startswith("python -m pdm_jax.train --config=configs/tiny.py:") for l in out)
+    pod = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", "--out=gs://b/s", "--print_only",
+                          "--pod", "--tpu_name=pdm", "--only=criterion=ratio_seed=0"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(pod) == 2  # delta 0.05 and 0.15
+    assert pod[0].startswith("launch/tpu_pod.sh --name=pdm-000 ") and "--results=gs://b/s/delta=0.05" in pod[0]
+
+
+def _fake_run(workdir, rewards, evals, warm=0.30, final=None):
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "phase": "eval", "eval_accuracy": warm}) + "\n")
+        for i, r in enumerate(rewards):
+            f.write(json.dumps({"step": i + 1, "phase": "rl", "reward": r, "frac_masked": 0.1 * (i + 1),
+                                "frac_outside": 0.2, "mean_topk_kl": 0.01}) + "\n")
+        for step, acc in evals:
+            f.write(json.dumps({"step": step, "phase": "eval", "eval_accuracy": acc}) + "\n")
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(dict(warmstart_accuracy=warm, final_accuracy=evals[-1][1] if final is None else final,
+                       final_greedy_accuracy=0.5, steps=len(rewards), wall_seconds=12.0), f)
+
+
+def test_aggregate_table_by_hand(tmp_path):
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("criterion", ["ratio"]), ("seed", [0, 1])]))
+    runs = sweep.expand(d)
+    out = str(tmp_path)
+    # seed 0: rewards 0.2, 0.4 -> area 0.3; evals 0.25 (not a collapse: 0.30 - 0.1 = 0.2), 0.15 (collapse).
+    _fake_run(os.path.join(out, runs[0]["name"]), [0.2, 0.4], [(1, 0.25), (2, 0.15)])
+    # seed 1: area 0.5; no collapse; final 0.45.
+    _fake_run(os.path.join(out, runs[1]["name"]), [0.4, 0.6], [(1, 0.35), (2, 0.45)])
+    table = sweep.aggregate(runs, out)
+    rows = {r["name"]: r for r in table["rows"]}
+    r0 = rows[runs[0]["name"]]
+    assert r0["reward_area"] == pytest.approx(0.3)
+    assert r0["mean_frac_masked"] == pytest.approx(0.15)
+    assert r0["collapse_events"] == 1 and r0["eval_points"] == 2
+    assert r0["accuracy_gain"] == pytest.approx(-0.15)
+    assert rows[runs[1]["name"]]["collapse_events"] == 0
+    (g,) = table["groups"]
+    m, ci = g["final_accuracy"]
+    assert m == pytest.approx(0.30)
+    assert ci == pytest.approx(12.706204736174698 * math.sqrt(((0.15 - 0.3) ** 2 + (0.45 - 0.3) ** 2) / 1) / math.sqrt(2))
+    assert os.path.exists(os.path.join(out, "sweep_runs.csv"))
+    md = open(os.path.join(out, "sweep_table.md")).read()
+    assert "| ratio | 2 |" in md and "0.300 ± " in md
+    assert sweep.collapse_events([0.1, None, 0.5], None, 0.1) == 0
+
+
+def test_local_runner_shares_the_warm_start(tmp_path):
+    """run_local with a fake trainer: one warm start per seed, copied into each run's workdir."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        "# fake 'python -m pdm_jax.train --config=SPEC --workdir=DIR ...': records its calls\n"
+        "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; --config=*) cfg=\"${a#*=}\";; esac; done\n"
+        "mkdir -p \"$wd\"\n"
+        "if [[ -f \"$wd/warm.txt\" ]]; then echo resumed >> \"$wd/calls.txt\"; fi\n"
+        "echo \"$cfg\" >> \"$wd/calls.txt\"\n"
+        "if [[ \"$cfg\" == *rl.steps=0 ]]; then echo warm > \"$wd/warm.txt\"; fi\n"
+        "echo '{\"warmstart_accuracy\": 0.1, \"final_accuracy\": 0.2, \"steps\": 1, \"wall_seconds\": 1}' > \"$wd/summary.json\"\n")
+    fake.chmod(0o755)
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("criterion", ["ratio", "pdm_bucket_exact"]),
+                                                                   ("seed", [0, 1])], share_warmstart_by=("seed",)))
+    runs = sweep.expand(d)
+    out = str(tmp_path / "sweep")
+    res = sweep.run_local(runs, out, python=str(fake), share_warmstart_by=("seed",), log=lambda *_: None)
+    assert [r["returncode"] for r in res] == [0, 0, 0, 0]
+    assert sorted(os.listdir(os.path.join(out, "_warmstart"))) == ["seed=0", "seed=1"]
+    for r in runs:
+        calls = open(os.path.join(out, r["name"], "calls.txt")).read().split()
+        # the copy carries the warm start's own call; then the run is resumed from it
+        assert calls[0].endswith("rl.steps=0") and calls[1] == "resumed" and calls[2] == r["config_arg"]
+    # A second invocation skips finished runs.
+    res = sweep.run_local(runs, out, python=str(fake), share_warmstart_by=("seed",), log=lambda *_: None)
+    assert all(r["skipped"] for r in res)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_tpu_pod_dry_run_prints_every_step():
+    cmd = ["bash", "launch/tpu_pod.sh", "--dry-run", "--name=pdm-test", "--project=proj-1", "--zone=us-central2-b",
+           "--accelerator=v4-32", "--config=configs/tiny.py:delta=0.05,seed=1", "--workdir=/tmp/run1",
+           "--results=runs/pod1", "--flag=--config.rl.steps=10"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
+    gc = "+ gcloud compute tpus tpu-vm "
+    assert lines[0] == (gc + "create pdm-test --project=proj-1 --zone=us-central2-b --accelerator-type=v4-32 "
+                        "--version=tpu-ubuntu2204-base")
+    assert lines[1].startswith("+ git -C ") and "archive" in lines[1]
+    assert lines[2].startswith(gc + "scp ") and lines[2].endswith("--worker=all")
+    assert lines[3].startswith(gc + "ssh pdm-test") and "--worker=all" in lines[3] and "tar xzf" in lines[3]
+    assert "--worker=all" in lines[4] and "pip install -q -e ." in lines[4] and "jax[tpu]==0.10.2" in lines[4]
+    train = [l for l in lines if "pdm_jax.train" in l]
+    assert len(train) == 1
+    t = train[0]
+    assert t.startswith(gc + "ssh pdm-test --project=proj-1 --zone=us-central2-b --worker=all ")
+    assert ("python3 -m pdm_jax.train --config=configs/tiny.py:delta=0.05,seed=1 --workdir=/tmp/run1 "
+            "--config.distributed=True --config.rl.steps=10") in t
+    assert t.endswith("| tee runs/pod1/pod.log")  # streamed here and kept
+    assert lines[-2] == gc + "scp --recurse pdm-test:/tmp/run1 pdm-test:/tmp/run1.log runs/pod1/ --project=proj-1 --zone=us-central2-b --worker=0"
+    assert lines[-1] == gc + "delete pdm-test --project=proj-1 --zone=us-central2-b --quiet"
+    order = [i for i, l in enumerate(lines) if any(s in l for s in ("create", "pip install", "pdm_jax.train",
+                                                                    "scp --recurse", "delete"))]
+    assert order == sorted(order) and len(order) == 5
+    assert not os.path.exists(os.path.join(REPO, "runs", "pod1"))  # --dry-run ran nothing
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("args, msg", [
+    (["--project=p", "--zone=z", "--accelerator=v4-8"], "--name is required"),
+    (["--name=x1", "--zone=z", "--accelerator=v4-8"], "--project is required"),
+    (["--name=Bad_Name", "--project=p", "--zone=z", "--accelerator=v4-8"], "--name='Bad_Name'"),
+    (["--name=x1", "--project=p", "--zone=z", "--accelerator=v4-8", "--bogus=1"], "unknown argument"),
+])
+def test_tpu_pod_bad_flags(args, msg):
+    p = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run"] + args, cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and msg in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_tpu_pod_dry_run_gcs_results_and_git_repo():
+    p = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--name=pdm-x", "--project=p", "--zone=z",
+                        "--accelerator=v5litepod-16", "--results=gs://bucket/run", "--repo=https://example.com/r.git",
+                        "--spot", "--keep"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
+    assert lines[0].endswith("--spot")
+    assert "git clone --depth 1 --branch main https://example.com/r.git" in lines[1]
+    assert "gsutil -m cp -r /tmp/pdm_run /tmp/pdm_run.log gs://bucket/run/" in lines[-1] and "--worker=0" in lines[-1]
+    assert not any(" delete " in l for l in lines) and "--keep" in p.stdout
