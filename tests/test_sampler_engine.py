@@ -127,6 +127,10 @@ def test_reproducible_and_seed_sensitive(engine, batch):
         np.testing.assert_array_equal(getattr(again, f), getattr(batch, f))
     other = engine.generate(PROMPTS, temperature=TAU, seed=12, **GEN)
     assert not np.array_equal(other.completion_ids, batch.completion_ids)
+    big = engine.generate(PROMPTS, temperature=TAU, seed=2**40 + 11, **GEN)  # the high 32 bits count too
+    assert not np.array_equal(big.completion_ids, batch.completion_ids)
+    np.testing.assert_array_equal(engine.generate(PROMPTS, temperature=TAU, seed=2**40 + 11, **GEN).completion_ids,
+                                  big.completion_ids)
     # the two samples of one prompt differ (independent per-row keys)
     assert not np.array_equal(batch.completion_ids[0], batch.completion_ids[1])
 
@@ -213,6 +217,7 @@ def test_sampling_distribution_matches_empirical_frequencies():
     (dict(prompts=[[]]), "prompt"),
     (dict(prompts=[]), "prompt"),
     (dict(n=0), "n"),
+    (dict(n=5000), "n"),
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(top_k_logprobs=33), "logprobs"),
@@ -222,7 +227,8 @@ def test_sampling_distribution_matches_empirical_frequencies():
     (dict(top_p=0.0), "top_p"),
     (dict(top_k=-2), "top_k"),
     (dict(stop_token_ids=[40]), "stop_token_ids"),
-    (dict(seed=2**32), "seed"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-1), "seed"),
 ])
 def test_bad_requests_raise_naming_the_field(engine, kwargs, field):
     kwargs = dict(kwargs)
@@ -238,3 +244,20 @@ def test_in_process_sampler_interface(engine, batch):
     assert h["version"] == 3 and h["quantization"] == "none" and h["vocab_size"] == 32
     b = s.generate(PROMPTS, temperature=TAU, seed=11, **GEN)
     np.testing.assert_array_equal(b.completion_ids, batch.completion_ids)
+
+
+def test_growing_cache_segments_match_single_segment(params, batch):
+    """Cache grown in segments (P+4, P+8, P+16 slots) == one P+16 cache: same tokens, logprobs to f32 rounding."""
+    from pdm_jax.sampler.engine import cache_segments
+
+    assert cache_segments(16, 4) == [4, 8, 16] and cache_segments(12, 64) == [12] and cache_segments(128, 64) == [64, 128]
+    eng = make_engine(params, version=3, first_cache_segment=4)
+    b = eng.generate(PROMPTS, temperature=TAU, seed=11, **GEN)
+    np.testing.assert_array_equal(b.completion_ids, batch.completion_ids)
+    np.testing.assert_allclose(b.behavior_logprobs, batch.behavior_logprobs, atol=1e-5)
+    np.testing.assert_allclose(b.topk_logprobs, batch.topk_logprobs, atol=1e-5, rtol=2e-6)
+    # and a stop inside the second segment ends the row there
+    stop = int(batch.completion_ids[0, 5])
+    s = eng.generate(PROMPTS, temperature=TAU, seed=11, stop_token_ids=[stop], **GEN)
+    t = int(np.flatnonzero(batch.completion_ids[0] == stop)[0]) + 1
+    assert s.finish_reason[0] == "stop" and s.completion_mask[0].sum() == t

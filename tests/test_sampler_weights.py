@@ -41,6 +41,11 @@ def test_missing_incomplete_and_wrong_version(tmp_path):
         wts.load_weights(path, other)
     with pytest.raises(ValueError, match="version"):
         wts.save_weights({"a": np.zeros(2)}, str(tmp_path / "neg"), version=-1)
+    with pytest.raises(ValueError, match="not an integer"):
+        wts.save_weights({"a": np.zeros(2)}, str(tmp_path / "latest"))
+    # the trainer's call: save_weights(model, f"{root}/weights/{version}") infers the version
+    inferred = wts.save_weights({"a": np.arange(3.0)}, str(tmp_path / "weights" / "12"))
+    assert wts.read_meta(inferred)["version"] == 12
 
 
 def test_engine_version_rules(tmp_path):

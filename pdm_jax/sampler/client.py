@@ -126,7 +126,7 @@ class SamplerClient:
         payload = {"prompt": prompts, "n": int(n), "temperature": float(temperature), "top_p": float(top_p),
                    "top_k": int(top_k), "logprobs": int(top_k_logprobs),
                    "stop_token_ids": [int(s) for s in stop_token_ids or ()],
-                   "seed": int(seed) if seed is not None else secrets.randbelow(2**32)}
+                   "seed": int(seed) if seed is not None else secrets.randbelow(2**63)}
         if max_new_tokens is not None:
             payload["max_tokens"] = int(max_new_tokens)
         else:

@@ -14,7 +14,10 @@ compiles once.  Prefill runs the whole (left-padded) prompt through
 ``Qwen3ForCausalLM.decode`` at cache slot 0; the decode loop is a
 ``jax.lax.while_loop`` inside the same jitted program (no host round-trip per
 token on CPU), writing token t's key/value at slot ``P + t`` and stopping as soon
-as every row has finished (stop token or its ``max_new_tokens``).
+as every row has finished (stop token or its ``max_new_tokens``).  The cache
+grows in doubling segments (``P + 64``, ``P + 128``, ... slots; one while-loop
+per segment) so that attention costs track the live context length: the cost
+per token stays near constant (``bench/bench_sampler.py``).
 
 Sampling (per row, per token):
 
@@ -31,7 +34,8 @@ Sampling (per row, per token):
   log-probabilities are those of softmax(z) at tau = 1 (after the same filters),
   i.e. what the trainer computes with temperature 1.
 * Reproducible: row ``i * n + j`` (sample j of prompt i) uses the key
-  ``fold_in(fold_in(PRNGKey(seed), i), j)`` and token t ``fold_in(row_key, t)``,
+  ``fold_in(fold_in(fold_in(PRNGKey(seed mod 2**32), seed >> 32), i), j)`` and token t
+  ``fold_in(row_key, t)``,
   so the same request with the same seed gives the same output, independent of
   chunking into batches.
 
@@ -58,7 +62,7 @@ from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
 
-MAX_SEED = 2**32 - 1
+MAX_SEED = 2**63 - 1
 
 
 class RequestError(ValueError):
@@ -83,16 +87,17 @@ def _bucket(x: int, lo: int, hi: int) -> int:
 
 def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs, stop_token_ids, seed,
                      top_p, top_k, vocab_size: int, max_prompt_length: int, max_new_tokens_limit: int,
-                     max_stop_tokens: int) -> list:
+                     max_stop_tokens: int, max_sequences: int = 4096) -> list:
     """Checks a generation request; returns the prompts as a list of int lists.
 
     Raises:
       RequestError: naming the field, for an empty prompt list or prompt, a prompt
         longer than `max_prompt_length`, ids outside [0, vocab_size), n <= 0,
         temperature < 0 or non-finite, top_p outside (0, 1], top_k < 0,
+        len(prompts) * n > max_sequences (field "n"),
         max_new_tokens outside [1, max_new_tokens_limit], top_k_logprobs outside
         [0, vocab_size], more than `max_stop_tokens` stop ids or ids outside the
-        vocabulary, a seed outside [0, 2**32).
+        vocabulary, a seed outside [0, 2**63).
     """
     def is_int(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
@@ -119,6 +124,9 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
         out.append([int(t) for t in p])
     if not is_int(n) or n <= 0:
         raise RequestError("n", f"must be an integer >= 1, got {n!r}")
+    if len(out) * int(n) > max_sequences:
+        raise RequestError("n", f"{len(out)} prompts x n={n} = {len(out) * int(n)} sequences exceeds the limit "
+                           f"of {max_sequences} per request")
     if not isinstance(temperature, (int, float, np.floating, np.integer)) or isinstance(temperature, bool) \
             or not math.isfinite(float(temperature)) or float(temperature) < 0:
         raise RequestError("temperature", f"must be a finite number >= 0, got {temperature!r}")
@@ -137,7 +145,7 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
         if not is_int(s) or not 0 <= int(s) < vocab_size:
             raise RequestError("stop_token_ids", f"id {s!r} outside the vocabulary [0, {vocab_size})")
     if seed is not None and (not is_int(seed) or not 0 <= int(seed) <= MAX_SEED):
-        raise RequestError("seed", f"must be an integer in [0, 2**32), got {seed!r}")
+        raise RequestError("seed", f"must be an integer in [0, 2**63), got {seed!r}")
     return out
 
 
@@ -187,20 +195,40 @@ def _sample_step(logits_BxV, keys_B, t, temperature_B, top_p_B, top_k_B, k_logpr
     return token_B, logp_B, topk_ids_BxK.astype(jnp.int32), topk_lp_BxK
 
 
-def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_B, prompt_idx_B, sample_idx_B,
+def cache_segments(num_new: int, first_segment: int) -> list:
+    """Ends of the decode segments: first_segment, 2*first_segment, ... < num_new, then num_new."""
+    ends, e = [], max(int(first_segment), 1)
+    while e < num_new:
+        ends.append(e)
+        e *= 2
+    return ends + [int(num_new)]
+
+
+def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx2, prompt_idx_B, sample_idx_B,
                       temperature_B, top_p_B, top_k_B, max_new_B, stop_ids_BxS, *, num_new: int, k_logprobs: int,
-                      cache_dtype):
-    """The jitted prefill + while-loop decode for one (B, P, T=num_new, K) bucket."""
+                      cache_dtype, first_segment: int):
+    """The jitted prefill + while-loop decode for one (B, P, T=num_new, K) bucket.
+
+    The KV cache grows in segments (`cache_segments`): segment i decodes tokens
+    up to ``ends[i]`` with a cache of ``P + ends[i]`` slots, then the cache is
+    zero-padded to the next size.  Attention therefore runs over at most twice
+    the live context instead of always over ``P + num_new`` slots, keeping the
+    per-token cost close to constant; rows stop early in any segment.
+    """
     model = nnx.merge(graphdef, state)
     b, p = prompt_ids_BxP.shape
-    s_len = p + num_new
-    cache = model.init_cache(b, s_len, dtype=cache_dtype)
+    ends = cache_segments(num_new, first_segment)
+    cache = model.init_cache(b, p + ends[0], dtype=cache_dtype)
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
     positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
     kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.ones((b, num_new), bool)], axis=-1)
-    logits_BxPxV, cache = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0), kv_mask_BxS)
-    row_keys_B = jax.vmap(lambda s, i, j: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), i), j))(
-        seeds_B, prompt_idx_B, sample_idx_B)
+    logits_BxPxV, cache = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0),
+                                       kv_mask_BxS[:, :p + ends[0]])
+
+    def row_key(seed_2, i, j):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
+        return jax.random.fold_in(jax.random.fold_in(key, i), j)
+    row_keys_B = jax.vmap(row_key)(seeds_Bx2, prompt_idx_B, sample_idx_B)
     sample = functools.partial(_sample_step, temperature_B=temperature_B, top_p_B=top_p_B, top_k_B=top_k_B,
                                k_logprobs=k_logprobs)
 
@@ -228,26 +256,38 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_B,
         (tokens_BxT, logp_BxT, topk_ids_BxTxK, topk_lp_BxTxK), jnp.int32(0), done0_B,
         jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), logits_BxPxV[:, -1, :])
 
-    def cond(c):
-        t, _, _, done, *_ = c
-        return (t < num_new) & ~jnp.all(done)
+    carry = (jnp.int32(1), tok_B, cache, done_B, length_B, stopped_B, outs)
+    prev_end = ends[0]
+    for end in ends:
+        if end > prev_end:  # grow the cache: zero slots p+prev_end .. p+end-1 (masked until written)
+            pad = end - prev_end
+            grown = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))), carry[2])
+            carry = carry[:2] + (grown,) + carry[3:]
+            prev_end = end
+        kv_mask_seg = kv_mask_BxS[:, :p + end]
 
-    def body(c):
-        t, prev_B, cache, done, length, stopped, outs = c
-        pos_Bx1 = (prompt_len_B + t - 1)[:, None]
-        logits_Bx1xV, cache = model.decode(prev_B[:, None], pos_Bx1, cache, (p + t - 1).astype(jnp.int32), kv_mask_BxS)
-        outs, tok, done, length, stopped = record(outs, t, done, length, stopped, logits_Bx1xV[:, 0, :])
-        return t + 1, tok, cache, done, length, stopped, outs
+        def cond(c, end=end):
+            t, _, _, done, *_ = c
+            return (t < end) & ~jnp.all(done)
 
-    t_final, _, _, _, length_B, stopped_B, outs = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), tok_B, cache, done_B, length_B, stopped_B, outs))
+        def body(c, kv_mask_seg=kv_mask_seg):
+            t, prev_B, cache, done, length, stopped, outs = c
+            pos_Bx1 = (prompt_len_B + t - 1)[:, None]
+            logits_Bx1xV, cache = model.decode(prev_B[:, None], pos_Bx1, cache, (p + t - 1).astype(jnp.int32),
+                                               kv_mask_seg)
+            outs, tok, done, length, stopped = record(outs, t, done, length, stopped, logits_Bx1xV[:, 0, :])
+            return t + 1, tok, cache, done, length, stopped, outs
+
+        carry = jax.lax.while_loop(cond, body, carry)
+    t_final, _, _, _, length_B, stopped_B, outs = carry
     tokens_BxT, logp_BxT, topk_ids_BxTxK, topk_lp_BxTxK = outs
     return dict(tokens=tokens_BxT, logp=logp_BxT, topk_ids=topk_ids_BxTxK, topk_logp=topk_lp_BxTxK,
                 length=length_B, stopped=stopped_B, steps=t_final)
 
 
 # One module-level jit: engines with equal configs (equal graphdefs) share compiled buckets.
-_GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,), static_argnames=("num_new", "k_logprobs", "cache_dtype"))
+_GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
+                        static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment"))
 
 
 class SamplingEngine:
@@ -270,7 +310,11 @@ class SamplingEngine:
       min_new_tokens_bucket: smallest decode bucket (the loop still stops at the
         requested max_new_tokens; a larger bucket costs cache memory and attention
         over masked slots).
+      first_cache_segment: the KV cache starts with ``P + first_cache_segment``
+        slots and doubles while decoding (`cache_segments`); each extra segment
+        adds one copy of the decode loop to the compiled program.
       max_stop_tokens: capacity of the per-row stop-id table.
+      max_sequences: most sequences (prompts x n) one request may ask for.
     Raises:
       ValueError: bad quantization or limits (prompt + new tokens beyond the
         model's ``max_position_embeddings``, non-positive sizes).
@@ -279,13 +323,16 @@ class SamplingEngine:
     def __init__(self, config, params, *, quantization: str = "none", version: int = 0,
                  weights_path: Optional[str] = None, compute_dtype=None, max_prompt_length: int = 512,
                  max_new_tokens: int = 256, max_batch_size: int = 64, min_prompt_bucket: int = 8,
-                 min_new_tokens_bucket: int = 16, max_stop_tokens: int = 8, output_axes_fn=quant.default_output_axes):
+                 min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = 8,
+                 max_sequences: int = 4096,
+                 output_axes_fn=quant.default_output_axes):
         from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 
         quant.check_quantization(quantization)
         for name, v in (("max_prompt_length", max_prompt_length), ("max_new_tokens", max_new_tokens),
                         ("max_batch_size", max_batch_size), ("min_prompt_bucket", min_prompt_bucket),
-                        ("min_new_tokens_bucket", min_new_tokens_bucket),
+                        ("min_new_tokens_bucket", min_new_tokens_bucket), ("max_sequences", max_sequences),
+                        ("first_cache_segment", first_cache_segment),
                         ("max_stop_tokens", max_stop_tokens)):
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"SamplingEngine: {name} must be an integer >= 1, got {v!r}")
@@ -301,6 +348,8 @@ class SamplingEngine:
         self.min_prompt_bucket = int(min_prompt_bucket)
         self.min_new_tokens_bucket = int(min_new_tokens_bucket)
         self.max_stop_tokens = int(max_stop_tokens)
+        self.max_sequences = int(max_sequences)
+        self.first_cache_segment = int(first_cache_segment)
         self._output_axes_fn = output_axes_fn
         dt = self.compute_dtype
         abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt))
@@ -400,7 +449,8 @@ class SamplingEngine:
             max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
             top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed, top_p=top_p, top_k=top_k,
             vocab_size=self.config.vocab_size, max_prompt_length=self.max_prompt_length,
-            max_new_tokens_limit=self.max_new_tokens, max_stop_tokens=self.max_stop_tokens)
+            max_new_tokens_limit=self.max_new_tokens, max_stop_tokens=self.max_stop_tokens,
+            max_sequences=self.max_sequences)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
                  max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
@@ -415,7 +465,7 @@ class SamplingEngine:
           max_new_tokens: 1..engine.max_new_tokens (default: the engine's).
           top_k_logprobs: K in [0, V]; topk_* arrays are [N, T, K] f32/int32.
           stop_token_ids: ids that end a sequence (kept, finish_reason "stop").
-          seed: in [0, 2**32); None draws a fresh random seed.
+          seed: in [0, 2**63); None draws a fresh random seed.
           top_p, top_k: nucleus / top-k filters (off: 1.0 / 0).
         Returns:
           RolloutBatch with T = the longest completion; pads are id 0, logprob 0.
@@ -465,10 +515,12 @@ class SamplingEngine:
         stop_arr = np.full((b, self.max_stop_tokens), -1, np.int32)
         stop_arr[:, :len(stops)] = stops
         out = self._program(
-            self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.full((b,), seed, jnp.uint32),
+            self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
+            jnp.asarray(np.tile(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32), (b, 1))),
             jnp.asarray(prompt_idx), jnp.asarray(sample_idx), jnp.full((b,), temperature, jnp.float32),
             jnp.full((b,), top_p, jnp.float32), jnp.full((b,), top_k, jnp.int32), jnp.asarray(max_new_b),
-            jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype)
+            jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype,
+            first_segment=self.first_cache_segment)
         out = jax.device_get(out)
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
 

@@ -53,18 +53,26 @@ def _checkpointer():
     return ocp.StandardCheckpointer()
 
 
-def save_weights(model_or_state: Any, path: str, *, version: int, extra_meta: Optional[dict] = None) -> str:
+def save_weights(model_or_state: Any, path: str, *, version: Optional[int] = None,
+                 extra_meta: Optional[dict] = None) -> str:
     """Writes the model's parameters for the sampler (orbax + JSON meta); returns the abs path.
 
     Args:
       model_or_state: an ``nnx.Module`` (its ``nnx.Param`` state is saved), an
         ``nnx.State`` or a nested dict of arrays.
       path: target directory; must not exist yet (orbax refuses to overwrite).
-      version: integer weights version >= 0, recorded in ``weights_meta.json``.
+      version: integer weights version >= 0, recorded in ``weights_meta.json``;
+        default: the last path component when it is an integer (``.../weights/7`` -> 7).
       extra_meta: optional JSON-serialisable dict merged into the meta file.
     Raises:
-      ValueError: negative/non-integer version; orbax errors if `path` exists.
+      ValueError: negative/non-integer version, or no version given and the
+        directory name is not an integer; orbax errors if `path` exists.
     """
+    if version is None:
+        name = os.path.basename(os.path.normpath(path))
+        if not name.isdigit():
+            raise ValueError(f"save_weights: no version given and the directory name {name!r} is not an integer")
+        version = int(name)
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
         raise ValueError(f"save_weights: version must be an integer >= 0, got {version!r}")
     pure = to_pure_dict(model_or_state)
