@@ -83,6 +83,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.normalize_advantage_std = False  # DPPO uses none
     c.rl.kl_beta = 0.0  # KL penalty to the frozen initial policy (DAPO/DPPO: 0)
     c.rl.kl_estimator = "k3"
+    c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.chunked_loss); 0 = all [B,T,V] logits
 
     # ---- trust region (pdm_jax.trust_region.TrustRegionConfig) ---------------------------
     c.trust_region = ml_collections.ConfigDict()
@@ -122,6 +123,23 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
     c.distributed = False  # call jax.distributed.initialize() (multi-host)
+    # Multi-host runtime (pdm_jax.distributed); empty/sentinel values fall back to the environment
+    # (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS), then to
+    # JAX's cluster auto-detection (Cloud TPU, SLURM, ...).
+    c.multihost = ml_collections.ConfigDict()
+    c.multihost.coordinator_address = ""  # "host:port" of process 0
+    c.multihost.num_processes = 0  # 0 = from the environment / auto-detected
+    c.multihost.process_id = -1  # -1 = from the environment / auto-detected
+    c.multihost.local_device_ids = ""  # e.g. "0,1,2,3"; "" = all local devices
+    c.multihost.cpu_collectives = "gloo"  # CPU cross-process collectives: "gloo" | "mpi" | "none"
+    c.multihost.initialization_timeout_s = 300
+
+    # ---- dry run (python -m pdm_jax.train --dry_run; pdm_jax.dry_run) ------------------
+    c.dry_run = ml_collections.ConfigDict()
+    c.dry_run.chip = "v5p"  # target accelerator: v4 | v5e | v5p | v6e | H100 | H200 (HBM per chip)
+    c.dry_run.num_devices = 8  # chips the mesh spans (resolves the mesh's -1 axis)
+    c.dry_run.mode = "auto"  # "compile" (fake CPU devices) | "analytic" | "auto" (compile if small enough)
+    c.dry_run.max_compile_params = 2_000_000_000  # auto: compile only models up to this many parameters
 
     # ---- checkpoints and logging ------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()

@@ -248,6 +248,25 @@ def put_global_batch(arrays: Mapping[str, np.ndarray], mesh, *, batch_axes: Sequ
     return out
 
 
+def opt_state_shardings(tx, params, mesh):
+    """Shardings of ``tx.init(params)``: each parameter-shaped leaf like its parameter, the rest replicated.
+
+    ``jax.jit(tx.init)(params)`` alone leaves the optimizer state on ONE device
+    (its zeros do not depend on the inputs' shardings), which breaks multi-device
+    and multi-host steps and replicates AdamW's moments; use
+    ``jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, mesh))``.
+    ``params`` may be arrays or ``jax.ShapeDtypeStruct`` with ``.sharding``
+    (``optax.tree_map_params`` matches the state's leaves to the parameters).
+    """
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
+                                 transform_non_params=lambda _: replicated)
+
+
 def to_host(tree):
     """Host numpy copies of (possibly not fully addressable) global arrays, on every process.
 

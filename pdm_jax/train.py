@@ -18,6 +18,8 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, summary); resumed if it exists.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the per-device memory plan of the sharded train step for "
+                             "config.dry_run.{chip,num_devices} and exit (no checkpoint, data or workdir needed).")
 
 
 def main(argv):
@@ -25,6 +27,16 @@ def main(argv):
     del argv
     if _CONFIG.value is None:
         raise app.UsageError("--config is required (e.g. --config=configs/tiny.py)")
+    if _DRY_RUN.value:  # before anything starts JAX: the fake CPU devices are set up first
+        from pdm_jax import dry_run
+
+        dry_run.prepare_devices(int(_CONFIG.value.dry_run.num_devices))
+        try:
+            dry_run.main(_CONFIG.value)
+        except ValueError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required")
     from absl import logging as absl_logging
@@ -32,10 +44,10 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
     logging.getLogger("pdm_jax").setLevel(logging.INFO)
     config = _CONFIG.value
-    if config.get("distributed", False):
-        import jax
+    if config.get("distributed", False):  # config.multihost, then JAX_* env vars, then auto-detection
+        from pdm_jax.distributed import initialize_from_config
 
-        jax.distributed.initialize()
+        initialize_from_config(config)
     from pdm_jax.trainer import Trainer, validate_config
 
     try:

@@ -114,7 +114,8 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     if config.tokenizer.kind == "path":
         need(bool(config.tokenizer.path), "tokenizer.path", config.tokenizer.path, "required when tokenizer.kind = 'path'")
     ts.PolicyLossConfig(policy_loss=rl.policy_loss, tis_cap=rl.tis_cap, dual_clip=rl.dual_clip,
-                        loss_aggregation=rl.loss_aggregation, kl_beta=rl.kl_beta, temperature=rl.temperature)
+                        loss_aggregation=rl.loss_aggregation, kl_beta=rl.kl_beta, temperature=rl.temperature,
+                        logits_chunk_size=int(rl.get("logits_chunk_size", 0)))
     need(rl.loss_aggregation in objectives.AGGREGATION_MODES, "rl.loss_aggregation", rl.loss_aggregation,
          f"must be one of {objectives.AGGREGATION_MODES}")
 
@@ -206,8 +207,9 @@ class Trainer:
         self._eval_engine = None
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          max_to_keep=config.checkpoint.max_to_keep)
-        with open(os.path.join(self.workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        if jax.process_index() == 0:  # multi-host: one process writes run files
+            with open(os.path.join(self.workdir, "config.json"), "w") as f:
+                f.write(config.to_json_best_effort(indent=2))
 
     # ---------------------------------------------------------------- setup
     def _setup_tokenizer(self):
@@ -271,27 +273,37 @@ class Trainer:
         return NamedSharding(self.mesh, P(("data", "fsdp")))
 
     def _put_batch(self, arrays: dict) -> dict:
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        # Rows split over ("data", "fsdp"); with several processes each feeds only the rows its
+        # devices hold (jax.make_array_from_process_local_data); others are replicated.
+        from pdm_jax.distributed import put_global_batch
 
-        n_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        out = {}
-        for k, v in arrays.items():
-            v = np.asarray(v)
-            if v.shape[0] % n_shards == 0:
-                spec = P(("data", "fsdp"), *([None] * (v.ndim - 1)))
-            else:
-                spec = P()
-            out[k] = jax.device_put(v, NamedSharding(self.mesh, spec))
-        return out
+        return put_global_batch(arrays, self.mesh, batch_axes=("data", "fsdp"))
 
     def _make_state(self, params, tx) -> ts.TrainState:
-        opt_state = jax.jit(tx.init)(params)
-        return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+        # Optimizer moments sharded like their parameters, scalars replicated on the mesh (a bare
+        # jit(tx.init) leaves them on one device: wrong for multi-device and multi-host steps).
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from pdm_jax.distributed import opt_state_shardings
+
+        opt_state = jax.jit(tx.init, out_shardings=opt_state_shardings(tx, params, self.mesh))(params)
+        step = jax.jit(lambda: jnp.zeros((), jnp.int32), out_shardings=NamedSharding(self.mesh, P()))()
+        return ts.TrainState(step=step, params=params, opt_state=opt_state)
 
     def _jit_step(self, step_fn, state):
+        from pdm_jax.sharding import activation_sharding
+
         state_sharding = jax.tree.map(lambda x: x.sharding, state)
-        return jax.jit(step_fn, in_shardings=(state_sharding, None), out_shardings=(state_sharding, None),
-                       donate_argnums=0)
+        jitted = jax.jit(step_fn, in_shardings=(state_sharding, None), out_shardings=(state_sharding, None),
+                         donate_argnums=0)
+
+        def run(state, batch):
+            # Traced under the mesh so the model's activation constraints apply (batch over data x fsdp);
+            # without them XLA replicates activations under FSDP (3x the temp memory, pdm_jax.dry_run).
+            with activation_sharding(self.mesh):
+                return jitted(state, batch)
+
+        return run
 
     # ---------------------------------------------------------------- tokenization
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -507,8 +519,13 @@ class Trainer:
             log.info("resumed %s at RL step %d", self.workdir, meta["rl_step"])
         self._wall_base = float(meta.get("wall_seconds", 0.0))
         self._t_start = t_start
-        writer = MetricsWriter(self.workdir, tensorboard=cfg.log.tensorboard,
-                               resume_from_step=meta["rl_step"] + 1 if resumed else None)
+        if jax.process_index() == 0:
+            writer = MetricsWriter(self.workdir, tensorboard=cfg.log.tensorboard,
+                                   resume_from_step=meta["rl_step"] + 1 if resumed else None)
+        else:  # multi-host: only process 0 writes metrics (pdm_jax.distributed)
+            from pdm_jax.distributed import NullMetricsWriter
+
+            writer = NullMetricsWriter()
         try:
             if not resumed:
                 self._run_sft(sft_tx, writer)
@@ -566,7 +583,8 @@ class Trainer:
             policy_loss=rl.policy_loss, tis_cap=rl.tis_cap, clip_eps_low=cfg.trust_region.clip_eps_low,
             clip_eps_high=cfg.trust_region.clip_eps_high, dual_clip=rl.dual_clip,
             loss_aggregation=rl.loss_aggregation, max_response_length=rl.max_new_tokens,
-            kl_beta=rl.kl_beta, kl_estimator=rl.kl_estimator, temperature=rl.temperature)
+            kl_beta=rl.kl_beta, kl_estimator=rl.kl_estimator, temperature=rl.temperature,
+            logits_chunk_size=int(rl.get("logits_chunk_size", 0)))
         step_fn = self._jit_step(ts.make_rl_train_step(self.graphdef, tx, self.tr_config, loss_cfg), state)
         ref_fn = ref_params = None
         if rl.kl_beta > 0:
@@ -667,9 +685,10 @@ class Trainer:
             trust_region=dict(cfg.trust_region.to_dict()),
             sampler_quantization=cfg.sampler.quantization,
         )
-        with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"))
+        if jax.process_index() == 0:
+            with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=2)
+            plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"))
         return summary
 
 

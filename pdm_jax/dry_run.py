@@ -1,0 +1,403 @@
+"""Dry run: will this config's RL train step fit the target chips? (no checkpoint, no data needed)
+
+``python -m pdm_jax.train --config=configs/qwen3_8b_dapo.py --dry_run`` prints a
+per-device memory table of the sharded RL train step (one optimizer step on a
+mini-batch of ``prompts_per_step * group_size / num_minibatches`` sequences of
+``sampler.max_prompt_length + rl.max_new_tokens`` tokens) against the HBM of
+``config.dry_run.chip`` on a mesh of ``config.dry_run.num_devices`` chips:
+
+* **analytic** (always): parameters, gradients and AdamW state from the exact
+  sharded parameter shapes (``pdm_jax.sharding`` rules on an ``AbstractMesh``),
+  and an activation / loss model of the step (see :func:`analytic_plan`);
+* **compiled** (``dry_run.mode`` "compile", or "auto" for models up to
+  ``dry_run.max_compile_params``): the real jitted train step
+  (``train_step.make_rl_train_step``, donated state, batch split over
+  ``("data", "fsdp")``) is lowered on abstract inputs
+  (``jax.ShapeDtypeStruct`` with ``NamedSharding``) and compiled for
+  ``num_devices`` fake CPU devices; XLA's ``memory_analysis()`` gives the
+  per-device argument, output and temporary bytes. CPU compilation makes
+  different fusion and layout choices than TPU/GPU compilers, so the compiled
+  numbers are an estimate of the accelerator's, not a measurement of it.
+
+Fake CPU devices must be requested before JAX starts its backend:
+:func:`prepare_devices` sets ``XLA_FLAGS=--xla_force_host_platform_device_count``
+(the CLI calls it first thing); if the backend is already up with too few
+devices the dry run falls back to the analytic plan and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Optional
+
+import numpy as np
+
+#: HBM per chip in GiB (vendor datasheets: TPU v4 32, v5e 16, v5p 95, v6e Trillium 32; H100 SXM 80; H200 141).
+CHIP_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "H100": 80, "H200": 141}
+MODES = ("auto", "compile", "analytic")
+GIB = 1024 ** 3
+
+# Activation model of one decoder layer (bytes per token, see analytic_plan); the constants are
+# counts of [tokens, width] buffers alive for the backward pass of this model's layer code.
+_ACT_D_BUFFERS = 9  # residual in/out, 2 RMSNorm inputs/outputs (f32 statistics), o_proj and down outputs, misc
+_ACT_QKV_BUFFERS = 3  # projection, q/k norm, RoPE output for q, k (v: projection only)
+_ACT_F_BUFFERS = 4  # gate, up, silu(gate), silu(gate) * up
+_LOSS_V_BUFFERS = 4  # logits, log-softmax, tail log pi (trust region), softmax for the backward
+
+
+def prepare_devices(num_devices: int) -> bool:
+    """Requests ``num_devices`` fake CPU devices if JAX's backend is not started yet; returns success.
+
+    Sets ``JAX_PLATFORMS=cpu`` and ``--xla_force_host_platform_device_count``.
+    Returns False (nothing changed) when a backend is already initialised with
+    fewer devices.
+    """
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        import jax
+
+        return len(jax.devices()) >= num_devices
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={num_devices}").strip()
+    return True
+
+
+def resolve_model_config(config):
+    """The ``Qwen3Config`` a run config trains, without loading weights.
+
+    Order: ``model.preset``; ``model.hf_path/config.json`` if it exists; a
+    preset named like the checkpoint directory (``.../Qwen3-8B-Base`` ->
+    ``qwen3_8b``); the explicit ``model.*`` fields with the vocabulary of the
+    tokenizer (char tokenizer: ``len(symbols)`` + pad + eos; or
+    ``tokenizer.path/tokenizer.json``).
+
+    Raises:
+      ValueError: naming ``model.hf_path`` when none of these applies.
+    """
+    from pdm_jax.models.presets import PRESETS, get_preset
+    from pdm_jax.models.qwen3 import Qwen3Config
+
+    mc = config.model
+    if mc.preset:
+        return get_preset(mc.preset)
+    if mc.hf_path:
+        if os.path.exists(os.path.join(mc.hf_path, "config.json")):
+            from pdm_jax.models.hf_io import load_config
+
+            return load_config(mc.hf_path)
+        m = re.search(r"qwen3-(\d+(?:\.\d+)?)b", os.path.basename(os.path.normpath(mc.hf_path)).lower())
+        name = f"qwen3_{m.group(1).replace('.', 'p')}b" if m else None
+        if name in PRESETS:
+            return get_preset(name)
+        raise ValueError(f"model.hf_path = {mc.hf_path!r}: no config.json there and the name matches no preset "
+                         f"{sorted(PRESETS)}; set model.preset for a dry run")
+    tc = config.tokenizer
+    if tc.kind == "char":
+        vocab = len(dict.fromkeys(tc.symbols)) + 2
+    else:
+        import json
+
+        with open(os.path.join(tc.path, "tokenizer.json")) as f:
+            tok = json.load(f)
+        vocab = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
+    return Qwen3Config(
+        vocab_size=vocab, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
+        max_position_embeddings=mc.max_position_embeddings)
+
+
+@dataclasses.dataclass
+class StepShape:
+    """Static shapes of one RL optimizer step: B sequences of P prompt + T completion tokens, top-K."""
+
+    batch: int
+    prompt_len: int
+    completion_len: int
+    top_k: int
+    logits_chunk_size: int
+
+
+def step_shape(config) -> StepShape:
+    """The mini-batch the trainer feeds one jitted step (sequences, padded lengths, K, chunk)."""
+    rl = config.rl
+    n = rl.prompts_per_step * rl.group_size
+    if rl.num_minibatches < 1 or n % rl.num_minibatches:
+        raise ValueError(f"rl.num_minibatches = {rl.num_minibatches} must divide prompts_per_step x group_size = {n}")
+    p = max(8, -(-int(config.sampler.max_prompt_length) // 8) * 8)
+    return StepShape(batch=n // rl.num_minibatches, prompt_len=p, completion_len=int(rl.max_new_tokens),
+                     top_k=int(rl.top_k_logprobs), logits_chunk_size=int(rl.get("logits_chunk_size", 0)))
+
+
+def mesh_sizes(config, num_devices: int) -> dict:
+    """{"data", "fsdp", "tensor"} sizes of ``config.mesh`` on ``num_devices`` (-1 resolved)."""
+    from pdm_jax.sharding import MeshConfig
+
+    m = config.mesh
+    d, f, t = MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor).axis_sizes(num_devices)
+    return {"data": d, "fsdp": f, "tensor": t}
+
+
+def _abstract_model(model_cfg, dtype, param_dtype):
+    from flax import nnx
+
+    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
+
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
+
+
+def _dtype(name):
+    import jax.numpy as jnp
+
+    return jnp.dtype(name)
+
+
+def param_bytes_per_device(model_cfg, sizes: dict, param_dtype) -> tuple[int, int]:
+    """(total parameter count, bytes of the parameters held by one device) under the sharding rules."""
+    import jax
+    from flax import nnx
+
+    from pdm_jax.sharding import param_partition_specs
+
+    abstract = _abstract_model(model_cfg, _dtype(param_dtype), _dtype(param_dtype))
+    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes.keys()))
+    state = nnx.state(abstract, nnx.Param)
+    specs = param_partition_specs(state, mesh=mesh)
+    itemsize = _dtype(param_dtype).itemsize
+    count = per_device = 0
+    for (_, var), (_, spec) in zip(nnx.to_flat_state(state), nnx.to_flat_state(specs)):
+        spec = spec.get_value() if hasattr(spec, "get_value") else spec
+        n = math.prod(var.get_value().shape)
+        shards = 1
+        for axes in spec:
+            for a in (axes,) if isinstance(axes, str) else (axes or ()):
+                shards *= sizes[a]
+        count += n
+        per_device += -(-n // shards) * itemsize
+    return count, per_device
+
+
+def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", param_dtype="float32") -> dict:
+    """Analytic per-device bytes of one RL train step (forward, backward, AdamW update).
+
+    * ``params``: exact, from the sharded parameter shapes;
+    * ``optimizer``: AdamW first and second moments (parameter dtype) = 2 x params;
+    * ``gradients``: one parameter-sized buffer;
+    * ``gathered``: sharded (FSDP / tensor) parameters all-gathered for use and
+      their gradients before the reduce-scatter, upper bound 2 x (full - local)
+      parameter bytes (kept across the backward pass without remat);
+    * ``activations``: buffers kept for the backward pass, per token of the
+      local batch (B / (data*fsdp) sequences of P+T tokens), per layer:
+      ``a * (9 D + 3 (N+K) H + K H + 4 F)`` plus the attention scores and
+      probabilities ``(4 + a) N (P+T)`` (a = compute dtype bytes; heads, kv
+      heads and F divided by the tensor axis when it divides them);
+    * ``loss``: 4 f32 ``[B, T, V]`` buffers (logits, log-softmax, the trust
+      region's tail log pi, the softmax of the backward), or with
+      ``logits_chunk_size`` c the same for ``[B, c, V]`` plus the ``[B, T, D]``
+      hidden states and ``[B, T]`` per-token outputs;
+    * ``batch``: the step's inputs.
+
+    Returns a dict of bytes (ints) plus ``total``.
+    """
+    a = _dtype(dtype).itemsize
+    tp = sizes["tensor"]
+    dp = sizes["data"] * sizes["fsdp"]
+    div = lambda n: n // tp if n % tp == 0 else n  # noqa: E731  (non-dividing axes stay replicated)
+    c = model_cfg
+    n_heads, n_kv, f, v = div(c.num_attention_heads), div(c.num_key_value_heads), div(c.intermediate_size), div(c.vocab_size)
+    b_loc = -(-shape.batch // dp)
+    seq = shape.prompt_len + shape.completion_len
+    tokens = b_loc * seq
+    h, d = c.head_dim, c.hidden_size
+    per_token_layer = (a * (_ACT_D_BUFFERS * d + _ACT_QKV_BUFFERS * (n_heads + n_kv) * h + n_kv * h
+                            + _ACT_F_BUFFERS * f) + (4 + a) * n_heads * seq)
+    activations = tokens * per_token_layer * c.num_hidden_layers + tokens * d * a  # + embeddings
+    t = shape.completion_len
+    if shape.logits_chunk_size and shape.logits_chunk_size < t:
+        loss = (_LOSS_V_BUFFERS * b_loc * shape.logits_chunk_size * v * 4 + 2 * b_loc * t * d * a
+                + 8 * b_loc * t * 4)
+    else:
+        loss = _LOSS_V_BUFFERS * b_loc * t * v * 4
+    n_params, params = param_bytes_per_device(c, sizes, param_dtype)
+    full_params = n_params * _dtype(param_dtype).itemsize
+    batch = b_loc * (shape.prompt_len * 5 + t * (4 + 1 + 4 + 8 * shape.top_k) + 4)
+    out = dict(params=params, optimizer=2 * params, gradients=params, gathered=2 * (full_params - params),
+               activations=int(activations), loss=int(loss), batch=int(batch))
+    out["total"] = sum(out.values())
+    out["num_params"] = n_params
+    return out
+
+
+def _with_shardings(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s leaves carrying the matching leaves of `shardings` (same leaf order)."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(tree)
+    sh = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if len(sh) != len(leaves):
+        raise ValueError(f"{len(leaves)} arrays but {len(sh)} shardings")
+    return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sh)])
+
+
+def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, activation_constraints: bool = True) -> dict:
+    """Compiles the real sharded RL train step on abstract inputs; per-device bytes from memory_analysis.
+
+    Needs ``prod(sizes)`` devices (fake CPU devices, :func:`prepare_devices`).
+    ``activation_constraints``: trace under ``sharding.activation_sharding(mesh)``
+    as the trainer does (without it XLA replicates activations under FSDP).
+    Returns ``{"argument", "output", "alias", "temp", "total"}`` in bytes
+    (``total`` = argument + output - alias + temp: live bytes at the peak, with
+    the donated state's outputs aliased to its inputs) and ``compile_seconds``.
+
+    Raises:
+      RuntimeError: fewer devices than the mesh needs.
+    """
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from pdm_jax import train_step as ts
+    from pdm_jax.distributed import opt_state_shardings
+    from pdm_jax.sharding import make_mesh, param_shardings
+    from pdm_jax.trainer import trust_region_config
+
+    n_dev = math.prod(sizes.values())
+    if len(jax.devices()) < n_dev:
+        raise RuntimeError(f"the mesh {sizes} needs {n_dev} devices, JAX has {len(jax.devices())}")
+    mesh = make_mesh(devices=jax.devices()[:n_dev], **sizes)
+    mc, rl = config.model, config.rl
+    abstract = _abstract_model(model_cfg, _dtype(mc.dtype), _dtype(mc.param_dtype))
+    graphdef, abs_params = nnx.split(abstract)
+    abs_params = _with_shardings(abs_params, param_shardings(abs_params, mesh))
+    tx, _ = ts.make_optimizer(rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm)
+    abs_opt = _with_shardings(jax.eval_shape(tx.init, abs_params), opt_state_shardings(tx, abs_params, mesh))
+    replicated = NamedSharding(mesh, P())
+    abs_state = ts.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=abs_params,
+                              opt_state=abs_opt)
+    b, p, t, k = shape.batch, shape.prompt_len, shape.completion_len, shape.top_k
+
+    def arg(shp, dt):
+        spec = P(("data", "fsdp"), *([None] * (len(shp) - 1)))
+        return jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))
+
+    batch = dict(prompt_ids=arg((b, p), jnp.int32), prompt_mask=arg((b, p), jnp.bool_),
+                 completion_ids=arg((b, t), jnp.int32), completion_mask=arg((b, t), jnp.bool_),
+                 behavior_logprobs=arg((b, t), jnp.float32), topk_ids=arg((b, t, k), jnp.int32),
+                 topk_logprobs=arg((b, t, k), jnp.float32), advantages=arg((b,), jnp.float32))
+    loss_cfg = ts.PolicyLossConfig(
+        policy_loss=rl.policy_loss, tis_cap=rl.tis_cap, clip_eps_low=config.trust_region.clip_eps_low,
+        clip_eps_high=config.trust_region.clip_eps_high, dual_clip=rl.dual_clip,
+        loss_aggregation=rl.loss_aggregation, max_response_length=t, temperature=rl.temperature,
+        logits_chunk_size=shape.logits_chunk_size)
+    step = ts.make_rl_train_step(graphdef, tx, trust_region_config(config), loss_cfg)
+    state_sharding = jax.tree.map(lambda x: x.sharding, abs_state)
+    t0 = time.time()
+    jitted = jax.jit(step, in_shardings=(state_sharding, jax.tree.map(lambda x: x.sharding, batch)),
+                     out_shardings=(state_sharding, None), donate_argnums=0)
+    if activation_constraints:
+        from pdm_jax.sharding import activation_sharding
+
+        with activation_sharding(mesh):
+            lowered = jitted.lower(abs_state, batch)
+    else:
+        lowered = jitted.lower(abs_state, batch)
+    compiled = lowered.compile()
+    ma = compiled.memory_analysis()
+    out = dict(argument=int(ma.argument_size_in_bytes), output=int(ma.output_size_in_bytes),
+               alias=int(ma.alias_size_in_bytes), temp=int(ma.temp_size_in_bytes))
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    out["compile_seconds"] = time.time() - t0
+    return out
+
+
+def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
+         num_devices: Optional[int] = None) -> dict:
+    """The dry-run report for ``config`` (analytic always; compiled per ``mode``).
+
+    Args override ``config.dry_run.{mode,chip,num_devices}``.
+
+    Returns a dict with ``model`` (Qwen3Config), ``num_params``, ``shape``
+    (StepShape), ``mesh`` sizes, ``chip``, ``hbm_bytes``, ``analytic`` (bytes
+    per category), ``compiled`` (memory_analysis bytes or None) and
+    ``compiled_note`` (why it was not compiled, if so).
+
+    Raises:
+      ValueError: unknown chip or mode, or a config error naming the field.
+    """
+    from pdm_jax.trainer import trust_region_config
+
+    dr = config.get("dry_run") or {}
+    mode = mode or dr.get("mode", "auto")
+    chip = chip or dr.get("chip", "v5p")
+    num_devices = int(num_devices or dr.get("num_devices", 8))
+    if mode not in MODES:
+        raise ValueError(f"dry_run.mode must be one of {MODES}, got {mode!r}")
+    if chip not in CHIP_HBM_GIB:
+        raise ValueError(f"dry_run.chip must be one of {sorted(CHIP_HBM_GIB)}, got {chip!r}")
+    trust_region_config(config)  # config errors before any work
+    model_cfg = resolve_model_config(config)
+    shape = step_shape(config)
+    sizes = mesh_sizes(config, num_devices)
+    analytic = analytic_plan(model_cfg, shape, sizes, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+    n_params = analytic.pop("num_params")
+    compiled, note = None, ""
+    if mode == "auto" and n_params > int(dr.get("max_compile_params", 2_000_000_000)):
+        note = (f"not compiled: {n_params / 1e9:.1f}B parameters > dry_run.max_compile_params "
+                f"(set dry_run.mode=compile to compile on CPU anyway)")
+    elif mode in ("auto", "compile"):
+        import jax
+
+        if len(jax.devices()) < num_devices:
+            note = f"not compiled: {len(jax.devices())} JAX devices < {num_devices} (run the CLI with --dry_run)"
+        else:
+            compiled = compiled_plan(config, model_cfg, shape, sizes)
+    else:
+        note = "not compiled: dry_run.mode=analytic"
+    return dict(model=model_cfg, num_params=n_params, shape=shape, mesh=sizes, chip=chip,
+                hbm_bytes=CHIP_HBM_GIB[chip] * GIB, analytic=analytic, compiled=compiled, compiled_note=note)
+
+
+def format_report(report: dict) -> str:
+    """A human-readable memory table of :func:`plan`'s report (GiB per device vs the chip's HBM)."""
+    s, m, hbm = report["shape"], report["mesh"], report["hbm_bytes"]
+    g = lambda x: f"{x / GIB:10.3f}"  # noqa: E731
+    lines = [
+        f"dry run: {report['num_params'] / 1e9:.3f}B-parameter Qwen3 (V={report['model'].vocab_size}, "
+        f"L={report['model'].num_hidden_layers}, D={report['model'].hidden_size}), "
+        f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} on {math.prod(m.values())} x {report['chip']} "
+        f"({hbm / GIB:.0f} GiB HBM each)",
+        f"step: {s.batch} sequences x ({s.prompt_len} prompt + {s.completion_len} completion) tokens, K={s.top_k}, "
+        f"logits_chunk_size={s.logits_chunk_size or 'off'}",
+        "",
+        "ANALYTIC estimate, per device        GiB",
+    ]
+    for k in ("params", "optimizer", "gradients", "gathered", "activations", "loss", "batch", "total"):
+        lines.append(f"  {k:<30}{g(report['analytic'][k])}")
+    a_total = report["analytic"]["total"]
+    lines.append(f"  {'fits in HBM?':<30}{'yes' if a_total <= hbm else 'NO':>10}  ({100 * a_total / hbm:.0f}% of HBM)")
+    c = report["compiled"]
+    if c is not None:
+        lines += ["", f"COMPILED (XLA CPU memory_analysis, {c['compile_seconds']:.0f} s), per device   GiB"]
+        for k in ("argument", "output", "alias", "temp", "total"):
+            lines.append(f"  {k:<30}{g(c[k])}")
+        lines.append(f"  {'fits in HBM?':<30}{'yes' if c['total'] <= hbm else 'NO':>10}  "
+                     f"({100 * c['total'] / hbm:.0f}% of HBM)")
+    else:
+        lines += ["", f"COMPILED: {report['compiled_note']}"]
+    return "\n".join(lines)
+
+
+def main(config) -> dict:
+    """Runs :func:`plan` and prints :func:`format_report`; returns the report."""
+    report = plan(config)
+    print(format_report(report), flush=True)
+    return report

@@ -1,0 +1,98 @@
+"""Dry-run memory planner: analytic numbers vs XLA's compiled memory_analysis; Qwen3-4B/8B tables."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdm_jax import dry_run
+from pdm_jax.models.presets import count_params, get_preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(name, arg=None):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(arg)
+
+
+def _tiny_variants():
+    plain = _config("tiny")  # data-parallel mesh over the 8 test devices, V = 15
+    wide = _config("tiny")  # FSDP x tensor mesh, a 2048-token vocabulary, chunked loss
+    wide.tokenizer.symbols = "".join(chr(0x4E00 + i) for i in range(2046))
+    wide.sampler.max_prompt_length = 16
+    wide.rl.max_new_tokens = 64
+    wide.rl.prompts_per_step = 8
+    wide.rl.logits_chunk_size = 16
+    wide.mesh.data, wide.mesh.fsdp, wide.mesh.tensor = 1, 4, 2
+    return [("data_parallel", plain), ("fsdp_tensor_chunked", wide)]
+
+
+@pytest.mark.parametrize("name,config", _tiny_variants(), ids=lambda x: x if isinstance(x, str) else "")
+def test_planner_matches_compiled_memory_within_20_percent(name, config):
+    report = dry_run.plan(config, mode="compile", num_devices=8)
+    a, c = report["analytic"], report["compiled"]
+    assert c is not None, report["compiled_note"]
+    # Arguments = sharded params + AdamW moments + the batch: exact up to a few scalars.
+    args = a["params"] + a["optimizer"] + a["batch"]
+    assert abs(args - c["argument"]) <= 0.01 * c["argument"], (args, c)
+    # Temporaries = gradients, gathered params, activations and the loss buffers.
+    temp = a["gradients"] + a["gathered"] + a["activations"] + a["loss"]
+    assert 0.8 * c["temp"] <= temp <= 1.2 * c["temp"], (temp, c)
+    assert 0.8 * c["total"] <= a["total"] <= 1.2 * c["total"], (a, c)
+    text = dry_run.format_report(report)
+    assert "COMPILED" in text and "ANALYTIC" in text and "v5p" in text
+
+
+def test_qwen3_8b_cli_dry_run_prints_memory_table():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdm_jax.train", "--config=configs/qwen3_8b_dapo.py", "--dry_run",
+         "--config.dry_run.chip=H200", "--config.dry_run.num_devices=64", "--config.rl.logits_chunk_size=512"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "8.191B-parameter" in text and "fsdp=64" in text and "H200 (141 GiB HBM each)" in text
+    for row in ("params", "optimizer", "gradients", "activations", "loss", "total", "fits in HBM?"):
+        assert row in text
+    assert "not compiled" in text and "max_compile_params" in text  # says that it is analytic
+
+
+def test_qwen3_4b_and_8b_analytic_plans():
+    for name, preset in (("qwen3_4b_dapo", "qwen3_4b"), ("qwen3_8b_dapo", "qwen3_8b")):
+        config = _config(name)
+        report = dry_run.plan(config, mode="analytic", chip="v5p", num_devices=16)
+        a = report["analytic"]
+        n = count_params(dry_run.resolve_model_config(config))
+        assert report["num_params"] == n
+        assert report["model"] == get_preset(preset)
+        # fp32 params over fsdp = 16: all matrices split 16 ways, only the tiny norm vectors replicated.
+        assert n * 4 / 16 <= a["params"] <= n * 4 / 16 * 1.001
+        assert a["optimizer"] == 2 * a["params"]
+        # 256 sequences x 10240 tokens with full attention probabilities and no remat: does not fit.
+        assert a["activations"] > report["hbm_bytes"]
+        chunked = dry_run.plan(_with_chunk(config, 256), mode="analytic", chip="v5p", num_devices=16)["analytic"]
+        assert chunked["loss"] < a["loss"] / 10  # chunking bounds the loss buffers
+        assert "fits in HBM?" in dry_run.format_report(report)
+
+
+def _with_chunk(config, chunk):
+    c = config.copy_and_resolve_references()
+    c.rl.logits_chunk_size = chunk
+    return c
+
+
+def test_bad_chip_and_unknown_checkpoint_name():
+    config = _config("tiny")
+    with pytest.raises(ValueError, match="dry_run.chip"):
+        dry_run.plan(config, chip="A100", mode="analytic")
+    with pytest.raises(ValueError, match="dry_run.mode"):
+        dry_run.plan(config, mode="fast")
+    config.model.hf_path = "/nonexistent/MyModel"
+    with pytest.raises(ValueError, match="model.hf_path"):
+        dry_run.resolve_model_config(config)
