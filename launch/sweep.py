@@ -187,20 +187,46 @@ def _warmstart_groups(runs: list[dict], keys: tuple) -> dict:
     return groups
 
 
-def _run_one(cmd: list[str], logfile: str, env: dict, timeout_s: Optional[float]) -> int:
-    with open(logfile, "a") as f:
+def code_version(code_dir: str) -> str:
+    """``git rev-parse --short HEAD`` (+'+dirty') of `code_dir`, else the first line of ``<code_dir>/COMMIT``, else ""."""
+    try:
+        head = subprocess.run(["git", "-C", code_dir, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(["git", "-C", code_dir, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    marker = os.path.join(code_dir, "COMMIT")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return f.readline().strip()
+    return ""
+
+
+def _run_one(cmd: list[str], workdir: str, env: dict, timeout_s: Optional[float], code_dir: str) -> int:
+    with open(os.path.join(workdir, "sweep_run.json"), "a") as f:
+        f.write(json.dumps(dict(command=cmd, code_dir=code_dir, code_version=code_version(code_dir),
+                                started=time.strftime("%Y-%m-%d %H:%M:%S"))) + "\n")
+    with open(os.path.join(workdir, "train.log"), "a") as f:
         try:
-            return subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+            return subprocess.run(cmd, cwd=code_dir, env=env, stdout=f, stderr=subprocess.STDOUT,
                                   timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             return -9
 
 
 def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, compile_cache: Optional[str] = None,
-              timeout_s: Optional[float] = None, share_warmstart_by: Optional[tuple] = None, log=print) -> list[dict]:
+              timeout_s: Optional[float] = None, share_warmstart_by: Optional[tuple] = None,
+              code_dir: str = REPO, log=print) -> list[dict]:
     """Runs the grid points one after another (``python -m pdm_jax.train``), skipping finished ones.
 
-    Each run's stdout/stderr go to ``<out>/<name>/train.log``. Returns one dict
+    Each run's stdout/stderr go to ``<out>/<name>/train.log`` and its command
+    and code version (`code_version`) to ``<out>/<name>/sweep_run.json``. The
+    runs execute in `code_dir` (also prepended to PYTHONPATH): pass a pinned
+    copy of the code (e.g. ``git archive``) to keep a long sweep on one
+    version while the checkout moves on. Returns one dict
     per run ``{name, returncode, seconds, skipped}``; a failed run is reported
     and the sweep continues.
 
@@ -223,6 +249,9 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
         env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.abspath(compile_cache))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    code_dir = os.path.abspath(code_dir)
+    if code_dir != REPO:
+        env["PYTHONPATH"] = code_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     runs = list(runs)
     warm_dirs = {}
     if share_warmstart_by:
@@ -238,7 +267,7 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
             cmd = train_command(warm_run, wd, python=python)
             log(f"[warm start {tag}] {shlex.join(cmd)}")
             t0 = time.time()
-            rc = _run_one(cmd, os.path.join(wd, "train.log"), env, timeout_s)
+            rc = _run_one(cmd, wd, env, timeout_s, code_dir)
             log(f"    -> rc={rc} in {time.time() - t0:.0f}s")
     results = []
     for i, run in enumerate(runs):
@@ -254,12 +283,12 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
                 results.append(dict(name=run["name"], returncode=1, seconds=0.0, skipped=True))
                 continue
             shutil.copytree(warm, wd, ignore=shutil.ignore_patterns("summary.json", "curves.png", "train.log",
-                                                                    "tensorboard"))
+                                                                    "tensorboard", "sweep_run.json"))
         os.makedirs(wd, exist_ok=True)
         cmd = train_command(run, wd, python=python)
         log(f"[{i + 1}/{len(runs)}] {run['name']}: {shlex.join(cmd)}")
         t0 = time.time()
-        rc = _run_one(cmd, os.path.join(wd, "train.log"), env, timeout_s)
+        rc = _run_one(cmd, wd, env, timeout_s, code_dir)
         dt = time.time() - t0
         log(f"    -> rc={rc} in {dt:.0f}s")
         results.append(dict(name=run["name"], returncode=rc, seconds=dt, skipped=False))
@@ -423,6 +452,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile_cache", default=None,
                    help="persistent XLA compilation cache shared by the runs (default <out>/.xla_cache)")
     p.add_argument("--timeout_s", type=float, default=None, help="per-run wall-clock limit")
+    p.add_argument("--code_dir", default=REPO,
+                   help="directory the runs execute in (a pinned copy of the code); default: this checkout")
     p.add_argument("--no_shared_warmstart", action="store_true",
                    help="every run does its own warm start even if the sweep sets share_warmstart_by")
     args = p.parse_args(argv)
@@ -443,7 +474,7 @@ def main(argv=None) -> int:
         return 0
     if not args.aggregate_only:
         res = run_local(runs, args.out, compile_cache=args.compile_cache or os.path.join(args.out, ".xla_cache"),
-                        timeout_s=args.timeout_s,
+                        timeout_s=args.timeout_s, code_dir=args.code_dir,
                         share_warmstart_by=None if args.no_shared_warmstart else sweep["share_warmstart_by"])
         failed = [r["name"] for r in res if r["returncode"] != 0]
         if failed:

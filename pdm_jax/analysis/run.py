@@ -132,6 +132,21 @@ def load_seeds(out_dir: str) -> list:
     return out
 
 
+def _git_commit() -> str:
+    """HEAD of the checkout the package runs from ("" when not a git checkout); '+dirty' if files differ."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if head and dirty else "")
+
+
 def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs/tiny.py", arg: str = DEFAULT_ARG,
               overrides: Optional[str] = None, workdir_root: Optional[str] = None, isolated_tokens: int = 8,
               isolated_step: float = 1e-2, full_mu: bool = True, compile_cache: Optional[str] = None,
@@ -149,7 +164,7 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
     workdir_root = workdir_root or tempfile.mkdtemp(prefix="pdm_jax_analysis_")
     paths = []
     settings = dict(config=config_spec, arg=arg, overrides=overrides or "", isolated_tokens=isolated_tokens,
-                    isolated_step=isolated_step, full_mu=full_mu)
+                    isolated_step=isolated_step, full_mu=full_mu, git_commit=_git_commit())
     t_all = time.time()
     for i, seed in enumerate(seeds):
         path = os.path.join(seeds_dir, f"seed_{seed:03d}.json")
