@@ -51,6 +51,8 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--quantization", default="none", choices=("none", "bf16", "fp8"),
+                    help="JAX sampler weights/compute (none = f32, like the torch side)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (0 = torch default; 1 is torch's best case on a small, shared CPU: "
                          "its OpenMP workers spin-wait and collapse under contention)")
@@ -64,12 +66,13 @@ def main():
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     batches = [int(b) for b in args.batches.split(",")]
     long_tokens = 2 * args.new_tokens
-    engine = SamplingEngine(config, params, quantization="none", max_prompt_length=args.prompt_len,
+    engine = SamplingEngine(config, params, quantization=args.quantization, max_prompt_length=args.prompt_len,
                             max_new_tokens=long_tokens, max_batch_size=max(batches),
                             min_prompt_bucket=args.prompt_len)
     rng = np.random.default_rng(0)
     print(f"tiny Qwen3: V={args.vocab} D={h} L={args.layers} heads 4/2, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, f32, CPU x{os.cpu_count()}, jax {jax.__version__}")
+          f"{args.new_tokens} new tokens, jax sampler {args.quantization} (torch f32), CPU x{os.cpu_count()}, "
+          f"jax {jax.__version__}")
 
     def jax_run(b, new):
         prompts = rng.integers(0, args.vocab, size=(b, args.prompt_len)).tolist()

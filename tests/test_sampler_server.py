@@ -221,6 +221,14 @@ def test_weight_sync_versions_and_path_rules(setup):
     assert sp.client.health()["version"] == 1
 
 
+def test_restart_comes_back_with_its_flags(setup):
+    sp = setup["sp"]
+    old_port = sp.port
+    sp.restart()  # same flags: weights version 0 again, a fresh port
+    assert sp.alive() and sp.client.health()["version"] == 0
+    assert sp.port != old_port or sp.client.health()["status"] == "ok"
+
+
 def test_non_loopback_requires_token_and_startup_errors_are_clear(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--model_config=x", "--checkpoint_root=y", "--host=0.0.0.0"])

@@ -41,10 +41,11 @@ class SamplerClient:
       retries: extra attempts after the first on connection errors, timeouts, 5xx.
       backoff_s: first backoff; doubles per retry.
       token: shared bearer token when the server was started with ``--token``.
+      transport: optional ``httpx`` transport (tests: ``httpx.MockTransport``).
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5,
-                 token: Optional[str] = None):
+                 token: Optional[str] = None, transport=None):
         import httpx
 
         if retries < 0 or timeout_s <= 0 or backoff_s < 0:
@@ -55,7 +56,7 @@ class SamplerClient:
         headers = {"accept": wire.MSGPACK}
         if token:
             headers["authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers, transport=transport)
 
     def close(self) -> None:
         """Closes the connection pool."""

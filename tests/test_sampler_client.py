@@ -1,0 +1,87 @@
+"""SamplerClient retry/backoff/error behaviour against a mock transport (no server, no JAX)."""
+import time
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+
+from pdm_jax.sampler import wire
+from pdm_jax.sampler.client import SamplerClient, SamplerError, SamplerRequestError
+
+
+def _mp(obj, status=200):
+    return httpx.Response(status, content=wire.dumps(obj, msgpack=True), headers={"content-type": wire.MSGPACK})
+
+
+def _choice(i, toks, k):
+    t = len(toks)
+    return {"index": i, "prompt_index": i // 2, "token_ids": np.array(toks, np.int32),
+            "logprobs": np.full(t, -0.5, np.float32),
+            "top_logprobs": {"ids": np.tile(np.arange(k, dtype=np.int32), (t, 1)),
+                             "logprobs": np.full((t, k), -1.0, np.float32)},
+            "finish_reason": "stop" if t == 2 else "length", "weights_version": 4}
+
+
+def test_retries_5xx_then_succeeds_and_resends_the_same_seed():
+    seen = []
+
+    def handler(request):
+        body = msgpack.unpackb(request.content)
+        seen.append(body)
+        if len(seen) < 3:
+            return httpx.Response(503, text="busy")
+        choices = [_choice(i, [5, 6, 7][: 2 + i % 2], 3) for i in range(4)]
+        return _mp({"object": "text_completion", "weights_version": 4, "choices": choices})
+
+    c = SamplerClient("http://sampler", retries=3, backoff_s=0.01, transport=httpx.MockTransport(handler))
+    t0 = time.perf_counter()
+    b = c.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, temperature=0.7)
+    assert time.perf_counter() - t0 >= 0.01 + 0.02  # exponential backoff: 0.01, 0.02
+    assert len(seen) == 3 and len({s["seed"] for s in seen}) == 1 and seen[0]["seed"] is not None
+    assert seen[0]["prompt"] == [[1, 2], [3]] and seen[0]["logprobs"] == 3 and seen[0]["max_tokens"] == 3
+    assert b.num_sequences == 4 and b.top_k == 3
+    np.testing.assert_array_equal(b.completion_mask.sum(1), [2, 3, 2, 3])
+    np.testing.assert_array_equal(b.group_ids, [0, 0, 1, 1])
+    np.testing.assert_array_equal(b.prompt_ids[2], [0, 3])
+    assert list(b.finish_reason) == ["stop", "length", "stop", "length"] and set(b.weights_version) == {4}
+    np.testing.assert_array_equal(b.behavior_logprobs[0], [-0.5, -0.5, 0.0])
+
+
+def test_4xx_is_not_retried_and_names_the_field():
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        return httpx.Response(422, json={"error": {"message": "n: must be >= 1", "field": "n"}})
+
+    c = SamplerClient("http://sampler", retries=3, backoff_s=0.01, transport=httpx.MockTransport(handler))
+    with pytest.raises(SamplerRequestError) as e:
+        c.load_weights("weights/1", 1)
+    assert len(calls) == 1 and e.value.status == 422 and e.value.field == "n" and "n:" in str(e.value)
+
+
+def test_connection_errors_exhaust_retries():
+    calls = []
+
+    def handler(request):
+        calls.append(1)
+        raise httpx.ConnectError("refused", request=request)
+
+    c = SamplerClient("http://sampler", retries=2, backoff_s=0.0, transport=httpx.MockTransport(handler))
+    with pytest.raises(SamplerError, match="3 attempt"):
+        c.health()
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="retries"):
+        SamplerClient("http://x", retries=-1)
+
+
+def test_wire_json_nonfinite_and_array_roundtrip():
+    a = np.array([[0.5, -np.inf], [1.0, 2.0]], np.float32)
+    j = wire.loads(wire.dumps({"x": a}, msgpack=False), msgpack=False)
+    assert j["x"] == [[0.5, None], [1.0, 2.0]]
+    np.testing.assert_array_equal(wire.float_list(j["x"]), a)
+    m = wire.loads(wire.dumps({"x": a, "i": np.arange(3, dtype=np.int32)}, msgpack=True), msgpack=True)
+    np.testing.assert_array_equal(m["x"], a) and np.testing.assert_array_equal(m["i"], [0, 1, 2])
+    with pytest.raises(ValueError, match="malformed"):
+        wire.loads(b"{", msgpack=False)
