@@ -17,7 +17,9 @@ Per method: compile once (ahead of time), read the compiled temporary memory
 ``compiled.memory_analysis().temp_size_in_bytes`` (buffers XLA allocates besides
 the arguments and outputs), then time ``--repeats`` calls (``block_until_ready``),
 interleaving the methods round by round so a load spike on a shared machine
-hits all of them alike, and report the median. Ratios are to ``dppo_topk_kl``.
+hits all of them alike, and report the median and minimum wall time and the
+median process CPU time (all threads; the steadiest figure on a shared machine,
+where wall time also counts waiting for a core). Ratios are to ``dppo_topk_kl``.
 
 Reproduce (CPU, from the repository root):
 
@@ -136,7 +138,7 @@ def run(args) -> list[dict]:
             raise SystemExit(f"{name}: non-finite loss or gradient")
         compiled[name] = c
         rows[name] = dict(
-            method=name, compile_s=compile_s, times_s=[],
+            method=name, compile_s=compile_s, times_s=[], cpu_times_s=[],
             temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else None,
             loss=float(loss), frac_masked=float(stats.get("frac_masked", 0.0)),
         )
@@ -144,17 +146,22 @@ def run(args) -> list[dict]:
 
     for _ in range(args.repeats):
         for name, c in compiled.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(c(logits, batch))
             rows[name]["times_s"].append(time.perf_counter() - t0)
+            rows[name]["cpu_times_s"].append(time.process_time() - c0)
 
     for row in rows.values():
         row["median_s"] = statistics.median(row["times_s"])
+        row["min_s"] = min(row["times_s"])
+        row["cpu_median_s"] = statistics.median(row["cpu_times_s"])
     base = rows.get(BASELINE)
     out = []
     for name, row in rows.items():
         if base is not None:
             row["time_ratio"] = row["median_s"] / base["median_s"]
+            row["min_time_ratio"] = row["min_s"] / base["min_s"]
+            row["cpu_ratio"] = row["cpu_median_s"] / base["cpu_median_s"]
             row["mem_ratio"] = (row["temp_bytes"] / base["temp_bytes"]
                                 if row["temp_bytes"] is not None and base["temp_bytes"] else None)
         out.append(row)
@@ -166,13 +173,16 @@ def format_table(rows: list[dict], args) -> str:
             f"logits={args.dtype}, delta={args.delta}, {args.repeats} timed runs (median), "
             f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus, {platform.machine()})")
     lines = [head, "",
-             "| method | time (ms) | time / DPPO | temp memory (MiB) | memory / DPPO | compile (s) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| method | wall median (ms) | / DPPO | wall min (ms) | / DPPO | CPU time median (ms) | / DPPO "
+             "| temp memory (MiB) | / DPPO | compile (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ratio = lambda r, key: f"{r[key]:.2f}x" if r.get(key) is not None else "-"  # noqa: E731
     for r in rows:
         mem = "n/a" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
-        tr = f"{r['time_ratio']:.2f}x" if "time_ratio" in r else "-"
-        mr = f"{r['mem_ratio']:.2f}x" if r.get("mem_ratio") is not None else "-"
-        lines.append(f"| {r['method']} | {1e3 * r['median_s']:.1f} | {tr} | {mem} | {mr} | {r['compile_s']:.1f} |")
+        lines.append(f"| {r['method']} | {1e3 * r['median_s']:.1f} | {ratio(r, 'time_ratio')} "
+                     f"| {1e3 * r['min_s']:.1f} | {ratio(r, 'min_time_ratio')} "
+                     f"| {1e3 * r['cpu_median_s']:.1f} | {ratio(r, 'cpu_ratio')} "
+                     f"| {mem} | {ratio(r, 'mem_ratio')} | {r['compile_s']:.1f} |")
     return "\n".join(lines)
 
 
