@@ -369,16 +369,19 @@ def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
 def format_report(report: dict) -> str:
     """A human-readable memory table of :func:`plan`'s report (GiB per device vs the chip's HBM)."""
     s, m, hbm = report["shape"], report["mesh"], report["hbm_bytes"]
-    g = lambda x: f"{x / GIB:10.3f}"  # noqa: E731
+    unit, scale = ("GiB", GIB) if report["analytic"]["total"] >= GIB else ("MiB", 2 ** 20)
+    g = lambda x: f"{x / scale:10.3f}"  # noqa: E731
+    n = report["num_params"]
+    size = f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     lines = [
-        f"dry run: {report['num_params'] / 1e9:.3f}B-parameter Qwen3 (V={report['model'].vocab_size}, "
+        f"dry run: {size}-parameter Qwen3 (V={report['model'].vocab_size}, "
         f"L={report['model'].num_hidden_layers}, D={report['model'].hidden_size}), "
         f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} on {math.prod(m.values())} x {report['chip']} "
         f"({hbm / GIB:.0f} GiB HBM each)",
         f"step: {s.batch} sequences x ({s.prompt_len} prompt + {s.completion_len} completion) tokens, K={s.top_k}, "
         f"logits_chunk_size={s.logits_chunk_size or 'off'}",
         "",
-        "ANALYTIC estimate, per device        GiB",
+        f"ANALYTIC estimate, per device        {unit}",
     ]
     for k in ("params", "optimizer", "gradients", "gathered", "activations", "loss", "batch", "total"):
         lines.append(f"  {k:<30}{g(report['analytic'][k])}")
@@ -386,7 +389,7 @@ def format_report(report: dict) -> str:
     lines.append(f"  {'fits in HBM?':<30}{'yes' if a_total <= hbm else 'NO':>10}  ({100 * a_total / hbm:.0f}% of HBM)")
     c = report["compiled"]
     if c is not None:
-        lines += ["", f"COMPILED (XLA CPU memory_analysis, {c['compile_seconds']:.0f} s), per device   GiB"]
+        lines += ["", f"COMPILED (XLA CPU memory_analysis, {c['compile_seconds']:.0f} s), per device   {unit}"]
         for k in ("argument", "output", "alias", "temp", "total"):
             lines.append(f"  {k:<30}{g(c[k])}")
         lines.append(f"  {'fits in HBM?':<30}{'yes' if c['total'] <= hbm else 'NO':>10}  "
