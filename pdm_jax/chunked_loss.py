@@ -179,9 +179,12 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_r
                                                   x["behavior_lp"])
         return out
 
-    # Rematerialise each chunk in the backward pass: only h and the per-token inputs are saved.
-    chunk = jax.checkpoint(chunk, policy=jax.checkpoint_policies.nothing_saveable)
-    _, ys = jax.lax.scan(lambda carry, x: (carry, chunk(x)), None, xs)
+    if n == 1:  # one chunk covers T: a scan with remat would only add a recomputation
+        ys = jax.tree.map(lambda y: y[None], chunk(jax.tree.map(lambda x: x[0], xs)))
+    else:
+        # Rematerialise each chunk in the backward pass: only h and the per-token inputs are saved.
+        chunk = jax.checkpoint(chunk, policy=jax.checkpoint_policies.nothing_saveable)
+        _, ys = jax.lax.scan(lambda carry, x: (carry, chunk(x)), None, xs)
 
     def from_chunks(y_NxBxc):
         y = jnp.moveaxis(y_NxBxc, 0, 1).reshape((b, n * c) + y_NxBxc.shape[3:])
