@@ -102,6 +102,29 @@ DETERMINISTIC_KEYS = ("reward", "loss", "frac_masked", "frac_outside", "mean_div
                       "response_length", "mean_tail_mass")
 
 
+def _sampler_pids(workdir):
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "pdm_jax.sampler.server" in cmd and str(workdir) in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+def _assert_no_sampler_left(workdir, timeout_s=20.0):
+    import time
+
+    deadline = time.time() + timeout_s
+    while _sampler_pids(workdir) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _sampler_pids(workdir), "sampler subprocess outlived its SIGKILLed trainer"
+
+
 def _rl_records(workdir):
     recs = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if line.strip()]
     return {r["step"]: r for r in recs if r["phase"] == "rl"}
@@ -128,6 +151,7 @@ def test_cli_end_to_end_then_resume_after_sigkill(tmp_path):
     killed = tmp_path / "killed"
     r = _run_cli(killed, SMALL + ["--config.debug.kill_after_rl_step=2"])
     assert r.returncode == -9, (r.returncode, r.stderr[-3000:])
+    _assert_no_sampler_left(killed)  # the orphaned sampler notices its parent is gone and exits
     r = _run_cli(killed, SMALL)
     assert r.returncode == 0, r.stderr[-4000:]
     got = _rl_records(killed)

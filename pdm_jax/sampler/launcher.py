@@ -149,7 +149,8 @@ def start_sampler_server(*, model_config: str, weights: Optional[str], version: 
     argv = [sys.executable, "-m", "pdm_jax.sampler.server", f"--model_config={model_config}",
             f"--version={int(version)}", f"--quantization={quantization}", f"--checkpoint_root={checkpoint_root}",
             f"--host={host}", f"--port={int(port)}", f"--max_prompt_length={int(max_prompt_length)}",
-            f"--max_new_tokens={int(max_new_tokens)}", f"--max_batch_size={int(max_batch_size)}"]
+            f"--max_new_tokens={int(max_new_tokens)}", f"--max_batch_size={int(max_batch_size)}",
+            f"--parent_pid={os.getpid()}"]  # the server exits if this process dies (even by SIGKILL)
     if weights:
         argv.append(f"--weights={weights}")
     if max_body_bytes is not None:

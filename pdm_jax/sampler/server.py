@@ -69,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_body_bytes", type=int, default=8 << 20)
     p.add_argument("--init_seed", type=int, default=0, help="seed of the random init when --weights is omitted")
     p.add_argument("--log_level", default="warning")
+    p.add_argument("--parent_pid", type=int, default=0,
+                   help="exit when this process (the trainer that launched us) is gone; 0 = never")
     args = p.parse_args(argv)
     if not is_loopback(args.host) and not args.token:
         p.error(f"--host={args.host} is not a loopback address: a shared --token is required")
@@ -257,6 +259,25 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
     return app
 
 
+def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """Starts a daemon thread that ends this process once `parent_pid` is no longer our parent.
+
+    A trainer killed with SIGKILL cannot stop its sampler; without this the
+    sampler would live on as an orphan holding memory and a port.
+    """
+    import threading
+    import time
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                logging.getLogger(__name__).warning("parent %d is gone; sampler exiting", parent_pid)
+                os._exit(0)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
 def main(argv=None) -> None:
     """Entry point: parse flags, build the engine, bind, write the port file, serve."""
     args = parse_args(argv)
@@ -267,6 +288,8 @@ def main(argv=None) -> None:
     from pdm_jax.sampler import weights as wts
     from pdm_jax.sampler.engine import SamplingEngine
 
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
     config = load_model_config(args.model_config)
     if args.weights:
         params = wts.load_weights(args.weights, config, version=args.version)
