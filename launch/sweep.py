@@ -242,6 +242,7 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
     """
     import shutil
 
+    out = os.path.abspath(out)  # the runs execute in code_dir
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ)
     if compile_cache:
@@ -434,6 +435,54 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
     return dict(rows=rows, groups=group_rows, markdown=md)
 
 
+def plot_sweep(runs: list[dict], out: str, seed_key: str = "seed", smooth: int = 5) -> Optional[str]:
+    """``<out>/sweep_curves.png``: per group (grid point without the seed), the seed-mean training reward
+    (moving average over `smooth` steps) and held-out accuracy against the RL step. Returns the path or None."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    groups: dict = {}
+    for run in runs:
+        recs = _read_jsonl(os.path.join(out, run["name"], "metrics.jsonl"))
+        if not os.path.exists(os.path.join(out, run["name"], "summary.json")) or not recs:
+            continue
+        key = tuple((k, v) for k, v in run["point"].items() if k != seed_key)
+        groups.setdefault(key, []).append(recs)
+    if not groups:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key, members in groups.items():
+        label = ", ".join(f"{k}={v}" for k, v in key)
+        steps = sorted({r["step"] for recs in members for r in recs if r.get("phase") == "rl"})
+        rew = np.array([[next((r["reward"] for r in recs if r.get("phase") == "rl" and r["step"] == s), np.nan)
+                         for s in steps] for recs in members])
+        mean = np.nanmean(rew, axis=0)
+        if smooth > 1 and len(mean) >= smooth:
+            mean = np.convolve(mean, np.ones(smooth) / smooth, mode="valid")
+            xs = steps[smooth - 1:]
+        else:
+            xs = steps
+        line, = axes[0].plot(xs, mean, label=label, lw=1.2)
+        esteps = sorted({r["step"] for recs in members for r in recs if r.get("phase") == "eval"})
+        acc = np.array([[next((r["eval_accuracy"] for r in recs if r.get("phase") == "eval" and r["step"] == s),
+                              np.nan) for s in esteps] for recs in members])
+        axes[1].plot(esteps, np.nanmean(acc, axis=0), marker="o", color=line.get_color(), lw=1.2, label=label)
+    axes[0].set_title(f"training reward (seed mean, {smooth}-step moving average)", fontsize=10)
+    axes[1].set_title("held-out accuracy (avg@k, seed mean)", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "sweep_curves.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # ----------------------------------------------------------------------------- CLI
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -480,6 +529,7 @@ def main(argv=None) -> int:
         if failed:
             print(f"{len(failed)} run(s) failed: {failed}", file=sys.stderr)
     table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]))
+    plot_sweep(runs, args.out)
     print(table["markdown"])
     return 0
 

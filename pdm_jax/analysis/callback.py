@@ -20,6 +20,8 @@ After the step it recomputes π with the new parameters on the same batch and
 the same μ and records ΔD_t = D_t(after) − D_t(before) for every token
 outside the region (Â ≠ 0). Nothing here touches the trainer's state, RNG or
 data stream; the no-op-on-training property is tested (tests/test_analysis.py).
+Meant for small models on one process: it copies each mini-batch and its
+``[B,T,V]`` logits to the host.
 """
 
 from __future__ import annotations
@@ -191,6 +193,9 @@ class AlignmentCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ hooks
     def before_update(self, trainer, rl_step, batch, state) -> None:
+        if jax.process_count() > 1:
+            raise RuntimeError("AlignmentCallback reads whole batches on the host: single-process runs only "
+                               f"(jax.process_count() = {jax.process_count()})")
         tau = float(trainer.config.rl.temperature)
         if rl_step != self._last_rl_step:
             # The parameters at the first optimizer step of RL step s are weights version s - 1.

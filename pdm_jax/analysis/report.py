@@ -103,6 +103,27 @@ def verdict(summary: dict, criterion: str) -> str:
             f"(paper {100 * paper_dc:+.1f} pts) — {judge(dc, +1)}.")
 
 
+def headline(summary: dict, label: str = "real optimizer step") -> str:
+    """One sentence: does the paper's direction (predictive lower unsafe-keep, higher corrective) hold, by how much."""
+    paper_du = 100 * (PAPER["unsafe_keep"]["predictive"] - PAPER["unsafe_keep"]["ratio"])
+    paper_dc = 100 * (PAPER["corrective"]["predictive"] - PAPER["corrective"]["ratio"])
+    parts = []
+    for metric, want, paper in (("unsafe_keep", -1, paper_du), ("corrective", +1, paper_dc)):
+        diffs = [summary[c]["diff_vs_ratio"][metric] for c in al.ESTIMATORS + (al.ORACLE,)
+                 if c in summary and "diff_vs_ratio" in summary[c]]
+        ms = [100 * d[0] for d in diffs if math.isfinite(d[0])]
+        if not ms:
+            continue
+        sig = [d for d in diffs if math.isfinite(d[1]) and abs(d[0]) > d[1]]
+        agree = all(m * want > 0 for m in ms)
+        oppose = all(m * want < 0 for m in ms)
+        word = "agrees with" if agree else ("goes against" if oppose else "is mixed relative to")
+        parts.append(f"{metric.replace('_', '-')} {word} the paper's direction "
+                     f"({min(ms):+.1f} to {max(ms):+.1f} pts across estimators vs the paper's {paper:+.1f} pts; "
+                     f"{len(sig)} of {len(diffs)} significant at 95%)")
+    return f"On the {label}, predictive minus ratio: " + "; ".join(parts) + "."
+
+
 # ----------------------------------------------------------------------------- figures
 def _plt():
     import matplotlib
@@ -113,42 +134,87 @@ def _plt():
     return plt
 
 
+_SHORT = {"ratio": "ratio", "aggregated_tail": "aggregated", "uniform_tail": "uniform", "bucket_exact": "bucket exact",
+          "full": "full μ"}
+_COLORS = {"ratio": "#999999", "aggregated_tail": "#4c72b0", "uniform_tail": "#55a868", "bucket_exact": "#c44e52",
+           "full": "#8172b2"}
+
+
 def figure_paper_vs_ours(summary: dict, iso_summary: Optional[dict], path: str) -> None:
-    """Bars: unsafe-keep and corrective rates, paper (ratio vs predictive) beside ours (every criterion)."""
+    """Bars: unsafe-keep and corrective rates, paper (ratio vs predictive) beside ours (every criterion),
+    for the real optimizer step and the isolated step (mean ± 95% CI over seeds)."""
     plt = _plt()
     crits = [c for c in al.CRITERIA + (al.ORACLE,) if c in summary]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     for ax, metric, title in zip(axes, ("unsafe_keep", "corrective"),
                                  ("unsafe-keep  P(kept | D increased)  ↓", "corrective  P(kept | D decreased)  ↑")):
-        xs, labels = [], []
-        x = 0
-        ax.bar([x, x + 1], [PAPER[metric]["ratio"], PAPER[metric]["predictive"]], color=["#999999", "#4c72b0"],
-               hatch="//", edgecolor="white")
-        labels += ["paper\nratio", "paper\npredictive"]
-        xs += [x, x + 1]
-        x += 2.6
-        for src, summ, hatch in (("ours", summary, None), ("isolated", iso_summary, "..")):
+        xs, labels, clusters = [], [], []
+        ax.bar([0, 1], [PAPER[metric]["ratio"], PAPER[metric]["predictive"]],
+               color=[_COLORS["ratio"], _COLORS["aggregated_tail"]], hatch="//", edgecolor="white")
+        xs += [0, 1]
+        labels += ["ratio", "predictive"]
+        clusters.append((0.5, f"paper\n({PAPER['seeds']} seeds)"))
+        x = 2.8
+        for src, summ, hatch in (("real step", summary, None), ("isolated step", iso_summary, "..")):
             if not summ:
                 continue
+            x0 = x
             for c in crits:
                 if c not in summ:
                     continue
                 m, ci, _ = summ[c][metric]
-                color = "#999999" if c == "ratio" else {"aggregated_tail": "#4c72b0", "uniform_tail": "#55a868",
-                                                         "bucket_exact": "#c44e52", "full": "#8172b2"}[c]
-                ax.bar([x], [m], yerr=[ci if math.isfinite(ci) else 0], color=color, hatch=hatch, capsize=3,
+                ax.bar([x], [m], yerr=[ci if math.isfinite(ci) else 0], color=_COLORS[c], hatch=hatch, capsize=3,
                        edgecolor="white")
-                labels.append(f"{src}\n{c.replace('_tail', '').replace('_', ' ')}")
+                labels.append(_SHORT[c])
                 xs.append(x)
                 x += 1
-            x += 0.6
+            clusters.append(((x0 + x - 1) / 2, f"ours, {src}\n({summ['_totals']['seeds']} seeds)"))
+            x += 0.8
         ax.set_xticks(xs)
-        ax.set_xticklabels(labels, fontsize=7, rotation=0)
-        ax.set_ylim(0, 1)
-        ax.set_title(title, fontsize=10)
+        ax.set_xticklabels(labels, fontsize=7, rotation=45, ha="right")
+        for cx, text in clusters:
+            ax.text(cx, 1.02, text, ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(0, 1.12)
+        ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+        ax.set_title(title, fontsize=10, pad=4)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"Paper ({PAPER['seeds']} seeds) vs ours ({summary['_totals']['seeds']} seeds; mean ± 95% CI)",
-                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure_differences(summaries: dict, path: str) -> None:
+    """Paired per-seed differences (criterion − ratio) in percentage points with 95% CIs, beside the paper's.
+
+    summaries: label -> `summarize` output (e.g. {"real step": ..., "isolated step": ...}).
+    """
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, metric, title in zip(axes, ("unsafe_keep", "corrective"),
+                                 ("Δ unsafe-keep vs ratio (pts, lower = better)",
+                                  "Δ corrective vs ratio (pts, higher = better)")):
+        paper = 100 * (PAPER[metric]["predictive"] - PAPER[metric]["ratio"])
+        ax.axhline(0, color="k", lw=0.8)
+        ax.scatter([0], [paper], marker="*", s=160, color="C3", zorder=3)
+        xs, labels = [0], ["paper"]
+        x = 1.5
+        for label, summ in summaries.items():
+            if not summ:
+                continue
+            for c in al.ESTIMATORS + (al.ORACLE,):
+                if c not in summ or "diff_vs_ratio" not in summ[c]:
+                    continue
+                m, ci, _ = summ[c]["diff_vs_ratio"][metric]
+                ax.errorbar([x], [100 * m], yerr=[100 * ci if math.isfinite(ci) else 0], fmt="o", capsize=4,
+                            color=_COLORS[c])
+                xs.append(x)
+                labels.append(f"{_SHORT[c]}\n{label}")
+                x += 1
+            x += 0.5
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=6.5, rotation=45, ha="right")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -237,6 +303,7 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
             fidelity = al.add_fidelity_counts(fidelity, {k: (v if k == "bins" else np.asarray(v))
                                                          for k, v in s["fidelity"].items()})
     figure_paper_vs_ours(summary, iso_summary, os.path.join(out_dir, "paper_vs_ours.png"))
+    figure_differences({"real step": summary, "isolated": iso_summary}, os.path.join(out_dir, "differences.png"))
     figure_paired(per_seed, os.path.join(out_dir, "per_seed_aggregated_tail.png"), "aggregated_tail")
     figure_paired(per_seed, os.path.join(out_dir, "per_seed_bucket_exact.png"), "bucket_exact")
     if fidelity is not None:
@@ -257,7 +324,22 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
     md = [f"# {title}", "",
           f"Generated by `python -m pdm_jax.analysis` from {len(seeds)} seeds "
           f"(seeds {min(s['seed'] for s in seeds)}–{max(s['seed'] for s in seeds)}).", "",
-          "## Verdict", ""]
+          "## Verdict", "", f"**{headline(summary)}**", ""]
+    if iso_summary:
+        md += [f"**{headline(iso_summary, 'isolated step')}**", ""]
+    def kept_frac(c):
+        return al.mean_ci95([(p["counts"][c]["kept_increase"] + p["counts"][c]["kept_decrease"])
+                             / max(p["counts"]["n_increase"] + p["counts"]["n_decrease"], 1)
+                             for p in per_seed if c in p["counts"] and p["counts"]["n"] > 0])
+
+    if "bucket_exact" in summary:
+        md += [f"Kept fraction of the analysed out-of-region tokens (real step): ratio {_pct(kept_frac('ratio'))}, "
+               + ", ".join(f"{_SHORT[c]} {_pct(kept_frac(c))}" for c in al.ESTIMATORS + (al.ORACLE,)
+                           if c in summary)
+               + f". On the disagreement set ({_pct(summary['bucket_exact']['disagreement_frac'])} of the tokens for "
+               f"bucket exact) the predictive decision is the right one {_pct(summary['bucket_exact']['right_on_disagreement'])} "
+               "of the time (50% = no better than the ratio test).", ""]
+    md += ["Per criterion (real optimizer step):", ""]
     for c in ("aggregated_tail", "bucket_exact", "uniform_tail", "full"):
         if c in summary:
             md.append(f"- {verdict(summary, c)}")
@@ -304,6 +386,8 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
         md.append(f"| ours, {LABELS[c]} | {_pct(summary['ratio']['unsafe_keep'])} → {_pct(summary[c]['unsafe_keep'])} "
                   f"| {_pct(summary['ratio']['corrective'])} → {_pct(summary[c]['corrective'])} | {t['seeds']} |")
     md += ["", "![paper vs ours](paper_vs_ours.png)", "",
+           "Paired differences (criterion − ratio, per seed, then mean ± 95% CI over seeds; the star is the paper):",
+           "", "![differences](differences.png)", "",
            "## Real optimizer step (mean ± 95% CI over seeds)", ""] + _table(summary, crits)
     md += ["", "Per-seed pairs (each point one seed; below the diagonal = predictive keeps fewer unsafe tokens, "
            "above = more corrective ones):", "",
