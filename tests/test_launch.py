@@ -137,6 +137,31 @@ def test_local_runner_shares_the_warm_start(tmp_path):
     # A second invocation skips finished runs.
     res = sweep.run_local(runs, out, python=str(fake), share_warmstart_by=("seed",), log=lambda *_: None)
     assert all(r["skipped"] for r in res)
+    meta = json.loads(open(os.path.join(out, runs[0]["name"], "sweep_run.json")).read().splitlines()[-1])
+    assert meta["code_dir"] == REPO and meta["command"][0] == str(fake)
+
+
+def test_local_runner_pinned_code_dir_with_relative_out(tmp_path, monkeypatch):
+    """Runs execute in code_dir, but a relative --out still means relative to where the sweep was started."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; esac; done\n"
+                    "mkdir -p \"$wd\"; pwd > \"$wd/cwd.txt\"; echo \"$PYTHONPATH\" > \"$wd/pp.txt\"\n"
+                    "echo '{\"final_accuracy\": 0.2}' > \"$wd/summary.json\"\n")
+    fake.chmod(0o755)
+    code = tmp_path / "pinned"
+    code.mkdir()
+    (code / "COMMIT").write_text("abc1234\n")
+    start = tmp_path / "start"
+    start.mkdir()
+    monkeypatch.chdir(start)
+    runs = sweep.expand(sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0])])))
+    sweep.run_local(runs, "rel_out", python=str(fake), code_dir=str(code), log=lambda *_: None)
+    wd = start / "rel_out" / runs[0]["name"]
+    assert (wd / "summary.json").exists()
+    assert (wd / "cwd.txt").read_text().strip() == str(code)
+    assert (wd / "pp.txt").read_text().strip().split(os.pathsep)[0] == str(code)
+    assert json.loads((wd / "sweep_run.json").read_text())["code_version"] == "abc1234"
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
