@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pdm_jax import objectives, trust_region
+from pdm_jax.train_step import rl_metrics
 
 _F32 = jnp.float32
 
@@ -88,11 +89,6 @@ def _combine_stats(stats_N: dict) -> dict:
             raise ValueError(f"chunked loss: cannot recombine the trust-region statistic {key!r} "
                              "(expected a num_/frac_/mean_ prefix)")
     return out
-
-
-def _masked_mean(x, m):
-    m = m.astype(_F32)
-    return jnp.sum(jnp.where(m > 0, x, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_region.TrustRegionConfig,
@@ -220,16 +216,6 @@ def make_chunked_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, lo
         loss_sum, denom = objectives.aggregate_loss(per_token, valid, loss_config.loss_aggregation,
                                                     max_response_length=loss_config.max_response_length)
         loss = loss_sum / denom
-        log_ratio = jnp.where(valid, logprobs - batch["behavior_logprobs"], 0.0)
-        aux = dict(tr_stats)
-        aux["mean_topk_kl"] = tr_stats["mean_divergence"] if topk_kl is None else _masked_mean(topk_kl, valid)
-        aux.update(
-            entropy=_masked_mean(entropy, valid),
-            mean_ratio=_masked_mean(jnp.exp(jnp.clip(log_ratio, -20.0, 20.0)), valid),
-            mean_abs_log_ratio=_masked_mean(jnp.abs(log_ratio), valid),
-            kl_to_ref=_masked_mean(kl, valid),
-            policy_loss=loss,
-        )
-        return loss, aux
+        return loss, rl_metrics(loss, tr_stats, valid, logprobs, batch["behavior_logprobs"], entropy, kl, topk_kl)
 
     return loss_fn

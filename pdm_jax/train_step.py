@@ -132,6 +132,27 @@ def _masked_mean(x, m):
     return jnp.sum(jnp.where(m > 0, x, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def rl_metrics(loss, tr_stats, valid, logprobs, behavior_logprobs, entropy, kl_to_ref, topk_kl=None) -> dict:
+    """The RL step's metrics (f32 scalars, means over valid tokens), shared by the plain and chunked losses.
+
+    Args: `tr_stats` from the trust-region mask; valid [B,T] bool; logprobs and
+    behavior_logprobs [B,T] (log pi(y_t), log mu(y_t)); entropy and kl_to_ref
+    [B,T]; topk_kl [B,T] or None when the configured divergence already is the
+    top-K KL (then `mean_topk_kl` = tr_stats["mean_divergence"]).
+    """
+    log_ratio = jnp.where(valid, logprobs - behavior_logprobs, 0.0)
+    aux = dict(tr_stats)
+    aux["mean_topk_kl"] = tr_stats["mean_divergence"] if topk_kl is None else _masked_mean(topk_kl, valid)
+    aux.update(
+        entropy=_masked_mean(entropy, valid),
+        mean_ratio=_masked_mean(jnp.exp(jnp.clip(log_ratio, -20.0, 20.0)), valid),
+        mean_abs_log_ratio=_masked_mean(jnp.abs(log_ratio), valid),
+        kl_to_ref=_masked_mean(kl_to_ref, valid),
+        policy_loss=loss,
+    )
+    return aux
+
+
 def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: PolicyLossConfig):
     """Returns loss_fn(params, batch) -> (loss, aux) for the GRPO policy update.
 
@@ -178,38 +199,33 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
             per_token, valid, loss_config.loss_aggregation,
             max_response_length=loss_config.max_response_length)
         loss = loss_sum / denom
-        log_ratio = jnp.where(valid, logprobs - batch["behavior_logprobs"], 0.0)
-        aux = dict(tr_stats)
-        if tr_config.divergence == "topk_kl" and tr_config.mask in ("dppo", "pdm"):
-            aux["mean_topk_kl"] = tr_stats["mean_divergence"]
-        else:  # always report the top-K KL, whatever the configured proximity test
-            kl_topk = trust_region.topk_kl(jax.lax.stop_gradient(logits), tokens, batch["topk_ids"],
+        topk_kl = None
+        if not (tr_config.divergence == "topk_kl" and tr_config.mask in ("dppo", "pdm")):
+            # always report the top-K KL, whatever the configured proximity test
+            topk_kl = trust_region.topk_kl(jax.lax.stop_gradient(logits), tokens, batch["topk_ids"],
                                            batch["topk_logprobs"], batch["behavior_logprobs"])
-            aux["mean_topk_kl"] = _masked_mean(kl_topk, valid)
-        aux.update(
-            entropy=_masked_mean(_entropy(jax.lax.stop_gradient(logits)), valid),
-            mean_ratio=_masked_mean(jnp.exp(jnp.clip(log_ratio, -20.0, 20.0)), valid),
-            mean_abs_log_ratio=_masked_mean(jnp.abs(log_ratio), valid),
-            kl_to_ref=_masked_mean(kl, valid),
-            policy_loss=loss,
-        )
-        return loss, aux
+        return loss, rl_metrics(loss, tr_stats, valid, logprobs, batch["behavior_logprobs"],
+                                _entropy(jax.lax.stop_gradient(logits)), kl, topk_kl)
 
     return loss_fn
 
 
 def make_rl_train_step(graphdef, tx, tr_config, loss_config) -> Callable:
     """Returns the pure `train_step(state, batch) -> (state, metrics)` for RL (not yet jitted)."""
-    loss_fn = make_rl_loss(graphdef, tr_config, loss_config)
+    return _gradient_step(make_rl_loss(graphdef, tr_config, loss_config), tx)
 
-    def train_step(state: TrainState, batch):
+
+def _gradient_step(loss_fn, tx) -> Callable:
+    """One optax step on `loss_fn(params, batch) -> (loss, aux)`; metrics = aux + loss + grad_norm."""
+
+    def step(state: TrainState, batch):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(aux, loss=loss, grad_norm=optax.global_norm(grads))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return train_step
+    return step
 
 
 def make_sft_train_step(graphdef, tx) -> Callable:
@@ -229,14 +245,7 @@ def make_sft_train_step(graphdef, tx) -> Callable:
         correct = jnp.argmax(logits, axis=-1) == batch["completion_ids"]
         return nll, dict(token_accuracy=_masked_mean(correct.astype(jnp.float32), valid))
 
-    def sft_step(state: TrainState, batch):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = dict(aux, loss=loss, grad_norm=optax.global_norm(grads))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-    return sft_step
+    return _gradient_step(loss_fn, tx)
 
 
 def make_logprob_fn(graphdef, temperature: float) -> Callable:
