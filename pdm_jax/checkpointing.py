@@ -3,7 +3,10 @@
 A checkpoint is one orbax `CheckpointManager` step with two items:
 ``state`` (the `TrainState` pytree: step, params, optax state; StandardSave)
 and ``meta`` (JSON: phase, RL step, data position, sampler weights version,
-RNG key data, accuracies so far). `--workdir` resumes from the latest one.
+the run's seed, warm-start accuracies, wall time so far). The RNG state is the
+pair (seed, RL step): every random draw of the loop (rollout sampling seeds,
+mini-batch permutations) is derived from it, so a resumed run draws exactly
+what the uninterrupted run would have. `--workdir` resumes from the latest one.
 """
 
 from __future__ import annotations
