@@ -210,16 +210,23 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
         if leaf not in node:
             raise ValueError(f"config argument {key!r}: unknown field {path!r}")
         current = node[leaf]
-        if isinstance(current, bool):
-            value = raw.lower() in ("1", "true", "yes")
-        elif isinstance(current, int):
-            value = int(raw)
-        elif isinstance(current, float):
-            value = float(raw)
-        elif current is None:
-            value = float(raw)
-        else:
-            value = raw
+        try:
+            if isinstance(current, bool):
+                spelled = raw.strip().lower()
+                if spelled in ("1", "true", "yes"):
+                    value = True
+                elif spelled in ("0", "false", "no"):
+                    value = False
+                else:
+                    raise ValueError("expected true/false, yes/no or 1/0")
+            elif isinstance(current, int):
+                value = int(raw)
+            elif isinstance(current, float) or current is None:
+                value = float(raw)
+            else:
+                value = raw
+        except ValueError as e:
+            raise ValueError(f"config argument {key!r}: cannot set {path} = {raw!r} ({e})") from None
         node[leaf] = value
     return config
 

@@ -175,6 +175,8 @@ class RolloutBatch:
 
 def _as(x, dtype, name, ndim):
     a = np.asarray(x)
+    if a.dtype.kind not in "biuf":
+        raise ValueError(f"RolloutBatch.{name} must be numeric, got dtype {a.dtype}")
     if a.ndim != ndim:
         raise ValueError(f"RolloutBatch.{name} must have {ndim} dimensions, got shape {a.shape}")
     if dtype is bool:
@@ -187,5 +189,9 @@ def _as(x, dtype, name, ndim):
         if not np.issubdtype(a.dtype, np.integer):
             if a.size and (not np.all(np.isfinite(a)) or not np.all(a == np.round(a))):
                 raise ValueError(f"RolloutBatch.{name} must hold integers, got dtype {a.dtype}")
+        info = np.iinfo(dtype)
+        if a.size and (a.min() < info.min or a.max() > info.max):
+            bad = a.max() if a.max() > info.max else a.min()
+            raise ValueError(f"RolloutBatch.{name} holds {bad}, outside the {np.dtype(dtype).name} range")
         return a.astype(dtype)
     return a.astype(dtype)

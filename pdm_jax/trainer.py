@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -97,7 +98,27 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     if vocab_size is not None:
         need(rl.top_k_logprobs <= vocab_size, "rl.top_k_logprobs", rl.top_k_logprobs,
              f"K is larger than the vocabulary size {vocab_size}")
-    need(rl.learning_rate > 0, "rl.learning_rate", rl.learning_rate, "must be > 0")
+    need(math.isfinite(rl.learning_rate) and rl.learning_rate > 0, "rl.learning_rate", rl.learning_rate,
+         "must be finite and > 0")
+    need(math.isfinite(config.sft.learning_rate) and config.sft.learning_rate > 0, "sft.learning_rate",
+         config.sft.learning_rate, "must be finite and > 0")
+    for name in ("adam_b1", "adam_b2"):
+        value = rl[name]
+        need(0.0 <= value < 1.0, f"rl.{name}", value, "must be in [0, 1)")
+    need(rl.weight_decay >= 0, "rl.weight_decay", rl.weight_decay, "must be >= 0")
+    need(math.isfinite(rl.tis_cap) and rl.tis_cap > 0, "rl.tis_cap", rl.tis_cap, "C must be finite and > 0")
+    need(rl.kl_estimator in objectives.KL_KINDS, "rl.kl_estimator", rl.kl_estimator,
+         f"must be one of {objectives.KL_KINDS}")
+    need(math.isfinite(rl.temperature), "rl.temperature", rl.temperature, "must be finite")
+    for field in ("eval.every_steps", "checkpoint.every_steps", "checkpoint.max_to_keep", "sft.batch_size",
+                  "sampler.max_prompt_length", "sampler.max_batch_size"):
+        group, name = field.split(".")
+        need(config[group][name] >= 1, field, config[group][name], "must be >= 1")
+    if not config.model.hf_path and not config.model.preset:
+        context = config.sampler.max_prompt_length + rl.max_new_tokens
+        need(context <= config.model.max_position_embeddings, "rl.max_new_tokens", rl.max_new_tokens,
+             f"sampler.max_prompt_length + rl.max_new_tokens = {context} exceeds "
+             f"model.max_position_embeddings = {config.model.max_position_embeddings}")
     need(config.sampler.mode in SAMPLER_MODES, "sampler.mode", config.sampler.mode, f"must be one of {SAMPLER_MODES}")
     need(config.sampler.quantization in QUANTIZATIONS, "sampler.quantization", config.sampler.quantization,
          f"must be one of {QUANTIZATIONS}")
@@ -194,6 +215,11 @@ class Trainer:
         if self.eos_id is None:
             raise ValueError(f"tokenizer at {config.tokenizer.path or 'workdir/tokenizer'} has no eos_token")
         self.model_config, model = self._setup_model()
+        context = config.sampler.max_prompt_length + config.rl.max_new_tokens
+        if context > self.model_config.max_position_embeddings:
+            raise ValueError(f"rl.max_new_tokens = {config.rl.max_new_tokens}: sampler.max_prompt_length + "
+                             f"rl.max_new_tokens = {context} exceeds the model's max_position_embeddings = "
+                             f"{self.model_config.max_position_embeddings}")
         self.graphdef, params = nnx.split(model)
         self.mesh = self._setup_mesh()
         self._params_sharding = self._param_shardings(params)
