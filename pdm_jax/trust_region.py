@@ -601,6 +601,10 @@ class TrustRegionConfig:
     direction_stats: bool = True
 
     def __post_init__(self):
+        for name in ("delta", "delta_low", "delta_high", "clip_eps_low", "clip_eps_high"):
+            value = getattr(self, name)  # numpy scalars -> python floats (hashable, jit-static friendly)
+            if isinstance(value, (np.floating, np.integer)):
+                object.__setattr__(self, name, float(value))
         for name, allowed in (("mask", MASK_MODES), ("divergence", DIVERGENCES),
                               ("estimator", ESTIMATORS), ("nonfinite", NONFINITE_POLICIES)):
             value = getattr(self, name)
@@ -793,6 +797,8 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
     stats = {k: jax.lax.stop_gradient(v.astype(_F32)) for k, v in stats.items()}
 
     first_nonfinite = jnp.argmax(nonfinite.reshape(-1))
+    # 0 (and zero gradient) wherever the position is padding or was counted as non-finite.
+    logprobs = jnp.where(good, logprobs, 0.0)
     return mask, logprobs, stats, first_nonfinite
 
 

@@ -62,6 +62,7 @@ from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
 
+MIN_TEMPERATURE = 1e-3  # smallest positive sampling temperature (z / tau must stay finite in f32)
 MAX_SEED = 2**63 - 1
 
 
@@ -130,6 +131,9 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
     if not isinstance(temperature, (int, float, np.floating, np.integer)) or isinstance(temperature, bool) \
             or not math.isfinite(float(temperature)) or float(temperature) < 0:
         raise RequestError("temperature", f"must be a finite number >= 0, got {temperature!r}")
+    if 0 < float(temperature) < MIN_TEMPERATURE:
+        raise RequestError("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (logits / temperature "
+                                          f"overflows float32 below that), got {temperature!r}")
     if not isinstance(top_p, (int, float, np.floating, np.integer)) or not (0.0 < float(top_p) <= 1.0):
         raise RequestError("top_p", f"must be in (0, 1], got {top_p!r}")
     if not is_int(top_k) or top_k < 0:
