@@ -125,6 +125,14 @@ def to_hf_layout(value: np.ndarray, num_in_axes: int | None) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 
 
+def _safe_open(path: str):
+    """safetensors' safe_open, with a corrupt or truncated file reported as a ValueError naming it."""
+    try:
+        return safe_open(path, framework="numpy")
+    except Exception as e:  # safetensors raises its own SafetensorError (not a ValueError)
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+
+
 class _Checkpoint:
     """Name -> file index over a local HF directory; opens safetensors files lazily."""
 
@@ -143,7 +151,7 @@ class _Checkpoint:
                     raise ValueError(f"tensor {name!r}: shard file {fname!r} listed in "
                                      f"{INDEX_FILE} does not exist in {path}")
         elif os.path.exists(single_path):
-            with safe_open(single_path, framework="numpy") as f:
+            with _safe_open(single_path) as f:
                 self.weight_map = {k: SINGLE_FILE for k in f.keys()}
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
@@ -151,7 +159,7 @@ class _Checkpoint:
 
     def _open(self, fname: str):
         if fname not in self._handles:
-            self._handles[fname] = safe_open(os.path.join(self.path, fname), framework="numpy")
+            self._handles[fname] = _safe_open(os.path.join(self.path, fname))
         return self._handles[fname]
 
     def slice(self, name: str):
@@ -201,7 +209,13 @@ def load_config(path: str) -> Qwen3Config:
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
     with open(cfg_path) as f:
-        return Qwen3Config.from_hf_dict(json.load(f))
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object, got {type(d).__name__}")
+    return Qwen3Config.from_hf_dict(d)
 
 
 def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,

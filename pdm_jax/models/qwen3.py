@@ -156,14 +156,20 @@ class Qwen3Config:
         for name in required:
             if name not in d:
                 raise ValueError(f"HF config is missing required field {name!r}")
+        for name in ("hidden_size", "num_attention_heads"):
+            if not isinstance(d[name], int) or isinstance(d[name], bool) or d[name] < 1:
+                raise ValueError(f"HF config field {name!r} must be a positive integer, got {d[name]!r}")
         num_kv = d.get("num_key_value_heads") or d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ValueError(f"HF config field 'tie_word_embeddings' must be a JSON boolean, got {tie!r}")
         kwargs: dict[str, Any] = dict(
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"], num_key_value_heads=num_kv,
             head_dim=head_dim,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)))
+            tie_word_embeddings=tie)
         if "rms_norm_eps" in d:
             kwargs["rms_norm_eps"] = float(d["rms_norm_eps"])
         if rope_theta is not None:
