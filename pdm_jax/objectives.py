@@ -266,8 +266,10 @@ def tis_policy_loss(
     adv = _sanitize(_broadcast_advantages(advantages, shape), mask)
     log_ratio = jnp.minimum(logp - behavior_logp, math.log(tis_cap))
     truncated_ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))
-    loss = -adv * truncated_ratio * logp
-    return jnp.where(mask, loss, 0.0)
+    # pi(y) = 0 gives min(r, C) = 0: the token contributes 0 (not -A * 0 * -inf = NaN).
+    live = mask & (truncated_ratio > 0)
+    loss = -adv * truncated_ratio * jnp.where(live, logp, 0.0)
+    return jnp.where(live, loss, 0.0)
 
 
 def ppo_clip_policy_loss(

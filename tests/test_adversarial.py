@@ -355,15 +355,13 @@ def test_tis_loss_with_minus_inf_behavior_is_capped():
     np.testing.assert_allclose(loss, [[5.0, 1.0]], rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: objectives.group_advantages overflows in the f32 group mean: "
+@pytest.mark.xfail(strict=True, reason="known limitation (not fixed): objectives.group_advantages overflows in the f32 group mean: "
                    "finite rewards (+-3e38) give -inf advantages silently")
 def test_group_advantages_finite_for_huge_finite_rewards():
     adv = objectives.group_advantages(np.array([3e38, 3e38, -3e38, 3e38], np.float32), 4)
     assert np.isfinite(np.asarray(adv)).all()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: objectives.tis_policy_loss gives NaN (-A * 0 * -inf) at a kept "
-                   "position with log pi(y) = -inf; min(r, C) = 0 there, so the loss should be 0")
 def test_tis_loss_finite_for_zero_policy_probability():
     lp = jnp.array([[-jnp.inf, -1.0]])
     loss = objectives.tis_policy_loss(lp, jnp.full((1, 2), -1.2), jnp.ones(1), jnp.ones((1, 2), bool),
