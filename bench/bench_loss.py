@@ -19,7 +19,9 @@ the arguments and outputs), then time ``--repeats`` calls (``block_until_ready``
 interleaving the methods round by round so a load spike on a shared machine
 hits all of them alike, and report the median and minimum wall time and the
 median process CPU time (all threads; the steadiest figure on a shared machine,
-where wall time also counts waiting for a core). Ratios are to ``dppo_topk_kl``.
+where wall time also counts waiting for a core), plus XLA's static cost model
+of each compiled program (bytes accessed, transcendentals, flops: deterministic
+proxies that do not depend on the load). Ratios are to ``dppo_topk_kl``.
 
 Reproduce (CPU, from the repository root):
 
@@ -45,6 +47,8 @@ import numpy as np
 from pdm_jax import objectives, trust_region
 
 BASELINE = "dppo_topk_kl"
+#: XLA's static cost model of the compiled program (deterministic, unlike timings).
+_COST_KEYS = {"flops": "flops", "bytes_accessed": "bytes accessed", "transcendentals": "transcendentals"}
 
 
 def make_batch(batch: int, seq: int, vocab: int, topk: int, seed: int = 0, dtype=jnp.float32):
@@ -133,6 +137,8 @@ def run(args) -> list[dict]:
             continue
         compile_s = time.perf_counter() - t0
         mem = c.memory_analysis()
+        cost = c.cost_analysis()
+        cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
         (loss, stats), grad = jax.block_until_ready(c(logits, batch))  # warm-up run
         if not (np.isfinite(float(loss)) and bool(jnp.all(jnp.isfinite(grad)))):
             raise SystemExit(f"{name}: non-finite loss or gradient")
@@ -141,6 +147,7 @@ def run(args) -> list[dict]:
             method=name, compile_s=compile_s, times_s=[], cpu_times_s=[],
             temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else None,
             loss=float(loss), frac_masked=float(stats.get("frac_masked", 0.0)),
+            **{key: float(cost[name_]) for key, name_ in _COST_KEYS.items() if name_ in cost},
         )
         del grad
 
@@ -162,6 +169,9 @@ def run(args) -> list[dict]:
             row["time_ratio"] = row["median_s"] / base["median_s"]
             row["min_time_ratio"] = row["min_s"] / base["min_s"]
             row["cpu_ratio"] = row["cpu_median_s"] / base["cpu_median_s"]
+            for key in _COST_KEYS:
+                if row.get(key) is not None and base.get(key):
+                    row[f"{key}_ratio"] = row[key] / base[key]
             row["mem_ratio"] = (row["temp_bytes"] / base["temp_bytes"]
                                 if row["temp_bytes"] is not None and base["temp_bytes"] else None)
         out.append(row)
@@ -174,15 +184,17 @@ def format_table(rows: list[dict], args) -> str:
             f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus, {platform.machine()})")
     lines = [head, "",
              "| method | wall median (ms) | / DPPO | wall min (ms) | / DPPO | CPU time median (ms) | / DPPO "
-             "| temp memory (MiB) | / DPPO | compile (s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| temp memory (MiB) | / DPPO | XLA bytes accessed / DPPO | XLA transcendentals / DPPO "
+             "| XLA flops / DPPO | compile (s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ratio = lambda r, key: f"{r[key]:.2f}x" if r.get(key) is not None else "-"  # noqa: E731
     for r in rows:
         mem = "n/a" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
         lines.append(f"| {r['method']} | {1e3 * r['median_s']:.1f} | {ratio(r, 'time_ratio')} "
                      f"| {1e3 * r['min_s']:.1f} | {ratio(r, 'min_time_ratio')} "
                      f"| {1e3 * r['cpu_median_s']:.1f} | {ratio(r, 'cpu_ratio')} "
-                     f"| {mem} | {ratio(r, 'mem_ratio')} | {r['compile_s']:.1f} |")
+                     f"| {mem} | {ratio(r, 'mem_ratio')} | {ratio(r, 'bytes_accessed_ratio')} "
+                     f"| {ratio(r, 'transcendentals_ratio')} | {ratio(r, 'flops_ratio')} | {r['compile_s']:.1f} |")
     return "\n".join(lines)
 
 
