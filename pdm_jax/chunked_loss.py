@@ -158,12 +158,12 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_r
             per_token = objectives.ppo_clip_policy_loss(
                 logprobs, x["behavior_lp"], x["adv"], clip_eps_low=loss_config.clip_eps_low,
                 clip_eps_high=loss_config.clip_eps_high,
-                dual_clip=loss_config.dual_clip if loss_config.dual_clip else None)
+                dual_clip=loss_config.dual_clip if loss_config.dual_clip else None, mask=valid)
             if tr_config.mask != "ppo":  # the PPO mask is the clip itself (as in make_rl_loss)
                 per_token = jnp.where(mask, per_token, 0.0)
         kl = jnp.zeros_like(logprobs)
         if loss_config.kl_beta > 0:
-            kl = objectives.kl_penalty(logprobs, x["ref_lp"], kind=loss_config.kl_estimator)
+            kl = objectives.kl_penalty(logprobs, x["ref_lp"], kind=loss_config.kl_estimator, mask=valid)
             per_token = per_token + loss_config.kl_beta * kl
         per_token = jnp.where(valid, per_token, 0.0)
         logits_sg = jax.lax.stop_gradient(logits)
@@ -215,7 +215,7 @@ def make_chunked_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, lo
             h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
         loss_sum, denom = objectives.aggregate_loss(per_token, valid, loss_config.loss_aggregation,
                                                     max_response_length=loss_config.max_response_length)
-        loss = loss_sum / denom
+        loss = objectives.combine([loss_sum], [denom])  # 0, not NaN, for an all-padding batch
         return loss, rl_metrics(loss, tr_stats, valid, logprobs, batch["behavior_logprobs"], entropy, kl, topk_kl)
 
     return loss_fn

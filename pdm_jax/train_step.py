@@ -187,18 +187,18 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
             per_token = objectives.ppo_clip_policy_loss(
                 logprobs, batch["behavior_logprobs"], adv_B, clip_eps_low=loss_config.clip_eps_low,
                 clip_eps_high=loss_config.clip_eps_high,
-                dual_clip=loss_config.dual_clip if loss_config.dual_clip else None)
+                dual_clip=loss_config.dual_clip if loss_config.dual_clip else None, mask=valid)
             if tr_config.mask != "ppo":  # the PPO mask is the clip itself; keep the surrogate's value
                 per_token = jnp.where(mask, per_token, 0.0)
         kl = jnp.zeros_like(logprobs)
         if loss_config.kl_beta > 0:
-            kl = objectives.kl_penalty(logprobs, batch["ref_logprobs"], kind=loss_config.kl_estimator)
+            kl = objectives.kl_penalty(logprobs, batch["ref_logprobs"], kind=loss_config.kl_estimator, mask=valid)
             per_token = per_token + loss_config.kl_beta * kl
         per_token = jnp.where(valid, per_token, 0.0)
         loss_sum, denom = objectives.aggregate_loss(
             per_token, valid, loss_config.loss_aggregation,
             max_response_length=loss_config.max_response_length)
-        loss = loss_sum / denom
+        loss = objectives.combine([loss_sum], [denom])  # 0, not NaN, for an all-padding batch
         topk_kl = None
         if not (tr_config.divergence == "topk_kl" and tr_config.mask in ("dppo", "pdm")):
             # always report the top-K KL, whatever the configured proximity test
