@@ -24,7 +24,7 @@ def get_config(arg=None):
     c.rl.learning_rate = 1e-4
     c.rl.temperature = 1.0
     c.rl.max_new_tokens = 5  # answers are at most 4 characters + the stop token
-    c.rl.top_k_logprobs = 4  # K < V = 16, so the tail bucket is non-empty
+    c.rl.top_k_logprobs = 4  # K < V = 15, so the tail bucket is non-empty
     c.rl.num_minibatches = 2  # two optimizer steps per rollout batch: the second is off-policy
     c.trust_region.delta = 0.05
     c.eval.every_steps = 100

@@ -203,12 +203,14 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
         node = config
         parts = path.split(".")
         for p in parts[:-1]:
-            if p not in node:
-                raise ValueError(f"config argument {key!r}: unknown field {path!r}")
+            if p not in node or not hasattr(node[p], "keys"):
+                raise ValueError(f"config argument {key!r}: unknown field {path!r} "
+                                 f"(short names: {', '.join(sorted(ARG_ALIASES))}; or a dotted field path)")
             node = node[p]
         leaf = parts[-1]
         if leaf not in node:
-            raise ValueError(f"config argument {key!r}: unknown field {path!r}")
+            raise ValueError(f"config argument {key!r}: unknown field {path!r} "
+                             f"(short names: {', '.join(sorted(ARG_ALIASES))}; or a dotted field path)")
         current = node[leaf]
         try:
             if isinstance(current, bool):

@@ -12,8 +12,11 @@ import logging
 import os
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+# transformers warns on import that PyTorch is absent; it is optional here (tokenizers and configs only).
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
                                           lock_config=True)

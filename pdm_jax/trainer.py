@@ -134,6 +134,9 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     need(config.tokenizer.kind in ("char", "path"), "tokenizer.kind", config.tokenizer.kind, "must be 'char' or 'path'")
     if config.tokenizer.kind == "path":
         need(bool(config.tokenizer.path), "tokenizer.path", config.tokenizer.path, "required when tokenizer.kind = 'path'")
+    else:
+        need(not config.tokenizer.path, "tokenizer.path", config.tokenizer.path,
+             "is ignored when tokenizer.kind = 'char' (which builds its own); set tokenizer.kind=path to use it")
     ts.PolicyLossConfig(policy_loss=rl.policy_loss, tis_cap=rl.tis_cap, dual_clip=rl.dual_clip,
                         loss_aggregation=rl.loss_aggregation, kl_beta=rl.kl_beta, temperature=rl.temperature,
                         logits_chunk_size=int(rl.get("logits_chunk_size", 0)))
@@ -169,6 +172,17 @@ def rollout_to_arrays(rb: RolloutBatch, advantages: np.ndarray, prompt_len: int,
         topk_logprobs=_pad_to(rb.topk_logprobs, completion_len, 1),
         advantages=np.asarray(advantages, np.float32),
     )
+
+
+def _fmt(metrics: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+
+
+def _tqdm_kwargs() -> dict:
+    """Fewer progress-bar refreshes when stderr is a file (logs stay readable)."""
+    import sys
+
+    return {} if sys.stderr.isatty() else dict(mininterval=10.0)
 
 
 class SamplerFailure(RuntimeError):
@@ -559,6 +573,7 @@ class Trainer:
                 self.push_weights(self.params, 0)
                 meta["warmstart"] = self.evaluate(0)
                 writer.write(0, "eval", meta["warmstart"])
+                log.info("warm start evaluated: %s", _fmt(meta["warmstart"]))
                 meta["phase"] = "rl"
                 meta["sft_step"] = int(cfg.sft.steps)
                 state = self._make_state(self.params, rl_tx)
@@ -589,7 +604,7 @@ class Trainer:
         prompt_len = self._prompt_bucket([self.encode_prompt(e.prompt) for e in probe])
         completion_len = cfg.rl.max_new_tokens
         bs = cfg.sft.batch_size
-        bar = tqdm(range(cfg.sft.steps), desc="warm start (SFT)", disable=not cfg.log.progress)
+        bar = tqdm(range(cfg.sft.steps), desc="warm start (SFT)", disable=not cfg.log.progress, **_tqdm_kwargs())
         m = {}
         for step in bar:
             batch = self._put_batch(self._sft_batch(step * bs, bs, prompt_len, completion_len))
@@ -621,13 +636,20 @@ class Trainer:
             ref_params = jax.device_put(ref_params, self._params_sharding)
             ref_fn = jax.jit(ts.make_logprob_fn(self.graphdef, rl.temperature))
         version = meta["sampler_version"]
+        summary_path = os.path.join(self.workdir, "summary.json")
+        if meta["rl_step"] >= rl.steps and os.path.exists(summary_path):
+            log.info("all %d RL steps are done; summary in %s", rl.steps, summary_path)
+            with open(summary_path) as f:
+                return json.load(f)
         if not os.path.exists(self._weights_path(version)):
             self.push_weights(state.params, version)
         self._start_sampler(version)
+        log.info("sampler ready (%s, %s weights, version %d); %d GRPO steps to go", cfg.sampler.mode,
+                 cfg.sampler.quantization, version, rl.steps - meta["rl_step"])
         n_seq = rl.prompts_per_step * rl.group_size
         mb = n_seq // rl.num_minibatches
         bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
-                   initial=meta["rl_step"], total=rl.steps)
+                   initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
         producer = _RolloutProducer(self, meta["data_position"], meta["rl_step"], rl.steps)
         last_eval = {}
         try:
@@ -683,8 +705,8 @@ class Trainer:
                 )
                 if (step + 1) % cfg.eval.every_steps == 0 or step + 1 == rl.steps:
                     last_eval = self.evaluate(version)
-                    rec.update(last_eval)
                     writer.write(step + 1, "eval", last_eval)
+                    log.info("eval after RL step %d: %s", step + 1, _fmt(last_eval))
                 writer.write(step + 1, "rl", rec)
                 bar.set_postfix(reward=f"{rec['reward']:.2f}", masked=f"{rec['frac_masked']:.3f}",
                                 kl=f"{rec['mean_topk_kl']:.4f}")
