@@ -347,18 +347,16 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
            f"- Config: `{settings.get('config', '?')}:{settings.get('arg', '')}`"
            + (f" + `{settings['overrides']}`" if settings.get("overrides") else "")
            + (f" (code at commit `{settings['git_commit']}`)" if settings.get("git_commit") else "") + ".",
-           "- Each seed is an independent run (own model init, warm start, rollouts): tiny Qwen3 (d 128, 3 layers) "
-           "on reasoning-gym `chain_sum`, fp8-e4m3 sampler (in process), 4 mini-batches × 2 iterations per rollout "
-           "batch (8 optimizer steps, 7 of them off-policy), staleness 1, trained with the configured mask.",
-           f"- Trust region δ = {_delta_of(settings)} nats (top-K KL, K = 4, V = 16), smaller than the tiny default "
-           "δ = 0.05: with fp8 rollouts and lr 1e-4 almost no token leaves a 0.05 region within one rollout batch "
-           "(the tiny default run reports frac_outside ≈ 0 after the first steps).",
+           "- Each seed is an independent run (own model init, warm start, rollouts): " + _describe_config(settings),
+           f"- Trust region δ = {_delta_of(settings)} nats (top-K KL)"
+           + (", smaller than the tiny default δ = 0.05: with fp8 rollouts and lr 1e-4 almost no token leaves a "
+              "0.05 region within one rollout batch (the tiny default run reports frac_outside ≈ 0 after the first "
+              "steps)." if str(settings.get("config", "")).endswith("tiny.py") else "."),
            f"- Tokens: {n_valid} valid completion tokens seen by {len(steps)} optimizer steps; {n_out} outside the "
            f"region ({100 * n_out / max(n_valid, 1):.2f}%), {n_sel} of them with Â ≠ 0 analysed "
            f"({t['increase']} with D increased, {t['decrease']} decreased, {t['tie']} unchanged).",
            "- Realized change: ΔD_t = D_t(θ_after) − D_t(θ_before), recomputed on the same mini-batch with the same "
-           "μ (the batch's top-K and log μ(y_t)) after the actual AdamW update of the run. Training uses ONE mask "
-           f"(here `{_field_of(settings, 'mask', 'pdm')}`, estimator `{_field_of(settings, 'estimator', 'bucket_exact')}`); "
+           "μ (the batch's top-K and log μ(y_t)) after the actual AdamW update of the run. Training uses ONE mask (above); "
            "a token that mask drops moves only through the other tokens' gradients, so the real-step rates "
            "measure each criterion's decisions against the dynamics of that run. The isolated mode below removes "
            "this coupling.",
@@ -449,6 +447,30 @@ def _field_of(settings: dict, key: str, default: str = "?") -> str:
         if item.strip().startswith(key + "="):
             val = item.split("=", 1)[1]
     return val
+
+
+def _describe_config(settings: dict) -> str:
+    """A sentence with the run settings that matter here, read from the config the seeds ran with."""
+    try:
+        from pdm_jax.analysis.run import load_config
+        from pdm_jax.config import apply_arg
+
+        c = load_config(f"{settings['config']}:{settings.get('arg', '')}")
+        if settings.get("overrides"):
+            apply_arg(c, settings["overrides"])
+    except Exception as e:  # noqa: BLE001 - a report must still be written without the config file
+        return f"(config not readable here: {type(e).__name__})."
+    m, rl = c.model, c.rl
+    model = (f"Qwen3 from `{m.hf_path}`" if m.hf_path else
+             f"Qwen3 d {m.hidden_size}, {m.num_hidden_layers} layers (random init)")
+    ups = rl.num_minibatches * rl.num_iterations
+    return (f"{model}; data `{c.data.kind}`/`{c.data.task}`; {c.sft.steps} SFT steps × {c.sft.batch_size}; "
+            f"{rl.steps} GRPO steps of {rl.prompts_per_step} prompts × {rl.group_size} samples, lr "
+            f"{rl.learning_rate:g}; {c.sampler.quantization} sampler ({c.sampler.mode}); {rl.num_minibatches} "
+            f"mini-batches × {rl.num_iterations} iterations per rollout batch ({ups} optimizer steps, {ups - 1} of "
+            f"them off-policy); staleness {rl.max_staleness}; K = {rl.top_k_logprobs}; trained with mask "
+            f"`{c.trust_region.mask}`"
+            + (f" (estimator `{c.trust_region.estimator}`)" if c.trust_region.mask == "pdm" else "") + ".")
 
 
 def _delta_of(settings: dict) -> str:
