@@ -35,7 +35,7 @@ set -euo pipefail
 
 NAME="" PROJECT="" ZONE="" ACCEL="" VERSION="tpu-ubuntu2204-base"
 CONFIG="configs/tiny.py" WORKDIR="/tmp/pdm_run" RESULTS="" REPO="" BRANCH="main" INSTALL=""
-SPOT=0 KEEP=0 DRY=0
+SPOT=0 KEEP=0 DRY=0 TRAINED=0
 EXTRA=()
 CODE_DIR="pdm_jax_src"
 
@@ -98,8 +98,23 @@ remote() {  # remote WORKER COMMAND: ssh into the pod and run COMMAND on WORKER 
   run "${GC[@]}" ssh "$NAME" "${LOC[@]}" --worker="$1" --command="$2"
 }
 
+COPIED=0
+copy_results() {  # worker 0 holds metrics.jsonl, summary.json, curves.png, checkpoints
+  if [[ "$RESULTS" == gs://* ]]; then
+    remote 0 "gsutil -m cp -r $(sq "$WORKDIR") $(sq "$WORKDIR.log") $(sq "$RESULTS/")"
+  else
+    run "${GC[@]}" scp --recurse "$NAME:$WORKDIR" "$NAME:$WORKDIR.log" "$RESULTS/" "${LOC[@]}" --worker=0
+  fi
+  COPIED=1
+}
+
 cleanup() {
   local rc=$?
+  if [[ $DRY -eq 0 && -n "${TARBALL:-}" ]]; then rm -f "$TARBALL"; fi
+  if [[ $rc -ne 0 && $COPIED -eq 0 && $TRAINED -eq 1 ]]; then
+    echo "# failed (exit $rc): copying what worker 0 has before deleting"
+    copy_results || true
+  fi
   if [[ $KEEP -eq 0 ]]; then
     echo "# deleting TPU VM $NAME"
     run "${GC[@]}" delete "$NAME" "${LOC[@]}" --quiet || true
@@ -136,16 +151,13 @@ if [[ "$RESULTS" != gs://* ]]; then run mkdir -p "$RESULTS"; fi
 LOGFILE="/tmp/${NAME}_pod.log"
 [[ "$RESULTS" != gs://* ]] && LOGFILE="$RESULTS/pod.log"
 show "${GC[@]}" ssh "$NAME" "${LOC[@]}" --worker=all --command="$TRAIN"; printf ' 2>&1 | tee %s\n' "$(sq "$LOGFILE")"
+TRAINED=1  # from here on a failure still copies worker 0's workdir back
 if [[ $DRY -eq 0 ]]; then
   "${GC[@]}" ssh "$NAME" "${LOC[@]}" --worker=all --command="$TRAIN" 2>&1 | tee "$LOGFILE"
 fi
 
-# 5. results (worker 0 holds metrics.jsonl, summary.json, curves.png, checkpoints)
-if [[ "$RESULTS" == gs://* ]]; then
-  remote 0 "gsutil -m cp -r $(sq "$WORKDIR") $(sq "$WORKDIR.log") $(sq "$RESULTS/")"
-else
-  run "${GC[@]}" scp --recurse "$NAME:$WORKDIR" "$NAME:$WORKDIR.log" "$RESULTS/" "${LOC[@]}" --worker=0
-fi
+# 5. results (also attempted by the exit trap when training failed)
+copy_results
 
 # 6. delete (trap)
 echo "# done: results in $RESULTS"

@@ -218,3 +218,28 @@ def test_tpu_pod_dry_run_gcs_results_and_git_repo():
     assert "git clone --depth 1 --branch main https://example.com/r.git" in lines[1]
     assert "gsutil -m cp -r /tmp/pdm_run /tmp/pdm_run.log gs://bucket/run/" in lines[-1] and "--worker=0" in lines[-1]
     assert not any(" delete " in l for l in lines) and "--keep" in p.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None, reason="needs bash and git")
+def test_tpu_pod_failed_training_still_copies_results_and_deletes(tmp_path):
+    """A fake gcloud on PATH: the training ssh fails; the script copies worker 0's workdir, deletes the VM."""
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "bin" / "gcloud"
+    fake.parent.mkdir()
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f"echo \"$*\" >> {calls}\n"
+                    "case \"$*\" in *pdm_jax.train*) echo 'worker 0: Traceback' ; exit 3;; esac\n"
+                    "exit 0\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    results = tmp_path / "results"
+    p = subprocess.run(["bash", "launch/tpu_pod.sh", "--name=pdm-fail", "--project=p", "--zone=z",
+                        "--accelerator=v4-8", f"--results={results}"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 3
+    log = calls.read_text().splitlines()
+    verbs = [l.split()[3] for l in log]  # compute tpus tpu-vm <verb>
+    assert verbs == ["create", "scp", "ssh", "ssh", "ssh", "scp", "delete"]
+    assert "pdm_jax.train" in log[4] and "--recurse" in log[5] and "--worker=0" in log[5]
+    assert "worker 0: Traceback" in (results / "pod.log").read_text()
+    assert not os.path.exists("/tmp/pdm-fail_src.tar.gz")  # the code tarball is cleaned up
