@@ -63,7 +63,10 @@ def main(argv=None) -> int:
     from pdm_jax.analysis import report, run
 
     if args.cmd == "run":
-        seeds = _parse_seeds(args.seeds)
+        try:
+            seeds = _parse_seeds(args.seeds)
+        except ValueError as e:
+            r.error(str(e))
         t0 = time.time()
         run.run_seeds(seeds, args.out, config_spec=args.config, arg=args.arg, overrides=args.overrides or None,
                       isolated_tokens=args.isolated_tokens, isolated_step=args.isolated_step,
