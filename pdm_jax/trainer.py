@@ -611,7 +611,8 @@ class Trainer:
             state, m = step_fn(state, batch)
             if (step + 1) % 50 == 0 or step + 1 == cfg.sft.steps:
                 m = jax.device_get(m)
-                bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{float(m['token_accuracy']):.3f}")
+                bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{float(m['token_accuracy']):.3f}",
+                                refresh=False)
                 writer.write(step + 1, "sft", m)
         self.params = state.params
 
@@ -709,7 +710,7 @@ class Trainer:
                     log.info("eval after RL step %d: %s", step + 1, _fmt(last_eval))
                 writer.write(step + 1, "rl", rec)
                 bar.set_postfix(reward=f"{rec['reward']:.2f}", masked=f"{rec['frac_masked']:.3f}",
-                                kl=f"{rec['mean_topk_kl']:.4f}")
+                                kl=f"{rec['mean_topk_kl']:.4f}", refresh=False)
                 if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == rl.steps:
                     self._checkpoint(state, meta)
                 self._fault_injection(step + 1)
