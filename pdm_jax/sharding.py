@@ -278,6 +278,7 @@ def activation_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Me
 
 
 def active_rules() -> Rules:
+    """The logical-axis rules in force (set by `use_rules` / `activation_sharding`)."""
     return _ACTIVE_RULES.get()
 
 

