@@ -222,7 +222,7 @@ def _gradient_step(loss_fn, tx) -> Callable:
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(aux, loss=loss, grad_norm=optax.global_norm(grads))
+        metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step
