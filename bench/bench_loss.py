@@ -32,7 +32,6 @@ Reproduce (CPU, from the repository root):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform

@@ -33,7 +33,6 @@ import os
 import re
 from typing import Optional
 
-import numpy as np
 
 #: HBM per chip in GiB (vendor datasheets: TPU v4 32, v5e 16, v5p 95, v6e Trillium 32; H100 SXM 80; H200 141).
 CHIP_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "H100": 80, "H200": 141}

@@ -27,7 +27,6 @@ import os
 import shutil
 import signal
 import threading
-import queue
 import time
 from typing import Optional
 
@@ -306,11 +305,6 @@ class Trainer:
         from pdm_jax.sharding import param_shardings
 
         return param_shardings(params, self.mesh)
-
-    def _batch_sharding(self):
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        return NamedSharding(self.mesh, P(("data", "fsdp")))
 
     def _put_batch(self, arrays: dict) -> dict:
         # Rows split over ("data", "fsdp"); with several processes each feeds only the rows its

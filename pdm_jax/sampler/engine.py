@@ -51,7 +51,7 @@ import os
 import secrets
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
