@@ -532,29 +532,7 @@ class Qwen3ForCausalLM(nnx.Module):
         Returns:
           logits: [B, T, V] float32.
         """
-        input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
-        if input_ids_BxT.ndim != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {input_ids_BxT.shape}")
-        B, T = input_ids_BxT.shape
-        if attention_mask is not None and jnp.shape(attention_mask) != (B, T):
-            raise ValueError(
-                f"attention_mask must have shape {(B, T)}, got {jnp.shape(attention_mask)}")
-        if positions is None:
-            positions_BxT = default_positions(input_ids_BxT, attention_mask)
-        else:
-            positions_BxT = jnp.asarray(positions, jnp.int32)
-        if positions_BxT.shape != (B, T):
-            raise ValueError(f"positions must have shape {(B, T)}, got {positions_BxT.shape}")
-        causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
-        if attention_mask is None:
-            mask_BxTxS = jnp.broadcast_to(causal_TxS, (B, T, T))
-        else:
-            key_mask_BxT = jnp.asarray(attention_mask).astype(bool)
-            mask_BxTxS = causal_TxS[None] & key_mask_BxT[:, None, :]
-        x_BxTxD = self._embed(input_ids_BxT)
-        for layer in self.layers:
-            x_BxTxD, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS)
-        return self._logits(x_BxTxD)
+        return self.logits_from_hidden(self.hidden_states(input_ids, positions, attention_mask))
 
     def hidden_states(self, input_ids: Array, positions: Array | None = None,
                       attention_mask: Array | None = None) -> Array:
