@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pdm_jax import objectives, trust_region
-from pdm_jax.train_step import rl_metrics
+from pdm_jax.train_step import per_token_policy_loss, rl_metrics
 
 _F32 = jnp.float32
 
@@ -151,21 +151,8 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_r
         valid = x["valid"]
         mask, logprobs, stats = trust_region.trust_region_mask_and_logprobs(
             logits, x["tokens"], x["topk_ids"], x["topk_lp"], x["behavior_lp"], x["adv"], valid, tr_config)
-        if loss_config.policy_loss == "tis":
-            per_token = objectives.tis_policy_loss(logprobs, x["behavior_lp"], x["adv"], mask,
-                                                   tis_cap=loss_config.tis_cap)
-        else:
-            per_token = objectives.ppo_clip_policy_loss(
-                logprobs, x["behavior_lp"], x["adv"], clip_eps_low=loss_config.clip_eps_low,
-                clip_eps_high=loss_config.clip_eps_high,
-                dual_clip=loss_config.dual_clip if loss_config.dual_clip else None, mask=valid)
-            if tr_config.mask != "ppo":  # the PPO mask is the clip itself (as in make_rl_loss)
-                per_token = jnp.where(mask, per_token, 0.0)
-        kl = jnp.zeros_like(logprobs)
-        if loss_config.kl_beta > 0:
-            kl = objectives.kl_penalty(logprobs, x["ref_lp"], kind=loss_config.kl_estimator, mask=valid)
-            per_token = per_token + loss_config.kl_beta * kl
-        per_token = jnp.where(valid, per_token, 0.0)
+        per_token, kl = per_token_policy_loss(logprobs, x["behavior_lp"], x["adv"], mask, valid,
+                                              x.get("ref_lp"), tr_config, loss_config)
         logits_sg = jax.lax.stop_gradient(logits)
         logp_sg = jax.nn.log_softmax(logits_sg, axis=-1)
         entropy = -jnp.sum(jnp.exp(logp_sg) * logp_sg, axis=-1)

@@ -132,6 +132,31 @@ def _masked_mean(x, m):
     return jnp.sum(jnp.where(m > 0, x, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, ref_logprobs,
+                          tr_config, loss_config: "PolicyLossConfig"):
+    """Per-token RL loss [B,T] (0 on padding) and KL-to-reference [B,T]; shared by the plain and chunked losses.
+
+    Truncated IS -A sg(min(r,C)) M log pi, or the PPO clipped surrogate (multiplied by
+    the mask unless the mask is PPO's own clip), plus kl_beta * KL(pi || pi_ref).
+    `ref_logprobs` is only read when kl_beta > 0.
+    """
+    if loss_config.policy_loss == "tis":
+        per_token = objectives.tis_policy_loss(logprobs, behavior_logprobs, advantages, mask,
+                                               tis_cap=loss_config.tis_cap)
+    else:
+        per_token = objectives.ppo_clip_policy_loss(
+            logprobs, behavior_logprobs, advantages, clip_eps_low=loss_config.clip_eps_low,
+            clip_eps_high=loss_config.clip_eps_high,
+            dual_clip=loss_config.dual_clip if loss_config.dual_clip else None, mask=valid)
+        if tr_config.mask != "ppo":  # the PPO mask is the clip itself; keep the surrogate's value
+            per_token = jnp.where(mask, per_token, 0.0)
+    kl = jnp.zeros_like(logprobs)
+    if loss_config.kl_beta > 0:
+        kl = objectives.kl_penalty(logprobs, ref_logprobs, kind=loss_config.kl_estimator, mask=valid)
+        per_token = per_token + loss_config.kl_beta * kl
+    return jnp.where(valid, per_token, 0.0), kl
+
+
 def rl_metrics(loss, tr_stats, valid, logprobs, behavior_logprobs, entropy, kl_to_ref, topk_kl=None) -> dict:
     """The RL step's metrics (f32 scalars, means over valid tokens), shared by the plain and chunked losses.
 
@@ -180,21 +205,8 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
         mask, logprobs, tr_stats = trust_region.trust_region_mask_and_logprobs(
             logits, tokens, batch["topk_ids"], batch["topk_logprobs"],
             batch["behavior_logprobs"], adv_B, valid, tr_config)
-        if loss_config.policy_loss == "tis":
-            per_token = objectives.tis_policy_loss(
-                logprobs, batch["behavior_logprobs"], adv_B, mask, tis_cap=loss_config.tis_cap)
-        else:
-            per_token = objectives.ppo_clip_policy_loss(
-                logprobs, batch["behavior_logprobs"], adv_B, clip_eps_low=loss_config.clip_eps_low,
-                clip_eps_high=loss_config.clip_eps_high,
-                dual_clip=loss_config.dual_clip if loss_config.dual_clip else None, mask=valid)
-            if tr_config.mask != "ppo":  # the PPO mask is the clip itself; keep the surrogate's value
-                per_token = jnp.where(mask, per_token, 0.0)
-        kl = jnp.zeros_like(logprobs)
-        if loss_config.kl_beta > 0:
-            kl = objectives.kl_penalty(logprobs, batch["ref_logprobs"], kind=loss_config.kl_estimator, mask=valid)
-            per_token = per_token + loss_config.kl_beta * kl
-        per_token = jnp.where(valid, per_token, 0.0)
+        per_token, kl = per_token_policy_loss(logprobs, batch["behavior_logprobs"], adv_B, mask, valid,
+                                              batch.get("ref_logprobs"), tr_config, loss_config)
         loss_sum, denom = objectives.aggregate_loss(
             per_token, valid, loss_config.loss_aggregation,
             max_response_length=loss_config.max_response_length)
