@@ -245,11 +245,20 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
     return model
 
 
-def kv_cache_spec(rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None,
-                  shape: Sequence[int] | None = None) -> PartitionSpec:
-    """PartitionSpec of a KV cache array [L, B, S, K, H] (layers, batch, length, kv_heads, head_dim)."""
-    return logical_to_spec(("layers", "batch", "length", "kv_heads", "head_dim"), rules, mesh,
-                           shape)
+KV_CACHE_K_AXES = ("batch", "kv_heads", "head_dim", "length")
+KV_CACHE_V_AXES = ("batch", "kv_heads", "length", "head_dim")
+
+
+def kv_cache_specs(cache, rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None):
+    """PartitionSpecs of a ``pdm_jax.models.qwen3.KVCache``, as a pytree of the same structure.
+
+    Per layer, keys [B, K, H, S] get logical axes ``KV_CACHE_K_AXES`` and values
+    [B, K, S, H] ``KV_CACHE_V_AXES``; with ``mesh``, axes that do not divide are replicated
+    (as in ``logical_to_spec``).
+    """
+    return type(cache)(
+        k=tuple(logical_to_spec(KV_CACHE_K_AXES, rules, mesh, k.shape) for k in cache.k),
+        v=tuple(logical_to_spec(KV_CACHE_V_AXES, rules, mesh, v.shape) for v in cache.v))
 
 
 # --------------------------------------------------------------------------------------

@@ -143,7 +143,9 @@ def test_decode_matches_full_forward(tied):
     kv_mask = np.zeros((3, max_len), bool)
     kv_mask[:, :P] = mask[:, :P]
     cache = model.init_cache(3, max_len)
-    assert isinstance(cache, KVCache) and cache.k.shape == (2, 3, max_len, 2, 8)
+    assert isinstance(cache, KVCache) and cache.max_length == max_len
+    assert [k.shape for k in cache.k] == [(3, 2, 8, max_len)] * 2  # [B, K, H, S] per layer
+    assert [v.shape for v in cache.v] == [(3, 2, max_len, 8)] * 2  # [B, K, S, H] per layer
     logits, cache = step(state, ids[:, :P], positions[:, :P], cache, jnp.int32(0), kv_mask)
     real = mask[:, :P]
     np.testing.assert_allclose(np.asarray(logits)[real], full[:, :P][real], atol=2e-5)
@@ -164,7 +166,8 @@ def test_chunked_prefill_and_stale_slots():
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
     full = np.asarray(forward(model, ids, positions=positions, attention_mask=mask))
     cache = model.init_cache(2, 12)
-    cache = KVCache(k=cache.k + 5.0, v=cache.v - 3.0)  # stale values everywhere
+    cache = KVCache(k=tuple(k + 5.0 for k in cache.k),
+                    v=tuple(v - 3.0 for v in cache.v))  # stale values everywhere
     kv_mask = np.zeros((2, 12), bool)
     kv_mask[:, :9] = mask
     graphdef, state = nnx.split(model)
@@ -314,3 +317,19 @@ def test_count_params_closed_form():
 def test_get_preset_unknown():
     with pytest.raises(ValueError, match="qwen3_8b"):
         presets.get_preset("qwen3_7b")
+
+
+def test_kv_cache_grow_keeps_slots_and_appends_zeros():
+    model = _scaled_model(TINY, seed=7)
+    cache = model.init_cache(2, 4)
+    cache = jax.tree.map(lambda x: x + 1.0, cache)
+    grown = cache.grow(3)
+    assert grown.max_length == 7 and grown.num_layers == cache.num_layers
+    for old, new in zip(cache.k, grown.k):
+        np.testing.assert_array_equal(np.asarray(new[..., :4]), np.asarray(old))
+        assert not np.asarray(new[..., 4:]).any()
+    for old, new in zip(cache.v, grown.v):
+        np.testing.assert_array_equal(np.asarray(new[:, :, :4]), np.asarray(old))
+        assert not np.asarray(new[:, :, 4:]).any()
+    with pytest.raises(ValueError, match="extra"):
+        cache.grow(-1)

@@ -130,14 +130,18 @@ def test_sharded_decode_matches_unsharded(model, mesh):
     want, _ = dec(state, ids, pos, model.init_cache(4, 8), jnp.int32(0), kv_mask)
     s_state = jax.device_put(state, shd.param_shardings(state, mesh))
     cache = model.init_cache(4, 8)
-    cache_sharding = jax.sharding.NamedSharding(
-        mesh, shd.kv_cache_spec(mesh=mesh, shape=cache.k.shape))
-    assert cache_sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
-    cache = jax.device_put(cache, cache_sharding)
+    specs = shd.kv_cache_specs(cache, mesh=mesh)
+    assert specs.k[0] == P(("data", "fsdp"), "tensor", None, None)
+    assert specs.v[0] == P(("data", "fsdp"), "tensor", None, None)
+    cache = jax.device_put(
+        cache, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, P)))
     with shd.activation_sharding(mesh):
         got, new_cache = dec(s_state, ids, pos, cache, jnp.int32(0), kv_mask)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
-    assert new_cache.k.shape == cache.k.shape
+    assert jax.tree.map(jnp.shape, new_cache) == jax.tree.map(jnp.shape, cache)
+    assert new_cache.k[0].sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh, specs.k[0]), 4)  # the cache stays sharded
 
 
 def test_constrain_is_noop_without_mesh():

@@ -16,8 +16,10 @@ compiles once.  Prefill runs the whole (left-padded) prompt through
 token on CPU), writing token t's key/value at slot ``P + t`` and stopping as soon
 as every row has finished (stop token or its ``max_new_tokens``).  The cache
 grows in doubling segments (``P + 64``, ``P + 128``, ... slots; one while-loop
-per segment) so that attention costs track the live context length: the cost
-per token stays near constant (``bench/bench_sampler.py``).
+per segment) so that attention costs track the live context length, and keeps
+one key and one value array per layer in the layouts the decode matmuls read
+(``models.qwen3.KVCache``), so a step reads the cache in place and never copies
+it: the cost per token stays near constant (``bench/bench_sampler.py``).
 
 Sampling (per row, per token):
 
@@ -265,7 +267,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     for end in ends:
         if end > prev_end:  # grow the cache: zero slots p+prev_end .. p+end-1 (masked until written)
             pad = end - prev_end
-            grown = jax.tree.map(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))), carry[2])
+            grown = carry[2].grow(pad)
             carry = carry[:2] + (grown,) + carry[3:]
             prev_end = end
         kv_mask_seg = kv_mask_BxS[:, :p + end]
