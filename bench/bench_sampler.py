@@ -10,10 +10,11 @@ Printed: tokens/s at batch 1, 8, 32 side by side, the speed-up, and
 time(256 new tokens) / time(128) (2.0 = constant per-token cost) for both.
 Torch is optional: without it the PyTorch column is skipped with a message.
 
-    python bench/bench_sampler.py [--hidden 128 --layers 3 --vocab 512 --repeats 3]
+    python bench/bench_sampler.py [--hidden 128 --layers 3 --vocab 512 --repeats 5]
 """
 import argparse
 import os
+import random
 import time
 
 import jax
@@ -28,15 +29,22 @@ def best_time(fn, repeats):
     return best_times([fn], repeats)[0]
 
 
-def best_times(fns, repeats):
-    """Best-of-`repeats` wall time of each fn, runs interleaved (a shared, noisy CPU hits all alike)."""
+def best_times(fns, repeats, pause=0.2):
+    """Best-of-`repeats` wall time of each fn, runs interleaved (a shared, noisy CPU hits all alike).
+
+    Each repeat runs the fns in a fresh (seeded) random order, after a `pause`-second idle
+    gap: torch's OpenMP workers keep spinning for a while after a call and would otherwise
+    slow down whichever fn always runs next (measured: +12% on the next JAX call).
+    """
     for fn in fns:
         fn()  # warm-up (compile)
+    order_rng = random.Random(0)
     ts = [[] for _ in fns]
     for _ in range(repeats):
-        for i, fn in enumerate(fns):
+        for i in order_rng.sample(range(len(fns)), len(fns)):
+            time.sleep(pause)
             t0 = time.perf_counter()
-            fn()
+            fns[i]()
             ts[i].append(time.perf_counter() - t0)
     return [min(t) for t in ts]
 
@@ -49,7 +57,7 @@ def main():
     ap.add_argument("--prompt_len", type=int, default=16)
     ap.add_argument("--new_tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--quantization", default="none", choices=("none", "bf16", "fp8"),
                     help="JAX sampler weights/compute (none = f32, like the torch side)")
