@@ -48,6 +48,7 @@ __all__ = [
     "LOSS_TYPES",
     "LOG_RATIO_CLAMP",
     "validate_rewards",
+    "MAX_ABS_REWARD",
     "group_advantages",
     "safe_log_ratio",
     "tis_policy_loss",
@@ -88,6 +89,11 @@ def _check_group_size(num_samples: int, group_size) -> int:
     return group_size
 
 
+MAX_ABS_REWARD = 1e30
+"""Largest reward magnitude ``validate_rewards`` accepts: group differences r - mean
+(up to 2x this) stay finite in float32 (max 3.4e38)."""
+
+
 def validate_rewards(rewards, group_size: Optional[int] = None) -> np.ndarray:
     """Host-side check of verifier rewards before they enter a jitted step.
 
@@ -103,23 +109,34 @@ def validate_rewards(rewards, group_size: Optional[int] = None) -> np.ndarray:
 
     Raises:
       ValueError: if ``rewards`` is not 1-D, if N is not divisible by
-        ``group_size`` (naming both), or if any reward is NaN or +-inf (naming
-        the first offending sample index, its group and value, and the count).
+        ``group_size`` (naming both), or if any reward is NaN, +-inf or larger
+        in magnitude than ``MAX_ABS_REWARD`` (naming the first offending sample
+        index, its group and value, and the count).
     """
     arr = np.asarray(rewards, dtype=np.float32)
     if arr.ndim != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {arr.shape}")
     if group_size is not None:
         group_size = _check_group_size(arr.shape[0], group_size)
+    def where(i):
+        w = f"sample index {i}"
+        if group_size is not None:
+            w += f" (group {i // group_size}, sample {i % group_size} within the group)"
+        return w
+
     bad = np.flatnonzero(~np.isfinite(arr))
     if bad.size:
         i = int(bad[0])
-        where = f"sample index {i}"
-        if group_size is not None:
-            where += f" (group {i // group_size}, sample {i % group_size} within the group)"
         raise ValueError(
-            f"non-finite reward {arr[i]!r} at {where}; {bad.size} non-finite reward(s) in total"
+            f"non-finite reward {arr[i]!r} at {where(i)}; {bad.size} non-finite reward(s) in total"
         )
+    huge = np.flatnonzero(np.abs(arr) > MAX_ABS_REWARD)
+    if huge.size:
+        i = int(huge[0])
+        raise ValueError(
+            f"reward {float(arr[i])!r} at {where(i)} exceeds |r| <= {MAX_ABS_REWARD:g} "
+            f"(MAX_ABS_REWARD: beyond it float32 advantages r - mean can overflow); "
+            f"{huge.size} such reward(s) in total; scale the verifier's rewards")
     return arr
 
 
@@ -152,8 +169,9 @@ def group_advantages(
 
     Raises:
       ValueError: rewards not 1-D; N not divisible by ``group_size`` (naming
-        both); bad ``group_size`` or ``eps``; a NaN/inf reward when the rewards
-        are concrete (naming the sample index and group).
+        both); bad ``group_size`` or ``eps``; a NaN/inf reward or one with
+        |r| > ``MAX_ABS_REWARD`` when the rewards are concrete (naming the sample
+        index and group).
     """
     if not isinstance(rewards, jax.core.Tracer):
         validate_rewards(rewards, group_size)
@@ -164,10 +182,19 @@ def group_advantages(
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
     r_PxG = rewards.reshape(-1, group_size)
-    centred_PxG = r_PxG - jnp.mean(r_PxG, axis=1, keepdims=True)
+    # Groups with max |r| > 1e15 are computed on rewards scaled by that max (the same value
+    # in real arithmetic), so the mean's sum and the variance's squares cannot overflow
+    # float32 for any finite rewards; the unnormalised result is finite for
+    # |r| <= MAX_ABS_REWARD. Other groups use scale 1 (bit-identical to the plain formula).
+    max_abs_Px1 = jnp.max(jnp.abs(r_PxG), axis=1, keepdims=True)
+    scale_Px1 = jnp.where(max_abs_Px1 > 1e15, max_abs_Px1, 1.0)
+    scaled_PxG = r_PxG / scale_Px1
+    centred_PxG = scaled_PxG - jnp.mean(scaled_PxG, axis=1, keepdims=True)
     if normalize_std:
         std_Px1 = jnp.sqrt(jnp.mean(jnp.square(centred_PxG), axis=1, keepdims=True))
-        centred_PxG = centred_PxG / (std_Px1 + eps)
+        centred_PxG = centred_PxG / (std_Px1 + eps / scale_Px1)
+    else:
+        centred_PxG = centred_PxG * scale_Px1
     all_equal_Px1 = jnp.max(r_PxG, axis=1, keepdims=True) == jnp.min(r_PxG, axis=1, keepdims=True)
     adv_PxG = jnp.where(all_equal_Px1, 0.0, centred_PxG)
     return adv_PxG.reshape(-1)

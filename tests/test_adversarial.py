@@ -355,11 +355,20 @@ def test_tis_loss_with_minus_inf_behavior_is_capped():
     np.testing.assert_allclose(loss, [[5.0, 1.0]], rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation (not fixed): objectives.group_advantages overflows in the f32 group mean: "
-                   "finite rewards (+-3e38) give -inf advantages silently")
-def test_group_advantages_finite_for_huge_finite_rewards():
-    adv = objectives.group_advantages(np.array([3e38, 3e38, -3e38, 3e38], np.float32), 4)
-    assert np.isfinite(np.asarray(adv)).all()
+def test_group_advantages_huge_rewards_named_error_or_exact():
+    """|r| above MAX_ABS_REWARD is a named error; just below it the advantages are finite and exact."""
+    with pytest.raises(ValueError, match=r"reward 3.*e\+38 at sample index 0 \(group 0.*exceeds.*4 such"):
+        objectives.group_advantages(np.array([3e38, 3e38, -3e38, 3e38], np.float32), 4)
+    big = objectives.MAX_ABS_REWARD
+    r = np.array([big, big, -big, big, 1.0, 2.0, 3.0, 6.0], np.float32)
+    adv = np.asarray(objectives.group_advantages(r, 4))
+    np.testing.assert_allclose(adv, [0.5 * big, 0.5 * big, -1.5 * big, 0.5 * big, -2, -1, 0, 3],
+                               rtol=1e-6)
+    adv_n = np.asarray(objectives.group_advantages(r, 4, normalize_std=True))
+    np.testing.assert_allclose(adv_n[:4], [1 / 3 ** 0.5] * 2 + [-3 ** 0.5] + [1 / 3 ** 0.5],
+                               rtol=1e-5)  # std would overflow unscaled: (1e30)^2 > 3.4e38
+    np.testing.assert_allclose(adv_n[4:], np.array([-2, -1, 0, 3]) / (np.sqrt(3.5) + 1e-6),
+                               rtol=1e-6)
 
 
 def test_tis_loss_finite_for_zero_policy_probability():
