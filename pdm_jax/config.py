@@ -169,7 +169,10 @@ def parse_arg(arg: str | None) -> dict:
         if not item:
             continue
         if "=" not in item:
-            raise ValueError(f"config argument item {item!r} is not of the form key=value")
+            raise ValueError(
+                f"config argument item {item!r} is not of the form key=value (items are separated "
+                f"by commas, so a value cannot contain one: set such a field with "
+                f"--config.FIELD=VALUE instead)")
         k, v = item.split("=", 1)
         out[k.strip()] = v.strip()
     return out
@@ -196,7 +199,11 @@ ARG_ALIASES = {
 def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
     """Applies "key=value,..." overrides (short aliases or dotted paths) with type coercion.
 
-    Raises ValueError naming an unknown key.
+    Values are coerced to the field's current type (bool: true/false, yes/no, 1/0). A float
+    field, or one that is currently None (e.g. ``trust_region.delta_low``), also takes
+    ``none``/``null`` to set it to None. Values cannot contain commas (the item separator).
+
+    Raises ValueError naming an unknown key or a value that does not parse.
     """
     for key, raw in parse_arg(arg).items():
         path = ARG_ALIASES.get(key, key)
@@ -213,7 +220,9 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
                              f"(short names: {', '.join(sorted(ARG_ALIASES))}; or a dotted field path)")
         current = node[leaf]
         try:
-            if isinstance(current, bool):
+            if (current is None or isinstance(current, float)) and raw.strip().lower() in ("none", "null"):
+                value = None
+            elif isinstance(current, bool):
                 spelled = raw.strip().lower()
                 if spelled in ("1", "true", "yes"):
                     value = True

@@ -67,13 +67,32 @@ def trust_region_config(config: ml_collections.ConfigDict) -> trust_region.Trust
         raise ValueError(msg if msg.startswith("trust_region.") else f"trust_region: {msg}") from None
 
 
+def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size: int):
+    """The ``Qwen3Config`` of a randomly initialised model described by the run config's ``model.*``.
+
+    Raises:
+      ValueError: from ``Qwen3Config`` (naming the field) for bad sizes or head counts.
+    """
+    from pdm_jax.models import Qwen3Config
+
+    mc = model_fields
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
+        max_position_embeddings=mc.max_position_embeddings)
+
+
 def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[int] = None) -> None:
     """Checks a run config before any work; raises ValueError naming the field and value.
 
     Checked: trust region (mask, divergence, estimator, delta > 0, ...), group size >= 2,
-    mini-batches dividing the rollout batch, K in [1, vocab_size], sampler mode and
-    quantization, staleness >= 0, step counts, evaluation sizes, and that configured
-    local paths (model.hf_path, tokenizer.path, data.path) exist.
+    mini-batches dividing the rollout batch, K in [1, vocab_size], sampler mode,
+    quantization, timeouts and retries, staleness >= 0, step counts, evaluation sizes, the
+    mesh against ``jax.device_count()``, the model shape (head counts, sizes) when it is
+    built from ``model.*``, and that configured local paths (model.hf_path,
+    tokenizer.path, data.path) exist.
     """
     trust_region_config(config)
     rl = config.rl
@@ -123,6 +142,25 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
          f"must be one of {QUANTIZATIONS}")
     if config.sampler.mode == "remote":
         need(bool(config.sampler.address), "sampler.address", config.sampler.address, "required when sampler.mode = 'remote'")
+    for name in ("startup_timeout_s", "request_timeout_s"):
+        value = config.sampler[name]
+        need(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"sampler.{name}", value,
+             "must be a finite number of seconds > 0")
+    for name in ("retries", "max_restarts"):
+        need(config.sampler[name] >= 0, f"sampler.{name}", config.sampler[name], "must be >= 0")
+    mesh = config.mesh
+    try:
+        from pdm_jax.sharding import MeshConfig
+
+        MeshConfig(data=mesh.data, fsdp=mesh.fsdp, tensor=mesh.tensor).axis_sizes(jax.device_count())
+    except ValueError as e:
+        raise ValueError(f"mesh = (data={mesh.data}, fsdp={mesh.fsdp}, tensor={mesh.tensor}) on "
+                         f"{jax.device_count()} device(s): {e}") from None
+    if not config.model.hf_path and not config.model.preset:
+        try:
+            model_config_from_fields(config.model, vocab_size or 1)
+        except ValueError as e:  # names Qwen3Config.<field>: the same names under model.
+            raise ValueError(f"model: {e} (set as model.<field> in the run config)") from None
     need(config.eval.samples_per_prompt >= 1, "eval.samples_per_prompt", config.eval.samples_per_prompt, "must be >= 1")
     need(config.eval.num_prompts >= 1, "eval.num_prompts", config.eval.num_prompts, "must be >= 1")
     for field, path in (("model.hf_path", config.model.hf_path), ("data.path", config.data.path),
@@ -263,7 +301,7 @@ class Trainer:
         return load_tokenizer(tc.path)
 
     def _setup_model(self):
-        from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
+        from pdm_jax.models import Qwen3ForCausalLM
 
         mc = self.config.model
         dtype = jnp.dtype(mc.dtype)
@@ -279,13 +317,7 @@ class Trainer:
 
                 cfg = get_preset(mc.preset)
             else:
-                cfg = Qwen3Config(
-                    vocab_size=self.vocab_size, hidden_size=mc.hidden_size,
-                    intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_hidden_layers,
-                    num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
-                    head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
-                    tie_word_embeddings=mc.tie_word_embeddings,
-                    max_position_embeddings=mc.max_position_embeddings)
+                cfg = model_config_from_fields(mc, self.vocab_size)
             model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(self.config.seed), dtype=dtype, param_dtype=param_dtype)
         if cfg.vocab_size < self.vocab_size:
             raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {self.vocab_size}")

@@ -1,6 +1,5 @@
 """Token-level analysis: hand-checked bookkeeping, isolated step vs autodiff, fidelity, no effect on training."""
 
-import json
 import math
 import os
 import sys
