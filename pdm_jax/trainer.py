@@ -198,7 +198,11 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def rollout_to_arrays(rb: RolloutBatch, advantages: np.ndarray, prompt_len: int, completion_len: int) -> dict:
-    """Host arrays of the train-step batch (pdm_jax.train_step layout), padded to static lengths."""
+    """Host arrays of the train-step batch (pdm_jax.train_step layout), padded to static lengths.
+
+    Also carries ``weights_version`` [N] int32 (the sampler's version of each row): the
+    step ignores it; callbacks (the token-level analysis) read it.
+    """
     return dict(
         prompt_ids=_pad_to(rb.prompt_ids, prompt_len, 1, left=True),
         prompt_mask=_pad_to(rb.prompt_mask, prompt_len, 1, left=True, value=False),
@@ -208,6 +212,7 @@ def rollout_to_arrays(rb: RolloutBatch, advantages: np.ndarray, prompt_len: int,
         topk_ids=_pad_to(rb.topk_ids, completion_len, 1),
         topk_logprobs=_pad_to(rb.topk_logprobs, completion_len, 1),
         advantages=np.asarray(advantages, np.float32),
+        weights_version=np.asarray(rb.weights_version, np.int32),
     )
 
 

@@ -248,6 +248,11 @@ def test_analysis_changes_nothing_in_training(tmp_path):
         assert st["mean_d_before"] == pytest.approx(st["trainer_mean_topk_kl"], rel=1e-4, abs=1e-7)
         assert st["num_outside"] / st["num_valid"] == pytest.approx(st["trainer_frac_outside"], abs=1e-6)
         assert st["behavior_logprob_max_err"] < 1e-3
+        assert st["behavior_version_fallbacks"] == 0  # every row's version was kept (staleness <= 1)
+    # The batch's weights_version names the sampler's version: with max_staleness 1 the batch of RL
+    # step 2 may have been sampled by version 0 (lag 1) or 1 (lag 0), never anything else.
+    assert [st["behavior_version_lag"] for st in cb.steps[:4]] == [0] * 4
+    assert all(st["behavior_version_lag"] in (0, 1) for st in cb.steps[4:])
     rec = cb.token_records()
     assert len(rec["delta_d"]) > 0 and np.isfinite(rec["delta_d"]).all()
     assert np.isfinite(rec["iso_delta_d"]).any()
@@ -294,3 +299,44 @@ def test_report_from_synthetic_seeds(tmp_path):
         assert os.path.getsize(tmp_path / name) > 0
     # the fidelity table pools the seeds: 4 x 10 tokens in the [1e-3, 1e-2) bin, 4 x 9 agree for aggregated.
     assert "| [1e-03, 1e-02) | 40 | 90.0% | 100.0% | 100.0% |" in text
+
+
+def test_behavior_logits_follow_weights_version_with_counted_fallback():
+    """Rows use the weights version the batch names; a version that is not kept falls back to the
+    best log-μ match among the kept ones and is counted."""
+    import types
+
+    from flax import nnx
+
+    from pdm_jax.analysis.callback import AlignmentCallback
+    from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
+    trainer = types.SimpleNamespace(
+        model_config=cfg,
+        config=types.SimpleNamespace(sampler=types.SimpleNamespace(quantization="none"),
+                                     rl=types.SimpleNamespace(max_staleness=1)))
+    cb = AlignmentCallback(full_mu=True)
+    for version, seed in ((3, 0), (4, 1)):
+        params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+        cb._snapshot_version(trainer, version, params)
+    rng = np.random.default_rng(0)
+    host = dict(prompt_ids=rng.integers(0, 16, (4, 3)).astype(np.int32), prompt_mask=np.ones((4, 3), bool),
+                completion_ids=rng.integers(0, 16, (4, 5)).astype(np.int32),
+                completion_mask=np.ones((4, 5), bool))
+    z3, lp3 = cb._version_logits(3, host, 1.0)
+    z4, lp4 = cb._version_logits(4, host, 1.0)
+    assert np.abs(lp3 - lp4).max() > 1e-3  # the two versions are distinguishable
+    # rows 0-1 sampled by version 4, rows 2-3 by version 3
+    host["weights_version"] = np.array([4, 4, 3, 3], np.int32)
+    host["behavior_logprobs"] = np.concatenate([lp4[:2], lp3[2:]])
+    z, lag, err, fallbacks = cb._behavior_logits(trainer, host, 1.0, rl_step=5)
+    np.testing.assert_array_equal(z[:2], z4[:2])
+    np.testing.assert_array_equal(z[2:], z3[2:])
+    assert (lag, fallbacks) == (1, 0) and err < 1e-6
+    # rows 2-3 claim version 1 (not kept): matched to version 3 by log μ, counted
+    host["weights_version"] = np.array([4, 4, 1, 1], np.int32)
+    z, lag, err, fallbacks = cb._behavior_logits(trainer, host, 1.0, rl_step=5)
+    np.testing.assert_array_equal(z[2:], z3[2:])
+    assert (lag, fallbacks) == (1, 2) and err < 1e-6

@@ -8,9 +8,11 @@ step donates them afterwards), the keep decision of every direction criterion
 
 * the full behaviour distribution μ, by recomputing the sampler's logits from
   an fp8/bf16 copy of the weights version that sampled the batch (quantized
-  with the sampler's own code, `pdm_jax.sampler.engine.SamplingEngine`; the
-  version is identified as the one whose recomputed log μ(y_t) matches the
-  batch's, among the last ``max_staleness + 1`` versions), which adds the
+  with the sampler's own code, `pdm_jax.sampler.engine.SamplingEngine`; each
+  row uses the version in the batch's ``weights_version`` (the sampler's own
+  record, among the last ``max_staleness + 1`` versions kept; a row whose version
+  is not kept falls back to the kept version whose recomputed log μ(y_t) matches
+  best, counted in ``behavior_version_fallbacks``), which adds the
   ``full`` oracle criterion and the estimator-fidelity counts;
 * the *isolated* realized change: for up to ``isolated_tokens`` tokens outside
   the region, ΔD_t after a small normalized gradient step on token t's loss
@@ -41,7 +43,7 @@ from pdm_jax.analysis import alignment as al
 from pdm_jax.trainer import TrainerCallback
 
 _BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behavior_logprobs", "topk_ids",
-               "topk_logprobs", "advantages")
+               "topk_logprobs", "advantages", "weights_version")
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature",))
@@ -134,7 +136,9 @@ class AlignmentCallback(TrainerCallback):
         ``num_valid``, ``num_outside``, ``num_selected``, ``mean_d_before`` (mean
         top-K KL over the valid tokens before the step), ``trainer_mean_topk_kl``
         and ``trainer_frac_outside`` (the step's own metrics, for cross-checking),
-        ``behavior_version_lag``, ``behavior_logprob_max_err``).
+        ``behavior_version_lag`` (max over rows of rl_step - 1 - version),
+        ``behavior_logprob_max_err`` (max |recomputed − sampler log μ(y_t)|),
+        ``behavior_version_fallbacks`` (rows matched by log μ instead)).
       fidelity: summed `alignment.fidelity_counts` (None without ``full_mu``).
 
     Raises:
@@ -176,20 +180,51 @@ class AlignmentCallback(TrainerCallback):
         for v in sorted(self._behavior_params)[:-keep]:
             del self._behavior_params[v]
 
-    def _behavior_logits(self, trainer, host: dict, tau: float):
-        """(z_q/τ [B,T,V] numpy, version lag, max |Δ log μ(y_t)|) of the best-matching version."""
-        best = None
+    def _version_logits(self, version: int, host: dict, tau: float):
+        """(z_q/τ [B,T,V] numpy, log μ(y_t) [B,T]) of all rows under weights ``version``."""
+        graphdef, state = self._behavior_params[version]
+        z = np.asarray(completion_logits_tau(graphdef, state, host["prompt_ids"], host["prompt_mask"],
+                                             host["completion_ids"], host["completion_mask"], temperature=tau))
+        zmax = z.max(-1, keepdims=True)
+        logmu = z - zmax - np.log(np.sum(np.exp(z - zmax), -1, keepdims=True))
+        return z, np.take_along_axis(logmu, host["completion_ids"][..., None], -1)[..., 0]
+
+    def _behavior_logits(self, trainer, host: dict, tau: float, rl_step: int):
+        """Behaviour logits of every row from the weights version that sampled it.
+
+        Returns (z_q/τ [B,T,V] numpy, version lag, max |Δ log μ(y_t)|, number of fallback rows).
+        """
         valid = host["completion_mask"]
-        for version, (graphdef, state) in self._behavior_params.items():
-            z = np.asarray(completion_logits_tau(graphdef, state, host["prompt_ids"], host["prompt_mask"],
-                                                 host["completion_ids"], host["completion_mask"],
-                                                 temperature=tau))
-            logmu = z - np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1, keepdims=True)) - z.max(-1, keepdims=True)
-            lp = np.take_along_axis(logmu, host["completion_ids"][..., None], -1)[..., 0]
-            err = float(np.max(np.abs(np.where(valid, lp - host["behavior_logprobs"], 0.0)), initial=0.0))
-            if best is None or err < best[2]:
-                best = (z, version, err)
-        return best
+        versions_B = np.asarray(host["weights_version"], np.int64)
+        cache = {}
+
+        def logits(v):
+            if v not in cache:
+                cache[v] = self._version_logits(v, host, tau)
+            return cache[v]
+
+        def row_err(lp, rows):
+            return np.max(np.abs(np.where(valid[rows], lp[rows] - host["behavior_logprobs"][rows], 0.0)),
+                          axis=-1, initial=0.0)
+
+        z_out = None
+        used_B = np.empty_like(versions_B)
+        fallbacks = 0
+        for v in np.unique(versions_B):
+            rows = np.flatnonzero(versions_B == v)
+            if int(v) in self._behavior_params:
+                best = int(v)
+            else:  # not kept (older than max_staleness + 1 versions): best log μ match
+                fallbacks += len(rows)
+                best = min(self._behavior_params, key=lambda u: float(row_err(logits(u)[1], rows).max()))
+            z, _ = logits(best)
+            if z_out is None:
+                z_out = np.empty_like(z)
+            z_out[rows] = z[rows]
+            used_B[rows] = best
+        err = max(float(row_err(logits(int(u))[1], np.flatnonzero(used_B == u)).max()) for u in np.unique(used_B))
+        lag = int(np.max(rl_step - 1 - used_B))
+        return z_out, lag, err, fallbacks
 
     # ------------------------------------------------------------------ hooks
     def before_update(self, trainer, rl_step, batch, state) -> None:
@@ -207,10 +242,9 @@ class AlignmentCallback(TrainerCallback):
             trainer.graphdef, state.params, host["prompt_ids"], host["prompt_mask"], host["completion_ids"],
             host["completion_mask"], temperature=tau))
         trc = trainer.tr_config
-        behavior_logits, lag, err = None, None, None
+        behavior_logits, lag, err, fallbacks = None, None, None, None
         if self.full_mu and self._behavior_params:
-            behavior_logits, version, err = self._behavior_logits(trainer, host, tau)
-            lag = rl_step - 1 - version
+            behavior_logits, lag, err, fallbacks = self._behavior_logits(trainer, host, tau, rl_step)
             fid = al.fidelity_analysis(logits_before, behavior_logits, host["completion_ids"],
                                        host["completion_mask"], k=int(host["topk_ids"].shape[-1]))
             self.fidelity = al.add_fidelity_counts(self.fidelity, al.fidelity_counts(fid))
@@ -238,7 +272,7 @@ class AlignmentCallback(TrainerCallback):
                 iso_f[rows[:m], cols[:m]] = np.asarray(f)[:m]
         analysis["iso_delta_d"] = iso_d
         analysis["iso_first_order"] = iso_f
-        self._pending = dict(host=host, analysis=analysis, rl_step=rl_step, lag=lag, err=err)
+        self._pending = dict(host=host, analysis=analysis, rl_step=rl_step, lag=lag, err=err, fallbacks=fallbacks)
 
     def after_update(self, trainer, rl_step, batch, state, metrics) -> None:
         p = self._pending
@@ -265,7 +299,8 @@ class AlignmentCallback(TrainerCallback):
                                mean_d_before=float(analysis["d_before"][valid].mean()) if valid.any() else 0.0,
                                trainer_mean_topk_kl=float(m.get("mean_topk_kl", np.nan)),
                                trainer_frac_outside=float(m.get("frac_outside", np.nan)),
-                               behavior_version_lag=p["lag"], behavior_logprob_max_err=p["err"]))
+                               behavior_version_lag=p["lag"], behavior_logprob_max_err=p["err"],
+                               behavior_version_fallbacks=p["fallbacks"]))
         self._updates += 1
 
     # ------------------------------------------------------------------ results

@@ -316,6 +316,7 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
     n_sel = sum(st["num_selected"] for st in steps)
     errs = [st["behavior_logprob_max_err"] for st in steps if st.get("behavior_logprob_max_err") is not None]
     lags = [st["behavior_version_lag"] for st in steps if st.get("behavior_version_lag") is not None]
+    fallbacks = sum(st.get("behavior_version_fallbacks") or 0 for st in steps)
     secs = [s.get("seconds", float("nan")) for s in seeds]
     warm = [s["summary"].get("warmstart_accuracy") for s in seeds]
     final = [s["summary"].get("final_accuracy") for s in seeds]
@@ -366,9 +367,10 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
                   f"after a normalized gradient step of length ε = {settings.get('isolated_step')} (parameter L2 "
                   "norm) on that token's loss alone, −Â·sg(min(r, C))·log π(y_t).")
     if errs:
-        md.append(f"- Full μ recomputed from the fp8 weights of the matching version (lag 0: "
-                  f"{sum(1 for x in lags if x == 0)}, lag 1: {sum(1 for x in lags if x == 1)} steps); "
-                  f"max |Δ log μ(y_t)| vs the sampler's = {max(errs):.1e}.")
+        md.append(f"- Full μ recomputed from the fp8 weights of the version that sampled each row (the "
+                  f"batch's `weights_version`; lag 0: {sum(1 for x in lags if x == 0)}, lag 1: "
+                  f"{sum(1 for x in lags if x == 1)} steps; {fallbacks} rows matched by log μ because their "
+                  f"version was not kept); max |Δ log μ(y_t)| vs the sampler's = {max(errs):.1e}.")
     md.append(f"- Warm-start accuracy {_fmt_mean(warm)}, final {_fmt_mean(final)} (avg@k on the few held-out "
               f"prompts of the short runs); wall time per seed {np.nanmean(secs):.0f} s (total {np.nansum(secs):.0f} s).")
     md += [""] + [f"- {n}" for n in extra_notes]
