@@ -333,3 +333,36 @@ def test_kv_cache_grow_keeps_slots_and_appends_zeros():
         assert not np.asarray(new[:, :, 4:]).any()
     with pytest.raises(ValueError, match="extra"):
         cache.grow(-1)
+
+
+def test_decode_rejects_mismatched_cache_and_out_of_range_index():
+    """A cache of the wrong structure or a cache_index leaving the cache is a named error, never a
+    silently shorter model or a clamped write (dynamic_update_slice clamps its start)."""
+    model = _scaled_model(TINY, seed=8)
+    ids = np.ones((2, 3), np.int32)
+    pos = np.tile(np.arange(3, dtype=np.int32), (2, 1))
+    kv_mask = np.ones((2, 10), bool)
+    cache = model.init_cache(2, 10)
+    with pytest.raises(ValueError, match="1 value arrays"):
+        model.decode(ids, pos, KVCache(k=cache.k, v=cache.v[:1]), 0, kv_mask)
+    with pytest.raises(ValueError, match="cache layer 0"):
+        model.decode(ids, pos, model.init_cache(3, 10), 0, kv_mask)  # cache batch 3 != 2
+    with pytest.raises(ValueError, match="cache layer 1"):
+        bad = KVCache(k=cache.k[:1] + (cache.k[1][..., :9],), v=cache.v)
+        model.decode(ids, pos, bad, 0, kv_mask)
+    for index in (-1, 8, 10):
+        with pytest.raises(ValueError, match=f"cache_index {index} with T = 3"):
+            model.decode(ids, pos, cache, index, kv_mask)
+    with pytest.raises(ValueError, match="1 <= T <= S"):
+        model.decode(np.ones((2, 0), np.int32), np.ones((2, 0), np.int32), cache, 0, kv_mask)
+    logits, _ = model.decode(ids, pos, cache, 7, kv_mask)  # the last legal start
+    assert logits.shape == (2, 3, TINY.vocab_size)
+    for extra in (2.5, True, -1):
+        with pytest.raises(ValueError, match="static int"):
+            cache.grow(extra)
+
+
+@pytest.mark.parametrize("field", ["rope_theta", "rms_norm_eps"])
+def test_config_rejects_infinite_floats(field):
+    with pytest.raises(ValueError, match=f"Qwen3Config.{field}"):
+        dataclasses.replace(TINY, **{field: float("inf")})

@@ -37,11 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pdm_jax import sharding as shd
@@ -94,8 +97,9 @@ class Qwen3Config:
             raise ValueError(f"Qwen3Config.head_dim must be even for RoPE, got {self.head_dim}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"Qwen3Config.{name} must be a positive float, got {value!r}")
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
+                    or not math.isfinite(value)):
+                raise ValueError(f"Qwen3Config.{name} must be a positive finite float, got {value!r}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(
                 f"Qwen3Config.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
@@ -245,8 +249,8 @@ class KVCache:
 
     def grow(self, extra: int) -> "KVCache":
         """The same cache with ``extra`` zero slots appended (slots S .. S+extra-1)."""
-        if extra < 0:
-            raise ValueError(f"KVCache.grow: extra must be >= 0, got {extra}")
+        if isinstance(extra, bool) or not isinstance(extra, numbers.Integral) or extra < 0:
+            raise ValueError(f"KVCache.grow: extra must be a static int >= 0, got {extra!r}")
         pad_k = ((0, 0), (0, 0), (0, 0), (0, extra))
         pad_v = ((0, 0), (0, 0), (0, extra), (0, 0))
         return KVCache(k=tuple(jnp.pad(k, pad_k) for k in self.k),
@@ -624,26 +628,41 @@ class Qwen3ForCausalLM(nnx.Module):
         s <= cache_index + t.
         Returns:
           (logits [B, T, V] float32, updated KVCache).
+        Requires 0 <= cache_index and cache_index + T <= S (checked when ``cache_index`` is
+        concrete; a traced index past the end would be clamped by ``dynamic_update_slice``).
         Raises:
-          ValueError: if the shapes of the arguments disagree.
+          ValueError: if the shapes of the arguments or of the cache disagree with each other
+            or with the model, or if a concrete ``cache_index`` leaves the cache.
         """
         input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
         positions_BxT = jnp.asarray(positions, jnp.int32)
         B, T = input_ids_BxT.shape
-        Bc, S = cache.v[0].shape[0], cache.max_length
-        if (Bc != B or positions_BxT.shape != (B, T) or kv_mask.shape != (B, S)
-                or cache.num_layers != len(self.layers)):
+        c = self.config
+        L, K, H = len(self.layers), c.num_key_value_heads, c.head_dim
+        if len(cache.k) != L or len(cache.v) != L:
+            raise ValueError(f"decode: the cache has {len(cache.k)} key and {len(cache.v)} value arrays, "
+                             f"the model {L} layers")
+        S = cache.max_length
+        for i, (k, v) in enumerate(zip(cache.k, cache.v)):
+            if k.shape != (B, K, H, S) or v.shape != (B, K, S, H):
+                raise ValueError(f"decode: cache layer {i} has k {k.shape} and v {v.shape}; expected k "
+                                 f"[B,K,H,S] = {(B, K, H, S)} and v [B,K,S,H] = {(B, K, S, H)}")
+        if positions_BxT.shape != (B, T) or kv_mask.shape != (B, S) or not 1 <= T <= S:
             raise ValueError(
-                f"decode shapes disagree: input_ids {input_ids_BxT.shape}, positions "
-                f"{positions_BxT.shape}, cache batch {Bc} / length {S} / layers "
-                f"{cache.num_layers} (model {len(self.layers)}), kv_mask {kv_mask.shape}")
+                f"decode shapes disagree: input_ids {input_ids_BxT.shape} (need 1 <= T <= S), positions "
+                f"{positions_BxT.shape}, cache batch {B} / length {S}, kv_mask {kv_mask.shape}")
+        if not isinstance(cache_index, jax.core.Tracer):
+            index = int(np.asarray(cache_index))
+            if not 0 <= index <= S - T:
+                raise ValueError(f"decode: cache_index {index} with T = {T} new tokens leaves the cache of "
+                                 f"S = {S} slots (need 0 <= cache_index <= S - T = {S - T})")
         cache_index = jnp.asarray(cache_index, jnp.int32)
         slot_T = cache_index + jnp.arange(T, dtype=jnp.int32)
         causal_TxS = jnp.arange(S, dtype=jnp.int32)[None, :] <= slot_T[:, None]
         mask_BxTxS = causal_TxS[None] & kv_mask.astype(bool)[:, None, :]
         x_BxTxD = self._embed(input_ids_BxT)
         ks, vs = [], []
-        for layer, k, v in zip(self.layers, cache.k, cache.v):
+        for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
             x_BxTxD, (k, v) = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index)
             ks.append(k)
             vs.append(v)
