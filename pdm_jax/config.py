@@ -196,12 +196,23 @@ ARG_ALIASES = {
 }
 
 
+def _default_is_none(path: str) -> bool:
+    """Whether the field at dotted ``path`` defaults to None in ``get_base_config`` (an optional field)."""
+    node = get_base_config()
+    for part in path.split("."):
+        if not hasattr(node, "keys") or part not in node:
+            return False
+        node = node[part]
+    return node is None
+
+
 def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
     """Applies "key=value,..." overrides (short aliases or dotted paths) with type coercion.
 
-    Values are coerced to the field's current type (bool: true/false, yes/no, 1/0). A float
-    field, or one that is currently None (e.g. ``trust_region.delta_low``), also takes
-    ``none``/``null`` to set it to None. Values cannot contain commas (the item separator).
+    Values are coerced to the field's current type (bool: true/false, yes/no, 1/0). An
+    optional field (currently None, or None by default such as ``trust_region.delta_low``)
+    also takes ``none``/``null`` to set it to None; other fields refuse it. Values cannot
+    contain commas (the item separator).
 
     Raises ValueError naming an unknown key or a value that does not parse.
     """
@@ -220,7 +231,7 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
                              f"(short names: {', '.join(sorted(ARG_ALIASES))}; or a dotted field path)")
         current = node[leaf]
         try:
-            if (current is None or isinstance(current, float)) and raw.strip().lower() in ("none", "null"):
+            if raw.strip().lower() in ("none", "null") and (current is None or _default_is_none(path)):
                 value = None
             elif isinstance(current, bool):
                 spelled = raw.strip().lower()

@@ -113,7 +113,7 @@ def validate_rewards(rewards, group_size: Optional[int] = None) -> np.ndarray:
         in magnitude than ``MAX_ABS_REWARD`` (naming the first offending sample
         index, its group and value, and the count).
     """
-    arr = np.asarray(rewards, dtype=np.float32)
+    arr = np.asarray(rewards, dtype=np.float64)  # checked before the float32 cast (1e39 is finite here)
     if arr.ndim != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {arr.shape}")
     if group_size is not None:
@@ -128,16 +128,16 @@ def validate_rewards(rewards, group_size: Optional[int] = None) -> np.ndarray:
     if bad.size:
         i = int(bad[0])
         raise ValueError(
-            f"non-finite reward {arr[i]!r} at {where(i)}; {bad.size} non-finite reward(s) in total"
+            f"non-finite reward {float(arr[i])!r} at {where(i)}; {bad.size} non-finite reward(s) in total"
         )
-    huge = np.flatnonzero(np.abs(arr) > MAX_ABS_REWARD)
+    huge = np.flatnonzero(np.abs(arr) > float(np.float32(MAX_ABS_REWARD)))  # float32(1e30) itself passes
     if huge.size:
         i = int(huge[0])
         raise ValueError(
             f"reward {float(arr[i])!r} at {where(i)} exceeds |r| <= {MAX_ABS_REWARD:g} "
             f"(MAX_ABS_REWARD: beyond it float32 advantages r - mean can overflow); "
             f"{huge.size} such reward(s) in total; scale the verifier's rewards")
-    return arr
+    return arr.astype(np.float32)
 
 
 def group_advantages(
@@ -182,12 +182,16 @@ def group_advantages(
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
     r_PxG = rewards.reshape(-1, group_size)
-    # Groups with max |r| > 1e15 are computed on rewards scaled by that max (the same value
-    # in real arithmetic), so the mean's sum and the variance's squares cannot overflow
+    # Groups with max |r| > 1e15 are computed on rewards scaled down (the same value in
+    # real arithmetic), so the mean's sum and the variance's squares cannot overflow
     # float32 for any finite rewards; the unnormalised result is finite for
     # |r| <= MAX_ABS_REWARD. Other groups use scale 1 (bit-identical to the plain formula).
+    # The scale is a power of two <= 2**100: dividing by it is exact, and its reciprocal (which
+    # XLA may multiply by instead) stays a normal float32 (1/max|r| itself would be subnormal,
+    # flushed to zero, for |r| > 8.5e37).
     max_abs_Px1 = jnp.max(jnp.abs(r_PxG), axis=1, keepdims=True)
-    scale_Px1 = jnp.where(max_abs_Px1 > 1e15, max_abs_Px1, 1.0)
+    scale_Px1 = jnp.where(max_abs_Px1 > 1e15,
+                          jnp.exp2(jnp.minimum(jnp.ceil(jnp.log2(max_abs_Px1)), 100.0)), 1.0)
     scaled_PxG = r_PxG / scale_Px1
     centred_PxG = scaled_PxG - jnp.mean(scaled_PxG, axis=1, keepdims=True)
     if normalize_std:

@@ -49,12 +49,35 @@ CORRECT_SCORE = 0.999  # a verifier score at or above this counts as a correct a
 
 
 # ----------------------------------------------------------------------------- config checks
+def _need_number(field: str, value, integer: bool = False) -> None:
+    """Raises ValueError naming ``field`` unless ``value`` is a real number (an int if ``integer``); bools are refused."""
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds):
+        raise ValueError(f"{field} = {value!r}: must be {'an integer' if integer else 'a number'}")
+
+
+# Numeric fields validate_config compares (an int or a float); a None or a string there is a named error.
+_INT_FIELDS = ("rl.group_size", "rl.prompts_per_step", "rl.num_minibatches", "rl.num_iterations", "rl.max_staleness",
+               "rl.steps", "rl.max_new_tokens", "rl.top_k_logprobs", "sft.steps", "sft.batch_size",
+               "eval.every_steps", "eval.samples_per_prompt", "eval.num_prompts", "checkpoint.every_steps",
+               "checkpoint.max_to_keep", "sampler.max_prompt_length", "sampler.max_batch_size", "sampler.retries",
+               "sampler.max_restarts", "model.max_position_embeddings")
+_FLOAT_FIELDS = ("rl.temperature", "rl.learning_rate", "sft.learning_rate", "rl.adam_b1", "rl.adam_b2",
+                 "rl.weight_decay", "rl.tis_cap", "rl.kl_beta", "sampler.startup_timeout_s",
+                 "sampler.request_timeout_s")
+
+
 def trust_region_config(config: ml_collections.ConfigDict) -> trust_region.TrustRegionConfig:
     """Builds the (validated) TrustRegionConfig from ``config.trust_region``.
 
     Raises ValueError naming the field (``trust_region.<name>``) and its value.
     """
     tr = config.trust_region
+    for name in ("delta", "clip_eps_low", "clip_eps_high"):
+        _need_number(f"trust_region.{name}", tr[name])
+    for name in ("delta_low", "delta_high"):
+        if tr[name] is not None:
+            _need_number(f"trust_region.{name}", tr[name])
     try:
         return trust_region.TrustRegionConfig(
             mask=tr.mask, divergence=tr.divergence, estimator=tr.estimator, delta=float(tr.delta),
@@ -94,6 +117,10 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     built from ``model.*``, and that configured local paths (model.hf_path,
     tokenizer.path, data.path) exist.
     """
+    for fields, integer in ((_INT_FIELDS, True), (_FLOAT_FIELDS, False)):
+        for field in fields:
+            group, name = field.split(".")
+            _need_number(field, config[group][name], integer)
     trust_region_config(config)
     rl = config.rl
 
@@ -156,6 +183,17 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     except ValueError as e:
         raise ValueError(f"mesh = (data={mesh.data}, fsdp={mesh.fsdp}, tensor={mesh.tensor}) on "
                          f"{jax.device_count()} device(s): {e}") from None
+    for name in ("dtype", "param_dtype"):
+        value = config.model[name]
+        try:
+            ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+        except TypeError:
+            ok = False
+        need(ok, f"model.{name}", value, "must be a floating dtype name (float32, bfloat16, ...)")
+    if config.model.preset and not config.model.hf_path:
+        from pdm_jax.models.presets import PRESETS
+
+        need(config.model.preset in PRESETS, "model.preset", config.model.preset, f"must be one of {sorted(PRESETS)}")
     if not config.model.hf_path and not config.model.preset:
         try:
             model_config_from_fields(config.model, vocab_size or 1)

@@ -356,6 +356,20 @@ def test_tis_loss_with_minus_inf_behavior_is_capped():
     np.testing.assert_allclose(loss, [[5.0, 1.0]], rtol=1e-6)
 
 
+def test_group_advantages_huge_rewards_under_jit_not_flushed():
+    """Inside jit (no host validation) rewards near the float32 limit are still exact: the scale is a
+    power of two whose reciprocal is a normal float (1/2e38 would be flushed to zero on CPU)."""
+    fn = jax.jit(lambda x: objectives.group_advantages(x, 2))
+    np.testing.assert_allclose(np.asarray(fn(jnp.array([2e38, -1e38]))), [1.5e38, -1.5e38], rtol=1e-6)
+    fn_n = jax.jit(lambda x: objectives.group_advantages(x, 2, normalize_std=True))
+    np.testing.assert_allclose(np.asarray(fn_n(jnp.array([2e38, -1e38]))), [1.0, -1.0], rtol=1e-5)
+
+
+def test_validate_rewards_names_huge_finite_float64():
+    with pytest.raises(ValueError, match=r"reward 1e\+39 at sample index 0.*exceeds"):
+        objectives.validate_rewards(np.array([1e39, 0.0]))
+
+
 def test_group_advantages_huge_rewards_named_error_or_exact():
     """|r| above MAX_ABS_REWARD is a named error; just below it the advantages are finite and exact."""
     with pytest.raises(ValueError, match=r"reward 3.*e\+38 at sample index 0 \(group 0.*exceeds.*4 such"):
@@ -410,6 +424,16 @@ def test_tis_loss_finite_for_zero_policy_probability():
     ({"model.num_key_value_heads": 3}, None, "model: Qwen3Config.num_attention_heads must be divisible"),
     ({"model.head_dim": 7}, None, "head_dim must be even"),
     ({"model.hidden_size": 0}, None, "Qwen3Config.hidden_size"),
+    ({"model.rope_theta": math.inf}, None, "Qwen3Config.rope_theta"),
+    ({"model.preset": "bogus"}, None, "model.preset = 'bogus'"),
+    ({"model.dtype": "float33"}, None, "model.dtype = 'float33'"),
+    ({"model.param_dtype": "int8"}, None, "model.param_dtype = 'int8'"),
+    ({"trust_region.delta": None}, None, "trust_region.delta = None: must be a number"),
+    ({"rl.tis_cap": None}, None, "rl.tis_cap = None: must be a number"),
+    ({"rl.learning_rate": None}, None, "rl.learning_rate = None: must be a number"),
+    ({"sampler.retries": None}, None, "sampler.retries = None: must be an integer"),
+    ({"sampler.retries": True}, None, "sampler.retries = True: must be an integer"),
+    ({"model.max_position_embeddings": None}, None, "model.max_position_embeddings = None"),
 ])
 def test_validate_config_rejects_naming_field(fields, vocab, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
@@ -434,6 +458,10 @@ def test_apply_arg_sets_none_and_explains_commas():
     assert c.trust_region.delta_low is None
     with pytest.raises(ValueError, match="cannot set rl.steps = 'none'"):
         config_lib.apply_arg(c, "steps=none")  # an int field has no None
+    with pytest.raises(ValueError, match="cannot set trust_region.delta = 'none'"):
+        config_lib.apply_arg(c, "delta=none")  # a required float has no None either
+    c = config_lib.apply_arg(c, "trust_region.delta_high= NULL ")
+    assert c.trust_region.delta_high is None
     with pytest.raises(ValueError, match="cannot contain one"):
         config_lib.apply_arg(c, "data.path=/a,b.parquet")
 
