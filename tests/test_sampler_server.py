@@ -100,6 +100,8 @@ def test_generate_matches_trainer_logprobs_and_topk(setup):
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
     body = r.json()
     assert body["weights_version"] == 0 and body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert body["usage"] == {"prompt_tokens": sum(len(p) for p in PROMPTS),  # once per prompt, as vLLM
+                             "completion_tokens": int(b.completion_mask.sum())}
     bj = response_to_batch(PROMPTS, body, top_k_logprobs=K)
     np.testing.assert_array_equal(bj.completion_ids, b.completion_ids)
     np.testing.assert_array_equal(bj.behavior_logprobs, b.behavior_logprobs)

@@ -55,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pdm_jax.sampler.server", description=__doc__.split("\n")[0])
     p.add_argument("--model_config", required=True, help="HF config.json, or a directory containing it")
     p.add_argument("--weights", default=None, help="save_weights directory; omit for a random init (benchmarks)")
-    p.add_argument("--version", type=int, default=0, help="weights version of --weights")
+    p.add_argument("--version", type=int, default=None,
+                   help="weights version of --weights, checked against the one the directory records "
+                        "(default: that recorded version; 0 for a random init)")
     p.add_argument("--quantization", default="fp8", choices=("none", "bf16", "fp8"))
     p.add_argument("--checkpoint_root", required=True, help="/v1/weights only loads from under this directory")
     p.add_argument("--host", default="127.0.0.1")
@@ -227,7 +229,8 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
         return respond(request, {
             "object": "text_completion", "model": engine.health()["model"], "weights_version": version,
             "choices": choices,
-            "usage": {"prompt_tokens": int(batch.prompt_mask.sum()), "completion_tokens": int(lengths.sum())}})
+            # As vLLM: each prompt counted once, however many samples (n) it has.
+            "usage": {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": int(lengths.sum())}})
 
     @app.post("/v1/weights")
     async def load_weights(request: Request):
@@ -291,15 +294,19 @@ def main(argv=None) -> None:
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
     config = load_model_config(args.model_config)
+    version = args.version
     if args.weights:
-        params = wts.load_weights(args.weights, config, version=args.version)
+        params = wts.load_weights(args.weights, config, version=version)
+        if version is None:
+            version = int(wts.read_meta(args.weights)["version"])
     else:
+        version = 0 if version is None else version
         from flax import nnx
 
         from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(args.init_seed)), nnx.Param))
-    engine = SamplingEngine(config, params, quantization=args.quantization, version=args.version,
+    engine = SamplingEngine(config, params, quantization=args.quantization, version=version,
                             weights_path=args.weights, max_prompt_length=args.max_prompt_length,
                             max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size)
     app = create_app(engine, checkpoint_root=args.checkpoint_root, token=args.token,

@@ -14,6 +14,7 @@ Response::
                   "top_logprobs": {"ids": [T_r x K ints], "logprobs": [T_r x K floats]},
                   "finish_reason": "stop" | "length", "weights_version": int}, ...],
      "usage": {"prompt_tokens": int, "completion_tokens": int}}
+    (prompt_tokens counts each prompt once, as vLLM does, whatever n is)
 
 In msgpack bodies every numeric array is an ``{"__nd__": 1, "dtype", "shape",
 "data": bytes}`` map (little-endian), so top-K tables travel as raw f32/int32.
