@@ -253,6 +253,23 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
     return config
 
 
+def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size: int):
+    """The ``Qwen3Config`` of a randomly initialised model described by the run config's ``model.*``.
+
+    Raises:
+      ValueError: from ``Qwen3Config`` (naming the field) for bad sizes or head counts.
+    """
+    from pdm_jax.models import Qwen3Config
+
+    mc = model_fields
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
+        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
+        max_position_embeddings=mc.max_position_embeddings)
+
+
 # ---- recipes used by configs/ ------------------------------------------------------------
 
 def dapo_config(hf_path: str, data_path: str, eval_path: str):

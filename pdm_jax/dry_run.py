@@ -79,7 +79,7 @@ def resolve_model_config(config):
       ValueError: naming ``model.hf_path`` when none of these applies.
     """
     from pdm_jax.models.presets import PRESETS, get_preset
-    from pdm_jax.models.qwen3 import Qwen3Config
+    from pdm_jax.config import model_config_from_fields
 
     mc = config.model
     if mc.preset:
@@ -104,12 +104,7 @@ def resolve_model_config(config):
         with open(os.path.join(tc.path, "tokenizer.json")) as f:
             tok = json.load(f)
         vocab = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
-    return Qwen3Config(
-        vocab_size=vocab, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
-        num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
-        max_position_embeddings=mc.max_position_embeddings)
+    return model_config_from_fields(mc, vocab)
 
 
 @dataclasses.dataclass

@@ -38,6 +38,7 @@ from flax import nnx
 
 from pdm_jax import objectives, train_step as ts, trust_region
 from pdm_jax.checkpointing import Checkpointer, abstract_like
+from pdm_jax.config import model_config_from_fields
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics
 from pdm_jax.rollout import RolloutBatch
 
@@ -88,23 +89,6 @@ def trust_region_config(config: ml_collections.ConfigDict) -> trust_region.Trust
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if msg.startswith("trust_region.") else f"trust_region: {msg}") from None
-
-
-def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size: int):
-    """The ``Qwen3Config`` of a randomly initialised model described by the run config's ``model.*``.
-
-    Raises:
-      ValueError: from ``Qwen3Config`` (naming the field) for bad sizes or head counts.
-    """
-    from pdm_jax.models import Qwen3Config
-
-    mc = model_fields
-    return Qwen3Config(
-        vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
-        num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
-        max_position_embeddings=mc.max_position_embeddings)
 
 
 def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[int] = None) -> None:
