@@ -14,10 +14,13 @@ import secrets
 import time
 from typing import Optional, Sequence
 
-import numpy as np
+import httpx
 
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import wire
+from pdm_jax.sampler.wire import response_to_batch  # re-exported: callers import it from here
+
+__all__ = ["SamplerClient", "SamplerError", "SamplerRequestError", "response_to_batch"]
 
 
 class SamplerError(RuntimeError):
@@ -46,8 +49,6 @@ class SamplerClient:
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5,
                  token: Optional[str] = None, transport=None):
-        import httpx
-
         if retries < 0 or timeout_s <= 0 or backoff_s < 0:
             raise ValueError(f"SamplerClient: need retries >= 0, timeout_s > 0, backoff_s >= 0; got "
                              f"retries={retries}, timeout_s={timeout_s}, backoff_s={backoff_s}")
@@ -69,8 +70,12 @@ class SamplerClient:
         self.close()
 
     def _request(self, method: str, path: str, payload=None, *, retries: Optional[int] = None) -> dict:
-        import httpx
+        """Sends `payload` (a dict, msgpack-encoded) and returns the decoded answer, retrying transient failures.
 
+        Raises:
+          SamplerRequestError: a 4xx answer (not retried).
+          SamplerError: connection errors, timeouts or 5xx answers on every attempt.
+        """
         retries = self.retries if retries is None else retries
         content = None if payload is None else wire.dumps(payload, msgpack=True)
         headers = {} if payload is None else {"content-type": wire.MSGPACK}
@@ -85,11 +90,11 @@ class SamplerClient:
                 continue
             body = self._decode(r)
             if r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {body if not isinstance(body, dict) else body.get('error', body)}"
+                last = f"HTTP {r.status_code}: {wire.error_detail(body)}"
                 continue
             if r.status_code >= 400:
-                err = body.get("error", {}) if isinstance(body, dict) else {}
-                raise SamplerRequestError(r.status_code, err.get("message") or str(body), err.get("field"))
+                message, field = wire.decode_error(body)
+                raise SamplerRequestError(r.status_code, message, field)
             return body
         raise SamplerError(f"{method} {self.base_url}{path} failed after {retries + 1} attempt(s): {last}")
 
@@ -106,12 +111,12 @@ class SamplerClient:
 
     def load_weights(self, path: str, version: int) -> dict:
         """``POST /v1/weights``; raises SamplerRequestError (403 outside root, 404 missing, 409 stale)."""
-        return self._request("POST", "/v1/weights", {"path": str(path), "version": int(version)})
+        return self._request("POST", "/v1/weights", wire.LoadWeightsRequest(str(path), int(version)).to_wire())
 
     @property
     def version(self) -> int:
         """The server's current weights version (one /health call)."""
-        return int(self.health()["version"])
+        return int(self.health()[wire.VERSION])
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
                  max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
@@ -124,44 +129,11 @@ class SamplerClient:
           SamplerError: unreachable / 5xx after all retries.
         """
         prompts = [[int(t) for t in p] for p in prompts]
-        payload = {"prompt": prompts, "n": int(n), "temperature": float(temperature), "top_p": float(top_p),
-                   "top_k": int(top_k), "logprobs": int(top_k_logprobs),
-                   "stop_token_ids": [int(s) for s in stop_token_ids or ()],
-                   "seed": int(seed) if seed is not None else secrets.randbelow(2**63)}
-        if max_new_tokens is not None:
-            payload["max_tokens"] = int(max_new_tokens)
-        else:
-            payload["max_tokens"] = int(self.health().get("max_new_tokens", 16))
-        resp = self._request("POST", "/v1/generate", payload)
-        return response_to_batch(prompts, resp, top_k_logprobs=int(top_k_logprobs))
-
-
-def response_to_batch(prompts: Sequence[Sequence[int]], resp: dict, *, top_k_logprobs: int) -> RolloutBatch:
-    """Builds a RolloutBatch from a /v1/generate response (JSON or msgpack decoded)."""
-    choices = sorted(resp["choices"], key=lambda c: c["index"])
-    n_rows, k = len(choices), int(top_k_logprobs)
-    toks = [np.asarray(c["token_ids"], np.int32).reshape(-1) for c in choices]
-    t_out = max(1, max(len(x) for x in toks))
-    p_out = max(len(p) for p in prompts)
-    out = dict(
-        prompt_ids=np.zeros((n_rows, p_out), np.int32), prompt_mask=np.zeros((n_rows, p_out), bool),
-        completion_ids=np.zeros((n_rows, t_out), np.int32), completion_mask=np.zeros((n_rows, t_out), bool),
-        behavior_logprobs=np.zeros((n_rows, t_out), np.float32), topk_ids=np.zeros((n_rows, t_out, k), np.int32),
-        topk_logprobs=np.zeros((n_rows, t_out, k), np.float32))
-    versions, groups, reasons = [], [], []
-    for r, c in enumerate(choices):
-        i, t = int(c["prompt_index"]), len(toks[r])
-        pr = prompts[i]
-        out["prompt_ids"][r, p_out - len(pr):] = pr
-        out["prompt_mask"][r, p_out - len(pr):] = True
-        out["completion_ids"][r, :t] = toks[r]
-        out["completion_mask"][r, :t] = True
-        out["behavior_logprobs"][r, :t] = wire.float_list(c["logprobs"]).reshape(-1)
-        if k and t:
-            out["topk_ids"][r, :t] = np.asarray(c["top_logprobs"]["ids"], np.int32).reshape(t, k)
-            out["topk_logprobs"][r, :t] = wire.float_list(c["top_logprobs"]["logprobs"]).reshape(t, k)
-        versions.append(int(c.get("weights_version", resp["weights_version"])))
-        groups.append(i)
-        reasons.append(c["finish_reason"])
-    return RolloutBatch(**out, weights_version=np.array(versions, np.int32), group_ids=np.array(groups, np.int32),
-                        finish_reason=np.array(reasons, dtype=object))
+        fields = dict(n=int(n), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                      top_k_logprobs=int(top_k_logprobs), stop_token_ids=[int(s) for s in stop_token_ids or ()],
+                      seed=int(seed) if seed is not None else secrets.randbelow(wire.MAX_SEED + 1))
+        if max_new_tokens is None:
+            max_new_tokens = self.health().get(wire.MAX_NEW_TOKENS, wire.DEFAULT_MAX_TOKENS)
+        request = wire.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens), **fields)
+        body = self._request("POST", "/v1/generate", request.to_wire())
+        return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs)).batch

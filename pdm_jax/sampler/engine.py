@@ -48,7 +48,6 @@ completion and in the mask), ``"length"`` when ``max_new_tokens`` was reached.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import secrets
 import threading
@@ -60,21 +59,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
-
-MIN_TEMPERATURE = 1e-3  # smallest positive sampling temperature (z / tau must stay finite in f32)
-MAX_SEED = 2**63 - 1
-
-
-class RequestError(ValueError):
-    """An invalid generation request; ``field`` names the offending request field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
+from pdm_jax.sampler import wire
+# Request validation lives with the wire schema (its errors name wire fields); re-exported here.
+from pdm_jax.sampler.wire import MAX_SEED, MIN_TEMPERATURE, RequestError, validate_request  # noqa: F401
 
 class StaleWeightsError(wts.WeightsError):
     """A weights load with a version that is not newer than the current one."""
@@ -86,73 +77,6 @@ def _next_pow2(x: int) -> int:
 
 def _bucket(x: int, lo: int, hi: int) -> int:
     return int(min(max(_next_pow2(x), lo), hi))
-
-
-def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs, stop_token_ids, seed,
-                     top_p, top_k, vocab_size: int, max_prompt_length: int, max_new_tokens_limit: int,
-                     max_stop_tokens: int, max_sequences: int = 4096) -> list:
-    """Checks a generation request; returns the prompts as a list of int lists.
-
-    Raises:
-      RequestError: naming the field, for an empty prompt list or prompt, a prompt
-        longer than `max_prompt_length`, ids outside [0, vocab_size), n <= 0,
-        temperature < 0 or non-finite, top_p outside (0, 1], top_k < 0,
-        len(prompts) * n > max_sequences (field "n"),
-        max_new_tokens outside [1, max_new_tokens_limit], top_k_logprobs outside
-        [0, vocab_size], more than `max_stop_tokens` stop ids or ids outside the
-        vocabulary, a seed outside [0, 2**63).
-    """
-    def is_int(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(prompts, np.ndarray):
-        raise RequestError("prompt", "must be a list of token-id lists")
-    out = []
-    if len(prompts) == 0:
-        raise RequestError("prompt", "is empty; need at least one prompt")
-    for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
-            raise RequestError("prompt", f"prompt[{i}] must be a list of token ids, got {type(p).__name__}")
-        p = list(p)
-        if len(p) == 0:
-            raise RequestError("prompt", f"prompt[{i}] is empty")
-        if len(p) > max_prompt_length:
-            raise RequestError("prompt", f"prompt[{i}] has {len(p)} tokens, longer than the context limit "
-                               f"max_prompt_length={max_prompt_length}")
-        for t in p:
-            if not is_int(t):
-                raise RequestError("prompt", f"prompt[{i}] holds a non-integer token {t!r}")
-            if not 0 <= int(t) < vocab_size:
-                raise RequestError("prompt", f"prompt[{i}] holds token id {int(t)} outside the vocabulary [0, {vocab_size})")
-        out.append([int(t) for t in p])
-    if not is_int(n) or n <= 0:
-        raise RequestError("n", f"must be an integer >= 1, got {n!r}")
-    if len(out) * int(n) > max_sequences:
-        raise RequestError("n", f"{len(out)} prompts x n={n} = {len(out) * int(n)} sequences exceeds the limit "
-                           f"of {max_sequences} per request")
-    if not isinstance(temperature, (int, float, np.floating, np.integer)) or isinstance(temperature, bool) \
-            or not math.isfinite(float(temperature)) or float(temperature) < 0:
-        raise RequestError("temperature", f"must be a finite number >= 0, got {temperature!r}")
-    if 0 < float(temperature) < MIN_TEMPERATURE:
-        raise RequestError("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (logits / temperature "
-                                          f"overflows float32 below that), got {temperature!r}")
-    if not isinstance(top_p, (int, float, np.floating, np.integer)) or not (0.0 < float(top_p) <= 1.0):
-        raise RequestError("top_p", f"must be in (0, 1], got {top_p!r}")
-    if not is_int(top_k) or top_k < 0:
-        raise RequestError("top_k", f"must be an integer >= 0 (0 = off), got {top_k!r}")
-    if not is_int(max_new_tokens) or not 1 <= max_new_tokens <= max_new_tokens_limit:
-        raise RequestError("max_tokens", f"must be an integer in [1, {max_new_tokens_limit}], got {max_new_tokens!r}")
-    if not is_int(top_k_logprobs) or not 0 <= top_k_logprobs <= vocab_size:
-        raise RequestError("logprobs", f"K must be an integer in [0, vocab_size={vocab_size}], got {top_k_logprobs!r}")
-    stops = list(stop_token_ids or ())
-    if len(stops) > max_stop_tokens:
-        raise RequestError("stop_token_ids", f"at most {max_stop_tokens} stop ids, got {len(stops)}")
-    for s in stops:
-        if not is_int(s) or not 0 <= int(s) < vocab_size:
-            raise RequestError("stop_token_ids", f"id {s!r} outside the vocabulary [0, {vocab_size})")
-    if seed is not None and (not is_int(seed) or not 0 <= int(seed) <= MAX_SEED):
-        raise RequestError("seed", f"must be an integer in [0, 2**63), got {seed!r}")
-    return out
 
 
 def sampling_distribution(logits_BxV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
@@ -332,8 +256,6 @@ class SamplingEngine:
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = 8,
                  max_sequences: int = 4096,
                  output_axes_fn=quant.default_output_axes):
-        from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-
         quant.check_quantization(quantization)
         for name, v in (("max_prompt_length", max_prompt_length), ("max_new_tokens", max_new_tokens),
                         ("max_batch_size", max_batch_size), ("min_prompt_bucket", min_prompt_bucket),
@@ -422,7 +344,8 @@ class SamplingEngine:
             t0 = time.perf_counter()
             pure = wts.load_weights(real, abstract=wts.to_pure_dict(self._abstract_state_f32()), version=version)
             self.set_params(pure, version=int(version), weights_path=real)
-            return {"version": int(version), "path": real, "seconds": time.perf_counter() - t0, "reloaded": bool(same)}
+            return wire.weights_loaded(version=int(version), path=real, seconds=time.perf_counter() - t0,
+                                       reloaded=bool(same))
 
     def _abstract_state_f32(self):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), self._abstract_state)
@@ -439,12 +362,11 @@ class SamplingEngine:
     def health(self) -> dict:
         """``{"status", "model", "quantization", "version", "compute_dtype", limits...}``."""
         c = self.config
-        return {"status": "ok",
-                "model": f"qwen3(L={c.num_hidden_layers},H={c.hidden_size},V={c.vocab_size})",
-                "quantization": self.quantization, "version": self._version,
-                "compute_dtype": str(self.compute_dtype), "vocab_size": c.vocab_size,
-                "max_prompt_length": self.max_prompt_length, "max_new_tokens": self.max_new_tokens,
-                "weights_path": self._weights_path}
+        return wire.health_body(
+            model=f"qwen3(L={c.num_hidden_layers},H={c.hidden_size},V={c.vocab_size})",
+            quantization=self.quantization, version=self._version, compute_dtype=str(self.compute_dtype),
+            vocab_size=c.vocab_size, max_prompt_length=self.max_prompt_length, max_new_tokens=self.max_new_tokens,
+            weights_path=self._weights_path)
 
     # -------------------------------------------------------------- generation
     def validate(self, prompts, *, n=1, temperature=1.0, max_new_tokens=None, top_k_logprobs=20,
@@ -583,6 +505,7 @@ class InProcessSampler:
 
     @property
     def version(self) -> int:
+        """The engine's current weights version."""
         return self.engine.version
 
 

@@ -20,6 +20,11 @@ unexpected failures are 500 (the client retries those).  Generation requests
 are serialised by the engine's lock (one jitted batch at a time), so
 concurrent requests are answered correctly, each as if alone.
 
+Layout: `SamplerService` holds one small handler per endpoint; each decodes
+the body with ``wire`` (`wire.GenerateRequest`, `wire.LoadWeightsRequest`),
+calls the engine and encodes the answer with ``wire`` (`wire.GenerateResponse`,
+`wire.error_body`); `create_app` only wires them into a FastAPI app.
+
 With ``--port=0`` the OS picks a free port; it is printed
 (``SAMPLER_LISTENING port=P``) and written to ``--port_file`` when given.
 """
@@ -33,8 +38,16 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from pdm_jax.sampler import wire
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger("pdm_jax.sampler.server")
@@ -83,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_model_config(path: str):
     """A Qwen3Config from an HF config.json (or a directory holding one)."""
+    # heavy (imports JAX): deferred so that parse_args / --help do not pay for it
     from pdm_jax.models.qwen3 import Qwen3Config
 
     if os.path.isdir(path):
@@ -92,7 +106,10 @@ def load_model_config(path: str):
 
 
 class HTTPError(Exception):
-    """An error response: status code, message, optional field name."""
+    """An error response: status code, message, optional field name (its wire name), error type.
+
+    The message is prefixed with ``"<field>: "`` when it does not already start so.
+    """
 
     def __init__(self, status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request"):
         if field and not message.startswith(f"{field}:"):
@@ -101,8 +118,23 @@ class HTTPError(Exception):
         self.status, self.message, self.field, self.kind = status, message, field, kind
 
 
-def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20):
-    """The FastAPI app serving `engine` (a SamplingEngine).
+def respond(request: Request, payload: dict, status: int = 200) -> Response:
+    """`payload` encoded as msgpack or JSON (`wire.response_is_msgpack` of the request's headers)."""
+    use_mp = wire.response_is_msgpack(request.headers.get("accept"), request.headers.get("content-type"))
+    return Response(wire.dumps(payload, msgpack=use_mp), status_code=status,
+                    media_type=wire.MSGPACK if use_mp else wire.JSON)
+
+
+def error_response(request: Request, e: HTTPError) -> Response:
+    """The error body of `e` (``{"error": {"message", "field", "type"}}``) with its status."""
+    return respond(request, wire.error_body(e.message, e.field, e.kind), e.status)
+
+
+class SamplerService:
+    """The HTTP handlers of the sampler service over one `SamplingEngine` (see the module docstring).
+
+    Each handler decodes the request with `wire`, calls the engine and encodes
+    the answer with `wire`; failures become `HTTPError`s, answered as error bodies.
 
     Args:
       engine: the SamplingEngine (its lock serialises generation and loads).
@@ -110,155 +142,145 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
       token: if set, every request needs ``Authorization: Bearer <token>``.
       max_body_bytes: request bodies above this get 413.
     """
-    import numpy as np
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response
-    from starlette.concurrency import run_in_threadpool
 
-    from pdm_jax.sampler import wire
-    from pdm_jax.sampler import weights as wts
-    from pdm_jax.sampler.engine import RequestError, StaleWeightsError, check_weights_path
+    def __init__(self, engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20):
+        self.engine = engine
+        self.checkpoint_root = checkpoint_root
+        self.token = token
+        self.max_body_bytes = int(max_body_bytes)
+        self.requests = 0
+        self.generated_tokens = 0
+        self.started = time.time()
 
-    app = FastAPI(title="pdm_jax sampler", docs_url=None, redoc_url=None, openapi_url=None)
-    stats = {"requests": 0, "generated_tokens": 0, "started": time.time()}
-
-    def respond(request, payload, status=200):
-        accept = request.headers.get("accept", "")
-        use_mp = wire.is_msgpack(accept) or (not accept or "*/*" in accept) and wire.is_msgpack(
-            request.headers.get("content-type"))
-        return Response(wire.dumps(payload, msgpack=use_mp), status_code=status,
-                        media_type=wire.MSGPACK if use_mp else wire.JSON)
-
-    def error(request, e: HTTPError):
-        return respond(request, {"error": {"message": e.message, "field": e.field, "type": e.kind}}, e.status)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
+    # ------------------------------------------------------------------ middleware
+    async def guard(self, request: Request, call_next) -> Response:
+        """HTTP middleware: bearer token (401) and declared body size (400 bad / 413 too large)."""
         try:
-            if token is not None:
-                auth = request.headers.get("authorization", "")
-                if not hmac.compare_digest(auth.encode(), f"Bearer {token}".encode()):
-                    raise HTTPError(401, "missing or wrong bearer token", kind="unauthorized")
-            cl = request.headers.get("content-length")
-            if cl is not None:
-                try:
-                    n = int(cl)
-                except ValueError:
-                    raise HTTPError(400, f"bad Content-Length {cl!r}")
-                if n > max_body_bytes:
-                    raise HTTPError(413, f"request body of {n} bytes exceeds the limit of {max_body_bytes} bytes",
-                                    kind="too_large")
-            return await call_next(request)
+            self._check_token(request)
+            self._check_content_length(request)
         except HTTPError as e:
-            return error(request, e)
+            return error_response(request, e)
+        return await call_next(request)
 
-    async def read_body(request) -> object:
+    def _check_token(self, request: Request) -> None:
+        if self.token is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if not hmac.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
+            raise HTTPError(401, "missing or wrong bearer token", kind="unauthorized")
+
+    def _check_content_length(self, request: Request) -> None:
+        cl = request.headers.get("content-length")
+        if cl is None:
+            return
+        try:
+            n = int(cl)
+        except ValueError:
+            raise HTTPError(400, f"bad Content-Length {cl!r}")
+        if n > self.max_body_bytes:
+            raise HTTPError(413, f"request body of {n} bytes exceeds the limit of {self.max_body_bytes} bytes",
+                            kind="too_large")
+
+    async def read_body(self, request: Request) -> dict:
+        """The request body decoded by `wire.decode_body`; streamed, cut off at `max_body_bytes` (413).
+
+        Raises:
+          HTTPError: 413 too large, 415 unsupported content type, 400 malformed or not a map.
+        """
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_body_bytes:
-                raise HTTPError(413, f"request body exceeds the limit of {max_body_bytes} bytes", kind="too_large")
+            if size > self.max_body_bytes:
+                raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                                kind="too_large")
             chunks.append(chunk)
-        body = b"".join(chunks)
-        ctype = request.headers.get("content-type", wire.JSON)
-        if not (wire.is_msgpack(ctype) or "json" in ctype.lower()):
-            raise HTTPError(415, f"unsupported Content-Type {ctype!r}; use {wire.JSON} or {wire.MSGPACK}")
         try:
-            obj = wire.loads(body, msgpack=wire.is_msgpack(ctype))
-        except ValueError as e:
-            raise HTTPError(400, str(e), kind="malformed_body")
-        if not isinstance(obj, dict):
-            raise HTTPError(400, f"body must be an object (map), got {type(obj).__name__}", kind="malformed_body")
-        return obj
+            return wire.decode_body(b"".join(chunks), request.headers.get("content-type"))
+        except wire.BodyError as e:
+            raise HTTPError(e.status, str(e), kind=e.kind)
 
-    @app.get("/health")
-    async def health(request: Request):
-        h = dict(engine.health())
-        h.update(requests=stats["requests"], generated_tokens=stats["generated_tokens"],
-                 uptime_s=time.time() - stats["started"])
-        return respond(request, h)
+    # ------------------------------------------------------------------ endpoints
+    async def health(self, request: Request) -> Response:
+        """``GET /health``: the engine's health plus request counters and uptime."""
+        return respond(request, wire.health_with_stats(
+            self.engine.health(), requests=self.requests, generated_tokens=self.generated_tokens,
+            uptime_s=time.time() - self.started))
 
-    gen_fields = {"prompt", "n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "logprobs",
-                  "seed", "model", "stream"}
-
-    @app.post("/v1/generate")
-    async def generate(request: Request):
+    async def generate(self, request: Request) -> Response:
+        """``POST /v1/generate``: decode (`wire.GenerateRequest`), validate, generate, encode (422 names the field)."""
         try:
-            body = await read_body(request)
-            unknown = sorted(set(body) - gen_fields)
-            if unknown:
-                raise HTTPError(422, f"unknown field(s) {unknown}", field=unknown[0])
-            if body.get("stream"):
-                raise HTTPError(422, "streaming is not supported", field="stream")
-            if "prompt" not in body:
-                raise HTTPError(422, "missing required field 'prompt'", field="prompt")
-            prompts = body["prompt"]
-            if isinstance(prompts, np.ndarray):
-                prompts = prompts.tolist()
-            if isinstance(prompts, list) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in prompts):
-                prompts = [prompts]  # a single prompt, as vLLM accepts
-            top_k = body.get("top_k", 0)
-            if top_k == -1:
-                top_k = 0
-            kwargs = dict(n=body.get("n", 1), temperature=body.get("temperature", 1.0),
-                          max_new_tokens=body.get("max_tokens", 16), top_k_logprobs=body.get("logprobs", 0) or 0,
-                          stop_token_ids=body.get("stop_token_ids") or [], seed=body.get("seed"),
-                          top_p=body.get("top_p", 1.0), top_k=top_k)
-            if not isinstance(kwargs["stop_token_ids"], list):
-                raise HTTPError(422, "must be a list of token ids", field="stop_token_ids")
-            try:
-                engine.validate(prompts, **kwargs)
-                batch = await run_in_threadpool(engine.generate, prompts, **kwargs)
-            except RequestError as e:
-                raise HTTPError(422, str(e), field=e.field)
+            req = wire.GenerateRequest.from_wire(await self.read_body(request))
+            self.engine.validate(req.prompts, **req.engine_kwargs())
+            batch = await run_in_threadpool(self.engine.generate, req.prompts, **req.engine_kwargs())
+        except wire.RequestError as e:
+            return error_response(request, HTTPError(422, str(e), field=e.field))
         except HTTPError as e:
-            return error(request, e)
-        lengths = batch.completion_mask.sum(axis=1)
-        choices = []
-        for r in range(batch.num_sequences):
-            t = int(lengths[r])
-            choices.append({
-                "index": r, "prompt_index": int(batch.group_ids[r]),
-                "token_ids": batch.completion_ids[r, :t], "logprobs": batch.behavior_logprobs[r, :t],
-                "top_logprobs": {"ids": batch.topk_ids[r, :t], "logprobs": batch.topk_logprobs[r, :t]},
-                "finish_reason": str(batch.finish_reason[r]), "weights_version": int(batch.weights_version[r])})
-        stats["requests"] += 1
-        stats["generated_tokens"] += int(lengths.sum())
-        version = int(batch.weights_version[0])
-        return respond(request, {
-            "object": "text_completion", "model": engine.health()["model"], "weights_version": version,
-            "choices": choices,
-            # As vLLM: each prompt counted once, however many samples (n) it has.
-            "usage": {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": int(lengths.sum())}})
+            return error_response(request, e)
+        resp = wire.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
+        self.requests += 1
+        self.generated_tokens += resp.completion_tokens
+        return respond(request, resp.to_wire())
 
-    @app.post("/v1/weights")
-    async def load_weights(request: Request):
+    async def load_weights(self, request: Request) -> Response:
+        """``POST /v1/weights``: 403 outside the root, 404 missing/incomplete, 409 stale or other version."""
         try:
-            body = await read_body(request)
-            path, version = body.get("path"), body.get("version")
-            if not isinstance(path, str) or not path:
-                raise HTTPError(422, f"must be a non-empty string, got {path!r}", field="path")
-            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-                raise HTTPError(422, f"must be an integer >= 0, got {version!r}", field="version")
-            try:
-                full = check_weights_path(path, checkpoint_root)
-            except wts.WeightsError as e:
-                raise HTTPError(403, str(e), field="path", kind="forbidden_path")
-            if not os.path.isdir(full) or not os.path.isfile(os.path.join(full, wts.META_FILE)):
-                raise HTTPError(404, f"weights path {path!r} does not exist or is incomplete "
-                                f"(no {wts.META_FILE})", field="path", kind="not_found")
-            try:
-                info = await run_in_threadpool(engine.load_weights, full, version)
-            except StaleWeightsError as e:
-                raise HTTPError(409, str(e), field="version", kind="stale_version")
-            except wts.WeightsError as e:
-                status = 409 if "version" in str(e) else 422
-                raise HTTPError(status, str(e), field="version" if status == 409 else "path", kind="bad_weights")
+            req = wire.LoadWeightsRequest.from_wire(await self.read_body(request))
+            full = self._weights_dir(req.path)
+            info = await run_in_threadpool(self._load, full, req.version)
+        except wire.RequestError as e:
+            return error_response(request, HTTPError(422, str(e), field=e.field))
         except HTTPError as e:
-            return error(request, e)
-        return respond(request, {"status": "ok", **info})
+            return error_response(request, e)
+        return respond(request, wire.weights_response(info))
 
+    def _weights_dir(self, path: str) -> str:
+        """`path` resolved under the checkpoint root; HTTPError 403 (outside / ``..``) or 404 (incomplete)."""
+        # heavy (import JAX); already loaded once an engine exists, deferred for parse_args / --help
+        from pdm_jax.sampler import weights as wts
+        from pdm_jax.sampler.engine import check_weights_path
+
+        try:
+            full = check_weights_path(path, self.checkpoint_root)
+        except wts.WeightsError as e:
+            raise HTTPError(403, str(e), field=wire.PATH, kind="forbidden_path")
+        if not os.path.isdir(full) or not os.path.isfile(os.path.join(full, wts.META_FILE)):
+            raise HTTPError(404, f"weights path {path!r} does not exist or is incomplete "
+                            f"(no {wts.META_FILE})", field=wire.PATH, kind="not_found")
+        return full
+
+    def _load(self, full: str, version: int) -> dict:
+        """`engine.load_weights`; HTTPError 409 for a stale or mismatched version, 422 for unusable weights."""
+        # heavy (import JAX); already loaded once an engine exists, deferred for parse_args / --help
+        from pdm_jax.sampler import weights as wts
+        from pdm_jax.sampler.engine import StaleWeightsError
+
+        try:
+            return self.engine.load_weights(full, version)
+        except StaleWeightsError as e:
+            raise HTTPError(409, str(e), field=wire.VERSION, kind="stale_version")
+        except wts.WeightsError as e:
+            status = 409 if "version" in str(e) else 422  # a message about the version (not a wire field)
+            raise HTTPError(status, str(e), field=wire.VERSION if status == 409 else wire.PATH, kind="bad_weights")
+
+
+def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20):
+    """The FastAPI app serving `engine` (a SamplingEngine) through a `SamplerService`.
+
+    Args:
+      engine: the SamplingEngine (its lock serialises generation and loads).
+      checkpoint_root: directory `/v1/weights` may load from.
+      token: if set, every request needs ``Authorization: Bearer <token>``.
+      max_body_bytes: request bodies above this get 413.
+    Returns:
+      a ``fastapi.FastAPI`` application.
+    """
+    service = SamplerService(engine, checkpoint_root=checkpoint_root, token=token, max_body_bytes=max_body_bytes)
+    app = FastAPI(title="pdm_jax sampler", docs_url=None, redoc_url=None, openapi_url=None)
+    app.middleware("http")(service.guard)
+    app.get("/health")(service.health)
+    app.post("/v1/generate")(service.generate)
+    app.post("/v1/weights")(service.load_weights)
+    app.state.service = service
     return app
 
 
@@ -268,9 +290,6 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
     A trainer killed with SIGKILL cannot stop its sampler; without this the
     sampler would live on as an orphan holding memory and a port.
     """
-    import threading
-    import time
-
     def watch():
         while True:
             if os.getppid() != parent_pid:
@@ -286,8 +305,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
+    # heavy (JAX, Flax): imported only after the flags are checked, so that --help and bad flags answer fast
+    from flax import nnx
 
+    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
     from pdm_jax.sampler import weights as wts
     from pdm_jax.sampler.engine import SamplingEngine
 
@@ -301,10 +322,6 @@ def main(argv=None) -> None:
             version = int(wts.read_meta(args.weights)["version"])
     else:
         version = 0 if version is None else version
-        from flax import nnx
-
-        from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(args.init_seed)), nnx.Param))
     engine = SamplingEngine(config, params, quantization=args.quantization, version=version,
                             weights_path=args.weights, max_prompt_length=args.max_prompt_length,

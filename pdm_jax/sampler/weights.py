@@ -24,6 +24,10 @@ from typing import Any, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 
 META_FILE = "weights_meta.json"
 PARAMS_DIR = "params"
@@ -36,8 +40,6 @@ class WeightsError(ValueError):
 
 def to_pure_dict(model_or_state: Any) -> dict:
     """The ``nnx.Param`` state of a model (or an nnx.State / nested dict) as a nested pure dict."""
-    from flax import nnx
-
     if isinstance(model_or_state, nnx.Module):
         return nnx.to_pure_dict(nnx.state(model_or_state, nnx.Param))
     if isinstance(model_or_state, nnx.State):
@@ -48,8 +50,6 @@ def to_pure_dict(model_or_state: Any) -> dict:
 
 
 def _checkpointer():
-    import orbax.checkpoint as ocp
-
     return ocp.StandardCheckpointer()
 
 
@@ -117,10 +117,6 @@ def read_meta(path: str) -> dict:
 
 def abstract_params(config, dtype=jnp.float32) -> dict:
     """Shapes/dtypes (jax.ShapeDtypeStruct) of the Qwen3 parameters for `config`, as a pure dict."""
-    from flax import nnx
-
-    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-
     abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
     return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
 

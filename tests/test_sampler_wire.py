@@ -1,0 +1,208 @@
+"""pdm_jax.sampler.wire: the sampler's HTTP schema, without a server or an engine.
+
+Round trips of requests and responses through both body codecs, the exact JSON
+layout of a response (the bytes the server sends), and validation errors that
+name fields by their wire names.
+"""
+import json
+
+import msgpack
+import numpy as np
+import pytest
+
+from pdm_jax.rollout import RolloutBatch
+from pdm_jax.sampler import wire
+from pdm_jax.sampler.client import response_to_batch
+
+CODECS = [pytest.param(False, id="json"), pytest.param(True, id="msgpack")]
+BATCH_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behavior_logprobs", "topk_ids",
+                "topk_logprobs", "weights_version", "group_ids", "finish_reason")
+
+
+def through(obj, use_msgpack):
+    return wire.loads(wire.dumps(obj, msgpack=use_msgpack), msgpack=use_msgpack)
+
+
+def make_batch(k=3):
+    """Two prompts (lengths 3 and 1) x n=2, completions of lengths 2, 3, 1, 3 (T = 3), as the engine lays them out."""
+    prompts = [[5, 6, 7], [9]]
+    lengths = [2, 3, 1, 3]
+    n, t, p = 4, 3, 3
+    rng = np.random.default_rng(0)
+    mask = np.arange(t)[None, :] < np.array(lengths)[:, None]
+    prompt_ids = np.zeros((n, p), np.int32)
+    prompt_mask = np.zeros((n, p), bool)
+    for r in range(n):
+        pr = prompts[r // 2]
+        prompt_ids[r, p - len(pr):] = pr
+        prompt_mask[r, p - len(pr):] = True
+    topk_lp = np.where(mask[..., None], -rng.random((n, t, k), np.float32) * 3, 0.0).astype(np.float32)
+    if k >= 3:
+        topk_lp[0, 1, 2] = -np.inf  # an id removed by top-k/top-p filtering
+    batch = RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+        completion_ids=np.where(mask, rng.integers(1, 30, (n, t)), 0).astype(np.int32), completion_mask=mask,
+        behavior_logprobs=np.where(mask, -rng.random((n, t), np.float32), 0.0).astype(np.float32),
+        topk_ids=np.where(mask[..., None], rng.integers(0, 30, (n, t, k)), 0).astype(np.int32), topk_logprobs=topk_lp,
+        weights_version=np.array([7, 7, 7, 8], np.int32), group_ids=np.array([0, 0, 1, 1], np.int32),
+        finish_reason=np.array(["stop", "length", "stop", "length"], dtype=object))
+    return prompts, batch
+
+
+def assert_batches_equal(a, b):
+    for f in BATCH_FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.shape == y.shape and x.dtype == y.dtype, (f, x.shape, y.shape, x.dtype, y.dtype)
+        np.testing.assert_array_equal(x, y, err_msg=f)
+
+
+# ----------------------------------------------------------------------------- requests
+@pytest.mark.parametrize("use_msgpack", CODECS)
+def test_generate_request_round_trip(use_msgpack):
+    req = wire.GenerateRequest(prompts=[[1, 2, 3], [4]], n=2, temperature=0.7, max_new_tokens=12, top_k_logprobs=5,
+                               stop_token_ids=[3, 9], seed=2**63 - 1, top_p=0.9, top_k=4)
+    body = through(req.to_wire(), use_msgpack)
+    assert body["max_tokens"] == 12 and body["logprobs"] == 5 and "max_new_tokens" not in body
+    assert wire.GenerateRequest.from_wire(body) == req
+    assert req.engine_kwargs() == dict(n=2, temperature=0.7, max_new_tokens=12, top_k_logprobs=5,
+                                       stop_token_ids=[3, 9], seed=2**63 - 1, top_p=0.9, top_k=4)
+    assert req.prompt_tokens == 4
+
+
+def test_generate_request_defaults_and_vllm_forms():
+    req = wire.GenerateRequest.from_wire({"prompt": [1, 2], "top_k": -1, "logprobs": None, "model": "x",
+                                          "stream": False})
+    assert req == wire.GenerateRequest(prompts=[[1, 2]], n=1, temperature=1.0, max_new_tokens=16, top_k_logprobs=0,
+                                       stop_token_ids=[], seed=None, top_p=1.0, top_k=0)
+    packed = wire.GenerateRequest.from_wire(through({"prompt": np.array([[1, 2], [3, 4]], np.int32)}, True))
+    assert packed.prompts == [[1, 2], [3, 4]]
+    # values are carried as given; their checks are the engine's (validate_request)
+    assert wire.GenerateRequest.from_wire({"prompt": [[1]], "n": None}).n is None
+
+
+@pytest.mark.parametrize("body,field,words", [
+    ({"prompt": [[1]], "bogus": 1, "zzz": 2}, "bogus", "unknown field"),
+    ({"prompt": [[1]], "stream": True}, "stream", "not supported"),
+    ({"n": 1}, "prompt", "missing"),
+    ({"prompt": [[1]], "stop_token_ids": 3}, "stop_token_ids", "list"),
+])
+def test_generate_request_structure_errors_name_the_wire_field(body, field, words):
+    with pytest.raises(wire.RequestError) as e:
+        wire.GenerateRequest.from_wire(body)
+    assert e.value.field == field and str(e.value).startswith(f"{field}: ") and words in str(e.value)
+
+
+LIMITS = dict(vocab_size=32, max_prompt_length=8, max_new_tokens_limit=16, max_stop_tokens=4, max_sequences=64)
+OK_KW = dict(n=1, temperature=1.0, max_new_tokens=4, top_k_logprobs=2, stop_token_ids=[], seed=None, top_p=1.0,
+             top_k=0)
+
+
+@pytest.mark.parametrize("prompts,kw,field", [
+    ([], {}, "prompt"),
+    ([[1] * 9], {}, "prompt"),
+    ([[32]], {}, "prompt"),
+    ([[1]], dict(n=0), "n"),
+    ([[1]] * 9, dict(n=8), "n"),
+    ([[1]], dict(temperature=-1.0), "temperature"),
+    ([[1]], dict(temperature=1e-9), "temperature"),
+    ([[1]], dict(top_p=0.0), "top_p"),
+    ([[1]], dict(top_k=-1), "top_k"),
+    ([[1]], dict(max_new_tokens=0), "max_tokens"),     # Python max_new_tokens, wire max_tokens
+    ([[1]], dict(max_new_tokens=17), "max_tokens"),
+    ([[1]], dict(top_k_logprobs=33), "logprobs"),      # Python top_k_logprobs, wire logprobs
+    ([[1]], dict(stop_token_ids=[1, 2, 3, 4, 5]), "stop_token_ids"),
+    ([[1]], dict(stop_token_ids=[32]), "stop_token_ids"),
+    ([[1]], dict(seed=2**63), "seed"),
+])
+def test_validation_errors_name_the_wire_field(prompts, kw, field):
+    with pytest.raises(wire.RequestError) as e:
+        wire.validate_request(prompts, **{**OK_KW, **kw}, **LIMITS)
+    assert e.value.field == field and str(e.value).startswith(f"{field}: ")
+    assert wire.validate_request([(1, 2), np.array([3])], **OK_KW, **LIMITS) == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("use_msgpack", CODECS)
+def test_load_weights_request_round_trip_and_errors(use_msgpack):
+    req = wire.LoadWeightsRequest("weights/3", 3)
+    assert wire.LoadWeightsRequest.from_wire(through(req.to_wire(), use_msgpack)) == req
+    for body, field in (({"version": 1}, "path"), ({"path": "", "version": 1}, "path"),
+                        ({"path": "w", "version": -1}, "version"), ({"path": "w", "version": True}, "version"),
+                        ({"path": "w"}, "version")):
+        with pytest.raises(wire.RequestError) as e:
+            wire.LoadWeightsRequest.from_wire(body)
+        assert e.value.field == field and str(e.value).startswith(f"{field}: ")
+
+
+# ----------------------------------------------------------------------------- responses
+@pytest.mark.parametrize("use_msgpack", CODECS)
+@pytest.mark.parametrize("k", [3, 0])
+def test_generate_response_round_trip(use_msgpack, k):
+    prompts, batch = make_batch(k)
+    resp = wire.GenerateResponse(batch, model="qwen3(test)", prompt_tokens=4)
+    assert resp.weights_version == 7 and resp.completion_tokens == 9
+    body = through(resp.to_wire(), use_msgpack)
+    back = wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=k)
+    assert back.model == "qwen3(test)" and back.prompt_tokens == 4 and back.weights_version == 7
+    assert_batches_equal(back.batch, batch)
+    assert np.isneginf(back.batch.topk_logprobs).sum() == (1 if k else 0)
+    assert_batches_equal(response_to_batch(prompts, body, top_k_logprobs=k), batch)
+
+
+def test_generate_response_json_layout_is_the_vllm_shaped_schema():
+    prompts, batch = make_batch(k=1)
+    got = json.loads(wire.dumps(wire.GenerateResponse(batch, model="m", prompt_tokens=4).to_wire(), msgpack=False))
+    assert list(got) == ["object", "model", "weights_version", "choices", "usage"]
+    assert got["object"] == "text_completion" and got["weights_version"] == 7
+    assert got["usage"] == {"prompt_tokens": 4, "completion_tokens": 9}
+    c = got["choices"][3]
+    assert list(c) == ["index", "prompt_index", "token_ids", "logprobs", "top_logprobs", "finish_reason",
+                       "weights_version"]
+    assert c["index"] == 3 and c["prompt_index"] == 1 and c["finish_reason"] == "length" and c["weights_version"] == 8
+    assert c["token_ids"] == batch.completion_ids[3].tolist()
+    np.testing.assert_allclose(c["logprobs"], batch.behavior_logprobs[3])
+    assert list(c["top_logprobs"]) == ["ids", "logprobs"] and c["top_logprobs"]["ids"] == batch.topk_ids[3].tolist()
+    assert len(got["choices"][2]["token_ids"]) == 1  # cut to the completion length
+
+
+def test_response_without_usage_or_model_and_out_of_order_choices():
+    prompts, batch = make_batch()
+    body = through(wire.GenerateResponse(batch, model="m", prompt_tokens=4).to_wire(), True)
+    del body["usage"], body["model"]
+    body["choices"] = body["choices"][::-1]
+    for c in body["choices"]:
+        del c["weights_version"]  # falls back to the response-level version
+    back = wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3)
+    assert back.model == "" and back.prompt_tokens == 4
+    np.testing.assert_array_equal(back.batch.weights_version, [7, 7, 7, 7])
+    np.testing.assert_array_equal(back.batch.completion_ids, batch.completion_ids)
+
+
+# ----------------------------------------------------------------------------- bodies, errors, health
+def test_decode_body_statuses():
+    assert wire.decode_body(b'{"a": 1}', None) == {"a": 1}
+    assert wire.decode_body(msgpack.packb({"a": 1}), "application/x-msgpack") == {"a": 1}
+    for body, ctype, status, words in ((b"a=1", "text/plain", 415, "Content-Type"), (b"{", "application/json", 400,
+                                       "malformed JSON"), (b"\xc1", wire.MSGPACK, 400, "malformed msgpack"),
+                                       (b"[1]", "application/json", 400, "object (map)")):
+        with pytest.raises(wire.BodyError) as e:
+            wire.decode_body(body, ctype)
+        assert e.value.status == status and words in str(e.value)
+    assert wire.response_is_msgpack("application/msgpack", None)
+    assert wire.response_is_msgpack("*/*", wire.MSGPACK) and wire.response_is_msgpack(None, wire.MSGPACK)
+    assert not wire.response_is_msgpack("application/json", wire.MSGPACK)
+
+
+@pytest.mark.parametrize("use_msgpack", CODECS)
+def test_error_and_health_bodies(use_msgpack):
+    body = through(wire.error_body("max_tokens: too many", "max_tokens", "invalid_request"), use_msgpack)
+    assert body == {"error": {"message": "max_tokens: too many", "field": "max_tokens", "type": "invalid_request"}}
+    assert wire.decode_error(body) == ("max_tokens: too many", "max_tokens")
+    assert wire.decode_error("busy") == ("busy", None) and wire.error_detail("busy") == "busy"
+    h = wire.health_with_stats(wire.health_body(model="m", quantization="fp8", version=3, compute_dtype="bfloat16",
+                                                vocab_size=32, max_prompt_length=8, max_new_tokens=16,
+                                                weights_path=None), requests=1, generated_tokens=5, uptime_s=0.5)
+    assert list(h) == ["status", "model", "quantization", "version", "compute_dtype", "vocab_size",
+                       "max_prompt_length", "max_new_tokens", "weights_path", "requests", "generated_tokens",
+                       "uptime_s"]
+    assert wire.weights_response(wire.weights_loaded(version=3, path="/w", seconds=0.1, reloaded=False)) == {
+        "status": "ok", "version": 3, "path": "/w", "seconds": 0.1, "reloaded": False}
