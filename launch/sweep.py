@@ -52,19 +52,29 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from typing import Iterable, Optional
 
+import numpy as np
+
+from pdm_jax import trust_region as tr
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: The ``criterion`` axis: direction test of the mask (ratio = DPPO, predictive = PDM with an estimator).
+
+def _criterion_items(criterion: str) -> str:
+    """``key=value`` config-argument items selecting a `pdm_jax.trust_region.DIRECTION_CRITERIA` name."""
+    return ",".join(f"{k}={v}" for k, v in tr.criterion_settings(criterion).items())
+
+
+#: The ``criterion`` axis -> config-argument items: the trust-region direction criteria (``ratio`` = DPPO;
+#: ``pdm_<estimator>`` = PDM with that estimator; `pdm_jax.trust_region.criterion_settings`), then the masks
+#: without a divergence direction test (``ppo``, ``none``).
 CRITERIA = {
-    "ratio": "mask=dppo",
-    "pdm_aggregated_tail": "mask=pdm,estimator=aggregated_tail",
-    "pdm_uniform_tail": "mask=pdm,estimator=uniform_tail",
-    "pdm_bucket_exact": "mask=pdm,estimator=bucket_exact",
+    **{(c if c == "ratio" else f"pdm_{c}"): _criterion_items(c) for c in tr.DIRECTION_CRITERIA},
     "ppo": "mask=ppo",
     "none": "mask=none",
 }
@@ -240,8 +250,6 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
       valid when the other axes change nothing before the RL phase (trust
       region, RL settings). None: every run does its own warm start.
     """
-    import shutil
-
     out = os.path.abspath(out)  # the runs execute in code_dir
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ)
@@ -366,7 +374,7 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
     m = sum(xs) / len(xs)
     if len(xs) < 2:
         return m, float("nan")
-    from scipy import stats
+    from scipy import stats  # heavy (~1 s; comes with jax, not a declared dependency), needed only here
 
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
     return m, float(stats.t.ppf(0.975, len(xs) - 1) * sd / math.sqrt(len(xs)))
@@ -438,11 +446,11 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
 def plot_sweep(runs: list[dict], out: str, seed_key: str = "seed", smooth: int = 5) -> Optional[str]:
     """``<out>/sweep_curves.png``: per group (grid point without the seed), the seed-mean training reward
     (moving average over `smooth` steps) and held-out accuracy against the RL step. Returns the path or None."""
+    # Heavy (~1 s), and the Agg backend must be selected before pyplot is imported: only when plotting.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     groups: dict = {}
     for run in runs:

@@ -70,12 +70,21 @@ __all__ = [
     "kl_directional_derivative", "full_kl_directional_derivative", "autodiff_directional_derivative",
     "policy_gradient_direction", "token_logprobs", "token_logprobs_and_ratio",
     "trust_region_mask", "trust_region_mask_and_logprobs", "validate_topk",
+    "DIRECTION_CRITERIA", "criterion_settings", "trust_region_radius",
 ]
 
 MASK_MODES = ("none", "ppo", "dppo", "pdm")
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "topk_reverse_kl")
 CLOSED_FORM_ESTIMATORS = ("aggregated_tail", "uniform_tail", "bucket_exact")
 ESTIMATORS = CLOSED_FORM_ESTIMATORS + ("autodiff",)
+#: The direction criteria of the top-K KL mask, M_t = 0 iff D_t > delta_A and
+#: A_t * dir_t > 0 (DESIGN.md section 2): ``"ratio"`` is dir = r - 1 (DPPO,
+#: ``mask="dppo"``); each closed-form estimator name is dir = D' with that
+#: estimator (PDM, ``mask="pdm"``). :func:`criterion_settings` maps a name to
+#: its :class:`TrustRegionConfig` fields; the alignment analysis
+#: (``pdm_jax.analysis.alignment``) compares these criteria token by token and
+#: the sweep runner's ``criterion`` axis (``launch/sweep.py``) trains with them.
+DIRECTION_CRITERIA = ("ratio",) + CLOSED_FORM_ESTIMATORS
 NONFINITE_POLICIES = ("mask", "error")
 
 #: Floor on mu used by :func:`topk_reverse_kl` only (KL(pi||mu) is infinite
@@ -642,6 +651,27 @@ class TrustRegionConfig:
         return self.delta if self.delta_high is None else self.delta_high
 
 
+def criterion_settings(criterion: str) -> dict:
+    """The :class:`TrustRegionConfig` fields that select a direction criterion.
+
+    Args:
+      criterion: a name in :data:`DIRECTION_CRITERIA`.
+
+    Returns:
+      A new dict of config fields, in this order: ``{"mask": "dppo"}`` for
+      ``"ratio"``; ``{"mask": "pdm", "estimator": criterion}`` for a closed-form
+      estimator. Every other field (divergence, delta, ...) is left to the caller.
+
+    Raises:
+      ValueError: naming the criterion and the allowed names.
+    """
+    if criterion == "ratio":
+        return {"mask": "dppo"}
+    if criterion in CLOSED_FORM_ESTIMATORS:
+        return {"mask": "pdm", "estimator": criterion}
+    raise ValueError(f"direction criterion must be one of {DIRECTION_CRITERIA}, got {criterion!r}")
+
+
 # --------------------------------------------------------------------------- #
 # The mask                                                                     #
 # --------------------------------------------------------------------------- #
@@ -695,6 +725,31 @@ def sanitize_inputs(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, 
             jnp.where(keep[..., None], clip(topk_ids), filler_ids),
             jnp.where(keep[..., None], jnp.asarray(topk_logprobs).astype(_F32), uniform_lp),
             jnp.where(keep, jnp.asarray(behavior_logprobs).astype(_F32), uniform_lp))
+
+
+def trust_region_radius(advantages, delta: float, delta_low: Optional[float] = None,
+                        delta_high: Optional[float] = None) -> jax.Array:
+    """The per-token radius delta_A: delta_low where A < 0, delta_high where A > 0, delta where A = 0.
+
+    DESIGN.md section 1 (``delta``, optionally ``delta_low``/``delta_high`` by
+    the sign of the advantage). Every per-token radius is computed here: by the
+    mask (:func:`trust_region_mask_and_logprobs`) and by the alignment analysis
+    (``pdm_jax.analysis.alignment.token_analysis``).
+
+    Args:
+      advantages: ``[...]`` (usually ``[B,T]``) advantages A, any float dtype;
+        NaN gets ``delta`` (neither < 0 nor > 0).
+      delta: radius in the divergence's units (python float).
+      delta_low / delta_high: radius where A < 0 / A > 0; None means ``delta``
+        (as in :class:`TrustRegionConfig`).
+
+    Returns:
+      ``[...]`` f32, the shape of ``advantages``.
+    """
+    adv = jnp.asarray(advantages)
+    low = delta if delta_low is None else delta_low
+    high = delta if delta_high is None else delta_high
+    return jnp.where(adv < 0, low, jnp.where(adv > 0, high, delta)).astype(_F32)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -761,8 +816,7 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
     nonfinite = valid & ~bad_ids & (bad_input | bad_math)
     good = valid & ~bad_ids & ~bad_input & ~bad_math
 
-    radius = jnp.where(adv_safe < 0, config.radius_low,
-                       jnp.where(adv_safe > 0, config.radius_high, config.delta)).astype(_F32)
+    radius = trust_region_radius(adv_safe, config.delta, config.delta_low, config.delta_high)
     if config.mask == "ppo":
         ratio = jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         outside = (ratio < 1.0 - config.clip_eps_low) | (ratio > 1.0 + config.clip_eps_high)

@@ -3,13 +3,22 @@
 import math
 import os
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from pdm_jax import train_step as ts
+from pdm_jax import trust_region as tr
 from pdm_jax.analysis import alignment as al
+from pdm_jax.analysis import report
+from pdm_jax.analysis.callback import AlignmentCallback, isolated_changes
+from pdm_jax.metrics import read_metrics
+from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,11 +151,11 @@ def test_fidelity_exact_when_the_tail_has_at_most_one_token():
     zq = z + jnp.asarray(rng.normal(size=(3, 7, 5)) * 0.3, jnp.float32)
     tokens = jnp.asarray(rng.integers(0, 5, size=(3, 7)), jnp.int32)
     f = jax.device_get(al.fidelity_analysis(z, zq, tokens, jnp.ones((3, 7), bool), k=4))
-    for name in al.ESTIMATORS:
+    for name in tr.CLOSED_FORM_ESTIMATORS:
         np.testing.assert_allclose(f[f"dir_{name}"], f["dir_full"], rtol=2e-4, atol=2e-6)
         assert f[f"agree_{name}"].all()
     counts = al.fidelity_counts(f)
-    assert counts["n"].sum() == 21 and all(counts[e].sum() == 21 for e in al.ESTIMATORS)
+    assert counts["n"].sum() == 21 and all(counts[e].sum() == 21 for e in tr.CLOSED_FORM_ESTIMATORS)
 
 
 def test_fidelity_bins_count_tail_mass():
@@ -163,10 +172,6 @@ def test_fidelity_bins_count_tail_mass():
 
 
 def _tiny_model(seed=0):
-    from flax import nnx
-
-    from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
-
     cfg = Qwen3Config(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8, max_position_embeddings=32, tie_word_embeddings=True)
     return nnx.split(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)))
@@ -174,10 +179,6 @@ def _tiny_model(seed=0):
 
 def test_isolated_step_matches_autodiff_reference():
     """iso_first_order = −∇D·∇ℓ/‖∇ℓ‖ (independent grads), and the finite step ≈ ε × first order."""
-    from pdm_jax import train_step as ts
-    from pdm_jax import trust_region as tr
-    from pdm_jax.analysis.callback import isolated_changes
-
     graphdef, params = _tiny_model()
     rng = np.random.default_rng(1)
     n, p, t, k = 2, 3, 4, 2
@@ -222,11 +223,7 @@ def test_isolated_step_matches_autodiff_reference():
 @pytest.mark.slow
 def test_analysis_changes_nothing_in_training(tmp_path):
     """Two short in-process runs, with and without the callback: identical training metrics and weights."""
-    from test_trainer import tiny_test_config
-
-    from pdm_jax.analysis.callback import AlignmentCallback
-    from pdm_jax.metrics import read_metrics
-    from pdm_jax.trainer import Trainer
+    from test_trainer import tiny_test_config  # a sibling test module (tests/ is put on sys.path above)
 
     overrides = {"sampler.mode": "in_process", "rl.steps": 2, "sft.steps": 4, "rl.num_iterations": 2,
                  "rl.max_staleness": 1, "trust_region.delta": 1e-4, "eval.num_prompts": 4,
@@ -268,7 +265,7 @@ def _synthetic_seed(seed, rng):
     keep_pred = keep_ratio & ~(inc & (rng.random(n) < 0.3))  # drop 30% of the unsafe keeps
     rec = dict(delta_d=dd, keep_ratio=keep_ratio, iso_delta_d=np.where(np.arange(n) < 50, dd, np.nan),
                iso_first_order=np.where(np.arange(n) < 50, dd, np.nan))
-    for c in al.ESTIMATORS:
+    for c in tr.CLOSED_FORM_ESTIMATORS:
         rec[f"keep_{c}"] = keep_pred
     steps = [dict(num_valid=400, num_outside=n, num_selected=n, behavior_logprob_max_err=1e-6,
                   behavior_version_lag=1)]
@@ -280,8 +277,6 @@ def _synthetic_seed(seed, rng):
 
 
 def test_report_from_synthetic_seeds(tmp_path):
-    from pdm_jax.analysis import report
-
     rng = np.random.default_rng(0)
     seeds = [_synthetic_seed(s, rng) for s in range(4)]
     per_seed = report.seed_rates(seeds)
@@ -304,13 +299,6 @@ def test_report_from_synthetic_seeds(tmp_path):
 def test_behavior_logits_follow_weights_version_with_counted_fallback():
     """Rows use the weights version the batch names; a version that is not kept falls back to the
     best log-μ match among the kept ones and is counted."""
-    import types
-
-    from flax import nnx
-
-    from pdm_jax.analysis.callback import AlignmentCallback
-    from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-
     cfg = Qwen3Config(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
     trainer = types.SimpleNamespace(

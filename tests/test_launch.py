@@ -10,6 +10,9 @@ import sys
 
 import pytest
 
+from pdm_jax import trust_region as tr
+from pdm_jax.config import apply_arg, get_base_config
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,14 +39,25 @@ def test_issue_sweep_expands_to_18_config_strings():
     r = by_name["delta=0.15_criterion=pdm_bucket_exact_seed=2"]
     assert r["arg"].endswith("delta=0.15,mask=pdm,estimator=bucket_exact,seed=2")
     # Every argument string is accepted by the config's own parser and sets what it says.
-    from pdm_jax.config import apply_arg, get_base_config
-
     c = apply_arg(get_base_config(), r["arg"])
     assert (c.trust_region.delta, c.trust_region.mask, c.trust_region.estimator, c.seed) == (0.15, "pdm", "bucket_exact", 2)
     assert c.rl.max_staleness == 1 and c.rl.num_iterations == 2
     cmd = sweep.train_command(r, "/tmp/wd")
     assert cmd[1:3] == ["-m", "pdm_jax.train"] and "--workdir=/tmp/wd" in cmd
     assert "--config.sampler.mode=in_process" in cmd
+
+
+def test_criterion_axis_selects_the_trust_region_direction_criteria():
+    """The sweep's criterion names map onto pdm_jax.trust_region's criteria and their config fields."""
+    assert list(sweep.CRITERIA) == ["ratio", "pdm_aggregated_tail", "pdm_uniform_tail", "pdm_bucket_exact", "ppo",
+                                    "none"]
+    for name in tr.DIRECTION_CRITERIA:
+        items = sweep.CRITERIA[name if name == "ratio" else f"pdm_{name}"]
+        c = apply_arg(get_base_config(), items)
+        assert {k: c.trust_region[k] for k in tr.criterion_settings(name)} == tr.criterion_settings(name)
+    assert sweep.CRITERIA["pdm_uniform_tail"] == "mask=pdm,estimator=uniform_tail"
+    assert (sweep.CRITERIA["ratio"], sweep.CRITERIA["ppo"], sweep.CRITERIA["none"]) == ("mask=dppo", "mask=ppo",
+                                                                                         "mask=none")
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -532,6 +532,40 @@ def test_pdm_and_dppo_masks_differ_somewhere():
     assert float(s["frac_direction_disagree"]) > 0
 
 
+def test_trust_region_radius_by_advantage_sign():
+    """delta_low where A < 0, delta_high where A > 0, delta where A = 0 (or NaN); None means delta."""
+    adv = np.array([[-2.0, 0.0, 3.0], [-1e-30, -0.0, 1e-30], [np.nan, -np.inf, np.inf]], np.float32)
+    want = np.array([[0.02, 0.05, 0.1], [0.02, 0.05, 0.1], [0.05, 0.02, 0.1]], np.float32)
+    got = tr.trust_region_radius(adv, 0.05, delta_low=0.02, delta_high=0.1)
+    assert got.dtype == jnp.float32 and got.shape == adv.shape
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(tr.trust_region_radius(adv, 0.05)), np.full(adv.shape, 0.05, np.float32))
+    only_low = np.asarray(tr.trust_region_radius(adv[0], 0.05, delta_low=0.02))  # [B] advantages, delta_high = delta
+    np.testing.assert_array_equal(only_low, np.array([0.02, 0.05, 0.05], np.float32))
+    only_high = np.asarray(tr.trust_region_radius(jnp.asarray(adv[0], jnp.bfloat16), 0.05, delta_high=0.1))
+    np.testing.assert_array_equal(only_high, np.array([0.05, 0.05, 0.1], np.float32))  # f32 radius for bf16 A
+    jitted = jax.jit(tr.trust_region_radius, static_argnums=(1, 2, 3))(adv, 0.05, 0.02, 0.1)
+    np.testing.assert_array_equal(np.asarray(jitted), want)
+    # The config's per-sign radii are the same rule.
+    cfg = CFG["dppo_kl"]
+    np.testing.assert_array_equal(
+        np.asarray(tr.trust_region_radius(np.array([-1.0, 0.0, 1.0]), cfg.delta, cfg.delta_low, cfg.delta_high)),
+        np.array([cfg.radius_low, cfg.delta, cfg.radius_high], np.float32))
+
+
+def test_direction_criteria_settings_build_valid_configs():
+    assert tr.DIRECTION_CRITERIA == ("ratio",) + tr.CLOSED_FORM_ESTIMATORS == ("ratio",) + ESTIMATORS
+    assert tr.criterion_settings("ratio") == {"mask": "dppo"}
+    for est in ESTIMATORS:
+        assert list(tr.criterion_settings(est).items()) == [("mask", "pdm"), ("estimator", est)]
+    for name in tr.DIRECTION_CRITERIA:
+        cfg = tr.TrustRegionConfig(divergence="topk_kl", delta=0.1, **tr.criterion_settings(name))
+        assert cfg.mask == ("dppo" if name == "ratio" else "pdm")
+    for bad in ("autodiff", "full", "pdm_bucket_exact", "ppo"):
+        with pytest.raises(ValueError, match="direction criterion must be one of"):
+            tr.criterion_settings(bad)
+
+
 def corrupt_padding(c, valid):
     """NaN / inf / out-of-range garbage in every input at the padded positions."""
     c = {k: np.array(v) for k, v in c.items()}

@@ -8,7 +8,9 @@ D increases (unsafe). This module holds the pure per-token bookkeeping; the
 callback (`pdm_jax.analysis.callback`) feeds it logits before and after each
 real optimizer step, and `pdm_jax.analysis.report` aggregates seeds.
 
-Criteria (the "direction" half of M_t = 0 iff D_t > δ and Â_t·dir_t > 0):
+Criteria (the "direction" half of M_t = 0 iff D_t > δ and Â_t·dir_t > 0;
+`pdm_jax.trust_region.DIRECTION_CRITERIA` and `criterion_settings` name them
+and their masks, and `trust_region_radius` gives δ by the sign of Â):
 
 * ``ratio``            dir = r − 1 (DPPO; sign of log π(k) − log μ(k));
 * ``aggregated_tail``  dir = Ḋ with the paper's aggregated-tail estimator;
@@ -47,14 +49,13 @@ import numpy as np
 
 from pdm_jax import trust_region as tr
 
-ESTIMATORS = ("aggregated_tail", "uniform_tail", "bucket_exact")
-CRITERIA = ("ratio",) + ESTIMATORS
+#: The oracle criterion (needs the full behaviour distribution; no library mask).
 ORACLE = "full"
 
 #: Per-token record fields (host numpy, one entry per selected token).
-RECORD_FIELDS = ("d_before", "d_after", "advantage", "tail_mass", "log_ratio", "keep_ratio", "keep_aggregated_tail",
-                 "keep_uniform_tail", "keep_bucket_exact", "dir_aggregated_tail", "dir_uniform_tail",
-                 "dir_bucket_exact")
+RECORD_FIELDS = (("d_before", "d_after", "advantage", "tail_mass", "log_ratio")
+                 + tuple(f"keep_{c}" for c in tr.DIRECTION_CRITERIA)
+                 + tuple(f"dir_{e}" for e in tr.CLOSED_FORM_ESTIMATORS))
 
 
 @functools.partial(jax.jit, static_argnames=("delta", "delta_low", "delta_high"))
@@ -81,7 +82,8 @@ def token_analysis(logits_before, logits_after, batch: Mapping[str, jax.Array], 
       dict of ``[B,T]`` arrays: ``valid`` (bool), ``outside`` (D > δ_Â),
       ``advantage`` f32, ``d_before``/``d_after``/``delta_d`` (nats, f32),
       ``log_ratio`` f32, ``tail_mass`` (μ_T, f32), ``dir_<estimator>`` f32 (Ḋ),
-      ``keep_<criterion>`` bool for every name in `CRITERIA` (True on
+      ``keep_<criterion>`` bool for every name in
+      `pdm_jax.trust_region.DIRECTION_CRITERIA` (True on
       tokens inside the region), and with ``behavior_logits``: ``dir_full``,
       ``keep_full``, ``full_kl_before``.
     """
@@ -96,21 +98,18 @@ def token_analysis(logits_before, logits_after, batch: Mapping[str, jax.Array], 
     za = jnp.asarray(logits_after, jnp.float32)
     d_before = tr.topk_kl(zb, tokens, topk_ids, topk_lp, behavior)
     d_after = tr.topk_kl(za, tokens, topk_ids, topk_lp, behavior)
-    radius = jnp.where(adv < 0, delta if delta_low is None else delta_low,
-                       jnp.where(adv > 0, delta if delta_high is None else delta_high, delta))
+    radius = tr.trust_region_radius(adv, delta, delta_low, delta_high)
     outside = valid & (d_before > radius)
     logp = jax.nn.log_softmax(zb, axis=-1)
     tq = tr.token_quantities(logp, tokens, topk_ids, topk_lp, behavior, with_tail_squares=False)
     out = dict(valid=valid, outside=outside, advantage=adv, d_before=d_before, d_after=d_after,
                delta_d=d_after - d_before, log_ratio=tq.logp_k - jnp.asarray(behavior, jnp.float32),
                tail_mass=tq.mu_t)
-    for name in CRITERIA:
-        if name == "ratio":
-            cfg = tr.TrustRegionConfig(mask="dppo", divergence="topk_kl", delta=delta, delta_low=delta_low,
-                                       delta_high=delta_high, direction_stats=False)
-        else:
-            cfg = tr.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator=name, delta=delta,
-                                       delta_low=delta_low, delta_high=delta_high)
+    for name in tr.DIRECTION_CRITERIA:
+        # direction_stats only adds a statistic (pdm computes its direction regardless): same keep decisions.
+        cfg = tr.TrustRegionConfig(divergence="topk_kl", delta=delta, delta_low=delta_low, delta_high=delta_high,
+                                   direction_stats=False, **tr.criterion_settings(name))
+        if name != "ratio":
             out[f"dir_{name}"] = tr.kl_directional_derivative(zb, tokens, topk_ids, topk_lp, behavior,
                                                               estimator=name)
         mask, _ = tr.trust_region_mask(zb, tokens, topk_ids, topk_lp, behavior, adv, valid, cfg)
@@ -156,8 +155,9 @@ def concat_records(parts: Sequence[Mapping[str, np.ndarray]]) -> dict:
 
 
 def criteria_in(records: Mapping[str, np.ndarray]) -> list:
-    """The criteria with a keep decision in `records` (`CRITERIA`, plus ``full`` when present)."""
-    return [c for c in CRITERIA + (ORACLE,) if f"keep_{c}" in records]
+    """The criteria with a keep decision in `records` (`pdm_jax.trust_region.DIRECTION_CRITERIA`,
+    plus ``full`` when present)."""
+    return [c for c in tr.DIRECTION_CRITERIA + (ORACLE,) if f"keep_{c}" in records]
 
 
 def alignment_counts(records: Mapping[str, np.ndarray], *, change_key: str = "delta_d") -> dict:
@@ -205,7 +205,7 @@ def alignment_rates(counts: Mapping) -> dict:
     ``right_on_disagreement``; NaN where a denominator is 0."""
     out = {}
     n, ninc, ndec = counts.get("n", 0), counts.get("n_increase", 0), counts.get("n_decrease", 0)
-    for c in CRITERIA + (ORACLE,):
+    for c in tr.DIRECTION_CRITERIA + (ORACLE,):
         if c not in counts:
             continue
         k = counts[c]
@@ -251,7 +251,7 @@ def fidelity_analysis(logits, behavior_logits, tokens, valid, *, k: int) -> dict
     tq = tr.token_quantities(jax.nn.log_softmax(z, axis=-1), tokens, topk_ids, topk_lp, behavior,
                              with_tail_squares=False)
     out = dict(valid=valid.astype(bool), tail_mass=tq.mu_t, dir_full=dir_full)
-    for name in ESTIMATORS:
+    for name in tr.CLOSED_FORM_ESTIMATORS:
         d = tr.kl_directional_derivative(z, tokens, topk_ids, topk_lp, behavior, estimator=name)
         out[f"dir_{name}"] = d
         out[f"agree_{name}"] = jnp.sign(d) == jnp.sign(dir_full)
@@ -268,7 +268,7 @@ def fidelity_counts(fid: Mapping[str, np.ndarray], bins: Sequence[float] = TAIL_
     mass = np.asarray(f["tail_mass"], np.float64)[valid]
     idx = np.clip(np.digitize(mass, bins) - 1, 0, len(bins) - 2)
     out = {"bins": list(bins), "n": np.bincount(idx, minlength=len(bins) - 1).astype(np.int64)}
-    for name in ESTIMATORS:
+    for name in tr.CLOSED_FORM_ESTIMATORS:
         agree = np.asarray(f[f"agree_{name}"], bool)[valid]
         out[name] = np.bincount(idx, weights=agree.astype(np.float64), minlength=len(bins) - 1).astype(np.int64)
     return out
