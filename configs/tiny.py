@@ -13,22 +13,15 @@ from pdm_jax.config import apply_arg, get_base_config
 
 
 def get_config(arg=None):
-    """Returns the tiny default config, with `arg` overrides applied."""
+    """Returns the tiny default config, with `arg` overrides applied.
+
+    Only the fields that differ from `pdm_jax.config.get_base_config` are set here.
+    """
     c = get_base_config()
     c.sft.steps = 700
-    c.sft.batch_size = 128
-    c.sft.learning_rate = 1e-3
     c.rl.steps = 300
-    c.rl.prompts_per_step = 32
-    c.rl.group_size = 8
-    c.rl.learning_rate = 1e-4
-    c.rl.temperature = 1.0
     c.rl.max_new_tokens = 5  # answers are at most 4 characters + the stop token
     c.rl.top_k_logprobs = 4  # K < V = 15, so the tail bucket is non-empty
     c.rl.num_minibatches = 2  # two optimizer steps per rollout batch: the second is off-policy
-    c.trust_region.delta = 0.05
     c.eval.every_steps = 100
-    c.eval.num_prompts = 200
-    c.eval.samples_per_prompt = 4
-    c.checkpoint.every_steps = 50
     return apply_arg(c, arg)

@@ -3,7 +3,7 @@
 # worker (multi-host, jax.distributed) with streamed logs -> copy results -> delete.
 #
 #   launch/tpu_pod.sh --name=pdm-v4 --project=my-proj --zone=us-central2-b --accelerator=v4-32 \
-#       --config=configs/qwen3_8b_dapo.py:hf_path=/mnt/ckpt/Qwen3-8B-Base,data_path=/mnt/data/dapo.parquet \
+#       --config=configs/qwen3_dapo.py:size=8b,hf_path=/mnt/ckpt/Qwen3-8B-Base,data_path=/mnt/data/dapo.parquet \
 #       --workdir=/tmp/pdm_run --results=runs/pod_qwen3_8b
 #
 #   launch/tpu_pod.sh --dry-run ...    prints every command instead of running it

@@ -1,4 +1,5 @@
-"""Dry-run memory planner: analytic numbers vs XLA's compiled memory_analysis; Qwen3-4B/8B tables."""
+"""Dry-run memory planner: analytic numbers vs XLA's compiled memory_analysis; Qwen3-4B/8B tables
+(``configs/qwen3_dapo.py`` with size=4b / size=8b)."""
 
 import importlib.util
 import os
@@ -52,7 +53,7 @@ def test_qwen3_8b_cli_dry_run_prints_memory_table():
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
     out = subprocess.run(
-        [sys.executable, "-m", "pdm_jax.train", "--config=configs/qwen3_8b_dapo.py", "--dry_run",
+        [sys.executable, "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run",
          "--config.dry_run.chip=H200", "--config.dry_run.num_devices=64", "--config.rl.logits_chunk_size=512"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -64,8 +65,8 @@ def test_qwen3_8b_cli_dry_run_prints_memory_table():
 
 
 def test_qwen3_4b_and_8b_analytic_plans():
-    for name, preset in (("qwen3_4b_dapo", "qwen3_4b"), ("qwen3_8b_dapo", "qwen3_8b")):
-        config = _config(name)
+    for size, preset in (("4b", "qwen3_4b"), ("8b", "qwen3_8b")):
+        config = _config("qwen3_dapo", f"size={size}")
         report = dry_run.plan(config, mode="analytic", chip="v5p", num_devices=16)
         a = report["analytic"]
         n = count_params(dry_run.resolve_model_config(config))
@@ -79,6 +80,19 @@ def test_qwen3_4b_and_8b_analytic_plans():
         chunked = dry_run.plan(_with_chunk(config, 256), mode="analytic", chip="v5p", num_devices=16)["analytic"]
         assert chunked["loss"] < a["loss"] / 10  # chunking bounds the loss buffers
         assert "fits in HBM?" in dry_run.format_report(report)
+
+
+def test_qwen3_dapo_size_argument():
+    """size picks the default checkpoint (8b by default); it is consumed, every other item applies as usual."""
+    assert _config("qwen3_dapo").to_dict() == _config("qwen3_dapo", "size=8b").to_dict()
+    assert _config("qwen3_dapo", "size=4b").model.hf_path == "checkpoints/Qwen3-4B-Base"
+    assert _config("qwen3_dapo", "size=8b").tokenizer.path == "checkpoints/Qwen3-8B-Base"
+    c = _config("qwen3_dapo", "hf_path=/ckpt/Q,size=4b,delta=0.1,num_eval=30")
+    assert (c.model.hf_path, c.tokenizer.path, c.trust_region.delta, c.data.num_eval) == ("/ckpt/Q", "/ckpt/Q", 0.1, 30)
+    with pytest.raises(ValueError, match=r"'size' must be one of \['4b', '8b'\], got '14b'"):
+        _config("qwen3_dapo", "size=14b")
+    with pytest.raises(ValueError, match="unknown field"):
+        _config("qwen3_dapo", "size=4b,bogus=1")
 
 
 def _with_chunk(config, chunk):
