@@ -30,19 +30,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pdm_jax import train_step as ts, trust_region
+from pdm_jax import train_step as ts
+from pdm_jax import trust_region
+from pdm_jax.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.rollout import StepBatch
 
 
 def temp_mib(graphdef, abs_params, batch: int, prompt: int, seq: int, top_k: int, chunk: int) -> tuple[float, float]:
     """(temp MiB, compile seconds) of jit(value_and_grad(RL loss)) for one shape and chunk size (0 = unchunked)."""
     tr = trust_region.TrustRegionConfig(mask="pdm", estimator="bucket_exact")
-    loss = ts.make_rl_loss(graphdef, tr, ts.PolicyLossConfig(max_response_length=seq, logits_chunk_size=chunk))
+    loss = ts.make_rl_loss(graphdef, tr, PolicyLossConfig(max_response_length=seq, logits_chunk_size=chunk))
     s = jax.ShapeDtypeStruct
-    args = dict(prompt_ids=s((batch, prompt), jnp.int32), prompt_mask=s((batch, prompt), jnp.bool_),
-                completion_ids=s((batch, seq), jnp.int32), completion_mask=s((batch, seq), jnp.bool_),
-                behavior_logprobs=s((batch, seq), jnp.float32), topk_ids=s((batch, seq, top_k), jnp.int32),
-                topk_logprobs=s((batch, seq, top_k), jnp.float32), advantages=s((batch,), jnp.float32))
+    args = StepBatch(prompt_ids=s((batch, prompt), jnp.int32), prompt_mask=s((batch, prompt), jnp.bool_),
+                     completion_ids=s((batch, seq), jnp.int32), completion_mask=s((batch, seq), jnp.bool_),
+                     behavior_logprobs=s((batch, seq), jnp.float32), topk_ids=s((batch, seq, top_k), jnp.int32),
+                     topk_logprobs=s((batch, seq, top_k), jnp.float32), advantages=s((batch,), jnp.float32))
     t0 = time.time()
     compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(abs_params, args).compile()
     return compiled.memory_analysis().temp_size_in_bytes / 2 ** 20, time.time() - t0

@@ -38,9 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pdm_jax import train_step as ts, trust_region
+from pdm_jax import train_step as ts
+from pdm_jax import trust_region
 from pdm_jax.distributed import opt_state_shardings, put_global_batch
+from pdm_jax.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, init_model
+from pdm_jax.rollout import StepBatch
 from pdm_jax.sharding import activation_sharding, make_mesh
 
 CONFIGS = {
@@ -75,11 +78,11 @@ def make_batch(rng, b, p, t, k, v) -> dict:
     ids = rng.integers(0, v, (b, t)).astype(np.int32)
     topk = np.argsort(-logmu, -1)[..., :k].astype(np.int32)
     lengths = rng.integers(max(1, t // 2), t + 1, (b, 1))
-    return dict(prompt_ids=rng.integers(0, v, (b, p)).astype(np.int32), prompt_mask=np.ones((b, p), bool),
-                completion_ids=ids, completion_mask=np.arange(t)[None] < lengths,
-                behavior_logprobs=np.take_along_axis(logmu, ids[..., None], -1)[..., 0],
-                topk_ids=topk, topk_logprobs=np.take_along_axis(logmu, topk, -1),
-                advantages=np.where(rng.random(b) < 0.5, -1.0, 1.0).astype(np.float32))
+    return StepBatch(prompt_ids=rng.integers(0, v, (b, p)).astype(np.int32), prompt_mask=np.ones((b, p), bool),
+                     completion_ids=ids, completion_mask=np.arange(t)[None] < lengths,
+                     behavior_logprobs=np.take_along_axis(logmu, ids[..., None], -1)[..., 0],
+                     topk_ids=topk, topk_logprobs=np.take_along_axis(logmu, topk, -1),
+                     advantages=np.where(rng.random(b) < 0.5, -1.0, 1.0).astype(np.float32))
 
 
 def bench_config(name: str, spec: dict, repeats: int) -> list[dict]:
@@ -93,7 +96,7 @@ def bench_config(name: str, spec: dict, repeats: int) -> list[dict]:
     tokens = int(batch_np["completion_mask"].sum())
     steps, states = {}, {}
     for m, (tr, loss_kw) in methods(spec["chunk"]).items():
-        loss_cfg = ts.PolicyLossConfig(max_response_length=spec["completion"], **loss_kw)
+        loss_cfg = PolicyLossConfig(max_response_length=spec["completion"], **loss_kw)
         p = jax.tree.map(jnp.copy, params)
         state = ts.TrainState(step=jnp.zeros((), jnp.int32), params=p,
                               opt_state=jax.jit(tx.init, out_shardings=opt_state_shardings(tx, p, mesh))(p))

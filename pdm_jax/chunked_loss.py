@@ -4,25 +4,25 @@ For Qwen3 (V = 151,936) a micro-batch of 8 sequences x 8k response tokens has
 f32 logits of 8 * 8192 * 151936 * 4 B = 40 GB, and the log-softmax, the tail
 reductions of the top-K divergence and their gradients need several buffers of
 that size. This module computes exactly the same loss, gradient and statistics
-as ``pdm_jax.train_step.make_rl_loss`` while holding only ``[B, c, V]`` logits
+as the unchunked ``pdm_jax.train_step.make_rl_loss`` while holding only ``[B, c, V]`` logits
 at a time (c = ``chunk_size`` sequence positions):
 
 1. the model runs once up to its final hidden states ``h [B,T,D]``
    (``Qwen3ForCausalLM.hidden_states``; D << V);
 2. ``jax.lax.scan`` walks over the T axis in chunks of c positions; each step
    projects its chunk to logits ``[B,c,V]`` (``logits_from_hidden``), divides by
-   the temperature and calls ``trust_region.trust_region_mask_and_logprobs`` --
-   ONE log-softmax, the gathers at the K+1 candidates, the tail log-sum-exp and
-   (for ``bucket_exact``) the tail sum of squares Σ_T π_i², then the mask -- and
-   finishes the per-token loss (truncated IS or PPO clip, optional KL penalty),
-   the entropy and the top-K KL of the chunk;
+   the temperature and calls ``pdm_jax.loss.token_terms`` -- the same function the
+   unchunked path calls on all positions: ONE log-softmax, the gathers at the K+1
+   candidates, the tail log-sum-exp and (for ``bucket_exact``) the tail sum of
+   squares Σ_T π_i², the mask, the per-token loss (truncated IS or PPO clip,
+   optional KL penalty), the entropy and the top-K KL of the chunk;
 3. the step body is wrapped in ``jax.checkpoint``: the backward pass recomputes
    each chunk's logits from its hidden states instead of storing them, so the
    peak memory of the loss grows with c, not with T.
 
-Only ``[B,T]`` per-token arrays leave the scan; they are aggregated with
-``objectives.aggregate_loss`` over the whole batch, so every aggregation mode is
-exact (no mean of chunk means). The statistics of the trust-region mask are
+Only ``[B,T]`` per-token arrays leave the scan; ``pdm_jax.loss.loss_and_metrics``
+aggregates them over the whole batch, so every aggregation mode is exact (no
+mean of chunk means). The statistics of the trust-region mask are
 recombined from the chunks' counts: ``num_*`` are summed, ``frac_*`` are
 fractions of all valid tokens and ``mean_*`` means over all valid tokens with
 finite inputs (``n_good = num_valid - num_nonfinite - num_bad_ids``), as in
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pdm_jax import objectives, trust_region
-from pdm_jax.train_step import per_token_policy_loss, rl_metrics
+from pdm_jax import loss as policy_loss, trust_region
+from pdm_jax.rollout import StepBatch
 
 _F32 = jnp.float32
 
@@ -51,7 +51,8 @@ def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completi
     """Final hidden states predicting each completion token, and the LM-head function.
 
     Runs the model on concat(prompt, completion) and keeps positions P-1 .. P+T-2,
-    as ``train_step.completion_logits`` does for the logits.
+    as ``train_step.completion_logits`` does for the logits (this module cannot
+    import train_step, which imports it: the two share only the model call).
 
     Args:
       graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
@@ -91,28 +92,24 @@ def _combine_stats(stats_N: dict) -> dict:
     return out
 
 
-def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_region.TrustRegionConfig,
-                     loss_config, chunk_size: int):
-    """Per-token loss terms from hidden states, one ``[B,c,V]`` chunk of logits at a time.
+def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: trust_region.TrustRegionConfig,
+                     loss_config: policy_loss.PolicyLossConfig, chunk_size: int) -> dict:
+    """``pdm_jax.loss.token_terms`` of all positions from hidden states, one ``[B,c,V]`` chunk at a time.
 
     Args:
       h_BxTxD: ``[B,T,D]`` final hidden states (after the final norm), differentiable.
       head_fn: ``[B,c,D] -> [B,c,V]`` f32 logits (the LM head; may close over params).
-      batch: the train-step batch (``pdm_jax.train_step`` layout): completion_ids,
-        completion_mask, behavior_logprobs, topk_ids, topk_logprobs, advantages
-        ``[B]`` or ``[B,T]``, and ref_logprobs when ``loss_config.kl_beta > 0``.
+      batch: the train-step batch (completion_ids, completion_mask,
+        behavior_logprobs, topk_ids, topk_logprobs, advantages ``[B]`` or ``[B,T]``,
+        and ref_logprobs when ``loss_config.kl_beta > 0``).
       tr_config: the trust-region mask configuration (static).
-      loss_config: a ``train_step.PolicyLossConfig`` (static).
+      loss_config: the static loss settings.
       chunk_size: c >= 1 sequence positions per chunk (T is padded to a multiple of c).
 
     Returns:
-      ``(per_token [B,T] f32, logprobs [B,T] f32, mask [B,T] bool, kl [B,T] f32,
-      entropy [B,T] f32, topk_kl [B,T] f32 or None, stats)``: ``per_token`` is the
-      policy loss (+ kl_beta * kl) per token, 0 at invalid positions;
-      ``logprobs`` log pi(y_t) at temperature tau (0 at invalid positions);
-      ``topk_kl`` is only computed when the configured proximity is not already
-      the top-K KL of a dppo/pdm mask; ``stats`` the recombined trust-region
-      statistics (see module doc).
+      the dict of ``token_terms`` over all ``[B,T]`` positions (``per_token``,
+      ``logprobs``, ``mask``, ``kl``, ``entropy``, ``topk_kl`` when computed) with
+      ``stats`` recombined from the chunks' counts (see the module doc).
 
     Raises:
       ValueError: chunk_size < 1 or shapes that disagree.
@@ -120,14 +117,12 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_r
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
     b, t, d = h_BxTxD.shape
-    if batch["completion_ids"].shape != (b, t):
-        raise ValueError(f"completion_ids has shape {batch['completion_ids'].shape}, hidden states {h_BxTxD.shape}")
+    if batch.completion_ids.shape != (b, t):
+        raise ValueError(f"completion_ids has shape {batch.completion_ids.shape}, hidden states {h_BxTxD.shape}")
     c = min(chunk_size, t)
     n = -(-t // c)
     pad = n * c - t
-    tau = loss_config.temperature
-    need_topk_kl = not (tr_config.divergence == "topk_kl" and tr_config.mask in ("dppo", "pdm"))
-    adv = jnp.asarray(batch["advantages"]).astype(_F32)
+    adv = jnp.asarray(batch.advantages).astype(_F32)
     adv_BxT = jnp.broadcast_to(adv[:, None], (b, t)) if adv.ndim == 1 else adv
 
     def to_chunks(x, fill=0):
@@ -139,28 +134,18 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_r
         return jnp.moveaxis(x, 1, 0)
 
     xs = dict(
-        h=to_chunks(h_BxTxD), tokens=to_chunks(batch["completion_ids"]),
-        valid=to_chunks(jnp.asarray(batch["completion_mask"]).astype(bool), False),
-        topk_ids=to_chunks(batch["topk_ids"]), topk_lp=to_chunks(batch["topk_logprobs"]),
-        behavior_lp=to_chunks(batch["behavior_logprobs"]), adv=to_chunks(adv_BxT))
+        h=to_chunks(h_BxTxD), tokens=to_chunks(batch.completion_ids),
+        valid=to_chunks(jnp.asarray(batch.completion_mask).astype(bool), False),
+        topk_ids=to_chunks(batch.topk_ids), topk_lp=to_chunks(batch.topk_logprobs),
+        behavior_lp=to_chunks(batch.behavior_logprobs), adv=to_chunks(adv_BxT))
     if loss_config.kl_beta > 0:
-        xs["ref_lp"] = to_chunks(batch["ref_logprobs"])
+        xs["ref_lp"] = to_chunks(batch.ref_logprobs)
 
     def chunk(x):
-        logits = head_fn(x["h"]).astype(_F32) / tau  # [B,c,V]: the only vocabulary-sized buffers
-        valid = x["valid"]
-        mask, logprobs, stats = trust_region.trust_region_mask_and_logprobs(
-            logits, x["tokens"], x["topk_ids"], x["topk_lp"], x["behavior_lp"], x["adv"], valid, tr_config)
-        per_token, kl = per_token_policy_loss(logprobs, x["behavior_lp"], x["adv"], mask, valid,
-                                              x.get("ref_lp"), tr_config, loss_config)
-        logits_sg = jax.lax.stop_gradient(logits)
-        logp_sg = jax.nn.log_softmax(logits_sg, axis=-1)
-        entropy = -jnp.sum(jnp.exp(logp_sg) * logp_sg, axis=-1)
-        out = dict(per_token=per_token, logprobs=logprobs, mask=mask, kl=kl, entropy=entropy, stats=stats)
-        if need_topk_kl:
-            out["topk_kl"] = trust_region.topk_kl(logits_sg, x["tokens"], x["topk_ids"], x["topk_lp"],
-                                                  x["behavior_lp"])
-        return out
+        logits = head_fn(x["h"]).astype(_F32) / loss_config.temperature  # [B,c,V]: the only vocabulary-sized buffers
+        return policy_loss.token_terms(logits, x["tokens"], x["valid"], x["topk_ids"], x["topk_lp"],
+                                       x["behavior_lp"], x["adv"], tr_config, loss_config,
+                                       ref_logprobs=x.get("ref_lp"))
 
     if n == 1:  # one chunk covers T: a scan with remat would only add a recomputation
         ys = jax.tree.map(lambda y: y[None], chunk(jax.tree.map(lambda x: x[0], xs)))
@@ -173,20 +158,19 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: dict, tr_config: trust_r
         y = jnp.moveaxis(y_NxBxc, 0, 1).reshape((b, n * c) + y_NxBxc.shape[3:])
         return y[:, :t]
 
-    stats = _combine_stats(ys["stats"])
-    topk_kl = from_chunks(ys["topk_kl"]) if need_topk_kl else None
-    return (from_chunks(ys["per_token"]), from_chunks(ys["logprobs"]), from_chunks(ys["mask"]),
-            from_chunks(ys["kl"]), from_chunks(ys["entropy"]), topk_kl, stats)
+    terms = {k: from_chunks(v) for k, v in ys.items() if k != "stats"}
+    terms["stats"] = _combine_stats(ys["stats"])
+    return terms
 
 
-def make_chunked_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config, chunk_size: int):
-    """``loss_fn(params, batch) -> (loss, aux)`` equal to ``train_step.make_rl_loss`` without [B,T,V] logits.
+def make_chunked_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig,
+                         loss_config: policy_loss.PolicyLossConfig, chunk_size: int):
+    """``loss_fn(params, batch) -> (loss, aux)`` equal to the unchunked loss without [B,T,V] logits.
 
-    Same loss (``objectives.aggregate_loss`` sum / denominator), the same
-    gradient and the same ``aux`` keys as the unchunked path (DESIGN.md §2;
-    checked to 1e-5 by tests/test_chunked_loss.py for PDM with every estimator,
-    DPPO and PPO-clip); the logits exist only ``chunk_size`` positions at a time
-    (see the module docstring).
+    Same loss (``pdm_jax.loss.loss_and_metrics``), the same gradient and the same
+    ``aux`` keys as the unchunked path (DESIGN.md §2; checked to 1e-5 by
+    tests/test_chunked_loss.py for PDM with every estimator, DPPO and PPO-clip);
+    the logits exist only ``chunk_size`` positions at a time (see the module docstring).
 
     Raises:
       ValueError: chunk_size < 1.
@@ -194,15 +178,11 @@ def make_chunked_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, lo
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
 
-    def loss_fn(params, batch):
-        h_BxTxD, head_fn = completion_hidden_states(graphdef, params, batch["prompt_ids"], batch["prompt_mask"],
-                                                    batch["completion_ids"], batch["completion_mask"])
-        valid = jnp.asarray(batch["completion_mask"]).astype(bool)
-        per_token, logprobs, _, kl, entropy, topk_kl, tr_stats = chunked_rl_terms(
-            h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
-        loss_sum, denom = objectives.aggregate_loss(per_token, valid, loss_config.loss_aggregation,
-                                                    max_response_length=loss_config.max_response_length)
-        loss = objectives.combine([loss_sum], [denom])  # 0, not NaN, for an all-padding batch
-        return loss, rl_metrics(loss, tr_stats, valid, logprobs, batch["behavior_logprobs"], entropy, kl, topk_kl)
+    def loss_fn(params, batch: StepBatch):
+        h_BxTxD, head_fn = completion_hidden_states(graphdef, params, batch.prompt_ids, batch.prompt_mask,
+                                                    batch.completion_ids, batch.completion_mask)
+        valid = jnp.asarray(batch.completion_mask).astype(bool)
+        terms = chunked_rl_terms(h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
+        return policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, loss_config)
 
     return loss_fn

@@ -1,18 +1,50 @@
-"""The trainer's config schema: every field the trainer reads, with defaults and units.
+"""The run config: schema, validation, and the one builder of the typed step configs.
 
-Configs are Python files with ``get_config(arg)`` (big_vision style); variants
-come from the argument string, e.g. ``--config=configs/tiny.py:delta=0.05,estimator=uniform_tail``,
-and every field can be overridden on the command line as
-``--config.trust_region.delta=0.1``.
+- :func:`get_base_config` is the schema: every field a run reads, with its default
+  and units. Configs are Python files with ``get_config(arg)`` (big_vision style);
+  variants come from the argument string, e.g.
+  ``--config=configs/tiny.py:delta=0.05,estimator=uniform_tail`` (:func:`apply_arg`),
+  and every field can be overridden on the command line as ``--config.trust_region.delta=0.1``.
+- :func:`validate_config` makes every check that can be made before work starts
+  and raises ``ValueError`` naming the field by its dotted path and its value.
+- :func:`step_configs` translates the run config into the typed, static configs
+  the jitted steps take (trust region, policy loss, optimizers). The trainer, the
+  dry run and the analysis all build them here, nowhere else.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
+
+from pdm_jax import data as data_sources
+from pdm_jax import trust_region
+from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.models.presets import PRESETS
+from pdm_jax.models.qwen3 import Qwen3Config
+from pdm_jax.models.tokenizer import char_vocab_size
+from pdm_jax.sharding import MeshConfig
+from pdm_jax.train_step import OptimizerConfig
+
+QUANTIZATIONS = ("none", "bf16", "fp8")
+SAMPLER_MODES = ("subprocess", "remote", "in_process")
+TOKENIZER_KINDS = ("char", "path")
+#: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
+OPEN_FIELDS = ("data.task_config",)
 
 
 def get_base_config() -> ml_collections.ConfigDict:
-    """Returns the base ConfigDict (see field comments for units)."""
+    """Returns the base ConfigDict: the schema of a run (see field comments for units).
+
+    Long on purpose (one line per field, grouped by section): it is the one list of
+    every field a run reads, and splitting it would scatter the schema.
+    """
     c = ml_collections.ConfigDict()
     c.seed = 0
 
@@ -259,8 +291,6 @@ def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size
     Raises:
       ValueError: from ``Qwen3Config`` (naming the field) for bad sizes or head counts.
     """
-    from pdm_jax.models import Qwen3Config
-
     mc = model_fields
     return Qwen3Config(
         vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
@@ -270,55 +300,242 @@ def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size
         max_position_embeddings=mc.max_position_embeddings)
 
 
-# ---- recipes used by configs/ ------------------------------------------------------------
+# ---- validation --------------------------------------------------------------------------
 
-def dapo_config(hf_path: str, data_path: str, eval_path: str):
-    """The paper-family Qwen3 DAPO-Math run config, pointing at LOCAL checkpoint and data paths.
+def _leaves(node, prefix=""):
+    """(dotted path, value) of every leaf of a ConfigDict, skipping the free-form OPEN_FIELDS."""
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        value = node[key]
+        if path in OPEN_FIELDS:
+            continue
+        if hasattr(value, "keys"):
+            yield from _leaves(value, path + ".")
+        else:
+            yield path, value
 
-    Values follow DESIGN.md and the DPPO paper (arXiv 2602.04879) as summarised in
-    issue 5: lr 1e-6, 128 prompts x 8 samples per step, mini-batches of 32 prompts
-    (4 optimizer steps per rollout batch), K = 20, top-K KL trust region with
-    delta = 0.05, truncated IS with C = 5, temperature 1.0, long responses, no KL
-    penalty, no std normalisation of advantages, token-mean aggregation (DAPO).
+
+def _lookup(config, path: str):
+    node = config
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def unknown_fields(config: ml_collections.ConfigDict) -> list[str]:
+    """Dotted paths in ``config`` that the schema (:func:`get_base_config`) does not have."""
+    known = set(dict(_leaves(get_base_config())))
+    groups = {p.rsplit(".", 1)[0] for p in known if "." in p} | set(OPEN_FIELDS)
+    return [p for p, _ in _leaves(config) if p not in known and p not in groups]
+
+
+def check_field_path(path: str) -> None:
+    """Raises ValueError unless ``path`` (e.g. ``rl.delta``) names a field of the schema or lies in OPEN_FIELDS.
+
+    The command line checks every ``--config.<path>=`` override with it before
+    ml_collections applies it (which would fail with a bare ``AttributeError``).
     """
-    c = get_base_config()
-    c.model.hf_path = hf_path
-    c.model.dtype = "bfloat16"
-    c.model.param_dtype = "float32"
-    c.tokenizer.kind = "path"
-    c.tokenizer.path = hf_path  # HF checkpoints ship tokenizer.json
-    c.data.kind = "dapo_math"
-    c.data.prompt_format = "question"
-    c.data.path = data_path  # local DAPO-Math-17k parquet/jsonl (schema: prompt, reward_model.ground_truth, ...)
-    c.data.eval_path = eval_path
-    c.data.num_eval = 256  # at most the number of distinct eval prompts (AIME-24: 30; pass num_eval=30)
-    c.sft.steps = 0
-    c.rl.steps = 500
-    c.rl.prompts_per_step = 128
-    c.rl.group_size = 8
-    c.rl.num_minibatches = 4  # 32 prompts x 8 samples per optimizer step
-    c.rl.max_staleness = 1
-    c.rl.temperature = 1.0
-    c.rl.max_new_tokens = 8192  # 8k-token responses (the paper family uses long responses)
-    c.rl.top_k_logprobs = 20
-    c.rl.learning_rate = 1e-6
-    c.rl.weight_decay = 0.1
-    c.rl.max_grad_norm = 1.0
-    c.rl.policy_loss = "tis"
-    c.rl.tis_cap = 5.0
-    c.rl.loss_aggregation = "token_mean"
-    c.trust_region.mask = "pdm"
-    c.trust_region.divergence = "topk_kl"
-    c.trust_region.estimator = "bucket_exact"
-    c.trust_region.delta = 0.05
-    c.sampler.quantization = "fp8"
-    c.sampler.max_prompt_length = 2048
-    c.sampler.max_batch_size = 256
-    c.eval.every_steps = 25
-    c.eval.num_prompts = 256
-    c.eval.samples_per_prompt = 16  # avg@16
-    c.mesh.data = 1
-    c.mesh.fsdp = -1
-    c.mesh.tensor = 1
-    c.checkpoint.every_steps = 10
-    return c
+    if any(path == p or path.startswith(p + ".") for p in OPEN_FIELDS):
+        return
+    if path not in dict(_leaves(get_base_config())):
+        raise ValueError(f"{path}: unknown config field (not in pdm_jax.config.get_base_config)")
+
+
+def _check_types(config) -> None:
+    """Each leaf has the kind of value its schema default has (bool, int, number, str; None = optional number)."""
+    for path, default in _leaves(get_base_config()):
+        try:
+            value = _lookup(config, path)
+        except (KeyError, AttributeError):
+            raise ValueError(f"{path}: missing from the config (every field of pdm_jax.config.get_base_config "
+                             f"must be present; build configs from it)") from None
+        if isinstance(default, bool):
+            ok, what = isinstance(value, (bool, np.bool_)), "true or false"
+        elif isinstance(default, int):
+            ok, what = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)), \
+                "an integer"
+        elif isinstance(default, float) or default is None:
+            ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+            ok = ok or (default is None and value is None)
+            what = "a number" + (" or None" if default is None else "")
+        else:
+            ok, what = isinstance(value, str), "a string"
+        if not ok:
+            raise ValueError(f"{path} = {value!r}: must be {what}")
+
+
+def _need(cond, field, value, what) -> None:
+    if not cond:
+        raise ValueError(f"{field} = {value!r}: {what}")
+
+
+def _check_rl(config) -> None:
+    rl = config.rl
+    _need(rl.group_size >= 2, "rl.group_size", rl.group_size, "GRPO needs at least 2 samples per prompt")
+    _need(rl.prompts_per_step >= 1, "rl.prompts_per_step", rl.prompts_per_step, "must be >= 1")
+    n = rl.prompts_per_step * rl.group_size
+    _need(rl.num_minibatches >= 1 and n % rl.num_minibatches == 0, "rl.num_minibatches", rl.num_minibatches,
+          f"must divide the rollout batch of prompts_per_step x group_size = {n} sequences")
+    for field in ("rl.num_iterations", "rl.max_new_tokens", "rl.top_k_logprobs"):
+        _need(_lookup(config, field) >= 1, field, _lookup(config, field), "must be >= 1")
+    for field in ("rl.max_staleness", "rl.steps", "sft.steps", "rl.weight_decay", "rl.warmup_steps",
+                  "sft.warmup_steps"):
+        _need(_lookup(config, field) >= 0, field, _lookup(config, field), "must be >= 0")
+    for field in ("rl.learning_rate", "sft.learning_rate"):
+        value = _lookup(config, field)
+        _need(math.isfinite(value) and value > 0, field, value, "must be finite and > 0")
+    for name in ("adam_b1", "adam_b2"):
+        _need(0.0 <= rl[name] < 1.0, f"rl.{name}", rl[name], "must be in [0, 1)")
+    _need(math.isfinite(rl.max_grad_norm), "rl.max_grad_norm", rl.max_grad_norm, "must be finite (<= 0: no clipping)")
+    step_configs(config)  # trust region and policy loss: their own checks, named by field
+
+
+def _check_sampler_and_eval(config) -> None:
+    sc = config.sampler
+    _need(sc.mode in SAMPLER_MODES, "sampler.mode", sc.mode, f"must be one of {SAMPLER_MODES}")
+    _need(sc.quantization in QUANTIZATIONS, "sampler.quantization", sc.quantization, f"must be one of {QUANTIZATIONS}")
+    if sc.mode == "remote":
+        _need(bool(sc.address), "sampler.address", sc.address, "required when sampler.mode = 'remote'")
+    for name in ("startup_timeout_s", "request_timeout_s"):
+        _need(math.isfinite(sc[name]) and sc[name] > 0, f"sampler.{name}", sc[name],
+              "must be a finite number of seconds > 0")
+    for name in ("retries", "max_restarts"):
+        _need(sc[name] >= 0, f"sampler.{name}", sc[name], "must be >= 0")
+    for field in ("eval.every_steps", "eval.samples_per_prompt", "eval.num_prompts", "checkpoint.every_steps",
+                  "checkpoint.max_to_keep", "sft.batch_size", "sampler.max_prompt_length", "sampler.max_batch_size"):
+        _need(_lookup(config, field) >= 1, field, _lookup(config, field), "must be >= 1")
+
+
+def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
+    mc = config.model
+    for name in ("dtype", "param_dtype"):
+        try:
+            ok = jnp.issubdtype(jnp.dtype(mc[name]), jnp.floating)
+        except TypeError:
+            ok = False
+        _need(ok, f"model.{name}", mc[name], "must be a floating dtype name (float32, bfloat16, ...)")
+    if mc.preset and not mc.hf_path:
+        _need(mc.preset in PRESETS, "model.preset", mc.preset, f"must be one of {sorted(PRESETS)}")
+    if not mc.hf_path and not mc.preset:
+        try:
+            model_config_from_fields(mc, vocab_size or 1)
+        except ValueError as e:  # names Qwen3Config.<field>: the same names under model.
+            raise ValueError(f"model: {e} (set as model.<field> in the run config)") from None
+        context = config.sampler.max_prompt_length + config.rl.max_new_tokens
+        _need(context <= mc.max_position_embeddings, "rl.max_new_tokens", config.rl.max_new_tokens,
+              f"sampler.max_prompt_length + rl.max_new_tokens = {context} exceeds "
+              f"model.max_position_embeddings = {mc.max_position_embeddings}")
+    m = config.mesh
+    try:
+        MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor).axis_sizes(jax.device_count())
+    except ValueError as e:
+        raise ValueError(f"mesh = (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) on "
+                         f"{jax.device_count()} device(s): {e}") from None
+
+
+def _check_paths(config) -> None:
+    tc, dc = config.tokenizer, config.data
+    _need(tc.kind in TOKENIZER_KINDS, "tokenizer.kind", tc.kind, f"must be one of {TOKENIZER_KINDS}")
+    if tc.kind == "path":
+        _need(bool(tc.path), "tokenizer.path", tc.path, "required when tokenizer.kind = 'path'")
+    else:
+        _need(not tc.path, "tokenizer.path", tc.path,
+              "is ignored when tokenizer.kind = 'char' (which builds its own); set tokenizer.kind=path to use it")
+    _need(dc.kind in data_sources.KINDS, "data.kind", dc.kind, f"must be one of {data_sources.KINDS}")
+    if dc.kind != "reasoning_gym":  # file-backed sources: the path comes first, before any format option
+        _need(bool(dc.path), "data.path", dc.path, f"required when data.kind = {dc.kind!r} (a local json/jsonl/"
+              "parquet file; nothing is downloaded)")
+    for field, path in (("model.hf_path", config.model.hf_path), ("data.path", dc.path),
+                        ("data.eval_path", dc.eval_path), ("tokenizer.path", tc.path if tc.kind == "path" else "")):
+        if path:
+            _need(os.path.exists(path), field, path, "no such file or directory")
+
+
+def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[int] = None,
+                    num_held_out: Optional[int] = None) -> None:
+    """Checks a run config before any work starts.
+
+    Checked: no unknown field (named by its dotted path); every field has the kind
+    of value its schema default has; the trust region and policy loss (through
+    :func:`step_configs`); group size >= 2, mini-batches dividing the rollout batch,
+    step counts, learning rates, Adam betas; sampler mode, quantization, timeouts and
+    retries; evaluation and checkpoint sizes; the model dtypes, preset or shape and
+    its context; the mesh against ``jax.device_count()``; the tokenizer kind; the
+    data kind and its file (``data.path`` for the file-backed kinds, before any
+    format option) and that every configured local path exists. With
+    ``vocab_size`` (known without it for a char tokenizer, from ``tokenizer.symbols``):
+    K = ``rl.top_k_logprobs`` <= the tokenizer's vocabulary. With
+    ``num_held_out`` (the source's held-out prompts): ``eval.num_prompts`` <= it.
+
+    Raises:
+      ValueError: ``"<dotted.field> = <value>: <what is wrong>"``.
+    """
+    unknown = unknown_fields(config)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown config field (not in pdm_jax.config.get_base_config)"
+                         + (f"; also unknown: {', '.join(unknown[1:])}" if len(unknown) > 1 else ""))
+    _check_types(config)
+    _check_paths(config)
+    _check_rl(config)
+    _check_sampler_and_eval(config)
+    _check_model_and_mesh(config, vocab_size)
+    k = config.rl.top_k_logprobs
+    if vocab_size is None and config.tokenizer.kind == "char":  # known before the tokenizer is written
+        vocab_size = char_vocab_size(config.tokenizer.symbols)
+    if vocab_size is not None:
+        _need(k <= vocab_size, "rl.top_k_logprobs", k, f"K is larger than the vocabulary size {vocab_size}")
+    if num_held_out is not None:
+        _need(config.eval.num_prompts <= num_held_out, "eval.num_prompts", config.eval.num_prompts,
+              f"the data source has only {num_held_out} held-out prompts (data.num_eval / data.eval_path)")
+
+
+# ---- the typed configs of the jitted steps ------------------------------------------------
+
+class StepConfigs(NamedTuple):
+    """The static configs the jitted steps close over, built by :func:`step_configs`."""
+
+    trust_region: trust_region.TrustRegionConfig
+    policy_loss: PolicyLossConfig
+    rl_optimizer: OptimizerConfig
+    sft_optimizer: OptimizerConfig
+
+
+def _as_float(field: str, value) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{field} = {value!r}: must be a number")
+    return float(value)
+
+
+def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Optional[int] = None) -> StepConfigs:
+    """The run config's trust region, policy loss and optimizers as typed, static configs.
+
+    Args:
+      config: a run config (``pdm_jax.config`` schema).
+      max_response_length: tokens, the Dr. GRPO normaliser; default ``rl.max_new_tokens``.
+
+    Raises:
+      ValueError: a bad field, named by its dotted path (``trust_region.delta = -1.0: ...``).
+    """
+    tr, rl, sft = config.trust_region, config.rl, config.sft
+    floats = {name: _as_float(f"trust_region.{name}", tr[name])
+              for name in ("delta", "delta_low", "delta_high", "clip_eps_low", "clip_eps_high")}
+    try:
+        tr_config = trust_region.TrustRegionConfig(mask=tr.mask, divergence=tr.divergence, estimator=tr.estimator,
+                                                   nonfinite=tr.nonfinite, **floats)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg if msg.startswith("trust_region.") else f"trust_region: {msg}") from None
+    loss_config = PolicyLossConfig(
+        policy_loss=rl.policy_loss, tis_cap=_as_float("rl.tis_cap", rl.tis_cap), clip_eps_low=floats["clip_eps_low"],
+        clip_eps_high=floats["clip_eps_high"], dual_clip=_as_float("rl.dual_clip", rl.dual_clip),
+        loss_aggregation=rl.loss_aggregation,
+        max_response_length=int(max_response_length or rl.max_new_tokens), kl_beta=_as_float("rl.kl_beta", rl.kl_beta),
+        kl_estimator=rl.kl_estimator, temperature=_as_float("rl.temperature", rl.temperature),
+        logits_chunk_size=rl.logits_chunk_size)
+    rl_opt = OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, b1=rl.adam_b1,
+                             b2=rl.adam_b2, max_grad_norm=rl.max_grad_norm, warmup_steps=rl.warmup_steps)
+    sft_opt = OptimizerConfig(learning_rate=sft.learning_rate, warmup_steps=sft.warmup_steps,
+                              max_grad_norm=rl.max_grad_norm)
+    return StepConfigs(tr_config, loss_config, rl_opt, sft_opt)

@@ -28,7 +28,11 @@ import logging
 import os
 from typing import Mapping, Optional, Sequence
 
+import jax
 import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 log = logging.getLogger("pdm_jax.distributed")
 
@@ -130,7 +134,6 @@ def initialize(settings: Optional[DistributedSettings] = None) -> None:
       RuntimeError: a JAX backend was already initialised in this process (too late).
       ValueError: from :class:`DistributedSettings` or JAX (missing coordinator etc.).
     """
-    import jax
     from jax._src import distributed as _jax_distributed
     from jax._src import xla_bridge
 
@@ -166,14 +169,12 @@ def initialize_from_config(config) -> bool:
 
 def is_primary() -> bool:
     """True on process 0 (the one that writes logs, summaries and plots)."""
-    import jax
 
     return jax.process_index() == 0
 
 
 def batch_sharding(mesh, ndim: int, batch_axes: Sequence[str] = ("data", "fsdp")):
     """``NamedSharding`` splitting the leading axis of an ``ndim``-d array over ``batch_axes``."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     return NamedSharding(mesh, P(tuple(batch_axes), *([None] * (ndim - 1))))
 
@@ -189,7 +190,6 @@ def local_batch_rows(num_rows: int, mesh, batch_axes: Sequence[str] = ("data", "
         this process's rows are not one contiguous block (a mesh whose device
         order interleaves processes along the batch axes).
     """
-    import jax
 
     n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
     if num_rows % n_shards:
@@ -205,12 +205,12 @@ def local_batch_rows(num_rows: int, mesh, batch_axes: Sequence[str] = ("data", "
     return slice(start, stop)
 
 
-def put_global_batch(arrays: Mapping[str, np.ndarray], mesh, *, batch_axes: Sequence[str] = ("data", "fsdp"),
-                     process_local: bool = False) -> dict:
+def put_global_batch(arrays, mesh, *, batch_axes: Sequence[str] = ("data", "fsdp"), process_local: bool = False):
     """Global, batch-sharded ``jax.Array``s from host arrays, correct with one or many processes.
 
     Args:
-      arrays: name -> host array ``[N, ...]``.
+      arrays: a pytree of host arrays ``[N, ...]`` (a ``pdm_jax.rollout.StepBatch``
+        or a name -> array mapping; None fields stay None).
       mesh: the global mesh.
       batch_axes: mesh axes the leading (row) axis is split over.
       process_local: False (default): every process passes the same GLOBAL
@@ -223,29 +223,25 @@ def put_global_batch(arrays: Mapping[str, np.ndarray], mesh, *, batch_axes: Sequ
     the same full array.
 
     Returns:
-      name -> ``jax.Array`` with the global shape, built by
+      the same pytree of ``jax.Array`` with the global shapes, built by
       ``jax.make_array_from_process_local_data``.
     """
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
-    out = {}
-    for name, value in arrays.items():
+
+    def put(value):
         value = np.asarray(value)
         if value.ndim == 0:
-            out[name] = jax.make_array_from_process_local_data(NamedSharding(mesh, P()), value, value.shape)
-            continue
+            return jax.make_array_from_process_local_data(NamedSharding(mesh, P()), value, value.shape)
         if process_local:
-            sharding = batch_sharding(mesh, value.ndim, batch_axes)
-            out[name] = jax.make_array_from_process_local_data(sharding, value)
-        elif value.shape[0] % n_shards == 0:
+            return jax.make_array_from_process_local_data(batch_sharding(mesh, value.ndim, batch_axes), value)
+        if value.shape[0] % n_shards == 0:
             rows = local_batch_rows(value.shape[0], mesh, batch_axes)
             sharding = batch_sharding(mesh, value.ndim, batch_axes)
-            out[name] = jax.make_array_from_process_local_data(sharding, value[rows], value.shape)
-        else:
-            out[name] = jax.make_array_from_process_local_data(NamedSharding(mesh, P()), value, value.shape)
-    return out
+            return jax.make_array_from_process_local_data(sharding, value[rows], value.shape)
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, P()), value, value.shape)
+
+    return jax.tree.map(put, arrays)
 
 
 def opt_state_shardings(tx, params, mesh):
@@ -258,9 +254,6 @@ def opt_state_shardings(tx, params, mesh):
     ``params`` may be arrays or ``jax.ShapeDtypeStruct`` with ``.sharding``
     (``optax.tree_map_params`` matches the state's leaves to the parameters).
     """
-    import jax
-    import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     replicated = NamedSharding(mesh, P())
     return optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
@@ -274,11 +267,9 @@ def to_host(tree):
     several processes (a collective: every process must call it), else
     ``jax.device_get``.
     """
-    import jax
 
     if jax.process_count() == 1:
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
 
     return multihost_utils.process_allgather(tree, tiled=True)
 

@@ -1,6 +1,6 @@
 """Dry run: will this config's RL train step fit the target chips? (no checkpoint, no data needed)
 
-``python -m pdm_jax.train --config=configs/qwen3_8b_dapo.py --dry_run`` prints a
+``python -m pdm_jax.train --config=configs/qwen3_dapo.py:size=8b --dry_run`` prints a
 per-device memory table of the sharded RL train step (one optimizer step on a
 mini-batch of ``prompts_per_step * group_size / num_minibatches`` sequences of
 ``sampler.max_prompt_length + rl.max_new_tokens`` tokens) against the HBM of
@@ -28,10 +28,29 @@ devices the dry run falls back to the analytic plan and says so.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
+import time
 from typing import Optional
+
+# Importing jax does not start its backend: prepare_devices (the CLI's first call) still can set it up.
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax._src import xla_bridge
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pdm_jax import train_step as ts
+from pdm_jax.config import model_config_from_fields, step_configs
+from pdm_jax.distributed import opt_state_shardings
+from pdm_jax.models.hf_io import load_config
+from pdm_jax.models.presets import PRESETS, get_preset
+from pdm_jax.models.qwen3 import Qwen3ForCausalLM
+from pdm_jax.models.tokenizer import char_vocab_size
+from pdm_jax.rollout import StepBatch, round_up
+from pdm_jax.sharding import MeshConfig, activation_sharding, make_mesh, param_partition_specs, param_shardings
 
 
 #: HBM per chip in GiB (vendor datasheets: TPU v4 32, v5e 16, v5p 95, v6e Trillium 32; H100 SXM 80; H200 141).
@@ -50,17 +69,15 @@ _LOSS_V_BUFFERS = 4  # logits, log-softmax, tail log pi (trust region), softmax 
 def prepare_devices(num_devices: int) -> bool:
     """Requests ``num_devices`` fake CPU devices if JAX's backend is not started yet; returns success.
 
-    Sets ``JAX_PLATFORMS=cpu`` and ``--xla_force_host_platform_device_count``.
+    Sets ``JAX_PLATFORMS=cpu`` (and ``jax_platforms``, which jax read from the
+    environment when it was imported) and ``--xla_force_host_platform_device_count``.
     Returns False (nothing changed) when a backend is already initialised with
     fewer devices.
     """
-    from jax._src import xla_bridge
-
     if xla_bridge.backends_are_initialized():
-        import jax
-
         return len(jax.devices()) >= num_devices
     os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={num_devices}").strip()
     return True
@@ -78,16 +95,11 @@ def resolve_model_config(config):
     Raises:
       ValueError: naming ``model.hf_path`` when none of these applies.
     """
-    from pdm_jax.models.presets import PRESETS, get_preset
-    from pdm_jax.config import model_config_from_fields
-
     mc = config.model
     if mc.preset:
         return get_preset(mc.preset)
     if mc.hf_path:
         if os.path.exists(os.path.join(mc.hf_path, "config.json")):
-            from pdm_jax.models.hf_io import load_config
-
             return load_config(mc.hf_path)
         m = re.search(r"qwen3-(\d+(?:\.\d+)?)b", os.path.basename(os.path.normpath(mc.hf_path)).lower())
         name = f"qwen3_{m.group(1).replace('.', 'p')}b" if m else None
@@ -97,10 +109,8 @@ def resolve_model_config(config):
                          f"{sorted(PRESETS)}; set model.preset for a dry run")
     tc = config.tokenizer
     if tc.kind == "char":
-        vocab = len(dict.fromkeys(tc.symbols)) + 2
+        vocab = char_vocab_size(tc.symbols)
     else:
-        import json
-
         with open(os.path.join(tc.path, "tokenizer.json")) as f:
             tok = json.load(f)
         vocab = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
@@ -124,41 +134,28 @@ def step_shape(config) -> StepShape:
     n = rl.prompts_per_step * rl.group_size
     if rl.num_minibatches < 1 or n % rl.num_minibatches:
         raise ValueError(f"rl.num_minibatches = {rl.num_minibatches} must divide prompts_per_step x group_size = {n}")
-    p = max(8, -(-int(config.sampler.max_prompt_length) // 8) * 8)
+    p = round_up(int(config.sampler.max_prompt_length), 8)
     return StepShape(batch=n // rl.num_minibatches, prompt_len=p, completion_len=int(rl.max_new_tokens),
                      top_k=int(rl.top_k_logprobs), logits_chunk_size=int(rl.get("logits_chunk_size", 0)))
 
 
 def mesh_sizes(config, num_devices: int) -> dict:
     """{"data", "fsdp", "tensor"} sizes of ``config.mesh`` on ``num_devices`` (-1 resolved)."""
-    from pdm_jax.sharding import MeshConfig
-
     m = config.mesh
     d, f, t = MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor).axis_sizes(num_devices)
     return {"data": d, "fsdp": f, "tensor": t}
 
 
 def _abstract_model(model_cfg, dtype, param_dtype):
-    from flax import nnx
-
-    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-
     return nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
 
 
 def _dtype(name):
-    import jax.numpy as jnp
-
     return jnp.dtype(name)
 
 
 def param_bytes_per_device(model_cfg, sizes: dict, param_dtype) -> tuple[int, int]:
     """(total parameter count, bytes of the parameters held by one device) under the sharding rules."""
-    import jax
-    from flax import nnx
-
-    from pdm_jax.sharding import param_partition_specs
-
     abstract = _abstract_model(model_cfg, _dtype(param_dtype), _dtype(param_dtype))
     mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes.keys()))
     state = nnx.state(abstract, nnx.Param)
@@ -230,8 +227,6 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
 
 def _with_shardings(tree, shardings):
     """ShapeDtypeStructs of `tree`'s leaves carrying the matching leaves of `shardings` (same leaf order)."""
-    import jax
-
     leaves, treedef = jax.tree.flatten(tree)
     sh = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     if len(sh) != len(leaves):
@@ -252,27 +247,16 @@ def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, activatio
     Raises:
       RuntimeError: fewer devices than the mesh needs.
     """
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from pdm_jax import train_step as ts
-    from pdm_jax.distributed import opt_state_shardings
-    from pdm_jax.sharding import make_mesh, param_shardings
-    from pdm_jax.trainer import trust_region_config
-
     n_dev = math.prod(sizes.values())
     if len(jax.devices()) < n_dev:
         raise RuntimeError(f"the mesh {sizes} needs {n_dev} devices, JAX has {len(jax.devices())}")
     mesh = make_mesh(devices=jax.devices()[:n_dev], **sizes)
-    mc, rl = config.model, config.rl
+    mc = config.model
     abstract = _abstract_model(model_cfg, _dtype(mc.dtype), _dtype(mc.param_dtype))
     graphdef, abs_params = nnx.split(abstract)
     abs_params = _with_shardings(abs_params, param_shardings(abs_params, mesh))
-    tx, _ = ts.make_optimizer(rl.learning_rate, weight_decay=rl.weight_decay, max_grad_norm=rl.max_grad_norm)
+    configs = step_configs(config, max_response_length=shape.completion_len)
+    tx, _ = configs.rl_optimizer.build()
     abs_opt = _with_shardings(jax.eval_shape(tx.init, abs_params), opt_state_shardings(tx, abs_params, mesh))
     replicated = NamedSharding(mesh, P())
     abs_state = ts.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=abs_params,
@@ -283,23 +267,18 @@ def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, activatio
         spec = P(("data", "fsdp"), *([None] * (len(shp) - 1)))
         return jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))
 
-    batch = dict(prompt_ids=arg((b, p), jnp.int32), prompt_mask=arg((b, p), jnp.bool_),
-                 completion_ids=arg((b, t), jnp.int32), completion_mask=arg((b, t), jnp.bool_),
-                 behavior_logprobs=arg((b, t), jnp.float32), topk_ids=arg((b, t, k), jnp.int32),
-                 topk_logprobs=arg((b, t, k), jnp.float32), advantages=arg((b,), jnp.float32))
-    loss_cfg = ts.PolicyLossConfig(
-        policy_loss=rl.policy_loss, tis_cap=rl.tis_cap, clip_eps_low=config.trust_region.clip_eps_low,
-        clip_eps_high=config.trust_region.clip_eps_high, dual_clip=rl.dual_clip,
-        loss_aggregation=rl.loss_aggregation, max_response_length=t, temperature=rl.temperature,
-        logits_chunk_size=shape.logits_chunk_size)
-    step = ts.make_rl_train_step(graphdef, tx, trust_region_config(config), loss_cfg)
+    batch = StepBatch(prompt_ids=arg((b, p), jnp.int32), prompt_mask=arg((b, p), jnp.bool_),
+                      completion_ids=arg((b, t), jnp.int32), completion_mask=arg((b, t), jnp.bool_),
+                      behavior_logprobs=arg((b, t), jnp.float32), topk_ids=arg((b, t, k), jnp.int32),
+                      topk_logprobs=arg((b, t, k), jnp.float32), advantages=arg((b,), jnp.float32),
+                      ref_logprobs=arg((b, t), jnp.float32) if configs.policy_loss.kl_beta > 0 else None)
+    loss_cfg = dataclasses.replace(configs.policy_loss, logits_chunk_size=shape.logits_chunk_size)
+    step = ts.make_rl_train_step(graphdef, tx, configs.trust_region, loss_cfg)
     state_sharding = jax.tree.map(lambda x: x.sharding, abs_state)
     t0 = time.time()
     jitted = jax.jit(step, in_shardings=(state_sharding, jax.tree.map(lambda x: x.sharding, batch)),
                      out_shardings=(state_sharding, None), donate_argnums=0)
     if activation_constraints:
-        from pdm_jax.sharding import activation_sharding
-
         with activation_sharding(mesh):
             lowered = jitted.lower(abs_state, batch)
     else:
@@ -327,8 +306,6 @@ def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
     Raises:
       ValueError: unknown chip or mode, or a config error naming the field.
     """
-    from pdm_jax.trainer import trust_region_config
-
     dr = config.get("dry_run") or {}
     mode = mode or dr.get("mode", "auto")
     chip = chip or dr.get("chip", "v5p")
@@ -337,7 +314,7 @@ def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
         raise ValueError(f"dry_run.mode must be one of {MODES}, got {mode!r}")
     if chip not in CHIP_HBM_GIB:
         raise ValueError(f"dry_run.chip must be one of {sorted(CHIP_HBM_GIB)}, got {chip!r}")
-    trust_region_config(config)  # config errors before any work
+    step_configs(config)  # config errors before any work
     model_cfg = resolve_model_config(config)
     shape = step_shape(config)
     sizes = mesh_sizes(config, num_devices)
@@ -348,8 +325,6 @@ def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
         note = (f"not compiled: {n_params / 1e9:.1f}B parameters > dry_run.max_compile_params "
                 f"(set dry_run.mode=compile to compile on CPU anyway)")
     elif mode in ("auto", "compile"):
-        import jax
-
         if len(jax.devices()) < num_devices:
             note = f"not compiled: {len(jax.devices())} JAX devices < {num_devices} (run the CLI with --dry_run)"
         else:

@@ -42,6 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# |log pi - log mu| is clamped to LOG_RATIO_CLAMP before every exp (defined once, in trust_region).
+from pdm_jax.trust_region import LOG_RATIO_CLAMP
+
 __all__ = [
     "AGGREGATION_MODES",
     "KL_KINDS",
@@ -57,18 +60,13 @@ __all__ = [
     "aggregate_loss",
     "loss_denominator",
     "combine",
-    "policy_loss_and_metrics",
+    "broadcast_advantages",
 ]
 
 AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_KINDS = ("k1", "k2", "k3")
 LOSS_TYPES = ("tis", "ppo_clip")
 
-#: |log pi - log mu| is clamped to this before ``exp`` in the PPO ratio and the
-#: k3 estimator, so ``inf`` never appears (e^20 ~ 4.9e8). Beyond the clamp the
-#: ratio is constant, i.e. its gradient is 0: such tokens are far outside any
-#: sensible trust region (and are clipped or masked by every objective here).
-LOG_RATIO_CLAMP = 20.0
 
 
 # --------------------------------------------------------------------------- #
@@ -209,7 +207,12 @@ def group_advantages(
 # --------------------------------------------------------------------------- #
 
 
-def _broadcast_advantages(advantages, shape) -> jax.Array:
+def broadcast_advantages(advantages, shape) -> jax.Array:
+    """Advantages ``[B]`` (one per sequence) or ``[B,T]`` as an f32 ``[B,T]`` array.
+
+    Raises:
+      ValueError: a shape that is neither ``[B]`` nor ``shape``.
+    """
     adv = jnp.asarray(advantages, jnp.float32)
     if adv.ndim == 1:
         if adv.shape[0] != shape[0]:
@@ -294,7 +297,7 @@ def tis_policy_loss(
     mask = jnp.asarray(mask).astype(bool)
     logp = _sanitize(logprobs, mask)
     behavior_logp = _sanitize(behavior_logprobs, mask)
-    adv = _sanitize(_broadcast_advantages(advantages, shape), mask)
+    adv = _sanitize(broadcast_advantages(advantages, shape), mask)
     log_ratio = jnp.minimum(logp - behavior_logp, math.log(tis_cap))
     truncated_ratio = jax.lax.stop_gradient(jnp.exp(log_ratio))
     # pi(y) = 0 gives min(r, C) = 0: the token contributes 0 (not -A * 0 * -inf = NaN).
@@ -352,7 +355,7 @@ def ppo_clip_policy_loss(
         mask = jnp.asarray(mask).astype(bool)
     logp = _sanitize(logprobs, mask)
     behavior_logp = _sanitize(behavior_logprobs, mask)
-    adv = _sanitize(_broadcast_advantages(advantages, shape), mask)
+    adv = _sanitize(broadcast_advantages(advantages, shape), mask)
     ratio = jnp.exp(safe_log_ratio(logp, behavior_logp))
     clipped_ratio = jnp.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss = jnp.maximum(-adv * ratio, -adv * clipped_ratio)
@@ -524,94 +527,3 @@ def combine(loss_sums, denominators) -> jax.Array:
     total = jnp.sum(jnp.stack([jnp.asarray(s, jnp.float32) for s in loss_sums]))
     denom = jnp.sum(jnp.stack([jnp.asarray(d, jnp.float32) for d in denominators]))
     return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)
-
-
-# --------------------------------------------------------------------------- #
-# Convenience
-# --------------------------------------------------------------------------- #
-
-
-def policy_loss_and_metrics(
-    logprobs: jax.Array,
-    behavior_logprobs: jax.Array,
-    advantages: jax.Array,
-    mask: jax.Array,
-    valid_mask: jax.Array,
-    *,
-    loss_type: str = "tis",
-    aggregation: str = "token_mean",
-    tis_cap: float = 5.0,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.28,
-    dual_clip: Optional[float] = None,
-    ref_logprobs: Optional[jax.Array] = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "k3",
-    max_response_length: Optional[int] = None,
-) -> tuple[jax.Array, jax.Array, dict]:
-    """Per-token policy loss (+ beta * KL) aggregated to ``(loss_sum, denominator, metrics)``.
-
-    ``loss_type="tis"``: :func:`tis_policy_loss` with M = ``mask & valid_mask``.
-    ``loss_type="ppo_clip"``: :func:`ppo_clip_policy_loss` on ``mask & valid_mask``
-    (PPO's own ratio clip is its trust region; pass ``mask = valid_mask`` for
-    plain PPO, or a DPPO/PDM mask to combine both).
-    With ``kl_coef > 0`` and ``ref_logprobs`` given, ``kl_coef * kl_penalty`` is
-    added to every valid token (also the trust-region-masked ones).
-
-    Metrics (float32 scalars, token means over ``valid_mask`` of this call, so
-    combine micro-batches weighted by ``num_valid_tokens``): ``num_valid_tokens``,
-    ``masked_fraction`` (valid tokens with M=0), ``ratio_mean`` (clamped r),
-    ``tis_capped_fraction`` (r > C; TIS only), ``clip_fraction`` (PPO clip
-    active; PPO only), ``kl_mean`` (with a reference).
-
-    Raises:
-      ValueError: unknown ``loss_type``/``aggregation``/``kl_kind``, ``kl_coef``
-        < 0, or ``kl_coef`` > 0 without ``ref_logprobs`` (naming the field).
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    _check_mode(aggregation, max_response_length)
-    if kl_kind not in KL_KINDS:
-        raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {kl_kind!r}")
-    if not (kl_coef >= 0.0 and math.isfinite(kl_coef)):
-        raise ValueError(f"kl_coef must be a finite float >= 0, got {kl_coef!r}")
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs (got None)")
-    valid_mask = jnp.asarray(valid_mask).astype(bool)
-    keep = jnp.asarray(mask).astype(bool) & valid_mask
-    if loss_type == "tis":
-        per_token = tis_policy_loss(logprobs, behavior_logprobs, advantages, keep, tis_cap=tis_cap)
-    else:
-        per_token = ppo_clip_policy_loss(
-            logprobs, behavior_logprobs, advantages,
-            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
-            dual_clip=dual_clip, mask=keep,
-        )
-    n_valid = jnp.sum(valid_mask, dtype=jnp.float32)
-
-    def vmean(x):
-        return jnp.sum(jnp.where(valid_mask, x, 0.0)) / jnp.maximum(n_valid, 1.0)
-
-    ratio = jnp.exp(safe_log_ratio(_sanitize(logprobs, valid_mask), _sanitize(behavior_logprobs, valid_mask)))
-    ratio = jax.lax.stop_gradient(ratio)
-    metrics = {
-        "num_valid_tokens": n_valid,
-        "masked_fraction": vmean((~keep).astype(jnp.float32)),
-        "ratio_mean": vmean(ratio),
-    }
-    if loss_type == "tis":
-        metrics["tis_capped_fraction"] = vmean((ratio > tis_cap).astype(jnp.float32))
-    else:
-        shape = ratio.shape
-        adv = jax.lax.stop_gradient(_sanitize(_broadcast_advantages(advantages, shape), valid_mask))
-        clipped = ((ratio > 1.0 + clip_eps_high) & (adv > 0)) | ((ratio < 1.0 - clip_eps_low) & (adv < 0))
-        metrics["clip_fraction"] = vmean(clipped.astype(jnp.float32))
-    if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs, kl_kind, mask=valid_mask)
-        metrics["kl_mean"] = jax.lax.stop_gradient(vmean(kl))
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * kl
-    loss_sum, denominator = aggregate_loss(
-        per_token, valid_mask, aggregation, max_response_length=max_response_length
-    )
-    return loss_sum, denominator, metrics

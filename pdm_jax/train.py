@@ -16,13 +16,27 @@ import sys
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+
+from pdm_jax.config import check_field_path, validate_config  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, summary); resumed if it exists.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the per-device memory plan of the sharded train step for "
                              "config.dry_run.{chip,num_devices} and exit (no checkpoint, data or workdir needed).")
+
+
+def run(config, workdir: str, *, callbacks=()) -> dict:
+    """Validates ``config`` and runs (or resumes) the job in ``workdir``; returns its summary.
+
+    The programmatic entry point (the token-level analysis runs training through it
+    with its callbacks). Raises ValueError naming a bad config field.
+    """
+    from pdm_jax.trainer import Trainer  # here, not at the top: --dry_run must set up devices before JAX work
+
+    return Trainer(config, workdir, callbacks=callbacks).run()
 
 
 def main(argv):
@@ -42,8 +56,6 @@ def main(argv):
         return
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required")
-    from absl import logging as absl_logging
-
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
     logging.getLogger("pdm_jax").setLevel(logging.INFO)
     config = _CONFIG.value
@@ -51,17 +63,27 @@ def main(argv):
         from pdm_jax.distributed import initialize_from_config
 
         initialize_from_config(config)
-    from pdm_jax.trainer import Trainer, validate_config
-
     try:
         validate_config(config)
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    summary = Trainer(config, _WORKDIR.value).run()
+    summary = run(config, _WORKDIR.value)
     print(json.dumps(summary, indent=2))
     print(f"summary written to {os.path.join(os.path.abspath(_WORKDIR.value), 'summary.json')}")
 
 
+def _check_overrides(argv) -> None:
+    """Names an unknown ``--config.<field>=`` override before absl applies it (exit 2)."""
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            try:
+                check_field_path(arg[len("--config."):].split("=", 1)[0])
+            except ValueError as e:
+                print(f"config error: {e} (from {arg!r})", file=sys.stderr)
+                sys.exit(2)
+
+
 if __name__ == "__main__":
+    _check_overrides(sys.argv)
     app.run(main)

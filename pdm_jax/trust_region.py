@@ -90,8 +90,11 @@ NONFINITE_POLICIES = ("mask", "error")
 #: Floor on mu used by :func:`topk_reverse_kl` only (KL(pi||mu) is infinite
 #: where mu = 0 < pi; the floor keeps it finite and large: log(1e-20) = -46).
 REVERSE_KL_MIN_PROB = 1e-20
-#: |log r| is clipped at this value before exp in the PPO ratio test (r = e^20
-#: is outside any sensible clip range; avoids inf for log mu = -inf).
+#: |log r| = |log pi - log mu| is clipped at this value before every exp of a
+#: log-ratio (the PPO ratio test here, the PPO surrogate and k1/k2/k3 KL
+#: estimators in ``objectives``, the ratio metrics in ``loss``): r = e^20 ~ 4.9e8
+#: is outside any sensible trust region, and inf never appears (log mu = -inf).
+#: Beyond the clamp the ratio is constant (zero gradient). Defined once, here.
 LOG_RATIO_CLAMP = 20.0
 
 _F32 = jnp.float32
@@ -752,13 +755,16 @@ def trust_region_radius(advantages, delta: float, delta_low: Optional[float] = N
     return jnp.where(adv < 0, low, jnp.where(adv > 0, high, delta)).astype(_F32)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid_mask,
-               config: TrustRegionConfig):
+def _checked_inputs(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid_mask):
+    """The mask's inputs as arrays of the right dtypes, advantages broadcast to the token shape.
+
+    Raises:
+      ValueError: shapes that disagree with the logits' leading shape (naming the input).
+    """
     logits = jnp.asarray(logits)
     if logits.ndim < 1:
         raise ValueError(f"logits must have a vocabulary axis, got shape {logits.shape}")
-    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    lead = logits.shape[:-1]
     tokens = jnp.asarray(tokens)
     topk_ids = jnp.asarray(topk_ids)
     topk_lp = jnp.asarray(topk_logprobs).astype(_F32)
@@ -777,6 +783,35 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
         else:
             raise ValueError(f"advantages must have shape {lead} or ({lead[0] if lead else ''},), "
                              f"got {adv.shape}")
+    return logits, tokens, topk_ids, topk_lp, behavior_lp, valid, adv
+
+
+def _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tail_mass, keep_ratio, keep_pred):
+    """The mask's statistics (f32 scalars, no gradient): counts, fractions of valid tokens, means over good ones."""
+    n_valid = jnp.sum(valid.astype(_F32))
+    n_good = jnp.sum(good.astype(_F32))
+    frac = lambda b: jnp.sum((b & valid).astype(_F32)) / jnp.maximum(n_valid, 1.0)  # noqa: E731
+    mean_good = lambda x: jnp.sum(jnp.where(good, x, 0.0)) / jnp.maximum(n_good, 1.0)  # noqa: E731
+    stats = {
+        "num_valid": n_valid,
+        "num_nonfinite": jnp.sum(nonfinite.astype(_F32)),
+        "num_bad_ids": jnp.sum((valid & bad_ids).astype(_F32)),
+        "frac_outside": frac(good & outside),
+        "frac_masked": frac(~mask),
+        "mean_divergence": mean_good(divergence),
+        "mean_tail_mass": mean_good(tail_mass),
+    }
+    if keep_pred is not None:
+        stats["frac_direction_disagree"] = frac(good & (keep_ratio != keep_pred))
+    return {k: jax.lax.stop_gradient(v.astype(_F32)) for k, v in stats.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid_mask,
+               config: TrustRegionConfig):
+    logits, tokens, topk_ids, topk_lp, behavior_lp, valid, adv = _checked_inputs(
+        logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid_mask)
+    vocab = logits.shape[-1]
 
     # ---- detect bad inputs (one max over V, reused by the log-softmax) ----
     z = logits.astype(_F32)
@@ -833,22 +868,7 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
         keep = keep_ratio
     mask = jax.lax.stop_gradient(good & keep)
 
-    n_valid = jnp.sum(valid.astype(_F32))
-    n_good = jnp.sum(good.astype(_F32))
-    frac = lambda b: jnp.sum((b & valid).astype(_F32)) / jnp.maximum(n_valid, 1.0)  # noqa: E731
-    mean_good = lambda x: jnp.sum(jnp.where(good, x, 0.0)) / jnp.maximum(n_good, 1.0)  # noqa: E731
-    stats = {
-        "num_valid": n_valid,
-        "num_nonfinite": jnp.sum(nonfinite.astype(_F32)),
-        "num_bad_ids": jnp.sum((valid & bad_ids).astype(_F32)),
-        "frac_outside": frac(good & outside),
-        "frac_masked": frac(~mask),
-        "mean_divergence": mean_good(divergence),
-        "mean_tail_mass": mean_good(tq.mu_t),
-    }
-    if keep_pred is not None:
-        stats["frac_direction_disagree"] = frac(good & (keep_ratio != keep_pred))
-    stats = {k: jax.lax.stop_gradient(v.astype(_F32)) for k, v in stats.items()}
+    stats = _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tq.mu_t, keep_ratio, keep_pred)
 
     first_nonfinite = jnp.argmax(nonfinite.reshape(-1))
     # 0 (and zero gradient) wherever the position is padding or was counted as non-finite.

@@ -30,6 +30,8 @@ def main(out_path: str) -> None:
     from flax import nnx
 
     from pdm_jax import train_step as ts, trust_region
+    from pdm_jax.loss import PolicyLossConfig
+    from pdm_jax.rollout import StepBatch
     from pdm_jax.models.qwen3 import Qwen3Config, init_model
     from pdm_jax.sharding import make_mesh
 
@@ -45,7 +47,7 @@ def main(out_path: str) -> None:
     logmu = logmu - np.log(np.exp(logmu).sum(-1, keepdims=True))
     completion_ids = rng.integers(0, v, (b, t)).astype(np.int32)
     topk_ids = np.argsort(-logmu, -1)[..., :k].astype(np.int32)
-    batch = dict(
+    batch = StepBatch(
         prompt_ids=rng.integers(0, v, (b, p)).astype(np.int32),
         prompt_mask=np.ones((b, p), bool),
         completion_ids=completion_ids,
@@ -59,7 +61,7 @@ def main(out_path: str) -> None:
     device_batch = distributed.put_global_batch(batch, mesh)
 
     tr_config = trust_region.TrustRegionConfig(mask="pdm", estimator="bucket_exact", delta=0.5)
-    loss_fn = ts.make_rl_loss(graphdef, tr_config, ts.PolicyLossConfig(max_response_length=t))
+    loss_fn = ts.make_rl_loss(graphdef, tr_config, PolicyLossConfig(max_response_length=t))
     step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     (loss, aux), grads = step(params, device_batch)
     host = distributed.to_host(dict(loss=loss, aux=aux, grads=nnx.to_pure_dict(grads)))

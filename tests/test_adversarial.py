@@ -27,7 +27,7 @@ from pdm_jax import objectives
 from pdm_jax import train_step as ts
 from pdm_jax import trust_region as tr
 from pdm_jax.rollout import RolloutBatch
-from pdm_jax.trainer import validate_config
+from pdm_jax.config import validate_config
 
 # --------------------------------------------------------------------------- helpers
 

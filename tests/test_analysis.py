@@ -18,6 +18,7 @@ from pdm_jax.analysis import report
 from pdm_jax.analysis.callback import AlignmentCallback, isolated_changes
 from pdm_jax.metrics import read_metrics
 from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.rollout import StepBatch
 from pdm_jax.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +49,8 @@ def _hand_ddot_aggregated(z, mu_e: dict, token):
 def _batch_one_position(tokens, topk_ids, topk_mu, mu_k, adv):
     """Train-step batch of B sequences with one completion token each (V = 4, K = 1)."""
     b = len(tokens)
-    return dict(
+    return StepBatch(
+        prompt_ids=None, prompt_mask=None,
         completion_ids=jnp.asarray(np.array(tokens, np.int32)[:, None]),
         completion_mask=jnp.ones((b, 1), bool),
         behavior_logprobs=jnp.asarray(np.log(np.array(mu_k, np.float32))[:, None]),
@@ -97,7 +99,7 @@ def test_realized_change_bookkeeping_by_hand():
     # predictive (aggregated tail): masked iff A * Ddot > 0.
     for r in range(2):
         ddot = _hand_ddot_aggregated(before[r], mu_e[r], tokens[r])
-        assert bool(a["keep_aggregated_tail"][r, 0]) == (not (batch["advantages"][r] * ddot > 0))
+        assert bool(a["keep_aggregated_tail"][r, 0]) == (not (batch.advantages[r] * ddot > 0))
     # Selection drops the inside token; counts follow from the hand-known signs and keeps.
     rec = al.select_tokens(a)
     assert list(rec["row"]) == [0, 1]
@@ -310,21 +312,21 @@ def test_behavior_logits_follow_weights_version_with_counted_fallback():
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
         cb._snapshot_version(trainer, version, params)
     rng = np.random.default_rng(0)
-    host = dict(prompt_ids=rng.integers(0, 16, (4, 3)).astype(np.int32), prompt_mask=np.ones((4, 3), bool),
-                completion_ids=rng.integers(0, 16, (4, 5)).astype(np.int32),
-                completion_mask=np.ones((4, 5), bool))
+    host = StepBatch(prompt_ids=rng.integers(0, 16, (4, 3)).astype(np.int32), prompt_mask=np.ones((4, 3), bool),
+                     completion_ids=rng.integers(0, 16, (4, 5)).astype(np.int32),
+                     completion_mask=np.ones((4, 5), bool))
     z3, lp3 = cb._version_logits(3, host, 1.0)
     z4, lp4 = cb._version_logits(4, host, 1.0)
     assert np.abs(lp3 - lp4).max() > 1e-3  # the two versions are distinguishable
     # rows 0-1 sampled by version 4, rows 2-3 by version 3
-    host["weights_version"] = np.array([4, 4, 3, 3], np.int32)
-    host["behavior_logprobs"] = np.concatenate([lp4[:2], lp3[2:]])
+    host = host.replace(weights_version=np.array([4, 4, 3, 3], np.int32),
+                        behavior_logprobs=np.concatenate([lp4[:2], lp3[2:]]))
     z, lag, err, fallbacks = cb._behavior_logits(trainer, host, 1.0, rl_step=5)
     np.testing.assert_array_equal(z[:2], z4[:2])
     np.testing.assert_array_equal(z[2:], z3[2:])
     assert (lag, fallbacks) == (1, 0) and err < 1e-6
     # rows 2-3 claim version 1 (not kept): matched to version 3 by log μ, counted
-    host["weights_version"] = np.array([4, 4, 1, 1], np.int32)
+    host = host.replace(weights_version=np.array([4, 4, 1, 1], np.int32))
     z, lag, err, fallbacks = cb._behavior_logits(trainer, host, 1.0, rl_step=5)
     np.testing.assert_array_equal(z[2:], z3[2:])
     assert (lag, fallbacks) == (1, 2) and err < 1e-6

@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from pdm_jax import chunked_loss, train_step as ts, trust_region
+from pdm_jax.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.rollout import StepBatch
 
 VOCAB, P, T, K, B = 61, 3, 7, 4, 4
 
@@ -35,7 +37,7 @@ def _setup():
     mu_logits = np.asarray(logits) * 20.0 + scale * rng.standard_normal((B, T, VOCAB))  # sharpened: tail matters
     logmu = np.asarray(jax.nn.log_softmax(jnp.asarray(mu_logits), axis=-1))
     topk_ids = np.argsort(-logmu, axis=-1)[..., :K].astype(np.int32)
-    batch = dict(
+    batch = StepBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
         completion_mask=completion_mask,
         behavior_logprobs=np.take_along_axis(logmu, completion_ids[..., None], -1)[..., 0].astype(np.float32),
@@ -73,11 +75,11 @@ def test_chunked_equals_unchunked(name, tr_kw, loss_kw, chunks):
     _, _, _, tau = _setup()
     tr_config = trust_region.TrustRegionConfig(delta=0.02, **tr_kw)
     base = dict(temperature=tau, max_response_length=T, **loss_kw)
-    loss0, aux0, g0 = _loss_and_grads(tr_config, ts.PolicyLossConfig(**base))
+    loss0, aux0, g0 = _loss_and_grads(tr_config, PolicyLossConfig(**base))
     # The mask is not trivial: some valid tokens kept, some dropped.
     assert 0.0 < aux0["frac_masked"] < 0.9, aux0["frac_masked"]
     for chunk in chunks:  # 3 does not divide T = 7: the padded tail chunk is exercised; 8 > T
-        loss1, aux1, g1 = _loss_and_grads(tr_config, ts.PolicyLossConfig(logits_chunk_size=chunk, **base))
+        loss1, aux1, g1 = _loss_and_grads(tr_config, PolicyLossConfig(logits_chunk_size=chunk, **base))
         np.testing.assert_allclose(loss1, loss0, rtol=1e-5, atol=1e-7)
         assert set(aux1) == set(aux0)
         for k in aux0:
@@ -93,26 +95,27 @@ def test_chunked_equals_unchunked(name, tr_kw, loss_kw, chunks):
 def test_hidden_states_then_head_equals_forward():
     graphdef, params, batch, _ = _setup()
     model = nnx.merge(graphdef, params)
-    ids = jnp.concatenate([batch["prompt_ids"], batch["completion_ids"]], 1)
-    mask = jnp.concatenate([batch["prompt_mask"], batch["completion_mask"]], 1)
+    ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], 1)
+    mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], 1)
     np.testing.assert_array_equal(model.logits_from_hidden(model.hidden_states(ids, attention_mask=mask)),
                                   model(ids, attention_mask=mask))
 
 
 def test_chunk_size_validation():
     with pytest.raises(ValueError, match="logits_chunk_size"):
-        ts.PolicyLossConfig(logits_chunk_size=-1)
+        PolicyLossConfig(logits_chunk_size=-1)
     with pytest.raises(ValueError, match="logits_chunk_size"):
-        chunked_loss.make_chunked_rl_loss(None, trust_region.TrustRegionConfig(), ts.PolicyLossConfig(), 0)
+        chunked_loss.make_chunked_rl_loss(None, trust_region.TrustRegionConfig(), PolicyLossConfig(), 0)
 
 
 def _temp_bytes(t, chunk, vocab=16384, d=16):
     """Compiled temp memory of loss+grad w.r.t. (hidden states, head) for a [1,t,vocab] problem."""
     tr_config = trust_region.TrustRegionConfig(mask="pdm", estimator="bucket_exact")
-    loss_config = ts.PolicyLossConfig(logits_chunk_size=chunk)
+    loss_config = PolicyLossConfig(logits_chunk_size=chunk)
     k = 8
     args = (jax.ShapeDtypeStruct((1, t, d), jnp.float32), jax.ShapeDtypeStruct((d, vocab), jnp.float32),
-            dict(completion_ids=jax.ShapeDtypeStruct((1, t), jnp.int32),
+            StepBatch(prompt_ids=None, prompt_mask=None,
+                      completion_ids=jax.ShapeDtypeStruct((1, t), jnp.int32),
                  completion_mask=jax.ShapeDtypeStruct((1, t), jnp.bool_),
                  behavior_logprobs=jax.ShapeDtypeStruct((1, t), jnp.float32),
                  topk_ids=jax.ShapeDtypeStruct((1, t, k), jnp.int32),
@@ -122,12 +125,12 @@ def _temp_bytes(t, chunk, vocab=16384, d=16):
     def loss(h, w, batch):
         head = lambda x: jnp.einsum("bcd,dv->bcv", x, w)  # noqa: E731
         if chunk:
-            per_token = chunked_loss.chunked_rl_terms(h, head, batch, tr_config, loss_config, chunk)[0]
+            per_token = chunked_loss.chunked_rl_terms(h, head, batch, tr_config, loss_config, chunk)["per_token"]
         else:
             logits = head(h)
             mask, logprobs, _ = trust_region.trust_region_mask_and_logprobs(
-                logits, batch["completion_ids"], batch["topk_ids"], batch["topk_logprobs"],
-                batch["behavior_logprobs"], batch["advantages"], batch["completion_mask"], tr_config)
+                logits, batch.completion_ids, batch.topk_ids, batch.topk_logprobs,
+                batch.behavior_logprobs, batch.advantages, batch.completion_mask, tr_config)
             per_token = jnp.where(mask, -logprobs, 0.0)
         return jnp.sum(per_token)
 

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdm_jax import loss as pl
 from pdm_jax import objectives as obj
 
 RNG = np.random.default_rng(0)
@@ -305,10 +306,10 @@ def test_aggregation_and_loss_validation_names_the_field():
         obj.ppo_clip_policy_loss(x, x, x, clip_eps_low=1.2, clip_eps_high=0.2)
     with pytest.raises(ValueError, match="behavior_logprobs shape"):
         obj.tis_policy_loss(x, jnp.zeros((2, 4)), x, m, tis_cap=2.0)
-    with pytest.raises(ValueError, match="loss_type.*'grpo'"):
-        obj.policy_loss_and_metrics(x, x, x, m, m, loss_type="grpo")
-    with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logprobs"):
-        obj.policy_loss_and_metrics(x, x, x, m, m, kl_coef=0.1)
+    with pytest.raises(ValueError, match="rl.policy_loss = 'grpo'"):
+        pl.PolicyLossConfig(policy_loss="grpo")
+    with pytest.raises(ValueError, match="rl.kl_beta = 0.1 > 0 needs the batch's ref_logprobs"):
+        pl.per_token_policy_loss(x, x, x, m, m, pl.PolicyLossConfig(kl_beta=0.1))
 
 
 # --------------------------------------------------------------------------- #
@@ -337,15 +338,21 @@ def _problem(num_rows=B, all_pad_row=None):
     return dict(x=x, tokens=tokens, behavior=behavior, adv=adv, trust=trust, valid=valid), w
 
 
+def _policy_loss(logp, behavior, adv, trust, valid, loss_type, mode, max_len=None, ref=None, kl_beta=0.0):
+    """The trainer's loss (pdm_jax.loss.per_token_policy_loss, then objectives.aggregate_loss): (sum, denominator)."""
+    valid = jnp.asarray(valid).astype(bool)
+    config = pl.PolicyLossConfig(policy_loss=loss_type, loss_aggregation=mode, tis_cap=2.0, clip_eps_low=0.2,
+                                 clip_eps_high=0.28, dual_clip=3.0, kl_beta=kl_beta)
+    per_token, _ = pl.per_token_policy_loss(logp, behavior, adv, jnp.asarray(trust) & valid, valid, config,
+                                            ref_logprobs=ref)
+    return obj.aggregate_loss(per_token, valid, mode, max_response_length=max_len)
+
+
 def _loss_parts(w, batch, loss_type, mode, max_len):
     logits = jnp.einsum("btd,dv->btv", batch["x"], w)
     logp = _token_logprobs(logits, batch["tokens"])
-    s, d, _ = obj.policy_loss_and_metrics(
-        logp, batch["behavior"], batch["adv"], batch["trust"], batch["valid"],
-        loss_type=loss_type, aggregation=mode, tis_cap=2.0, clip_eps_low=0.2, clip_eps_high=0.28,
-        dual_clip=3.0, max_response_length=max_len,
-    )
-    return s, d
+    return _policy_loss(logp, batch["behavior"], batch["adv"], batch["trust"], batch["valid"], loss_type, mode,
+                        max_len)
 
 
 _value_and_grad_sum = jax.jit(
@@ -428,17 +435,13 @@ def test_nan_pads_never_reach_loss_or_gradient():
     ref = jnp.asarray([[-1.1, -2.1, nan, nan], [-0.6, nan, nan, nan]])
 
     def total(lp, loss_type, mode):
-        s, d, metrics = obj.policy_loss_and_metrics(
-            lp, blp, adv, valid, valid, loss_type=loss_type, aggregation=mode, dual_clip=2.0,
-            ref_logprobs=ref, kl_coef=0.1,
-        )
-        return obj.combine([s], [d]), metrics
+        s, d = _policy_loss(lp, blp, adv, valid, valid, loss_type, mode, ref=ref, kl_beta=0.1)
+        return obj.combine([s], [d]), d
 
     for loss_type in obj.LOSS_TYPES:
         for mode in obj.AGGREGATION_MODES:
-            (value, metrics), g = jax.value_and_grad(total, has_aux=True)(logp, loss_type, mode)
-            assert np.isfinite(value), (loss_type, mode)
-            assert all(np.isfinite(m) for m in metrics.values()), (loss_type, mode, metrics)
+            (value, denom), g = jax.value_and_grad(total, has_aux=True)(logp, loss_type, mode)
+            assert np.isfinite(value) and np.isfinite(denom), (loss_type, mode)
             assert np.all(np.isfinite(g)), (loss_type, mode, g)
             np.testing.assert_array_equal(np.asarray(g)[~np.asarray(valid)], 0.0)
             assert np.all(np.asarray(g)[np.asarray(valid)] != 0.0)
@@ -452,18 +455,25 @@ def test_nan_pads_never_reach_loss_or_gradient():
 
 
 def test_policy_loss_and_metrics_values():
+    """The trainer's aggregated loss and its ratio metrics (pdm_jax.loss) against hand-computed values."""
     logp = jnp.log(jnp.asarray([[0.5, 0.5, 0.2]]))
     blp = jnp.log(jnp.asarray([[0.25, 0.5, 0.4]]))  # r = 2, 1, 0.5
     adv = jnp.asarray([1.0])
     trust = jnp.asarray([[True, False, True]])
     valid = jnp.ones((1, 3), bool)
-    s, d, m = obj.policy_loss_and_metrics(logp, blp, adv, trust, valid, tis_cap=1.5)
-    expected = -(1.5 * np.log(0.5) + 0.5 * np.log(0.2))
-    np.testing.assert_allclose(s, expected, rtol=1e-6)
-    assert float(d) == 3.0
-    np.testing.assert_allclose(m["masked_fraction"], 1 / 3, rtol=1e-6)
-    np.testing.assert_allclose(m["tis_capped_fraction"], 1 / 3, rtol=1e-6)
-    np.testing.assert_allclose(m["ratio_mean"], 3.5 / 3, rtol=1e-6)
-    _, _, m = obj.policy_loss_and_metrics(logp, blp, adv, valid, valid, loss_type="ppo_clip",
-                                          clip_eps_low=0.2, clip_eps_high=0.28)
-    np.testing.assert_allclose(m["clip_fraction"], 1 / 3, rtol=1e-6)  # r=2 with A>0
+
+    def loss_and_metrics(policy_loss, mask, **kw):
+        config = pl.PolicyLossConfig(policy_loss=policy_loss, tis_cap=1.5, **kw)
+        per_token, kl = pl.per_token_policy_loss(logp, blp, adv, mask, valid, config)
+        terms = dict(per_token=per_token, logprobs=logp, kl=kl, entropy=jnp.zeros_like(logp),
+                     stats=dict(mean_divergence=jnp.float32(0.0)))
+        return pl.loss_and_metrics(terms, valid, blp, adv, config)
+
+    loss, m = loss_and_metrics("tis", trust)
+    expected = -(1.5 * np.log(0.5) + 0.5 * np.log(0.2)) / 3  # token mean over 3 valid tokens
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    np.testing.assert_allclose(m["frac_tis_capped"], 1 / 3, rtol=1e-6)  # r = 2 > C = 1.5
+    np.testing.assert_allclose(m["mean_ratio"], 3.5 / 3, rtol=1e-6)
+    np.testing.assert_allclose(m["mean_abs_log_ratio"], (2 * np.log(2)) / 3, rtol=1e-6)
+    _, m = loss_and_metrics("ppo_clip", valid, clip_eps_low=0.2, clip_eps_high=0.28)
+    np.testing.assert_allclose(m["frac_clipped"], 1 / 3, rtol=1e-6)  # r=2 with A>0

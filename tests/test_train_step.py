@@ -8,7 +8,9 @@ from flax import nnx
 
 from pdm_jax import train_step as ts
 from pdm_jax import trust_region
+from pdm_jax.loss import PolicyLossConfig
 from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.rollout import StepBatch
 
 CFG = Qwen3Config(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
@@ -20,25 +22,26 @@ def setup():
     graphdef, params = nnx.split(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     B, P, T, K = 4, 3, 5, 3
-    batch = dict(
+    batch = StepBatch(
         prompt_ids=rng.integers(0, 12, (B, P)).astype(np.int32),
         prompt_mask=np.ones((B, P), bool),
         completion_ids=rng.integers(0, 12, (B, T)).astype(np.int32),
         completion_mask=np.arange(T)[None, :] < np.array([5, 3, 1, 4])[:, None],
         advantages=np.array([1.0, -0.5, 0.25, -1.0], np.float32),
     )
-    logits = ts.completion_logits(graphdef, params, batch["prompt_ids"], batch["prompt_mask"],
-                                  batch["completion_ids"], batch["completion_mask"]) / TAU
+    logits = ts.completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask,
+                                  batch.completion_ids, batch.completion_mask) / TAU
     logp = jax.nn.log_softmax(logits, -1)
-    batch["behavior_logprobs"] = np.asarray(jnp.take_along_axis(logp, batch["completion_ids"][..., None], -1)[..., 0])
     top_lp, top_ids = jax.lax.top_k(logp, K)
-    batch["topk_ids"], batch["topk_logprobs"] = np.asarray(top_ids), np.asarray(top_lp)
+    batch = batch.replace(
+        behavior_logprobs=np.asarray(jnp.take_along_axis(logp, batch.completion_ids[..., None], -1)[..., 0]),
+        topk_ids=np.asarray(top_ids), topk_logprobs=np.asarray(top_lp))
     return graphdef, params, batch
 
 
 def _loss(graphdef, params, batch, mask="pdm"):
     loss_fn = ts.make_rl_loss(graphdef, trust_region.TrustRegionConfig(mask=mask, delta=0.05),
-                              ts.PolicyLossConfig(temperature=TAU))
+                              PolicyLossConfig(temperature=TAU))
     return jax.jit(loss_fn)(params, batch)
 
 
@@ -46,8 +49,8 @@ def test_on_policy_loss_is_the_policy_gradient_surrogate(setup):
     """Sampler = trainer (ratio 1, D = 0): loss = -sum(A log pi) / #valid tokens, nothing masked."""
     graphdef, params, batch = setup
     loss, aux = _loss(graphdef, params, batch)
-    valid = batch["completion_mask"]
-    want = -np.sum(batch["advantages"][:, None] * batch["behavior_logprobs"] * valid) / valid.sum()
+    valid = batch.completion_mask
+    want = -np.sum(batch.advantages[:, None] * batch.behavior_logprobs * valid) / valid.sum()
     np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
     assert float(aux["frac_masked"]) == 0.0 and float(aux["frac_outside"]) == 0.0
     np.testing.assert_allclose(float(aux["mean_ratio"]), 1.0, atol=1e-5)
@@ -56,14 +59,13 @@ def test_on_policy_loss_is_the_policy_gradient_surrogate(setup):
 
 def test_padding_garbage_and_empty_batches_stay_finite(setup):
     graphdef, params, batch = setup
-    bad = dict(batch)
-    pad = ~batch["completion_mask"]
-    bad["behavior_logprobs"] = np.where(pad, np.nan, batch["behavior_logprobs"]).astype(np.float32)
-    bad["topk_logprobs"] = np.where(pad[..., None], np.inf, batch["topk_logprobs"]).astype(np.float32)
+    pad = ~batch.completion_mask
+    bad = batch.replace(behavior_logprobs=np.where(pad, np.nan, batch.behavior_logprobs).astype(np.float32),
+                        topk_logprobs=np.where(pad[..., None], np.inf, batch.topk_logprobs).astype(np.float32))
     loss_ref, _ = _loss(graphdef, params, batch)
     loss_bad, _ = _loss(graphdef, params, bad)
     np.testing.assert_allclose(float(loss_bad), float(loss_ref), rtol=1e-6)
-    empty = dict(bad, completion_mask=np.zeros_like(batch["completion_mask"]))
+    empty = bad.replace(completion_mask=np.zeros_like(batch.completion_mask))
     for mask in ("pdm", "ppo"):
         grads = jax.grad(lambda p: _loss(graphdef, p, empty, mask)[0])(params)
         assert float(_loss(graphdef, params, empty, mask)[0]) == 0.0
@@ -73,16 +75,15 @@ def test_padding_garbage_and_empty_batches_stay_finite(setup):
 def test_off_policy_tokens_outside_the_region_are_masked_by_direction(setup):
     """Shift mu away from pi: the PDM mask drops exactly the tokens with D > delta and A * D' > 0."""
     graphdef, params, batch = setup
-    off = dict(batch)
-    off["behavior_logprobs"] = batch["behavior_logprobs"] - 1.0  # mu(y) = pi(y) / e
-    off["topk_logprobs"] = batch["topk_logprobs"] - 1.0
+    off = batch.replace(behavior_logprobs=batch.behavior_logprobs - 1.0,  # mu(y) = pi(y) / e
+                        topk_logprobs=batch.topk_logprobs - 1.0)
     _, aux = _loss(graphdef, params, off)
-    logits = ts.completion_logits(graphdef, params, off["prompt_ids"], off["prompt_mask"],
-                                  off["completion_ids"], off["completion_mask"]) / TAU
-    args = (logits, off["completion_ids"], off["topk_ids"], off["topk_logprobs"], off["behavior_logprobs"])
+    logits = ts.completion_logits(graphdef, params, off.prompt_ids, off.prompt_mask,
+                                  off.completion_ids, off.completion_mask) / TAU
+    args = (logits, off.completion_ids, off.topk_ids, off.topk_logprobs, off.behavior_logprobs)
     d = np.asarray(trust_region.topk_kl(*args))
     dd = np.asarray(trust_region.kl_directional_derivative(*args, estimator="bucket_exact"))
-    valid = off["completion_mask"]
-    masked = valid & (d > 0.05) & (off["advantages"][:, None] * dd > 0)
+    valid = off.completion_mask
+    masked = valid & (d > 0.05) & (off.advantages[:, None] * dd > 0)
     assert masked.sum() > 0
     np.testing.assert_allclose(float(aux["frac_masked"]), masked.sum() / valid.sum(), rtol=1e-6)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pdm_jax.config import apply_arg, get_base_config
-from pdm_jax.trainer import validate_config
+from pdm_jax.config import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -182,7 +182,8 @@ def test_unreachable_sampler_fails_fast_with_a_clear_error(tmp_path):
     import socket
     import time
 
-    from pdm_jax.trainer import SamplerFailure, Trainer
+    from pdm_jax.sampler.supervisor import SamplerFailure
+    from pdm_jax.trainer import Trainer
 
     with socket.socket() as s:  # a free loopback port with nothing listening
         s.bind(("127.0.0.1", 0))
@@ -190,10 +191,10 @@ def test_unreachable_sampler_fails_fast_with_a_clear_error(tmp_path):
     c = tiny_test_config(**{"sampler.mode": "remote", "sampler.address": f"http://127.0.0.1:{port}",
                             "sampler.retries": 1, "sampler.request_timeout_s": 5.0})
     t = Trainer(c, str(tmp_path))
-    t.push_weights(t.params, 0)
+    t.sampler.push_weights(t.params, 0)
     t0 = time.time()
     with pytest.raises(SamplerFailure, match=f"127.0.0.1:{port}"):
-        t._start_sampler(0)
+        t.sampler.start(0)
     assert time.time() - t0 < 30
 
 

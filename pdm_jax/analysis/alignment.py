@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdm_jax import trust_region as tr
+from pdm_jax.rollout import StepBatch
 
 #: The oracle criterion (needs the full behaviour distribution; no library mask).
 ORACLE = "full"
@@ -59,7 +60,7 @@ RECORD_FIELDS = (("d_before", "d_after", "advantage", "tail_mass", "log_ratio")
 
 
 @functools.partial(jax.jit, static_argnames=("delta", "delta_low", "delta_high"))
-def token_analysis(logits_before, logits_after, batch: Mapping[str, jax.Array], *, delta: float,
+def token_analysis(logits_before, logits_after, batch: StepBatch, *, delta: float,
                    delta_low: Optional[float] = None, delta_high: Optional[float] = None,
                    behavior_logits=None) -> dict:
     """Per-token divergences, predictions, keep decisions and realized change, all ``[B,T]``.
@@ -69,7 +70,7 @@ def token_analysis(logits_before, logits_after, batch: Mapping[str, jax.Array], 
         parameters *before* the optimizer step (f32 or bf16).
       logits_after: ``[B,T,V]`` the same positions after the step (or after an
         isolated step), same μ.
-      batch: the train-step batch (``pdm_jax.train_step`` layout): uses
+      batch: the train-step `StepBatch` (``pdm_jax.rollout``): uses
         ``completion_ids`` [B,T], ``completion_mask`` [B,T] bool,
         ``behavior_logprobs`` [B,T], ``topk_ids``/``topk_logprobs`` [B,T,K],
         ``advantages`` [B] or [B,T] f32.
@@ -87,11 +88,11 @@ def token_analysis(logits_before, logits_after, batch: Mapping[str, jax.Array], 
       tokens inside the region), and with ``behavior_logits``: ``dir_full``,
       ``keep_full``, ``full_kl_before``.
     """
-    tokens = batch["completion_ids"]
-    valid = batch["completion_mask"].astype(bool)
-    topk_ids, topk_lp = batch["topk_ids"], batch["topk_logprobs"]
-    behavior = batch["behavior_logprobs"]
-    adv = jnp.asarray(batch["advantages"], jnp.float32)
+    tokens = batch.completion_ids
+    valid = batch.completion_mask.astype(bool)
+    topk_ids, topk_lp = batch.topk_ids, batch.topk_logprobs
+    behavior = batch.behavior_logprobs
+    adv = jnp.asarray(batch.advantages, jnp.float32)
     if adv.ndim == 1:
         adv = jnp.broadcast_to(adv[:, None], tokens.shape)
     zb = jnp.asarray(logits_before, jnp.float32)

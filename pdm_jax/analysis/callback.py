@@ -40,10 +40,9 @@ from flax import nnx
 from pdm_jax import train_step as ts
 from pdm_jax import trust_region as tr
 from pdm_jax.analysis import alignment as al
-from pdm_jax.trainer import TrainerCallback
-
-_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behavior_logprobs", "topk_ids",
-               "topk_logprobs", "advantages", "weights_version")
+from pdm_jax.callbacks import TrainerCallback
+from pdm_jax.rollout import StepBatch
+from pdm_jax.sampler.engine import SamplingEngine
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature",))
@@ -165,8 +164,6 @@ class AlignmentCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ behaviour policy
     def _snapshot_version(self, trainer, version: int, params) -> None:
-        from pdm_jax.sampler.engine import SamplingEngine
-
         q = trainer.config.sampler.quantization
         if self._engine is None:
             self._engine = SamplingEngine(trainer.model_config, params, quantization=q, version=version,
@@ -180,22 +177,22 @@ class AlignmentCallback(TrainerCallback):
         for v in sorted(self._behavior_params)[:-keep]:
             del self._behavior_params[v]
 
-    def _version_logits(self, version: int, host: dict, tau: float):
+    def _version_logits(self, version: int, host: StepBatch, tau: float):
         """(z_q/τ [B,T,V] numpy, log μ(y_t) [B,T]) of all rows under weights ``version``."""
         graphdef, state = self._behavior_params[version]
-        z = np.asarray(completion_logits_tau(graphdef, state, host["prompt_ids"], host["prompt_mask"],
-                                             host["completion_ids"], host["completion_mask"], temperature=tau))
+        z = np.asarray(completion_logits_tau(graphdef, state, host.prompt_ids, host.prompt_mask,
+                                             host.completion_ids, host.completion_mask, temperature=tau))
         zmax = z.max(-1, keepdims=True)
         logmu = z - zmax - np.log(np.sum(np.exp(z - zmax), -1, keepdims=True))
-        return z, np.take_along_axis(logmu, host["completion_ids"][..., None], -1)[..., 0]
+        return z, np.take_along_axis(logmu, host.completion_ids[..., None], -1)[..., 0]
 
-    def _behavior_logits(self, trainer, host: dict, tau: float, rl_step: int):
+    def _behavior_logits(self, trainer, host: StepBatch, tau: float, rl_step: int):
         """Behaviour logits of every row from the weights version that sampled it.
 
         Returns (z_q/τ [B,T,V] numpy, version lag, max |Δ log μ(y_t)|, number of fallback rows).
         """
-        valid = host["completion_mask"]
-        versions_B = np.asarray(host["weights_version"], np.int64)
+        valid = host.completion_mask
+        versions_B = np.asarray(host.weights_version, np.int64)
         cache = {}
 
         def logits(v):
@@ -204,7 +201,7 @@ class AlignmentCallback(TrainerCallback):
             return cache[v]
 
         def row_err(lp, rows):
-            return np.max(np.abs(np.where(valid[rows], lp[rows] - host["behavior_logprobs"][rows], 0.0)),
+            return np.max(np.abs(np.where(valid[rows], lp[rows] - host.behavior_logprobs[rows], 0.0)),
                           axis=-1, initial=0.0)
 
         z_out = None
@@ -237,22 +234,22 @@ class AlignmentCallback(TrainerCallback):
             if self.full_mu:
                 self._snapshot_version(trainer, rl_step - 1, state.params)
             self._last_rl_step = rl_step
-        host = {k: np.asarray(jax.device_get(batch[k])) for k in _BATCH_KEYS}
+        host = jax.tree.map(np.asarray, jax.device_get(batch))
         logits_before = np.asarray(completion_logits_tau(
-            trainer.graphdef, state.params, host["prompt_ids"], host["prompt_mask"], host["completion_ids"],
-            host["completion_mask"], temperature=tau))
-        trc = trainer.tr_config
+            trainer.graphdef, state.params, host.prompt_ids, host.prompt_mask, host.completion_ids,
+            host.completion_mask, temperature=tau))
+        trc = trainer.step_configs.trust_region
         behavior_logits, lag, err, fallbacks = None, None, None, None
         if self.full_mu and self._behavior_params:
             behavior_logits, lag, err, fallbacks = self._behavior_logits(trainer, host, tau, rl_step)
-            fid = al.fidelity_analysis(logits_before, behavior_logits, host["completion_ids"],
-                                       host["completion_mask"], k=int(host["topk_ids"].shape[-1]))
+            fid = al.fidelity_analysis(logits_before, behavior_logits, host.completion_ids,
+                                       host.completion_mask, k=int(host.topk_ids.shape[-1]))
             self.fidelity = al.add_fidelity_counts(self.fidelity, al.fidelity_counts(fid))
         analysis = dict(jax.device_get(al.token_analysis(
             logits_before, logits_before, host, delta=float(trc.delta), delta_low=trc.delta_low,
             delta_high=trc.delta_high, behavior_logits=behavior_logits)))
-        iso_d = np.full(host["completion_ids"].shape, np.nan, np.float32)
-        iso_f = np.full(host["completion_ids"].shape, np.nan, np.float32)
+        iso_d = np.full(host.completion_ids.shape, np.nan, np.float32)
+        iso_f = np.full(host.completion_ids.shape, np.nan, np.float32)
         if self.isolated_tokens:
             cand = np.argwhere(analysis["valid"] & analysis["outside"] & (analysis["advantage"] != 0))
             if len(cand):
@@ -260,12 +257,12 @@ class AlignmentCallback(TrainerCallback):
                 n = self.isolated_tokens
                 idx = np.concatenate([pick, np.repeat(pick[:1], n - len(pick), axis=0)])  # static N
                 rows, cols = idx[:, 0], idx[:, 1]
-                adv = np.asarray(host["advantages"], np.float32)
+                adv = np.asarray(host.advantages, np.float32)
                 adv_rows = adv[rows] if adv.ndim == 1 else adv[rows, cols]
                 d, f, _ = jax.device_get(isolated_changes(
-                    trainer.graphdef, state.params, host["prompt_ids"][rows], host["prompt_mask"][rows],
-                    host["completion_ids"][rows], host["completion_mask"][rows], host["behavior_logprobs"][rows],
-                    host["topk_ids"][rows], host["topk_logprobs"][rows], adv_rows, cols.astype(np.int32),
+                    trainer.graphdef, state.params, host.prompt_ids[rows], host.prompt_mask[rows],
+                    host.completion_ids[rows], host.completion_mask[rows], host.behavior_logprobs[rows],
+                    host.topk_ids[rows], host.topk_logprobs[rows], adv_rows, cols.astype(np.int32),
                     temperature=tau, tis_cap=float(trainer.config.rl.tis_cap), step_size=self.isolated_step))
                 m = len(pick)
                 iso_d[rows[:m], cols[:m]] = np.asarray(d)[:m]
@@ -281,10 +278,10 @@ class AlignmentCallback(TrainerCallback):
             return
         host, analysis = p["host"], p["analysis"]
         logits_after = completion_logits_tau(
-            trainer.graphdef, state.params, host["prompt_ids"], host["prompt_mask"], host["completion_ids"],
-            host["completion_mask"], temperature=float(trainer.config.rl.temperature))
-        d_after = np.asarray(tr.topk_kl(logits_after, host["completion_ids"], host["topk_ids"],
-                                        host["topk_logprobs"], host["behavior_logprobs"]))
+            trainer.graphdef, state.params, host.prompt_ids, host.prompt_mask, host.completion_ids,
+            host.completion_mask, temperature=float(trainer.config.rl.temperature))
+        d_after = np.asarray(tr.topk_kl(logits_after, host.completion_ids, host.topk_ids,
+                                        host.topk_logprobs, host.behavior_logprobs))
         analysis["d_after"] = d_after
         analysis["delta_d"] = d_after - analysis["d_before"]
         rec = al.select_tokens(analysis)

@@ -77,13 +77,13 @@ def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: f
       isolated_tokens, isolated_step, full_mu: see `AlignmentCallback`.
     """
     from pdm_jax.analysis.callback import AlignmentCallback
-    from pdm_jax.trainer import Trainer
+    from pdm_jax.train import run as run_training
 
     shutil.rmtree(workdir, ignore_errors=True)
     cb = AlignmentCallback(full_mu=full_mu, isolated_tokens=isolated_tokens, isolated_step=isolated_step,
                            seed=int(config.seed))
     t0 = time.time()
-    summary = Trainer(config, workdir, callbacks=[cb]).run()
+    summary = run_training(config, workdir, callbacks=[cb])
     seconds = time.time() - t0
     if not keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)

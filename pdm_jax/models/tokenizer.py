@@ -42,6 +42,20 @@ def _describe_char(ch: str) -> str:
     return f"{ch!r} (U+{ord(ch):04X} {name})"
 
 
+CHAR_SPECIAL_TOKENS = 2  # <pad> = 0, <eos> = 1 (build_char_tokenizer's defaults, no bos)
+
+
+def char_vocab_size(symbols: str) -> int:
+    """The vocabulary size ``build_char_tokenizer(symbols, ...)`` gives with its default special tokens.
+
+    Raises:
+      ValueError: ``symbols`` empty, not a string, or with a repeated character (field ``tokenizer.symbols``).
+    """
+    if not isinstance(symbols, str) or not symbols or len(set(symbols)) != len(symbols):
+        raise ValueError(f"tokenizer.symbols = {symbols!r}: must be a non-empty string of distinct characters")
+    return len(symbols) + CHAR_SPECIAL_TOKENS
+
+
 def build_char_tokenizer(
     symbols: str,
     out_dir: str | os.PathLike[str],

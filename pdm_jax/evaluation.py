@@ -1,0 +1,61 @@
+"""Verifier rewards of rollouts, and the held-out evaluation (avg@k and greedy accuracy)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdm_jax.rollout import RolloutBatch
+from pdm_jax.text import TextCodec
+
+CORRECT_SCORE = 0.999  # a verifier score at or above this counts as a correct answer
+
+
+def score_rollouts(source, codec: TextCodec, rb: RolloutBatch, examples, n: int) -> np.ndarray:
+    """Verifier rewards ``[N]`` float32 of each completion against its prompt's example.
+
+    Rows are prompt-major: row ``i`` belongs to ``examples[i // n]`` (n samples per prompt).
+    A source with ``score_batch`` (math-verify workers) scores the whole batch concurrently.
+    """
+    texts = [codec.decode_completion(rb.completion_ids[i], rb.completion_mask[i]) for i in range(rb.num_sequences)]
+    exs = [examples[i // n] for i in range(rb.num_sequences)]
+    if hasattr(source, "score_batch"):
+        return np.asarray(source.score_batch(texts, exs), np.float32)
+    return np.asarray([source.score(t, e) for t, e in zip(texts, exs)], np.float32)
+
+
+def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: float, max_new_tokens: int,
+             seed: int) -> dict:
+    """Accuracy on the first ``eval_config.num_prompts`` held-out prompts.
+
+    Args:
+      engine: a sampler with ``generate`` (``InProcessSampler`` or ``SamplerClient``).
+      source: the prompt source (``eval_examples()``, ``score``).
+      codec: the run's `TextCodec`.
+      eval_config: the run config's ``eval`` section (num_prompts, samples_per_prompt k, greedy).
+      temperature: τ of the avg@k samples (the training temperature).
+      max_new_tokens: completion budget (tokens).
+      seed: the avg@k sampling seed (10_007 + the run's seed in the trainer).
+
+    Returns:
+      ``eval_accuracy`` (avg@k: the fraction of the k samples per prompt that are
+      fully correct, averaged over prompts), ``eval_reward`` (mean verifier score)
+      and, with ``eval_config.greedy``, ``eval_greedy_accuracy`` (τ = 0, one sample).
+
+    Raises:
+      ValueError: the source has fewer held-out prompts than ``eval_config.num_prompts``.
+    """
+    exs = source.eval_examples()[: eval_config.num_prompts]
+    if len(exs) < eval_config.num_prompts:
+        raise ValueError(f"eval.num_prompts = {eval_config.num_prompts} but the source has only {len(exs)} "
+                         "held-out prompts")
+    prompts = [codec.encode_prompt(e.prompt) for e in exs]
+    k = eval_config.samples_per_prompt
+    common = dict(max_new_tokens=max_new_tokens, top_k_logprobs=1, stop_token_ids=[codec.eos_id])
+    rb = engine.generate(prompts, n=k, temperature=temperature, seed=seed, **common)
+    scores = score_rollouts(source, codec, rb, exs, k)
+    # Accuracy counts fully correct answers only (some verifiers give partial credit).
+    out = dict(eval_accuracy=float(np.mean(scores >= CORRECT_SCORE)), eval_reward=float(np.mean(scores)))
+    if eval_config.greedy:
+        rb = engine.generate(prompts, n=1, temperature=0.0, seed=0, **common)
+        out["eval_greedy_accuracy"] = float(np.mean(score_rollouts(source, codec, rb, exs, 1) >= CORRECT_SCORE))
+    return out

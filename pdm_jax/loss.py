@@ -1,0 +1,213 @@
+"""The RL policy loss in one place: per-token loss, its aggregation and the RL metrics.
+
+Both loss paths call this module: ``pdm_jax.train_step.make_rl_loss`` on the whole
+``[B,T,V]`` logits, and ``pdm_jax.chunked_loss`` on ``[B,c,V]`` chunks of them.
+Given tempered logits (z/τ) of a block of positions, :func:`token_terms` computes
+the trust-region mask and log π(y_t) with ONE log-softmax
+(``trust_region.trust_region_mask_and_logprobs``), the per-token policy loss
+(:func:`per_token_policy_loss`), the entropy and the top-K KL. The whole batch's
+per-token terms are then reduced by :func:`loss_and_metrics`
+(``objectives.aggregate_loss`` sum / denominator, exact under any split of the
+positions) to the loss and the step's metrics.
+
+Per-token loss (DESIGN.md §2): truncated IS ``-A sg(min(r, C)) M log π(y_t)``
+(DPPO arXiv 2602.04879; PDM arXiv 2607.10848), or the PPO clipped surrogate with
+clip-higher and dual clip (arXiv 1707.06347 eq. 7, DAPO arXiv 2503.14476,
+arXiv 1912.09729 eq. 5) multiplied by the mask M unless M is PPO's own clip, plus
+``kl_beta * KL(π ‖ π_ref)`` (k1/k2/k3 estimators) when ``kl_beta > 0``.
+
+Shapes: B sequences, T completion positions (or a chunk of them), V vocabulary,
+K top-K. All outputs are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pdm_jax import objectives, trust_region
+
+_F32 = jnp.float32
+POLICY_LOSSES = objectives.LOSS_TYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """Static settings of the RL loss (hashable, closed over by the jitted step).
+
+    Built from the run config by ``pdm_jax.config.step_configs`` (``rl.*`` and the
+    PPO clip of ``trust_region.clip_eps_*``):
+
+    - ``policy_loss``: "tis" (truncated IS) | "ppo_clip";
+    - ``tis_cap``: C > 0 (finite), the truncation of the importance ratio;
+    - ``clip_eps_low`` in [0, 1), ``clip_eps_high`` >= 0: the PPO clip range;
+    - ``dual_clip``: 0 (off) or c > 1 (PPO dual clip for A < 0);
+    - ``loss_aggregation``: one of ``objectives.AGGREGATION_MODES``;
+    - ``max_response_length``: tokens, the Dr. GRPO normaliser (seq_mean_token_sum_norm);
+    - ``kl_beta`` >= 0 and ``kl_estimator`` ("k1" | "k2" | "k3"): the penalty to π_ref;
+    - ``temperature`` τ > 0: logits are divided by it before every log-softmax (DESIGN.md §1);
+    - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.chunked_loss``.
+
+    Raises:
+      ValueError: a field out of range, named as the run config names it (``rl.<field>``).
+    """
+
+    policy_loss: str = "tis"
+    tis_cap: float = 5.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: float = 0.0
+    loss_aggregation: str = "token_mean"
+    max_response_length: int = 1
+    kl_beta: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+    logits_chunk_size: int = 0
+
+    def __post_init__(self):
+        def need(ok, field, what):
+            if not ok:
+                raise ValueError(f"{field} = {getattr(self, field.split('.')[-1])!r}: {what}")
+
+        need(self.policy_loss in POLICY_LOSSES, "rl.policy_loss", f"must be one of {POLICY_LOSSES}")
+        need(self.tis_cap > 0 and math.isfinite(self.tis_cap), "rl.tis_cap", "C must be finite and > 0")
+        need(not self.dual_clip or self.dual_clip > 1, "rl.dual_clip", "must be 0 (off) or > 1")
+        need(self.temperature > 0 and math.isfinite(self.temperature), "rl.temperature",
+             "must be finite and > 0 (the trust region compares tempered distributions)")
+        need(self.kl_beta >= 0, "rl.kl_beta", "must be >= 0")
+        need(self.kl_estimator in objectives.KL_KINDS, "rl.kl_estimator", f"must be one of {objectives.KL_KINDS}")
+        need(self.loss_aggregation in objectives.AGGREGATION_MODES, "rl.loss_aggregation",
+             f"must be one of {objectives.AGGREGATION_MODES}")
+        need(not isinstance(self.logits_chunk_size, bool) and isinstance(self.logits_chunk_size, int)
+             and self.logits_chunk_size >= 0, "rl.logits_chunk_size", "must be an int >= 0 (0 = unchunked)")
+
+
+def needs_separate_topk_kl(tr_config: trust_region.TrustRegionConfig) -> bool:
+    """Whether the top-K KL metric must be computed on its own (the mask's divergence is not it)."""
+    return not (tr_config.divergence == "topk_kl" and tr_config.mask in ("dppo", "pdm"))
+
+
+def masked_mean(x, valid):
+    """Mean of ``x`` over ``valid`` positions (0 when none): f32 scalar; NaN outside ``valid`` is ignored."""
+    m = valid.astype(_F32)
+    return jnp.sum(jnp.where(m > 0, x, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, loss_config: PolicyLossConfig, *,
+                          ref_logprobs=None, mask_is_ppo_clip: bool = False):
+    """Per-token RL loss and KL to the reference policy.
+
+    Args:
+      logprobs: ``[B,T]`` log π(y_t) at temperature τ (differentiable).
+      behavior_logprobs: ``[B,T]`` log μ(y_t) from the sampler.
+      advantages: ``[B]`` or ``[B,T]`` Â.
+      mask: ``[B,T]`` bool, the trust-region mask M (already AND-ed with ``valid``).
+      valid: ``[B,T]`` bool, real completion tokens.
+      loss_config: the static loss settings.
+      ref_logprobs: ``[B,T]`` log π_ref(y_t); read only when ``kl_beta > 0``.
+      mask_is_ppo_clip: M is PPO's ratio test (``trust_region.mask == "ppo"``): the
+        clipped surrogate already is that trust region, so its value is kept.
+
+    Returns:
+      ``(per_token [B,T] f32, kl [B,T] f32)``: the loss per token (0 at invalid
+      positions, with a 0 gradient there even for NaN inputs) and the k1/k2/k3 KL
+      estimate (zeros when ``kl_beta == 0``).
+
+    Raises:
+      ValueError: ``kl_beta > 0`` without ``ref_logprobs``, or shapes that disagree.
+    """
+    lc = loss_config
+    if lc.policy_loss == "tis":
+        per_token = objectives.tis_policy_loss(logprobs, behavior_logprobs, advantages, mask, tis_cap=lc.tis_cap)
+    else:
+        per_token = objectives.ppo_clip_policy_loss(
+            logprobs, behavior_logprobs, advantages, clip_eps_low=lc.clip_eps_low, clip_eps_high=lc.clip_eps_high,
+            dual_clip=lc.dual_clip if lc.dual_clip else None, mask=valid)
+        if not mask_is_ppo_clip:
+            per_token = jnp.where(mask, per_token, 0.0)
+    kl = jnp.zeros_like(logprobs)
+    if lc.kl_beta > 0:
+        if ref_logprobs is None:
+            raise ValueError(f"rl.kl_beta = {lc.kl_beta} > 0 needs the batch's ref_logprobs (got None)")
+        kl = objectives.kl_penalty(logprobs, ref_logprobs, kind=lc.kl_estimator, mask=valid)
+        per_token = per_token + lc.kl_beta * kl
+    return jnp.where(valid, per_token, 0.0), kl
+
+
+def token_terms(logits_tau, tokens, valid, topk_ids, topk_logprobs, behavior_logprobs, advantages,
+                tr_config: trust_region.TrustRegionConfig, loss_config: PolicyLossConfig, *,
+                ref_logprobs=None) -> dict:
+    """Everything per token of one block of positions (the whole completion or one chunk).
+
+    Args:
+      logits_tau: ``[B,T,V]`` f32 trainer logits already divided by τ (differentiable).
+      tokens: ``[B,T]`` int32 sampled ids y_t; valid ``[B,T]`` bool.
+      topk_ids ``[B,T,K]`` int32, topk_logprobs ``[B,T,K]`` f32, behavior_logprobs
+        ``[B,T]`` f32: the sampler's top-K view and log μ(y_t).
+      advantages: ``[B]`` or ``[B,T]`` f32.
+      tr_config, loss_config: static settings.
+      ref_logprobs: ``[B,T]`` f32 when ``kl_beta > 0``.
+
+    Returns:
+      dict of ``[B,T]`` f32 arrays ``per_token`` (loss), ``logprobs`` (log π(y_t), 0
+      where invalid), ``kl``, ``entropy`` (nats, of softmax(z/τ)), ``topk_kl`` (only
+      when :func:`needs_separate_topk_kl`), ``mask`` (bool M_t) and ``stats`` (the
+      trust-region statistics of ``trust_region_mask_and_logprobs``).
+    """
+    # One log-softmax gives the mask (under stop_gradient) and the differentiable log π(y_t),
+    # with padded / non-finite positions replaced before the math (no NaN in loss or gradient).
+    mask, logprobs, stats = trust_region.trust_region_mask_and_logprobs(
+        logits_tau, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid, tr_config)
+    per_token, kl = per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, loss_config,
+                                          ref_logprobs=ref_logprobs, mask_is_ppo_clip=tr_config.mask == "ppo")
+    logits_sg = jax.lax.stop_gradient(logits_tau)
+    logp_sg = jax.nn.log_softmax(logits_sg, axis=-1)
+    out = dict(per_token=per_token, logprobs=logprobs, mask=mask, kl=kl, stats=stats,
+               entropy=-jnp.sum(jnp.exp(logp_sg) * logp_sg, axis=-1))
+    if needs_separate_topk_kl(tr_config):  # always report the top-K KL, whatever the proximity test
+        out["topk_kl"] = trust_region.topk_kl(logits_sg, tokens, topk_ids, topk_logprobs, behavior_logprobs)
+    return out
+
+
+def loss_and_metrics(terms: dict, valid, behavior_logprobs, advantages, loss_config: PolicyLossConfig):
+    """The aggregated loss and the RL metrics from the whole batch's :func:`token_terms`.
+
+    Args:
+      terms: :func:`token_terms` output over all ``[B,T]`` positions (``stats``
+        already recombined across chunks when chunked).
+      valid: ``[B,T]`` bool; behavior_logprobs ``[B,T]``; advantages ``[B]`` or ``[B,T]``.
+      loss_config: aggregation mode and its normaliser.
+
+    Returns:
+      ``(loss, metrics)``: ``loss`` = loss_sum / denominator of
+      ``objectives.aggregate_loss`` (0, not NaN, for an all-padding batch); metrics
+      are f32 scalars, means over valid tokens: the trust-region statistics,
+      ``mean_topk_kl`` (nats), ``entropy`` (nats), ``mean_ratio`` and
+      ``mean_abs_log_ratio`` of π/μ, ``frac_tis_capped`` (r > C), ``frac_clipped``
+      (PPO clip active in the direction of Â), ``kl_to_ref`` and ``policy_loss``.
+    """
+    lc = loss_config
+    loss_sum, denom = objectives.aggregate_loss(terms["per_token"], valid, lc.loss_aggregation,
+                                                max_response_length=lc.max_response_length)
+    loss = objectives.combine([loss_sum], [denom])
+    log_ratio = jnp.where(valid, terms["logprobs"] - behavior_logprobs, 0.0)
+    ratio = jnp.exp(jnp.clip(log_ratio, -trust_region.LOG_RATIO_CLAMP, trust_region.LOG_RATIO_CLAMP))
+    adv = jnp.where(valid, objectives.broadcast_advantages(advantages, valid.shape), 0.0)
+    clipped = ((ratio > 1.0 + lc.clip_eps_high) & (adv > 0)) | ((ratio < 1.0 - lc.clip_eps_low) & (adv < 0))
+    stats = terms["stats"]
+    metrics = dict(stats)
+    metrics["mean_topk_kl"] = masked_mean(terms["topk_kl"], valid) if "topk_kl" in terms \
+        else stats["mean_divergence"]
+    metrics.update(
+        entropy=masked_mean(terms["entropy"], valid),
+        mean_ratio=masked_mean(ratio, valid),
+        mean_abs_log_ratio=masked_mean(jnp.abs(log_ratio), valid),
+        frac_tis_capped=masked_mean((ratio > lc.tis_cap).astype(_F32), valid),
+        frac_clipped=masked_mean(clipped.astype(_F32), valid),
+        kl_to_ref=masked_mean(terms["kl"], valid),
+        policy_loss=loss,
+    )
+    return loss, metrics

@@ -1,0 +1,63 @@
+"""`TextCodec`: prompts to token ids and completions back to text, for one tokenizer and prompt source.
+
+The trainer, the evaluator and the supervised warm start all tokenize through it,
+so a chat source gets its chat template everywhere and completions are decoded
+the same way for rewards and for evaluation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdm_jax.rollout import StepBatch
+
+
+class TextCodec:
+    """Token ids of prompts and reference answers; text of completions.
+
+    Args:
+      tokenizer: a Hugging Face tokenizer with an ``eos_token``.
+      chat: apply the tokenizer's chat template to prompts (a chat prompt source).
+
+    Raises:
+      ValueError: the tokenizer has no eos token (it is the stop token of every rollout).
+    """
+
+    def __init__(self, tokenizer, *, chat: bool):
+        self.tokenizer = tokenizer
+        self.chat = bool(chat)
+        self.eos_id = tokenizer.eos_token_id
+        if self.eos_id is None:
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no eos_token")
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a prompt (with the chat template and generation prompt for a chat source)."""
+        if self.chat:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def decode_completion(self, ids: np.ndarray, mask: np.ndarray) -> str:
+        """Text of a completion's valid tokens (``ids``, ``mask`` ``[T]``), without the stop and special tokens."""
+        toks = [int(t) for t, m in zip(ids, mask) if m and int(t) != self.eos_id]
+        return self.tokenizer.decode(toks, skip_special_tokens=True)
+
+    def sft_batch(self, prompts, targets, *, prompt_len: int, completion_len: int) -> StepBatch:
+        """A supervised batch: each prompt's ids (left-padded, cut to its last ``prompt_len``) and its
+        target's ids + eos (right-padded, cut to ``completion_len``); the RL fields are None."""
+        count = len(prompts)
+        p_ids = np.zeros((count, prompt_len), np.int32)
+        p_mask = np.zeros((count, prompt_len), bool)
+        c_ids = np.zeros((count, completion_len), np.int32)
+        c_mask = np.zeros((count, completion_len), bool)
+        for i, (prompt, target) in enumerate(zip(prompts, targets)):
+            p = self.encode_prompt(prompt)[-prompt_len:]
+            c = (list(self.tokenizer(target, add_special_tokens=False)["input_ids"]) + [self.eos_id])[:completion_len]
+            p_ids[i, prompt_len - len(p):] = p
+            p_mask[i, prompt_len - len(p):] = True
+            c_ids[i, :len(c)] = c
+            c_mask[i, :len(c)] = True
+        return StepBatch(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask)

@@ -1,0 +1,176 @@
+"""pdm_jax.config: checks that run before any work, and the one builder of the step configs."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pdm_jax import config as config_lib
+from pdm_jax.config import get_base_config, step_configs, validate_config
+from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rollout import RolloutBatch, StepBatch
+from pdm_jax.rollout_producer import RolloutProducer
+from pdm_jax.train_step import OptimizerConfig
+from pdm_jax.trust_region import TrustRegionConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _valid_config():
+    """The base config with K small enough for its char tokenizer (base K = 20 is for real vocabularies)."""
+    c = get_base_config()
+    c.rl.top_k_logprobs = 4
+    return c
+
+
+def test_unknown_field_is_named_by_its_dotted_path():
+    c = _valid_config()
+    c.rl.foo = 1
+    with pytest.raises(ValueError, match=r"^rl\.foo: unknown config field"):
+        validate_config(c)
+    c = _valid_config()
+    c.data.task_config.max_terms = 3  # task_config is free-form (passed to reasoning-gym)
+    validate_config(c)
+
+
+def test_cli_override_of_an_unknown_field_is_a_named_config_error():
+    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", "--config.rl.foo=1",
+                          "--workdir=/nonexistent/never-created"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2
+    assert "config error: rl.foo: unknown config field" in out.stderr
+    assert "AttributeError" not in out.stderr
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("rl.group_size", 2.5, "rl.group_size = 2.5: must be an integer"),
+    ("log.tensorboard", 1, "log.tensorboard = 1: must be true or false"),
+    ("sampler.mode", 3, "sampler.mode = 3: must be a string"),
+    ("rl.dual_clip", "x", "rl.dual_clip = 'x': must be a number"),
+])
+def test_values_of_the_wrong_kind_are_named(field, value, needle):
+    c = _valid_config()
+    group, name = field.split(".")
+    c[group].unlock()
+    with c[group].ignore_type():
+        c[group][name] = value
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        validate_config(c)
+
+
+def test_topk_larger_than_a_char_vocabulary_fails_before_the_tokenizer_exists():
+    c = get_base_config()  # symbols "0123456789+-=": 13 + <pad> + <eos> = 15 ids
+    c.rl.top_k_logprobs = 16
+    with pytest.raises(ValueError, match=r"rl.top_k_logprobs = 16: K is larger than the vocabulary size 15"):
+        validate_config(c)
+    c.rl.top_k_logprobs = 15
+    validate_config(c)
+
+
+@pytest.mark.parametrize("kind", ["gsm8k", "dapo_math"])
+def test_file_sources_need_data_path_first(kind):
+    c = get_base_config()
+    c.data.kind = kind  # prompt_format stays "compact", which the math sources reject: the path is named first
+    with pytest.raises(ValueError, match=rf"data.path = '': required when data.kind = '{kind}'"):
+        validate_config(c)
+
+
+def test_eval_prompts_against_the_held_out_set():
+    c = _valid_config()
+    c.eval.num_prompts = 300
+    with pytest.raises(ValueError, match="eval.num_prompts = 300: the data source has only 256 held-out prompts"):
+        validate_config(c, num_held_out=256)
+
+
+def test_step_configs_translate_every_field():
+    c = get_base_config()
+    c.trust_region.delta_low = 0.01
+    c.trust_region.clip_eps_high = 0.28
+    c.rl.policy_loss = "ppo_clip"
+    c.rl.kl_beta = 0.1
+    c.rl.adam_b2 = 0.95
+    c.sft.warmup_steps = 7
+    got = step_configs(c)
+    assert got.trust_region == TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator="bucket_exact",
+                                                 delta=0.05, delta_low=0.01, clip_eps_high=0.28)
+    assert got.policy_loss == PolicyLossConfig(policy_loss="ppo_clip", tis_cap=5.0, clip_eps_high=0.28,
+                                               max_response_length=c.rl.max_new_tokens, kl_beta=0.1)
+    assert got.rl_optimizer == OptimizerConfig(learning_rate=1e-4, b2=0.95)
+    assert got.sft_optimizer == OptimizerConfig(learning_rate=1e-3, warmup_steps=7)
+    with pytest.raises(ValueError, match=r"^trust_region: TrustRegionConfig.delta must be a finite float > 0, got -1.0"):
+        c.trust_region.delta = -1.0
+        step_configs(c)
+
+
+def test_check_field_path():
+    config_lib.check_field_path("trust_region.delta")
+    config_lib.check_field_path("data.task_config.min_terms")
+    with pytest.raises(ValueError, match="rl.foo"):
+        config_lib.check_field_path("rl.foo")
+
+
+# ---- the step batch ----------------------------------------------------------------------
+
+def _rollouts(n=4, p=3, t=2, k=2):
+    rng = np.random.default_rng(0)
+    return RolloutBatch(
+        prompt_ids=rng.integers(1, 9, (n, p)), prompt_mask=np.ones((n, p), bool),
+        completion_ids=rng.integers(1, 9, (n, t)), completion_mask=np.ones((n, t), bool),
+        behavior_logprobs=-rng.random((n, t)), topk_ids=rng.integers(0, 9, (n, t, k)),
+        topk_logprobs=-rng.random((n, t, k)), weights_version=np.arange(n), group_ids=np.arange(n) // 2,
+        finish_reason=["length"] * n)
+
+
+def test_step_batch_from_rollouts_pads_to_static_lengths():
+    rb = _rollouts()
+    adv = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
+    b = StepBatch.from_rollouts(rb, adv, prompt_len=8, completion_len=5)
+    assert b.prompt_ids.shape == (4, 8) and b.completion_ids.shape == (4, 5) and b.topk_ids.shape == (4, 5, 2)
+    np.testing.assert_array_equal(b.prompt_ids[:, 5:], rb.prompt_ids)  # left-padded
+    assert not b.prompt_mask[:, :5].any() and b.prompt_mask[:, 5:].all()
+    np.testing.assert_array_equal(b.completion_ids[:, :2], rb.completion_ids)  # right-padded
+    assert not b.completion_mask[:, 2:].any()
+    np.testing.assert_array_equal(b.advantages, adv)
+    np.testing.assert_array_equal(b.weights_version, rb.weights_version)
+    assert b.ref_logprobs is None
+    sub = b.select(np.array([2, 0]))
+    np.testing.assert_array_equal(sub.completion_ids, b.completion_ids[[2, 0]])
+    assert sub.num_sequences == 2 and sub.ref_logprobs is None
+    with pytest.raises(ValueError, match="advantages has shape"):
+        StepBatch.from_rollouts(rb, adv[:3], prompt_len=8, completion_len=5)
+    with pytest.raises(ValueError, match="cannot pad"):
+        StepBatch.from_rollouts(rb, adv, prompt_len=2, completion_len=5)
+
+
+# ---- the rollout producer -------------------------------------------------------------------
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_producer_keeps_step_order_and_the_staleness_bound(staleness):
+    seen = []
+    producer = None
+
+    def make(step):
+        seen.append((step, producer.version if producer else 0))
+        return f"batch {step}"
+
+    producer = RolloutProducer(make, first_step=0, last_step=5, max_staleness=staleness, version=0)
+    try:
+        for step in range(5):
+            assert producer.get(step) == f"batch {step}"
+            producer.notify_version(step + 1)
+    finally:
+        producer.close()
+    assert [s for s, _ in seen] == list(range(5))
+    assert all(v >= s - staleness for s, v in seen)  # batch s sampled with a version >= s - staleness
+
+
+def test_producer_surfaces_the_thread_error():
+    def make(step):
+        raise RuntimeError(f"boom at {step}")
+
+    producer = RolloutProducer(make, first_step=0, last_step=3, max_staleness=1, version=0)
+    with pytest.raises(RuntimeError, match="boom at 0"):
+        producer.get(0)
+    producer.close()
