@@ -143,10 +143,13 @@ fi
 # 3. install
 remote all "cd $CODE_DIR && $INSTALL"
 
-# 4. train on every worker (multi-host), streaming the logs here and into <results>/pod.log
+# 4. train on every worker (multi-host), streaming the logs here and into <results>/pod.log.
+# The worker pipes the run into `tee`: it runs under `bash -o pipefail` so that a failed training
+# is the exit status of the ssh (and of this script), not tee's 0 (the login shell may lack pipefail).
 TRAIN="cd $CODE_DIR && python3 -m pdm_jax.train --config=$(sq "$CONFIG") --workdir=$(sq "$WORKDIR") --config.distributed=True"
 for f in "${EXTRA[@]+"${EXTRA[@]}"}"; do TRAIN+=" $(sq "$f")"; done
 TRAIN+=" 2>&1 | tee $(sq "$WORKDIR.log")"
+TRAIN="bash -o pipefail -c $(sq "$TRAIN")"
 if [[ "$RESULTS" != gs://* ]]; then run mkdir -p "$RESULTS"; fi
 LOGFILE="/tmp/${NAME}_pod.log"
 [[ "$RESULTS" != gs://* ]] && LOGFILE="$RESULTS/pod.log"

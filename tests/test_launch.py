@@ -257,3 +257,37 @@ def test_tpu_pod_failed_training_still_copies_results_and_deletes(tmp_path):
     assert "pdm_jax.train" in log[4] and "--recurse" in log[5] and "--worker=0" in log[5]
     assert "worker 0: Traceback" in (results / "pod.log").read_text()
     assert not os.path.exists("/tmp/pdm-fail_src.tar.gz")  # the code tarball is cleaned up
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None, reason="needs bash and git")
+@pytest.mark.parametrize("train_rc", [0, 3])
+def test_tpu_pod_remote_pipe_keeps_the_training_exit_status(tmp_path, train_rc):
+    """The worker runs the training piped into `tee`: a fake gcloud runs that --command for real (through
+    `sh -c`, as a login shell without pipefail would) with a fake python3 exiting `train_rc`. A failed
+    training fails the script (not "done") and deletes the VM; a good one reports done. Both keep the log."""
+    worker_home = tmp_path / "worker"
+    (worker_home / "pdm_jax_src").mkdir(parents=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"
+    python3.write_text(f"#!/usr/bin/env bash\necho \"train: $*\"\necho 'Traceback: boom' >&2\nexit {train_rc}\n")
+    python3.chmod(0o755)
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text("#!/usr/bin/env bash\n"
+                      "for a in \"$@\"; do case \"$a\" in --command=*) cmd=\"${a#--command=}\";; esac; done\n"
+                      "case \"$*\" in *pdm_jax.train*) cd " + str(worker_home) + " && exec sh -c \"$cmd\";; esac\n"
+                      "exit 0\n")
+    gcloud.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    results, workdir = tmp_path / "results", tmp_path / "wd"
+    p = subprocess.run(["bash", "launch/tpu_pod.sh", "--name=pdm-pipe", "--project=p", "--zone=z",
+                        "--accelerator=v4-8", f"--results={results}", f"--workdir={workdir}",
+                        "--flag=--config.data.instruction=it's fine"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == train_rc, (p.stdout, p.stderr)
+    assert ("# done: results in" in p.stdout) == (train_rc == 0)
+    assert "delete pdm-pipe" in p.stdout
+    remote_log = (tmp_path / "wd.log").read_text()  # the worker's tee copy, with stderr
+    assert "Traceback: boom" in remote_log
+    assert "--config.data.instruction=it's fine" in remote_log  # the quoting survives two shells
+    assert "Traceback: boom" in (results / "pod.log").read_text()
