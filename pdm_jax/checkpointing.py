@@ -1,35 +1,194 @@
-"""Training checkpoints with orbax: model, optimizer, step, RNG, data position, sampler version.
+"""Training checkpoints with orbax, verified at restore: model, optimizer, step, RNG, data position, sampler version.
 
-A checkpoint is one orbax `CheckpointManager` step with two items:
-``state`` (the `TrainState` pytree: step, params, optax state; StandardSave)
-and ``meta`` (JSON: phase, RL step, data position, sampler weights version,
-the run's seed, warm-start accuracies, wall time so far). The RNG state is the
-pair (seed, RL step): every random draw of the loop (rollout sampling seeds,
-mini-batch permutations) is derived from it, so a resumed run draws exactly
-what the uninterrupted run would have. `--workdir` resumes from the latest one.
+A checkpoint is one orbax `CheckpointManager` step (directory ``DIR/<step>``) with
+two items: ``state`` (the `TrainState` pytree: step, params, optax state;
+StandardSave) and ``meta`` (JSON: phase, RL step, data position, sampler weights
+version, the run's seed, warm-start accuracies, wall time so far, fallbacks
+taken). The RNG state is the pair (seed, RL step): every random draw of the loop
+(rollout sampling seeds, mini-batch permutations) is derived from it, so a
+resumed run draws exactly what the uninterrupted run would have. `--workdir`
+resumes from the latest intact one.
+
+**Integrity.** Once orbax has finished a save, ``DIR/<step>/integrity.json``
+records the size and sha256 (hashlib) of every file of the checkpoint (written
+to a temporary name, then renamed: it exists only once complete). A restore
+first checks every file against it (missing, truncated, changed or unexpected
+files), then restores with orbax, then refuses non-finite floating-point values
+(in parameters or optimizer state). Any failure is a `CheckpointError` naming
+the checkpoint's directory and the reason. A checkpoint without a manifest
+(the run died between orbax's commit and the manifest, or the checkpoint
+predates manifests) is refused the same way: it cannot be told from a damaged one.
+`Checkpointer.restore_latest_intact` falls back to the newest intact
+checkpoint, logs each refusal and the fallback, moves the refused ones to
+``DIR.corrupt/`` (kept for inspection; the resumed run re-creates those step
+ids) and records the fallback in the restored ``meta["checkpoint_fallbacks"]``.
+
+Cost: hashing reads every byte once per save and once per restore (about
+1 GB/s per core for sha256).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
 import os
+import shutil
+import time
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+log = logging.getLogger("pdm_jax.checkpointing")
 
+MANIFEST_NAME = "integrity.json"
+_MANIFEST_FORMAT = 1
+_HASH_CHUNK = 8 << 20  # bytes read per hashlib update
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be restored: damaged, incomplete, non-finite, or refused by orbax.
+
+    Attributes:
+      path: the checkpoint's directory (``DIR/<step>``), or the checkpoint root when none is intact.
+      step: the checkpoint's step id, or None for "no intact checkpoint".
+      reason: what is wrong (files and how, or the offending parameters).
+    """
+
+    def __init__(self, path: str, step: Optional[int], reason: str):
+        self.path, self.step, self.reason = path, step, reason
+        what = f"checkpoint {path}" if step is not None else f"no intact checkpoint under {path}"
+        super().__init__(f"{what}: {reason}")
+
+
+@dataclasses.dataclass
+class Restored:
+    """What `Checkpointer.restore_latest_intact` restored.
+
+    Attributes:
+      state: the restored pytree (structure and shardings of the abstract target).
+      meta: the checkpoint's meta dict; with a fallback, ``meta["checkpoint_fallbacks"]``
+        gained one entry per refused checkpoint (see `Checkpointer.restore_latest_intact`).
+      step: the step id restored.
+      fallbacks: the entries added by this restore ([] when the latest checkpoint was intact).
+    """
+
+    state: Any
+    meta: dict
+    step: int
+    fallbacks: list
+
+
+# ------------------------------------------------------------------ integrity manifest
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: str) -> list:
+    """Relative paths of every file under ``root`` except the manifest, sorted."""
+    out = []
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(dirpath, n), root)
+            if rel != MANIFEST_NAME and not rel.startswith(MANIFEST_NAME + "."):
+                out.append(rel)
+    return sorted(out)
+
+
+def write_manifest(root: str) -> dict:
+    """Writes ``root/integrity.json``: {"format", "algorithm": "sha256", "files": {relpath: {size, sha256}}}.
+
+    Written to a temporary file, fsynced and renamed, so the manifest exists only
+    complete. Returns the manifest dict.
+    """
+    files = {rel: dict(size=os.path.getsize(os.path.join(root, rel)), sha256=_sha256(os.path.join(root, rel)))
+             for rel in _files(root)}
+    manifest = dict(format=_MANIFEST_FORMAT, algorithm="sha256", files=files)
+    tmp = os.path.join(root, f"{MANIFEST_NAME}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, MANIFEST_NAME))
+    return manifest
+
+
+def _read_manifest(root: str) -> dict:
+    path = os.path.join(root, MANIFEST_NAME)
+    if not os.path.exists(path):
+        raise ValueError(f"no integrity manifest {MANIFEST_NAME} (the save was interrupted after orbax's commit, "
+                         "or the checkpoint predates integrity manifests)")
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read().decode("utf-8"))
+        files = manifest["files"]
+        if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("algorithm") != "sha256" or not all(
+                isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+                for v in files.values()):
+            raise ValueError("unexpected format, algorithm or file entries")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise ValueError(f"integrity manifest {MANIFEST_NAME} is unreadable ({type(e).__name__}: {e})") from None
+    return files
+
+
+def verify_manifest(root: str) -> None:
+    """Checks every file under ``root`` against ``root/integrity.json``.
+
+    Raises:
+      ValueError: no manifest, an unreadable one, or files missing, of another
+        size, with another sha256, or not listed (the message names up to 5 of them).
+    """
+    expected = _read_manifest(root)
+    problems = []
+    for rel, want in sorted(expected.items()):
+        p = os.path.join(root, rel)
+        if not os.path.isfile(p):
+            problems.append(f"{rel} is missing")
+        elif os.path.getsize(p) != want["size"]:
+            problems.append(f"{rel} has {os.path.getsize(p)} bytes, {want['size']} were written")
+        elif _sha256(p) != want["sha256"]:
+            problems.append(f"{rel} has changed (sha256 differs from the one written)")
+    problems += [f"{rel} was not written by the save" for rel in _files(root) if rel not in expected]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError(f"{len(problems)} damaged file(s): " + "; ".join(problems[:5]) + more)
+
+
+def nonfinite_leaves(tree: Any) -> list:
+    """Key paths (``jax.tree_util.keystr``) of the floating-point leaves of ``tree`` holding a NaN or an inf."""
+    leaves = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not leaves:
+        return []
+    ok = jax.device_get(jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([x for _, x in leaves]))
+    return [jax.tree_util.keystr(p) for (p, _), good in zip(leaves, ok) if not bool(good)]
+
+
+# ------------------------------------------------------------------ the checkpointer
 class Checkpointer:
-    """Saves and restores (TrainState, meta) under `directory` with orbax.
+    """Saves and restores (TrainState, meta) under `directory` with orbax, with integrity manifests.
 
     Args:
       directory: absolute or relative path; created if missing.
       max_to_keep: number of most recent checkpoints kept (older ones deleted).
+
+    Multi-host: every process calls `save` and `restore` (orbax coordinates the
+    arrays); process 0 writes the manifest and moves refused checkpoints, and
+    the others wait for it at a barrier.
     """
 
     def __init__(self, directory: str, *, max_to_keep: int = 2):
         self.directory = os.path.abspath(directory)
         os.makedirs(self.directory, exist_ok=True)
+        self._barriers = 0
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
@@ -37,33 +196,120 @@ class Checkpointer:
             item_names=("state", "meta"),
         )
 
+    def step_path(self, step: int) -> str:
+        """The directory of checkpoint ``step``."""
+        return os.path.join(self.directory, str(int(step)))
+
+    def steps(self) -> list:
+        """Every step id with a directory on disk, ascending (intact or not; orbax's temporary saves excluded)."""
+        return sorted(int(n) for n in os.listdir(self.directory)
+                      if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+
     def latest_step(self) -> Optional[int]:
-        """The newest saved step (an int id chosen by the caller), or None."""
-        return self._manager.latest_step()
+        """The newest step on disk (an int id chosen by the caller), or None; it may still fail verification."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def _barrier(self, what: str) -> None:
+        self._barriers += 1
+        ocp.multihost.sync_global_processes(f"pdm_jax_checkpointer_{what}_{self._barriers}")
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Saves `state` (a pytree of arrays) and `meta` (JSON-serialisable) as checkpoint `step`, synchronously."""
+        """Saves `state` (a pytree of arrays) and `meta` (JSON-serialisable) as checkpoint `step`, synchronously.
+
+        Returns once orbax has committed the checkpoint and its integrity manifest is written.
+        """
         self._manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
             force=True,
         )
         self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+            write_manifest(self.step_path(step))
+        self._barrier("manifest")
 
     def restore(self, abstract_state: Any, step: Optional[int] = None):
-        """Restores (state, meta) of `step` (default: latest) into the structure/shardings of `abstract_state`.
+        """Restores (state, meta) of `step` (default: the latest on disk) into `abstract_state`'s structure/shardings.
 
-        Raises FileNotFoundError if there is no checkpoint.
+        Raises:
+          FileNotFoundError: there is no checkpoint (of that step).
+          CheckpointError: the checkpoint fails its integrity check, orbax cannot
+            restore it, or it holds a non-finite floating-point value (names the
+            checkpoint's directory and what is wrong).
         """
-        step = self.latest_step() if step is None else step
+        step = self.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {self.directory}")
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                    meta=ocp.args.JsonRestore()),
-        )
+        path = self.step_path(step)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no checkpoint {path}")
+        try:
+            verify_manifest(path)
+        except ValueError as e:
+            raise CheckpointError(path, step, str(e)) from None
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                        meta=ocp.args.JsonRestore()),
+            )
+        except Exception as e:  # orbax/tensorstore raise many types; each one means "not restorable"
+            raise CheckpointError(path, step, f"orbax could not restore it ({type(e).__name__}: {e})") from e
+        bad = nonfinite_leaves(restored["state"])
+        if bad:
+            raise CheckpointError(path, step, f"non-finite values (NaN or inf) in {len(bad)} array(s): "
+                                              + ", ".join(bad[:5]))
         return restored["state"], restored["meta"]
+
+    def restore_latest_intact(self, abstract_state: Any) -> Restored:
+        """Restores the newest checkpoint that passes `restore`'s checks, falling back past refused ones.
+
+        Each refused checkpoint is logged (its directory and reason), moved to
+        ``DIR.corrupt/<step>`` once an older one restored, and recorded as one
+        entry ``{"refused_step", "restored_step", "reason", "moved_to", "time"}``
+        appended to ``meta["checkpoint_fallbacks"]`` of the returned meta (so
+        the resumed run's next checkpoint carries it).
+
+        Raises:
+          FileNotFoundError: there is no checkpoint.
+          CheckpointError: none is intact (the message lists every checkpoint and
+            its reason; nothing is moved).
+        """
+        steps = self.steps()[::-1]
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint under {self.directory}")
+        refused = []
+        for step in steps:
+            try:
+                state, meta = self.restore(abstract_state, step)
+            except CheckpointError as e:
+                log.error("%s", e)
+                refused.append(e)
+                continue
+            fallbacks = [dict(refused_step=e.step, restored_step=step, reason=e.reason,
+                              moved_to=self._quarantine(e.step), time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                         for e in refused]
+            if refused:
+                self._barrier("quarantine")
+                self._manager.reload()
+                log.warning("FALLBACK: restored the older checkpoint %s because %s could not be restored "
+                            "(moved to %s); the steps after it are redone", self.step_path(step),
+                            ", ".join(e.path for e in refused), ", ".join(f["moved_to"] for f in fallbacks))
+                meta = dict(meta, checkpoint_fallbacks=list(meta.get("checkpoint_fallbacks", [])) + fallbacks)
+            return Restored(state=state, meta=meta, step=step, fallbacks=fallbacks)
+        raise CheckpointError(self.directory, None, "; ".join(f"{e.path}: {e.reason}" for e in refused))
+
+    def _quarantine(self, step: int) -> str:
+        """Moves checkpoint ``step`` to ``DIR.corrupt/<step>[-time]`` (process 0 only); returns the new path."""
+        dest_root = self.directory + ".corrupt"
+        dest = os.path.join(dest_root, str(step))
+        if os.path.exists(dest):
+            dest = f"{dest}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        if jax.process_index() == 0:
+            os.makedirs(dest_root, exist_ok=True)
+            shutil.move(self.step_path(step), dest)
+        return dest
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""

@@ -43,7 +43,7 @@ from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import model_config_from_fields, step_configs, validate_config
 from pdm_jax.data import make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
-from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics
+from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary
 from pdm_jax.models import Qwen3ForCausalLM
 from pdm_jax.models.hf_io import from_pretrained
 from pdm_jax.models.presets import get_preset
@@ -54,6 +54,7 @@ from pdm_jax.sampler.supervisor import SamplerFailure, SamplerSupervisor
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
 from pdm_jax.text import TextCodec
+from pdm_jax.workdir import WorkdirLock
 
 __all__ = ["SamplerFailure", "Trainer", "TrainerCallback"]
 
@@ -76,7 +77,11 @@ class Trainer:
       config: a ConfigDict following pdm_jax/config.py (validated at start).
       workdir: run directory; checkpoints, weights pushed to the sampler,
         metrics.jsonl, TensorBoard events, summary.json and curves.png go here.
-        An existing workdir is resumed from its latest checkpoint.
+        An existing workdir is resumed from its latest intact checkpoint
+        (`pdm_jax.checkpointing`: a damaged one is refused and, when an older
+        intact one exists, the run falls back to it and logs so). The workdir is
+        locked for this Trainer (`pdm_jax.workdir.WorkdirLock`; multi-host: by
+        process 0) from construction until `run` returns or raises, or `close`.
       callbacks: `TrainerCallback`s called around every optimizer step of the RL
         phase with the device `StepBatch` and the TrainState (read-only: the step
         donates the old state, so read what you need in before_update). Used by
@@ -84,6 +89,8 @@ class Trainer:
 
     Raises:
       ValueError: a bad config (names the field) or a missing path.
+      WorkdirLockedError: another run holds the workdir (names it and the holder's pid and host).
+      CheckpointError: no intact checkpoint to resume from (names each one and what is wrong).
       SamplerFailure: the sampler never came up, or died more than
         ``sampler.max_restarts`` times.
     """
@@ -93,6 +100,18 @@ class Trainer:
         self.config = config
         self.callbacks = list(callbacks)
         self.workdir = os.path.abspath(workdir)
+        # One run per workdir; multi-host processes share it, so process 0 locks it for all.
+        self._lock = WorkdirLock(self.workdir).acquire() if jax.process_index() == 0 else None
+        try:
+            self._setup()
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def _setup(self) -> None:
+        """Data, tokenizer, model, mesh, sampler handle and checkpointer (the rest of __init__, under the lock)."""
+        config = self.config
         self.step_configs = step_configs(config)
         self.source = make_source(config.data)
         tokenizer = self._setup_tokenizer()
@@ -119,6 +138,12 @@ class Trainer:
         if jax.process_index() == 0:  # multi-host: one process writes run files
             with open(os.path.join(self.workdir, "config.json"), "w") as f:
                 f.write(config.to_json_best_effort(indent=2))
+
+    def close(self) -> None:
+        """Stops the sampler and releases the workdir lock (idempotent; `run` calls it when it ends)."""
+        self.sampler.stop()
+        if self._lock is not None:
+            self._lock.release()
 
     # ---------------------------------------------------------------- setup
     def _setup_tokenizer(self):
@@ -193,6 +218,14 @@ class Trainer:
     # ---------------------------------------------------------------- the run
     def run(self) -> dict:
         """Runs (or resumes) the whole job; returns the summary dict also written to summary.json."""
+        if self._lock is not None:
+            self._lock.acquire()  # again, after a close()
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> dict:
         cfg = self.config
         t_start = time.time()
         sft_tx, _ = self.step_configs.sft_optimizer.build()
@@ -202,41 +235,50 @@ class Trainer:
         state = None
         resumed = self.checkpointer.latest_step() is not None
         if resumed:
-            # Checkpoints are written once the warm start is done and evaluated, then during RL.
-            state, meta = self.checkpointer.restore(abstract_like(self._make_state(self.params, rl_tx)))
+            # Checkpoints: the warm start (before and after its evaluation), then during RL.
+            restored = self.checkpointer.restore_latest_intact(abstract_like(self._make_state(self.params, rl_tx)))
+            state, meta = restored.state, restored.meta
             self.params = state.params
-            log.info("resumed %s at RL step %d", self.workdir, meta["rl_step"])
+            log.info("resumed %s at RL step %d from %s", self.workdir, meta["rl_step"],
+                     self.checkpointer.step_path(restored.step))
         self._wall_base = float(meta.get("wall_seconds", 0.0))
         self._t_start = t_start
-        if jax.process_index() == 0:
+        if jax.process_index() == 0:  # records after the checkpoint are dropped (the warm start's eval too if redone)
+            first_redone = meta["rl_step"] + (meta.get("warmstart") is not None)
             writer = MetricsWriter(self.workdir, tensorboard=cfg.log.tensorboard,
-                                   resume_from_step=meta["rl_step"] + 1 if resumed else None)
+                                   resume_from_step=first_redone if resumed else None)
         else:  # multi-host: only process 0 writes metrics (pdm_jax.distributed)
             writer = NullMetricsWriter()
         try:
             if not resumed:
                 self._run_sft(sft_tx, writer)
-                # The warm start becomes sampler version 0, evaluated before any RL step.
-                self.sampler.push_weights(self.params, 0)
-                meta["warmstart"] = self.evaluate(0)
-                writer.write(0, "eval", meta["warmstart"])
-                log.info("warm start evaluated: %s", _fmt(meta["warmstart"]))
-                meta["phase"] = "rl"
-                meta["sft_step"] = int(cfg.sft.steps)
+                meta.update(phase="rl", sft_step=int(cfg.sft.steps))
                 state = self._make_state(self.params, rl_tx)
-                self._checkpoint(state, meta)
+                if cfg.sft.steps > 0:  # kept even if its evaluation fails
+                    self._checkpoint(state, meta)
+            if meta.get("warmstart") is None:
+                self._evaluate_warm_start(state, meta, writer)
             summary = self._run_rl(state, rl_tx, rl_schedule, meta, writer)
         finally:
-            self.sampler.stop()
             writer.close()
         return summary
+
+    def _evaluate_warm_start(self, state, meta, writer) -> None:
+        """Pushes the warm start as sampler version 0, evaluates it and checkpoints the result."""
+        self.sampler.push_weights(state.params, 0)
+        meta["warmstart"] = self.evaluate(0)
+        writer.write(0, "eval", meta["warmstart"])
+        log.info("warm start evaluated: %s", _fmt(meta["warmstart"]))
+        self._checkpoint(state, meta)
 
     def _wall_seconds(self) -> float:
         return self._wall_base + (time.time() - self._t_start)
 
     def _checkpoint(self, state, meta):
+        # Ids: sft.steps for the warm start before its evaluation, sft.steps + 1 + RL step after it.
         meta["wall_seconds"] = self._wall_seconds()
-        self.checkpointer.save(int(self.config.sft.steps) + int(meta["rl_step"]) + 1, state, dict(meta))
+        done = int(meta["rl_step"]) + (meta.get("warmstart") is not None)
+        self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta))
 
     def _run_sft(self, tx, writer) -> None:
         """Supervised warm start on the task's reference answers (config.sft); updates self.params."""
@@ -397,21 +439,9 @@ class Trainer:
         return rec
 
     def _write_summary(self, meta, last_eval, writer) -> dict:
-        cfg = self.config
-        warm = meta.get("warmstart") or {}
-        summary = dict(
-            warmstart_accuracy=warm.get("eval_accuracy"),
-            warmstart_greedy_accuracy=warm.get("eval_greedy_accuracy"),
-            final_accuracy=last_eval.get("eval_accuracy"),
-            final_greedy_accuracy=last_eval.get("eval_greedy_accuracy"),
-            steps=int(meta["rl_step"]),
-            sft_steps=int(cfg.sft.steps),
-            wall_seconds=float(self._wall_seconds()),
-            eval_prompts=int(cfg.eval.num_prompts),
-            eval_samples_per_prompt=int(cfg.eval.samples_per_prompt),
-            trust_region=dict(cfg.trust_region.to_dict()),
-            sampler_quantization=cfg.sampler.quantization,
-        )
+        """summary.json (fields: `pdm_jax.metrics.run_summary`) from the metrics file and the final meta."""
+        summary = run_summary(read_metrics(writer.path), config=self.config, meta=meta, last_eval=last_eval,
+                              wall_seconds=self._wall_seconds())
         if jax.process_index() == 0:
             with open(os.path.join(self.workdir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)

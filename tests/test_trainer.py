@@ -1,14 +1,23 @@
 """The main job: config validation, a short end-to-end run, resume after SIGKILL, sampler failure."""
 
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from pdm_jax.config import apply_arg, get_base_config
-from pdm_jax.config import validate_config
+from pdm_jax import trainer as trainer_mod
+from pdm_jax.checkpointing import Checkpointer
+from pdm_jax.config import apply_arg, get_base_config, validate_config
+from pdm_jax.metrics import run_summary
+from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
+from pdm_jax.sampler.supervisor import SamplerFailure
+from pdm_jax.trainer import Trainer
+from pdm_jax.workdir import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,8 +126,6 @@ def _sampler_pids(workdir):
 
 
 def _assert_no_sampler_left(workdir, timeout_s=20.0):
-    import time
-
     deadline = time.time() + timeout_s
     while _sampler_pids(workdir) and time.time() < deadline:
         time.sleep(0.5)
@@ -179,30 +186,23 @@ def test_sampler_killed_mid_run_is_restarted_without_losing_a_batch(tmp_path):
 
 
 def test_unreachable_sampler_fails_fast_with_a_clear_error(tmp_path):
-    import socket
-    import time
-
-    from pdm_jax.sampler.supervisor import SamplerFailure
-    from pdm_jax.trainer import Trainer
-
     with socket.socket() as s:  # a free loopback port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     c = tiny_test_config(**{"sampler.mode": "remote", "sampler.address": f"http://127.0.0.1:{port}",
                             "sampler.retries": 1, "sampler.request_timeout_s": 5.0})
     t = Trainer(c, str(tmp_path))
-    t.sampler.push_weights(t.params, 0)
-    t0 = time.time()
-    with pytest.raises(SamplerFailure, match=f"127.0.0.1:{port}"):
-        t.sampler.start(0)
-    assert time.time() - t0 < 30
+    try:
+        t.sampler.push_weights(t.params, 0)
+        t0 = time.time()
+        with pytest.raises(SamplerFailure, match=f"127.0.0.1:{port}"):
+            t.sampler.start(0)
+        assert time.time() - t0 < 30
+    finally:
+        t.close()
 
 
 def test_sampler_that_never_comes_up_is_an_error_within_the_timeout(tmp_path):
-    import time
-
-    from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
-
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     t0 = time.time()
@@ -210,3 +210,120 @@ def test_sampler_that_never_comes_up_is_an_error_within_the_timeout(tmp_path):
         start_sampler_server(model_config=str(bad), weights=None, checkpoint_root=str(tmp_path),
                              startup_timeout_s=60)
     assert time.time() - t0 < 60
+
+
+# ---------------------------------------------------------------- workdir lock, warm start, damaged checkpoints
+def test_second_trainer_on_a_locked_workdir_is_refused_naming_the_holder(tmp_path, monkeypatch):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": "gone"}))  # stale: does not block
+    c = tiny_test_config(**{"sampler.mode": "in_process"})
+    first = trainer_mod.Trainer(c, str(tmp_path))
+    with pytest.raises(WorkdirLockedError, match=rf"workdir {tmp_path} is in use by another run \(pid {os.getpid()} "):
+        trainer_mod.Trainer(c, str(tmp_path))
+    # Multi-host: the workdir is shared, only process 0 locks it.
+    monkeypatch.setattr(trainer_mod.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(trainer_mod.Trainer, "_setup", lambda self: None)
+    assert trainer_mod.Trainer(c, str(tmp_path))._lock is None
+    monkeypatch.undo()
+    first.close()
+    WorkdirLock(str(tmp_path)).acquire().release()  # released by close()
+
+
+def test_trainer_setup_failure_releases_the_workdir_lock(tmp_path, monkeypatch):
+    def fail(self):
+        raise ValueError("setup failed")
+
+    monkeypatch.setattr(Trainer, "_setup", fail)
+    with pytest.raises(ValueError, match="setup failed"):
+        Trainer(tiny_test_config(), str(tmp_path))
+    WorkdirLock(str(tmp_path)).acquire().release()
+
+
+def test_run_summary_fields_against_hand_computed_values():
+    c = tiny_test_config()
+    records = [
+        {"step": 10, "phase": "sft", "loss": 1.0},
+        {"step": 0, "phase": "eval", "eval_accuracy": 0.25, "eval_greedy_accuracy": 0.5, "eval_reward": 0.3},
+        {"step": 1, "phase": "rl", "frac_masked": 0.1, "frac_outside": 0.2},
+        {"step": 2, "phase": "rl", "frac_masked": 0.3, "frac_outside": None},  # non-finite, written as null
+        {"step": 2, "phase": "eval", "eval_accuracy": 0.75, "eval_reward": 0.8},
+        {"step": 3, "phase": "rl", "frac_masked": 0.5, "frac_outside": 0.4},
+    ]
+    meta = {"rl_step": 3, "warmstart": {"eval_accuracy": 0.25, "eval_greedy_accuracy": 0.5},
+            "checkpoint_fallbacks": [{"refused_step": 14}]}
+    s = run_summary(records[::-1], config=c, meta=meta, last_eval={"eval_accuracy": 0.75}, wall_seconds=12.5)
+    assert s["frac_masked_mean"] == pytest.approx(0.3) and s["frac_outside_mean"] == pytest.approx(0.3)
+    assert (s["frac_masked_last"], s["frac_outside_last"]) == (0.5, 0.4)
+    assert s["evaluations"] == [
+        {"rl_step": 0, "eval_accuracy": 0.25, "eval_greedy_accuracy": 0.5, "eval_reward": 0.3},
+        {"rl_step": 2, "eval_accuracy": 0.75, "eval_greedy_accuracy": None, "eval_reward": 0.8}]
+    assert (s["warmstart_accuracy"], s["final_accuracy"], s["final_greedy_accuracy"]) == (0.25, 0.75, None)
+    assert (s["steps"], s["sft_steps"], s["checkpoint_fallbacks"], s["wall_seconds"]) == (3, 10, 1, 12.5)
+    empty = run_summary([], config=c, meta={"rl_step": 0}, last_eval={}, wall_seconds=0.0)
+    assert empty["frac_masked_mean"] is None and empty["evaluations"] == [] and empty["checkpoint_fallbacks"] == 0
+
+
+def _flip_bytes(path, n=16):
+    b = bytearray(open(path, "rb").read())
+    start = max(0, len(b) // 2 - n // 2)
+    for i in range(start, min(len(b), start + n)):
+        b[i] ^= 0xFF
+    open(path, "wb").write(bytes(b))
+
+
+@pytest.mark.slow
+def test_failed_warmstart_eval_resumes_without_sft_and_damaged_checkpoint_falls_back(tmp_path, monkeypatch, caplog):
+    """Two failures of trainer state, in one run to save compute.
+
+    1. The first evaluation of the warm start fails: the warm start was checkpointed before it,
+       so the resumed run redoes no SFT step and evaluates it to the value the failed call computed.
+    2. The latest checkpoint is then damaged (16 flipped bytes in its largest file): the resumed run
+       falls back to the previous one (logged, counted in summary.json, recorded in the meta) and
+       redoes the last RL step to the uninterrupted run's values.
+    """
+    c = tiny_test_config(**{"sampler.mode": "in_process", "rl.steps": 2, "eval.every_steps": 1})
+    real_evaluate = Trainer.evaluate
+    computed = []
+
+    def evaluate_then_fail(self, version):
+        computed.append(real_evaluate(self, version))
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate_then_fail)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        Trainer(c, str(tmp_path)).run()
+    ckpts = Checkpointer(str(tmp_path / "checkpoints"))
+    assert ckpts.steps() == [c.sft.steps]  # the warm start, before its evaluation
+    monkeypatch.setattr(Trainer, "evaluate", real_evaluate)
+
+    def no_sft(self, tx, writer):
+        raise AssertionError("the warm start was redone")
+
+    monkeypatch.setattr(Trainer, "_run_sft", no_sft)
+    summary = Trainer(c, str(tmp_path)).run()
+    assert summary["warmstart_accuracy"] == computed[0]["eval_accuracy"]
+    assert summary["evaluations"][0] == dict(rl_step=0, **{k: computed[0][k] for k in
+                                                           ("eval_accuracy", "eval_greedy_accuracy", "eval_reward")})
+    assert [e["rl_step"] for e in summary["evaluations"]] == [0, 1, 2]
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if line.strip()]
+    assert [(r["phase"], r["step"]) for r in recs if r["phase"] != "rl"] == [
+        ("sft", 10), ("eval", 0), ("eval", 1), ("eval", 2)]
+    ref = _rl_records(tmp_path)
+    assert summary["frac_masked_mean"] == pytest.approx((ref[1]["frac_masked"] + ref[2]["frac_masked"]) / 2)
+    assert summary["frac_outside_last"] == ref[2]["frac_outside"] and summary["checkpoint_fallbacks"] == 0
+
+    latest = os.path.join(ckpts.directory, str(ckpts.latest_step()))  # RL step 2
+    files = [os.path.join(d, f) for d, _, fs in os.walk(latest) for f in fs]
+    _flip_bytes(max(files, key=os.path.getsize))
+    with caplog.at_level(logging.WARNING, logger="pdm_jax"):
+        summary = Trainer(c, str(tmp_path)).run()
+    assert "FALLBACK" in caplog.text and latest in caplog.text
+    assert summary["checkpoint_fallbacks"] == 1 and summary["steps"] == 2
+    got = _rl_records(tmp_path)
+    assert sorted(got) == [1, 2]
+    for k in DETERMINISTIC_KEYS:
+        assert got[2][k] == pytest.approx(ref[2][k], rel=1e-5, abs=1e-6), k
+    meta = json.load(open(os.path.join(latest, "meta", "metadata")))  # the new checkpoint of RL step 2
+    assert [(f["refused_step"], f["restored_step"]) for f in meta["checkpoint_fallbacks"]] == [
+        (c.sft.steps + 3, c.sft.steps + 2)]
