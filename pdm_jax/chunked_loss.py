@@ -21,7 +21,7 @@ at a time (c = ``chunk_size`` sequence positions):
    peak memory of the loss grows with c, not with T.
 
 Only ``[B,T]`` per-token arrays leave the scan; ``pdm_jax.loss.loss_and_metrics``
-aggregates them over the whole batch, so every aggregation mode is exact (no
+(called by ``train_step.make_rl_loss``) aggregates them over the whole batch, so every aggregation mode is exact (no
 mean of chunk means). The statistics of the trust-region mask are
 recombined from the chunks' counts: ``num_*`` are summed, ``frac_*`` are
 fractions of all valid tokens and ``mean_*`` means over all valid tokens with
@@ -70,26 +70,6 @@ def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completi
     p = prompt_ids.shape[1]
     t = completion_ids.shape[1]
     return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden
-
-
-def _combine_stats(stats_N: dict) -> dict:
-    """Recombines per-chunk statistics ([N] arrays) into whole-batch statistics (see module doc)."""
-    n_valid_N = stats_N["num_valid"]
-    n_good_N = n_valid_N - stats_N["num_nonfinite"] - stats_N["num_bad_ids"]
-    total_valid = jnp.sum(n_valid_N)
-    total_good = jnp.sum(n_good_N)
-    out = {}
-    for key, v_N in stats_N.items():
-        if key.startswith("num_"):
-            out[key] = jnp.sum(v_N)
-        elif key.startswith("frac_"):
-            out[key] = jnp.sum(v_N * jnp.maximum(n_valid_N, 1.0)) / jnp.maximum(total_valid, 1.0)
-        elif key.startswith("mean_"):
-            out[key] = jnp.sum(v_N * jnp.maximum(n_good_N, 1.0)) / jnp.maximum(total_good, 1.0)
-        else:
-            raise ValueError(f"chunked loss: cannot recombine the trust-region statistic {key!r} "
-                             "(expected a num_/frac_/mean_ prefix)")
-    return out
 
 
 def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: trust_region.TrustRegionConfig,
@@ -159,18 +139,18 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: tr
         return y[:, :t]
 
     terms = {k: from_chunks(v) for k, v in ys.items() if k != "stats"}
-    terms["stats"] = _combine_stats(ys["stats"])
+    terms["stats"] = policy_loss.combine_stats(ys["stats"])
     return terms
 
 
-def make_chunked_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig,
-                         loss_config: policy_loss.PolicyLossConfig, chunk_size: int):
-    """``loss_fn(params, batch) -> (loss, aux)`` equal to the unchunked loss without [B,T,V] logits.
+def make_chunked_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
+                          loss_config: policy_loss.PolicyLossConfig, chunk_size: int):
+    """``terms_fn(params, batch) -> token_terms`` of all positions without [B,T,V] logits.
 
-    Same loss (``pdm_jax.loss.loss_and_metrics``), the same gradient and the same
-    ``aux`` keys as the unchunked path (DESIGN.md §2; checked to 1e-5 by
-    tests/test_chunked_loss.py for PDM with every estimator, DPPO and PPO-clip);
-    the logits exist only ``chunk_size`` positions at a time (see the module docstring).
+    The same per-token terms (``pdm_jax.loss.token_terms``) and recombined statistics as
+    the unchunked path (checked to 1e-5 by tests/test_chunked_loss.py for PDM with every
+    estimator, DPPO and PPO-clip); the logits exist only ``chunk_size`` positions at a
+    time (see the module docstring). ``pdm_jax.train_step.make_rl_loss`` aggregates them.
 
     Raises:
       ValueError: chunk_size < 1.
@@ -178,11 +158,9 @@ def make_chunked_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig,
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
 
-    def loss_fn(params, batch: StepBatch):
+    def terms_fn(params, batch: StepBatch):
         h_BxTxD, head_fn = completion_hidden_states(graphdef, params, batch.prompt_ids, batch.prompt_mask,
                                                     batch.completion_ids, batch.completion_mask)
-        valid = jnp.asarray(batch.completion_mask).astype(bool)
-        terms = chunked_rl_terms(h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
-        return policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, loss_config)
+        return chunked_rl_terms(h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
 
-    return loss_fn
+    return terms_fn

@@ -29,6 +29,7 @@ from pdm_jax.loss import PolicyLossConfig
 from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
+from pdm_jax.profiling import parse_steps
 from pdm_jax.sharding import MeshConfig
 from pdm_jax.train_step import OptimizerConfig
 
@@ -116,6 +117,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.kl_beta = 0.0  # KL penalty to the frozen initial policy (DAPO/DPPO: 0)
     c.rl.kl_estimator = "k3"
     c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.chunked_loss); 0 = all [B,T,V] logits
+    c.rl.micro_batch_size = 0  # sequences per micro-batch; > 0: gradients accumulated exactly over micro-batches; 0 = off
 
     # ---- trust region (pdm_jax.trust_region.TrustRegionConfig) ---------------------------
     c.trust_region = ml_collections.ConfigDict()
@@ -172,6 +174,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.dry_run.num_devices = 8  # chips the mesh spans (resolves the mesh's -1 axis)
     c.dry_run.mode = "auto"  # "compile" (fake CPU devices) | "analytic" | "auto" (compile if small enough)
     c.dry_run.max_compile_params = 2_000_000_000  # auto: compile only models up to this many parameters
+
+    # ---- profiling (pdm_jax.profiling) --------------------------------------------------
+    c.profile = ml_collections.ConfigDict()
+    c.profile.steps = ""  # "a:b": jax.profiler trace of RL steps a..b (1-based, inclusive) into WORKDIR/profile
 
     # ---- checkpoints and logging ------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()
@@ -387,6 +393,10 @@ def _check_rl(config) -> None:
     for name in ("adam_b1", "adam_b2"):
         _need(0.0 <= rl[name] < 1.0, f"rl.{name}", rl[name], "must be in [0, 1)")
     _need(math.isfinite(rl.max_grad_norm), "rl.max_grad_norm", rl.max_grad_norm, "must be finite (<= 0: no clipping)")
+    mb_rows = n // max(rl.num_minibatches, 1)
+    _need(rl.micro_batch_size == 0 or (rl.micro_batch_size > 0 and mb_rows % rl.micro_batch_size == 0),
+          "rl.micro_batch_size", rl.micro_batch_size,
+          f"must be 0 (off) or divide the optimizer mini-batch of {mb_rows} sequences")
     step_configs(config)  # trust region and policy loss: their own checks, named by field
 
 
@@ -431,6 +441,10 @@ def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
     except ValueError as e:
         raise ValueError(f"mesh = (data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) on "
                          f"{jax.device_count()} device(s): {e}") from None
+
+
+def _check_profile(config) -> None:
+    parse_steps(config.profile.steps)
 
 
 def _check_paths(config) -> None:
@@ -479,6 +493,7 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     _check_rl(config)
     _check_sampler_and_eval(config)
     _check_model_and_mesh(config, vocab_size)
+    _check_profile(config)
     k = config.rl.top_k_logprobs
     if vocab_size is None and config.tokenizer.kind == "char":  # known before the tokenizer is written
         vocab_size = char_vocab_size(config.tokenizer.symbols)
@@ -533,7 +548,7 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
         loss_aggregation=rl.loss_aggregation,
         max_response_length=int(max_response_length or rl.max_new_tokens), kl_beta=_as_float("rl.kl_beta", rl.kl_beta),
         kl_estimator=rl.kl_estimator, temperature=_as_float("rl.temperature", rl.temperature),
-        logits_chunk_size=rl.logits_chunk_size)
+        logits_chunk_size=rl.logits_chunk_size, micro_batch_size=rl.micro_batch_size)
     rl_opt = OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, b1=rl.adam_b1,
                              b2=rl.adam_b2, max_grad_norm=rl.max_grad_norm, warmup_steps=rl.warmup_steps)
     sft_opt = OptimizerConfig(learning_rate=sft.learning_rate, warmup_steps=sft.warmup_steps,

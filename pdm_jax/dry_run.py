@@ -126,6 +126,7 @@ class StepShape:
     completion_len: int
     top_k: int
     logits_chunk_size: int
+    micro_batch_size: int = 0  # sequences per micro-batch (0: the whole mini-batch at once)
 
 
 def step_shape(config) -> StepShape:
@@ -136,7 +137,8 @@ def step_shape(config) -> StepShape:
         raise ValueError(f"rl.num_minibatches = {rl.num_minibatches} must divide prompts_per_step x group_size = {n}")
     p = round_up(int(config.sampler.max_prompt_length), 8)
     return StepShape(batch=n // rl.num_minibatches, prompt_len=p, completion_len=int(rl.max_new_tokens),
-                     top_k=int(rl.top_k_logprobs), logits_chunk_size=int(rl.get("logits_chunk_size", 0)))
+                     top_k=int(rl.top_k_logprobs), logits_chunk_size=int(rl.logits_chunk_size),
+                     micro_batch_size=int(rl.micro_batch_size))
 
 
 def mesh_sizes(config, num_devices: int) -> dict:
@@ -179,12 +181,13 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
 
     * ``params``: exact, from the sharded parameter shapes;
     * ``optimizer``: AdamW first and second moments (parameter dtype) = 2 x params;
-    * ``gradients``: one parameter-sized buffer;
+    * ``gradients``: one parameter-sized buffer (two with micro-batches: the accumulator);
     * ``gathered``: sharded (FSDP / tensor) parameters all-gathered for use and
       their gradients before the reduce-scatter, upper bound 2 x (full - local)
       parameter bytes (kept across the backward pass without remat);
     * ``activations``: buffers kept for the backward pass, per token of the
-      local batch (B / (data*fsdp) sequences of P+T tokens), per layer:
+      local batch (B / (data*fsdp) sequences of P+T tokens, or the micro-batch's
+      ``micro_batch_size`` / (data*fsdp) with ``rl.micro_batch_size``), per layer:
       ``a * (9 D + 3 (N+K) H + K H + 4 F)`` plus the attention scores and
       probabilities ``(4 + a) N (P+T)`` (a = compute dtype bytes; heads, kv
       heads and F divided by the tensor axis when it divides them);
@@ -203,22 +206,25 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     c = model_cfg
     n_heads, n_kv, f, v = div(c.num_attention_heads), div(c.num_key_value_heads), div(c.intermediate_size), div(c.vocab_size)
     b_loc = -(-shape.batch // dp)
+    # Activations and the loss's buffers live for one micro-batch at a time (its rows spread over all shards).
+    m_loc = -(-shape.micro_batch_size // dp) if shape.micro_batch_size else b_loc
     seq = shape.prompt_len + shape.completion_len
-    tokens = b_loc * seq
+    tokens = m_loc * seq
     h, d = c.head_dim, c.hidden_size
     per_token_layer = (a * (_ACT_D_BUFFERS * d + _ACT_QKV_BUFFERS * (n_heads + n_kv) * h + n_kv * h
                             + _ACT_F_BUFFERS * f) + (4 + a) * n_heads * seq)
     activations = tokens * per_token_layer * c.num_hidden_layers + tokens * d * a  # + embeddings
     t = shape.completion_len
     if shape.logits_chunk_size and shape.logits_chunk_size < t:
-        loss = (_LOSS_V_BUFFERS * b_loc * shape.logits_chunk_size * v * 4 + 2 * b_loc * t * d * a
+        loss = (_LOSS_V_BUFFERS * m_loc * shape.logits_chunk_size * v * 4 + 2 * m_loc * t * d * a
                 + 8 * b_loc * t * 4)
     else:
-        loss = _LOSS_V_BUFFERS * b_loc * t * v * 4
+        loss = _LOSS_V_BUFFERS * m_loc * t * v * 4
     n_params, params = param_bytes_per_device(c, sizes, param_dtype)
     full_params = n_params * _dtype(param_dtype).itemsize
     batch = b_loc * (shape.prompt_len * 5 + t * (4 + 1 + 4 + 8 * shape.top_k) + 4)
-    out = dict(params=params, optimizer=2 * params, gradients=params, gathered=2 * (full_params - params),
+    gradients = params * (2 if shape.micro_batch_size else 1)  # + the accumulator of the micro-batch scan
+    out = dict(params=params, optimizer=2 * params, gradients=gradients, gathered=2 * (full_params - params),
                activations=int(activations), loss=int(loss), batch=int(batch))
     out["total"] = sum(out.values())
     out["num_params"] = n_params
@@ -272,7 +278,8 @@ def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, activatio
                       behavior_logprobs=arg((b, t), jnp.float32), topk_ids=arg((b, t, k), jnp.int32),
                       topk_logprobs=arg((b, t, k), jnp.float32), advantages=arg((b,), jnp.float32),
                       ref_logprobs=arg((b, t), jnp.float32) if configs.policy_loss.kl_beta > 0 else None)
-    loss_cfg = dataclasses.replace(configs.policy_loss, logits_chunk_size=shape.logits_chunk_size)
+    loss_cfg = dataclasses.replace(configs.policy_loss, logits_chunk_size=shape.logits_chunk_size,
+                                   micro_batch_size=shape.micro_batch_size)
     step = ts.make_rl_train_step(graphdef, tx, configs.trust_region, loss_cfg)
     state_sharding = jax.tree.map(lambda x: x.sharding, abs_state)
     t0 = time.time()
@@ -348,7 +355,7 @@ def format_report(report: dict) -> str:
         f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} on {math.prod(m.values())} x {report['chip']} "
         f"({hbm / GIB:.0f} GiB HBM each)",
         f"step: {s.batch} sequences x ({s.prompt_len} prompt + {s.completion_len} completion) tokens, K={s.top_k}, "
-        f"logits_chunk_size={s.logits_chunk_size or 'off'}",
+        f"logits_chunk_size={s.logits_chunk_size or 'off'}, micro_batch_size={s.micro_batch_size or 'off'}",
         "",
         f"ANALYTIC estimate, per device        {unit}",
     ]

@@ -49,7 +49,9 @@ class PolicyLossConfig:
     - ``max_response_length``: tokens, the Dr. GRPO normaliser (seq_mean_token_sum_norm);
     - ``kl_beta`` >= 0 and ``kl_estimator`` ("k1" | "k2" | "k3"): the penalty to π_ref;
     - ``temperature`` τ > 0: logits are divided by it before every log-softmax (DESIGN.md §1);
-    - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.chunked_loss``.
+    - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.chunked_loss``;
+    - ``micro_batch_size``: 0 = the whole mini-batch in one forward/backward, m > 0 = gradients
+      accumulated exactly over micro-batches of m sequences (``pdm_jax.train_step``).
 
     Raises:
       ValueError: a field out of range, named as the run config names it (``rl.<field>``).
@@ -66,6 +68,7 @@ class PolicyLossConfig:
     kl_estimator: str = "k3"
     temperature: float = 1.0
     logits_chunk_size: int = 0
+    micro_batch_size: int = 0
 
     def __post_init__(self):
         def need(ok, field, what):
@@ -83,6 +86,8 @@ class PolicyLossConfig:
              f"must be one of {objectives.AGGREGATION_MODES}")
         need(not isinstance(self.logits_chunk_size, bool) and isinstance(self.logits_chunk_size, int)
              and self.logits_chunk_size >= 0, "rl.logits_chunk_size", "must be an int >= 0 (0 = unchunked)")
+        need(not isinstance(self.micro_batch_size, bool) and isinstance(self.micro_batch_size, int)
+             and self.micro_batch_size >= 0, "rl.micro_batch_size", "must be an int >= 0 (0 = no micro-batches)")
 
 
 def needs_separate_topk_kl(tr_config: trust_region.TrustRegionConfig) -> bool:
@@ -169,6 +174,35 @@ def token_terms(logits_tau, tokens, valid, topk_ids, topk_logprobs, behavior_log
                entropy=-jnp.sum(jnp.exp(logp_sg) * logp_sg, axis=-1))
     if needs_separate_topk_kl(tr_config):  # always report the top-K KL, whatever the proximity test
         out["topk_kl"] = trust_region.topk_kl(logits_sg, tokens, topk_ids, topk_logprobs, behavior_logprobs)
+    return out
+
+
+def combine_stats(stats_N: dict) -> dict:
+    """Whole-batch trust-region statistics from those of N disjoint parts (``[N]`` arrays per key).
+
+    ``num_*`` are summed; ``frac_*`` (fractions of valid tokens) are weighted by each
+    part's ``num_valid``; ``mean_*`` (means over tokens with finite inputs) by
+    ``num_valid - num_nonfinite - num_bad_ids``, as ``trust_region.trust_region_mask_and_logprobs``
+    computes them on the whole batch. Used by the chunked loss and by micro-batching.
+
+    Raises:
+      ValueError: a statistic without a num_/frac_/mean_ prefix (it could not be recombined).
+    """
+    n_valid_N = stats_N["num_valid"]
+    n_good_N = n_valid_N - stats_N["num_nonfinite"] - stats_N["num_bad_ids"]
+    total_valid = jnp.sum(n_valid_N)
+    total_good = jnp.sum(n_good_N)
+    out = {}
+    for key, v_N in stats_N.items():
+        if key.startswith("num_"):
+            out[key] = jnp.sum(v_N)
+        elif key.startswith("frac_"):
+            out[key] = jnp.sum(v_N * jnp.maximum(n_valid_N, 1.0)) / jnp.maximum(total_valid, 1.0)
+        elif key.startswith("mean_"):
+            out[key] = jnp.sum(v_N * jnp.maximum(n_good_N, 1.0)) / jnp.maximum(total_good, 1.0)
+        else:
+            raise ValueError(f"cannot recombine the trust-region statistic {key!r} (expected a num_/frac_/mean_ "
+                             "prefix)")
     return out
 
 

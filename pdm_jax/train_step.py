@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from pdm_jax import chunked_loss, loss as policy_loss, trust_region
+from pdm_jax import chunked_loss, loss as policy_loss, objectives, trust_region
 from pdm_jax.rollout import StepBatch
 
 
@@ -90,31 +90,50 @@ def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids,
     return logits_BxLxV[:, p - 1:p + t - 1].astype(jnp.float32)
 
 
+def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: policy_loss.PolicyLossConfig):
+    """Returns ``terms_fn(params, batch: StepBatch) -> dict``: `pdm_jax.loss.token_terms` of every position.
+
+    On all ``[B,T,V]`` logits at once, or with ``loss_config.logits_chunk_size`` = c > 0
+    ``pdm_jax.chunked_loss`` c sequence positions at a time (the same terms).
+    """
+    if loss_config.logits_chunk_size > 0:  # same values, never all [B,T,V] logits at once
+        return chunked_loss.make_chunked_rl_terms(graphdef, tr_config, loss_config, loss_config.logits_chunk_size)
+
+    def terms_fn(params, batch: StepBatch):
+        logits = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                   batch.completion_mask) / loss_config.temperature
+        return policy_loss.token_terms(logits, batch.completion_ids, batch.completion_mask, batch.topk_ids,
+                                       batch.topk_logprobs, batch.behavior_logprobs, batch.advantages, tr_config,
+                                       loss_config, ref_logprobs=batch.ref_logprobs)
+
+    return terms_fn
+
+
 def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: policy_loss.PolicyLossConfig):
     """Returns ``loss_fn(params, batch: StepBatch) -> (loss, metrics)`` for the GRPO policy update.
 
     The per-token loss, its aggregation and the metrics are `pdm_jax.loss`
-    (``token_terms`` then ``loss_and_metrics``) on all ``[B,T,V]`` logits at once;
-    with ``loss_config.logits_chunk_size`` = c > 0 the same terms are computed by
-    ``pdm_jax.chunked_loss`` c sequence positions at a time (same loss and gradient).
+    (``token_terms`` via :func:`make_rl_terms`, then ``loss_and_metrics``).
     """
-    if loss_config.logits_chunk_size > 0:  # same values, never all [B,T,V] logits at once
-        return chunked_loss.make_chunked_rl_loss(graphdef, tr_config, loss_config, loss_config.logits_chunk_size)
+    terms_fn = make_rl_terms(graphdef, tr_config, loss_config)
 
     def loss_fn(params, batch: StepBatch):
-        logits = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                   batch.completion_mask) / loss_config.temperature
-        valid = batch.completion_mask
-        terms = policy_loss.token_terms(logits, batch.completion_ids, valid, batch.topk_ids, batch.topk_logprobs,
-                                        batch.behavior_logprobs, batch.advantages, tr_config, loss_config,
-                                        ref_logprobs=batch.ref_logprobs)
-        return policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, loss_config)
+        terms = terms_fn(params, batch)
+        return policy_loss.loss_and_metrics(terms, batch.completion_mask, batch.behavior_logprobs, batch.advantages,
+                                            loss_config)
 
     return loss_fn
 
 
 def make_rl_train_step(graphdef, tx, tr_config, loss_config) -> Callable:
-    """Returns the pure `train_step(state, batch) -> (state, metrics)` for RL (not yet jitted)."""
+    """Returns the pure `train_step(state, batch) -> (state, metrics)` for RL (not yet jitted).
+
+    With ``loss_config.micro_batch_size`` = m > 0 the mini-batch's gradient is accumulated
+    over micro-batches of m sequences (:func:`_micro_batched_rl_step`); the loss, gradient
+    and metrics equal the one-shot step's.
+    """
+    if loss_config.micro_batch_size > 0:
+        return _micro_batched_rl_step(make_rl_terms(graphdef, tr_config, loss_config), tx, loss_config)
     return _gradient_step(make_rl_loss(graphdef, tr_config, loss_config), tx)
 
 
@@ -123,10 +142,61 @@ def _gradient_step(loss_fn, tx) -> Callable:
 
     def step(state: TrainState, batch):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return _apply(tx, state, grads, dict(aux, loss=loss))
+
+    return step
+
+
+def _apply(tx, state: TrainState, grads, metrics: dict):
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _micro_batched_rl_step(terms_fn, tx, loss_config: policy_loss.PolicyLossConfig) -> Callable:
+    """One optax step whose gradient is accumulated over micro-batches under ``lax.scan``.
+
+    The loss is ``sum / denominator`` (``objectives.aggregate_loss``) with the
+    denominator of the WHOLE mini-batch computed first (it depends only on the masks),
+    so the sum over micro-batches of ``grad(loss_sum_mb) / denominator`` is the exact
+    gradient for every aggregation mode (micro-batches are whole sequences). Micro-batch
+    j takes rows j, j + n, j + 2n, ... (n = B / m micro-batches), so every data shard
+    contributes to every micro-batch. The per-token terms of all micro-batches are
+    reassembled to ``[B,T]`` and the metrics computed once by ``loss.loss_and_metrics``,
+    as in the one-shot step; only one micro-batch's activations are alive at a time.
+
+    Raises:
+      ValueError: the mini-batch's B is not a multiple of ``micro_batch_size`` (at trace time).
+    """
+    lc = loss_config
+    m = lc.micro_batch_size
+
+    def step(state: TrainState, batch: StepBatch):
+        b = batch.num_sequences
+        if b % m:
+            raise ValueError(f"rl.micro_batch_size = {m} must divide the mini-batch of {b} sequences")
+        n = b // m
+        valid = batch.completion_mask.astype(bool)
+        denom = objectives.loss_denominator(valid, lc.loss_aggregation, max_response_length=lc.max_response_length)
+        safe_denom = jnp.where(denom > 0, denom, 1.0)
+        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((m, n) + x.shape[1:]), 0, 1), batch)
+
+        def micro_loss(params, mb: StepBatch):
+            terms = terms_fn(params, mb)
+            loss_sum, _ = objectives.aggregate_loss(terms["per_token"], mb.completion_mask.astype(bool),
+                                                    lc.loss_aggregation, max_response_length=lc.max_response_length)
+            return loss_sum / safe_denom, jax.lax.stop_gradient(terms)
+
+        def body(grads, mb):
+            g, terms = jax.grad(micro_loss, has_aux=True)(state.params, mb)
+            return jax.tree.map(jnp.add, grads, g), terms
+
+        grads, terms_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, state.params), micro)
+        terms = {k: jnp.swapaxes(v, 0, 1).reshape((b,) + v.shape[2:]) for k, v in terms_N.items() if k != "stats"}
+        terms["stats"] = policy_loss.combine_stats(terms_N["stats"])
+        loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, lc)
+        return _apply(tx, state, grads, dict(aux, loss=loss))
 
     return step
 

@@ -105,7 +105,7 @@ def test_chunk_size_validation():
     with pytest.raises(ValueError, match="logits_chunk_size"):
         PolicyLossConfig(logits_chunk_size=-1)
     with pytest.raises(ValueError, match="logits_chunk_size"):
-        chunked_loss.make_chunked_rl_loss(None, trust_region.TrustRegionConfig(), PolicyLossConfig(), 0)
+        chunked_loss.make_chunked_rl_terms(None, trust_region.TrustRegionConfig(), PolicyLossConfig(), 0)
 
 
 def _temp_bytes(t, chunk, vocab=16384, d=16):

@@ -174,3 +174,14 @@ def test_producer_surfaces_the_thread_error():
     with pytest.raises(RuntimeError, match="boom at 0"):
         producer.get(0)
     producer.close()
+
+
+def test_profile_steps_are_checked_up_front():
+    from pdm_jax.profiling import parse_steps
+
+    assert parse_steps("") is None and parse_steps("2:4") == (2, 4)
+    for bad in ("4:2", "0:1", "3", "a:b", "1:2:3"):
+        c = _valid_config()
+        c.profile.steps = bad
+        with pytest.raises(ValueError, match=f"profile.steps = '{bad}'"):
+            validate_config(c)

@@ -30,7 +30,9 @@ def _tiny_variants():
     wide.rl.prompts_per_step = 8
     wide.rl.logits_chunk_size = 16
     wide.mesh.data, wide.mesh.fsdp, wide.mesh.tensor = 1, 4, 2
-    return [("data_parallel", plain), ("fsdp_tensor_chunked", wide)]
+    micro = _config("tiny")  # 128-sequence mini-batches in micro-batches of 32 (4 per device)
+    micro.rl.micro_batch_size = 32
+    return [("data_parallel", plain), ("fsdp_tensor_chunked", wide), ("micro_batched", micro)]
 
 
 @pytest.mark.parametrize("name,config", _tiny_variants(), ids=lambda x: x if isinstance(x, str) else "")
@@ -47,6 +49,15 @@ def test_planner_matches_compiled_memory_within_20_percent(name, config):
     assert 0.8 * c["total"] <= a["total"] <= 1.2 * c["total"], (a, c)
     text = dry_run.format_report(report)
     assert "COMPILED" in text and "ANALYTIC" in text and "v5p" in text
+
+
+def test_micro_batches_shrink_the_activations():
+    plain, micro = _config("tiny"), _config("tiny")
+    micro.rl.micro_batch_size = 32
+    a = dry_run.plan(plain, mode="analytic", num_devices=8)["analytic"]
+    b = dry_run.plan(micro, mode="analytic", num_devices=8)["analytic"]
+    assert b["activations"] < 0.3 * a["activations"] and b["loss"] == a["loss"] // 4
+    assert b["gradients"] == 2 * a["gradients"]  # the micro-batch scan's gradient accumulator
 
 
 def test_qwen3_8b_cli_dry_run_prints_memory_table():

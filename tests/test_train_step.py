@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -87,3 +88,46 @@ def test_off_policy_tokens_outside_the_region_are_masked_by_direction(setup):
     masked = valid & (d > 0.05) & (off.advantages[:, None] * dd > 0)
     assert masked.sum() > 0
     np.testing.assert_allclose(float(aux["frac_masked"]), masked.sum() / valid.sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("loss_kw, micro", [
+    (dict(), 2),
+    (dict(loss_aggregation="seq_mean_token_mean", kl_beta=0.1), 1),
+    (dict(loss_aggregation="seq_mean_token_sum_norm", max_response_length=8, logits_chunk_size=2), 2),
+])
+def test_micro_batched_step_equals_one_shot(setup, loss_kw, micro):
+    """rl.micro_batch_size: loss, every metric and the gradient (one SGD step) equal the one-shot step's."""
+    graphdef, params, batch = setup
+    off = batch.replace(behavior_logprobs=batch.behavior_logprobs - 0.7, topk_logprobs=batch.topk_logprobs - 0.7,
+                        ref_logprobs=batch.behavior_logprobs - 0.3)  # off-policy: some tokens masked
+    tr = trust_region.TrustRegionConfig(mask="pdm", delta=0.05)
+    tx = optax.sgd(1.0)  # params_after = params - grad
+
+    def run(micro_batch_size):
+        lc = PolicyLossConfig(temperature=TAU, micro_batch_size=micro_batch_size, **loss_kw)
+        step = jax.jit(ts.make_rl_train_step(graphdef, tx, tr, lc))
+        state = ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        new_state, metrics = step(state, jax.tree.map(jnp.asarray, off))
+        return jax.device_get(metrics), jax.device_get(new_state.params)
+
+    m0, p0 = run(0)
+    m1, p1 = run(micro)
+    assert 0.0 < m0["frac_masked"] < 1.0
+    assert set(m0) == set(m1)
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    moved = 0.0
+    for a, b, p in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), jax.tree.leaves(jax.device_get(params))):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+        moved = max(moved, float(np.max(np.abs(a - p))))
+    assert moved > 1e-4  # the step did something
+
+
+def test_micro_batch_size_must_divide_the_mini_batch(setup):
+    graphdef, params, batch = setup
+    tx = optax.sgd(1.0)
+    step = ts.make_rl_train_step(graphdef, tx, trust_region.TrustRegionConfig(),
+                                 PolicyLossConfig(temperature=TAU, micro_batch_size=3))
+    state = ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    with pytest.raises(ValueError, match="rl.micro_batch_size = 3 must divide the mini-batch of 4 sequences"):
+        step(state, batch)
