@@ -24,10 +24,15 @@ input with an error naming the position. Out-of-range ids are clipped into
 (``num_bad_ids``) and masks their positions.
 
 Tail masses. mu_T = max(0, 1 - sum_E mu_i) (clamped: rounding can make the
-top-K sum exceed 1) and pi_T = sum over the complement of E, computed as a
-log-sum-exp over the complement (the candidates are masked to -inf by K+1
-elementwise compares; the log-sum-exp is shifted by the maximal tail logit), so pi_T keeps full relative precision even when it is 1e-30 and
-log pi_T is finite whenever the logits are. An empty tail (E covers the whole
+top-K sum exceed 1), and a mu_T within f32 rounding of 0
+(:func:`tail_mass_tolerance`, (K+5) eps) is lowered to min(mu_T, pi_T): a
+behaviour tail of zero mass against a policy tail of zero mass (all tail
+logits -inf: a truncated or masked vocabulary) gives a zero tail term, not
+the +inf of a rounding residue of ~6e-8. pi_T = sum over the complement of
+E, computed as a log-sum-exp over the complement (the candidates are masked
+to -inf by K+1 elementwise compares; the log-sum-exp is shifted by the
+maximal tail logit; an all -inf tail gives exactly 0), so pi_T keeps full
+relative precision even when it is 1e-30 and log pi_T is finite whenever the logits are. An empty tail (E covers the whole
 vocabulary) gives mu_T = pi_T = 0 and zero tail terms. 0 log 0 = 0 throughout;
 ``-inf`` behaviour log-probs are zero probabilities.
 
@@ -70,7 +75,7 @@ __all__ = [
     "kl_directional_derivative", "full_kl_directional_derivative", "autodiff_directional_derivative",
     "policy_gradient_direction", "token_logprobs", "token_logprobs_and_ratio",
     "trust_region_mask", "trust_region_mask_and_logprobs", "validate_topk",
-    "DIRECTION_CRITERIA", "criterion_settings", "trust_region_radius",
+    "DIRECTION_CRITERIA", "criterion_settings", "trust_region_radius", "tail_mass_tolerance",
 ]
 
 MASK_MODES = ("none", "ppo", "dppo", "pdm")
@@ -96,6 +101,10 @@ REVERSE_KL_MIN_PROB = 1e-20
 #: is outside any sensible trust region, and inf never appears (log mu = -inf).
 #: Beyond the clamp the ratio is constant (zero gradient). Defined once, here.
 LOG_RATIO_CLAMP = 20.0
+
+#: ulps of 1 (f32 eps) added to the C = K + 1 of the candidates in the rounding tolerance of
+#: mu_T = 1 - sum_E mu (see :func:`tail_mass_tolerance`: (C + 4) eps).
+TAIL_MASS_ROUNDING_SLACK = 4
 
 _F32 = jnp.float32
 
@@ -130,12 +139,41 @@ class TokenQuantities(NamedTuple):
     logmu_e: jax.Array  # [...,C] log mu at the candidates (0 where not a member or mu = 0)
     pi_e: jax.Array  # [...,C] pi at member slots, 0 elsewhere
     mu_e: jax.Array  # [...,C] mu at member slots, 0 elsewhere
-    mu_t: jax.Array  # [...] behaviour tail mass, clamped >= 0, 0 for an empty tail
+    mu_t: jax.Array  # [...] behaviour tail mass, clamped >= 0, 0 for an empty tail, min(mu_T, pi_T)
+    #                  when within rounding of 0 (tail_mass_tolerance)
     pi_t: jax.Array  # [...] policy tail mass (exact complement sum)
     log_pi_t: jax.Array  # [...] log pi_T (-inf if the tail carries no policy mass)
     tail_has_mass: jax.Array  # [...] bool: tail non-empty and pi_T > 0 (in log space)
     tail_size: jax.Array  # [...] f32 |T| = V - |E|
     tail_sq_over_pi_t: Optional[jax.Array]  # [...] q = sum_T pi_i^2 / pi_T (bucket_exact) or None
+
+
+def tail_mass_tolerance(num_candidates: int) -> float:
+    """The rounding tolerance of the f32 behaviour tail mass mu_T = 1 - sum_E mu, a python float.
+
+    mu_T is computed from C = ``num_candidates`` (= K + 1) f32 log-probs, so a
+    behaviour tail of exactly zero mass comes out as a small residue instead of
+    0: the f32 sum of C terms of total ~1 rounds by at most (C - 1)/2 ulps of 1
+    (f32 eps = 2**-23 ~ 1.19e-7), the C exps by about 1 ulp in all, and log-probs
+    from an f32 log-softmax are normalised to about 1.5 ulps (the rounding of
+    the log-sum-exp shifts every log mu alike). The tolerance is twice that
+    bound, (C + 4) eps: 7.2e-7 for K = 1, 1.1e-6 for K = 4, 2.9e-6 for K = 20
+    (measured residues on random logits: at most 2 eps for K <= 20).
+
+    :func:`token_quantities` lowers a mu_T at or below it to min(mu_T, pi_T): a
+    behaviour tail that f32 cannot tell from zero is not taken as evidence of
+    more tail mass than the policy's. This leaves every tail above the
+    tolerance bit for bit as before and changes the top-K KL by at most the
+    unresolvable tail term mu_T log(mu_T / pi_T) <= tol · log(tol / pi_T).
+    bf16 log-probs are rounded far more coarsely (eps 2**-7); the sampler
+    returns f32 log-probs.
+
+    Raises:
+      ValueError: ``num_candidates`` < 1.
+    """
+    if int(num_candidates) < 1:
+        raise ValueError(f"num_candidates must be >= 1, got {num_candidates!r}")
+    return float((int(num_candidates) + TAIL_MASS_ROUNDING_SLACK) * np.finfo(np.float32).eps)
 
 
 def _first_occurrence(topk_ids: jax.Array) -> jax.Array:
@@ -204,7 +242,7 @@ def token_quantities(
 
     tail_size = (vocab - jnp.sum(member, axis=-1)).astype(_F32)
     tail_nonempty = tail_size > 0
-    mu_t = jnp.where(tail_nonempty, jnp.maximum(1.0 - jnp.sum(mu_e, axis=-1), 0.0), 0.0)
+    mu_t_rounded = jnp.where(tail_nonempty, jnp.maximum(1.0 - jnp.sum(mu_e, axis=-1), 0.0), 0.0)
 
     # Log-sum-exp over the complement of E, shifted by the maximal tail log-prob.
     tail_logp = _tail_logp(logp, cand_ids)
@@ -216,6 +254,15 @@ def token_quantities(
     s1_safe = jnp.where(tail_has_mass, s1, 1.0)
     log_pi_t = jnp.where(tail_has_mass, tail_shift + jnp.log(s1_safe), -jnp.inf)
     pi_t = jnp.where(tail_has_mass, jnp.exp(tail_shift + jnp.log(s1_safe)), 0.0)
+
+    # mu_T = 1 - sum_E mu carries the f32 rounding of the C exps and their sum: a behaviour
+    # tail of exactly zero mass comes out as a few ulps of 1 (e.g. 6e-8), which against a policy
+    # tail of zero (or tiny) mass would make the KL +inf (or ~1e-6 too large). A mu_T within
+    # that rounding of 0 is not evidence of more tail mass than the policy's: it is lowered to
+    # pi_T (0 for an empty policy tail), as a constant (stop_gradient: mu does not depend on z).
+    tolerance = tail_mass_tolerance(cand_ids.shape[-1])
+    mu_t = jnp.where(mu_t_rounded <= tolerance,
+                     jnp.minimum(mu_t_rounded, jax.lax.stop_gradient(pi_t)), mu_t_rounded)
 
     q = None
     if with_tail_squares:
@@ -331,7 +378,9 @@ def topk_kl(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> jax.A
 
     Returns:
       ``[...]`` f32 divergence in nats, >= 0 up to rounding; ``+inf`` only if
-      mu_T > 0 while every tail logit is ``-inf``. NaN inputs give NaN at that
+      mu_T exceeds its rounding tolerance (:func:`tail_mass_tolerance`) while
+      every tail logit is ``-inf``; 0 (to f32 precision) when mu = pi on E,
+      also when both tails have zero mass. NaN inputs give NaN at that
       position only (use :func:`trust_region_mask` for masking).
     """
     return _topk_kl_from(_quantities(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs,

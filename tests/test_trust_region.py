@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdm_jax import trust_region as tr
 
@@ -724,8 +726,6 @@ def test_single_log_softmax_shared_by_mask_and_logprobs():
 
 # ----------------------------------------------------------------------------- property tests (hypothesis)
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 PROP_V = 6
 
@@ -785,3 +785,123 @@ def test_properties_over_peaked_and_flat_logits(seed, k, scale, noise, sampled):
     # grad of topk_kl along e_k - pi is the jvp
     v = np.asarray(onehot_minus(jnp.asarray(pi, jnp.float32), c["tokens"]), np.float64)
     close((o["grad"] * v).sum(-1), o["jvp"], atol=5e-6, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- zero-mass tails (issue 15)
+
+TAIL_SHAPE = dict(B=4, T=8, V=16)
+
+
+def masked_tail_case(seed, k, scale, noise, tail_drop):
+    """Trainer logits z and sampler logits zb = z + noise, with the same random subset of the tail (ids
+    outside the sampler's top-K) at -inf in both; each row drops each tail id with probability tail_drop
+    (1.0: the whole tail, as a truncated vocabulary). The sampled token is one of mu's finite ids."""
+    B, T, V = TAIL_SHAPE["B"], TAIL_SHAPE["T"], TAIL_SHAPE["V"]
+    rng = np.random.default_rng(seed)
+    z = (scale * rng.normal(size=(B, T, V))).astype(np.float32)
+    zb = (z + noise * rng.normal(size=z.shape)).astype(np.float32)
+    topk_ids = np.argsort(-zb, -1)[..., :k].astype(np.int32)
+    in_topk = np.zeros((B, T, V), bool)
+    np.put_along_axis(in_topk, topk_ids, True, -1)
+    drop = ~in_topk & (rng.random((B, T, V)) < tail_drop)
+    z, zb = np.where(drop, -np.inf, z).astype(np.float32), np.where(drop, -np.inf, zb).astype(np.float32)
+    logmu = np.asarray(jax.nn.log_softmax(jnp.asarray(zb), -1))
+    keys = np.where(drop, -1.0, rng.random((B, T, V)))  # uniform over the finite ids
+    tokens = np.argmax(keys, -1).astype(np.int32)
+    c = dict(z=z, zb=zb, logmu=logmu, tokens=tokens, topk_ids=topk_ids,
+             topk_lp=np.take_along_axis(logmu, topk_ids, -1).astype(np.float32),
+             behavior_lp=np.take_along_axis(logmu, tokens[..., None], -1)[..., 0].astype(np.float32))
+    return c, drop
+
+
+@jax.jit
+def _tail_outputs(z, tokens, topk_ids, topk_lp, behavior_lp):
+    a = (tokens, topk_ids, topk_lp, behavior_lp)
+    out = {est: tr.kl_directional_derivative(z, *a, estimator=est) for est in ESTIMATORS}
+    out["D"] = tr.topk_kl(z, *a)
+    out["tv"] = tr.topk_tv(z, *a)
+    out["rkl"] = tr.topk_reverse_kl(z, *a)
+    out["ad"] = tr.autodiff_directional_derivative(tr.topk_kl, z, *a)
+    tq = tr.token_quantities(jax.nn.log_softmax(z, -1), *a)
+    out["mu_t"], out["pi_t"] = tq.mu_t, tq.pi_t
+    return out
+
+
+def f64_topk_kl(c):
+    """Float64 top-K KL from the same f32 inputs, the behaviour tail taken exactly from zb: (D, mu_T, pi_T)."""
+    V = c["z"].shape[-1]
+    E = candidate_set(c["tokens"], c["topk_ids"], V)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lp = c["z"].astype(np.float64)
+        lp = lp - lp.max(-1, keepdims=True)
+        lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+        lmu = c["zb"].astype(np.float64)
+        lmu = lmu - lmu.max(-1, keepdims=True)
+        lmu = lmu - np.log(np.exp(lmu).sum(-1, keepdims=True))
+        mu_e = np.where(E, dense_mu(c, V).astype(np.float64), 0)  # mu on E from the f32 log-probs
+        head = np.where(E & (mu_e > 0), mu_e * (np.log(mu_e) - lp), 0).sum(-1)
+        mu_t, pi_t = np.where(E, 0, np.exp(lmu)).sum(-1), np.where(E, 0, np.exp(lp)).sum(-1)
+        tail = np.where(mu_t > 0, mu_t * np.log(mu_t / pi_t), 0)
+    return head + tail, mu_t, pi_t
+
+
+def test_zero_mass_tails_give_zero_topk_kl_not_inf():
+    """Issue 15: every logit outside the top-K at -inf (a truncated vocabulary) and mu = pi: before, f32
+    rounding left mu_T = 1 - sum_E mu ~ 6e-8 > 0 = pi_T, so D = +inf and the token was masked as
+    non-finite (about 1 row in 5). D is 0, every direction finite, and the mask keeps every token."""
+    c, drop = masked_tail_case(seed=7, k=4, scale=3.0, noise=0.0, tail_drop=1.0)
+    assert drop.sum(-1).min() == TAIL_SHAPE["V"] - 4  # the whole tail is -inf
+    residue = 1.0 - np.exp(c["topk_lp"]).sum(-1, dtype=np.float32)
+    assert (residue > 0).any()  # the rounding that used to give +inf is present in these inputs
+    o = {k: np.asarray(v) for k, v in _tail_outputs(c["z"], *args_of(c)).items()}
+    np.testing.assert_array_equal(o["mu_t"], 0.0)
+    np.testing.assert_array_equal(o["pi_t"], 0.0)
+    close(o["D"], 0.0, atol=1e-6, rtol=0)
+    for key, val in o.items():
+        assert np.all(np.isfinite(val)), key
+    adv = np.linspace(-1, 1, TAIL_SHAPE["B"]).astype(np.float32)
+    valid = np.ones(c["tokens"].shape, bool)
+    for cfg in (CFG["pdm_exact"], CFG["dppo_kl"]):
+        mask, stats = tr.trust_region_mask(c["z"], *args_of(c), adv, valid, cfg)
+        assert float(stats["num_nonfinite"]) == 0.0 and bool(jnp.all(mask))
+
+
+def test_tail_mass_tolerance_values():
+    eps = float(np.finfo(np.float32).eps)
+    assert tr.tail_mass_tolerance(2) == pytest.approx(6 * eps)  # K = 1
+    assert tr.tail_mass_tolerance(5) == pytest.approx(9 * eps)  # K = 4: 1.07e-6
+    assert tr.tail_mass_tolerance(21) == pytest.approx(2.98e-6, rel=1e-3)
+    with pytest.raises(ValueError, match="num_candidates"):
+        tr.tail_mass_tolerance(0)
+
+
+def test_resolved_behaviour_tail_is_left_as_computed():
+    """A mu_T above the tolerance is exactly max(0, 1 - sum_E mu) in f32, as before the rounding rule."""
+    c = make_case(seed=60, scale=1.0, **STD)
+    o = run(c)
+    assert o["tq_mu_t"].min() > 100 * tr.tail_mass_tolerance(STD["K"] + 1)
+    expected = np.maximum(1.0 - np.asarray(jnp.sum(jnp.asarray(o["tq_mu_e"]), -1)), 0.0)
+    np.testing.assert_array_equal(o["tq_mu_t"], expected)
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2 ** 16), k=st.sampled_from([1, 4, 8]), scale=st.sampled_from([0.5, 3.0, 10.0]),
+       tail_drop=st.sampled_from([0.0, 0.5, 0.9, 1.0]), noise=st.sampled_from([0.0, 0.05, 1.0]))
+def test_topk_kl_with_masked_tails_property(seed, k, scale, tail_drop, noise):
+    """Random logits with an arbitrary subset of the tail at -inf (the same subset for mu and pi, so the
+    divergence is finite): D(mu, mu) = 0 to 1e-6; D finite and >= 0; and D equals the float64 top-K KL up
+    to the rounding of mu_T (sensitivity 1 + |log(mu_T / pi_T)| per unit of mu_T, tolerance each)."""
+    c, _ = masked_tail_case(seed, k, scale, noise, tail_drop)
+    o = {key: np.asarray(val, np.float64) for key, val in _tail_outputs(c["z"], *args_of(c)).items()}
+    for key, val in o.items():
+        assert np.all(np.isfinite(val)), key
+    assert np.all(o["D"] >= -1e-6)
+    if noise == 0.0:
+        close(o["D"], 0.0, atol=1e-6, rtol=0)
+        for est in ESTIMATORS:
+            close(o[est], 0.0, atol=2e-6, rtol=0)
+    ref, mu_t, pi_t = f64_topk_kl(c)
+    tol = tr.tail_mass_tolerance(k + 1)
+    with np.errstate(divide="ignore"):
+        sensitivity = np.where(mu_t > 0, 2.0 + np.abs(np.log(np.maximum(mu_t, tol) / pi_t)), 2.0)
+    assert np.all(np.abs(o["D"] - ref) <= 1e-5 * ref + tol * sensitivity + 1e-7)
