@@ -367,7 +367,7 @@ def test_math_reward_timeouts(monkeypatch):
     assert math_reward("\\boxed{2}", "2", timeout_s=5) == 1.0  # the pool recovers
 
     # Soft timeout in process, main thread: a Python-level loop is interrupted.
-    def spin(completion, ground_truth):
+    def spin(completion, ground_truth, truncated=False):
         while True:
             pass
 

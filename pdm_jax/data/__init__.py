@@ -18,6 +18,10 @@ ml_collections ConfigDict (or any mapping) with fields
   chat           optional override of the source's chat flag
 
 Unknown kind, missing path, bad task etc. raise ValueError naming the field.
+
+Once the tokenizer exists, `filter_long_prompts(source, codec.encode_prompt,
+config.sampler.max_prompt_length)` drops (and counts) the prompts longer than the
+sampler accepts, from the training stream and the held-out set.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from pdm_jax.data.tasks import (
     extract_compact_answer,
     extract_tagged_answer,
 )
+from pdm_jax.data.math_data import MathSource
+from pdm_jax.data.prompt_filter import LengthFilteredSource, filter_long_prompts
 
 KINDS = ("reasoning_gym", "gsm8k", "dapo_math")
 
@@ -39,10 +45,12 @@ __all__ = [
     "COMPACT_ALPHABET",
     "Example",
     "KINDS",
+    "LengthFilteredSource",
     "PromptSource",
     "ReasoningGymSource",
     "extract_compact_answer",
     "extract_tagged_answer",
+    "filter_long_prompts",
     "make_source",
 ]
 
@@ -95,8 +103,6 @@ def make_source(config) -> PromptSource:
             train_size=get("train_size", 1 << 20),
             chat=chat,
         )
-    from pdm_jax.data.math_data import MathSource
-
     return MathSource(
         kind,
         path=cfg.get("path"),

@@ -26,8 +26,9 @@ Training stream: position `index` is row `perm_e[index % n_train]` of the
 training pool, with `perm_e = default_rng([seed, 1, e]).permutation(n_train)`
 for epoch `e = index // n_train`: a fresh deterministic shuffle per pass.
 
-Scoring: `pdm_jax.data.verifiers.math_reward` (math-verify) on the answer
-extracted from `\\boxed{}`, `#### x` or `Answer: x`; safe from any thread.
+Scoring: `pdm_jax.data.verifiers.math_reward` (math-verify) on the answer found
+by `verifiers.find_final_answer` (the last `\\boxed{}`, else the last `Answer:`
+line, else the last numeric `#### N` line); safe from any thread.
 
 Cost: reading goes through the `datasets` Arrow cache (~/.cache/huggingface);
 about 3 s per 100k rows on a laptop-class CPU (the 1.8M-row DAPO parquet: ~1 min).
@@ -39,12 +40,13 @@ import collections
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from pdm_jax.data.tasks import Example, _check_index, _json_safe
+from pdm_jax.data.tasks import Example, _check_index, _json_safe, _truncation_flags
 from pdm_jax.data import verifiers
 from pdm_jax.data.verifiers import math_reward
 
@@ -296,24 +298,29 @@ class MathSource:
     def eval_examples(self) -> list[Example]:
         return list(self._eval)
 
-    def score(self, completion: str, example: Example) -> float:
-        """`math_reward(completion, example.answer)`: 1.0 / 0.0, never raises."""
+    def score(self, completion: str, example: Example, *, truncated: bool = False) -> float:
+        """`math_reward(completion, example.answer, truncated=truncated)`: 1.0 / 0.0, never raises.
+
+        `truncated`: the completion was stopped by max_tokens (a final answer on its
+        unterminated last line gets no credit; see `verifiers.find_final_answer`)."""
         try:
-            return math_reward(completion, example.answer, timeout_s=self.verify_timeout_s)
+            return math_reward(completion, example.answer, timeout_s=self.verify_timeout_s,
+                               truncated=truncated)
         except Exception:
             return 0.0
 
-    def score_batch(self, completions: Sequence[str], examples: Sequence[Example]) -> list[float]:
-        """`[score(c, e) for c, e in zip(completions, examples)]`, verified concurrently
-        by the math-verify worker processes (`verifiers.set_pool_workers`)."""
-        if len(completions) != len(examples):
-            raise ValueError(f"score_batch: {len(completions)} completions for {len(examples)} examples")
-        if len(completions) <= 1:
-            return [self.score(c, e) for c, e in zip(completions, examples)]
-        from concurrent.futures import ThreadPoolExecutor
+    def score_batch(self, completions: Sequence[str], examples: Sequence[Example],
+                    truncated: Optional[Sequence[bool]] = None) -> list[float]:
+        """`[score(c, e, truncated=t) ...]` over the three sequences, verified concurrently
+        by the math-verify worker processes (`verifiers.set_pool_workers`).
 
+        Raises:
+          ValueError: the sequences differ in length."""
+        flags = _truncation_flags(completions, examples, truncated)
+        if len(completions) <= 1:
+            return [self.score(c, e, truncated=t) for c, e, t in zip(completions, examples, flags)]
         with ThreadPoolExecutor(max_workers=verifiers.pool_workers()) as executor:
-            return list(executor.map(self.score, completions, examples))
+            return list(executor.map(lambda c, e, t: self.score(c, e, truncated=t), completions, examples, flags))
 
     def sft_target(self, example: Example) -> str:
         reasoning = (example.meta or {}).get("reasoning")

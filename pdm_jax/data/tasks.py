@@ -24,7 +24,9 @@ import json
 import operator
 import re
 import threading
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+from pdm_jax.data.verifiers import TRUNCATED, find_final_answer, unwrap_answer
 
 # reasoning_gym is imported lazily (it takes ~3 s): the math sources and the
 # verifier worker processes import this module without needing it.
@@ -90,8 +92,11 @@ class PromptSource(Protocol):
         """The fixed held-out set (num_eval examples, unique prompts)."""
         ...
 
-    def score(self, completion: str, example: Example) -> float:
-        """Reward in [0, 1] for `completion`; returns 0.0 (never raises) on garbage."""
+    def score(self, completion: str, example: Example, *, truncated: bool = False) -> float:
+        """Reward in [0, 1] for `completion`; returns 0.0 (never raises) on garbage.
+
+        `truncated`: the completion was stopped by max_tokens (the rollout's finish_reason
+        "length"); free-form sources then give no credit to a final answer that may be cut off."""
         ...
 
     def sft_target(self, example: Example) -> str:
@@ -102,6 +107,19 @@ class PromptSource(Protocol):
 def _json_safe(value: Any) -> Any:
     """Round-trip through JSON (tuples -> lists, unknown objects -> str)."""
     return json.loads(json.dumps(value, default=str))
+
+
+def _truncation_flags(completions: Sequence[str], examples: Sequence[Example],
+                      truncated: Optional[Sequence[bool]]) -> list[bool]:
+    """`truncated` as a list of bools (all False when None), checked against the batch's length."""
+    if len(completions) != len(examples):
+        raise ValueError(f"score_batch: {len(completions)} completions for {len(examples)} examples")
+    if truncated is None:
+        return [False] * len(completions)
+    flags = [bool(t) for t in truncated]
+    if len(flags) != len(completions):
+        raise ValueError(f"score_batch: {len(flags)} truncated flags for {len(completions)} completions")
+    return flags
 
 
 def _check_index(index: int, name: str = "index") -> int:
@@ -120,9 +138,6 @@ def _check_index(index: int, name: str = "index") -> int:
 # Answer extraction for reasoning-gym "question" prompts.
 # ---------------------------------------------------------------------------
 
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_HASH_ANSWER_RE = re.compile(r"####\s*(.+)")
-_ANSWER_LINE_RE = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
 
 
 def extract_compact_answer(completion: str) -> str:
@@ -136,30 +151,38 @@ def extract_compact_answer(completion: str) -> str:
     return match.group(1) if match else ""
 
 
-def extract_tagged_answer(completion: str) -> str:
+def extract_tagged_answer(completion: str, *, truncated: bool = False) -> str:
     """Final answer of a free-form completion, for reasoning-gym question prompts.
 
-    Tried in order, last occurrence wins in each: `<answer>x</answer>`,
-    `\\boxed{x}`, a line `#### x`, a line `Answer: x`; otherwise the whole
-    stripped completion (short direct answers). Returns "" for non-strings.
-    """
-    # Local import: verifiers.py pulls in nothing heavy at import time, but
-    # keeps the brace-matching helper in one place.
-    from pdm_jax.data.verifiers import last_boxed_content
+    Precedence: the last complete `<answer>x</answer>` (the last `</answer>` and the
+    `<answer>` before it, any case; the content unwrapped of markdown emphasis and
+    math delimiters, see `verifiers.unwrap_answer`); an opening `<answer>` after the
+    last `</answer>` (cut off) gives "". Otherwise
+    `verifiers.find_final_answer` (the last `\\boxed{x}`, else the last `Answer:`
+    line, else the last numeric `#### N` line, with its truncation rules: "" when
+    the final answer was cut off). Otherwise the whole stripped completion (short
+    direct answers), unwrapped. Returns "" for non-strings.
 
+    Args:
+      completion: the completion text.
+      truncated: the completion was stopped by max_tokens (see `find_final_answer`).
+    """
     if not isinstance(completion, str):
         return ""
-    tags = _ANSWER_TAG_RE.findall(completion)
-    if tags:
-        return tags[-1].strip()
-    boxed = last_boxed_content(completion)
-    if boxed is not None:
-        return boxed.strip()
-    for pattern in (_HASH_ANSWER_RE, _ANSWER_LINE_RE):
-        found = pattern.findall(completion)
-        if found:
-            return found[-1].strip()
-    return completion.strip()
+    lowered = completion.lower()  # str.rfind: linear time on any input
+    close = lowered.rfind("</answer>")
+    if lowered.find("<answer>", close + 1 if close >= 0 else 0) >= 0:
+        return ""  # an <answer> that never closes: cut off
+    if close >= 0:
+        start = lowered.rfind("<answer>", 0, close)
+        if start >= 0:
+            return unwrap_answer(completion[start + len("<answer>") : close])[0]
+    found = find_final_answer(completion, truncated=truncated)
+    if found.status == TRUNCATED:
+        return ""
+    if found.answer is not None:
+        return found.answer
+    return unwrap_answer(completion)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -356,11 +379,12 @@ class ReasoningGymSource:
     def eval_examples(self) -> list[Example]:
         return list(self._eval)
 
-    def extract_answer(self, completion: str) -> str:
-        """The answer string the verifier scores (see class docstring)."""
+    def extract_answer(self, completion: str, *, truncated: bool = False) -> str:
+        """The answer string the verifier scores (see class docstring). The compact format ignores
+        `truncated` (its leading-integer rule is what the default run is scored by)."""
         if self.prompt_format == "compact":
             return extract_compact_answer(completion)
-        return extract_tagged_answer(completion)
+        return extract_tagged_answer(completion, truncated=truncated)
 
     def _entry(self, example: Example) -> dict:
         meta = example.meta or {}
@@ -374,10 +398,12 @@ class ReasoningGymSource:
         return {"question": meta.get("question", example.prompt), "answer": example.answer,
                 "metadata": meta.get("rg_metadata", {})}
 
-    def score(self, completion: str, example: Example) -> float:
-        """rg `score_answer` on the extracted answer, clipped to [0, 1]; 0.0 on any failure."""
+    def score(self, completion: str, example: Example, *, truncated: bool = False) -> float:
+        """rg `score_answer` on the extracted answer, clipped to [0, 1]; 0.0 on any failure.
+
+        `truncated` (finish_reason "length"): see `extract_tagged_answer`; ignored by the compact format."""
         try:
-            answer = self.extract_answer(completion)
+            answer = self.extract_answer(completion, truncated=truncated)
             if not answer:
                 return 0.0
             reward = float(self._train_ds.score_answer(answer, self._entry(example)))
@@ -391,11 +417,14 @@ class ReasoningGymSource:
             return 0.0
         return min(max(reward, 0.0), 1.0)
 
-    def score_batch(self, completions: Sequence[str], examples: Sequence[Example]) -> list[float]:
-        """`[score(c, e) for c, e in zip(completions, examples)]` (rg scoring is cheap)."""
-        if len(completions) != len(examples):
-            raise ValueError(f"score_batch: {len(completions)} completions for {len(examples)} examples")
-        return [self.score(c, e) for c, e in zip(completions, examples)]
+    def score_batch(self, completions: Sequence[str], examples: Sequence[Example],
+                    truncated: Optional[Sequence[bool]] = None) -> list[float]:
+        """`[score(c, e, truncated=t) ...]` over the three sequences (rg scoring is cheap).
+
+        Raises:
+          ValueError: the sequences differ in length."""
+        flags = _truncation_flags(completions, examples, truncated)
+        return [self.score(c, e, truncated=t) for c, e, t in zip(completions, examples, flags)]
 
     def sft_target(self, example: Example) -> str:
         """The reference answer itself (compact and question formats)."""

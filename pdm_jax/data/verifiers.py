@@ -20,11 +20,15 @@ can hang forever. This module never uses math-verify's internal timeouts:
 A timeout, a parse failure or any exception gives reward 0.0 and is counted
 per reason (`verifier_counts()`); `math_verdict` also returns the reason.
 
-Answer extraction (`extract_final_answer`): the last `\\boxed{...}` (or
-`\\fbox{...}`), else the last `#### x` line, else the last `Answer: x` line
-(DAPO-Math-17k's requested format). Completions with none of these score 0
-(reason "no_answer"): math-verify's own free-text extraction is deliberately
-not used on the whole completion, so that listing many numbers cannot match.
+Answer extraction (`find_final_answer`, which states the full precedence): the
+last `\\boxed{...}` (or `\\fbox{...}`), else the last `Answer:` line (DAPO-Math-17k's
+requested format; markdown emphasis, headings and math delimiters allowed), else
+the last GSM8K `#### N` line whose content is a number. Completions with none of
+these score 0 (reason "no_answer"); a final answer cut off (an unclosed last box
+or math delimiter, or, for a completion stopped by max_tokens, an unterminated
+final answer line) scores 0 (reason "truncated"). math-verify's own free-text
+extraction is deliberately not used on the whole completion, so that listing many
+numbers cannot match.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ HARD_TIMEOUT_GRACE_S = 2.0
 # Seconds allowed for a fresh worker process to start (python + importing sympy).
 POOL_START_TIMEOUT_S = 120.0
 
-REASONS = ("correct", "wrong", "no_answer", "unparsable_answer", "unparsable_gold", "timeout", "error")
+REASONS = ("correct", "wrong", "no_answer", "truncated", "unparsable_answer", "unparsable_gold", "timeout",
+           "error")
 
 _counts_lock = threading.Lock()
 _counts: collections.Counter = collections.Counter()
@@ -72,63 +77,241 @@ class MathVerdict:
 # ---------------------------------------------------------------------------
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*")
-_HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
-_ANSWER_RE = re.compile(r"answer[ \t]*:[ \t]*([^\n]*)", re.IGNORECASE)
+# "Answer:", "Final answer:", "**Answer:**", "**Answer**:", "*Final Answer*:" anywhere in a line
+# (the emphasis around the marker is part of it).
+_ANSWER_MARKER_RE = re.compile(
+    r"(?P<o1>\*\*|__|\*|_)(?:final[ \t]+)?answer[ \t]*:[ \t]*(?P=o1)"
+    r"|(?P<o2>\*\*|__|\*|_)(?:final[ \t]+)?answer[ \t]*(?P=o2)[ \t]*:"
+    r"|(?<![A-Za-z])(?:final[ \t]+)?answer[ \t]*:", re.IGNORECASE)
+# A line that is only an answer heading ("## Final Answer", "**Answer**", "Answer"): see `_answer_headings`.
+_HEADING_WORDS = ("answer", "final answer", "the answer", "the final answer")
+_HASH_RE = re.compile(r"#{4,}[ \t]*([^\n]*)")
+_NUMBER_RE = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
+# Balanced wrappers unwrapped around an answer, longest first: display/inline math, emphasis, code.
+_WRAPPERS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"), ("**", "**"), ("__", "__"),
+             ("*", "*"), ("_", "_"), ("`", "`"))
+_MATH_DELIMITERS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
+
+FOUND, ABSENT, TRUNCATED = "found", "absent", "truncated"
+
+
+@dataclasses.dataclass(frozen=True)
+class Extraction:
+    """What `find_final_answer` found in a completion.
+
+    Attributes:
+      answer: the final answer string (None unless status is FOUND).
+      status: FOUND; ABSENT (no answer marker); TRUNCATED (the final answer was cut off:
+        an unclosed last `\\boxed{`, an unclosed math delimiter or brace in the answer, or,
+        for a completion stopped by max_tokens, a final answer line that never ended).
+      marker: which rule produced it: "boxed", "answer_line", "hash_line" (or None).
+    """
+
+    answer: Optional[str]
+    status: str
+    marker: Optional[str] = None
+
+
+def _answer_headings(text: str) -> list[tuple[int, int]]:
+    """(start, end) of the lines that are only an answer heading: optional `>` and `#`s, emphasis,
+    one of _HEADING_WORDS (any case, any spacing), an optional colon. Linear time (no regex backtracking)."""
+    found, start = [], 0
+    for line in text.split("\n"):
+        end = start + len(line)
+        if len(line) < 64 and "nswer" in line.lower():
+            core = line.strip().lstrip(">").strip().lstrip("#").strip().strip("*_").strip()
+            core = core.rstrip(":").strip().strip("*_").strip().rstrip(":").strip()
+            if " ".join(core.lower().split()) in _HEADING_WORDS:
+                found.append((start, end))
+        start = end + 1
+    return found
+
+
+def _last_box(text: str, truncated: bool) -> Extraction:
+    """The last `\\boxed{...}` / `\\fbox{...}` (or brace-less `\\boxed 3`) of `text`."""
+    matches = list(_BOX_RE.finditer(text))
+    for match in reversed(matches):
+        pos = match.end()
+        if pos < len(text) and text[pos] == "{":
+            depth = 0
+            for end in range(pos, len(text)):
+                if text[end] == "{":
+                    depth += 1
+                elif text[end] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return Extraction(text[pos + 1 : end].strip(), FOUND, "boxed")
+            return Extraction(None, TRUNCATED, "boxed")  # the last box never closes: cut off
+        token = re.match(r"[^\s$]+", text[pos:])
+        if match.group(0).endswith((" ", "\t")) and token:
+            if truncated and pos + token.end() == len(text):
+                return Extraction(None, TRUNCATED, "boxed")
+            return Extraction(token.group(0), FOUND, "boxed")
+    return Extraction(None, ABSENT)
 
 
 def last_boxed_content(text: str) -> Optional[str]:
     """Content of the last `\\boxed{...}` / `\\fbox{...}` with balanced braces.
 
     Also accepts the brace-less `\\boxed 3` form (one whitespace-free token).
-    Returns None when there is no complete box."""
+    Returns None when there is no box, or when the last box never closes (the
+    text was cut off inside it: an earlier box is an intermediate value, not
+    the final answer)."""
     if not isinstance(text, str):
         return None
-    for match in reversed(list(_BOX_RE.finditer(text))):
-        pos = match.end()
-        if pos < len(text) and text[pos] == "{":
-            depth = 0
-            for end in range(pos, len(text)):
-                char = text[end]
-                if char == "{":
-                    depth += 1
-                elif char == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[pos + 1 : end]
-            continue  # unbalanced: try an earlier box
-        token = re.match(r"[^\s$]+", text[pos:])
-        if match.group(0).endswith((" ", "\t")) and token:
-            return token.group(0)
-    return None
+    return _last_box(text, truncated=False).answer
 
 
-def _clean_inline(answer: str) -> str:
+def unwrap_answer(answer: str) -> tuple[str, bool]:
+    """`answer` stripped of balanced wrappers: `$x$`, `$$x$$`, `\\(x\\)`, `\\[x\\]`, `**x**`, `__x__`,
+    `*x*`, `_x_`, `` `x` `` (repeatedly, outermost first), and surrounding whitespace.
+
+    Returns (text, closed): closed is True if a wrapper was removed, i.e. the answer
+    ends with a closing delimiter (it cannot have been cut off in the middle)."""
+    closed = False
     answer = answer.strip()
-    # Drop surrounding math delimiters and a trailing full stop: "$\frac12$." -> "\frac12".
+    changed = True
+    while changed:
+        changed = False
+        for left, right in _WRAPPERS:
+            if (len(answer) > len(left) + len(right) and answer.startswith(left) and answer.endswith(right)
+                    and answer[len(left) : len(answer) - len(right)].strip()):
+                answer = answer[len(left) : len(answer) - len(right)].strip()
+                closed = changed = True
+                break
+    return answer, closed
+
+
+def _math_spans(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, inner text) of the math spans `$$x$$`, `\\[x\\]`, `\\(x\\)`, `$x$` of `text`, left
+    to right; stops at the first span that does not close (linear time: str.find only)."""
+    spans, pos = [], 0
+    next_open = dict.fromkeys(left for left, _ in _MATH_DELIMITERS)  # each opener's next index (-1: none left)
+    while True:
+        opened = []
+        for left, right in _MATH_DELIMITERS:
+            if next_open[left] is None or 0 <= next_open[left] < pos:
+                next_open[left] = text.find(left, pos)
+            if next_open[left] >= pos:
+                opened.append((next_open[left], -len(left), left, right))
+        if not opened:
+            return spans
+        start, _, left, right = min(opened)  # the earliest opener, the longest one at a tie ($$ before $)
+        end = text.find(right, start + len(left))
+        if end < 0:
+            return spans
+        spans.append((start, end + len(right), text[start + len(left) : end]))
+        pos = end + len(right)
+
+
+def _is_cut(answer: str) -> bool:
+    """An answer that opens more than it closes: a brace, `\\(`, `\\[` or `$$` (cut off inside it)."""
+    return (answer.count("{") > answer.count("}") or answer.count("\\(") > answer.count("\\)")
+            or answer.count("\\[") > answer.count("\\]") or answer.count("$$") % 2 == 1)
+
+
+def _clean_line(raw: str) -> tuple[str, bool]:
+    """A marker line's answer: a trailing full stop, balanced wrappers, a currency `$` and, when the answer is prose around inline math, the prose removed. Returns (answer, closed)."""
+    answer = raw.strip().rstrip(".").strip()
+    answer, closed = unwrap_answer(answer)
     answer = answer.rstrip(".").strip()
-    for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-        if answer.startswith(left) and answer.endswith(right) and len(answer) >= len(left) + len(right):
-            answer = answer[len(left) : len(answer) - len(right)].strip()
-    return answer
+    spans = _math_spans(answer)
+    outside = "".join(answer[a:b] for a, b in zip([0] + [end for _, end, _ in spans],
+                                                 [start for start, _, _ in spans] + [len(answer)]))
+    if spans and re.search(r"[A-Za-z]{2,}", outside):
+        answer, closed = spans[-1][2].strip(), True  # "the total is $42$ dollars" -> "42"
+    if answer.count("$") == 1 and re.match(r"\$\s*[-+]?[\d.]", answer):
+        answer = answer.replace("$", "", 1).strip()  # "$1,250": a currency sign, not math
+    return answer, closed
 
 
-def extract_final_answer(text: str) -> Optional[str]:
-    """Final answer string of a completion (see module docstring); None if absent.
+def _marker_answer(text: str, start: int, truncated: bool, marker: str) -> Extraction:
+    """The answer after a marker ending at `start`: the rest of its line, or, when that is empty, the
+    next non-empty line; a display block (`$$`, `\\[`) opened there extends to its closing delimiter."""
+    rest = text[start:]
+    first_line = rest.split("\n", 1)[0]
+    if not _clean_line(first_line)[0]:
+        following = re.search(r"\n[ \t]*(?=\S)", rest)
+        if following is None:
+            return Extraction(None, TRUNCATED if truncated else ABSENT, marker)
+        rest = rest[following.end() :]
+    body = rest.lstrip(" \t*_")
+    for left, right in (("$$", "$$"), ("\\[", "\\]")):
+        if body.startswith(left) and right not in body.split("\n", 1)[0][len(left) :]:
+            close = body.find(right, len(left))
+            if close < 0:
+                return Extraction(None, TRUNCATED, marker)
+            answer = unwrap_answer(body[: close + len(right)])[0]
+            return Extraction(answer, FOUND, marker) if answer and not _is_cut(answer) else \
+                Extraction(None, TRUNCATED if _is_cut(answer) else ABSENT, marker)
+    line, newline, _ = rest.partition("\n")
+    answer, closed = _clean_line(line)
+    if _is_cut(answer) or (truncated and not newline and not closed):
+        return Extraction(None, TRUNCATED, marker)
+    return Extraction(answer, FOUND, marker) if answer else Extraction(None, ABSENT, marker)
 
-    Examples: "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}"; "...\\n#### 1,234" ->
-    "1,234"; "Answer: $7$" -> "7"; "I think 7" -> None."""
+
+def _hash_answer(text: str, truncated: bool) -> Extraction:
+    """The last `#### N` (four or more #) line whose content is a number (a GSM8K final answer)."""
+    for match in reversed(list(_HASH_RE.finditer(text))):
+        answer, closed = _clean_line(match.group(1))
+        if _NUMBER_RE.fullmatch(answer):
+            if truncated and match.end() == len(text) and not closed:
+                return Extraction(None, TRUNCATED, "hash_line")
+            return Extraction(answer, FOUND, "hash_line")
+    return Extraction(None, ABSENT)
+
+
+def find_final_answer(text: str, *, truncated: bool = False) -> Extraction:
+    """The final answer of a free-form completion, with how it was found.
+
+    Precedence (the first rule that applies decides; "last" is by position):
+
+    1. the last `\\boxed{...}` / `\\fbox{...}` (balanced braces; also `\\boxed 3`), also inside
+       `$...$`/`\\[...\\]`; if that last box never closes, the answer was cut off: TRUNCATED
+       (an earlier box is not taken);
+    2. else the last answer marker: `Answer:` anywhere in a line (any case, `Final answer:`,
+       markdown emphasis around the word or the colon: `**Answer:**`, `**Answer**:`), or a line that
+       is only an answer heading (`## Final Answer`, `**Answer**`). The answer is the rest of that
+       line or, if empty, the next non-empty line; a display block (`$$...$$`, `\\[...\\]`) opened
+       there runs to its closing delimiter;
+    3. else the last line `#### N` (four or more `#`) whose content is a number (GSM8K's final
+       line: `-3`, `1,234`, `0.5`, `3/4`, `$1,250`); other `####` lines are markdown headings;
+    4. else ABSENT.
+
+    The answer of rules 2-3 is cleaned: balanced wrappers removed (`**x**`, `*x*`, `__x__`, `` `x` ``,
+    `$x$`, `$$x$$`, `\\(x\\)`, `\\[x\\]`), a trailing full stop, a currency `$`, and prose around
+    inline math ("the total is $42$." -> "42"). Truncation (no credit for a cut-off answer): an
+    answer with an unclosed brace, `\\(`, `\\[` or `$$` is TRUNCATED; with `truncated=True` (the
+    completion was stopped by max_tokens, not by its stop token) an answer on the completion's
+    last, unterminated line is TRUNCATED unless a closing delimiter ends it.
+
+    Args:
+      text: the completion (a str; anything else is ABSENT).
+      truncated: True when the completion hit the token budget (finish_reason "length").
+
+    Returns:
+      `Extraction(answer, status, marker)`.
+    """
     if not isinstance(text, str):
-        return None
-    boxed = last_boxed_content(text)
-    if boxed is not None:
-        return boxed.strip()
-    for pattern in (_HASH_RE, _ANSWER_RE):
-        found = pattern.findall(text)
-        if found:
-            answer = _clean_inline(found[-1])
-            if answer:
-                return answer
-    return None
+        return Extraction(None, ABSENT)
+    boxed = _last_box(text, truncated)
+    if boxed.status != ABSENT:
+        return boxed
+    markers = [(m.start(), m.end()) for m in _ANSWER_MARKER_RE.finditer(text)] + _answer_headings(text)
+    if markers:
+        return _marker_answer(text, max(markers)[1], truncated, "answer_line")
+    return _hash_answer(text, truncated)
+
+
+def extract_final_answer(text: str, *, truncated: bool = False) -> Optional[str]:
+    """Final answer string of a completion (`find_final_answer` gives the precedence); None if absent
+    or cut off.
+
+    Examples: "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}"; "...\\n#### 1,234" -> "1,234";
+    "Answer: $7$" -> "7"; "Answer: **73**" -> "73"; "#### Step 1: add\\n2+3=5\\n\\nAnswer: 5" -> "5";
+    "I think 7" -> None; "so \\boxed{12" -> None."""
+    return find_final_answer(text, truncated=truncated).answer
 
 
 # ---------------------------------------------------------------------------
@@ -174,9 +357,12 @@ def _parse(math_verify, answer: str):
     return parsed
 
 
-def _verdict_unbounded(completion: str, ground_truth: str) -> MathVerdict:
+def _verdict_unbounded(completion: str, ground_truth: str, truncated: bool = False) -> MathVerdict:
     math_verify = _import_math_verify()
-    extracted = extract_final_answer(completion)
+    found = find_final_answer(completion, truncated=truncated)
+    if found.status == TRUNCATED:
+        return MathVerdict(0.0, "truncated", None)
+    extracted = found.answer
     if extracted is None or not extracted:
         return MathVerdict(0.0, "no_answer", None)
     gold_text = extract_final_answer(ground_truth) or ground_truth.strip()
@@ -190,14 +376,15 @@ def _verdict_unbounded(completion: str, ground_truth: str) -> MathVerdict:
     return MathVerdict(1.0 if ok else 0.0, "correct" if ok else "wrong", extracted)
 
 
-def _verdict_with_itimer(completion: str, ground_truth: str, timeout_s: float) -> MathVerdict:
+def _verdict_with_itimer(completion: str, ground_truth: str, timeout_s: float,
+                         truncated: bool = False) -> MathVerdict:
     """Main-thread only: the whole verification under one ITIMER_REAL budget (soft:
     the signal interrupts Python bytecode only)."""
     previous = signal.signal(signal.SIGALRM, _raise_timeout)
     try:
         try:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            return _verdict_unbounded(completion, ground_truth)
+            return _verdict_unbounded(completion, ground_truth, truncated)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0.0)
     except _Timeout:  # also when the alarm lands just before it is cancelled
@@ -235,7 +422,7 @@ def _worker_main() -> None:
         try:
             request = json.loads(line)
             verdict = _verdict_with_itimer(request["completion"], request["ground_truth"],
-                                           float(request["timeout_s"]))
+                                           float(request["timeout_s"]), bool(request.get("truncated", False)))
         except Exception:
             verdict = MathVerdict(0.0, "error", None)
         protocol.write(json.dumps(dataclasses.asdict(verdict)) + "\n")
@@ -286,11 +473,13 @@ class _Worker:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line
 
-    def call(self, completion: str, ground_truth: str, timeout_s: float) -> Optional[MathVerdict]:
+    def call(self, completion: str, ground_truth: str, timeout_s: float,
+             truncated: bool = False) -> Optional[MathVerdict]:
         """The worker's verdict, or None if it missed the hard deadline or died."""
         import json
 
-        request = json.dumps({"completion": completion, "ground_truth": ground_truth, "timeout_s": timeout_s})
+        request = json.dumps({"completion": completion, "ground_truth": ground_truth, "timeout_s": timeout_s,
+                              "truncated": bool(truncated)})
         try:
             self.proc.stdin.write(request.encode("utf-8") + b"\n")
             self.proc.stdin.flush()
@@ -357,10 +546,10 @@ class _WorkerPool:
             if worker in self._all:
                 self._all.remove(worker)
 
-    def verdict(self, completion: str, ground_truth: str, timeout_s: float) -> MathVerdict:
+    def verdict(self, completion: str, ground_truth: str, timeout_s: float, truncated: bool = False) -> MathVerdict:
         worker = self._acquire()
         try:
-            result = worker.call(completion, ground_truth, timeout_s)
+            result = worker.call(completion, ground_truth, timeout_s, truncated)
         except Exception:
             result = None
             self._retire(worker)
@@ -451,13 +640,14 @@ def reset_verifier_counts() -> None:
 
 
 def math_verdict(
-    completion: str, ground_truth: str, *, timeout_s: float = 5.0, in_process: bool = False
+    completion: str, ground_truth: str, *, timeout_s: float = 5.0, in_process: bool = False,
+    truncated: bool = False,
 ) -> MathVerdict:
     """Verify a math completion against a ground-truth answer; never raises on bad input.
 
     Args:
-      completion: model output text; the final answer is taken from the last
-        `\\boxed{}`, `#### x` or `Answer: x` (see `extract_final_answer`).
+      completion: model output text; the final answer is found by `find_final_answer`
+        (the last `\\boxed{}`, else the last `Answer:` line, else the last numeric `#### N` line).
       ground_truth: reference answer, e.g. "72", "\\frac{1}{2}" (a "#### x" or
         boxed ground truth is unwrapped the same way).
       timeout_s: wall-clock budget in seconds for parsing and comparing
@@ -465,6 +655,8 @@ def math_verdict(
         one-off worker start-up).
       in_process: run in the calling thread instead of a worker subprocess
         (see module docstring: soft timeout in the main thread, none elsewhere).
+      truncated: the completion was stopped by max_tokens (finish_reason "length"); a final
+        answer on its unterminated last line then gets no credit (reason "truncated").
 
     Returns:
       MathVerdict(reward in {0.0, 1.0}, reason in REASONS, extracted answer).
@@ -483,33 +675,36 @@ def math_verdict(
     if not isinstance(completion, str) or not isinstance(ground_truth, str):
         verdict = MathVerdict(0.0, "error", None)
     elif not in_process:
-        verdict = _verdict_in_pool(completion, ground_truth, timeout_s)
+        verdict = _verdict_in_pool(completion, ground_truth, timeout_s, truncated)
     elif _can_use_signals():
-        verdict = _verdict_with_itimer(completion, ground_truth, timeout_s)
+        verdict = _verdict_with_itimer(completion, ground_truth, timeout_s, truncated)
     else:
-        verdict = _verdict_no_timeout(completion, ground_truth)
+        verdict = _verdict_no_timeout(completion, ground_truth, truncated)
     _count(verdict.reason)
     return verdict
 
 
-def _verdict_no_timeout(completion: str, ground_truth: str) -> MathVerdict:
+def _verdict_no_timeout(completion: str, ground_truth: str, truncated: bool = False) -> MathVerdict:
     try:
-        return _verdict_unbounded(completion, ground_truth)
+        return _verdict_unbounded(completion, ground_truth, truncated)
     except Exception:
         return MathVerdict(0.0, "error", None)
 
 
-def _verdict_in_pool(completion: str, ground_truth: str, timeout_s: float) -> MathVerdict:
+def _verdict_in_pool(completion: str, ground_truth: str, timeout_s: float, truncated: bool = False) -> MathVerdict:
     try:
-        return _get_pool().verdict(completion, ground_truth, timeout_s)
+        return _get_pool().verdict(completion, ground_truth, timeout_s, truncated)
     except Exception:
         return MathVerdict(0.0, "error", None)
 
 
 def math_reward(
-    completion: str, ground_truth: str, *, timeout_s: float = 5.0, in_process: bool = False
+    completion: str, ground_truth: str, *, timeout_s: float = 5.0, in_process: bool = False,
+    truncated: bool = False,
 ) -> float:
-    """`math_verdict(...).reward`: 1.0 if equivalent, 0.0 otherwise (incl. timeout/parse failure).
+    """`math_verdict(...).reward`: 1.0 if equivalent, 0.0 otherwise (incl. timeout/parse failure,
+    a cut-off answer).
 
     Safe to call from any thread; outcomes are counted in `verifier_counts()`."""
-    return math_verdict(completion, ground_truth, timeout_s=timeout_s, in_process=in_process).reward
+    return math_verdict(completion, ground_truth, timeout_s=timeout_s, in_process=in_process,
+                        truncated=truncated).reward
