@@ -19,7 +19,9 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from pdm_jax.checkpointing import CheckpointError  # noqa: E402
 from pdm_jax.config import check_field_path, validate_config  # noqa: E402
+from pdm_jax.workdir import WorkdirLockedError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
                                           lock_config=True)
@@ -68,7 +70,11 @@ def main(argv):
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    summary = run(config, _WORKDIR.value)
+    try:
+        summary = run(config, _WORKDIR.value)
+    except (WorkdirLockedError, CheckpointError, ValueError) as e:  # a named, actionable problem: no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(json.dumps(summary, indent=2))
     print(f"summary written to {os.path.join(os.path.abspath(_WORKDIR.value), 'summary.json')}")
 

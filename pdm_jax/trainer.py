@@ -48,6 +48,7 @@ from pdm_jax.models import Qwen3ForCausalLM
 from pdm_jax.models.hf_io import from_pretrained
 from pdm_jax.models.presets import get_preset
 from pdm_jax.models.tokenizer import build_char_tokenizer, load_tokenizer
+from pdm_jax.profiling import StepProfiler
 from pdm_jax.rollout import StepBatch, round_up
 from pdm_jax.rollout_producer import RolloutProducer
 from pdm_jax.sampler.supervisor import SamplerFailure, SamplerSupervisor
@@ -119,6 +120,8 @@ class Trainer:
         validate_config(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
         self.codec = TextCodec(tokenizer, chat=self.source.chat)
         os.makedirs(self.workdir, exist_ok=True)
+        m = config.mesh
+        self.mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
         self.model_config, model = self._setup_model()
         context = config.sampler.max_prompt_length + config.rl.max_new_tokens
         if context > self.model_config.max_position_embeddings:
@@ -126,8 +129,6 @@ class Trainer:
                              f"rl.max_new_tokens = {context} exceeds the model's max_position_embeddings = "
                              f"{self.model_config.max_position_embeddings}")
         self.graphdef, params = nnx.split(model)
-        m = config.mesh
-        self.mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
         self._params_sharding = param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._params_sharding)
         self.sampler = SamplerSupervisor(config.sampler, workdir=self.workdir, model_config=self.model_config,
@@ -160,8 +161,8 @@ class Trainer:
         mc = self.config.model
         dtype = jnp.dtype(mc.dtype)
         param_dtype = jnp.dtype(mc.param_dtype)
-        if mc.hf_path:
-            model = from_pretrained(mc.hf_path, dtype=dtype)
+        if mc.hf_path:  # model.param_dtype masters (f32) under model.dtype compute, read straight into their shards
+            model = from_pretrained(mc.hf_path, dtype=dtype, param_dtype=param_dtype, mesh=self.mesh)
             cfg = model.config
         else:
             cfg = get_preset(mc.preset) if mc.preset else model_config_from_fields(mc, self.vocab_size)
@@ -383,8 +384,10 @@ class Trainer:
                                    first_step=meta["rl_step"], last_step=rl.steps,
                                    max_staleness=rl.max_staleness, version=version)
         last_eval = {}
+        profiler = StepProfiler(self.workdir, cfg.profile.steps)
         try:
             for step in bar:
+                profiler.before_step(step + 1)
                 t0 = time.time()
                 rb, examples, gen_seconds = producer.get(step)
                 t_gen = time.time() - t0
@@ -397,7 +400,8 @@ class Trainer:
                 version += 1
                 meta.update(sampler_version=version, rl_step=step + 1,
                             data_position=base_position + (step + 1) * rl.prompts_per_step)
-                self.sampler.sync(state.params, version)
+                self.sampler.sync(state.params, version)  # reads the new parameters: the step's device work is done
+                profiler.after_step(step + 1)
                 producer.notify_version(version)
                 rec = self._rl_record(step_metrics, rb, rewards, state, schedule, version,
                                       dict(step_seconds=time.time() - t0, generate_seconds=t_gen,
@@ -414,6 +418,7 @@ class Trainer:
                 self._fault_injection(step + 1)
         finally:
             producer.close()
+            profiler.stop()
         self.params = state.params
         if not last_eval:
             last_eval = self.evaluate(version)
