@@ -1,0 +1,61 @@
+"""The README's dry-run commands, run as written, print the figures of its scaling table (issue 15).
+
+The table's numbers needed flags the README did not show (``--config.dry_run.num_devices=64``, the
+chunk size); every command is now spelled out. The 4B compiled check (minutes of XLA compilation) is run
+with its analytic estimate only (``--config.dry_run.mode=analytic`` appended: the last flag wins).
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_dry_run_commands() -> list[list[str]]:
+    """Every `python -m pdm_jax.train ... --dry_run` command of the README's bash blocks, as argv lists."""
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
+        for command in block.replace("\\\n", " ").splitlines():
+            if command.startswith("python -m pdm_jax.train") and "--dry_run" in command:
+                commands.append(shlex.split(command))
+    return commands
+
+
+def _run(argv):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable] + argv[1:], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^  (\w+) +([0-9.]+)$", out.stdout, re.MULTILINE)}
+
+
+def test_readme_shows_every_table_command():
+    commands = readme_dry_run_commands()
+    assert len(commands) == 3
+    eight_b = [c for c in commands if "configs/qwen3_dapo.py:size=8b" in c[3]]
+    assert len(eight_b) == 2 and all("--config.dry_run.num_devices=64" in c for c in eight_b)
+    assert sum("--config.rl.logits_chunk_size=512" in c for c in eight_b) == 1
+
+
+@pytest.mark.slow
+def test_readme_dry_run_commands_print_the_table_figures():
+    commands = readme_dry_run_commands()
+    unchunked, chunked = [c for c in commands if "size=8b" in c[3]]
+    a, b = _run(unchunked), _run(chunked)
+    # | params / AdamW / grads | 0.48 / 0.96 / 0.48 | same |
+    for plan in (a, b):
+        assert (round(plan["params"], 2), round(plan["optimizer"], 2), round(plan["gradients"], 2)) == (
+            0.48, 0.96, 0.48)
+        assert round(plan["activations"]) == 2982
+    assert (round(a["loss"], 1), round(b["loss"], 1)) == (74.2, 5.1)
+    (four_b,) = [c for c in commands if "size=4b" in c[3]]
+    assert "--config.dry_run.mode=compile" in four_b
+    assert round(_run(four_b + ["--config.dry_run.mode=analytic"])["total"]) == 105  # "analytic 105 GiB"
