@@ -41,7 +41,7 @@ from pdm_jax import evaluation, objectives, train_step as ts
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import model_config_from_fields, step_configs, validate_config
-from pdm_jax.data import make_source
+from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary
 from pdm_jax.models import Qwen3ForCausalLM
@@ -117,8 +117,10 @@ class Trainer:
         self.source = make_source(config.data)
         tokenizer = self._setup_tokenizer()
         self.vocab_size = len(tokenizer)
-        validate_config(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
         self.codec = TextCodec(tokenizer, chat=self.source.chat)
+        # Over-long prompts are dropped (and counted) at load, never discovered mid-run.
+        self.source = filter_long_prompts(self.source, self.codec.encode_prompt, config.sampler.max_prompt_length)
+        validate_config(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
         os.makedirs(self.workdir, exist_ok=True)
         m = config.mesh
         self.mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)

@@ -327,3 +327,20 @@ def test_failed_warmstart_eval_resumes_without_sft_and_damaged_checkpoint_falls_
     meta = json.load(open(os.path.join(latest, "meta", "metadata")))  # the new checkpoint of RL step 2
     assert [(f["refused_step"], f["restored_step"]) for f in meta["checkpoint_fallbacks"]] == [
         (c.sft.steps + 3, c.sft.steps + 2)]
+
+
+def test_over_long_prompts_are_dropped_at_load_not_mid_run(tmp_path):
+    """chain_sum with up to 5 terms and sampler.max_prompt_length = 10 (issue #15): the warm-start evaluation
+    used to die on the first over-long held-out prompt; now such prompts never reach the sampler."""
+    c = tiny_test_config(**{"data.task_config.max_terms": 5, "sampler.max_prompt_length": 10,
+                            "sampler.mode": "in_process"})
+    t = Trainer(c, str(tmp_path))
+    try:
+        lengths = [len(t.codec.encode_prompt(e.prompt)) for e in t.source.eval_examples()]
+        assert max(lengths) <= 10 and len(lengths) >= c.eval.num_prompts
+        assert t.source.num_eval_dropped > 0 and t.source.train_scan_dropped > 0
+        assert all(len(t.codec.encode_prompt(e.prompt)) <= 10 for e in t.source.train_batch(0, 64))
+        t.sampler.push_weights(t.params, 0)
+        assert 0.0 <= t.evaluate(0)["eval_accuracy"] <= 1.0
+    finally:
+        t.close()
