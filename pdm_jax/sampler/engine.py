@@ -301,10 +301,20 @@ class SamplingEngine:
         return self._weights_path
 
     def set_params(self, params, *, version: int, weights_path: Optional[str] = None) -> None:
-        """Quantizes `params` (module/state/pure dict, f32) and installs them as `version`."""
+        """Quantizes `params` (module/state/pure dict, f32) and installs them as `version`.
+
+        Raises:
+          WeightsError: the quantizer refuses the weights (e.g. non-finite, fp8) or
+            they do not fit the model; the current weights stay installed.
+        """
         pure = wts.to_pure_dict(params)
-        prepared = quant.prepare_sampler_params(pure, self.quantization, compute_dtype=self.compute_dtype,
-                                                output_axes_fn=self._output_axes_fn)
+        try:
+            prepared = quant.prepare_sampler_params(pure, self.quantization, compute_dtype=self.compute_dtype,
+                                                    output_axes_fn=self._output_axes_fn)
+        except ValueError as e:  # e.g. a non-finite weight refused by the fp8 quantizer
+            where = f" from {weights_path!r}" if weights_path else ""
+            raise wts.WeightsError(f"weights version {version}{where} cannot be quantized "
+                                   f"({self.quantization}): {e}") from e
         state = jax.tree.map(lambda x: x, self._abstract_state)
         try:
             nnx.replace_by_pure_dict(state, prepared)
@@ -328,11 +338,14 @@ class SamplingEngine:
         Returns ``{"version", "path", "seconds", "reloaded"}``.
         Raises:
           StaleWeightsError: version <= current (except the idempotent case).
-          WeightsError: missing/incomplete directory, or its recorded version
-            differs from `version`, or shapes do not match the model.
+          WeightsError: missing/incomplete/damaged directory (`weights.load_weights`
+            checks its manifest), its recorded version differs from `version`
+            (`weights.VersionMismatchError`), non-finite values, or shapes that do
+            not match the model.  On any error the current weights stay.
         """
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-            raise wts.WeightsError(f"version must be an integer, got {version!r}")
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) \
+                or not 0 <= version <= wts.MAX_VERSION:
+            raise wts.WeightsError(f"version must be an integer in [0, 2**31), got {version!r}")
         real = os.path.realpath(path)
         with self._lock:
             same = version == self._version and self._weights_path is not None and real == self._weights_path
@@ -513,11 +526,13 @@ def check_weights_path(path: str, checkpoint_root: str) -> str:
     """Resolves `path` (absolute, or relative to the root) and checks it lies under `checkpoint_root`.
 
     Raises:
-      wts.WeightsError: a ``..`` component, or a resolved path (symlinks
-        followed) outside the root.
+      wts.WeightsError: not a non-empty string, a NUL byte, a ``..`` component,
+        or a resolved path (symlinks followed) outside the root.
     """
     if not isinstance(path, str) or not path:
         raise wts.WeightsError(f"path must be a non-empty string, got {path!r}")
+    if "\x00" in path:
+        raise wts.WeightsError(f"path {path[:200]!r} contains a NUL byte; refused")
     if ".." in path.replace("\\", "/").split("/"):
         raise wts.WeightsError(f"path {path!r} contains '..'; refused")
     root = os.path.realpath(checkpoint_root)

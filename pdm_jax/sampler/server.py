@@ -9,16 +9,22 @@ Accept, else the request's type; schema in ``pdm_jax.sampler.wire``):
   directory under ``--checkpoint_root`` and re-quantize.  Accepted when version
   > current, or version == current with the same path (idempotent).  Errors:
   403 path outside the root or containing ``..``, 404 missing/incomplete
-  directory, 409 stale version or a directory holding another version.
+  directory, 409 stale version or a directory holding another version, 422
+  weights that fail their integrity check, hold non-finite values or do not fit
+  the model (the server keeps serving its current version).
 * ``GET /health`` -- model, quantization, version, limits.
 
 Security: binds 127.0.0.1 by default; any other host requires ``--token``
 (a shared bearer token, checked with ``hmac.compare_digest`` on every request,
-401 otherwise).  Bodies over ``--max_body_bytes`` get 413.  Invalid requests
-get 4xx with ``{"error": {"message", "field", "type"}}`` naming the field;
-unexpected failures are 500 (the client retries those).  Generation requests
-are serialised by the engine's lock (one jitted batch at a time), so
-concurrent requests are answered correctly, each as if alone.
+401 otherwise; the ``Bearer`` scheme is matched case-insensitively, RFC 7235).
+Bodies over ``--max_body_bytes`` get 413.  Invalid requests get 4xx with
+``{"error": {"message", "field", "type"}}`` naming the field (malformed bodies
+-- nesting deeper than ``wire.MAX_DEPTH``, non-string map keys, bad packed
+arrays -- are 400, see `wire.loads`); unexpected failures are 500 with the
+exception in the message (the client retries those; each one is a bug).
+Generation requests are serialised by the engine's lock (one jitted batch at a
+time), so concurrent requests are answered correctly, each as if alone; they
+run off the event loop, so ``/health`` answers during a generation.
 
 Layout: `SamplerService` holds one small handler per endpoint; each decodes
 the body with ``wire`` (`wire.GenerateRequest`, `wire.LoadWeightsRequest`),
@@ -31,6 +37,7 @@ With ``--port=0`` the OS picks a free port; it is printed
 
 
 import argparse
+import functools
 import hmac
 import ipaddress
 import json
@@ -112,8 +119,9 @@ class HTTPError(Exception):
     """
 
     def __init__(self, status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request"):
-        if field and not message.startswith(f"{field}:"):
-            message = f"{field}: {message}"
+        shown = field if field is None or len(field) <= 100 else field[:97] + "..."  # as wire.RequestError
+        if field and not message.startswith(f"{shown}:"):
+            message = f"{shown}: {message}"
         super().__init__(message)
         self.status, self.message, self.field, self.kind = status, message, field, kind
 
@@ -163,10 +171,11 @@ class SamplerService:
         return await call_next(request)
 
     def _check_token(self, request: Request) -> None:
+        """401 unless ``Authorization: Bearer <token>`` (scheme case-insensitive, RFC 7235) holds the token."""
         if self.token is None:
             return
-        auth = request.headers.get("authorization", "")
-        if not hmac.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
+        scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.strip().encode(), self.token.encode()):
             raise HTTPError(401, "missing or wrong bearer token", kind="unauthorized")
 
     def _check_content_length(self, request: Request) -> None:
@@ -197,7 +206,7 @@ class SamplerService:
         try:
             return wire.decode_body(b"".join(chunks), request.headers.get("content-type"))
         except wire.BodyError as e:
-            raise HTTPError(e.status, str(e), kind=e.kind)
+            raise HTTPError(e.status, str(e), field=e.field, kind=e.kind) from e
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: Request) -> Response:
@@ -207,30 +216,25 @@ class SamplerService:
             uptime_s=time.time() - self.started))
 
     async def generate(self, request: Request) -> Response:
-        """``POST /v1/generate``: decode (`wire.GenerateRequest`), validate, generate, encode (422 names the field)."""
-        try:
-            req = wire.GenerateRequest.from_wire(await self.read_body(request))
-            self.engine.validate(req.prompts, **req.engine_kwargs())
-            batch = await run_in_threadpool(self.engine.generate, req.prompts, **req.engine_kwargs())
-        except wire.RequestError as e:
-            return error_response(request, HTTPError(422, str(e), field=e.field))
-        except HTTPError as e:
-            return error_response(request, e)
+        """``POST /v1/generate``: decode (`wire.GenerateRequest`), validate, generate, encode (422 names the field).
+
+        Generation runs in a worker thread, off the event loop, so ``/health``
+        answers while it runs (the trainer's stall probe relies on that).
+        """
+        req = wire.GenerateRequest.from_wire(await self.read_body(request))
+        self.engine.validate(req.prompts, **req.engine_kwargs())
+        batch = await run_in_threadpool(self.engine.generate, req.prompts, **req.engine_kwargs())
         resp = wire.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
         self.requests += 1
         self.generated_tokens += resp.completion_tokens
         return respond(request, resp.to_wire())
 
     async def load_weights(self, request: Request) -> Response:
-        """``POST /v1/weights``: 403 outside the root, 404 missing/incomplete, 409 stale or other version."""
-        try:
-            req = wire.LoadWeightsRequest.from_wire(await self.read_body(request))
-            full = self._weights_dir(req.path)
-            info = await run_in_threadpool(self._load, full, req.version)
-        except wire.RequestError as e:
-            return error_response(request, HTTPError(422, str(e), field=e.field))
-        except HTTPError as e:
-            return error_response(request, e)
+        """``POST /v1/weights``: 403 outside the root, 404 missing/incomplete, 409 stale or other version,
+        422 unusable weights (corrupt files, non-finite values, wrong shapes; the current version stays)."""
+        req = wire.LoadWeightsRequest.from_wire(await self.read_body(request))
+        full = self._weights_dir(req.path)
+        info = await run_in_threadpool(self._load, full, req.version)
         return respond(request, wire.weights_response(info))
 
     def _weights_dir(self, path: str) -> str:
@@ -249,7 +253,12 @@ class SamplerService:
         return full
 
     def _load(self, full: str, version: int) -> dict:
-        """`engine.load_weights`; HTTPError 409 for a stale or mismatched version, 422 for unusable weights."""
+        """`engine.load_weights`; HTTPError 409 for a stale or mismatched version, 422 for unusable weights.
+
+        Unusable: a corrupt or truncated file (integrity check), non-finite values,
+        shapes that do not fit the model, or weights the quantizer refuses (the
+        engine's WeightsError).  The engine then keeps serving its current version.
+        """
         # heavy (import JAX); already loaded once an engine exists, deferred for parse_args / --help
         from pdm_jax.sampler import weights as wts
         from pdm_jax.sampler.engine import StaleWeightsError
@@ -258,9 +267,34 @@ class SamplerService:
             return self.engine.load_weights(full, version)
         except StaleWeightsError as e:
             raise HTTPError(409, str(e), field=wire.VERSION, kind="stale_version")
-        except wts.WeightsError as e:
-            status = 409 if "version" in str(e) else 422  # a message about the version (not a wire field)
-            raise HTTPError(status, str(e), field=wire.VERSION if status == 409 else wire.PATH, kind="bad_weights")
+        except wts.VersionMismatchError as e:
+            raise HTTPError(409, str(e), field=wire.VERSION, kind="bad_weights") from e
+        except wts.WeightsError as e:  # the directory's content (integrity, non-finite, shapes, quantizer)
+            raise HTTPError(422, str(e), field=wire.PATH, kind="bad_weights") from e
+
+
+def guarded(handler):
+    """Wraps an endpoint so that every failure is answered with an error body, never raised to the server.
+
+    `HTTPError` -> its status; `wire.RequestError` -> 422 naming the field; any
+    other exception -> 500 (type ``internal_error``) whose message carries the
+    exception, logged with its traceback.  A 500 is a server bug: every bad
+    input must be a 4xx.  Answering (instead of raising through the middleware)
+    keeps the keep-alive connection usable for the next request.
+    """
+    @functools.wraps(handler)
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except HTTPError as e:
+            return error_response(request, e)
+        except wire.RequestError as e:
+            return error_response(request, HTTPError(422, str(e), field=e.field))
+        except Exception as e:  # noqa: BLE001 - the last line of defence: an answer instead of a reset
+            log.exception("unexpected failure in %s %s", request.method, request.url.path)
+            return error_response(request, HTTPError(500, f"internal error: {type(e).__name__}: {e}"[:2000],
+                                                     kind="internal_error"))
+    return endpoint
 
 
 def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20):
@@ -277,9 +311,9 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
     service = SamplerService(engine, checkpoint_root=checkpoint_root, token=token, max_body_bytes=max_body_bytes)
     app = FastAPI(title="pdm_jax sampler", docs_url=None, redoc_url=None, openapi_url=None)
     app.middleware("http")(service.guard)
-    app.get("/health")(service.health)
-    app.post("/v1/generate")(service.generate)
-    app.post("/v1/weights")(service.load_weights)
+    app.get("/health")(guarded(service.health))
+    app.post("/v1/generate")(guarded(service.generate))
+    app.post("/v1/weights")(guarded(service.load_weights))
     app.state.service = service
     return app
 

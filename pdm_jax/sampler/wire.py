@@ -44,6 +44,17 @@ In msgpack bodies every numeric array is an ``{"__nd__": 1, "dtype", "shape",
 "data": bytes}`` map (little-endian), so top-K tables travel as raw f32/int32.
 In JSON bodies arrays are nested lists, and non-finite log-probabilities
 (-inf: ids removed by top-k/top-p filtering) are written as ``null``.
+
+Decoding (`loads`) trusts nothing: at most `MAX_DEPTH` levels of lists/maps
+(checked without Python recursion), string map keys only, valid UTF-8, no
+msgpack extension types, no JSON NaN/Infinity, and packed arrays whose header
+is exactly the four fields with a known dtype, a shape of at most `MAX_NDIM`
+non-negative ints, bytes of the matching size (empty arrays: at most
+`MAX_EMPTY_ARRAY_ITEMS` rows).  Anything else is a `ValueError` naming the
+location (``$.prompt.shape``), which the server answers with 400.  Field values
+are then checked by type and range (`GenerateRequest.from_wire`,
+`validate_request`, `LoadWeightsRequest.from_wire`; 422 naming the field):
+bools are never numbers, integers travelling as int32 are bounded.
 """
 
 from __future__ import annotations
@@ -65,6 +76,10 @@ MSGPACK = "application/msgpack"
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 ND_KEY = "__nd__"
 _DTYPES = {"float32": "<f4", "int32": "<i4", "bool": "|b1", "float64": "<f8", "int64": "<i8"}
+ND_FIELDS = frozenset({ND_KEY, "dtype", "shape", "data"})
+MAX_DEPTH = 32  # most nesting levels of lists/maps in a body (requests need 3, responses 6)
+MAX_NDIM = 32  # most dimensions of a packed array
+MAX_EMPTY_ARRAY_ITEMS = 1 << 16  # an empty packed array's non-zero dimensions may multiply to at most this
 
 # ----------------------------------------------------------------------------- field names
 # POST /v1/generate request
@@ -114,26 +129,47 @@ TYPE = "type"
 # ----------------------------------------------------------------------------- limits used by validation
 MIN_TEMPERATURE = 1e-3  # smallest positive sampling temperature (z / tau must stay finite in f32)
 MAX_SEED = 2**63 - 1
+MAX_INT32 = 2**31 - 1  # largest top_k and weights version (both travel as int32)
+MAX_PATH_LENGTH = 4096  # longest accepted /v1/weights path (PATH_MAX on Linux)
 
 
 # ============================================================================= errors
 class RequestError(ValueError):
     """An invalid generation or weights request; ``field`` is the offending field's *wire* name.
 
-    ``str(e)`` is ``"<field>: <message>"``.  The server answers it with HTTP 422.
+    ``str(e)`` is ``"<field>: <message>"`` (a field name over 100 characters -- an
+    unknown field sent by a client -- is cut there).  The server answers it with HTTP 422.
     """
 
     def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
+        super().__init__(f"{field if len(field) <= 100 else field[:97] + '...'}: {message}")
         self.field = field
 
 
 class BodyError(ValueError):
-    """A request body that cannot be decoded; ``status`` is 400 (malformed) or 415 (content type)."""
+    """A request body that cannot be decoded; ``status`` is 400 (malformed) or 415 (content type).
 
-    def __init__(self, status: int, message: str, kind: str):
+    ``field`` is the top-level field the problem lies in (e.g. ``"prompt"`` for a
+    bad packed array at ``$.prompt``), None when it concerns the body as a whole.
+    """
+
+    def __init__(self, status: int, message: str, kind: str, field: Optional[str] = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.field = status, kind, field
+
+
+class BodyStructureError(ValueError):
+    """A parsed body whose structure is refused (see `check_tree`).
+
+    Attributes:
+      path: the location as a tuple of keys and list indices (``()`` = the body).
+      field: ``path[0]`` when it is a map key (the top-level field), else None.
+    """
+
+    def __init__(self, message: str, path: tuple = ()):
+        super().__init__(message)
+        self.path = tuple(path)
+        self.field = self.path[0] if self.path and isinstance(self.path[0], str) else None
 
 
 def error_body(message: str, field: Optional[str], kind: str) -> dict:
@@ -179,20 +215,65 @@ def encode_array(a: np.ndarray) -> dict:
     return {ND_KEY: 1, "dtype": name, "shape": list(a.shape), "data": np.ascontiguousarray(a.astype(_DTYPES[name])).tobytes()}
 
 
-def decode_array(d: dict) -> np.ndarray:
-    """Inverse of `encode_array`.
+def _show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to `limit` characters (error messages must stay short whatever was sent)."""
+    try:
+        text = repr(value)
+    except RecursionError:  # a structure nested too deeply to print
+        text = f"<{type(value).__name__} nested too deeply to print>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
+
+def _kind(value: Any) -> str:
+    """A value and its type for messages: ``"2.5 (float)"``."""
+    return f"{_show(value)} ({type(value).__name__})"
+
+
+def _where(path: tuple) -> str:
+    """A location in a body as ``$.prompt[0]`` (``$`` is the body itself)."""
+    return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+
+
+def decode_array(d: Mapping, where: str = "$") -> np.ndarray:
+    """Inverse of `encode_array`: a ``{"__nd__": 1, "dtype", "shape", "data"}`` map -> numpy array.
+
+    Args:
+      d: the map as msgpack decoded it.
+      where: its location in the body, for messages (e.g. ``"$.prompt"``).
+    Returns:
+      the array, shape ``shape``, dtype ``dtype`` (native byte order).
     Raises:
-      ValueError: unknown dtype, or data size not matching the shape.
+      ValueError: naming `where` and the field: other keys than the four, ``__nd__``
+        not the integer 1, ``dtype`` not one of float32/64, int32/64, bool, ``shape``
+        not a list of at most `MAX_NDIM` integers >= 0, ``data`` not bytes or of a
+        size that does not match the shape, or an empty array whose non-zero
+        dimensions multiply to more than `MAX_EMPTY_ARRAY_ITEMS` (its list form
+        would be a memory bomb).
     """
-    name = d.get("dtype")
-    if name not in _DTYPES:
-        raise ValueError(f"unknown array dtype {name!r}")
-    shape = tuple(int(s) for s in d["shape"])
-    a = np.frombuffer(d["data"], dtype=_DTYPES[name])
-    if a.size != int(np.prod(shape)):
-        raise ValueError(f"array data has {a.size} items, shape {shape} needs {int(np.prod(shape))}")
-    return a.reshape(shape).astype(name)
+    extra = sorted(str(k) for k in d if k not in ND_FIELDS)
+    if extra:
+        raise ValueError(f"{where}: packed array has unknown field(s) {_show(extra)}; expected {sorted(ND_FIELDS)}")
+    if type(d.get(ND_KEY)) is not int or d[ND_KEY] != 1:
+        raise ValueError(f"{where}.{ND_KEY}: must be the integer 1, got {_kind(d.get(ND_KEY))}")
+    for field in ND_FIELDS:
+        if field not in d:
+            raise ValueError(f"{where}.{field}: missing from a packed array")
+    name, shape, data = d["dtype"], d["shape"], d["data"]
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise ValueError(f"{where}.dtype: must be one of {sorted(_DTYPES)}, got {_kind(name)}")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM \
+            or not all(type(s) is int and s >= 0 for s in shape):
+        raise ValueError(f"{where}.shape: must be a list of at most {MAX_NDIM} integers >= 0, got {_kind(shape)}")
+    if not isinstance(data, bytes):
+        raise ValueError(f"{where}.data: must be bytes (msgpack bin), got {type(data).__name__}")
+    itemsize = np.dtype(_DTYPES[name]).itemsize
+    items = math.prod(shape)
+    if len(data) != items * itemsize:
+        raise ValueError(f"{where}.data: {len(data)} bytes, but shape {shape} of {name} needs {items * itemsize}")
+    if items == 0 and math.prod(max(s, 1) for s in shape) > MAX_EMPTY_ARRAY_ITEMS:
+        raise ValueError(f"{where}.shape: empty array of shape {_show(shape)} has more than "
+                         f"{MAX_EMPTY_ARRAY_ITEMS} rows")
+    return np.frombuffer(data, dtype=_DTYPES[name]).reshape(shape).astype(name)
 
 
 def to_plain(obj: Any, *, msgpack: bool) -> Any:
@@ -218,15 +299,78 @@ def _finite_or_none(x):
     return x if math.isfinite(x) else None
 
 
+def _check_leaf(value: Any, path: tuple) -> None:
+    """A scalar of a decoded body: None, bool, int, float, str (valid UTF-8) or bytes; BodyStructureError otherwise."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BodyStructureError(f"{_where(path)}: string {_show(value)} is not valid UTF-8 (lone surrogate)",
+                                     path) from None
+    elif value is not None and not isinstance(value, (bool, int, float, bytes)):
+        raise BodyStructureError(f"{_where(path)}: unsupported value {_kind(value)} (msgpack extension types are "
+                                 f"refused)", path)
+
+
+def check_tree(obj: Any, *, decode_arrays: bool, max_depth: int = MAX_DEPTH) -> Any:
+    """Checks a freshly decoded body and (msgpack) replaces packed-array maps by numpy arrays.
+
+    Walks the structure iteratively (no Python recursion, whatever the nesting),
+    in place.  Packed arrays (maps holding ``"__nd__"``) are decoded by
+    `decode_array` when `decode_arrays`, else left as maps.
+
+    Args:
+      obj: what ``json.loads`` / ``msgpack.unpackb`` returned.
+      decode_arrays: True for msgpack bodies.
+      max_depth: most levels of lists/maps (the body itself is level 1).
+    Returns:
+      `obj` with packed arrays decoded (the root itself may be one).
+    Raises:
+      BodyStructureError: naming the location (``$.prompt[0]``): nesting deeper
+        than `max_depth`, a map key that is not a string, a string that is not
+        valid UTF-8, a msgpack extension value, or a malformed packed array.
+    """
+    def visit(value, path, depth):
+        """The value to store (a decoded array or the value); queues containers."""
+        if isinstance(value, (dict, list)):
+            if depth > max_depth:
+                raise BodyStructureError(f"{_where(path)}: nested deeper than {max_depth} levels", path)
+            if isinstance(value, dict) and decode_arrays and ND_KEY in value:
+                try:
+                    return decode_array(value, _where(path))
+                except ValueError as e:
+                    raise BodyStructureError(str(e), path) from None
+            stack.append((value, path, depth))
+        else:
+            _check_leaf(value, path)
+        return value
+
+    stack = []
+    root = visit(obj, (), 1)
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, dict):
+            for key in node:
+                if not isinstance(key, str):
+                    raise BodyStructureError(f"{_where(path)}: map key {_kind(key)} is not a string", path)
+                _check_leaf(key, path)  # a bad key is reported at its map
+            for key, value in node.items():
+                if isinstance(value, (dict, list)):
+                    node[key] = visit(value, path + (key,), depth + 1)
+                else:
+                    _check_leaf(value, path + (key,))
+        else:
+            for i, value in enumerate(node):
+                if isinstance(value, (dict, list)):
+                    node[i] = visit(value, path + (i,), depth + 1)
+                elif not (type(value) is int or type(value) is float):  # the bulk: token ids, log-probs
+                    _check_leaf(value, path + (i,))
+    return root
+
+
 def from_plain(obj: Any) -> Any:
-    """Decodes packed arrays (msgpack) recursively; JSON lists are left as lists."""
-    if isinstance(obj, dict):
-        if obj.get(ND_KEY) == 1:
-            return decode_array(obj)
-        return {k: from_plain(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [from_plain(v) for v in obj]
-    return obj
+    """Decodes packed arrays (msgpack) in a body; raises BodyStructureError for malformed ones (see `check_tree`)."""
+    return check_tree(obj, decode_arrays=True)
 
 
 def dumps(obj: Any, *, msgpack: bool) -> bytes:
@@ -237,23 +381,33 @@ def dumps(obj: Any, *, msgpack: bool) -> bytes:
     return json.dumps(plain, allow_nan=False, separators=(",", ":")).encode()
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name} (JSON bodies are strict: no NaN/Infinity)")
+
+
 def loads(body: bytes, *, msgpack: bool) -> Any:
-    """Parses a body.
+    """Parses a body and checks its structure (`check_tree`: depth, key types, packed arrays).
 
     Raises:
-      ValueError: malformed JSON or msgpack (the message says which and why).
+      ValueError: malformed JSON or msgpack, the message says which, why and
+        where (e.g. ``"malformed msgpack body: $.prompt.shape: ..."``); a
+        `BodyStructureError` (with ``.path`` / ``.field``) when the bytes parse
+        but the structure is refused.
     """
-    if msgpack:
-        try:
-            obj = _msgpack.unpackb(body, raw=False, strict_map_key=True)
-        except Exception as e:  # msgpack raises several exception types
-            raise ValueError(f"malformed msgpack body: {type(e).__name__}: {e}") from e
-        return from_plain(obj)
+    what = "msgpack" if msgpack else "JSON"
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"malformed JSON body: {e}") from e
-
+        if msgpack:
+            obj = _msgpack.unpackb(body, raw=False, strict_map_key=True)
+        else:
+            obj = json.loads(body, parse_constant=_refuse_constant)
+    except (RecursionError, _msgpack.StackError):
+        raise ValueError(f"malformed {what} body: nested deeper than {MAX_DEPTH} levels") from None
+    except Exception as e:  # json/msgpack raise several types (ValueError, UnicodeDecodeError, TypeError...)
+        raise ValueError(f"malformed {what} body: {type(e).__name__}: {e}") from e
+    try:
+        return check_tree(obj, decode_arrays=msgpack)
+    except BodyStructureError as e:
+        raise BodyStructureError(f"malformed {what} body: {e}", e.path) from e
 
 
 def decode_body(body: bytes, content_type: Optional[str]) -> dict:
@@ -261,15 +415,17 @@ def decode_body(body: bytes, content_type: Optional[str]) -> dict:
 
     Raises:
       BodyError: status 415 for a content type that is neither JSON nor msgpack,
-        400 (kind "malformed_body") for unparsable bytes or a body that is not a map.
+        400 (kind "malformed_body") for unparsable bytes, a structure `loads`
+        refuses (nesting, key types, packed arrays; ``field`` then names the
+        top-level field it lies in), or a body that is not a map.
     """
     ctype = JSON if content_type is None else content_type
     if not (is_msgpack(ctype) or "json" in ctype.lower()):
-        raise BodyError(415, f"unsupported Content-Type {ctype!r}; use {JSON} or {MSGPACK}", "invalid_request")
+        raise BodyError(415, f"unsupported Content-Type {_show(ctype)}; use {JSON} or {MSGPACK}", "invalid_request")
     try:
         obj = loads(body, msgpack=is_msgpack(ctype))
     except ValueError as e:
-        raise BodyError(400, str(e), "malformed_body") from e
+        raise BodyError(400, str(e), "malformed_body", getattr(e, "field", None)) from e
     if not isinstance(obj, dict):
         raise BodyError(400, f"body must be an object (map), got {type(obj).__name__}", "malformed_body")
     return obj
@@ -316,24 +472,34 @@ class GenerateRequest:
         """Decodes a request body (a dict, numpy arrays allowed where msgpack packed them).
 
         Raises:
-          RequestError: an unknown field (named), ``stream`` true, no ``prompt``,
-            or a ``stop_token_ids`` that is not a list.
+          RequestError: an unknown field (named), ``stream`` not false/null/absent,
+            ``model`` not a string, no ``prompt``, or a ``stop_token_ids`` that is
+            not a list.
         """
         unknown = sorted(set(body) - GENERATE_FIELDS)
         if unknown:
-            raise RequestError(unknown[0], f"unknown field(s) {unknown}")
-        if body.get(STREAM):
+            raise RequestError(unknown[0], f"unknown field(s) {_show(unknown)}")
+        stream = body.get(STREAM)
+        if stream is True:
             raise RequestError(STREAM, "streaming is not supported")
+        if stream is not None and stream is not False:
+            raise RequestError(STREAM, f"must be false or null, got {_kind(stream)}")
+        if body.get(MODEL) is not None and not isinstance(body[MODEL], str):
+            raise RequestError(MODEL, f"must be a string (it is ignored), got {_kind(body[MODEL])}")
         if PROMPT not in body:
             raise RequestError(PROMPT, f"missing required field {PROMPT!r}")
-        stops = body.get(STOP_TOKEN_IDS) or []
+        stops = body.get(STOP_TOKEN_IDS)
+        if isinstance(stops, np.ndarray) and stops.ndim == 1:
+            stops = stops.tolist()
+        if stops is None:
+            stops = []
         if not isinstance(stops, list):
-            raise RequestError(STOP_TOKEN_IDS, "must be a list of token ids")
-        top_k = body.get(TOP_K, 0)
+            raise RequestError(STOP_TOKEN_IDS, f"must be a list of token ids, got {_kind(stops)}")
+        top_k, logprobs = body.get(TOP_K, 0), body.get(LOGPROBS)
         return cls(prompts=_normalise_prompts(body[PROMPT]), n=body.get(N, 1),
                    temperature=body.get(TEMPERATURE, 1.0), max_new_tokens=body.get(MAX_TOKENS, DEFAULT_MAX_TOKENS),
-                   top_k_logprobs=body.get(LOGPROBS, 0) or 0, stop_token_ids=stops, seed=body.get(SEED),
-                   top_p=body.get(TOP_P, 1.0), top_k=0 if top_k == -1 else top_k)
+                   top_k_logprobs=0 if logprobs is None else logprobs, stop_token_ids=stops, seed=body.get(SEED),
+                   top_p=body.get(TOP_P, 1.0), top_k=0 if _is_int(top_k) and top_k == -1 else top_k)
 
     def to_wire(self) -> dict:
         """The request body (a dict for `dumps`); prompts and stop ids as lists."""
@@ -354,37 +520,56 @@ class GenerateRequest:
 
 
 def _normalise_prompts(prompts):
-    """A packed array -> lists; a single flat list of ints -> one prompt (as vLLM accepts)."""
+    """Packed arrays -> lists; a flat list of scalars -> one prompt (as vLLM accepts a single prompt).
+
+    A list none of whose items is a list (or array) is one prompt, whatever the
+    items are, so that a float or bool among the ids is reported as such by
+    `validate_request` (not as "prompt[0] must be a list").
+    """
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist()
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        prompts = [prompts]
+    if isinstance(prompts, list):
+        prompts = [p.tolist() if isinstance(p, np.ndarray) else p for p in prompts]
+        if prompts and not any(isinstance(p, (list, tuple)) for p in prompts):
+            prompts = [prompts]
     return prompts
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _real(x) -> Optional[float]:
+    """`x` as a float when it is a real number (int or float, not bool), else None (also for ints beyond float)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return None
 
 
 def _validate_prompts(prompts, *, vocab_size: int, max_prompt_length: int) -> list:
     """The prompts as a list of int lists; RequestError("prompt", ...) otherwise."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(prompts, np.ndarray):
-        raise RequestError(PROMPT, "must be a list of token-id lists")
+        raise RequestError(PROMPT, f"must be a list of token-id lists, got {_kind(prompts)}")
     if len(prompts) == 0:
         raise RequestError(PROMPT, "is empty; need at least one prompt")
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
-            raise RequestError(PROMPT, f"prompt[{i}] must be a list of token ids, got {type(p).__name__}")
+        if isinstance(p, np.ndarray):
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise RequestError(PROMPT, f"prompt[{i}] must be a list of token ids, got {_kind(p)}")
         p = list(p)
         if len(p) == 0:
             raise RequestError(PROMPT, f"prompt[{i}] is empty")
         if len(p) > max_prompt_length:
             raise RequestError(PROMPT, f"prompt[{i}] has {len(p)} tokens, longer than the context limit "
                                f"max_prompt_length={max_prompt_length}")
-        for t in p:
+        for j, t in enumerate(p):
             if not _is_int(t):
-                raise RequestError(PROMPT, f"prompt[{i}] holds a non-integer token {t!r}")
+                raise RequestError(PROMPT, f"prompt[{i}][{j}] is {_kind(t)}; token ids must be integers")
             if not 0 <= int(t) < vocab_size:
                 raise RequestError(PROMPT, f"prompt[{i}] holds token id {int(t)} outside the vocabulary [0, {vocab_size})")
         out.append([int(t) for t in p])
@@ -398,10 +583,12 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
 
     Raises:
       RequestError: naming the field by its wire name, for an empty prompt list or
-        prompt, a prompt longer than `max_prompt_length`, ids outside
-        [0, vocab_size) (``prompt``), n <= 0, len(prompts) * n > max_sequences
-        (``n``), temperature < 0, non-finite or in (0, MIN_TEMPERATURE)
-        (``temperature``), top_p outside (0, 1] (``top_p``), top_k < 0 (``top_k``),
+        prompt, a prompt longer than `max_prompt_length`, a token id that is not
+        an integer (a float or bool is named as such) or outside [0, vocab_size)
+        (``prompt``), n <= 0, len(prompts) * n > max_sequences (``n``), temperature
+        not a number (bools are not numbers here), < 0, non-finite or in
+        (0, MIN_TEMPERATURE) (``temperature``), top_p not a number or outside
+        (0, 1] (``top_p``), top_k outside [0, 2**31) (``top_k``),
         max_new_tokens outside [1, max_new_tokens_limit] (``max_tokens``),
         top_k_logprobs outside [0, vocab_size] (``logprobs``), more than
         `max_stop_tokens` stop ids or ids outside the vocabulary
@@ -409,32 +596,36 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
     """
     out = _validate_prompts(prompts, vocab_size=vocab_size, max_prompt_length=max_prompt_length)
     if not _is_int(n) or n <= 0:
-        raise RequestError(N, f"must be an integer >= 1, got {n!r}")
+        raise RequestError(N, f"must be an integer >= 1, got {_kind(n)}")
     if len(out) * int(n) > max_sequences:
         raise RequestError(N, f"{len(out)} prompts x n={n} = {len(out) * int(n)} sequences exceeds the limit "
                            f"of {max_sequences} per request")
-    if not isinstance(temperature, (int, float, np.floating, np.integer)) or isinstance(temperature, bool) \
-            or not math.isfinite(float(temperature)) or float(temperature) < 0:
-        raise RequestError(TEMPERATURE, f"must be a finite number >= 0, got {temperature!r}")
-    if 0 < float(temperature) < MIN_TEMPERATURE:
+    tau = _real(temperature)
+    if tau is None or not math.isfinite(tau) or tau < 0:
+        raise RequestError(TEMPERATURE, f"must be a finite number >= 0, got {_kind(temperature)}")
+    if 0 < tau < MIN_TEMPERATURE:
         raise RequestError(TEMPERATURE, f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (logits / temperature "
                                         f"overflows float32 below that), got {temperature!r}")
-    if not isinstance(top_p, (int, float, np.floating, np.integer)) or not (0.0 < float(top_p) <= 1.0):
+    p = _real(top_p)
+    if p is None:
+        raise RequestError(TOP_P, f"must be a number in (0, 1], got {_kind(top_p)}")
+    if not 0.0 < p <= 1.0:
         raise RequestError(TOP_P, f"must be in (0, 1], got {top_p!r}")
-    if not _is_int(top_k) or top_k < 0:
-        raise RequestError(TOP_K, f"must be an integer >= 0 (0 = off), got {top_k!r}")
+    if not _is_int(top_k) or not 0 <= top_k <= MAX_INT32:
+        raise RequestError(TOP_K, f"must be an integer in [0, 2**31) (0 = off), got {_kind(top_k)}")
     if not _is_int(max_new_tokens) or not 1 <= max_new_tokens <= max_new_tokens_limit:
-        raise RequestError(MAX_TOKENS, f"must be an integer in [1, {max_new_tokens_limit}], got {max_new_tokens!r}")
+        raise RequestError(MAX_TOKENS, f"must be an integer in [1, {max_new_tokens_limit}], got {_kind(max_new_tokens)}")
     if not _is_int(top_k_logprobs) or not 0 <= top_k_logprobs <= vocab_size:
-        raise RequestError(LOGPROBS, f"K must be an integer in [0, vocab_size={vocab_size}], got {top_k_logprobs!r}")
+        raise RequestError(LOGPROBS, f"K must be an integer in [0, vocab_size={vocab_size}], "
+                                     f"got {_kind(top_k_logprobs)}")
     stops = list(stop_token_ids or ())
     if len(stops) > max_stop_tokens:
         raise RequestError(STOP_TOKEN_IDS, f"at most {max_stop_tokens} stop ids, got {len(stops)}")
     for s in stops:
         if not _is_int(s) or not 0 <= int(s) < vocab_size:
-            raise RequestError(STOP_TOKEN_IDS, f"id {s!r} outside the vocabulary [0, {vocab_size})")
+            raise RequestError(STOP_TOKEN_IDS, f"id {_kind(s)} is not a token id in [0, {vocab_size})")
     if seed is not None and (not _is_int(seed) or not 0 <= int(seed) <= MAX_SEED):
-        raise RequestError(SEED, f"must be an integer in [0, 2**63), got {seed!r}")
+        raise RequestError(SEED, f"must be an integer in [0, 2**63), got {_kind(seed)}")
     return out
 
 
@@ -551,13 +742,21 @@ class LoadWeightsRequest:
         """Decodes and checks a request body.
 
         Raises:
-          RequestError: ``path`` not a non-empty string, or ``version`` not an integer >= 0.
+          RequestError: an unknown field, ``path`` not a non-empty string of at most
+            `MAX_PATH_LENGTH` characters without NUL, or ``version`` not an integer
+            in [0, 2**31).
         """
+        unknown = sorted(set(body) - {PATH, VERSION})
+        if unknown:
+            raise RequestError(unknown[0], f"unknown field(s) {_show(unknown)}")
         path, version = body.get(PATH), body.get(VERSION)
         if not isinstance(path, str) or not path:
-            raise RequestError(PATH, f"must be a non-empty string, got {path!r}")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise RequestError(VERSION, f"must be an integer >= 0, got {version!r}")
+            raise RequestError(PATH, f"must be a non-empty string, got {_kind(path)}")
+        if len(path) > MAX_PATH_LENGTH or "\x00" in path:
+            raise RequestError(PATH, f"must be at most {MAX_PATH_LENGTH} characters without NUL bytes, "
+                                     f"got {_show(path)}")
+        if not _is_int(version) or not 0 <= version <= MAX_INT32:
+            raise RequestError(VERSION, f"must be an integer in [0, 2**31), got {_kind(version)}")
         return cls(path=path, version=version)
 
     def to_wire(self) -> dict:
