@@ -113,6 +113,17 @@ class SamplerClient:
         """``POST /v1/weights``; raises SamplerRequestError (403 outside root, 404 missing, 409 stale)."""
         return self._request("POST", "/v1/weights", wire.LoadWeightsRequest(str(path), int(version)).to_wire())
 
+    def probe(self, timeout_s: float) -> bool:
+        """One ``GET /health`` with its own timeout and no retry: True iff it answered HTTP 200 in time.
+
+        The stall probe of `SamplerSupervisor`: safe to call from another thread
+        while a long request (a generation) is in flight on this client.
+        """
+        try:
+            return self._http.get("/health", timeout=timeout_s).status_code == 200
+        except Exception:  # noqa: BLE001 - transport errors, timeouts, a closed client: all "no answer"
+            return False
+
     @property
     def version(self) -> int:
         """The server's current weights version (one /health call)."""

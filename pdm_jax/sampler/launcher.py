@@ -5,7 +5,7 @@ port file (``--port=0`` lets the OS pick a free port), polls the port file and
 then ``GET /health`` until ``startup_timeout_s``; if the process exits or never
 comes up it is killed and a `SamplerStartupError` carries the tail of its
 stderr.  The returned `SamplerProcess` has ``.url``, ``.client``, ``.alive()``,
-``.stop()`` and ``.restart()`` (same flags, new port).
+``.stop()``, ``.kill()`` and ``.restart()`` (same flags, new port).
 """
 
 from __future__ import annotations
@@ -115,6 +115,14 @@ class SamplerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILLs the subprocess (also a stopped one, which would never act on SIGTERM) and closes the client."""
+        if self.client is not None:
+            self.client.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def restart(self) -> "SamplerProcess":
         """Stops the process and starts it again with the same flags (a new port); returns self."""

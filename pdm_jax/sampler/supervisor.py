@@ -7,6 +7,25 @@ child process on loopback; ``remote``: a running server at ``sampler.address``;
 ``in_process``: an engine in this process), health, calls with restarts of a
 dead subprocess within ``sampler.max_restarts``, and stopping it. The trainer
 and the rollout producer only call :meth:`generate` and :meth:`sync`.
+
+Failures, and what each costs:
+
+* the sampler *refuses* a request (HTTP 4xx, or the in-process engine's
+  ``ValueError``: a bad request, a damaged or non-finite weights version):
+  `SamplerRejected` carrying the server's message, status and field -- never
+  retried, never a restart (restarting cannot fix the request);
+* the sampler is *gone or failing* (connection errors, timeouts, 5xx after the
+  client's retries, a replacement that dies during its own start-up): the
+  subprocess is restarted, each attempt counting against
+  ``sampler.max_restarts``; then `SamplerFailure`;
+* the sampler is *stalled* (alive but making no progress, e.g. SIGSTOP): while
+  a call is in flight, ``/health`` is probed every ``stall_probe_interval_s``
+  with a ``stall_probe_timeout_s`` timeout (the server answers it while a
+  generation runs, off its event loop); ``stall_probe_misses`` consecutive
+  misses count as a stall: the subprocess is killed (SIGKILL) and restarted
+  like a dead one (a remote sampler: `SamplerFailure`).  With the defaults a
+  stall is noticed after about 3 x (10 + 10) s = 60 s instead of
+  ``retries + 1`` whole-request timeouts (4 x 300 s).
 """
 
 from __future__ import annotations
@@ -18,16 +37,54 @@ import threading
 from typing import Optional
 
 from pdm_jax.rollout import RolloutBatch
-from pdm_jax.sampler.client import SamplerClient
+from pdm_jax.sampler.client import SamplerClient, SamplerRequestError
 from pdm_jax.sampler.engine import InProcessSampler, SamplingEngine
 from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.sampler.weights import load_weights, save_weights
+from pdm_jax.sampler.wire import RequestError
 
 log = logging.getLogger("pdm_jax.sampler")
+
+# Stall-probe settings: read from the sampler config section when it has them, else these defaults.
+STALL_PROBE_INTERVAL_S = 10.0  # seconds between /health probes while a call is in flight
+STALL_PROBE_TIMEOUT_S = 10.0  # seconds one probe may take
+STALL_PROBE_MISSES = 3  # consecutive missed probes that make a stall; 0 = no probing
 
 
 class SamplerFailure(RuntimeError):
     """The sampler could not serve a request after the configured restarts/retries."""
+
+
+class SamplerStalled(RuntimeError):
+    """The sampler missed ``stall_probe_misses`` consecutive ``/health`` probes while a call was in flight."""
+
+
+class SamplerRejected(ValueError):
+    """The sampler refused a request; restarting would not help, so it is neither retried nor restarted.
+
+    ``str(e)`` reads ``"sampler refused <call> (HTTP <status>, field <field>): <server message>"``.
+
+    Attributes:
+      call: the supervisor call (``"generate"``, ``"load_weights"``, ...).
+      status: the HTTP status (4xx), or None for an in-process engine.
+      field: the offending wire field named by the server (``"path"``, ``"prompt"``...), or None.
+      message: the server's (or engine's) message.
+    """
+
+    def __init__(self, call: str, message: str, *, status: Optional[int] = None, field: Optional[str] = None):
+        where = ", ".join(x for x in (f"HTTP {status}" if status else "", f"field {field!r}" if field else "") if x)
+        super().__init__(f"sampler refused {call}{f' ({where})' if where else ''}: {message}")
+        self.call, self.status, self.field, self.message = call, status, field, message
+
+    @classmethod
+    def from_error(cls, call: str, error: Exception) -> "SamplerRejected":
+        """The rejection a client's `SamplerRequestError` or an engine's ValueError/TypeError stands for."""
+        if isinstance(error, SamplerRejected):
+            return error
+        if isinstance(error, SamplerRequestError):
+            return cls(call, error.message, status=error.status, field=error.field)
+        field = error.field if isinstance(error, RequestError) else None
+        return cls(call, f"{type(error).__name__}: {error}", field=field)
 
 
 class SamplerSupervisor:
@@ -36,27 +93,55 @@ class SamplerSupervisor:
     Args:
       sampler_config: the run config's ``sampler`` section (mode, address, token,
         quantization, startup/request timeouts in seconds, retries, max_restarts,
-        max_prompt_length and max_batch_size in tokens / sequences).
+        max_prompt_length and max_batch_size in tokens / sequences; optionally
+        ``stall_probe_interval_s``, ``stall_probe_timeout_s``, ``stall_probe_misses``).
       workdir: the run directory; weights versions go to ``workdir/weights``, the
         model's Hugging Face config is read from ``workdir/model/config.json``.
       model_config: the ``Qwen3Config`` (for in-process engines).
       max_new_tokens: the longest completion the engine must serve (tokens).
+      stall_probe_interval_s: seconds between ``/health`` probes while a call is
+        in flight (default: the config's, else `STALL_PROBE_INTERVAL_S`).
+      stall_probe_timeout_s: seconds one probe may take (default: config, else
+        `STALL_PROBE_TIMEOUT_S`).
+      stall_probe_misses: consecutive missed probes that make a stall; 0 turns
+        probing off (default: config, else `STALL_PROBE_MISSES`).
+
+    Raises:
+      ValueError: a non-positive probe interval or timeout, or a negative miss count.
 
     Thread safety: :meth:`call` may run on the rollout producer's thread while the
     trainer pushes weights; a restart happens once per failure (a generation counter).
     """
 
-    def __init__(self, sampler_config, *, workdir: str, model_config, max_new_tokens: int):
+    def __init__(self, sampler_config, *, workdir: str, model_config, max_new_tokens: int,
+                 stall_probe_interval_s: Optional[float] = None, stall_probe_timeout_s: Optional[float] = None,
+                 stall_probe_misses: Optional[int] = None):
         self.config = sampler_config
         self.workdir = workdir
         self.model_config = model_config
         self.limits = dict(max_prompt_length=int(sampler_config.max_prompt_length),
                            max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size))
+
+        def setting(value, name, default):
+            return getattr(sampler_config, name, default) if value is None else value
+        self.stall_probe_interval_s = float(setting(stall_probe_interval_s, "stall_probe_interval_s",
+                                                    STALL_PROBE_INTERVAL_S))
+        self.stall_probe_timeout_s = float(setting(stall_probe_timeout_s, "stall_probe_timeout_s",
+                                                   STALL_PROBE_TIMEOUT_S))
+        self.stall_probe_misses = setting(stall_probe_misses, "stall_probe_misses", STALL_PROBE_MISSES)
+        if not (self.stall_probe_interval_s > 0 and self.stall_probe_timeout_s > 0) or isinstance(
+                self.stall_probe_misses, bool) or not isinstance(self.stall_probe_misses, int) \
+                or self.stall_probe_misses < 0:
+            raise ValueError(f"SamplerSupervisor: need stall_probe_interval_s > 0, stall_probe_timeout_s > 0 and an "
+                             f"integer stall_probe_misses >= 0; got {self.stall_probe_interval_s}, "
+                             f"{self.stall_probe_timeout_s}, {self.stall_probe_misses!r}")
         self._sampler = None
         self._proc = None
+        self._restartable = False
         self._lock = threading.RLock()
         self._generation = 0
         self.restarts_total = 0
+        self.stalls_total = 0
         self.version: Optional[int] = None
 
     # ---------------------------------------------------------------- weights versions
@@ -90,10 +175,13 @@ class SamplerSupervisor:
 
         Raises:
           SamplerFailure: a remote sampler that does not answer ``/health``.
+          SamplerRejected: a remote sampler that refuses the weights version.
           SamplerStartupError: a subprocess that died or did not come up in time.
         """
         sc = self.config
         path = self.weights_path(version)
+        self._restartable = sc.mode == "subprocess"
+        self._proc = self._sampler = None
         if sc.mode == "subprocess":
             self._proc = start_sampler_server(
                 model_config=os.path.join(self.workdir, "model", "config.json"), weights=path, version=version,
@@ -101,71 +189,143 @@ class SamplerSupervisor:
                 client_kwargs=dict(timeout_s=sc.request_timeout_s, retries=sc.retries), **self.limits)
             self._sampler = self._proc.client
         elif sc.mode == "remote":
-            self._proc = None
-            self._sampler = SamplerClient(sc.address, timeout_s=sc.request_timeout_s, retries=sc.retries,
-                                          token=sc.token or None)
+            client = SamplerClient(sc.address, timeout_s=sc.request_timeout_s, retries=sc.retries,
+                                   token=sc.token or None)
             try:
-                self._sampler.health()
+                client.health()
             except Exception as e:  # noqa: BLE001 - any transport error means "not reachable"
                 raise SamplerFailure(f"sampler.address = {sc.address!r} is not reachable "
                                      f"(after {sc.retries} retries): {e}") from e
-            self._sampler.load_weights(path, version)
+            try:
+                client.load_weights(path, version)
+            except SamplerRequestError as e:
+                raise SamplerRejected.from_error("load_weights", e) from e
+            self._sampler = client
         else:
-            self._proc = None
             self._sampler = self.local_engine(version, sc.quantization)
         self.version = version
         self._generation += 1
 
     def _restart(self, generation: int, fn_name: str, error: Exception, restarts: int) -> None:
-        """Replaces a failed subprocess (unless another thread already did); start-up failures use the budget too."""
+        """Replaces a failed subprocess (unless another thread already did); start-up failures use the budget too.
+
+        A stalled process is SIGKILLed (it would never act on SIGTERM); others get
+        SIGTERM first.  If the replacement fails to start, no sampler is left and
+        the next call fails at once, so `call` tries again while budget remains.
+        """
         with self._lock:
             if generation != self._generation:
                 return  # another thread already restarted it
             self.restarts_total += 1
             log.warning("sampler call %s failed (%s); restarting the sampler (%d/%d)", fn_name, error, restarts,
                         self.config.max_restarts)
-            try:
-                self._proc.stop()
-            except Exception:  # noqa: BLE001 - it may already be gone
-                pass
+            proc, self._proc, self._sampler = self._proc, None, None
+            if proc is not None:
+                try:
+                    proc.kill() if isinstance(error, SamplerStalled) else proc.stop()
+                except Exception:  # noqa: BLE001 - it may already be gone
+                    pass
             self._generation += 1  # a failed start leaves no live sampler: the next failure restarts again
             self.start(self.version)
 
     def call(self, fn_name: str, *args, **kwargs):
-        """Calls ``fn_name`` on the sampler; restarts a dead subprocess (same weights) and retries.
+        """Calls ``fn_name`` on the sampler; restarts a dead or stalled subprocess (same weights) and retries.
 
         Generation requests carry a seed, so a retried request returns the same
         rollouts: no training batch is lost or duplicated.
 
         Raises:
-          ValueError, TypeError: the request itself is bad (never retried).
-          SamplerFailure: the call still failed after ``sampler.max_restarts`` restarts,
-            or the sampler is not a restartable subprocess.
+          SamplerRejected: the sampler refused the request (a 4xx with the
+            server's message and field, or the engine's ValueError/TypeError);
+            never retried, no restart.
+          SamplerFailure: the call still failed after ``sampler.max_restarts``
+            restarts (replacements that die during start-up count too), or the
+            sampler is not a restartable subprocess.
         """
-        restarts = 0
+        restarts, startup_error = 0, None
         while True:
             generation = self._generation
             try:
-                return getattr(self._sampler, fn_name)(*args, **kwargs)
-            except (ValueError, TypeError):
-                raise
-            except Exception as e:  # connection errors, timeouts, 5xx after the client's own retries
-                if self._proc is None or restarts >= self.config.max_restarts:
-                    raise SamplerFailure(f"sampler call {fn_name} failed after {restarts} restarts: {e}") from e
+                return self._call_once(fn_name, args, kwargs)
+            except (ValueError, TypeError) as e:  # the request itself is bad (SamplerRequestError is a ValueError)
+                raise SamplerRejected.from_error(fn_name, e) from e
+            except Exception as e:  # connection errors, timeouts, stalls, 5xx after the client's own retries
+                if not self._restartable or restarts >= self.config.max_restarts:
+                    last = f"; the last start-up failed: {startup_error}" if startup_error and self._sampler is None \
+                        else ""
+                    raise SamplerFailure(f"sampler call {fn_name} failed after {restarts} restart(s) "
+                                         f"(sampler.max_restarts = {self.config.max_restarts}): {e}{last}") from e
                 restarts += 1
                 try:
                     self._restart(generation, fn_name, e, restarts)
-                except SamplerStartupError as startup_error:  # counts against the budget; the loop decides
-                    log.warning("restarting the sampler failed: %s", startup_error)
+                except SamplerStartupError as err:  # counts against the budget; the loop decides
+                    startup_error = err
+                    log.warning("restarting the sampler failed (%d/%d): %s", restarts, self.config.max_restarts, err)
+
+    def _call_once(self, fn_name: str, args: tuple, kwargs: dict):
+        """One attempt; calls on an HTTP sampler run under the stall probe (`_watched`)."""
+        sampler = self._sampler
+        if sampler is None:
+            raise SamplerFailure("no live sampler (the last start-up failed or the sampler was stopped)")
+        fn = getattr(sampler, fn_name)
+        if self.stall_probe_misses and hasattr(sampler, "probe"):
+            return self._watched(sampler, fn_name, fn, args, kwargs)
+        return fn(*args, **kwargs)
+
+    def _watched(self, sampler, fn_name: str, fn, args: tuple, kwargs: dict):
+        """Runs ``fn`` on a worker thread while probing ``sampler``'s /health from this one.
+
+        Returns what ``fn`` returns or raises what it raises.  Raises `SamplerStalled`
+        after ``stall_probe_misses`` consecutive probes without an answer; the
+        worker is abandoned then (a daemon thread, ended by the kill or its timeout).
+        """
+        box, done = {}, threading.Event()
+
+        def work():
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"sampler-{fn_name}", daemon=True).start()
+        misses = 0
+        while not done.wait(self.stall_probe_interval_s):
+            if sampler.probe(self.stall_probe_timeout_s):
+                misses = 0
+                continue
+            misses += 1
+            log.warning("sampler /health probe missed (%d/%d) while %s is in flight", misses,
+                        self.stall_probe_misses, fn_name)
+            if misses >= self.stall_probe_misses and not done.is_set():
+                self.stalls_total += 1
+                raise SamplerStalled(
+                    f"sampler stalled: {misses} consecutive /health probes ({self.stall_probe_interval_s:g} s apart, "
+                    f"{self.stall_probe_timeout_s:g} s timeout) got no answer while {fn_name} was in flight")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def generate(self, prompts, **kwargs) -> RolloutBatch:
         """Rollouts for ``prompts`` (lists of token ids); keyword arguments as ``SamplerClient.generate``."""
         return self.call("generate", prompts, **kwargs)
 
     def sync(self, params, version: int) -> None:
-        """Pushes ``params`` as weights version ``version`` and has the sampler load it."""
+        """Pushes ``params`` as weights version ``version`` and has the sampler load it.
+
+        Raises:
+          SamplerRejected: the sampler refused the version (e.g. non-finite or
+            damaged weights); its message names the version, path and the
+            server's reason.  The sampler keeps serving its previous version.
+          SamplerFailure: as `call`.
+        """
         path = self.push_weights(params, version)
-        self.call("load_weights", path, version)
+        try:
+            self.call("load_weights", path, version)
+        except SamplerRejected as e:
+            raise SamplerRejected("load_weights", f"weights version {version} at {path}: {e.message}",
+                                  status=e.status, field=e.field) from e
         self.version = version
 
     def kill_process(self) -> None:
@@ -174,7 +334,8 @@ class SamplerSupervisor:
             self._proc.proc.kill()
 
     def stop(self) -> None:
-        """Stops a subprocess sampler and drops the handle (idempotent)."""
+        """Stops a subprocess sampler and drops the handle (idempotent); no restart after this."""
+        self._restartable = False
         if self._proc is not None:
             self._proc.stop()
             self._proc = None
