@@ -141,6 +141,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.request_timeout_s = 300.0
     c.sampler.retries = 3
     c.sampler.max_restarts = 3
+    # Stall detection while a call is in flight (pdm_jax.sampler.supervisor): /health probed every
+    # interval, each probe given timeout seconds; this many consecutive misses = stalled (kill + restart).
+    c.sampler.stall_probe_interval_s = 10.0
+    c.sampler.stall_probe_timeout_s = 10.0
+    c.sampler.stall_probe_misses = 3  # 0 = no probing
     c.sampler.max_prompt_length = 64  # tokens; longest accepted prompt (largest prompt bucket)
     c.sampler.max_batch_size = 64  # largest batch bucket; bigger requests run in chunks
 
@@ -409,7 +414,10 @@ def _check_sampler_and_eval(config) -> None:
     for name in ("startup_timeout_s", "request_timeout_s"):
         _need(math.isfinite(sc[name]) and sc[name] > 0, f"sampler.{name}", sc[name],
               "must be a finite number of seconds > 0")
-    for name in ("retries", "max_restarts"):
+    for name in ("stall_probe_interval_s", "stall_probe_timeout_s"):
+        _need(math.isfinite(sc[name]) and sc[name] > 0, f"sampler.{name}", sc[name],
+              "must be a finite number of seconds > 0")
+    for name in ("retries", "max_restarts", "stall_probe_misses"):
         _need(sc[name] >= 0, f"sampler.{name}", sc[name], "must be >= 0")
     for field in ("eval.every_steps", "eval.samples_per_prompt", "eval.num_prompts", "checkpoint.every_steps",
                   "checkpoint.max_to_keep", "sft.batch_size", "sampler.max_prompt_length", "sampler.max_batch_size"):

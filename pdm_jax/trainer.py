@@ -442,6 +442,7 @@ class Trainer:
             sampler_tokens_per_second=tokens / max(timing["gen_seconds"], 1e-9),
             staleness=float(np.mean(version - 1 - rb.weights_version)),
             sampler_restarts=float(self.sampler.restarts_total),
+            sampler_stalls=float(self.sampler.stalls_total),
         )
         return rec
 

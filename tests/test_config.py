@@ -185,3 +185,14 @@ def test_profile_steps_are_checked_up_front():
         c.profile.steps = bad
         with pytest.raises(ValueError, match=f"profile.steps = '{bad}'"):
             validate_config(c)
+
+
+@pytest.mark.parametrize("field, value", [("sampler.stall_probe_interval_s", 0.0),
+                                          ("sampler.stall_probe_timeout_s", float("inf")),
+                                          ("sampler.stall_probe_misses", -1)])
+def test_stall_probe_settings_are_checked(field, value):
+    c = _valid_config()
+    group, name = field.split(".")
+    c[group][name] = value
+    with pytest.raises(ValueError, match=field):
+        validate_config(c)
