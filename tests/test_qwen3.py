@@ -64,6 +64,20 @@ def test_committed_reference_parity(case):
     assert np.isfinite(np.asarray(logits)).all()  # pure-padding queries stay finite
 
 
+@pytest.mark.parametrize("case", ["gqa_untied", "mqa_tied"])
+def test_committed_reference_parity_blockwise_attention(case):
+    """The blockwise attention kernel (tiles 3 x 5, not dividing T) vs transformers' logits."""
+    path = os.path.join(REF_DIR, case)
+    ref = np.load(os.path.join(path, "reference.npz"))
+    model = from_pretrained(path).set_compute_options(attention="blockwise", attention_block_q=3,
+                                                      attention_block_kv=5)
+    logits = forward(model, ref["input_ids"], positions=ref["position_ids"],
+                     attention_mask=ref["attention_mask"])
+    real = ref["attention_mask"].astype(bool)
+    assert np.abs(np.asarray(logits) - ref["logits"])[real].max() <= 1e-4
+    assert np.isfinite(np.asarray(logits)).all()
+
+
 def test_positions_matter():
     """Row 2 of the reference uses stride-2 positions: arange positions must disagree."""
     path = os.path.join(REF_DIR, "gqa_untied")

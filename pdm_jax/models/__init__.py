@@ -1,9 +1,18 @@
-"""pdm_jax.models: Flax NNX Qwen3, presets, HF safetensors I/O."""
+"""pdm_jax.models: Flax NNX Qwen3, presets, HF safetensors I/O, attention kernels."""
+from pdm_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from pdm_jax.models.attention import AttentionOptions, SelfAttentionMask
 from pdm_jax.models.hf_io import from_pretrained, load_config, save_pretrained
 from pdm_jax.models.presets import PRESETS, count_params, get_preset
-from pdm_jax.models.qwen3 import (KVCache, Qwen3Config, Qwen3ForCausalLM, default_positions,
-                                   init_model)
+from pdm_jax.models.qwen3 import (
+    REMAT_POLICIES,
+    KVCache,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    default_positions,
+    init_model,
+)
 
-__all__ = ["KVCache", "PRESETS", "Qwen3Config", "Qwen3ForCausalLM", "count_params",
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "PRESETS", "REMAT_POLICIES", "AttentionOptions", "KVCache",
+           "Qwen3Config", "Qwen3ForCausalLM", "SelfAttentionMask", "count_params",
            "default_positions", "from_pretrained", "get_preset", "init_model", "load_config",
            "save_pretrained"]

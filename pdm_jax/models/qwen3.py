@@ -32,6 +32,11 @@ Parameter layout (einsum friendly; ``pdm_jax.models.hf_io`` maps to/from HF's
 
 Every parameter carries logical axis names in its ``out_sharding`` metadata
 (see ``pdm_jax.sharding``); the model holds only ``nnx.Param`` state.
+
+The training forward (``__call__``/``hidden_states``) computes attention with the kernel
+``Qwen3ForCausalLM(attention=...)`` selects (``pdm_jax.models.attention``: the dense
+reference by default, blockwise / cuDNN / splash for long sequences) and can rematerialise
+each layer (``remat=...``); ``decode`` always attends densely over its KV cache.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from pdm_jax import sharding as shd
+from pdm_jax.models import attention as attn_lib
 
 Array = jax.Array
 
@@ -388,16 +394,23 @@ class Attention(nnx.Module):
         self.rope_theta = c.rope_theta
         self.dtype = dtype
 
-    def __call__(self, x_BxTxD: Array, positions_BxT: Array, mask_BxTxS: Array,
+    def __call__(self, x_BxTxD: Array, positions_BxT: Array,
+                 mask: attn_lib.SelfAttentionMask | Array,
                  kv: tuple[Array, Array] | None = None,
-                 cache_index: Array | None = None) -> tuple[Array, tuple[Array, Array] | None]:
+                 cache_index: Array | None = None,
+                 attention: attn_lib.AttentionOptions | None = None,
+                 ) -> tuple[Array, tuple[Array, Array] | None]:
         """Attends the T queries to S keys.
 
-        Without ``kv``, keys are the T current tokens (S = T). With ``kv`` = this layer's
-        cache ``(k [B,K,H,S], v [B,K,S,H])`` (see ``KVCache``), the current keys/values
-        are written at slots ``cache_index .. cache_index+T-1`` (``dynamic_update_slice``,
-        in place under buffer donation) and the queries attend to all S slots.
-        ``mask_BxTxS`` (bool) says which keys each query may see.
+        Without ``kv``, keys are the T current tokens (S = T) and ``mask`` is either a
+        ``pdm_jax.models.attention.SelfAttentionMask`` (causal self-attention with padding
+        and segments, computed by the kernel ``attention`` selects, default dense) or a
+        ``[B,T,S]`` bool array (dense attention under exactly that mask). With ``kv`` = this
+        layer's cache ``(k [B,K,H,S], v [B,K,S,H])`` (see ``KVCache``), the current
+        keys/values are written at slots ``cache_index .. cache_index+T-1``
+        (``dynamic_update_slice``, in place under buffer donation), the queries attend
+        densely to all S slots and ``mask`` is the ``[B,T,S]`` bool array of which slots
+        each query may see.
 
         Returns (out [B,T,D], updated ``(k, v)`` or None).
         """
@@ -412,13 +425,15 @@ class Attention(nnx.Module):
         q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, G, H)
         # A finite fill keeps fully masked rows (pure padding queries) NaN-free.
         fill = jnp.finfo(jnp.float32).min
-        if kv is None:
-            scores_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxTxKxH,
-                                          preferred_element_type=jnp.float32) * H ** -0.5
-            scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None, :, :], scores_BxKxGxTxS, fill)
-            probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(self.dtype)
-            out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxTxKxH)
+        if kv is None and isinstance(mask, attn_lib.SelfAttentionMask):
+            out_BxTxKxGxH = attn_lib.self_attention(
+                q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, mask,
+                attn_lib.AttentionOptions() if attention is None else attention, dtype=self.dtype)
+        elif kv is None:
+            out_BxTxKxGxH = attn_lib.dense_attention(q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, mask,
+                                                     dtype=self.dtype)
         else:
+            mask_BxTxS = mask
             k_BxKxHxS, v_BxKxSxH = kv
             zero = jnp.zeros((), jnp.int32)
             k_BxKxHxS = jax.lax.dynamic_update_slice(
@@ -485,10 +500,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(D, eps, logical_axis="norm", **kw)
         self.mlp = make_mlp(config, **kw)
 
-    def __call__(self, x_BxTxD, positions_BxT, mask_BxTxS, kv=None, cache_index=None):
-        """[B,T,D] -> ([B,T,D], kv); see ``Attention.__call__`` for the cache arguments."""
+    def __call__(self, x_BxTxD, positions_BxT, mask, kv=None, cache_index=None, attention=None):
+        """[B,T,D] -> ([B,T,D], kv); see ``Attention.__call__`` for the other arguments."""
         attn_BxTxD, kv = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT,
-                                        mask_BxTxS, kv, cache_index)
+                                        mask, kv, cache_index, attention)
         x_BxTxD = x_BxTxD + attn_BxTxD
         x_BxTxD = x_BxTxD + self.mlp(self.post_attention_layernorm(x_BxTxD))
         return shd.constrain(x_BxTxD, ("batch", "length", "embed")), kv
@@ -499,12 +514,50 @@ class DecoderLayer(nnx.Module):
 # --------------------------------------------------------------------------------------
 
 
-def default_positions(input_ids_BxT: Array, attention_mask_BxT: Array | None = None) -> Array:
-    """[B,T] int32: cumsum(mask)-1 clipped at 0 (left padding friendly), or arange(T)."""
+def default_positions(input_ids_BxT: Array, attention_mask_BxT: Array | None = None,
+                      segment_ids_BxT: Array | None = None) -> Array:
+    """[B,T] int32 rotary positions: the number of real tokens before t, counted from the
+    start of t's segment.
+
+    Without ``segment_ids`` (one segment per row): cumsum(mask)-1 clipped at 0 (left
+    padding friendly), or arange(T) without a mask. With ``segment_ids`` [B,T] (packed
+    rows; each segment a contiguous run of equal ids), the count restarts where the id
+    changes, so a packed segment gets the positions it would have alone.
+    """
     B, T = input_ids_BxT.shape
-    if attention_mask_BxT is None:
-        return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+    if segment_ids_BxT is None:
+        if attention_mask_BxT is None:
+            return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+    real_BxT = (jnp.ones((B, T), jnp.int32) if attention_mask_BxT is None
+                else jnp.asarray(attention_mask_BxT).astype(jnp.int32))
+    count_BxT = jnp.cumsum(real_BxT, axis=-1)
+    seg_BxT = jnp.asarray(segment_ids_BxT)
+    starts_BxT = jnp.concatenate([jnp.ones((B, 1), bool), seg_BxT[:, 1:] != seg_BxT[:, :-1]], axis=1)
+    # Real tokens before each segment's start (non-decreasing along the row: a running max).
+    base_BxT = jax.lax.cummax(jnp.where(starts_BxT, count_BxT - real_BxT, 0), axis=1)
+    return jnp.maximum(count_BxT - base_BxT - 1, 0)
+
+
+# Per-layer rematerialisation of the training forward (``Qwen3ForCausalLM(remat=...)``):
+# the policy names are those of ``jax.checkpoint_policies``; "full" saves nothing.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat_layer(layer: nnx.Module, policy, attention: attn_lib.AttentionOptions, x_BxTxD: Array,
+                 positions_BxT: Array, mask: attn_lib.SelfAttentionMask) -> Array:
+    """``layer(x, ...)[0]`` under ``jax.checkpoint(policy=policy)`` (recomputed in the backward)."""
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x_BxTxD, positions_BxT, mask):
+        return nnx.merge(graphdef, state)(x_BxTxD, positions_BxT, mask, attention=attention)[0]
+
+    return jax.checkpoint(run, policy=policy)(state, x_BxTxD, positions_BxT, mask)
 
 
 class Qwen3ForCausalLM(nnx.Module):
@@ -517,12 +570,30 @@ class Qwen3ForCausalLM(nnx.Module):
       dtype: computation dtype (activations, matmul inputs). Attention softmax, RMSNorm
         statistics and RoPE run in f32; logits are always f32.
       param_dtype: storage dtype of the parameters.
+      attention: the training forward's attention kernel, one of
+        ``pdm_jax.models.attention.IMPLEMENTATIONS`` ("dense" the reference, "blockwise",
+        "cudnn", "splash", "auto"; see that module). ``decode`` always attends densely over
+        its cache.
+      remat: per-layer rematerialisation of the training forward, a key of
+        ``REMAT_POLICIES`` ("none", "full", "dots_saveable",
+        "dots_with_no_batch_dims_saveable").
+      attention_block_q, attention_block_kv: tile lengths of "blockwise" and "splash".
+    Raises:
+      ValueError: naming the option and the value for an unknown ``attention`` or ``remat``
+        or a non-positive block size.
+    The compute options are static (part of the ``nnx.split`` graph definition); change
+    them on an existing model with ``set_compute_options``.
     """
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, attention: str = "dense", remat: str = "none",
+                 attention_block_q: int = 512, attention_block_kv: int = 512):
         self.config = config
         self.dtype = dtype
+        self.attention_options = attn_lib.AttentionOptions(attention, attention_block_q,
+                                                           attention_block_kv)
+        self.remat = "none"
+        self.set_compute_options(remat=remat)
         kw = dict(rngs=KeySeq(_next_key(rngs)), dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
         self.layers = nnx.List([DecoderLayer(config, **kw)
@@ -533,6 +604,24 @@ class Qwen3ForCausalLM(nnx.Module):
         else:
             self.lm_head = Proj("btd,dv->btv", (config.hidden_size, config.vocab_size),
                                 ("embed", "vocab"), **kw)
+
+    # ------------------------------------------------------------------ options
+    def set_compute_options(self, *, attention: str | None = None, remat: str | None = None,
+                            attention_block_q: int | None = None,
+                            attention_block_kv: int | None = None) -> Qwen3ForCausalLM:
+        """Sets the training forward's attention kernel / remat policy / tiles in place
+        (None keeps the current value); returns the model. Same values and errors as the
+        constructor's arguments."""
+        if remat is not None:
+            if remat not in REMAT_POLICIES:
+                raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+            self.remat = remat
+        opts = self.attention_options
+        self.attention_options = attn_lib.AttentionOptions(
+            opts.implementation if attention is None else attention,
+            opts.block_q if attention_block_q is None else attention_block_q,
+            opts.block_kv if attention_block_kv is None else attention_block_kv)
+        return self
 
     # ------------------------------------------------------------------ helpers
     def _logits(self, x_BxTxD: Array) -> Array:
@@ -557,28 +646,38 @@ class Qwen3ForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------ full forward
     def __call__(self, input_ids: Array, positions: Array | None = None,
-                 attention_mask: Array | None = None) -> Array:
+                 attention_mask: Array | None = None, segment_ids: Array | None = None) -> Array:
         """Full causal forward.
 
         Args:
           input_ids: [B, T] int32 token ids (ids outside [0, V) are clipped, so any pad id
             is safe at masked positions).
-          positions: [B, T] int32 rotary positions; default ``cumsum(attention_mask)-1``
-            clipped at 0, or ``arange(T)`` without a mask.
+          positions: [B, T] int32 rotary positions; default ``default_positions``:
+            ``cumsum(attention_mask)-1`` clipped at 0 (restarting at each segment), or
+            ``arange(T)`` without a mask.
           attention_mask: [B, T] bool/int, 1 = real token. Padded keys are never attended
             (left or right padding). Logits at padded query positions are finite but
-            meaningless.
+            meaningless (and may differ between attention kernels).
+          segment_ids: [B, T] int, optional: packed sequences; a token attends only to
+            earlier tokens with the same id. None = one sequence per row.
         Returns:
           logits: [B, T, V] float32.
         """
-        return self.logits_from_hidden(self.hidden_states(input_ids, positions, attention_mask))
+        return self.logits_from_hidden(
+            self.hidden_states(input_ids, positions, attention_mask, segment_ids))
 
     def hidden_states(self, input_ids: Array, positions: Array | None = None,
-                      attention_mask: Array | None = None) -> Array:
+                      attention_mask: Array | None = None,
+                      segment_ids: Array | None = None) -> Array:
         """Final hidden states [B,T,D] (compute dtype), after the final RMSNorm, before the LM head.
 
         Same arguments as ``__call__``;
-        ``self.logits_from_hidden(self.hidden_states(...))`` equals ``self(...)``.
+        ``self.logits_from_hidden(self.hidden_states(...))`` equals ``self(...)``. Attention
+        uses ``self.attention_options``; each layer runs under ``self.remat``.
+
+        Raises:
+          ValueError: naming the argument when a shape is not [B, T] or ``segment_ids`` is
+            not an integer array.
         """
         input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
         if input_ids_BxT.ndim != 2:
@@ -587,20 +686,28 @@ class Qwen3ForCausalLM(nnx.Module):
         if attention_mask is not None and jnp.shape(attention_mask) != (B, T):
             raise ValueError(
                 f"attention_mask must have shape {(B, T)}, got {jnp.shape(attention_mask)}")
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
+            if segment_ids.shape != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+                raise ValueError(f"segment_ids must be an integer array of shape {(B, T)}, got "
+                                 f"{segment_ids.dtype} {segment_ids.shape}")
         if positions is None:
-            positions_BxT = default_positions(input_ids_BxT, attention_mask)
+            positions_BxT = default_positions(input_ids_BxT, attention_mask, segment_ids)
         else:
             positions_BxT = jnp.asarray(positions, jnp.int32)
         if positions_BxT.shape != (B, T):
             raise ValueError(f"positions must have shape {(B, T)}, got {positions_BxT.shape}")
-        causal_TxS = jnp.tril(jnp.ones((T, T), dtype=bool))
-        if attention_mask is None:
-            mask_BxTxS = jnp.broadcast_to(causal_TxS, (B, T, T))
-        else:
-            mask_BxTxS = causal_TxS[None] & jnp.asarray(attention_mask).astype(bool)[:, None, :]
+        mask = attn_lib.SelfAttentionMask(
+            key_valid=None if attention_mask is None else jnp.asarray(attention_mask),
+            segment_ids=segment_ids)
         x_BxTxD = self._embed(input_ids_BxT)
+        policy = REMAT_POLICIES[self.remat]
         for layer in self.layers:
-            x_BxTxD, _ = layer(x_BxTxD, positions_BxT, mask_BxTxS)
+            if self.remat == "none":
+                x_BxTxD, _ = layer(x_BxTxD, positions_BxT, mask, attention=self.attention_options)
+            else:
+                x_BxTxD = _remat_layer(layer, policy, self.attention_options, x_BxTxD,
+                                       positions_BxT, mask)
         return shd.constrain(self.norm(x_BxTxD), ("batch", "length", "embed"))
 
     # ------------------------------------------------------------------ KV cache path
@@ -671,7 +778,7 @@ class Qwen3ForCausalLM(nnx.Module):
 
 def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,
                param_dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
-               rules: shd.Rules | None = None) -> Qwen3ForCausalLM:
+               rules: shd.Rules | None = None, **compute_options) -> Qwen3ForCausalLM:
     """Randomly initialised ``Qwen3ForCausalLM`` built by one compiled program.
 
     Same initialisation as ``Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed), ...)`` (equal
@@ -679,12 +786,14 @@ def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,
     program, cached per (config, dtypes, mesh, rules) with the seed as an argument. With
     ``mesh``, every parameter is created directly on its ``NamedSharding``
     (``pdm_jax.sharding.param_shardings`` under ``rules``), so a large model never exists
-    unsharded on one device.
+    unsharded on one device. ``compute_options`` (``attention``, ``remat``,
+    ``attention_block_q``, ``attention_block_kv``) go to ``set_compute_options``.
     """
     rules = shd.DEFAULT_RULES if rules is None else tuple(rules)
     graphdef, init_fn = _compiled_init(config, jnp.dtype(dtype), jnp.dtype(param_dtype), mesh,
                                        rules)
-    return nnx.merge(graphdef, init_fn(jnp.int32(seed)))
+    model = nnx.merge(graphdef, init_fn(jnp.int32(seed)))
+    return model.set_compute_options(**compute_options)
 
 
 @functools.lru_cache(maxsize=16)
