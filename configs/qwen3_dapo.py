@@ -34,6 +34,9 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     c.model.hf_path = hf_path
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
+    # Memory for 2k + 8k-token sequences on a pod (python -m pdm_jax.train --config=configs/qwen3_dapo.py --dry_run):
+    c.model.attention = "auto"  # splash on TPU, cuDNN on GPU: no [T,T] probabilities
+    c.model.remat = "full"  # each layer keeps only its input for the backward pass
     c.tokenizer.kind = "path"
     c.tokenizer.path = hf_path  # HF checkpoints ship tokenizer.json
     c.data.kind = "dapo_math"
@@ -56,6 +59,8 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     c.rl.policy_loss = "tis"
     c.rl.tis_cap = 5.0
     c.rl.loss_aggregation = "token_mean"
+    c.rl.logits_chunk_size = 512  # never all [B,T,V] logits (V = 151,936)
+    c.rl.micro_batch_size = 64  # 256-sequence mini-batches in 4 micro-batches (1 sequence per chip on 64 chips)
     c.trust_region.mask = "pdm"
     c.trust_region.divergence = "topk_kl"
     c.trust_region.estimator = "bucket_exact"
@@ -69,6 +74,7 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
+    c.dry_run.num_devices = 64  # the pod the defaults are sized for: 64 x v5p (dry_run.chip)
     c.checkpoint.every_steps = 10
     return c
 

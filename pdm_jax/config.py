@@ -26,6 +26,7 @@ import numpy as np
 from pdm_jax import data as data_sources
 from pdm_jax import trust_region
 from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.models import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
@@ -66,6 +67,13 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.max_position_embeddings = 512
     c.model.param_dtype = "float32"
     c.model.dtype = "float32"  # compute dtype of the trainer
+    # Training forward (pdm_jax.models.attention; the sampler's decode is unaffected): "dense" (reference,
+    # [T,S] probabilities) | "blockwise" (online softmax, memory linear in T) | "cudnn" (GPU) | "splash" (TPU)
+    # | "auto" (dense up to 512 tokens, then splash on TPU, cudnn on GPU, blockwise elsewhere).
+    c.model.attention = "dense"
+    c.model.attention_block_q = 512  # query / key tile sizes of blockwise and splash attention (tokens)
+    c.model.attention_block_kv = 512
+    c.model.remat = "none"  # per-layer jax.checkpoint: "none" | "full" | "dots_saveable" | "dots_with_no_batch_dims_saveable"
 
     # ---- tokenizer ---------------------------------------------------------------------
     c.tokenizer = ml_collections.ConfigDict()
@@ -296,6 +304,14 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
     return config
 
 
+def compute_options(model_fields: ml_collections.ConfigDict) -> dict:
+    """The training forward's options of ``model.*`` (attention kernel, its tiles, remat), as keyword
+    arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
+    return dict(attention=model_fields.attention, remat=model_fields.remat,
+                attention_block_q=int(model_fields.attention_block_q),
+                attention_block_kv=int(model_fields.attention_block_kv))
+
+
 def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size: int):
     """The ``Qwen3Config`` of a randomly initialised model described by the run config's ``model.*``.
 
@@ -432,6 +448,11 @@ def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
         except TypeError:
             ok = False
         _need(ok, f"model.{name}", mc[name], "must be a floating dtype name (float32, bfloat16, ...)")
+    _need(mc.attention in ATTENTION_IMPLEMENTATIONS, "model.attention", mc.attention,
+          f"must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}")
+    _need(mc.remat in REMAT_POLICIES, "model.remat", mc.remat, f"must be one of {tuple(REMAT_POLICIES)}")
+    for name in ("attention_block_q", "attention_block_kv"):
+        _need(mc[name] >= 1, f"model.{name}", mc[name], "must be >= 1 (tokens)")
     if mc.preset and not mc.hf_path:
         _need(mc.preset in PRESETS, "model.preset", mc.preset, f"must be one of {sorted(PRESETS)}")
     if not mc.hf_path and not mc.preset:

@@ -43,7 +43,7 @@ from jax._src import xla_bridge
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdm_jax import train_step as ts
-from pdm_jax.config import model_config_from_fields, step_configs
+from pdm_jax.config import compute_options, model_config_from_fields, step_configs
 from pdm_jax.distributed import opt_state_shardings
 from pdm_jax.models.hf_io import load_config
 from pdm_jax.models.presets import PRESETS, get_preset
@@ -127,10 +127,22 @@ class StepShape:
     top_k: int
     logits_chunk_size: int
     micro_batch_size: int = 0  # sequences per micro-batch (0: the whole mini-batch at once)
+    attention: str = "dense"  # the training forward's attention, "auto" resolved for the target chip
+    remat: str = "none"  # the per-layer remat policy (pdm_jax.models.REMAT_POLICIES)
 
 
-def step_shape(config) -> StepShape:
-    """The mini-batch the trainer feeds one jitted step (sequences, padded lengths, K, chunk)."""
+def resolve_attention(attention: str, chip: str, seq: int) -> str:
+    """``model.attention`` as the target chip would run it: "auto" is dense up to 512 tokens, else the
+    chip's fused kernel (splash on TPU, cudnn on GPU), as ``pdm_jax.models.attention`` resolves it."""
+    if attention != "auto":
+        return attention
+    if seq <= 512:
+        return "dense"
+    return "cudnn" if chip.startswith("H") else "splash"
+
+
+def step_shape(config, chip: Optional[str] = None) -> StepShape:
+    """The mini-batch the trainer feeds one jitted step (sequences, padded lengths, K, chunk, attention, remat)."""
     rl = config.rl
     n = rl.prompts_per_step * rl.group_size
     if rl.num_minibatches < 1 or n % rl.num_minibatches:
@@ -138,7 +150,10 @@ def step_shape(config) -> StepShape:
     p = round_up(int(config.sampler.max_prompt_length), 8)
     return StepShape(batch=n // rl.num_minibatches, prompt_len=p, completion_len=int(rl.max_new_tokens),
                      top_k=int(rl.top_k_logprobs), logits_chunk_size=int(rl.logits_chunk_size),
-                     micro_batch_size=int(rl.micro_batch_size))
+                     micro_batch_size=int(rl.micro_batch_size),
+                     attention=resolve_attention(config.model.attention, chip or config.dry_run.chip,
+                                                 p + int(rl.max_new_tokens)),
+                     remat=config.model.remat)
 
 
 def mesh_sizes(config, num_devices: int) -> dict:
@@ -148,8 +163,9 @@ def mesh_sizes(config, num_devices: int) -> dict:
     return {"data": d, "fsdp": f, "tensor": t}
 
 
-def _abstract_model(model_cfg, dtype, param_dtype):
-    return nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
+def _abstract_model(model_cfg, dtype, param_dtype, **compute):
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(model_cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
+                                                   **compute))
 
 
 def _dtype(name):
@@ -184,13 +200,18 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     * ``gradients``: one parameter-sized buffer (two with micro-batches: the accumulator);
     * ``gathered``: sharded (FSDP / tensor) parameters all-gathered for use and
       their gradients before the reduce-scatter, upper bound 2 x (full - local)
-      parameter bytes (kept across the backward pass without remat);
+      parameter bytes (kept across the backward pass without remat; with remat
+      about three layers' worth, 3 / L of it);
     * ``activations``: buffers kept for the backward pass, per token of the
       local batch (B / (data*fsdp) sequences of P+T tokens, or the micro-batch's
       ``micro_batch_size`` / (data*fsdp) with ``rl.micro_batch_size``), per layer:
-      ``a * (9 D + 3 (N+K) H + K H + 4 F)`` plus the attention scores and
-      probabilities ``(4 + a) N (P+T)`` (a = compute dtype bytes; heads, kv
-      heads and F divided by the tensor axis when it divides them);
+      ``a * (9 D + 3 (N+K) H + K H + 4 F)`` plus, for dense attention, the scores
+      and probabilities ``(4 + a) N (P+T)`` (blockwise / splash / cudnn: only the
+      output and log-sum-exp, ``N (a H + 4)``) (a = compute dtype bytes; heads, kv
+      heads and F divided by the tensor axis when it divides them). With
+      ``model.remat=full`` a layer keeps only its input (``a D``) and one layer's
+      buffers are live again while it is recomputed; the dots policies keep the
+      matmul outputs ``a ((N + 2K) H + 2 D + 2 F)``;
     * ``loss``: 4 f32 ``[B, T, V]`` buffers (logits, log-softmax, the trust
       region's tail log pi, the softmax of the backward), or with
       ``logits_chunk_size`` c the same for ``[B, c, V]`` plus the ``[B, T, D]``
@@ -211,9 +232,21 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     seq = shape.prompt_len + shape.completion_len
     tokens = m_loc * seq
     h, d = c.head_dim, c.hidden_size
+    dense = shape.attention == "dense"
+    # Dense attention keeps its [S] scores and probabilities per query and head; the fused / blockwise
+    # kernels keep only their output and log-sum-exp (their tiles are transient).
+    attention = (4 + a) * n_heads * seq if dense else n_heads * (h * a + 4)
     per_token_layer = (a * (_ACT_D_BUFFERS * d + _ACT_QKV_BUFFERS * (n_heads + n_kv) * h + n_kv * h
-                            + _ACT_F_BUFFERS * f) + (4 + a) * n_heads * seq)
-    activations = tokens * per_token_layer * c.num_hidden_layers + tokens * d * a  # + embeddings
+                            + _ACT_F_BUFFERS * f) + attention)
+    if shape.remat == "none":
+        kept_per_layer = per_token_layer
+    elif shape.remat == "full":  # each layer keeps its input; one layer's buffers are live while recomputed
+        kept_per_layer = a * d
+    else:  # dots policies keep the matmul outputs (q, k, v, o, gate, up, down) and recompute the rest
+        kept_per_layer = (a * ((n_heads + 2 * n_kv) * h + 2 * d + 2 * f)
+                          + (attention if shape.remat == "dots_saveable" and dense else 0))
+    recomputed = 0 if shape.remat == "none" else per_token_layer
+    activations = tokens * (kept_per_layer * c.num_hidden_layers + recomputed) + tokens * d * a  # + embeddings
     t = shape.completion_len
     if shape.logits_chunk_size and shape.logits_chunk_size < t:
         loss = (_LOSS_V_BUFFERS * m_loc * shape.logits_chunk_size * v * 4 + 2 * m_loc * t * d * a
@@ -224,7 +257,10 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     full_params = n_params * _dtype(param_dtype).itemsize
     batch = b_loc * (shape.prompt_len * 5 + t * (4 + 1 + 4 + 8 * shape.top_k) + 4)
     gradients = params * (2 if shape.micro_batch_size else 1)  # + the accumulator of the micro-batch scan
-    out = dict(params=params, optimizer=2 * params, gradients=gradients, gathered=2 * (full_params - params),
+    gathered = 2 * (full_params - params)
+    if shape.remat != "none":  # layers are re-gathered as they are recomputed: about 3 layers' worth live at once
+        gathered = int(gathered * min(1.0, 3 / c.num_hidden_layers))
+    out = dict(params=params, optimizer=2 * params, gradients=gradients, gathered=gathered,
                activations=int(activations), loss=int(loss), batch=int(batch))
     out["total"] = sum(out.values())
     out["num_params"] = n_params
@@ -258,7 +294,12 @@ def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, activatio
         raise RuntimeError(f"the mesh {sizes} needs {n_dev} devices, JAX has {len(jax.devices())}")
     mesh = make_mesh(devices=jax.devices()[:n_dev], **sizes)
     mc = config.model
-    abstract = _abstract_model(model_cfg, _dtype(mc.dtype), _dtype(mc.param_dtype))
+    compute = compute_options(mc)
+    if shape.attention in ("splash", "cudnn"):  # the chip's kernel does not compile for CPU devices:
+        compute["attention"] = "blockwise"  # its memory behaviour (linear in T) is the blockwise kernel's
+    else:
+        compute["attention"] = shape.attention
+    abstract = _abstract_model(model_cfg, _dtype(mc.dtype), _dtype(mc.param_dtype), **compute)
     graphdef, abs_params = nnx.split(abstract)
     abs_params = _with_shardings(abs_params, param_shardings(abs_params, mesh))
     configs = step_configs(config, max_response_length=shape.completion_len)
@@ -323,7 +364,7 @@ def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
         raise ValueError(f"dry_run.chip must be one of {sorted(CHIP_HBM_GIB)}, got {chip!r}")
     step_configs(config)  # config errors before any work
     model_cfg = resolve_model_config(config)
-    shape = step_shape(config)
+    shape = step_shape(config, chip)
     sizes = mesh_sizes(config, num_devices)
     analytic = analytic_plan(model_cfg, shape, sizes, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
     n_params = analytic.pop("num_params")
@@ -355,7 +396,8 @@ def format_report(report: dict) -> str:
         f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} on {math.prod(m.values())} x {report['chip']} "
         f"({hbm / GIB:.0f} GiB HBM each)",
         f"step: {s.batch} sequences x ({s.prompt_len} prompt + {s.completion_len} completion) tokens, K={s.top_k}, "
-        f"logits_chunk_size={s.logits_chunk_size or 'off'}, micro_batch_size={s.micro_batch_size or 'off'}",
+        f"logits_chunk_size={s.logits_chunk_size or 'off'}, micro_batch_size={s.micro_batch_size or 'off'}, "
+        f"attention={s.attention}, remat={s.remat}",
         "",
         f"ANALYTIC estimate, per device        {unit}",
     ]
@@ -372,6 +414,9 @@ def format_report(report: dict) -> str:
                      f"({100 * c['total'] / hbm:.0f}% of HBM)")
     else:
         lines += ["", f"COMPILED: {report['compiled_note']}"]
+    # The verdict (last line): the analytic plan for the target chip (the compiled one is XLA:CPU's estimate).
+    verdict = "fits" if a_total <= hbm else "does not fit"
+    lines += ["", f"per-device total {a_total / GIB:.2f} GiB of {hbm / GIB:.0f} GiB HBM: {verdict}"]
     return "\n".join(lines)
 
 

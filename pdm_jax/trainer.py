@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from pdm_jax import evaluation, objectives, train_step as ts
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
-from pdm_jax.config import model_config_from_fields, step_configs, validate_config
+from pdm_jax.config import compute_options, model_config_from_fields, step_configs, validate_config
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary
@@ -165,10 +165,12 @@ class Trainer:
         param_dtype = jnp.dtype(mc.param_dtype)
         if mc.hf_path:  # model.param_dtype masters (f32) under model.dtype compute, read straight into their shards
             model = from_pretrained(mc.hf_path, dtype=dtype, param_dtype=param_dtype, mesh=self.mesh)
+            model.set_compute_options(**compute_options(mc))
             cfg = model.config
         else:
             cfg = get_preset(mc.preset) if mc.preset else model_config_from_fields(mc, self.vocab_size)
-            model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(self.config.seed), dtype=dtype, param_dtype=param_dtype)
+            model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(self.config.seed), dtype=dtype, param_dtype=param_dtype,
+                                     **compute_options(mc))
         if cfg.vocab_size < self.vocab_size:
             raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {self.vocab_size}")
         model_dir = os.path.join(self.workdir, "model")

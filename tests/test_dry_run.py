@@ -75,9 +75,17 @@ def test_qwen3_8b_cli_dry_run_prints_memory_table():
     assert "not compiled" in text and "max_compile_params" in text  # says that it is analytic
 
 
+def _without_memory_savers(config):
+    """The DAPO config as it was before scan-free memory savers: dense attention, no remat, one-shot loss."""
+    c = config.copy_and_resolve_references()
+    c.model.attention, c.model.remat = "dense", "none"
+    c.rl.logits_chunk_size = c.rl.micro_batch_size = 0
+    return c
+
+
 def test_qwen3_4b_and_8b_analytic_plans():
     for size, preset in (("4b", "qwen3_4b"), ("8b", "qwen3_8b")):
-        config = _config("qwen3_dapo", f"size={size}")
+        config = _without_memory_savers(_config("qwen3_dapo", f"size={size}"))
         report = dry_run.plan(config, mode="analytic", chip="v5p", num_devices=16)
         a = report["analytic"]
         n = count_params(dry_run.resolve_model_config(config))
@@ -91,6 +99,37 @@ def test_qwen3_4b_and_8b_analytic_plans():
         chunked = dry_run.plan(_with_chunk(config, 256), mode="analytic", chip="v5p", num_devices=16)["analytic"]
         assert chunked["loss"] < a["loss"] / 10  # chunking bounds the loss buffers
         assert "fits in HBM?" in dry_run.format_report(report)
+
+
+def test_qwen3_8b_dapo_defaults_fit_64_v5p():
+    """The issue's command: 128 prompts x 8 samples, 2,048 + 8,192 tokens on 64 x v5p (the config's defaults)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert "256 sequences x (2048 prompt + 8192 completion) tokens" in out.stdout and "on 64 x v5p" in out.stdout
+    assert "attention=splash, remat=full" in out.stdout
+    assert lines[-1].startswith("per-device total ") and lines[-1].endswith("GiB of 95 GiB HBM: fits"), lines[-1]
+    before = dry_run.plan(_without_memory_savers(_config("qwen3_dapo", "size=8b")), mode="analytic")
+    after = dry_run.plan(_config("qwen3_dapo", "size=8b"), mode="analytic")
+    assert before["analytic"]["total"] > 20 * before["hbm_bytes"] and after["analytic"]["total"] < after["hbm_bytes"]
+
+
+def test_remat_and_blockwise_attention_in_the_analytic_plan():
+    base = _config("tiny")
+    base.rl.max_new_tokens = 448  # 512-token sequences
+    base.model.max_position_embeddings = 1024
+    plans = {}
+    for attention in ("dense", "blockwise"):
+        for remat in ("none", "full"):
+            c = base.copy_and_resolve_references()
+            c.model.attention, c.model.remat = attention, remat
+            plans[attention, remat] = dry_run.plan(c, mode="analytic", num_devices=8)["analytic"]["activations"]
+    assert plans["blockwise", "none"] < 0.5 * plans["dense", "none"]  # no [T,T] probabilities per layer
+    assert plans["dense", "full"] < 0.6 * plans["dense", "none"]  # 3 layers: inputs + one recomputed layer
+    assert plans["blockwise", "full"] < plans["blockwise", "none"]
 
 
 def test_qwen3_dapo_size_argument():
