@@ -13,14 +13,17 @@ CORRECT_SCORE = 0.999  # a verifier score at or above this counts as a correct a
 def score_rollouts(source, codec: TextCodec, rb: RolloutBatch, examples, n: int) -> np.ndarray:
     """Verifier rewards ``[N]`` float32 of each completion against its prompt's example.
 
-    Rows are prompt-major: row ``i`` belongs to ``examples[i // n]`` (n samples per prompt).
+    Rows are prompt-major: row ``i`` belongs to ``examples[i // n]`` (n samples per prompt). A row
+    whose ``finish_reason`` is "length" is scored with ``truncated=True`` (``data.verifiers``).
     A source with ``score_batch`` (math-verify workers) scores the whole batch concurrently.
     """
     texts = [codec.decode_completion(rb.completion_ids[i], rb.completion_mask[i]) for i in range(rb.num_sequences)]
     exs = [examples[i // n] for i in range(rb.num_sequences)]
+    # A completion cut off by max_tokens ("length") gets no credit for an answer on its unfinished last line.
+    truncated = [str(r) == "length" for r in rb.finish_reason]
     if hasattr(source, "score_batch"):
-        return np.asarray(source.score_batch(texts, exs), np.float32)
-    return np.asarray([source.score(t, e) for t, e in zip(texts, exs)], np.float32)
+        return np.asarray(source.score_batch(texts, exs, truncated=truncated), np.float32)
+    return np.asarray([source.score(t, e, truncated=c) for t, e, c in zip(texts, exs, truncated)], np.float32)
 
 
 def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: float, max_new_tokens: int,

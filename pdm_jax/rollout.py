@@ -201,7 +201,8 @@ def _as(x, dtype, name, ndim):
             bad = a.max() if a.max() > info.max else a.min()
             raise ValueError(f"RolloutBatch.{name} holds {bad}, outside the {np.dtype(dtype).name} range")
         return a.astype(dtype)
-    return a.astype(dtype)
+    with np.errstate(over="ignore"):  # an overflow to inf is named by the caller's finiteness check
+        return a.astype(dtype)
 
 
 def pad_axis(x: np.ndarray, length: int, axis: int, *, left: bool = False, value=0) -> np.ndarray:

@@ -39,16 +39,17 @@ def _run(argv):
 
 def test_readme_shows_every_table_command():
     commands = readme_dry_run_commands()
-    assert len(commands) == 3
-    eight_b = [c for c in commands if "configs/qwen3_dapo.py:size=8b" in c[3]]
+    assert len(commands) == 4
+    eight_b = [c for c in commands if "configs/qwen3_dapo.py:size=8b" in c[3] and len(c) > 5]
     assert len(eight_b) == 2 and all("--config.dry_run.num_devices=64" in c for c in eight_b)
+    assert ["python", "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run"] in commands
     assert sum("--config.rl.logits_chunk_size=512" in c for c in eight_b) == 1
 
 
 @pytest.mark.slow
 def test_readme_dry_run_commands_print_the_table_figures():
     commands = readme_dry_run_commands()
-    unchunked, chunked = [c for c in commands if "size=8b" in c[3]]
+    unchunked, chunked = [c for c in commands if "size=8b" in c[3] and len(c) > 5]
     a, b = _run(unchunked), _run(chunked)
     # | params / AdamW / grads | 0.48 / 0.96 / 0.48 | same |
     for plan in (a, b):
@@ -56,6 +57,8 @@ def test_readme_dry_run_commands_print_the_table_figures():
             0.48, 0.96, 0.48)
         assert round(plan["activations"]) == 2982
     assert (round(a["loss"], 1), round(b["loss"], 1)) == (74.2, 5.1)
+    defaults = _run(["python", "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run"])
+    assert round(defaults["total"], 2) == 13.61 and round(defaults["activations"], 1) == 4.9
     (four_b,) = [c for c in commands if "size=4b" in c[3]]
     assert "--config.dry_run.mode=compile" in four_b
     assert round(_run(four_b + ["--config.dry_run.mode=analytic"])["total"]) == 105  # "analytic 105 GiB"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 from pdm_jax.data.tasks import Example, PromptSource, _check_index
 
