@@ -134,8 +134,8 @@ def initialize(settings: Optional[DistributedSettings] = None) -> None:
       RuntimeError: a JAX backend was already initialised in this process (too late).
       ValueError: from :class:`DistributedSettings` or JAX (missing coordinator etc.).
     """
-    from jax._src import distributed as _jax_distributed
-    from jax._src import xla_bridge
+    from jax._src import distributed as _jax_distributed  # private JAX API, only when initializing multi-host
+    from jax._src import xla_bridge  # private JAX API, only when initializing multi-host
 
     settings = settings or DistributedSettings()
     if _jax_distributed.global_state.client is not None:

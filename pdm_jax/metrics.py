@@ -38,7 +38,7 @@ class MetricsWriter:
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # only when log.tensorboard is on
 
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
@@ -152,10 +152,10 @@ def run_summary(records: Iterable[dict], *, config, meta: Mapping, last_eval: Ma
 def plot_curves(records: Iterable[dict], out_png: str,
                 keys=("reward", "eval_accuracy", "frac_masked", "mean_topk_kl")) -> None:
     """Draws RL curves (reward, accuracy, masked fraction, top-K KL against step) with matplotlib."""
-    import matplotlib
+    import matplotlib  # heavy (~1 s); only when curves are drawn (Agg backend set first)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy (~1 s); only when a figure is drawn (Agg backend set first)
 
     recs = [r for r in records if r.get("phase") in ("rl", "eval")]
     titles = {"reward": "mean reward", "eval_accuracy": "held-out accuracy (avg@k)",

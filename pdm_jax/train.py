@@ -47,7 +47,7 @@ def main(argv):
     if _CONFIG.value is None:
         raise app.UsageError("--config is required (e.g. --config=configs/tiny.py)")
     if _DRY_RUN.value:  # before anything starts JAX: the fake CPU devices are set up first
-        from pdm_jax import dry_run
+        from pdm_jax import dry_run  # lazy: --dry_run sets up fake devices first
 
         dry_run.prepare_devices(int(_CONFIG.value.dry_run.num_devices))
         try:
@@ -62,7 +62,7 @@ def main(argv):
     logging.getLogger("pdm_jax").setLevel(logging.INFO)
     config = _CONFIG.value
     if config.get("distributed", False):  # config.multihost, then JAX_* env vars, then auto-detection
-        from pdm_jax.distributed import initialize_from_config
+        from pdm_jax.distributed import initialize_from_config  # lazy: must run before any other JAX work
 
         initialize_from_config(config)
     try:

@@ -38,7 +38,7 @@ def _parse_seeds(text: str) -> list:
 
 def main(argv=None) -> int:
     """CLI of the token-level analysis (`run` seeds, or `report` from saved seeds); returns the exit code."""
-    from pdm_jax.analysis.run import DEFAULT_ARG
+    from pdm_jax.analysis.run import DEFAULT_ARG  # lazy: --help answers without importing JAX
 
     p = argparse.ArgumentParser(prog="python -m pdm_jax.analysis", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -58,10 +58,10 @@ def main(argv=None) -> int:
     q.add_argument("--out", required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    from absl import logging as absl_logging
+    from absl import logging as absl_logging  # lazy: --help answers without importing JAX
 
     absl_logging.set_verbosity(absl_logging.WARNING)
-    from pdm_jax.analysis import report, run
+    from pdm_jax.analysis import report, run  # lazy: --help answers without importing JAX
 
     if args.cmd == "run":
         try:

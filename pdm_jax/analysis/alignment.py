@@ -291,7 +291,7 @@ def mean_ci95(values: Sequence[float]) -> tuple:
     m = float(xs.mean())
     if xs.size < 2:
         return m, float("nan"), 1
-    from scipy import stats
+    from scipy import stats  # heavy (~1 s) and only for the report's t-intervals
 
     half = float(stats.t.ppf(0.975, xs.size - 1) * xs.std(ddof=1) / math.sqrt(xs.size))
     return m, half, int(xs.size)

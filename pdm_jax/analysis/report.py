@@ -133,7 +133,7 @@ def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy (~1 s); only when a figure is drawn (Agg backend set first)
 
     return plt
 

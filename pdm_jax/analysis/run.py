@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from typing import Optional, Sequence
@@ -47,7 +48,7 @@ DEFAULT_ARG = ",".join([
 
 def enable_compile_cache(path: str) -> None:
     """Turns on JAX's persistent compilation cache at `path` (every entry cached, however fast to compile)."""
-    import jax
+    import jax  # lazy: this module also serves reading saved seeds, without JAX
 
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
@@ -76,6 +77,7 @@ def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: f
         after the run unless `keep_workdir`).
       isolated_tokens, isolated_step, full_mu: see `AlignmentCallback`.
     """
+    # lazy: JAX, the model and the training loop are only needed to run new seeds, not to read saved ones
     from pdm_jax.analysis.callback import AlignmentCallback
     from pdm_jax.train import run as run_training
 
@@ -134,8 +136,6 @@ def load_seeds(out_dir: str) -> list:
 
 def _git_commit() -> str:
     """HEAD of the checkout the package runs from ("" when not a git checkout); '+dirty' if files differ."""
-    import subprocess
-
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -156,7 +156,7 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
     The config is ``<config_spec>`` loaded with ``arg`` (then ``overrides``, a
     second argument string, then ``seed=<seed>``) via `pdm_jax.config.apply_arg`.
     """
-    from pdm_jax.config import apply_arg
+    from pdm_jax.config import apply_arg  # lazy: only when a report re-reads the config
 
     if compile_cache:
         enable_compile_cache(compile_cache)

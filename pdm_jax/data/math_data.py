@@ -78,7 +78,7 @@ def load_records(path: str | os.PathLike, *, field: str = "data.path") -> Iterat
                          f"(expected one of {sorted(_BUILDERS)})")
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
-    import datasets
+    import datasets  # heavy (~2 s) and only for file-backed math sources
 
     try:
         dataset = datasets.load_dataset(builder, data_files=str(file), split="train")

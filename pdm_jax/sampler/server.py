@@ -241,7 +241,7 @@ class SamplerService:
         """`path` resolved under the checkpoint root; HTTPError 403 (outside / ``..``) or 404 (incomplete)."""
         # heavy (import JAX); already loaded once an engine exists, deferred for parse_args / --help
         from pdm_jax.sampler import weights as wts
-        from pdm_jax.sampler.engine import check_weights_path
+        from pdm_jax.sampler.engine import check_weights_path  # engine loads JAX: imported once a request needs it
 
         try:
             full = check_weights_path(path, self.checkpoint_root)
@@ -261,7 +261,7 @@ class SamplerService:
         """
         # heavy (import JAX); already loaded once an engine exists, deferred for parse_args / --help
         from pdm_jax.sampler import weights as wts
-        from pdm_jax.sampler.engine import StaleWeightsError
+        from pdm_jax.sampler.engine import StaleWeightsError  # engine loads JAX: imported once a request needs it
 
         try:
             return self.engine.load_weights(full, version)
@@ -342,9 +342,9 @@ def main(argv=None) -> None:
     # heavy (JAX, Flax): imported only after the flags are checked, so that --help and bad flags answer fast
     from flax import nnx
 
-    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-    from pdm_jax.sampler import weights as wts
-    from pdm_jax.sampler.engine import SamplingEngine
+    from pdm_jax.models.qwen3 import Qwen3ForCausalLM  # after the flags parse: --help without JAX
+    from pdm_jax.sampler import weights as wts  # after the flags parse: --help without JAX
+    from pdm_jax.sampler.engine import SamplingEngine  # after the flags parse: --help without JAX
 
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
