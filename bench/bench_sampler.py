@@ -10,7 +10,13 @@ Printed: tokens/s at batch 1, 8, 32 side by side, the speed-up, and
 time(256 new tokens) / time(128) (2.0 = constant per-token cost) for both.
 Torch is optional: without it the PyTorch column is skipped with a message.
 
+``--modes none,bf16,fp8`` adds, interleaved in the same runs, the JAX engine with
+other weight formats (``quantization[:compute_dtype]``, e.g. ``fp8:bfloat16`` for fp8
+weights computed in bf16, the engine's choice before ``sampler.compute_dtype=auto``):
+tokens/s at 128 new tokens per mode, and each mode's ratio to the first.
+
     python bench/bench_sampler.py [--hidden 128 --layers 3 --vocab 512 --repeats 5]
+    python bench/bench_sampler.py --modes none,bf16,fp8,bf16:bfloat16,fp8:bfloat16 --threads -1
 """
 import argparse
 import os
@@ -61,10 +67,15 @@ def main():
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--quantization", default="none", choices=("none", "bf16", "fp8"),
                     help="JAX sampler weights/compute (none = f32, like the torch side)")
+    ap.add_argument("--modes", default="",
+                    help="comma list of quantization[:compute_dtype] engines timed beside the first "
+                         "(e.g. none,bf16,fp8,fp8:bfloat16); compute_dtype default auto")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (0 = torch default; 1 is torch's best case on a small, shared CPU: "
-                         "its OpenMP workers spin-wait and collapse under contention)")
+                         "its OpenMP workers spin-wait and collapse under contention; -1 = skip torch)")
     args = ap.parse_args()
+    if args.modes:
+        return compare_modes(args)
 
     h = args.hidden
     config = Qwen3Config(vocab_size=args.vocab, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=args.layers,
@@ -137,6 +148,41 @@ def main():
             row += f" {times[3] / times[2]:12.2f}"
         print(row, flush=True)
     print(f"(time ratio 2.00 = constant per-token cost; best of {args.repeats} interleaved runs, wall clock)")
+
+def compare_modes(args):
+    """tokens/s of the JAX engine per weight format (``--modes``), interleaved, at each batch size."""
+    h = args.hidden
+    config = Qwen3Config(vocab_size=args.vocab, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=args.layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=h // 4,
+                         max_position_embeddings=4096)
+    params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(0)), nnx.Param))
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    engines = {}
+    for mode in modes:
+        quantization, _, dtype = mode.partition(":")
+        engines[mode] = SamplingEngine(config, params, quantization=quantization, compute_dtype=dtype or "auto",
+                                       max_prompt_length=args.prompt_len, max_new_tokens=args.new_tokens,
+                                       max_batch_size=max(batches), min_prompt_bucket=args.prompt_len)
+    print(f"tiny Qwen3: V={args.vocab} D={h} L={args.layers} heads 4/2, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, CPU x{os.cpu_count()}, jax {jax.__version__}, backend "
+          f"{jax.default_backend()}; best of {args.repeats} interleaved runs")
+    names = [f"{m} ({engines[m].compute_dtype})" for m in modes]
+    print(f"\n{'batch':>5s} " + " ".join(f"{n:>22s}" for n in names) + "   tokens/s; ratio to the first")
+    rng = np.random.default_rng(0)
+    for b in batches:
+        prompts = rng.integers(0, args.vocab, size=(b, args.prompt_len)).tolist()
+
+        def run(engine):
+            def go():
+                out = engine.generate(prompts, n=1, temperature=1.0, max_new_tokens=args.new_tokens,
+                                      top_k_logprobs=args.k, seed=1)
+                assert out.completion_mask.all()
+            return go
+        times = best_times([run(engines[m]) for m in modes], args.repeats)
+        cells = [f"{b * args.new_tokens / t:14.0f} ({times[0] / t:4.2f}x)" for t in times]
+        print(f"{b:5d} " + " ".join(f"{c:>22s}" for c in cells), flush=True)
+
 
 if __name__ == "__main__":
     main()

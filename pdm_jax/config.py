@@ -36,6 +36,7 @@ from pdm_jax.train_step import OptimizerConfig
 
 QUANTIZATIONS = ("none", "bf16", "fp8")
 SAMPLER_MODES = ("subprocess", "remote", "in_process")
+SAMPLER_COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 TOKENIZER_KINDS = ("char", "path")
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
 OPEN_FIELDS = ("data.task_config",)
@@ -145,6 +146,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.address = ""  # http://host:port for mode=remote
     c.sampler.token = ""
     c.sampler.quantization = "fp8"  # "none" | "bf16" | "fp8"
+    # Dtype the sampler computes in (weights keep their bf16/fp8 values exactly in f32): "auto" (f32 for
+    # none, and on the CPU backend; bf16 for bf16/fp8 on TPU/GPU) | "float32" | "bfloat16".
+    c.sampler.compute_dtype = "auto"
     c.sampler.startup_timeout_s = 180.0
     c.sampler.request_timeout_s = 300.0
     c.sampler.retries = 3
@@ -191,6 +195,13 @@ def get_base_config() -> ml_collections.ConfigDict:
     # ---- profiling (pdm_jax.profiling) --------------------------------------------------
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ""  # "a:b": jax.profiler trace of RL steps a..b (1-based, inclusive) into WORKDIR/profile
+
+    # ---- persistent JAX compilation cache (trainer and sampler subprocess; pdm_jax.profiling) ----
+    c.compile_cache = ml_collections.ConfigDict()
+    # "default" (~/.cache/pdm_jax/jax_cache, or $XDG_CACHE_HOME/pdm_jax/jax_cache) | "workdir"
+    # (WORKDIR/jax_cache) | a directory | "" (no persistent cache)
+    c.compile_cache.dir = "default"
+    c.compile_cache.min_compile_time_s = 0.0  # programs compiling faster than this are not written (s)
 
     # ---- checkpoints and logging ------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()
@@ -425,6 +436,11 @@ def _check_sampler_and_eval(config) -> None:
     sc = config.sampler
     _need(sc.mode in SAMPLER_MODES, "sampler.mode", sc.mode, f"must be one of {SAMPLER_MODES}")
     _need(sc.quantization in QUANTIZATIONS, "sampler.quantization", sc.quantization, f"must be one of {QUANTIZATIONS}")
+    _need(sc.compute_dtype in SAMPLER_COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
+          f"must be one of {SAMPLER_COMPUTE_DTYPES}")
+    cc = config.compile_cache
+    _need(math.isfinite(cc.min_compile_time_s) and cc.min_compile_time_s >= 0, "compile_cache.min_compile_time_s",
+          cc.min_compile_time_s, "must be a finite number of seconds >= 0")
     if sc.mode == "remote":
         _need(bool(sc.address), "sampler.address", sc.address, "required when sampler.mode = 'remote'")
     for name in ("startup_timeout_s", "request_timeout_s"):

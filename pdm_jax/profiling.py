@@ -1,4 +1,9 @@
-"""`StepProfiler`: a ``jax.profiler`` trace of a range of RL steps (``--config.profile.steps=a:b``).
+"""Where a run's time goes: profiler traces, phase timers, compile counts and the compilation cache.
+
+* `StepProfiler`: a ``jax.profiler`` trace of a range of RL steps (``--config.profile.steps=a:b``);
+* `PhaseTimer`: the ``time_*`` metrics of an RL step (sampling, scoring, ... see README's glossary);
+* `CompileCounter`: XLA programs built by this process (``jax.monitoring`` listeners);
+* `enable_compile_cache`: JAX's persistent compilation cache (``--config.compile_cache.dir``).
 
 The trace goes to ``WORKDIR/profile`` (TensorBoard's profile plugin or Perfetto read
 it: ``tensorboard --logdir WORKDIR/profile``, or open the ``*.trace.json.gz`` in
@@ -8,8 +13,11 @@ steps 2, 3 and 4 (the first RL step also compiles, so start at 2 to see the stea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+import time
 from typing import Optional
 
 import jax
@@ -68,3 +76,202 @@ class StepProfiler:
             jax.profiler.stop_trace()
             self.active = False
             log.info("profile written to %s", self.directory)
+
+
+# ---------------------------------------------------------------- compilation cache and compile counts
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # every XLA program built (compiled or cache-loaded)
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CACHE_MISS_EVENT = "/jax/compilation_cache/cache_misses"
+
+
+def default_compile_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/pdm_jax/jax_cache`` (``~/.cache/pdm_jax/jax_cache`` without XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pdm_jax", "jax_cache")
+
+
+def resolve_compile_cache_dir(spec: str, workdir: Optional[str] = None) -> str:
+    """The directory of ``compile_cache.dir``: ``"default"`` -> `default_compile_cache_dir`,
+    ``"workdir"`` -> ``WORKDIR/jax_cache``, ``""`` -> ``""`` (no cache), anything else -> that path (absolute).
+
+    Raises:
+      ValueError: ``"workdir"`` without a workdir.
+    """
+    if spec == "default":
+        return default_compile_cache_dir()
+    if spec == "workdir":
+        if not workdir:
+            raise ValueError("compile_cache.dir = 'workdir' needs a run directory")
+        return os.path.join(os.path.abspath(workdir), "jax_cache")
+    return os.path.abspath(os.path.expanduser(spec)) if spec else ""
+
+
+def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0) -> bool:
+    """Turns on JAX's persistent compilation cache in `directory` for this process (no-op for ``""``).
+
+    Every program is written, whatever its size (``jax_persistent_cache_min_entry_size_bytes
+    = -1``) and however fast it compiled (``jax_persistent_cache_min_compile_time_secs =
+    min_compile_time_s``, default 0 s): the small CPU programs of the tiny runs compile
+    in 0.1-3 s each, below JAX's 1 s default threshold for many of them. A second run
+    with the same programs then loads them instead of compiling (the ``compile_cache_hits``
+    metric). Returns whether a cache is on.
+
+    Raises:
+      OSError: the directory cannot be created.
+    """
+    if not directory:
+        return False
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    log.info("JAX compilation cache: %s", directory)
+    return True
+
+
+class CompileCounter:
+    """Counts this process's XLA program builds through ``jax.monitoring`` listeners (one set per process).
+
+    `snapshot` returns cumulative ``{"compiles", "compile_seconds", "compile_cache_hits",
+    "compile_cache_misses"}`` since `start` (the listeners themselves are installed once
+    and never removed: jax.monitoring has no per-listener removal in every version).
+    ``compiles`` counts programs built by XLA's backend (a persistent-cache hit is
+    counted too, and its load time is in ``compile_seconds``); ``compile_cache_hits``
+    of them came from the persistent cache, ``compile_cache_misses`` were compiled and
+    written to it.  Thread-safe (the sampler compiles on the rollout producer's thread).
+    """
+
+    _installed = False
+    _lock = threading.Lock()
+    _totals = {"compiles": 0, "compile_seconds": 0.0, "compile_cache_hits": 0, "compile_cache_misses": 0}
+
+    def __init__(self):
+        self._install()
+        self._base = self.totals()
+
+    @classmethod
+    def _install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+            jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
+            jax.monitoring.register_event_listener(cls._on_event)
+            cls._installed = True
+
+    @classmethod
+    def _on_duration(cls, event: str, duration: float, **_) -> None:
+        if event == COMPILE_EVENT:
+            with cls._lock:
+                cls._totals["compiles"] += 1
+                cls._totals["compile_seconds"] += float(duration)
+
+    @classmethod
+    def _on_event(cls, event: str, **_) -> None:
+        key = {CACHE_HIT_EVENT: "compile_cache_hits", CACHE_MISS_EVENT: "compile_cache_misses"}.get(event)
+        if key is not None:
+            with cls._lock:
+                cls._totals[key] += 1
+
+    @classmethod
+    def totals(cls) -> dict:
+        """The process-wide totals since the listeners were installed."""
+        with cls._lock:
+            return dict(cls._totals)
+
+    def start(self) -> None:
+        """Counts from now on."""
+        self._base = self.totals()
+
+    def snapshot(self) -> dict:
+        """Counts since construction or the last `start` (see the class docstring for the fields)."""
+        now = self.totals()
+        return {k: now[k] - self._base[k] for k in now}
+
+
+# ---------------------------------------------------------------- phase timing
+class PhaseTimer:
+    """Wall seconds per named phase of one RL step, as ``time_<phase>`` metrics.
+
+    Usage: ``with timer.phase("scoring"): ...``; `record` returns ``{"time_scoring": s, ...}``
+    for every phase in `phases` (0.0 for one that did not run this step) and
+    ``time_other``: the step's wall time not inside any phase.  A phase entered
+    twice adds up.
+
+    Args:
+      phases: the phase names every record carries.
+    """
+
+    def __init__(self, phases):
+        self.phases = tuple(phases)
+        self.reset()
+
+    def reset(self) -> None:
+        """Starts a new step."""
+        self._t0 = time.perf_counter()
+        self._seconds = {p: 0.0 for p in self.phases}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Times the block as phase `name` (one of `phases`)."""
+        if name not in self._seconds:
+            raise ValueError(f"PhaseTimer: unknown phase {name!r}; expected one of {self.phases}")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] += time.perf_counter() - t0
+
+    def add(self, name: str, seconds: float) -> None:
+        """Adds `seconds` measured elsewhere to phase `name`."""
+        self._seconds[name] += float(seconds)
+
+    def elapsed(self) -> float:
+        """Seconds since `reset`."""
+        return time.perf_counter() - self._t0
+
+    def record(self) -> dict:
+        """``{"time_<phase>": seconds}`` for every phase, plus ``time_other`` (>= 0) and ``time_step``."""
+        total = self.elapsed()
+        rec = {f"time_{p}": s for p, s in self._seconds.items()}
+        rec["time_other"] = max(total - sum(self._seconds.values()), 0.0)
+        rec["time_step"] = total
+        return rec
+
+
+#: The timed phases of an RL step, in order (each a ``time_<phase>`` metric).
+STEP_PHASES = ("sampling", "scoring", "advantages", "optimizer", "weight_sync", "eval", "checkpoint")
+
+
+def step_timing(phases: dict, sync_seconds: dict, generation_seconds: float) -> dict:
+    """The timing fields of an ``rl`` record (README's metrics glossary).
+
+    Args:
+      phases: `PhaseTimer.record` of the step (``time_<phase>``, ``time_other``, ``time_step``).
+      sync_seconds: `SamplerSupervisor.last_sync_seconds` (``save``, ``load``).
+      generation_seconds: the sampler's own seconds generating the step's rollouts
+        (possibly ahead of the step, under ``rl.max_staleness`` > 0).
+    Returns:
+      ``time_*`` of every phase, ``time_other``, ``time_weight_save``, ``time_weight_load``,
+      ``time_sampler_generate``, and the older names ``step_seconds`` (the step without its
+      evaluation and checkpoint), ``generate_seconds`` (= time_sampling), ``train_seconds``
+      (= time_optimizer).
+    """
+    rec = {k: float(v) for k, v in phases.items() if k != "time_step"}
+    rec.update(time_weight_save=float(sync_seconds.get("save", 0.0)),
+               time_weight_load=float(sync_seconds.get("load", 0.0)),
+               time_sampler_generate=float(generation_seconds),
+               step_seconds=float(phases["time_step"] - phases["time_eval"] - phases["time_checkpoint"]),
+               generate_seconds=float(phases["time_sampling"]), train_seconds=float(phases["time_optimizer"]))
+    return rec
+
+
+def compile_record(trainer: dict, sampler: Optional[dict]) -> dict:
+    """The compile fields of an ``rl`` record: this process's `CompileCounter` snapshot (``compiles``,
+    ``compile_seconds``, ``compile_cache_hits``) and the sampler process's (``sampler_*``; 0 when the
+    sampler runs in this process, or has not reported yet)."""
+    sampler = sampler or {}
+    return dict(compiles=float(trainer["compiles"]), compile_seconds=float(trainer["compile_seconds"]),
+                compile_cache_hits=float(trainer["compile_cache_hits"]),
+                sampler_compiles=float(sampler.get("compiles", 0)),
+                sampler_compile_seconds=float(sampler.get("compile_seconds", 0.0)),
+                sampler_compile_cache_hits=float(sampler.get("compile_cache_hits", 0)))

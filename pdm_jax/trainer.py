@@ -48,7 +48,8 @@ from pdm_jax.models import Qwen3ForCausalLM
 from pdm_jax.models.hf_io import from_pretrained
 from pdm_jax.models.presets import get_preset
 from pdm_jax.models.tokenizer import build_char_tokenizer, load_tokenizer
-from pdm_jax.profiling import StepProfiler
+from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
+                               enable_compile_cache, resolve_compile_cache_dir, step_timing)
 from pdm_jax.rollout import StepBatch, round_up
 from pdm_jax.rollout_producer import RolloutProducer
 from pdm_jax.sampler.supervisor import SamplerFailure, SamplerSupervisor
@@ -111,8 +112,11 @@ class Trainer:
             raise
 
     def _setup(self) -> None:
-        """Data, tokenizer, model, mesh, sampler handle and checkpointer (the rest of __init__, under the lock)."""
+        """Compile cache, data, tokenizer, model, mesh, sampler handle and checkpointer (the rest of __init__)."""
         config = self.config
+        self.compile_cache_dir = resolve_compile_cache_dir(config.compile_cache.dir, self.workdir)
+        enable_compile_cache(self.compile_cache_dir, min_compile_time_s=config.compile_cache.min_compile_time_s)
+        self.compile_counter = CompileCounter()  # this run's compiles from here on (model init included)
         self.step_configs = step_configs(config)
         self.source = make_source(config.data)
         tokenizer = self._setup_tokenizer()
@@ -134,7 +138,9 @@ class Trainer:
         self._params_sharding = param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._params_sharding)
         self.sampler = SamplerSupervisor(config.sampler, workdir=self.workdir, model_config=self.model_config,
-                                         max_new_tokens=config.rl.max_new_tokens)
+                                         max_new_tokens=config.rl.max_new_tokens,
+                                         compile_cache_dir=self.compile_cache_dir,
+                                         compile_cache_min_compile_time_s=config.compile_cache.min_compile_time_s)
         self._eval_engine = None
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          max_to_keep=config.checkpoint.max_to_keep)
@@ -387,49 +393,63 @@ class Trainer:
         producer = RolloutProducer(lambda step: self._make_rollouts(base_position, step),
                                    first_step=meta["rl_step"], last_step=rl.steps,
                                    max_staleness=rl.max_staleness, version=version)
-        last_eval = {}
         profiler = StepProfiler(self.workdir, cfg.profile.steps)
+        run = dict(state=state, version=version, last_eval={}, base_position=base_position)
         try:
             for step in bar:
                 profiler.before_step(step + 1)
-                t0 = time.time()
-                rb, examples, gen_seconds = producer.get(step)
-                t_gen = time.time() - t0
-                rewards = evaluation.score_rollouts(self.source, self.codec, rb, examples, rl.group_size)
-                rb = rb.replace(rewards=rewards)
-                batch = self._step_batch(rb, rewards, ref)
-                t1 = time.time()
-                state, step_metrics = self._update(step_fn, state, batch, step + 1)
-                t_train = time.time() - t1
-                version += 1
-                meta.update(sampler_version=version, rl_step=step + 1,
-                            data_position=base_position + (step + 1) * rl.prompts_per_step)
-                self.sampler.sync(state.params, version)  # reads the new parameters: the step's device work is done
+                rec = self._rl_step(step, run, producer, step_fn, ref, schedule, meta, writer)
                 profiler.after_step(step + 1)
-                producer.notify_version(version)
-                rec = self._rl_record(step_metrics, rb, rewards, state, schedule, version,
-                                      dict(step_seconds=time.time() - t0, generate_seconds=t_gen,
-                                           train_seconds=t_train, gen_seconds=gen_seconds))
-                if (step + 1) % cfg.eval.every_steps == 0 or step + 1 == rl.steps:
-                    last_eval = self.evaluate(version)
-                    writer.write(step + 1, "eval", last_eval)
-                    log.info("eval after RL step %d: %s", step + 1, _fmt(last_eval))
-                writer.write(step + 1, "rl", rec)
                 bar.set_postfix(reward=f"{rec['reward']:.2f}", masked=f"{rec['frac_masked']:.3f}",
                                 kl=f"{rec['mean_topk_kl']:.4f}", refresh=False)
-                if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == rl.steps:
-                    self._checkpoint(state, meta)
                 self._fault_injection(step + 1)
         finally:
             producer.close()
             profiler.stop()
-        self.params = state.params
-        if not last_eval:
-            last_eval = self.evaluate(version)
-        return self._write_summary(meta, last_eval, writer)
+        self.params = run["state"].params
+        if not run["last_eval"]:
+            run["last_eval"] = self.evaluate(run["version"])
+        return self._write_summary(meta, run["last_eval"], writer)
 
-    def _rl_record(self, step_metrics, rb, rewards, state, schedule, version, timing) -> dict:
-        """The ``rl`` record of one step: metrics averaged over its optimizer steps, rewards, timing."""
+    def _rl_step(self, step, run, producer, step_fn, ref, schedule, meta, writer) -> dict:
+        """RL step ``step + 1``, every phase timed (`PhaseTimer`); updates ``run`` and ``meta``, writes its records.
+
+        The ``rl`` record is written after the step's evaluation and checkpoint, so that it
+        carries their times (a crash between the checkpoint and the record loses that one record).
+        """
+        cfg, rl = self.config, self.config.rl
+        timer = PhaseTimer(STEP_PHASES)
+        with timer.phase("sampling"):
+            rb, examples, gen_seconds = producer.get(step)
+        with timer.phase("scoring"):
+            rewards = evaluation.score_rollouts(self.source, self.codec, rb, examples, rl.group_size)
+            rb = rb.replace(rewards=rewards)
+        with timer.phase("advantages"):
+            batch = self._step_batch(rb, rewards, ref)
+        with timer.phase("optimizer"):  # ends with the metrics' device_get: the device work is done
+            run["state"], step_metrics = self._update(step_fn, run["state"], batch, step + 1)
+        run["version"] = version = run["version"] + 1
+        meta.update(sampler_version=version, rl_step=step + 1,
+                    data_position=run["base_position"] + (step + 1) * rl.prompts_per_step)
+        with timer.phase("weight_sync"):
+            self.sampler.sync(run["state"].params, version)
+        producer.notify_version(version)
+        rec = self._rl_record(step_metrics, rb, rewards, run["state"], schedule, version, gen_seconds)
+        if (step + 1) % cfg.eval.every_steps == 0 or step + 1 == rl.steps:
+            with timer.phase("eval"):
+                run["last_eval"] = self.evaluate(version)
+            writer.write(step + 1, "eval", run["last_eval"])
+            log.info("eval after RL step %d: %s", step + 1, _fmt(run["last_eval"]))
+        if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == rl.steps:
+            with timer.phase("checkpoint"):
+                self._checkpoint(run["state"], meta)
+        rec.update(step_timing(timer.record(), self.sampler.last_sync_seconds, gen_seconds))
+        rec.update(compile_record(self.compile_counter.snapshot(), self.sampler.sampler_compile_stats))
+        writer.write(step + 1, "rl", rec)
+        return rec
+
+    def _rl_record(self, step_metrics, rb, rewards, state, schedule, version, gen_seconds) -> dict:
+        """The ``rl`` record of one step: metrics averaged over its optimizer steps, rewards, sampler state."""
         rec = {k: float(np.mean([float(m[k]) for m in step_metrics])) for k in step_metrics[0]}
         tokens = int(rb.completion_mask.sum())
         rec.update(
@@ -438,10 +458,7 @@ class Trainer:
             response_length=float(rb.completion_mask.sum(1).mean()),
             frac_masked_first_minibatch=float(step_metrics[0]["frac_masked"]),
             learning_rate=float(schedule(int(state.step) - 1)),
-            step_seconds=timing["step_seconds"],
-            generate_seconds=timing["generate_seconds"],
-            train_seconds=timing["train_seconds"],
-            sampler_tokens_per_second=tokens / max(timing["gen_seconds"], 1e-9),
+            sampler_tokens_per_second=tokens / max(gen_seconds, 1e-9),
             staleness=float(np.mean(version - 1 - rb.weights_version)),
             sampler_restarts=float(self.sampler.restarts_total),
             sampler_stalls=float(self.sampler.stalls_total),

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from pdm_jax import evaluation, loss, metrics, train_step, trainer
+from pdm_jax import evaluation, loss, metrics, profiling, train_step, trainer
 from pdm_jax import trust_region as tr
 from pdm_jax.config import get_base_config
 
@@ -73,7 +73,9 @@ def rl_step_metric_keys() -> set:
 
 def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
     section = glossary()
-    rl_fields = rl_step_metric_keys() | dict_keys_in(trainer.Trainer._rl_record)
+    rl_fields = rl_step_metric_keys() | dict_keys_in(trainer.Trainer._rl_record) \
+        | dict_keys_in(profiling.step_timing) | dict_keys_in(profiling.compile_record) \
+        | set(profiling.PhaseTimer(profiling.STEP_PHASES).record()) - {"time_step"}
     sft_fields = dict_keys_in(train_step.make_sft_train_step) | {"loss", "grad_norm"}
     eval_fields = {k for k in dict_keys_in(evaluation.evaluate) if k.startswith("eval_")}
     assert {"reward", "staleness", "frac_masked", "mean_tail_mass"} <= rl_fields

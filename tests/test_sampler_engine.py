@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.sampler.engine import InProcessSampler, RequestError, SamplingEngine, sampling_distribution
+from pdm_jax.sampler.engine import (InProcessSampler, RequestError, SamplingEngine, resolve_compute_dtype,
+                                    sampling_distribution)
 
 CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -261,3 +262,22 @@ def test_growing_cache_segments_match_single_segment(params, batch):
     s = eng.generate(PROMPTS, temperature=TAU, seed=11, stop_token_ids=[stop], **GEN)
     t = int(np.flatnonzero(batch.completion_ids[0] == stop)[0]) + 1
     assert s.finish_reason[0] == "stop" and s.completion_mask[0].sum() == t
+
+
+def test_compute_dtype_choice():
+    """auto: f32 for none and on CPU; bf16 for bf16/fp8 on accelerators; explicit values; bad ones named."""
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+    assert resolve_compute_dtype("auto", "fp8", backend="cpu") == f32
+    assert resolve_compute_dtype(None, "bf16", backend="cpu") == f32
+    assert resolve_compute_dtype("auto", "fp8", backend="tpu") == bf16
+    assert resolve_compute_dtype("auto", "bf16", backend="gpu") == bf16
+    assert resolve_compute_dtype("auto", "none", backend="tpu") == f32
+    assert resolve_compute_dtype("bfloat16", "fp8") == bf16 and resolve_compute_dtype(jnp.float32, "none") == f32
+    with pytest.raises(ValueError, match=r"compute_dtype = 'float16': must be one of \('auto', 'float32'"):
+        resolve_compute_dtype("float16", "fp8")
+    with pytest.raises(ValueError, match="quantization"):
+        resolve_compute_dtype("auto", "int4")
+    if jax.default_backend() == "cpu":
+        eng = make_engine(make_params(), quantization="fp8")
+        assert eng.compute_dtype == f32 and eng.health()["compute_dtype"] == "float32"
+        assert {x.dtype for x in jax.tree.leaves(eng.params)} == {f32}

@@ -43,7 +43,7 @@ def test_manifest_lists_every_file_and_roundtrip_is_exact(pristine):
     assert meta["format"] == wts.FORMAT and meta["version"] == 3
     on_disk = sorted(os.path.relpath(os.path.join(d, f), pristine) for d, _, fs in os.walk(pristine) for f in fs)
     assert sorted(meta[wts.FILES_KEY]) + [wts.META_FILE] == sorted(on_disk)
-    assert any(f.startswith("params/") for f in meta[wts.FILES_KEY])
+    assert sorted(meta[wts.FILES_KEY]) == [wts.TENSORS_FILE]
     for rel, info in meta[wts.FILES_KEY].items():
         assert info["bytes"] == os.path.getsize(os.path.join(pristine, rel))
     restored = wts.load_weights(pristine, abstract=ABSTRACT, version=3)
@@ -67,7 +67,7 @@ def _flip16(full):
 @pytest.mark.parametrize("damage", [_truncate, _flip16, os.remove], ids=["truncate", "flip16", "delete"])
 def test_damaging_any_file_is_refused_naming_it(pristine, tmp_path, damage):
     names = files_of(pristine)
-    assert len(names) >= 8
+    assert names == [wts.TENSORS_FILE, wts.META_FILE]
     for i, rel in enumerate(names):
         path = shutil.copytree(pristine, str(tmp_path / f"case{i}" / "v3"))
         damage(os.path.join(path, rel))
@@ -108,28 +108,77 @@ def test_non_finite_parameters_are_refused_at_load(tmp_path):
     assert path in str(e.value)
 
 
-def _as_legacy(path, **changes):
-    meta_path = os.path.join(path, wts.META_FILE)
-    meta = json.load(open(meta_path))
-    meta = {k: v for k, v in meta.items() if k not in (wts.FILES_KEY, wts.META_HASH_KEY)}
-    meta.update(format=wts.LEGACY_FORMAT, **changes)
-    json.dump(meta, open(meta_path, "w"))
+def _orbax_dir(path, params, fmt):
+    """A directory as the orbax-based writer of formats /1 (no manifest) and /2 (sha256 manifest) left it."""
+    import orbax.checkpoint as ocp
+
+    os.makedirs(path)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.join(path, wts.PARAMS_DIR), params)
+    ckpt.wait_until_finished()
+    meta = {"format": fmt, "version": 3, "num_params": 17, "dtypes": ["float32"]}
+    if fmt == wts.ORBAX_FORMAT:
+        rels = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+        meta[wts.FILES_KEY] = {r: {"sha256": h, "bytes": n} for r, (h, n) in wts._hash_files(path, rels).items()}
+        meta[wts.META_HASH_KEY] = wts._meta_digest(meta)
+    json.dump(meta, open(os.path.join(path, wts.META_FILE), "w"))
+    return path
 
 
-def test_legacy_directory_loads_unverified_with_a_warning(pristine, tmp_path, caplog):
-    path = copy_of(pristine, tmp_path)
-    _as_legacy(path)
-    with caplog.at_level(logging.WARNING, logger="pdm_jax.sampler.weights"):
-        restored = wts.load_weights(path, abstract=ABSTRACT, version=3)
-    assert "no integrity manifest" in caplog.text and path in caplog.text
+def test_older_orbax_directories_still_load(tmp_path, caplog):
+    """/2 (orbax + manifest): verified, a flipped file named; /1 (no manifest): unverified, with a warning."""
+    v2 = _orbax_dir(str(tmp_path / "v2"), PARAMS, wts.ORBAX_FORMAT)
+    restored = wts.load_weights(v2, abstract=ABSTRACT, version=3)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), restored, PARAMS)
-    # a /1 meta that carries a manifest was altered (e.g. a flipped format digit): refused
-    meta_path = os.path.join(pristine, wts.META_FILE)
-    tampered = open(meta_path).read().replace(wts.FORMAT, wts.LEGACY_FORMAT)
-    path2 = shutil.copytree(pristine, str(tmp_path / "tampered"))
-    open(os.path.join(path2, wts.META_FILE), "w").write(tampered)
-    with pytest.raises(wts.CorruptWeightsError, match="carries a manifest"):
-        wts.load_weights(path2, abstract=ABSTRACT)
+    victim = sorted(wts.read_meta(v2)[wts.FILES_KEY])[-1]
+    _flip16(os.path.join(v2, victim))
+    with pytest.raises(wts.CorruptWeightsError) as e:
+        wts.load_weights(v2, abstract=ABSTRACT, version=3)
+    assert e.value.file == victim
+    v1 = _orbax_dir(str(tmp_path / "v1"), PARAMS, wts.LEGACY_FORMAT)
+    with caplog.at_level(logging.WARNING, logger="pdm_jax.sampler.weights"):
+        restored = wts.load_weights(v1, abstract=ABSTRACT, version=3)
+    assert "no integrity manifest" in caplog.text and v1 in caplog.text
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), restored, PARAMS)
+
+
+def test_a_legacy_meta_with_a_manifest_is_refused(pristine, tmp_path):
+    """A /1 meta that carries a manifest was altered (e.g. a flipped format digit): refused."""
+    for fmt in (wts.LEGACY_FORMAT, wts.ORBAX_FORMAT):
+        tampered = open(os.path.join(pristine, wts.META_FILE)).read().replace(wts.FORMAT, fmt)
+        path = shutil.copytree(pristine, str(tmp_path / fmt.replace("/", "_")))
+        open(os.path.join(path, wts.META_FILE), "w").write(tampered)
+        with pytest.raises(wts.CorruptWeightsError, match="carries a manifest|meta_sha256"):
+            wts.load_weights(path, abstract=ABSTRACT)
+
+
+def test_bfloat16_and_fp8_leaves_roundtrip_bit_exact(tmp_path):
+    """Dtypes numpy's safetensors table lacks travel as uint views with their dtype in the metadata."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16),
+            "b": {"c": rng.standard_normal(7).astype(ml_dtypes.float8_e4m3fn)}, "d": np.arange(4, dtype=np.int32)}
+    path = wts.save_weights(tree, str(tmp_path / "w"), version=1)
+    assert wts.read_meta(path)["dtypes"] == ["bfloat16", "float8_e4m3fn", "int32"]
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    back = wts.load_weights(path, abstract=target, version=1)
+    for k in ("a", "d"):
+        assert back[k].dtype == tree[k].dtype and back[k].tobytes() == tree[k].tobytes()
+    assert back["b"]["c"].dtype == tree["b"]["c"].dtype and back["b"]["c"].tobytes() == tree["b"]["c"].tobytes()
+    # an f32 target (the sampler's) gets the bf16 values widened exactly
+    wide = wts.load_weights(path, abstract={"a": jax.ShapeDtypeStruct((3, 5), np.float32),
+                                            "b": {"c": jax.ShapeDtypeStruct((7,), np.float32)},
+                                            "d": jax.ShapeDtypeStruct((4,), np.int32)})
+    np.testing.assert_array_equal(wide["a"], tree["a"].astype(np.float32))
+
+
+def test_names_and_shapes_must_match_the_target(pristine):
+    with pytest.raises(wts.WeightsError, match=r"missing \['layer/v'\] unexpected \['layer/w'\]"):
+        wts.load_weights(pristine, abstract={"layer": {"v": ABSTRACT["layer"]["w"]}, "norm": ABSTRACT["norm"]})
+    with pytest.raises(wts.WeightsError, match=r"layer/w is float32\[3, 4\], the model expects float32\[4, 3\]"):
+        wts.load_weights(pristine, abstract={"layer": {"w": jax.ShapeDtypeStruct((4, 3), np.float32)},
+                                             "norm": ABSTRACT["norm"]})
 
 
 def test_version_mismatch_is_its_own_error(pristine):
@@ -187,7 +236,8 @@ def test_quantizer_refusal_is_a_weights_error(served):
     _, engine, _ = served
     version = engine.version
     params = random_params(3)
-    params["layers"][0]["mlp"]["up_proj"]["kernel"][0, 0] = np.nan
+    up = [x for k, x in jax.tree_util.tree_flatten_with_path(params)[0] if "up_proj" in wts.leaf_name(k)][0]
+    up.flat[0] = np.nan  # any layout (per-layer or stacked): the first layer's MLP up-projection
     with pytest.raises(wts.WeightsError, match="cannot be quantized"):
         engine.set_params(params, version=99)
     assert engine.version == version

@@ -18,7 +18,7 @@ def params():
     model = Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0))
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     # std 0.5 instead of 0.02: peaked distributions, realistic quantization error
-    return jax.tree.map(lambda x: x * 25.0 if x.ndim >= 2 else x, pure)
+    return q._map_with_path(lambda path, x: x if path[-1] == "scale" else x * 25.0, pure)  # not the norms
 
 
 def _fp8_reference(w, output_axes):
@@ -61,15 +61,29 @@ def test_fp8_zero_channel_and_nonfinite():
 def test_default_output_axes_follow_model_layout(params):
     axes = {}
     q._map_with_path(lambda p, x: axes.__setitem__("/".join(p), q.default_output_axes(p, x.shape)), params)
-    assert axes["layers/0/self_attn/q_proj/kernel"] == (1, 2)   # [D, N, H]
-    assert axes["layers/0/self_attn/k_proj/kernel"] == (1, 2)   # [D, K, H]
-    assert axes["layers/1/self_attn/o_proj/kernel"] == (2,)     # [N, H, D]
-    assert axes["layers/0/mlp/gate_proj/kernel"] == (1,)        # [D, F]
-    assert axes["layers/0/mlp/down_proj/kernel"] == (1,)        # [F, D]
-    assert axes["layers/0/input_layernorm/scale"] is None
+    # stacked layer parameters [L, ...]: the layer axis keeps its own scales (an output axis)
+    assert axes["layers/self_attn/q_proj/kernel"] == (0, 2, 3)   # [L, D, N, H]
+    assert axes["layers/self_attn/k_proj/kernel"] == (0, 2, 3)   # [L, D, K, H]
+    assert axes["layers/self_attn/o_proj/kernel"] == (0, 3)      # [L, N, H, D]
+    assert axes["layers/mlp/gate_proj/kernel"] == (0, 2)         # [L, D, F]
+    assert axes["layers/mlp/down_proj/kernel"] == (0, 2)         # [L, F, D]
+    assert axes["layers/input_layernorm/scale"] is None           # [L, D]
     assert axes["embed_tokens/embedding"] is None and axes["lm_head/kernel"] is None
+    # the per-layer paths (one layer's [D, N, H] kernel) keep their axes
+    assert q.default_output_axes(("layers", "0", "self_attn", "q_proj", "kernel"), (32, 4, 8)) == (1, 2)
+    assert q.default_output_axes(("layers", "1", "self_attn", "o_proj", "kernel"), (4, 8, 32)) == (2,)
     assert q.default_output_axes(("lm_head", "kernel"), (32, 32), quantize_lm_head=True) == (1,)
     assert q.default_output_axes(("embed_tokens", "embedding"), (32, 32), quantize_embedding=True) == (0,)
+
+
+def test_stacked_quantization_equals_per_layer(params):
+    """fp8 of a stacked [L, ...] kernel == the stack of each layer's own fp8 (scales never mix layers)."""
+    w = params["layers"]["self_attn"]["o_proj"]["kernel"]
+    stacked = q.quantize_fp8(w, q.default_output_axes(("layers", "self_attn", "o_proj", "kernel"), w.shape))
+    for i in range(w.shape[0]):
+        one = q.quantize_fp8(w[i], q.default_output_axes(("layers", str(i), "self_attn", "o_proj", "kernel"),
+                                                         w[i].shape))
+        np.testing.assert_array_equal(np.asarray(stacked.dequantize()[i]), np.asarray(one.dequantize()))
 
 
 def test_prepare_modes_and_errors(params):
@@ -82,7 +96,7 @@ def test_prepare_modes_and_errors(params):
     quantized = q.quantize_params_fp8(params)
     err_fp8 = q.relative_errors(params, quantized)
     kernels = {k: v for k, v in err_fp8.items() if k.endswith("kernel") and "lm_head" not in k}
-    assert len(kernels) == 2 * 7
+    assert len(kernels) == 7  # q, k, v, o, gate, up, down, each stacked over the layers
     # per-channel e4m3 on Gaussian weights: a few percent, never above 2^-4
     assert all(0.005 < v < 2.0 ** -4 for v in kernels.values()), kernels
     assert err_fp8["lm_head/kernel"] == 0.0 and err_fp8["embed_tokens/embedding"] == 0.0
@@ -127,3 +141,35 @@ def test_same_numbers_as_qwix_model_level_ptq():
     ours = jnp.einsum("bd,dnh->bnh", x, q.quantize_fp8(m.kernel[...], (1, 2)).dequantize())
     np.testing.assert_allclose(np.asarray(qm(x)), np.asarray(ours), rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(m(x)), np.asarray(ours), atol=1e-3)  # quantization did something
+
+
+@pytest.mark.parametrize("mode,dtype", [("fp8", jnp.float32), ("fp8", jnp.bfloat16), ("bf16", jnp.float32),
+                                        ("none", jnp.float32)])
+def test_one_program_preparation_is_bit_identical_to_the_eager_path(params, mode, dtype):
+    """The jitted whole-tree preparation (once per weights version) == the leaf-by-leaf eager reference."""
+    got = q.prepare_sampler_params(params, mode, compute_dtype=dtype)
+    if mode == "fp8":
+        want = q.dequantize_params(q.quantize_params_fp8(params), dtype)
+    elif mode == "bf16":
+        want = q.dequantize_params(q.dequantize_params(params, jnp.bfloat16), dtype)
+    else:
+        want = q.dequantize_params(params, dtype)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    if mode == "fp8" and dtype == jnp.float32:  # f32 compute keeps every fp8 weight value exactly
+        qv = q.quantize_params_fp8(params)
+        up = qv["layers"][0]["mlp"]["up_proj"]["kernel"] if 0 in qv["layers"] else None
+        if up is not None:
+            exact = np.asarray(up.qvalue, np.float32) * np.asarray(up.scale)
+            np.testing.assert_array_equal(np.asarray(got["layers"][0]["mlp"]["up_proj"]["kernel"]), exact)
+
+
+def test_non_finite_weight_is_refused_naming_it(params):
+    bad = jax.tree.map(np.array, params)
+    leaf = [(k, x) for k, x in jax.tree_util.tree_flatten_with_path(bad)[0]
+            if "down_proj" in jax.tree_util.keystr(k)][0][1]
+    leaf.flat[3] = np.inf
+    with pytest.raises(ValueError, match=r"non-finite values: .*down_proj/kernel holds 1 NaN/inf"):
+        q.prepare_sampler_params(bad, "fp8")

@@ -1,4 +1,4 @@
-"""Weight-sync format (orbax + meta JSON) and the engine's version rules."""
+"""Weight-sync format (safetensors + meta JSON; older orbax directories still read) and the engine's version rules."""
 import json
 import os
 

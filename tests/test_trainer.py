@@ -144,7 +144,8 @@ def test_cli_end_to_end_then_resume_after_sigkill(tmp_path):
     The resumed run must reproduce the uninterrupted run's metrics for the steps after the kill.
     """
     full = tmp_path / "full"
-    r = _run_cli(full, SMALL)
+    cache = [f"--config.compile_cache.dir={tmp_path / 'jax_cache'}"]
+    r = _run_cli(full, SMALL + cache)
     assert r.returncode == 0, r.stderr[-4000:]
     summary = json.load(open(full / "summary.json"))
     assert summary["steps"] == 4
@@ -155,17 +156,36 @@ def test_cli_end_to_end_then_resume_after_sigkill(tmp_path):
     assert sorted(ref) == [1, 2, 3, 4]
     assert all(ref[s]["staleness"] == 0 for s in ref)
 
-    killed = tmp_path / "killed"
-    r = _run_cli(killed, SMALL + ["--config.debug.kill_after_rl_step=2"])
+    _check_step_timing(ref)
+    assert ref[1]["compiles"] > 0 and ref[1]["sampler_compiles"] > 0 and ref[1]["sampler_compile_seconds"] > 0
+
+    killed = tmp_path / "killed"  # a new workdir with the same compilation cache: programs are loaded
+    r = _run_cli(killed, SMALL + cache + ["--config.debug.kill_after_rl_step=2"])
     assert r.returncode == -9, (r.returncode, r.stderr[-3000:])
     _assert_no_sampler_left(killed)  # the orphaned sampler notices its parent is gone and exits
-    r = _run_cli(killed, SMALL)
+    hits = _rl_records(killed)[1]
+    assert hits["compile_cache_hits"] > 0 and hits["sampler_compile_cache_hits"] > 0, hits
+    r = _run_cli(killed, SMALL + cache)
     assert r.returncode == 0, r.stderr[-4000:]
     got = _rl_records(killed)
     assert sorted(got) == [1, 2, 3, 4]
     for s in (3, 4):
         for k in DETERMINISTIC_KEYS:
             assert got[s][k] == pytest.approx(ref[s][k], rel=1e-5, abs=1e-6), (s, k)
+
+
+def _check_step_timing(records):
+    """Every phase of every step is timed; the phases and time_other add up to the step's wall time."""
+    for step, r in records.items():
+        phases = [r[f"time_{p}"] for p in ("sampling", "scoring", "advantages", "optimizer", "weight_sync", "eval",
+                                           "checkpoint")]
+        assert all(t >= 0 for t in phases) and r["time_other"] >= 0
+        assert sum(phases) + r["time_other"] == pytest.approx(r["step_seconds"] + r["time_eval"]
+                                                              + r["time_checkpoint"], rel=1e-6)
+        assert r["time_optimizer"] > 0 and r["time_sampling"] > 0 and r["time_checkpoint"] > 0  # every_steps=1
+        assert (r["time_eval"] > 0) == (step % 2 == 0)  # eval.every_steps=2
+        assert r["time_weight_sync"] >= r["time_weight_save"] + r["time_weight_load"] > 0
+        assert r["generate_seconds"] == r["time_sampling"] and r["train_seconds"] == r["time_optimizer"]
 
 
 @pytest.mark.slow

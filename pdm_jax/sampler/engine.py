@@ -67,6 +67,35 @@ from pdm_jax.sampler import wire
 # Request validation lives with the wire schema (its errors name wire fields); re-exported here.
 from pdm_jax.sampler.wire import MAX_SEED, MIN_TEMPERATURE, RequestError, validate_request  # noqa: F401
 
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_compute_dtype(compute_dtype, quantization: str, backend: Optional[str] = None):
+    """The sampler's compute dtype: an explicit float32/bfloat16, or the choice of ``"auto"`` / None.
+
+    ``auto``: float32 for quantization ``none`` (bit-compatible with the trainer);
+    for ``bf16`` / ``fp8`` float32 on the CPU backend -- XLA:CPU has no fast bf16
+    matmul (bf16 decode measured 3x slower than f32 at batch 32, ``bench/bench_sampler.py``),
+    and the weights keep their bf16/fp8 values exactly in f32 -- and bfloat16 on
+    TPU/GPU (`backend`, default ``jax.default_backend()``).
+
+    Raises:
+      ValueError: naming ``compute_dtype`` and its value for anything else.
+    """
+    quant.check_quantization(quantization)
+    if compute_dtype is None or (isinstance(compute_dtype, str) and compute_dtype == "auto"):
+        if quantization == "none" or (backend or jax.default_backend()) == "cpu":
+            return jnp.dtype(jnp.float32)
+        return jnp.dtype(jnp.bfloat16)
+    try:
+        dtype = jnp.dtype(compute_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"compute_dtype = {compute_dtype!r}: must be one of {COMPUTE_DTYPES}")
+    return dtype
+
+
 class StaleWeightsError(wts.WeightsError):
     """A weights load with a version that is not newer than the current one."""
 
@@ -231,8 +260,12 @@ class SamplingEngine:
         or ``"fp8"`` (e4m3 weight-only, per-output-channel; see quantize.py).
       version: weights version of `params`, reported per sequence.
       weights_path: where `params` came from (for idempotent reloads), or None.
-      compute_dtype: activations/weights dtype of the sampler forward (default:
-        f32 for none, bf16 for bf16/fp8); logits are always f32.
+      compute_dtype: activations/weights/KV-cache dtype of the sampler forward:
+        ``None``/``"auto"`` (`resolve_compute_dtype`: f32 for none, and for bf16/fp8
+        f32 on the CPU backend, bf16 on TPU/GPU), ``"float32"`` or ``"bfloat16"``.
+        The bf16/fp8 weights are rounded / quantized-dequantized once per version
+        and then held in this dtype, so f32 keeps their values exactly; logits are
+        always f32.
       max_prompt_length: longest accepted prompt (tokens); also the largest prompt bucket.
       max_new_tokens: largest accepted ``max_new_tokens``; the largest decode bucket.
       max_batch_size: largest batch bucket; bigger requests run in chunks.
@@ -269,7 +302,7 @@ class SamplingEngine:
                              f"exceeds max_position_embeddings = {config.max_position_embeddings}")
         self.config = config
         self.quantization = quantization
-        self.compute_dtype = jnp.dtype(compute_dtype or quant.default_compute_dtype(quantization))
+        self.compute_dtype = resolve_compute_dtype(compute_dtype, quantization)
         self.max_prompt_length = int(max_prompt_length)
         self.max_new_tokens = int(max_new_tokens)
         self.max_batch_size = _next_pow2(int(max_batch_size))

@@ -138,14 +138,16 @@ class SamplerProcess:
 
 
 def start_sampler_server(*, model_config: str, weights: Optional[str], version: int = 0, quantization: str = "fp8",
-                         checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
+                         compute_dtype: str = "auto", compile_cache_dir: str = "",
+                         compile_cache_min_compile_time_s: float = 0.0, checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
                          token: Optional[str] = None, startup_timeout_s: float = 120.0,
                          max_prompt_length: int = 512, max_new_tokens: int = 256, max_batch_size: int = 64,
                          max_body_bytes: Optional[int] = None, extra_args: Sequence[str] = (),
                          client_kwargs: Optional[dict] = None, env: Optional[dict] = None) -> SamplerProcess:
     """Starts ``python -m pdm_jax.sampler.server`` and waits for ``/health``.
 
-    Args mirror the server's flags; `weights` None starts from a random init.
+    Args mirror the server's flags; `weights` None starts from a random init;
+    `compile_cache_dir` "" runs without a persistent compilation cache.
     `client_kwargs` go to `SamplerClient` (timeout_s, retries, backoff_s);
     `env` replaces the subprocess environment (default: inherit).
     Returns:
@@ -155,7 +157,10 @@ def start_sampler_server(*, model_config: str, weights: Optional[str], version: 
         `startup_timeout_s`; the message holds its output tail.
     """
     argv = [sys.executable, "-m", "pdm_jax.sampler.server", f"--model_config={model_config}",
-            f"--version={int(version)}", f"--quantization={quantization}", f"--checkpoint_root={checkpoint_root}",
+            f"--version={int(version)}", f"--quantization={quantization}", f"--compute_dtype={compute_dtype}",
+            f"--compile_cache_dir={compile_cache_dir}",
+            f"--compile_cache_min_compile_time_s={float(compile_cache_min_compile_time_s)}",
+            f"--checkpoint_root={checkpoint_root}",
             f"--host={host}", f"--port={int(port)}", f"--max_prompt_length={int(max_prompt_length)}",
             f"--max_new_tokens={int(max_new_tokens)}", f"--max_batch_size={int(max_batch_size)}",
             f"--parent_pid={os.getpid()}"]  # the server exits if this process dies (even by SIGKILL)

@@ -33,6 +33,7 @@ default, because the output projection dominates the logit error per byte saved.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 import jax
@@ -181,31 +182,89 @@ def dequantize_params(params: Mapping, dtype) -> dict:
     return _map_with_path(dq, params)
 
 
+def _named_leaves(tree: Mapping, prefix: Path = ()) -> list:
+    """``[(path of str keys, leaf)]`` of a nested dict, in `_map_with_path` order."""
+    out = []
+    for k, v in tree.items():
+        p = prefix + (str(k),)
+        out.extend(_named_leaves(v, p) if isinstance(v, Mapping) else [(p, v)])
+    return out
+
+
+def _rebuild(tree: Mapping, leaves) -> dict:
+    """`tree`'s nested-dict structure (original keys) holding `leaves` in `_named_leaves` order."""
+    it = iter(leaves)
+    return _map_with_path(lambda _p, _x: next(it), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("quantization", "dtype", "axes"))
+def _prepare_program(leaves: list, *, quantization: str, dtype, axes: tuple) -> tuple:
+    """All leaves of a tree in one jitted program: (prepared leaves, non-finite counts of the fp8 leaves).
+
+    Per leaf, exactly the operations of the eager path (`quantize_fp8` +
+    `Fp8Tensor.dequantize`, or the casts of `dequantize_params`).
+    """
+    out, bad = [], []
+    for x, ax in zip(leaves, axes):
+        if quantization == "fp8" and ax is not None:
+            w = jnp.asarray(x, jnp.float32)
+            bad.append(jnp.sum(~jnp.isfinite(w)))
+            out.append(_fp8_dequantized(w, ax, dtype))
+        elif quantization == "bf16":
+            out.append(jnp.asarray(x).astype(jnp.bfloat16).astype(dtype))
+        else:
+            out.append(jnp.asarray(x).astype(dtype))
+    return out, bad
+
+
+def _fp8_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype) -> jax.Array:
+    """``quantize_fp8(w, axes).dequantize(dtype)`` without the host-side finiteness check (traceable)."""
+    import qwix  # local import: qwix pulls in flax.linen; only needed for fp8
+
+    qa = qwix.quantize(w, FP8_DTYPE, channelwise_axes=axes, calibration_method="absmax", scale_dtype=jnp.float32)
+    qvalue = qa.qvalue if qa.qvalue.dtype == FP8_DTYPE else qa.qvalue.astype(FP8_DTYPE)
+    return Fp8Tensor(qvalue=qvalue, scale=qa.scale.astype(jnp.float32)).dequantize(dtype)
+
+
 def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=None,
                            output_axes_fn: Callable = default_output_axes) -> dict:
-    """The parameter tree the sampler computes with, for a quantization mode.
+    """The parameter tree the sampler computes with, for a quantization mode, built once per weights version.
 
     ``none``: the f32 weights unchanged (cast to `compute_dtype`, default f32).
-    ``bf16``: every leaf rounded to bfloat16 (then cast to `compute_dtype`, default bf16).
+    ``bf16``: every leaf rounded to bfloat16 (then cast to `compute_dtype`).
     ``fp8``: matmul weights quantized to fp8-e4m3 per output channel and
-    dequantized into `compute_dtype` (default bf16); other leaves cast to it.
+    dequantized (``qvalue * scale`` in f32) into `compute_dtype`; other leaves cast to it.
+    With ``compute_dtype`` float32 the bf16 / fp8 weights keep their rounded /
+    dequantized values exactly; with bfloat16 the fp8 dequantized values are
+    rounded once more, to bf16.  The whole tree is one jitted program (compiled
+    once per tree structure and dtype; ~1 ms on the tiny model against ~20 ms
+    leaf by leaf), bit-identical to the eager `quantize_params_fp8` /
+    `dequantize_params` path (tests/test_sampler_quantize.py).
 
     Args:
       params: nested pure dict of float arrays (trainer weights, any float dtype).
       quantization: one of QUANTIZATIONS.
       compute_dtype: dtype of the returned leaves (default: `default_compute_dtype`).
+      output_axes_fn: ``(path, shape) -> output axes or None`` (fp8; see `default_output_axes`).
     Returns:
       nested dict of arrays in `compute_dtype`, same structure as `params`.
     Raises:
-      ValueError: unknown quantization, or a non-finite weight (fp8).
+      ValueError: unknown quantization, or a non-finite weight (fp8), naming the parameter.
     """
     check_quantization(quantization)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype(quantization))
-    if quantization == "none":
-        return dequantize_params(params, dtype)
-    if quantization == "bf16":
-        return dequantize_params(dequantize_params(params, jnp.bfloat16), dtype)
-    return dequantize_params(quantize_params_fp8(params, output_axes_fn=output_axes_fn), dtype)
+    named = _named_leaves(params)
+    axes = tuple(output_axes_fn(p, tuple(np.shape(x))) if quantization == "fp8" else None for p, x in named)
+    axes = tuple(None if a is None else tuple(int(i) % len(np.shape(x)) for i in a) for a, (_, x) in zip(axes, named))
+    out, bad = _prepare_program([x for _, x in named], quantization=quantization, dtype=dtype, axes=axes)
+    if bad:
+        counts = jax.device_get(bad)
+        fp8_paths = [p for (p, _), a in zip(named, axes) if a is not None]
+        for path, c in zip(fp8_paths, counts):
+            if c:
+                raise ValueError(f"cannot quantize a weight with non-finite values: {'/'.join(path)} holds "
+                                 f"{int(c)} NaN/inf value(s)")
+    return _rebuild(params, out)
 
 
 def relative_errors(reference: Mapping, approx: Mapping) -> dict:

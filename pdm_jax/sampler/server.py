@@ -6,7 +6,8 @@ Accept, else the request's type; schema in ``pdm_jax.sampler.wire``):
 * ``POST /v1/generate`` -- vLLM-completions-shaped generation with token ids,
   behaviour log-probabilities and top-K (``logprobs: K``).
 * ``POST /v1/weights`` -- ``{"path", "version"}``: load a `save_weights`
-  directory under ``--checkpoint_root`` and re-quantize.  Accepted when version
+  directory under ``--checkpoint_root`` and re-quantize (the answer carries the
+  process's XLA compile counts, ``compile_stats``).  Accepted when version
   > current, or version == current with the same path (idempotent).  Errors:
   403 path outside the root or containing ``..``, 404 missing/incomplete
   directory, 409 stale version or a directory holding another version, 422
@@ -79,6 +80,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weights version of --weights, checked against the one the directory records "
                         "(default: that recorded version; 0 for a random init)")
     p.add_argument("--quantization", default="fp8", choices=("none", "bf16", "fp8"))
+    p.add_argument("--compute_dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="dtype the engine computes in (auto: f32 for none and on CPU, bf16 for bf16/fp8 on TPU/GPU)")
+    p.add_argument("--compile_cache_dir", default="",
+                   help="JAX persistent compilation cache directory ('' = none); see pdm_jax.profiling")
+    p.add_argument("--compile_cache_min_compile_time_s", type=float, default=0.0,
+                   help="programs compiling faster than this are not written to the cache (s)")
     p.add_argument("--checkpoint_root", required=True, help="/v1/weights only loads from under this directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = pick a free port")
@@ -151,8 +158,10 @@ class SamplerService:
       max_body_bytes: request bodies above this get 413.
     """
 
-    def __init__(self, engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20):
+    def __init__(self, engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20,
+                 compile_counter=None):
         self.engine = engine
+        self.compile_counter = compile_counter
         self.checkpoint_root = checkpoint_root
         self.token = token
         self.max_body_bytes = int(max_body_bytes)
@@ -235,7 +244,8 @@ class SamplerService:
         req = wire.LoadWeightsRequest.from_wire(await self.read_body(request))
         full = self._weights_dir(req.path)
         info = await run_in_threadpool(self._load, full, req.version)
-        return respond(request, wire.weights_response(info))
+        stats = None if self.compile_counter is None else self.compile_counter.snapshot()
+        return respond(request, wire.weights_response(info, stats))
 
     def _weights_dir(self, path: str) -> str:
         """`path` resolved under the checkpoint root; HTTPError 403 (outside / ``..``) or 404 (incomplete)."""
@@ -297,7 +307,8 @@ def guarded(handler):
     return endpoint
 
 
-def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20):
+def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20,
+               compile_counter=None):
     """The FastAPI app serving `engine` (a SamplingEngine) through a `SamplerService`.
 
     Args:
@@ -305,10 +316,13 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
       checkpoint_root: directory `/v1/weights` may load from.
       token: if set, every request needs ``Authorization: Bearer <token>``.
       max_body_bytes: request bodies above this get 413.
+      compile_counter: a `pdm_jax.profiling.CompileCounter`; its snapshot rides on every
+        ``/v1/weights`` answer (``compile_stats``), or None.
     Returns:
       a ``fastapi.FastAPI`` application.
     """
-    service = SamplerService(engine, checkpoint_root=checkpoint_root, token=token, max_body_bytes=max_body_bytes)
+    service = SamplerService(engine, checkpoint_root=checkpoint_root, token=token, max_body_bytes=max_body_bytes,
+                             compile_counter=compile_counter)
     app = FastAPI(title="pdm_jax sampler", docs_url=None, redoc_url=None, openapi_url=None)
     app.middleware("http")(service.guard)
     app.get("/health")(guarded(service.health))
@@ -343,11 +357,14 @@ def main(argv=None) -> None:
     from flax import nnx
 
     from pdm_jax.models.qwen3 import Qwen3ForCausalLM  # after the flags parse: --help without JAX
+    from pdm_jax.profiling import CompileCounter, enable_compile_cache  # after the flags parse: imports JAX
     from pdm_jax.sampler import weights as wts  # after the flags parse: --help without JAX
     from pdm_jax.sampler.engine import SamplingEngine  # after the flags parse: --help without JAX
 
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
+    enable_compile_cache(args.compile_cache_dir, min_compile_time_s=args.compile_cache_min_compile_time_s)
+    compile_counter = CompileCounter()
     config = load_model_config(args.model_config)
     version = args.version
     if args.weights:
@@ -358,10 +375,11 @@ def main(argv=None) -> None:
         version = 0 if version is None else version
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(args.init_seed)), nnx.Param))
     engine = SamplingEngine(config, params, quantization=args.quantization, version=version,
-                            weights_path=args.weights, max_prompt_length=args.max_prompt_length,
+                            weights_path=args.weights, compute_dtype=args.compute_dtype,
+                            max_prompt_length=args.max_prompt_length,
                             max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size)
     app = create_app(engine, checkpoint_root=args.checkpoint_root, token=args.token,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, compile_counter=compile_counter)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from typing import Optional
 
 from pdm_jax.rollout import RolloutBatch
@@ -41,7 +42,7 @@ from pdm_jax.sampler.client import SamplerClient, SamplerRequestError
 from pdm_jax.sampler.engine import InProcessSampler, SamplingEngine
 from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.sampler.weights import load_weights, save_weights
-from pdm_jax.sampler.wire import RequestError
+from pdm_jax.sampler.wire import COMPILE_STATS, RequestError
 
 log = logging.getLogger("pdm_jax.sampler")
 
@@ -105,6 +106,17 @@ class SamplerSupervisor:
         `STALL_PROBE_TIMEOUT_S`).
       stall_probe_misses: consecutive missed probes that make a stall; 0 turns
         probing off (default: config, else `STALL_PROBE_MISSES`).
+      compile_cache_dir: the JAX persistent compilation cache a subprocess sampler
+        uses ("" = none; `pdm_jax.profiling.enable_compile_cache`).
+      compile_cache_min_compile_time_s: its minimum compile time (s).
+
+    Attributes:
+      compute_dtype: the config's ``sampler.compute_dtype`` (default "auto").
+      last_sync_seconds: ``{"save": s, "load": s}`` of the last `sync` (writing the
+        version; the sampler's load, re-quantization and round trip).
+      sampler_compile_stats: the subprocess/remote sampler's last reported
+        `pdm_jax.profiling.CompileCounter` snapshot (None until a `sync`, and for an
+        in-process sampler, whose compiles count in this process).
 
     Raises:
       ValueError: a non-positive probe interval or timeout, or a negative miss count.
@@ -115,8 +127,14 @@ class SamplerSupervisor:
 
     def __init__(self, sampler_config, *, workdir: str, model_config, max_new_tokens: int,
                  stall_probe_interval_s: Optional[float] = None, stall_probe_timeout_s: Optional[float] = None,
-                 stall_probe_misses: Optional[int] = None):
+                 stall_probe_misses: Optional[int] = None, compile_cache_dir: str = "",
+                 compile_cache_min_compile_time_s: float = 0.0):
         self.config = sampler_config
+        self.compute_dtype = str(getattr(sampler_config, "compute_dtype", "auto"))
+        self.compile_cache = dict(compile_cache_dir=compile_cache_dir,
+                                  compile_cache_min_compile_time_s=float(compile_cache_min_compile_time_s))
+        self.last_sync_seconds = {"save": 0.0, "load": 0.0}
+        self.sampler_compile_stats: Optional[dict] = None
         self.workdir = workdir
         self.model_config = model_config
         self.limits = dict(max_prompt_length=int(sampler_config.max_prompt_length),
@@ -162,11 +180,12 @@ class SamplerSupervisor:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         return path
 
-    def local_engine(self, version: int, quantization: str) -> InProcessSampler:
-        """An in-process engine on weights version ``version`` with ``quantization`` ("none" | "bf16" | "fp8")."""
+    def local_engine(self, version: int, quantization: str, compute_dtype: str = "auto") -> InProcessSampler:
+        """An in-process engine on weights version ``version`` with ``quantization`` ("none" | "bf16" | "fp8")
+        computing in ``compute_dtype`` ("auto" | "float32" | "bfloat16", `engine.resolve_compute_dtype`)."""
         path = self.weights_path(version)
         engine = SamplingEngine(self.model_config, load_weights(path, self.model_config), quantization=quantization,
-                                version=version, weights_path=path, **self.limits)
+                                version=version, weights_path=path, compute_dtype=compute_dtype, **self.limits)
         return InProcessSampler(engine, checkpoint_root=self.workdir)
 
     # ---------------------------------------------------------------- lifecycle
@@ -185,8 +204,10 @@ class SamplerSupervisor:
         if sc.mode == "subprocess":
             self._proc = start_sampler_server(
                 model_config=os.path.join(self.workdir, "model", "config.json"), weights=path, version=version,
-                quantization=sc.quantization, checkpoint_root=self.workdir, startup_timeout_s=sc.startup_timeout_s,
-                client_kwargs=dict(timeout_s=sc.request_timeout_s, retries=sc.retries), **self.limits)
+                quantization=sc.quantization, compute_dtype=self.compute_dtype, checkpoint_root=self.workdir,
+                startup_timeout_s=sc.startup_timeout_s, client_kwargs=dict(timeout_s=sc.request_timeout_s,
+                                                                           retries=sc.retries),
+                **self.compile_cache, **self.limits)
             self._sampler = self._proc.client
         elif sc.mode == "remote":
             client = SamplerClient(sc.address, timeout_s=sc.request_timeout_s, retries=sc.retries,
@@ -202,7 +223,7 @@ class SamplerSupervisor:
                 raise SamplerRejected.from_error("load_weights", e) from e
             self._sampler = client
         else:
-            self._sampler = self.local_engine(version, sc.quantization)
+            self._sampler = self.local_engine(version, sc.quantization, self.compute_dtype)
         self.version = version
         self._generation += 1
 
@@ -320,12 +341,17 @@ class SamplerSupervisor:
             server's reason.  The sampler keeps serving its previous version.
           SamplerFailure: as `call`.
         """
+        t0 = time.perf_counter()
         path = self.push_weights(params, version)
+        t1 = time.perf_counter()
         try:
-            self.call("load_weights", path, version)
+            answer = self.call("load_weights", path, version)
         except SamplerRejected as e:
             raise SamplerRejected("load_weights", f"weights version {version} at {path}: {e.message}",
                                   status=e.status, field=e.field) from e
+        self.last_sync_seconds = {"save": t1 - t0, "load": time.perf_counter() - t1}
+        if isinstance(answer, dict) and isinstance(answer.get(COMPILE_STATS), dict):
+            self.sampler_compile_stats = dict(answer[COMPILE_STATS])
         self.version = version
 
     def kill_process(self) -> None:

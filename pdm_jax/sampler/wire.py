@@ -119,6 +119,7 @@ VERSION = "version"
 STATUS = "status"
 OK = "ok"
 MAX_NEW_TOKENS = "max_new_tokens"  # /health: the server's max_tokens limit
+COMPILE_STATS = "compile_stats"  # /v1/weights response: the server process's XLA compile counts so far
 
 # error bodies
 ERROR = "error"
@@ -769,9 +770,13 @@ def weights_loaded(*, version: int, path: str, seconds: float, reloaded: bool) -
     return {VERSION: version, PATH: path, "seconds": seconds, "reloaded": reloaded}
 
 
-def weights_response(info: Mapping) -> dict:
-    """The ``POST /v1/weights`` response body: ``{"status": "ok", **info}``."""
-    return {STATUS: OK, **info}
+def weights_response(info: Mapping, compile_stats: Optional[Mapping] = None) -> dict:
+    """The ``POST /v1/weights`` response body: ``{"status": "ok", **info}``, plus ``"compile_stats"``
+    (the server's `pdm_jax.profiling.CompileCounter` snapshot) when given."""
+    body = {STATUS: OK, **info}
+    if compile_stats is not None:
+        body[COMPILE_STATS] = dict(compile_stats)
+    return body
 
 
 def health_body(*, model: str, quantization: str, version: int, compute_dtype: str, vocab_size: int,
