@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     r.add_argument("--isolated_tokens", type=int, default=8, help="tokens per optimizer step in isolated mode (0=off)")
     r.add_argument("--isolated_step", type=float, default=1e-2, help="isolated normalized step length ε")
     r.add_argument("--no_full_mu", action="store_true", help="skip recomputing μ from the quantized weights")
+    r.add_argument("--no_param_direction", action="store_true",
+                   help="skip the parameter-space Ḋᵖ (one jvp through the model per optimizer step)")
     r.add_argument("--compile_cache", default=os.path.join(tempfile.gettempdir(), "pdm_jax_xla_cache"),
                    help="persistent XLA compilation cache shared by the seeds ('' = off)")
     r.add_argument("--no_report", action="store_true")
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         run.run_seeds(seeds, args.out, config_spec=args.config, arg=args.arg, overrides=args.overrides or None,
                       isolated_tokens=args.isolated_tokens, isolated_step=args.isolated_step,
-                      full_mu=not args.no_full_mu,
+                      full_mu=not args.no_full_mu, param_direction=not args.no_param_direction,
                       compile_cache=args.compile_cache or None)
         print(f"{len(seeds)} seeds in {time.time() - t0:.0f}s")
         if args.no_report:

@@ -17,7 +17,12 @@ and their masks, and `trust_region_radius` gives δ by the sign of Â):
 * ``uniform_tail``     dir = Ḋ with the paper's uniform-tail estimator;
 * ``bucket_exact``     dir = Ḋ, the exact derivative of the top-K KL (ours);
 * ``full``             dir = Ḋ of the full-vocabulary KL with the full μ
-  (an oracle: needs the behaviour logits, recomputed from the quantized weights).
+  (an oracle: needs the behaviour logits, recomputed from the quantized weights);
+* ``param_jvp``        Ḋᵖ = ⟨∇_θ D_t, Δθ⟩, the first-order change of D_t under the
+  actual parameter update (`pdm_jax.analysis.param_direction`); masked iff
+  outside and Ḋᵖ > 0 (no Â factor: Δθ carries it). A first-order oracle of the
+  realized ΔD (it needs the update it judges): in the isolated mode its decision
+  is the sign of the isolated step's own first-order term ``iso_first_order``.
 
 Every keep decision is taken by `pdm_jax.trust_region.trust_region_mask` itself
 (so the analysis sees exactly what training would do), except ``full``, which
@@ -48,10 +53,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdm_jax import trust_region as tr
+from pdm_jax.analysis.param_direction import PARAM_CRITERION
 from pdm_jax.rollout import StepBatch
 
 #: The oracle criterion (needs the full behaviour distribution; no library mask).
 ORACLE = "full"
+
+#: Every criterion the analysis can record, in report order (the library's, the oracle, Ḋᵖ).
+ALL_CRITERIA = tr.DIRECTION_CRITERIA + (ORACLE, PARAM_CRITERION)
 
 #: Per-token record fields (host numpy, one entry per selected token).
 RECORD_FIELDS = (("d_before", "d_after", "advantage", "tail_mass", "log_ratio")
@@ -155,10 +164,40 @@ def concat_records(parts: Sequence[Mapping[str, np.ndarray]]) -> dict:
     return {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in sorted(keys)}
 
 
-def criteria_in(records: Mapping[str, np.ndarray]) -> list:
-    """The criteria with a keep decision in `records` (`pdm_jax.trust_region.DIRECTION_CRITERIA`,
-    plus ``full`` when present)."""
-    return [c for c in tr.DIRECTION_CRITERIA + (ORACLE,) if f"keep_{c}" in records]
+def param_keep(d_dot, outside):
+    """Keep decision of the ``param_jvp`` criterion: masked iff outside and Ḋᵖ > 0 (a NaN Ḋᵖ keeps).
+
+    Args:
+      d_dot: ``[...]`` f32 Ḋᵖ (`param_direction.param_jvp_topk_kl`, or the
+        isolated step's ``iso_first_order``).
+      outside: ``[...]`` bool, D > δ_Â.
+
+    Returns ``[...]`` bool (numpy or jax, as the inputs).
+    """
+    return ~(outside & (d_dot > 0))
+
+
+def _keep_of(records: Mapping[str, np.ndarray], criterion: str, change_key: str):
+    """``[N]`` bool keep decision of `criterion` against `change_key`, or None when not available.
+
+    ``param_jvp`` is the sign of the first-order term along the step whose change
+    is judged: ``keep_param_jvp`` (the real update) for ``delta_d``, the isolated
+    step's ``iso_first_order`` for ``iso_delta_d``, and nothing for
+    ``iso_first_order`` itself (it would agree with itself by construction).
+    """
+    if criterion == PARAM_CRITERION and change_key.startswith("iso_"):
+        if change_key != "iso_delta_d" or "iso_first_order" not in records:
+            return None
+        fo = np.asarray(records["iso_first_order"], np.float64)
+        return np.asarray(param_keep(fo, np.ones(fo.shape, bool)), bool)  # records are outside tokens
+    key = f"keep_{criterion}"
+    return np.asarray(records[key], bool) if key in records else None
+
+
+def criteria_in(records: Mapping[str, np.ndarray], change_key: str = "delta_d") -> list:
+    """The criteria with a keep decision in `records` against `change_key` (`ALL_CRITERIA` order:
+    `pdm_jax.trust_region.DIRECTION_CRITERIA`, then ``full`` and ``param_jvp`` when present)."""
+    return [c for c in ALL_CRITERIA if _keep_of(records, c, change_key) is not None]
 
 
 def alignment_counts(records: Mapping[str, np.ndarray], *, change_key: str = "delta_d") -> dict:
@@ -169,7 +208,8 @@ def alignment_counts(records: Mapping[str, np.ndarray], *, change_key: str = "de
         region with Â ≠ 0): needs ``keep_<criterion>`` bool and `change_key`
         (the realized ΔD, f32).
       change_key: which realized change to use (``delta_d`` for the real
-        optimizer step, ``iso_delta_d`` for the isolated step).
+        optimizer step, ``iso_delta_d`` for the isolated step, whose
+        ``param_jvp`` decision is the sign of ``iso_first_order``).
 
     Returns:
       ``{"n": N, "n_increase", "n_decrease", "n_tie", criterion: {"kept_increase",
@@ -185,8 +225,8 @@ def alignment_counts(records: Mapping[str, np.ndarray], *, change_key: str = "de
     out = {"n": int(dd.size), "n_increase": int(inc.sum()), "n_decrease": int(dec.sum()),
            "n_tie": int((finite & (dd == 0)).sum())}
     keep_ratio = np.asarray(records["keep_ratio"], bool)
-    for c in criteria_in(records):
-        keep = np.asarray(records[f"keep_{c}"], bool)
+    for c in criteria_in(records, change_key):
+        keep = _keep_of(records, c, change_key)
         disagree = keep != keep_ratio
         right = (keep & dec) | (~keep & inc)
         out[c] = {"kept_increase": int((keep & inc).sum()), "kept_decrease": int((keep & dec).sum()),
@@ -206,7 +246,7 @@ def alignment_rates(counts: Mapping) -> dict:
     ``right_on_disagreement``; NaN where a denominator is 0."""
     out = {}
     n, ninc, ndec = counts.get("n", 0), counts.get("n_increase", 0), counts.get("n_decrease", 0)
-    for c in tr.DIRECTION_CRITERIA + (ORACLE,):
+    for c in ALL_CRITERIA:
         if c not in counts:
             continue
         k = counts[c]

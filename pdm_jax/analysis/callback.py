@@ -20,7 +20,10 @@ step donates them afterwards), the keep decision of every direction criterion
 
 After the step it recomputes π with the new parameters on the same batch and
 the same μ and records ΔD_t = D_t(after) − D_t(before) for every token
-outside the region (Â ≠ 0). Nothing here touches the trainer's state, RNG or
+outside the region (Â ≠ 0), and (``param_direction``) the parameter-space
+first-order change Ḋᵖ_t = ⟨∇_θ D_t, Δθ⟩ along the step's actual update
+Δθ = θ_after − θ_before (`pdm_jax.analysis.param_direction`; the callback keeps
+a device copy of θ_before, as the step donates it). Nothing here touches the trainer's state, RNG or
 data stream; the no-op-on-training property is tested (tests/test_analysis.py).
 Meant for small models on one process: it copies each mini-batch and its
 ``[B,T,V]`` logits to the host.
@@ -40,6 +43,7 @@ from flax import nnx
 from pdm_jax import train_step as ts
 from pdm_jax import trust_region as tr
 from pdm_jax.analysis import alignment as al
+from pdm_jax.analysis import param_direction as pd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.rollout import StepBatch
 from pdm_jax.sampler.engine import SamplingEngine
@@ -125,6 +129,9 @@ class AlignmentCallback(TrainerCallback):
       isolated_step: ε, the length of the isolated normalized gradient step
         (parameter-space L2 norm).
       seed: seed of the local RNG choosing the isolated tokens.
+      param_direction: record Ḋᵖ (``dir_param_jvp``) and the ``param_jvp``
+        keep decision along the real update (one device copy of the parameters
+        and one forward-mode pass through the model per optimizer step).
 
     Attributes (host numpy, filled during the run):
       records: list (one per optimizer step) of dicts of ``[N_i]`` arrays, see
@@ -137,19 +144,23 @@ class AlignmentCallback(TrainerCallback):
         and ``trainer_frac_outside`` (the step's own metrics, for cross-checking),
         ``behavior_version_lag`` (max over rows of rl_step - 1 - version),
         ``behavior_logprob_max_err`` (max |recomputed − sampler log μ(y_t)|),
-        ``behavior_version_fallbacks`` (rows matched by log μ instead)).
+        ``behavior_version_fallbacks`` (rows matched by log μ instead),
+        ``param_jvp_d_max_err`` (max over valid tokens of |D from the jvp's
+        primal − d_before|: the jvp saw the trainer's logits; None when off)).
       fidelity: summed `alignment.fidelity_counts` (None without ``full_mu``).
 
     Raises:
       ValueError: isolated_tokens < 0 or isolated_step <= 0.
     """
 
-    def __init__(self, *, full_mu: bool = True, isolated_tokens: int = 0, isolated_step: float = 1e-2, seed: int = 0):
+    def __init__(self, *, full_mu: bool = True, isolated_tokens: int = 0, isolated_step: float = 1e-2, seed: int = 0,
+                 param_direction: bool = True):
         if isolated_tokens < 0:
             raise ValueError(f"isolated_tokens must be >= 0, got {isolated_tokens}")
         if not isolated_step > 0:
             raise ValueError(f"isolated_step must be > 0, got {isolated_step}")
         self.full_mu = bool(full_mu)
+        self.param_direction = bool(param_direction)
         self.isolated_tokens = int(isolated_tokens)
         self.isolated_step = float(isolated_step)
         self._rng = np.random.default_rng(seed)
@@ -269,7 +280,10 @@ class AlignmentCallback(TrainerCallback):
                 iso_f[rows[:m], cols[:m]] = np.asarray(f)[:m]
         analysis["iso_delta_d"] = iso_d
         analysis["iso_first_order"] = iso_f
-        self._pending = dict(host=host, analysis=analysis, rl_step=rl_step, lag=lag, err=err, fallbacks=fallbacks)
+        # A device copy: the optimizer step donates (and may overwrite) state.params.
+        params_before = jax.tree.map(jnp.copy, state.params) if self.param_direction else None
+        self._pending = dict(host=host, analysis=analysis, rl_step=rl_step, lag=lag, err=err, fallbacks=fallbacks,
+                             params_before=params_before)
 
     def after_update(self, trainer, rl_step, batch, state, metrics) -> None:
         p = self._pending
@@ -284,6 +298,18 @@ class AlignmentCallback(TrainerCallback):
                                         host.topk_logprobs, host.behavior_logprobs))
         analysis["d_after"] = d_after
         analysis["delta_d"] = d_after - analysis["d_before"]
+        jvp_err = None
+        if p["params_before"] is not None:
+            before = p["params_before"]
+            d_jvp, d_dot = jax.device_get(pd.param_jvp_topk_kl(
+                trainer.graphdef, before, pd.parameter_update(before, state.params), host.prompt_ids,
+                host.prompt_mask, host.completion_ids, host.completion_mask, host.topk_ids, host.topk_logprobs,
+                host.behavior_logprobs, temperature=float(trainer.config.rl.temperature)))
+            d_dot = np.asarray(d_dot)
+            analysis[f"dir_{pd.PARAM_CRITERION}"] = d_dot
+            analysis[f"keep_{pd.PARAM_CRITERION}"] = np.asarray(al.param_keep(d_dot, analysis["outside"]))
+            valid = analysis["valid"]
+            jvp_err = float(np.abs(np.asarray(d_jvp) - analysis["d_before"])[valid].max()) if valid.any() else 0.0
         rec = al.select_tokens(analysis)
         n = len(rec["row"])
         rec["rl_step"] = np.full((n,), rl_step, np.int32)
@@ -297,7 +323,7 @@ class AlignmentCallback(TrainerCallback):
                                trainer_mean_topk_kl=float(m.get("mean_topk_kl", np.nan)),
                                trainer_frac_outside=float(m.get("frac_outside", np.nan)),
                                behavior_version_lag=p["lag"], behavior_logprob_max_err=p["err"],
-                               behavior_version_fallbacks=p["fallbacks"]))
+                               behavior_version_fallbacks=p["fallbacks"], param_jvp_d_max_err=jvp_err))
         self._updates += 1
 
     # ------------------------------------------------------------------ results

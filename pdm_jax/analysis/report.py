@@ -8,7 +8,10 @@ are computed per seed, then averaged the same way.
 
 The paper's numbers (PDM, arXiv 2607.10848, token-level analysis over 61 seeds)
 are shown beside ours: unsafe-keep 34.2% (predictive) vs 36.9% (ratio),
-corrective 65.1% vs 62.9%.
+corrective 65.1% vs 62.9%. Beyond the paper, the ``param_jvp`` row is the
+parameter-space first-order change Ḋᵖ = ⟨∇_θ D_t, Δθ⟩ along the actual update
+(`pdm_jax.analysis.param_direction`): its sign agreement against the logit-space
+estimators' says how much of their misses is the logit-space approximation.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ PAPER = dict(seeds=61, unsafe_keep=dict(predictive=0.342, ratio=0.369), correcti
 METRICS = ("unsafe_keep", "corrective", "sign_agreement", "disagreement_frac", "right_on_disagreement")
 LABELS = {"ratio": "ratio (DPPO)", "aggregated_tail": "predictive, aggregated tail",
           "uniform_tail": "predictive, uniform tail", "bucket_exact": "predictive, bucket exact",
-          "full": "predictive, full μ (oracle)"}
+          "full": "predictive, full μ (oracle)", "param_jvp": "parameter-space Ḋᵖ along Δθ (first-order oracle)"}
 
 
 def seed_rates(seeds: Sequence[dict], change_key: str = "delta_d") -> list:
@@ -106,6 +109,35 @@ def verdict(summary: dict, criterion: str) -> str:
             f"(paper {100 * paper_dc:+.1f} pts) — {judge(dc, +1)}.")
 
 
+def param_direction_sentence(summary: dict, label: str = "real optimizer step") -> Optional[str]:
+    """How the parameter-space Ḋᵖ's sign agreement compares with the ratio test and the logit-space estimators.
+
+    Returns None when `summary` has no ``param_jvp`` row.
+    """
+    if "param_jvp" not in summary:
+        return None
+    sa = {c: summary[c]["sign_agreement"] for c in al.ALL_CRITERIA if c in summary}
+    logit = [c for c in tr.CLOSED_FORM_ESTIMATORS + (al.ORACLE,) if c in sa and math.isfinite(sa[c][0])]
+    best = max(logit, key=lambda c: sa[c][0]) if logit else None
+    p = sa["param_jvp"][0]
+    text = (f"On the {label}, the parameter-space first-order change Ḋᵖ has the sign of the realized ΔD on "
+            f"{_pct(sa['param_jvp'])} of the analysed tokens (ratio test {_pct(sa['ratio'])}")
+    if best is not None:
+        b = sa[best][0]
+        text += (f", best logit-space estimator {_SHORT[best]} {_pct(sa[best])}): Ḋᵖ minus that estimator "
+                 f"{100 * (p - b):+.1f} pts (mean over seeds). Ḋᵖ's {100 * (1 - p):.1f}% misses are the part of "
+                 "the realized change beyond first order in the step")
+        if p > b:
+            text += (f"; {100 * (p - b):.1f} of the logit-space estimator's {100 * (1 - b):.1f}% misses come from "
+                     "predicting along e_k − π in logit space instead of along the update.")
+        else:
+            text += ("; predicting along the update does not do better than the logit-space estimator here, so its "
+                     "misses are not the logit-space approximation's.")
+    else:
+        text += ")."
+    return text
+
+
 def headline(summary: dict, label: str = "real optimizer step") -> str:
     """One sentence: does the paper's direction (predictive lower unsafe-keep, higher corrective) hold, by how much."""
     paper_du = 100 * (PAPER["unsafe_keep"]["predictive"] - PAPER["unsafe_keep"]["ratio"])
@@ -139,16 +171,16 @@ def _plt():
 
 
 _SHORT = {"ratio": "ratio", "aggregated_tail": "aggregated", "uniform_tail": "uniform", "bucket_exact": "bucket exact",
-          "full": "full μ"}
+          "full": "full μ", "param_jvp": "param Ḋᵖ"}
 _COLORS = {"ratio": "#999999", "aggregated_tail": "#4c72b0", "uniform_tail": "#55a868", "bucket_exact": "#c44e52",
-           "full": "#8172b2"}
+           "full": "#8172b2", "param_jvp": "#dd8452"}
 
 
 def figure_paper_vs_ours(summary: dict, iso_summary: Optional[dict], path: str) -> None:
     """Bars: unsafe-keep and corrective rates, paper (ratio vs predictive) beside ours (every criterion),
     for the real optimizer step and the isolated step (mean ± 95% CI over seeds)."""
     plt = _plt()
-    crits = [c for c in tr.DIRECTION_CRITERIA + (al.ORACLE,) if c in summary]
+    crits = [c for c in al.ALL_CRITERIA if c in summary]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     for ax, metric, title in zip(axes, ("unsafe_keep", "corrective"),
                                  ("unsafe-keep  P(kept | D increased)  ↓", "corrective  P(kept | D decreased)  ↑")):
@@ -205,7 +237,7 @@ def figure_differences(summaries: dict, path: str) -> None:
         for label, summ in summaries.items():
             if not summ:
                 continue
-            for c in tr.CLOSED_FORM_ESTIMATORS + (al.ORACLE,):
+            for c in al.ALL_CRITERIA[1:]:
                 if c not in summ or "diff_vs_ratio" not in summ[c]:
                     continue
                 m, ci, _ = summ[c]["diff_vs_ratio"][metric]
@@ -299,7 +331,11 @@ _DEFINITIONS = ["## Definitions", "",
            "disagreement set = tokens where the criterion's keep decision differs from the ratio criterion's, "
            "'right on disagreement' = P(criterion right | disagreement) with right = kept & ΔD < 0 or masked & "
            "ΔD > 0. Keep decisions come from `pdm_jax.trust_region.trust_region_mask` (the training code); "
-           "`full` is the same rule with the full-vocabulary Ḋ. Intervals: Student-t over seeds; a seed whose "
+           "`full` is the same rule with the full-vocabulary Ḋ; `param_jvp` masks a token iff Ḋᵖ = ⟨∇_θ D_t, Δθ⟩ > 0 "
+           "(one jax.jvp through the model along the step's actual update Δθ; in the isolated mode along the "
+           "isolated step, i.e. the sign of its first-order term) — an oracle of the first-order change, not a "
+           "mask training could use as is (it needs the update it judges). "
+           "Intervals: Student-t over seeds; a seed whose "
            "denominator is empty drops out of that mean.", ""]
 
 
@@ -337,6 +373,11 @@ def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
         md.append(f"- Isolated mode: for up to {settings.get('isolated_tokens')} tokens per optimizer step, ΔD_t "
                   f"after a normalized gradient step of length ε = {settings.get('isolated_step')} (parameter L2 "
                   "norm) on that token's loss alone, −Â·sg(min(r, C))·log π(y_t).")
+    jvp_errs = [st["param_jvp_d_max_err"] for st in steps if st.get("param_jvp_d_max_err") is not None]
+    if jvp_errs:
+        md.append("- Parameter-space Ḋᵖ_t = ⟨∇_θ D_t, Δθ⟩ with Δθ = θ_after − θ_before of each optimizer step, one "
+                  "forward-mode pass (jax.jvp) through the model per step; the jvp's own D matches the analysis's "
+                  f"D_before to {max(jvp_errs):.1e} nats (max over tokens).")
     if errs:
         md.append(f"- Full μ recomputed from the fp8 weights of the version that sampled each row (the "
                   f"batch's `weights_version`; lag 0: {sum(1 for x in lags if x == 0)}, lag 1: "
@@ -441,13 +482,17 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
         figure_fidelity(fidelity, os.path.join(out_dir, "estimator_fidelity.png"))
 
     settings = seeds[0].get("settings", {}) if seeds else {}
-    crits = [c for c in tr.DIRECTION_CRITERIA + (al.ORACLE,) if c in summary]
+    crits = [c for c in al.ALL_CRITERIA if c in summary]
     md = [f"# {title}", "",
           f"Generated by `python -m pdm_jax.analysis` from {len(seeds)} seeds "
           f"(seeds {min(s['seed'] for s in seeds)}–{max(s['seed'] for s in seeds)}).", "",
           "## Verdict", "", f"**{headline(summary)}**", ""]
     if iso_summary:
         md += [f"**{headline(iso_summary, 'isolated step')}**", ""]
+    for label, summ in (("real optimizer step", summary), ("isolated step", iso_summary)):
+        line = param_direction_sentence(summ, label) if summ else None
+        if line:
+            md += [line, ""]
     def kept_frac(c):
         return al.mean_ci95([(p["counts"][c]["kept_increase"] + p["counts"][c]["kept_decrease"])
                              / max(p["counts"]["n_increase"] + p["counts"]["n_decrease"], 1)
@@ -455,13 +500,12 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
 
     if "bucket_exact" in summary:
         md += [f"Kept fraction of the analysed out-of-region tokens (real step): ratio {_pct(kept_frac('ratio'))}, "
-               + ", ".join(f"{_SHORT[c]} {_pct(kept_frac(c))}" for c in tr.CLOSED_FORM_ESTIMATORS + (al.ORACLE,)
-                           if c in summary)
+               + ", ".join(f"{_SHORT[c]} {_pct(kept_frac(c))}" for c in al.ALL_CRITERIA[1:] if c in summary)
                + f". On the disagreement set ({_pct(summary['bucket_exact']['disagreement_frac'])} of the tokens for "
                f"bucket exact) the predictive decision is the right one {_pct(summary['bucket_exact']['right_on_disagreement'])} "
                "of the time (50% = no better than the ratio test).", ""]
     md += ["Per criterion (real optimizer step):", ""]
-    for c in ("aggregated_tail", "bucket_exact", "uniform_tail", "full"):
+    for c in ("aggregated_tail", "bucket_exact", "uniform_tail", "full", "param_jvp"):
         if c in summary:
             md.append(f"- {verdict(summary, c)}")
     md += _setup_section(seeds, settings, iso_summary, summary["_totals"], extra_notes)

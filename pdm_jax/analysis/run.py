@@ -68,14 +68,14 @@ def load_config(config_spec: str):
 
 
 def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: float = 1e-2, full_mu: bool = True,
-             keep_workdir: bool = False) -> dict:
+             param_direction: bool = True, keep_workdir: bool = False) -> dict:
     """One run with an `AlignmentCallback`; returns ``{"records", "steps", "fidelity", "summary", "seconds"}``.
 
     Args:
       config: a full run ConfigDict (its ``seed`` selects the seed).
       workdir: a fresh run directory (removed first if it exists, removed
         after the run unless `keep_workdir`).
-      isolated_tokens, isolated_step, full_mu: see `AlignmentCallback`.
+      isolated_tokens, isolated_step, full_mu, param_direction: see `AlignmentCallback`.
     """
     # lazy: JAX, the model and the training loop are only needed to run new seeds, not to read saved ones
     from pdm_jax.analysis.callback import AlignmentCallback
@@ -83,7 +83,7 @@ def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: f
 
     shutil.rmtree(workdir, ignore_errors=True)
     cb = AlignmentCallback(full_mu=full_mu, isolated_tokens=isolated_tokens, isolated_step=isolated_step,
-                           seed=int(config.seed))
+                           seed=int(config.seed), param_direction=param_direction)
     t0 = time.time()
     summary = run_training(config, workdir, callbacks=[cb])
     seconds = time.time() - t0
@@ -149,8 +149,8 @@ def _git_commit() -> str:
 
 def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs/tiny.py", arg: str = DEFAULT_ARG,
               overrides: Optional[str] = None, workdir_root: Optional[str] = None, isolated_tokens: int = 8,
-              isolated_step: float = 1e-2, full_mu: bool = True, compile_cache: Optional[str] = None,
-              skip_done: bool = True, log_fn=print) -> list:
+              isolated_step: float = 1e-2, full_mu: bool = True, param_direction: bool = True,
+              compile_cache: Optional[str] = None, skip_done: bool = True, log_fn=print) -> list:
     """Runs `run_seed` for each seed (skipping seeds already saved when `skip_done`); returns the json paths.
 
     The config is ``<config_spec>`` loaded with ``arg`` (then ``overrides``, a
@@ -164,7 +164,8 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
     workdir_root = workdir_root or tempfile.mkdtemp(prefix="pdm_jax_analysis_")
     paths = []
     settings = dict(config=config_spec, arg=arg, overrides=overrides or "", isolated_tokens=isolated_tokens,
-                    isolated_step=isolated_step, full_mu=full_mu, git_commit=_git_commit())
+                    isolated_step=isolated_step, full_mu=full_mu, param_direction=param_direction,
+                    git_commit=_git_commit())
     t_all = time.time()
     for i, seed in enumerate(seeds):
         path = os.path.join(seeds_dir, f"seed_{seed:03d}.json")
@@ -177,7 +178,7 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
             apply_arg(config, overrides)
         apply_arg(config, f"seed={seed}")
         result = run_seed(config, os.path.join(workdir_root, f"seed_{seed:03d}"), isolated_tokens=isolated_tokens,
-                          isolated_step=isolated_step, full_mu=full_mu)
+                          isolated_step=isolated_step, full_mu=full_mu, param_direction=param_direction)
         paths.append(save_seed(seeds_dir, seed, result, settings))
         n = len(result["records"].get("delta_d", []))
         log_fn(f"seed {seed} ({i + 1}/{len(seeds)}): {result['seconds']:.0f}s, {n} tokens outside the region "
