@@ -149,26 +149,137 @@ def run_summary(records: Iterable[dict], *, config, meta: Mapping, last_eval: Ma
     )
 
 
-def plot_curves(records: Iterable[dict], out_png: str,
-                keys=("reward", "eval_accuracy", "frac_masked", "mean_topk_kl")) -> None:
-    """Draws RL curves (reward, accuracy, masked fraction, top-K KL against step) with matplotlib."""
+def _trailing_mean(values, window: int) -> np.ndarray:
+    """Mean of the last `window` values at each point (fewer at the start), ``[N]`` f64; window >= 1."""
+    ys = np.asarray(values, np.float64)
+    c = np.concatenate([[0.0], np.cumsum(ys)])
+    idx = np.arange(1, ys.size + 1)
+    lo = np.maximum(idx - window, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def curves_title(config) -> str:
+    """The run's trust region in words for the curves' title: mask, divergence, δ (by sign of Â) and estimator.
+
+    `config` is the run ConfigDict (reads ``trust_region.*``); e.g.
+    ``"mask pdm (top-K KL, δ = 0.05, estimator bucket_exact)"``, ``"mask ppo (ε = 0.2/0.28)"``,
+    ``"mask none"``.
+    """
+    t = config.trust_region
+    if t.mask == "none":
+        return "mask none"
+    if t.mask == "ppo":
+        return f"mask ppo (ε = {t.clip_eps_low:g}/{t.clip_eps_high:g})"
+    div = "top-K KL" if t.divergence == "topk_kl" else t.divergence
+    if t.delta_low is None and t.delta_high is None:
+        delta = f"δ = {t.delta:g}"
+    else:
+        lo = t.delta if t.delta_low is None else t.delta_low
+        hi = t.delta if t.delta_high is None else t.delta_high
+        delta = f"δ = {lo:g} (Â < 0) / {hi:g} (Â > 0)"
+    est = f", estimator {t.estimator}" if t.mask == "pdm" else ""
+    return f"mask {t.mask} ({div}, {delta}{est})"
+
+
+def _delta_lines(config) -> list:
+    """[(radius, label)] of the trust region on the divergence panel; [] for masks without a radius."""
+    if config is None or config.trust_region.mask not in ("dppo", "pdm"):
+        return []
+    t = config.trust_region
+    lo = t.delta if t.delta_low is None else t.delta_low
+    hi = t.delta if t.delta_high is None else t.delta_high
+    return [(lo, f"δ = {lo:g}")] if lo == hi else [(lo, f"δ (Â < 0) = {lo:g}"), (hi, f"δ (Â > 0) = {hi:g}")]
+
+
+def curves_figure(records: Iterable[dict], config=None):
+    """The ``curves.png`` figure of a run: a matplotlib Figure with four panels against RL step.
+
+    Panels: (1) mean reward per RL step, raw (faint) and a trailing mean;
+    (2) held-out accuracy, avg@k (k = ``eval.samples_per_prompt``) beside
+    greedy (τ = 0), step 0 = the warm start; (3) fraction of valid completion
+    tokens the mask drops; (4) the mask's divergence (mean top-K KL, and
+    ``mean_divergence`` when the mask uses another one), log scale, with the
+    radius δ as a dashed line (dppo/pdm). The title names the run's mask, δ and
+    estimator (`curves_title`).
+
+    Args:
+      records: metrics.jsonl records (`read_metrics`); only ``phase`` rl/eval are used.
+      config: the run ConfigDict, or None (no δ line, k unnamed, no title).
+
+    Returns:
+      The Figure (the caller saves and closes it).
+    """
     import matplotlib  # heavy (~1 s); only when curves are drawn (Agg backend set first)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # heavy (~1 s); only when a figure is drawn (Agg backend set first)
 
     recs = [r for r in records if r.get("phase") in ("rl", "eval")]
-    titles = {"reward": "mean reward", "eval_accuracy": "held-out accuracy (avg@k)",
-              "frac_masked": "fraction of tokens masked", "mean_topk_kl": "mean top-K KL(mu||pi)"}
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2))
-    for ax, key in zip(np.atleast_1d(axes), keys):
-        pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
-        if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, lw=1)
-        ax.set_title(titles.get(key, key))
+
+    def series(key, phase):
+        pts = sorted((r["step"], r[key]) for r in recs if r.get("phase") == phase and r.get(key) is not None)
+        return (list(zip(*pts)) if pts else ([], []))
+
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
+    ax = axes[0]
+    xs, ys = series("reward", "rl")
+    if xs:
+        window = max(1, min(20, len(xs) // 8))
+        ax.plot(xs, ys, color="C0", alpha=0.3, lw=1, label="per step")
+        ax.plot(xs, _trailing_mean(ys, window), color="C0", lw=2, label=f"mean of last {window}")
+        ax.legend(fontsize=7)
+    ax.set_title("mean reward (training rollouts)")
+    ax = axes[1]
+    k = int(config.eval.samples_per_prompt) if config is not None else None
+    for key, label, style in (("eval_accuracy", f"avg@{k}" if k else "avg@k", "o-"),
+                              ("eval_greedy_accuracy", "greedy (τ = 0)", "s--")):
+        xs, ys = series(key, "eval")
+        if xs:
+            ax.plot(xs, ys, style, lw=1.2, ms=4, label=label)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    ax.set_title("held-out accuracy")
+    ax = axes[2]
+    xs, ys = series("frac_masked", "rl")
+    if xs:
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, lw=1)
+    ax.set_title("fraction of tokens masked")
+    ax = axes[3]
+    div = config.trust_region.divergence if config is not None else "topk_kl"
+    curves = [("mean_topk_kl", "mean top-K KL(μ‖π)")]
+    if div != "topk_kl":
+        curves.append(("mean_divergence", f"mean {div}"))
+    for key, label in curves:
+        xs, ys = series(key, "rl")
+        if xs:
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, lw=1, label=label)
+    lines = _delta_lines(config)
+    for i, (radius, label) in enumerate(lines):
+        ax.axhline(radius, color="C3", ls="--" if i == 0 else ":", lw=1.2,
+                   label=label + ("" if div == "topk_kl" else f" ({div})"))
+    values = [y for ln in ax.lines for y in ln.get_ydata() if y is not None]
+    if values and min(values) > 0:
+        ax.set_yscale("log")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    ax.set_title("divergence from the behaviour policy")
+    for ax in axes:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
+    if config is not None:
+        fig.suptitle(curves_title(config), fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(records: Iterable[dict], out_png: str, config=None) -> None:
+    """Writes `curves_figure` (reward, accuracy avg@k and greedy, masked fraction, divergence with δ) to `out_png`.
+
+    Args:
+      records: metrics.jsonl records; config: the run ConfigDict (or None: no δ line or title).
+    """
+    fig = curves_figure(records, config)
+    import matplotlib.pyplot as plt  # heavy (~1 s); after curves_figure has selected the Agg backend
+
     fig.savefig(out_png, dpi=110)
     plt.close(fig)

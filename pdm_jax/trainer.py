@@ -472,7 +472,7 @@ class Trainer:
         if jax.process_index() == 0:
             with open(os.path.join(self.workdir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
-            plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"))
+            plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"), config=self.config)
         return summary
 
     def _fault_injection(self, rl_step: int) -> None:
