@@ -180,7 +180,7 @@ def figure_paper_vs_ours(summary: dict, iso_summary: Optional[dict], path: str) 
     """Bars: unsafe-keep and corrective rates, paper (ratio vs predictive) beside ours (every criterion),
     for the real optimizer step and the isolated step (mean ± 95% CI over seeds)."""
     plt = _plt()
-    crits = [c for c in al.ALL_CRITERIA if c in summary]
+    crits = [c for c in al.ALL_CRITERIA if c in summary or (iso_summary and c in iso_summary)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     for ax, metric, title in zip(axes, ("unsafe_keep", "corrective"),
                                  ("unsafe-keep  P(kept | D increased)  ↓", "corrective  P(kept | D decreased)  ↑")):
@@ -510,7 +510,7 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
             md.append(f"- {verdict(summary, c)}")
     md += _setup_section(seeds, settings, iso_summary, summary["_totals"], extra_notes)
     md += _paper_section(summary, crits)
-    md += _isolated_section(seeds, iso_summary, crits)
+    md += _isolated_section(seeds, iso_summary, [c for c in al.ALL_CRITERIA if iso_summary and c in iso_summary])
     md += _fidelity_section(fidelity)
     md += _DEFINITIONS
     text = "\n".join(md) + "\n"
