@@ -107,6 +107,9 @@ def test_bad_update_trees_are_refused_with_the_leaf_named():
                                  jnp.zeros((2,)))
     with pytest.raises(ValueError, match=r"params\['n'\] has dtype int32"):
         parameter_update({"n": jnp.ones((2,), jnp.int32)}, {"n": jnp.ones((2,), jnp.int32)})
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
+        param_jvp_topk_kl(None, params, params, *([jnp.zeros((1, 1), jnp.int32)] * 4), jnp.zeros((1, 1, 1), jnp.int32),
+                          jnp.zeros((1, 1, 1)), jnp.zeros((1, 1)), temperature=0.0)
     # bf16 parameters give a bf16 tangent (jvp needs the primal dtype); the difference is exact here.
     before = {"w": jnp.asarray([1.0, 2.0], jnp.bfloat16)}
     delta = parameter_update(before, {"w": jnp.asarray([1.5, 1.0], jnp.bfloat16)})
