@@ -20,7 +20,8 @@ is. XLA:CPU does not honour remat: its pipeline drops the optimization barriers 
 ``jax.checkpoint`` inserts and CSE then merges the recomputation back into the forward
 (a 4-layer toy compiles to the same 23 dots and the same temp with and without
 ``jax.checkpoint``), so its temp hardly moves; GPU and TPU compilers keep the barriers,
-and there the residual column is what the backward holds.
+and there the residual column is what the backward holds. (With the layers scanned, the
+default, remat holds on CPU too: see ``bench/bench_scan_layers.py``.)
 
 Reproduce (CPU, repository root; ~2-4 minutes):
 
@@ -87,7 +88,7 @@ def model_mib(cfg: Qwen3Config, batch: int, seq: int, remat: str, block: int) ->
     """(XLA temp MiB, saved-residual MiB) of jit(grad) of the whole model (blockwise attention)."""
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0), attention="blockwise",
                                                     remat=remat, attention_block_q=block,
-                                                    attention_block_kv=block))
+                                                    attention_block_kv=block, scan_layers=False))
     graphdef, abs_params = nnx.split(model)
 
     def loss(params, ids_BxT, mask_BxT):

@@ -50,6 +50,14 @@ _MANIFEST_FORMAT = 1
 _HASH_CHUNK = 8 << 20  # bytes read per hashlib update
 
 
+class CheckpointLayoutError(ValueError):
+    """A checkpoint intact on disk but written with an older parameter layout (per-layer, not stacked).
+
+    Not a `CheckpointError`: the checkpoint is not moved aside or skipped by
+    `Checkpointer.restore_latest_intact`; the run stops with this message instead.
+    """
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be restored: damaged, incomplete, non-finite, or refused by orbax.
 
@@ -255,12 +263,31 @@ class Checkpointer:
                                         meta=ocp.args.JsonRestore()),
             )
         except Exception as e:  # orbax/tensorstore raise many types; each one means "not restorable"
+            self._check_layout(path, step)
             raise CheckpointError(path, step, f"orbax could not restore it ({type(e).__name__}: {e})") from e
         bad = nonfinite_leaves(restored["state"])
         if bad:
             raise CheckpointError(path, step, f"non-finite values (NaN or inf) in {len(bad)} array(s): "
                                               + ", ".join(bad[:5]))
         return restored["state"], restored["meta"]
+
+    def _check_layout(self, path: str, step: int) -> None:
+        """Raises `CheckpointLayoutError` if checkpoint `step` stores decoder layers one by one."""
+        try:
+            tree = self._manager.item_metadata(step)["state"]
+            paths = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in p)
+                     for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+        except Exception:  # unreadable metadata: a damaged checkpoint, reported by the caller
+            return
+        for p in paths:
+            for a, b in zip(p, p[1:]):
+                if a == "layers" and b.isdigit():
+                    raise CheckpointLayoutError(
+                        f"checkpoint {path} stores the decoder layers one by one ({'/'.join(p)}): it was "
+                        "written by a pdm_jax before the layers were stacked (parameters [L, ...] under "
+                        "'layers', scanned). This version cannot resume it; resume it with the pdm_jax "
+                        "commit that wrote it, or start a new workdir (export its weights with that "
+                        "commit's pdm_jax.models.hf_io.save_pretrained and set model.hf_path).")
 
     def restore_latest_intact(self, abstract_state: Any) -> Restored:
         """Restores the newest checkpoint that passes `restore`'s checks, falling back past refused ones.

@@ -75,6 +75,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.attention_block_q = 512  # query / key tile sizes of blockwise and splash attention (tokens)
     c.model.attention_block_kv = 512
     c.model.remat = "none"  # per-layer jax.checkpoint: "none" | "full" | "dots_saveable" | "dots_with_no_batch_dims_saveable"
+    # Training forward over the stacked layers: True = jax.lax.scan (one compiled layer body, compile time flat
+    # in depth); False = unrolled Python loop (same numbers up to XLA fusion rounding).
+    c.model.scan_layers = True
 
     # ---- tokenizer ---------------------------------------------------------------------
     c.tokenizer = ml_collections.ConfigDict()
@@ -316,11 +319,12 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
 
 
 def compute_options(model_fields: ml_collections.ConfigDict) -> dict:
-    """The training forward's options of ``model.*`` (attention kernel, its tiles, remat), as keyword
-    arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
+    """The training forward's options of ``model.*`` (attention kernel, its tiles, remat, layer scan), as
+    keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
     return dict(attention=model_fields.attention, remat=model_fields.remat,
                 attention_block_q=int(model_fields.attention_block_q),
-                attention_block_kv=int(model_fields.attention_block_kv))
+                attention_block_kv=int(model_fields.attention_block_kv),
+                scan_layers=bool(model_fields.get("scan_layers", True)))
 
 
 def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size: int):
@@ -467,6 +471,7 @@ def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
     _need(mc.attention in ATTENTION_IMPLEMENTATIONS, "model.attention", mc.attention,
           f"must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}")
     _need(mc.remat in REMAT_POLICIES, "model.remat", mc.remat, f"must be one of {tuple(REMAT_POLICIES)}")
+    _need(isinstance(mc.scan_layers, bool), "model.scan_layers", mc.scan_layers, "must be true or false")
     for name in ("attention_block_q", "attention_block_kv"):
         _need(mc[name] >= 1, f"model.{name}", mc[name], "must be >= 1 (tokens)")
     if mc.preset and not mc.hf_path:

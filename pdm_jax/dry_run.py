@@ -63,6 +63,10 @@ GIB = 1024 ** 3
 _ACT_D_BUFFERS = 9  # residual in/out, 2 RMSNorm inputs/outputs (f32 statistics), o_proj and down outputs, misc
 _ACT_QKV_BUFFERS = 3  # projection, q/k norm, RoPE output for q, k (v: projection only)
 _ACT_F_BUFFERS = 4  # gate, up, silu(gate), silu(gate) * up
+# Scanned layers: JAX's scan saves every residual of the layer body as its own stacked buffer, where XLA
+# fuses and drops some in an unrolled program; measured on XLA:CPU for the tiny data-parallel config
+# (compiled temp per token and layer, scanned / unrolled, attention buffers aside): 1.74.
+_SCAN_RESIDUAL_FACTOR = 1.7
 _LOSS_V_BUFFERS = 4  # logits, log-softmax, tail log pi (trust region), softmax for the backward
 
 
@@ -129,6 +133,7 @@ class StepShape:
     micro_batch_size: int = 0  # sequences per micro-batch (0: the whole mini-batch at once)
     attention: str = "dense"  # the training forward's attention, "auto" resolved for the target chip
     remat: str = "none"  # the per-layer remat policy (pdm_jax.models.REMAT_POLICIES)
+    scan_layers: bool = False  # the layers run under lax.scan (model.scan_layers)
 
 
 def resolve_attention(attention: str, chip: str, seq: int) -> str:
@@ -153,7 +158,7 @@ def step_shape(config, chip: Optional[str] = None) -> StepShape:
                      micro_batch_size=int(rl.micro_batch_size),
                      attention=resolve_attention(config.model.attention, chip or config.dry_run.chip,
                                                  p + int(rl.max_new_tokens)),
-                     remat=config.model.remat)
+                     remat=config.model.remat, scan_layers=bool(config.model.get("scan_layers", True)))
 
 
 def mesh_sizes(config, num_devices: int) -> dict:
@@ -200,8 +205,9 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     * ``gradients``: one parameter-sized buffer (two with micro-batches: the accumulator);
     * ``gathered``: sharded (FSDP / tensor) parameters all-gathered for use and
       their gradients before the reduce-scatter, upper bound 2 x (full - local)
-      parameter bytes (kept across the backward pass without remat; with remat
-      about three layers' worth, 3 / L of it);
+      parameter bytes (kept across the backward pass when the layers are unrolled
+      without remat; with remat or scanned layers, which gather each layer's
+      parameters inside the loop body, about three layers' worth, 3 / L of it);
     * ``activations``: buffers kept for the backward pass, per token of the
       local batch (B / (data*fsdp) sequences of P+T tokens, or the micro-batch's
       ``micro_batch_size`` / (data*fsdp) with ``rl.micro_batch_size``), per layer:
@@ -211,7 +217,9 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
       heads and F divided by the tensor axis when it divides them). With
       ``model.remat=full`` a layer keeps only its input (``a D``) and one layer's
       buffers are live again while it is recomputed; the dots policies keep the
-      matmul outputs ``a ((N + 2K) H + 2 D + 2 F)``;
+      matmul outputs ``a ((N + 2K) H + 2 D + 2 F)``; with ``model.scan_layers`` the
+      per-layer buffers besides attention count ``_SCAN_RESIDUAL_FACTOR`` times (JAX's scan
+      keeps each residual of the layer body, XLA fuses some away when unrolled);
     * ``loss``: 4 f32 ``[B, T, V]`` buffers (logits, log-softmax, the trust
       region's tail log pi, the softmax of the backward), or with
       ``logits_chunk_size`` c the same for ``[B, c, V]`` plus the ``[B, T, D]``
@@ -237,7 +245,8 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     # kernels keep only their output and log-sum-exp (their tiles are transient).
     attention = (4 + a) * n_heads * seq if dense else n_heads * (h * a + 4)
     per_token_layer = (a * (_ACT_D_BUFFERS * d + _ACT_QKV_BUFFERS * (n_heads + n_kv) * h + n_kv * h
-                            + _ACT_F_BUFFERS * f) + attention)
+                            + _ACT_F_BUFFERS * f) * (_SCAN_RESIDUAL_FACTOR if shape.scan_layers else 1)
+                       + attention)
     if shape.remat == "none":
         kept_per_layer = per_token_layer
     elif shape.remat == "full":  # each layer keeps its input; one layer's buffers are live while recomputed
@@ -258,7 +267,7 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     batch = b_loc * (shape.prompt_len * 5 + t * (4 + 1 + 4 + 8 * shape.top_k) + 4)
     gradients = params * (2 if shape.micro_batch_size else 1)  # + the accumulator of the micro-batch scan
     gathered = 2 * (full_params - params)
-    if shape.remat != "none":  # layers are re-gathered as they are recomputed: about 3 layers' worth live at once
+    if shape.remat != "none" or shape.scan_layers:  # gathered per layer as it runs: ~3 layers' worth live
         gathered = int(gathered * min(1.0, 3 / c.num_hidden_layers))
     out = dict(params=params, optimizer=2 * params, gradients=gradients, gathered=gathered,
                activations=int(activations), loss=int(loss), batch=int(batch))
@@ -397,7 +406,7 @@ def format_report(report: dict) -> str:
         f"({hbm / GIB:.0f} GiB HBM each)",
         f"step: {s.batch} sequences x ({s.prompt_len} prompt + {s.completion_len} completion) tokens, K={s.top_k}, "
         f"logits_chunk_size={s.logits_chunk_size or 'off'}, micro_batch_size={s.micro_batch_size or 'off'}, "
-        f"attention={s.attention}, remat={s.remat}",
+        f"attention={s.attention}, remat={s.remat}, scan_layers={s.scan_layers}",
         "",
         f"ANALYTIC estimate, per device        {unit}",
     ]

@@ -54,11 +54,12 @@ class OptimizerConfig:
 
 
 def make_optimizer(learning_rate, *, weight_decay=0.0, b1=0.9, b2=0.999, max_grad_norm=1.0,
-                   warmup_steps=0, total_steps=None) -> optax.GradientTransformation:
+                   warmup_steps=0, total_steps=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with global-norm clipping and linear warmup (then constant), from optax.
 
     `learning_rate` is the peak rate (per optimizer step). `max_grad_norm` <= 0
-    disables clipping. Raises ValueError for a non-positive learning rate.
+    disables clipping. Returns (the optimizer, its learning-rate schedule).
+    Raises ValueError for a non-positive learning rate.
     """
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate}")

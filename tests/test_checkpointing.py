@@ -199,3 +199,21 @@ def test_no_checkpoint_is_file_not_found(tmp_path):
         c.restore_latest_intact(ABSTRACT)
     with pytest.raises(FileNotFoundError):
         c.restore(ABSTRACT, 7)
+
+
+def test_a_per_layer_checkpoint_is_a_layout_error_and_is_neither_skipped_nor_moved(tmp_path):
+    """A checkpoint of the pre-scan layout (layers/0/..., layers/1/...) restored into the stacked layout
+    ([L, ...] under layers) stops with a message naming the layout; the checkpoint stays where it is."""
+    from pdm_jax.checkpointing import CheckpointLayoutError
+
+    w = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    old = {"params": {"layers": {"0": {"w": w[0]}, "1": {"w": w[1]}}, "norm": jnp.ones(2)}}
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(5, old, {"step": 5})
+    stacked = abstract_like({"params": {"layers": {"w": w}, "norm": jnp.ones(2)}})
+    with pytest.raises(CheckpointLayoutError, match=r"stores the decoder layers one by one \(params/layers/0/w\)"):
+        ckpt.restore_latest_intact(stacked)
+    assert ckpt.steps() == [5] and not os.path.exists(str(tmp_path / "ckpt.corrupt"))
+    state, _ = ckpt.restore(abstract_like(old))  # the checkpoint itself is intact
+    np.testing.assert_array_equal(np.asarray(state["params"]["layers"]["1"]["w"]), [3.0, 4.0, 5.0])
+    ckpt.close()

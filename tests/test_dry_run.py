@@ -32,7 +32,13 @@ def _tiny_variants():
     wide.mesh.data, wide.mesh.fsdp, wide.mesh.tensor = 1, 4, 2
     micro = _config("tiny")  # 128-sequence mini-batches in micro-batches of 32 (4 per device)
     micro.rl.micro_batch_size = 32
-    return [("data_parallel", plain), ("fsdp_tensor_chunked", wide), ("micro_batched", micro)]
+    for c in (plain, wide, micro):  # the analytic constants are calibrated on unrolled programs
+        c.model.scan_layers = False
+    scanned = _config("tiny")  # the trainer's default: layers under lax.scan, without and with remat
+    scanned_remat = _config("tiny")
+    scanned_remat.model.remat = "full"
+    return [("data_parallel", plain), ("fsdp_tensor_chunked", wide), ("micro_batched", micro),
+            ("scanned", scanned), ("scanned_remat", scanned_remat)]
 
 
 @pytest.mark.parametrize("name,config", _tiny_variants(), ids=lambda x: x if isinstance(x, str) else "")
@@ -121,6 +127,7 @@ def test_remat_and_blockwise_attention_in_the_analytic_plan():
     base = _config("tiny")
     base.rl.max_new_tokens = 448  # 512-token sequences
     base.model.max_position_embeddings = 1024
+    base.model.scan_layers = False  # the relative sizes below are those of the unrolled layers
     plans = {}
     for attention in ("dense", "blockwise"):
         for remat in ("none", "full"):

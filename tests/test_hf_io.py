@@ -38,11 +38,17 @@ def _assert_bit_equal(a, b):
 
 def test_key_map_is_a_bijection_with_hf_shapes(model):
     tensors = hf_io.hf_state_dict(model)
-    paths = [".".join(map(str, p)) for p in _flat(model)]
-    assert len(tensors) == len(paths) == 2 + 1 + 11 * CFG.num_hidden_layers
-    for path in paths:
-        name, num_in = hf_io.nnx_to_hf(path)
-        assert hf_io.hf_to_nnx(name) == (path, num_in)
+    flat = _flat(model)
+    paths = [".".join(map(str, p)) for p in flat]
+    assert len(paths) == 3 + 11  # embedding, final norm, lm_head + the 11 stacked layer params
+    entries = [e for p, v in flat.items() for e in hf_io.tensor_entries(".".join(map(str, p)), v.shape)]
+    assert len(tensors) == len(entries) == 2 + 1 + 11 * CFG.num_hidden_layers
+    for e in entries:  # every HF tensor is one row of one stacked parameter (or a whole one)
+        path, num_in = hf_io.hf_to_nnx(e.name)
+        assert num_in == e.num_in_axes and hf_io.nnx_to_hf(path) == (e.name, num_in)
+        assert (e.layer is None) == (not path.startswith("layers."))
+        if e.layer is not None:
+            assert path.startswith(f"layers.{e.layer}.")
     N, K, H, D, F, V = 4, 2, 8, 32, 48, 64
     assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (N * H, D)
     assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (K * H, D)
@@ -52,10 +58,10 @@ def test_key_map_is_a_bijection_with_hf_shapes(model):
     assert tensors["lm_head.weight"].shape == (V, D)
     # HF Linear: y = x @ W.T. Our q kernel [D, N, H]: y[n, h] = x @ kernel[:, n, h].
     x = np.random.RandomState(0).randn(D).astype(np.float32)
-    q_kernel = np.asarray(model.layers[0].self_attn.q_proj.kernel.get_value())
+    q_kernel = np.asarray(model.layers.self_attn.q_proj.kernel.get_value()[0])
     np.testing.assert_allclose(tensors["model.layers.0.self_attn.q_proj.weight"] @ x,
                                np.einsum("d,dnh->nh", x, q_kernel).reshape(-1), rtol=1e-5)
-    o_kernel = np.asarray(model.layers[0].self_attn.o_proj.kernel.get_value())
+    o_kernel = np.asarray(model.layers.self_attn.o_proj.kernel.get_value()[0])
     z = np.random.RandomState(1).randn(N, H).astype(np.float32)
     np.testing.assert_allclose(tensors["model.layers.0.self_attn.o_proj.weight"] @ z.reshape(-1),
                                np.einsum("nh,nhd->d", z, o_kernel), rtol=1e-5, atol=1e-6)
@@ -99,19 +105,19 @@ def test_load_with_mesh_places_each_param_on_its_sharding(model, tmp_path):
     mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
     loaded = hf_io.from_pretrained(str(tmp_path), mesh=mesh)
     _assert_bit_equal(model, loaded)
-    q = loaded.layers[1].self_attn.q_proj.kernel.get_value()
-    assert q.sharding.spec == P("fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (16, 2, 8)
+    q = loaded.layers.self_attn.q_proj.kernel.get_value()
+    assert q.sharding.spec == P(None, "fsdp", "tensor", None)  # the layer axis is never sharded
+    assert q.addressable_shards[0].data.shape == (2, 16, 2, 8)
     assert loaded.lm_head.kernel.get_value().sharding.spec == P("fsdp", "tensor")
-    assert loaded.layers[0].mlp.down_proj.kernel.get_value().sharding.spec == P("tensor", "fsdp")
+    assert loaded.layers.mlp.down_proj.kernel.get_value().sharding.spec == P(None, "tensor", "fsdp")
     # Rules that split inner (flattened) axes: head_dim over tensor, heads replicated.
     rules = tuple((k, "tensor") if k == "head_dim" else (k, None) if k in ("heads", "kv_heads")
                   else (k, v) for k, v in shd.DEFAULT_RULES)
     loaded2 = hf_io.from_pretrained(str(tmp_path), mesh=mesh, rules=rules)
     _assert_bit_equal(model, loaded2)
-    o = loaded2.layers[0].self_attn.o_proj.kernel.get_value()
-    assert o.sharding.spec == P(None, "tensor", "fsdp")
-    assert o.addressable_shards[0].data.shape == (4, 4, 16)
+    o = loaded2.layers.self_attn.o_proj.kernel.get_value()
+    assert o.sharding.spec == P(None, None, "tensor", "fsdp")
+    assert o.addressable_shards[0].data.shape == (2, 4, 4, 16)
     # Saving a sharded model gathers each tensor: same bytes as the unsharded save.
     hf_io.save_pretrained(loaded2, str(tmp_path / "from_sharded"))
     _assert_bit_equal(model, hf_io.from_pretrained(str(tmp_path / "from_sharded")))

@@ -58,7 +58,7 @@ def test_readme_dry_run_commands_print_the_table_figures():
         assert round(plan["activations"]) == 2982
     assert (round(a["loss"], 1), round(b["loss"], 1)) == (74.2, 5.1)
     defaults = _run(["python", "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run"])
-    assert round(defaults["total"], 2) == 13.61 and round(defaults["activations"], 1) == 4.9
+    assert round(defaults["total"], 2) == 14.98 and round(defaults["activations"], 1) == 6.3
     (four_b,) = [c for c in commands if "size=4b" in c[3]]
     assert "--config.dry_run.mode=compile" in four_b
     assert round(_run(four_b + ["--config.dry_run.mode=analytic"])["total"]) == 105  # "analytic 105 GiB"

@@ -74,20 +74,21 @@ def test_param_partition_specs_cover_every_param(model, mesh):
         ("embed_tokens", "embedding"): P("tensor", "fsdp"),
         ("lm_head", "kernel"): P("fsdp", "tensor"),
         ("norm", "scale"): P(None),
-        ("layers", 0, "self_attn", "q_proj", "kernel"): P("fsdp", "tensor", None),
-        ("layers", 0, "self_attn", "k_proj", "kernel"): P("fsdp", "tensor", None),
-        ("layers", 1, "self_attn", "o_proj", "kernel"): P("tensor", None, "fsdp"),
-        ("layers", 1, "self_attn", "q_norm", "scale"): P(None),
-        ("layers", 0, "mlp", "gate_proj", "kernel"): P("fsdp", "tensor"),
-        ("layers", 0, "mlp", "down_proj", "kernel"): P("tensor", "fsdp"),
+        # stacked layer params: a leading, never sharded layer axis
+        ("layers", "self_attn", "q_proj", "kernel"): P(None, "fsdp", "tensor", None),
+        ("layers", "self_attn", "k_proj", "kernel"): P(None, "fsdp", "tensor", None),
+        ("layers", "self_attn", "o_proj", "kernel"): P(None, "tensor", None, "fsdp"),
+        ("layers", "self_attn", "q_norm", "scale"): P(None, None),
+        ("layers", "mlp", "gate_proj", "kernel"): P(None, "fsdp", "tensor"),
+        ("layers", "mlp", "down_proj", "kernel"): P(None, "tensor", "fsdp"),
     }
     for path, spec in want.items():
         assert specs[path] == spec, path
     # 2 kv heads on a 4-way tensor axis: replicated instead of an error.
     mesh4 = shd.make_mesh(data=1, fsdp=2, tensor=4)
     specs4 = dict(nnx.to_flat_state(shd.param_partition_specs(model, mesh=mesh4)))
-    assert specs4[("layers", 0, "self_attn", "k_proj", "kernel")] == P("fsdp", None, None)
-    assert specs4[("layers", 0, "self_attn", "q_proj", "kernel")] == P("fsdp", "tensor", None)
+    assert specs4[("layers", "self_attn", "k_proj", "kernel")] == P(None, "fsdp", None, None)
+    assert specs4[("layers", "self_attn", "q_proj", "kernel")] == P(None, "fsdp", "tensor", None)
 
 
 def test_shard_model_places_params_and_forward_matches(model, mesh):
@@ -100,14 +101,14 @@ def test_shard_model_places_params_and_forward_matches(model, mesh):
 
     sharded = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
     shd.shard_model(sharded, mesh)
-    q = sharded.layers[0].self_attn.q_proj.kernel.get_value()
-    assert q.sharding.spec == P("fsdp", "tensor", None)
-    assert q.addressable_shards[0].data.shape == (16, 2, 8)
+    q = sharded.layers.self_attn.q_proj.kernel.get_value()
+    assert q.sharding.spec == P(None, "fsdp", "tensor", None)
+    assert q.addressable_shards[0].data.shape == (CFG.num_hidden_layers, 16, 2, 8)
     emb = sharded.embed_tokens.embedding.get_value()
     assert emb.sharding.spec == P("tensor", "fsdp")
     assert emb.addressable_shards[0].data.shape == (32, 16)
-    down = sharded.layers[1].mlp.down_proj.kernel.get_value()
-    assert down.sharding.spec == P("tensor", "fsdp")
+    down = sharded.layers.mlp.down_proj.kernel.get_value()
+    assert down.sharding.spec == P(None, "tensor", "fsdp")
     assert sharded.norm.scale.get_value().sharding.spec == P(None)
 
     s_graphdef, s_state = nnx.split(sharded)
@@ -151,11 +152,11 @@ def test_constrain_is_noop_without_mesh():
 
 def test_init_model_directly_sharded(mesh):
     m = init_model(CFG, seed=0, mesh=mesh)
-    k = m.layers[0].self_attn.k_proj.kernel.get_value()
-    assert k.sharding.spec == P("fsdp", "tensor", None)
+    k = m.layers.self_attn.k_proj.kernel.get_value()
+    assert k.sharding.spec == P(None, "fsdp", "tensor", None)
     ref = Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0))
     np.testing.assert_allclose(np.asarray(k), np.asarray(
-        ref.layers[0].self_attn.k_proj.kernel.get_value()), atol=1e-7)
+        ref.layers.self_attn.k_proj.kernel.get_value()), atol=1e-7)
 
 
 def test_custom_rules_with_use_rules(model, mesh):
@@ -164,4 +165,4 @@ def test_custom_rules_with_use_rules(model, mesh):
         assert shd.active_rules() == rules
     assert shd.active_rules() == shd.DEFAULT_RULES
     specs = dict(nnx.to_flat_state(shd.param_partition_specs(model, rules, mesh)))
-    assert specs[("layers", 0, "mlp", "up_proj", "kernel")] == P("fsdp", "tensor")
+    assert specs[("layers", "mlp", "up_proj", "kernel")] == P(None, "fsdp", "tensor")

@@ -10,6 +10,9 @@ Layout read and written (the one ``transformers.Qwen3ForCausalLM.save_pretrained
 Tensor names map to NNX parameter paths with the regex table ``KEY_MAP``. HF ``nn.Linear``
 weights are ``[out, in]``; our kernels are ``[in..., out...]`` with heads split out
 (e.g. q_proj ``[N*H, D]`` <-> ``[D, N, H]``, o_proj ``[D, N*H]`` <-> ``[N, H, D]``).
+The model stacks its decoder layers (``layers.self_attn.q_proj.kernel`` is [L, D, N, H]);
+row ``i`` of a stacked parameter is the per-layer path ``layers.{i}.…`` of ``KEY_MAP`` and
+so HF's ``model.layers.{i}.…`` tensor (``tensor_entries``). Files stay in the HF layout.
 
 Loading never materialises the whole model on the host: the model structure comes from
 ``nnx.eval_shape`` (no allocation), then each parameter is read on its own, either whole
@@ -20,6 +23,7 @@ from the memory-mapped safetensors file).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -102,6 +106,44 @@ def nnx_to_hf(path: str) -> tuple[str, int | None]:
             hf = rule.hf.replace(r"(\d+)", "{0}").replace("\\.", ".").format(*m.groups())
             return hf, rule.num_in_axes
     raise ValueError(f"no HF key rule for parameter {path!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One HF tensor held by a parameter of ours.
+
+    name: HF tensor name; layer: the row of a stacked ``layers.*`` parameter that holds it
+    (None for an unstacked parameter); num_in_axes: as in ``KeyRule``; shape: the shape of
+    that row (or of the whole parameter) in our layout.
+    """
+
+    name: str
+    layer: int | None
+    num_in_axes: int | None
+    shape: tuple[int, ...]
+
+
+def is_stacked(path: str) -> bool:
+    """Whether a dotted NNX path is a stacked decoder-layer parameter (``layers.<name>…``)."""
+    parts = path.split(".")
+    return len(parts) > 1 and parts[0] == "layers" and not parts[1].isdigit()
+
+
+def tensor_entries(path: str, shape: tuple[int, ...]) -> list[TensorEntry]:
+    """The HF tensors a parameter (dotted NNX ``path``, our ``shape``) holds, in layer order.
+
+    Raises ValueError naming the path when no rule covers it.
+    """
+    shape = tuple(shape)
+    if not is_stacked(path):
+        name, num_in = nnx_to_hf(path)
+        return [TensorEntry(name, None, num_in, shape)]
+    rest = path[len("layers."):]
+    out = []
+    for i in range(shape[0]):
+        name, num_in = nnx_to_hf(f"layers.{i}.{rest}")
+        out.append(TensorEntry(name, i, num_in, shape[1:]))
+    return out
 
 
 def hf_shape(kernel_shape: tuple[int, ...], num_in_axes: int | None) -> tuple[int, ...]:
@@ -203,6 +245,24 @@ def _read_block(hf_slice, kernel_shape: tuple[int, ...], num_in_axes: int | None
     return np.ascontiguousarray(block[inner_index])
 
 
+def _read_param(source, entries: list[TensorEntry], shape: tuple[int, ...], target,
+                index: tuple[slice, ...]) -> np.ndarray:
+    """The block ``param[index]`` (our layout, dtype ``target``) of one parameter.
+
+    ``source`` is a ``_Checkpoint`` (lazy slices) or a dict of HF-named arrays. A stacked
+    parameter reads the layer rows ``index[0]`` covers, each from its own HF tensor.
+    """
+    def hf(name):
+        return source.slice(name) if isinstance(source, _Checkpoint) else source[name]
+
+    if entries[0].layer is None:
+        e = entries[0]
+        return _read_block(hf(e.name), e.shape, e.num_in_axes, index).astype(target)
+    rows = range(*slice(*index[0].indices(shape[0])).indices(shape[0]))
+    return np.stack([_read_block(hf(entries[i].name), entries[i].shape, entries[i].num_in_axes,
+                                 index[1:]).astype(target) for i in rows])
+
+
 def load_config(path: str) -> Qwen3Config:
     """``Qwen3Config.from_hf_dict`` of ``path/config.json`` (FileNotFoundError if absent)."""
     cfg_path = os.path.join(path, CONFIG_NAME)
@@ -253,10 +313,8 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
 
     ckpt = _Checkpoint(path)
     try:
-        expected: dict[str, tuple[tuple, str, int | None]] = {}
-        for p, var in flat:
-            name, num_in = nnx_to_hf(_nnx_path_str(p))
-            expected[name] = (p, var, num_in)
+        entries = {p: tensor_entries(_nnx_path_str(p), var.get_value().shape) for p, var in flat}
+        expected = {e.name: e for es in entries.values() for e in es}
         present = set(ckpt.weight_map)
         missing = sorted(set(expected) - present)
         extra = sorted(present - set(expected))
@@ -268,8 +326,7 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
         if extra:
             problems.append(f"unexpected tensors: {extra}")
         for name in sorted(set(expected) & present):
-            _, var, num_in = expected[name]
-            want = hf_shape(var.get_value().shape, num_in)
+            want = hf_shape(expected[name].shape, expected[name].num_in_axes)
             got = tuple(ckpt.slice(name).get_shape())
             if got != want:
                 problems.append(f"tensor {name!r} has shape {got}, expected {want}")
@@ -278,21 +335,18 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
 
         new_values = []
         for p, var in flat:
-            name, num_in = nnx_to_hf(_nnx_path_str(p))
-            hf_slice = ckpt.slice(name)
             shape, target = tuple(var.get_value().shape), var.get_value().dtype
+            read = functools.partial(_read_param, ckpt, entries[p], shape, target)
             if shardings is None:
-                full = _read_block(hf_slice, shape, num_in, tuple(slice(None) for _ in shape))
-                array = jnp.asarray(full.astype(target))
+                array = jnp.asarray(read(tuple(slice(None) for _ in shape)))
             else:
                 cache: dict[tuple, np.ndarray] = {}
 
-                def callback(index, hf_slice=hf_slice, shape=shape, num_in=num_in,
-                             target=target, cache=cache):
+                def callback(index, read=read, shape=shape, cache=cache):
                     key = tuple((s.start, s.stop) for s in
                                 (slice(*i.indices(n)) for i, n in zip(index, shape)))
                     if key not in cache:
-                        cache[key] = _read_block(hf_slice, shape, num_in, index).astype(target)
+                        cache[key] = read(index)
                     return cache[key]
 
                 array = jax.make_array_from_callback(shape, shardings[p], callback)
@@ -347,12 +401,8 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str, *,
     """
     limit = parse_size(max_shard_size)
     config: Qwen3Config = model.config
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    entries = []  # (hf_name, path, num_in, nbytes)
-    for p, var in flat:
-        name, num_in = nnx_to_hf(_nnx_path_str(p))
-        v = var.get_value()
-        entries.append((name, v, num_in, int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize))
+    entries = [(e.name, value, e, math.prod(e.shape) * np.dtype(value.dtype).itemsize)
+               for value, e in _param_entries(model)]  # (hf_name, value, entry, nbytes)
     entries.sort(key=lambda e: _hf_sort_key(e[0]))
     groups: list[list] = [[]]
     size = 0
@@ -375,7 +425,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str, *,
                                             for i in range(n)]
     weight_map = {}
     for fname, group in zip(fnames, groups):
-        tensors = {name: to_hf_layout(_host_value(v), num_in) for name, v, num_in, _ in group}
+        tensors = {name: _hf_tensor(v, e) for name, v, e, _ in group}
         if writer:
             save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
         weight_map.update({name: fname for name in tensors})
@@ -395,13 +445,21 @@ def _hf_sort_key(name: str):
     return (0 if "embed_tokens" in name else 2, 0, name)
 
 
+def _param_entries(model: Qwen3ForCausalLM) -> list:
+    """(parameter value, TensorEntry) for every HF tensor of ``model``'s parameters."""
+    return [(var.get_value(), e) for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+            for e in tensor_entries(_nnx_path_str(p), var.get_value().shape)]
+
+
+def _hf_tensor(value: jax.Array, entry: TensorEntry) -> np.ndarray:
+    """The host HF-layout tensor ``entry`` of a parameter value (one layer row if stacked)."""
+    row = value if entry.layer is None else value[entry.layer]
+    return to_hf_layout(_host_value(row), entry.num_in_axes)
+
+
 def hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, np.ndarray]:
     """All parameters as an HF-named dict of host numpy arrays (small models / tests)."""
-    out = {}
-    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, num_in = nnx_to_hf(_nnx_path_str(p))
-        out[name] = to_hf_layout(_host_value(var.get_value()), num_in)
-    return out
+    return {e.name: _hf_tensor(value, e) for value, e in _param_entries(model)}
 
 
 def load_hf_state_dict(model: Qwen3ForCausalLM, tensors: dict[str, Any]) -> Qwen3ForCausalLM:
@@ -413,17 +471,20 @@ def load_hf_state_dict(model: Qwen3ForCausalLM, tensors: dict[str, Any]) -> Qwen
     flat = nnx.to_flat_state(state)
     seen = set()
     for p, var in flat:
-        name, num_in = nnx_to_hf(_nnx_path_str(p))
-        if name not in tensors:
-            raise ValueError(f"missing tensor {name!r}")
-        arr = np.asarray(tensors[name])
-        want = hf_shape(var.get_value().shape, num_in)
-        if arr.shape != want:
-            raise ValueError(f"tensor {name!r} has shape {arr.shape}, expected {want}")
-        full = _read_block(arr, tuple(var.get_value().shape), num_in,
-                           tuple(slice(None) for _ in var.get_value().shape))
+        shape = tuple(var.get_value().shape)
+        entries = tensor_entries(_nnx_path_str(p), shape)
+        arrays = {}
+        for e in entries:
+            if e.name not in tensors:
+                raise ValueError(f"missing tensor {e.name!r}")
+            arrays[e.name] = np.asarray(tensors[e.name])
+            want = hf_shape(e.shape, e.num_in_axes)
+            if arrays[e.name].shape != want:
+                raise ValueError(f"tensor {e.name!r} has shape {arrays[e.name].shape}, expected {want}")
+            seen.add(e.name)
+        full = _read_param(arrays, entries, shape, var.get_value().dtype,
+                           tuple(slice(None) for _ in shape))
         var.set_value(jnp.asarray(full, var.get_value().dtype))
-        seen.add(name)
     extra = sorted(set(tensors) - seen - ({"lm_head.weight"} if model.config.tie_word_embeddings
                                           else set()))
     if extra:

@@ -13,30 +13,36 @@ Axis letters used in einsum strings and shape-suffixed names:
     H head dim, F MLP intermediate size, V vocab, L layers.
 
 Parameter layout (einsum friendly; ``pdm_jax.models.hf_io`` maps to/from HF's
-``[out, in]`` Linear weights):
+``[out, in]`` Linear weights). The decoder layers are *stacked*: ``layers`` is one
+``DecoderLayer`` whose parameters carry a leading layer axis L (logical axis "layers",
+never sharded), so the forward runs them under ``jax.lax.scan`` and compiles one layer
+body whatever the depth:
 
     embed_tokens.embedding       [V, D]
-    layers[i].input_layernorm.scale            [D]
-    layers[i].self_attn.q_proj.kernel          [D, N, H]
-    layers[i].self_attn.k_proj.kernel          [D, K, H]
-    layers[i].self_attn.v_proj.kernel          [D, K, H]
-    layers[i].self_attn.o_proj.kernel          [N, H, D]
-    layers[i].self_attn.q_norm.scale           [H]
-    layers[i].self_attn.k_norm.scale           [H]
-    layers[i].post_attention_layernorm.scale   [D]
-    layers[i].mlp.gate_proj.kernel             [D, F]
-    layers[i].mlp.up_proj.kernel               [D, F]
-    layers[i].mlp.down_proj.kernel             [F, D]
-    norm.scale                                 [D]
-    lm_head.kernel                             [D, V]   (absent when tie_word_embeddings)
+    layers.input_layernorm.scale            [L, D]
+    layers.self_attn.q_proj.kernel          [L, D, N, H]
+    layers.self_attn.k_proj.kernel          [L, D, K, H]
+    layers.self_attn.v_proj.kernel          [L, D, K, H]
+    layers.self_attn.o_proj.kernel          [L, N, H, D]
+    layers.self_attn.q_norm.scale           [L, H]
+    layers.self_attn.k_norm.scale           [L, H]
+    layers.post_attention_layernorm.scale   [L, D]
+    layers.mlp.gate_proj.kernel             [L, D, F]
+    layers.mlp.up_proj.kernel               [L, D, F]
+    layers.mlp.down_proj.kernel             [L, F, D]
+    norm.scale                              [D]
+    lm_head.kernel                          [D, V]   (absent when tie_word_embeddings)
 
-Every parameter carries logical axis names in its ``out_sharding`` metadata
-(see ``pdm_jax.sharding``); the model holds only ``nnx.Param`` state.
+Row ``i`` of every ``layers.*`` parameter is HF's ``model.layers.{i}.*``. Every parameter
+carries logical axis names in its ``out_sharding`` metadata (see ``pdm_jax.sharding``);
+the model holds only ``nnx.Param`` state.
 
 The training forward (``__call__``/``hidden_states``) computes attention with the kernel
 ``Qwen3ForCausalLM(attention=...)`` selects (``pdm_jax.models.attention``: the dense
-reference by default, blockwise / cuDNN / splash for long sequences) and can rematerialise
-each layer (``remat=...``); ``decode`` always attends densely over its KV cache.
+reference by default, blockwise / cuDNN / splash for long sequences), can rematerialise
+each layer (``remat=...``) and scans the layer stack (``scan_layers=True``, the default) or
+unrolls it; ``decode`` always attends densely over its KV cache and unrolls the layers
+(see ``Qwen3ForCausalLM.decode`` for why).
 """
 from __future__ import annotations
 
@@ -276,9 +282,9 @@ class KeySeq:
     ``rngs`` and hands this stream to its submodules.
     """
 
-    def __init__(self, key: Array):
+    def __init__(self, key: Array, start: int | Array = 0):
         self.key = key
-        self.count = 0
+        self.count = start
 
     def next(self) -> Array:
         self.count += 1
@@ -549,15 +555,32 @@ REMAT_POLICIES = {
 }
 
 
-def _remat_layer(layer: nnx.Module, policy, attention: attn_lib.AttentionOptions, x_BxTxD: Array,
-                 positions_BxT: Array, mask: attn_lib.SelfAttentionMask) -> Array:
-    """``layer(x, ...)[0]`` under ``jax.checkpoint(policy=policy)`` (recomputed in the backward)."""
-    graphdef, state = nnx.split(layer)
+def stacked_layers(config: Qwen3Config, keys: KeySeq, *, dtype=jnp.float32,
+                   param_dtype=jnp.float32) -> DecoderLayer:
+    """The L decoder layers as one ``DecoderLayer`` whose parameters are stacked [L, ...].
 
-    def run(state, x_BxTxD, positions_BxT, mask):
-        return nnx.merge(graphdef, state)(x_BxTxD, positions_BxT, mask, attention=attention)[0]
+    Layer ``i`` draws its initial values from the same keys as the i-th of L layers built one
+    after the other from ``keys`` (so the stacked and the per-layer initialisations agree
+    exactly); ``keys`` advances past all of them. Each parameter's logical axes gain a
+    leading "layers" (unsharded in ``pdm_jax.sharding.DEFAULT_RULES``).
+    """
+    L = config.num_hidden_layers
+    make = functools.partial(DecoderLayer, config, dtype=dtype, param_dtype=param_dtype)
+    probe = KeySeq(keys.key)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(rngs=probe)))
+    per_layer = probe.count
+    starts = keys.count + per_layer * jnp.arange(L, dtype=jnp.int32)
+    state = jax.vmap(lambda start: nnx.state(make(rngs=KeySeq(keys.key, start))))(starts)
+    keys.count += per_layer * L
+    state = jax.tree.map(
+        lambda v: v.replace(out_sharding=("layers",) + tuple(v.get_metadata()["out_sharding"])),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
 
-    return jax.checkpoint(run, policy=policy)(state, x_BxTxD, positions_BxT, mask)
+
+def layer_slice(layers_state: Any, i: int) -> Any:
+    """Layer ``i``'s parameters (a static slice of every leaf of the stacked state)."""
+    return jax.tree.map(lambda a: a[i], layers_state)
 
 
 class Qwen3ForCausalLM(nnx.Module):
@@ -577,6 +600,10 @@ class Qwen3ForCausalLM(nnx.Module):
       remat: per-layer rematerialisation of the training forward, a key of
         ``REMAT_POLICIES`` ("none", "full", "dots_saveable",
         "dots_with_no_batch_dims_saveable").
+      scan_layers: True (default): the training forward runs the stacked layers under
+        ``jax.lax.scan``, so its program (and compile time) does not grow with L; False:
+        a Python loop over static slices of the stack (one copy of the layer per L in the
+        program; the same numbers up to XLA's fusion choices).
       attention_block_q, attention_block_kv: tile lengths of "blockwise" and "splash".
     Raises:
       ValueError: naming the option and the value for an unknown ``attention`` or ``remat``
@@ -587,17 +614,19 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, attention: str = "dense", remat: str = "none",
-                 attention_block_q: int = 512, attention_block_kv: int = 512):
+                 attention_block_q: int = 512, attention_block_kv: int = 512,
+                 scan_layers: bool = True):
         self.config = config
         self.dtype = dtype
         self.attention_options = attn_lib.AttentionOptions(attention, attention_block_q,
                                                            attention_block_kv)
         self.remat = "none"
-        self.set_compute_options(remat=remat)
-        kw = dict(rngs=KeySeq(_next_key(rngs)), dtype=dtype, param_dtype=param_dtype)
+        self.scan_layers = True
+        self.set_compute_options(remat=remat, scan_layers=scan_layers)
+        keys = KeySeq(_next_key(rngs))
+        kw = dict(rngs=keys, dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nnx.List([DecoderLayer(config, **kw)
-                                for _ in range(config.num_hidden_layers)])
+        self.layers = stacked_layers(config, keys, dtype=dtype, param_dtype=param_dtype)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, logical_axis="norm", **kw)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -608,14 +637,19 @@ class Qwen3ForCausalLM(nnx.Module):
     # ------------------------------------------------------------------ options
     def set_compute_options(self, *, attention: str | None = None, remat: str | None = None,
                             attention_block_q: int | None = None,
-                            attention_block_kv: int | None = None) -> Qwen3ForCausalLM:
-        """Sets the training forward's attention kernel / remat policy / tiles in place
-        (None keeps the current value); returns the model. Same values and errors as the
-        constructor's arguments."""
+                            attention_block_kv: int | None = None,
+                            scan_layers: bool | None = None) -> Qwen3ForCausalLM:
+        """Sets the training forward's attention kernel / remat policy / tiles / layer scan
+        in place (None keeps the current value); returns the model. Same values and errors
+        as the constructor's arguments."""
         if remat is not None:
             if remat not in REMAT_POLICIES:
                 raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
             self.remat = remat
+        if scan_layers is not None:
+            if not isinstance(scan_layers, (bool, np.bool_)):
+                raise ValueError(f"scan_layers must be a bool, got {scan_layers!r}")
+            self.scan_layers = bool(scan_layers)
         opts = self.attention_options
         self.attention_options = attn_lib.AttentionOptions(
             opts.implementation if attention is None else attention,
@@ -673,7 +707,8 @@ class Qwen3ForCausalLM(nnx.Module):
 
         Same arguments as ``__call__``;
         ``self.logits_from_hidden(self.hidden_states(...))`` equals ``self(...)``. Attention
-        uses ``self.attention_options``; each layer runs under ``self.remat``.
+        uses ``self.attention_options``; each layer runs under ``self.remat``; the layers are
+        scanned when ``self.scan_layers``.
 
         Raises:
           ValueError: naming the argument when a shape is not [B, T] or ``segment_ids`` is
@@ -701,13 +736,21 @@ class Qwen3ForCausalLM(nnx.Module):
             key_valid=None if attention_mask is None else jnp.asarray(attention_mask),
             segment_ids=segment_ids)
         x_BxTxD = self._embed(input_ids_BxT)
-        policy = REMAT_POLICIES[self.remat]
-        for layer in self.layers:
-            if self.remat == "none":
-                x_BxTxD, _ = layer(x_BxTxD, positions_BxT, mask, attention=self.attention_options)
-            else:
-                x_BxTxD = _remat_layer(layer, policy, self.attention_options, x_BxTxD,
-                                       positions_BxT, mask)
+        graphdef, layers_state = nnx.split(self.layers)
+        attention = self.attention_options
+
+        def run_layer(layer_state, x_BxTxD):
+            return nnx.merge(graphdef, layer_state)(x_BxTxD, positions_BxT, mask,
+                                                    attention=attention)[0]
+
+        if self.remat != "none":
+            run_layer = jax.checkpoint(run_layer, policy=REMAT_POLICIES[self.remat])
+        if self.scan_layers:
+            x_BxTxD, _ = jax.lax.scan(lambda x, layer_state: (run_layer(layer_state, x), None),
+                                      x_BxTxD, layers_state)
+        else:
+            for i in range(self.config.num_hidden_layers):
+                x_BxTxD = run_layer(layer_slice(layers_state, i), x_BxTxD)
         return shd.constrain(self.norm(x_BxTxD), ("batch", "length", "embed"))
 
     # ------------------------------------------------------------------ KV cache path
@@ -735,6 +778,10 @@ class Qwen3ForCausalLM(nnx.Module):
         s <= cache_index + t.
         Returns:
           (logits [B, T, V] float32, updated KVCache).
+        The layers run in a Python loop over static slices of the stacked parameters (not
+        under ``lax.scan``): the cache is one array per layer, which XLA updates in place
+        and reads without copies (see ``KVCache``); a scan would carry a stacked cache and
+        copy a layer's slice on every step.
         Requires 0 <= cache_index and cache_index + T <= S (checked when ``cache_index`` is
         concrete; a traced index past the end would be clamped by ``dynamic_update_slice``).
         Raises:
@@ -745,7 +792,7 @@ class Qwen3ForCausalLM(nnx.Module):
         positions_BxT = jnp.asarray(positions, jnp.int32)
         B, T = input_ids_BxT.shape
         c = self.config
-        L, K, H = len(self.layers), c.num_key_value_heads, c.head_dim
+        L, K, H = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
         if len(cache.k) != L or len(cache.v) != L:
             raise ValueError(f"decode: the cache has {len(cache.k)} key and {len(cache.v)} value arrays, "
                              f"the model {L} layers")
@@ -768,8 +815,10 @@ class Qwen3ForCausalLM(nnx.Module):
         causal_TxS = jnp.arange(S, dtype=jnp.int32)[None, :] <= slot_T[:, None]
         mask_BxTxS = causal_TxS[None] & kv_mask.astype(bool)[:, None, :]
         x_BxTxD = self._embed(input_ids_BxT)
+        graphdef, layers_state = nnx.split(self.layers)
         ks, vs = [], []
-        for layer, k, v in zip(self.layers, cache.k, cache.v, strict=True):
+        for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+            layer = nnx.merge(graphdef, layer_slice(layers_state, i))
             x_BxTxD, (k, v) = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index)
             ks.append(k)
             vs.append(v)
@@ -787,7 +836,8 @@ def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,
     ``mesh``, every parameter is created directly on its ``NamedSharding``
     (``pdm_jax.sharding.param_shardings`` under ``rules``), so a large model never exists
     unsharded on one device. ``compute_options`` (``attention``, ``remat``,
-    ``attention_block_q``, ``attention_block_kv``) go to ``set_compute_options``.
+    ``attention_block_q``, ``attention_block_kv``, ``scan_layers``) go to
+    ``set_compute_options``.
     """
     rules = shd.DEFAULT_RULES if rules is None else tuple(rules)
     graphdef, init_fn = _compiled_init(config, jnp.dtype(dtype), jnp.dtype(param_dtype), mesh,

@@ -82,10 +82,19 @@ def default_output_axes(path: Path, shape: Sequence[int], *, quantize_embedding:
 
     Args:
       path: key path of the parameter in the nested pure dict, e.g.
+        ``("layers", "self_attn", "q_proj", "kernel")`` for the scanned layout, whose
+        layer parameters carry a leading layer axis [L, ...] (axis 0 is then an output
+        axis too: every layer keeps its own scales), or the per-layer
         ``("layers", "0", "self_attn", "q_proj", "kernel")``.
       shape: the parameter's shape.
     """
     names = [str(p) for p in path]
+    if len(names) > 1 and names[0] == "layers" and not names[1].isdigit():
+        # Scanned layout: a leading layer axis [L, ...]; each layer keeps its own scales.
+        inner = default_output_axes(("layers", "0") + tuple(names[1:]), tuple(shape)[1:],
+                                    quantize_embedding=quantize_embedding,
+                                    quantize_lm_head=quantize_lm_head)
+        return None if inner is None else (0,) + tuple(a + 1 for a in inner)
     ndim = len(shape)
     if ndim < 2:
         return None
