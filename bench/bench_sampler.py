@@ -13,7 +13,9 @@ Torch is optional: without it the PyTorch column is skipped with a message.
 ``--modes none,bf16,fp8`` adds, interleaved in the same runs, the JAX engine with
 other weight formats (``quantization[:compute_dtype]``, e.g. ``fp8:bfloat16`` for fp8
 weights computed in bf16, the engine's choice before ``sampler.compute_dtype=auto``):
-tokens/s at 128 new tokens per mode, and each mode's ratio to the first.
+tokens/s at 128 new tokens per mode, each mode's ratio to the first, and how many
+XLA programs each mode's first call built (0: it runs a program an earlier mode
+compiled -- bf16/fp8 weights computed in f32 run the f32 engine's very program).
 
     python bench/bench_sampler.py [--hidden 128 --layers 3 --vocab 512 --repeats 5]
     python bench/bench_sampler.py --modes none,bf16,fp8,bf16:bfloat16,fp8:bfloat16 --threads -1
@@ -28,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.profiling import CompileCounter
 from pdm_jax.sampler.engine import SamplingEngine
 
 
@@ -179,9 +182,16 @@ def compare_modes(args):
                                       top_k_logprobs=args.k, seed=1)
                 assert out.completion_mask.all()
             return go
-        times = best_times([run(engines[m]) for m in modes], args.repeats)
+        fns, compiled = [run(engines[m]) for m in modes], []
+        for fn in fns:  # warm-up, counting the XLA programs each mode's first call builds
+            counter = CompileCounter()
+            fn()
+            compiled.append(counter.snapshot()["compiles"])
+        times = best_times(fns, args.repeats)
         cells = [f"{b * args.new_tokens / t:14.0f} ({times[0] / t:4.2f}x)" for t in times]
         print(f"{b:5d} " + " ".join(f"{c:>22s}" for c in cells), flush=True)
+        print(f"{'':5s} " + " ".join(f"{f'{n} new programs':>22s}" for n in compiled)
+              + "   (0: the same compiled program as an earlier mode)", flush=True)
 
 
 if __name__ == "__main__":

@@ -193,13 +193,12 @@ def deserialize(data: bytes) -> dict:
     return tensors
 
 
-def _write_atomic(path: str, data: bytes, *, fsync: bool = False) -> None:
+def _write_atomic(path: str, data: bytes) -> None:
+    """Writes `data` to a temporary file and renames it over `path` (atomic for readers; no fsync: a
+    version torn by a power loss fails its sha256 at load, and the trainer re-pushes a missing one)."""
     tmp = f"{path}.{os.getpid()}.tmp"  # per process: several hosts may write the same (identical) directory
     with open(tmp, "wb") as f:
         f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -246,7 +245,7 @@ def save_weights(model_or_state: Any, path: str, *, version: Optional[int] = Non
     meta.update(extra_meta or {})
     meta[FILES_KEY] = {TENSORS_FILE: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}}
     meta[META_HASH_KEY] = _meta_digest(meta)
-    _write_atomic(meta_path, json.dumps(meta).encode(), fsync=True)
+    _write_atomic(meta_path, json.dumps(meta).encode())
     return path
 
 
