@@ -178,6 +178,26 @@ def test_bad_config_and_layout_errors(model, tmp_path):
         hf_io.from_pretrained(str(tmp_path))
 
 
+def test_layer_count_mismatch_names_num_hidden_layers(model, tmp_path):
+    hf_io.save_pretrained(model, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:  # a typo: 360 for 2 layers
+        json.dump({**cfg, "num_hidden_layers": 360}, f)
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 360 in config.json, but the "
+                                         r"tensors hold layers 0-1 \(2 layers\)") as e:
+        hf_io.from_pretrained(str(tmp_path))
+    assert len(str(e.value)) < 3000, len(str(e.value))  # 358 x 11 names are not all listed
+    assert "and 3926 more" in str(e.value)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    _rewrite(tmp_path, lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.0.")])
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 2 in config.json, but the tensors "
+                                         r"hold layers 1 \(1 layer\).*missing tensors: "
+                                         r"\['model.layers.0.input_layernorm.weight'"):
+        hf_io.from_pretrained(str(tmp_path))
+
+
 def test_index_pointing_to_missing_shard(model, tmp_path):
     files = hf_io.save_pretrained(model, str(tmp_path), max_shard_size="20KB")
     assert len(files) >= 2
@@ -203,3 +223,16 @@ def test_load_hf_state_dict_round_trip(model):
     tensors["model.extra.weight"] = np.zeros(3, np.float32)
     with pytest.raises(ValueError, match="model.extra.weight"):
         hf_io.load_hf_state_dict(other, tensors)
+
+
+def test_failed_load_hf_state_dict_leaves_the_model_unchanged(model):
+    other = Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(9))
+    before = _flat(other)
+    for edit in ({"model.extra.weight": np.zeros(3, np.float32)},
+                 {"model.layers.1.mlp.up_proj.weight": np.zeros((48, 33), np.float32)}):
+        tensors = {**hf_io.hf_state_dict(model), **edit}
+        with pytest.raises(ValueError, match=next(iter(edit))):
+            hf_io.load_hf_state_dict(other, tensors)
+        after = _flat(other)
+        for k in before:  # nothing written, not even the tensors read before the bad one
+            assert before[k].tobytes() == after[k].tobytes(), k

@@ -297,7 +297,9 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
       FileNotFoundError: missing config or weights.
       ValueError: unsupported config (names the field); missing tensors, unexpected
         tensors, or tensors with the wrong shape (names each tensor, with expected and
-        found HF shapes). With ``tie_word_embeddings`` an ``lm_head.weight`` in the file
+        found HF shapes; 12 of each kind, then "and N more"); when the layers the tensors
+        hold (``model.layers.{i}``) are not 0 .. num_hidden_layers-1, it also says which
+        they are. With ``tie_word_embeddings`` an ``lm_head.weight`` in the file
         is tolerated and ignored (some exports keep the alias).
     """
     config = load_config(path)
@@ -316,20 +318,27 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
         entries = {p: tensor_entries(_nnx_path_str(p), var.get_value().shape) for p, var in flat}
         expected = {e.name: e for es in entries.values() for e in es}
         present = set(ckpt.weight_map)
-        missing = sorted(set(expected) - present)
-        extra = sorted(present - set(expected))
+        missing = sorted(set(expected) - present, key=_hf_sort_key)
+        extra = sorted(present - set(expected), key=_hf_sort_key)
         if config.tie_word_embeddings and "lm_head.weight" in extra:
             extra.remove("lm_head.weight")
         problems = []
+        layer_problem = _layer_count_problem(config.num_hidden_layers, present, "config.json")
+        if layer_problem:
+            problems.append(layer_problem)
         if missing:
-            problems.append(f"missing tensors: {missing}")
+            problems.append(f"missing tensors: {_name_list(missing)}")
         if extra:
-            problems.append(f"unexpected tensors: {extra}")
-        for name in sorted(set(expected) & present):
+            problems.append(f"unexpected tensors: {_name_list(extra)}")
+        wrong = []
+        for name in sorted(set(expected) & present, key=_hf_sort_key):
             want = hf_shape(expected[name].shape, expected[name].num_in_axes)
             got = tuple(ckpt.slice(name).get_shape())
             if got != want:
-                problems.append(f"tensor {name!r} has shape {got}, expected {want}")
+                wrong.append(f"tensor {name!r} has shape {got}, expected {want}")
+        problems += wrong[:_LISTED]
+        if len(wrong) > _LISTED:
+            problems.append(f"and {len(wrong) - _LISTED} more tensors with a wrong shape")
         if problems:
             raise ValueError(f"checkpoint {path} does not match {config}: " + "; ".join(problems))
 
@@ -437,6 +446,37 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str, *,
     return fnames
 
 
+_LISTED = 12  # tensor names an error message lists before "and N more"
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _name_list(names: list[str]) -> str:
+    """``names`` as a list literal, cut after ``_LISTED`` with "and N more"."""
+    head = repr(names[:_LISTED])
+    return head if len(names) <= _LISTED else f"{head} and {len(names) - _LISTED} more"
+
+
+def _layer_count_problem(num_layers: int, names, where: str) -> str | None:
+    """Says how the layer indices of HF tensor ``names`` differ from ``range(num_layers)``.
+
+    ``where`` names the config's source in the message. None when the tensors hold exactly
+    layers 0 .. num_layers-1 (each tensor of them is checked separately).
+    """
+    found = sorted({int(m.group(1)) for n in names if (m := _LAYER_NAME.match(n))})
+    if found == list(range(num_layers)):
+        return None
+    spans, start = [], None
+    for i, k in enumerate(found):
+        start = k if start is None else start
+        if i + 1 == len(found) or found[i + 1] != k + 1:
+            spans.append(str(k) if start == k else f"{start}-{k}")
+            start = None
+    held = (f"layers {', '.join(spans)} ({len(found)} layer{'' if len(found) == 1 else 's'})"
+            if found else "no layer")
+    return (f"num_hidden_layers = {num_layers} in {where}, but the tensors hold {held} "
+            "(model.layers.{i}.*): a missing or extra layer, or a wrong num_hidden_layers")
+
+
 def _hf_sort_key(name: str):
     """Embedding first, then layers in numeric order, then final norm and head."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
@@ -465,29 +505,34 @@ def hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, np.ndarray]:
 def load_hf_state_dict(model: Qwen3ForCausalLM, tensors: dict[str, Any]) -> Qwen3ForCausalLM:
     """Sets ``model``'s params in place from an HF-named dict of arrays (small models / tests).
 
-    Raises ValueError naming missing/unexpected tensors or wrong shapes.
+    Raises ValueError naming missing/unexpected tensors or wrong shapes (and the layers the
+    tensors hold when they are not the model's 0 .. L-1); the model is then left unchanged.
     """
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
+    layer_problem = _layer_count_problem(model.config.num_hidden_layers, tensors, "the model's config")
     seen = set()
+    new_values = []  # every check passes before the first parameter is written
     for p, var in flat:
         shape = tuple(var.get_value().shape)
         entries = tensor_entries(_nnx_path_str(p), shape)
         arrays = {}
         for e in entries:
             if e.name not in tensors:
-                raise ValueError(f"missing tensor {e.name!r}")
+                raise ValueError(f"missing tensor {e.name!r}" + (f" ({layer_problem})" if layer_problem else ""))
             arrays[e.name] = np.asarray(tensors[e.name])
             want = hf_shape(e.shape, e.num_in_axes)
             if arrays[e.name].shape != want:
                 raise ValueError(f"tensor {e.name!r} has shape {arrays[e.name].shape}, expected {want}")
             seen.add(e.name)
-        full = _read_param(arrays, entries, shape, var.get_value().dtype,
-                           tuple(slice(None) for _ in shape))
-        var.set_value(jnp.asarray(full, var.get_value().dtype))
+        new_values.append(_read_param(arrays, entries, shape, var.get_value().dtype,
+                                      tuple(slice(None) for _ in shape)))
     extra = sorted(set(tensors) - seen - ({"lm_head.weight"} if model.config.tie_word_embeddings
-                                          else set()))
+                                          else set()), key=_hf_sort_key)
     if extra:
-        raise ValueError(f"unexpected tensors: {extra}")
+        raise ValueError(f"unexpected tensors: {_name_list(extra)}"
+                         + (f" ({layer_problem})" if layer_problem else ""))
+    for (_, var), full in zip(flat, new_values):
+        var.set_value(jnp.asarray(full, var.get_value().dtype))
     nnx.update(model, state)
     return model
