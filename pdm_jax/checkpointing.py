@@ -272,22 +272,27 @@ class Checkpointer:
         return restored["state"], restored["meta"]
 
     def _check_layout(self, path: str, step: int) -> None:
-        """Raises `CheckpointLayoutError` if checkpoint `step` stores decoder layers one by one."""
+        """Raises `CheckpointLayoutError` if checkpoint `step` stores decoder layers one by one.
+
+        That is a path ``.../layers/<i>/...`` (a dict key or list index ``i``); the message
+        shows the shortest such path (the parameter's rather than an optimizer moment's).
+        """
         try:
             tree = self._manager.item_metadata(step)["state"]
             paths = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in p)
                      for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         except Exception:  # unreadable metadata: a damaged checkpoint, reported by the caller
             return
-        for p in paths:
-            for a, b in zip(p, p[1:]):
-                if a == "layers" and b.isdigit():
-                    raise CheckpointLayoutError(
-                        f"checkpoint {path} stores the decoder layers one by one ({'/'.join(p)}): it was "
-                        "written by a pdm_jax before the layers were stacked (parameters [L, ...] under "
-                        "'layers', scanned). This version cannot resume it; resume it with the pdm_jax "
-                        "commit that wrote it, or start a new workdir (export its weights with that "
-                        "commit's pdm_jax.models.hf_io.save_pretrained and set model.hf_path).")
+        per_layer = [p for p in paths
+                     if any(a == "layers" and b.strip("[]").isdigit() for a, b in zip(p, p[1:]))]
+        if per_layer:  # the shortest such path: a parameter's, not an optimizer moment's
+            example = "/".join(min(per_layer, key=lambda p: (len(p), p)))
+            raise CheckpointLayoutError(
+                f"checkpoint {path} stores the decoder layers one by one ({example}): it was "
+                "written by a pdm_jax before the layers were stacked (parameters [L, ...] under "
+                "'layers', scanned). This version cannot resume it; resume it with the pdm_jax "
+                "commit that wrote it, or start a new workdir (export its weights with that "
+                "commit's pdm_jax.models.hf_io.save_pretrained and set model.hf_path).")
 
     def restore_latest_intact(self, abstract_state: Any) -> Restored:
         """Restores the newest checkpoint that passes `restore`'s checks, falling back past refused ones.

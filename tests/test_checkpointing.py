@@ -217,3 +217,25 @@ def test_a_per_layer_checkpoint_is_a_layout_error_and_is_neither_skipped_nor_mov
     state, _ = ckpt.restore(abstract_like(old))  # the checkpoint itself is intact
     np.testing.assert_array_equal(np.asarray(state["params"]["layers"]["1"]["w"]), [3.0, 4.0, 5.0])
     ckpt.close()
+
+
+def test_the_layout_error_names_a_parameter_path_and_catches_list_layers(tmp_path):
+    """The example path is the parameter's (not an optimizer moment's, which sorts first in a train
+    state), and layers stored as a list (layers/[0]/...) are recognised as the per-layer layout too."""
+    from pdm_jax.checkpointing import CheckpointLayoutError
+
+    w = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    old = {"opt_state": ({"mu": {"layers": {"0": {"w": w[0]}, "1": {"w": w[1]}}}},),
+           "params": {"layers": {"0": {"w": w[0]}, "1": {"w": w[1]}}}}
+    stacked = abstract_like({"opt_state": ({"mu": {"layers": {"w": w}}},), "params": {"layers": {"w": w}}})
+    ckpt = Checkpointer(str(tmp_path / "a"))
+    ckpt.save(5, old, {"step": 5})
+    with pytest.raises(CheckpointLayoutError, match=r"one by one \(params/layers/0/w\)"):
+        ckpt.restore_latest_intact(stacked)
+    ckpt.close()
+    listed = Checkpointer(str(tmp_path / "b"))
+    listed.save(3, {"params": {"layers": [{"w": w[0]}, {"w": w[1]}]}}, {"step": 3})
+    with pytest.raises(CheckpointLayoutError, match=r"one by one \(params/layers/\[?0\]?/w\)"):
+        listed.restore_latest_intact(abstract_like({"params": {"layers": {"w": w}}}))
+    assert listed.steps() == [3] and not os.path.exists(str(tmp_path / "b.corrupt"))
+    listed.close()
