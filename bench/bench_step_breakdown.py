@@ -22,6 +22,7 @@ the tiny model's matmuls), so the floors are lower bounds.
 
     python bench/bench_step_breakdown.py --workdir runs/tiny          # an existing run
     python bench/bench_step_breakdown.py --run --steps 30             # a short tiny run first
+    python bench/bench_step_breakdown.py --run --config.compile_cache.dir=   # --config.* flags go to the run
 """
 import argparse
 import json
@@ -101,8 +102,11 @@ def main():
     ap.add_argument("--sft_steps", type=int, default=100)
     ap.add_argument("--skip", type=int, default=2, help="first RL steps left out of the medians (compiles)")
     ap.add_argument("--prompt_tokens", type=int, default=8, help="padded prompt length of the rollouts (tokens)")
-    ap.add_argument("extra", nargs="*", help="more --config.x=y flags for --run")
-    args = ap.parse_args()
+    args, extra = ap.parse_known_args()  # the rest: --config.x=y flags for --run
+    if any(not e.startswith("--config.") for e in extra):
+        ap.error(f"unrecognized arguments: {' '.join(e for e in extra if not e.startswith('--config.'))} "
+                 "(only --config.x=y flags are passed on to the run)")
+    args.extra = extra
     workdir = args.workdir or (tempfile.mkdtemp(prefix="pdm_breakdown_") if args.run else "")
     if not workdir:
         ap.error("give --workdir, or --run")

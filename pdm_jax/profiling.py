@@ -114,7 +114,10 @@ def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0) -> 
     min_compile_time_s``, default 0 s): the small CPU programs of the tiny runs compile
     in 0.1-3 s each, below JAX's 1 s default threshold for many of them. A second run
     with the same programs then loads them instead of compiling (the ``compile_cache_hits``
-    metric). Returns whether a cache is on.
+    metric). Returns whether a cache is on. JAX decides once per process, at its first
+    compile, whether (and where) the cache is used: call this before anything compiles
+    (the trainer and the sampler server do, first thing); in a process that compiled
+    already (e.g. a test session) the call has no effect until JAX resets its cache.
 
     Raises:
       OSError: the directory cannot be created.

@@ -333,7 +333,8 @@ class SamplingEngine:
         """The directory the current weights were loaded from (None if given in memory)."""
         return self._weights_path
 
-    def set_params(self, params, *, version: int, weights_path: Optional[str] = None) -> None:
+    def set_params(self, params, *, version: int, weights_path: Optional[str] = None,
+                   finite_checked: bool = False) -> None:
         """Quantizes `params` (module/state/pure dict, f32) and installs them as `version`.
 
         Raises:
@@ -343,6 +344,7 @@ class SamplingEngine:
         pure = wts.to_pure_dict(params)
         try:
             prepared = quant.prepare_sampler_params(pure, self.quantization, compute_dtype=self.compute_dtype,
+                                                    check_finite=not finite_checked,
                                                     output_axes_fn=self._output_axes_fn)
         except ValueError as e:  # e.g. a non-finite weight refused by the fp8 quantizer
             where = f" from {weights_path!r}" if weights_path else ""
@@ -389,7 +391,7 @@ class SamplingEngine:
                     f"and the same path")
             t0 = time.perf_counter()
             pure = wts.load_weights(real, abstract=wts.to_pure_dict(self._abstract_state_f32()), version=version)
-            self.set_params(pure, version=int(version), weights_path=real)
+            self.set_params(pure, version=int(version), weights_path=real, finite_checked=True)  # load refused NaN/inf
             return wire.weights_loaded(version=int(version), path=real, seconds=time.perf_counter() - t0,
                                        reloaded=bool(same))
 

@@ -236,7 +236,7 @@ def _fp8_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype) -> jax.Array:
 
 
 def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=None,
-                           output_axes_fn: Callable = default_output_axes) -> dict:
+                           output_axes_fn: Callable = default_output_axes, check_finite: bool = True) -> dict:
     """The parameter tree the sampler computes with, for a quantization mode, built once per weights version.
 
     ``none``: the f32 weights unchanged (cast to `compute_dtype`, default f32).
@@ -255,6 +255,9 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
       quantization: one of QUANTIZATIONS.
       compute_dtype: dtype of the returned leaves (default: `default_compute_dtype`).
       output_axes_fn: ``(path, shape) -> output axes or None`` (fp8; see `default_output_axes`).
+      check_finite: refuse non-finite fp8 weights (waits for the program); False for weights
+        already checked (`weights.load_weights` refuses NaN/inf): the program then runs
+        asynchronously, overlapping whatever the caller does next.
     Returns:
       nested dict of arrays in `compute_dtype`, same structure as `params`.
     Raises:
@@ -266,7 +269,7 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
     axes = tuple(output_axes_fn(p, tuple(np.shape(x))) if quantization == "fp8" else None for p, x in named)
     axes = tuple(None if a is None else tuple(int(i) % len(np.shape(x)) for i in a) for a, (_, x) in zip(axes, named))
     out, bad = _prepare_program([x for _, x in named], quantization=quantization, dtype=dtype, axes=axes)
-    if bad:
+    if bad and check_finite:
         counts = jax.device_get(bad)
         fp8_paths = [p for (p, _), a in zip(named, axes) if a is not None]
         for path, c in zip(fp8_paths, counts):
