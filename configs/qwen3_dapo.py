@@ -66,6 +66,7 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     c.trust_region.estimator = "bucket_exact"
     c.trust_region.delta = 0.05
     c.sampler.quantization = "fp8"
+    c.sampler.stop_token_ids = "151645,151643"  # <|im_end|>, <|endoftext|>: Qwen3 ends a turn on either
     c.sampler.max_prompt_length = 2048
     c.sampler.max_batch_size = 256
     c.eval.every_steps = 25

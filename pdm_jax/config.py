@@ -31,6 +31,7 @@ from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.profiling import parse_steps
+from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.sharding import MeshConfig
 from pdm_jax.train_step import OptimizerConfig
 
@@ -152,6 +153,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Dtype the sampler computes in (weights keep their bf16/fp8 values exactly in f32): "auto" (f32 for
     # none, and on the CPU backend; bf16 for bf16/fp8 on TPU/GPU) | "float32" | "bfloat16".
     c.sampler.compute_dtype = "auto"
+    # Token ids that end a rollout or an evaluation sample, comma separated ("151645,151643": Qwen3's
+    # <|im_end|> and <|endoftext|>); the tokenizer's eos id is always one of them. "" = the eos id alone.
+    c.sampler.stop_token_ids = ""
     c.sampler.startup_timeout_s = 180.0
     c.sampler.request_timeout_s = 300.0
     c.sampler.retries = 3
@@ -455,9 +459,36 @@ def _check_sampler_and_eval(config) -> None:
               "must be a finite number of seconds > 0")
     for name in ("retries", "max_restarts", "stall_probe_misses"):
         _need(sc[name] >= 0, f"sampler.{name}", sc[name], "must be >= 0")
+    parse_stop_token_ids(sc.stop_token_ids)
     for field in ("eval.every_steps", "eval.samples_per_prompt", "eval.num_prompts", "checkpoint.every_steps",
                   "checkpoint.max_to_keep", "sft.batch_size", "sampler.max_prompt_length", "sampler.max_batch_size"):
         _need(_lookup(config, field) >= 1, field, _lookup(config, field), "must be >= 1")
+
+
+def parse_stop_token_ids(text: str, vocab_size: Optional[int] = None) -> tuple:
+    """``sampler.stop_token_ids`` ("151645,151643"; "" = none besides the eos id) as a tuple of ints.
+
+    Raises:
+      ValueError: naming ``sampler.stop_token_ids`` and the value for an entry that is not a
+        non-negative integer, an id >= ``vocab_size`` (when given), a repeated id, or more than
+        ``pdm_jax.sampler.wire.MAX_STOP_TOKEN_IDS`` - 1 ids (the eos id takes one slot of the
+        sampler's stop table).
+    """
+    field = "sampler.stop_token_ids"
+    if not isinstance(text, str):
+        raise ValueError(f"{field} = {text!r}: must be a string of comma-separated token ids")
+    parts = [p.strip() for p in text.split(",")] if text.strip() else []
+    ids = []
+    for p in parts:
+        _need(p.isdigit(), field, text, f"{p!r} is not a non-negative integer token id")
+        ids.append(int(p))
+    _need(len(set(ids)) == len(ids), field, text, "repeats a token id")
+    _need(len(ids) < MAX_STOP_TOKEN_IDS, field, text,
+          f"at most {MAX_STOP_TOKEN_IDS - 1} ids (the eos id takes one of the sampler's {MAX_STOP_TOKEN_IDS} slots)")
+    if vocab_size is not None:
+        bad = [i for i in ids if i >= vocab_size]
+        _need(not bad, field, text, f"ids {bad} are outside the vocabulary of {vocab_size} tokens")
+    return tuple(ids)
 
 
 def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
@@ -549,6 +580,7 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
         vocab_size = char_vocab_size(config.tokenizer.symbols)
     if vocab_size is not None:
         _need(k <= vocab_size, "rl.top_k_logprobs", k, f"K is larger than the vocabulary size {vocab_size}")
+        parse_stop_token_ids(config.sampler.stop_token_ids, vocab_size)
     if num_held_out is not None:
         _need(config.eval.num_prompts <= num_held_out, "eval.num_prompts", config.eval.num_prompts,
               f"the data source has only {num_held_out} held-out prompts (data.num_eval / data.eval_path)")

@@ -53,7 +53,7 @@ def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: floa
                          "held-out prompts")
     prompts = [codec.encode_prompt(e.prompt) for e in exs]
     k = eval_config.samples_per_prompt
-    common = dict(max_new_tokens=max_new_tokens, top_k_logprobs=1, stop_token_ids=[codec.eos_id])
+    common = dict(max_new_tokens=max_new_tokens, top_k_logprobs=1, stop_token_ids=list(codec.stop_ids))
     rb = engine.generate(prompts, n=k, temperature=temperature, seed=seed, **common)
     scores = score_rollouts(source, codec, rb, exs, k)
     # Accuracy counts fully correct answers only (some verifiers give partial credit).

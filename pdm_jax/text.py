@@ -18,17 +18,25 @@ class TextCodec:
     Args:
       tokenizer: a Hugging Face tokenizer with an ``eos_token``.
       chat: apply the tokenizer's chat template to prompts (a chat prompt source).
+      stop_token_ids: further ids that end a completion (``sampler.stop_token_ids``; Qwen3 stops
+        on both <|im_end|> 151645 and <|endoftext|> 151643).
+
+    Attributes:
+      eos_id: the tokenizer's eos id, appended to supervised targets.
+      stop_ids: tuple of ints, the eos id first, then ``stop_token_ids`` (without repeats): the
+        ids every rollout and evaluation sample stops on, dropped when a completion is decoded.
 
     Raises:
       ValueError: the tokenizer has no eos token (it is the stop token of every rollout).
     """
 
-    def __init__(self, tokenizer, *, chat: bool):
+    def __init__(self, tokenizer, *, chat: bool, stop_token_ids=()):
         self.tokenizer = tokenizer
         self.chat = bool(chat)
         self.eos_id = tokenizer.eos_token_id
         if self.eos_id is None:
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no eos_token")
+        self.stop_ids = tuple(dict.fromkeys([int(self.eos_id)] + [int(i) for i in stop_token_ids]))
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a prompt (with the chat template and generation prompt for a chat source)."""
@@ -42,7 +50,7 @@ class TextCodec:
 
     def decode_completion(self, ids: np.ndarray, mask: np.ndarray) -> str:
         """Text of a completion's valid tokens (``ids``, ``mask`` ``[T]``), without the stop and special tokens."""
-        toks = [int(t) for t, m in zip(ids, mask) if m and int(t) != self.eos_id]
+        toks = [int(t) for t, m in zip(ids, mask) if m and int(t) not in self.stop_ids]
         return self.tokenizer.decode(toks, skip_special_tokens=True)
 
     def sft_batch(self, prompts, targets, *, prompt_len: int, completion_len: int) -> StepBatch:

@@ -40,7 +40,8 @@ from tqdm.auto import tqdm
 from pdm_jax import evaluation, objectives, train_step as ts
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
-from pdm_jax.config import compute_options, model_config_from_fields, step_configs, validate_config
+from pdm_jax.config import (compute_options, model_config_from_fields, parse_stop_token_ids, step_configs,
+                            validate_config)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary
@@ -121,7 +122,8 @@ class Trainer:
         self.source = make_source(config.data)
         tokenizer = self._setup_tokenizer()
         self.vocab_size = len(tokenizer)
-        self.codec = TextCodec(tokenizer, chat=self.source.chat)
+        self.codec = TextCodec(tokenizer, chat=self.source.chat,
+                               stop_token_ids=parse_stop_token_ids(config.sampler.stop_token_ids))
         # Over-long prompts are dropped (and counted) at load, never discovered mid-run.
         self.source = filter_long_prompts(self.source, self.codec.encode_prompt, config.sampler.max_prompt_length)
         validate_config(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
@@ -326,7 +328,7 @@ class Trainer:
         t0 = time.time()
         rb = self.sampler.generate(
             prompts, n=rl.group_size, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-            top_k_logprobs=rl.top_k_logprobs, stop_token_ids=[self.codec.eos_id],
+            top_k_logprobs=rl.top_k_logprobs, stop_token_ids=list(self.codec.stop_ids),
             seed=int(self.config.seed) * 1_000_003 + step)
         return rb, examples, time.time() - t0
 

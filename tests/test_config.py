@@ -196,3 +196,36 @@ def test_stall_probe_settings_are_checked(field, value):
     c[group][name] = value
     with pytest.raises(ValueError, match=field):
         validate_config(c)
+
+
+@pytest.mark.parametrize("value,match", [
+    ("151645,x", r"'x' is not a non-negative integer token id"),
+    ("3,-1", r"'-1' is not a non-negative integer token id"),
+    ("5,5", "repeats a token id"),
+    (",".join(str(i) for i in range(8)), "at most 7 ids"),
+    ("3,15", r"ids \[15\] are outside the vocabulary of 15 tokens"),
+])
+def test_stop_token_ids_are_checked(value, match):
+    c = get_base_config()  # char vocabulary: 15 ids
+    c.rl.top_k_logprobs = 4
+    c.sampler.stop_token_ids = value
+    with pytest.raises(ValueError, match=r"sampler.stop_token_ids = .*" + match):
+        validate_config(c)
+
+
+def test_stop_token_ids_reach_the_codec():
+    """Parsed ids go after the eos id (no repeats); decoding drops every stop id."""
+    from pdm_jax.models.tokenizer import build_char_tokenizer
+    from pdm_jax.text import TextCodec
+    import tempfile
+
+    assert config_lib.parse_stop_token_ids(" 151645, 151643 ") == (151645, 151643)
+    assert config_lib.parse_stop_token_ids("") == ()
+    with tempfile.TemporaryDirectory() as d:
+        tok = build_char_tokenizer("0123456789+=", d)
+        one, plus = tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("+")
+        codec = TextCodec(tok, chat=False, stop_token_ids=(plus, tok.eos_token_id))
+        assert codec.stop_ids == (tok.eos_token_id, plus)
+        ids = np.array([one, plus, one, tok.eos_token_id])
+        assert codec.decode_completion(ids, np.ones(4, bool)) == "11"
+        assert TextCodec(tok, chat=False).stop_ids == (tok.eos_token_id,)

@@ -286,7 +286,7 @@ class SamplingEngine:
     def __init__(self, config, params, *, quantization: str = "none", version: int = 0,
                  weights_path: Optional[str] = None, compute_dtype=None, max_prompt_length: int = 512,
                  max_new_tokens: int = 256, max_batch_size: int = 64, min_prompt_bucket: int = 8,
-                 min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = 8,
+                 min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096,
                  output_axes_fn=quant.default_output_axes):
         quant.check_quantization(quantization)
