@@ -31,11 +31,11 @@ from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.profiling import parse_steps
+from pdm_jax.sampler.quantize import QUANTIZATIONS
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.sharding import MeshConfig
 from pdm_jax.train_step import OptimizerConfig
 
-QUANTIZATIONS = ("none", "bf16", "fp8")
 SAMPLER_MODES = ("subprocess", "remote", "in_process")
 SAMPLER_COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 TOKENIZER_KINDS = ("char", "path")
@@ -149,7 +149,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.mode = "subprocess"  # "subprocess" (started by the trainer) | "remote" (address) | "in_process"
     c.sampler.address = ""  # http://host:port for mode=remote
     c.sampler.token = ""
-    c.sampler.quantization = "fp8"  # "none" | "bf16" | "fp8"
+    # Sampler weights: "none" (f32) | "bf16" | "fp8" (e4m3 weight-only, per channel; native on recent GPUs and
+    # TPU7x) | "int8" (weight-only, per channel; native on TPU v5e/v5p/v6e).
+    c.sampler.quantization = "fp8"
     # Dtype the sampler computes in (weights keep their bf16/fp8 values exactly in f32): "auto" (f32 for
     # none, and on the CPU backend; bf16 for bf16/fp8 on TPU/GPU) | "float32" | "bfloat16".
     c.sampler.compute_dtype = "auto"

@@ -107,9 +107,10 @@ def test_topk_equals_independent_topk(params, batch):
     np.testing.assert_array_equal(batch.behavior_logprobs[rows, cols], batch.topk_logprobs[rows, cols, ks])
 
 
-def test_quantized_decode_equals_quantized_prefill(params):
-    """fp8 weights, f32 compute: decode logprobs == teacher-forced logprobs of the same quantized weights."""
-    eng = make_engine(params, quantization="fp8", compute_dtype=jnp.float32)
+@pytest.mark.parametrize("quantization", ["fp8", "int8"])
+def test_quantized_decode_equals_quantized_prefill(params, quantization):
+    """fp8 / int8 weights, f32 compute: decode logprobs == teacher-forced logprobs of the same quantized weights."""
+    eng = make_engine(params, quantization=quantization, compute_dtype=jnp.float32)
     b = eng.generate(PROMPTS, temperature=1.0, seed=5, **GEN)
     logp = log_softmax_np(full_logits(eng.params, b))
     tf = np.take_along_axis(logp, b.completion_ids[..., None], -1)[..., 0]
@@ -270,6 +271,7 @@ def test_compute_dtype_choice():
     assert resolve_compute_dtype("auto", "fp8", backend="cpu") == f32
     assert resolve_compute_dtype(None, "bf16", backend="cpu") == f32
     assert resolve_compute_dtype("auto", "fp8", backend="tpu") == bf16
+    assert resolve_compute_dtype("auto", "int8", backend="tpu") == bf16
     assert resolve_compute_dtype("auto", "bf16", backend="gpu") == bf16
     assert resolve_compute_dtype("auto", "none", backend="tpu") == f32
     assert resolve_compute_dtype("bfloat16", "fp8") == bf16 and resolve_compute_dtype(jnp.float32, "none") == f32

@@ -40,7 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QUANTIZATIONS = ("none", "bf16", "fp8")
+QUANTIZATIONS = ("none", "bf16", "fp8", "int8")
+#: Weight-only modes: the storage dtype of each quantized matmul weight.
+WEIGHT_ONLY_DTYPES = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 
@@ -52,7 +54,7 @@ def default_compute_dtype(quantization: str):
     """The dtype the sampler computes in for a given quantization mode.
 
     ``none`` -> float32 (bit-compatible with the trainer), ``bf16`` -> bfloat16,
-    ``fp8`` -> bfloat16 (fp8 weights are dequantized into bf16, as on TPU/GPU).
+    ``fp8`` / ``int8`` -> bfloat16 (the weights are dequantized into bf16, as on TPU/GPU).
     Raises ValueError for an unknown mode.
     """
     check_quantization(quantization)
@@ -215,10 +217,10 @@ def _prepare_program(leaves: list, *, quantization: str, dtype, axes: tuple) -> 
     """
     out, bad = [], []
     for x, ax in zip(leaves, axes):
-        if quantization == "fp8" and ax is not None:
+        if quantization in WEIGHT_ONLY_DTYPES and ax is not None:
             w = jnp.asarray(x, jnp.float32)
             bad.append(jnp.sum(~jnp.isfinite(w)))
-            out.append(_fp8_dequantized(w, ax, dtype))
+            out.append(_weight_only_dequantized(w, ax, dtype, WEIGHT_ONLY_DTYPES[quantization]))
         elif quantization == "bf16":
             out.append(jnp.asarray(x).astype(jnp.bfloat16).astype(dtype))
         else:
@@ -226,13 +228,18 @@ def _prepare_program(leaves: list, *, quantization: str, dtype, axes: tuple) -> 
     return out, bad
 
 
-def _fp8_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype) -> jax.Array:
-    """``quantize_fp8(w, axes).dequantize(dtype)`` without the host-side finiteness check (traceable)."""
-    import qwix  # local import: qwix pulls in flax.linen; only needed for fp8
+def _weight_only_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype, qtype) -> jax.Array:
+    """``qvalue * scale`` of qwix's per-channel absmax quantization of ``w`` to ``qtype``, cast to ``dtype``.
 
-    qa = qwix.quantize(w, FP8_DTYPE, channelwise_axes=axes, calibration_method="absmax", scale_dtype=jnp.float32)
-    qvalue = qa.qvalue if qa.qvalue.dtype == FP8_DTYPE else qa.qvalue.astype(FP8_DTYPE)
-    return Fp8Tensor(qvalue=qvalue, scale=qa.scale.astype(jnp.float32)).dequantize(dtype)
+    fp8 (``float8_e4m3fn``): exactly ``quantize_fp8(w, axes).dequantize(dtype)`` without the host-side
+    finiteness check (traceable). int8: qwix's convention, ``scale = max|W| / 127.5`` per output
+    channel, ``qvalue = clip(round_half_even(W * (1 / scale)), -128, 127)``.
+    """
+    import qwix  # local import: qwix pulls in flax.linen; only needed for fp8 / int8
+
+    qa = qwix.quantize(w, qtype, channelwise_axes=axes, calibration_method="absmax", scale_dtype=jnp.float32)
+    qvalue = qa.qvalue if qa.qvalue.dtype == qtype else qa.qvalue.astype(qtype)
+    return (qvalue.astype(jnp.float32) * qa.scale.astype(jnp.float32)).astype(dtype)
 
 
 def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=None,
@@ -243,6 +250,8 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
     ``bf16``: every leaf rounded to bfloat16 (then cast to `compute_dtype`).
     ``fp8``: matmul weights quantized to fp8-e4m3 per output channel and
     dequantized (``qvalue * scale`` in f32) into `compute_dtype`; other leaves cast to it.
+    ``int8``: the same with int8 per output channel (qwix's absmax scheme, scale
+    ``max|W| / 127.5``): the weight-only int8 that TPU v5e/v5p/v6e run natively.
     With ``compute_dtype`` float32 the bf16 / fp8 weights keep their rounded /
     dequantized values exactly; with bfloat16 the fp8 dequantized values are
     rounded once more, to bf16.  The whole tree is one jitted program (compiled
@@ -266,7 +275,8 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
     check_quantization(quantization)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype(quantization))
     named = _named_leaves(params)
-    axes = tuple(output_axes_fn(p, tuple(np.shape(x))) if quantization == "fp8" else None for p, x in named)
+    axes = tuple(output_axes_fn(p, tuple(np.shape(x))) if quantization in WEIGHT_ONLY_DTYPES else None
+                 for p, x in named)
     axes = tuple(None if a is None else tuple(int(i) % len(np.shape(x)) for i in a) for a, (_, x) in zip(axes, named))
     out, bad = _prepare_program([x for _, x in named], quantization=quantization, dtype=dtype, axes=axes)
     if bad and check_finite:
