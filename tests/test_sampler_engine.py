@@ -26,7 +26,8 @@ def make_params(seed=0, scale=25.0):
     """Random Qwen3 weights with std 0.5 (peaked, realistic distributions)."""
     model = Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(seed))
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, pure)
+    return jax.tree_util.tree_map_with_path(  # the RMSNorm scales stay 1 (stacked: [L, D], 2-D)
+        lambda path, x: x if jax.tree_util.keystr(path).endswith("['scale']") else x * scale, pure)
 
 
 def make_engine(params, **kw):
@@ -283,3 +284,26 @@ def test_compute_dtype_choice():
         eng = make_engine(make_params(), quantization="fp8")
         assert eng.compute_dtype == f32 and eng.health()["compute_dtype"] == "float32"
         assert {x.dtype for x in jax.tree.leaves(eng.params)} == {f32}
+
+
+@pytest.mark.parametrize("temperature", [0.0, TAU])
+def test_shared_prefill_equals_per_row_prefill(params, temperature):
+    """n = 4 samples of 3 prompts: one prefill per prompt (its KV cache repeated) == every row prefilled;
+    tokens exactly, log mu and top-K within 1e-5 (absolute + relative, f32: the prefill's batch size changes
+    XLA's rounding, ~5e-6 relative after 12 decode steps), greedy and sampled; prefill rows counted."""
+    prompts = PROMPTS + [[9, 10, 11, 12, 13, 14, 15]]
+    gen = dict(n=4, max_new_tokens=12, top_k_logprobs=K, temperature=temperature, seed=3)
+    shared, single = make_engine(params), make_engine(params, share_prefill=False)
+    a, b = shared.generate(prompts, **gen), single.generate(prompts, **gen)
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+    np.testing.assert_allclose(a.behavior_logprobs, b.behavior_logprobs, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=1e-5, rtol=1e-5)
+    # 12 rows in a bucket of 16: 4 prefilled rows (3 prompts + 1 padding group) instead of 16
+    assert (shared.prefill_rows, shared.prefill_rows_unshared) == (4, 16)
+    assert single.prefill_rows == single.prefill_rows_unshared == 16
+    # n = 3 does not divide the bucket of 8 rows: every row is prefilled, same results
+    c, d = shared.generate(prompts[:2], **dict(gen, n=3)), single.generate(prompts[:2], **dict(gen, n=3))
+    np.testing.assert_array_equal(c.completion_ids, d.completion_ids)
+    assert shared.prefill_rows == 4 + 8

@@ -165,8 +165,13 @@ def cache_segments(num_new: int, first_segment: int) -> list:
 
 def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx2, prompt_idx_B, sample_idx_B,
                       temperature_B, top_p_B, top_k_B, max_new_B, stop_ids_BxS, *, num_new: int, k_logprobs: int,
-                      cache_dtype, first_segment: int):
+                      cache_dtype, first_segment: int, group: int = 1):
     """The jitted prefill + while-loop decode for one (B, P, T=num_new, K) bucket.
+
+    Shared prefill (``group`` = g > 1): rows ``g*u .. g*u + g-1`` hold the same prompt
+    (the caller guarantees it), so only rows ``0, g, 2g, ...`` are prefilled ([B/g, P]
+    tokens) and their KV cache and last logits are repeated g times: 1/g of the prefill
+    work, the same numbers per row.
 
     The KV cache grows in segments (`cache_segments`): segment i decodes tokens
     up to ``ends[i]`` with a cache of ``P + ends[i]`` slots, then the cache is
@@ -181,8 +186,16 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
     positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
     kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.ones((b, num_new), bool)], axis=-1)
-    logits_BxPxV, cache = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0),
-                                       kv_mask_BxS[:, :p + ends[0]])
+    if group > 1:
+        cache_u = model.init_cache(b // group, p + ends[0], dtype=cache_dtype)
+        logits_UxPxV, cache_u = model.decode(prompt_ids_BxP[::group], positions_BxP[::group], cache_u,
+                                             jnp.int32(0), kv_mask_BxS[::group, :p + ends[0]])
+        cache = jax.tree.map(lambda a: jnp.repeat(a, group, axis=0), cache_u)
+        last_logits_BxV = jnp.repeat(logits_UxPxV[:, -1, :], group, axis=0)
+    else:
+        logits_BxPxV, cache = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0),
+                                           kv_mask_BxS[:, :p + ends[0]])
+        last_logits_BxV = logits_BxPxV[:, -1, :]
 
     def row_key(seed_2, i, j):
         key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
@@ -213,7 +226,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     done0_B = max_new_B <= 0  # batch-padding rows never keep the loop alive
     outs, tok_B, done_B, length_B, stopped_B = record(
         (tokens_BxT, logp_BxT, topk_ids_BxTxK, topk_lp_BxTxK), jnp.int32(0), done0_B,
-        jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), logits_BxPxV[:, -1, :])
+        jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), last_logits_BxV)
 
     carry = (jnp.int32(1), tok_B, cache, done_B, length_B, stopped_B, outs)
     prev_end = ends[0]
@@ -246,7 +259,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
 
 # One module-level jit: engines with equal configs (equal graphdefs) share compiled buckets.
 _GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
-                        static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment"))
+                        static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment", "group"))
 
 
 class SamplingEngine:
@@ -278,6 +291,10 @@ class SamplingEngine:
         adds one copy of the decode loop to the compiled program.
       max_stop_tokens: capacity of the per-row stop-id table.
       max_sequences: most sequences (prompts x n) one request may ask for.
+      share_prefill: prefill each prompt once for its n samples and repeat its KV cache
+        (`_generate_program`'s ``group``) when a batch chunk holds whole groups of n rows
+        and its bucket is a multiple of n (n a power of two, ``max_batch_size`` a multiple
+        of n); otherwise every row is prefilled. Same numbers either way (tests).
     Raises:
       ValueError: bad quantization or limits (prompt + new tokens beyond the
         model's ``max_position_embeddings``, non-positive sizes).
@@ -287,7 +304,7 @@ class SamplingEngine:
                  weights_path: Optional[str] = None, compute_dtype=None, max_prompt_length: int = 512,
                  max_new_tokens: int = 256, max_batch_size: int = 64, min_prompt_bucket: int = 8,
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
-                 max_sequences: int = 4096,
+                 max_sequences: int = 4096, share_prefill: bool = True,
                  output_axes_fn=quant.default_output_axes):
         quant.check_quantization(quantization)
         for name, v in (("max_prompt_length", max_prompt_length), ("max_new_tokens", max_new_tokens),
@@ -311,12 +328,15 @@ class SamplingEngine:
         self.max_stop_tokens = int(max_stop_tokens)
         self.max_sequences = int(max_sequences)
         self.first_cache_segment = int(first_cache_segment)
+        self.share_prefill = bool(share_prefill)
         self._output_axes_fn = output_axes_fn
         dt = self.compute_dtype
         abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt))
         self._graphdef, self._abstract_state = nnx.split(abstract_model)
         self._lock = threading.RLock()
         self._program = _GENERATE_JIT
+        self.prefill_rows = 0  # prompt rows prefilled so far (padding rows included), with shared prefill
+        self.prefill_rows_unshared = 0  # ... and what they would have been without it
         self._state = None
         self._version = None
         self._weights_path = None
@@ -461,12 +481,18 @@ class SamplingEngine:
                 chunk = rows[start:start + self.max_batch_size]
                 parts.append(self._run_chunk(state, prompts, chunk, temperature=float(temperature),
                                              top_p=float(top_p), top_k=int(top_k), max_new=max_new,
-                                             k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed))
+                                             k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed,
+                                             n=int(n)))
         return self._to_batch(prompts, rows, parts, version)
 
-    def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed):
+    def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, n=1):
         n_rows = len(chunk)
         b = _bucket(n_rows, 1, self.max_batch_size)
+        # Rows come in groups of n samples of one prompt (rows = [(i, 0..n-1) for each prompt i]).
+        group = n if (self.share_prefill and n > 1 and n_rows % n == 0 and b % n == 0
+                      and all(chunk[r][0] == chunk[r - r % n][0] for r in range(n_rows))) else 1
+        self.prefill_rows += b // group
+        self.prefill_rows_unshared += b
         longest = max(len(prompts[i]) for i, _ in chunk)
         p = _bucket(longest, self.min_prompt_bucket, self.max_prompt_length)
         if p < longest:  # max_prompt_length not a power of two
@@ -496,7 +522,7 @@ class SamplingEngine:
             jnp.asarray(prompt_idx), jnp.asarray(sample_idx), jnp.full((b,), temperature, jnp.float32),
             jnp.full((b,), top_p, jnp.float32), jnp.full((b,), top_k, jnp.int32), jnp.asarray(max_new_b),
             jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype,
-            first_segment=self.first_cache_segment)
+            first_segment=self.first_cache_segment, group=group)
         out = jax.device_get(out)
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
 
