@@ -31,13 +31,12 @@ from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.profiling import parse_steps
-from pdm_jax.sampler.quantize import QUANTIZATIONS
+from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.sharding import MeshConfig
 from pdm_jax.train_step import OptimizerConfig
 
 SAMPLER_MODES = ("subprocess", "remote", "in_process")
-SAMPLER_COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 TOKENIZER_KINDS = ("char", "path")
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
 OPEN_FIELDS = ("data.task_config",)
@@ -446,8 +445,8 @@ def _check_sampler_and_eval(config) -> None:
     sc = config.sampler
     _need(sc.mode in SAMPLER_MODES, "sampler.mode", sc.mode, f"must be one of {SAMPLER_MODES}")
     _need(sc.quantization in QUANTIZATIONS, "sampler.quantization", sc.quantization, f"must be one of {QUANTIZATIONS}")
-    _need(sc.compute_dtype in SAMPLER_COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
-          f"must be one of {SAMPLER_COMPUTE_DTYPES}")
+    _need(sc.compute_dtype in COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
+          f"must be one of {COMPUTE_DTYPES}")
     cc = config.compile_cache
     _need(math.isfinite(cc.min_compile_time_s) and cc.min_compile_time_s >= 0, "compile_cache.min_compile_time_s",
           cc.min_compile_time_s, "must be a finite number of seconds >= 0")

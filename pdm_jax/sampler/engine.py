@@ -67,9 +67,6 @@ from pdm_jax.sampler import wire
 # Request validation lives with the wire schema (its errors name wire fields); re-exported here.
 from pdm_jax.sampler.wire import MAX_SEED, MIN_TEMPERATURE, RequestError, validate_request  # noqa: F401
 
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
-
-
 def resolve_compute_dtype(compute_dtype, quantization: str, backend: Optional[str] = None):
     """The sampler's compute dtype: an explicit float32/bfloat16, or the choice of ``"auto"`` / None.
 
@@ -92,7 +89,7 @@ def resolve_compute_dtype(compute_dtype, quantization: str, backend: Optional[st
     except TypeError:
         dtype = None
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"compute_dtype = {compute_dtype!r}: must be one of {COMPUTE_DTYPES}")
+        raise ValueError(f"compute_dtype = {compute_dtype!r}: must be one of {quant.COMPUTE_DTYPES}")
     return dtype
 
 

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 QUANTIZATIONS = ("none", "bf16", "fp8", "int8")
+#: The sampler's compute dtype choices (``sampler.compute_dtype``; resolved by ``engine.resolve_compute_dtype``).
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 #: Weight-only modes: the storage dtype of each quantized matmul weight.
 WEIGHT_ONLY_DTYPES = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
 FP8_DTYPE = jnp.float8_e4m3fn
