@@ -37,6 +37,7 @@ from pdm_jax.sharding import MeshConfig
 from pdm_jax.train_step import OptimizerConfig
 
 SAMPLER_MODES = ("subprocess", "remote", "in_process")
+SAMPLER_BACKENDS = ("native", "vllm")  # who serves rollouts: pdm_jax.sampler.server/engine, or a vLLM server
 TOKENIZER_KINDS = ("char", "path")
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
 OPEN_FIELDS = ("data.task_config",)
@@ -148,6 +149,13 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.mode = "subprocess"  # "subprocess" (started by the trainer) | "remote" (address) | "in_process"
     c.sampler.address = ""  # http://host:port for mode=remote
     c.sampler.token = ""
+    # Rollout server: "native" (pdm_jax.sampler.server / engine) | "vllm" (a vLLM or vLLM-TPU OpenAI-compatible
+    # server at sampler.address, mode "remote"; pdm_jax.sampler.vllm_client, README "vLLM backend").
+    c.sampler.backend = "native"
+    c.sampler.vllm_model = ""  # served model name sent with each request ("" = the first of GET /v1/models)
+    # Where each weights version is written as a Hugging Face safetensors directory for the vLLM server to
+    # reload ("" = WORKDIR/weights_hf); the server must see it under the same path.
+    c.sampler.vllm_weights_dir = ""
     # Sampler weights: "none" (f32) | "bf16" | "fp8" (e4m3 weight-only, per channel; native on recent GPUs and
     # TPU7x) | "int8" (weight-only, per channel; native on TPU v5e/v5p/v6e).
     c.sampler.quantization = "fp8"
@@ -444,6 +452,10 @@ def _check_rl(config) -> None:
 def _check_sampler_and_eval(config) -> None:
     sc = config.sampler
     _need(sc.mode in SAMPLER_MODES, "sampler.mode", sc.mode, f"must be one of {SAMPLER_MODES}")
+    _need(sc.backend in SAMPLER_BACKENDS, "sampler.backend", sc.backend, f"must be one of {SAMPLER_BACKENDS}")
+    if sc.backend == "vllm":
+        _need(sc.mode == "remote", "sampler.mode", sc.mode,
+              "must be 'remote' when sampler.backend = 'vllm' (the vLLM server runs on its own, at sampler.address)")
     _need(sc.quantization in QUANTIZATIONS, "sampler.quantization", sc.quantization, f"must be one of {QUANTIZATIONS}")
     _need(sc.compute_dtype in COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
           f"must be one of {COMPUTE_DTYPES}")
