@@ -73,12 +73,28 @@ _INIT_STD = 0.02  # HF Qwen3 initializer_range default; only matters for random 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """Dense Qwen3 hyper-parameters (names follow HF ``Qwen3Config``).
+    """Qwen3 hyper-parameters, dense or MoE (names follow HF ``Qwen3Config`` /
+    ``Qwen3MoeConfig``, transformers 5.24).
+
+    MoE fields (used when ``num_experts`` > 0; defaults are ``Qwen3MoeConfig``'s): each
+    sparse layer's MLP is ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``
+    behind a linear router; a token goes to its ``num_experts_per_tok`` most probable
+    experts, weighted by their router probabilities (renormalised to sum to 1 when
+    ``norm_topk_prob``). Layer ``i`` is sparse iff ``i`` not in ``mlp_only_layers`` and
+    ``(i+1) % decoder_sparse_step == 0`` (``is_sparse_layer``); the others use the dense
+    MLP of width ``intermediate_size``. ``router_aux_loss_coef`` is the weight HF gives the
+    load-balancing loss (``Qwen3ForCausalLM(..., return_aux=True)``); the RL trainer does
+    not add it unless told to.
 
     Raises:
       ValueError: naming the field and value when a size is not positive, when
         ``num_attention_heads`` is not divisible by ``num_key_value_heads``, when
-        ``head_dim`` is odd (RoPE rotates halves), or ``rms_norm_eps``/``rope_theta`` <= 0.
+        ``head_dim`` is odd (RoPE rotates halves), or ``rms_norm_eps``/``rope_theta`` <= 0;
+        for a negative ``num_experts``, a non-positive ``num_experts_per_tok`` /
+        ``moe_intermediate_size`` / ``decoder_sparse_step``, ``num_experts_per_tok`` >
+        ``num_experts``, a negative or non-finite ``router_aux_loss_coef``, a non-bool
+        ``norm_topk_prob``, ``mlp_only_layers`` that are not distinct layer indices, or a
+        mix of sparse and dense layers (the stacked, scanned layers must be of one kind).
     """
 
     vocab_size: int
@@ -92,6 +108,15 @@ class Qwen3Config:
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
+    # Qwen3-MoE (HF ``Qwen3MoeConfig``; ``num_experts`` = 0 is the dense model and the
+    # other MoE fields are then unused).
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -115,6 +140,64 @@ class Qwen3Config:
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(
                 f"Qwen3Config.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        self._check_moe()
+
+    def _check_moe(self):
+        """Validates the Qwen3-MoE fields (see the class docstring)."""
+        def is_int(v):
+            return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+        if not is_int(self.num_experts) or self.num_experts < 0:
+            raise ValueError(f"Qwen3Config.num_experts must be an int >= 0 (0 = dense), "
+                             f"got {self.num_experts!r}")
+        for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not is_int(value) or value <= 0:
+                raise ValueError(f"Qwen3Config.{name} must be a positive int, got {value!r}")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"Qwen3Config.num_experts_per_tok must be <= num_experts = {self.num_experts}, "
+                f"got {self.num_experts_per_tok}")
+        if not isinstance(self.norm_topk_prob, (bool, np.bool_)):
+            raise ValueError(f"Qwen3Config.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        coef = self.router_aux_loss_coef
+        if (not isinstance(coef, numbers.Real) or isinstance(coef, (bool, np.bool_))
+                or not math.isfinite(coef) or coef < 0):
+            raise ValueError(
+                f"Qwen3Config.router_aux_loss_coef must be a finite float >= 0, got {coef!r}")
+        layers = self.mlp_only_layers
+        if isinstance(layers, list):  # a JSON list; stored as a tuple (the config is hashed)
+            layers = tuple(layers)
+            object.__setattr__(self, "mlp_only_layers", layers)
+        if (not isinstance(layers, tuple) or not all(is_int(i) for i in layers)
+                or len(set(layers)) != len(layers)
+                or not all(0 <= i < self.num_hidden_layers for i in layers)):
+            raise ValueError(
+                "Qwen3Config.mlp_only_layers must be distinct layer indices in "
+                f"[0, num_hidden_layers = {self.num_hidden_layers}), got {self.mlp_only_layers!r}")
+        sparse = [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
+        if sparse and len(sparse) != self.num_hidden_layers:
+            dense = sorted(set(range(self.num_hidden_layers)) - set(sparse))
+            raise ValueError(
+                f"Qwen3Config: num_experts = {self.num_experts}, decoder_sparse_step = "
+                f"{self.decoder_sparse_step} and mlp_only_layers = {list(layers)} make layers "
+                f"{dense} dense and {sparse} sparse (MoE); this model stacks all decoder layers "
+                "into one scanned module and needs them of one kind: every layer sparse "
+                "(decoder_sparse_step = 1, mlp_only_layers = [], as in the released Qwen3-MoE "
+                "models) or every layer dense")
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer ``i`` has the sparse MoE block (HF ``Qwen3MoeDecoderLayer``'s rule:
+        ``num_experts > 0``, ``i`` not in ``mlp_only_layers`` and ``(i+1) %
+        decoder_sparse_step == 0``)."""
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the decoder layers carry the sparse MoE block (all of them; see
+        ``_check_moe``)."""
+        return self.num_experts > 0 and self.is_sparse_layer(self.num_hidden_layers - 1)
 
     @property
     def num_query_groups(self) -> int:
@@ -125,28 +208,37 @@ class Qwen3Config:
     def from_hf_dict(cls, d: dict) -> "Qwen3Config":
         """Builds a config from an HF ``config.json`` dict (transformers 4.x or 5.x layout).
 
-        Accepts ``rope_theta`` at top level (4.x) or in ``rope_parameters`` (5.x).
+        Accepts ``rope_theta`` at top level (4.x) or in ``rope_parameters`` (5.x), and
+        ``model_type`` "qwen3_moe" (``Qwen3MoeConfig``; its MoE fields, with that class's
+        defaults for absent ones, see ``_moe_kwargs_from_hf``).
 
         Raises:
           ValueError: naming the field for anything this model does not implement:
-            ``model_type`` != "qwen3", ``hidden_act`` != "silu", ``attention_bias`` true,
-            ``use_sliding_window`` true, ``rope_scaling``/``rope_parameters`` with a
-            ``rope_type`` other than "default", a ``layer_types`` entry other than
-            "full_attention", MoE fields (``num_experts`` > 0), or a missing required field.
+            ``model_type`` not "qwen3"/"qwen3_moe", ``hidden_act`` != "silu",
+            ``attention_bias`` true, ``use_sliding_window`` true,
+            ``rope_scaling``/``rope_parameters`` with a ``rope_type`` other than "default",
+            a ``layer_types`` entry other than "full_attention", ``num_experts`` > 0 with
+            model_type "qwen3", bad MoE fields (see the class docstring), or a missing
+            required field.
         """
         if not isinstance(d, dict):
             raise ValueError(f"HF config must be a dict, got {type(d).__name__}")
         model_type = d.get("model_type", "qwen3")
-        if model_type != "qwen3":
-            raise ValueError(f"model_type={model_type!r} is not supported (only 'qwen3')")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"model_type={model_type!r} is not supported (only 'qwen3' and "
+                             "'qwen3_moe')")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
         if d.get("attention_bias", False):
             raise ValueError(f"attention_bias={d['attention_bias']!r} is not supported")
         if d.get("use_sliding_window", False):
             raise ValueError(f"use_sliding_window={d['use_sliding_window']!r} is not supported")
-        if d.get("num_experts", 0):
-            raise ValueError(f"num_experts={d['num_experts']!r} (MoE) is not supported")
+        moe_kwargs = {}
+        if model_type == "qwen3_moe":
+            moe_kwargs = cls._moe_kwargs_from_hf(d)
+        elif d.get("num_experts", 0) or d.get("num_local_experts", 0):
+            raise ValueError(f"num_experts={d.get('num_experts', d.get('num_local_experts'))!r} "
+                             "with model_type='qwen3' (MoE configs have model_type 'qwen3_moe')")
         layer_types = d.get("layer_types")
         if layer_types is not None:
             bad = sorted({t for t in layer_types if t != "full_attention"})
@@ -192,10 +284,50 @@ class Qwen3Config:
             kwargs["rope_theta"] = float(rope_theta)
         if d.get("max_position_embeddings") is not None:
             kwargs["max_position_embeddings"] = d["max_position_embeddings"]
-        return cls(**kwargs)
+        return cls(**kwargs, **moe_kwargs)
+
+    @staticmethod
+    def _moe_kwargs_from_hf(d: dict) -> dict:
+        """The MoE fields of a ``qwen3_moe`` config dict, with ``Qwen3MoeConfig``'s defaults.
+
+        The hub's files name the expert count ``num_experts``; transformers 5 writes it as
+        ``num_local_experts`` (its ``attribute_map``); either is read (equal if both).
+        """
+        hf_defaults = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                           norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                           router_aux_loss_coef=0.001)
+        if ("num_experts" in d and "num_local_experts" in d
+                and d["num_experts"] != d["num_local_experts"]):
+            raise ValueError(f"HF config has num_experts={d['num_experts']!r} and "
+                             f"num_local_experts={d['num_local_experts']!r}; they must agree")
+        out = {}
+        for name, default in hf_defaults.items():
+            value = d.get(name)
+            if value is None and name == "num_experts":
+                value = d.get("num_local_experts")
+            out[name] = default if value is None else value
+        if not isinstance(out["mlp_only_layers"], (list, tuple)):
+            raise ValueError(f"HF config field 'mlp_only_layers' must be a list of layer "
+                             f"indices, got {out['mlp_only_layers']!r}")
+        out["mlp_only_layers"] = tuple(out["mlp_only_layers"])
+        return out
 
     def to_hf_dict(self) -> dict:
-        """An HF ``Qwen3Config``-compatible dict (loads with transformers 4.51+ and 5.x)."""
+        """An HF ``Qwen3Config``-compatible dict (loads with transformers 4.51+ and 5.x);
+        ``Qwen3MoeConfig``'s (model_type "qwen3_moe", expert count as the hub's
+        ``num_experts``) when ``num_experts`` > 0."""
+        d = self._dense_hf_dict()
+        if self.num_experts:
+            d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                     num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers),
+                     router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=False)
+        return d
+
+    def _dense_hf_dict(self) -> dict:
         return {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
@@ -442,12 +574,16 @@ class Attention(nnx.Module):
             mask_BxTxS = mask
             k_BxKxHxS, v_BxKxSxH = kv
             zero = jnp.zeros((), jnp.int32)
-            k_BxKxHxS = jax.lax.dynamic_update_slice(
-                k_BxKxHxS, k_BxTxKxH.transpose(0, 2, 3, 1).astype(k_BxKxHxS.dtype),
-                (zero, zero, zero, cache_index))
-            v_BxKxSxH = jax.lax.dynamic_update_slice(
-                v_BxKxSxH, v_BxTxKxH.transpose(0, 2, 1, 3).astype(v_BxKxSxH.dtype),
-                (zero, zero, cache_index, zero))
+            new_k = k_BxTxKxH.transpose(0, 2, 3, 1).astype(k_BxKxHxS.dtype)
+            new_v = v_BxTxKxH.transpose(0, 2, 1, 3).astype(v_BxKxSxH.dtype)
+            if jnp.ndim(cache_index) == 1:  # per-row first slot [B] (continuous batching): a scatter
+                k_BxKxHxS = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (zero, zero, i)))(
+                    k_BxKxHxS, new_k, cache_index)
+                v_BxKxSxH = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (zero, i, zero)))(
+                    v_BxKxSxH, new_v, cache_index)
+            else:
+                k_BxKxHxS = jax.lax.dynamic_update_slice(k_BxKxHxS, new_k, (zero, zero, zero, cache_index))
+                v_BxKxSxH = jax.lax.dynamic_update_slice(v_BxKxSxH, new_v, (zero, zero, cache_index, zero))
             kv = (k_BxKxHxS, v_BxKxSxH)
             S = k_BxKxHxS.shape[-1]
             # Queries as [B, K, T*G, H] rows: with the cache layouts both products are plain
@@ -772,10 +908,11 @@ class Qwen3ForCausalLM(nnx.Module):
           input_ids: [B, T] int32, written into cache slots cache_index .. cache_index+T-1.
           positions: [B, T] int32 rotary positions of those tokens.
           cache: ``KVCache`` from ``init_cache`` (per layer k [B,K,H,S], v [B,K,S,H]).
-          cache_index: int32 scalar (may be traced), first slot written.
+          cache_index: int32 scalar (may be traced), first slot written; or [B] int32, row b's
+            first slot (continuous batching: every row at its own length; written with a scatter).
           kv_mask: [B, S] bool, which slots hold real tokens, including those written now.
         Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and
-        s <= cache_index + t.
+        s <= cache_index + t (cache_index[b] + t per row).
         Returns:
           (logits [B, T, V] float32, updated KVCache).
         The layers run in a Python loop over static slices of the stacked parameters (not
@@ -805,15 +942,19 @@ class Qwen3ForCausalLM(nnx.Module):
             raise ValueError(
                 f"decode shapes disagree: input_ids {input_ids_BxT.shape} (need 1 <= T <= S), positions "
                 f"{positions_BxT.shape}, cache batch {B} / length {S}, kv_mask {kv_mask.shape}")
+        if jnp.ndim(cache_index) not in (0, 1) or (jnp.ndim(cache_index) == 1 and jnp.shape(cache_index) != (B,)):
+            raise ValueError(f"decode: cache_index must be a scalar or one index per row [B] = [{B}], "
+                             f"got shape {jnp.shape(cache_index)}")
         if not isinstance(cache_index, jax.core.Tracer):
-            index = int(np.asarray(cache_index))
-            if not 0 <= index <= S - T:
-                raise ValueError(f"decode: cache_index {index} with T = {T} new tokens leaves the cache of "
+            index = np.asarray(cache_index)
+            if index.size and not (0 <= index.min() and index.max() <= S - T):
+                raise ValueError(f"decode: cache_index {index.tolist()} with T = {T} new tokens leaves the cache of "
                                  f"S = {S} slots (need 0 <= cache_index <= S - T = {S - T})")
         cache_index = jnp.asarray(cache_index, jnp.int32)
-        slot_T = cache_index + jnp.arange(T, dtype=jnp.int32)
-        causal_TxS = jnp.arange(S, dtype=jnp.int32)[None, :] <= slot_T[:, None]
-        mask_BxTxS = causal_TxS[None] & kv_mask.astype(bool)[:, None, :]
+        arange_T = jnp.arange(T, dtype=jnp.int32)
+        slot_BxT = (cache_index[:, None] if cache_index.ndim else cache_index) + arange_T  # [B or 1, T]
+        causal_BxTxS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= jnp.atleast_2d(slot_BxT)[:, :, None]
+        mask_BxTxS = causal_BxTxS & kv_mask.astype(bool)[:, None, :]
         x_BxTxD = self._embed(input_ids_BxT)
         graphdef, layers_state = nnx.split(self.layers)
         ks, vs = [], []
