@@ -41,6 +41,7 @@ from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler.client import SamplerClient, SamplerRequestError
 from pdm_jax.sampler.engine import InProcessSampler, SamplingEngine
 from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
+from pdm_jax.sampler.vllm_client import VLLMSampler
 from pdm_jax.sampler.weights import load_weights, save_weights
 from pdm_jax.sampler.wire import COMPILE_STATS, RequestError
 
@@ -210,8 +211,7 @@ class SamplerSupervisor:
                 **self.compile_cache, **self.limits)
             self._sampler = self._proc.client
         elif sc.mode == "remote":
-            client = SamplerClient(sc.address, timeout_s=sc.request_timeout_s, retries=sc.retries,
-                                   token=sc.token or None)
+            client = self._remote_client(sc)
             try:
                 client.health()
             except Exception as e:  # noqa: BLE001 - any transport error means "not reachable"
@@ -219,13 +219,23 @@ class SamplerSupervisor:
                                      f"(after {sc.retries} retries): {e}") from e
             try:
                 client.load_weights(path, version)
-            except SamplerRequestError as e:
+            except ValueError as e:  # a 4xx (SamplerRequestError), or weights the vLLM export refuses
                 raise SamplerRejected.from_error("load_weights", e) from e
             self._sampler = client
         else:
             self._sampler = self.local_engine(version, sc.quantization, self.compute_dtype)
         self.version = version
         self._generation += 1
+
+    def _remote_client(self, sc):
+        """The client of the server at ``sampler.address``: ours (`SamplerClient`), or a vLLM server's
+        (`VLLMSampler`, ``sampler.backend = "vllm"``; weights go to ``sampler.vllm_weights_dir``)."""
+        if getattr(sc, "backend", "native") == "vllm":
+            return VLLMSampler(sc.address, model_config=self.model_config, model=getattr(sc, "vllm_model", ""),
+                               weights_dir=getattr(sc, "vllm_weights_dir", "") or os.path.join(self.workdir,
+                                                                                            "weights_hf"),
+                               timeout_s=sc.request_timeout_s, retries=sc.retries, token=sc.token or None)
+        return SamplerClient(sc.address, timeout_s=sc.request_timeout_s, retries=sc.retries, token=sc.token or None)
 
     def _restart(self, generation: int, fn_name: str, error: Exception, restarts: int) -> None:
         """Replaces a failed subprocess (unless another thread already did); start-up failures use the budget too.

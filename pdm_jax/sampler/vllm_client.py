@@ -1,0 +1,510 @@
+"""`VLLMSampler`: rollouts from a vLLM / vLLM-TPU OpenAI-compatible server (``sampler.backend = "vllm"``).
+
+The trainer's `SamplerSupervisor` uses it like its own `SamplerClient`: ``generate(...)`` returns a
+`RolloutBatch` with the same meaning as `SamplingEngine.generate`'s, ``load_weights(path, version)``
+makes the server sample from weights version ``version``.
+
+Generation: one ``POST /v1/completions`` (JSON) per call, with token-id prompts
+(``"prompt": [[ids], ...]``), ``n``, ``seed``, ``temperature``, ``top_p``, ``top_k`` (-1 = off),
+``max_tokens``, ``stop_token_ids`` with ``ignore_eos: true`` (the rollout stops on our stop ids
+only, the eos id among them, as our engine does), ``logprobs: K``,
+``return_tokens_as_token_ids: true`` (tokens and top-K keys come back as ``"token_id:<id>"``
+strings, not text that different ids can share), ``echo: false``, and the penalties / min_p /
+min_tokens at their neutral values (`wire.VLLM_NEUTRAL_SAMPLING`) so that no server-side default
+(the served model's generation_config.json) changes the sampling distribution.  Response shape
+(vLLM's ``CompletionResponse``; choice ``index = i * n + j`` is sample j of prompt i)::
+
+    {"object": "text_completion", "model": str, "choices": [
+        {"index": r, "text": str, "finish_reason": "stop" | "length", "stop_reason": int | str | null,
+         "logprobs": {"tokens": ["token_id:<id>", ... T_r], "token_logprobs": [T_r floats],
+                      "top_logprobs": [{"token_id:<id>": float, ...} x T_r], "text_offset": [...]},
+         "token_ids": [T_r ints] (optional, vLLM's return_token_ids)}, ...],
+     "usage": {...}}
+
+Each ``top_logprobs[t]`` holds the sampled token plus the K most likely ones (K or K + 1 entries);
+the K largest, in descending order, are the top-K table.  -inf is written as -9999.0
+(`wire.VLLM_MIN_LOGPROB`) and read back as -inf in the top-K table; a sampled token at -9999.0 is
+an error.
+
+**Which distribution the log-probabilities are of.**  Our engine's behaviour log-probabilities are
+of mu, the distribution the tokens were drawn from: softmax(z / tau) after top-k / top-p filtering,
+renormalised (`pdm_jax.sampler.engine`).  vLLM's ``--logprobs-mode`` (engine argument; default
+``raw_logprobs``) decides what it returns: "raw" is log_softmax of the model's logits *before* any
+processing (no temperature), "processed" is *after* all processors, "including temperature and
+top_k/top_p" (vLLM engine-argument docs).  So the server must run with
+``--logprobs-mode processed_logprobs``; with the default the trainer's ratio pi/mu would compare the
+policy at temperature tau with the raw distribution at temperature 1.  The response does not say
+which mode produced it, so the client cannot check it (README, "vLLM backend").
+
+Weights: vLLM documents no way to send JAX arrays to a running OpenAI server (its ``/update_weights``
+weight-transfer routes move torch tensors over NCCL or CUDA IPC, docs "Weight Transfer"), so each
+version travels as a file: `load_weights` reads our `save_weights` directory, writes it as a Hugging
+Face safetensors directory (`pdm_jax.models.hf_io.save_pretrained`, renamed into place when complete)
+under ``weights_dir/vNNNNNN``, and asks the server to reload it in place through the dev-mode routes
+(``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait`` (older servers: ``wait_for_inflight_requests``;
+skipped when the route is missing), ``POST /collective_rpc`` with
+``{"method": "reload_weights", "kwargs": {"weights_path": dir}}`` (the worker's in-place reload),
+``POST /reset_prefix_cache`` (KV blocks computed with the old weights must not be reused), then
+``POST /resume``.  The server must see ``weights_dir`` under the same path (shared disk).  vLLM does not
+report a weights version per request; rows are tagged with the version this client last loaded, and
+`generate` and `load_weights` hold one lock, so a generation never straddles a reload.
+
+Errors: HTTP 4xx -> `SamplerRequestError` (vLLM's message and its ``param`` as the field; not
+retried); connection errors, timeouts and 5xx are retried ``retries`` times with exponential
+backoff, then `SamplerError`.  A 200 answer that does not have the documented shape -> `VLLMResponseError`
+naming the field (``choices[3].logprobs.token_logprobs[5]``) and the value.
+
+Not tested against a real vLLM here (no GPU/TPU); tested against `pdm_jax.sampler.vllm_fake`, a fake
+server with vLLM's response shapes backed by our `SamplingEngine`, and a recorded response.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import shutil
+import threading
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import httpx
+import numpy as np
+
+from pdm_jax.rollout import RolloutBatch
+from pdm_jax.sampler import wire
+from pdm_jax.sampler.client import SamplerError, SamplerRequestError
+
+log = logging.getLogger("pdm_jax.sampler")
+
+__all__ = ["VLLMSampler", "VLLMResponseError", "completions_request", "parse_completions", "export_hf_weights",
+           "parse_token_id"]
+
+
+_MISSING = object()  # `VLLMSampler._request`'s answer for a 404 when the route is optional
+
+
+class VLLMResponseError(ValueError):
+    """A vLLM answer (HTTP 200) without the documented shape; ``field`` locates it (``choices[2].finish_reason``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"vLLM response {field}: {message}")
+        self.field = field
+
+
+class StaleVLLMWeightsError(ValueError):
+    """A weights version older than the one the server already holds."""
+
+
+# ============================================================================= request / response
+def completions_request(prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_new_tokens: int,
+                        top_k_logprobs: int, stop_token_ids: Sequence[int], seed: int, top_p: float = 1.0,
+                        top_k: int = 0, model: str = "") -> dict:
+    """The ``POST /v1/completions`` body for a rollout request (see the module docstring).
+
+    Args:
+      prompts: token-id lists (one per prompt).
+      n: samples per prompt; temperature: tau >= 0; max_new_tokens: ``max_tokens``;
+      top_k_logprobs: K (``logprobs``); stop_token_ids: ids that end a completion (kept in it);
+      seed: the request's seed; top_p / top_k: filters (top_k 0 is sent as -1, vLLM's "off");
+      model: the served model name ("" = omitted).
+    Returns:
+      a JSON-serialisable dict.
+    """
+    body = {wire.PROMPT: [[int(t) for t in p] for p in prompts], wire.N: int(n),
+            wire.TEMPERATURE: float(temperature), wire.TOP_P: float(top_p),
+            wire.TOP_K: int(top_k) if int(top_k) > 0 else -1, wire.MAX_TOKENS: int(max_new_tokens),
+            wire.STOP_TOKEN_IDS: [int(s) for s in stop_token_ids], wire.IGNORE_EOS: True,
+            wire.LOGPROBS: int(top_k_logprobs), wire.RETURN_TOKENS_AS_TOKEN_IDS: True, wire.SEED: int(seed),
+            wire.ECHO: False, wire.STREAM: False, **wire.VLLM_NEUTRAL_SAMPLING}
+    if model:
+        body[wire.MODEL] = model
+    return body
+
+
+def parse_token_id(token: Any, field: str) -> int:
+    """The id of a ``"token_id:<id>"`` string (`wire.TOKEN_ID_PREFIX`); VLLMResponseError otherwise."""
+    if not isinstance(token, str) or not token.startswith(wire.TOKEN_ID_PREFIX):
+        raise VLLMResponseError(field, f"is {wire._show(token)}, not a 'token_id:<id>' string: the server ignored "
+                                       f"{wire.RETURN_TOKENS_AS_TOKEN_IDS}=true (or is not vLLM)")
+    digits = token[len(wire.TOKEN_ID_PREFIX):]
+    if not digits.isdigit() or len(digits) > 10:
+        raise VLLMResponseError(field, f"is {wire._show(token)}: the id after 'token_id:' is not a non-negative integer")
+    return int(digits)
+
+
+def _logprob(value: Any, field: str, *, allow_min: bool) -> float:
+    """A log-probability from JSON: a finite number <= 0 (1e-4 rounding allowed); -9999 -> -inf if `allow_min`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise VLLMResponseError(field, f"is {wire._kind(value)}, not a number")
+    v = float(value)
+    if not math.isfinite(v):
+        raise VLLMResponseError(field, f"is {v}, not a finite log-probability")
+    if v > 1e-4:
+        raise VLLMResponseError(field, f"is {v} > 0, not a log-probability")
+    if v <= wire.VLLM_MIN_LOGPROB:
+        if not allow_min:
+            raise VLLMResponseError(field, f"is {v}: vLLM's -inf, but a sampled token must have a finite "
+                                           f"log-probability (is the server's --logprobs-mode processed_logprobs?)")
+        return -math.inf
+    return min(v, 0.0)
+
+
+def _get(obj: Any, key: str, field: str, kind: type, what: str):
+    if not isinstance(obj, Mapping):
+        raise VLLMResponseError(field.rsplit(".", 1)[0] or "$", f"is {wire._kind(obj)}, not an object")
+    if key not in obj or obj[key] is None:
+        raise VLLMResponseError(field, f"is missing ({what})")
+    value = obj[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise VLLMResponseError(field, f"is {wire._kind(value)}, not {what}")
+    return value
+
+
+def parse_completions(body: Any, prompts: Sequence[Sequence[int]], *, n: int, top_k_logprobs: int,
+                      max_new_tokens: int, stop_token_ids: Sequence[int], version: int) -> RolloutBatch:
+    """The `RolloutBatch` of a ``/v1/completions`` answer to `completions_request` (module docstring).
+
+    Args:
+      body: the decoded JSON body.
+      prompts, n, top_k_logprobs (K), max_new_tokens, stop_token_ids: those of the request.
+      version: the weights version the server held (every row's ``weights_version``).
+    Returns:
+      RolloutBatch: N = len(prompts) * n rows, prompt-major (row i * n + j = choice index i * n + j,
+      ``group_ids`` = i); prompts left-padded to the longest; completions [N, T] right-padded to
+      T = max(1, longest) with id 0, mask False, log-prob 0; behavior_logprobs = token_logprobs;
+      topk_ids / topk_logprobs [N, T, K] the K largest entries of ``top_logprobs[t]``, descending
+      (ties: smaller id first), -9999.0 read as -inf; finish_reason "stop" | "length".
+    Raises:
+      VLLMResponseError: naming the field, for: a body that is not an object or carries ``error``;
+        ``choices`` not a list of N objects with indices 0..N-1; a missing ``logprobs`` object or
+        ``tokens`` / ``token_logprobs`` / ``top_logprobs`` lists of different lengths, empty or longer
+        than max_new_tokens; a token that is not ``"token_id:<id>"``; ``token_ids`` (when present)
+        disagreeing with ``tokens``; a log-probability that is not a finite number <= 0 (a sampled
+        token at -9999.0 included); a top-K entry without the sampled token, with a different value
+        for it, or with fewer than K entries; ``finish_reason`` not "stop"/"length"; "stop" whose last
+        token is not a stop id, or a stop id before the last token.
+    """
+    n_prompts, n, k = len(prompts), int(n), int(top_k_logprobs)
+    stops = {int(s) for s in stop_token_ids}
+    if not isinstance(body, Mapping):
+        raise VLLMResponseError("$", f"is {wire._kind(body)}, not a JSON object")
+    if body.get(wire.ERROR) is not None:
+        raise VLLMResponseError(wire.ERROR, f"the server answered an error: {wire._show(body[wire.ERROR], 500)}")
+    obj = body.get(wire.OBJECT)
+    if obj is not None and obj != wire.TEXT_COMPLETION:
+        raise VLLMResponseError(wire.OBJECT, f"is {wire._show(obj)}, not {wire.TEXT_COMPLETION!r}")
+    choices = _get(body, wire.CHOICES, wire.CHOICES, list, "a list")
+    n_rows = n_prompts * n
+    if len(choices) != n_rows:
+        raise VLLMResponseError(wire.CHOICES, f"has {len(choices)} entries; {n_prompts} prompts x n={n} = {n_rows} "
+                                              f"expected")
+    by_index: dict = {}
+    for pos, c in enumerate(choices):
+        idx = _get(c, wire.INDEX, f"choices[{pos}].index", int, "an integer")
+        if not 0 <= idx < n_rows or idx in by_index:
+            raise VLLMResponseError(f"choices[{pos}].index", f"is {idx}: indices must be 0..{n_rows - 1}, each once")
+        by_index[idx] = c
+    rows = []
+    for r in range(n_rows):
+        c, at = by_index[r], f"choices[{r}]"
+        lp = _get(c, wire.LOGPROBS, f"{at}.logprobs", Mapping, "an object (the request asked for logprobs)")
+        tokens = _get(lp, wire.TOKENS, f"{at}.logprobs.tokens", list, "a list")
+        token_lp = _get(lp, wire.TOKEN_LOGPROBS, f"{at}.logprobs.token_logprobs", list, "a list")
+        top = _get(lp, wire.TOP_LOGPROBS, f"{at}.logprobs.top_logprobs", list, "a list")
+        t_r = len(tokens)
+        if not 1 <= t_r <= max_new_tokens:
+            raise VLLMResponseError(f"{at}.logprobs.tokens", f"has {t_r} tokens; 1..max_tokens={max_new_tokens} "
+                                                             f"expected")
+        for name, lst in ((wire.TOKEN_LOGPROBS, token_lp), (wire.TOP_LOGPROBS, top)):
+            if len(lst) != t_r:
+                raise VLLMResponseError(f"{at}.logprobs.{name}", f"has {len(lst)} entries for {t_r} tokens")
+        ids = [parse_token_id(tok, f"{at}.logprobs.tokens[{t}]") for t, tok in enumerate(tokens)]
+        if c.get(wire.TOKEN_IDS) is not None and list(c[wire.TOKEN_IDS]) != ids:
+            raise VLLMResponseError(f"{at}.token_ids", f"{wire._show(c[wire.TOKEN_IDS])} disagrees with "
+                                                       f"logprobs.tokens {wire._show(ids)}")
+        sampled = np.array([_logprob(v, f"{at}.logprobs.token_logprobs[{t}]", allow_min=False)
+                            for t, v in enumerate(token_lp)], np.float32)
+        tk_ids = np.zeros((t_r, k), np.int32)
+        tk_lp = np.zeros((t_r, k), np.float32)
+        for t, entry in enumerate(top):
+            where = f"{at}.logprobs.top_logprobs[{t}]"
+            if not isinstance(entry, Mapping):
+                raise VLLMResponseError(where, f"is {wire._kind(entry)}, not an object")
+            table = {parse_token_id(key, f"{where} key {key!r}"): _logprob(v, f"{where}[{key!r}]", allow_min=True)
+                     for key, v in entry.items()}
+            if ids[t] not in table:
+                raise VLLMResponseError(where, f"lacks the sampled token {ids[t]} (vLLM always includes it)")
+            if abs(table[ids[t]] - float(sampled[t])) > 1e-5:
+                raise VLLMResponseError(where, f"gives the sampled token {ids[t]} log-probability {table[ids[t]]}, "
+                                               f"token_logprobs[{t}] says {float(sampled[t])}")
+            if len(table) < k:
+                raise VLLMResponseError(where, f"has {len(table)} entries; K = logprobs = {k} requested (is the "
+                                               f"server's --max-logprobs smaller?)")
+            best = sorted(table.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+            tk_ids[t] = [i for i, _ in best]
+            tk_lp[t] = [v for _, v in best]
+        reason = c.get(wire.FINISH_REASON)
+        if reason not in ("stop", "length"):
+            raise VLLMResponseError(f"{at}.finish_reason", f"is {wire._show(reason)}, not 'stop' or 'length'")
+        early = [t for t in range(t_r - 1) if ids[t] in stops]
+        if early:
+            raise VLLMResponseError(f"{at}.logprobs.tokens[{early[0]}]", f"is stop id {ids[early[0]]} before the "
+                                                                          f"end of the completion")
+        if reason == "stop" and ids[-1] not in stops:
+            raise VLLMResponseError(f"{at}.finish_reason", f"is 'stop' but the last token {ids[-1]} is not one of the "
+                                                           f"stop ids {sorted(stops)} (a stop string, or the server "
+                                                           f"dropped the stop token?)")
+        rows.append((ids, sampled, tk_ids, tk_lp, reason))
+    t_out = max(1, max(len(row[0]) for row in rows))
+    p_out = max(len(p) for p in prompts)
+    out = dict(prompt_ids=np.zeros((n_rows, p_out), np.int32), prompt_mask=np.zeros((n_rows, p_out), bool),
+               completion_ids=np.zeros((n_rows, t_out), np.int32), completion_mask=np.zeros((n_rows, t_out), bool),
+               behavior_logprobs=np.zeros((n_rows, t_out), np.float32),
+               topk_ids=np.zeros((n_rows, t_out, k), np.int32), topk_logprobs=np.zeros((n_rows, t_out, k), np.float32))
+    for r, (ids, sampled, tk_ids, tk_lp, _) in enumerate(rows):
+        p, t = prompts[r // n], len(ids)
+        out["prompt_ids"][r, p_out - len(p):] = p
+        out["prompt_mask"][r, p_out - len(p):] = True
+        out["completion_ids"][r, :t] = ids
+        out["completion_mask"][r, :t] = True
+        out["behavior_logprobs"][r, :t] = sampled
+        out["topk_ids"][r, :t] = tk_ids
+        out["topk_logprobs"][r, :t] = tk_lp
+    return RolloutBatch(**out, weights_version=np.full((n_rows,), int(version), np.int32),
+                        group_ids=np.arange(n_rows, dtype=np.int32) // n,
+                        finish_reason=np.array([row[4] for row in rows], dtype=object))
+
+
+# ============================================================================= weights
+def export_hf_weights(params: Mapping, model_config, path: str) -> str:
+    """Writes pure-dict `params` of a ``Qwen3Config`` model as a Hugging Face directory at `path`.
+
+    ``config.json`` + ``model.safetensors`` (`hf_io.save_pretrained`, the stored dtype kept, round
+    trip bit-exact), written under ``path + ".tmp"`` and renamed into place when complete, so the
+    server never sees a half-written version.  An existing `path` is replaced.
+
+    Raises:
+      ValueError: `params` do not fit the model's structure.
+    """
+    # heavy (JAX, Flax): imported when weights are exported, not when the client module is imported
+    from flax import nnx
+
+    from pdm_jax.models import hf_io
+    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
+
+    import jax
+
+    abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(model_config, rngs=nnx.Rngs(0)))
+    params_state = nnx.state(abstract, nnx.Param)
+    want = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params_state))[0]
+    try:
+        got = jax.tree_util.tree_flatten_with_path(dict(params))[0]
+        if [p for p, _ in got] != [p for p, _ in want]:
+            raise ValueError(f"parameter names differ: {len(got)} given, {len(want)} in the model")
+        bad = [(jax.tree_util.keystr(p), np.shape(g), tuple(w.shape)) for (p, g), (_, w) in zip(got, want)
+               if tuple(np.shape(g)) != tuple(w.shape)]
+        if bad:
+            raise ValueError(f"{bad[0][0]} has shape {bad[0][1]}, the model's is {bad[0][2]}")
+        nnx.replace_by_pure_dict(params_state, dict(params))
+    except Exception as e:  # noqa: BLE001 - any mismatch of names, nesting or shapes
+        raise ValueError(f"weights do not match the model structure: {type(e).__name__}: {e}") from e
+    nnx.update(abstract, params_state)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_io.save_pretrained(abstract, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+# ============================================================================= the client
+class VLLMSampler:
+    """Rollouts and weight pushes through a vLLM OpenAI-compatible server (see the module docstring).
+
+    Args:
+      base_url: the server, e.g. ``"http://10.0.0.5:8000"``.
+      model_config: the ``Qwen3Config`` of the trained model (weights export).
+      weights_dir: directory for the Hugging Face weight versions (``vNNNNNN``); the server must
+        see it under the same path.
+      model: served model name sent with each request ("" = the first id of ``GET /v1/models``).
+      timeout_s: per-request timeout in seconds; retries: extra attempts on connection errors,
+        timeouts and 5xx; backoff_s: first backoff in seconds (doubles per retry).
+      token: bearer token (``vllm serve --api-key``), or None.
+      transport: optional ``httpx`` transport (tests).
+
+    Raises:
+      ValueError: retries < 0, timeout_s <= 0 or backoff_s < 0.
+    """
+
+    def __init__(self, base_url: str, *, model_config, weights_dir: str, model: str = "", timeout_s: float = 600.0,
+                 retries: int = 3, backoff_s: float = 0.5, token: Optional[str] = None, transport=None):
+        if retries < 0 or timeout_s <= 0 or backoff_s < 0:
+            raise ValueError(f"VLLMSampler: need retries >= 0, timeout_s > 0, backoff_s >= 0; got retries={retries}, "
+                             f"timeout_s={timeout_s}, backoff_s={backoff_s}")
+        self.base_url = base_url.rstrip("/")
+        self.model_config = model_config
+        self.weights_dir = os.path.abspath(weights_dir)
+        self.model = model
+        self.retries, self.backoff_s = int(retries), float(backoff_s)
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers, transport=transport)
+        self._lock = threading.RLock()
+        self._version: Optional[int] = None
+        self.last_load_seconds = {"export": 0.0, "reload": 0.0}
+
+    def close(self) -> None:
+        """Closes the connection pool."""
+        self._http.close()
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, path: str, *, json_body=None, params=None, retries: Optional[int] = None,
+                 missing_ok: bool = False):
+        """One JSON request with retries; the decoded body (None for an empty one).
+
+        Raises:
+          SamplerRequestError: a 4xx answer (vLLM's message and ``param``), not retried; a 404 returns
+            `_MISSING` instead when `missing_ok`.
+          SamplerError: connection errors, timeouts or 5xx answers on every attempt.
+        """
+        retries = self.retries if retries is None else retries
+        last = None
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                r = self._http.request(method, path, json=json_body, params=params)
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            body = self._decode(r)
+            if r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {self._message(body)[0]}"
+                continue
+            if r.status_code == 404 and missing_ok:
+                return _MISSING
+            if r.status_code >= 400:
+                message, field = self._message(body)
+                raise SamplerRequestError(r.status_code, f"{method} {path}: {message}", field)
+            return body
+        raise SamplerError(f"{method} {self.base_url}{path} failed after {retries + 1} attempt(s): {last}")
+
+    @staticmethod
+    def _decode(r):
+        if not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    @staticmethod
+    def _message(body) -> tuple:
+        """``(message, field)`` of a vLLM / FastAPI error body (``{"error": {...}}``, ``{"message"}``, ``{"detail"}``)."""
+        if isinstance(body, Mapping):
+            err = body.get(wire.ERROR) if isinstance(body.get(wire.ERROR), Mapping) else body
+            message = err.get(wire.MESSAGE) or err.get("detail") or body.get(wire.ERROR) or body
+            return str(message)[:2000], err.get("param")
+        return str(body)[:2000], None
+
+    # ------------------------------------------------------------------ the sampler interface
+    def health(self, *, retries: Optional[int] = None) -> dict:
+        """``GET /health`` (200) and ``GET /v1/models``: ``{"status": "ok", "model", "version", "models"}``.
+
+        Raises:
+          SamplerError / SamplerRequestError: the server does not answer, or lists no model.
+        """
+        self._request("GET", wire.VLLM_HEALTH, retries=retries)
+        listed = self._request("GET", wire.VLLM_MODELS, retries=retries)
+        ids = [m.get(wire.ID) for m in (listed or {}).get(wire.DATA, []) if isinstance(m, Mapping)]
+        if not self.model:
+            if not ids:
+                raise SamplerError(f"GET {self.base_url}{wire.VLLM_MODELS} lists no model: {wire._show(listed, 300)}")
+            self.model = str(ids[0])
+        return {wire.STATUS: wire.OK, wire.MODEL: self.model, wire.VERSION: self._version, "models": ids}
+
+    def probe(self, timeout_s: float) -> bool:
+        """One ``GET /health`` with its own timeout and no retry: True iff HTTP 200 (the supervisor's stall probe)."""
+        try:
+            return self._http.get(wire.VLLM_HEALTH, timeout=timeout_s).status_code == 200
+        except Exception:  # noqa: BLE001 - transport errors, timeouts, a closed client: all "no answer"
+            return False
+
+    @property
+    def version(self) -> Optional[int]:
+        """The weights version this client last had the server load (None before the first)."""
+        return self._version
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
+                 max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20, stop_token_ids: Sequence[int] = (),
+                 seed: Optional[int] = None, top_p: float = 1.0, top_k: int = 0) -> RolloutBatch:
+        """Rollouts for `prompts`; same arguments and result as `SamplingEngine.generate`.
+
+        Raises:
+          SamplerRequestError: the server refused the request (4xx).
+          SamplerError: unreachable / 5xx after all retries.
+          VLLMResponseError: the answer does not have the documented shape (names the field).
+          ValueError: no weights version loaded yet.
+        """
+        max_new = wire.DEFAULT_MAX_TOKENS if max_new_tokens is None else int(max_new_tokens)
+        seed = secrets.randbelow(wire.MAX_SEED + 1) if seed is None else int(seed)
+        prompts = [[int(t) for t in p] for p in prompts]
+        stops = [int(s) for s in stop_token_ids or ()]
+        body = completions_request(prompts, n=n, temperature=temperature, max_new_tokens=max_new,
+                                   top_k_logprobs=top_k_logprobs, stop_token_ids=stops, seed=seed, top_p=top_p,
+                                   top_k=top_k, model=self.model)
+        with self._lock:
+            if self._version is None:
+                raise ValueError("VLLMSampler.generate: no weights version loaded yet (load_weights first)")
+            version = self._version
+            answer = self._request("POST", wire.VLLM_COMPLETIONS, json_body=body)
+        return parse_completions(answer, prompts, n=n, top_k_logprobs=top_k_logprobs, max_new_tokens=max_new,
+                                 stop_token_ids=stops, version=version)
+
+    def hf_path(self, version: int) -> str:
+        """The Hugging Face directory of weights version `version` (``weights_dir/vNNNNNN``)."""
+        return os.path.join(self.weights_dir, f"v{int(version):06d}")
+
+    def load_weights(self, path: str, version: int) -> dict:
+        """Has the server reload weights version `version` (our `save_weights` directory `path`).
+
+        Exports it as a Hugging Face directory (`export_hf_weights`), then pause / reload /
+        reset the prefix cache / resume (module docstring); keeps only this version's and the
+        previous one's directories.  Returns ``{"version", "path", "seconds", "reloaded"}`` with
+        ``path`` the exported directory; `last_load_seconds` holds ``{"export", "reload"}``.
+
+        Raises:
+          StaleVLLMWeightsError: `version` is older than the loaded one.
+          WeightsError: `path` is missing, damaged or holds another version (`weights.load_weights`).
+          SamplerRequestError: the server refused a route (e.g. 404 for ``/collective_rpc``: start it
+            with ``VLLM_SERVER_DEV_MODE=1``), or the reload failed with 4xx.
+          SamplerError: unreachable / 5xx after all retries.
+        """
+        from pdm_jax.sampler import weights as wts  # imports JAX; the client module itself stays light
+
+        with self._lock:
+            if self._version is not None and int(version) < self._version:
+                raise StaleVLLMWeightsError(f"stale weights version {version}: the vLLM server holds version "
+                                            f"{self._version}")
+            t0 = time.perf_counter()
+            pure = wts.load_weights(path, self.model_config, version=int(version))
+            target = export_hf_weights(pure, self.model_config, self.hf_path(version))
+            t1 = time.perf_counter()
+            paused = self._request("POST", wire.VLLM_PAUSE, params={"mode": "wait", "wait_for_inflight_requests": "true",
+                                                                     "clear_cache": "true"}, missing_ok=True)
+            try:
+                self._request("POST", wire.VLLM_COLLECTIVE_RPC, json_body={
+                    "method": wire.VLLM_RELOAD_METHOD, "kwargs": {wire.VLLM_WEIGHTS_PATH: target}})
+                self._request("POST", wire.VLLM_RESET_PREFIX_CACHE)
+            finally:
+                if paused is not _MISSING:
+                    self._request("POST", wire.VLLM_RESUME)
+            previous, self._version = self._version, int(version)
+            self.last_load_seconds = {"export": t1 - t0, "reload": time.perf_counter() - t1}
+            keep = {os.path.basename(self.hf_path(v)) for v in (version, previous) if v is not None}
+            for name in os.listdir(self.weights_dir):
+                if name.startswith("v") and name not in keep:
+                    shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
+            return wire.weights_loaded(version=int(version), path=target, seconds=time.perf_counter() - t0,
+                                       reloaded=previous == int(version))
