@@ -70,9 +70,14 @@ import time
 from typing import Any, Mapping, Optional, Sequence
 
 import httpx
+import jax
 import numpy as np
+from flax import nnx
 
+from pdm_jax.models import hf_io
+from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch
+from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
 from pdm_jax.sampler.client import SamplerError, SamplerRequestError
 
@@ -162,6 +167,59 @@ def _get(obj: Any, key: str, field: str, kind: type, what: str):
     return value
 
 
+def _parse_choice(c: Any, at: str, *, k: int, max_new_tokens: int, stops: set) -> tuple:
+    """``(ids, sampled log-probs [T], top-K ids [T, K], top-K log-probs [T, K], finish reason)`` of one
+    choice (`parse_completions`; `at` is its location, ``choices[r]``)."""
+    lp = _get(c, wire.LOGPROBS, f"{at}.logprobs", Mapping, "an object (the request asked for logprobs)")
+    tokens = _get(lp, wire.TOKENS, f"{at}.logprobs.tokens", list, "a list")
+    token_lp = _get(lp, wire.TOKEN_LOGPROBS, f"{at}.logprobs.token_logprobs", list, "a list")
+    top = _get(lp, wire.TOP_LOGPROBS, f"{at}.logprobs.top_logprobs", list, "a list")
+    t_r = len(tokens)
+    if not 1 <= t_r <= max_new_tokens:
+        raise VLLMResponseError(f"{at}.logprobs.tokens", f"has {t_r} tokens; 1..max_tokens={max_new_tokens} "
+                                                         f"expected")
+    for name, lst in ((wire.TOKEN_LOGPROBS, token_lp), (wire.TOP_LOGPROBS, top)):
+        if len(lst) != t_r:
+            raise VLLMResponseError(f"{at}.logprobs.{name}", f"has {len(lst)} entries for {t_r} tokens")
+    ids = [parse_token_id(tok, f"{at}.logprobs.tokens[{t}]") for t, tok in enumerate(tokens)]
+    if c.get(wire.TOKEN_IDS) is not None and list(c[wire.TOKEN_IDS]) != ids:
+        raise VLLMResponseError(f"{at}.token_ids", f"{wire._show(c[wire.TOKEN_IDS])} disagrees with "
+                                                   f"logprobs.tokens {wire._show(ids)}")
+    sampled = np.array([_logprob(v, f"{at}.logprobs.token_logprobs[{t}]", allow_min=False)
+                        for t, v in enumerate(token_lp)], np.float32)
+    tk_ids = np.zeros((t_r, k), np.int32)
+    tk_lp = np.zeros((t_r, k), np.float32)
+    for t, entry in enumerate(top):
+        where = f"{at}.logprobs.top_logprobs[{t}]"
+        if not isinstance(entry, Mapping):
+            raise VLLMResponseError(where, f"is {wire._kind(entry)}, not an object")
+        table = {parse_token_id(key, f"{where} key {key!r}"): _logprob(v, f"{where}[{key!r}]", allow_min=True)
+                 for key, v in entry.items()}
+        if ids[t] not in table:
+            raise VLLMResponseError(where, f"lacks the sampled token {ids[t]} (vLLM always includes it)")
+        if abs(table[ids[t]] - float(sampled[t])) > 1e-5:
+            raise VLLMResponseError(where, f"gives the sampled token {ids[t]} log-probability {table[ids[t]]}, "
+                                           f"token_logprobs[{t}] says {float(sampled[t])}")
+        if len(table) < k:
+            raise VLLMResponseError(where, f"has {len(table)} entries; K = logprobs = {k} requested (is the "
+                                           f"server's --max-logprobs smaller?)")
+        best = sorted(table.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+        tk_ids[t] = [i for i, _ in best]
+        tk_lp[t] = [v for _, v in best]
+    reason = c.get(wire.FINISH_REASON)
+    if reason not in ("stop", "length"):
+        raise VLLMResponseError(f"{at}.finish_reason", f"is {wire._show(reason)}, not 'stop' or 'length'")
+    early = [t for t in range(t_r - 1) if ids[t] in stops]
+    if early:
+        raise VLLMResponseError(f"{at}.logprobs.tokens[{early[0]}]", f"is stop id {ids[early[0]]} before the "
+                                                                      f"end of the completion")
+    if reason == "stop" and ids[-1] not in stops:
+        raise VLLMResponseError(f"{at}.finish_reason", f"is 'stop' but the last token {ids[-1]} is not one of the "
+                                                       f"stop ids {sorted(stops)} (a stop string, or the server "
+                                                       f"dropped the stop token?)")
+    return ids, sampled, tk_ids, tk_lp, reason
+
+
 def parse_completions(body: Any, prompts: Sequence[Sequence[int]], *, n: int, top_k_logprobs: int,
                       max_new_tokens: int, stop_token_ids: Sequence[int], version: int) -> RolloutBatch:
     """The `RolloutBatch` of a ``/v1/completions`` answer to `completions_request` (module docstring).
@@ -206,57 +264,8 @@ def parse_completions(body: Any, prompts: Sequence[Sequence[int]], *, n: int, to
         if not 0 <= idx < n_rows or idx in by_index:
             raise VLLMResponseError(f"choices[{pos}].index", f"is {idx}: indices must be 0..{n_rows - 1}, each once")
         by_index[idx] = c
-    rows = []
-    for r in range(n_rows):
-        c, at = by_index[r], f"choices[{r}]"
-        lp = _get(c, wire.LOGPROBS, f"{at}.logprobs", Mapping, "an object (the request asked for logprobs)")
-        tokens = _get(lp, wire.TOKENS, f"{at}.logprobs.tokens", list, "a list")
-        token_lp = _get(lp, wire.TOKEN_LOGPROBS, f"{at}.logprobs.token_logprobs", list, "a list")
-        top = _get(lp, wire.TOP_LOGPROBS, f"{at}.logprobs.top_logprobs", list, "a list")
-        t_r = len(tokens)
-        if not 1 <= t_r <= max_new_tokens:
-            raise VLLMResponseError(f"{at}.logprobs.tokens", f"has {t_r} tokens; 1..max_tokens={max_new_tokens} "
-                                                             f"expected")
-        for name, lst in ((wire.TOKEN_LOGPROBS, token_lp), (wire.TOP_LOGPROBS, top)):
-            if len(lst) != t_r:
-                raise VLLMResponseError(f"{at}.logprobs.{name}", f"has {len(lst)} entries for {t_r} tokens")
-        ids = [parse_token_id(tok, f"{at}.logprobs.tokens[{t}]") for t, tok in enumerate(tokens)]
-        if c.get(wire.TOKEN_IDS) is not None and list(c[wire.TOKEN_IDS]) != ids:
-            raise VLLMResponseError(f"{at}.token_ids", f"{wire._show(c[wire.TOKEN_IDS])} disagrees with "
-                                                       f"logprobs.tokens {wire._show(ids)}")
-        sampled = np.array([_logprob(v, f"{at}.logprobs.token_logprobs[{t}]", allow_min=False)
-                            for t, v in enumerate(token_lp)], np.float32)
-        tk_ids = np.zeros((t_r, k), np.int32)
-        tk_lp = np.zeros((t_r, k), np.float32)
-        for t, entry in enumerate(top):
-            where = f"{at}.logprobs.top_logprobs[{t}]"
-            if not isinstance(entry, Mapping):
-                raise VLLMResponseError(where, f"is {wire._kind(entry)}, not an object")
-            table = {parse_token_id(key, f"{where} key {key!r}"): _logprob(v, f"{where}[{key!r}]", allow_min=True)
-                     for key, v in entry.items()}
-            if ids[t] not in table:
-                raise VLLMResponseError(where, f"lacks the sampled token {ids[t]} (vLLM always includes it)")
-            if abs(table[ids[t]] - float(sampled[t])) > 1e-5:
-                raise VLLMResponseError(where, f"gives the sampled token {ids[t]} log-probability {table[ids[t]]}, "
-                                               f"token_logprobs[{t}] says {float(sampled[t])}")
-            if len(table) < k:
-                raise VLLMResponseError(where, f"has {len(table)} entries; K = logprobs = {k} requested (is the "
-                                               f"server's --max-logprobs smaller?)")
-            best = sorted(table.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-            tk_ids[t] = [i for i, _ in best]
-            tk_lp[t] = [v for _, v in best]
-        reason = c.get(wire.FINISH_REASON)
-        if reason not in ("stop", "length"):
-            raise VLLMResponseError(f"{at}.finish_reason", f"is {wire._show(reason)}, not 'stop' or 'length'")
-        early = [t for t in range(t_r - 1) if ids[t] in stops]
-        if early:
-            raise VLLMResponseError(f"{at}.logprobs.tokens[{early[0]}]", f"is stop id {ids[early[0]]} before the "
-                                                                          f"end of the completion")
-        if reason == "stop" and ids[-1] not in stops:
-            raise VLLMResponseError(f"{at}.finish_reason", f"is 'stop' but the last token {ids[-1]} is not one of the "
-                                                           f"stop ids {sorted(stops)} (a stop string, or the server "
-                                                           f"dropped the stop token?)")
-        rows.append((ids, sampled, tk_ids, tk_lp, reason))
+    rows = [_parse_choice(by_index[r], f"choices[{r}]", k=k, max_new_tokens=max_new_tokens, stops=stops)
+            for r in range(n_rows)]
     t_out = max(1, max(len(row[0]) for row in rows))
     p_out = max(len(p) for p in prompts)
     out = dict(prompt_ids=np.zeros((n_rows, p_out), np.int32), prompt_mask=np.zeros((n_rows, p_out), bool),
@@ -291,14 +300,6 @@ def export_hf_weights(params: Mapping, model_config, path: str, *, template=None
     Raises:
       ValueError: `params` do not fit the model's structure.
     """
-    # heavy (JAX, Flax): imported when weights are exported, not when the client module is imported
-    from flax import nnx
-
-    from pdm_jax.models import hf_io
-    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-
-    import jax
-
     abstract = template if template is not None else nnx.eval_shape(
         lambda: Qwen3ForCausalLM(model_config, rngs=nnx.Rngs(0)))
     params_state = nnx.state(abstract, nnx.Param)
@@ -486,17 +487,12 @@ class VLLMSampler:
             with ``VLLM_SERVER_DEV_MODE=1``), or the reload failed with 4xx.
           SamplerError: unreachable / 5xx after all retries.
         """
-        from pdm_jax.sampler import weights as wts  # imports JAX; the client module itself stays light
-
         with self._lock:
             if self._version is not None and int(version) < self._version:
                 raise StaleVLLMWeightsError(f"stale weights version {version}: the vLLM server holds version "
                                             f"{self._version}")
             t0 = time.perf_counter()
             if self._template is None:  # built once: the abstract parameter tree and a model to fill
-                from flax import nnx
-
-                from pdm_jax.models.qwen3 import Qwen3ForCausalLM
                 self._template = nnx.eval_shape(lambda: Qwen3ForCausalLM(self.model_config, rngs=nnx.Rngs(0)))
                 self._abstract = wts.abstract_params(self.model_config)
             pure = wts.load_weights(path, abstract=self._abstract, version=int(version))

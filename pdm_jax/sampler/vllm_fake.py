@@ -34,6 +34,11 @@ import threading
 import time
 from typing import Optional
 
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
 from pdm_jax.sampler import wire
 
 log = logging.getLogger("pdm_jax.sampler.vllm_fake")
@@ -85,7 +90,8 @@ class FakeVLLM:
     # ------------------------------------------------------------------ weights
     def reload(self, weights_path) -> None:
         """Loads the Hugging Face directory `weights_path` (under `weights_root`) into the engine."""
-        from pdm_jax.models import hf_io  # JAX: imported when weights are loaded
+        # JAX: imported when weights are loaded, so that --help and a server without weights start fast
+        from pdm_jax.models import hf_io
         from pdm_jax.sampler.engine import SamplingEngine
 
         if not isinstance(weights_path, str) or not weights_path:
@@ -111,8 +117,6 @@ class FakeVLLM:
     # ------------------------------------------------------------------ completions
     def completions(self, body) -> dict:
         """The ``/v1/completions`` answer to a decoded JSON body (FakeVLLMError for a refused request)."""
-        from pdm_jax.sampler.wire import RequestError  # the engine's validation names the field
-
         if not isinstance(body, dict):
             raise FakeVLLMError(400, "the body must be a JSON object")
         self.requests.append(body)
@@ -152,7 +156,7 @@ class FakeVLLM:
                                     top_k_logprobs=k or 0, stop_token_ids=stops, seed=body.get(wire.SEED),
                                     top_p=body.get(wire.TOP_P, 1.0),
                                     top_k=0 if isinstance(top_k, int) and top_k == -1 else top_k)
-        except RequestError as e:
+        except wire.RequestError as e:
             raise FakeVLLMError(400, str(e), e.field) from e
         return self._response(batch, k, set(stops), prompt_tokens=sum(len(p) for p in prompts))
 
@@ -220,10 +224,6 @@ def _clamp(v) -> float:
 
 def create_app(fake: FakeVLLM, *, api_key: Optional[str] = None):
     """The FastAPI app serving `fake` (JSON bodies only, `wire.loads`; bearer `api_key` if given)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
-    from starlette.concurrency import run_in_threadpool
-
     app = FastAPI(title="fake vLLM", docs_url=None, redoc_url=None, openapi_url=None)
 
     def answer(fn, *, dev: bool = False, body: bool = True):
@@ -265,8 +265,6 @@ def serve_in_thread(app, host: str = "127.0.0.1"):
 
     ``stop()`` shuts the server down and joins the thread.  For tests and notebooks.
     """
-    import uvicorn
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
@@ -303,8 +301,6 @@ def main(argv=None) -> None:
                                                               "VLLM_SERVER_DEV_MODE=1)")
     args = p.parse_args(argv)
     logging.basicConfig(level="INFO")
-    import uvicorn
-
     fake = FakeVLLM(weights_root=args.weights_root, model_name=args.served_model_name,
                     quantization=args.quantization, max_prompt_length=args.max_prompt_length,
                     max_tokens=args.max_tokens, max_logprobs=args.max_logprobs, dev_mode=not args.no_dev_mode)
