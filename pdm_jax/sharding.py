@@ -65,6 +65,9 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
+    # Qwen3-MoE expert kernels [E, ...]: expert parallelism over fsdp (each fsdp shard holds
+    # E/fsdp whole experts; their embed axis then stays unsharded, as fsdp is taken).
+    ("expert", "fsdp"),
 )
 
 

@@ -60,6 +60,7 @@ from flax import nnx
 
 from pdm_jax import sharding as shd
 from pdm_jax.models import attention as attn_lib
+from pdm_jax.models import moe as moe_lib
 
 Array = jax.Array
 
@@ -621,12 +622,69 @@ class MLP(nnx.Module):
         return self.down_proj(h_BxTxF)
 
 
+class Experts(nnx.Module):
+    """E SwiGLU experts' kernels, stacked over the expert axis (HF ``mlp.experts``)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, width: int, *, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        E, D, I = num_experts, hidden_size, width
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Proj("nd,edi->nei", (E, D, I), ("expert", "embed", "mlp"), **kw)
+        self.up_proj = Proj("nd,edi->nei", (E, D, I), ("expert", "embed", "mlp"), **kw)
+        self.down_proj = Proj("nei,eid->ned", (E, I, D), ("expert", "mlp", "embed"), **kw)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Qwen3-MoE sparse MLP (HF ``Qwen3MoeSparseMoeBlock``): a linear router over E experts,
+    each token sent to its top-``num_experts_per_tok`` experts (``pdm_jax.models.moe``).
+
+    Parameters (``gate`` is HF's router ``mlp.gate.weight`` [E, D]; the experts are HF's
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, stacked over e):
+        gate.kernel               [D, E]     logical ("embed", None)
+        experts.gate_proj.kernel  [E, D, I]  logical ("expert", "embed", "mlp")
+        experts.up_proj.kernel    [E, D, I]  logical ("expert", "embed", "mlp")
+        experts.down_proj.kernel  [E, I, D]  logical ("expert", "mlp", "embed")
+    The router logits are computed with f32 accumulation and the softmax in f32.
+    """
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32):
+        D, E, I = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate = Proj("nd,de->ne", (D, E), ("embed", None), **kw)
+        self.experts = Experts(E, D, I, **kw)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.dtype = dtype
+
+    def __call__(self, x_BxTxD: Array, implementation: str = "ragged_dot",
+                 token_weight_BxT: Array | None = None) -> tuple[Array, tuple]:
+        """[B,T,D] -> ([B,T,D], load-balancing sums of ``moe.load_balancing_stats``).
+
+        ``token_weight_BxT`` (e.g. the attention mask) weights the rows of those sums only.
+        """
+        B, T, D = x_BxTxD.shape
+        x_NxD = x_BxTxD.reshape(B * T, D).astype(self.dtype)
+        logits_NxE = self.gate(x_NxD, preferred_element_type=jnp.float32)
+        weights_NxK, experts_NxK, probs_NxE = moe_lib.route(logits_NxE, self.top_k,
+                                                            self.norm_topk_prob)
+        e = self.experts
+        y_NxD = moe_lib.experts(
+            x_NxD, weights_NxK, experts_NxK, e.gate_proj.kernel.get_value(),
+            e.up_proj.kernel.get_value(), e.down_proj.kernel.get_value(),
+            dtype=self.dtype, implementation=implementation)
+        stats = moe_lib.load_balancing_stats(
+            probs_NxE, experts_NxK,
+            None if token_weight_BxT is None else token_weight_BxT.reshape(B * T))
+        return y_NxD.reshape(B, T, D), stats
+
+
 def make_mlp(config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
              param_dtype=jnp.float32) -> nnx.Module:
-    """The feed-forward submodule of a block: any module mapping [B,T,D] -> [B,T,D].
-
-    The single switch point for a future MoE block (Qwen3-MoE): decide on the config here.
-    """
+    """The feed-forward submodule of a block: ``SparseMoeBlock`` when ``config.is_moe``
+    (every layer is then sparse, see ``Qwen3Config``), else the dense ``MLP``."""
+    if config.is_moe:
+        return SparseMoeBlock(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     return MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
 
@@ -642,13 +700,21 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(D, eps, logical_axis="norm", **kw)
         self.mlp = make_mlp(config, **kw)
 
-    def __call__(self, x_BxTxD, positions_BxT, mask, kv=None, cache_index=None, attention=None):
-        """[B,T,D] -> ([B,T,D], kv); see ``Attention.__call__`` for the other arguments."""
+    def __call__(self, x_BxTxD, positions_BxT, mask, kv=None, cache_index=None, attention=None,
+                 moe_implementation="ragged_dot", token_weight_BxT=None):
+        """[B,T,D] -> ([B,T,D], kv, router sums); see ``Attention.__call__`` for the
+        attention arguments. The router sums (``moe.load_balancing_stats``, rows weighted by
+        ``token_weight_BxT``) are None for a dense MLP."""
         attn_BxTxD, kv = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT,
                                         mask, kv, cache_index, attention)
         x_BxTxD = x_BxTxD + attn_BxTxD
-        x_BxTxD = x_BxTxD + self.mlp(self.post_attention_layernorm(x_BxTxD))
-        return shd.constrain(x_BxTxD, ("batch", "length", "embed")), kv
+        h_BxTxD = self.post_attention_layernorm(x_BxTxD)
+        if isinstance(self.mlp, SparseMoeBlock):
+            mlp_BxTxD, stats = self.mlp(h_BxTxD, moe_implementation, token_weight_BxT)
+        else:
+            mlp_BxTxD, stats = self.mlp(h_BxTxD), None
+        x_BxTxD = x_BxTxD + mlp_BxTxD
+        return shd.constrain(x_BxTxD, ("batch", "length", "embed")), kv, stats
 
 
 # --------------------------------------------------------------------------------------
@@ -720,7 +786,10 @@ def layer_slice(layers_state: Any, i: int) -> Any:
 
 
 class Qwen3ForCausalLM(nnx.Module):
-    """Qwen3 dense causal LM (HF ``Qwen3ForCausalLM``), holding only ``nnx.Param`` state.
+    """Qwen3 causal LM, dense (HF ``Qwen3ForCausalLM``) or mixture-of-experts (HF
+    ``Qwen3MoeForCausalLM``, when ``config.num_experts`` > 0: every layer's MLP is a
+    ``SparseMoeBlock``; ``Qwen3MoeForCausalLM`` is this class), holding only ``nnx.Param``
+    state.
 
     Args:
       config: a validated ``Qwen3Config``.
@@ -741,6 +810,10 @@ class Qwen3ForCausalLM(nnx.Module):
         a Python loop over static slices of the stack (one copy of the layer per L in the
         program; the same numbers up to XLA's fusion choices).
       attention_block_q, attention_block_kv: tile lengths of "blockwise" and "splash".
+      moe_implementation: how a MoE model's experts run, one of
+        ``pdm_jax.models.moe.IMPLEMENTATIONS``: "ragged_dot" (default, grouped matmuls,
+        every backend), "megablox" (Pallas TPU grouped matmul), "dense" (every expert on
+        every token: the reference for tests). Used by the training forward and ``decode``.
     Raises:
       ValueError: naming the option and the value for an unknown ``attention`` or ``remat``
         or a non-positive block size.
@@ -751,14 +824,16 @@ class Qwen3ForCausalLM(nnx.Module):
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, attention: str = "dense", remat: str = "none",
                  attention_block_q: int = 512, attention_block_kv: int = 512,
-                 scan_layers: bool = True):
+                 scan_layers: bool = True, moe_implementation: str = "ragged_dot"):
         self.config = config
         self.dtype = dtype
         self.attention_options = attn_lib.AttentionOptions(attention, attention_block_q,
                                                            attention_block_kv)
         self.remat = "none"
         self.scan_layers = True
-        self.set_compute_options(remat=remat, scan_layers=scan_layers)
+        self.moe_implementation = "ragged_dot"
+        self.set_compute_options(remat=remat, scan_layers=scan_layers,
+                                 moe_implementation=moe_implementation)
         keys = KeySeq(_next_key(rngs))
         kw = dict(rngs=keys, dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
@@ -774,7 +849,8 @@ class Qwen3ForCausalLM(nnx.Module):
     def set_compute_options(self, *, attention: str | None = None, remat: str | None = None,
                             attention_block_q: int | None = None,
                             attention_block_kv: int | None = None,
-                            scan_layers: bool | None = None) -> Qwen3ForCausalLM:
+                            scan_layers: bool | None = None,
+                            moe_implementation: str | None = None) -> Qwen3ForCausalLM:
         """Sets the training forward's attention kernel / remat policy / tiles / layer scan
         in place (None keeps the current value); returns the model. Same values and errors
         as the constructor's arguments."""
@@ -791,6 +867,11 @@ class Qwen3ForCausalLM(nnx.Module):
             opts.implementation if attention is None else attention,
             opts.block_q if attention_block_q is None else attention_block_q,
             opts.block_kv if attention_block_kv is None else attention_block_kv)
+        if moe_implementation is not None:
+            if moe_implementation not in moe_lib.IMPLEMENTATIONS:
+                raise ValueError(f"moe_implementation must be one of {moe_lib.IMPLEMENTATIONS}, "
+                                 f"got {moe_implementation!r}")
+            self.moe_implementation = moe_implementation
         return self
 
     # ------------------------------------------------------------------ helpers
@@ -816,7 +897,8 @@ class Qwen3ForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------ full forward
     def __call__(self, input_ids: Array, positions: Array | None = None,
-                 attention_mask: Array | None = None, segment_ids: Array | None = None) -> Array:
+                 attention_mask: Array | None = None, segment_ids: Array | None = None,
+                 *, return_aux: bool = False) -> Array | tuple[Array, Array]:
         """Full causal forward.
 
         Args:
@@ -830,21 +912,31 @@ class Qwen3ForCausalLM(nnx.Module):
             meaningless (and may differ between attention kernels).
           segment_ids: [B, T] int, optional: packed sequences; a token attends only to
             earlier tokens with the same id. None = one sequence per row.
+          return_aux: also return the router load-balancing loss (see ``hidden_states``).
         Returns:
-          logits: [B, T, V] float32.
+          logits: [B, T, V] float32; with ``return_aux``, (logits, router_aux_loss).
         """
-        return self.logits_from_hidden(
-            self.hidden_states(input_ids, positions, attention_mask, segment_ids))
+        out = self.hidden_states(input_ids, positions, attention_mask, segment_ids,
+                                 return_aux=return_aux)
+        if return_aux:
+            return self.logits_from_hidden(out[0]), out[1]
+        return self.logits_from_hidden(out)
 
     def hidden_states(self, input_ids: Array, positions: Array | None = None,
                       attention_mask: Array | None = None,
-                      segment_ids: Array | None = None) -> Array:
+                      segment_ids: Array | None = None, *,
+                      return_aux: bool = False) -> Array | tuple[Array, Array]:
         """Final hidden states [B,T,D] (compute dtype), after the final RMSNorm, before the LM head.
 
         Same arguments as ``__call__``;
         ``self.logits_from_hidden(self.hidden_states(...))`` equals ``self(...)``. Attention
         uses ``self.attention_options``; each layer runs under ``self.remat``; the layers are
-        scanned when ``self.scan_layers``.
+        scanned when ``self.scan_layers``; MoE experts run with ``self.moe_implementation``.
+
+        With ``return_aux``, returns (hidden, router_aux_loss): the load-balancing loss of
+        transformers' ``load_balancing_loss_func`` over all MoE layers (rows weighted by
+        ``attention_mask`` as HF does; ``moe.load_balancing_loss``), a scalar f32 not yet
+        multiplied by ``config.router_aux_loss_coef``; 0.0 for a dense model.
 
         Raises:
           ValueError: naming the argument when a shape is not [B, T] or ``segment_ids`` is
@@ -875,19 +967,36 @@ class Qwen3ForCausalLM(nnx.Module):
         graphdef, layers_state = nnx.split(self.layers)
         attention = self.attention_options
 
+        moe_implementation = self.moe_implementation
+        token_weight_BxT = (None if attention_mask is None
+                            else jnp.asarray(attention_mask).astype(jnp.float32))
+
         def run_layer(layer_state, x_BxTxD):
-            return nnx.merge(graphdef, layer_state)(x_BxTxD, positions_BxT, mask,
-                                                    attention=attention)[0]
+            x_BxTxD, _, stats = nnx.merge(graphdef, layer_state)(
+                x_BxTxD, positions_BxT, mask, attention=attention,
+                moe_implementation=moe_implementation, token_weight_BxT=token_weight_BxT)
+            return x_BxTxD, stats
 
         if self.remat != "none":
             run_layer = jax.checkpoint(run_layer, policy=REMAT_POLICIES[self.remat])
         if self.scan_layers:
-            x_BxTxD, _ = jax.lax.scan(lambda x, layer_state: (run_layer(layer_state, x), None),
-                                      x_BxTxD, layers_state)
+            x_BxTxD, stats = jax.lax.scan(lambda x, layer_state: run_layer(layer_state, x),
+                                          x_BxTxD, layers_state)
         else:
+            per_layer = []
             for i in range(self.config.num_hidden_layers):
-                x_BxTxD = run_layer(layer_slice(layers_state, i), x_BxTxD)
-        return shd.constrain(self.norm(x_BxTxD), ("batch", "length", "embed"))
+                x_BxTxD, layer_stats = run_layer(layer_slice(layers_state, i), x_BxTxD)
+                per_layer.append(layer_stats)
+            stats = (None if per_layer[0] is None
+                     else jax.tree.map(lambda *a: jnp.stack(a), *per_layer))
+        h_BxTxD = shd.constrain(self.norm(x_BxTxD), ("batch", "length", "embed"))
+        if not return_aux:
+            return h_BxTxD
+        if stats is None:
+            return h_BxTxD, jnp.zeros((), jnp.float32)
+        assignments_LxE, prob_sum_LxE, rows_L = stats
+        return h_BxTxD, moe_lib.load_balancing_loss(
+            assignments_LxE.sum(0), prob_sum_LxE.sum(0), rows_L.sum())
 
     # ------------------------------------------------------------------ KV cache path
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -960,7 +1069,8 @@ class Qwen3ForCausalLM(nnx.Module):
         ks, vs = [], []
         for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
             layer = nnx.merge(graphdef, layer_slice(layers_state, i))
-            x_BxTxD, (k, v) = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index)
+            x_BxTxD, (k, v), _ = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index,
+                                       moe_implementation=self.moe_implementation)
             ks.append(k)
             vs.append(v)
         return self._logits(x_BxTxD), KVCache(k=tuple(ks), v=tuple(vs))
@@ -977,8 +1087,8 @@ def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,
     ``mesh``, every parameter is created directly on its ``NamedSharding``
     (``pdm_jax.sharding.param_shardings`` under ``rules``), so a large model never exists
     unsharded on one device. ``compute_options`` (``attention``, ``remat``,
-    ``attention_block_q``, ``attention_block_kv``, ``scan_layers``) go to
-    ``set_compute_options``.
+    ``attention_block_q``, ``attention_block_kv``, ``scan_layers``, ``moe_implementation``)
+    go to ``set_compute_options``.
     """
     rules = shd.DEFAULT_RULES if rules is None else tuple(rules)
     graphdef, init_fn = _compiled_init(config, jnp.dtype(dtype), jnp.dtype(param_dtype), mesh,
@@ -996,3 +1106,7 @@ def _compiled_init(config, dtype, param_dtype, mesh, rules):
     graphdef, abs_state = nnx.split(nnx.eval_shape(create, jnp.int32(0)))
     out_shardings = None if mesh is None else shd.param_shardings(abs_state, mesh, rules)
     return graphdef, jax.jit(lambda seed: nnx.state(create(seed)), out_shardings=out_shardings)
+
+
+# The MoE model is the same class (the config decides the MLP); the HF name, for readers.
+Qwen3MoeForCausalLM = Qwen3ForCausalLM
