@@ -307,3 +307,100 @@ def test_shared_prefill_equals_per_row_prefill(params, temperature):
     c, d = shared.generate(prompts[:2], **dict(gen, n=3)), single.generate(prompts[:2], **dict(gen, n=3))
     np.testing.assert_array_equal(c.completion_ids, d.completion_ids)
     assert shared.prefill_rows == 4 + 8
+
+
+def _assert_same_rollouts(a, b):
+    """Same tokens, masks, finish reasons and top-K ids; log mu and top-K log mu within 1e-5 (f32)."""
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
+    np.testing.assert_array_equal(a.finish_reason, b.finish_reason)
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+    np.testing.assert_allclose(a.behavior_logprobs, b.behavior_logprobs, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_per_row_cache_index_decode_equals_per_row_decodes(params):
+    """model.decode with one cache index per row == each row decoded alone at its index (and a [B] index of
+    equal values == the scalar index)."""
+    model = Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0))
+    st = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(st, params)
+    nnx.update(model, st)
+    rng = np.random.default_rng(0)
+    b, s = 3, 10
+    cache = model.init_cache(b, s)
+    cache = type(cache)(k=tuple(jnp.asarray(rng.normal(size=k.shape), jnp.float32) for k in cache.k),
+                        v=tuple(jnp.asarray(rng.normal(size=v.shape), jnp.float32) for v in cache.v))
+    ids, pos = jnp.array([[3], [7], [1]], jnp.int32), jnp.array([[4], [2], [8]], jnp.int32)
+    index, mask = jnp.array([4, 2, 8], jnp.int32), jnp.asarray(rng.random((b, s)) < 0.8)
+    logits, new = model.decode(ids, pos, cache, index, mask)
+    for r in range(b):
+        row = type(cache)(k=tuple(k[r:r + 1] for k in cache.k), v=tuple(v[r:r + 1] for v in cache.v))
+        lr, nr = model.decode(ids[r:r + 1], pos[r:r + 1], row, int(index[r]), mask[r:r + 1])
+        np.testing.assert_allclose(logits[r:r + 1], lr, atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(new.k[0][r:r + 1], nr.k[0])
+        np.testing.assert_array_equal(new.v[1][r:r + 1], nr.v[1])
+    same, _ = model.decode(ids, pos, cache, jnp.array([5, 5, 5]), mask)
+    scalar, _ = model.decode(ids, pos, cache, 5, mask)
+    np.testing.assert_array_equal(same, scalar)
+    with pytest.raises(ValueError, match="cache_index"):
+        model.decode(ids, pos, cache, jnp.array([5, 5]), mask)
+
+
+@pytest.fixture(scope="module")
+def continuous_pair(params):
+    """A static and a continuous engine with 4 rows per chunk / 4 slots (shared prefill on in both)."""
+    return make_engine(params, max_batch_size=4), make_engine(params, max_batch_size=4, batching="continuous")
+
+
+@pytest.mark.parametrize("temperature", [0.0, TAU])
+def test_continuous_batching_equals_static(continuous_pair, temperature):
+    """5 prompts x n = 2 = 10 rows through 4 slots (refilled as rows stop; the tail compacted to 1 slot)
+    == the static engine's 3 chunks: tokens, finish reasons, log mu and top-K (1e-5), greedy and sampled,
+    with stop ids that end rows at different lengths, and without stop ids."""
+    static, cont = continuous_pair
+    prompts = PROMPTS + [[9, 10], [3] * 10, [5]]
+    gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=temperature, seed=5)
+    base = static.generate(prompts, **gen)
+    _assert_same_rollouts(base, cont.generate(prompts, **gen))
+    stops = [int(base.completion_ids[0, 3]), int(base.completion_ids[5, 1])]
+    a, b = static.generate(prompts, stop_token_ids=stops, **gen), cont.generate(prompts, stop_token_ids=stops, **gen)
+    lengths = a.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) >= 3 and "stop" in set(a.finish_reason), lengths
+    _assert_same_rollouts(a, b)
+    # one program shape for both calls: (slots 4, queue 16, prompt store 8, P 16, T 16, K)
+    assert cont.program_shapes == {("continuous", 4, 16, 8, 16, 16, K, "float32")}
+    # it decoded fewer steps than a 4-slot engine running each chunk to its longest row
+    assert cont.last_decode_steps < 3 * 11
+
+
+def test_continuous_rows_with_different_max_lengths(continuous_pair):
+    """Per-row max_new_tokens (1 .. 12) in the continuous program: each row is the static row cut at its
+    own max (same keys per (prompt, sample, token)); rows that stop earlier keep their stop."""
+    static, cont = continuous_pair
+    gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=TAU, seed=5)
+    stop = 7
+    full = static.generate(PROMPTS, stop_token_ids=[stop], **gen)
+    rows = [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
+    row_max = [12, 1, 5, 3]
+    part = cont._run_continuous(cont._state, PROMPTS, rows, temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
+                                stops=[stop], seed=5, row_max_new=row_max)
+    for r, m in enumerate(row_max):
+        want = min(m, int(full.completion_mask[r].sum()))
+        assert part["length"][r] == want
+        np.testing.assert_array_equal(part["tokens"][r, :want], full.completion_ids[r, :want])
+        np.testing.assert_allclose(part["logp"][r, :want], full.behavior_logprobs[r, :want], atol=1e-5, rtol=1e-5)
+        assert part["stopped"][r] == (full.finish_reason[r] == "stop" and want == full.completion_mask[r].sum())
+
+
+def test_continuous_without_shared_prefill_and_bad_mode(params, continuous_pair):
+    """share_prefill=False (a store entry per row) gives the same rollouts; an unknown batching mode is named."""
+    static, _ = continuous_pair
+    cont = make_engine(params, max_batch_size=4, batching="continuous", share_prefill=False)
+    gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=TAU, seed=5)
+    _assert_same_rollouts(static.generate(PROMPTS, **gen), cont.generate(PROMPTS, **gen))
+    assert cont.prefill_rows == 4  # 4 rows, one entry each
+    with pytest.raises(ValueError, match="batching must be one of"):
+        make_engine(params, batching="paged")
+    with pytest.raises(ValueError, match="max_slots"):
+        make_engine(params, batching="continuous", max_slots=0)

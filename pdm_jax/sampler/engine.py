@@ -48,6 +48,7 @@ completion and in the mask), ``"length"`` when ``max_new_tokens`` was reached.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import secrets
 import threading
@@ -66,6 +67,8 @@ from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
 # Request validation lives with the wire schema (its errors name wire fields); re-exported here.
 from pdm_jax.sampler.wire import MAX_SEED, MIN_TEMPERATURE, RequestError, validate_request  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 def resolve_compute_dtype(compute_dtype, quantization: str, backend: Optional[str] = None):
     """The sampler's compute dtype: an explicit float32/bfloat16, or the choice of ``"auto"`` / None.
@@ -140,9 +143,14 @@ def sampling_distribution(logits_BxV: jax.Array, temperature_B: jax.Array, top_p
 
 
 def _sample_step(logits_BxV, keys_B, t, temperature_B, top_p_B, top_k_B, k_logprobs: int):
-    """One sampling step: (token [B] i32, log mu(token) [B] f32, topk ids [B,K], topk log mu [B,K])."""
+    """One sampling step: (token [B] i32, log mu(token) [B] f32, topk ids [B,K], topk log mu [B,K]).
+
+    ``t``: the token index, a scalar (static batches: every row at the same index) or [B]
+    (continuous batching: each slot at its own); row b's key is ``fold_in(keys_B[b], t[b])``.
+    """
     logmu_BxV = sampling_distribution(logits_BxV, temperature_B, top_p_B, top_k_B)
-    step_keys_B = jax.vmap(lambda k: jax.random.fold_in(k, t))(keys_B)
+    t_B = jnp.broadcast_to(jnp.asarray(t), keys_B.shape[:1])
+    step_keys_B = jax.vmap(jax.random.fold_in)(keys_B, t_B)
     drawn_B = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(step_keys_B, logmu_BxV)
     greedy_B = jnp.argmax(logits_BxV, axis=-1)
     token_B = jnp.where(temperature_B > 0, drawn_B, greedy_B).astype(jnp.int32)
@@ -259,6 +267,157 @@ _GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
                         static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment", "group"))
 
 
+def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
+                        temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
+                        k_logprobs: int, cache_dtype):
+    """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
+
+    Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
+    queue of N rows (row r: prompt-store entry ``row_entry_N[r]``, sample j = ``row_sample_N[r]``
+    of prompt i = ``row_prompt_N[r]`` (its key), 
+    ``max_new_N[r]`` new tokens at most; rows ``>= num_rows`` are padding, never run);
+    the request's sampling parameters (scalars) and stop ids ``stop_ids_S`` (-1 = unused).
+
+    1. Prefill: every prompt once ([U, P] through ``model.decode`` into a prompt store of
+       P slots; shared prefill: a prompt's n rows all read its entry).
+    2. One KV cache [slots, P + num_new] (per layer, `KVCache` layouts) and per-slot state
+       (row, tokens so far, last token, prompt length, key).  Row b keeps the static
+       engine's layout: the prompt in slots 0..P-1, token t's key/value at slot P + t - 1
+       (``model.decode`` with a per-row ``cache_index``), so attention sees the same
+       entries as in `_generate_program`.
+    3. Admission (an inner while-loop): while a slot is free and rows are pending, the
+       next row is copied in (its prompt's store entry into the slot's first P slots,
+       its kv mask set), and its token 0 is sampled from the prompt's last logits.
+    4. Decode (the outer while-loop, one step per iteration while any slot is live):
+       all slots decode one token; a row stops on a stop id or its max; its outputs are
+       scattered to row ``r`` of the [N, num_new(, K)] outputs; then admission refills.
+
+    Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
+    `_generate_program`, so rows get the same samples whichever slot or step runs them.
+    Returns the same dict as `_generate_program` (``steps``: decode steps run).
+    """
+    model = nnx.merge(graphdef, state)
+    u, p = prompt_ids_UxP.shape
+    n_pad = row_entry_N.shape[0]
+    s = p + num_new
+    positions_UxP = jnp.maximum(jnp.cumsum(prompt_mask_UxP, axis=-1) - 1, 0).astype(jnp.int32)
+    store = model.init_cache(u, p, dtype=cache_dtype)
+    logits_UxPxV, store = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0), prompt_mask_UxP)
+    last_UxV = logits_UxPxV[:, -1, :]
+    prompt_len_U = jnp.sum(prompt_mask_UxP, axis=-1).astype(jnp.int32)
+    base_key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
+    stop_ids_S = jnp.asarray(stop_ids_S, jnp.int32)
+
+    def params_for(b):
+        return dict(temperature_B=jnp.full((b,), temperature, jnp.float32), top_p_B=jnp.full((b,), top_p, jnp.float32),
+                    top_k_B=jnp.full((b,), top_k, jnp.int32), k_logprobs=k_logprobs)
+
+    def is_stop(tok_B):
+        return jnp.any(tok_B[:, None] == stop_ids_S[None, :], axis=-1)
+
+    outs = dict(tokens=jnp.zeros((n_pad, num_new), jnp.int32), logp=jnp.zeros((n_pad, num_new), jnp.float32),
+                topk_ids=jnp.zeros((n_pad, num_new, k_logprobs), jnp.int32),
+                topk_logp=jnp.zeros((n_pad, num_new, k_logprobs), jnp.float32),
+                length=jnp.zeros((n_pad,), jnp.int32), stopped=jnp.zeros((n_pad,), bool))
+
+    def record(outs, rows_B, t_B, tok_B, lp_B, ids_BxK, lps_BxK, stop_B):
+        """Token t_B[b] of row rows_B[b] (a row index >= n_pad is dropped)."""
+        at = dict(mode="drop")
+        return dict(tokens=outs["tokens"].at[rows_B, t_B].set(tok_B, **at),
+                    logp=outs["logp"].at[rows_B, t_B].set(lp_B, **at),
+                    topk_ids=outs["topk_ids"].at[rows_B, t_B].set(ids_BxK, **at),
+                    topk_logp=outs["topk_logp"].at[rows_B, t_B].set(lps_BxK, **at),
+                    length=outs["length"].at[rows_B].set(t_B + 1, **at),
+                    stopped=outs["stopped"].at[rows_B].set(stop_B, **at))
+
+    slot = dict(row=jnp.zeros((slots,), jnp.int32), t=jnp.ones((slots,), jnp.int32),
+                live=jnp.zeros((slots,), bool), prev=jnp.zeros((slots,), jnp.int32),
+                key=jnp.zeros((slots,) + base_key.shape, base_key.dtype), plen=jnp.ones((slots,), jnp.int32),
+                max_new=jnp.zeros((slots,), jnp.int32))
+    carry = dict(cache=model.init_cache(slots, s, dtype=cache_dtype), kv_mask=jnp.zeros((slots, s), bool),
+                 slot=slot, outs=outs, queue=jnp.int32(0), steps=jnp.int32(0))
+    sample1 = functools.partial(_sample_step, **params_for(1))
+
+    def admit_cond(c):
+        return (c["queue"] < num_rows) & ~jnp.all(c["slot"]["live"])
+
+    def admit_one(c):
+        r = c["queue"]
+        b = jnp.argmin(c["slot"]["live"]).astype(jnp.int32)  # the first free slot
+        i = row_entry_N[r]
+        key = jax.random.fold_in(jax.random.fold_in(base_key, row_prompt_N[r]), row_sample_N[r])
+        zero = jnp.int32(0)
+        cache = c["cache"]
+        cache = type(cache)(
+            k=tuple(jax.lax.dynamic_update_slice(ck, jax.lax.dynamic_slice_in_dim(sk, i, 1, axis=0), (b, zero, zero, zero))
+                    for ck, sk in zip(cache.k, store.k)),
+            v=tuple(jax.lax.dynamic_update_slice(cv, jax.lax.dynamic_slice_in_dim(sv, i, 1, axis=0), (b, zero, zero, zero))
+                    for cv, sv in zip(cache.v, store.v)))
+        row_mask = jnp.concatenate([prompt_mask_UxP[i], jnp.ones((num_new,), bool)])
+        kv_mask = jax.lax.dynamic_update_slice(c["kv_mask"], row_mask[None, :], (b, zero))
+        tok, lp, ids, lps = sample1(jax.lax.dynamic_slice_in_dim(last_UxV, i, 1, axis=0), key[None], zero)
+        stop = is_stop(tok)
+        outs = record(c["outs"], r[None], zero[None], tok, lp, ids, lps, stop)
+        live = ~(stop[0] | (max_new_N[r] <= 1))
+        sl = c["slot"]
+        sl = dict(row=sl["row"].at[b].set(r), t=sl["t"].at[b].set(1), live=sl["live"].at[b].set(live),
+                  prev=sl["prev"].at[b].set(tok[0]), key=sl["key"].at[b].set(key),
+                  plen=sl["plen"].at[b].set(prompt_len_U[i]), max_new=sl["max_new"].at[b].set(max_new_N[r]))
+        return dict(c, cache=cache, kv_mask=kv_mask, slot=sl, outs=outs, queue=r + 1)
+
+    def admit(c):
+        return jax.lax.while_loop(admit_cond, admit_one, c)
+
+    def step(c, refill: bool):
+        sl = c["slot"]
+        t_B = sl["t"]
+        b = t_B.shape[0]
+        index_B = jnp.minimum(p + t_B - 1, s - 1)  # free slots: any in-range slot (their row is never read)
+        logits_Bx1xV, cache = model.decode(sl["prev"][:, None], (sl["plen"] + t_B - 1)[:, None], c["cache"],
+                                           index_B, c["kv_mask"])
+        tok, lp, ids, lps = _sample_step(logits_Bx1xV[:, 0, :], sl["key"], t_B, **params_for(b))
+        stop = is_stop(tok)
+        rows_B = jnp.where(sl["live"], sl["row"], n_pad)
+        outs = record(c["outs"], rows_B, jnp.minimum(t_B, num_new - 1), tok, lp, ids, lps, stop)
+        done = stop | (t_B + 1 >= sl["max_new"])
+        sl = dict(sl, t=jnp.where(sl["live"], t_B + 1, t_B), live=sl["live"] & ~done,
+                  prev=jnp.where(sl["live"], tok, sl["prev"]))
+        c = dict(c, cache=cache, slot=sl, outs=outs, steps=c["steps"] + 1)
+        return admit(c) if refill else c
+
+    def compact(c, m: int):
+        """The live slots (at most m) moved into a cache of m slots: the tail runs a smaller batch."""
+        keep = jnp.argsort(~c["slot"]["live"], stable=True)[:m]
+        take = lambda a: jnp.take(a, keep, axis=0)  # noqa: E731
+        cache = c["cache"]
+        return dict(c, cache=type(cache)(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v))),
+                    kv_mask=take(c["kv_mask"]), slot=jax.tree.map(take, c["slot"]))
+
+    # Level 0 runs every slot while rows are pending; once the queue is empty and at most a quarter of
+    # the slots are live, the live rows move to a 4x smaller cache (twice at most: 3 decode loops).
+    levels = [slots]
+    while len(levels) < _TAIL_LEVELS and levels[-1] // _TAIL_SHRINK >= 1:
+        levels.append(levels[-1] // _TAIL_SHRINK)
+    carry = admit(carry)
+    for li, level in enumerate(levels):
+        nxt = levels[li + 1] if li + 1 < len(levels) else 0
+
+        def cond(c, nxt=nxt):
+            live = c["slot"]["live"]
+            return jnp.any(live) & ((c["queue"] < num_rows) | (jnp.sum(live) > nxt))
+        carry = jax.lax.while_loop(cond, functools.partial(step, refill=li == 0), carry)
+        if nxt:
+            carry = compact(carry, nxt)
+    return dict(carry["outs"], steps=carry["steps"])
+
+
+_TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor ...
+_TAIL_LEVELS = 3  # ... into at most this many slot counts (slots, slots/4, slots/16)
+_CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
+                          static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype"))
+BATCHING_MODES = ("static", "continuous")
+
+
 class SamplingEngine:
     """Quantized-copy sampler with KV-cache decode; produces `RolloutBatch`es.
 
@@ -288,6 +447,12 @@ class SamplingEngine:
         adds one copy of the decode loop to the compiled program.
       max_stop_tokens: capacity of the per-row stop-id table.
       max_sequences: most sequences (prompts x n) one request may ask for.
+      batching: ``"static"`` (default: chunks of up to ``max_batch_size`` rows, each run until
+        its longest row stops, `_generate_program`) or ``"continuous"`` (`_continuous_program`:
+        the whole request queued into ``max_slots`` slots of one static cache; a slot whose row
+        stops takes the next pending row; same tokens and log mu as static, tests).
+      max_slots: slots of the continuous cache (None: ``max_batch_size``); a request with fewer
+        rows runs in the power-of-two bucket that holds them.
       share_prefill: prefill each prompt once for its n samples and repeat its KV cache
         (`_generate_program`'s ``group``) when a batch chunk holds whole groups of n rows
         and its bucket is a multiple of n (n a power of two, ``max_batch_size`` a multiple
@@ -302,13 +467,17 @@ class SamplingEngine:
                  max_new_tokens: int = 256, max_batch_size: int = 64, min_prompt_bucket: int = 8,
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096, share_prefill: bool = True,
-                 output_axes_fn=quant.default_output_axes):
+                 output_axes_fn=quant.default_output_axes, batching: str = "static",
+                 max_slots: Optional[int] = None):
         quant.check_quantization(quantization)
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"SamplingEngine: batching must be one of {BATCHING_MODES}, got {batching!r}")
+        max_slots = max_batch_size if max_slots is None else max_slots
         for name, v in (("max_prompt_length", max_prompt_length), ("max_new_tokens", max_new_tokens),
                         ("max_batch_size", max_batch_size), ("min_prompt_bucket", min_prompt_bucket),
                         ("min_new_tokens_bucket", min_new_tokens_bucket), ("max_sequences", max_sequences),
                         ("first_cache_segment", first_cache_segment),
-                        ("max_stop_tokens", max_stop_tokens)):
+                        ("max_stop_tokens", max_stop_tokens), ("max_slots", max_slots)):
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"SamplingEngine: {name} must be an integer >= 1, got {v!r}")
         if max_prompt_length + max_new_tokens > config.max_position_embeddings:
@@ -326,6 +495,10 @@ class SamplingEngine:
         self.max_sequences = int(max_sequences)
         self.first_cache_segment = int(first_cache_segment)
         self.share_prefill = bool(share_prefill)
+        self.batching = batching
+        self.max_slots = _next_pow2(int(max_slots))
+        self.program_shapes = set()  # distinct (program, static shapes) run: each one compiled once (logged)
+        self.last_decode_steps = 0  # decode steps of the last program run (bench)
         self._output_axes_fn = output_axes_fn
         dt = self.compute_dtype
         abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt))
@@ -473,6 +646,11 @@ class SamplingEngine:
         rows = [(i, j) for i in range(len(prompts)) for j in range(int(n))]
         with self._lock:
             version, state = self._version, self._state
+            if self.batching == "continuous":
+                part = self._run_continuous(state, prompts, rows, temperature=float(temperature), top_p=float(top_p),
+                                            top_k=int(top_k), max_new=max_new, k=int(top_k_logprobs),
+                                            stops=list(stop_token_ids or ()), seed=seed)
+                return self._to_batch(prompts, rows, [part], version)
             parts = []
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start:start + self.max_batch_size]
@@ -481,6 +659,63 @@ class SamplingEngine:
                                              k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed,
                                              n=int(n)))
         return self._to_batch(prompts, rows, parts, version)
+
+    def _note_program(self, key: tuple) -> None:
+        """Counts (``program_shapes``) and logs a program shape this engine has not run before: one compile
+        each (engines of one model config share them: the jits are module-level)."""
+        if key not in self.program_shapes:
+            self.program_shapes.add(key)
+            log.info("sampler: %d distinct generate programs; new: %s", len(self.program_shapes), key)
+
+    def _run_continuous(self, state, prompts, rows, *, temperature, top_p, top_k, max_new, k, stops, seed,
+                        row_max_new=None):
+        """The whole request through `_continuous_program`; returns `_run_chunk`'s dict for all rows.
+
+        ``row_max_new``: per-row limits (each <= max_new) instead of max_new for all (tests).
+
+        Static shapes: slots = min(max_slots, next_pow2(N)), the row queue next_pow2(N) (at least
+        the slots), the prompt store next_pow2(U), the prompt and new-token buckets of `_run_chunk`.
+        """
+        n_rows = len(rows)
+        slots = min(self.max_slots, _next_pow2(n_rows))
+        n_pad = max(_next_pow2(n_rows), slots)
+        if self.share_prefill:  # one prompt-store entry per prompt, read by its n rows
+            entries = [i for i, _ in rows]
+            uniq = list(range(len(prompts)))
+        else:  # one entry per row: every row prefilled
+            entries = list(range(n_rows))
+            uniq = [i for i, _ in rows]
+        u_pad = _next_pow2(len(uniq))
+        self.prefill_rows += u_pad
+        self.prefill_rows_unshared += n_pad
+        longest = max(len(prompts[i]) for i in uniq)
+        p = _bucket(longest, self.min_prompt_bucket, self.max_prompt_length)
+        if p < longest:  # max_prompt_length not a power of two
+            p = self.max_prompt_length
+        t = _bucket(max_new, self.min_new_tokens_bucket, self.max_new_tokens)
+        if t < max_new:
+            t = self.max_new_tokens
+        ids = np.zeros((u_pad, p), np.int32)
+        mask = np.zeros((u_pad, p), bool)
+        mask[:, -1] = True  # padding entries: one dummy token, never a fully masked row
+        for e, i in enumerate(uniq):
+            ids[e, p - len(prompts[i]):] = prompts[i]
+            mask[e] = False
+            mask[e, p - len(prompts[i]):] = True
+        per_row = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, n_pad - n_rows))  # noqa: E731
+        stop_arr = np.full((self.max_stop_tokens,), -1, np.int32)
+        stop_arr[:len(stops)] = stops
+        self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)))
+        out = _CONTINUOUS_JIT(
+            self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
+            jnp.asarray(per_row([i for i, _ in rows], np.uint32)), jnp.asarray(per_row([j for _, j in rows], np.uint32)),
+            jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
+            jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
+            jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k,
+            cache_dtype=self.compute_dtype)
+        out = jax.device_get(out)
+        self.last_decode_steps = int(out["steps"])
+        return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
 
     def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, n=1):
         n_rows = len(chunk)
@@ -513,6 +748,7 @@ class SamplingEngine:
         max_new_b[:n_rows] = max_new
         stop_arr = np.full((b, self.max_stop_tokens), -1, np.int32)
         stop_arr[:, :len(stops)] = stops
+        self._note_program(("static", b, p, t, k, group, self.first_cache_segment, str(self.compute_dtype)))
         out = self._program(
             self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
             jnp.asarray(np.tile(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32), (b, 1))),
@@ -521,6 +757,7 @@ class SamplingEngine:
             jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype,
             first_segment=self.first_cache_segment, group=group)
         out = jax.device_get(out)
+        self.last_decode_steps = int(out["steps"])
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
 
     def _to_batch(self, prompts, rows, parts, version) -> RolloutBatch:
@@ -573,6 +810,25 @@ class InProcessSampler:
         if self.checkpoint_root is not None:
             path = check_weights_path(path, self.checkpoint_root)
         return self.engine.load_weights(path, version)
+
+    def set_params(self, params, version: int) -> dict:
+        """Installs in-memory ``params`` as weights ``version`` (`SamplingEngine.set_params`; colocated sync).
+
+        Returns ``{"version", "seconds"}`` (seconds: the reshard + re-quantization, finished).
+        Raises:
+          StaleWeightsError: ``version`` is not newer than the engine's.
+          WeightsError: non-finite values (naming the parameter) or a tree that does not fit
+            the model; the current weights stay.
+        """
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) \
+                or not 0 <= version <= wts.MAX_VERSION:
+            raise wts.WeightsError(f"version must be an integer in [0, 2**31), got {version!r}")
+        if version <= self.engine.version:
+            raise StaleWeightsError(f"stale weights version {version}: the sampler holds version "
+                                    f"{self.engine.version}; an in-memory load needs a higher version")
+        t0 = time.perf_counter()
+        self.engine.set_params(params, version=int(version))
+        return {"version": int(version), "seconds": time.perf_counter() - t0}
 
     @property
     def version(self) -> int:
