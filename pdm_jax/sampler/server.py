@@ -96,6 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_prompt_length", type=int, default=512)
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--max_batch_size", type=int, default=64)
+    # = pdm_jax.sampler.engine.BATCHING_MODES (spelled out: the engine imports JAX, --help must not)
+    p.add_argument("--batching", default="static", choices=("static", "continuous"),
+                   help="static: chunks of --max_batch_size rows run to their longest row; continuous: "
+                        "--max_slots slots refilled as rows stop (pdm_jax.sampler.engine)")
+    p.add_argument("--max_slots", type=int, default=0, help="continuous batching's slots (0 = --max_batch_size)")
     p.add_argument("--max_body_bytes", type=int, default=8 << 20)
     p.add_argument("--init_seed", type=int, default=0, help="seed of the random init when --weights is omitted")
     p.add_argument("--log_level", default="warning")
@@ -378,7 +383,8 @@ def main(argv=None) -> None:
     engine = SamplingEngine(config, params, quantization=args.quantization, version=version,
                             weights_path=args.weights, compute_dtype=args.compute_dtype,
                             max_prompt_length=args.max_prompt_length,
-                            max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size)
+                            max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size,
+                            batching=args.batching, max_slots=args.max_slots or None)
     app = create_app(engine, checkpoint_root=args.checkpoint_root, token=args.token,
                      max_body_bytes=args.max_body_bytes, compile_counter=compile_counter)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
