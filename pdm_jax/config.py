@@ -31,6 +31,7 @@ from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.profiling import parse_steps
+from pdm_jax.sampler.engine import BATCHING_MODES
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.sharding import MeshConfig
@@ -176,6 +177,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.stall_probe_misses = 3  # 0 = no probing
     c.sampler.max_prompt_length = 64  # tokens; longest accepted prompt (largest prompt bucket)
     c.sampler.max_batch_size = 64  # largest batch bucket; bigger requests run in chunks
+    # How a request's rows are batched (pdm_jax.sampler.engine): "static" (chunks of max_batch_size rows, each
+    # run until its longest row stops) | "continuous" (max_slots slots of one static KV cache; a slot whose row
+    # stops takes the next pending row: same tokens and log mu, faster when response lengths differ; README).
+    c.sampler.batching = "static"
+    c.sampler.max_slots = 0  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
 
     # ---- evaluation --------------------------------------------------------------------
     c.eval = ml_collections.ConfigDict()
@@ -459,6 +465,9 @@ def _check_sampler_and_eval(config) -> None:
     _need(sc.quantization in QUANTIZATIONS, "sampler.quantization", sc.quantization, f"must be one of {QUANTIZATIONS}")
     _need(sc.compute_dtype in COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
           f"must be one of {COMPUTE_DTYPES}")
+    _need(sc.batching in BATCHING_MODES, "sampler.batching", sc.batching, f"must be one of {BATCHING_MODES}")
+    _need(isinstance(sc.max_slots, int) and not isinstance(sc.max_slots, bool) and sc.max_slots >= 0,
+          "sampler.max_slots", sc.max_slots, "must be an integer >= 0 (0 = sampler.max_batch_size)")
     cc = config.compile_cache
     _need(math.isfinite(cc.min_compile_time_s) and cc.min_compile_time_s >= 0, "compile_cache.min_compile_time_s",
           cc.min_compile_time_s, "must be a finite number of seconds >= 0")

@@ -139,7 +139,9 @@ class SamplerSupervisor:
         self.workdir = workdir
         self.model_config = model_config
         self.limits = dict(max_prompt_length=int(sampler_config.max_prompt_length),
-                           max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size))
+                           max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size),
+                           batching=str(getattr(sampler_config, "batching", "static")),
+                           max_slots=int(getattr(sampler_config, "max_slots", 0)) or None)
 
         def setting(value, name, default):
             return getattr(sampler_config, name, default) if value is None else value
