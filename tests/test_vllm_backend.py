@@ -185,6 +185,15 @@ def test_exported_hf_directory_is_bit_exact_and_refuses_wrong_shapes(tmp_path):
     import jax
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the CLI that writes a server's starting directory: from a save_weights directory, same tensors
+    from pdm_jax.sampler.vllm_client import main
+    save_weights(params, str(tmp_path / "w"), version=0)
+    (tmp_path / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
+    main(["--model_config", str(tmp_path / "config.json"), "--weights", str(tmp_path / "w"),
+          "--out", str(tmp_path / "cli")])
+    cli = to_pure_dict(nnx.state(from_pretrained(str(tmp_path / "cli")), nnx.Param))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(cli)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     bad = jax.tree.map(lambda x: x, params)
     bad["norm"]["scale"] = np.zeros((31,), np.float32)
     with pytest.raises(ValueError, match=r"norm.*shape \(31,\).*\(32,\)"):

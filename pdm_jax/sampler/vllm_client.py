@@ -515,3 +515,33 @@ class VLLMSampler:
                     shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
             return wire.weights_loaded(version=int(version), path=target, seconds=time.perf_counter() - t0,
                                        reloaded=previous == int(version))
+
+
+def main(argv=None) -> None:
+    """``python -m pdm_jax.sampler.vllm_client --model_config CONFIG_JSON --out DIR [--weights WEIGHTS_DIR]``.
+
+    Writes a Hugging Face directory for a vLLM server to start from: the `save_weights` directory
+    ``--weights`` (e.g. ``WORKDIR/weights/v000000``), or a random initialisation of the model (seed 0)
+    when it is omitted -- the trainer replaces the weights with version 0 before the first rollout.
+    """
+    import argparse
+    import json
+
+    from pdm_jax.models.qwen3 import Qwen3Config
+
+    p = argparse.ArgumentParser(prog="python -m pdm_jax.sampler.vllm_client", description=main.__doc__.split("\n")[0])
+    p.add_argument("--model_config", required=True, help="the model's Hugging Face config.json (WORKDIR/model/config.json)")
+    p.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    p.add_argument("--weights", default=None, help="a save_weights directory; omit for a random init")
+    args = p.parse_args(argv)
+    with open(args.model_config) as f:
+        config = Qwen3Config.from_hf_dict(json.load(f))
+    if args.weights:
+        params = wts.load_weights(args.weights, config)
+    else:
+        params = wts.to_pure_dict(nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(0)), nnx.Param))
+    print(export_hf_weights(params, config, os.path.abspath(args.out)))
+
+
+if __name__ == "__main__":
+    main()
