@@ -214,6 +214,20 @@ def test_server_without_dev_mode_names_the_missing_route(tmp_path):
         stop()
 
 
+@pytest.mark.parametrize("overrides, match", [
+    ({"sampler.backend": "sglang"}, "sampler.backend"),
+    ({"sampler.backend": "vllm", "sampler.mode": "subprocess"}, "sampler.mode.*'remote' when sampler.backend"),
+    ({"sampler.backend": "vllm", "sampler.mode": "remote", "sampler.address": ""}, "sampler.address"),
+])
+def test_config_names_a_bad_backend_setting(overrides, match):
+    from test_trainer import tiny_test_config
+
+    from pdm_jax.config import validate_config
+
+    with pytest.raises(ValueError, match=match):
+        validate_config(tiny_test_config(**overrides))
+
+
 # ----------------------------------------------------------------------------- RL steps of the tiny task
 @pytest.mark.slow
 def test_rl_steps_with_the_vllm_backend_equal_the_in_process_engine(tmp_path):
