@@ -229,3 +229,24 @@ def test_stop_token_ids_reach_the_codec():
         ids = np.array([one, plus, one, tok.eos_token_id])
         assert codec.decode_completion(ids, np.ones(4, bool)) == "11"
         assert TextCodec(tok, chat=False).stop_ids == (tok.eos_token_id,)
+
+
+@pytest.mark.parametrize("field, value, match", [("sampler.batching", "paged", "must be one of"),
+                                                 ("sampler.max_slots", -1, "integer >= 0")])
+def test_batching_settings_are_checked(field, value, match):
+    c = _valid_config()
+    group, name = field.split(".")
+    c[group][name] = value
+    with pytest.raises(ValueError, match=f"{field} = .*{match}"):
+        validate_config(c)
+
+
+def test_batching_reaches_the_sampler_server_flags():
+    """sampler.batching / max_slots become the server's --batching / --max_slots (the launcher's argv)."""
+    from pdm_jax.sampler.server import parse_args
+
+    args = parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--batching=continuous", "--max_slots=16"])
+    assert (args.batching, args.max_slots) == ("continuous", 16)
+    assert parse_args(["--model_config=x", "--checkpoint_root=/tmp"]).batching == "static"
+    with pytest.raises(SystemExit):
+        parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--batching=paged"])
