@@ -14,8 +14,9 @@ from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import wire
 from pdm_jax.sampler.client import SamplerRequestError
 from pdm_jax.sampler.engine import SamplingEngine
+from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler.vllm_client import (StaleVLLMWeightsError, VLLMResponseError, VLLMSampler, completions_request,
-                                         export_hf_weights, parse_completions)
+                                         export_hf_weights, parse_completions, prompt_seed)
 from pdm_jax.sampler.vllm_fake import FakeVLLM, create_app, serve_in_thread
 from pdm_jax.sampler.weights import save_weights, to_pure_dict
 
@@ -128,6 +129,15 @@ def test_sampled_token_at_minus_inf_and_early_stop_id_are_refused():
         parse_completions(RECORDED, [[10, 11, 12]], **dict(PARSE, stop_token_ids=[3, 5]))
 
 
+def test_prompt_seeds_are_deterministic_distinct_and_leave_room_for_the_n_children():
+    n = 8
+    seeds = {(s, i): prompt_seed(s, i, n) for s in (0, 1, 2, 2**63 - 1) for i in range(256)}
+    assert prompt_seed(5, 3, n) == prompt_seed(5, 3, n)
+    assert all(0 <= v <= 2**63 - 1 - n for v in seeds.values())
+    ranges = sorted(seeds.values())  # vLLM seeds the children v .. v + n - 1: no two prompts share one
+    assert all(b - a >= n for a, b in zip(ranges, ranges[1:]))
+
+
 # ----------------------------------------------------------------------------- against the fake server
 CFG = Qwen3Config(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
@@ -159,14 +169,17 @@ def test_weight_push_and_rollouts_through_the_fake_server_equal_our_engine(tmp_p
         info = client.load_weights(str(tmp_path / f"w{version}"), version)
         assert info["path"] == client.hf_path(version) and fake.weights_path == os.path.realpath(info["path"])
         got = client.generate(prompts, **kw)
-        want = SamplingEngine(CFG, params, quantization="none", max_prompt_length=16, max_new_tokens=8).generate(
-            prompts, **kw)
+        engine = SamplingEngine(CFG, params, quantization="none", max_prompt_length=16, max_new_tokens=8)
+        want = RolloutBatch.concatenate([engine.generate([p], **dict(kw, seed=prompt_seed(kw["seed"], i, kw["n"])))
+                                         for i, p in enumerate(prompts)])
         for name in ("completion_ids", "completion_mask", "topk_ids", "group_ids", "finish_reason", "prompt_ids"):
             np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
         np.testing.assert_allclose(got.behavior_logprobs, want.behavior_logprobs, rtol=0, atol=1e-6)
         np.testing.assert_allclose(got.topk_logprobs, want.topk_logprobs, rtol=0, atol=1e-6)
         assert got.weights_version.tolist() == [version] * 6
     assert sorted(os.listdir(tmp_path / "hf")) == ["v000001", "v000002"] and fake.reloads == 2
+    assert [(r["prompt"], r["seed"]) for r in fake.requests[-2:]] == [  # one request per prompt, own seed
+        ([p], prompt_seed(1234, i, 3)) for i, p in enumerate(prompts)]
     sent = fake.requests[-1]
     assert sent["ignore_eos"] is True and sent["return_tokens_as_token_ids"] is True and sent["model"] == "fake-vllm"
     with pytest.raises(StaleVLLMWeightsError, match="stale weights version 1"):
@@ -230,10 +243,10 @@ def test_config_names_a_bad_backend_setting(overrides, match):
 
 # ----------------------------------------------------------------------------- RL steps of the tiny task
 @pytest.mark.slow
-def test_rl_steps_with_the_vllm_backend_equal_the_in_process_engine(tmp_path):
+def test_rl_steps_with_the_vllm_backend_equal_the_in_process_engine(tmp_path, monkeypatch):
     """A few RL steps of the tiny task with sampler.backend=vllm against the fake server: every weights
     version goes through the HF export and reload, and the run's numbers equal an in-process run with the
-    same (f32, unquantized) engine and seeds."""
+    same (f32, unquantized) engine, seeds and request layout."""
     from test_trainer import DETERMINISTIC_KEYS, _rl_records, tiny_test_config
 
     from pdm_jax.trainer import Trainer
@@ -249,6 +262,15 @@ def test_rl_steps_with_the_vllm_backend_equal_the_in_process_engine(tmp_path):
         stop()
     assert summary["steps"] == 2 and fake.reloads == 3  # version 0 at start, then one per RL step
     assert sorted(os.listdir(tmp_path / "vllm" / "weights_hf")) == ["v000001", "v000002"]
+    # reference: our in-process engine with the client's request layout (one call per prompt, prompt_seed)
+    from pdm_jax.sampler.supervisor import SamplerSupervisor
+    plain = SamplerSupervisor.generate
+
+    def per_prompt(self, prompts, *, n, seed, **kw):
+        return RolloutBatch.concatenate([plain(self, [p], n=n, seed=prompt_seed(seed, i, n), **kw)
+                                         for i, p in enumerate(prompts)])
+
+    monkeypatch.setattr(SamplerSupervisor, "generate", per_prompt)
     ref_summary = Trainer(tiny_test_config(**common, **{"sampler.mode": "in_process"}), str(tmp_path / "ref")).run()
     got, ref = _rl_records(tmp_path / "vllm"), _rl_records(tmp_path / "ref")
     assert sorted(got) == [1, 2]

@@ -4,8 +4,10 @@ The trainer's `SamplerSupervisor` uses it like its own `SamplerClient`: ``genera
 `RolloutBatch` with the same meaning as `SamplingEngine.generate`'s, ``load_weights(path, version)``
 makes the server sample from weights version ``version``.
 
-Generation: one ``POST /v1/completions`` (JSON) per call, with token-id prompts
-(``"prompt": [[ids], ...]``), ``n``, ``seed``, ``temperature``, ``top_p``, ``top_k`` (-1 = off),
+Generation: one ``POST /v1/completions`` (JSON) per prompt, sent concurrently (the server batches
+them), each with its own seed (`prompt_seed`: vLLM gives the n samples of a request the seeds
+``seed + j`` and every prompt of a request the same ones), with the token-id prompt
+(``"prompt": [[ids]]``), ``n``, ``seed``, ``temperature``, ``top_p``, ``top_k`` (-1 = off),
 ``max_tokens``, ``stop_token_ids`` with ``ignore_eos: true`` (the rollout stops on our stop ids
 only, the eos id among them, as our engine does), ``logprobs: K``,
 ``return_tokens_as_token_ids: true`` (tokens and top-K keys come back as ``"token_id:<id>"``
@@ -60,6 +62,8 @@ server with vLLM's response shapes backed by our `SamplingEngine`, and a recorde
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import math
 import os
@@ -67,6 +71,7 @@ import secrets
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional, Sequence
 
 import httpx
@@ -84,7 +89,7 @@ from pdm_jax.sampler.client import SamplerError, SamplerRequestError
 log = logging.getLogger("pdm_jax.sampler")
 
 __all__ = ["VLLMSampler", "VLLMResponseError", "completions_request", "parse_completions", "export_hf_weights",
-           "parse_token_id"]
+           "parse_token_id", "prompt_seed"]
 
 
 _MISSING = object()  # `VLLMSampler._request`'s answer for a 404 when the route is optional
@@ -103,6 +108,19 @@ class StaleVLLMWeightsError(ValueError):
 
 
 # ============================================================================= request / response
+def prompt_seed(seed: int, index: int, n: int) -> int:
+    """The vLLM request seed for prompt `index` of a generation with seed `seed` and `n` samples per prompt.
+
+    vLLM seeds sample j of a request with ``seed + j`` (its parallel-sampling children) and every prompt
+    of a multi-prompt request with the same seeds, so prompts sharing one request would share their
+    random draws (and consecutive RL steps, whose seeds differ by 1, would reuse each other's).  Each
+    prompt therefore gets its own request, seeded by a hash of ``(seed, index)`` (blake2b, 8 bytes) in
+    [0, 2**63 - n) so that ``seed + j`` stays an int64.  Deterministic: a retried call sends the same seeds.
+    """
+    digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**63 - int(n))
+
+
 def completions_request(prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_new_tokens: int,
                         top_k_logprobs: int, stop_token_ids: Sequence[int], seed: int, top_p: float = 1.0,
                         top_k: int = 0, model: str = "") -> dict:
@@ -338,13 +356,16 @@ class VLLMSampler:
         timeouts and 5xx; backoff_s: first backoff in seconds (doubles per retry).
       token: bearer token (``vllm serve --api-key``), or None.
       transport: optional ``httpx`` transport (tests).
+      max_concurrent_requests: most requests in flight at once (one per prompt, `prompt_seed`); the
+        server batches them.
 
     Raises:
       ValueError: retries < 0, timeout_s <= 0 or backoff_s < 0.
     """
 
     def __init__(self, base_url: str, *, model_config, weights_dir: str, model: str = "", timeout_s: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, token: Optional[str] = None, transport=None):
+                 retries: int = 3, backoff_s: float = 0.5, token: Optional[str] = None, transport=None,
+                 max_concurrent_requests: int = 64):
         if retries < 0 or timeout_s <= 0 or backoff_s < 0:
             raise ValueError(f"VLLMSampler: need retries >= 0, timeout_s > 0, backoff_s >= 0; got retries={retries}, "
                              f"timeout_s={timeout_s}, backoff_s={backoff_s}")
@@ -358,6 +379,7 @@ class VLLMSampler:
         self._lock = threading.RLock()
         self._version: Optional[int] = None
         self._template = self._abstract = None
+        self.max_concurrent_requests = int(max_concurrent_requests)
         self.last_load_seconds = {"export": 0.0, "reload": 0.0}
 
     def close(self) -> None:
@@ -447,6 +469,9 @@ class VLLMSampler:
                  seed: Optional[int] = None, top_p: float = 1.0, top_k: int = 0) -> RolloutBatch:
         """Rollouts for `prompts`; same arguments and result as `SamplingEngine.generate`.
 
+        One ``/v1/completions`` request per prompt (seeded by `prompt_seed`), sent concurrently; their
+        batches are concatenated in prompt order (`RolloutBatch.concatenate`: group i = prompt i).
+
         Raises:
           SamplerRequestError: the server refused the request (4xx).
           SamplerError: unreachable / 5xx after all retries.
@@ -457,16 +482,25 @@ class VLLMSampler:
         seed = secrets.randbelow(wire.MAX_SEED + 1) if seed is None else int(seed)
         prompts = [[int(t) for t in p] for p in prompts]
         stops = [int(s) for s in stop_token_ids or ()]
-        body = completions_request(prompts, n=n, temperature=temperature, max_new_tokens=max_new,
-                                   top_k_logprobs=top_k_logprobs, stop_token_ids=stops, seed=seed, top_p=top_p,
-                                   top_k=top_k, model=self.model)
+        bodies = [completions_request([p], n=n, temperature=temperature, max_new_tokens=max_new,
+                                      top_k_logprobs=top_k_logprobs, stop_token_ids=stops,
+                                      seed=prompt_seed(seed, i, n), top_p=top_p, top_k=top_k, model=self.model)
+                  for i, p in enumerate(prompts)]
+        post = functools.partial(self._request, "POST", wire.VLLM_COMPLETIONS)
         with self._lock:
             if self._version is None:
                 raise ValueError("VLLMSampler.generate: no weights version loaded yet (load_weights first)")
             version = self._version
-            answer = self._request("POST", wire.VLLM_COMPLETIONS, json_body=body)
-        return parse_completions(answer, prompts, n=n, top_k_logprobs=top_k_logprobs, max_new_tokens=max_new,
-                                 stop_token_ids=stops, version=version)
+            with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), self.max_concurrent_requests))) as pool:
+                answers = list(pool.map(lambda body: post(json_body=body), bodies))
+        batches = []
+        for i, (p, answer) in enumerate(zip(prompts, answers)):
+            try:
+                batches.append(parse_completions(answer, [p], n=n, top_k_logprobs=top_k_logprobs,
+                                                 max_new_tokens=max_new, stop_token_ids=stops, version=version))
+            except VLLMResponseError as e:
+                raise VLLMResponseError(e.field, f"{str(e).split(': ', 1)[1]} (the request for prompt {i})") from e
+        return RolloutBatch.concatenate(batches)
 
     def hf_path(self, version: int) -> str:
         """The Hugging Face directory of weights version `version` (``weights_dir/vNNNNNN``)."""
