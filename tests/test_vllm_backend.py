@@ -182,6 +182,14 @@ def test_weight_push_and_rollouts_through_the_fake_server_equal_our_engine(tmp_p
         ([p], prompt_seed(1234, i, 3)) for i, p in enumerate(prompts)]
     sent = fake.requests[-1]
     assert sent["ignore_eos"] is True and sent["return_tokens_as_token_ids"] is True and sent["model"] == "fake-vllm"
+    assert fake.calls == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"] * 2
+    # a reload the server refuses (a directory outside its --weights_root): resumed anyway, version kept
+    outside = VLLMSampler(url, model_config=CFG, weights_dir=str(tmp_path.parent / f"{tmp_path.name}_out"), retries=0)
+    outside.health()
+    with pytest.raises(SamplerRequestError) as e:
+        outside.load_weights(str(tmp_path / "w2"), 2)
+    assert e.value.status == 403 and "outside --weights_root" in e.value.message and outside.version is None
+    assert fake.calls[-3:] == ["/pause", "/collective_rpc", "/resume"] and fake._resumed.is_set()
     with pytest.raises(StaleVLLMWeightsError, match="stale weights version 1"):
         client.load_weights(str(tmp_path / "w1"), 1)
     with pytest.raises(SamplerRequestError) as e:  # vLLM's error body: message and param

@@ -84,6 +84,7 @@ class FakeVLLM:
         self.weights_path: Optional[str] = None
         self.reloads = 0
         self.requests = []  # the decoded /v1/completions bodies (tests read them)
+        self.calls = []  # the dev-mode routes called, in order (tests read them)
         self._resumed = threading.Event()
         self._resumed.set()
 
@@ -229,6 +230,8 @@ def create_app(fake: FakeVLLM, *, api_key: Optional[str] = None):
     def answer(fn, *, dev: bool = False, body: bool = True):
         async def endpoint(request: Request):
             try:
+                if dev:
+                    fake.calls.append(request.url.path)
                 if dev and not fake.dev_mode:
                     raise FakeVLLMError(404, "Not Found")
                 if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
