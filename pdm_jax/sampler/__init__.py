@@ -8,6 +8,8 @@ engine     SamplingEngine (jitted KV-cache prefill + decode -> RolloutBatch), In
 server     python -m pdm_jax.sampler.server (FastAPI + uvicorn)
 client     SamplerClient (msgpack over HTTP, retries)
 launcher   start_sampler_server -> SamplerProcess
+vllm_client  VLLMSampler: rollouts and weight pushes through a vLLM OpenAI-compatible server
+vllm_fake  python -m pdm_jax.sampler.vllm_fake: a fake of that server backed by SamplingEngine (tests, rehearsal)
 
 Names are imported lazily so that `python -m pdm_jax.sampler.server --help`
 does not pay for importing JAX.
@@ -23,6 +25,7 @@ _EXPORTS = {
     "prepare_sampler_params": "quantize", "quantize_fp8": "quantize",
     "SamplerClient": "client", "SamplerError": "client", "SamplerRequestError": "client",
     "start_sampler_server": "launcher", "SamplerProcess": "launcher", "SamplerStartupError": "launcher",
+    "VLLMSampler": "vllm_client", "VLLMResponseError": "vllm_client",
 }
 
 __all__ = sorted(_EXPORTS)
