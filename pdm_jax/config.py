@@ -37,7 +37,12 @@ from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.sharding import MeshConfig
 from pdm_jax.train_step import OptimizerConfig
 
-SAMPLER_MODES = ("subprocess", "remote", "in_process")
+#: ``sampler.mode``: "auto" resolves with `resolve_sampler_mode`; pdm_jax.sampler.supervisor runs each.
+SAMPLER_MODES = ("auto", "subprocess", "remote", "in_process", "colocated")
+#: Modes whose sampler reads each weights version from a file under WORKDIR/weights ("colocated": in memory).
+SAMPLER_FILE_MODES = ("subprocess", "remote", "in_process")
+#: ``eval.engine``: a separate unquantized f32 engine on the trainer's weights, or the rollout sampler itself.
+EVAL_ENGINES = ("f32", "rollout")
 SAMPLER_BACKENDS = ("native", "vllm")  # who serves rollouts: pdm_jax.sampler.server/engine, or a vLLM server
 TOKENIZER_KINDS = ("char", "path")
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
@@ -147,7 +152,12 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     # ---- sampler service ------------------------------------------------------------
     c.sampler = ml_collections.ConfigDict()
-    c.sampler.mode = "subprocess"  # "subprocess" (started by the trainer) | "remote" (address) | "in_process"
+    # Where rollouts are sampled and how weights reach the sampler (pdm_jax.sampler.supervisor):
+    # "subprocess" (a server process started by the trainer, weights through files) | "remote" (a server at
+    # sampler.address, files) | "in_process" (an engine in the trainer's process, files) | "colocated" (an
+    # engine on the trainer's first device, weights handed over in memory) | "auto" (subprocess on the CPU
+    # backend, colocated on TPU/GPU, where a subprocess cannot open the accelerator the trainer holds).
+    c.sampler.mode = "auto"
     c.sampler.address = ""  # http://host:port for mode=remote
     c.sampler.token = ""
     # Rollout server: "native" (pdm_jax.sampler.server / engine) | "vllm" (a vLLM or vLLM-TPU OpenAI-compatible
@@ -189,6 +199,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.eval.num_prompts = 200
     c.eval.samples_per_prompt = 4  # avg@k at the training temperature
     c.eval.greedy = True
+    # Which engine evaluates: "f32" (an unquantized f32 engine in the trainer's process on its first device,
+    # fed the trainer's weights in memory) | "rollout" (the rollout sampler itself: sampler.quantization,
+    # sampler.mode; no second engine, but evaluations then include the quantization gap).
+    c.eval.engine = "f32"
 
     # ---- mesh ------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()
@@ -455,6 +469,19 @@ def _check_rl(config) -> None:
     step_configs(config)  # trust region and policy loss: their own checks, named by field
 
 
+def resolve_sampler_mode(mode: str, backend: Optional[str] = None) -> str:
+    """The sampler mode a run uses: ``mode``, or for ``"auto"`` "subprocess" on the CPU backend and
+    "colocated" on TPU/GPU (``backend``, default ``jax.default_backend()``).
+
+    Raises:
+      ValueError: naming ``sampler.mode`` and the value when it is not one of `SAMPLER_MODES`.
+    """
+    _need(mode in SAMPLER_MODES, "sampler.mode", mode, f"must be one of {SAMPLER_MODES}")
+    if mode != "auto":
+        return mode
+    return "subprocess" if (backend or jax.default_backend()) == "cpu" else "colocated"
+
+
 def _check_sampler_and_eval(config) -> None:
     sc = config.sampler
     _need(sc.mode in SAMPLER_MODES, "sampler.mode", sc.mode, f"must be one of {SAMPLER_MODES}")
@@ -463,6 +490,7 @@ def _check_sampler_and_eval(config) -> None:
         _need(sc.mode == "remote", "sampler.mode", sc.mode,
               "must be 'remote' when sampler.backend = 'vllm' (the vLLM server runs on its own, at sampler.address)")
     _need(sc.quantization in QUANTIZATIONS, "sampler.quantization", sc.quantization, f"must be one of {QUANTIZATIONS}")
+    _need(config.eval.engine in EVAL_ENGINES, "eval.engine", config.eval.engine, f"must be one of {EVAL_ENGINES}")
     _need(sc.compute_dtype in COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
           f"must be one of {COMPUTE_DTYPES}")
     _need(sc.batching in BATCHING_MODES, "sampler.batching", sc.batching, f"must be one of {BATCHING_MODES}")

@@ -15,8 +15,8 @@ Phases of a run (all resumable from ``--workdir``):
    ``group_size`` samples from the sampler (weights version v, possibly up to
    ``max_staleness`` versions behind), verifier rewards, group advantages,
    ``num_iterations`` passes of ``num_minibatches`` jitted, mesh-sharded
-   optimizer steps with the trust-region mask, then version v+1 is saved and
-   loaded by the sampler;
+   optimizer steps with the trust-region mask, then version v+1 reaches the
+   sampler (saved and loaded, or handed over in memory with ``sampler.mode=colocated``);
 4. final evaluation, ``summary.json`` and ``curves.png``.
 """
 
@@ -213,18 +213,33 @@ class Trainer:
         return run
 
     # ---------------------------------------------------------------- evaluation
-    def evaluate(self, version: int) -> dict:
+    def evaluate(self, version: int, params=None) -> dict:
         """avg@k accuracy (k = eval.samples_per_prompt at the training temperature) and greedy accuracy.
 
-        Runs an in-process, unquantized engine on weights version `version`
-        (the trainer's own parameters) over the first eval.num_prompts held-out prompts
-        (`pdm_jax.evaluation.evaluate`).
+        Over the first eval.num_prompts held-out prompts (`pdm_jax.evaluation.evaluate`), with
+        the engine ``eval.engine`` names: ``f32``, an unquantized f32 engine in this process on
+        its first device, given ``params`` (weights version `version`; default ``self.params``)
+        in memory; ``rollout``, the rollout sampler, which serves `version` after the step's
+        weight sync (started here on ``params`` when it is not running yet).
+
+        Raises:
+          RuntimeError: ``eval.engine = rollout`` and the sampler serves another version.
         """
-        if self._eval_engine is None:
-            self._eval_engine = self.sampler.local_engine(version, "none")
-        elif self._eval_engine.version != version:
-            self._eval_engine.load_weights(self.sampler.weights_path(version), version)
-        return evaluation.evaluate(self._eval_engine, self.source, self.codec, self.config.eval,
+        params = self.params if params is None else params
+        if self.config.eval.engine == "rollout":
+            if not self.sampler.started:
+                self.sampler.start(version, params=params)
+            if self.sampler.version != version:
+                raise RuntimeError(f"eval.engine = 'rollout': the sampler serves weights version "
+                                   f"{self.sampler.version}, not {version}")
+            engine = self.sampler
+        elif self._eval_engine is None:
+            engine = self._eval_engine = self.sampler.memory_engine(params, version, "none")
+        else:
+            engine = self._eval_engine
+            if engine.version != version:
+                engine.engine.set_params(params, version=version)
+        return evaluation.evaluate(engine, self.source, self.codec, self.config.eval,
                                    temperature=self.config.rl.temperature,
                                    max_new_tokens=self.config.rl.max_new_tokens, seed=10_007 + self.config.seed)
 
@@ -277,8 +292,14 @@ class Trainer:
         return summary
 
     def _evaluate_warm_start(self, state, meta, writer) -> None:
-        """Pushes the warm start as sampler version 0, evaluates it and checkpoints the result."""
-        self.sampler.push_weights(state.params, 0)
+        """Writes the warm start as weights version 0, evaluates it and checkpoints the result.
+
+        Version 0 is written in the file modes (the sampler's first version) and, with
+        ``rl.kl_beta`` > 0, in every mode (the KL reference policy, read back on resume).
+        """
+        if self.sampler.writes_files or self.config.rl.kl_beta > 0:
+            self.sampler.push_weights(state.params, 0)
+        self.params = state.params
         meta["warmstart"] = self.evaluate(0)
         writer.write(0, "eval", meta["warmstart"])
         log.info("warm start evaluated: %s", _fmt(meta["warmstart"]))
@@ -384,10 +405,9 @@ class Trainer:
             log.info("all %d RL steps are done; summary in %s", rl.steps, summary_path)
             with open(summary_path) as f:
                 return json.load(f)
-        if not os.path.exists(self.sampler.weights_path(version)):
-            self.sampler.push_weights(state.params, version)
-        self.sampler.start(version)
-        log.info("sampler ready (%s, %s weights, version %d); %d GRPO steps to go", cfg.sampler.mode,
+        if not self.sampler.started:  # file modes: the version is pushed first if it is not on disk
+            self.sampler.start(version, params=state.params)
+        log.info("sampler ready (%s, %s weights, version %d); %d GRPO steps to go", self.sampler.mode,
                  cfg.sampler.quantization, version, rl.steps - meta["rl_step"])
         bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
                    initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
@@ -410,7 +430,7 @@ class Trainer:
             profiler.stop()
         self.params = run["state"].params
         if not run["last_eval"]:
-            run["last_eval"] = self.evaluate(run["version"])
+            run["last_eval"] = self.evaluate(run["version"], run["state"].params)
         return self._write_summary(meta, run["last_eval"], writer)
 
     def _rl_step(self, step, run, producer, step_fn, ref, schedule, meta, writer) -> dict:
@@ -439,7 +459,7 @@ class Trainer:
         rec = self._rl_record(step_metrics, rb, rewards, run["state"], schedule, version, gen_seconds)
         if (step + 1) % cfg.eval.every_steps == 0 or step + 1 == rl.steps:
             with timer.phase("eval"):
-                run["last_eval"] = self.evaluate(version)
+                run["last_eval"] = self.evaluate(version, run["state"].params)
             writer.write(step + 1, "eval", run["last_eval"])
             log.info("eval after RL step %d: %s", step + 1, _fmt(run["last_eval"]))
         if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == rl.steps:

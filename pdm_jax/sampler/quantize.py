@@ -210,24 +210,71 @@ def _rebuild(tree: Mapping, leaves) -> dict:
     return _map_with_path(lambda _p, _x: next(it), tree)
 
 
-@functools.partial(jax.jit, static_argnames=("quantization", "dtype", "axes"))
-def _prepare_program(leaves: list, *, quantization: str, dtype, axes: tuple) -> tuple:
-    """All leaves of a tree in one jitted program: (prepared leaves, non-finite counts of the fp8 leaves).
+def _prepare_fn(leaves: list, *, quantization: str, dtype, axes: tuple, checked: tuple) -> tuple:
+    """All leaves of a tree in one program: (prepared leaves, non-finite counts of the ``checked`` leaves).
 
     Per leaf, exactly the operations of the eager path (`quantize_fp8` +
     `Fp8Tensor.dequantize`, or the casts of `dequantize_params`).
     """
     out, bad = [], []
-    for x, ax in zip(leaves, axes):
+    for x, ax, check in zip(leaves, axes, checked):
+        if check:
+            bad.append(jnp.sum(~jnp.isfinite(jnp.asarray(x))))
         if quantization in WEIGHT_ONLY_DTYPES and ax is not None:
             w = jnp.asarray(x, jnp.float32)
-            bad.append(jnp.sum(~jnp.isfinite(w)))
             out.append(_weight_only_dequantized(w, ax, dtype, WEIGHT_ONLY_DTYPES[quantization]))
         elif quantization == "bf16":
             out.append(jnp.asarray(x).astype(jnp.bfloat16).astype(dtype))
         else:
             out.append(jnp.asarray(x).astype(dtype))
     return out, bad
+
+
+_STATIC = ("quantization", "dtype", "axes", "checked")
+_prepare_program = jax.jit(_prepare_fn, static_argnames=_STATIC)
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_program_to(out_sharding) -> Callable:
+    """`_prepare_fn` jitted with every output placed by ``out_sharding`` (one program per sharding)."""
+    return jax.jit(_prepare_fn, static_argnames=_STATIC, out_shardings=out_sharding)
+
+
+def _on_device(x, device):
+    """The copy of a fully replicated (or single-device) ``x`` that lives on ``device``, no transfer; else None."""
+    if not isinstance(x, jax.Array) or device not in x.sharding.device_set or not x.sharding.is_fully_replicated:
+        return None
+    return next((s.data for s in x.addressable_shards if s.device == device), None)
+
+
+def _placement(leaves: list, device) -> tuple:
+    """``(program inputs, out_sharding, mesh or None)``: where the preparation runs to land on ``device``.
+
+    * every array leaf already on ``device`` or replicated over devices that include it
+      (data-parallel training): its replica there (no copy), and the program runs on
+      ``device`` alone;
+    * leaves sharded over one mesh (FSDP / tensor parallel): the program runs on that
+      mesh with replicated outputs (the gather is part of it); the caller then takes
+      the replica on ``device`` (`_take`);
+    * anything else (several meshes, other shardings): transferred to ``device`` first.
+    Host (numpy) leaves go wherever the program runs.
+    """
+    target = jax.sharding.SingleDeviceSharding(device)
+    arrays = [x for x in leaves if isinstance(x, jax.Array)]
+    local = [_on_device(x, device) for x in leaves]
+    if all(r is not None or not isinstance(x, jax.Array) for x, r in zip(leaves, local)):
+        return [x if r is None else r for x, r in zip(leaves, local)], target, None
+    meshes = {x.sharding.mesh for x in arrays if isinstance(x.sharding, jax.sharding.NamedSharding)}
+    if len(meshes) == 1 and all(isinstance(x.sharding, jax.sharding.NamedSharding) for x in arrays):
+        mesh = meshes.pop()
+        return leaves, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), mesh
+    return [jax.device_put(x, target) if isinstance(x, jax.Array) else x for x in leaves], target, None
+
+
+def _take(x: jax.Array, device) -> jax.Array:
+    """The replica of a replicated ``x`` on ``device`` (no copy), or a transfer when ``device`` holds none."""
+    local = _on_device(x, device)
+    return local if local is not None else jax.device_put(x, jax.sharding.SingleDeviceSharding(device))
 
 
 def _weight_only_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype, qtype) -> jax.Array:
@@ -245,7 +292,8 @@ def _weight_only_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype, qtype) 
 
 
 def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=None,
-                           output_axes_fn: Callable = default_output_axes, check_finite: bool = True) -> dict:
+                           output_axes_fn: Callable = default_output_axes, check_finite: bool = True,
+                           device=None, check_all_finite: bool = False) -> dict:
     """The parameter tree the sampler computes with, for a quantization mode, built once per weights version.
 
     ``none``: the f32 weights unchanged (cast to `compute_dtype`, default f32).
@@ -269,10 +317,20 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
       check_finite: refuse non-finite fp8 weights (waits for the program); False for weights
         already checked (`weights.load_weights` refuses NaN/inf): the program then runs
         asynchronously, overlapping whatever the caller does next.
+      device: a ``jax.Device``: the returned leaves live on it alone (the sampling layout of
+        a colocated engine), whatever the inputs' sharding: replicated inputs contribute
+        their replica on `device`; inputs sharded over a mesh (FSDP / tensor parallel) are
+        gathered inside the same program (replicated output on that mesh, whose replica
+        on `device` is kept).  The outputs never share a buffer with the inputs (a
+        trainer may donate its parameters to the next optimizer step).  None: where the
+        inputs are (host inputs: the default device), as before.
+      check_all_finite: with `check_finite`, count NaN/inf in every float leaf, not only the
+        quantized ones (in-memory weights that no file load has checked).
     Returns:
       nested dict of arrays in `compute_dtype`, same structure as `params`.
     Raises:
-      ValueError: unknown quantization, or a non-finite weight (fp8), naming the parameter.
+      ValueError: unknown quantization, or a non-finite weight (fp8; every leaf with
+        `check_all_finite`), naming the parameter and the count.
     """
     check_quantization(quantization)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype(quantization))
@@ -280,11 +338,21 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
     axes = tuple(output_axes_fn(p, tuple(np.shape(x))) if quantization in WEIGHT_ONLY_DTYPES else None
                  for p, x in named)
     axes = tuple(None if a is None else tuple(int(i) % len(np.shape(x)) for i in a) for a, (_, x) in zip(axes, named))
-    out, bad = _prepare_program([x for _, x in named], quantization=quantization, dtype=dtype, axes=axes)
+    checked = tuple(a is not None or (check_finite and check_all_finite and jnp.issubdtype(x.dtype, jnp.floating))
+                    for a, (_, x) in zip(axes, named))
+    leaves = [x for _, x in named]
+    if device is None:
+        out, bad = _prepare_program(leaves, quantization=quantization, dtype=dtype, axes=axes, checked=checked)
+    else:
+        leaves, out_sharding, mesh = _placement(leaves, device)
+        out, bad = _prepare_program_to(out_sharding)(leaves, quantization=quantization, dtype=dtype, axes=axes,
+                                                      checked=checked)
+        if mesh is not None:
+            out = [_take(x, device) for x in out]
     if bad and check_finite:
         counts = jax.device_get(bad)
-        fp8_paths = [p for (p, _), a in zip(named, axes) if a is not None]
-        for path, c in zip(fp8_paths, counts):
+        paths = [p for (p, _), c in zip(named, checked) if c]
+        for path, c in zip(paths, counts):
             if c:
                 raise ValueError(f"cannot quantize a weight with non-finite values: {'/'.join(path)} holds "
                                  f"{int(c)} NaN/inf value(s)")

@@ -4,9 +4,20 @@ It owns everything about the sampler that is not sampling itself: where weights
 versions live (``WORKDIR/weights/vNNNNNN``) and pushing them, starting the
 sampler in the configured mode (``subprocess``: a ``pdm_jax.sampler.server``
 child process on loopback; ``remote``: a running server at ``sampler.address``;
-``in_process``: an engine in this process), health, calls with restarts of a
+``in_process``: an engine in this process fed through the same weights files;
+``colocated``: an engine in this process on the trainer's first local device, fed
+in memory; ``auto``: `config.resolve_sampler_mode`), health, calls with restarts of a
 dead subprocess within ``sampler.max_restarts``, and stopping it. The trainer
 and the rollout producer only call :meth:`generate` and :meth:`sync`.
+
+Weight sync per mode: the file modes write ``params.safetensors`` (+ manifest) of
+the new version and have the sampler load it (`weights.save_weights` /
+`SamplingEngine.load_weights`); ``colocated`` hands the engine the trainer's
+parameter tree itself (`SamplingEngine.set_params` with a ``device``): one jitted
+program gathers them from the train mesh onto the sampling device and builds the
+quantized copy there (`quantize.prepare_sampler_params`), in fresh buffers, so the
+optimizer step that donates the trainer's parameters next never touches the
+sampler's copy. No file is written for it.
 
 Failures, and what each costs:
 
@@ -37,12 +48,15 @@ import threading
 import time
 from typing import Optional
 
+import jax
+
+from pdm_jax.config import SAMPLER_FILE_MODES, resolve_sampler_mode
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler.client import SamplerClient, SamplerRequestError
 from pdm_jax.sampler.engine import InProcessSampler, SamplingEngine
 from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.sampler.vllm_client import VLLMSampler
-from pdm_jax.sampler.weights import load_weights, save_weights
+from pdm_jax.sampler.weights import META_FILE, load_weights, save_weights
 from pdm_jax.sampler.wire import COMPILE_STATS, RequestError
 
 log = logging.getLogger("pdm_jax.sampler")
@@ -112,9 +126,11 @@ class SamplerSupervisor:
       compile_cache_min_compile_time_s: its minimum compile time (s).
 
     Attributes:
+      mode: the resolved ``sampler.mode`` (`config.resolve_sampler_mode`: never "auto").
       compute_dtype: the config's ``sampler.compute_dtype`` (default "auto").
       last_sync_seconds: ``{"save": s, "load": s}`` of the last `sync` (writing the
-        version; the sampler's load, re-quantization and round trip).
+        version; the sampler's load, re-quantization and round trip). Colocated:
+        save 0, load the in-memory reshard + re-quantization, finished.
       sampler_compile_stats: the subprocess/remote sampler's last reported
         `pdm_jax.profiling.CompileCounter` snapshot (None until a `sync`, and for an
         in-process sampler, whose compiles count in this process).
@@ -131,6 +147,7 @@ class SamplerSupervisor:
                  stall_probe_misses: Optional[int] = None, compile_cache_dir: str = "",
                  compile_cache_min_compile_time_s: float = 0.0):
         self.config = sampler_config
+        self.mode = resolve_sampler_mode(str(sampler_config.mode))
         self.compute_dtype = str(getattr(sampler_config, "compute_dtype", "auto"))
         self.compile_cache = dict(compile_cache_dir=compile_cache_dir,
                                   compile_cache_min_compile_time_s=float(compile_cache_min_compile_time_s))
@@ -183,6 +200,16 @@ class SamplerSupervisor:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         return path
 
+    @property
+    def writes_files(self) -> bool:
+        """Whether the sampler reads its weights versions from files (every mode but ``colocated``)."""
+        return self.mode in SAMPLER_FILE_MODES
+
+    @property
+    def started(self) -> bool:
+        """Whether `start` has run and `stop` has not (a restart in progress counts as started)."""
+        return self.version is not None and (self._sampler is not None or self._restartable)
+
     def local_engine(self, version: int, quantization: str, compute_dtype: str = "auto") -> InProcessSampler:
         """An in-process engine on weights version ``version`` with ``quantization`` ("none" | "bf16" | "fp8" | "int8")
         computing in ``compute_dtype`` ("auto" | "float32" | "bfloat16", `engine.resolve_compute_dtype`)."""
@@ -191,20 +218,42 @@ class SamplerSupervisor:
                                 version=version, weights_path=path, compute_dtype=compute_dtype, **self.limits)
         return InProcessSampler(engine, checkpoint_root=self.workdir)
 
+    def memory_engine(self, params, version: int, quantization: str, compute_dtype: str = "auto") -> InProcessSampler:
+        """An in-process engine built from the parameter tree ``params`` (weights ``version``) on this
+        process's first local device, in memory (`SamplingEngine`'s ``device``): the colocated sampler,
+        and the trainer's f32 evaluation engine."""
+        engine = SamplingEngine(self.model_config, params, quantization=quantization, version=version,
+                                compute_dtype=compute_dtype, device=jax.local_devices()[0], **self.limits)
+        return InProcessSampler(engine)
+
     # ---------------------------------------------------------------- lifecycle
-    def start(self, version: int) -> None:
-        """Starts (or connects to) the sampler serving weights version ``version`` (already pushed).
+    def start(self, version: int, params=None) -> None:
+        """Starts (or connects to) the sampler serving weights version ``version``.
+
+        File modes: the version is pushed from ``params`` first when given and its
+        directory is not complete (else it must be on disk already); colocated: the
+        engine is built from ``params`` (required) in memory.
 
         Raises:
+          ValueError: colocated without ``params``.
           SamplerFailure: a remote sampler that does not answer ``/health``.
           SamplerRejected: a remote sampler that refuses the weights version.
           SamplerStartupError: a subprocess that died or did not come up in time.
         """
         sc = self.config
         path = self.weights_path(version)
-        self._restartable = sc.mode == "subprocess"
+        self._restartable = self.mode == "subprocess"
         self._proc = self._sampler = None
-        if sc.mode == "subprocess":
+        if self.mode == "colocated":
+            if params is None:
+                raise ValueError("SamplerSupervisor.start: sampler.mode = 'colocated' needs the parameters")
+            self._sampler = self.memory_engine(params, version, sc.quantization, self.compute_dtype)
+            self.version = version
+            self._generation += 1
+            return
+        if params is not None and not os.path.exists(os.path.join(path, META_FILE)):
+            self.push_weights(params, version)
+        if self.mode == "subprocess":
             self._proc = start_sampler_server(
                 model_config=os.path.join(self.workdir, "model", "config.json"), weights=path, version=version,
                 quantization=sc.quantization, compute_dtype=self.compute_dtype, checkpoint_root=self.workdir,
@@ -212,7 +261,7 @@ class SamplerSupervisor:
                                                                            retries=sc.retries),
                 **self.compile_cache, **self.limits)
             self._sampler = self._proc.client
-        elif sc.mode == "remote":
+        elif self.mode == "remote":
             client = self._remote_client(sc)
             try:
                 client.health()
@@ -354,6 +403,15 @@ class SamplerSupervisor:
           SamplerFailure: as `call`.
         """
         t0 = time.perf_counter()
+        if self.mode == "colocated":
+            try:
+                self.call("set_params", params, version)
+            except SamplerRejected as e:
+                raise SamplerRejected("set_params", f"weights version {version} (in memory): {e.message}",
+                                      field=e.field) from e
+            self.last_sync_seconds = {"save": 0.0, "load": time.perf_counter() - t0}
+            self.version = version
+            return
         path = self.push_weights(params, version)
         t1 = time.perf_counter()
         try:
