@@ -271,3 +271,161 @@ def test_model_aux_loss_is_the_formula_on_its_router_logits():
     want = _np_load_balancing_loss(gate_logits, cfg.num_experts, cfg.num_experts_per_tok,
                                    np.asarray(mask))
     np.testing.assert_allclose(float(aux), want, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ HF I/O
+
+import os  # noqa: E402
+
+from pdm_jax import sharding as shd  # noqa: E402
+from pdm_jax.models import from_pretrained, hf_io, save_pretrained  # noqa: E402
+
+MOE_REF_DIR = os.path.join(os.path.dirname(__file__), "data", "qwen3_moe_reference")
+
+
+@pytest.mark.parametrize("case", ["hub_layout", "fused_layout"])
+def test_committed_moe_reference_parity(case):
+    """Logits and router aux loss of transformers' Qwen3MoeForCausalLM (committed by
+    scripts/make_qwen3_moe_reference.py): hub per-expert layout and transformers 5's fused
+    layout, top-2 with and without norm_topk_prob, GQA/MQA, tied/untied."""
+    path = os.path.join(MOE_REF_DIR, case)
+    ref = np.load(os.path.join(path, "reference.npz"))
+    model = from_pretrained(path, dtype=jnp.float32)
+    assert model.config.is_moe and model.config.norm_topk_prob == (case == "fused_layout")
+    real = ref["attention_mask"].astype(bool)
+    for impl in ("ragged_dot", "dense"):
+        logits, aux = model.set_compute_options(moe_implementation=impl)(
+            ref["input_ids"], positions=ref["position_ids"],
+            attention_mask=ref["attention_mask"], return_aux=True)
+        assert np.abs(np.asarray(logits) - ref["logits"])[real].max() <= 1e-4, impl
+        np.testing.assert_allclose(float(aux), float(ref["aux_loss"]), rtol=1e-5)
+    assert np.abs(ref["logits"][real]).max() > 1.0  # not trivially flat
+
+
+@pytest.mark.slow
+def test_moe_save_load_round_trip_hub_names(tmp_path):
+    model = _o1_weights(init_model(Qwen3Config(**TINY_MOE), seed=0))
+    files = save_pretrained(model, str(tmp_path), max_shard_size="6KB")
+    assert len(files) > 1  # sharded with an index
+    import json
+    names = json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert "model.layers.0.mlp.gate.weight" in names
+    assert not any("gate_up_proj" in n for n in names)
+    back = from_pretrained(str(tmp_path))
+    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                              nnx.to_flat_state(nnx.state(back, nnx.Param))):
+        np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(p))
+    # HF per-expert tensors in HF's [out, in] layout.
+    sd = hf_io.hf_state_dict(model)
+    kernel = np.asarray(model.layers.mlp.experts.gate_proj.kernel.get_value())  # [L,E,D,I]
+    np.testing.assert_array_equal(sd["model.layers.1.mlp.experts.2.gate_proj.weight"],
+                                  kernel[1, 2].T)
+    router = np.asarray(model.layers.mlp.gate.kernel.get_value())  # [L, D, E]
+    np.testing.assert_array_equal(sd["model.layers.0.mlp.gate.weight"], router[0].T)
+    # A fused (transformers 5 save_original_format=False) dict loads to the same model.
+    fused = {k: v for k, v in sd.items() if ".experts." not in k}
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp.experts."
+        fused[pre + "gate_up_proj"] = np.stack([np.concatenate(
+            [sd[f"{pre}{e}.gate_proj.weight"], sd[f"{pre}{e}.up_proj.weight"]]) for e in range(4)])
+        fused[pre + "down_proj"] = np.stack([sd[f"{pre}{e}.down_proj.weight"] for e in range(4)])
+    other = init_model(Qwen3Config(**TINY_MOE), seed=5)
+    hf_io.load_hf_state_dict(other, fused)
+    np.testing.assert_array_equal(other.layers.mlp.experts.up_proj.kernel.get_value(),
+                                  model.layers.mlp.experts.up_proj.kernel.get_value())
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.0\.mlp\.experts\.0"):
+        hf_io.load_hf_state_dict(other, {k: v for k, v in sd.items()
+                                         if k != "model.layers.0.mlp.experts.0.up_proj.weight"})
+
+
+def test_moe_sharded_load_and_expert_parallel_forward():
+    """Expert kernels sharded over the expert axis (logical 'expert' -> fsdp) on 8 fake CPU
+    devices: each device reads its own experts, and the sharded forward (logits and aux loss)
+    equals the unsharded one."""
+    path = os.path.join(MOE_REF_DIR, "hub_layout")
+    ref = np.load(os.path.join(path, "reference.npz"))
+    mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = from_pretrained(path, mesh=mesh)
+    plain = from_pretrained(path)
+    kernel = sharded.layers.mlp.experts.gate_proj.kernel.get_value()  # [L, E=4, D, I]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None, "tensor")
+    assert {tuple(s.data.shape) for s in kernel.addressable_shards} == {(2, 2, 16, 6)}
+    args = (ref["input_ids"], ref["position_ids"], ref["attention_mask"])
+    want, want_aux = plain(*args, return_aux=True)
+    graphdef, state = nnx.split(sharded)
+
+    @jax.jit
+    def fwd(state, ids, pos, mask):
+        return nnx.merge(graphdef, state)(ids, pos, mask, return_aux=True)
+
+    with shd.activation_sharding(mesh):
+        got, got_aux = fwd(state, *args)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got_aux, want_aux, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_live_torch_moe_parity(tmp_path, norm_topk_prob):
+    """transformers Qwen3MoeForCausalLM -> save_pretrained -> pdm_jax.models.from_pretrained
+    (logits within 1e-4 in f32, aux loss), and our save -> transformers load."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(11)
+    # Widths are multiples of 4 floats: the grouped-mm experts of a transformers model
+    # loaded by from_pretrained need 16-byte strides (torch._grouped_mm).
+    hf_config = transformers.Qwen3MoeConfig(
+        vocab_size=40, hidden_size=24, intermediate_size=36, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8, num_experts=5,
+        num_experts_per_tok=2, moe_intermediate_size=12, norm_topk_prob=norm_topk_prob,
+        rope_parameters={"rope_type": "default", "rope_theta": 3_000.0},
+        tie_word_embeddings=False, attn_implementation="eager")
+    hf_model = transformers.Qwen3MoeForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.copy_(torch.randn(p.shape) / (p.shape[-1] ** 0.5 if p.ndim >= 2 else 1.0)
+                    + (1.0 if p.ndim == 1 else 0.0))
+    hf_model.save_pretrained(tmp_path / "hf")
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 40, (2, 11))
+    mask = np.ones((2, 11), np.int64)
+    mask[0, :4] = 0
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0) + 17
+    kw = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+              position_ids=torch.tensor(positions), output_router_logits=True)
+    with torch.no_grad():
+        out = hf_model(**kw)
+    want = out.logits.numpy()
+    ours = from_pretrained(str(tmp_path / "hf"), dtype=jnp.float32)
+    got, aux = ours(ids, positions, mask, return_aux=True)
+    assert np.abs(np.asarray(got) - want)[mask.astype(bool)].max() <= 1e-4
+    np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)
+    save_pretrained(ours, str(tmp_path / "ours"), max_shard_size="8KB")
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        again = back(**kw).logits.numpy()
+    assert np.abs(again - want)[mask.astype(bool)].max() <= 1e-5
+
+
+# ------------------------------------------------------------------------------ presets
+
+from pdm_jax.models import presets  # noqa: E402
+
+
+@pytest.mark.parametrize("name,total,active,non_emb", [
+    ("qwen3_30b_a3b", 30.5, 3.3, 29.9),     # Qwen/Qwen3-30B-A3B model card
+    ("qwen3_235b_a22b", 235.0, 22.0, 234.0),  # Qwen/Qwen3-235B-A22B model card
+])
+def test_moe_preset_param_counts(name, total, active, non_emb):
+    cfg = presets.get_preset(name)
+    assert cfg.is_moe and cfg.num_experts == 128 and cfg.num_experts_per_tok == 8
+    assert abs(presets.count_params(cfg) / 1e9 - total) / total < 0.01
+    assert abs(presets.count_params(cfg, active=True) / 1e9 - active) / active < 0.03
+    assert abs(presets.count_params(cfg, non_embedding=True) / 1e9 - non_emb) / non_emb < 0.01
+    # Closed form for the 30B: per layer attention + router + 128 experts of 3 D x I kernels.
+    if name == "qwen3_30b_a3b":
+        D, I, L, V = 2048, 768, 48, 151_936
+        attn = D * 32 * 128 * 2 + D * 4 * 128 * 2 + 2 * 128
+        per_layer = attn + D * 128 + 128 * 3 * D * I + 2 * D
+        assert presets.count_params(cfg) == 2 * V * D + L * per_layer + D

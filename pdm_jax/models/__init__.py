@@ -1,4 +1,4 @@
-"""pdm_jax.models: Flax NNX Qwen3, presets, HF safetensors I/O, attention kernels."""
+"""pdm_jax.models: Flax NNX Qwen3 (dense and MoE), presets, HF safetensors I/O, attention kernels."""
 from pdm_jax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from pdm_jax.models.attention import AttentionOptions, SelfAttentionMask
 from pdm_jax.models.hf_io import from_pretrained, load_config, save_pretrained
@@ -8,11 +8,12 @@ from pdm_jax.models.qwen3 import (
     KVCache,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
     default_positions,
     init_model,
 )
 
 __all__ = ["ATTENTION_IMPLEMENTATIONS", "PRESETS", "REMAT_POLICIES", "AttentionOptions", "KVCache",
-           "Qwen3Config", "Qwen3ForCausalLM", "SelfAttentionMask", "count_params",
+           "Qwen3Config", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SelfAttentionMask", "count_params",
            "default_positions", "from_pretrained", "get_preset", "init_model", "load_config",
            "save_pretrained"]

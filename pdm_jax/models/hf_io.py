@@ -14,6 +14,16 @@ The model stacks its decoder layers (``layers.self_attn.q_proj.kernel`` is [L, D
 row ``i`` of a stacked parameter is the per-layer path ``layers.{i}.…`` of ``KEY_MAP`` and
 so HF's ``model.layers.{i}.…`` tensor (``tensor_entries``). Files stay in the HF layout.
 
+Qwen3-MoE (``config.num_experts`` > 0): the router ``gate.kernel`` [D, E] is HF's
+``model.layers.{i}.mlp.gate.weight`` [E, D], and each stacked expert kernel
+(``layers.mlp.experts.gate_proj.kernel`` [L, E, D, I]) holds HF's per-expert tensors
+``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (the hub layout, which
+transformers 5's ``save_pretrained`` also writes by default). Checkpoints written with
+``save_pretrained(..., save_original_format=False)`` hold transformers 5's fused tensors
+``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, D] (gate rows first) and
+``...experts.down_proj`` [E, D, I]; they are read too (as views of the per-expert
+tensors, ``_FUSED``); ``save_pretrained`` here writes the hub layout.
+
 Loading never materialises the whole model on the host: the model structure comes from
 ``nnx.eval_shape`` (no allocation), then each parameter is read on its own, either whole
 (no mesh) or slice by slice for each device through ``jax.make_array_from_callback``
@@ -51,7 +61,8 @@ class KeyRule:
     """One row of the key map.
 
     hf: regex over HF tensor names (groups are substituted into ``nnx``).
-    nnx: NNX path template, dot separated, ``{0}`` = first regex group (an int index).
+    nnx: NNX path template, dot separated, ``{0}`` = first regex group (an int index),
+      ``{1}`` the second (the expert of a per-expert tensor).
     num_in_axes: for Linear kernels, how many leading kernel axes are HF's ``in`` axis
       (kernel.reshape(prod(in), prod(out)).T is the HF weight); None = same layout.
     """
@@ -78,7 +89,16 @@ KEY_MAP: tuple[KeyRule, ...] = (
     KeyRule(_L + r"mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_proj.kernel", 1),
     KeyRule(_L + r"mlp\.up_proj\.weight", "layers.{0}.mlp.up_proj.kernel", 1),
     KeyRule(_L + r"mlp\.down_proj\.weight", "layers.{0}.mlp.down_proj.kernel", 1),
+    # Qwen3-MoE: the router, and expert e's kernels (rows of the stacked [L, E, ...] kernels).
+    KeyRule(_L + r"mlp\.gate\.weight", "layers.{0}.mlp.gate.kernel", 1),
+    KeyRule(_L + r"mlp\.experts\.(\d+)\.gate_proj\.weight",
+            "layers.{0}.mlp.experts.{1}.gate_proj.kernel", 1),
+    KeyRule(_L + r"mlp\.experts\.(\d+)\.up_proj\.weight",
+            "layers.{0}.mlp.experts.{1}.up_proj.kernel", 1),
+    KeyRule(_L + r"mlp\.experts\.(\d+)\.down_proj\.weight",
+            "layers.{0}.mlp.experts.{1}.down_proj.kernel", 1),
 )
+_EXPERTS = "mlp.experts."  # stacked parameters under this prefix have an expert axis (axis 1)
 
 
 def _nnx_path_str(path: tuple) -> str:
@@ -100,10 +120,11 @@ def nnx_to_hf(path: str) -> tuple[str, int | None]:
     Raises ValueError naming the path when no rule covers it.
     """
     for rule in KEY_MAP:
-        pattern = re.escape(rule.nnx).replace(re.escape("{0}"), r"(\d+)")
+        pattern = (re.escape(rule.nnx).replace(re.escape("{0}"), r"(\d+)")
+                   .replace(re.escape("{1}"), r"(\d+)"))
         m = re.fullmatch(pattern, path)
         if m:
-            hf = rule.hf.replace(r"(\d+)", "{0}").replace("\\.", ".").format(*m.groups())
+            hf = rule.hf.replace(r"(\d+)", "{}").replace("\\.", ".").format(*m.groups())
             return hf, rule.num_in_axes
     raise ValueError(f"no HF key rule for parameter {path!r}")
 
@@ -114,13 +135,15 @@ class TensorEntry:
 
     name: HF tensor name; layer: the row of a stacked ``layers.*`` parameter that holds it
     (None for an unstacked parameter); num_in_axes: as in ``KeyRule``; shape: the shape of
-    that row (or of the whole parameter) in our layout.
+    that row (or of the whole parameter) in our layout; expert: for a stacked expert kernel
+    ([L, E, ...]), the index on its expert axis (``shape`` is then that of one expert).
     """
 
     name: str
     layer: int | None
     num_in_axes: int | None
     shape: tuple[int, ...]
+    expert: int | None = None
 
 
 def is_stacked(path: str) -> bool:
@@ -141,6 +164,11 @@ def tensor_entries(path: str, shape: tuple[int, ...]) -> list[TensorEntry]:
     rest = path[len("layers."):]
     out = []
     for i in range(shape[0]):
+        if rest.startswith(_EXPERTS):  # [L, E, ...]: layer-major, then expert
+            for e in range(shape[1]):
+                name, num_in = nnx_to_hf(f"layers.{i}.{_EXPERTS}{e}.{rest[len(_EXPERTS):]}")
+                out.append(TensorEntry(name, i, num_in, shape[2:], e))
+            continue
         name, num_in = nnx_to_hf(f"layers.{i}.{rest}")
         out.append(TensorEntry(name, i, num_in, shape[1:]))
     return out
@@ -198,6 +226,20 @@ class _Checkpoint:
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
         self._handles: dict[str, Any] = {}
+        # transformers 5's fused expert tensors, listed as the per-expert tensors they hold.
+        self._views: dict[str, tuple[str, int, int, int]] = {}
+        for name in [n for n in self.weight_map if _FUSED.fullmatch(n)]:
+            fname = self.weight_map.pop(name)
+            for view, spec in _fused_views(name, self._raw_slice(name, fname).get_shape()).items():
+                self.weight_map[view] = fname
+                self._views[view] = spec
+
+    def _raw_slice(self, name: str, fname: str):
+        handle = self._open(fname)
+        if name not in handle.keys():
+            raise ValueError(f"tensor {name!r} is listed in {INDEX_FILE} under "
+                             f"{fname!r} but that file lacks it")
+        return handle.get_slice(name)
 
     def _open(self, fname: str):
         if fname not in self._handles:
@@ -206,14 +248,67 @@ class _Checkpoint:
 
     def slice(self, name: str):
         """A lazy safetensors slice (``.get_shape()``, ``[...]`` reads only that part)."""
-        handle = self._open(self.weight_map[name])
-        if name not in handle.keys():
-            raise ValueError(f"tensor {name!r} is listed in {INDEX_FILE} under "
-                             f"{self.weight_map[name]!r} but that file lacks it")
-        return handle.get_slice(name)
+        if name in self._views:
+            fused, e, start, rows = self._views[name]
+            return _ExpertView(self._raw_slice(fused, self.weight_map[name]), e, start, rows)
+        return self._raw_slice(name, self.weight_map[name])
 
     def close(self):
         self._handles.clear()
+
+
+# transformers 5 fused expert tensors (``save_pretrained(save_original_format=False)``).
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)")
+
+
+def _fused_views(name: str, shape) -> dict[str, tuple[str, int, int, int]]:
+    """The per-expert HF tensors a fused tensor holds: {name: (fused name, expert, first row,
+    rows)}. ``gate_up_proj`` [E, 2I, D]: gate_proj = rows [0, I), up_proj = rows [I, 2I)
+    (``chunk(2)`` in ``Qwen3MoeExperts``); ``down_proj`` [E, D, I] is expert e's down_proj."""
+    prefix, kind = _FUSED.fullmatch(name).groups()
+    shape = tuple(shape)
+    if len(shape) != 3 or (kind == "gate_up_proj" and shape[1] % 2):
+        raise ValueError(f"fused expert tensor {name!r} has shape {shape}; expected "
+                         + ("[E, 2I, D]" if kind == "gate_up_proj" else "[E, D, I]"))
+    views = {}
+    for e in range(shape[0]):
+        if kind == "gate_up_proj":
+            half = shape[1] // 2
+            views[f"{prefix}{e}.gate_proj.weight"] = (name, e, 0, half)
+            views[f"{prefix}{e}.up_proj.weight"] = (name, e, half, half)
+        else:
+            views[f"{prefix}{e}.down_proj.weight"] = (name, e, 0, shape[1])
+    return views
+
+
+class _ExpertView:
+    """Expert ``e``'s rows [start, start+rows) of a fused [E, R, C] lazy slice, as a 2-D lazy
+    slice (``get_shape``, ``[rows, cols]`` reads only that block)."""
+
+    def __init__(self, fused, e: int, start: int, rows: int):
+        self.fused, self.e, self.start, self.rows = fused, e, start, rows
+
+    def get_shape(self):
+        return [self.rows, self.fused.get_shape()[2]]
+
+    def __getitem__(self, index):
+        r, c = index if isinstance(index, tuple) else (index, slice(None))
+        r = slice(*r.indices(self.rows))
+        return np.asarray(self.fused[self.e:self.e + 1, self.start + r.start:self.start + r.stop,
+                                     c])[0]
+
+
+def _unfuse(tensors: dict[str, Any]) -> dict[str, Any]:
+    """An HF-named dict with any fused expert tensors replaced by the per-expert ones."""
+    out = {}
+    for name, value in tensors.items():
+        if not _FUSED.fullmatch(name):
+            out[name] = value
+            continue
+        value = np.asarray(value)
+        for view, (_, e, start, rows) in _fused_views(name, value.shape).items():
+            out[view] = value[e, start:start + rows]
+    return out
 
 
 def _read_block(hf_slice, kernel_shape: tuple[int, ...], num_in_axes: int | None,
@@ -259,6 +354,13 @@ def _read_param(source, entries: list[TensorEntry], shape: tuple[int, ...], targ
         e = entries[0]
         return _read_block(hf(e.name), e.shape, e.num_in_axes, index).astype(target)
     rows = range(*slice(*index[0].indices(shape[0])).indices(shape[0]))
+    if entries[0].expert is not None:  # [L, E, ...]: entry i*E + e
+        E = shape[1]
+        experts = range(*slice(*index[1].indices(E)).indices(E))
+        return np.stack([np.stack([
+            _read_block(hf(entries[i * E + e].name), entries[i * E + e].shape,
+                        entries[i * E + e].num_in_axes, index[2:]).astype(target)
+            for e in experts]) for i in rows])
     return np.stack([_read_block(hf(entries[i].name), entries[i].shape, entries[i].num_in_axes,
                                  index[1:]).astype(target) for i in rows])
 
@@ -280,7 +382,11 @@ def load_config(path: str) -> Qwen3Config:
 
 def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
                     rules: shd.Rules | None = None, param_dtype=None) -> Qwen3ForCausalLM:
-    """Loads a local HF Qwen3 directory into a ``Qwen3ForCausalLM``.
+    """Loads a local HF Qwen3 or Qwen3-MoE directory into a ``Qwen3ForCausalLM``.
+
+    Qwen3-MoE checkpoints may hold the hub's per-expert tensors or transformers 5's fused
+    ones (see the module docstring); with a mesh, each device reads only the experts (and
+    the rows/columns of them) its shard of a stacked expert kernel holds.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or shards + index).
@@ -481,8 +587,9 @@ def _hf_sort_key(name: str):
     """Embedding first, then layers in numeric order, then final norm and head."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
     if m:
-        return (1, int(m.group(1)), name)
-    return (0 if "embed_tokens" in name else 2, 0, name)
+        e = re.match(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.", name)
+        return (1, int(m.group(1)), (1, int(e.group(1))) if e else (0, 0), name)
+    return (0 if "embed_tokens" in name else 2, 0, (0, 0), name)
 
 
 def _param_entries(model: Qwen3ForCausalLM) -> list:
@@ -494,6 +601,8 @@ def _param_entries(model: Qwen3ForCausalLM) -> list:
 def _hf_tensor(value: jax.Array, entry: TensorEntry) -> np.ndarray:
     """The host HF-layout tensor ``entry`` of a parameter value (one layer row if stacked)."""
     row = value if entry.layer is None else value[entry.layer]
+    if entry.expert is not None:
+        row = row[entry.expert]
     return to_hf_layout(_host_value(row), entry.num_in_axes)
 
 
@@ -508,6 +617,7 @@ def load_hf_state_dict(model: Qwen3ForCausalLM, tensors: dict[str, Any]) -> Qwen
     Raises ValueError naming missing/unexpected tensors or wrong shapes (and the layers the
     tensors hold when they are not the model's 0 .. L-1); the model is then left unchanged.
     """
+    tensors = _unfuse(tensors)
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     layer_problem = _layer_count_problem(model.config.num_hidden_layers, tensors, "the model's config")
