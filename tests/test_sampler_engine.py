@@ -353,6 +353,7 @@ def continuous_pair(params):
     return make_engine(params, max_batch_size=4), make_engine(params, max_batch_size=4, batching="continuous")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, TAU])
 def test_continuous_batching_equals_static(continuous_pair, temperature):
     """5 prompts x n = 2 = 10 rows through 4 slots (refilled as rows stop; the tail compacted to 1 slot)
@@ -374,6 +375,7 @@ def test_continuous_batching_equals_static(continuous_pair, temperature):
     assert cont.last_decode_steps < 3 * 11
 
 
+@pytest.mark.slow
 def test_continuous_rows_with_different_max_lengths(continuous_pair):
     """Per-row max_new_tokens (1 .. 12) in the continuous program: each row is the static row cut at its
     own max (same keys per (prompt, sample, token)); rows that stop earlier keep their stop."""
@@ -393,6 +395,7 @@ def test_continuous_rows_with_different_max_lengths(continuous_pair):
         assert part["stopped"][r] == (full.finish_reason[r] == "stop" and want == full.completion_mask[r].sum())
 
 
+@pytest.mark.slow
 def test_continuous_without_shared_prefill_and_bad_mode(params, continuous_pair):
     """share_prefill=False (a store entry per row) gives the same rollouts; an unknown batching mode is named."""
     static, _ = continuous_pair

@@ -41,6 +41,17 @@ Sampling (per row, per token):
   so the same request with the same seed gives the same output, independent of
   chunking into batches.
 
+Continuous batching (``batching="continuous"``, `_continuous_program`): the request's
+rows queue for ``max_slots`` slots of one KV cache of static shape [slots, P + T]
+(every prompt prefilled once into a prompt store); a slot whose row stops (stop id or
+its max) is refilled inside the same while-loop with the next pending row (its prompt's
+entry copied in, token 0 sampled from the stored last logits), so rows of mixed
+lengths do not wait for the longest one; once no row is pending and at most a quarter
+of the slots are live, the live rows move into a 4x smaller cache (2 decode
+loops per program; no cache segments). The row keys above make its tokens the static
+engine's (tests). One program per (slots, queue, prompt store, P, T, K) bucket; the
+shapes an engine ran are counted in ``program_shapes`` and logged.
+
 Finish reasons: ``"stop"`` when a stop token was generated (it is kept in the
 completion and in the mask), ``"length"`` when ``max_new_tokens`` was reached.
 """
@@ -291,6 +302,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     4. Decode (the outer while-loop, one step per iteration while any slot is live):
        all slots decode one token; a row stops on a stop id or its max; its outputs are
        scattered to row ``r`` of the [N, num_new(, K)] outputs; then admission refills.
+    5. Tail: once the queue is empty and at most slots/4 rows are live, the live slots
+       are gathered into a cache of slots/4: the last long rows run in a
+       smaller batch (`_TAIL_SHRINK`, `_TAIL_LEVELS`; no admission there).
 
     Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
     `_generate_program`, so rows get the same samples whichever slot or step runs them.
@@ -394,7 +408,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                     kv_mask=take(c["kv_mask"]), slot=jax.tree.map(take, c["slot"]))
 
     # Level 0 runs every slot while rows are pending; once the queue is empty and at most a quarter of
-    # the slots are live, the live rows move to a 4x smaller cache (twice at most: 3 decode loops).
+    # the slots are live, the live rows move to a 4x smaller cache (`_TAIL_LEVELS` decode loops in all).
     levels = [slots]
     while len(levels) < _TAIL_LEVELS and levels[-1] // _TAIL_SHRINK >= 1:
         levels.append(levels[-1] // _TAIL_SHRINK)
@@ -412,7 +426,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
 
 
 _TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor ...
-_TAIL_LEVELS = 3  # ... into at most this many slot counts (slots, slots/4, slots/16)
+_TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 decode loops per program
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
                           static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype"))
 BATCHING_MODES = ("static", "continuous")
@@ -451,17 +465,12 @@ class SamplingEngine:
         its longest row stops, `_generate_program`) or ``"continuous"`` (`_continuous_program`:
         the whole request queued into ``max_slots`` slots of one static cache; a slot whose row
         stops takes the next pending row; same tokens and log mu as static, tests).
-      max_slots: slots of the continuous cache (None: ``max_batch_size``); a request with fewer
-        rows runs in the power-of-two bucket that holds them.
+      max_slots: slots of the continuous cache (None: ``max_batch_size``; rounded up to a power
+        of two); every continuous request runs in this many slots (one shape: bounded compiles).
       share_prefill: prefill each prompt once for its n samples and repeat its KV cache
         (`_generate_program`'s ``group``) when a batch chunk holds whole groups of n rows
         and its bucket is a multiple of n (n a power of two, ``max_batch_size`` a multiple
         of n); otherwise every row is prefilled. Same numbers either way (tests).
-      device: a ``jax.Device`` that holds the sampler's weights and runs generation (a colocated
-        engine: one of the trainer's devices). `set_params` then builds the copy there from
-        parameters sharded anywhere (`quantize.prepare_sampler_params`' ``device``), never
-        sharing a buffer with them, and counts NaN/inf in every leaf. None (a server, a
-        file-fed engine): the default device.
     Raises:
       ValueError: bad quantization or limits (prompt + new tokens beyond the
         model's ``max_position_embeddings``, non-positive sizes).
@@ -472,7 +481,7 @@ class SamplingEngine:
                  max_new_tokens: int = 256, max_batch_size: int = 64, min_prompt_bucket: int = 8,
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096, share_prefill: bool = True,
-                 output_axes_fn=quant.default_output_axes, device=None, batching: str = "static",
+                 output_axes_fn=quant.default_output_axes, batching: str = "static",
                  max_slots: Optional[int] = None):
         quant.check_quantization(quantization)
         if batching not in BATCHING_MODES:
@@ -505,7 +514,6 @@ class SamplingEngine:
         self.program_shapes = set()  # distinct (program, static shapes) run: each one compiled once (logged)
         self.last_decode_steps = 0  # decode steps of the last program run (bench)
         self._output_axes_fn = output_axes_fn
-        self.device = device
         dt = self.compute_dtype
         abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt))
         self._graphdef, self._abstract_state = nnx.split(abstract_model)
@@ -541,8 +549,7 @@ class SamplingEngine:
         try:
             prepared = quant.prepare_sampler_params(pure, self.quantization, compute_dtype=self.compute_dtype,
                                                     check_finite=not finite_checked,
-                                                    output_axes_fn=self._output_axes_fn, device=self.device,
-                                                    check_all_finite=self.device is not None)
+                                                    output_axes_fn=self._output_axes_fn)
         except ValueError as e:  # e.g. a non-finite weight refused by the fp8 quantizer
             where = f" from {weights_path!r}" if weights_path else ""
             raise wts.WeightsError(f"weights version {version}{where} cannot be quantized "
@@ -557,7 +564,7 @@ class SamplingEngine:
         if bad:
             raise wts.WeightsError(f"parameter shapes do not match the model: got {bad[0][0]}, expected {bad[0][1]}")
         with self._lock:
-            self._state = jax.device_put(state) if self.device is None else state  # prepared on self.device
+            self._state = jax.device_put(state)
             self._version = int(version)
             self._weights_path = None if weights_path is None else os.path.realpath(weights_path)
 
@@ -680,11 +687,12 @@ class SamplingEngine:
 
         ``row_max_new``: per-row limits (each <= max_new) instead of max_new for all (tests).
 
-        Static shapes: slots = min(max_slots, next_pow2(N)), the row queue next_pow2(N) (at least
-        the slots), the prompt store next_pow2(U), the prompt and new-token buckets of `_run_chunk`.
+        Static shapes (few, to bound compiles): always ``max_slots`` slots (a smaller request leaves
+        slots empty), the row queue next_pow2(N) (at least the slots), the prompt store next_pow2(U)
+        (at least slots / 4), the prompt and new-token buckets of `_run_chunk`.
         """
         n_rows = len(rows)
-        slots = min(self.max_slots, _next_pow2(n_rows))
+        slots = self.max_slots
         n_pad = max(_next_pow2(n_rows), slots)
         if self.share_prefill:  # one prompt-store entry per prompt, read by its n rows
             entries = [i for i, _ in rows]
@@ -692,7 +700,7 @@ class SamplingEngine:
         else:  # one entry per row: every row prefilled
             entries = list(range(n_rows))
             uniq = [i for i, _ in rows]
-        u_pad = _next_pow2(len(uniq))
+        u_pad = max(_next_pow2(len(uniq)), slots // 4)
         self.prefill_rows += u_pad
         self.prefill_rows_unshared += n_pad
         longest = max(len(prompts[i]) for i in uniq)

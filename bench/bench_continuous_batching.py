@@ -1,0 +1,149 @@
+"""Benchmark: continuous vs static batching -- useful tokens/s on mixed response lengths, and compiles.
+
+Part 1 (throughput). A random tiny Qwen3 (f32, near-uniform next-token distributions) and
+``--prompts`` prompts x n = ``--n`` samples (more sequences than ``--slots``), temperature 1:
+
+* **mixed**: 8 stop ids (of V = 512), so a row stops with probability ~8/512 = 1/64 per token:
+  geometric response lengths, mean ~64, capped at ``--max_new`` = 256;
+* **uniform**: no stop ids, exactly ``--uniform_len`` = 64 new tokens per row.
+
+Each engine (``batching="static"``: chunks of ``--slots`` rows run to their longest row;
+``batching="continuous"``: ``--slots`` slots refilled as rows stop) runs both workloads;
+useful tokens/s = completion tokens (the mask's sum) / wall time, median of ``--repeats``
+interleaved rounds after a compile round, and mixed / uniform per engine (the issue's target:
+>= 0.6x). Both engines must give the same tokens (checked and printed).
+
+Part 2 (compiles). A stream of ``--stream`` requests of mixed shapes (1-8 prompts of 3-60
+tokens, n in {1, 2, 4, 8}, max_new_tokens in {8, 16, 32, 64, 128}, seeded) through a fresh
+engine per mode: the distinct generate programs the engine ran (`SamplingEngine.program_shapes`:
+one compile each), the XLA programs the process built meanwhile (`pdm_jax.profiling.CompileCounter`,
+small helper programs included) and their seconds, and the stream's wall time.
+
+Reproduce (CPU, repository root):
+
+    python bench/bench_continuous_batching.py            # both parts, ~5 min on 2 shared cores
+    python bench/bench_continuous_batching.py --part throughput --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.profiling import CompileCounter
+from pdm_jax.sampler.engine import SamplingEngine
+
+MODES = ("static", "continuous")
+
+
+def make(a):
+    cfg = Qwen3Config(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
+                      num_hidden_layers=a.layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=a.hidden // 4, max_position_embeddings=4096)
+    params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    return cfg, params
+
+
+def engines(cfg, params, a, max_new):
+    return {m: SamplingEngine(cfg, params, quantization="none", max_prompt_length=64, max_new_tokens=max_new,
+                              max_batch_size=a.slots, batching=m) for m in MODES}
+
+
+def throughput(a):
+    cfg, params = make(a)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(8, a.vocab, a.prompt_len)) for _ in range(a.prompts)]
+    stops = list(range(8))  # ids 0..7: ~1/64 of the mass of a near-uniform distribution
+    work = {"mixed": dict(max_new_tokens=a.max_new, stop_token_ids=stops),
+            "uniform": dict(max_new_tokens=a.uniform_len, stop_token_ids=[])}
+    eng = engines(cfg, params, a, a.max_new)
+    gen = dict(n=a.n, temperature=1.0, seed=0, top_k_logprobs=a.k)
+    first = {(m, w): eng[m].generate(prompts, **gen, **work[w]) for w in work for m in MODES}  # compile round
+    times = {key: [] for key in first}
+    steps = {}
+    for _ in range(a.repeats):
+        for key in first:
+            m, w = key
+            t0 = time.perf_counter()
+            eng[m].generate(prompts, **gen, **work[w])
+            times[key].append(time.perf_counter() - t0)
+            steps[key] = eng[m].last_decode_steps
+    lengths = first[("static", "mixed")].completion_mask.sum(1)
+    print(f"# jax {jax.__version__} {jax.devices()[0].platform} x{len(jax.devices())}; tiny Qwen3 d={a.hidden} "
+          f"L={a.layers} V={a.vocab}; {a.prompts} prompts x n={a.n} = {a.prompts * a.n} sequences, {a.slots} slots "
+          f"(static: chunks of {a.slots}); prompt {a.prompt_len} tokens; K={a.k}; median of {a.repeats} rounds")
+    print(f"# mixed lengths: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, max {lengths.max()} "
+          f"(cap {a.max_new}); uniform: {a.uniform_len}")
+    for w in work:
+        same = np.array_equal(first[("static", w)].completion_ids, first[("continuous", w)].completion_ids)
+        print(f"# {w}: same tokens static vs continuous: {same}")
+    print(f"{'engine':>11} {'workload':>9} {'useful tok':>11} {'seconds':>8} {'tok/s':>8} {'last-chunk steps':>17}")
+    rate = {}
+    for key in first:
+        m, w = key
+        useful = int(first[key].completion_mask.sum())
+        sec = statistics.median(times[key])
+        rate[key] = useful / sec
+        print(f"{m:>11} {w:>9} {useful:>11} {sec:>8.3f} {rate[key]:>8.0f} {steps[key]:>17}")
+    for m in MODES:
+        print(f"# {m}: mixed / uniform useful tokens/s = {rate[(m, 'mixed')] / rate[(m, 'uniform')]:.2f}x")
+    print(f"# continuous / static: mixed {rate[('continuous', 'mixed')] / rate[('static', 'mixed')]:.2f}x, "
+          f"uniform {rate[('continuous', 'uniform')] / rate[('static', 'uniform')]:.2f}x")
+
+
+def stream(a):
+    cfg, params = make(a)
+    rng = np.random.default_rng(1)
+    reqs = []
+    for _ in range(a.stream):
+        prompts = [list(rng.integers(8, a.vocab, int(rng.integers(3, 61)))) for _ in range(int(rng.integers(1, 9)))]
+        reqs.append((prompts, dict(n=int(rng.choice([1, 2, 4, 8])), max_new_tokens=int(rng.choice([8, 16, 32, 64, 128])),
+                                   temperature=1.0, seed=int(rng.integers(1 << 30)), top_k_logprobs=a.k,
+                                   stop_token_ids=list(range(8)))))
+    print(f"# stream of {a.stream} requests: 1-8 prompts of 3-60 tokens, n in 1/2/4/8, max_new_tokens in "
+          f"8..128, {a.slots} slots / max batch")
+    print(f"{'engine':>11} {'programs':>9} {'XLA compiles':>13} {'compile s':>10} {'wall s':>8} {'compile share':>14}")
+    for m in a.modes.split(","):
+        e = SamplingEngine(cfg, params, quantization="none", max_prompt_length=64, max_new_tokens=128,
+                           max_batch_size=a.slots, batching=m)
+        counter = CompileCounter()
+        t0 = time.perf_counter()
+        for prompts, kw in reqs:
+            e.generate(prompts, **kw)
+        wall = time.perf_counter() - t0
+        snap = counter.snapshot()
+        print(f"{m:>11} {len(e.program_shapes):>9} {snap['compiles']:>13} {snap['compile_seconds']:>10.1f} "
+              f"{wall:>8.1f} {snap['compile_seconds'] / wall:>13.0%}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("both", "throughput", "compiles"), default="both")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--prompt_len", type=int, default=16)
+    ap.add_argument("--max_new", type=int, default=256)
+    ap.add_argument("--uniform_len", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream", type=int, default=40)
+    ap.add_argument("--modes", default="static,continuous", help="engines of the compile stream")
+    a = ap.parse_args()
+    if a.part in ("both", "throughput"):
+        throughput(a)
+    if a.part in ("both", "compiles"):
+        stream(a)
+
+
+if __name__ == "__main__":
+    main()
