@@ -471,6 +471,11 @@ class SamplingEngine:
         (`_generate_program`'s ``group``) when a batch chunk holds whole groups of n rows
         and its bucket is a multiple of n (n a power of two, ``max_batch_size`` a multiple
         of n); otherwise every row is prefilled. Same numbers either way (tests).
+      device: a ``jax.Device`` that holds the sampler's weights and runs generation (a colocated
+        engine: one of the trainer's devices). `set_params` then builds the copy there from
+        parameters sharded anywhere (`quantize.prepare_sampler_params`' ``device``), never
+        sharing a buffer with them, and counts NaN/inf in every leaf. None (a server, a
+        file-fed engine): the default device.
     Raises:
       ValueError: bad quantization or limits (prompt + new tokens beyond the
         model's ``max_position_embeddings``, non-positive sizes).
@@ -481,7 +486,7 @@ class SamplingEngine:
                  max_new_tokens: int = 256, max_batch_size: int = 64, min_prompt_bucket: int = 8,
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096, share_prefill: bool = True,
-                 output_axes_fn=quant.default_output_axes, batching: str = "static",
+                 output_axes_fn=quant.default_output_axes, device=None, batching: str = "static",
                  max_slots: Optional[int] = None):
         quant.check_quantization(quantization)
         if batching not in BATCHING_MODES:
@@ -514,6 +519,7 @@ class SamplingEngine:
         self.program_shapes = set()  # distinct (program, static shapes) run: each one compiled once (logged)
         self.last_decode_steps = 0  # decode steps of the last program run (bench)
         self._output_axes_fn = output_axes_fn
+        self.device = device
         dt = self.compute_dtype
         abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt))
         self._graphdef, self._abstract_state = nnx.split(abstract_model)
@@ -549,7 +555,8 @@ class SamplingEngine:
         try:
             prepared = quant.prepare_sampler_params(pure, self.quantization, compute_dtype=self.compute_dtype,
                                                     check_finite=not finite_checked,
-                                                    output_axes_fn=self._output_axes_fn)
+                                                    output_axes_fn=self._output_axes_fn, device=self.device,
+                                                    check_all_finite=self.device is not None)
         except ValueError as e:  # e.g. a non-finite weight refused by the fp8 quantizer
             where = f" from {weights_path!r}" if weights_path else ""
             raise wts.WeightsError(f"weights version {version}{where} cannot be quantized "
@@ -564,7 +571,7 @@ class SamplingEngine:
         if bad:
             raise wts.WeightsError(f"parameter shapes do not match the model: got {bad[0][0]}, expected {bad[0][1]}")
         with self._lock:
-            self._state = jax.device_put(state)
+            self._state = jax.device_put(state) if self.device is None else state  # prepared on self.device
             self._version = int(version)
             self._weights_path = None if weights_path is None else os.path.realpath(weights_path)
 
