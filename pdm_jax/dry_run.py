@@ -63,6 +63,10 @@ GIB = 1024 ** 3
 _ACT_D_BUFFERS = 9  # residual in/out, 2 RMSNorm inputs/outputs (f32 statistics), o_proj and down outputs, misc
 _ACT_QKV_BUFFERS = 3  # projection, q/k norm, RoPE output for q, k (v: projection only)
 _ACT_F_BUFFERS = 4  # gate, up, silu(gate), silu(gate) * up
+# Qwen3-MoE layer (pdm_jax.models.moe, ragged_dot path), per token: the F buffers above for each of its K
+# expert assignments at width I, plus K gathered inputs and K expert outputs [K, D] in the compute dtype,
+# and in f32 the router logits and softmax [2, E] and the weighted outputs [K, D].
+_MOE_D_BUFFERS = 2
 # Scanned layers: JAX's scan saves every residual of the layer body as its own stacked buffer, where XLA
 # fuses and drops some in an unrolled program; measured on XLA:CPU for the tiny data-parallel config
 # (compiled temp per token and layer, scanned / unrolled, attention buffers aside): 1.74.
@@ -92,7 +96,7 @@ def resolve_model_config(config):
 
     Order: ``model.preset``; ``model.hf_path/config.json`` if it exists; a
     preset named like the checkpoint directory (``.../Qwen3-8B-Base`` ->
-    ``qwen3_8b``); the explicit ``model.*`` fields with the vocabulary of the
+    ``qwen3_8b``, ``.../Qwen3-30B-A3B-Base`` -> ``qwen3_30b_a3b``); the explicit ``model.*`` fields with the vocabulary of the
     tokenizer (char tokenizer: ``len(symbols)`` + pad + eos; or
     ``tokenizer.path/tokenizer.json``).
 
@@ -105,8 +109,10 @@ def resolve_model_config(config):
     if mc.hf_path:
         if os.path.exists(os.path.join(mc.hf_path, "config.json")):
             return load_config(mc.hf_path)
-        m = re.search(r"qwen3-(\d+(?:\.\d+)?)b", os.path.basename(os.path.normpath(mc.hf_path)).lower())
+        m = re.search(r"qwen3-(\d+(?:\.\d+)?)b(?:-a(\d+)b)?", os.path.basename(os.path.normpath(mc.hf_path)).lower())
         name = f"qwen3_{m.group(1).replace('.', 'p')}b" if m else None
+        if m and m.group(2):  # a Qwen3-MoE name: Qwen3-30B-A3B -> qwen3_30b_a3b
+            name += f"_a{m.group(2)}b"
         if name in PRESETS:
             return get_preset(name)
         raise ValueError(f"model.hf_path = {mc.hf_path!r}: no config.json there and the name matches no preset "
@@ -219,7 +225,12 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
       buffers are live again while it is recomputed; the dots policies keep the
       matmul outputs ``a ((N + 2K) H + 2 D + 2 F)``; with ``model.scan_layers`` the
       per-layer buffers besides attention count ``_SCAN_RESIDUAL_FACTOR`` times (JAX's scan
-      keeps each residual of the layer body, XLA fuses some away when unrolled);
+      keeps each residual of the layer body, XLA fuses some away when unrolled); in a
+      Qwen3-MoE layer ``4 F`` becomes ``4 k I + 2 k D`` (k experts per token of width I,
+      their gathered inputs and outputs) plus ``4 (2 E + k D)`` bytes in f32 (router logits
+      and softmax, the weighted outputs), and the dots policies keep ``2 k I + k D + E``
+      in place of ``2 F``; expert kernels are sharded over ``expert`` by the rules like any
+      parameter (``params`` counts all E experts, not only the active ones);
     * ``loss``: 4 f32 ``[B, T, V]`` buffers (logits, log-softmax, the trust
       region's tail log pi, the softmax of the backward), or with
       ``logits_chunk_size`` c the same for ``[B, c, V]`` plus the ``[B, T, D]``
@@ -244,15 +255,21 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     # Dense attention keeps its [S] scores and probabilities per query and head; the fused / blockwise
     # kernels keep only their output and log-sum-exp (their tiles are transient).
     attention = (4 + a) * n_heads * seq if dense else n_heads * (h * a + 4)
-    per_token_layer = (a * (_ACT_D_BUFFERS * d + _ACT_QKV_BUFFERS * (n_heads + n_kv) * h + n_kv * h
-                            + _ACT_F_BUFFERS * f) * (_SCAN_RESIDUAL_FACTOR if shape.scan_layers else 1)
+    if c.is_moe:  # k expert assignments per token at width I (sharded over tensor like F)
+        k, i = c.num_experts_per_tok, div(c.moe_intermediate_size)
+        mlp_a, mlp_f32 = _ACT_F_BUFFERS * k * i + _MOE_D_BUFFERS * k * d, 4 * (2 * c.num_experts + k * d)
+        mlp_dots = 2 * k * i + k * d + c.num_experts
+    else:
+        mlp_a, mlp_f32, mlp_dots = _ACT_F_BUFFERS * f, 0, 2 * f
+    per_token_layer = ((a * (_ACT_D_BUFFERS * d + _ACT_QKV_BUFFERS * (n_heads + n_kv) * h + n_kv * h + mlp_a)
+                        + mlp_f32) * (_SCAN_RESIDUAL_FACTOR if shape.scan_layers else 1)
                        + attention)
     if shape.remat == "none":
         kept_per_layer = per_token_layer
     elif shape.remat == "full":  # each layer keeps its input; one layer's buffers are live while recomputed
         kept_per_layer = a * d
     else:  # dots policies keep the matmul outputs (q, k, v, o, gate, up, down) and recompute the rest
-        kept_per_layer = (a * ((n_heads + 2 * n_kv) * h + 2 * d + 2 * f)
+        kept_per_layer = (a * ((n_heads + 2 * n_kv) * h + 2 * d + mlp_dots)
                           + (attention if shape.remat == "dots_saveable" and dense else 0))
     recomputed = 0 if shape.remat == "none" else per_token_layer
     activations = tokens * (kept_per_layer * c.num_hidden_layers + recomputed) + tokens * d * a  # + embeddings
@@ -399,8 +416,11 @@ def format_report(report: dict) -> str:
     g = lambda x: f"{x / scale:10.3f}"  # noqa: E731
     n = report["num_params"]
     size = f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    mc = report["model"]
+    moe = (f"-MoE, {mc.num_experts} experts top-{mc.num_experts_per_tok} of width {mc.moe_intermediate_size}"
+           if mc.is_moe else "")
     lines = [
-        f"dry run: {size}-parameter Qwen3 (V={report['model'].vocab_size}, "
+        f"dry run: {size}-parameter Qwen3{moe} (V={report['model'].vocab_size}, "
         f"L={report['model'].num_hidden_layers}, D={report['model'].hidden_size}), "
         f"mesh data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} on {math.prod(m.values())} x {report['chip']} "
         f"({hbm / GIB:.0f} GiB HBM each)",
@@ -417,6 +437,9 @@ def format_report(report: dict) -> str:
     c = report["compiled"]
     if c is not None:
         lines += ["", f"COMPILED (XLA CPU memory_analysis, {c['compile_seconds']:.0f} s), per device   {unit}"]
+        if mc.is_moe:
+            lines.append("  (MoE: XLA:CPU lowers ragged_dot as a dense dot over an E-fold expanded input, so its temp "
+                         "overstates a TPU's)")
         for k in ("argument", "output", "alias", "temp", "total"):
             lines.append(f"  {k:<30}{g(c[k])}")
         lines.append(f"  {'fits in HBM?':<30}{'yes' if c['total'] <= hbm else 'NO':>10}  "

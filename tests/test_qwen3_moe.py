@@ -429,3 +429,37 @@ def test_moe_preset_param_counts(name, total, active, non_emb):
         attn = D * 32 * 128 * 2 + D * 4 * 128 * 2 + 2 * 128
         per_layer = attn + D * 128 + 128 * 3 * D * I + 2 * D
         assert presets.count_params(cfg) == 2 * V * D + L * per_layer + D
+
+
+# ------------------------------------------------------------------------------ dry run
+
+
+def test_qwen3_30b_a3b_dapo_dry_run_fits_64_v5p():
+    import importlib.util
+
+    from pdm_jax import dry_run
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "qwen3_30b_a3b_dapo", os.path.join(root, "configs", "qwen3_30b_a3b_dapo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    config = mod.get_config()
+    # No checkpoint on disk: the directory name Qwen3-30B-A3B-Base names the preset.
+    assert dry_run.resolve_model_config(config) == presets.qwen3_30b_a3b()
+    report = dry_run.plan(config, mode="analytic")
+    a, n = report["analytic"], report["num_params"]
+    assert report["mesh"] == {"data": 1, "fsdp": 64, "tensor": 1} and report["chip"] == "v5p"
+    # f32 params over 64 chips: the experts split by expert (2 of 128 per chip), the rest by embed.
+    assert n * 4 / 64 <= a["params"] <= n * 4 / 64 * 1.001
+    assert a["total"] < report["hbm_bytes"]
+    text = dry_run.format_report(report)
+    assert "Qwen3-MoE, 128 experts top-8 of width 768" in text and "on 64 x v5p" in text
+    assert text.splitlines()[-1].endswith("GiB of 95 GiB HBM: fits")
+    # The MoE activation model: k = 8 assignments of width 768 per token cost more than one
+    # dense MLP of width 768 would.
+    dense_like = dataclasses.replace(presets.qwen3_30b_a3b(), num_experts=0,
+                                     intermediate_size=768)
+    shape = dry_run.step_shape(config)
+    moe_act = dry_run.analytic_plan(presets.qwen3_30b_a3b(), shape, report["mesh"])["activations"]
+    dense_act = dry_run.analytic_plan(dense_like, shape, report["mesh"])["activations"]
+    assert moe_act > dense_act
