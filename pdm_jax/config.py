@@ -27,6 +27,7 @@ from pdm_jax import data as data_sources
 from pdm_jax import trust_region
 from pdm_jax.loss import PolicyLossConfig
 from pdm_jax.models import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from pdm_jax.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
@@ -85,6 +86,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Training forward over the stacked layers: True = jax.lax.scan (one compiled layer body, compile time flat
     # in depth); False = unrolled Python loop (same numbers up to XLA fusion rounding).
     c.model.scan_layers = True
+    # Qwen3-MoE checkpoints (config.json model_type "qwen3_moe"): how the experts run (pdm_jax.models.moe):
+    # "ragged_dot" (grouped matmuls, every backend) | "megablox" (Pallas TPU kernel; interpret mode elsewhere)
+    # | "dense" (every expert on every token: the reference). Unused by dense models.
+    c.model.moe_implementation = "ragged_dot"
 
     # ---- tokenizer ---------------------------------------------------------------------
     c.tokenizer = ml_collections.ConfigDict()
@@ -352,12 +357,13 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
 
 
 def compute_options(model_fields: ml_collections.ConfigDict) -> dict:
-    """The training forward's options of ``model.*`` (attention kernel, its tiles, remat, layer scan), as
+    """The training forward's options of ``model.*`` (attention kernel, its tiles, remat, layer scan, MoE experts), as
     keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
     return dict(attention=model_fields.attention, remat=model_fields.remat,
                 attention_block_q=int(model_fields.attention_block_q),
                 attention_block_kv=int(model_fields.attention_block_kv),
-                scan_layers=bool(model_fields.get("scan_layers", True)))
+                scan_layers=bool(model_fields.get("scan_layers", True)),
+                moe_implementation=model_fields.get("moe_implementation", "ragged_dot"))
 
 
 def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size: int):
@@ -553,6 +559,8 @@ def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
           f"must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}")
     _need(mc.remat in REMAT_POLICIES, "model.remat", mc.remat, f"must be one of {tuple(REMAT_POLICIES)}")
     _need(isinstance(mc.scan_layers, bool), "model.scan_layers", mc.scan_layers, "must be true or false")
+    _need(mc.get("moe_implementation", "ragged_dot") in MOE_IMPLEMENTATIONS, "model.moe_implementation",
+          mc.get("moe_implementation"), f"must be one of {MOE_IMPLEMENTATIONS}")
     for name in ("attention_block_q", "attention_block_kv"):
         _need(mc[name] >= 1, f"model.{name}", mc[name], "must be >= 1 (tokens)")
     if mc.preset and not mc.hf_path:

@@ -363,6 +363,15 @@ def test_moe_sharded_load_and_expert_parallel_forward():
         got, got_aux = fwd(state, *args)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got_aux, want_aux, rtol=1e-6)
+    # transformers 5's fused layout, expert width split over tensor = 4: the same values.
+    fused = os.path.join(MOE_REF_DIR, "fused_layout")
+    a = from_pretrained(fused, mesh=shd.make_mesh(data=1, fsdp=2, tensor=4))
+    b = from_pretrained(fused)
+    assert a.layers.mlp.experts.down_proj.kernel.get_value().sharding.spec == \
+        jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a, nnx.Param)),
+                              nnx.to_flat_state(nnx.state(b, nnx.Param))):
+        np.testing.assert_array_equal(x.get_value(), y.get_value(), err_msg=str(p))
 
 
 @pytest.mark.slow
@@ -463,3 +472,18 @@ def test_qwen3_30b_a3b_dapo_dry_run_fits_64_v5p():
     moe_act = dry_run.analytic_plan(presets.qwen3_30b_a3b(), shape, report["mesh"])["activations"]
     dense_act = dry_run.analytic_plan(dense_like, shape, report["mesh"])["activations"]
     assert moe_act > dense_act
+
+
+# ------------------------------------------------------------------------------ run config
+
+
+def test_run_config_moe_implementation_reaches_the_model():
+    from pdm_jax.config import compute_options, get_base_config, validate_config
+    c = get_base_config()
+    assert compute_options(c.model)["moe_implementation"] == "ragged_dot"
+    c.model.moe_implementation = "dense"
+    model = init_model(Qwen3Config(**TINY_MOE), seed=0, **compute_options(c.model))
+    assert model.moe_implementation == "dense"
+    c.model.moe_implementation = "gmm"
+    with pytest.raises(ValueError, match="model.moe_implementation"):
+        validate_config(c)
