@@ -211,7 +211,11 @@ def _rebuild(tree: Mapping, leaves) -> dict:
 
 
 def _prepare_fn(leaves: list, *, quantization: str, dtype, axes: tuple, checked: tuple) -> tuple:
-    """All leaves of a tree in one program: (prepared leaves, non-finite counts of the ``checked`` leaves).
+    """All leaves of a tree in one program: (prepared leaves, a "holds NaN/inf" flag per ``checked`` leaf).
+
+    The flag is an OR-reduction of ``~isfinite(x)`` (exact across shards; ``max|x|`` is not:
+    an all-reduce max can drop a NaN), cheaper than counting the non-finite values, which is
+    done only when a flag is set, for the error message.
 
     Per leaf, exactly the operations of the eager path (`quantize_fp8` +
     `Fp8Tensor.dequantize`, or the casts of `dequantize_params`).
@@ -219,7 +223,7 @@ def _prepare_fn(leaves: list, *, quantization: str, dtype, axes: tuple, checked:
     out, bad = [], []
     for x, ax, check in zip(leaves, axes, checked):
         if check:
-            bad.append(jnp.sum(~jnp.isfinite(jnp.asarray(x))))
+            bad.append(jnp.any(~jnp.isfinite(jnp.asarray(x))))
         if quantization in WEIGHT_ONLY_DTYPES and ax is not None:
             w = jnp.asarray(x, jnp.float32)
             out.append(_weight_only_dequantized(w, ax, dtype, WEIGHT_ONLY_DTYPES[quantization]))
@@ -350,12 +354,13 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
         if mesh is not None:
             out = [_take(x, device) for x in out]
     if bad and check_finite:
-        counts = jax.device_get(bad)
-        paths = [p for (p, _), c in zip(named, checked) if c]
-        for path, c in zip(paths, counts):
-            if c:
+        flags = jax.device_get(bad)
+        checked_leaves = [(p, x) for (p, x), c in zip(named, checked) if c]
+        for (path, x), flag in zip(checked_leaves, flags):
+            if flag:
+                count = int(jnp.sum(~jnp.isfinite(jnp.asarray(x))))
                 raise ValueError(f"cannot quantize a weight with non-finite values: {'/'.join(path)} holds "
-                                 f"{int(c)} NaN/inf value(s)")
+                                 f"{count} NaN/inf value(s)")
     return _rebuild(params, out)
 
 
