@@ -150,17 +150,31 @@ def test_auto_mode_and_eval_engine_settings():
 
 
 def test_eval_on_the_rollout_engine_equals_the_f32_engine_when_unquantized(tmp_path):
+    """eval.engine: the rollout sampler (quantization none) == the in-memory f32 engine == the f32 engine
+    fed through the weights file (what evaluation used before it was fed in memory): same evaluation
+    records and the same samples (tokens, log mu) for the held-out prompts."""
     from pdm_jax.trainer import Trainer
-    got = {}
+    got, samples = {}, {}
     for engine in ("f32", "rollout"):
         c = tiny_test_config(**{"sampler.mode": "colocated", "sampler.quantization": "none", "eval.engine": engine})
         t = Trainer(c, str(tmp_path / engine))
         try:
             got[engine] = t.evaluate(0)
             assert t.sampler.started == (engine == "rollout")
+            prompts = [t.codec.encode_prompt(e.prompt) for e in t.source.eval_examples()[:8]]
+            engines = {"rollout": t.sampler} if engine == "rollout" else {"f32": t._eval_engine}
+            if engine == "f32":
+                t.sampler.push_weights(t.params, 0)
+                engines["file"] = t.sampler.local_engine(0, "none")
+            for name, e in engines.items():
+                rb = e.generate(prompts, n=2, temperature=1.0, max_new_tokens=5, top_k_logprobs=2, seed=5)
+                samples[name] = (rb.completion_ids, rb.behavior_logprobs)
         finally:
             t.close()
     assert got["f32"] == got["rollout"]
+    for name in ("rollout", "file"):
+        np.testing.assert_array_equal(samples[name][0], samples["f32"][0])
+        np.testing.assert_array_equal(samples[name][1], samples["f32"][1])
 
 
 class _RecordRollouts:
