@@ -215,3 +215,29 @@ def test_colocated_run_equals_subprocess_run(tmp_path):
     rl = [r for r in col_recs if r["phase"] == "rl"]
     assert all(r["time_weight_save"] == 0.0 and r["time_weight_load"] > 0 for r in rl)
     assert os.path.isdir(tmp_path / "subprocess" / "weights") and not os.path.exists(tmp_path / "colocated" / "weights")
+
+
+@pytest.mark.slow
+def test_colocated_run_resumes_exactly(tmp_path, monkeypatch):
+    """A colocated run stopped after RL step 2 of 3 and re-run resumes from its checkpoint (the engine rebuilt
+    in memory from the restored parameters at the checkpoint's version) to the uninterrupted run's step 3."""
+    from pdm_jax.trainer import Trainer
+    c = tiny_test_config(**{"sampler.mode": "colocated", "rl.steps": 3, "sft.steps": 4})
+    Trainer(c, str(tmp_path / "whole")).run()
+
+    def stop_after_2(self, rl_step):
+        if rl_step == 2:
+            raise RuntimeError("stopped")
+
+    monkeypatch.setattr(Trainer, "_fault_injection", stop_after_2)
+    with pytest.raises(RuntimeError, match="stopped"):
+        Trainer(c, str(tmp_path / "resumed")).run()
+    monkeypatch.undo()
+    Trainer(c, str(tmp_path / "resumed")).run()
+
+    def rl(d):
+        return {r["step"]: r for r in map(json.loads, open(tmp_path / d / "metrics.jsonl")) if r["phase"] == "rl"}
+    whole, resumed = rl("whole"), rl("resumed")
+    assert sorted(resumed) == [1, 2, 3]
+    for k in DETERMINISTIC_KEYS:
+        assert resumed[3][k] == whole[3][k], k
