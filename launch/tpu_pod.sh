@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Run pdm_jax.train on a Cloud TPU VM pod: create -> copy code -> install -> train on every
-# worker (multi-host, jax.distributed) with streamed logs -> copy results -> delete.
+# Run pdm_jax.train on a Cloud TPU VM pod: create (or reuse) -> copy code -> install -> train on
+# every worker (multi-host, jax.distributed) with streamed logs -> delete.
 #
 #   launch/tpu_pod.sh --name=pdm-v4 --project=my-proj --zone=us-central2-b --accelerator=v4-32 \
 #       --config=configs/qwen3_dapo.py:size=8b,hf_path=/mnt/ckpt/Qwen3-8B-Base,data_path=/mnt/data/dapo.parquet \
-#       --workdir=/tmp/pdm_run --results=runs/pod_qwen3_8b
+#       --bucket=gs://my-bucket/pdm_runs
 #
 #   launch/tpu_pod.sh --dry-run ...    prints every command instead of running it
+#
+# The workdir is <bucket>/<name> (gs://my-bucket/pdm_runs/pdm-v4): every host writes its own
+# shards of the orbax checkpoints there and process 0 the metrics, summary and TensorBoard
+# events, so the run outlives its VMs. Re-running the same command (after a preemption, a
+# failure or the VM's deletion) resumes from the newest intact checkpoint in the bucket.
+# The TPU VMs' service account needs read/write access to the bucket.
 #
 # Flags (all --key=value):
 #   --name          TPU VM name (required)
@@ -15,15 +21,20 @@
 #   --accelerator   accelerator type, e.g. v4-32, v5litepod-16 (required)
 #   --version       TPU VM runtime image (default tpu-ubuntu2204-base)
 #   --config        config spec passed to --config= of pdm_jax.train (default configs/tiny.py)
-#   --workdir       run directory ON the workers (default /tmp/pdm_run); a local path on each host
-#   --results       where the results go: a local directory (scp from worker 0) or gs://... (copied
-#                   by worker 0 with gsutil) (default runs/<name>)
+#   --bucket        gs://bucket[/prefix] for the run's workdir <bucket>/<name> (default: $PDM_BUCKET)
+#   --workdir       the run directory itself, instead of <bucket>/<name>: a gs:// URL, or a local
+#                   path on each host (not resumable once the VMs are gone: its checkpoints hold
+#                   only worker 0's shards; copied back from worker 0 at the end, as --results says)
+#   --results       local directory for pod.log (default runs/<name>); with a local --workdir, where
+#                   worker 0's workdir is copied: a local directory (scp) or gs://... (gsutil)
 #   --repo          git URL to clone on the workers; default: the local checkout, packed with
 #                   `git archive HEAD` and copied to every worker
 #   --branch        branch/tag for --repo (default main)
 #   --install       install command run in the code directory on every worker
 #                   (default: pip install -e . && pip install 'jax[tpu]==<pinned jax version>')
-#   --flag          extra argument for pdm_jax.train (repeatable), e.g. --flag=--config.rl.steps=10
+#   --flag          extra argument for pdm_jax.train (repeatable), e.g. --flag=--config.rl.steps=10;
+#                   the run starts with --config.sampler.mode=colocated (the sampler in the trainer's
+#                   processes, weights synced in memory), which a --flag can override
 #   --spot          create a spot TPU VM
 #   --keep          do not delete the TPU VM at the end (also skipped on failure with --keep)
 #   --dry-run       print the commands, run nothing
@@ -31,10 +42,11 @@
 # Every worker runs the same command with --config.distributed=True, so pdm_jax.train calls
 # jax.distributed.initialize() (the TPU runtime provides the coordinator); `--worker=all`
 # streams every worker's output (prefixed by gcloud) to this terminal and to <results>/pod.log.
+# An existing TPU VM of that name is reused when READY, recreated otherwise (e.g. preempted).
 set -euo pipefail
 
-NAME="" PROJECT="" ZONE="" ACCEL="" VERSION="tpu-ubuntu2204-base"
-CONFIG="configs/tiny.py" WORKDIR="/tmp/pdm_run" RESULTS="" REPO="" BRANCH="main" INSTALL=""
+NAME="" PROJECT="" ZONE="" ACCEL="" VERSION="tpu-ubuntu2204-base" BUCKET="${PDM_BUCKET:-}"
+CONFIG="configs/tiny.py" WORKDIR="" RESULTS="" REPO="" BRANCH="main" INSTALL=""
 SPOT=0 KEEP=0 DRY=0 TRAINED=0
 EXTRA=()
 CODE_DIR="pdm_jax_src"
@@ -49,6 +61,7 @@ for arg in "$@"; do
     --accelerator=*) ACCEL="${arg#*=}" ;;
     --version=*) VERSION="${arg#*=}" ;;
     --config=*) CONFIG="${arg#*=}" ;;
+    --bucket=*) BUCKET="${arg#*=}" ;;
     --workdir=*) WORKDIR="${arg#*=}" ;;
     --results=*) RESULTS="${arg#*=}" ;;
     --repo=*) REPO="${arg#*=}" ;;
@@ -58,7 +71,7 @@ for arg in "$@"; do
     --spot) SPOT=1 ;;
     --keep) KEEP=1 ;;
     --dry-run|--dry_run) DRY=1 ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
   esac
 done
@@ -69,6 +82,18 @@ done
 [[ -n "$ACCEL" ]] || die "--accelerator is required (e.g. v4-32)"
 [[ "$NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "--name='$NAME': lowercase letters, digits and hyphens, starting with a letter"
 [[ -n "$RESULTS" ]] || RESULTS="runs/$NAME"
+if [[ -z "$WORKDIR" ]]; then
+  [[ -n "$BUCKET" ]] || die "a pod run needs a bucket for its workdir: --bucket=gs://BUCKET[/PREFIX] or PDM_BUCKET (or --workdir=...)"
+  [[ "$BUCKET" == gs://* ]] || die "--bucket='$BUCKET': expected gs://BUCKET[/PREFIX]"
+  WORKDIR="${BUCKET%/}/$NAME"
+fi
+REMOTE_WD=0
+[[ "$WORKDIR" == gs://* ]] && REMOTE_WD=1
+# The sampler mode that works on a pod: colocated (if this checkout's config knows it).
+SAMPLER_FLAG=()
+if grep -q '"colocated"' "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/pdm_jax/config.py"; then
+  SAMPLER_FLAG=(--config.sampler.mode=colocated)
+fi
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "$INSTALL" ]]; then
@@ -99,8 +124,10 @@ remote() {  # remote WORKER COMMAND: ssh into the pod and run COMMAND on WORKER 
 }
 
 COPIED=0
-copy_results() {  # worker 0 holds metrics.jsonl, summary.json, curves.png, checkpoints
-  if [[ "$RESULTS" == gs://* ]]; then
+copy_results() {  # local workdir: worker 0 holds metrics.jsonl, summary.json, curves.png, its checkpoint shards
+  if [[ $REMOTE_WD -eq 1 ]]; then
+    echo "# the run's files are in $WORKDIR"
+  elif [[ "$RESULTS" == gs://* ]]; then
     remote 0 "gsutil -m cp -r $(sq "$WORKDIR") $(sq "$WORKDIR.log") $(sq "$RESULTS/")"
   else
     run "${GC[@]}" scp --recurse "$NAME:$WORKDIR" "$NAME:$WORKDIR.log" "$RESULTS/" "${LOC[@]}" --worker=0
@@ -124,10 +151,19 @@ cleanup() {
   exit $rc
 }
 
-# 1. create
+# 1. create, or reuse a READY VM of that name (a re-run); one in another state (preempted) is recreated
 CREATE=("${GC[@]}" create "$NAME" "${LOC[@]}" --accelerator-type="$ACCEL" --version="$VERSION")
 [[ $SPOT -eq 1 ]] && CREATE+=(--spot)
-run "${CREATE[@]}"
+STATE=""
+if [[ $DRY -eq 0 ]]; then
+  STATE="$("${GC[@]}" describe "$NAME" "${LOC[@]}" --format='value(state)' 2>/dev/null || true)"
+fi
+if [[ "$STATE" == READY ]]; then
+  echo "# TPU VM $NAME exists and is READY: reusing it"
+else
+  if [[ -n "$STATE" ]]; then run "${GC[@]}" delete "$NAME" "${LOC[@]}" --quiet; fi
+  run "${CREATE[@]}"
+fi
 trap cleanup EXIT
 
 # 2. code on every worker
@@ -146,15 +182,17 @@ remote all "cd $CODE_DIR && $INSTALL"
 # 4. train on every worker (multi-host), streaming the logs here and into <results>/pod.log.
 # The worker pipes the run into `tee`: it runs under `bash -o pipefail` so that a failed training
 # is the exit status of the ssh (and of this script), not tee's 0 (the login shell may lack pipefail).
+WORKER_LOG="$WORKDIR.log"
+[[ $REMOTE_WD -eq 1 ]] && WORKER_LOG="/tmp/${NAME}_train.log"
 TRAIN="cd $CODE_DIR && python3 -m pdm_jax.train --config=$(sq "$CONFIG") --workdir=$(sq "$WORKDIR") --config.distributed=True"
-for f in "${EXTRA[@]+"${EXTRA[@]}"}"; do TRAIN+=" $(sq "$f")"; done
-TRAIN+=" 2>&1 | tee $(sq "$WORKDIR.log")"
+for f in "${SAMPLER_FLAG[@]+"${SAMPLER_FLAG[@]}"}" "${EXTRA[@]+"${EXTRA[@]}"}"; do TRAIN+=" $(sq "$f")"; done
+TRAIN+=" 2>&1 | tee $(sq "$WORKER_LOG")"
 TRAIN="bash -o pipefail -c $(sq "$TRAIN")"
 if [[ "$RESULTS" != gs://* ]]; then run mkdir -p "$RESULTS"; fi
 LOGFILE="/tmp/${NAME}_pod.log"
 [[ "$RESULTS" != gs://* ]] && LOGFILE="$RESULTS/pod.log"
 show "${GC[@]}" ssh "$NAME" "${LOC[@]}" --worker=all --command="$TRAIN"; printf ' 2>&1 | tee %s\n' "$(sq "$LOGFILE")"
-TRAINED=1  # from here on a failure still copies worker 0's workdir back
+TRAINED=1  # from here on a failure still copies worker 0's workdir back (local workdir)
 if [[ $DRY -eq 0 ]]; then
   "${GC[@]}" ssh "$NAME" "${LOC[@]}" --worker=all --command="$TRAIN" 2>&1 | tee "$LOGFILE"
 fi
@@ -163,4 +201,4 @@ fi
 copy_results
 
 # 6. delete (trap)
-echo "# done: results in $RESULTS"
+if [[ $REMOTE_WD -eq 1 ]]; then echo "# done: results in $WORKDIR, log in $LOGFILE"; else echo "# done: results in $RESULTS"; fi

@@ -25,6 +25,20 @@ ids) and records the fallback in the restored ``meta["checkpoint_fallbacks"]``.
 
 Cost: hashing reads every byte once per save and once per restore (about
 1 GB/s per core for sha256).
+
+**Bucket directories** (``gs://bucket/run/checkpoints``, `pdm_jax.workdir.is_remote`):
+orbax writes the arrays through TensorStore's GCS driver (every process its own
+shards) and its metadata through etils.epath; orbax marks a finished save with
+``commit_success.txt`` instead of renaming a temporary directory (there is no
+rename on GCS). The manifest then records each object's size and the CRC32C the
+object store keeps for it (``"algorithm": "crc32c"``, read from one listing):
+process 0 does not read back the other hosts' shards, and a restore compares the
+listing instead of reading every byte. It catches missing, extra, truncated and
+rewritten objects (a rewritten object gets a new CRC32C); it does not re-read
+the bytes (GCS checks them against the CRC32C itself). The manifest is one
+single-object upload (visible complete or not at all). A refused checkpoint is
+moved to ``DIR.corrupt`` by copy-then-delete (not atomic: a crash in between
+leaves the rest in place, which fails its check again on the next resume).
 """
 
 from __future__ import annotations
@@ -42,6 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from pdm_jax import workdir as wd
 
 log = logging.getLogger("pdm_jax.checkpointing")
 
@@ -111,12 +127,37 @@ def _files(root: str) -> list:
     return sorted(out)
 
 
+def _remote_files(root: str) -> dict:
+    """``{relpath: {"size", "crc32c"}}`` of every object under the URL `root` except the manifest (one listing).
+
+    Raises:
+      ValueError: the file system reports no CRC32C for an object (only GCS-like stores are supported).
+    """
+    fs, base = wd.filesystem(root)
+    base = base.rstrip("/")
+    out = {}
+    for name, info in fs.find(base, detail=True, withdirs=False).items():
+        rel = name[len(base) + 1:]
+        if rel == MANIFEST_NAME or rel.startswith(MANIFEST_NAME + ".") or info.get("type") == "directory":
+            continue
+        if not info.get("crc32c"):
+            raise ValueError(f"{root}/{rel}: the file system reports no crc32c checksum for it")
+        out[rel] = dict(size=int(info["size"]), crc32c=str(info["crc32c"]))
+    return out
+
+
 def write_manifest(root: str) -> dict:
     """Writes ``root/integrity.json``: {"format", "algorithm": "sha256", "files": {relpath: {size, sha256}}}.
 
     Written to a temporary file, fsynced and renamed, so the manifest exists only
-    complete. Returns the manifest dict.
+    complete. Returns the manifest dict. On a bucket (`pdm_jax.workdir.is_remote`):
+    ``"algorithm": "crc32c"`` and ``{size, crc32c}`` per object from one listing,
+    written as one single-object upload.
     """
+    if wd.is_remote(root):
+        manifest = dict(format=_MANIFEST_FORMAT, algorithm="crc32c", files=_remote_files(root))
+        wd.write_bytes(wd.join(root, MANIFEST_NAME), json.dumps(manifest, indent=1, sort_keys=True).encode())
+        return manifest
     files = {rel: dict(size=os.path.getsize(os.path.join(root, rel)), sha256=_sha256(os.path.join(root, rel)))
              for rel in _files(root)}
     manifest = dict(format=_MANIFEST_FORMAT, algorithm="sha256", files=files)
@@ -130,16 +171,16 @@ def write_manifest(root: str) -> dict:
 
 
 def _read_manifest(root: str) -> dict:
-    path = os.path.join(root, MANIFEST_NAME)
-    if not os.path.exists(path):
+    path = wd.join(root, MANIFEST_NAME)
+    if not wd.exists(path):
         raise ValueError(f"no integrity manifest {MANIFEST_NAME} (the save was interrupted after orbax's commit, "
                          "or the checkpoint predates integrity manifests)")
+    algorithm = "crc32c" if wd.is_remote(root) else "sha256"
     try:
-        with open(path, "rb") as f:
-            manifest = json.loads(f.read().decode("utf-8"))
+        manifest = json.loads(wd.read_bytes(path).decode("utf-8"))
         files = manifest["files"]
-        if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("algorithm") != "sha256" or not all(
-                isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+        if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("algorithm") != algorithm or not all(
+                isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get(algorithm), str)
                 for v in files.values()):
             raise ValueError("unexpected format, algorithm or file entries")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
@@ -156,6 +197,17 @@ def verify_manifest(root: str) -> None:
     """
     expected = _read_manifest(root)
     problems = []
+    if wd.is_remote(root):
+        got = _remote_files(root)
+        for rel, want in sorted(expected.items()):
+            if rel not in got:
+                problems.append(f"{rel} is missing")
+            elif got[rel]["size"] != want["size"]:
+                problems.append(f"{rel} has {got[rel]['size']} bytes, {want['size']} were written")
+            elif got[rel]["crc32c"] != want["crc32c"]:
+                problems.append(f"{rel} has changed (crc32c differs from the one written)")
+        problems += [f"{rel} was not written by the save" for rel in sorted(got) if rel not in expected]
+        expected = {}
     for rel, want in sorted(expected.items()):
         p = os.path.join(root, rel)
         if not os.path.isfile(p):
@@ -194,8 +246,8 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, *, max_to_keep: int = 2):
-        self.directory = os.path.abspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        self.directory = wd.run_path(directory)
+        wd.makedirs(self.directory)
         self._barriers = 0
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -206,10 +258,18 @@ class Checkpointer:
 
     def step_path(self, step: int) -> str:
         """The directory of checkpoint ``step``."""
-        return os.path.join(self.directory, str(int(step)))
+        return wd.join(self.directory, str(int(step)))
 
     def steps(self) -> list:
         """Every step id with a directory on disk, ascending (intact or not; orbax's temporary saves excluded)."""
+        if wd.is_remote(self.directory):  # one listing; an object store's "directories" are prefixes
+            fs, base = wd.filesystem(self.directory)
+            try:
+                entries = fs.ls(base, detail=True, refresh=True)
+            except FileNotFoundError:
+                return []
+            names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+            return sorted(int(n) for n in names if n.isdigit())
         return sorted(int(n) for n in os.listdir(self.directory)
                       if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
 
@@ -250,7 +310,7 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint under {self.directory}")
         path = self.step_path(step)
-        if not os.path.isdir(path):
+        if not wd.isdir(path):
             raise FileNotFoundError(f"no checkpoint {path}")
         try:
             verify_manifest(path)
@@ -335,10 +395,14 @@ class Checkpointer:
     def _quarantine(self, step: int) -> str:
         """Moves checkpoint ``step`` to ``DIR.corrupt/<step>[-time]`` (process 0 only); returns the new path."""
         dest_root = self.directory + ".corrupt"
-        dest = os.path.join(dest_root, str(step))
-        if os.path.exists(dest):
+        dest = wd.join(dest_root, str(step))
+        if wd.exists(dest):
             dest = f"{dest}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and wd.is_remote(dest):  # no rename on an object store: copy, then delete
+            fs, src = wd.filesystem(self.step_path(step))
+            fs.copy(src, wd.filesystem(dest)[1], recursive=True)
+            fs.rm(src, recursive=True)
+        elif jax.process_index() == 0:
             os.makedirs(dest_root, exist_ok=True)
             shutil.move(self.step_path(step), dest)
         return dest

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import shutil
+import tempfile
 from typing import Iterable, Mapping
 
 import numpy as np
+
+from pdm_jax import workdir as wd
 
 
 def _to_float(v):
@@ -24,11 +29,26 @@ class MetricsWriter:
     Non-finite values are written as JSON null (and skipped in TensorBoard), never
     as NaN literals. On resume, RL and eval lines of steps >= the resume step are dropped first
     so that the file has each step once.
+
+    Bucket workdir (``gs://...``, `pdm_jax.workdir.is_remote`): objects cannot be appended to, so
+    the file and the TensorBoard events are written in a local staging directory exactly as
+    locally (``path`` is the staged metrics.jsonl) and every `write` uploads each of them whole
+    (one single-object upload each: the bucket's copy is always a complete file, at most
+    the record being written behind). The existing metrics.jsonl is downloaded first on resume.
+    Cost: one upload of the whole file per record (O(records^2) bytes over a run).
     """
 
     def __init__(self, workdir: str, *, tensorboard: bool = True, resume_from_step: int | None = None):
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        os.makedirs(workdir, exist_ok=True)
+        self._remote = wd.run_path(workdir) if wd.is_remote(workdir) else None
+        self._staging = tempfile.mkdtemp(prefix="pdm_jax_metrics_") if self._remote else None
+        local_dir = self._staging or workdir
+        self.path = os.path.join(local_dir, "metrics.jsonl")
+        if self._remote:
+            remote_file = wd.join(self._remote, "metrics.jsonl")
+            if wd.exists(remote_file):
+                with open(self.path, "wb") as f:
+                    f.write(wd.read_bytes(remote_file))
+        os.makedirs(local_dir, exist_ok=True)
         if resume_from_step is not None and os.path.exists(self.path):
             kept = [r for r in read_metrics(self.path)
                     if r.get("step", -1) < resume_from_step or r.get("phase") not in ("rl", "eval")]
@@ -40,7 +60,20 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter  # only when log.tensorboard is on
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._tb = SummaryWriter(os.path.join(local_dir, "tensorboard"))
+        self._upload()
+
+    def _upload(self) -> None:
+        """Bucket workdir: uploads the staged metrics.jsonl and TensorBoard event files whole."""
+        if not self._remote:
+            return
+        self._file.flush()
+        wd.upload_file(self.path, wd.join(self._remote, "metrics.jsonl"))
+        if self._tb is not None:
+            self._tb.flush()
+            tb_dir = os.path.join(self._staging, "tensorboard")
+            for name in sorted(os.listdir(tb_dir)):
+                wd.upload_file(os.path.join(tb_dir, name), wd.join(self._remote, "tensorboard", name))
 
     def write(self, step: int, phase: str, metrics: Mapping[str, object]) -> dict:
         """Writes one record {step, phase, **metrics}; returns the record written."""
@@ -54,13 +87,21 @@ class MetricsWriter:
             for k, v in rec.items():
                 if k not in ("step", "phase") and v is not None:
                     self._tb.add_scalar(f"{phase}/{k}", v, step)
+        self._upload()
         return rec
 
     def close(self):
-        """Flushes and closes the sinks."""
+        """Flushes and closes the sinks (bucket workdir: uploads them a last time, removes the staging directory)."""
+        self._upload()
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._remote:
+            if self._tb is not None:  # the events the close flushed
+                tb_dir = os.path.join(self._staging, "tensorboard")
+                for name in sorted(os.listdir(tb_dir)):
+                    wd.upload_file(os.path.join(tb_dir, name), wd.join(self._remote, "tensorboard", name))
+            shutil.rmtree(self._staging, ignore_errors=True)
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -277,9 +318,15 @@ def plot_curves(records: Iterable[dict], out_png: str, config=None) -> None:
 
     Args:
       records: metrics.jsonl records; config: the run ConfigDict (or None: no δ line or title).
+      out_png: a local path or a URL (``gs://...``: one single-object upload).
     """
     fig = curves_figure(records, config)
     import matplotlib.pyplot as plt  # heavy (~1 s); after curves_figure has selected the Agg backend
 
-    fig.savefig(out_png, dpi=110)
+    if wd.is_remote(out_png):
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=110, format="png")
+        wd.write_bytes(out_png, buf.getvalue())
+    else:
+        fig.savefig(out_png, dpi=110)
     plt.close(fig)

@@ -102,7 +102,8 @@ def resolve_compile_cache_dir(spec: str, workdir: Optional[str] = None) -> str:
     if spec == "workdir":
         if not workdir:
             raise ValueError("compile_cache.dir = 'workdir' needs a run directory")
-        return os.path.join(os.path.abspath(workdir), "jax_cache")
+        return (workdir.rstrip("/") + "/jax_cache" if "://" in workdir  # a bucket (JAX writes it through etils)
+                else os.path.join(os.path.abspath(workdir), "jax_cache"))
     return os.path.abspath(os.path.expanduser(spec)) if spec else ""
 
 

@@ -21,7 +21,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from pdm_jax.checkpointing import CheckpointError  # noqa: E402
 from pdm_jax.config import check_field_path, validate_config  # noqa: E402
-from pdm_jax.workdir import WorkdirLockedError  # noqa: E402
+from pdm_jax.workdir import WorkdirLockedError, run_path  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
                                           lock_config=True)
@@ -76,7 +76,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(summary, indent=2))
-    print(f"summary written to {os.path.join(os.path.abspath(_WORKDIR.value), 'summary.json')}")
+    print(f"summary written to {os.path.join(run_path(_WORKDIR.value), 'summary.json')}")
 
 
 def _check_overrides(argv) -> None:

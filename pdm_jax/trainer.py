@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import jax
@@ -37,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from pdm_jax import evaluation, objectives, train_step as ts
+from pdm_jax import evaluation, objectives, train_step as ts, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import (compute_options, model_config_from_fields, parse_stop_token_ids, step_configs,
@@ -102,7 +103,7 @@ class Trainer:
         validate_config(config)
         self.config = config
         self.callbacks = list(callbacks)
-        self.workdir = os.path.abspath(workdir)
+        self.workdir = wd.run_path(workdir)  # a local path or a bucket URL (gs://...: pdm_jax.workdir)
         # One run per workdir; multi-host processes share it, so process 0 locks it for all.
         self._lock = WorkdirLock(self.workdir).acquire() if jax.process_index() == 0 else None
         try:
@@ -127,7 +128,7 @@ class Trainer:
         # Over-long prompts are dropped (and counted) at load, never discovered mid-run.
         self.source = filter_long_prompts(self.source, self.codec.encode_prompt, config.sampler.max_prompt_length)
         validate_config(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
-        os.makedirs(self.workdir, exist_ok=True)
+        wd.makedirs(self.workdir)
         m = config.mesh
         self.mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
         self.model_config, model = self._setup_model()
@@ -147,8 +148,8 @@ class Trainer:
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          max_to_keep=config.checkpoint.max_to_keep)
         if jax.process_index() == 0:  # multi-host: one process writes run files
-            with open(os.path.join(self.workdir, "config.json"), "w") as f:
-                f.write(config.to_json_best_effort(indent=2))
+            wd.write_bytes(os.path.join(self.workdir, "config.json"), config.to_json_best_effort(indent=2).encode(),
+                           atomic=False)
 
     def close(self) -> None:
         """Stops the sampler and releases the workdir lock (idempotent; `run` calls it when it ends)."""
@@ -160,8 +161,8 @@ class Trainer:
     def _setup_tokenizer(self):
         """The run's tokenizer; a char tokenizer is built into ``workdir/tokenizer`` once and loaded back."""
         tc = self.config.tokenizer
-        if tc.kind == "char":
-            path = os.path.join(self.workdir, "tokenizer")
+        if tc.kind == "char":  # bucket workdir: built locally (it depends on tokenizer.symbols only)
+            path = os.path.join(tempfile.mkdtemp() if wd.is_remote(self.workdir) else self.workdir, "tokenizer")
             if not os.path.exists(os.path.join(path, "tokenizer.json")):
                 build_char_tokenizer(tc.symbols, path)
             return load_tokenizer(path)
@@ -182,9 +183,9 @@ class Trainer:
         if cfg.vocab_size < self.vocab_size:
             raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {self.vocab_size}")
         model_dir = os.path.join(self.workdir, "model")
-        os.makedirs(model_dir, exist_ok=True)
-        with open(os.path.join(model_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_hf_dict(), f, indent=2)
+        wd.makedirs(model_dir)
+        wd.write_bytes(os.path.join(model_dir, "config.json"), json.dumps(cfg.to_hf_dict(), indent=2).encode(),
+                       atomic=False)
         return cfg, model
 
     def _put_batch(self, batch: StepBatch) -> StepBatch:
@@ -401,10 +402,9 @@ class Trainer:
         ref = self._reference_policy(state)
         version = meta["sampler_version"]
         summary_path = os.path.join(self.workdir, "summary.json")
-        if meta["rl_step"] >= rl.steps and os.path.exists(summary_path):
+        if meta["rl_step"] >= rl.steps and wd.exists(summary_path):
             log.info("all %d RL steps are done; summary in %s", rl.steps, summary_path)
-            with open(summary_path) as f:
-                return json.load(f)
+            return json.loads(wd.read_bytes(summary_path))
         if not self.sampler.started:  # file modes: the version is pushed first if it is not on disk
             self.sampler.start(version, params=state.params)
         log.info("sampler ready (%s, %s weights, version %d); %d GRPO steps to go", self.sampler.mode,
@@ -492,8 +492,8 @@ class Trainer:
         summary = run_summary(read_metrics(writer.path), config=self.config, meta=meta, last_eval=last_eval,
                               wall_seconds=self._wall_seconds())
         if jax.process_index() == 0:
-            with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            wd.write_bytes(os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2).encode(),
+                           atomic=False)
             plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"), config=self.config)
         return summary
 

@@ -13,6 +13,17 @@ emulates it with POSIX byte-range locks, which NFSv4 propagates between hosts;
 some FUSE mounts (e.g. gcsfuse) do not propagate locks at all, and there two
 hosts can both "hold" the lock. Multi-host runs share one workdir, so only
 process 0 locks it (`pdm_jax.trainer.Trainer`).
+
+**Bucket workdirs.** A workdir may be a URL (``gs://bucket/run``): the run files
+go through fsspec (gcsfs for ``gs://``; the helpers below: `is_remote`,
+`run_path`, `join`, `makedirs`, `exists`, `isdir`, `listdir`, `rmtree`,
+`read_bytes`, `write_bytes`, `upload_file`), the checkpoints through orbax and
+TensorStore. Local paths take exactly the code paths they took before. An object
+store has no rename: `write_bytes` is one single-object upload there, which GCS
+makes visible only once complete (a reader sees the old object or the new one,
+never a torn one); locally it is write-to-temporary + ``os.replace``. GCS has no
+advisory locks either: `WorkdirLock` on a bucket workdir logs a warning and
+locks nothing (one launch per bucket path is the user's responsibility).
 """
 
 from __future__ import annotations
@@ -20,10 +31,15 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
+import posixpath
+import shutil
 import socket
 import time
 from typing import Optional
+
+log = logging.getLogger("pdm_jax.workdir")
 
 LOCK_NAME = ".lock"
 
@@ -58,8 +74,8 @@ class WorkdirLock:
     """
 
     def __init__(self, workdir: str):
-        self.workdir = os.path.abspath(workdir)
-        self.path = os.path.join(self.workdir, LOCK_NAME)
+        self.workdir = run_path(workdir)
+        self.path = join(self.workdir, LOCK_NAME)
         self._fd: Optional[int] = None
 
     @property
@@ -76,6 +92,12 @@ class WorkdirLock:
           OSError: the lock file cannot be created or locked for another reason.
         """
         if self._fd is not None:
+            return self
+        if is_remote(self.workdir):
+            if not getattr(self, "_warned", False):
+                log.warning("workdir %s is on an object store, which has no locks: it is not locked (make sure "
+                            "no other run uses it)", self.workdir)
+            self._warned = True
             return self
         os.makedirs(self.workdir, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -120,9 +142,120 @@ class WorkdirLock:
 
 def read_holder(workdir: str) -> dict:
     """The record ({"pid", "host", "started"}) in ``WORKDIR/.lock``, or {} if absent, empty or unreadable."""
+    if is_remote(workdir):
+        return {}
     try:
         with open(os.path.join(os.path.abspath(workdir), LOCK_NAME)) as f:
             rec = json.loads(f.read() or "{}")
     except (OSError, ValueError):
         return {}
     return rec if isinstance(rec, dict) else {}
+
+
+# ------------------------------------------------------------------ run files on a local disk or a bucket
+def is_remote(path) -> bool:
+    """Whether `path` is a URL of a remote file system (``gs://...``, ``s3://...``, ``memory://...``)."""
+    path = os.fspath(path)
+    return "://" in path and not path.startswith("file://")
+
+
+def run_path(path) -> str:
+    """A run path in its canonical form: absolute for a local path, the URL without a trailing ``/`` otherwise."""
+    path = os.fspath(path)
+    return path.rstrip("/") if is_remote(path) else os.path.abspath(path)
+
+
+def join(root: str, *parts: str) -> str:
+    """`os.path.join` for local paths, ``/``-joined for URLs."""
+    return posixpath.join(root, *parts) if is_remote(root) else os.path.join(root, *parts)
+
+
+def filesystem(path: str):
+    """``(fsspec file system, path within it)`` of a URL (gcsfs for ``gs://``; fsspec's error if not installed).
+
+    Listings are not cached: other hosts write the same bucket, so every call sees the bucket as it is.
+    """
+    import fsspec  # here: local runs never need it
+
+    return fsspec.core.url_to_fs(path, use_listings_cache=False)
+
+
+def makedirs(path: str) -> None:
+    """Creates a directory and its parents if missing (a no-op on object stores, which have no directories)."""
+    if not is_remote(path):
+        os.makedirs(path, exist_ok=True)
+        return
+    fs, p = filesystem(path)
+    fs.makedirs(p, exist_ok=True)
+
+
+def exists(path: str) -> bool:
+    """Whether a file or directory exists at `path`."""
+    if not is_remote(path):
+        return os.path.exists(path)
+    fs, p = filesystem(path)
+    return fs.exists(p)
+
+
+def isdir(path: str) -> bool:
+    """Whether `path` is a directory (on an object store: a prefix with objects under it)."""
+    if not is_remote(path):
+        return os.path.isdir(path)
+    fs, p = filesystem(path)
+    return fs.isdir(p)
+
+
+def listdir(path: str) -> list:
+    """Names of the entries of directory `path` ([] if it does not exist), unsorted."""
+    if not is_remote(path):
+        return os.listdir(path) if os.path.isdir(path) else []
+    fs, p = filesystem(path)
+    try:
+        return [posixpath.basename(e.rstrip("/")) for e in fs.ls(p, detail=False, refresh=True)]
+    except FileNotFoundError:
+        return []
+
+
+def rmtree(path: str) -> None:
+    """Deletes a directory tree; missing is fine."""
+    if not is_remote(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, p = filesystem(path)
+    try:
+        fs.rm(p, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def read_bytes(path: str) -> bytes:
+    """The bytes of a file. Raises FileNotFoundError (or the file system's OSError)."""
+    if not is_remote(path):
+        with open(path, "rb") as f:
+            return f.read()
+    fs, p = filesystem(path)
+    return fs.cat_file(p)
+
+
+def write_bytes(path: str, data: bytes, *, atomic: bool = True) -> None:
+    """Writes a file whole. Local: to a temporary name, then ``os.replace`` (atomic for readers) when
+    `atomic`, else a plain overwrite. URL: one single-object upload (on GCS the object appears complete
+    or not at all; no temporary name, as object stores have no rename)."""
+    if is_remote(path):
+        fs, p = filesystem(path)
+        fs.pipe_file(p, data)
+        return
+    if not atomic:
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def upload_file(local: str, remote: str) -> None:
+    """Copies the local file `local` to the URL `remote` (one single-object upload)."""
+    fs, p = filesystem(remote)
+    fs.put_file(local, p)

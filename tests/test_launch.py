@@ -198,7 +198,7 @@ def test_tpu_pod_dry_run_prints_every_step():
     t = train[0]
     assert t.startswith(gc + "ssh pdm-test --project=proj-1 --zone=us-central2-b --worker=all ")
     assert ("python3 -m pdm_jax.train --config=configs/tiny.py:delta=0.05,seed=1 --workdir=/tmp/run1 "
-            "--config.distributed=True --config.rl.steps=10") in t
+            "--config.distributed=True --config.sampler.mode=colocated --config.rl.steps=10") in t
     assert t.endswith("| tee runs/pod1/pod.log")  # streamed here and kept
     assert lines[-2] == gc + "scp --recurse pdm-test:/tmp/run1 pdm-test:/tmp/run1.log runs/pod1/ --project=proj-1 --zone=us-central2-b --worker=0"
     assert lines[-1] == gc + "delete pdm-test --project=proj-1 --zone=us-central2-b --quiet"
@@ -225,7 +225,7 @@ def test_tpu_pod_bad_flags(args, msg):
 def test_tpu_pod_dry_run_gcs_results_and_git_repo():
     p = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--name=pdm-x", "--project=p", "--zone=z",
                         "--accelerator=v5litepod-16", "--results=gs://bucket/run", "--repo=https://example.com/r.git",
-                        "--spot", "--keep"], cwd=REPO, capture_output=True, text=True, timeout=60)
+                        "--spot", "--keep", "--workdir=/tmp/pdm_run"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
     assert lines[0].endswith("--spot")
@@ -248,13 +248,13 @@ def test_tpu_pod_failed_training_still_copies_results_and_deletes(tmp_path):
     env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     results = tmp_path / "results"
     p = subprocess.run(["bash", "launch/tpu_pod.sh", "--name=pdm-fail", "--project=p", "--zone=z",
-                        "--accelerator=v4-8", f"--results={results}"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=120)
+                        "--accelerator=v4-8", f"--results={results}", "--workdir=/tmp/pdm_run"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 3
     log = calls.read_text().splitlines()
     verbs = [l.split()[3] for l in log]  # compute tpus tpu-vm <verb>
-    assert verbs == ["create", "scp", "ssh", "ssh", "ssh", "scp", "delete"]
-    assert "pdm_jax.train" in log[4] and "--recurse" in log[5] and "--worker=0" in log[5]
+    assert verbs == ["describe", "create", "scp", "ssh", "ssh", "ssh", "scp", "delete"]
+    assert "pdm_jax.train" in log[5] and "--recurse" in log[6] and "--worker=0" in log[6]
     assert "worker 0: Traceback" in (results / "pod.log").read_text()
     assert not os.path.exists("/tmp/pdm-fail_src.tar.gz")  # the code tarball is cleaned up
 
@@ -291,3 +291,53 @@ def test_tpu_pod_remote_pipe_keeps_the_training_exit_status(tmp_path, train_rc):
     assert "Traceback: boom" in remote_log
     assert "--config.data.instruction=it's fine" in remote_log  # the quoting survives two shells
     assert "Traceback: boom" in (results / "pod.log").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_tpu_pod_bucket_workdir_dry_run():
+    """--bucket (or PDM_BUCKET): the workdir is <bucket>/<name> on every worker, colocated sampler, no copy-back."""
+    base = ["bash", "launch/tpu_pod.sh", "--dry-run", "--name=pdm-b", "--project=p", "--zone=z", "--accelerator=v4-32"]
+    for args, env in ((["--bucket=gs://bkt/runs/"], {}), ([], {"PDM_BUCKET": "gs://bkt/runs"})):
+        p = subprocess.run(base + args + ["--flag=--config.rl.steps=3"], cwd=REPO, capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, **env))
+        assert p.returncode == 0, p.stderr
+        lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
+        train = [l for l in lines if "pdm_jax.train" in l]
+        assert len(train) == 1
+        assert ("--workdir=gs://bkt/runs/pdm-b --config.distributed=True --config.sampler.mode=colocated "
+                "--config.rl.steps=3 2>&1 | tee /tmp/pdm-b_train.log") in train[0]
+        assert not any("scp --recurse" in l or "gsutil" in l for l in lines)  # nothing copied back
+        assert "# done: results in gs://bkt/runs/pdm-b" in p.stdout
+        assert lines[-1].endswith("delete pdm-b --project=p --zone=z --quiet")
+    p = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "PDM_BUCKET"})
+    assert p.returncode == 2 and "needs a bucket" in p.stderr
+    p = subprocess.run(base + ["--bucket=/tmp/x"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--bucket='/tmp/x'" in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None, reason="needs bash and git")
+@pytest.mark.parametrize("state, verbs", [
+    ("READY", ["describe", "scp", "ssh", "ssh", "ssh", "delete"]),  # a re-run on a live VM reuses it
+    ("PREEMPTED", ["describe", "delete", "create", "scp", "ssh", "ssh", "ssh", "delete"]),  # recreated
+    ("", ["describe", "create", "scp", "ssh", "ssh", "ssh", "delete"]),  # no VM: created
+])
+def test_tpu_pod_rerun_reuses_or_recreates_the_vm(tmp_path, state, verbs):
+    """A fake gcloud answers `describe` with the VM's state; with a bucket workdir the same command re-runs
+    the training (which resumes from the bucket) and never copies anything back."""
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "bin" / "gcloud"
+    fake.parent.mkdir()
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f"echo \"$*\" >> {calls}\n"
+                    f"case \"$*\" in *describe*) [ -n '{state}' ] && echo '{state}' && exit 0; exit 1;; esac\n"
+                    "exit 0\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    p = subprocess.run(["bash", "launch/tpu_pod.sh", "--name=pdm-re", "--project=p", "--zone=z", "--accelerator=v4-8",
+                        "--bucket=gs://bkt/r", f"--results={tmp_path / 'results'}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    log = calls.read_text().splitlines()
+    assert [l.split()[3] for l in log] == verbs
+    assert any("--workdir=gs://bkt/r/pdm-re" in l for l in log)

@@ -50,6 +50,7 @@ from typing import Optional
 
 import jax
 
+from pdm_jax import workdir as wd
 from pdm_jax.config import SAMPLER_FILE_MODES, resolve_sampler_mode
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler.client import SamplerClient, SamplerRequestError
@@ -154,6 +155,10 @@ class SamplerSupervisor:
         self.last_sync_seconds = {"save": 0.0, "load": 0.0}
         self.sampler_compile_stats: Optional[dict] = None
         self.workdir = workdir
+        if wd.is_remote(workdir) and self.mode in SAMPLER_FILE_MODES:
+            raise ValueError(f"sampler.mode = {str(sampler_config.mode)!r} (resolved: {self.mode!r}) reads weights "
+                             f"versions from local files, but the workdir {workdir} is a bucket: use "
+                             "sampler.mode = 'colocated' with a bucket workdir")
         self.model_config = model_config
         self.limits = dict(max_prompt_length=int(sampler_config.max_prompt_length),
                            max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size),
@@ -185,11 +190,24 @@ class SamplerSupervisor:
     # ---------------------------------------------------------------- weights versions
     def weights_path(self, version: int) -> str:
         """The directory of weights version ``version`` (``WORKDIR/weights/vNNNNNN``)."""
-        return os.path.join(self.workdir, "weights", f"v{version:06d}")
+        return wd.join(self.workdir, "weights", f"v{version:06d}")
 
     def push_weights(self, params, version: int) -> str:
-        """Saves ``params`` as weights version ``version`` and keeps only it, version - 1 and version 0 on disk."""
+        """Saves ``params`` as weights version ``version`` and keeps only it, version - 1 and version 0 on disk.
+
+        Bucket workdir: process 0 alone deletes and writes (`save_weights` writes one copy there)."""
         path = self.weights_path(version)
+        if wd.is_remote(path):
+            if jax.process_index() == 0:
+                wd.rmtree(path)
+            save_weights(params, path, version=version)
+            if jax.process_index() == 0:
+                root = wd.join(self.workdir, "weights")
+                keep = {f"v{v:06d}" for v in (version, version - 1, 0)}
+                for name in wd.listdir(root):
+                    if name.startswith("v") and name not in keep:
+                        wd.rmtree(wd.join(root, name))
+            return path
         if os.path.exists(path):
             shutil.rmtree(path)
         save_weights(params, path, version=version)

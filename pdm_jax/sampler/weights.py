@@ -42,6 +42,12 @@ The trainer calls ``save_weights(params, f"{root}/weights/v{version:06d}", versi
 ``load_weights(path, version)``; the sampler refuses a directory whose recorded
 version differs from the requested one, so a stale or half-written directory is
 an error, never a silent reuse.
+
+A version directory may be a URL (``gs://bucket/run/weights/v000000``,
+`pdm_jax.workdir.is_remote`): each file is then one single-object upload (no
+temporary name: object stores have no rename; GCS shows an object complete or
+not at all) and is read back whole; the meta file still goes last. The older
+orbax formats are read from local directories only.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ import safetensors.numpy as st_numpy
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from pdm_jax import workdir as wd
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 
 META_FILE = "weights_meta.json"
@@ -195,7 +202,11 @@ def deserialize(data: bytes) -> dict:
 
 def _write_atomic(path: str, data: bytes) -> None:
     """Writes `data` to a temporary file and renames it over `path` (atomic for readers; no fsync: a
-    version torn by a power loss fails its sha256 at load, and the trainer re-pushes a missing one)."""
+    version torn by a power loss fails its sha256 at load, and the trainer re-pushes a missing one).
+    A URL: one single-object upload."""
+    if wd.is_remote(path):
+        wd.write_bytes(path, data)
+        return
     tmp = f"{path}.{os.getpid()}.tmp"  # per process: several hosts may write the same (identical) directory
     with open(tmp, "wb") as f:
         f.write(data)
@@ -230,12 +241,24 @@ def save_weights(model_or_state: Any, path: str, *, version: Optional[int] = Non
         raise ValueError(f"save_weights: version must be an integer in [0, 2**31), got {version!r}")
     leaves = _host_leaves(to_pure_dict(model_or_state))
     data = serialize(leaves)
-    path = os.path.abspath(path)
-    os.makedirs(path, exist_ok=True)
-    meta_path = os.path.join(path, META_FILE)
-    if os.path.exists(meta_path):
+    path = wd.run_path(path)
+    if wd.is_remote(path) and jax.process_count() > 1:  # one copy in the bucket: process 0 writes, all wait
+        if jax.process_index() == 0:
+            _write_version(path, leaves, data, version, extra_meta)
+        multihost_utils.sync_global_devices(f"pdm_jax_save_weights_{path}")
+        return path
+    return _write_version(path, leaves, data, version, extra_meta)
+
+
+def _write_version(path: str, leaves: list, data: bytes, version: int, extra_meta: Optional[dict]) -> str:
+    """Writes the tensor file, then the meta file (with its manifest) of a version directory; returns `path`."""
+    wd.makedirs(path)
+    meta_path = wd.join(path, META_FILE)
+    if wd.is_remote(meta_path):
+        wd.rmtree(meta_path)  # the directory is incomplete until the new meta is in place
+    elif os.path.exists(meta_path):
         os.remove(meta_path)  # the directory is incomplete until the new meta is in place
-    _write_atomic(os.path.join(path, TENSORS_FILE), data)
+    _write_atomic(wd.join(path, TENSORS_FILE), data)
     meta = {
         "format": FORMAT,
         "version": int(version),
@@ -262,14 +285,13 @@ def read_meta(path: str) -> dict:
         ``meta_sha256``, lacks the manifest its format requires, or records no
         valid version.
     """
-    if not os.path.isdir(path):
+    if not wd.isdir(path):
         raise WeightsError(f"weights path {path!r} does not exist")
-    meta_path = os.path.join(path, META_FILE)
-    if not os.path.isfile(meta_path):
+    meta_path = wd.join(path, META_FILE)
+    if not (wd.exists(meta_path) if wd.is_remote(meta_path) else os.path.isfile(meta_path)):
         raise WeightsError(f"weights path {path!r} has no {META_FILE} (incomplete or not written by save_weights)")
     try:
-        with open(meta_path, "rb") as f:
-            meta = json.loads(f.read())
+        meta = json.loads(wd.read_bytes(meta_path))
     except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
         raise CorruptWeightsError(path, META_FILE, f"cannot be read as JSON ({type(e).__name__}: {e})") from e
     if not isinstance(meta, dict):
@@ -349,8 +371,7 @@ def read_tensors(path: str, meta: Mapping) -> dict:
     entries = meta[FILES_KEY]
     _check_entries(path, entries)
     try:
-        with open(os.path.join(path, TENSORS_FILE), "rb") as f:
-            data = f.read()
+        data = wd.read_bytes(wd.join(path, TENSORS_FILE))
     except FileNotFoundError:
         raise CorruptWeightsError(path, TENSORS_FILE, "is missing") from None
     except OSError as e:
@@ -458,7 +479,7 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
       VersionMismatchError: the recorded version is not `version`.
       CorruptWeightsError: a damaged file (naming the directory and the file).
     """
-    path = os.path.abspath(path)
+    path = wd.run_path(path)
     meta = read_meta(path)
     if version is not None and int(meta["version"]) != int(version):
         raise VersionMismatchError(f"weights path {path!r} holds version {meta['version']}, "
