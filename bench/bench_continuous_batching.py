@@ -19,6 +19,12 @@ engine per mode: the distinct generate programs the engine ran (`SamplingEngine.
 one compile each), the XLA programs the process built meanwhile (`pdm_jax.profiling.CompileCounter`,
 small helper programs included) and their seconds, and the stream's wall time.
 
+Part 3 (``--part default_run``): the default run's request shapes (configs/tiny.py) through both
+engines: milliseconds per request, same tokens, largest log mu difference.
+
+Part 4 (``--part paged``): a decode step over the dense slot cache vs the same step reading a
+paged cache through a page-table gather (XLA without a paged-attention kernel).
+
 Reproduce (CPU, repository root):
 
     python bench/bench_continuous_batching.py            # both parts, ~5 min on 2 shared cores
@@ -122,9 +128,102 @@ def stream(a):
               f"{wall:>8.1f} {snap['compile_seconds'] / wall:>13.0%}")
 
 
+def default_run_shapes(a):
+    """The default run's requests (configs/tiny.py: fp8 weights, f32 compute, 64 slots / max batch, 5 new tokens,
+    K 4; random weights, 8-token prompts, stop id 2): rollouts 32 x 8, avg@4 200 x 4, greedy 200 x 1."""
+    import sys
+
+    sys.path.insert(0, "configs")
+    import tiny
+
+    from pdm_jax.config import model_config_from_fields
+
+    c = tiny.get_config()
+    cfg = model_config_from_fields(c.model, 15)
+    params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    eng = {m: SamplingEngine(cfg, params, batching=m, quantization="fp8", max_prompt_length=c.sampler.max_prompt_length,
+                             max_new_tokens=c.rl.max_new_tokens, max_batch_size=c.sampler.max_batch_size)
+           for m in MODES}
+    rng = np.random.default_rng(0)
+    reqs = {"rollout 32x8": (32, dict(n=8, temperature=1.0)), "avg@4 200x4": (200, dict(n=4, temperature=1.0)),
+            "greedy 200x1": (200, dict(n=1, temperature=0.0))}
+    print(f"# the default run's request shapes; median of {a.repeats} interleaved rounds")
+    for name, (num, g) in reqs.items():
+        prompts = [list(rng.integers(1, 15, 8)) for _ in range(num)]
+        g = dict(g, max_new_tokens=c.rl.max_new_tokens, seed=1, stop_token_ids=[2], top_k_logprobs=c.rl.top_k_logprobs)
+        outs = {m: e.generate(prompts, **g) for m, e in eng.items()}
+        same = np.array_equal(outs["static"].completion_ids, outs["continuous"].completion_ids)
+        dlp = float(np.abs(outs["static"].behavior_logprobs - outs["continuous"].behavior_logprobs).max())
+        ts = {m: [] for m in eng}
+        for _ in range(a.repeats):
+            for m, e in eng.items():
+                t0 = time.perf_counter()
+                e.generate(prompts, **g)
+                ts[m].append(time.perf_counter() - t0)
+        s, cc = statistics.median(ts["static"]), statistics.median(ts["continuous"])
+        print(f"{name:>13}: static {s * 1e3:7.1f} ms, continuous {cc * 1e3:7.1f} ms ({cc / s:.2f}x); "
+              f"same tokens {same}, max |d log mu| {dlp:.1e}")
+
+
+def paged_gather(a, steps=100, page=16):
+    """One decode step over the dense slot cache vs the same step reading a paged cache: every layer's pages
+    gathered through a page table into the dense [slots, K, H, S] view attention needs (what XLA does without a
+    paged-attention kernel), then the new key/value written back to its page."""
+    import jax.numpy as jnp
+
+    from pdm_jax.models.qwen3 import KVCache
+
+    cfg, params = make(a)
+    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    b, s = a.slots, a.prompt_len + a.max_new
+    n_pages = -(-s // page)
+    kv, hd, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+
+    def program(paged):
+        def run(state, table):
+            m = nnx.merge(graphdef, state)
+            pool_k = tuple(jnp.zeros((b * n_pages, kv, hd, page)) for _ in range(layers))
+            pool_v = tuple(jnp.zeros((b * n_pages, kv, page, hd)) for _ in range(layers))
+            mask = jnp.ones((b, s), bool)
+
+            def body(c):
+                t, tok, cache, pk, pv = c
+                col = t % s
+                if paged:
+                    cache = KVCache(
+                        k=tuple(jnp.take(p, table, axis=0).transpose(0, 2, 3, 1, 4).reshape(b, kv, hd, -1)[..., :s]
+                                for p in pk),
+                        v=tuple(jnp.take(p, table, axis=0).transpose(0, 2, 1, 3, 4).reshape(b, kv, -1, hd)[:, :, :s]
+                                for p in pv))
+                logits, cache = m.decode(tok[:, None], jnp.full((b, 1), col), cache, jnp.full((b,), col), mask)
+                if paged:
+                    pg, off = table[:, col // page], col % page
+                    pk = tuple(p.at[pg, :, :, off].set(k[:, :, :, col]) for p, k in zip(pk, cache.k))
+                    pv = tuple(p.at[pg, :, off, :].set(v[:, :, col, :]) for p, v in zip(pv, cache.v))
+                return t + 1, jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache, pk, pv
+            init = (jnp.int32(0), jnp.zeros((b,), jnp.int32), m.init_cache(b, s), pool_k, pool_v)
+            return jax.lax.while_loop(lambda c: c[0] < steps, body, init)[1]
+        return jax.jit(run)
+
+    table = jnp.asarray(np.random.default_rng(0).permutation(b * n_pages).reshape(b, n_pages), jnp.int32)
+    fns = {name: program(name == "paged") for name in ("dense", "paged")}
+    for f in fns.values():
+        f(state, table).block_until_ready()
+    ts = {name: [] for name in fns}
+    for _ in range(max(a.repeats, 5)):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f(state, table).block_until_ready()
+            ts[name].append(time.perf_counter() - t0)
+    d, p = (statistics.median(ts[n]) / steps * 1e3 for n in ("dense", "paged"))
+    print(f"# decode step, {b} slots x {s} cache slots, pages of {page}: dense {d:.2f} ms, paged through a gather "
+          f"{p:.2f} ms ({p / d:.2f}x)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("both", "throughput", "compiles"), default="both")
+    ap.add_argument("--part", choices=("both", "throughput", "compiles", "default_run", "paged"), default="both")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--slots", type=int, default=32)
@@ -143,6 +242,10 @@ def main():
         throughput(a)
     if a.part in ("both", "compiles"):
         stream(a)
+    if a.part == "default_run":
+        default_run_shapes(a)
+    if a.part == "paged":
+        paged_gather(a)
 
 
 if __name__ == "__main__":

@@ -192,10 +192,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.stall_probe_misses = 3  # 0 = no probing
     c.sampler.max_prompt_length = 64  # tokens; longest accepted prompt (largest prompt bucket)
     c.sampler.max_batch_size = 64  # largest batch bucket; bigger requests run in chunks
-    # How a request's rows are batched (pdm_jax.sampler.engine): "static" (chunks of max_batch_size rows, each
-    # run until its longest row stops) | "continuous" (max_slots slots of one static KV cache; a slot whose row
-    # stops takes the next pending row: same tokens and log mu, faster when response lengths differ; README).
-    c.sampler.batching = "static"
+    # How a request's rows are batched (pdm_jax.sampler.engine): "continuous" (max_slots slots of one static KV
+    # cache; a slot whose row stops takes the next pending row: the static engine's tokens, log mu within f32
+    # rounding; faster on mixed response lengths and on the default run's requests; README) | "static" (chunks of
+    # max_batch_size rows, each run until its longest row stops; the engine's and the server's own default).
+    c.sampler.batching = "continuous"
     c.sampler.max_slots = 0  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
 
     # ---- evaluation --------------------------------------------------------------------
