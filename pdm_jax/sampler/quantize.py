@@ -25,7 +25,8 @@ rule that names the output axes of each parameter of our own model, is explicit,
 cheap to redo on every sync, and testable.
 
 What is quantized (``fp8``): every >=2-D weight of the decoder layers (attention
-q/k/v/o projections, MLP gate/up/down).  Embedding table, ``lm_head`` and the
+q/k/v/o projections, MLP gate/up/down; for Qwen3-MoE the router and every expert's
+gate/up/down, scales per (layer, expert, output channel)).  Embedding table, ``lm_head`` and the
 RMSNorm scales stay in the compute dtype unless asked otherwise -- vLLM's fp8
 default, because the output projection dominates the logit error per byte saved.
 """
@@ -77,7 +78,9 @@ def default_output_axes(path: Path, shape: Sequence[int], *, quantize_embedding:
     Layouts are those of ``pdm_jax.models.qwen3`` (einsum kernels, input axes first):
     q/k/v_proj ``[D, N|K, H]`` -> output axes (1, 2) (one scale per head and head
     dim, reduced over D); o_proj ``[N, H, D]`` -> (2,) (reduced over N and H);
-    gate/up ``[D, F]`` and down ``[F, D]`` -> (1,); lm_head ``[D, V]`` -> (1,)
+    gate/up ``[D, F]`` and down ``[F, D]`` -> (1,); MoE experts (``mlp.experts.*``) gate/up
+    ``[E, D, I]`` and down ``[E, I, D]`` -> (0, 2) (per expert and output channel, reduced
+    over the input axis); the MoE router ``mlp.gate`` ``[D, E]`` -> (1,); lm_head ``[D, V]`` -> (1,)
     (only with ``quantize_lm_head``); the embedding table ``[V, D]`` is a lookup,
     its channel is the row, (0,) (only with ``quantize_embedding``).
 
@@ -108,6 +111,10 @@ def default_output_axes(path: Path, shape: Sequence[int], *, quantize_embedding:
         return (ndim - 1,) if quantize_lm_head else None
     if "o_proj" in names:
         return (ndim - 1,)
+    if "experts" in names:
+        # Stacked MoE expert kernels gate/up [E, D, I], down [E, I, D]: every expert keeps
+        # its own scales, one per output channel (reduced over the input axis only).
+        return (0, ndim - 1)
     return tuple(range(1, ndim))
 
 
