@@ -47,7 +47,8 @@ from pdm_jax.rollout import StepBatch
 _F32 = jnp.float32
 
 
-def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                             return_aux: bool = False):
     """Final hidden states predicting each completion token, and the LM-head function.
 
     Runs the model on concat(prompt, completion) and keeps positions P-1 .. P+T-2,
@@ -61,14 +62,21 @@ def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completi
 
     Returns:
       ``(h [B,T,D] in the compute dtype, head_fn)`` where ``head_fn(h_chunk [B,c,D])``
-      returns f32 logits ``[B,c,V]`` (``Qwen3ForCausalLM.logits_from_hidden``).
+      returns f32 logits ``[B,c,V]`` (``Qwen3ForCausalLM.logits_from_hidden``); with
+      ``return_aux`` a third element, the unscaled router aux loss of a MoE model (None if dense).
     """
     model = nnx.merge(graphdef, params)
     input_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
     attn = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-    h_BxLxD = model.hidden_states(input_ids, attention_mask=attn)
     p = prompt_ids.shape[1]
     t = completion_ids.shape[1]
+    aux = None
+    if return_aux and getattr(model.config, "is_moe", False):
+        h_BxLxD, aux = model.hidden_states(input_ids, attention_mask=attn, return_aux=True)
+    else:
+        h_BxLxD = model.hidden_states(input_ids, attention_mask=attn)
+    if return_aux:
+        return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden, aux
     return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden
 
 
@@ -159,8 +167,12 @@ def make_chunked_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
         raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
 
     def terms_fn(params, batch: StepBatch):
-        h_BxTxD, head_fn = completion_hidden_states(graphdef, params, batch.prompt_ids, batch.prompt_mask,
-                                                    batch.completion_ids, batch.completion_mask)
-        return chunked_rl_terms(h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
+        h_BxTxD, head_fn, aux = completion_hidden_states(graphdef, params, batch.prompt_ids, batch.prompt_mask,
+                                                         batch.completion_ids, batch.completion_mask,
+                                                         return_aux=True)
+        terms = chunked_rl_terms(h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
+        if aux is not None:  # Qwen3-MoE: the router load-balancing loss (see train_step.make_rl_loss)
+            terms["router_aux_loss"] = aux
+        return terms
 
     return terms_fn

@@ -90,6 +90,12 @@ def get_base_config() -> ml_collections.ConfigDict:
     # "ragged_dot" (grouped matmuls, every backend) | "megablox" (Pallas TPU kernel; interpret mode elsewhere)
     # | "dense" (every expert on every token: the reference). Unused by dense models.
     c.model.moe_implementation = "ragged_dot"
+    # A randomly initialised Qwen3-MoE (hf_path and preset unset): num_experts > 0 makes every layer's MLP
+    # num_experts SwiGLU experts of width moe_intermediate_size, top num_experts_per_tok (configs/tiny_moe.py).
+    c.model.num_experts = 0  # 0 = dense
+    c.model.num_experts_per_tok = 2
+    c.model.moe_intermediate_size = 64
+    c.model.norm_topk_prob = True
 
     # ---- tokenizer ---------------------------------------------------------------------
     c.tokenizer = ml_collections.ConfigDict()
@@ -142,6 +148,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.kl_estimator = "k3"
     c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.chunked_loss); 0 = all [B,T,V] logits
     c.rl.micro_batch_size = 0  # sequences per micro-batch; > 0: gradients accumulated exactly over micro-batches; 0 = off
+    c.rl.router_aux_loss_coef = 0.0  # Qwen3-MoE: weight of the router load-balancing loss in the RL loss (0 = off)
 
     # ---- trust region (pdm_jax.trust_region.TrustRegionConfig) ---------------------------
     c.trust_region = ml_collections.ConfigDict()
@@ -379,7 +386,16 @@ def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size
         num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
         num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
         rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
-        max_position_embeddings=mc.max_position_embeddings)
+        max_position_embeddings=mc.max_position_embeddings, **_moe_fields(mc))
+
+
+def _moe_fields(mc) -> dict:
+    """The Qwen3-MoE fields of ``model.*`` (none when ``model.num_experts`` is 0 or absent: dense)."""
+    if not mc.get("num_experts", 0):
+        return {}
+    return dict(num_experts=mc.num_experts, num_experts_per_tok=mc.get("num_experts_per_tok", 2),
+                moe_intermediate_size=mc.get("moe_intermediate_size", 64),
+                norm_topk_prob=mc.get("norm_topk_prob", True))
 
 
 # ---- validation --------------------------------------------------------------------------
@@ -689,7 +705,8 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
         loss_aggregation=rl.loss_aggregation,
         max_response_length=int(max_response_length or rl.max_new_tokens), kl_beta=_as_float("rl.kl_beta", rl.kl_beta),
         kl_estimator=rl.kl_estimator, temperature=_as_float("rl.temperature", rl.temperature),
-        logits_chunk_size=rl.logits_chunk_size, micro_batch_size=rl.micro_batch_size)
+        logits_chunk_size=rl.logits_chunk_size, micro_batch_size=rl.micro_batch_size,
+        router_aux_loss_coef=_as_float("rl.router_aux_loss_coef", rl.get("router_aux_loss_coef", 0.0)))
     rl_opt = OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, b1=rl.adam_b1,
                              b2=rl.adam_b2, max_grad_norm=rl.max_grad_norm, warmup_steps=rl.warmup_steps)
     sft_opt = OptimizerConfig(learning_rate=sft.learning_rate, warmup_steps=sft.warmup_steps,

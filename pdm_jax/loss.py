@@ -51,7 +51,10 @@ class PolicyLossConfig:
     - ``temperature`` τ > 0: logits are divided by it before every log-softmax (DESIGN.md §1);
     - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.chunked_loss``;
     - ``micro_batch_size``: 0 = the whole mini-batch in one forward/backward, m > 0 = gradients
-      accumulated exactly over micro-batches of m sequences (``pdm_jax.train_step``).
+      accumulated exactly over micro-batches of m sequences (``pdm_jax.train_step``);
+    - ``router_aux_loss_coef`` >= 0 (finite): Qwen3-MoE only, the weight of the router
+      load-balancing loss added to the RL loss (HF ``router_aux_loss_coef``; 0 = off, the RL
+      default, as verl's MoE recipes; the unscaled loss is logged as ``router_aux_loss``).
 
     Raises:
       ValueError: a field out of range, named as the run config names it (``rl.<field>``).
@@ -69,6 +72,7 @@ class PolicyLossConfig:
     temperature: float = 1.0
     logits_chunk_size: int = 0
     micro_batch_size: int = 0
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         def need(ok, field, what):
@@ -88,6 +92,9 @@ class PolicyLossConfig:
              and self.logits_chunk_size >= 0, "rl.logits_chunk_size", "must be an int >= 0 (0 = unchunked)")
         need(not isinstance(self.micro_batch_size, bool) and isinstance(self.micro_batch_size, int)
              and self.micro_batch_size >= 0, "rl.micro_batch_size", "must be an int >= 0 (0 = no micro-batches)")
+        need(isinstance(self.router_aux_loss_coef, (int, float)) and not isinstance(self.router_aux_loss_coef, bool)
+             and math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0,
+             "rl.router_aux_loss_coef", "must be a finite float >= 0 (0 = off)")
 
 
 def needs_separate_topk_kl(tr_config: trust_region.TrustRegionConfig) -> bool:

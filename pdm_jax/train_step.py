@@ -76,19 +76,35 @@ def make_optimizer(learning_rate, *, weight_decay=0.0, b1=0.9, b2=0.999, max_gra
     return optax.chain(*parts), schedule
 
 
-def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                      return_aux: bool = False):
     """Logits predicting each completion token: [B,T,V] float32.
 
     Runs the model on concat(prompt, completion) and keeps the positions
     P-1 .. P+T-2, whose next-token logits score completion tokens 0..T-1.
+    With ``return_aux``, returns ``(logits, router_aux_loss)``: the unscaled router
+    load-balancing loss (f32 scalar, transformers' ``load_balancing_loss_func`` over the
+    real prompt and completion tokens) of a Qwen3-MoE model, None for a dense model.
     """
     model = nnx.merge(graphdef, params)
     input_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
     attn = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-    logits_BxLxV = model(input_ids, attention_mask=attn)
     p = prompt_ids.shape[1]
     t = completion_ids.shape[1]
-    return logits_BxLxV[:, p - 1:p + t - 1].astype(jnp.float32)
+    if return_aux and getattr(model.config, "is_moe", False):
+        logits_BxLxV, aux = model(input_ids, attention_mask=attn, return_aux=True)
+        return logits_BxLxV[:, p - 1:p + t - 1].astype(jnp.float32), aux
+    logits_BxLxV = model(input_ids, attention_mask=attn)
+    out = logits_BxLxV[:, p - 1:p + t - 1].astype(jnp.float32)
+    return (out, None) if return_aux else out
+
+
+def _with_router_aux(loss, metrics: dict, aux, loss_config) -> tuple:
+    """Adds ``rl.router_aux_loss_coef`` x the router aux loss to `loss` and logs it as
+    ``router_aux_loss`` (unscaled) when the model is MoE (`aux` not None)."""
+    if aux is None:
+        return loss, metrics
+    return loss + loss_config.router_aux_loss_coef * aux, dict(metrics, router_aux_loss=aux)
 
 
 def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: policy_loss.PolicyLossConfig):
@@ -101,11 +117,15 @@ def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_conf
         return chunked_loss.make_chunked_rl_terms(graphdef, tr_config, loss_config, loss_config.logits_chunk_size)
 
     def terms_fn(params, batch: StepBatch):
-        logits = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                   batch.completion_mask) / loss_config.temperature
-        return policy_loss.token_terms(logits, batch.completion_ids, batch.completion_mask, batch.topk_ids,
-                                       batch.topk_logprobs, batch.behavior_logprobs, batch.advantages, tr_config,
-                                       loss_config, ref_logprobs=batch.ref_logprobs)
+        logits, aux = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                        batch.completion_mask, return_aux=True)
+        terms = policy_loss.token_terms(logits / loss_config.temperature, batch.completion_ids,
+                                        batch.completion_mask, batch.topk_ids, batch.topk_logprobs,
+                                        batch.behavior_logprobs, batch.advantages, tr_config, loss_config,
+                                        ref_logprobs=batch.ref_logprobs)
+        if aux is not None:  # Qwen3-MoE: the router load-balancing loss (a scalar, not a token term)
+            terms["router_aux_loss"] = aux
+        return terms
 
     return terms_fn
 
@@ -120,8 +140,10 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
 
     def loss_fn(params, batch: StepBatch):
         terms = terms_fn(params, batch)
-        return policy_loss.loss_and_metrics(terms, batch.completion_mask, batch.behavior_logprobs, batch.advantages,
-                                            loss_config)
+        aux = terms.pop("router_aux_loss", None)
+        loss, metrics = policy_loss.loss_and_metrics(terms, batch.completion_mask, batch.behavior_logprobs,
+                                                     batch.advantages, loss_config)
+        return _with_router_aux(loss, metrics, aux, loss_config)
 
     return loss_fn
 
@@ -187,16 +209,21 @@ def _micro_batched_rl_step(terms_fn, tx, loss_config: policy_loss.PolicyLossConf
             terms = terms_fn(params, mb)
             loss_sum, _ = objectives.aggregate_loss(terms["per_token"], mb.completion_mask.astype(bool),
                                                     lc.loss_aggregation, max_response_length=lc.max_response_length)
-            return loss_sum / safe_denom, jax.lax.stop_gradient(terms)
+            loss = loss_sum / safe_denom
+            if "router_aux_loss" in terms:  # MoE: the mean over micro-batches of each one's aux loss
+                loss = loss + lc.router_aux_loss_coef * terms["router_aux_loss"] / n
+            return loss, jax.lax.stop_gradient(terms)
 
         def body(grads, mb):
             g, terms = jax.grad(micro_loss, has_aux=True)(state.params, mb)
             return jax.tree.map(jnp.add, grads, g), terms
 
         grads, terms_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, state.params), micro)
+        router_aux_N = terms_N.pop("router_aux_loss", None)
         terms = {k: jnp.swapaxes(v, 0, 1).reshape((b,) + v.shape[2:]) for k, v in terms_N.items() if k != "stats"}
         terms["stats"] = policy_loss.combine_stats(terms_N["stats"])
         loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, lc)
+        loss, aux = _with_router_aux(loss, aux, None if router_aux_N is None else router_aux_N.mean(), lc)
         return _apply(tx, state, grads, dict(aux, loss=loss))
 
     return step
