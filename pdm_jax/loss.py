@@ -54,7 +54,7 @@ class PolicyLossConfig:
       accumulated exactly over micro-batches of m sequences (``pdm_jax.train_step``);
     - ``router_aux_loss_coef`` >= 0 (finite): Qwen3-MoE only, the weight of the router
       load-balancing loss added to the RL loss (HF ``router_aux_loss_coef``; 0 = off, the RL
-      default, as verl's MoE recipes; the unscaled loss is logged as ``router_aux_loss``).
+      default; the unscaled loss is logged as ``router_aux_loss``).
 
     Raises:
       ValueError: a field out of range, named as the run config names it (``rl.<field>``).
