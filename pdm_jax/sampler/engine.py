@@ -309,6 +309,10 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
     `_generate_program`, so rows get the same samples whichever slot or step runs them.
     Returns the same dict as `_generate_program` (``steps``: decode steps run).
+
+    Long on purpose: one traced program whose admission, decode and tail loops close over the
+    same prefilled prompt store, outputs and per-request scalars; split into module functions
+    they would pass a dozen arrays each way and read less like the five steps above.
     """
     model = nnx.merge(graphdef, state)
     u, p = prompt_ids_UxP.shape
