@@ -58,6 +58,28 @@ def route(router_logits_NxE: Array, top_k: int, norm_topk_prob: bool
     return weights_NxK, experts_NxK.astype(jnp.int32), probs_NxE
 
 
+def route_replayed(router_logits_NxE: Array, experts_NxK: Array, norm_topk_prob: bool
+                   ) -> tuple[Array, Array, Array]:
+    """Routing replay: the given experts (e.g. those the rollout engine routed to), weighted by
+    this router's f32 softmax probabilities over them (renormalised to sum 1 when
+    ``norm_topk_prob``), as ``route`` would weight its own top-k. Gradients reach the router
+    through the weights; the expert choice is not differentiable either way.
+
+    Args:
+      router_logits_NxE: [N, E] router logits.
+      experts_NxK: [N, K] int expert ids in [0, E) (out-of-range ids are clipped).
+      norm_topk_prob: divide the K weights by their sum.
+    Returns:
+      (weights [N, K] f32, experts [N, K] int32, probs [N, E] f32), as ``route``.
+    """
+    probs_NxE = jax.nn.softmax(router_logits_NxE.astype(jnp.float32), axis=-1)
+    experts_NxK = jnp.clip(experts_NxK.astype(jnp.int32), 0, probs_NxE.shape[-1] - 1)
+    weights_NxK = jnp.take_along_axis(probs_NxE, experts_NxK, axis=-1)
+    if norm_topk_prob:
+        weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    return weights_NxK, experts_NxK, probs_NxE
+
+
 def _swiglu(gate: Array, up: Array) -> Array:
     return jax.nn.silu(gate) * up
 

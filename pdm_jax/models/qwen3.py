@@ -658,16 +658,28 @@ class SparseMoeBlock(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x_BxTxD: Array, implementation: str = "ragged_dot",
-                 token_weight_BxT: Array | None = None) -> tuple[Array, tuple]:
-        """[B,T,D] -> ([B,T,D], load-balancing sums of ``moe.load_balancing_stats``).
+                 token_weight_BxT: Array | None = None,
+                 routed_experts_BxTxK: Array | None = None) -> tuple[Array, tuple]:
+        """[B,T,D] -> ([B,T,D], (load-balancing sums of ``moe.load_balancing_stats``...,
+        the experts used [B,T,K] int32)).
 
         ``token_weight_BxT`` (e.g. the attention mask) weights the rows of those sums only.
+        ``routed_experts_BxTxK`` (routing replay): run these experts instead of this router's
+        top-k, weighted by this router's probabilities over them (``moe.route_replayed``).
         """
         B, T, D = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(B * T, D).astype(self.dtype)
         logits_NxE = self.gate(x_NxD, preferred_element_type=jnp.float32)
-        weights_NxK, experts_NxK, probs_NxE = moe_lib.route(logits_NxE, self.top_k,
-                                                            self.norm_topk_prob)
+        if routed_experts_BxTxK is None:
+            weights_NxK, experts_NxK, probs_NxE = moe_lib.route(logits_NxE, self.top_k,
+                                                                self.norm_topk_prob)
+        else:
+            if routed_experts_BxTxK.shape != (B, T, self.top_k):
+                raise ValueError(f"routed_experts must be [B, T, L, num_experts_per_tok] with "
+                                 f"[B, T, k] = {(B, T, self.top_k)} per layer, got "
+                                 f"{routed_experts_BxTxK.shape} for a layer")
+            weights_NxK, experts_NxK, probs_NxE = moe_lib.route_replayed(
+                logits_NxE, routed_experts_BxTxK.reshape(B * T, self.top_k), self.norm_topk_prob)
         e = self.experts
         y_NxD = moe_lib.experts(
             x_NxD, weights_NxK, experts_NxK, e.gate_proj.kernel.get_value(),
@@ -676,7 +688,7 @@ class SparseMoeBlock(nnx.Module):
         stats = moe_lib.load_balancing_stats(
             probs_NxE, experts_NxK,
             None if token_weight_BxT is None else token_weight_BxT.reshape(B * T))
-        return y_NxD.reshape(B, T, D), stats
+        return y_NxD.reshape(B, T, D), tuple(stats) + (experts_NxK.reshape(B, T, self.top_k),)
 
 
 def make_mlp(config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -701,7 +713,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = make_mlp(config, **kw)
 
     def __call__(self, x_BxTxD, positions_BxT, mask, kv=None, cache_index=None, attention=None,
-                 moe_implementation="ragged_dot", token_weight_BxT=None):
+                 moe_implementation="ragged_dot", token_weight_BxT=None, routed_experts_BxTxK=None):
         """[B,T,D] -> ([B,T,D], kv, router sums); see ``Attention.__call__`` for the
         attention arguments. The router sums (``moe.load_balancing_stats``, rows weighted by
         ``token_weight_BxT``) are None for a dense MLP."""
@@ -710,7 +722,8 @@ class DecoderLayer(nnx.Module):
         x_BxTxD = x_BxTxD + attn_BxTxD
         h_BxTxD = self.post_attention_layernorm(x_BxTxD)
         if isinstance(self.mlp, SparseMoeBlock):
-            mlp_BxTxD, stats = self.mlp(h_BxTxD, moe_implementation, token_weight_BxT)
+            mlp_BxTxD, stats = self.mlp(h_BxTxD, moe_implementation, token_weight_BxT,
+                                        routed_experts_BxTxK)
         else:
             mlp_BxTxD, stats = self.mlp(h_BxTxD), None
         x_BxTxD = x_BxTxD + mlp_BxTxD
@@ -898,7 +911,8 @@ class Qwen3ForCausalLM(nnx.Module):
     # ------------------------------------------------------------------ full forward
     def __call__(self, input_ids: Array, positions: Array | None = None,
                  attention_mask: Array | None = None, segment_ids: Array | None = None,
-                 *, return_aux: bool = False) -> Array | tuple[Array, Array]:
+                 *, return_aux: bool = False, routed_experts: Array | None = None,
+                 return_routing: bool = False) -> Array | tuple:
         """Full causal forward.
 
         Args:
@@ -913,19 +927,23 @@ class Qwen3ForCausalLM(nnx.Module):
           segment_ids: [B, T] int, optional: packed sequences; a token attends only to
             earlier tokens with the same id. None = one sequence per row.
           return_aux: also return the router load-balancing loss (see ``hidden_states``).
+          routed_experts, return_routing: routing replay (MoE only, see ``hidden_states``).
         Returns:
-          logits: [B, T, V] float32; with ``return_aux``, (logits, router_aux_loss).
+          logits: [B, T, V] float32; with ``return_aux`` and/or ``return_routing``, a tuple
+          (logits, router_aux_loss?, routed_experts [B, T, L, k]?) in that order.
         """
         out = self.hidden_states(input_ids, positions, attention_mask, segment_ids,
-                                 return_aux=return_aux)
-        if return_aux:
-            return self.logits_from_hidden(out[0]), out[1]
+                                 return_aux=return_aux, routed_experts=routed_experts,
+                                 return_routing=return_routing)
+        if return_aux or return_routing:
+            return (self.logits_from_hidden(out[0]),) + tuple(out[1:])
         return self.logits_from_hidden(out)
 
     def hidden_states(self, input_ids: Array, positions: Array | None = None,
                       attention_mask: Array | None = None,
                       segment_ids: Array | None = None, *,
-                      return_aux: bool = False) -> Array | tuple[Array, Array]:
+                      return_aux: bool = False, routed_experts: Array | None = None,
+                      return_routing: bool = False) -> Array | tuple:
         """Final hidden states [B,T,D] (compute dtype), after the final RMSNorm, before the LM head.
 
         Same arguments as ``__call__``;
@@ -938,10 +956,20 @@ class Qwen3ForCausalLM(nnx.Module):
         ``attention_mask`` as HF does; ``moe.load_balancing_loss``), a scalar f32 not yet
         multiplied by ``config.router_aux_loss_coef``; 0.0 for a dense model.
 
+        Routing replay (MoE only): ``routed_experts`` [B, T, L, k] int (k =
+        ``num_experts_per_tok``) makes layer l at position t run experts
+        ``routed_experts[:, t, l]`` instead of its router's top-k, weighted by its router's
+        f32 softmax over them (renormalised when ``norm_topk_prob``; ``moe.route_replayed``).
+        ``return_routing`` also returns the experts each layer ran, [B, T, L, k] int32 (last
+        in the returned tuple): replaying them reproduces this forward.
+
         Raises:
           ValueError: naming the argument when a shape is not [B, T] or ``segment_ids`` is
-            not an integer array.
+            not an integer array, or ``routed_experts`` / ``return_routing`` is given to a
+            dense model or ``routed_experts`` is not [B, T, L, k].
         """
+        if (routed_experts is not None or return_routing) and not self.config.is_moe:
+            raise ValueError("routed_experts / return_routing need a MoE model (num_experts > 0)")
         input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
         if input_ids_BxT.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {input_ids_BxT.shape}")
@@ -971,32 +999,51 @@ class Qwen3ForCausalLM(nnx.Module):
         token_weight_BxT = (None if attention_mask is None
                             else jnp.asarray(attention_mask).astype(jnp.float32))
 
-        def run_layer(layer_state, x_BxTxD):
+        L = self.config.num_hidden_layers
+        replay_LxBxTxK = None
+        if routed_experts is not None:
+            routed_experts = jnp.asarray(routed_experts)
+            want = (B, T, L, self.config.num_experts_per_tok)
+            if routed_experts.shape != want or not jnp.issubdtype(routed_experts.dtype, jnp.integer):
+                raise ValueError(f"routed_experts must be an integer array of shape [B, T, L, k] = "
+                                 f"{want}, got {routed_experts.dtype} {routed_experts.shape}")
+            replay_LxBxTxK = jnp.moveaxis(routed_experts.astype(jnp.int32), 2, 0)
+
+        def run_layer(layer_state, x_BxTxD, replay_BxTxK=None):
             x_BxTxD, _, stats = nnx.merge(graphdef, layer_state)(
                 x_BxTxD, positions_BxT, mask, attention=attention,
-                moe_implementation=moe_implementation, token_weight_BxT=token_weight_BxT)
+                moe_implementation=moe_implementation, token_weight_BxT=token_weight_BxT,
+                routed_experts_BxTxK=replay_BxTxK)
             return x_BxTxD, stats
 
         if self.remat != "none":
             run_layer = jax.checkpoint(run_layer, policy=REMAT_POLICIES[self.remat])
         if self.scan_layers:
-            x_BxTxD, stats = jax.lax.scan(lambda x, layer_state: run_layer(layer_state, x),
-                                          x_BxTxD, layers_state)
+            x_BxTxD, stats = jax.lax.scan(lambda x, xs: run_layer(xs[0], x, xs[1]),
+                                          x_BxTxD, (layers_state, replay_LxBxTxK))
         else:
             per_layer = []
-            for i in range(self.config.num_hidden_layers):
-                x_BxTxD, layer_stats = run_layer(layer_slice(layers_state, i), x_BxTxD)
+            for i in range(L):
+                x_BxTxD, layer_stats = run_layer(
+                    layer_slice(layers_state, i), x_BxTxD,
+                    None if replay_LxBxTxK is None else replay_LxBxTxK[i])
                 per_layer.append(layer_stats)
             stats = (None if per_layer[0] is None
                      else jax.tree.map(lambda *a: jnp.stack(a), *per_layer))
         h_BxTxD = shd.constrain(self.norm(x_BxTxD), ("batch", "length", "embed"))
-        if not return_aux:
+        if not (return_aux or return_routing):
             return h_BxTxD
-        if stats is None:
-            return h_BxTxD, jnp.zeros((), jnp.float32)
-        assignments_LxE, prob_sum_LxE, rows_L = stats
-        return h_BxTxD, moe_lib.load_balancing_loss(
-            assignments_LxE.sum(0), prob_sum_LxE.sum(0), rows_L.sum())
+        out = (h_BxTxD,)
+        if return_aux:
+            if stats is None:
+                out += (jnp.zeros((), jnp.float32),)
+            else:
+                assignments_LxE, prob_sum_LxE, rows_L = stats[:3]
+                out += (moe_lib.load_balancing_loss(
+                    assignments_LxE.sum(0), prob_sum_LxE.sum(0), rows_L.sum()),)
+        if return_routing:
+            out += (jnp.moveaxis(stats[3], 0, 2),)  # [L, B, T, k] -> [B, T, L, k]
+        return out
 
     # ------------------------------------------------------------------ KV cache path
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
