@@ -75,10 +75,11 @@ def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
     section = glossary()
     rl_fields = rl_step_metric_keys() | dict_keys_in(trainer.Trainer._rl_record) \
         | dict_keys_in(profiling.step_timing) | dict_keys_in(profiling.compile_record) \
-        | set(profiling.PhaseTimer(profiling.STEP_PHASES).record()) - {"time_step"}
+        | set(profiling.PhaseTimer(profiling.STEP_PHASES).record()) - {"time_step"} \
+        | dict_keys_in(train_step._with_router_aux)  # MoE models only: router_aux_loss
     sft_fields = dict_keys_in(train_step.make_sft_train_step) | {"loss", "grad_norm"}
     eval_fields = {k for k in dict_keys_in(evaluation.evaluate) if k.startswith("eval_")}
-    assert {"reward", "staleness", "frac_masked", "mean_tail_mass"} <= rl_fields
+    assert {"reward", "staleness", "frac_masked", "mean_tail_mass", "router_aux_loss"} <= rl_fields
     assert sft_fields == {"token_accuracy", "loss", "grad_norm"}
     assert eval_fields == {"eval_accuracy", "eval_reward", "eval_greedy_accuracy"}
     jsonl = section[: section.index("**`DIR/summary.json`**")]

@@ -993,9 +993,7 @@ class Qwen3ForCausalLM(nnx.Module):
             segment_ids=segment_ids)
         x_BxTxD = self._embed(input_ids_BxT)
         graphdef, layers_state = nnx.split(self.layers)
-        attention = self.attention_options
-
-        moe_implementation = self.moe_implementation
+        attention, moe_implementation = self.attention_options, self.moe_implementation
         token_weight_BxT = (None if attention_mask is None
                             else jnp.asarray(attention_mask).astype(jnp.float32))
 
