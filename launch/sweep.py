@@ -14,7 +14,8 @@ A sweep definition is a Python file with ``get_sweep(arg=None) -> dict``
       ],
       flags={"sampler.mode": "in_process"},  # optional --config.<field>=<value> flags
       collapse_margin=0.1,               # optional; see `collapse_events`
-      share_warmstart_by=("seed",),      # optional; see `run_local`
+      share_warmstart_by=("seed",),      # optional; see `run_local` (() = one warm start for all runs)
+      keep=lambda point: True,           # optional; grid points for which it is False are left out
     )
 
 Axis values become ``key=value`` items of the config argument string
@@ -72,20 +73,22 @@ def _criterion_items(criterion: str) -> str:
 
 #: The ``criterion`` axis -> config-argument items: the trust-region direction criteria (``ratio`` = DPPO;
 #: ``pdm_<estimator>`` = PDM with that estimator; `pdm_jax.trust_region.criterion_settings`), then the masks
-#: without a divergence direction test (``ppo``, ``none``).
+#: without a divergence direction test: ``ppo`` (ratio clip 1 ± 0.2), ``ppo_clip_higher`` (GRPO with DAPO's
+#: clip-higher, r in [0.8, 1.28]; arXiv 2503.14476 eq. 10) and ``none`` (truncated IS, no mask).
 CRITERIA = {
     **{(c if c == "ratio" else f"pdm_{c}"): _criterion_items(c) for c in tr.DIRECTION_CRITERIA},
     "ppo": "mask=ppo",
+    "ppo_clip_higher": "mask=ppo,trust_region.clip_eps_low=0.2,trust_region.clip_eps_high=0.28",
     "none": "mask=none",
 }
 
 #: Columns of the per-run table, in order.
 RUN_COLUMNS = ("name", "warmstart_accuracy", "final_accuracy", "accuracy_gain", "final_greedy_accuracy",
                "reward_area", "mean_frac_masked", "mean_frac_outside", "mean_topk_kl", "collapse_events",
-               "eval_points", "steps", "wall_seconds")
-#: Metrics summarised over seeds in the grouped table.
+               "collapsed", "eval_points", "steps", "wall_seconds")
+#: Metrics summarised over seeds in the grouped table (``collapsed`` is 0/1 per run: its mean is the collapse rate).
 GROUP_METRICS = ("final_accuracy", "accuracy_gain", "reward_area", "mean_frac_masked", "mean_frac_outside",
-                 "collapse_events")
+                 "mean_topk_kl", "collapse_events", "collapsed")
 
 
 # ----------------------------------------------------------------------------- definitions
@@ -135,6 +138,9 @@ def validate_sweep(sweep: dict) -> dict:
     out.setdefault("flags", {})
     out.setdefault("collapse_margin", 0.1)
     out.setdefault("share_warmstart_by", None)
+    out.setdefault("keep", None)
+    if out["keep"] is not None and not callable(out["keep"]):
+        raise ValueError(f"sweep.keep must be None or a function point -> bool, got {out['keep']!r}")
     if out["share_warmstart_by"] is not None:
         bad = [k for k in out["share_warmstart_by"] if k not in keys]
         if bad:
@@ -149,7 +155,7 @@ def _fmt(v) -> str:
 
 
 def expand(sweep: dict) -> list[dict]:
-    """The grid points of a sweep, in order (last axis fastest).
+    """The grid points of a sweep, in order (last axis fastest), without the points its ``keep`` refuses.
 
     Returns a list of dicts ``{name, point, arg, config_arg, flags}``: ``point``
     maps axis key -> value, ``arg`` is the argument string after the config
@@ -162,6 +168,8 @@ def expand(sweep: dict) -> list[dict]:
     runs = []
     for values in itertools.product(*[v for _, v in sweep["axes"]]):
         point = dict(zip(keys, values))
+        if sweep["keep"] is not None and not sweep["keep"](dict(point)):
+            continue
         items = [s for s in sweep["fixed"].split(",") if s.strip()]
         for k, v in point.items():
             items.append(CRITERIA[v] if k == "criterion" else f"{k}={_fmt(v)}")
@@ -248,7 +256,8 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
       at RL step 0 with the run's own config. This relies on the trainer's
       exact resume (same metrics as an uninterrupted run, issue 5), and is only
       valid when the other axes change nothing before the RL phase (trust
-      region, RL settings). None: every run does its own warm start.
+      region, RL settings). ``()``: one warm start shared by every run (the
+      seed then varies only the RL phase). None: every run does its own warm start.
     """
     out = os.path.abspath(out)  # the runs execute in code_dir
     os.makedirs(out, exist_ok=True)
@@ -263,7 +272,7 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
         env["PYTHONPATH"] = code_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     runs = list(runs)
     warm_dirs = {}
-    if share_warmstart_by:
+    if share_warmstart_by is not None:
         for key, members in _warmstart_groups(runs, tuple(share_warmstart_by)).items():
             tag = "_".join(f"{k}={_fmt(v)}" for k, v in key) or "all"
             wd = os.path.join(out, "_warmstart", tag)
@@ -354,6 +363,7 @@ def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
 
     warm = s.get("warmstart_accuracy")
     final = s.get("final_accuracy")
+    events = collapse_events([r.get("eval_accuracy") for r in ev], warm, collapse_margin)
     return dict(
         name=os.path.basename(os.path.normpath(workdir)),
         warmstart_accuracy=warm, final_accuracy=final,
@@ -361,7 +371,7 @@ def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
         final_greedy_accuracy=s.get("final_greedy_accuracy"),
         reward_area=mean_of("reward"), mean_frac_masked=mean_of("frac_masked"),
         mean_frac_outside=mean_of("frac_outside"), mean_topk_kl=mean_of("mean_topk_kl"),
-        collapse_events=collapse_events([r.get("eval_accuracy") for r in ev], warm, collapse_margin),
+        collapse_events=events, collapsed=int(events > 0),
         eval_points=len(ev), steps=s.get("steps"), wall_seconds=s.get("wall_seconds"),
     )
 
@@ -413,39 +423,69 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
         g["warmstart_accuracy"] = mean_ci95([r["warmstart_accuracy"] for r in members])
         group_rows.append(g)
 
-    def cell(mc):
-        m, ci = mc
-        if not math.isfinite(m):
-            return "–"
-        return f"{m:.3f}" if not math.isfinite(ci) else f"{m:.3f} ± {ci:.3f}"
-
-    lines = ["| " + " | ".join(group_keys + ["n", "warm start acc", "final acc", "gain", "reward area",
-                                              "masked frac", "outside frac", "collapse events"]) + " |",
-             "|" + "---|" * (len(group_keys) + 8)]
-    for g in group_rows:
-        lines.append("| " + " | ".join([str(g[k]) for k in group_keys] + [str(g["n"]), cell(g["warmstart_accuracy"])]
-                                       + [cell(g[m]) for m in GROUP_METRICS]) + " |")
-    lines += ["", "Per run:", "",
-              "| " + " | ".join(axis_keys + ["warm start", "final", "gain", "reward area", "masked", "outside",
-                                             "collapses", "wall s"]) + " |",
-              "|" + "---|" * (len(axis_keys) + 8)]
-    f3 = lambda v: "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else (  # noqa: E731
-        f"{v:.3f}" if isinstance(v, float) else str(v))
-    for r in rows:
-        lines.append("| " + " | ".join([str(r["point"][k]) for k in axis_keys]
-                                       + [f3(r[c]) for c in ("warmstart_accuracy", "final_accuracy", "accuracy_gain",
-                                                            "reward_area", "mean_frac_masked", "mean_frac_outside",
-                                                            "collapse_events")]
-                                       + [f"{r['wall_seconds']:.0f}" if r.get("wall_seconds") else "–"]) + " |")
-    md = "\n".join(lines) + "\n"
+    md = _markdown(group_keys, group_rows, axis_keys, rows)
     with open(os.path.join(out, "sweep_table.md"), "w") as f:
         f.write(md)
     return dict(rows=rows, groups=group_rows, markdown=md)
 
 
+def _num(v: float) -> str:
+    """3 decimals, or 3 significant digits in e-notation below 0.01 (top-K KL is ~1e-3)."""
+    return f"{v:.2e}" if v != 0 and abs(v) < 0.01 else f"{v:.3f}"
+
+
+def _markdown(group_keys: list, group_rows: list[dict], axis_keys: list, rows: list[dict]) -> str:
+    """The grouped table (mean ± 95% half-width over seeds) and the per-run table of `aggregate`, as markdown."""
+    def cell(mc):
+        m, ci = mc
+        if not math.isfinite(m):
+            return "–"
+        return _num(m) if not math.isfinite(ci) else f"{_num(m)} ± {_num(ci)}"
+
+    heads = ["n", "warm start acc", "final acc", "gain", "reward area", "masked frac", "outside frac", "top-K KL",
+             "collapse events", "collapse rate"]
+    lines = ["| " + " | ".join(group_keys + heads) + " |", "|" + "---|" * (len(group_keys) + len(heads))]
+    for g in group_rows:
+        lines.append("| " + " | ".join([str(g[k]) for k in group_keys] + [str(g["n"]), cell(g["warmstart_accuracy"])]
+                                       + [cell(g[m]) for m in GROUP_METRICS]) + " |")
+    cols = ("warmstart_accuracy", "final_accuracy", "accuracy_gain", "reward_area", "mean_frac_masked",
+            "mean_frac_outside", "mean_topk_kl", "collapse_events")
+    heads = ["warm start", "final", "gain", "reward area", "masked", "outside", "top-K KL", "collapses", "wall s"]
+    lines += ["", "Per run:", "", "| " + " | ".join(axis_keys + heads) + " |",
+              "|" + "---|" * (len(axis_keys) + len(heads))]
+    f3 = lambda v: "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else (  # noqa: E731
+        _num(v) if isinstance(v, float) else str(v))
+    for r in rows:
+        lines.append("| " + " | ".join([str(r["point"][k]) for k in axis_keys] + [f3(r[c]) for c in cols]
+                                       + [f"{r['wall_seconds']:.0f}" if r.get("wall_seconds") else "–"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _series(members: list[list[dict]], phase: str, key: str) -> tuple[list, np.ndarray]:
+    """(steps, [seeds, steps] array of `key` in the `phase` records, NaN where a seed has none)."""
+    steps = sorted({r["step"] for recs in members for r in recs if r.get("phase") == phase and key in r})
+    by_seed = [{r["step"]: r[key] for r in recs if r.get("phase") == phase and r.get(key) is not None}
+               for recs in members]
+    return steps, np.array([[d.get(s, np.nan) for s in steps] for d in by_seed], dtype=float)
+
+
+def _band(ax, xs, vals: np.ndarray, color, label=None, marker=None):
+    """Seed mean with a shaded mean ± 95% t-interval band (no band for one seed)."""
+    mean = np.nanmean(vals, axis=0)
+    ax.plot(xs, mean, color=color, lw=1.3, marker=marker, ms=3, label=label)
+    n = np.sum(np.isfinite(vals), axis=0)
+    if vals.shape[0] > 1 and np.all(n > 1):
+        from scipy import stats
+
+        half = stats.t.ppf(0.975, n - 1) * np.nanstd(vals, axis=0, ddof=1) / np.sqrt(n)
+        ax.fill_between(xs, mean - half, mean + half, color=color, alpha=0.15, lw=0)
+
+
 def plot_sweep(runs: list[dict], out: str, seed_key: str = "seed", smooth: int = 5) -> Optional[str]:
-    """``<out>/sweep_curves.png``: per group (grid point without the seed), the seed-mean training reward
-    (moving average over `smooth` steps) and held-out accuracy against the RL step. Returns the path or None."""
+    """``<out>/sweep_curves.png``: per group (grid point without the seed) against the RL step, the seed-mean
+    training reward (moving average over `smooth` steps), the held-out accuracy (avg@k) and the mean top-K KL
+    between trainer and sampler per step, each with a band of mean ± 95% t-interval over seeds. Returns the path
+    or None."""
     # Heavy (~1 s), and the Agg backend must be selected before pyplot is imported: only when plotting.
     import matplotlib
 
@@ -461,25 +501,24 @@ def plot_sweep(runs: list[dict], out: str, seed_key: str = "seed", smooth: int =
         groups.setdefault(key, []).append(recs)
     if not groups:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key, members in groups.items():
-        label = ", ".join(f"{k}={v}" for k, v in key)
-        steps = sorted({r["step"] for recs in members for r in recs if r.get("phase") == "rl"})
-        rew = np.array([[next((r["reward"] for r in recs if r.get("phase") == "rl" and r["step"] == s), np.nan)
-                         for s in steps] for recs in members])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    colors = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20").colors
+    for i, (key, members) in enumerate(groups.items()):
+        label = ", ".join(f"{k}={v}" for k, v in key) + f" (n={len(members)})"
+        color = colors[i % len(colors)]
+        steps, rew = _series(members, "rl", "reward")
         mean = np.nanmean(rew, axis=0)
         if smooth > 1 and len(mean) >= smooth:
-            mean = np.convolve(mean, np.ones(smooth) / smooth, mode="valid")
-            xs = steps[smooth - 1:]
-        else:
-            xs = steps
-        line, = axes[0].plot(xs, mean, label=label, lw=1.2)
-        esteps = sorted({r["step"] for recs in members for r in recs if r.get("phase") == "eval"})
-        acc = np.array([[next((r["eval_accuracy"] for r in recs if r.get("phase") == "eval" and r["step"] == s),
-                              np.nan) for s in esteps] for recs in members])
-        axes[1].plot(esteps, np.nanmean(acc, axis=0), marker="o", color=line.get_color(), lw=1.2, label=label)
+            mean, steps = np.convolve(mean, np.ones(smooth) / smooth, mode="valid"), steps[smooth - 1:]
+        axes[0].plot(steps, mean, color=color, lw=1.2)
+        _band(axes[1], *_series(members, "eval", "eval_accuracy"), color, label=label, marker="o")
+        ksteps, kl = _series(members, "rl", "mean_topk_kl")
+        if ksteps:
+            _band(axes[2], ksteps, kl, color)
     axes[0].set_title(f"training reward (seed mean, {smooth}-step moving average)", fontsize=10)
-    axes[1].set_title("held-out accuracy (avg@k, seed mean)", fontsize=10)
+    axes[1].set_title("held-out accuracy (avg@k; seed mean ± 95% interval)", fontsize=10)
+    axes[2].set_title("mean top-K KL(sampler || trainer) per step (± 95%)", fontsize=10)
+    axes[2].set_yscale("log")
     for ax in axes:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)

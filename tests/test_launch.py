@@ -50,7 +50,7 @@ def test_issue_sweep_expands_to_18_config_strings():
 def test_criterion_axis_selects_the_trust_region_direction_criteria():
     """The sweep's criterion names map onto pdm_jax.trust_region's criteria and their config fields."""
     assert list(sweep.CRITERIA) == ["ratio", "pdm_aggregated_tail", "pdm_uniform_tail", "pdm_bucket_exact", "ppo",
-                                    "none"]
+                                    "ppo_clip_higher", "none"]
     for name in tr.DIRECTION_CRITERIA:
         items = sweep.CRITERIA[name if name == "ratio" else f"pdm_{name}"]
         c = apply_arg(get_base_config(), items)
@@ -58,6 +58,35 @@ def test_criterion_axis_selects_the_trust_region_direction_criteria():
     assert sweep.CRITERIA["pdm_uniform_tail"] == "mask=pdm,estimator=uniform_tail"
     assert (sweep.CRITERIA["ratio"], sweep.CRITERIA["ppo"], sweep.CRITERIA["none"]) == ("mask=dppo", "mask=ppo",
                                                                                          "mask=none")
+    c = apply_arg(get_base_config(), sweep.CRITERIA["ppo_clip_higher"])  # GRPO + DAPO clip-higher
+    assert (c.trust_region.mask, c.trust_region.clip_eps_low, c.trust_region.clip_eps_high) == ("ppo", 0.2, 0.28)
+
+
+def test_keep_filter_and_one_shared_warm_start(tmp_path):
+    """`keep` drops grid points (e.g. delta for masks without a radius); share_warmstart_by=() = one warm start."""
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("delta", [0.05, 0.15]),
+                                                                   ("criterion", ["none", "ratio"]), ("seed", [0, 1])],
+                                  keep=lambda p: p["criterion"] != "none" or p["delta"] == 0.05,
+                                  share_warmstart_by=()))
+    runs = sweep.expand(d)
+    assert [r["name"] for r in runs] == [
+        "delta=0.05_criterion=none_seed=0", "delta=0.05_criterion=none_seed=1", "delta=0.05_criterion=ratio_seed=0",
+        "delta=0.05_criterion=ratio_seed=1", "delta=0.15_criterion=ratio_seed=0", "delta=0.15_criterion=ratio_seed=1"]
+    with pytest.raises(ValueError, match="keep"):
+        sweep.validate_sweep(dict(d, keep=3))
+    fake = tmp_path / "fake_python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; esac; done\n"
+        "mkdir -p \"$wd\"; echo \"$@\" >> \"$wd/calls.txt\"\n"
+        "echo '{\"warmstart_accuracy\": 0.1, \"final_accuracy\": 0.2, \"steps\": 1, \"wall_seconds\": 1}' > \"$wd/summary.json\"\n")
+    fake.chmod(0o755)
+    out = str(tmp_path / "sweep")
+    res = sweep.run_local(runs, out, python=str(fake), share_warmstart_by=(), log=lambda *_: None)
+    assert [r["returncode"] for r in res] == [0] * 6
+    assert os.listdir(os.path.join(out, "_warmstart")) == ["all"]
+    for r in runs:  # each run's workdir started as a copy of the one warm start
+        assert open(os.path.join(out, r["name"], "calls.txt")).read().count("rl.steps=0") == 1
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -90,7 +119,7 @@ def _fake_run(workdir, rewards, evals, warm=0.30, final=None):
         f.write(json.dumps({"step": 0, "phase": "eval", "eval_accuracy": warm}) + "\n")
         for i, r in enumerate(rewards):
             f.write(json.dumps({"step": i + 1, "phase": "rl", "reward": r, "frac_masked": 0.1 * (i + 1),
-                                "frac_outside": 0.2, "mean_topk_kl": 0.01}) + "\n")
+                                "frac_outside": 0.2, "mean_topk_kl": 0.002}) + "\n")
         for step, acc in evals:
             f.write(json.dumps({"step": step, "phase": "eval", "eval_accuracy": acc}) + "\n")
     with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -121,6 +150,10 @@ def test_aggregate_table_by_hand(tmp_path):
     assert os.path.exists(os.path.join(out, "sweep_runs.csv"))
     md = open(os.path.join(out, "sweep_table.md")).read()
     assert "| ratio | 2 |" in md and "0.300 ± " in md
+    assert r0["collapsed"] == 1 and rows[runs[1]["name"]]["collapsed"] == 0
+    assert g["collapsed"][0] == pytest.approx(0.5)  # collapse rate: 1 of 2 seeds
+    assert "| 2.00e-03 ± 0.000 |" in md  # top-K KL column
+    assert sweep.plot_sweep(runs, out).endswith("sweep_curves.png")
     assert sweep.collapse_events([0.1, None, 0.5], None, 0.1) == 0
 
 
