@@ -58,6 +58,7 @@ completion and in the mask), ``"length"`` when ``max_new_tokens`` was reached.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -71,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pdm_jax import sharding as shd
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import quantize as quant
@@ -170,6 +172,13 @@ def _sample_step(logits_BxV, keys_B, t, temperature_B, top_p_B, top_k_B, k_logpr
     return token_B, logp_B, topk_ids_BxK.astype(jnp.int32), topk_lp_BxK
 
 
+def _laid_out(cache):
+    """The KV cache constrained to the active mesh's layout (`sharding.KV_CACHE_K_AXES` / ``_V_AXES``:
+    rows over data, kv heads over tensor); the cache itself without a mesh (single-device engine)."""
+    return type(cache)(k=tuple(shd.constrain(k, shd.KV_CACHE_K_AXES) for k in cache.k),
+                       v=tuple(shd.constrain(v, shd.KV_CACHE_V_AXES) for v in cache.v))
+
+
 def cache_segments(num_new: int, first_segment: int) -> list:
     """Ends of the decode segments: first_segment, 2*first_segment, ... < num_new, then num_new."""
     ends, e = [], max(int(first_segment), 1)
@@ -198,7 +207,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     model = nnx.merge(graphdef, state)
     b, p = prompt_ids_BxP.shape
     ends = cache_segments(num_new, first_segment)
-    cache = model.init_cache(b, p + ends[0], dtype=cache_dtype)
+    cache = _laid_out(model.init_cache(b, p + ends[0], dtype=cache_dtype))
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
     positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
     kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.ones((b, num_new), bool)], axis=-1)
@@ -206,7 +215,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
         cache_u = model.init_cache(b // group, p + ends[0], dtype=cache_dtype)
         logits_UxPxV, cache_u = model.decode(prompt_ids_BxP[::group], positions_BxP[::group], cache_u,
                                              jnp.int32(0), kv_mask_BxS[::group, :p + ends[0]])
-        cache = jax.tree.map(lambda a: jnp.repeat(a, group, axis=0), cache_u)
+        cache = _laid_out(jax.tree.map(lambda a: jnp.repeat(a, group, axis=0), cache_u))
         last_logits_BxV = jnp.repeat(logits_UxPxV[:, -1, :], group, axis=0)
     else:
         logits_BxPxV, cache = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0),
@@ -249,7 +258,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     for end in ends:
         if end > prev_end:  # grow the cache: zero slots p+prev_end .. p+end-1 (masked until written)
             pad = end - prev_end
-            grown = carry[2].grow(pad)
+            grown = _laid_out(carry[2].grow(pad))
             carry = carry[:2] + (grown,) + carry[3:]
             prev_end = end
         kv_mask_seg = kv_mask_BxS[:, :p + end]
@@ -263,6 +272,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
             pos_Bx1 = (prompt_len_B + t - 1)[:, None]
             logits_Bx1xV, cache = model.decode(prev_B[:, None], pos_Bx1, cache, (p + t - 1).astype(jnp.int32),
                                                kv_mask_seg)
+            cache = _laid_out(cache)
             outs, tok, done, length, stopped = record(outs, t, done, length, stopped, logits_Bx1xV[:, 0, :])
             return t + 1, tok, cache, done, length, stopped, outs
 
@@ -352,7 +362,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                 live=jnp.zeros((slots,), bool), prev=jnp.zeros((slots,), jnp.int32),
                 key=jnp.zeros((slots,) + base_key.shape, base_key.dtype), plen=jnp.ones((slots,), jnp.int32),
                 max_new=jnp.zeros((slots,), jnp.int32))
-    carry = dict(cache=model.init_cache(slots, s, dtype=cache_dtype), kv_mask=jnp.zeros((slots, s), bool),
+    carry = dict(cache=_laid_out(model.init_cache(slots, s, dtype=cache_dtype)), kv_mask=jnp.zeros((slots, s), bool),
                  slot=slot, outs=outs, queue=jnp.int32(0), steps=jnp.int32(0))
     sample1 = functools.partial(_sample_step, **params_for(1))
 
@@ -366,11 +376,11 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         key = jax.random.fold_in(jax.random.fold_in(base_key, row_prompt_N[r]), row_sample_N[r])
         zero = jnp.int32(0)
         cache = c["cache"]
-        cache = type(cache)(
+        cache = _laid_out(type(cache)(
             k=tuple(jax.lax.dynamic_update_slice(ck, jax.lax.dynamic_slice_in_dim(sk, i, 1, axis=0), (b, zero, zero, zero))
                     for ck, sk in zip(cache.k, store.k)),
             v=tuple(jax.lax.dynamic_update_slice(cv, jax.lax.dynamic_slice_in_dim(sv, i, 1, axis=0), (b, zero, zero, zero))
-                    for cv, sv in zip(cache.v, store.v)))
+                    for cv, sv in zip(cache.v, store.v))))
         row_mask = jnp.concatenate([prompt_mask_UxP[i], jnp.ones((num_new,), bool)])
         kv_mask = jax.lax.dynamic_update_slice(c["kv_mask"], row_mask[None, :], (b, zero))
         tok, lp, ids, lps = sample1(jax.lax.dynamic_slice_in_dim(last_UxV, i, 1, axis=0), key[None], zero)
@@ -393,6 +403,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         index_B = jnp.minimum(p + t_B - 1, s - 1)  # free slots: any in-range slot (their row is never read)
         logits_Bx1xV, cache = model.decode(sl["prev"][:, None], (sl["plen"] + t_B - 1)[:, None], c["cache"],
                                            index_B, c["kv_mask"])
+        cache = _laid_out(cache)
         tok, lp, ids, lps = _sample_step(logits_Bx1xV[:, 0, :], sl["key"], t_B, **params_for(b))
         stop = is_stop(tok)
         rows_B = jnp.where(sl["live"], sl["row"], n_pad)
@@ -408,7 +419,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         keep = jnp.argsort(~c["slot"]["live"], stable=True)[:m]
         take = lambda a: jnp.take(a, keep, axis=0)  # noqa: E731
         cache = c["cache"]
-        return dict(c, cache=type(cache)(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v))),
+        return dict(c, cache=_laid_out(type(cache)(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)))),
                     kv_mask=take(c["kv_mask"]), slot=jax.tree.map(take, c["slot"]))
 
     # Level 0 runs every slot while rows are pending; once the queue is empty and at most a quarter of
@@ -434,6 +445,55 @@ _TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 d
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
                           static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype"))
 BATCHING_MODES = ("static", "continuous")
+
+
+def make_sampler_mesh(data: int = 1, tensor: int = 1, devices=None):
+    """The sharded engine's mesh: ``data`` x ``tensor`` devices (fsdp 1) over ``pdm_jax.sharding.MESH_AXES``.
+
+    ``devices``: the first ``data * tensor`` of them are used (default ``jax.devices()``): a colocated
+    engine takes a sub-mesh of the trainer's devices (or all of them), a server its own.
+    Returns None for 1 x 1 (the single-device engine).
+    Raises:
+      ValueError: naming ``data`` / ``tensor`` for sizes < 1 or more devices than there are.
+    """
+    for name, v in (("data", data), ("tensor", tensor)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"sampler mesh: {name} must be an integer >= 1, got {v!r}")
+    if data * tensor == 1:
+        return None
+    devices = list(jax.devices() if devices is None else devices)
+    if data * tensor > len(devices):
+        raise ValueError(f"sampler mesh: data x tensor = {data} x {tensor} = {data * tensor} devices, "
+                         f"but only {len(devices)} are available")
+    return shd.make_mesh(data=int(data), fsdp=1, tensor=int(tensor), devices=devices[:data * tensor])
+
+
+def check_engine_mesh(config, mesh, *, max_batch_size: int, max_slots: int) -> int:
+    """Refuses a mesh the engine cannot split evenly; returns the row shards (data x fsdp).
+
+    The tensor axis must divide the attention heads, the kv heads (the KV cache's sharded axis)
+    and the MLP widths (``intermediate_size``; MoE also ``moe_intermediate_size``); the row shards must divide
+    ``max_batch_size`` and ``max_slots`` (rows are split over them).  ``pdm_jax.sharding`` would
+    silently replicate a non-dividing axis; a sampler that was asked to shard says so instead.
+    Raises:
+      ValueError: naming the model field or limit, its value and the axis size.
+    """
+    sizes = dict(mesh.shape)
+    missing = [a for a in shd.MESH_AXES if a not in sizes]
+    if missing:
+        raise ValueError(f"SamplingEngine: mesh axes {tuple(sizes)} lack {missing} (use make_sampler_mesh)")
+    t, rows = sizes["tensor"], sizes["data"] * sizes["fsdp"]
+    fields = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    fields += ["moe_intermediate_size"] if getattr(config, "num_experts", 0) else []
+    for field, v in ((f, getattr(config, f)) for f in fields):
+        if v % t:
+            raise ValueError(f"SamplingEngine: model {field} = {v} is not divisible by the mesh's tensor axis "
+                             f"({t}); pick sampler.mesh.tensor dividing it")
+    for field, v in (("max_batch_size", max_batch_size), ("max_slots", max_slots)):
+        if v % rows:
+            raise ValueError(f"SamplingEngine: {field} = {v} is not divisible by the mesh's row shards "
+                             f"(data x fsdp = {rows}); rows are split over them")
+    return rows
 
 
 class SamplingEngine:
@@ -480,9 +540,19 @@ class SamplingEngine:
         parameters sharded anywhere (`quantize.prepare_sampler_params`' ``device``), never
         sharing a buffer with them, and counts NaN/inf in every leaf. None (a server, a
         file-fed engine): the default device.
+      mesh: a ``jax.sharding.Mesh`` over ``pdm_jax.sharding.MESH_AXES`` (`make_sampler_mesh`): the
+        sharded engine. Its weights (and their quantized copies) are placed by the model's logical-axis
+        rules (`pdm_jax.sharding.param_shardings`: heads / kv heads / MLP / vocab over ``tensor``,
+        ``embed`` over ``fsdp``), the programs are traced under `sharding.activation_sharding` (rows
+        over ``data`` x ``fsdp``) and every KV cache is constrained to `sharding.KV_CACHE_K_AXES` /
+        ``_V_AXES`` (rows over data, kv heads over tensor).  Batch buckets start at the row-shard
+        count.  Same tokens as the single-device engine; log mu within float32 reduction-order
+        rounding (tests/test_sampler_sharded.py).  Excludes `device`.  None: one device.
     Raises:
       ValueError: bad quantization or limits (prompt + new tokens beyond the
-        model's ``max_position_embeddings``, non-positive sizes).
+        model's ``max_position_embeddings``, non-positive sizes); with `mesh`, attention heads,
+        kv heads or the MLP width not divisible by the ``tensor`` axis, or ``max_batch_size`` /
+        ``max_slots`` not divisible by the row shards (`check_engine_mesh`).
     """
 
     def __init__(self, config, params, *, quantization: str = "none", version: int = 0,
@@ -491,7 +561,7 @@ class SamplingEngine:
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096, share_prefill: bool = True,
                  output_axes_fn=quant.default_output_axes, device=None, batching: str = "static",
-                 max_slots: Optional[int] = None):
+                 max_slots: Optional[int] = None, mesh=None):
         quant.check_quantization(quantization)
         if batching not in BATCHING_MODES:
             raise ValueError(f"SamplingEngine: batching must be one of {BATCHING_MODES}, got {batching!r}")
@@ -520,6 +590,11 @@ class SamplingEngine:
         self.share_prefill = bool(share_prefill)
         self.batching = batching
         self.max_slots = _next_pow2(int(max_slots))
+        if mesh is not None and device is not None:
+            raise ValueError("SamplingEngine: give either device (one device) or mesh (sharded), not both")
+        self.mesh = mesh
+        self.row_shards = 1 if mesh is None else check_engine_mesh(
+            config, mesh, max_batch_size=self.max_batch_size, max_slots=self.max_slots)
         self.program_shapes = set()  # distinct (program, static shapes) run: each one compiled once (logged)
         self.last_decode_steps = 0  # decode steps of the last program run (bench)
         self._output_axes_fn = output_axes_fn
@@ -527,6 +602,8 @@ class SamplingEngine:
         dt = self.compute_dtype
         abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt))
         self._graphdef, self._abstract_state = nnx.split(abstract_model)
+        self._shardings = None if mesh is None else nnx.to_pure_dict(
+            shd.param_shardings(nnx.state(abstract_model, nnx.Param), mesh))
         self._lock = threading.RLock()
         self._program = _GENERATE_JIT
         self.prefill_rows = 0  # prompt rows prefilled so far (padding rows included), with shared prefill
@@ -560,7 +637,8 @@ class SamplingEngine:
             prepared = quant.prepare_sampler_params(pure, self.quantization, compute_dtype=self.compute_dtype,
                                                     check_finite=not finite_checked,
                                                     output_axes_fn=self._output_axes_fn, device=self.device,
-                                                    check_all_finite=self.device is not None)
+                                                    check_all_finite=self.device is not None or self.mesh is not None,
+                                                    shardings=self._shardings)
         except ValueError as e:  # e.g. a non-finite weight refused by the fp8 quantizer
             where = f" from {weights_path!r}" if weights_path else ""
             raise wts.WeightsError(f"weights version {version}{where} cannot be quantized "
@@ -575,7 +653,8 @@ class SamplingEngine:
         if bad:
             raise wts.WeightsError(f"parameter shapes do not match the model: got {bad[0][0]}, expected {bad[0][1]}")
         with self._lock:
-            self._state = jax.device_put(state) if self.device is None else state  # prepared on self.device
+            # prepared on self.device / on the mesh
+            self._state = jax.device_put(state) if self.device is None and self.mesh is None else state
             self._version = int(version)
             self._weights_path = None if weights_path is None else os.path.realpath(weights_path)
 
@@ -685,6 +764,11 @@ class SamplingEngine:
                                              n=int(n)))
         return self._to_batch(prompts, rows, parts, version)
 
+    def _layout(self):
+        """The context programs run in: `sharding.activation_sharding` on the engine's mesh (the
+        model's activation constraints and `_laid_out` apply while tracing), or none."""
+        return contextlib.nullcontext() if self.mesh is None else shd.activation_sharding(self.mesh)
+
     def _note_program(self, key: tuple) -> None:
         """Counts (``program_shapes``) and logs a program shape this engine has not run before: one compile
         each (engines of one model config share them: the jits are module-level)."""
@@ -732,20 +816,21 @@ class SamplingEngine:
         stop_arr = np.full((self.max_stop_tokens,), -1, np.int32)
         stop_arr[:len(stops)] = stops
         self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)))
-        out = _CONTINUOUS_JIT(
-            self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
-            jnp.asarray(per_row([i for i, _ in rows], np.uint32)), jnp.asarray(per_row([j for _, j in rows], np.uint32)),
-            jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
-            jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
-            jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k,
-            cache_dtype=self.compute_dtype)
+        with self._layout():
+            out = _CONTINUOUS_JIT(
+                self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
+                jnp.asarray(per_row([i for i, _ in rows], np.uint32)), jnp.asarray(per_row([j for _, j in rows], np.uint32)),
+                jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
+                jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
+                jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k,
+                cache_dtype=self.compute_dtype)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
 
     def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, n=1):
         n_rows = len(chunk)
-        b = _bucket(n_rows, 1, self.max_batch_size)
+        b = _bucket(n_rows, self.row_shards, self.max_batch_size)
         # Rows come in groups of n samples of one prompt (rows = [(i, 0..n-1) for each prompt i]).
         group = n if (self.share_prefill and n > 1 and n_rows % n == 0 and b % n == 0
                       and all(chunk[r][0] == chunk[r - r % n][0] for r in range(n_rows))) else 1
@@ -775,13 +860,14 @@ class SamplingEngine:
         stop_arr = np.full((b, self.max_stop_tokens), -1, np.int32)
         stop_arr[:, :len(stops)] = stops
         self._note_program(("static", b, p, t, k, group, self.first_cache_segment, str(self.compute_dtype)))
-        out = self._program(
-            self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
-            jnp.asarray(np.tile(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32), (b, 1))),
-            jnp.asarray(prompt_idx), jnp.asarray(sample_idx), jnp.full((b,), temperature, jnp.float32),
-            jnp.full((b,), top_p, jnp.float32), jnp.full((b,), top_k, jnp.int32), jnp.asarray(max_new_b),
-            jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype,
-            first_segment=self.first_cache_segment, group=group)
+        with self._layout():
+            out = self._program(
+                self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
+                jnp.asarray(np.tile(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32), (b, 1))),
+                jnp.asarray(prompt_idx), jnp.asarray(sample_idx), jnp.full((b,), temperature, jnp.float32),
+                jnp.full((b,), top_p, jnp.float32), jnp.full((b,), top_k, jnp.int32), jnp.asarray(max_new_b),
+                jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype,
+                first_segment=self.first_cache_segment, group=group)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}

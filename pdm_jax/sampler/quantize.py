@@ -251,6 +251,14 @@ def _prepare_program_to(out_sharding) -> Callable:
     return jax.jit(_prepare_fn, static_argnames=_STATIC, out_shardings=out_sharding)
 
 
+@functools.lru_cache(maxsize=None)
+def _prepare_program_sharded(target: tuple) -> Callable:
+    """`_prepare_fn` jitted with output leaf i placed by ``target[i]`` (a sharded engine's layout) and the
+    finiteness flags replicated on the same mesh."""
+    flags = jax.sharding.NamedSharding(target[0].mesh, jax.sharding.PartitionSpec())
+    return jax.jit(_prepare_fn, static_argnames=_STATIC, out_shardings=(list(target), flags))
+
+
 def _on_device(x, device):
     """The copy of a fully replicated (or single-device) ``x`` that lives on ``device``, no transfer; else None."""
     if not isinstance(x, jax.Array) or device not in x.sharding.device_set or not x.sharding.is_fully_replicated:
@@ -304,7 +312,7 @@ def _weight_only_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype, qtype) 
 
 def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=None,
                            output_axes_fn: Callable = default_output_axes, check_finite: bool = True,
-                           device=None, check_all_finite: bool = False) -> dict:
+                           device=None, check_all_finite: bool = False, shardings: Optional[Mapping] = None) -> dict:
     """The parameter tree the sampler computes with, for a quantization mode, built once per weights version.
 
     ``none``: the f32 weights unchanged (cast to `compute_dtype`, default f32).
@@ -337,6 +345,12 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
         inputs are (host inputs: the default device), as before.
       check_all_finite: with `check_finite`, count NaN/inf in every float leaf, not only the
         quantized ones (in-memory weights that no file load has checked).
+      shardings: a nested dict like `params` holding a ``NamedSharding`` per leaf (a sharded
+        engine's layout, `pdm_jax.sharding.param_shardings` on its mesh): every input is moved to
+        its leaf's sharding (from the host, one device or another mesh) and the program's outputs
+        land there, so the quantized copy is sharded exactly like the f32 weights (per-channel
+        scales reduce across shards inside the program; the values equal the unsharded ones).
+        Excludes `device`.
     Returns:
       nested dict of arrays in `compute_dtype`, same structure as `params`.
     Raises:
@@ -352,7 +366,19 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
     checked = tuple(a is not None or (check_finite and check_all_finite and jnp.issubdtype(x.dtype, jnp.floating))
                     for a, (_, x) in zip(axes, named))
     leaves = [x for _, x in named]
-    if device is None:
+    if shardings is not None:
+        if device is not None:
+            raise ValueError("prepare_sampler_params: give either device or shardings, not both")
+        where = dict(_named_leaves(shardings))
+        missing = [p for p, _ in named if p not in where]
+        if missing:
+            raise ValueError(f"prepare_sampler_params: shardings lack parameter {'/'.join(missing[0])}")
+        target = tuple(where[p] for p, _ in named)
+        leaves = [x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
+                  for x, s in zip(leaves, target)]
+        out, bad = _prepare_program_sharded(target)(leaves, quantization=quantization, dtype=dtype, axes=axes,
+                                                    checked=checked)
+    elif device is None:
         out, bad = _prepare_program(leaves, quantization=quantization, dtype=dtype, axes=axes, checked=checked)
     else:
         leaves, out_sharding, mesh = _placement(leaves, device)

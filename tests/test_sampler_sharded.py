@@ -1,0 +1,118 @@
+"""The sharded SamplingEngine (issue #13) on 8 fake CPU devices (tests/conftest.py) against the
+single-device engine: same seeds -> same tokens, log mu and top-K log mu within 1e-5 (f32), greedy and
+sampled, static and continuous batching, shared prefill (n = 2); weights, quantized copies and the KV
+cache sharded by the model's logical-axis rules; clear errors for meshes that do not divide.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from pdm_jax import sharding as shd
+from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.sampler import quantize as quant
+from pdm_jax.sampler.engine import SamplingEngine, make_sampler_mesh
+
+# 8 heads / 4 kv heads / MLP 64 / vocab 32: all divisible by a 4-way tensor axis.
+CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10], [3, 3, 3, 3, 3, 3, 3]]
+GEN = dict(n=2, max_new_tokens=12, top_k_logprobs=5, stop_token_ids=[7, 11], seed=5)
+LIMITS = dict(quantization="none", max_prompt_length=16, max_new_tokens=16, max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def params():
+    """Random weights scaled x5 (the RMSNorm scales stay 1): peaked but not saturated distributions."""
+    pure = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0)), nnx.Param))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if jax.tree_util.keystr(path).endswith("['scale']") else x * 5.0, pure)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    assert jax.device_count() >= 8, "needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (conftest)"
+    return make_sampler_mesh(data=2, tensor=4)
+
+
+def _max_abs(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_sharded_engine_equals_single_device(params, mesh, batching):
+    """data 2 x tensor 4: tokens, masks, finish reasons and top-K ids equal; log mu / top-K log mu within
+    1e-5 (float32; the sharded matmuls sum their partial products in another order)."""
+    single = SamplingEngine(CFG, params, batching=batching, **LIMITS)
+    sharded = SamplingEngine(CFG, params, batching=batching, mesh=mesh, **LIMITS)
+    # weights: q_proj kernels [L, embed, heads, head_dim] split over tensor on heads
+    leaves = jax.tree_util.tree_leaves_with_path(sharded._state)
+    q = [x for p, x in leaves if "q_proj" in jax.tree_util.keystr(p) and x.ndim >= 3][0]
+    assert "tensor" in tuple(q.sharding.spec) and q.sharding.mesh == mesh
+    for temperature in (0.0, 0.8):
+        a = single.generate(PROMPTS, temperature=temperature, **GEN)
+        b = sharded.generate(PROMPTS, temperature=temperature, **GEN)
+        np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+        np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
+        np.testing.assert_array_equal(a.finish_reason, b.finish_reason)
+        np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+        assert a.completion_mask.sum() > 0 and len(set(a.completion_mask.sum(1))) > 1  # stops cut some rows
+        d_logp, d_topk = _max_abs(a.behavior_logprobs, b.behavior_logprobs), _max_abs(a.topk_logprobs, b.topk_logprobs)
+        print(f"{batching} tau={temperature}: max |d log mu| {d_logp:.2e}, max |d top-K log mu| {d_topk:.2e}")
+        assert d_logp <= 1e-5 and d_topk <= 1e-5
+    assert sharded.prefill_rows < sharded.prefill_rows_unshared  # shared prefill ran (n = 2)
+
+
+def test_sharded_kv_cache_layout(params, mesh):
+    """The decode program's KV cache is [B/data, kv_heads/tensor, head_dim, S] per device (keys)."""
+    from pdm_jax.sampler.engine import _GENERATE_JIT
+
+    eng = SamplingEngine(CFG, params, mesh=mesh, **LIMITS)
+    b, p = 4, 8
+    args = (eng._graphdef, eng._state, jnp.zeros((b, p), jnp.int32), jnp.ones((b, p), bool),
+            jnp.zeros((b, 2), jnp.uint32), jnp.zeros((b,), jnp.uint32), jnp.zeros((b,), jnp.uint32),
+            jnp.ones((b,)), jnp.ones((b,)), jnp.zeros((b,), jnp.int32), jnp.full((b,), 16, jnp.int32),
+            jnp.full((b, 4), -1, jnp.int32))
+    with eng._layout():
+        text = _GENERATE_JIT.lower(*args, num_new=16, k_logprobs=5, cache_dtype=jnp.float32, first_segment=64,
+                                   group=1).compile().as_text()
+    s = p + 16
+    assert f"f32[{b // 2},{CFG.num_key_value_heads // 4},{CFG.head_dim},{s}]" in text  # keys, sharded
+    assert f"f32[{b},{CFG.num_key_value_heads},{CFG.head_dim},{s}]" not in text  # never a whole cache
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "fp8", "int8"])
+def test_sharded_quantized_copy_equals_unsharded(params, mesh, quantization):
+    """prepare_sampler_params with shardings: the same values as on one device, placed by the rules."""
+    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0)))
+    shardings = nnx.to_pure_dict(shd.param_shardings(nnx.state(model, nnx.Param), mesh))
+    one = quant.prepare_sampler_params(params, quantization, compute_dtype=jnp.float32)
+    many = quant.prepare_sampler_params(params, quantization, compute_dtype=jnp.float32, shardings=shardings)
+    for (path, x), y, s in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(many),
+                               jax.tree.leaves(shardings)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+        assert y.sharding == s
+    assert any(s.spec != PartitionSpec() for s in jax.tree.leaves(shardings))
+    with pytest.raises(ValueError, match="either device or shardings"):
+        quant.prepare_sampler_params(params, quantization, shardings=shardings, device=jax.devices()[0])
+
+
+def test_mesh_errors_name_the_field(params):
+    """Heads / kv heads / MLP over tensor and rows over data must divide; bad mesh sizes are named."""
+    with pytest.raises(ValueError, match="num_key_value_heads = 4 .* tensor axis \\(8\\)"):
+        SamplingEngine(CFG, params, mesh=make_sampler_mesh(data=1, tensor=8), **LIMITS)
+    with pytest.raises(ValueError, match="max_batch_size = 4 .* row shards .* 8"):
+        SamplingEngine(CFG, params, mesh=make_sampler_mesh(data=8, tensor=1), **LIMITS)
+    with pytest.raises(ValueError, match="max_slots = 2 .* row shards"):
+        SamplingEngine(CFG, params, mesh=make_sampler_mesh(data=4, tensor=2), batching="continuous", max_slots=2,
+                       **dict(LIMITS, max_batch_size=8))
+    with pytest.raises(ValueError, match="either device .* or mesh"):
+        SamplingEngine(CFG, params, mesh=make_sampler_mesh(data=2), device=jax.devices()[0], **LIMITS)
+    with pytest.raises(ValueError, match="16 devices"):
+        make_sampler_mesh(data=4, tensor=4)
+    with pytest.raises(ValueError, match="tensor must be an integer >= 1"):
+        make_sampler_mesh(data=1, tensor=0)
+    assert make_sampler_mesh(1, 1) is None  # 1 x 1: the single-device engine
