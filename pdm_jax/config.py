@@ -205,6 +205,14 @@ def get_base_config() -> ml_collections.ConfigDict:
     # max_batch_size rows, each run until its longest row stops; the engine's and the server's own default).
     c.sampler.batching = "continuous"
     c.sampler.max_slots = 0  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
+    # The sharded engine (pdm_jax.sampler.engine, make_sampler_mesh; the trainer's mesh axis names): rows over data,
+    # heads / kv heads / MLP / vocab over tensor, the KV cache sharded the same way. 1 x 1 = one device (default).
+    # colocated: the first data*tensor of this process's devices (a sub-mesh of the trainer's, or all of them);
+    # subprocess: the server's own devices. Heads, kv heads and the MLP width must divide by tensor and
+    # max_batch_size / max_slots by data (the engine names the one that does not).
+    c.sampler.mesh = ml_collections.ConfigDict()
+    c.sampler.mesh.data = 1
+    c.sampler.mesh.tensor = 1
 
     # ---- evaluation --------------------------------------------------------------------
     c.eval = ml_collections.ConfigDict()
@@ -519,6 +527,10 @@ def _check_sampler_and_eval(config) -> None:
     _need(sc.batching in BATCHING_MODES, "sampler.batching", sc.batching, f"must be one of {BATCHING_MODES}")
     _need(isinstance(sc.max_slots, int) and not isinstance(sc.max_slots, bool) and sc.max_slots >= 0,
           "sampler.max_slots", sc.max_slots, "must be an integer >= 0 (0 = sampler.max_batch_size)")
+    for axis in ("data", "tensor"):
+        size = sc.mesh[axis]
+        _need(isinstance(size, int) and not isinstance(size, bool) and size >= 1, f"sampler.mesh.{axis}", size,
+              "must be an integer >= 1 (sampler.mesh 1 x 1 = a single-device engine)")
     cc = config.compile_cache
     _need(math.isfinite(cc.min_compile_time_s) and cc.min_compile_time_s >= 0, "compile_cache.min_compile_time_s",
           cc.min_compile_time_s, "must be a finite number of seconds >= 0")

@@ -116,3 +116,36 @@ def test_mesh_errors_name_the_field(params):
     with pytest.raises(ValueError, match="tensor must be an integer >= 1"):
         make_sampler_mesh(data=1, tensor=0)
     assert make_sampler_mesh(1, 1) is None  # 1 x 1: the single-device engine
+
+
+def test_reachable_from_the_config(params, tmp_path):
+    """sampler.mesh: validated by name; the colocated engine (SamplerSupervisor.memory_engine) is sharded
+    over the first data x tensor local devices; the server takes --mesh_data / --mesh_tensor."""
+    import types
+
+    from pdm_jax.config import get_base_config, validate_config
+    from pdm_jax.sampler import server
+    from pdm_jax.sampler.supervisor import SamplerSupervisor
+
+    c = get_base_config()
+    assert (c.sampler.mesh.data, c.sampler.mesh.tensor) == (1, 1)  # default: the single-device engine
+    c.sampler.mesh.tensor = 0
+    with pytest.raises(ValueError, match="sampler.mesh.tensor"):
+        validate_config(c)
+    sc = types.SimpleNamespace(mode="colocated", quantization="fp8", max_prompt_length=16, max_batch_size=4,
+                               mesh=types.SimpleNamespace(data=2, tensor=2))
+    sup = SamplerSupervisor(sc, workdir=str(tmp_path), model_config=CFG, max_new_tokens=16)
+    eng = sup.memory_engine(params, 1, "fp8").engine
+    assert dict(eng.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2} and eng.device is None
+    assert set(eng.mesh.devices.flat) == set(jax.local_devices()[:4])  # a sub-mesh of the trainer's devices
+    assert all(x.sharding.mesh == eng.mesh for x in jax.tree.leaves(eng._state))
+    single = SamplerSupervisor(types.SimpleNamespace(**dict(vars(sc), mesh=types.SimpleNamespace(data=1, tensor=1))),
+                               workdir=str(tmp_path), model_config=CFG, max_new_tokens=16)
+    one = single.memory_engine(params, 1, "fp8").engine
+    assert one.mesh is None and one.device == jax.local_devices()[0]
+    for a, b in zip(jax.tree.leaves(one._state), jax.tree.leaves(eng._state)):  # the same fp8 copy, sharded
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    args = server.parse_args(["--model_config=m.json", "--checkpoint_root=.", "--mesh_data=2", "--mesh_tensor=4"])
+    assert (args.mesh_data, args.mesh_tensor) == (2, 4)
+    with pytest.raises(SystemExit):
+        server.parse_args(["--model_config=m.json", "--checkpoint_root=.", "--mesh_tensor=0"])

@@ -101,6 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="static: chunks of --max_batch_size rows run to their longest row; continuous: "
                         "--max_slots slots refilled as rows stop (pdm_jax.sampler.engine)")
     p.add_argument("--max_slots", type=int, default=0, help="continuous batching's slots (0 = --max_batch_size)")
+    p.add_argument("--mesh_data", type=int, default=1,
+                   help="the sharded engine's data axis (rows); with --mesh_tensor, the first data x tensor of "
+                        "this process's devices (pdm_jax.sampler.engine.make_sampler_mesh); 1 x 1 = one device")
+    p.add_argument("--mesh_tensor", type=int, default=1, help="the sharded engine's tensor axis (heads / MLP)")
     p.add_argument("--max_body_bytes", type=int, default=8 << 20)
     p.add_argument("--init_seed", type=int, default=0, help="seed of the random init when --weights is omitted")
     p.add_argument("--log_level", default="warning")
@@ -111,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--host={args.host} is not a loopback address: a shared --token is required")
     if args.port < 0 or args.port > 65535:
         p.error(f"--port={args.port} out of range")
+    for name in ("mesh_data", "mesh_tensor"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)} must be >= 1")
     return args
 
 
@@ -365,7 +372,7 @@ def main(argv=None) -> None:
     from pdm_jax.models.qwen3 import Qwen3ForCausalLM  # after the flags parse: --help without JAX
     from pdm_jax.profiling import CompileCounter, enable_compile_cache  # after the flags parse: imports JAX
     from pdm_jax.sampler import weights as wts  # after the flags parse: --help without JAX
-    from pdm_jax.sampler.engine import SamplingEngine  # after the flags parse: --help without JAX
+    from pdm_jax.sampler.engine import SamplingEngine, make_sampler_mesh  # after the flags parse: --help without JAX
 
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
@@ -384,7 +391,8 @@ def main(argv=None) -> None:
                             weights_path=args.weights, compute_dtype=args.compute_dtype,
                             max_prompt_length=args.max_prompt_length,
                             max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size,
-                            batching=args.batching, max_slots=args.max_slots or None)
+                            batching=args.batching, max_slots=args.max_slots or None,
+                            mesh=make_sampler_mesh(args.mesh_data, args.mesh_tensor))
     app = create_app(engine, checkpoint_root=args.checkpoint_root, token=args.token,
                      max_body_bytes=args.max_body_bytes, compile_counter=compile_counter)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -54,7 +54,7 @@ from pdm_jax import workdir as wd
 from pdm_jax.config import SAMPLER_FILE_MODES, resolve_sampler_mode
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler.client import SamplerClient, SamplerRequestError
-from pdm_jax.sampler.engine import InProcessSampler, SamplingEngine
+from pdm_jax.sampler.engine import InProcessSampler, SamplingEngine, make_sampler_mesh
 from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.sampler.vllm_client import VLLMSampler
 from pdm_jax.sampler.weights import META_FILE, load_weights, save_weights
@@ -164,6 +164,8 @@ class SamplerSupervisor:
                            max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size),
                            batching=str(getattr(sampler_config, "batching", "static")),
                            max_slots=int(getattr(sampler_config, "max_slots", 0)) or None)
+        mesh = getattr(sampler_config, "mesh", None)  # sampler.mesh: the sharded engine's data x tensor
+        self.mesh_shape = (int(getattr(mesh, "data", 1)), int(getattr(mesh, "tensor", 1)))
 
         def setting(value, name, default):
             return getattr(sampler_config, name, default) if value is None else value
@@ -233,15 +235,19 @@ class SamplerSupervisor:
         computing in ``compute_dtype`` ("auto" | "float32" | "bfloat16", `engine.resolve_compute_dtype`)."""
         path = self.weights_path(version)
         engine = SamplingEngine(self.model_config, load_weights(path, self.model_config), quantization=quantization,
-                                version=version, weights_path=path, compute_dtype=compute_dtype, **self.limits)
+                                version=version, weights_path=path, compute_dtype=compute_dtype,
+                                mesh=make_sampler_mesh(*self.mesh_shape), **self.limits)
         return InProcessSampler(engine, checkpoint_root=self.workdir)
 
     def memory_engine(self, params, version: int, quantization: str, compute_dtype: str = "auto") -> InProcessSampler:
         """An in-process engine built from the parameter tree ``params`` (weights ``version``) on this
         process's first local device, in memory (`SamplingEngine`'s ``device``): the colocated sampler,
-        and the trainer's f32 evaluation engine."""
+        and the trainer's f32 evaluation engine.  With ``sampler.mesh`` larger than 1 x 1: sharded over the
+        first data x tensor local devices (`make_sampler_mesh`; a sub-mesh of the trainer's or all of them)."""
+        mesh = make_sampler_mesh(*self.mesh_shape, devices=jax.local_devices())
+        place = dict(device=jax.local_devices()[0]) if mesh is None else dict(mesh=mesh)
         engine = SamplingEngine(self.model_config, params, quantization=quantization, version=version,
-                                compute_dtype=compute_dtype, device=jax.local_devices()[0], **self.limits)
+                                compute_dtype=compute_dtype, **place, **self.limits)
         return InProcessSampler(engine)
 
     # ---------------------------------------------------------------- lifecycle
@@ -277,7 +283,7 @@ class SamplerSupervisor:
                 quantization=sc.quantization, compute_dtype=self.compute_dtype, checkpoint_root=self.workdir,
                 startup_timeout_s=sc.startup_timeout_s, client_kwargs=dict(timeout_s=sc.request_timeout_s,
                                                                            retries=sc.retries),
-                **self.compile_cache, **self.limits)
+                mesh_data=self.mesh_shape[0], mesh_tensor=self.mesh_shape[1], **self.compile_cache, **self.limits)
             self._sampler = self._proc.client
         elif self.mode == "remote":
             client = self._remote_client(sc)
