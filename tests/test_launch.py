@@ -374,3 +374,29 @@ def test_tpu_pod_rerun_reuses_or_recreates_the_vm(tmp_path, state, verbs):
     log = calls.read_text().splitlines()
     assert [l.split()[3] for l in log] == verbs
     assert any("--workdir=gs://bkt/r/pdm-re" in l for l in log)
+
+
+def test_stress_config_and_comparison_sweep():
+    """configs/tiny_stress.py validates; the comparison grid has the issue-16 arms, radius-free arms once, and
+    every argument string parses to the fields it names."""
+    import runpy
+
+    from pdm_jax.config import validate_config
+
+    get = runpy.run_path(os.path.join(REPO, "configs", "tiny_stress.py"))["get_config"]
+    c = get("mask=dppo,seed=3")
+    validate_config(c)
+    assert (c.rl.num_minibatches, c.rl.num_iterations, c.rl.max_staleness, c.sampler.quantization, c.seed) == (
+        4, 4, 1, "int8", 3)
+    d = sweep.load_sweep(os.path.join(REPO, "launch", "sweeps", "stress_comparison.py"))
+    runs = sweep.expand(d)
+    crit = {(r["point"]["delta"], r["point"]["criterion"]) for r in runs}
+    assert ("0.15", "none") not in {(str(a), b) for a, b in crit} and (0.05, "none") in crit
+    assert len(runs) == 8 * (2 + 2 * 4) and d["share_warmstart_by"] == ()
+    assert len(sweep.expand(sweep.load_sweep(os.path.join(REPO, "launch", "sweeps", "stress_comparison.py"),
+                                             "core"))) == 8 * 4
+    for r in runs[:10]:
+        c = get(r["arg"])
+        assert c.seed == r["point"]["seed"] and c.trust_region.delta == r["point"]["delta"]
+        if r["point"]["criterion"] == "ppo_clip_higher":
+            assert (c.trust_region.mask, c.trust_region.clip_eps_high) == ("ppo", 0.28)
