@@ -43,7 +43,7 @@ from jax._src import xla_bridge
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdm_jax import train_step as ts
-from pdm_jax.config import compute_options, model_config_from_fields, step_configs
+from pdm_jax.config import compute_options, model_config_from_fields, resolve_sampler_mode, step_configs
 from pdm_jax.distributed import opt_state_shardings
 from pdm_jax.models.hf_io import load_config
 from pdm_jax.models.presets import PRESETS, get_preset
@@ -293,6 +293,56 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     return out
 
 
+def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
+    """ANALYTIC per-device bytes of the rollout engine (pdm_jax.sampler.engine) for this config on ``chip``.
+
+    * ``weights``: the sampler's copy, sharded on its mesh (``sampler.mesh`` data x tensor, fsdp 1;
+      `param_bytes_per_device` with the model's rules), in its compute dtype: ``sampler.compute_dtype``,
+      "auto" resolved for an accelerator (`engine.resolve_compute_dtype`: float32 for quantization none,
+      bfloat16 for bf16 / fp8 / int8, whose values are held dequantized in it);
+    * ``kv_cache``: ``slots x (P + T) x layers x 2 x kv_heads x head_dim x dtype bytes`` / (data x tensor),
+      the tensor axis only where it divides the kv heads (P = ``sampler.max_prompt_length``, T =
+      ``rl.max_new_tokens``; slots = ``sampler.max_slots`` (0: ``max_batch_size``) with continuous
+      batching, ``max_batch_size`` with static batches; both rounded up to a power of two, as the engine does);
+    * ``prompt_store`` (continuous batching): one rollout request's prompts prefilled once,
+      ``max(next_pow2(rl.prompts_per_step), slots / 4) x P`` more cache entries, split the same way.
+
+    Activations of the decode step (per-slot logits, attention scores) are not counted.  ``colocated``:
+    the engine shares the trainer's chips (``sampler.mode`` colocated, or auto, which resolves to it on
+    TPU / GPU); otherwise it runs on devices of its own.
+    Returns a dict of ints (bytes, plus ``total``) and the descriptive fields ``mesh``, ``slots``, ``dtype``,
+    ``quantization``, ``colocated``.
+    Raises:
+      ValueError: ``sampler.mesh`` larger than ``num_devices`` in colocated mode (naming the field).
+    """
+    from pdm_jax.sampler.engine import resolve_compute_dtype  # lazy: the dry run's own imports stay light
+
+    sc = config.sampler
+    mesh_cfg = sc.get("mesh") or {}
+    d, t = int(mesh_cfg.get("data", 1)), int(mesh_cfg.get("tensor", 1))
+    backend = "gpu" if chip.startswith("H") else "tpu"
+    colocated = resolve_sampler_mode(str(sc.get("mode", "auto")), backend=backend) == "colocated"
+    if colocated and d * t > num_devices:
+        raise ValueError(f"sampler.mesh = data {d} x tensor {t} needs {d * t} devices; the colocated sampler "
+                         f"shares the trainer's {num_devices}")
+    dtype = resolve_compute_dtype(str(sc.get("compute_dtype", "auto")), str(sc.quantization), backend=backend)
+    _, weights = param_bytes_per_device(model_cfg, {"data": d, "fsdp": 1, "tensor": t}, dtype)
+    pow2 = lambda n: 1 << (max(int(n), 1) - 1).bit_length()  # noqa: E731  (engine._next_pow2)
+    continuous = str(sc.get("batching", "static")) == "continuous"
+    slots = pow2((int(sc.get("max_slots", 0)) if continuous else 0) or int(sc.max_batch_size))
+    c = model_cfg
+    kv_t = t if c.num_key_value_heads % t == 0 else 1
+    per_entry = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * dtype.itemsize  # one token, one row
+    p, new = int(sc.max_prompt_length), int(config.rl.max_new_tokens)
+    kv_cache = slots * (p + new) * per_entry // (d * kv_t)
+    store_rows = max(pow2(config.rl.prompts_per_step), slots // 4) if continuous else 0
+    prompt_store = store_rows * p * per_entry // (d * kv_t)
+    out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store)
+    out["total"] = sum(out.values())
+    return dict(out, mesh=(d, t), slots=slots, dtype=str(dtype), quantization=str(sc.quantization),
+                colocated=colocated)
+
+
 def _with_shardings(tree, shardings):
     """ShapeDtypeStructs of `tree`'s leaves carrying the matching leaves of `shardings` (same leaf order)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -406,7 +456,8 @@ def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
     else:
         note = "not compiled: dry_run.mode=analytic"
     return dict(model=model_cfg, num_params=n_params, shape=shape, mesh=sizes, chip=chip,
-                hbm_bytes=CHIP_HBM_GIB[chip] * GIB, analytic=analytic, compiled=compiled, compiled_note=note)
+                hbm_bytes=CHIP_HBM_GIB[chip] * GIB, analytic=analytic, compiled=compiled, compiled_note=note,
+                sampler=sampler_plan(config, model_cfg, num_devices, chip))
 
 
 def format_report(report: dict) -> str:
@@ -446,10 +497,31 @@ def format_report(report: dict) -> str:
                      f"({100 * c['total'] / hbm:.0f}% of HBM)")
     else:
         lines += ["", f"COMPILED: {report['compiled_note']}"]
+    lines += [""] + _sampler_lines(report["sampler"], a_total, hbm, g, unit)
     # The verdict (last line): the analytic plan for the target chip (the compiled one is XLA:CPU's estimate).
     verdict = "fits" if a_total <= hbm else "does not fit"
     lines += ["", f"per-device total {a_total / GIB:.2f} GiB of {hbm / GIB:.0f} GiB HBM: {verdict}"]
     return "\n".join(lines)
+
+
+def _sampler_lines(sp: dict, train_total: int, hbm: int, g, unit: str) -> list:
+    """The report's sampler section (`sampler_plan`): its keys are prefixed ``sampler_`` so that the
+    train step's ``  key  value`` lines stay unique."""
+    d, t = sp["mesh"]
+    lines = [f"SAMPLER (rollout engine), ANALYTIC, per device of its {d} x {t} (data x tensor) mesh   {unit}",
+             f"  ({sp['quantization']} weights held in {sp['dtype']}, {sp['slots']} slots)"]
+    for k in ("weights", "kv_cache", "prompt_store", "total"):
+        lines.append(f"  {'sampler_' + k:<30}{g(sp[k])}")
+    if sp["colocated"]:
+        both = train_total + sp["total"]
+        lines += ["  colocated: the sampler lives on the same chips as the train step (sampler.mode)",
+                  f"  {'train_plus_sampler':<30}{g(both)}",
+                  f"  {'fits in HBM?':<30}{'yes' if both <= hbm else 'NO':>10}  ({100 * both / hbm:.0f}% of HBM)"]
+    else:
+        lines += ["  on its own devices (sampler.mode subprocess / remote)",
+                  f"  {'fits in HBM?':<30}{'yes' if sp['total'] <= hbm else 'NO':>10}  "
+                  f"({100 * sp['total'] / hbm:.0f}% of HBM)"]
+    return lines
 
 
 def main(config) -> dict:

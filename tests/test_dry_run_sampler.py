@@ -1,0 +1,69 @@
+"""The dry run's sampler memory plan (issue #13, `dry_run.sampler_plan`) against hand computations for
+Qwen3-8B (``configs/qwen3_dapo.py:size=8b``: 256 slots, 2,048 + 8,192 tokens, fp8 weights held in bf16)."""
+
+import importlib.util
+import os
+
+import pytest
+
+from pdm_jax import dry_run
+from pdm_jax.models.presets import count_params, get_preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1024 ** 3
+
+
+def _config(mesh=(1, 1), **sampler):
+    spec = importlib.util.spec_from_file_location("qwen3_dapo", os.path.join(ROOT, "configs", "qwen3_dapo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config("size=8b")
+    c.sampler.mesh.data, c.sampler.mesh.tensor = mesh
+    for k, v in sampler.items():
+        c.sampler[k] = v
+    return c
+
+
+def _hand(mesh=(1, 1), slots=256, store_rows=128, dtype_bytes=2):
+    """Qwen3-8B by hand: L 36, 8 kv heads x 128, D 4096; every matrix has a heads / kv heads / MLP /
+    vocab axis that the tensor axis splits; the RMSNorm scales (2 D + 2 H per layer, D final) stay whole."""
+    d, t = mesh
+    n = count_params(get_preset("qwen3_8b"))
+    norms = 36 * (2 * 4096 + 2 * 128) + 4096
+    weights = ((n - norms) // t + norms) * dtype_bytes
+    per_token = 36 * 2 * 8 * 128 * dtype_bytes  # 144 KiB in bf16 (the issue's figure)
+    kv = slots * (2048 + 8192) * per_token // (d * t)
+    store = store_rows * 2048 * per_token // (d * t)
+    return weights, kv, store
+
+
+@pytest.mark.parametrize("mesh", [(1, 1), (8, 8), (4, 2)])
+def test_sampler_plan_equals_hand_computation(mesh):
+    sp = dry_run.plan(_config(mesh), mode="analytic")["sampler"]
+    weights, kv, store = _hand(mesh)
+    assert (sp["weights"], sp["kv_cache"], sp["prompt_store"]) == (weights, kv, store)
+    assert sp["total"] == weights + kv + store and sp["dtype"] == "bfloat16" and sp["colocated"]  # auto on TPU
+    if mesh == (1, 1):  # the issue: 144 KiB per token, 256 slots x 10,240 tokens = 360 GiB on one chip
+        assert 36 * 2 * 8 * 128 * 2 == 144 * 1024 and kv == 360 * GIB
+    if mesh == (8, 8):  # the README row: 1.91 + 5.62 + 0.56 = 8.10 GiB per chip beside the train step's 14.98
+        assert (round(sp["weights"] / GIB, 2), kv / GIB, store / GIB) == (1.91, 5.625, 0.5625)
+
+
+def test_sampler_plan_dtype_slots_mode_and_report():
+    """quantization none -> f32 weights and cache; static batches -> max_batch_size rows; continuous with
+    max_slots 64 -> 64; a subprocess sampler on its own devices; the report's section and labels."""
+    sp = dry_run.plan(_config(quantization="none"), mode="analytic")["sampler"]
+    assert (sp["weights"], sp["kv_cache"], sp["prompt_store"]) == _hand(dtype_bytes=4) and sp["dtype"] == "float32"
+    sp = dry_run.plan(_config(batching="static"), mode="analytic")["sampler"]
+    assert (sp["slots"], sp["prompt_store"]) == (256, 0)
+    sp = dry_run.plan(_config(max_slots=64, mode="subprocess"), mode="analytic")["sampler"]
+    assert sp["kv_cache"] == _hand(slots=64)[1] and sp["prompt_store"] == _hand(store_rows=128)[2]
+    assert not sp["colocated"]
+    report = dry_run.plan(_config((8, 8)), mode="analytic")
+    text = dry_run.format_report(report)
+    assert "SAMPLER (rollout engine), ANALYTIC" in text and "same chips as the train step" in text
+    both = report["analytic"]["total"] + report["sampler"]["total"]
+    assert f"{'train_plus_sampler':<30}{both / GIB:10.3f}" in text
+    assert text.splitlines()[-1].startswith("per-device total ")  # the train step's verdict stays last
+    with pytest.raises(ValueError, match="sampler.mesh = data 16 x tensor 8"):
+        dry_run.plan(_config((16, 8)), mode="analytic")
