@@ -16,6 +16,7 @@ A sweep definition is a Python file with ``get_sweep(arg=None) -> dict``
       collapse_margin=0.1,               # optional; see `collapse_events`
       share_warmstart_by=("seed",),      # optional; see `run_local` (() = one warm start for all runs)
       keep=lambda point: True,           # optional; grid points for which it is False are left out
+      paired_baseline=("criterion", "ratio"),  # optional; per-seed differences against this arm in the table
     )
 
 Axis values become ``key=value`` items of the config argument string
@@ -89,6 +90,8 @@ RUN_COLUMNS = ("name", "warmstart_accuracy", "final_accuracy", "accuracy_gain", 
 #: Metrics summarised over seeds in the grouped table (``collapsed`` is 0/1 per run: its mean is the collapse rate).
 GROUP_METRICS = ("final_accuracy", "accuracy_gain", "reward_area", "mean_frac_masked", "mean_frac_outside",
                  "mean_topk_kl", "collapse_events", "collapsed")
+#: Metrics of the paired (same seed) differences against a baseline arm.
+PAIRED_METRICS = ("final_accuracy", "accuracy_gain", "reward_area")
 
 
 # ----------------------------------------------------------------------------- definitions
@@ -139,6 +142,11 @@ def validate_sweep(sweep: dict) -> dict:
     out.setdefault("collapse_margin", 0.1)
     out.setdefault("share_warmstart_by", None)
     out.setdefault("keep", None)
+    out.setdefault("paired_baseline", None)
+    pb = out["paired_baseline"]
+    if pb is not None and not (isinstance(pb, (list, tuple)) and len(pb) == 2 and pb[0] in keys):
+        raise ValueError(f"sweep.paired_baseline must be None or (axis, value) with an axis of {sorted(keys)}, "
+                         f"got {pb!r}")
     if out["keep"] is not None and not callable(out["keep"]):
         raise ValueError(f"sweep.keep must be None or a function point -> bool, got {out['keep']!r}")
     if out["share_warmstart_by"] is not None:
@@ -390,11 +398,41 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
     return m, float(stats.t.ppf(0.975, len(xs) - 1) * sd / math.sqrt(len(xs)))
 
 
-def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key: str = "seed") -> dict:
+def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_METRICS, seed_key: str = "seed") -> list:
+    """Per-seed differences of each arm against the `baseline` value of `axis` at the same other axis values.
+
+    Runs that share a seed (and a warm start) see the same first rollout batch, so the paired difference
+    removes the seed-to-seed spread that both arms share. Returns one dict per (arm, other axis values) that
+    has a baseline partner: the keys of the point without the seed, ``n`` (paired seeds), ``wins`` (seeds
+    where the arm's final accuracy is above the baseline's) and, per metric, (mean, 95% t half-width) of
+    arm - baseline.
+    """
+    index = {tuple(sorted(r["point"].items())): r for r in rows}
+    out: dict = {}
+    for r in rows:
+        if r["point"].get(axis) == baseline:
+            continue
+        partner = index.get(tuple(sorted(dict(r["point"], **{axis: baseline}).items())))
+        if partner is None:
+            continue
+        key = tuple((k, v) for k, v in r["point"].items() if k != seed_key)
+        out.setdefault(key, []).append((r, partner))
+    result = []
+    for key, pairs in out.items():
+        d = dict(key, n=len(pairs), wins=sum(a["final_accuracy"] > b["final_accuracy"] for a, b in pairs))
+        for m in metrics:
+            d[m] = mean_ci95([a[m] - b[m] for a, b in pairs if a[m] is not None and b[m] is not None])
+        result.append(d)
+    return result
+
+
+def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key: str = "seed",
+              paired_baseline: Optional[tuple] = None) -> dict:
     """Builds the per-run and per-group tables; writes ``sweep_runs.csv`` and ``sweep_table.md`` under `out`.
 
-    Returns ``{"rows": [...], "groups": [...], "markdown": str}``; groups are
-    the grid points without `seed_key`, each metric as (mean, ci95 half-width, n).
+    Returns ``{"rows": [...], "groups": [...], "paired": [...], "markdown": str}``; groups are
+    the grid points without `seed_key`, each metric as (mean, ci95 half-width, n). paired_baseline:
+    ``(axis, value)``, e.g. ``("criterion", "ratio")``: the markdown also gets `paired_differences` against it.
     """
     rows = []
     for run in runs:
@@ -424,9 +462,26 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
         group_rows.append(g)
 
     md = _markdown(group_keys, group_rows, axis_keys, rows)
+    paired = paired_differences(rows, *paired_baseline, seed_key=seed_key) if paired_baseline else []
+    if paired:
+        md += _paired_markdown(paired, paired_baseline)
     with open(os.path.join(out, "sweep_table.md"), "w") as f:
         f.write(md)
-    return dict(rows=rows, groups=group_rows, markdown=md)
+    return dict(rows=rows, groups=group_rows, paired=paired, markdown=md)
+
+
+def _paired_markdown(paired: list[dict], baseline: tuple) -> str:
+    """`paired_differences` as a markdown table (mean ± 95% half-width of arm - baseline per seed)."""
+    keys = [k for k in paired[0] if k not in ("n", "wins") + PAIRED_METRICS]
+    heads = keys + ["n", "seeds above"] + [f"Δ {m}" for m in PAIRED_METRICS]
+    lines = ["", f"Paired by seed, arm − {baseline[0]}={baseline[1]} (same seed, same warm start):", "",
+             "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for d in paired:
+        cells = [f"{_num(m)} ± {_num(ci)}" if math.isfinite(ci) else (_num(m) if math.isfinite(m) else "–")
+                 for m, ci in (d[k] for k in PAIRED_METRICS)]
+        lines.append("| " + " | ".join([str(d[k]) for k in keys] + [str(d["n"]), f"{d['wins']}/{d['n']}"] + cells)
+                     + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _num(v: float) -> str:
@@ -575,7 +630,8 @@ def main(argv=None) -> int:
         failed = [r["name"] for r in res if r["returncode"] != 0]
         if failed:
             print(f"{len(failed)} run(s) failed: {failed}", file=sys.stderr)
-    table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]))
+    table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]),
+                      paired_baseline=sweep["paired_baseline"])
     plot_sweep(runs, args.out)
     print(table["markdown"])
     return 0

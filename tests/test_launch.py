@@ -400,3 +400,25 @@ def test_stress_config_and_comparison_sweep():
         assert c.seed == r["point"]["seed"] and c.trust_region.delta == r["point"]["delta"]
         if r["point"]["criterion"] == "ppo_clip_higher":
             assert (c.trust_region.mask, c.trust_region.clip_eps_high) == ("ppo", 0.28)
+
+
+def test_paired_differences_by_hand(tmp_path):
+    """Arm - baseline per seed at the same other axis values; mean ± t half-width; wins counted."""
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1]), ("criterion", ["ratio", "none"])],
+                                  paired_baseline=("criterion", "ratio")))
+    runs = sweep.expand(d)
+    out = str(tmp_path)
+    finals = {("ratio", 0): 0.30, ("none", 0): 0.10, ("ratio", 1): 0.40, ("none", 1): 0.45}
+    for r in runs:
+        f = finals[(r["point"]["criterion"], r["point"]["seed"])]
+        _fake_run(os.path.join(out, r["name"]), [0.2, 0.4], [(1, 0.3), (2, f)])
+    table = sweep.aggregate(runs, out, paired_baseline=d["paired_baseline"])
+    (p,) = table["paired"]
+    assert p["criterion"] == "none" and p["n"] == 2 and p["wins"] == 1
+    m, ci = p["final_accuracy"]
+    assert m == pytest.approx((-0.2 + 0.05) / 2)
+    assert ci == pytest.approx(12.706204736174698 * math.sqrt(((-0.2 + 0.075) ** 2 + (0.05 + 0.075) ** 2)) / math.sqrt(2))
+    assert p["reward_area"] == (0.0, 0.0)
+    assert "arm − criterion=ratio" in table["markdown"] and "| none | 2 | 1/2 |" in table["markdown"]
+    with pytest.raises(ValueError, match="paired_baseline"):
+        sweep.validate_sweep(dict(d, paired_baseline=("delta", 0.1)))

@@ -43,4 +43,5 @@ def get_sweep(arg=None):
         collapse_margin=0.1,
         keep=_keep,
         share_warmstart_by=(),  # one warm start for every run
+        paired_baseline=("criterion", "ratio"),  # per-seed differences against DPPO-TopK-KL in the table
     )
