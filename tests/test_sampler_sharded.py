@@ -149,3 +149,30 @@ def test_reachable_from_the_config(params, tmp_path):
     assert (args.mesh_data, args.mesh_tensor) == (2, 4)
     with pytest.raises(SystemExit):
         server.parse_args(["--model_config=m.json", "--checkpoint_root=.", "--mesh_tensor=0"])
+
+
+@pytest.mark.slow
+def test_sharded_server_subprocess_equals_in_process(params, tmp_path):
+    """The subprocess server with --mesh_data 2 --mesh_tensor 4 (its own 8 fake devices, inherited
+    XLA_FLAGS) serves the single-device engine's tokens, log mu within 1e-5."""
+    import json
+
+    from pdm_jax.sampler import weights as wts
+    from pdm_jax.sampler.launcher import start_sampler_server
+
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(CFG.to_hf_dict(), f)
+    path = wts.save_weights(params, str(tmp_path / "weights" / "0"), version=0)
+    single = SamplingEngine(CFG, params, batching="continuous", **LIMITS)
+    sp = start_sampler_server(model_config=str(tmp_path), weights=path, version=0, quantization="none",
+                              checkpoint_root=str(tmp_path), max_prompt_length=16, max_new_tokens=16, max_batch_size=4,
+                              batching="continuous", mesh_data=2, mesh_tensor=4, startup_timeout_s=240)
+    try:
+        a = single.generate(PROMPTS, temperature=0.8, **GEN)
+        b = sp.client.generate(PROMPTS, temperature=0.8, **GEN)
+    finally:
+        sp.stop()
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+    assert _max_abs(a.behavior_logprobs, b.behavior_logprobs) <= 1e-5
+    assert _max_abs(a.topk_logprobs, b.topk_logprobs) <= 1e-5
