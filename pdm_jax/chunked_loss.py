@@ -80,8 +80,55 @@ def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completi
     return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden
 
 
+def _chunking(t: int, chunk_size: int):
+    """``(to_chunks, from_chunks, n)``: [B,T,...] <-> [N,B,c,...] with T padded to N*c (c = min(chunk, T))."""
+    c = min(chunk_size, t)
+    n = -(-t // c)
+    pad = n * c - t
+
+    def to_chunks(x, fill=0):
+        """[B,T,...] -> [N,B,c,...] (padded with `fill`)."""
+        x = jnp.asarray(x)
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        x = x.reshape((x.shape[0], n, c) + x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def from_chunks(y_NxBxc):
+        y = jnp.moveaxis(y_NxBxc, 0, 1)
+        return y.reshape((y.shape[0], n * c) + y.shape[3:])[:, :t]
+
+    return to_chunks, from_chunks, n
+
+
+def chunked_token_divergence(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: trust_region.TrustRegionConfig,
+                             temperature: float, chunk_size: int):
+    """``[B,T]`` f32: the configured divergence D_t of every position, ``[B,c,V]`` logits at a time.
+
+    The per-token divergence ``trust_region.DIVERGENCE_FNS[tr_config.divergence]`` of the
+    tempered logits against the behaviour top-K, with padding positions replaced by benign
+    inputs first (``trust_region.sanitize_inputs``; their D is meaningless). Forward-mode
+    differentiable (``jax.jvp`` through the ``lax.scan`` over chunks): the train step's
+    ``param_jvp`` direction (``pdm_jax.train_step``) takes its jvp along Δθ.
+    """
+    t = batch.completion_ids.shape[1]
+    to_chunks, from_chunks, n = _chunking(t, chunk_size)
+    xs = dict(h=to_chunks(h_BxTxD), tokens=to_chunks(batch.completion_ids),
+              valid=to_chunks(jnp.asarray(batch.completion_mask).astype(bool), False),
+              topk_ids=to_chunks(batch.topk_ids), topk_lp=to_chunks(batch.topk_logprobs),
+              behavior_lp=to_chunks(batch.behavior_logprobs))
+
+    def chunk(_, x):
+        logits = head_fn(x["h"]).astype(_F32) / temperature
+        safe = trust_region.sanitize_inputs(logits, x["tokens"], x["topk_ids"], x["topk_lp"], x["behavior_lp"],
+                                            x["valid"])
+        return None, trust_region.DIVERGENCE_FNS[tr_config.divergence](*safe)
+
+    return from_chunks(jax.lax.scan(chunk, None, xs)[1])
+
+
 def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: trust_region.TrustRegionConfig,
-                     loss_config: policy_loss.PolicyLossConfig, chunk_size: int) -> dict:
+                     loss_config: policy_loss.PolicyLossConfig, chunk_size: int, *, param_direction=None) -> dict:
     """``pdm_jax.loss.token_terms`` of all positions from hidden states, one ``[B,c,V]`` chunk at a time.
 
     Args:
@@ -93,6 +140,7 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: tr
       tr_config: the trust-region mask configuration (static).
       loss_config: the static loss settings.
       chunk_size: c >= 1 sequence positions per chunk (T is padded to a multiple of c).
+      param_direction: ``[B,T]`` f32 Ḋᵖ when ``tr_config.direction == "param_jvp"`` (chunked with the rest).
 
     Returns:
       the dict of ``token_terms`` over all ``[B,T]`` positions (``per_token``,
@@ -107,19 +155,9 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: tr
     b, t, d = h_BxTxD.shape
     if batch.completion_ids.shape != (b, t):
         raise ValueError(f"completion_ids has shape {batch.completion_ids.shape}, hidden states {h_BxTxD.shape}")
-    c = min(chunk_size, t)
-    n = -(-t // c)
-    pad = n * c - t
+    to_chunks, from_chunks, n = _chunking(t, chunk_size)
     adv = jnp.asarray(batch.advantages).astype(_F32)
     adv_BxT = jnp.broadcast_to(adv[:, None], (b, t)) if adv.ndim == 1 else adv
-
-    def to_chunks(x, fill=0):
-        """[B,T,...] -> [N,B,c,...] (padded with `fill`)."""
-        x = jnp.asarray(x)
-        if pad:
-            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        x = x.reshape((b, n, c) + x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
 
     xs = dict(
         h=to_chunks(h_BxTxD), tokens=to_chunks(batch.completion_ids),
@@ -128,12 +166,14 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: tr
         behavior_lp=to_chunks(batch.behavior_logprobs), adv=to_chunks(adv_BxT))
     if loss_config.kl_beta > 0:
         xs["ref_lp"] = to_chunks(batch.ref_logprobs)
+    if param_direction is not None:
+        xs["param_dir"] = to_chunks(param_direction)
 
     def chunk(x):
         logits = head_fn(x["h"]).astype(_F32) / loss_config.temperature  # [B,c,V]: the only vocabulary-sized buffers
         return policy_loss.token_terms(logits, x["tokens"], x["valid"], x["topk_ids"], x["topk_lp"],
                                        x["behavior_lp"], x["adv"], tr_config, loss_config,
-                                       ref_logprobs=x.get("ref_lp"))
+                                       ref_logprobs=x.get("ref_lp"), param_direction=x.get("param_dir"))
 
     if n == 1:  # one chunk covers T: a scan with remat would only add a recomputation
         ys = jax.tree.map(lambda y: y[None], chunk(jax.tree.map(lambda x: x[0], xs)))
@@ -141,10 +181,6 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: tr
         # Rematerialise each chunk in the backward pass: only h and the per-token inputs are saved.
         chunk = jax.checkpoint(chunk, policy=jax.checkpoint_policies.nothing_saveable)
         _, ys = jax.lax.scan(lambda carry, x: (carry, chunk(x)), None, xs)
-
-    def from_chunks(y_NxBxc):
-        y = jnp.moveaxis(y_NxBxc, 0, 1).reshape((b, n * c) + y_NxBxc.shape[3:])
-        return y[:, :t]
 
     terms = {k: from_chunks(v) for k, v in ys.items() if k != "stats"}
     terms["stats"] = policy_loss.combine_stats(ys["stats"])
@@ -166,11 +202,12 @@ def make_chunked_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
 
-    def terms_fn(params, batch: StepBatch):
+    def terms_fn(params, batch: StepBatch, param_direction=None):
         h_BxTxD, head_fn, aux = completion_hidden_states(graphdef, params, batch.prompt_ids, batch.prompt_mask,
                                                          batch.completion_ids, batch.completion_mask,
                                                          return_aux=True)
-        terms = chunked_rl_terms(h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size)
+        terms = chunked_rl_terms(h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size,
+                                 param_direction=param_direction)
         if aux is not None:  # Qwen3-MoE: the router load-balancing loss (see train_step.make_rl_loss)
             terms["router_aux_loss"] = aux
         return terms

@@ -161,6 +161,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.trust_region.clip_eps_low = 0.2
     c.trust_region.clip_eps_high = 0.2
     c.trust_region.nonfinite = "mask"
+    # Mask direction: "per_token" (ratio for ppo/dppo, the estimator's D' for pdm) | "param_jvp" (pdm only: the
+    # first-order change of each token's divergence along the optimizer's update of the unmasked gradient)
+    c.trust_region.direction = "per_token"
 
     # ---- sampler service ------------------------------------------------------------
     c.sampler = ml_collections.ConfigDict()
@@ -303,6 +306,7 @@ ARG_ALIASES = {
     "estimator": "trust_region.estimator",
     "mask": "trust_region.mask",
     "divergence": "trust_region.divergence",
+    "direction": "trust_region.direction",
     "seed": "seed",
     "steps": "rl.steps",
     "quantization": "sampler.quantization",
@@ -707,7 +711,8 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
               for name in ("delta", "delta_low", "delta_high", "clip_eps_low", "clip_eps_high")}
     try:
         tr_config = trust_region.TrustRegionConfig(mask=tr.mask, divergence=tr.divergence, estimator=tr.estimator,
-                                                   nonfinite=tr.nonfinite, **floats)
+                                                   nonfinite=tr.nonfinite,
+                                                   direction=tr.get("direction", "per_token"), **floats)
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if msg.startswith("trust_region.") else f"trust_region: {msg}") from None

@@ -151,7 +151,7 @@ def per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, 
 
 def token_terms(logits_tau, tokens, valid, topk_ids, topk_logprobs, behavior_logprobs, advantages,
                 tr_config: trust_region.TrustRegionConfig, loss_config: PolicyLossConfig, *,
-                ref_logprobs=None) -> dict:
+                ref_logprobs=None, param_direction=None) -> dict:
     """Everything per token of one block of positions (the whole completion or one chunk).
 
     Args:
@@ -162,6 +162,8 @@ def token_terms(logits_tau, tokens, valid, topk_ids, topk_logprobs, behavior_log
       advantages: ``[B]`` or ``[B,T]`` f32.
       tr_config, loss_config: static settings.
       ref_logprobs: ``[B,T]`` f32 when ``kl_beta > 0``.
+      param_direction: ``[B,T]`` f32 Ḋᵖ, given iff ``tr_config.direction == "param_jvp"``
+        (``pdm_jax.train_step`` computes it; see ``trust_region.trust_region_mask_and_logprobs``).
 
     Returns:
       dict of ``[B,T]`` f32 arrays ``per_token`` (loss), ``logprobs`` (log π(y_t), 0
@@ -172,7 +174,8 @@ def token_terms(logits_tau, tokens, valid, topk_ids, topk_logprobs, behavior_log
     # One log-softmax gives the mask (under stop_gradient) and the differentiable log π(y_t),
     # with padded / non-finite positions replaced before the math (no NaN in loss or gradient).
     mask, logprobs, stats = trust_region.trust_region_mask_and_logprobs(
-        logits_tau, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid, tr_config)
+        logits_tau, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid, tr_config,
+        param_direction=param_direction)
     per_token, kl = per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, loss_config,
                                           ref_logprobs=ref_logprobs, mask_is_ppo_clip=tr_config.mask == "ppo")
     logits_sg = jax.lax.stop_gradient(logits_tau)
@@ -228,7 +231,9 @@ def loss_and_metrics(terms: dict, valid, behavior_logprobs, advantages, loss_con
       are f32 scalars, means over valid tokens: the trust-region statistics,
       ``mean_topk_kl`` (nats), ``entropy`` (nats), ``mean_ratio`` and
       ``mean_abs_log_ratio`` of π/μ, ``frac_tis_capped`` (r > C), ``frac_clipped``
-      (PPO clip active in the direction of Â), ``kl_to_ref`` and ``policy_loss``.
+      (PPO clip active in the direction of Â), ``kl_to_ref`` and ``policy_loss``; with
+      ``trust_region.direction = "param_jvp"`` also ``frac_outside_kept`` (kept / all
+      out-of-region tokens with finite inputs, 0 when none is out of region).
     """
     lc = loss_config
     loss_sum, denom = objectives.aggregate_loss(terms["per_token"], valid, lc.loss_aggregation,
@@ -238,8 +243,11 @@ def loss_and_metrics(terms: dict, valid, behavior_logprobs, advantages, loss_con
     ratio = jnp.exp(jnp.clip(log_ratio, -trust_region.LOG_RATIO_CLAMP, trust_region.LOG_RATIO_CLAMP))
     adv = jnp.where(valid, objectives.broadcast_advantages(advantages, valid.shape), 0.0)
     clipped = ((ratio > 1.0 + lc.clip_eps_high) & (adv > 0)) | ((ratio < 1.0 - lc.clip_eps_low) & (adv < 0))
+    metrics = dict(terms["stats"])
+    if "num_outside_kept" in metrics:  # param_jvp: the kept fraction of the out-of-region tokens
+        kept, outside = metrics.pop("num_outside_kept"), metrics.pop("num_outside")
+        metrics["frac_outside_kept"] = kept / jnp.maximum(outside, 1.0)
     stats = terms["stats"]
-    metrics = dict(stats)
     metrics["mean_topk_kl"] = masked_mean(terms["topk_kl"], valid) if "topk_kl" in terms \
         else stats["mean_divergence"]
     metrics.update(

@@ -108,21 +108,23 @@ def _with_router_aux(loss, metrics: dict, aux, loss_config) -> tuple:
 
 
 def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: policy_loss.PolicyLossConfig):
-    """Returns ``terms_fn(params, batch: StepBatch) -> dict``: `pdm_jax.loss.token_terms` of every position.
+    """Returns ``terms_fn(params, batch: StepBatch, param_direction=None) -> dict``: `pdm_jax.loss.token_terms`
+    of every position.
 
     On all ``[B,T,V]`` logits at once, or with ``loss_config.logits_chunk_size`` = c > 0
-    ``pdm_jax.chunked_loss`` c sequence positions at a time (the same terms).
+    ``pdm_jax.chunked_loss`` c sequence positions at a time (the same terms). ``param_direction``
+    ``[B,T]`` (Ḋᵖ) is passed to the mask when ``tr_config.direction == "param_jvp"``.
     """
     if loss_config.logits_chunk_size > 0:  # same values, never all [B,T,V] logits at once
         return chunked_loss.make_chunked_rl_terms(graphdef, tr_config, loss_config, loss_config.logits_chunk_size)
 
-    def terms_fn(params, batch: StepBatch):
+    def terms_fn(params, batch: StepBatch, param_direction=None):
         logits, aux = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                         batch.completion_mask, return_aux=True)
         terms = policy_loss.token_terms(logits / loss_config.temperature, batch.completion_ids,
                                         batch.completion_mask, batch.topk_ids, batch.topk_logprobs,
                                         batch.behavior_logprobs, batch.advantages, tr_config, loss_config,
-                                        ref_logprobs=batch.ref_logprobs)
+                                        ref_logprobs=batch.ref_logprobs, param_direction=param_direction)
         if aux is not None:  # Qwen3-MoE: the router load-balancing loss (a scalar, not a token term)
             terms["router_aux_loss"] = aux
         return terms
@@ -131,15 +133,16 @@ def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_conf
 
 
 def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: policy_loss.PolicyLossConfig):
-    """Returns ``loss_fn(params, batch: StepBatch) -> (loss, metrics)`` for the GRPO policy update.
+    """Returns ``loss_fn(params, batch: StepBatch, param_direction=None) -> (loss, metrics)`` for the GRPO
+    policy update.
 
     The per-token loss, its aggregation and the metrics are `pdm_jax.loss`
     (``token_terms`` via :func:`make_rl_terms`, then ``loss_and_metrics``).
     """
     terms_fn = make_rl_terms(graphdef, tr_config, loss_config)
 
-    def loss_fn(params, batch: StepBatch):
-        terms = terms_fn(params, batch)
+    def loss_fn(params, batch: StepBatch, param_direction=None):
+        terms = terms_fn(params, batch, param_direction)
         aux = terms.pop("router_aux_loss", None)
         loss, metrics = policy_loss.loss_and_metrics(terms, batch.completion_mask, batch.behavior_logprobs,
                                                      batch.advantages, loss_config)
@@ -152,11 +155,20 @@ def make_rl_train_step(graphdef, tx, tr_config, loss_config) -> Callable:
     """Returns the pure `train_step(state, batch) -> (state, metrics)` for RL (not yet jitted).
 
     With ``loss_config.micro_batch_size`` = m > 0 the mini-batch's gradient is accumulated
-    over micro-batches of m sequences (:func:`_micro_batched_rl_step`); the loss, gradient
-    and metrics equal the one-shot step's.
+    over micro-batches of m sequences (:func:`_micro_batched_grads`); the loss, gradient
+    and metrics equal the one-shot step's. With ``tr_config.direction == "param_jvp"`` the
+    mask's direction is Ḋᵖ along the unmasked update (:func:`_param_jvp_rl_step`).
     """
+    if tr_config.uses_param_direction:
+        return _param_jvp_rl_step(graphdef, tx, tr_config, loss_config)
     if loss_config.micro_batch_size > 0:
-        return _micro_batched_rl_step(make_rl_terms(graphdef, tr_config, loss_config), tx, loss_config)
+        terms_fn = make_rl_terms(graphdef, tr_config, loss_config)
+
+        def step(state: TrainState, batch: StepBatch):
+            grads, loss, aux = _micro_batched_grads(terms_fn, state.params, batch, loss_config)
+            return _apply(tx, state, grads, dict(aux, loss=loss))
+
+        return step
     return _gradient_step(make_rl_loss(graphdef, tr_config, loss_config), tx)
 
 
@@ -177,8 +189,26 @@ def _apply(tx, state: TrainState, grads, metrics: dict):
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def _micro_batched_rl_step(terms_fn, tx, loss_config: policy_loss.PolicyLossConfig) -> Callable:
-    """One optax step whose gradient is accumulated over micro-batches under ``lax.scan``.
+def _micro_split(x, m: int):
+    """[B,...] -> [n, m, ...]: micro-batch j holds rows j, j + n, j + 2n, ... (n = B / m)."""
+    return jnp.swapaxes(x.reshape((m, x.shape[0] // m) + x.shape[1:]), 0, 1)
+
+
+def _micro_join(x_N):
+    """Inverse of :func:`_micro_split`: [n, m, ...] -> [B, ...]."""
+    return jnp.swapaxes(x_N, 0, 1).reshape((x_N.shape[0] * x_N.shape[1],) + x_N.shape[2:])
+
+
+def _micro_count(batch: StepBatch, m: int) -> int:
+    b = batch.num_sequences
+    if b % m:
+        raise ValueError(f"rl.micro_batch_size = {m} must divide the mini-batch of {b} sequences")
+    return b // m
+
+
+def _micro_batched_grads(terms_fn, params, batch: StepBatch, loss_config: policy_loss.PolicyLossConfig,
+                         param_direction=None):
+    """``(grads, loss, metrics)`` of one mini-batch, the gradient accumulated over micro-batches under ``lax.scan``.
 
     The loss is ``sum / denominator`` (``objectives.aggregate_loss``) with the
     denominator of the WHOLE mini-batch computed first (it depends only on the masks),
@@ -188,42 +218,111 @@ def _micro_batched_rl_step(terms_fn, tx, loss_config: policy_loss.PolicyLossConf
     contributes to every micro-batch. The per-token terms of all micro-batches are
     reassembled to ``[B,T]`` and the metrics computed once by ``loss.loss_and_metrics``,
     as in the one-shot step; only one micro-batch's activations are alive at a time.
+    ``param_direction`` ``[B,T]`` (Ḋᵖ, param_jvp only) is split with the batch.
 
     Raises:
       ValueError: the mini-batch's B is not a multiple of ``micro_batch_size`` (at trace time).
     """
     lc = loss_config
     m = lc.micro_batch_size
+    n = _micro_count(batch, m)
+    valid = batch.completion_mask.astype(bool)
+    denom = objectives.loss_denominator(valid, lc.loss_aggregation, max_response_length=lc.max_response_length)
+    safe_denom = jnp.where(denom > 0, denom, 1.0)
+    micro = jax.tree.map(lambda x: _micro_split(x, m), (batch, param_direction))
+
+    def micro_loss(params, mb_and_dir):
+        mb, mb_dir = mb_and_dir
+        terms = terms_fn(params, mb, mb_dir)
+        loss_sum, _ = objectives.aggregate_loss(terms["per_token"], mb.completion_mask.astype(bool),
+                                                lc.loss_aggregation, max_response_length=lc.max_response_length)
+        loss = loss_sum / safe_denom
+        if "router_aux_loss" in terms:  # MoE: the mean over micro-batches of each one's aux loss
+            loss = loss + lc.router_aux_loss_coef * terms["router_aux_loss"] / n
+        return loss, jax.lax.stop_gradient(terms)
+
+    def body(grads, mb):
+        g, terms = jax.grad(micro_loss, has_aux=True)(params, mb)
+        return jax.tree.map(jnp.add, grads, g), terms
+
+    grads, terms_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+    router_aux_N = terms_N.pop("router_aux_loss", None)
+    terms = {k: _micro_join(v) for k, v in terms_N.items() if k != "stats"}
+    terms["stats"] = policy_loss.combine_stats(terms_N["stats"])
+    loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, lc)
+    loss, aux = _with_router_aux(loss, aux, None if router_aux_N is None else router_aux_N.mean(), lc)
+    return grads, loss, aux
+
+
+def make_token_divergence(graphdef, tr_config: trust_region.TrustRegionConfig,
+                          loss_config: policy_loss.PolicyLossConfig) -> Callable:
+    """Returns ``divergence_fn(params, batch) -> [B,T] f32``: the mask's divergence D_t of every position.
+
+    ``trust_region.DIVERGENCE_FNS[tr_config.divergence]`` of the tempered logits against the
+    behaviour top-K (padding positions sanitised first: their value is meaningless), on all
+    logits at once or, with ``loss_config.logits_chunk_size`` > 0, chunk by chunk
+    (``chunked_loss.chunked_token_divergence``). Forward-mode differentiable in ``params``.
+    """
+    tau, chunk = loss_config.temperature, loss_config.logits_chunk_size
+
+    def divergence_fn(params, batch: StepBatch):
+        if chunk > 0:
+            h, head_fn = chunked_loss.completion_hidden_states(graphdef, params, batch.prompt_ids, batch.prompt_mask,
+                                                               batch.completion_ids, batch.completion_mask)
+            return chunked_loss.chunked_token_divergence(h, head_fn, batch, tr_config, tau, chunk)
+        logits = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                   batch.completion_mask) / tau
+        safe = trust_region.sanitize_inputs(logits, batch.completion_ids, batch.topk_ids, batch.topk_logprobs,
+                                            batch.behavior_logprobs, batch.completion_mask)
+        return trust_region.DIVERGENCE_FNS[tr_config.divergence](*safe)
+
+    return divergence_fn
+
+
+def param_direction_along(divergence_fn: Callable, params, delta_params, batch: StepBatch) -> jax.Array:
+    """Ḋᵖ_t = <grad_theta D_t, Δθ> ``[B,T]`` f32: one ``jax.jvp`` of ``divergence_fn(params, batch)`` along Δθ.
+
+    ``delta_params`` (e.g. optax updates) is cast leaf by leaf to the dtype of ``params``
+    (jvp needs tangent dtype = primal dtype). Units: nats (the divergence's) per update.
+    """
+    tangent = jax.tree.map(lambda p, d: jnp.asarray(d, jnp.result_type(p)), params, delta_params)
+    _, d_dot = jax.jvp(lambda prm: divergence_fn(prm, batch), (params,), (tangent,))
+    return jax.lax.stop_gradient(d_dot.astype(jnp.float32))
+
+
+def _param_jvp_rl_step(graphdef, tx, tr_config: trust_region.TrustRegionConfig,
+                       loss_config: policy_loss.PolicyLossConfig) -> Callable:
+    """The RL step whose mask direction is Ḋᵖ along the optimizer's update of the unmasked gradient.
+
+    Per mini-batch (DESIGN.md section 2, ``trust_region.direction = "param_jvp"``): (1) the
+    gradient of the same loss with the proximity test off (``mask="none"``); (2) its optax
+    update Δθ = ``tx.update(grads, opt_state, params)``, not applied (the optimizer state
+    is a value: the real state is untouched); (3) Ḋᵖ_t of every token by one jvp of the
+    configured divergence along Δθ (:func:`param_direction_along`); (4) the masked loss
+    and gradient as usual, an out-of-region token kept iff Ḋᵖ_t <= 0, and the real
+    optimizer step. With micro-batches, (1), (3) and (4) each run micro-batch by micro-batch.
+    Cost: about one extra forward + backward and one jvp per step (bench/bench_param_direction.py).
+    """
+    unmasked = dataclasses.replace(tr_config, mask="none", direction="per_token", direction_stats=False)
+    divergence_fn = make_token_divergence(graphdef, tr_config, loss_config)
+    m = loss_config.micro_batch_size
+    terms_u, terms_m = (make_rl_terms(graphdef, cfg, loss_config) for cfg in (unmasked, tr_config))
+    loss_u, loss_m = (make_rl_loss(graphdef, cfg, loss_config) for cfg in (unmasked, tr_config))
 
     def step(state: TrainState, batch: StepBatch):
-        b = batch.num_sequences
-        if b % m:
-            raise ValueError(f"rl.micro_batch_size = {m} must divide the mini-batch of {b} sequences")
-        n = b // m
-        valid = batch.completion_mask.astype(bool)
-        denom = objectives.loss_denominator(valid, lc.loss_aggregation, max_response_length=lc.max_response_length)
-        safe_denom = jnp.where(denom > 0, denom, 1.0)
-        micro = jax.tree.map(lambda x: jnp.swapaxes(x.reshape((m, n) + x.shape[1:]), 0, 1), batch)
-
-        def micro_loss(params, mb: StepBatch):
-            terms = terms_fn(params, mb)
-            loss_sum, _ = objectives.aggregate_loss(terms["per_token"], mb.completion_mask.astype(bool),
-                                                    lc.loss_aggregation, max_response_length=lc.max_response_length)
-            loss = loss_sum / safe_denom
-            if "router_aux_loss" in terms:  # MoE: the mean over micro-batches of each one's aux loss
-                loss = loss + lc.router_aux_loss_coef * terms["router_aux_loss"] / n
-            return loss, jax.lax.stop_gradient(terms)
-
-        def body(grads, mb):
-            g, terms = jax.grad(micro_loss, has_aux=True)(state.params, mb)
-            return jax.tree.map(jnp.add, grads, g), terms
-
-        grads, terms_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, state.params), micro)
-        router_aux_N = terms_N.pop("router_aux_loss", None)
-        terms = {k: jnp.swapaxes(v, 0, 1).reshape((b,) + v.shape[2:]) for k, v in terms_N.items() if k != "stats"}
-        terms["stats"] = policy_loss.combine_stats(terms_N["stats"])
-        loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, lc)
-        loss, aux = _with_router_aux(loss, aux, None if router_aux_N is None else router_aux_N.mean(), lc)
+        if m > 0:
+            grads_u = _micro_batched_grads(terms_u, state.params, batch, loss_config)[0]
+        else:
+            grads_u = jax.grad(lambda p: loss_u(p, batch)[0])(state.params)
+        delta, _ = tx.update(grads_u, state.opt_state, state.params)
+        if m > 0:
+            micro = jax.tree.map(lambda x: _micro_split(x, m), batch)
+            p_dir = _micro_join(jax.lax.map(lambda mb: param_direction_along(divergence_fn, state.params, delta, mb),
+                                            micro))
+            grads, loss, aux = _micro_batched_grads(terms_m, state.params, batch, loss_config, p_dir)
+        else:
+            p_dir = param_direction_along(divergence_fn, state.params, delta, batch)
+            (loss, aux), grads = jax.value_and_grad(loss_m, has_aux=True)(state.params, batch, p_dir)
         return _apply(tx, state, grads, dict(aux, loss=loss))
 
     return step

@@ -75,7 +75,8 @@ __all__ = [
     "kl_directional_derivative", "full_kl_directional_derivative", "autodiff_directional_derivative",
     "policy_gradient_direction", "token_logprobs", "token_logprobs_and_ratio",
     "trust_region_mask", "trust_region_mask_and_logprobs", "validate_topk",
-    "DIRECTION_CRITERIA", "criterion_settings", "trust_region_radius", "tail_mass_tolerance",
+    "DIRECTION_CRITERIA", "DIRECTIONS", "PARAM_JVP", "criterion_settings", "trust_region_radius",
+    "tail_mass_tolerance",
 ]
 
 MASK_MODES = ("none", "ppo", "dppo", "pdm")
@@ -90,6 +91,14 @@ ESTIMATORS = CLOSED_FORM_ESTIMATORS + ("autodiff",)
 #: (``pdm_jax.analysis.alignment``) compares these criteria token by token and
 #: the sweep runner's ``criterion`` axis (``launch/sweep.py``) trains with them.
 DIRECTION_CRITERIA = ("ratio",) + CLOSED_FORM_ESTIMATORS
+#: Where the mask's direction comes from (:attr:`TrustRegionConfig.direction`). ``"per_token"``: each
+#: token's own logit-space direction (r - 1 for ppo/dppo, the estimator's D' for pdm; the default).
+#: ``"param_jvp"`` (``mask="pdm"`` only): the first-order change of each token's divergence along the
+#: optimizer's update of this mini-batch's unmasked gradient, Ḋᵖ_t = <grad_theta D_t, Δθ>, computed by
+#: the train step (``pdm_jax.train_step``) with one ``jax.jvp`` and passed to the mask as
+#: ``param_direction``; an out-of-region token is kept iff Ḋᵖ_t <= 0 (DESIGN.md section 2).
+PARAM_JVP = "param_jvp"
+DIRECTIONS = ("per_token", PARAM_JVP)
 NONFINITE_POLICIES = ("mask", "error")
 
 #: Floor on mu used by :func:`topk_reverse_kl` only (KL(pi||mu) is infinite
@@ -645,6 +654,14 @@ class TrustRegionConfig:
         pdm always reports it. Otherwise the key is absent and D' is not
         computed (the closed forms cost a few [B,T,K] ops and, for
         bucket_exact, one more reduction over V; autodiff costs a jvp).
+      direction: ``"per_token"`` (default: the mask's own logit-space
+        direction, A_t * dir_t > 0 as above) or ``"param_jvp"`` (``mask="pdm"``
+        only; the estimator is then unused): the direction is Ḋᵖ_t, the
+        first-order change of the configured divergence along the optimizer's
+        update Δθ of the mini-batch's unmasked gradient, supplied to the mask
+        as ``param_direction`` by the train step; an out-of-region token is
+        masked iff Ḋᵖ_t > 0 (no advantage factor: Δθ already carries every
+        token's advantage). See :data:`DIRECTIONS`.
 
     Raises:
       ValueError: naming the field and the value, for any invalid field.
@@ -660,6 +677,7 @@ class TrustRegionConfig:
     clip_eps_high: float = 0.2
     nonfinite: str = "mask"
     direction_stats: bool = True
+    direction: str = "per_token"
 
     def __post_init__(self):
         for name in ("delta", "delta_low", "delta_high", "clip_eps_low", "clip_eps_high"):
@@ -667,7 +685,8 @@ class TrustRegionConfig:
             if isinstance(value, (np.floating, np.integer)):
                 object.__setattr__(self, name, float(value))
         for name, allowed in (("mask", MASK_MODES), ("divergence", DIVERGENCES),
-                              ("estimator", ESTIMATORS), ("nonfinite", NONFINITE_POLICIES)):
+                              ("estimator", ESTIMATORS), ("nonfinite", NONFINITE_POLICIES),
+                              ("direction", DIRECTIONS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"TrustRegionConfig.{name} must be one of {allowed}, got {value!r}")
@@ -684,10 +703,19 @@ class TrustRegionConfig:
                              f"got {self.clip_eps_high!r}")
         if not isinstance(self.direction_stats, bool):
             raise ValueError(f"TrustRegionConfig.direction_stats must be a bool, got {self.direction_stats!r}")
-        if (self.mask == "pdm" and self.divergence != "topk_kl" and self.estimator != "autodiff"):
+        if self.direction == PARAM_JVP and self.mask != "pdm":
+            raise ValueError(f"TrustRegionConfig.direction={PARAM_JVP!r} is a predictive direction: it needs "
+                             f"mask='pdm' (it replaces the estimator's D'), got mask={self.mask!r}")
+        if (self.mask == "pdm" and self.direction != PARAM_JVP and self.divergence != "topk_kl"
+                and self.estimator != "autodiff"):
             raise ValueError(
                 f"TrustRegionConfig.estimator={self.estimator!r} is a closed form of the top-K KL; "
                 f"mask='pdm' with divergence={self.divergence!r} needs estimator='autodiff'")
+
+    @property
+    def uses_param_direction(self) -> bool:
+        """True if the mask needs Ḋᵖ from the train step (``direction="param_jvp"``)."""
+        return self.direction == PARAM_JVP
 
     @property
     def defines_predictive_direction(self) -> bool:
@@ -713,6 +741,9 @@ def criterion_settings(criterion: str) -> dict:
       A new dict of config fields, in this order: ``{"mask": "dppo"}`` for
       ``"ratio"``; ``{"mask": "pdm", "estimator": criterion}`` for a closed-form
       estimator. Every other field (divergence, delta, ...) is left to the caller.
+      ``"param_jvp"`` (a training criterion, not a per-token one, so not in
+      :data:`DIRECTION_CRITERIA`) is also accepted: ``{"mask": "pdm", "direction":
+      "param_jvp"}``.
 
     Raises:
       ValueError: naming the criterion and the allowed names.
@@ -721,6 +752,8 @@ def criterion_settings(criterion: str) -> dict:
         return {"mask": "dppo"}
     if criterion in CLOSED_FORM_ESTIMATORS:
         return {"mask": "pdm", "estimator": criterion}
+    if criterion == PARAM_JVP:
+        return {"mask": "pdm", "direction": PARAM_JVP}
     raise ValueError(f"direction criterion must be one of {DIRECTION_CRITERIA}, got {criterion!r}")
 
 
@@ -835,8 +868,13 @@ def _checked_inputs(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, 
     return logits, tokens, topk_ids, topk_lp, behavior_lp, valid, adv
 
 
-def _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tail_mass, keep_ratio, keep_pred):
-    """The mask's statistics (f32 scalars, no gradient): counts, fractions of valid tokens, means over good ones."""
+def _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tail_mass, keep_ratio, keep_pred,
+                count_outside_kept=False):
+    """The mask's statistics (f32 scalars, no gradient): counts, fractions of valid tokens, means over good ones.
+
+    ``count_outside_kept`` adds ``num_outside`` and ``num_outside_kept`` (good out-of-region tokens, and
+    those the mask keeps), whose ratio ``pdm_jax.loss.loss_and_metrics`` logs as ``frac_outside_kept``.
+    """
     n_valid = jnp.sum(valid.astype(_F32))
     n_good = jnp.sum(good.astype(_F32))
     frac = lambda b: jnp.sum((b & valid).astype(_F32)) / jnp.maximum(n_valid, 1.0)  # noqa: E731
@@ -852,12 +890,15 @@ def _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tail
     }
     if keep_pred is not None:
         stats["frac_direction_disagree"] = frac(good & (keep_ratio != keep_pred))
+    if count_outside_kept:
+        stats["num_outside"] = jnp.sum((good & outside).astype(_F32))
+        stats["num_outside_kept"] = jnp.sum((good & outside & mask).astype(_F32))
     return {k: jax.lax.stop_gradient(v.astype(_F32)) for k, v in stats.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid_mask,
-               config: TrustRegionConfig):
+               config: TrustRegionConfig, param_direction=None):
     logits, tokens, topk_ids, topk_lp, behavior_lp, valid, adv = _checked_inputs(
         logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid_mask)
     vocab = logits.shape[-1]
@@ -882,7 +923,9 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
 
     # ---- everything below is statistics / mask: no gradient ----
     logp_sg = jax.lax.stop_gradient(logp)
-    need_pred = config.mask == "pdm" or (config.direction_stats and config.defines_predictive_direction)
+    param_dir = config.uses_param_direction
+    need_pred = not param_dir and (config.mask == "pdm"
+                                   or (config.direction_stats and config.defines_predictive_direction))
     closed_form = config.divergence == "topk_kl" and config.estimator != "autodiff"
     tq = token_quantities(logp_sg, tokens_safe, topk_ids_safe, topk_lp_safe, behavior_safe,
                           with_tail_squares=need_pred and closed_form and config.estimator == "bucket_exact")
@@ -893,6 +936,8 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
     if need_pred:
         safe_inputs = (jax.lax.stop_gradient(z_safe), tokens_safe, topk_ids_safe, topk_lp_safe, behavior_safe)
         pred_dir = jax.lax.stop_gradient(_predictive_direction(config, tq, safe_inputs))
+    elif param_dir:  # Ḋᵖ from the train step; a sign test without the advantage factor (below)
+        pred_dir = jax.lax.stop_gradient(jnp.where(keep_in, jnp.asarray(param_direction).astype(_F32), 0.0))
 
     bad_math = ~jnp.isfinite(divergence)
     if pred_dir is not None:
@@ -907,7 +952,7 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
     else:
         outside = divergence > radius
     keep_ratio = ~(outside & (adv_safe * ratio_dir > 0))
-    keep_pred = None if pred_dir is None else ~(outside & (adv_safe * pred_dir > 0))
+    keep_pred = None if pred_dir is None else ~(outside & ((pred_dir if param_dir else adv_safe * pred_dir) > 0))
 
     if config.mask == "none":
         keep = jnp.ones_like(good)
@@ -917,7 +962,8 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
         keep = keep_ratio
     mask = jax.lax.stop_gradient(good & keep)
 
-    stats = _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tq.mu_t, keep_ratio, keep_pred)
+    stats = _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tq.mu_t, keep_ratio, keep_pred,
+                        count_outside_kept=param_dir)
 
     first_nonfinite = jnp.argmax(nonfinite.reshape(-1))
     # 0 (and zero gradient) wherever the position is padding or was counted as non-finite.
@@ -926,7 +972,7 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
 
 
 def trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs,
-                                   advantages, valid_mask, config: TrustRegionConfig):
+                                   advantages, valid_mask, config: TrustRegionConfig, param_direction=None):
     """The trust-region mask, the differentiable log pi(y_t) and statistics, from one log-softmax.
 
     Semantics (DESIGN.md section 2): M_t = 0 iff outside_t and A_t · dir_t > 0:
@@ -934,6 +980,8 @@ def trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs, beha
     * ``ppo``:  outside iff r not in [1 - eps_low, 1 + eps_high], dir = r - 1;
     * ``dppo``: outside iff D > delta_A, dir = r - 1;
     * ``pdm``:  outside iff D > delta_A, dir = D' (configured estimator);
+    * ``pdm`` with ``config.direction="param_jvp"``: outside iff D > delta_A,
+      masked iff also ``param_direction`` Ḋᵖ_t > 0 (no advantage factor);
     * ``none``: every valid position is kept (``outside`` for the statistics is
       D > delta_A).
 
@@ -951,6 +999,9 @@ def trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs, beha
       advantages: ``[B,T]`` or ``[B]``.
       valid_mask: ``[B,T]`` bool (False on padding).
       config: :class:`TrustRegionConfig` (static).
+      param_direction: ``[B,T]`` f32 Ḋᵖ_t (nats per update), required iff
+        ``config.direction == "param_jvp"`` (``pdm_jax.train_step`` computes it);
+        a non-finite value at a valid position counts as non-finite (masked).
 
     Returns:
       ``(mask [B,T] bool, logprobs [B,T] f32, stats)``. ``mask`` and ``stats``
@@ -964,16 +1015,27 @@ def trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs, beha
       ones), ``frac_direction_disagree`` (ratio-direction vs predictive
       keep decision under the configured proximity; see
       ``config.direction_stats``); means over the valid finite positions
-      ``mean_divergence`` (configured divergence) and ``mean_tail_mass`` (mu_T).
+      ``mean_divergence`` (configured divergence) and ``mean_tail_mass`` (mu_T);
+      with ``param_jvp`` also ``num_outside`` / ``num_outside_kept`` (good
+      out-of-region tokens / those kept).
 
     Raises:
-      ValueError: bad shapes, or (``nonfinite="error"``, eager call) a
-      non-finite valid input, naming the position.
+      ValueError: bad shapes, ``param_direction`` missing (param_jvp), given
+      otherwise, or not of the token shape, or (``nonfinite="error"``, eager
+      call) a non-finite valid input, naming the position.
     """
     if not isinstance(config, TrustRegionConfig):
         raise ValueError(f"config must be a TrustRegionConfig, got {type(config).__name__}")
+    if (param_direction is None) == config.uses_param_direction:
+        raise ValueError(f"param_direction must be given iff TrustRegionConfig.direction={PARAM_JVP!r} "
+                         f"(direction={config.direction!r}, param_direction "
+                         f"{'missing' if param_direction is None else 'given'})")
+    if param_direction is not None and jnp.shape(param_direction) != jnp.shape(tokens):
+        raise ValueError(f"param_direction must have the token shape {jnp.shape(tokens)}, "
+                         f"got {jnp.shape(param_direction)}")
     mask, logprobs, stats, first_nonfinite = _mask_core(
-        logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid_mask, config=config)
+        logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid_mask, config=config,
+        param_direction=param_direction)
     if config.nonfinite == "error":
         count = stats["num_nonfinite"]
         lead = mask.shape
@@ -985,7 +1047,7 @@ def trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs, beha
 
 
 def trust_region_mask(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages,
-                      valid_mask, config: TrustRegionConfig):
+                      valid_mask, config: TrustRegionConfig, param_direction=None):
     """Per-token trust-region mask and statistics: ``(mask [B,T] bool, stats)``.
 
     See :func:`trust_region_mask_and_logprobs` (same arguments, semantics and
@@ -993,7 +1055,8 @@ def trust_region_mask(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs
     dataclass: close over it or pass it as a static argument under ``jit``.
     """
     mask, _, stats = trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs,
-                                                    behavior_logprobs, advantages, valid_mask, config)
+                                                    behavior_logprobs, advantages, valid_mask, config,
+                                                    param_direction=param_direction)
     return mask, stats
 
 

@@ -68,7 +68,14 @@ def rl_step_metric_keys() -> set:
     terms = dict(per_token=zeros, logprobs=logprobs, kl=zeros, entropy=zeros, stats=stats, topk_kl=zeros)
     _, m = loss.loss_and_metrics(terms, valid, beh, np.ones(B, np.float32), loss.PolicyLossConfig())
     assert "frac_direction_disagree" in m  # the default config reports it
-    return set(m) | {"loss", "grad_norm"}
+    # trust_region.direction = "param_jvp" adds frac_outside_kept
+    _, _, stats = tr.trust_region_mask_and_logprobs(z, tokens, topk, topk_lp, beh, np.ones(B), valid,
+                                                    tr.TrustRegionConfig(direction="param_jvp"),
+                                                    param_direction=np.ones((B, T), np.float32))
+    _, m_jvp = loss.loss_and_metrics(dict(terms, stats=stats), valid, beh, np.ones(B, np.float32),
+                                     loss.PolicyLossConfig())
+    assert set(m_jvp) - set(m) == {"frac_outside_kept"}
+    return set(m) | set(m_jvp) | {"loss", "grad_norm"}
 
 
 def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
