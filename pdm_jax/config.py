@@ -251,6 +251,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.dry_run.num_devices = 8  # chips the mesh spans (resolves the mesh's -1 axis)
     c.dry_run.mode = "auto"  # "compile" (fake CPU devices) | "analytic" | "auto" (compile if small enough)
     c.dry_run.max_compile_params = 2_000_000_000  # auto: compile only models up to this many parameters
+    # Also compile the sampler's sharded continuous-batching program (dry_run.compiled_sampler_plan) when the
+    # train step is compiled: XLA:CPU memory_analysis beside the sampler's analytic plan (minutes on CPU).
+    c.dry_run.compile_sampler = False
 
     # ---- profiling (pdm_jax.profiling) --------------------------------------------------
     c.profile = ml_collections.ConfigDict()

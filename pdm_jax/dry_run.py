@@ -343,6 +343,44 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
                 colocated=colocated)
 
 
+def compiled_sampler_plan(config, model_cfg, sp: dict) -> dict:
+    """XLA:CPU ``memory_analysis`` of the sharded continuous-batching program (`engine._continuous_program`:
+    prefill of one request's prompt store + the slot decode loops) on ``sp["mesh"]`` fake devices, from
+    abstract inputs (weights as ``ShapeDtypeStruct`` with the engine's ``NamedSharding``s; one request of
+    ``rl.prompts_per_step`` prompts x ``rl.group_size`` samples).  Per device: ``argument`` (weights and
+    the request), ``output`` (the rollouts), ``temp`` (KV cache, prompt store, activations), ``total``
+    (their sum) and ``compile_seconds``.  An estimate of the accelerator's (CPU fusion and layouts).
+    """
+    from pdm_jax.sampler import engine as eng  # lazy: the dry run's own imports stay light
+    from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
+
+    d, t = sp["mesh"]
+    mesh = make_mesh(data=d, fsdp=1, tensor=t, devices=jax.devices()[:d * t])
+    dtype = _dtype(sp["dtype"])
+    model = _abstract_model(model_cfg, dtype, dtype)
+    graphdef, state = nnx.split(model)
+    state = _with_shardings(state, param_shardings(nnx.state(model, nnx.Param), mesh))
+    sc, rl = config.sampler, config.rl
+    pow2 = lambda n: 1 << (max(int(n), 1) - 1).bit_length()  # noqa: E731
+    slots, p, new = sp["slots"], int(sc.max_prompt_length), int(rl.max_new_tokens)
+    n_pad, u_pad = max(pow2(rl.prompts_per_step * rl.group_size), slots), max(pow2(rl.prompts_per_step), slots // 4)
+    arg = jax.ShapeDtypeStruct
+    args = (graphdef, state, arg((u_pad, p), jnp.int32), arg((u_pad, p), jnp.bool_), arg((n_pad,), jnp.int32),
+            arg((n_pad,), jnp.uint32), arg((n_pad,), jnp.uint32), arg((2,), jnp.uint32), arg((), jnp.float32),
+            arg((), jnp.float32), arg((), jnp.int32), arg((n_pad,), jnp.int32), arg((MAX_STOP_TOKEN_IDS,), jnp.int32),
+            arg((), jnp.int32))
+    t0 = time.perf_counter()
+    with activation_sharding(mesh):
+        compiled = eng._CONTINUOUS_JIT.lower(*args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs),
+                                             cache_dtype=dtype).compile()
+    m = compiled.memory_analysis()
+    out = dict(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
+               temp=int(m.temp_size_in_bytes))
+    out["total"] = sum(out.values())
+    out["compile_seconds"] = time.perf_counter() - t0
+    return out
+
+
 def _with_shardings(tree, shardings):
     """ShapeDtypeStructs of `tree`'s leaves carrying the matching leaves of `shardings` (same leaf order)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -424,8 +462,10 @@ def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
 
     Returns a dict with ``model`` (Qwen3Config), ``num_params``, ``shape``
     (StepShape), ``mesh`` sizes, ``chip``, ``hbm_bytes``, ``analytic`` (bytes
-    per category), ``compiled`` (memory_analysis bytes or None) and
-    ``compiled_note`` (why it was not compiled, if so).
+    per category), ``compiled`` (memory_analysis bytes or None),
+    ``compiled_note`` (why it was not compiled, if so), ``sampler`` (`sampler_plan`)
+    and ``sampler_compiled`` (`compiled_sampler_plan`, with ``dry_run.compile_sampler`` when the
+    train step was compiled and the sampler mesh fits the devices; else None).
 
     Raises:
       ValueError: unknown chip or mode, or a config error naming the field.
@@ -455,9 +495,13 @@ def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
             compiled = compiled_plan(config, model_cfg, shape, sizes)
     else:
         note = "not compiled: dry_run.mode=analytic"
+    sp = sampler_plan(config, model_cfg, num_devices, chip)
+    sampler_compiled = None
+    if dr.get("compile_sampler", False) and compiled is not None and math.prod(sp["mesh"]) <= len(jax.devices()):
+        sampler_compiled = compiled_sampler_plan(config, model_cfg, sp)
     return dict(model=model_cfg, num_params=n_params, shape=shape, mesh=sizes, chip=chip,
                 hbm_bytes=CHIP_HBM_GIB[chip] * GIB, analytic=analytic, compiled=compiled, compiled_note=note,
-                sampler=sampler_plan(config, model_cfg, num_devices, chip))
+                sampler=sp, sampler_compiled=sampler_compiled)
 
 
 def format_report(report: dict) -> str:
@@ -497,16 +541,16 @@ def format_report(report: dict) -> str:
                      f"({100 * c['total'] / hbm:.0f}% of HBM)")
     else:
         lines += ["", f"COMPILED: {report['compiled_note']}"]
-    lines += [""] + _sampler_lines(report["sampler"], a_total, hbm, g, unit)
+    lines += [""] + _sampler_lines(report["sampler"], a_total, hbm, g, unit, report.get("sampler_compiled"))
     # The verdict (last line): the analytic plan for the target chip (the compiled one is XLA:CPU's estimate).
     verdict = "fits" if a_total <= hbm else "does not fit"
     lines += ["", f"per-device total {a_total / GIB:.2f} GiB of {hbm / GIB:.0f} GiB HBM: {verdict}"]
     return "\n".join(lines)
 
 
-def _sampler_lines(sp: dict, train_total: int, hbm: int, g, unit: str) -> list:
-    """The report's sampler section (`sampler_plan`): its keys are prefixed ``sampler_`` so that the
-    train step's ``  key  value`` lines stay unique."""
+def _sampler_lines(sp: dict, train_total: int, hbm: int, g, unit: str, compiled=None) -> list:
+    """The report's sampler section (`sampler_plan`, `compiled_sampler_plan` when it ran): its keys are
+    prefixed ``sampler_`` so that the train step's ``  key  value`` lines stay unique."""
     d, t = sp["mesh"]
     lines = [f"SAMPLER (rollout engine), ANALYTIC, per device of its {d} x {t} (data x tensor) mesh   {unit}",
              f"  ({sp['quantization']} weights held in {sp['dtype']}, {sp['slots']} slots)"]
@@ -521,6 +565,11 @@ def _sampler_lines(sp: dict, train_total: int, hbm: int, g, unit: str) -> list:
         lines += ["  on its own devices (sampler.mode subprocess / remote)",
                   f"  {'fits in HBM?':<30}{'yes' if sp['total'] <= hbm else 'NO':>10}  "
                   f"({100 * sp['total'] / hbm:.0f}% of HBM)"]
+    if compiled is not None:
+        lines.append(f"  COMPILED sampler program (XLA CPU memory_analysis, {compiled['compile_seconds']:.0f} s), "
+                     f"per device   {unit}")
+        for k in ("argument", "output", "temp", "total"):
+            lines.append(f"  {'sampler_compiled_' + k:<30}{g(compiled[k])}")
     return lines
 
 

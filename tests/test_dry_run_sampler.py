@@ -67,3 +67,22 @@ def test_sampler_plan_dtype_slots_mode_and_report():
     assert text.splitlines()[-1].startswith("per-device total ")  # the train step's verdict stays last
     with pytest.raises(ValueError, match="sampler.mesh = data 16 x tensor 8"):
         dry_run.plan(_config((16, 8)), mode="analytic")
+
+
+@pytest.mark.slow
+def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the_cache():
+    """configs/tiny.py with a 2 x 2 sampler mesh and dry_run.compile_sampler: XLA:CPU's memory_analysis of
+    the sharded continuous program (8 fake devices) has the analytic weights as its argument (within 5%:
+    plus the request's inputs) and a temp at least the analytic KV cache + prompt store (plus activations)."""
+    spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config(None)
+    c.sampler.mesh.data, c.sampler.mesh.tensor = 2, 2
+    c.dry_run.compile_sampler = True
+    report = dry_run.plan(c, mode="compile", chip="v5p", num_devices=8)
+    sp, comp = report["sampler"], report["sampler_compiled"]
+    assert comp is not None and sp["mesh"] == (2, 2)
+    assert sp["weights"] <= comp["argument"] <= 1.05 * sp["weights"]
+    assert comp["temp"] >= sp["kv_cache"] + sp["prompt_store"]
+    assert "sampler_compiled_temp" in dry_run.format_report(report)
