@@ -203,8 +203,8 @@ def curves_title(config) -> str:
     """The run's trust region in words for the curves' title: mask, divergence, δ (by sign of Â) and estimator.
 
     `config` is the run ConfigDict (reads ``trust_region.*``); e.g.
-    ``"mask pdm (top-K KL, δ = 0.05, estimator bucket_exact)"``, ``"mask ppo (ε = 0.2/0.28)"``,
-    ``"mask none"``.
+    ``"mask pdm (top-K KL, δ = 0.05, estimator bucket_exact)"``, ``"mask pdm (top-K KL, δ = 0.05,
+    direction param_jvp)"``, ``"mask ppo (ε = 0.2/0.28)"``, ``"mask none"``.
     """
     t = config.trust_region
     if t.mask == "none":
@@ -219,6 +219,8 @@ def curves_title(config) -> str:
         hi = t.delta if t.delta_high is None else t.delta_high
         delta = f"δ = {lo:g} (Â < 0) / {hi:g} (Â > 0)"
     est = f", estimator {t.estimator}" if t.mask == "pdm" else ""
+    if t.get("direction", "per_token") != "per_token":  # param_jvp: the estimator is unused
+        est = f", direction {t.direction}"
     return f"mask {t.mask} ({div}, {delta}{est})"
 
 

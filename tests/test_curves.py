@@ -26,6 +26,9 @@ def test_title_names_the_mask_delta_and_estimator():
     c = get_base_config()
     c.trust_region.mask, c.trust_region.delta, c.trust_region.estimator = "pdm", 0.05, "aggregated_tail"
     assert curves_title(c) == "mask pdm (top-K KL, δ = 0.05, estimator aggregated_tail)"
+    c.trust_region.direction = "param_jvp"
+    assert curves_title(c) == "mask pdm (top-K KL, δ = 0.05, direction param_jvp)"
+    c.trust_region.direction = "per_token"
     c.trust_region.mask, c.trust_region.delta_high = "dppo", 0.15
     assert curves_title(c) == "mask dppo (top-K KL, δ = 0.05 (Â < 0) / 0.15 (Â > 0))"
     c.trust_region.mask, c.trust_region.clip_eps_high = "ppo", 0.28
