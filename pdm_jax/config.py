@@ -208,6 +208,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     # max_batch_size rows, each run until its longest row stops; the engine's and the server's own default).
     c.sampler.batching = "continuous"
     c.sampler.max_slots = 0  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
+    # Multi-process runs (distributed=True): each process samples only the prompts whose rows its devices hold
+    # (whole groups; keyed by their index in the step, so the rollouts equal a single process's) and evaluates
+    # its share of the held-out prompts (pdm_jax.per_host). False: every process samples every prompt (old).
+    c.sampler.per_host_rollouts = True
     # The sharded engine (pdm_jax.sampler.engine, make_sampler_mesh; the trainer's mesh axis names): rows over data,
     # heads / kv heads / MLP / vocab over tensor, the KV cache sharded the same way. 1 x 1 = one device (default).
     # colocated: the first data*tensor of this process's devices (a sub-mesh of the trainer's, or all of them);

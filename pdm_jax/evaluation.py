@@ -27,7 +27,7 @@ def score_rollouts(source, codec: TextCodec, rb: RolloutBatch, examples, n: int)
 
 
 def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: float, max_new_tokens: int,
-             seed: int) -> dict:
+             seed: int, prompt_range=None, gather=None) -> dict:
     """Accuracy on the first ``eval_config.num_prompts`` held-out prompts.
 
     Args:
@@ -38,6 +38,11 @@ def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: floa
       temperature: τ of the avg@k samples (the training temperature).
       max_new_tokens: completion budget (tokens).
       seed: the avg@k sampling seed (10_007 + the run's seed in the trainer).
+      prompt_range: ``(lo, hi)``: sample only held-out prompts lo..hi-1 of the num_prompts (keyed as
+        those prompts: ``first_prompt_index=lo``), e.g. one process's share (`pdm_jax.per_host`);
+        None = all of them.
+      gather: with ``prompt_range``, ``gather(scores, num_prompts, samples_per_prompt)`` -> the scores of
+        all prompts in prompt order (a collective over the processes, `pdm_jax.per_host.gather_ragged`).
 
     Returns:
       ``eval_accuracy`` (avg@k: the fraction of the k samples per prompt that are
@@ -51,14 +56,21 @@ def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: floa
     if len(exs) < eval_config.num_prompts:
         raise ValueError(f"eval.num_prompts = {eval_config.num_prompts} but the source has only {len(exs)} "
                          "held-out prompts")
+    lo, hi = (0, len(exs)) if prompt_range is None else prompt_range
+    total, exs = len(exs), exs[lo:hi]
     prompts = [codec.encode_prompt(e.prompt) for e in exs]
+    common = dict(max_new_tokens=max_new_tokens, top_k_logprobs=1, stop_token_ids=list(codec.stop_ids),
+                  **(dict(first_prompt_index=lo) if lo else {}))
+
+    def scores(n, **kw):
+        got = score_rollouts(source, codec, engine.generate(prompts, n=n, **kw, **common), exs, n) if exs \
+            else np.zeros((0,), np.float32)
+        return got if gather is None else gather(got, total, n)
+
     k = eval_config.samples_per_prompt
-    common = dict(max_new_tokens=max_new_tokens, top_k_logprobs=1, stop_token_ids=list(codec.stop_ids))
-    rb = engine.generate(prompts, n=k, temperature=temperature, seed=seed, **common)
-    scores = score_rollouts(source, codec, rb, exs, k)
+    avg = scores(k, temperature=temperature, seed=seed)
     # Accuracy counts fully correct answers only (some verifiers give partial credit).
-    out = dict(eval_accuracy=float(np.mean(scores >= CORRECT_SCORE)), eval_reward=float(np.mean(scores)))
+    out = dict(eval_accuracy=float(np.mean(avg >= CORRECT_SCORE)), eval_reward=float(np.mean(avg)))
     if eval_config.greedy:
-        rb = engine.generate(prompts, n=1, temperature=0.0, seed=0, **common)
-        out["eval_greedy_accuracy"] = float(np.mean(score_rollouts(source, codec, rb, exs, 1) >= CORRECT_SCORE))
+        out["eval_greedy_accuracy"] = float(np.mean(scores(1, temperature=0.0, seed=0) >= CORRECT_SCORE))
     return out

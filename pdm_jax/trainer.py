@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from pdm_jax import evaluation, objectives, train_step as ts, workdir as wd
+from pdm_jax import evaluation, objectives, per_host, train_step as ts, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import (compute_options, model_config_from_fields, parse_stop_token_ids, step_configs,
@@ -131,6 +131,7 @@ class Trainer:
         wd.makedirs(self.workdir)
         m = config.mesh
         self.mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
+        self._setup_per_host()
         self.model_config, model = self._setup_model()
         context = config.sampler.max_prompt_length + config.rl.max_new_tokens
         if context > self.model_config.max_position_embeddings:
@@ -150,6 +151,17 @@ class Trainer:
         if jax.process_index() == 0:  # multi-host: one process writes run files
             wd.write_bytes(os.path.join(self.workdir, "config.json"), config.to_json_best_effort(indent=2).encode(),
                            atomic=False)
+
+    def _setup_per_host(self) -> None:
+        """Per-host rollouts (`pdm_jax.per_host`): this process's prompts of every RL step, checked now."""
+        rl = self.config.rl
+        self.per_host = per_host.enabled(self.config)
+        self._host_prompts = (0, rl.prompts_per_step)
+        self.rollout_counts = dict(prompts=0, rows=0)  # what this process's sampler generated, over the run
+        if self.per_host:
+            self._host_prompts = per_host.host_prompt_range(rl.prompts_per_step, rl.group_size, self.mesh)
+            log.info("per-host rollouts: process %d of %d samples prompts [%d, %d) of each RL step's %d",
+                     jax.process_index(), jax.process_count(), *self._host_prompts, rl.prompts_per_step)
 
     def close(self) -> None:
         """Stops the sampler and releases the workdir lock (idempotent; `run` calls it when it ends)."""
@@ -240,9 +252,14 @@ class Trainer:
             engine = self._eval_engine
             if engine.version != version:
                 engine.engine.set_params(params, version=version)
+        split = {}
+        if self.per_host:  # each process its share of the prompts; the scores gathered back in order
+            split = dict(prompt_range=per_host.eval_prompt_range(self.config.eval.num_prompts),
+                         gather=per_host.gather_ragged)
         return evaluation.evaluate(engine, self.source, self.codec, self.config.eval,
                                    temperature=self.config.rl.temperature,
-                                   max_new_tokens=self.config.rl.max_new_tokens, seed=10_007 + self.config.seed)
+                                   max_new_tokens=self.config.rl.max_new_tokens, seed=10_007 + self.config.seed,
+                                   **split)
 
     # ---------------------------------------------------------------- the run
     def run(self) -> dict:
@@ -343,27 +360,37 @@ class Trainer:
         """Rollouts of RL step ``step``: its prompts (data positions base + step * P ...) and seed.
 
         Returns ``(RolloutBatch, examples, generation seconds)``; called by the `RolloutProducer`.
+        Per-host rollouts: only this process's prompts [lo, hi) (keyed as prompts lo.. of the step).
         """
         rl = self.config.rl
         examples = self.source.train_batch(base_position + step * rl.prompts_per_step, rl.prompts_per_step)
         prompts = [self.codec.encode_prompt(e.prompt) for e in examples]
+        lo, hi = self._host_prompts
         t0 = time.time()
         rb = self.sampler.generate(
-            prompts, n=rl.group_size, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
+            prompts[lo:hi], n=rl.group_size, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
             top_k_logprobs=rl.top_k_logprobs, stop_token_ids=list(self.codec.stop_ids),
-            seed=int(self.config.seed) * 1_000_003 + step)
-        return rb, examples, time.time() - t0
+            seed=int(self.config.seed) * 1_000_003 + step, **(dict(first_prompt_index=lo) if lo else {}))
+        seconds = time.time() - t0
+        self.rollout_counts["prompts"] += hi - lo
+        self.rollout_counts["rows"] += rb.num_sequences
+        return rb, examples[lo:hi], seconds
 
     def _step_batch(self, rb, rewards, ref) -> StepBatch:
         """The host `StepBatch` of a scored rollout batch (advantages; reference logprobs when kl_beta > 0)."""
         rl = self.config.rl
         adv = np.asarray(objectives.group_advantages(jnp.asarray(rewards), rl.group_size,
                                                      normalize_std=rl.normalize_advantage_std))
-        batch = StepBatch.from_rollouts(rb, adv, prompt_len=round_up(rb.prompt_ids.shape[1], 8),
+        width = rb.prompt_ids.shape[1]  # per host: the step's longest prompt over all processes
+        width = int(per_host.gather_max(width)) if self.per_host else width
+        batch = StepBatch.from_rollouts(rb, adv, prompt_len=round_up(width, 8),
                                         completion_len=rl.max_new_tokens)
+        if self.per_host:  # this process's rows -> the global device batch (pdm_jax.per_host)
+            batch = per_host.assemble(batch, self.mesh)
         if ref is not None:
             ref_fn, ref_params = ref
-            batch = batch.replace(ref_logprobs=np.asarray(ref_fn(ref_params, self._put_batch(batch))))
+            ref_lp = ref_fn(ref_params, batch if self.per_host else self._put_batch(batch))
+            batch = batch.replace(ref_logprobs=ref_lp if self.per_host else np.asarray(ref_lp))
         return batch
 
     def _reference_policy(self, state):
@@ -385,7 +412,9 @@ class Trainer:
         for _ in range(rl.num_iterations):
             perm = rng.permutation(n_seq)
             for j in range(rl.num_minibatches):
-                sub = self._put_batch(batch.select(perm[j * mb:(j + 1) * mb]))
+                rows = perm[j * mb:(j + 1) * mb]
+                sub = per_host.select_rows(batch, rows, self.mesh) if self.per_host else \
+                    self._put_batch(batch.select(rows))
                 for cb in self.callbacks:
                     cb.before_update(self, rl_step, sub, state)
                 state, m = step_fn(state, sub)
@@ -428,6 +457,8 @@ class Trainer:
         finally:
             producer.close()
             profiler.stop()
+        log.info("process %d sampled %d prompts (%d rollouts) over this run's RL steps", jax.process_index(),
+                 self.rollout_counts["prompts"], self.rollout_counts["rows"])
         self.params = run["state"].params
         if not run["last_eval"]:
             run["last_eval"] = self.evaluate(run["version"], run["state"].params)
@@ -456,7 +487,10 @@ class Trainer:
         with timer.phase("weight_sync"):
             self.sampler.sync(run["state"].params, version)
         producer.notify_version(version)
-        rec = self._rl_record(step_metrics, rb, rewards, run["state"], schedule, version, gen_seconds)
+        rows = dict(rewards=rewards, length=rb.completion_mask.sum(1), weights_version=rb.weights_version)
+        if self.per_host:  # every process's rows and the slowest process's generation time (collectives)
+            rows, gen_seconds = per_host.gather_rows(rows, self.mesh), per_host.gather_max(gen_seconds)
+        rec = self._rl_record(step_metrics, rows, run["state"], schedule, version, gen_seconds)
         if (step + 1) % cfg.eval.every_steps == 0 or step + 1 == rl.steps:
             with timer.phase("eval"):
                 run["last_eval"] = self.evaluate(version, run["state"].params)
@@ -470,18 +504,21 @@ class Trainer:
         writer.write(step + 1, "rl", rec)
         return rec
 
-    def _rl_record(self, step_metrics, rb, rewards, state, schedule, version, gen_seconds) -> dict:
-        """The ``rl`` record of one step: metrics averaged over its optimizer steps, rewards, sampler state."""
+    def _rl_record(self, step_metrics, rows, state, schedule, version, gen_seconds) -> dict:
+        """The ``rl`` record of one step: metrics averaged over its optimizer steps, rewards, sampler state.
+
+        ``rows``: the step's ``rewards``, completion ``length`` and ``weights_version`` per row, all N rows."""
         rec = {k: float(np.mean([float(m[k]) for m in step_metrics])) for k in step_metrics[0]}
-        tokens = int(rb.completion_mask.sum())
+        rewards = rows["rewards"]
+        tokens = int(rows["length"].sum())
         rec.update(
             reward=float(rewards.mean()),
             accuracy=float((rewards >= evaluation.CORRECT_SCORE).mean()),
-            response_length=float(rb.completion_mask.sum(1).mean()),
+            response_length=float(rows["length"].mean()),
             frac_masked_first_minibatch=float(step_metrics[0]["frac_masked"]),
             learning_rate=float(schedule(int(state.step) - 1)),
             sampler_tokens_per_second=tokens / max(gen_seconds, 1e-9),
-            staleness=float(np.mean(version - 1 - rb.weights_version)),
+            staleness=float(np.mean(version - 1 - rows["weights_version"])),
             sampler_restarts=float(self.sampler.restarts_total),
             sampler_stalls=float(self.sampler.stalls_total),
         )

@@ -38,6 +38,22 @@ def _launch(out, devices, env_extra):
                             stderr=subprocess.STDOUT, text=True)
 
 
+def wait_all(procs, timeout):
+    """Each process's combined output once all have exited (any still running after a failure is killed)."""
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            logs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, logs):
+        assert p.returncode == 0, out[-4000:]
+    return logs
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
     port = _free_port()
@@ -47,17 +63,7 @@ def test_two_processes_match_one_process(tmp_path):
     procs = [_launch(two, 4, dict(common, JAX_PROCESS_ID="0")),
              _launch(two, 4, dict(common, JAX_PROCESS_ID="1")),
              _launch(one, 8, dict(JAX_NUM_PROCESSES="1"))]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=240)
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, logs):
-        assert p.returncode == 0, out[-3000:]
+    logs = wait_all(procs, timeout=240)
     assert "process 1/2 rows 4:8" in logs[1], logs[1][-2000:]  # process 1 fed the second half only
     a, b = np.load(one), np.load(two)
     assert int(a["process_count"]) == 1 and int(b["process_count"]) == 2

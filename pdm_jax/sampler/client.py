@@ -132,7 +132,7 @@ class SamplerClient:
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
                  max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
                  stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
-                 top_k: int = 0) -> RolloutBatch:
+                 top_k: int = 0, first_prompt_index: int = 0) -> RolloutBatch:
         """``POST /v1/generate``; same arguments and result as `SamplingEngine.generate`.
 
         Raises:
@@ -142,7 +142,8 @@ class SamplerClient:
         prompts = [[int(t) for t in p] for p in prompts]
         fields = dict(n=int(n), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                       top_k_logprobs=int(top_k_logprobs), stop_token_ids=[int(s) for s in stop_token_ids or ()],
-                      seed=int(seed) if seed is not None else secrets.randbelow(wire.MAX_SEED + 1))
+                      seed=int(seed) if seed is not None else secrets.randbelow(wire.MAX_SEED + 1),
+                      first_prompt_index=int(first_prompt_index))
         if max_new_tokens is None:
             max_new_tokens = self.health().get(wire.MAX_NEW_TOKENS, wire.DEFAULT_MAX_TOKENS)
         request = wire.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens), **fields)

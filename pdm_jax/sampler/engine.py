@@ -39,7 +39,9 @@ Sampling (per row, per token):
   ``fold_in(fold_in(fold_in(PRNGKey(seed mod 2**32), seed >> 32), i), j)`` and token t
   ``fold_in(row_key, t)``,
   so the same request with the same seed gives the same output, independent of
-  chunking into batches.
+  chunking into batches.  ``first_prompt_index=f`` keys prompt i of a request as prompt
+  f + i: a request for prompts f..f+m-1 of a larger batch (per-host rollouts: each
+  process samples its share of an RL step) draws the same tokens as the whole batch.
 
 Continuous batching (``batching="continuous"``, `_continuous_program`): the request's
 rows queue for ``max_slots`` slots of one KV cache of static shape [slots, P + T]
@@ -712,7 +714,7 @@ class SamplingEngine:
 
     # -------------------------------------------------------------- generation
     def validate(self, prompts, *, n=1, temperature=1.0, max_new_tokens=None, top_k_logprobs=20,
-                 stop_token_ids=(), seed=None, top_p=1.0, top_k=0) -> list:
+                 stop_token_ids=(), seed=None, top_p=1.0, top_k=0, first_prompt_index=0) -> list:
         """`validate_request` against this engine's limits (raises RequestError)."""
         return validate_request(
             prompts, n=n, temperature=temperature,
@@ -720,12 +722,12 @@ class SamplingEngine:
             top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed, top_p=top_p, top_k=top_k,
             vocab_size=self.config.vocab_size, max_prompt_length=self.max_prompt_length,
             max_new_tokens_limit=self.max_new_tokens, max_stop_tokens=self.max_stop_tokens,
-            max_sequences=self.max_sequences)
+            max_sequences=self.max_sequences, first_prompt_index=first_prompt_index)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
                  max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
                  stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
-                 top_k: int = 0) -> RolloutBatch:
+                 top_k: int = 0, first_prompt_index: int = 0) -> RolloutBatch:
         """Samples `n` completions per prompt; returns a RolloutBatch (rows prompt-major).
 
         Args:
@@ -737,6 +739,8 @@ class SamplingEngine:
           stop_token_ids: ids that end a sequence (kept, finish_reason "stop").
           seed: in [0, 2**63); None draws a fresh random seed.
           top_p, top_k: nucleus / top-k filters (off: 1.0 / 0).
+          first_prompt_index: f >= 0: prompt i draws with the key of prompt f + i (module docstring);
+            group_ids stay 0..len(prompts)-1.
         Returns:
           RolloutBatch with T = the longest completion; pads are id 0, logprob 0.
         Raises:
@@ -744,16 +748,17 @@ class SamplingEngine:
         """
         prompts = self.validate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
                                 top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed,
-                                top_p=top_p, top_k=top_k)
+                                top_p=top_p, top_k=top_k, first_prompt_index=first_prompt_index)
         max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         seed = secrets.randbelow(MAX_SEED + 1) if seed is None else int(seed)
         rows = [(i, j) for i in range(len(prompts)) for j in range(int(n))]
+        key_offset = int(first_prompt_index)
         with self._lock:
             version, state = self._version, self._state
             if self.batching == "continuous":
                 part = self._run_continuous(state, prompts, rows, temperature=float(temperature), top_p=float(top_p),
                                             top_k=int(top_k), max_new=max_new, k=int(top_k_logprobs),
-                                            stops=list(stop_token_ids or ()), seed=seed)
+                                            stops=list(stop_token_ids or ()), seed=seed, key_offset=key_offset)
                 return self._to_batch(prompts, rows, [part], version)
             parts = []
             for start in range(0, len(rows), self.max_batch_size):
@@ -761,7 +766,7 @@ class SamplingEngine:
                 parts.append(self._run_chunk(state, prompts, chunk, temperature=float(temperature),
                                              top_p=float(top_p), top_k=int(top_k), max_new=max_new,
                                              k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed,
-                                             n=int(n)))
+                                             n=int(n), key_offset=key_offset))
         return self._to_batch(prompts, rows, parts, version)
 
     def _layout(self):
@@ -777,10 +782,11 @@ class SamplingEngine:
             log.info("sampler: %d distinct generate programs; new: %s", len(self.program_shapes), key)
 
     def _run_continuous(self, state, prompts, rows, *, temperature, top_p, top_k, max_new, k, stops, seed,
-                        row_max_new=None):
+                        row_max_new=None, key_offset=0):
         """The whole request through `_continuous_program`; returns `_run_chunk`'s dict for all rows.
 
-        ``row_max_new``: per-row limits (each <= max_new) instead of max_new for all (tests).
+        ``row_max_new``: per-row limits (each <= max_new) instead of max_new for all (tests);
+        ``key_offset``: added to each row's prompt index in its key (``first_prompt_index``).
 
         Static shapes (few, to bound compiles): always ``max_slots`` slots (a smaller request leaves
         slots empty), the row queue next_pow2(N) (at least the slots), the prompt store next_pow2(U)
@@ -819,7 +825,7 @@ class SamplingEngine:
         with self._layout():
             out = _CONTINUOUS_JIT(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
-                jnp.asarray(per_row([i for i, _ in rows], np.uint32)), jnp.asarray(per_row([j for _, j in rows], np.uint32)),
+                jnp.asarray(per_row([key_offset + i for i, _ in rows], np.uint32)), jnp.asarray(per_row([j for _, j in rows], np.uint32)),
                 jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
                 jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
                 jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k,
@@ -828,7 +834,8 @@ class SamplingEngine:
         self.last_decode_steps = int(out["steps"])
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
 
-    def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, n=1):
+    def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, n=1,
+                   key_offset=0):
         n_rows = len(chunk)
         b = _bucket(n_rows, self.row_shards, self.max_batch_size)
         # Rows come in groups of n samples of one prompt (rows = [(i, 0..n-1) for each prompt i]).
@@ -854,7 +861,7 @@ class SamplingEngine:
         prompt_idx = np.zeros((b,), np.uint32)
         sample_idx = np.zeros((b,), np.uint32)
         for r, (i, j) in enumerate(chunk):
-            prompt_idx[r], sample_idx[r] = i, j
+            prompt_idx[r], sample_idx[r] = key_offset + i, j
         max_new_b = np.zeros((b,), np.int32)
         max_new_b[:n_rows] = max_new
         stop_arr = np.full((b, self.max_stop_tokens), -1, np.int32)

@@ -466,10 +466,12 @@ class VLLMSampler:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
                  max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20, stop_token_ids: Sequence[int] = (),
-                 seed: Optional[int] = None, top_p: float = 1.0, top_k: int = 0) -> RolloutBatch:
+                 seed: Optional[int] = None, top_p: float = 1.0, top_k: int = 0,
+                 first_prompt_index: int = 0) -> RolloutBatch:
         """Rollouts for `prompts`; same arguments and result as `SamplingEngine.generate`.
 
-        One ``/v1/completions`` request per prompt (seeded by `prompt_seed`), sent concurrently; their
+        One ``/v1/completions`` request per prompt (seeded by `prompt_seed` of its index
+        ``first_prompt_index + i``: per-host rollouts draw what the whole batch would), sent concurrently; their
         batches are concatenated in prompt order (`RolloutBatch.concatenate`: group i = prompt i).
 
         Raises:
@@ -484,7 +486,7 @@ class VLLMSampler:
         stops = [int(s) for s in stop_token_ids or ()]
         bodies = [completions_request([p], n=n, temperature=temperature, max_new_tokens=max_new,
                                       top_k_logprobs=top_k_logprobs, stop_token_ids=stops,
-                                      seed=prompt_seed(seed, i, n), top_p=top_p, top_k=top_k, model=self.model)
+                                      seed=prompt_seed(seed, int(first_prompt_index) + i, n), top_p=top_p, top_k=top_k, model=self.model)
                   for i, p in enumerate(prompts)]
         post = functools.partial(self._request, "POST", wire.VLLM_COMPLETIONS)
         with self._lock:

@@ -17,8 +17,10 @@ Request (``POST /v1/generate``, shaped after vLLM's completions API with token i
 
     {"prompt": [[int, ...], ...] | [int, ...], "n": 1, "temperature": 1.0, "top_p": 1.0,
      "top_k": 0 (-1 also means off), "max_tokens": 16, "stop_token_ids": [int, ...],
-     "logprobs": K, "seed": int | null}
-    ("model" is accepted and ignored; "stream": true is refused)
+     "logprobs": K, "seed": int | null, "first_prompt_index": int (optional, default 0)}
+    ("model" is accepted and ignored; "stream": true is refused; ``first_prompt_index`` f: prompt i
+    of the request is prompt f + i of a larger batch, whose index keys its samples' random draws, so
+    a process sampling its share of an RL step's prompts gets the tokens the whole batch would)
 
 Response::
 
@@ -94,10 +96,11 @@ STOP_TOKEN_IDS = "stop_token_ids"
 MAX_STOP_TOKEN_IDS = 8
 LOGPROBS = "logprobs"  # Python: top_k_logprobs (also the per-choice sampled log mu in the response)
 SEED = "seed"
+FIRST_PROMPT_INDEX = "first_prompt_index"  # per-host rollouts: the request's prompts start at this index
 MODEL = "model"  # accepted and ignored in a request; the model's name in responses and /health
 STREAM = "stream"  # only false/absent is accepted
 GENERATE_FIELDS = frozenset({PROMPT, N, TEMPERATURE, TOP_P, TOP_K, MAX_TOKENS, STOP_TOKEN_IDS, LOGPROBS, SEED,
-                             MODEL, STREAM})
+                             FIRST_PROMPT_INDEX, MODEL, STREAM})
 DEFAULT_MAX_TOKENS = 16  # max_tokens when a request omits it (vLLM's default)
 
 # POST /v1/generate response
@@ -487,6 +490,8 @@ class GenerateRequest:
       top_k_logprobs: K, wire ``logprobs`` (null/absent = 0).
       stop_token_ids: ids that end a sequence.
       seed: int or None.
+      first_prompt_index: the index of the request's first prompt in a larger batch (keys the
+        samples' random draws; 0 = the request is the whole batch).
 
     Values are carried as given: types and ranges are checked by `validate_request`
     (the engine), only the body's structure by `from_wire`.
@@ -501,6 +506,7 @@ class GenerateRequest:
     seed: Any = None
     top_p: Any = 1.0
     top_k: Any = 0
+    first_prompt_index: Any = 0
 
     @classmethod
     def from_wire(cls, body: Mapping) -> "GenerateRequest":
@@ -534,19 +540,26 @@ class GenerateRequest:
         return cls(prompts=_normalise_prompts(body[PROMPT]), n=body.get(N, 1),
                    temperature=body.get(TEMPERATURE, 1.0), max_new_tokens=body.get(MAX_TOKENS, DEFAULT_MAX_TOKENS),
                    top_k_logprobs=0 if logprobs is None else logprobs, stop_token_ids=stops, seed=body.get(SEED),
-                   top_p=body.get(TOP_P, 1.0), top_k=0 if _is_int(top_k) and top_k == -1 else top_k)
+                   top_p=body.get(TOP_P, 1.0), top_k=0 if _is_int(top_k) and top_k == -1 else top_k,
+                   first_prompt_index=body.get(FIRST_PROMPT_INDEX, 0))
 
     def to_wire(self) -> dict:
-        """The request body (a dict for `dumps`); prompts and stop ids as lists."""
-        return {PROMPT: [list(p) for p in self.prompts], N: self.n, TEMPERATURE: self.temperature,
+        """The request body (a dict for `dumps`); prompts and stop ids as lists; ``first_prompt_index``
+        only when it is not 0 (the body of a whole-batch request is unchanged)."""
+        body = {PROMPT: [list(p) for p in self.prompts], N: self.n, TEMPERATURE: self.temperature,
                 TOP_P: self.top_p, TOP_K: self.top_k, LOGPROBS: self.top_k_logprobs,
                 STOP_TOKEN_IDS: list(self.stop_token_ids), SEED: self.seed, MAX_TOKENS: self.max_new_tokens}
+        if self.first_prompt_index != 0:
+            body[FIRST_PROMPT_INDEX] = self.first_prompt_index
+        return body
 
     def engine_kwargs(self) -> dict:
-        """The keyword arguments of `SamplingEngine.generate` / `.validate` (everything but the prompts)."""
+        """The keyword arguments of `SamplingEngine.generate` / `.validate` (everything but the prompts;
+        ``first_prompt_index`` only when it is not 0)."""
+        offset = {} if self.first_prompt_index == 0 else dict(first_prompt_index=self.first_prompt_index)
         return dict(n=self.n, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                     top_k_logprobs=self.top_k_logprobs, stop_token_ids=self.stop_token_ids, seed=self.seed,
-                    top_p=self.top_p, top_k=self.top_k)
+                    top_p=self.top_p, top_k=self.top_k, **offset)
 
     @property
     def prompt_tokens(self) -> int:
@@ -613,7 +626,7 @@ def _validate_prompts(prompts, *, vocab_size: int, max_prompt_length: int) -> li
 
 def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs, stop_token_ids, seed,
                      top_p, top_k, vocab_size: int, max_prompt_length: int, max_new_tokens_limit: int,
-                     max_stop_tokens: int, max_sequences: int = 4096) -> list:
+                     max_stop_tokens: int, max_sequences: int = 4096, first_prompt_index=0) -> list:
     """Checks a generation request (Python argument names); returns the prompts as a list of int lists.
 
     Raises:
@@ -627,7 +640,9 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
         max_new_tokens outside [1, max_new_tokens_limit] (``max_tokens``),
         top_k_logprobs outside [0, vocab_size] (``logprobs``), more than
         `max_stop_tokens` stop ids or ids outside the vocabulary
-        (``stop_token_ids``), a seed outside [0, 2**63) (``seed``).
+        (``stop_token_ids``), a seed outside [0, 2**63) (``seed``), a first prompt index
+        that is not an integer >= 0 or puts the last prompt's index at 2**32 or more
+        (``first_prompt_index``: the engine keys draws by a uint32 prompt index).
     """
     out = _validate_prompts(prompts, vocab_size=vocab_size, max_prompt_length=max_prompt_length)
     if not _is_int(n) or n <= 0:
@@ -661,6 +676,9 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
             raise RequestError(STOP_TOKEN_IDS, f"id {_kind(s)} is not a token id in [0, {vocab_size})")
     if seed is not None and (not _is_int(seed) or not 0 <= int(seed) <= MAX_SEED):
         raise RequestError(SEED, f"must be an integer in [0, 2**63), got {_kind(seed)}")
+    if not _is_int(first_prompt_index) or not 0 <= first_prompt_index <= 2 ** 32 - len(out):
+        raise RequestError(FIRST_PROMPT_INDEX, f"must be an integer in [0, 2**32 - {len(out)} prompts], "
+                                               f"got {_kind(first_prompt_index)}")
     return out
 
 
