@@ -524,8 +524,16 @@ def _series(members: list[list[dict]], phase: str, key: str) -> tuple[list, np.n
     return steps, np.array([[d.get(s, np.nan) for s in steps] for d in by_seed], dtype=float)
 
 
-def _band(ax, xs, vals: np.ndarray, color, label=None, marker=None):
-    """Seed mean with a shaded mean ± 95% t-interval band (no band for one seed)."""
+def _smooth(vals: np.ndarray, xs: list, width: int) -> tuple[list, np.ndarray]:
+    """Per-seed moving average over `width` steps (the rows of `vals`); returns the shortened steps too."""
+    if width <= 1 or vals.shape[1] < width:
+        return xs, vals
+    kernel = np.ones(width) / width
+    return xs[width - 1:], np.stack([np.convolve(v, kernel, mode="valid") for v in vals])
+
+
+def _band(ax, xs, vals: np.ndarray, color, label=None, marker=None, floor=None):
+    """Seed mean with a shaded mean ± 95% t-interval band (no band for one seed; lower edge >= `floor`)."""
     mean = np.nanmean(vals, axis=0)
     ax.plot(xs, mean, color=color, lw=1.3, marker=marker, ms=3, label=label)
     n = np.sum(np.isfinite(vals), axis=0)
@@ -533,14 +541,15 @@ def _band(ax, xs, vals: np.ndarray, color, label=None, marker=None):
         from scipy import stats
 
         half = stats.t.ppf(0.975, n - 1) * np.nanstd(vals, axis=0, ddof=1) / np.sqrt(n)
-        ax.fill_between(xs, mean - half, mean + half, color=color, alpha=0.15, lw=0)
+        low = mean - half if floor is None else np.maximum(mean - half, floor)
+        ax.fill_between(xs, low, mean + half, color=color, alpha=0.15, lw=0)
 
 
 def plot_sweep(runs: list[dict], out: str, seed_key: str = "seed", smooth: int = 5) -> Optional[str]:
     """``<out>/sweep_curves.png``: per group (grid point without the seed) against the RL step, the seed-mean
     training reward (moving average over `smooth` steps), the held-out accuracy (avg@k) and the mean top-K KL
-    between trainer and sampler per step, each with a band of mean ± 95% t-interval over seeds. Returns the path
-    or None."""
+    between trainer and sampler (per-seed moving average, the group's δ dotted), the last two with a band of
+    mean ± 95% t-interval over seeds. Returns the path or None."""
     # Heavy (~1 s), and the Agg backend must be selected before pyplot is imported: only when plotting.
     import matplotlib
 
@@ -569,10 +578,12 @@ def plot_sweep(runs: list[dict], out: str, seed_key: str = "seed", smooth: int =
         _band(axes[1], *_series(members, "eval", "eval_accuracy"), color, label=label, marker="o")
         ksteps, kl = _series(members, "rl", "mean_topk_kl")
         if ksteps:
-            _band(axes[2], ksteps, kl, color)
+            _band(axes[2], *_smooth(kl, ksteps, smooth), color, floor=1e-4)
+        if dict(key).get("delta") is not None:
+            axes[2].axhline(float(dict(key)["delta"]), color=color, ls=":", lw=0.8)
     axes[0].set_title(f"training reward (seed mean, {smooth}-step moving average)", fontsize=10)
     axes[1].set_title("held-out accuracy (avg@k; seed mean ± 95% interval)", fontsize=10)
-    axes[2].set_title("mean top-K KL(sampler || trainer) per step (± 95%)", fontsize=10)
+    axes[2].set_title(f"mean top-K KL(sampler || trainer), {smooth}-step average (± 95%); dotted: δ", fontsize=10)
     axes[2].set_yscale("log")
     for ax in axes:
         ax.set_xlabel("RL step")
