@@ -75,12 +75,14 @@ def _criterion_items(criterion: str) -> str:
 #: The ``criterion`` axis -> config-argument items: the trust-region direction criteria (``ratio`` = DPPO;
 #: ``pdm_<estimator>`` = PDM with that estimator; `pdm_jax.trust_region.criterion_settings`), then the masks
 #: without a divergence direction test: ``ppo`` (ratio clip 1 ± 0.2), ``ppo_clip_higher`` (GRPO with DAPO's
-#: clip-higher, r in [0.8, 1.28]; arXiv 2503.14476 eq. 10) and ``none`` (truncated IS, no mask).
+#: clip-higher, r in [0.8, 1.28]; arXiv 2503.14476 eq. 10) and ``none`` (truncated IS, no mask); and
+#: ``pdm_param_jvp``: PDM with the parameter-space direction Ḋᵖ along the unmasked update (issue 16).
 CRITERIA = {
     **{(c if c == "ratio" else f"pdm_{c}"): _criterion_items(c) for c in tr.DIRECTION_CRITERIA},
     "ppo": "mask=ppo",
     "ppo_clip_higher": "mask=ppo,trust_region.clip_eps_low=0.2,trust_region.clip_eps_high=0.28",
     "none": "mask=none",
+    "pdm_param_jvp": "mask=pdm,direction=param_jvp",
 }
 
 #: Columns of the per-run table, in order.

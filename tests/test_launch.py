@@ -50,7 +50,7 @@ def test_issue_sweep_expands_to_18_config_strings():
 def test_criterion_axis_selects_the_trust_region_direction_criteria():
     """The sweep's criterion names map onto pdm_jax.trust_region's criteria and their config fields."""
     assert list(sweep.CRITERIA) == ["ratio", "pdm_aggregated_tail", "pdm_uniform_tail", "pdm_bucket_exact", "ppo",
-                                    "ppo_clip_higher", "none"]
+                                    "ppo_clip_higher", "none", "pdm_param_jvp"]
     for name in tr.DIRECTION_CRITERIA:
         items = sweep.CRITERIA[name if name == "ratio" else f"pdm_{name}"]
         c = apply_arg(get_base_config(), items)
@@ -60,6 +60,8 @@ def test_criterion_axis_selects_the_trust_region_direction_criteria():
                                                                                          "mask=none")
     c = apply_arg(get_base_config(), sweep.CRITERIA["ppo_clip_higher"])  # GRPO + DAPO clip-higher
     assert (c.trust_region.mask, c.trust_region.clip_eps_low, c.trust_region.clip_eps_high) == ("ppo", 0.2, 0.28)
+    c = apply_arg(get_base_config(), sweep.CRITERIA["pdm_param_jvp"])
+    assert (c.trust_region.mask, c.trust_region.direction) == ("pdm", "param_jvp")
 
 
 def test_keep_filter_and_one_shared_warm_start(tmp_path):
@@ -392,9 +394,9 @@ def test_stress_config_and_comparison_sweep():
     runs = sweep.expand(d)
     crit = {(r["point"]["delta"], r["point"]["criterion"]) for r in runs}
     assert ("0.15", "none") not in {(str(a), b) for a, b in crit} and (0.05, "none") in crit
-    assert len(runs) == 8 * (2 + 2 * 4) and d["share_warmstart_by"] == ()
+    assert len(runs) == 8 * (2 + 2 * 5) and d["share_warmstart_by"] == ()
     assert len(sweep.expand(sweep.load_sweep(os.path.join(REPO, "launch", "sweeps", "stress_comparison.py"),
-                                             "core"))) == 8 * 4
+                                             "core"))) == 8 * 5
     for r in runs[:10]:
         c = get(r["arg"])
         assert c.seed == r["point"]["seed"] and c.trust_region.delta == r["point"]["delta"]

@@ -7,6 +7,8 @@ Arms (the ``criterion`` axis, `launch/sweep.py:CRITERIA`):
 * ``ratio``: DPPO-TopK-KL (mask tokens whose top-K KL > δ and whose ratio moves away from 1);
 * ``pdm_aggregated_tail`` / ``pdm_bucket_exact`` / ``pdm_uniform_tail``: PDM, mask tokens whose top-K KL
   > δ and whose predicted divergence change D' (each closed-form estimator) is > 0;
+* ``pdm_param_jvp``: PDM with the parameter-space direction (``trust_region.direction=param_jvp``: Ḋᵖ, the
+  jvp of each token's divergence along the optimizer's update of the unmasked gradient);
 
 at δ ∈ {0.05, 0.15} (δ only for the divergence masks: ``none`` and ``ppo_clip_higher`` run once, listed under
 δ = 0.05) × 8 seeds. All runs share one supervised warm start (``share_warmstart_by=()``): the seed varies the
@@ -14,12 +16,13 @@ RL phase only (rollout sampling and mini-batch order), so the comparison is betw
 the same starting policy.
 
 ``get_sweep("core")`` is the first part run when time is short: δ = 0.05 and the arms none, ppo_clip_higher,
-ratio, pdm_aggregated_tail.
+ratio, pdm_aggregated_tail, pdm_param_jvp.
 """
 
 SEEDS = list(range(8))
-FULL_ARMS = ["none", "ppo_clip_higher", "ratio", "pdm_aggregated_tail", "pdm_bucket_exact", "pdm_uniform_tail"]
-CORE_ARMS = ["none", "ppo_clip_higher", "ratio", "pdm_aggregated_tail"]
+FULL_ARMS = ["none", "ppo_clip_higher", "ratio", "pdm_aggregated_tail", "pdm_bucket_exact", "pdm_uniform_tail",
+             "pdm_param_jvp"]
+CORE_ARMS = ["none", "ppo_clip_higher", "ratio", "pdm_aggregated_tail", "pdm_param_jvp"]
 #: Arms whose mask has no divergence radius: run at the first δ only.
 NO_RADIUS = ("none", "ppo", "ppo_clip_higher")
 
