@@ -48,7 +48,7 @@ _F32 = jnp.float32
 
 
 def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                             return_aux: bool = False):
+                             return_aux: bool = False, routed_experts=None):
     """Final hidden states predicting each completion token, and the LM-head function.
 
     Runs the model on concat(prompt, completion) and keeps positions P-1 .. P+T-2,
@@ -59,6 +59,7 @@ def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completi
       graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
       prompt_ids [B,P] int32, prompt_mask [B,P] bool, completion_ids [B,T] int32,
       completion_mask [B,T] bool.
+      routed_experts: [B,P+T,L,k] int or None: routing replay (``train_step.completion_logits``).
 
     Returns:
       ``(h [B,T,D] in the compute dtype, head_fn)`` where ``head_fn(h_chunk [B,c,D])``
@@ -71,10 +72,11 @@ def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completi
     p = prompt_ids.shape[1]
     t = completion_ids.shape[1]
     aux = None
+    replay = {} if routed_experts is None else dict(routed_experts=routed_experts)
     if return_aux and getattr(model.config, "is_moe", False):
-        h_BxLxD, aux = model.hidden_states(input_ids, attention_mask=attn, return_aux=True)
+        h_BxLxD, aux = model.hidden_states(input_ids, attention_mask=attn, return_aux=True, **replay)
     else:
-        h_BxLxD = model.hidden_states(input_ids, attention_mask=attn)
+        h_BxLxD = model.hidden_states(input_ids, attention_mask=attn, **replay)
     if return_aux:
         return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden, aux
     return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden
@@ -205,7 +207,7 @@ def make_chunked_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
     def terms_fn(params, batch: StepBatch, param_direction=None):
         h_BxTxD, head_fn, aux = completion_hidden_states(graphdef, params, batch.prompt_ids, batch.prompt_mask,
                                                          batch.completion_ids, batch.completion_mask,
-                                                         return_aux=True)
+                                                         return_aux=True, routed_experts=batch.routed_experts)
         terms = chunked_rl_terms(h_BxTxD, head_fn, batch, tr_config, loss_config, chunk_size,
                                  param_direction=param_direction)
         if aux is not None:  # Qwen3-MoE: the router load-balancing loss (see train_step.make_rl_loss)

@@ -96,6 +96,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.num_experts_per_tok = 2
     c.model.moe_intermediate_size = 64
     c.model.norm_topk_prob = True
+    # Routing replay (MoE only; pdm_jax.sampler engine, not the vLLM backend): the sampler returns the experts
+    # every layer ran per token, and the training forward runs those experts (weighted by its own router).
+    c.model.moe_routing_replay = False
 
     # ---- tokenizer ---------------------------------------------------------------------
     c.tokenizer = ml_collections.ConfigDict()
@@ -587,6 +590,31 @@ def parse_stop_token_ids(text: str, vocab_size: Optional[int] = None) -> tuple:
     return tuple(ids)
 
 
+def _check_routing_replay(config) -> None:
+    """``model.moe_routing_replay``: a bool; when on, a MoE model (``model.num_experts`` > 0 or a MoE
+    preset; an ``hf_path`` checkpoint is checked once loaded, `check_routing_replay_model`) and the
+    pdm_jax sampler (the vLLM backend returns no routing)."""
+    mc = config.model
+    replay = mc.get("moe_routing_replay", False)
+    _need(isinstance(replay, bool), "model.moe_routing_replay", replay, "must be true or false")
+    if not replay:
+        return
+    _need(config.sampler.backend != "vllm", "model.moe_routing_replay", replay,
+          "needs the pdm_jax sampler: the vLLM backend (sampler.backend = 'vllm') cannot return the experts it routed to")
+    if not mc.hf_path:
+        moe = PRESETS[mc.preset]().is_moe if mc.preset in PRESETS else mc.get("num_experts", 0) > 0
+        _need(moe, "model.moe_routing_replay", replay,
+              "needs a mixture-of-experts model (model.num_experts > 0 or a MoE preset); this model is dense")
+
+
+def check_routing_replay_model(config, model_config) -> None:
+    """Raises ValueError naming ``model.moe_routing_replay`` when it is on for a dense ``model_config``
+    (e.g. a dense ``model.hf_path`` checkpoint)."""
+    if config.model.get("moe_routing_replay", False):
+        _need(model_config.is_moe, "model.moe_routing_replay", True,
+              "needs a mixture-of-experts model; the loaded model is dense (num_experts = 0)")
+
+
 def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
     mc = config.model
     for name in ("dtype", "param_dtype"):
@@ -601,6 +629,7 @@ def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
     _need(isinstance(mc.scan_layers, bool), "model.scan_layers", mc.scan_layers, "must be true or false")
     _need(mc.get("moe_implementation", "ragged_dot") in MOE_IMPLEMENTATIONS, "model.moe_implementation",
           mc.get("moe_implementation"), f"must be one of {MOE_IMPLEMENTATIONS}")
+    _check_routing_replay(config)
     for name in ("attention_block_q", "attention_block_kv"):
         _need(mc[name] >= 1, f"model.{name}", mc[name], "must be >= 1 (tokens)")
     if mc.preset and not mc.hf_path:

@@ -24,6 +24,10 @@ weights_version       [N]                int32      policy version that sampled 
 group_ids             [N]                int32      index of the prompt within the batch
 finish_reason         [N]                str        "stop" (stop token) or "length"
 rewards               [N] or None        float32    verifier rewards, filled in by the trainer
+routed_experts        [N, P+T, L, k]     int8/16/32 MoE routing replay (None unless requested): the
+                      or None                       experts layer l ran for prompt token p / token
+                                                    t at column P + t; -1 (`ROUTING_PAD`) where
+                                                    the sampler fed no token (pads, last token)
 ====================  =================  =========  ==========================================
 
 mu is softmax(z_q / tau) of the (quantized) sampler weights at temperature tau,
@@ -45,6 +49,15 @@ import jax
 import numpy as np
 
 FINISH_REASONS = ("stop", "length")
+ROUTING_PAD = -1  # routed_experts where the sampler fed no token: replay uses the router's own top-k there
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    """The smallest signed integer dtype of ``routed_experts`` for ``num_experts`` experts (ids and -1)."""
+    for dt in (np.int8, np.int16):
+        if num_experts <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.int32)
 
 
 @dataclasses.dataclass
@@ -68,6 +81,7 @@ class RolloutBatch:
     group_ids: np.ndarray
     finish_reason: np.ndarray
     rewards: Optional[np.ndarray] = None
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self):
         self.prompt_ids = _as(self.prompt_ids, np.int32, "prompt_ids", 2)
@@ -108,6 +122,12 @@ class RolloutBatch:
             if nonfinite.size:
                 i = int(nonfinite[0])
                 raise ValueError(f"RolloutBatch.rewards[{i}] (sample {i}, group {int(self.group_ids[i])}) is {self.rewards[i]}")
+        if self.routed_experts is not None:
+            r = np.asarray(self.routed_experts)
+            if r.dtype.kind not in "iu" or r.ndim != 4 or r.shape[:2] != (n, self.prompt_ids.shape[1] + t):
+                raise ValueError(f"RolloutBatch.routed_experts must be an integer array [N, P + T, L, k] with "
+                                 f"[N, P + T] = {[n, self.prompt_ids.shape[1] + t]}, got {r.dtype} {r.shape}")
+            self.routed_experts = r
 
     @property
     def num_sequences(self) -> int:
@@ -160,6 +180,15 @@ class RolloutBatch:
             pad[1] = (width - x.shape[1], 0)
             return np.pad(x, pad)
 
+        routed = {b.routed_experts is None for b in batches}
+        if len(routed) != 1:
+            raise ValueError("RolloutBatch.concatenate: some batches have routed_experts and some do not")
+
+        def routing(b):  # prompt columns left-padded to p, completion columns right-padded to t
+            r, pb = b.routed_experts, b.prompt_ids.shape[1]
+            fill = lambda width: np.full((r.shape[0], width) + r.shape[2:], ROUTING_PAD, r.dtype)  # noqa: E731
+            return np.concatenate([fill(p - pb), r, fill(t - (r.shape[1] - pb))], axis=1)
+
         offset, gids = 0, []
         for b in batches:
             gids.append(b.group_ids + offset)
@@ -177,6 +206,7 @@ class RolloutBatch:
             group_ids=cat(gids),
             finish_reason=cat([b.finish_reason for b in batches]),
             rewards=None if batches[0].rewards is None else cat([b.rewards for b in batches]),
+            routed_experts=None if batches[0].routed_experts is None else cat([routing(b) for b in batches]),
         )
 
 
@@ -247,6 +277,8 @@ class StepBatch:
     weights_version    [B]           int32     sampler version of each row; the step ignores it,
                                                callbacks (the token-level analysis) read it
     ref_logprobs       [B, T]        float32   log pi_ref(y_t), only when rl.kl_beta > 0
+    routed_experts     [B, P+T,      int8/16/  the sampler's experts per token and layer, only
+                       L, k]         32        with model.moe_routing_replay (-1: own top-k)
     =================  ============  ========  ==========================================
     """
 
@@ -260,9 +292,11 @@ class StepBatch:
     advantages: object = None
     weights_version: object = None
     ref_logprobs: object = None
+    routed_experts: object = None
 
     @classmethod
-    def from_rollouts(cls, rb: RolloutBatch, advantages, *, prompt_len: int, completion_len: int) -> "StepBatch":
+    def from_rollouts(cls, rb: RolloutBatch, advantages, *, prompt_len: int, completion_len: int,
+                      routing: bool = False) -> "StepBatch":
         """Host step batch of a (scored) rollout batch, padded to static lengths.
 
         Args:
@@ -270,14 +304,24 @@ class StepBatch:
           advantages: ``[N]`` float32 group advantages.
           prompt_len: P >= the rollouts' prompt length (prompts are left-padded).
           completion_len: T >= the rollouts' completion length (right-padded).
+          routing: carry ``rb.routed_experts`` (routing replay), its prompt columns left-padded
+            to P and completion columns right-padded to T with `ROUTING_PAD`.
 
         Raises:
-          ValueError: a length shorter than the rollouts', or advantages not ``[N]``.
+          ValueError: a length shorter than the rollouts', advantages not ``[N]``, or ``routing``
+            with rollouts that have no ``routed_experts``.
         """
         advantages = np.asarray(advantages, np.float32)
         if advantages.shape != (rb.num_sequences,):
             raise ValueError(f"advantages has shape {advantages.shape}, expected ({rb.num_sequences},)")
         t = completion_len
+        routed = None
+        if routing:
+            if rb.routed_experts is None:
+                raise ValueError("routing replay needs rollouts with routed_experts (sampled with return_routing)")
+            pb = rb.prompt_ids.shape[1]
+            routed = np.concatenate([pad_axis(rb.routed_experts[:, :pb], prompt_len, 1, left=True, value=ROUTING_PAD),
+                                     pad_axis(rb.routed_experts[:, pb:], t, 1, value=ROUTING_PAD)], axis=1)
         return cls(
             prompt_ids=pad_axis(rb.prompt_ids, prompt_len, 1, left=True),
             prompt_mask=pad_axis(rb.prompt_mask, prompt_len, 1, left=True, value=False),
@@ -288,6 +332,7 @@ class StepBatch:
             topk_logprobs=pad_axis(rb.topk_logprobs, t, 1),
             advantages=advantages,
             weights_version=np.asarray(rb.weights_version, np.int32),
+            routed_experts=routed,
         )
 
     @property

@@ -77,7 +77,7 @@ def make_optimizer(learning_rate, *, weight_decay=0.0, b1=0.9, b2=0.999, max_gra
 
 
 def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                      return_aux: bool = False):
+                      return_aux: bool = False, routed_experts=None):
     """Logits predicting each completion token: [B,T,V] float32.
 
     Runs the model on concat(prompt, completion) and keeps the positions
@@ -85,16 +85,19 @@ def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids,
     With ``return_aux``, returns ``(logits, router_aux_loss)``: the unscaled router
     load-balancing loss (f32 scalar, transformers' ``load_balancing_loss_func`` over the
     real prompt and completion tokens) of a Qwen3-MoE model, None for a dense model.
+    ``routed_experts`` [B, P+T, L, k] int (routing replay, ``StepBatch.routed_experts``): the
+    experts each MoE layer runs per token (``Qwen3ForCausalLM``'s ``routed_experts``); None: its router's.
     """
     model = nnx.merge(graphdef, params)
     input_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
     attn = jnp.concatenate([prompt_mask, completion_mask], axis=1)
     p = prompt_ids.shape[1]
     t = completion_ids.shape[1]
+    replay = {} if routed_experts is None else dict(routed_experts=routed_experts)
     if return_aux and getattr(model.config, "is_moe", False):
-        logits_BxLxV, aux = model(input_ids, attention_mask=attn, return_aux=True)
+        logits_BxLxV, aux = model(input_ids, attention_mask=attn, return_aux=True, **replay)
         return logits_BxLxV[:, p - 1:p + t - 1].astype(jnp.float32), aux
-    logits_BxLxV = model(input_ids, attention_mask=attn)
+    logits_BxLxV = model(input_ids, attention_mask=attn, **replay)
     out = logits_BxLxV[:, p - 1:p + t - 1].astype(jnp.float32)
     return (out, None) if return_aux else out
 
@@ -120,7 +123,7 @@ def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_conf
 
     def terms_fn(params, batch: StepBatch, param_direction=None):
         logits, aux = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                        batch.completion_mask, return_aux=True)
+                                        batch.completion_mask, return_aux=True, routed_experts=batch.routed_experts)
         terms = policy_loss.token_terms(logits / loss_config.temperature, batch.completion_ids,
                                         batch.completion_mask, batch.topk_ids, batch.topk_logprobs,
                                         batch.behavior_logprobs, batch.advantages, tr_config, loss_config,
@@ -268,10 +271,11 @@ def make_token_divergence(graphdef, tr_config: trust_region.TrustRegionConfig,
     def divergence_fn(params, batch: StepBatch):
         if chunk > 0:
             h, head_fn = chunked_loss.completion_hidden_states(graphdef, params, batch.prompt_ids, batch.prompt_mask,
-                                                               batch.completion_ids, batch.completion_mask)
+                                                               batch.completion_ids, batch.completion_mask,
+                                                               routed_experts=batch.routed_experts)
             return chunked_loss.chunked_token_divergence(h, head_fn, batch, tr_config, tau, chunk)
         logits = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                   batch.completion_mask) / tau
+                                   batch.completion_mask, routed_experts=batch.routed_experts) / tau
         safe = trust_region.sanitize_inputs(logits, batch.completion_ids, batch.topk_ids, batch.topk_logprobs,
                                             batch.behavior_logprobs, batch.completion_mask)
         return trust_region.DIVERGENCE_FNS[tr_config.divergence](*safe)
@@ -353,7 +357,7 @@ def make_logprob_fn(graphdef, temperature: float) -> Callable:
 
     def f(params, batch: StepBatch):
         logits = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                   batch.completion_mask) / temperature
+                                   batch.completion_mask, routed_experts=batch.routed_experts) / temperature
         return trust_region.token_logprobs(logits, batch.completion_ids)
 
     return f

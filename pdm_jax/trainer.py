@@ -41,8 +41,8 @@ from tqdm.auto import tqdm
 from pdm_jax import evaluation, objectives, per_host, train_step as ts, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
-from pdm_jax.config import (compute_options, model_config_from_fields, parse_stop_token_ids, step_configs,
-                            validate_config)
+from pdm_jax.config import (check_routing_replay_model, compute_options, model_config_from_fields,
+                            parse_stop_token_ids, step_configs, validate_config)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary
@@ -133,6 +133,8 @@ class Trainer:
         self.mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
         self._setup_per_host()
         self.model_config, model = self._setup_model()
+        check_routing_replay_model(config, self.model_config)  # a dense hf_path checkpoint
+        self._replay = bool(config.model.get("moe_routing_replay", False))  # rollouts carry routed_experts
         context = config.sampler.max_prompt_length + config.rl.max_new_tokens
         if context > self.model_config.max_position_embeddings:
             raise ValueError(f"rl.max_new_tokens = {config.rl.max_new_tokens}: sampler.max_prompt_length + "
@@ -370,6 +372,7 @@ class Trainer:
         rb = self.sampler.generate(
             prompts[lo:hi], n=rl.group_size, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
             top_k_logprobs=rl.top_k_logprobs, stop_token_ids=list(self.codec.stop_ids),
+            **(dict(return_routing=True) if self._replay else {}),
             seed=int(self.config.seed) * 1_000_003 + step, **(dict(first_prompt_index=lo) if lo else {}))
         seconds = time.time() - t0
         self.rollout_counts["prompts"] += hi - lo
@@ -384,7 +387,7 @@ class Trainer:
         width = rb.prompt_ids.shape[1]  # per host: the step's longest prompt over all processes
         width = int(per_host.gather_max(width)) if self.per_host else width
         batch = StepBatch.from_rollouts(rb, adv, prompt_len=round_up(width, 8),
-                                        completion_len=rl.max_new_tokens)
+                                        completion_len=rl.max_new_tokens, routing=self._replay)
         if self.per_host:  # this process's rows -> the global device batch (pdm_jax.per_host)
             batch = per_host.assemble(batch, self.mesh)
         if ref is not None:

@@ -65,15 +65,23 @@ def route_replayed(router_logits_NxE: Array, experts_NxK: Array, norm_topk_prob:
     ``norm_topk_prob``), as ``route`` would weight its own top-k. Gradients reach the router
     through the weights; the expert choice is not differentiable either way.
 
+    A row holding a negative id (no recorded routing: the rollout engine's padding and the
+    last completion token, which it never feeds through the model) gets this router's own
+    top-k instead, i.e. exactly ``route``'s experts and weights.
+
     Args:
       router_logits_NxE: [N, E] router logits.
-      experts_NxK: [N, K] int expert ids in [0, E) (out-of-range ids are clipped).
+      experts_NxK: [N, K] int expert ids in [0, E) (ids >= E are clipped), or a row with a
+        negative id: the router's own top-k.
       norm_topk_prob: divide the K weights by their sum.
     Returns:
       (weights [N, K] f32, experts [N, K] int32, probs [N, E] f32), as ``route``.
     """
     probs_NxE = jax.nn.softmax(router_logits_NxE.astype(jnp.float32), axis=-1)
-    experts_NxK = jnp.clip(experts_NxK.astype(jnp.int32), 0, probs_NxE.shape[-1] - 1)
+    experts_NxK = experts_NxK.astype(jnp.int32)
+    own_NxK = jax.lax.top_k(probs_NxE, experts_NxK.shape[-1])[1].astype(jnp.int32)
+    experts_NxK = jnp.where(jnp.any(experts_NxK < 0, axis=-1, keepdims=True), own_NxK, experts_NxK)
+    experts_NxK = jnp.clip(experts_NxK, 0, probs_NxE.shape[-1] - 1)
     weights_NxK = jnp.take_along_axis(probs_NxE, experts_NxK, axis=-1)
     if norm_topk_prob:
         weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)

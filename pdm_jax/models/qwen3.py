@@ -959,7 +959,8 @@ class Qwen3ForCausalLM(nnx.Module):
         Routing replay (MoE only): ``routed_experts`` [B, T, L, k] int (k =
         ``num_experts_per_tok``) makes layer l at position t run experts
         ``routed_experts[:, t, l]`` instead of its router's top-k, weighted by its router's
-        f32 softmax over them (renormalised when ``norm_topk_prob``; ``moe.route_replayed``).
+        f32 softmax over them (renormalised when ``norm_topk_prob``; ``moe.route_replayed``);
+        an entry with a negative id (no recorded routing) runs the router's own top-k there.
         ``return_routing`` also returns the experts each layer ran, [B, T, L, k] int32 (last
         in the returned tuple): replaying them reproduces this forward.
 
@@ -1055,7 +1056,7 @@ class Qwen3ForCausalLM(nnx.Module):
                        v=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)))
 
     def decode(self, input_ids: Array, positions: Array, cache: KVCache, cache_index: Array,
-               kv_mask: Array) -> tuple[Array, KVCache]:
+               kv_mask: Array, *, return_routing: bool = False) -> tuple:
         """Incremental forward through the KV cache (prefill or one-token decode).
 
         Args:
@@ -1068,7 +1069,9 @@ class Qwen3ForCausalLM(nnx.Module):
         Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and
         s <= cache_index + t (cache_index[b] + t per row).
         Returns:
-          (logits [B, T, V] float32, updated KVCache).
+          (logits [B, T, V] float32, updated KVCache); with ``return_routing`` (MoE only) a third
+          element, the experts each layer ran for these tokens, [B, T, L, k] int32 (the rollout
+          engine's routing for routing replay, ``hidden_states``' ``routed_experts``).
         The layers run in a Python loop over static slices of the stacked parameters (not
         under ``lax.scan``): the cache is one array per layer, which XLA updates in place
         and reads without copies (see ``KVCache``); a scan would carry a stacked cache and
@@ -1111,14 +1114,19 @@ class Qwen3ForCausalLM(nnx.Module):
         mask_BxTxS = causal_BxTxS & kv_mask.astype(bool)[:, None, :]
         x_BxTxD = self._embed(input_ids_BxT)
         graphdef, layers_state = nnx.split(self.layers)
-        ks, vs = [], []
+        if return_routing and not c.is_moe:
+            raise ValueError("decode: return_routing needs a MoE model (num_experts > 0)")
+        ks, vs, routed = [], [], []
         for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
             layer = nnx.merge(graphdef, layer_slice(layers_state, i))
-            x_BxTxD, (k, v), _ = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index,
-                                       moe_implementation=self.moe_implementation)
+            x_BxTxD, (k, v), stats = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index,
+                                           moe_implementation=self.moe_implementation)
             ks.append(k)
             vs.append(v)
-        return self._logits(x_BxTxD), KVCache(k=tuple(ks), v=tuple(vs))
+            if return_routing:
+                routed.append(stats[3])
+        out = (self._logits(x_BxTxD), KVCache(k=tuple(ks), v=tuple(vs)))
+        return out + (jnp.stack(routed, axis=2),) if return_routing else out
 
 
 def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,

@@ -132,7 +132,7 @@ class SamplerClient:
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
                  max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
                  stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
-                 top_k: int = 0, first_prompt_index: int = 0) -> RolloutBatch:
+                 top_k: int = 0, first_prompt_index: int = 0, return_routing: bool = False) -> RolloutBatch:
         """``POST /v1/generate``; same arguments and result as `SamplingEngine.generate`.
 
         Raises:
@@ -146,6 +146,7 @@ class SamplerClient:
                       first_prompt_index=int(first_prompt_index))
         if max_new_tokens is None:
             max_new_tokens = self.health().get(wire.MAX_NEW_TOKENS, wire.DEFAULT_MAX_TOKENS)
-        request = wire.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens), **fields)
+        request = wire.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens),
+                                       return_routing=bool(return_routing), **fields)
         body = self._request("POST", "/v1/generate", request.to_wire())
         return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs)).batch

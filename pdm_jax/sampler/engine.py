@@ -76,7 +76,7 @@ from flax import nnx
 
 from pdm_jax import sharding as shd
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import ROUTING_PAD, RolloutBatch, routing_dtype
 from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
@@ -181,6 +181,24 @@ def _laid_out(cache):
                        v=tuple(shd.constrain(v, shd.KV_CACHE_V_AXES) for v in cache.v))
 
 
+def _routing_buffer(model, prefill_routed: list, rows: int, width: int):
+    """The ``routed`` output [rows, width, L, k] (`rollout.routing_dtype`, `ROUTING_PAD` where no token is
+    fed) holding the prefill's routing ``prefill_routed[0]`` [rows, P, L, k] in its first P columns; None
+    when ``prefill_routed`` is empty (no routing requested)."""
+    if not prefill_routed:
+        return None
+    r = prefill_routed[0].astype(routing_dtype(model.config.num_experts))
+    return jax.lax.dynamic_update_slice(jnp.full((rows, width) + r.shape[2:], ROUTING_PAD, r.dtype), r, (0, 0, 0, 0))
+
+
+def _put_routing(routed, step_routed: list, column):
+    """``routed`` with a decode step's routing ``step_routed[0]`` [B, 1, L, k] written at ``column`` of every
+    row (static batching: all rows at one index); unchanged when there is no routing."""
+    if routed is None:
+        return routed
+    return jax.lax.dynamic_update_slice(routed, step_routed[0].astype(routed.dtype), (0, column, 0, 0))
+
+
 def cache_segments(num_new: int, first_segment: int) -> list:
     """Ends of the decode segments: first_segment, 2*first_segment, ... < num_new, then num_new."""
     ends, e = [], max(int(first_segment), 1)
@@ -192,8 +210,17 @@ def cache_segments(num_new: int, first_segment: int) -> list:
 
 def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx2, prompt_idx_B, sample_idx_B,
                       temperature_B, top_p_B, top_k_B, max_new_B, stop_ids_BxS, *, num_new: int, k_logprobs: int,
-                      cache_dtype, first_segment: int, group: int = 1):
+                      cache_dtype, first_segment: int, group: int = 1, routing: bool = False):
     """The jitted prefill + while-loop decode for one (B, P, T=num_new, K) bucket.
+
+    ``routing`` (MoE models, routing replay): also return ``routed`` [B, P + num_new, L, k]
+    (`rollout.routing_dtype`): the experts every layer ran for prompt slot s < P (from the
+    prefill) and for generated token t at column P + t (from the decode step that feeds it);
+    `rollout.ROUTING_PAD` where no token was fed (a row's last token).
+
+    Long on purpose: one traced program whose prefill, cache segments and decode loops share
+    one carry (tokens, cache, per-row state, outputs, routing); split into module functions
+    they would pass all of it each way.
 
     Shared prefill (``group`` = g > 1): rows ``g*u .. g*u + g-1`` hold the same prompt
     (the caller guarantees it), so only rows ``0, g, 2g, ...`` are prefilled ([B/g, P]
@@ -213,16 +240,19 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
     positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
     kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.ones((b, num_new), bool)], axis=-1)
+    rkw = dict(return_routing=True) if routing else {}
     if group > 1:
         cache_u = model.init_cache(b // group, p + ends[0], dtype=cache_dtype)
-        logits_UxPxV, cache_u = model.decode(prompt_ids_BxP[::group], positions_BxP[::group], cache_u,
-                                             jnp.int32(0), kv_mask_BxS[::group, :p + ends[0]])
+        logits_UxPxV, cache_u, *routed_u = model.decode(prompt_ids_BxP[::group], positions_BxP[::group], cache_u,
+                                                        jnp.int32(0), kv_mask_BxS[::group, :p + ends[0]], **rkw)
+        prefill_routed = [jnp.repeat(r, group, axis=0) for r in routed_u]
         cache = _laid_out(jax.tree.map(lambda a: jnp.repeat(a, group, axis=0), cache_u))
         last_logits_BxV = jnp.repeat(logits_UxPxV[:, -1, :], group, axis=0)
     else:
-        logits_BxPxV, cache = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0),
-                                           kv_mask_BxS[:, :p + ends[0]])
+        logits_BxPxV, cache, *prefill_routed = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0),
+                                                            kv_mask_BxS[:, :p + ends[0]], **rkw)
         last_logits_BxV = logits_BxPxV[:, -1, :]
+    routed = _routing_buffer(model, prefill_routed, b, p + num_new)  # None without routing
 
     def row_key(seed_2, i, j):
         key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
@@ -255,7 +285,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
         (tokens_BxT, logp_BxT, topk_ids_BxTxK, topk_lp_BxTxK), jnp.int32(0), done0_B,
         jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), last_logits_BxV)
 
-    carry = (jnp.int32(1), tok_B, cache, done_B, length_B, stopped_B, outs)
+    carry = (jnp.int32(1), tok_B, cache, done_B, length_B, stopped_B, outs, routed)
     prev_end = ends[0]
     for end in ends:
         if end > prev_end:  # grow the cache: zero slots p+prev_end .. p+end-1 (masked until written)
@@ -270,29 +300,30 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
             return (t < end) & ~jnp.all(done)
 
         def body(c, kv_mask_seg=kv_mask_seg):
-            t, prev_B, cache, done, length, stopped, outs = c
+            t, prev_B, cache, done, length, stopped, outs, routed = c
             pos_Bx1 = (prompt_len_B + t - 1)[:, None]
-            logits_Bx1xV, cache = model.decode(prev_B[:, None], pos_Bx1, cache, (p + t - 1).astype(jnp.int32),
-                                               kv_mask_seg)
+            logits_Bx1xV, cache, *step_routed = model.decode(prev_B[:, None], pos_Bx1, cache,
+                                                             (p + t - 1).astype(jnp.int32), kv_mask_seg, **rkw)
+            routed = _put_routing(routed, step_routed, p + t - 1)  # token t - 1 was fed now
             cache = _laid_out(cache)
             outs, tok, done, length, stopped = record(outs, t, done, length, stopped, logits_Bx1xV[:, 0, :])
-            return t + 1, tok, cache, done, length, stopped, outs
+            return t + 1, tok, cache, done, length, stopped, outs, routed
 
         carry = jax.lax.while_loop(cond, body, carry)
-    t_final, _, _, _, length_B, stopped_B, outs = carry
+    t_final, _, _, _, length_B, stopped_B, outs, routed = carry
     tokens_BxT, logp_BxT, topk_ids_BxTxK, topk_lp_BxTxK = outs
     return dict(tokens=tokens_BxT, logp=logp_BxT, topk_ids=topk_ids_BxTxK, topk_logp=topk_lp_BxTxK,
-                length=length_B, stopped=stopped_B, steps=t_final)
+                length=length_B, stopped=stopped_B, steps=t_final, **({} if routed is None else dict(routed=routed)))
 
 
 # One module-level jit: engines with equal configs (equal graphdefs) share compiled buckets.
 _GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
-                        static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment", "group"))
+                        static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment", "group", "routing"))
 
 
 def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
                         temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
-                        k_logprobs: int, cache_dtype):
+                        k_logprobs: int, cache_dtype, routing: bool = False):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
 
     Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
@@ -320,7 +351,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
 
     Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
     `_generate_program`, so rows get the same samples whichever slot or step runs them.
-    Returns the same dict as `_generate_program` (``steps``: decode steps run).
+    Returns the same dict as `_generate_program` (``steps``: decode steps run; with ``routing``
+    ``routed`` [N, P + num_new, L, k]: a row's prompt routing copied from its prompt's prefill at
+    admission, token t's written by the step that feeds it).
 
     Long on purpose: one traced program whose admission, decode and tail loops close over the
     same prefilled prompt store, outputs and per-request scalars; split into module functions
@@ -332,7 +365,8 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     s = p + num_new
     positions_UxP = jnp.maximum(jnp.cumsum(prompt_mask_UxP, axis=-1) - 1, 0).astype(jnp.int32)
     store = model.init_cache(u, p, dtype=cache_dtype)
-    logits_UxPxV, store = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0), prompt_mask_UxP)
+    logits_UxPxV, store, *store_routed = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0),
+                                                      prompt_mask_UxP, **(dict(return_routing=True) if routing else {}))
     last_UxV = logits_UxPxV[:, -1, :]
     prompt_len_U = jnp.sum(prompt_mask_UxP, axis=-1).astype(jnp.int32)
     base_key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
@@ -349,11 +383,14 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                 topk_ids=jnp.zeros((n_pad, num_new, k_logprobs), jnp.int32),
                 topk_logp=jnp.zeros((n_pad, num_new, k_logprobs), jnp.float32),
                 length=jnp.zeros((n_pad,), jnp.int32), stopped=jnp.zeros((n_pad,), bool))
+    if routing:  # [N, P + num_new, L, k] (see `_generate_program`)
+        store_routed = store_routed[0].astype(routing_dtype(model.config.num_experts))
+        outs["routed"] = jnp.full((n_pad, s) + store_routed.shape[2:], ROUTING_PAD, store_routed.dtype)
 
     def record(outs, rows_B, t_B, tok_B, lp_B, ids_BxK, lps_BxK, stop_B):
         """Token t_B[b] of row rows_B[b] (a row index >= n_pad is dropped)."""
         at = dict(mode="drop")
-        return dict(tokens=outs["tokens"].at[rows_B, t_B].set(tok_B, **at),
+        return dict(outs, tokens=outs["tokens"].at[rows_B, t_B].set(tok_B, **at),
                     logp=outs["logp"].at[rows_B, t_B].set(lp_B, **at),
                     topk_ids=outs["topk_ids"].at[rows_B, t_B].set(ids_BxK, **at),
                     topk_logp=outs["topk_logp"].at[rows_B, t_B].set(lps_BxK, **at),
@@ -388,6 +425,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         tok, lp, ids, lps = sample1(jax.lax.dynamic_slice_in_dim(last_UxV, i, 1, axis=0), key[None], zero)
         stop = is_stop(tok)
         outs = record(c["outs"], r[None], zero[None], tok, lp, ids, lps, stop)
+        if routing:  # the row's prompt routing, from its prompt's prefill
+            outs["routed"] = jax.lax.dynamic_update_slice(
+                outs["routed"], jax.lax.dynamic_slice_in_dim(store_routed, i, 1, axis=0), (r, zero, zero, zero))
         live = ~(stop[0] | (max_new_N[r] <= 1))
         sl = c["slot"]
         sl = dict(row=sl["row"].at[b].set(r), t=sl["t"].at[b].set(1), live=sl["live"].at[b].set(live),
@@ -403,13 +443,17 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         t_B = sl["t"]
         b = t_B.shape[0]
         index_B = jnp.minimum(p + t_B - 1, s - 1)  # free slots: any in-range slot (their row is never read)
-        logits_Bx1xV, cache = model.decode(sl["prev"][:, None], (sl["plen"] + t_B - 1)[:, None], c["cache"],
-                                           index_B, c["kv_mask"])
+        logits_Bx1xV, cache, *step_routed = model.decode(
+            sl["prev"][:, None], (sl["plen"] + t_B - 1)[:, None], c["cache"], index_B, c["kv_mask"],
+            **(dict(return_routing=True) if routing else {}))
         cache = _laid_out(cache)
         tok, lp, ids, lps = _sample_step(logits_Bx1xV[:, 0, :], sl["key"], t_B, **params_for(b))
         stop = is_stop(tok)
         rows_B = jnp.where(sl["live"], sl["row"], n_pad)
         outs = record(c["outs"], rows_B, jnp.minimum(t_B, num_new - 1), tok, lp, ids, lps, stop)
+        if routing:  # token t - 1 of each live row was fed now: column P + t - 1
+            outs["routed"] = outs["routed"].at[rows_B, p + t_B - 1].set(
+                step_routed[0][:, 0].astype(outs["routed"].dtype), mode="drop")
         done = stop | (t_B + 1 >= sl["max_new"])
         sl = dict(sl, t=jnp.where(sl["live"], t_B + 1, t_B), live=sl["live"] & ~done,
                   prev=jnp.where(sl["live"], tok, sl["prev"]))
@@ -445,7 +489,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
 _TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor ...
 _TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 decode loops per program
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
-                          static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype"))
+                          static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing"))
 BATCHING_MODES = ("static", "continuous")
 
 
@@ -714,20 +758,24 @@ class SamplingEngine:
 
     # -------------------------------------------------------------- generation
     def validate(self, prompts, *, n=1, temperature=1.0, max_new_tokens=None, top_k_logprobs=20,
-                 stop_token_ids=(), seed=None, top_p=1.0, top_k=0, first_prompt_index=0) -> list:
-        """`validate_request` against this engine's limits (raises RequestError)."""
+                 stop_token_ids=(), seed=None, top_p=1.0, top_k=0, first_prompt_index=0, return_routing=False) -> list:
+        """`validate_request` against this engine's limits (raises RequestError; ``return_routing``
+        from a dense model is refused naming ``return_routing``)."""
+        if return_routing and not self.config.is_moe:
+            raise RequestError(wire.RETURN_ROUTING, "the served model is dense (num_experts = 0): it has no "
+                                                    "expert routing to return")
         return validate_request(
             prompts, n=n, temperature=temperature,
             max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
             top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed, top_p=top_p, top_k=top_k,
             vocab_size=self.config.vocab_size, max_prompt_length=self.max_prompt_length,
             max_new_tokens_limit=self.max_new_tokens, max_stop_tokens=self.max_stop_tokens,
-            max_sequences=self.max_sequences, first_prompt_index=first_prompt_index)
+            max_sequences=self.max_sequences, first_prompt_index=first_prompt_index, return_routing=return_routing)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
                  max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
                  stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
-                 top_k: int = 0, first_prompt_index: int = 0) -> RolloutBatch:
+                 top_k: int = 0, first_prompt_index: int = 0, return_routing: bool = False) -> RolloutBatch:
         """Samples `n` completions per prompt; returns a RolloutBatch (rows prompt-major).
 
         Args:
@@ -741,6 +789,9 @@ class SamplingEngine:
           top_p, top_k: nucleus / top-k filters (off: 1.0 / 0).
           first_prompt_index: f >= 0: prompt i draws with the key of prompt f + i (module docstring);
             group_ids stay 0..len(prompts)-1.
+          return_routing: MoE models only: also return ``routed_experts`` [N, P + T, L, k]
+            (`rollout.routing_dtype`), the experts each layer ran for every prompt and completion
+            token (routing replay, `RolloutBatch`); the tokens are the same either way.
         Returns:
           RolloutBatch with T = the longest completion; pads are id 0, logprob 0.
         Raises:
@@ -748,7 +799,8 @@ class SamplingEngine:
         """
         prompts = self.validate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
                                 top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed,
-                                top_p=top_p, top_k=top_k, first_prompt_index=first_prompt_index)
+                                top_p=top_p, top_k=top_k, first_prompt_index=first_prompt_index, return_routing=return_routing)
+        routing = bool(return_routing)
         max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         seed = secrets.randbelow(MAX_SEED + 1) if seed is None else int(seed)
         rows = [(i, j) for i in range(len(prompts)) for j in range(int(n))]
@@ -758,7 +810,7 @@ class SamplingEngine:
             if self.batching == "continuous":
                 part = self._run_continuous(state, prompts, rows, temperature=float(temperature), top_p=float(top_p),
                                             top_k=int(top_k), max_new=max_new, k=int(top_k_logprobs),
-                                            stops=list(stop_token_ids or ()), seed=seed, key_offset=key_offset)
+                                            stops=list(stop_token_ids or ()), seed=seed, routing=routing, key_offset=key_offset)
                 return self._to_batch(prompts, rows, [part], version)
             parts = []
             for start in range(0, len(rows), self.max_batch_size):
@@ -766,7 +818,7 @@ class SamplingEngine:
                 parts.append(self._run_chunk(state, prompts, chunk, temperature=float(temperature),
                                              top_p=float(top_p), top_k=int(top_k), max_new=max_new,
                                              k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed,
-                                             n=int(n), key_offset=key_offset))
+                                             n=int(n), routing=routing, key_offset=key_offset))
         return self._to_batch(prompts, rows, parts, version)
 
     def _layout(self):
@@ -781,7 +833,7 @@ class SamplingEngine:
             self.program_shapes.add(key)
             log.info("sampler: %d distinct generate programs; new: %s", len(self.program_shapes), key)
 
-    def _run_continuous(self, state, prompts, rows, *, temperature, top_p, top_k, max_new, k, stops, seed,
+    def _run_continuous(self, state, prompts, rows, *, temperature, top_p, top_k, max_new, k, stops, seed, routing=False,
                         row_max_new=None, key_offset=0):
         """The whole request through `_continuous_program`; returns `_run_chunk`'s dict for all rows.
 
@@ -821,20 +873,20 @@ class SamplingEngine:
         per_row = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, n_pad - n_rows))  # noqa: E731
         stop_arr = np.full((self.max_stop_tokens,), -1, np.int32)
         stop_arr[:len(stops)] = stops
-        self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)))
+        self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)) + ("routing",) * routing)
         with self._layout():
             out = _CONTINUOUS_JIT(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
                 jnp.asarray(per_row([key_offset + i for i, _ in rows], np.uint32)), jnp.asarray(per_row([j for _, j in rows], np.uint32)),
                 jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
                 jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
-                jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k,
+                jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
                 cache_dtype=self.compute_dtype)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
 
-    def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, n=1,
+    def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, routing=False, n=1,
                    key_offset=0):
         n_rows = len(chunk)
         b = _bucket(n_rows, self.row_shards, self.max_batch_size)
@@ -866,7 +918,7 @@ class SamplingEngine:
         max_new_b[:n_rows] = max_new
         stop_arr = np.full((b, self.max_stop_tokens), -1, np.int32)
         stop_arr[:, :len(stops)] = stops
-        self._note_program(("static", b, p, t, k, group, self.first_cache_segment, str(self.compute_dtype)))
+        self._note_program(("static", b, p, t, k, group, self.first_cache_segment, str(self.compute_dtype)) + ("routing",) * routing)
         with self._layout():
             out = self._program(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
@@ -874,7 +926,7 @@ class SamplingEngine:
                 jnp.asarray(prompt_idx), jnp.asarray(sample_idx), jnp.full((b,), temperature, jnp.float32),
                 jnp.full((b,), top_p, jnp.float32), jnp.full((b,), top_k, jnp.int32), jnp.asarray(max_new_b),
                 jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype,
-                first_segment=self.first_cache_segment, group=group)
+                first_segment=self.first_cache_segment, group=group, routing=routing)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
@@ -897,12 +949,29 @@ class SamplingEngine:
         for r, (i, _) in enumerate(rows):
             prompt_ids[r, p_out - len(prompts[i]):] = prompts[i]
             prompt_mask[r, p_out - len(prompts[i]):] = True
+        routed = None
+        if "routed" in cat:
+            routed = np.concatenate([_routing_rows(r, x.shape[1], p_out, t_out)
+                                     for r, x in zip(cat["routed"], cat["tokens"])])
+            # only tokens the sampler fed through the model have routing: not pads, not a row's last token
+            fed = np.concatenate([prompt_mask, np.arange(t_out)[None, :] < length[:, None] - 1], axis=1)
+            routed = np.where(fed[:, :, None, None], routed, ROUTING_PAD).astype(routed.dtype)
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens, completion_mask=comp_mask,
             behavior_logprobs=logp, topk_ids=tk_ids, topk_logprobs=tk_lp,
             weights_version=np.full((len(rows),), version, np.int32),
             group_ids=np.array([i for i, _ in rows], np.int32),
-            finish_reason=np.array(["stop" if s else "length" for s in stopped], dtype=object))
+            finish_reason=np.array(["stop" if s else "length" for s in stopped], dtype=object),
+            routed_experts=routed)
+
+
+def _routing_rows(routed, t_bucket: int, p_out: int, t_out: int) -> np.ndarray:
+    """A program's ``routed`` [n, P_bucket + T_bucket, L, k] -> [n, p_out + t_out, L, k]: its prompt
+    columns cut (or left-padded with `ROUTING_PAD`) to the last p_out, its completion columns to t_out."""
+    p_bucket = routed.shape[1] - t_bucket
+    prompt = routed[:, max(p_bucket - p_out, 0):p_bucket]
+    prompt = np.pad(prompt, [(0, 0), (p_out - prompt.shape[1], 0), (0, 0), (0, 0)], constant_values=ROUTING_PAD)
+    return np.concatenate([prompt, routed[:, p_bucket:p_bucket + t_out]], axis=1)
 
 
 class InProcessSampler:

@@ -22,13 +22,19 @@ Request (``POST /v1/generate``, shaped after vLLM's completions API with token i
     of the request is prompt f + i of a larger batch, whose index keys its samples' random draws, so
     a process sampling its share of an RL step's prompts gets the tokens the whole batch would)
 
+    ``"return_routing": true`` (optional; MoE models only, else 422 naming it) asks for each
+    choice's ``"routed_experts"`` (routing replay).
+
 Response::
 
     {"object": "text_completion", "model": str, "weights_version": int,
      "choices": [{"index": r, "prompt_index": i, "token_ids": [T_r ints],
                   "logprobs": [T_r floats]                      (log mu of the sampled ids),
                   "top_logprobs": {"ids": [T_r x K ints], "logprobs": [T_r x K floats]},
-                  "finish_reason": "stop" | "length", "weights_version": int}, ...],
+                  "finish_reason": "stop" | "length", "weights_version": int,
+                  "routed_experts": [P_i + T_r x L x k ints]    (only with return_routing: the
+                      experts each layer ran for prompt i's P_i tokens and the choice's T_r tokens,
+                      -1 on its last token, which the sampler never fed)}, ...],
      "usage": {"prompt_tokens": int, "completion_tokens": int}}
     (prompt_tokens counts each prompt once, as vLLM does, whatever n is)
 
@@ -77,7 +83,7 @@ JSON = "application/json"
 MSGPACK = "application/msgpack"
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 ND_KEY = "__nd__"
-_DTYPES = {"float32": "<f4", "int32": "<i4", "bool": "|b1", "float64": "<f8", "int64": "<i8"}
+_DTYPES = {"float32": "<f4", "int32": "<i4", "int8": "|i1", "int16": "<i2", "bool": "|b1", "float64": "<f8", "int64": "<i8"}
 ND_FIELDS = frozenset({ND_KEY, "dtype", "shape", "data"})
 MAX_DEPTH = 32  # most nesting levels of lists/maps in a body (requests need 3, responses 6)
 MAX_NDIM = 32  # most dimensions of a packed array
@@ -96,11 +102,13 @@ STOP_TOKEN_IDS = "stop_token_ids"
 MAX_STOP_TOKEN_IDS = 8
 LOGPROBS = "logprobs"  # Python: top_k_logprobs (also the per-choice sampled log mu in the response)
 SEED = "seed"
+RETURN_ROUTING = "return_routing"  # Python: return_routing (MoE routing replay)
+ROUTED_EXPERTS = "routed_experts"  # per choice: [P_i + T_r, L, k] int, RolloutBatch.routed_experts
 FIRST_PROMPT_INDEX = "first_prompt_index"  # per-host rollouts: the request's prompts start at this index
 MODEL = "model"  # accepted and ignored in a request; the model's name in responses and /health
 STREAM = "stream"  # only false/absent is accepted
 GENERATE_FIELDS = frozenset({PROMPT, N, TEMPERATURE, TOP_P, TOP_K, MAX_TOKENS, STOP_TOKEN_IDS, LOGPROBS, SEED,
-                             FIRST_PROMPT_INDEX, MODEL, STREAM})
+                             FIRST_PROMPT_INDEX, RETURN_ROUTING, MODEL, STREAM})
 DEFAULT_MAX_TOKENS = 16  # max_tokens when a request omits it (vLLM's default)
 
 # POST /v1/generate response
@@ -490,6 +498,7 @@ class GenerateRequest:
       top_k_logprobs: K, wire ``logprobs`` (null/absent = 0).
       stop_token_ids: ids that end a sequence.
       seed: int or None.
+      return_routing: also return each choice's routed experts (MoE routing replay).
       first_prompt_index: the index of the request's first prompt in a larger batch (keys the
         samples' random draws; 0 = the request is the whole batch).
 
@@ -506,6 +515,7 @@ class GenerateRequest:
     seed: Any = None
     top_p: Any = 1.0
     top_k: Any = 0
+    return_routing: Any = False
     first_prompt_index: Any = 0
 
     @classmethod
@@ -540,7 +550,7 @@ class GenerateRequest:
         return cls(prompts=_normalise_prompts(body[PROMPT]), n=body.get(N, 1),
                    temperature=body.get(TEMPERATURE, 1.0), max_new_tokens=body.get(MAX_TOKENS, DEFAULT_MAX_TOKENS),
                    top_k_logprobs=0 if logprobs is None else logprobs, stop_token_ids=stops, seed=body.get(SEED),
-                   top_p=body.get(TOP_P, 1.0), top_k=0 if _is_int(top_k) and top_k == -1 else top_k,
+                   top_p=body.get(TOP_P, 1.0), top_k=0 if _is_int(top_k) and top_k == -1 else top_k, return_routing=body.get(RETURN_ROUTING, False),
                    first_prompt_index=body.get(FIRST_PROMPT_INDEX, 0))
 
     def to_wire(self) -> dict:
@@ -549,6 +559,8 @@ class GenerateRequest:
         body = {PROMPT: [list(p) for p in self.prompts], N: self.n, TEMPERATURE: self.temperature,
                 TOP_P: self.top_p, TOP_K: self.top_k, LOGPROBS: self.top_k_logprobs,
                 STOP_TOKEN_IDS: list(self.stop_token_ids), SEED: self.seed, MAX_TOKENS: self.max_new_tokens}
+        if self.return_routing is not False:  # only when asked: other requests' bodies are unchanged
+            body[RETURN_ROUTING] = self.return_routing
         if self.first_prompt_index != 0:
             body[FIRST_PROMPT_INDEX] = self.first_prompt_index
         return body
@@ -559,7 +571,8 @@ class GenerateRequest:
         offset = {} if self.first_prompt_index == 0 else dict(first_prompt_index=self.first_prompt_index)
         return dict(n=self.n, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                     top_k_logprobs=self.top_k_logprobs, stop_token_ids=self.stop_token_ids, seed=self.seed,
-                    top_p=self.top_p, top_k=self.top_k, **offset)
+                    top_p=self.top_p, top_k=self.top_k, **offset,
+                    **({} if self.return_routing is False else dict(return_routing=self.return_routing)))
 
     @property
     def prompt_tokens(self) -> int:
@@ -626,7 +639,8 @@ def _validate_prompts(prompts, *, vocab_size: int, max_prompt_length: int) -> li
 
 def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs, stop_token_ids, seed,
                      top_p, top_k, vocab_size: int, max_prompt_length: int, max_new_tokens_limit: int,
-                     max_stop_tokens: int, max_sequences: int = 4096, first_prompt_index=0) -> list:
+                     max_stop_tokens: int, max_sequences: int = 4096, first_prompt_index=0,
+                     return_routing=False) -> list:
     """Checks a generation request (Python argument names); returns the prompts as a list of int lists.
 
     Raises:
@@ -640,11 +654,14 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
         max_new_tokens outside [1, max_new_tokens_limit] (``max_tokens``),
         top_k_logprobs outside [0, vocab_size] (``logprobs``), more than
         `max_stop_tokens` stop ids or ids outside the vocabulary
-        (``stop_token_ids``), a seed outside [0, 2**63) (``seed``), a first prompt index
+        (``stop_token_ids``), a seed outside [0, 2**63) (``seed``), return_routing not a
+        bool (``return_routing``), a first prompt index
         that is not an integer >= 0 or puts the last prompt's index at 2**32 or more
         (``first_prompt_index``: the engine keys draws by a uint32 prompt index).
     """
     out = _validate_prompts(prompts, vocab_size=vocab_size, max_prompt_length=max_prompt_length)
+    if not isinstance(return_routing, (bool, np.bool_)):
+        raise RequestError(RETURN_ROUTING, f"must be true or false, got {_kind(return_routing)}")
     if not _is_int(n) or n <= 0:
         raise RequestError(N, f"must be an integer >= 1, got {_kind(n)}")
     if len(out) * int(n) > max_sequences:
@@ -714,10 +731,15 @@ class GenerateResponse:
         """
         b = self.batch
         lengths = b.completion_mask.sum(axis=1)
+        p_out, plen = b.prompt_ids.shape[1], b.prompt_mask.sum(axis=1)
         choices = []
         for r in range(b.num_sequences):
             t = int(lengths[r])
-            choices.append({
+            if b.routed_experts is not None:  # the row's real prompt tokens and its completion
+                choices.append({ROUTED_EXPERTS: b.routed_experts[r, p_out - int(plen[r]):p_out + t]})
+            else:
+                choices.append({})
+            choices[-1].update({
                 INDEX: r, PROMPT_INDEX: int(b.group_ids[r]),
                 TOKEN_IDS: b.completion_ids[r, :t], LOGPROBS: b.behavior_logprobs[r, :t],
                 TOP_LOGPROBS: {IDS: b.topk_ids[r, :t], LOGPROBS: b.topk_logprobs[r, :t]},
@@ -755,6 +777,7 @@ class GenerateResponse:
             completion_ids=np.zeros((n_rows, t_out), np.int32), completion_mask=np.zeros((n_rows, t_out), bool),
             behavior_logprobs=np.zeros((n_rows, t_out), np.float32), topk_ids=np.zeros((n_rows, t_out, k), np.int32),
             topk_logprobs=np.zeros((n_rows, t_out, k), np.float32))
+        routed = _routed_experts(choices, prompts, p_out, t_out)
         versions, groups, reasons = [], [], []
         for r, c in enumerate(choices):
             i, t = int(c[PROMPT_INDEX]), len(toks[r])
@@ -771,10 +794,38 @@ class GenerateResponse:
             groups.append(i)
             reasons.append(c[FINISH_REASON])
         batch = RolloutBatch(**out, weights_version=np.array(versions, np.int32),
-                             group_ids=np.array(groups, np.int32), finish_reason=np.array(reasons, dtype=object))
+                             group_ids=np.array(groups, np.int32), finish_reason=np.array(reasons, dtype=object),
+                             routed_experts=routed)
         usage = body.get(USAGE) or {}
         return cls(batch=batch, model=body.get(MODEL, ""),
                    prompt_tokens=int(usage.get(PROMPT_TOKENS, sum(len(p) for p in prompts))))
+
+
+def _routed_experts(choices, prompts, p_out: int, t_out: int) -> Optional[np.ndarray]:
+    """``RolloutBatch.routed_experts`` [N, p_out + t_out, L, k] from the choices' ``routed_experts``
+    ([P_i + T_r, L, k] each: placed at columns p_out - P_i .. p_out + T_r, -1 elsewhere), or None
+    when no choice has them.
+
+    Raises:
+      ValueError: some choices have them and others not, or a choice's array is not
+        [P_i + T_r, L, k] integers with the same L, k as the others.
+    """
+    have = [ROUTED_EXPERTS in c for c in choices]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(f"{CHOICES}[{have.index(False)}] has no {ROUTED_EXPERTS} while other choices do")
+    arrays = [np.asarray(c[ROUTED_EXPERTS]) for c in choices]
+    lk = arrays[0].shape[1:]
+    dtype = np.result_type(*[a.dtype for a in arrays]) if all(a.dtype.kind in "iu" for a in arrays) else None
+    out = np.full((len(choices), p_out + t_out) + tuple(lk), -1, dtype or np.int32)
+    for r, (c, a) in enumerate(zip(choices, arrays)):
+        pl, t = len(prompts[int(c[PROMPT_INDEX])]), len(np.asarray(c[TOKEN_IDS]).reshape(-1))
+        if dtype is None or a.shape != (pl + t,) + tuple(lk) or len(lk) != 2:
+            raise ValueError(f"{CHOICES}[{r}].{ROUTED_EXPERTS} must be [prompt + completion tokens, L, k] = "
+                             f"{[pl + t] + list(lk)} integers, got {a.dtype} {list(a.shape)}")
+        out[r, p_out - pl:p_out + t] = a
+    return out
 
 
 def response_to_batch(prompts: Sequence[Sequence[int]], resp: Mapping, *, top_k_logprobs: int) -> "RolloutBatch":
