@@ -148,6 +148,7 @@ def test_micro_batched_and_chunked_steps_equal_the_one_shot_step(setup, loss_kw)
     _assert_params_close(p1, p0)
 
 
+@pytest.mark.slow  # ~30-60 s on the loaded 2-core CPU: two steps compiled
 def test_huge_delta_is_the_unmasked_step(setup):
     """δ = 1e6: nothing is out of region, so the param_jvp step is exactly the mask="none" step."""
     graphdef, params, batch = setup
