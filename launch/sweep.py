@@ -487,7 +487,8 @@ def _paired_markdown(paired: list[dict], baseline: tuple) -> str:
 
 
 def _num(v: float) -> str:
-    """3 decimals, or 3 significant digits in e-notation below 0.01 (top-K KL is ~1e-3)."""
+    """3 decimals, or 3 significant digits in e-notation below 0.01 (top-K KL is ~1e-3); |v| < 1e-9 is 0."""
+    v = 0.0 if abs(v) < 1e-9 else v  # e.g. the rounding residue of a t-interval over equal values
     return f"{v:.2e}" if v != 0 and abs(v) < 0.01 else f"{v:.3f}"
 
 
