@@ -178,8 +178,9 @@ def test_weight_push_and_rollouts_through_the_fake_server_equal_our_engine(tmp_p
         np.testing.assert_allclose(got.topk_logprobs, want.topk_logprobs, rtol=0, atol=1e-6)
         assert got.weights_version.tolist() == [version] * 6
     assert sorted(os.listdir(tmp_path / "hf")) == ["v000001", "v000002"] and fake.reloads == 2
-    assert [(r["prompt"], r["seed"]) for r in fake.requests[-2:]] == [  # one request per prompt, own seed
-        ([p], prompt_seed(1234, i, 3)) for i, p in enumerate(prompts)]
+    # one request per prompt, own seed; the requests run concurrently, so they arrive in any order
+    assert sorted((r["prompt"], r["seed"]) for r in fake.requests[-2:]) == sorted(
+        ([p], prompt_seed(1234, i, 3)) for i, p in enumerate(prompts))
     sent = fake.requests[-1]
     assert sent["ignore_eos"] is True and sent["return_tokens_as_token_ids"] is True and sent["model"] == "fake-vllm"
     assert fake.calls == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"] * 2
