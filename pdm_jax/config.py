@@ -32,10 +32,10 @@ from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.profiling import parse_steps
-from pdm_jax.sampler.engine import BATCHING_MODES
+from pdm_jax.sampler.engine import BATCHING_MODES, check_engine_mesh
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
-from pdm_jax.sharding import MeshConfig
+from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.train_step import OptimizerConfig
 
 #: ``sampler.mode``: "auto" resolves with `resolve_sampler_mode`; pdm_jax.sampler.supervisor runs each.
@@ -613,6 +613,36 @@ def check_routing_replay_model(config, model_config) -> None:
     if config.model.get("moe_routing_replay", False):
         _need(model_config.is_moe, "model.moe_routing_replay", True,
               "needs a mixture-of-experts model; the loaded model is dense (num_experts = 0)")
+
+
+def check_sampler_mesh(config, model_config) -> None:
+    """Refuses at start-up (before the warm start) a ``sampler.mesh`` the rollout engine could not split.
+
+    The engine's own check (`pdm_jax.sampler.engine.check_engine_mesh`) runs on an abstract
+    mesh of ``sampler.mesh.data`` x ``sampler.mesh.tensor``: the tensor axis must divide the
+    model's heads, kv heads and MLP widths, the data axis ``sampler.max_batch_size`` and the
+    continuous slots (``sampler.max_slots`` or ``max_batch_size``, rounded up to a power of two).
+    A colocated engine also needs that many devices in this process. Not checked for a remote or
+    vLLM sampler (its server owns its mesh).
+
+    Raises:
+      ValueError: ``"sampler.mesh = <data> x <tensor>: <what is wrong>"``.
+    """
+    sc = config.sampler
+    data, tensor = sc.mesh.data, sc.mesh.tensor
+    mode = resolve_sampler_mode(sc.mode)
+    if data * tensor == 1 or mode == "remote" or sc.backend == "vllm":
+        return
+    if mode == "colocated" and data * tensor > jax.local_device_count():
+        raise ValueError(f"sampler.mesh = {data} x {tensor}: needs {data * tensor} devices but this process has "
+                         f"{jax.local_device_count()} (sampler.mode = colocated samples on the trainer's own devices)")
+    slots = sc.max_slots or sc.max_batch_size
+    slots = 1 << (slots - 1).bit_length() if slots > 1 else 1  # the engine rounds the slots up to a power of two
+    mesh = jax.sharding.AbstractMesh((data, 1, tensor), MESH_AXES)
+    try:
+        check_engine_mesh(model_config, mesh, max_batch_size=sc.max_batch_size, max_slots=slots)
+    except ValueError as e:
+        raise ValueError(f"sampler.mesh = {data} x {tensor}: {e}") from None
 
 
 def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from pdm_jax import evaluation, objectives, per_host, train_step as ts, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
-from pdm_jax.config import (check_routing_replay_model, compute_options, model_config_from_fields,
+from pdm_jax.config import (check_routing_replay_model, check_sampler_mesh, compute_options, model_config_from_fields,
                             parse_stop_token_ids, step_configs, validate_config)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
@@ -134,6 +134,7 @@ class Trainer:
         self._setup_per_host()
         self.model_config, model = self._setup_model()
         check_routing_replay_model(config, self.model_config)  # a dense hf_path checkpoint
+        check_sampler_mesh(config, self.model_config)  # before the warm start, not when the engine is built
         self._replay = bool(config.model.get("moe_routing_replay", False))  # rollouts carry routed_experts
         context = config.sampler.max_prompt_length + config.rl.max_new_tokens
         if context > self.model_config.max_position_embeddings:

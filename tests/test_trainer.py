@@ -364,3 +364,17 @@ def test_over_long_prompts_are_dropped_at_load_not_mid_run(tmp_path):
         assert 0.0 <= t.evaluate(0)["eval_accuracy"] <= 1.0
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("mesh, needle", [
+    ((1, 3), r"sampler.mesh = 1 x 3: .*num_attention_heads = 2 is not divisible by the mesh's tensor axis \(3\)"),
+    ((3, 1), r"sampler.mesh = 3 x 1: .*max_batch_size = 64 is not divisible by the mesh's row shards"),
+    ((4, 4), r"sampler.mesh = 4 x 4: needs 16 devices but this process has 8"),
+])
+def test_a_sampler_mesh_the_engine_cannot_split_is_refused_before_the_warm_start(tmp_path, mesh, needle):
+    c = tiny_test_config(**{"sampler.mode": "colocated", "sampler.mesh.data": mesh[0],
+                            "sampler.mesh.tensor": mesh[1]})
+    c.sft.steps = 10_000  # a warm start would take minutes: the refusal comes before it
+    with pytest.raises(ValueError, match=needle):
+        Trainer(c, str(tmp_path))
+    assert not os.path.exists(os.path.join(str(tmp_path), "metrics.jsonl"))
