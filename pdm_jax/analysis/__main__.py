@@ -7,6 +7,12 @@
 Example (the committed report)::
 
     python -m pdm_jax.analysis run --out=reports/analysis --seeds=20
+
+On the stress testbed (``configs/tiny_stress.py``, issue 16), from one shared warm start::
+
+    python -m pdm_jax.train --config=configs/tiny_stress.py:rl.steps=0 --workdir=runs/stress_warmstart
+    python -m pdm_jax.analysis run --setting=stress --warmstart=runs/stress_warmstart \
+        --out=reports/analysis_stress_61seeds --seeds=61
 """
 
 from __future__ import annotations
@@ -38,15 +44,22 @@ def _parse_seeds(text: str) -> list:
 
 def main(argv=None) -> int:
     """CLI of the token-level analysis (`run` seeds, or `report` from saved seeds); returns the exit code."""
-    from pdm_jax.analysis.run import DEFAULT_ARG  # lazy: --help answers without importing JAX
+    from pdm_jax.analysis.run import SETTINGS  # lazy: --help answers without importing JAX
 
     p = argparse.ArgumentParser(prog="python -m pdm_jax.analysis", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run seeds with the analysis callback, then write the report")
     r.add_argument("--out", required=True, help="output directory (seeds/, README.md, figures)")
     r.add_argument("--seeds", default="20", help="N (seeds 0..N-1), A-B, or a comma-separated list")
-    r.add_argument("--config", default="configs/tiny.py", help="config file (get_config(arg))")
-    r.add_argument("--arg", default=DEFAULT_ARG, help="config argument string (default: the analysis settings)")
+    r.add_argument("--setting", default="tiny", choices=sorted(SETTINGS),
+                   help="named analysis setting: tiny = configs/tiny.py with run.DEFAULT_ARG (δ = 0.005, fp8); "
+                        "stress = configs/tiny_stress.py with run.STRESS_ARG (int8, 16 optimizer steps per batch, "
+                        "δ = 0.05, 6 RL steps)")
+    r.add_argument("--config", default=None, help="config file (get_config(arg)); default: the --setting's")
+    r.add_argument("--arg", default=None, help="config argument string; default: the --setting's")
+    r.add_argument("--warmstart", default=None,
+                   help="a finished warm-start workdir of the same config (rl.steps=0) shared by every seed, "
+                        "which then varies only the RL phase (default: each seed trains its own)")
     r.add_argument("--overrides", default="", help="extra key=value,... applied after --arg (e.g. delta=0.01)")
     r.add_argument("--isolated_tokens", type=int, default=8, help="tokens per optimizer step in isolated mode (0=off)")
     r.add_argument("--isolated_step", type=float, default=1e-2, help="isolated normalized step length ε")
@@ -71,7 +84,10 @@ def main(argv=None) -> int:
         except ValueError as e:
             r.error(str(e))
         t0 = time.time()
-        run.run_seeds(seeds, args.out, config_spec=args.config, arg=args.arg, overrides=args.overrides or None,
+        config_spec, arg = SETTINGS[args.setting]
+        run.run_seeds(seeds, args.out, config_spec=args.config or config_spec,
+                      arg=arg if args.arg is None else args.arg, overrides=args.overrides or None,
+                      warmstart=args.warmstart,
                       isolated_tokens=args.isolated_tokens, isolated_step=args.isolated_step,
                       full_mu=not args.no_full_mu, param_direction=not args.no_param_direction,
                       compile_cache=args.compile_cache or None)

@@ -46,6 +46,26 @@ DEFAULT_ARG = ",".join([
 ])
 
 
+#: Overrides of configs/tiny_stress.py for the analysis on the stress testbed (issue 16). The testbed's
+#: own levers stay (int8 rollouts, staleness 1, 4 mini-batches × 4 iterations = 16 optimizer steps per
+#: rollout batch, lr 1e-4, δ = 0.05, PDM bucket_exact); the RL phase is cut to its first 6 steps (96
+#: optimizer steps, as many as the tiny analysis) and the evaluation to 64 prompts, so 61 seeds fit in about
+#: an hour on a loaded 2-core CPU. Meant with ``--warmstart`` (the comparison's shared 500-step warm
+#: start); without it every seed trains its own (≈ 3 min each on that machine).
+STRESS_ARG = ",".join([
+    "steps=6",
+    "eval.num_prompts=64", "eval.samples_per_prompt=4", "eval.greedy=False", "eval.every_steps=1000",
+    "checkpoint.every_steps=1000", "log.tensorboard=False", "log.progress=False",
+    "sampler.mode=in_process",
+])
+
+#: Named analysis settings: ``--setting=NAME`` -> (config file, argument string).
+SETTINGS = {"tiny": ("configs/tiny.py", DEFAULT_ARG), "stress": ("configs/tiny_stress.py", STRESS_ARG)}
+
+#: Files of a warm-start workdir not copied into a seed's workdir (the sweep runner's list).
+_WARMSTART_SKIP = ("summary.json", "curves.png", "train.log", "tensorboard", "sweep_run.json")
+
+
 def enable_compile_cache(path: str) -> None:
     """Turns on JAX's persistent compilation cache at `path` (every entry cached, however fast to compile)."""
     import jax  # lazy: this module also serves reading saved seeds, without JAX
@@ -68,7 +88,7 @@ def load_config(config_spec: str):
 
 
 def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: float = 1e-2, full_mu: bool = True,
-             param_direction: bool = True, keep_workdir: bool = False) -> dict:
+             param_direction: bool = True, keep_workdir: bool = False, warmstart: Optional[str] = None) -> dict:
     """One run with an `AlignmentCallback`; returns ``{"records", "steps", "fidelity", "summary", "seconds"}``.
 
     Args:
@@ -76,12 +96,21 @@ def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: f
       workdir: a fresh run directory (removed first if it exists, removed
         after the run unless `keep_workdir`).
       isolated_tokens, isolated_step, full_mu, param_direction: see `AlignmentCallback`.
+      warmstart: a finished warm-start workdir (a run of the same config with
+        ``rl.steps=0``, e.g. a sweep's ``_warmstart/<key>``), copied into
+        `workdir` first so the trainer resumes at RL step 0 with `config` (the
+        seed then varies only the RL phase), as `launch/sweep.py` shares warm
+        starts. Raises ValueError if it holds no ``summary.json``.
     """
     # lazy: JAX, the model and the training loop are only needed to run new seeds, not to read saved ones
     from pdm_jax.analysis.callback import AlignmentCallback
     from pdm_jax.train import run as run_training
 
     shutil.rmtree(workdir, ignore_errors=True)
+    if warmstart:
+        if not os.path.exists(os.path.join(warmstart, "summary.json")):
+            raise ValueError(f"warmstart={warmstart!r}: not a finished warm-start workdir (no summary.json)")
+        shutil.copytree(warmstart, workdir, ignore=shutil.ignore_patterns(*_WARMSTART_SKIP))
     cb = AlignmentCallback(full_mu=full_mu, isolated_tokens=isolated_tokens, isolated_step=isolated_step,
                            seed=int(config.seed), param_direction=param_direction)
     t0 = time.time()
@@ -147,14 +176,32 @@ def _git_commit() -> str:
     return head + ("+dirty" if head and dirty else "")
 
 
+def _warmstart_note(warmstart: Optional[str]) -> Optional[dict]:
+    """What the report says about a shared warm start: its path, accuracy, command and code version."""
+    if not warmstart:
+        return None
+    note = dict(path=os.path.abspath(warmstart))
+    for name, keys in (("summary.json", ("warmstart_accuracy", "warmstart_greedy_accuracy")),
+                       ("sweep_run.json", ("command", "code_version"))):
+        try:
+            with open(os.path.join(warmstart, name)) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue
+        note.update({k: meta[k] for k in keys if k in meta})
+    return note
+
+
 def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs/tiny.py", arg: str = DEFAULT_ARG,
               overrides: Optional[str] = None, workdir_root: Optional[str] = None, isolated_tokens: int = 8,
               isolated_step: float = 1e-2, full_mu: bool = True, param_direction: bool = True,
-              compile_cache: Optional[str] = None, skip_done: bool = True, log_fn=print) -> list:
+              compile_cache: Optional[str] = None, skip_done: bool = True, warmstart: Optional[str] = None,
+              log_fn=print) -> list:
     """Runs `run_seed` for each seed (skipping seeds already saved when `skip_done`); returns the json paths.
 
     The config is ``<config_spec>`` loaded with ``arg`` (then ``overrides``, a
     second argument string, then ``seed=<seed>``) via `pdm_jax.config.apply_arg`.
+    `warmstart`: one warm-start workdir shared by every seed (see `run_seed`).
     """
     from pdm_jax.config import apply_arg  # lazy: only when a report re-reads the config
 
@@ -165,7 +212,7 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
     paths = []
     settings = dict(config=config_spec, arg=arg, overrides=overrides or "", isolated_tokens=isolated_tokens,
                     isolated_step=isolated_step, full_mu=full_mu, param_direction=param_direction,
-                    git_commit=_git_commit())
+                    git_commit=_git_commit(), warmstart=_warmstart_note(warmstart))
     t_all = time.time()
     for i, seed in enumerate(seeds):
         path = os.path.join(seeds_dir, f"seed_{seed:03d}.json")
@@ -178,7 +225,8 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
             apply_arg(config, overrides)
         apply_arg(config, f"seed={seed}")
         result = run_seed(config, os.path.join(workdir_root, f"seed_{seed:03d}"), isolated_tokens=isolated_tokens,
-                          isolated_step=isolated_step, full_mu=full_mu, param_direction=param_direction)
+                          isolated_step=isolated_step, full_mu=full_mu, param_direction=param_direction,
+                          warmstart=warmstart)
         paths.append(save_seed(seeds_dir, seed, result, settings))
         n = len(result["records"].get("delta_d", []))
         log_fn(f"seed {seed} ({i + 1}/{len(seeds)}): {result['seconds']:.0f}s, {n} tokens outside the region "
