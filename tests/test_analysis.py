@@ -335,6 +335,20 @@ def test_report_from_synthetic_seeds(tmp_path):
         assert os.path.getsize(tmp_path / name) > 0
     # the fidelity table pools the seeds: 4 x 10 tokens in the [1e-3, 1e-2) bin, 4 x 9 agree for aggregated.
     assert "| [1e-03, 1e-02) | 40 | 90.0% | 100.0% | 100.0% |" in text
+    # disagreement set per seed, counted here by hand: tokens where keep_bucket_exact != keep_ratio
+    counts = [int(np.sum(s["records"]["keep_bucket_exact"] != s["records"]["keep_ratio"])) for s in seeds]
+    m, ci, _ = al.mean_ci95(counts)
+    row = (f"| real | predictive, bucket exact | {m:.1f} ± {ci:.1f} | {np.median(counts):.0f} | "
+           f"{min(counts)}–{max(counts)} | 200 ± 0 | ≈ 82 |")
+    assert row in text and "Per seed (real step, bucket exact; seed: tokens): 0: " + str(counts[0]) + "," in text
+
+
+def test_run_seed_refuses_an_unfinished_warmstart(tmp_path):
+    from pdm_jax.analysis.run import run_seed
+
+    (tmp_path / "warm").mkdir()
+    with pytest.raises(ValueError, match="warmstart=.*no summary.json"):
+        run_seed(None, str(tmp_path / "wd"), warmstart=str(tmp_path / "warm"))
 
 
 def test_behavior_logits_follow_weights_version_with_counted_fallback():

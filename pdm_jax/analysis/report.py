@@ -27,6 +27,9 @@ from pdm_jax.analysis import alignment as al
 from pdm_jax.analysis.run import load_config
 from pdm_jax.config import apply_arg
 
+#: The paper's disagreement set (tokens where the predictive and the ratio criterion decide differently) has
+#: about 82 tokens per seed (as quoted in issue 16).
+PAPER_DISAGREEMENT_PER_SEED = 82
 PAPER = dict(seeds=61, unsafe_keep=dict(predictive=0.342, ratio=0.369), corrective=dict(predictive=0.651, ratio=0.629))
 METRICS = ("unsafe_keep", "corrective", "sign_agreement", "disagreement_frac", "right_on_disagreement")
 LABELS = {"ratio": "ratio (DPPO)", "aggregated_tail": "predictive, aggregated tail",
@@ -355,7 +358,7 @@ def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
            f"- Config: `{settings.get('config', '?')}:{settings.get('arg', '')}`"
            + (f" + `{settings['overrides']}`" if settings.get("overrides") else "")
            + (f" (code at commit `{settings['git_commit']}`)" if settings.get("git_commit") else "") + ".",
-           "- Each seed is an independent run (own model init, warm start, rollouts): " + _describe_config(settings),
+           _seed_sentence(settings) + _describe_config(settings),
            f"- Trust region δ = {_delta_of(settings)} nats (top-K KL)"
            + (", smaller than the tiny default δ = 0.05: with fp8 rollouts and lr 1e-4 almost no token leaves a "
               "0.05 region within one rollout batch (the tiny default run reports frac_outside ≈ 0 after the first "
@@ -379,7 +382,7 @@ def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
                   "forward-mode pass (jax.jvp) through the model per step; the jvp's own D matches the analysis's "
                   f"D_before to {max(jvp_errs):.1e} nats (max over tokens).")
     if errs:
-        md.append(f"- Full μ recomputed from the fp8 weights of the version that sampled each row (the "
+        md.append(f"- Full μ recomputed from the sampler's quantized weights of the version that sampled each row (the "
                   f"batch's `weights_version`; lag 0: {sum(1 for x in lags if x == 0)}, lag 1: "
                   f"{sum(1 for x in lags if x == 1)} steps; {fallbacks} rows matched by log μ because their "
                   f"version was not kept); max |Δ log μ(y_t)| vs the sampler's = {max(errs):.1e}.")
@@ -387,6 +390,19 @@ def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
               f"prompts of the short runs); wall time per seed {np.nanmean(secs):.0f} s (total {np.nansum(secs):.0f} s).")
     md += [""] + [f"- {n}" for n in extra_notes]
     return md
+
+
+def _seed_sentence(settings: dict) -> str:
+    """How the seeds differ: independent runs, or one shared warm start (`run.run_seeds(warmstart=...)`)."""
+    w = settings.get("warmstart")
+    if not w:
+        return "- Each seed is an independent run (own model init, warm start, rollouts): "
+    acc = (f" (avg@4 {w['warmstart_accuracy']}, greedy {w.get('warmstart_greedy_accuracy')})"
+           if "warmstart_accuracy" in w else "")
+    made = (f", made by `{' '.join(w['command'][2:])}` at code `{w.get('code_version', '?')}`"
+            if w.get("command") else "")
+    return ("- All seeds resume from ONE shared warm start" + acc + made + "; the seed varies only the RL phase "
+            "(rollouts, mini-batch order): ")
 
 
 def _paper_section(summary, crits) -> list:
@@ -438,14 +454,48 @@ def _isolated_section(seeds, iso_summary, crits) -> list:
     return md
 
 
+def _pm(m: float, ci: float, digits: int) -> str:
+    """``m ± ci`` (just ``m`` when the interval is undefined, e.g. one seed)."""
+    return f"{m:.{digits}f}" + (f" ± {ci:.{digits}f}" if math.isfinite(ci) else "")
+
+
+def _disagreement_section(per_seed: list, iso_per_seed: Optional[list], crits: Sequence[str]) -> list:
+    """Disagreement-set size in tokens per seed (mean ± 95% CI, median, range) beside the paper's ≈ 82."""
+    md = ["## Disagreement set per seed", "",
+          "Tokens per seed on which the criterion's keep decision differs from the ratio test's (out-of-region "
+          f"tokens with Â ≠ 0), beside the paper's ≈ {PAPER_DISAGREEMENT_PER_SEED} per seed; 'analysed' = all such "
+          "tokens of a seed:", "",
+          "| step | criterion | tokens per seed (mean ± 95% CI) | median | min–max | analysed per seed | paper |",
+          "|---|---|---|---|---|---|---|"]
+    for label, ps in (("real", per_seed), ("isolated", iso_per_seed)):
+        if not ps:
+            continue
+        n_all = [p["counts"]["n"] for p in ps]
+        m_all, ci_all, _ = al.mean_ci95(n_all)
+        for c in crits:
+            if c == "ratio":
+                continue
+            xs = [p["rates"][c]["disagreement_n"] for p in ps if c in p["rates"]]
+            if not xs:
+                continue
+            m, ci, _ = al.mean_ci95(xs)
+            md.append(f"| {label} | {LABELS.get(c, c)} | {_pm(m, ci, 1)} | {np.median(xs):.0f} | "
+                      f"{min(xs):.0f}–{max(xs):.0f} | {_pm(m_all, ci_all, 0)} | ≈ {PAPER_DISAGREEMENT_PER_SEED} |")
+    be = [(p["seed"], p["rates"]["bucket_exact"]["disagreement_n"]) for p in per_seed if "bucket_exact" in p["rates"]]
+    if be:
+        md += ["", "Per seed (real step, bucket exact; seed: tokens): "
+               + ", ".join(f"{sd}: {n:.0f}" for sd, n in be) + "."]
+    return md + [""]
+
+
 def _fidelity_section(fidelity) -> list:
     """Sign agreement of each closed-form Ḋ with the full-vocabulary one, binned by tail mass (empty without full μ)."""
     md = []
     if fidelity is not None:
         n = np.asarray(fidelity["n"])
         md += ["## Estimator fidelity", "",
-               "Sign agreement of each closed-form Ḋ with the full-vocabulary Ḋ (full μ recomputed from the fp8 "
-               "weights; the estimators see the top-K view of that same μ), over every valid token, binned by the "
+               "Sign agreement of each closed-form Ḋ with the full-vocabulary Ḋ (full μ recomputed from the sampler's "
+               "quantized weights; the estimators see the top-K view of that same μ), over every valid token, binned by the "
                "behaviour tail mass μ_T:", "",
                "| μ_T bin | tokens | aggregated tail | uniform tail | bucket exact |", "|---|---|---|---|---|"]
         bins = fidelity["bins"]
@@ -511,6 +561,7 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
     md += _setup_section(seeds, settings, iso_summary, summary["_totals"], extra_notes)
     md += _paper_section(summary, crits)
     md += _isolated_section(seeds, iso_summary, [c for c in al.ALL_CRITERIA if iso_summary and c in iso_summary])
+    md += _disagreement_section(per_seed, iso_per_seed if iso_summary else None, crits)
     md += _fidelity_section(fidelity)
     md += _DEFINITIONS
     text = "\n".join(md) + "\n"
@@ -550,7 +601,14 @@ def _describe_config(settings: dict) -> str:
 
 
 def _delta_of(settings: dict) -> str:
-    return _field_of(settings, "delta")
+    """δ of the run: the last ``delta=`` of its argument strings, else the config file's own."""
+    val = _field_of(settings, "delta")
+    if val == "?":
+        try:
+            val = f"{float(load_config(settings['config'] + ':' + settings.get('arg', '')).trust_region.delta):g}"
+        except Exception:  # noqa: BLE001 - a report must still be written without the config file
+            pass
+    return val
 
 
 def _fmt_mean(xs) -> str:
