@@ -343,6 +343,15 @@ def test_report_from_synthetic_seeds(tmp_path):
     assert row in text and "Per seed (real step, bucket exact; seed: tokens): 0: " + str(counts[0]) + "," in text
 
 
+def test_report_names_the_code_versions_of_pooled_seeds(tmp_path):
+    rng = np.random.default_rng(1)
+    seeds = [_synthetic_seed(s, rng) for s in range(5)]
+    for s in seeds:
+        s["settings"]["git_commit"] = "aaa" if s["seed"] in (0, 1, 3) else "bbb"
+    text = report.write_report(seeds, str(tmp_path))
+    assert "`aaa`: seeds 0–1, 3; `bbb`: seeds 2, 4." in text
+
+
 def test_run_seed_refuses_an_unfinished_warmstart(tmp_path):
     from pdm_jax.analysis.run import run_seed
 

@@ -388,8 +388,29 @@ def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
                   f"version was not kept); max |Δ log μ(y_t)| vs the sampler's = {max(errs):.1e}.")
     md.append(f"- Warm-start accuracy {_fmt_mean(warm)}, final {_fmt_mean(final)} (avg@k on the few held-out "
               f"prompts of the short runs); wall time per seed {np.nanmean(secs):.0f} s (total {np.nansum(secs):.0f} s).")
+    by_commit = {}
+    for s in seeds:
+        by_commit.setdefault(s.get("settings", {}).get("git_commit") or "?", []).append(s["seed"])
+    if len(by_commit) > 1:
+        md.append("- The seeds ran at different code versions (same settings otherwise): "
+                  + "; ".join(f"`{c}`: seeds {_seed_ranges(v)}" for c, v in by_commit.items())
+                  + ". Runs of one seed at two versions need not be bit-identical; the pooled rates treat them "
+                  "as draws of one setting.")
     md += [""] + [f"- {n}" for n in extra_notes]
     return md
+
+
+def _seed_ranges(seeds: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0–2, 5, 7–8"."""
+    out, xs = [], sorted(seeds)
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(f"{xs[i]}–{xs[j]}" if j > i else f"{xs[i]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 def _seed_sentence(settings: dict) -> str:
