@@ -395,6 +395,34 @@ def test_continuous_rows_with_different_max_lengths(continuous_pair):
         assert part["stopped"][r] == (full.finish_reason[r] == "stop" and want == full.completion_mask[r].sum())
 
 
+def test_cache_phases():
+    """Continuous batching's cache-length phases (new-token capacities), by hand."""
+    from pdm_jax.sampler.engine import cache_phases
+
+    assert cache_phases(256) == [64, 128, 256] and cache_phases(64) == [32, 64] and cache_phases(32) == [32]
+    assert cache_phases(8) == [8] and cache_phases(16, min_phase=4) == [4, 8, 16] and cache_phases(100) == [50, 100]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, TAU])
+def test_continuous_cache_phases_equal_static(params, continuous_pair, temperature):
+    """The cache grown in phases (P + 4, P + 8, P + 16 slots: min_cache_phase 4) while rows are refilled: the
+    static engine's tokens, finish reasons, log mu and top-K (1e-5), with and without stop ids."""
+    static, _ = continuous_pair
+    cont = make_engine(params, max_batch_size=4, batching="continuous")
+    cont.min_cache_phase = 4
+    prompts = PROMPTS + [[9, 10], [3] * 10, [5]]
+    gen = dict(n=2, max_new_tokens=16, top_k_logprobs=K, temperature=temperature, seed=7)
+    base = static.generate(prompts, **gen)
+    _assert_same_rollouts(base, cont.generate(prompts, **gen))
+    stops = [int(base.completion_ids[0, 5]), int(base.completion_ids[3, 9])]
+    a, b = static.generate(prompts, stop_token_ids=stops, **gen), cont.generate(prompts, stop_token_ids=stops, **gen)
+    lengths = a.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) >= 3 and lengths.max() > 8, lengths  # rows end in more than one phase
+    _assert_same_rollouts(a, b)
+    assert all(key[-1] == ("min_phase", 4) for key in cont.program_shapes)
+
+
 @pytest.mark.slow
 def test_continuous_without_shared_prefill_and_bad_mode(params, continuous_pair):
     """share_prefill=False (a store entry per row) gives the same rollouts; an unknown batching mode is named."""

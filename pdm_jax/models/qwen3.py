@@ -1056,7 +1056,7 @@ class Qwen3ForCausalLM(nnx.Module):
                        v=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)))
 
     def decode(self, input_ids: Array, positions: Array, cache: KVCache, cache_index: Array,
-               kv_mask: Array, *, return_routing: bool = False) -> tuple:
+               kv_mask: Array, *, return_routing: bool = False, last_logits_only: bool = False) -> tuple:
         """Incremental forward through the KV cache (prefill or one-token decode).
 
         Args:
@@ -1066,12 +1066,15 @@ class Qwen3ForCausalLM(nnx.Module):
           cache_index: int32 scalar (may be traced), first slot written; or [B] int32, row b's
             first slot (continuous batching: every row at its own length; written with a scatter).
           kv_mask: [B, S] bool, which slots hold real tokens, including those written now.
+          last_logits_only: static; project only the last position through the LM head: logits
+            [B, 1, V] (a prefill needs just those: [B, T, V] f32 is T x the memory and LM-head work).
         Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and
         s <= cache_index + t (cache_index[b] + t per row).
         Returns:
-          (logits [B, T, V] float32, updated KVCache); with ``return_routing`` (MoE only) a third
-          element, the experts each layer ran for these tokens, [B, T, L, k] int32 (the rollout
-          engine's routing for routing replay, ``hidden_states``' ``routed_experts``).
+          (logits [B, T, V] float32 ([B, 1, V] with ``last_logits_only``), updated KVCache); with
+          ``return_routing`` (MoE only) a third element, the experts each layer ran for these
+          tokens, [B, T, L, k] int32 (the rollout engine's routing for routing replay,
+          ``hidden_states``' ``routed_experts``).
         The layers run in a Python loop over static slices of the stacked parameters (not
         under ``lax.scan``): the cache is one array per layer, which XLA updates in place
         and reads without copies (see ``KVCache``); a scan would carry a stacked cache and
@@ -1125,7 +1128,7 @@ class Qwen3ForCausalLM(nnx.Module):
             vs.append(v)
             if return_routing:
                 routed.append(stats[3])
-        out = (self._logits(x_BxTxD), KVCache(k=tuple(ks), v=tuple(vs)))
+        out = (self._logits(x_BxTxD[:, -1:] if last_logits_only else x_BxTxD), KVCache(k=tuple(ks), v=tuple(vs)))
         return out + (jnp.stack(routed, axis=2),) if return_routing else out
 
 

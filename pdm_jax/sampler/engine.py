@@ -48,9 +48,10 @@ rows queue for ``max_slots`` slots of one KV cache of static shape [slots, P + T
 (every prompt prefilled once into a prompt store); a slot whose row stops (stop id or
 its max) is refilled inside the same while-loop with the next pending row (its prompt's
 entry copied in, token 0 sampled from the stored last logits), so rows of mixed
-lengths do not wait for the longest one; once no row is pending and at most a quarter
-of the slots are live, the live rows move into a 4x smaller cache (2 decode
-loops per program; no cache segments). The row keys above make its tokens the static
+lengths do not wait for the longest one. The cache starts at P + T/4 slots and grows to
+P + T/2 and P + T when a live row needs it (`cache_phases`: early steps read a shorter
+cache); once no row is pending and at most a quarter of the slots are live, the live rows
+move into a 4x smaller cache (at most 4 decode loops per program). The row keys above make its tokens the static
 engine's (tests). One program per (slots, queue, prompt store, P, T, K) bucket; the
 shapes an engine ran are counted in ``program_shapes`` and logged.
 
@@ -243,15 +244,16 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     rkw = dict(return_routing=True) if routing else {}
     if group > 1:
         cache_u = model.init_cache(b // group, p + ends[0], dtype=cache_dtype)
-        logits_UxPxV, cache_u, *routed_u = model.decode(prompt_ids_BxP[::group], positions_BxP[::group], cache_u,
-                                                        jnp.int32(0), kv_mask_BxS[::group, :p + ends[0]], **rkw)
+        logits_Ux1xV, cache_u, *routed_u = model.decode(prompt_ids_BxP[::group], positions_BxP[::group], cache_u,
+                                                        jnp.int32(0), kv_mask_BxS[::group, :p + ends[0]],
+                                                        last_logits_only=True, **rkw)
         prefill_routed = [jnp.repeat(r, group, axis=0) for r in routed_u]
         cache = _laid_out(jax.tree.map(lambda a: jnp.repeat(a, group, axis=0), cache_u))
-        last_logits_BxV = jnp.repeat(logits_UxPxV[:, -1, :], group, axis=0)
+        last_logits_BxV = jnp.repeat(logits_Ux1xV[:, -1, :], group, axis=0)
     else:
-        logits_BxPxV, cache, *prefill_routed = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0),
-                                                            kv_mask_BxS[:, :p + ends[0]], **rkw)
-        last_logits_BxV = logits_BxPxV[:, -1, :]
+        logits_Bx1xV, cache, *prefill_routed = model.decode(prompt_ids_BxP, positions_BxP, cache, jnp.int32(0),
+                                                            kv_mask_BxS[:, :p + ends[0]], last_logits_only=True, **rkw)
+        last_logits_BxV = logits_Bx1xV[:, -1, :]
     routed = _routing_buffer(model, prefill_routed, b, p + num_new)  # None without routing
 
     def row_key(seed_2, i, j):
@@ -323,7 +325,7 @@ _GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
 
 def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
                         temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
-                        k_logprobs: int, cache_dtype, routing: bool = False):
+                        k_logprobs: int, cache_dtype, routing: bool = False, min_phase: Optional[int] = None):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
 
     Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
@@ -334,7 +336,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
 
     1. Prefill: every prompt once ([U, P] through ``model.decode`` into a prompt store of
        P slots; shared prefill: a prompt's n rows all read its entry).
-    2. One KV cache [slots, P + num_new] (per layer, `KVCache` layouts) and per-slot state
+    2. One KV cache [slots, P + caps[0]] (per layer, `KVCache` layouts; `cache_phases`) and per-slot state
        (row, tokens so far, last token, prompt length, key).  Row b keeps the static
        engine's layout: the prompt in slots 0..P-1, token t's key/value at slot P + t - 1
        (``model.decode`` with a per-row ``cache_index``), so attention sees the same
@@ -345,6 +347,8 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     4. Decode (the outer while-loop, one step per iteration while any slot is live):
        all slots decode one token; a row stops on a stop id or its max; its outputs are
        scattered to row ``r`` of the [N, num_new(, K)] outputs; then admission refills.
+       One loop per cache-length phase: it runs while every live row's next token fits in
+       the P + caps[i] slots, then the cache grows (zero slots appended) to the next phase.
     5. Tail: once the queue is empty and at most slots/4 rows are live, the live slots
        are gathered into a cache of slots/4: the last long rows run in a
        smaller batch (`_TAIL_SHRINK`, `_TAIL_LEVELS`; no admission there).
@@ -365,9 +369,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     s = p + num_new
     positions_UxP = jnp.maximum(jnp.cumsum(prompt_mask_UxP, axis=-1) - 1, 0).astype(jnp.int32)
     store = model.init_cache(u, p, dtype=cache_dtype)
-    logits_UxPxV, store, *store_routed = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0),
-                                                      prompt_mask_UxP, **(dict(return_routing=True) if routing else {}))
-    last_UxV = logits_UxPxV[:, -1, :]
+    logits_Ux1xV, store, *store_routed = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0), prompt_mask_UxP,
+                                                      last_logits_only=True, **(dict(return_routing=True) if routing else {}))
+    last_UxV = logits_Ux1xV[:, -1, :]  # the LM head on the last prompt position only (not [U, P, V])
     prompt_len_U = jnp.sum(prompt_mask_UxP, axis=-1).astype(jnp.int32)
     base_key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
     stop_ids_S = jnp.asarray(stop_ids_S, jnp.int32)
@@ -401,8 +405,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                 live=jnp.zeros((slots,), bool), prev=jnp.zeros((slots,), jnp.int32),
                 key=jnp.zeros((slots,) + base_key.shape, base_key.dtype), plen=jnp.ones((slots,), jnp.int32),
                 max_new=jnp.zeros((slots,), jnp.int32))
-    carry = dict(cache=_laid_out(model.init_cache(slots, s, dtype=cache_dtype)), kv_mask=jnp.zeros((slots, s), bool),
-                 slot=slot, outs=outs, queue=jnp.int32(0), steps=jnp.int32(0))
+    caps = cache_phases(num_new, min_phase)  # the cache holds P + caps[i] slots in main phase i (the last: P + num_new)
+    carry = dict(cache=_laid_out(model.init_cache(slots, p + caps[0], dtype=cache_dtype)),
+                 kv_mask=jnp.zeros((slots, p + caps[0]), bool), slot=slot, outs=outs, queue=jnp.int32(0), steps=jnp.int32(0))
     sample1 = functools.partial(_sample_step, **params_for(1))
 
     def admit_cond(c):
@@ -420,7 +425,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                     for ck, sk in zip(cache.k, store.k)),
             v=tuple(jax.lax.dynamic_update_slice(cv, jax.lax.dynamic_slice_in_dim(sv, i, 1, axis=0), (b, zero, zero, zero))
                     for cv, sv in zip(cache.v, store.v))))
-        row_mask = jnp.concatenate([prompt_mask_UxP[i], jnp.ones((num_new,), bool)])
+        row_mask = jnp.concatenate([prompt_mask_UxP[i], jnp.ones((c["kv_mask"].shape[1] - p,), bool)])
         kv_mask = jax.lax.dynamic_update_slice(c["kv_mask"], row_mask[None, :], (b, zero))
         tok, lp, ids, lps = sample1(jax.lax.dynamic_slice_in_dim(last_UxV, i, 1, axis=0), key[None], zero)
         stop = is_stop(tok)
@@ -442,7 +447,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         sl = c["slot"]
         t_B = sl["t"]
         b = t_B.shape[0]
-        index_B = jnp.minimum(p + t_B - 1, s - 1)  # free slots: any in-range slot (their row is never read)
+        index_B = jnp.minimum(p + t_B - 1, c["kv_mask"].shape[1] - 1)  # free slots: any in-range slot (never read)
         logits_Bx1xV, cache, *step_routed = model.decode(
             sl["prev"][:, None], (sl["plen"] + t_B - 1)[:, None], c["cache"], index_B, c["kv_mask"],
             **(dict(return_routing=True) if routing else {}))
@@ -468,28 +473,51 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         return dict(c, cache=_laid_out(type(cache)(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)))),
                     kv_mask=take(c["kv_mask"]), slot=jax.tree.map(take, c["slot"]))
 
-    # Level 0 runs every slot while rows are pending; once the queue is empty and at most a quarter of
-    # the slots are live, the live rows move to a 4x smaller cache (`_TAIL_LEVELS` decode loops in all).
+    def grow(c, extra: int):
+        """The cache and kv mask with ``extra`` more slots (zero keys/values; generated columns are unmasked,
+        `decode` hides those past each row's own index)."""
+        return dict(c, cache=_laid_out(c["cache"].grow(extra)), kv_mask=jnp.pad(c["kv_mask"], ((0, 0), (0, extra)),
+                                                                                  constant_values=True))
+
+    # Level 0 runs every slot while rows are pending, in cache-length phases: phase i's loop runs while every
+    # live row's next token fits in P + caps[i] slots, then the cache grows (`cache_phases`). Once the queue is
+    # empty and at most a quarter of the slots are live, the live rows move to a 4x smaller cache
+    # (`_TAIL_LEVELS`): len(caps) + 1 decode loops in all.
     levels = [slots]
     while len(levels) < _TAIL_LEVELS and levels[-1] // _TAIL_SHRINK >= 1:
         levels.append(levels[-1] // _TAIL_SHRINK)
     carry = admit(carry)
     for li, level in enumerate(levels):
         nxt = levels[li + 1] if li + 1 < len(levels) else 0
+        for ci, cap in enumerate(caps if li == 0 else caps[-1:]):
+            if ci:
+                carry = grow(carry, cap - caps[ci - 1])
 
-        def cond(c, nxt=nxt):
-            live = c["slot"]["live"]
-            return jnp.any(live) & ((c["queue"] < num_rows) | (jnp.sum(live) > nxt))
-        carry = jax.lax.while_loop(cond, functools.partial(step, refill=li == 0), carry)
+            def cond(c, nxt=nxt, cap=cap):
+                live = c["slot"]["live"]
+                fits = jnp.all(~live | (c["slot"]["t"] <= cap))  # token t is fed into slot P + t - 1
+                return jnp.any(live) & ((c["queue"] < num_rows) | (jnp.sum(live) > nxt)) & fits
+            carry = jax.lax.while_loop(cond, functools.partial(step, refill=li == 0), carry)
         if nxt:
             carry = compact(carry, nxt)
     return dict(carry["outs"], steps=carry["steps"])
 
 
+def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
+    """Continuous batching's cache-length phases: new-token capacities [T/4, T/2, T] of the KV cache (P + cap
+    slots) for T = num_new >= 4 * min_phase (default `_MIN_PHASE`), [T/2, T] for T >= 2 * min_phase, else [T].  Attention reads
+    the whole cache on every step, so the first steps of a request (no row past T/4 tokens yet) read a
+    P + T/4 slot cache instead of P + T; the phases live in one program (no extra compile)."""
+    lo = _MIN_PHASE if min_phase is None else int(min_phase)
+    caps = [c for c in (num_new // 4, num_new // 2) if c >= max(lo, 1)]
+    return caps + [int(num_new)]
+
+
+_MIN_PHASE = 32  # continuous batching: no cache phase shorter than this many new tokens
 _TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor ...
 _TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 decode loops per program
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
-                          static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing"))
+                          static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase"))
 BATCHING_MODES = ("static", "continuous")
 
 
@@ -642,6 +670,7 @@ class SamplingEngine:
         self.row_shards = 1 if mesh is None else check_engine_mesh(
             config, mesh, max_batch_size=self.max_batch_size, max_slots=self.max_slots)
         self.program_shapes = set()  # distinct (program, static shapes) run: each one compiled once (logged)
+        self.min_cache_phase = _MIN_PHASE  # continuous batching: shortest cache phase (`cache_phases`; tests lower it)
         self.last_decode_steps = 0  # decode steps of the last program run (bench)
         self._output_axes_fn = output_axes_fn
         self.device = device
@@ -873,7 +902,9 @@ class SamplingEngine:
         per_row = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, n_pad - n_rows))  # noqa: E731
         stop_arr = np.full((self.max_stop_tokens,), -1, np.int32)
         stop_arr[:len(stops)] = stops
-        self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)) + ("routing",) * routing)
+        phases = () if self.min_cache_phase == _MIN_PHASE else (("min_phase", self.min_cache_phase),)
+        self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)) + ("routing",) * routing
+                           + phases)
         with self._layout():
             out = _CONTINUOUS_JIT(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
@@ -881,7 +912,7 @@ class SamplingEngine:
                 jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
                 jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
                 jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
-                cache_dtype=self.compute_dtype)
+                cache_dtype=self.compute_dtype, min_phase=self.min_cache_phase)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
