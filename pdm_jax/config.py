@@ -273,6 +273,12 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.compile_cache.dir = "default"
     c.compile_cache.min_compile_time_s = 0.0  # programs compiling faster than this are not written (s)
 
+    # ---- host memory (pdm_jax.host_memory; trainer and sampler subprocess) ----------------
+    c.host_memory = ml_collections.ConfigDict()
+    # True: glibc keeps freed large blocks mapped for reuse (XLA:CPU's per-execution temp buffers are not
+    # page-faulted in again every step; same numbers); False: the default allocator.
+    c.host_memory.reuse_freed = True
+
     # ---- checkpoints and logging ------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 50

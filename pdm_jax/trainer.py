@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from pdm_jax import evaluation, objectives, per_host, train_step as ts, workdir as wd
+from pdm_jax import evaluation, host_memory, objectives, per_host, train_step as ts, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import (check_routing_replay_model, check_sampler_mesh, compute_options, model_config_from_fields,
@@ -116,6 +116,7 @@ class Trainer:
     def _setup(self) -> None:
         """Compile cache, data, tokenizer, model, mesh, sampler handle and checkpointer (the rest of __init__)."""
         config = self.config
+        self._reuse = bool(config.get("host_memory", {}).get("reuse_freed")) and host_memory.reuse_freed_host_memory()
         self.compile_cache_dir = resolve_compile_cache_dir(config.compile_cache.dir, self.workdir)
         enable_compile_cache(self.compile_cache_dir, min_compile_time_s=config.compile_cache.min_compile_time_s)
         self.compile_counter = CompileCounter()  # this run's compiles from here on (model init included)
@@ -145,7 +146,7 @@ class Trainer:
         self._params_sharding = param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._params_sharding)
         self.sampler = SamplerSupervisor(config.sampler, workdir=self.workdir, model_config=self.model_config,
-                                         max_new_tokens=config.rl.max_new_tokens,
+                                         max_new_tokens=config.rl.max_new_tokens, reuse_freed_host_memory=self._reuse,
                                          compile_cache_dir=self.compile_cache_dir,
                                          compile_cache_min_compile_time_s=config.compile_cache.min_compile_time_s)
         self._eval_engine = None

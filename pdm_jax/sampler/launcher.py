@@ -139,7 +139,8 @@ class SamplerProcess:
 
 def start_sampler_server(*, model_config: str, weights: Optional[str], version: int = 0, quantization: str = "fp8",
                          compute_dtype: str = "auto", compile_cache_dir: str = "",
-                         compile_cache_min_compile_time_s: float = 0.0, checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
+                         compile_cache_min_compile_time_s: float = 0.0, reuse_freed_host_memory: bool = False,
+                         checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
                          token: Optional[str] = None, startup_timeout_s: float = 120.0,
                          max_prompt_length: int = 512, max_new_tokens: int = 256, max_batch_size: int = 64,
                          batching: str = "static", max_slots: Optional[int] = None, max_body_bytes: Optional[int] = None, extra_args: Sequence[str] = (),
@@ -149,6 +150,7 @@ def start_sampler_server(*, model_config: str, weights: Optional[str], version: 
 
     Args mirror the server's flags; `weights` None starts from a random init;
     `compile_cache_dir` "" runs without a persistent compilation cache.
+    `reuse_freed_host_memory` passes ``--reuse_freed_host_memory`` (`pdm_jax.host_memory`).
     `client_kwargs` go to `SamplerClient` (timeout_s, retries, backoff_s);
     `env` replaces the subprocess environment (default: inherit).
     Returns:
@@ -169,6 +171,8 @@ def start_sampler_server(*, model_config: str, weights: Optional[str], version: 
             f"--parent_pid={os.getpid()}"]  # the server exits if this process dies (even by SIGKILL)
     if weights:
         argv.append(f"--weights={weights}")
+    if reuse_freed_host_memory:
+        argv.append("--reuse_freed_host_memory")
     if max_body_bytes is not None:
         argv.append(f"--max_body_bytes={int(max_body_bytes)}")
     argv += list(extra_args)

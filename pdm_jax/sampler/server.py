@@ -87,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JAX persistent compilation cache directory ('' = none); see pdm_jax.profiling")
     p.add_argument("--compile_cache_min_compile_time_s", type=float, default=0.0,
                    help="programs compiling faster than this are not written to the cache (s)")
+    p.add_argument("--reuse_freed_host_memory", action="store_true",
+                   help="glibc keeps freed large blocks mapped for reuse (pdm_jax.host_memory)")
     p.add_argument("--checkpoint_root", required=True, help="/v1/weights only loads from under this directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = pick a free port")
@@ -376,6 +378,10 @@ def main(argv=None) -> None:
 
     if args.parent_pid:
         _exit_with_parent(args.parent_pid)
+    if args.reuse_freed_host_memory:  # before the first XLA execution
+        from pdm_jax.host_memory import reuse_freed_host_memory
+
+        reuse_freed_host_memory()
     enable_compile_cache(args.compile_cache_dir, min_compile_time_s=args.compile_cache_min_compile_time_s)
     compile_counter = CompileCounter()
     config = load_model_config(args.model_config)

@@ -125,6 +125,8 @@ class SamplerSupervisor:
       compile_cache_dir: the JAX persistent compilation cache a subprocess sampler
         uses ("" = none; `pdm_jax.profiling.enable_compile_cache`).
       compile_cache_min_compile_time_s: its minimum compile time (s).
+      reuse_freed_host_memory: a subprocess sampler keeps freed large blocks mapped
+        (``pdm_jax.host_memory``; config ``host_memory.reuse_freed``).
 
     Attributes:
       mode: the resolved ``sampler.mode`` (`config.resolve_sampler_mode`: never "auto").
@@ -146,12 +148,13 @@ class SamplerSupervisor:
     def __init__(self, sampler_config, *, workdir: str, model_config, max_new_tokens: int,
                  stall_probe_interval_s: Optional[float] = None, stall_probe_timeout_s: Optional[float] = None,
                  stall_probe_misses: Optional[int] = None, compile_cache_dir: str = "",
-                 compile_cache_min_compile_time_s: float = 0.0):
+                 compile_cache_min_compile_time_s: float = 0.0, reuse_freed_host_memory: bool = False):
         self.config = sampler_config
         self.mode = resolve_sampler_mode(str(sampler_config.mode))
         self.compute_dtype = str(getattr(sampler_config, "compute_dtype", "auto"))
         self.compile_cache = dict(compile_cache_dir=compile_cache_dir,
-                                  compile_cache_min_compile_time_s=float(compile_cache_min_compile_time_s))
+                                  compile_cache_min_compile_time_s=float(compile_cache_min_compile_time_s),
+                                  reuse_freed_host_memory=bool(reuse_freed_host_memory))
         self.last_sync_seconds = {"save": 0.0, "load": 0.0}
         self.sampler_compile_stats: Optional[dict] = None
         self.workdir = workdir
