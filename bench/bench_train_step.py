@@ -93,7 +93,7 @@ def bench_config(name: str, spec: dict, repeats: int) -> list[dict]:
     batch_np = make_batch(np.random.default_rng(0), spec["batch"], spec["prompt"], spec["completion"],
                           spec["top_k"], cfg.vocab_size)
     batch = put_global_batch(batch_np, mesh)
-    tokens = int(batch_np["completion_mask"].sum())
+    tokens = int(batch_np.completion_mask.sum())
     steps, states = {}, {}
     for m, (tr, loss_kw) in methods(spec["chunk"]).items():
         loss_cfg = PolicyLossConfig(max_response_length=spec["completion"], **loss_kw)
