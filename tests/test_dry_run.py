@@ -34,9 +34,11 @@ def _tiny_variants():
     micro.rl.micro_batch_size = 32
     for c in (plain, wide, micro):  # the analytic constants are calibrated on unrolled programs
         c.model.scan_layers = False
-    scanned = _config("tiny")  # the trainer's default: layers under lax.scan, without and with remat
+    scanned = _config("tiny")  # layers under lax.scan (the base default; configs/tiny.py unrolls), with and without remat
     scanned_remat = _config("tiny")
     scanned_remat.model.remat = "full"
+    for c in (scanned, scanned_remat):
+        c.model.scan_layers = True
     return [("data_parallel", plain), ("fsdp_tensor_chunked", wide), ("micro_batched", micro),
             ("scanned", scanned), ("scanned_remat", scanned_remat)]
 
