@@ -1,11 +1,12 @@
 """Weights versions carry integrity data: any damaged file, or non-finite values, is refused by name.
 
-`save_weights` writes a sha256 manifest of every file into ``weights_meta.json``
+`save_weights` writes a CRC-32C manifest of every file into ``weights_meta.json``
 (itself self-checksummed); `load_weights` verifies it and refuses NaN/inf.
 Every file of a version is truncated and bit-flipped in turn; the sampler
 server answers a non-finite or damaged version with a 422 and keeps serving
 the version it has.
 """
+import hashlib
 import json
 import logging
 import os
@@ -49,6 +50,48 @@ def test_manifest_lists_every_file_and_roundtrip_is_exact(pristine):
     restored = wts.load_weights(pristine, abstract=ABSTRACT, version=3)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), restored, PARAMS)
 
+
+
+def test_crc32c_is_the_castagnoli_check_value_and_matches_the_manifest(pristine):
+    """CRC-32C("123456789") = 0xE3069283 (RFC 3720 B.4 check value); the manifest holds the file's."""
+    assert wts.crc32c_hex(b"123456789") == "e3069283"
+    entry = wts.read_meta(pristine)[wts.FILES_KEY][wts.TENSORS_FILE]
+    assert entry["crc32c"] == wts.crc32c_hex(open(os.path.join(pristine, wts.TENSORS_FILE), "rb").read())
+
+
+def _as_sha256_format(path):
+    """Rewrites a /4 directory's meta as format /3 wrote it (sha256 manifest, self-checksummed)."""
+    meta_path = os.path.join(path, wts.META_FILE)
+    meta = json.load(open(meta_path))
+    data = open(os.path.join(path, wts.TENSORS_FILE), "rb").read()
+    meta["format"] = wts.SHA256_FORMAT
+    meta[wts.FILES_KEY] = {wts.TENSORS_FILE: {"sha256": hashlib.sha256(data).hexdigest(),
+                                              "bytes": len(data)}}
+    meta[wts.META_HASH_KEY] = wts._meta_digest(meta)
+    json.dump(meta, open(meta_path, "w"))
+
+
+def test_sha256_format_3_is_still_read_and_verified(pristine, tmp_path):
+    path = copy_of(pristine, tmp_path)
+    _as_sha256_format(path)
+    restored = wts.load_weights(path, abstract=ABSTRACT, version=3)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), restored, PARAMS)
+    full = os.path.join(path, wts.TENSORS_FILE)
+    data = bytearray(open(full, "rb").read())
+    data[-1] ^= 0x01
+    open(full, "wb").write(bytes(data))
+    with pytest.raises(wts.CorruptWeightsError, match="sha256 checksum"):
+        wts.load_weights(path, abstract=ABSTRACT, version=3)
+
+
+def test_one_flipped_bit_fails_the_crc32c(pristine, tmp_path):
+    path = copy_of(pristine, tmp_path)
+    full = os.path.join(path, wts.TENSORS_FILE)
+    data = bytearray(open(full, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(full, "wb").write(bytes(data))
+    with pytest.raises(wts.CorruptWeightsError, match="crc32c checksum"):
+        wts.load_weights(path, abstract=ABSTRACT, version=3)
 
 def _truncate(full):
     size = os.path.getsize(full)
