@@ -20,6 +20,7 @@ the default single-device run.
 
     python bench/bench_weight_sync.py                       # both models, fp8 sampler copy
     python bench/bench_weight_sync.py --models tiny --repeats 41 --quantization none
+    python bench/bench_weight_sync.py --models tiny --modes subprocess --repeats 41   # the file path alone
 """
 import argparse
 import json
@@ -61,7 +62,7 @@ def random_params(cfg, seed: int = 0):
     return jax.tree_util.tree_map_with_path(init, abstract_params(cfg))
 
 
-def bench_model(name: str, repeats: int, quantization: str) -> dict:
+def bench_model(name: str, repeats: int, quantization: str, modes=("subprocess", "colocated")) -> dict:
     import jax
 
     from pdm_jax.models.qwen3 import Qwen3Config
@@ -73,7 +74,7 @@ def bench_model(name: str, repeats: int, quantization: str) -> dict:
     bump = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.0001, p))
     sups = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        for mode in ("subprocess", "colocated"):
+        for mode in modes:
             wd = os.path.join(tmp, mode)
             os.makedirs(os.path.join(wd, "model"))
             with open(os.path.join(wd, "model", "config.json"), "w") as f:
@@ -86,7 +87,7 @@ def bench_model(name: str, repeats: int, quantization: str) -> dict:
         try:
             for v in range(1, repeats + 2):
                 params = jax.block_until_ready(bump(params))
-                for mode in (("subprocess", "colocated") if v % 2 else ("colocated", "subprocess")):
+                for mode in (modes if v % 2 else modes[::-1]):
                     t0 = time.perf_counter()
                     sups[mode].sync(params, v)
                     dt = time.perf_counter() - t0
@@ -100,7 +101,7 @@ def bench_model(name: str, repeats: int, quantization: str) -> dict:
         out[mode] = float(np.median([t for t, _ in rows]))
         out[mode + "_save"] = float(np.median([d["save"] for _, d in rows]))
         out[mode + "_load"] = float(np.median([d["load"] for _, d in rows]))
-    out["ratio"] = out["subprocess"] / out["colocated"]
+    out["ratio"] = out["subprocess"] / out["colocated"] if len(times) == 2 else float("nan")
     return out
 
 
@@ -109,13 +110,18 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="tiny,100m", help="comma-separated: " + ",".join(MODELS))
     p.add_argument("--repeats", type=int, default=0, help="timed syncs per mode (default: 21 tiny, 7 100m)")
     p.add_argument("--quantization", default="fp8")
+    p.add_argument("--modes", default="subprocess,colocated",
+                   help="both (default), or one alone: its timings then see no async work of the other")
     args = p.parse_args(argv)
     print(f"weight sync per version, sampler copy {args.quantization}, median over versions; load average "
           f"{os.getloadavg()[0]:.1f} at start", flush=True)
     print(f"{'model':>6} {'params':>8} {'MB f32':>7} | {'file (subprocess) ms':>24} | {'colocated ms':>12} | "
           f"{'file / colocated':>16}")
     for name in args.models.split(","):
-        r = bench_model(name, args.repeats or (21 if name == "tiny" else 7), args.quantization)
+        modes = tuple(args.modes.split(","))
+        r = bench_model(name, args.repeats or (21 if name == "tiny" else 7), args.quantization, modes)
+        r = {"subprocess": float("nan"), "subprocess_save": float("nan"), "subprocess_load": float("nan"),
+             "colocated": float("nan"), **r}
         print(f"{name:>6} {r['params'] / 1e6:7.1f}M {r['mbytes']:7.1f} | {1e3 * r['subprocess']:7.1f} (save "
               f"{1e3 * r['subprocess_save']:6.1f} + load {1e3 * r['subprocess_load']:6.1f}) | "
               f"{1e3 * r['colocated']:12.1f} | {r['ratio']:15.1f}x", flush=True)
