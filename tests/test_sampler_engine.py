@@ -353,6 +353,19 @@ def continuous_pair(params):
     return make_engine(params, max_batch_size=4), make_engine(params, max_batch_size=4, batching="continuous")
 
 
+def _same_as_static_with_and_without_stops(static, cont, gen, stop_at):
+    """Generates 5 prompts with `gen` on both engines, first without stop ids, then with the tokens the static run
+    sampled at the (row, position) pairs `stop_at` as stop ids; asserts equal rollouts both times and returns the
+    stopped run's completion lengths [N] and finish reasons."""
+    prompts = PROMPTS + [[9, 10], [3] * 10, [5]]
+    base = static.generate(prompts, **gen)
+    _assert_same_rollouts(base, cont.generate(prompts, **gen))
+    stops = [int(base.completion_ids[r, t]) for r, t in stop_at]
+    a, b = static.generate(prompts, stop_token_ids=stops, **gen), cont.generate(prompts, stop_token_ids=stops, **gen)
+    _assert_same_rollouts(a, b)
+    return a.completion_mask.sum(1), a.finish_reason
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, TAU])
 def test_continuous_batching_equals_static(continuous_pair, temperature):
@@ -360,15 +373,9 @@ def test_continuous_batching_equals_static(continuous_pair, temperature):
     == the static engine's 3 chunks: tokens, finish reasons, log mu and top-K (1e-5), greedy and sampled,
     with stop ids that end rows at different lengths, and without stop ids."""
     static, cont = continuous_pair
-    prompts = PROMPTS + [[9, 10], [3] * 10, [5]]
-    gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=temperature, seed=5)
-    base = static.generate(prompts, **gen)
-    _assert_same_rollouts(base, cont.generate(prompts, **gen))
-    stops = [int(base.completion_ids[0, 3]), int(base.completion_ids[5, 1])]
-    a, b = static.generate(prompts, stop_token_ids=stops, **gen), cont.generate(prompts, stop_token_ids=stops, **gen)
-    lengths = a.completion_mask.sum(1)
-    assert len(set(lengths.tolist())) >= 3 and "stop" in set(a.finish_reason), lengths
-    _assert_same_rollouts(a, b)
+    lengths, reasons = _same_as_static_with_and_without_stops(
+        static, cont, dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=temperature, seed=5), [(0, 3), (5, 1)])
+    assert len(set(lengths.tolist())) >= 3 and "stop" in set(reasons), lengths
     # one program shape for both calls: (slots 4, queue 16, prompt store 8, P 16, T 16, K)
     assert cont.program_shapes == {("continuous", 4, 16, 8, 16, 16, K, "float32")}
     # it decoded fewer steps than a 4-slot engine running each chunk to its longest row
@@ -411,15 +418,9 @@ def test_continuous_cache_phases_equal_static(params, continuous_pair, temperatu
     static, _ = continuous_pair
     cont = make_engine(params, max_batch_size=4, batching="continuous")
     cont.min_cache_phase = 4
-    prompts = PROMPTS + [[9, 10], [3] * 10, [5]]
-    gen = dict(n=2, max_new_tokens=16, top_k_logprobs=K, temperature=temperature, seed=7)
-    base = static.generate(prompts, **gen)
-    _assert_same_rollouts(base, cont.generate(prompts, **gen))
-    stops = [int(base.completion_ids[0, 5]), int(base.completion_ids[3, 9])]
-    a, b = static.generate(prompts, stop_token_ids=stops, **gen), cont.generate(prompts, stop_token_ids=stops, **gen)
-    lengths = a.completion_mask.sum(1)
+    lengths, _ = _same_as_static_with_and_without_stops(
+        static, cont, dict(n=2, max_new_tokens=16, top_k_logprobs=K, temperature=temperature, seed=7), [(0, 5), (3, 9)])
     assert len(set(lengths.tolist())) >= 3 and lengths.max() > 8, lengths  # rows end in more than one phase
-    _assert_same_rollouts(a, b)
     assert all(key[-1] == ("min_phase", 4) for key in cont.program_shapes)
 
 
