@@ -2,8 +2,9 @@
 
 In this process: orbax checkpoints with CRC32C manifests (damage refused, fallback and
 quarantine in the bucket), metrics.jsonl and TensorBoard uploads with resume, curves.png,
-weights versions, the file-mode sampler refused. Slow: a 2-process x 2-device run with its
-workdir in the bucket is SIGKILLed after RL step 2 and resumed; steps 3-4 equal an
+weights versions, the file-mode sampler refused. Slow: a 2-process x 2-device run (no warm start:
+`sft.steps=0`, the RL phase is what is tested) with its workdir in the bucket is SIGKILLed after RL step 2 and
+resumed (process 1, which cannot finish its collectives, is killed with it, as a pod loses a VM); steps 3-4 equal an
 uninterrupted 2-process run's, and process 1's checkpoint shards are in the bucket.
 """
 
@@ -12,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -167,7 +169,7 @@ def test_workdir_paths():
 SMALL = [
     "--config.model.hidden_size=32", "--config.model.intermediate_size=64", "--config.model.num_hidden_layers=1",
     "--config.model.num_attention_heads=2", "--config.model.num_key_value_heads=1", "--config.model.head_dim=16",
-    "--config.sft.steps=10", "--config.sft.batch_size=32", "--config.rl.steps=4", "--config.rl.prompts_per_step=4",
+    "--config.sft.steps=0", "--config.rl.steps=4", "--config.rl.prompts_per_step=4",
     "--config.rl.group_size=4", "--config.eval.num_prompts=8", "--config.eval.samples_per_prompt=2",
     "--config.data.num_eval=16", "--config.checkpoint.every_steps=1", "--config.eval.every_steps=2",
     "--config.log.progress=False", "--config.sampler.mode=colocated", "--config.distributed=True",
@@ -195,16 +197,22 @@ def _run_two(workdir, args, env, logdir, timeout=600):
         procs.append(subprocess.Popen([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py",
                                        f"--workdir={workdir}"] + SMALL + args, cwd=REPO, env=e, stdout=log,
                                       stderr=subprocess.STDOUT))
-    codes = []
+    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
-            codes.append(p.wait(timeout=timeout))
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                # A process died (the kill test SIGKILLs process 0, as a lost VM): its peer cannot finish its
+                # collectives and would wait for JAX's coordination-service timeout; it is stopped as the
+                # rest of a pod would be.
+                time.sleep(2)
+                break
+            time.sleep(0.5)
     finally:
         for p in procs:
-            if p.poll() is None:  # a peer died (the kill test): it cannot finish its collectives
+            if p.poll() is None:
                 p.kill()
                 p.wait()
-    return codes + [p.returncode for p in procs[len(codes):]]
+    return [p.returncode for p in procs]
 
 
 def _rl_records(fs, run):
