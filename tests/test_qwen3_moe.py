@@ -55,12 +55,30 @@ def test_config_round_trip_and_hf_names():
     ("router_aux_loss_coef", float("nan"), "router_aux_loss_coef"),
     ("mlp_only_layers", [2], "mlp_only_layers"),
     ("mlp_only_layers", [0, 0], "mlp_only_layers"),
-    ("mlp_only_layers", [0], r"layers \[0\] dense and \[1\] sparse"),
-    ("decoder_sparse_step", 2, r"layers \[0\] dense and \[1\] sparse"),
+    ("mlp_only_layers", [-1], "mlp_only_layers"),
 ])
 def test_config_bad_moe_fields_named(field, value, match):
     with pytest.raises(ValueError, match=match):
         Qwen3Config.from_hf_dict(_hf_moe_dict(**{field: value}))
+
+
+@pytest.mark.parametrize("fields,sparse", [
+    (dict(decoder_sparse_step=2, num_hidden_layers=5), [1, 3]),
+    (dict(mlp_only_layers=[0, 2], num_hidden_layers=4), [1, 3]),
+    (dict(decoder_sparse_step=2, mlp_only_layers=[3], num_hidden_layers=4), [1]),
+])
+def test_config_mixed_layers_plan(fields, sparse):
+    """HF's rule (layer i sparse iff i not in mlp_only_layers and (i+1) % decoder_sparse_step
+    == 0) and where each layer lives: sparse layers in stack 0, dense-MLP layers in stack 1."""
+    cfg = Qwen3Config.from_hf_dict(_hf_moe_dict(**fields))
+    L = cfg.num_hidden_layers
+    assert [i for i in range(L) if cfg.is_sparse_layer(i)] == sparse
+    assert cfg.is_moe and cfg.is_mixed
+    assert cfg.stack_layer_ids(0) == tuple(sparse)
+    assert cfg.stack_layer_ids(1) == tuple(i for i in range(L) if i not in sparse)
+    assert [cfg.stack_layer_ids(s)[r] for s, r in cfg.layer_plan] == list(range(L))
+    assert Qwen3Config.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert not Qwen3Config(**TINY_MOE).is_mixed
 
 
 def test_config_all_dense_moe_family_and_errors():
@@ -176,6 +194,40 @@ def test_scan_unrolled_remat_and_decode_agree():
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+MIXED_MOE = dict(TINY_MOE, num_hidden_layers=3, mlp_only_layers=(1,))  # 0, 2 sparse; 1 dense
+
+
+@pytest.mark.slow
+def test_mixed_model_forward_paths_decode_and_routing_agree():
+    """A mixed sparse/dense model: ragged_dot == the dense one-hot reference, remat and the
+    (ignored) scan option change nothing, prefill through the KV cache == the forward, the
+    routing is -1 at the dense-MLP layer and replaying it reproduces the logits."""
+    cfg = Qwen3Config(**MIXED_MOE)
+    model = _o1_weights(init_model(cfg, seed=0))
+    assert model.dense_layers.mlp.gate_proj.kernel.get_value().shape == (1, 16, 24)
+    assert model.layers.mlp.experts.gate_proj.kernel.get_value().shape == (2, 4, 16, 12)
+    ids, mask = _inputs()
+    full = jnp.ones_like(mask)
+    ref, ref_aux = model.set_compute_options(moe_implementation="dense")(
+        ids, attention_mask=full, return_aux=True)
+    model.set_compute_options(moe_implementation="ragged_dot")
+    got, aux, routed = model.set_compute_options(scan_layers=True, remat="full")(
+        ids, attention_mask=full, return_aux=True, return_routing=True)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(aux, ref_aux, rtol=1e-6)
+    routed = np.asarray(routed)
+    assert routed.shape == (3, 7, 3, 2) and np.all(routed[:, :, 1] == -1)
+    assert np.all(routed[:, :, [0, 2]] >= 0)
+    np.testing.assert_allclose(model(ids, attention_mask=full, routed_experts=routed), ref,
+                               atol=1e-5, rtol=1e-5)
+    cache = model.init_cache(3, 8)
+    positions = jnp.broadcast_to(jnp.arange(7), (3, 7))
+    got, _, dec_routed = model.decode(ids, positions, cache, 0, jnp.arange(8)[None].repeat(3, 0) < 7,
+                                      return_routing=True)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(dec_routed, routed)
+
+
 def test_moe_implementation_option_checked():
     model = init_model(Qwen3Config(**TINY_MOE), seed=0)
     with pytest.raises(ValueError, match="moe_implementation"):
@@ -248,26 +300,30 @@ def test_aux_loss_matches_transformers_function(masked):
     np.testing.assert_allclose(_np_load_balancing_loss(logits, E, K, mask), want, rtol=1e-5)
 
 
-def test_model_aux_loss_is_the_formula_on_its_router_logits():
-    """The model's aux loss == the numpy formula on router logits recomputed layer by layer."""
-    cfg = Qwen3Config(**TINY_MOE)
+@pytest.mark.parametrize("fields", [{}, dict(num_hidden_layers=3, mlp_only_layers=(1,))])
+def test_model_aux_loss_is_the_formula_on_its_router_logits(fields):
+    """The model's aux loss == the numpy formula on router logits recomputed layer by layer
+    (a mixed model: the sparse layers' router logits only, as transformers)."""
+    cfg = Qwen3Config(**{**TINY_MOE, **fields})
     model = _o1_weights(init_model(cfg, seed=0))
     ids, mask = _inputs()
     _, aux = model(ids, attention_mask=mask, return_aux=True)
     # Router logits per layer: run the unrolled layers by hand.
     from pdm_jax.models import attention as attn_lib
     from pdm_jax.models.qwen3 import default_positions, layer_slice
-    graphdef, layers_state = nnx.split(model.layers)
+    stacks = [nnx.split(m) for m in (model.layers, model.dense_layers) if m is not None]
     x = model._embed(ids)
     amask = attn_lib.SelfAttentionMask(key_valid=mask, segment_ids=None)
     pos = default_positions(ids, mask)
     gate_logits = []
-    for i in range(cfg.num_hidden_layers):
-        layer = nnx.merge(graphdef, layer_slice(layers_state, i))
+    for i, (stack, row) in enumerate(cfg.layer_plan):
+        layer = nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))
         h = x + layer.self_attn(layer.input_layernorm(x), pos, amask)[0]
-        gate_logits.append(np.asarray(layer.mlp.gate(
-            layer.post_attention_layernorm(h).reshape(-1, cfg.hidden_size))))
+        if cfg.is_sparse_layer(i):
+            gate_logits.append(np.asarray(layer.mlp.gate(
+                layer.post_attention_layernorm(h).reshape(-1, cfg.hidden_size))))
         x = layer(x, pos, amask)[0]
+    assert len(gate_logits) == len(cfg.stack_layer_ids(0))
     want = _np_load_balancing_loss(gate_logits, cfg.num_experts, cfg.num_experts_per_tok,
                                    np.asarray(mask))
     np.testing.assert_allclose(float(aux), want, rtol=1e-5)
@@ -283,15 +339,24 @@ from pdm_jax.models import from_pretrained, hf_io, save_pretrained  # noqa: E402
 MOE_REF_DIR = os.path.join(os.path.dirname(__file__), "data", "qwen3_moe_reference")
 
 
-@pytest.mark.parametrize("case", ["hub_layout", "fused_layout"])
+# case -> (norm_topk_prob, the sparse layers)
+MOE_REF_CASES = {"hub_layout": (False, (0, 1)), "fused_layout": (True, (0, 1)),
+                 "sparse_step_2": (True, (1, 3)), "mlp_only_layers": (False, (0, 2))}
+
+
+@pytest.mark.parametrize("case", list(MOE_REF_CASES))
 def test_committed_moe_reference_parity(case):
     """Logits and router aux loss of transformers' Qwen3MoeForCausalLM (committed by
     scripts/make_qwen3_moe_reference.py): hub per-expert layout and transformers 5's fused
-    layout, top-2 with and without norm_topk_prob, GQA/MQA, tied/untied."""
+    layout, top-2 with and without norm_topk_prob, GQA/MQA, tied/untied, and mixed
+    sparse/dense-MLP layers (decoder_sparse_step = 2; mlp_only_layers = [1])."""
     path = os.path.join(MOE_REF_DIR, case)
     ref = np.load(os.path.join(path, "reference.npz"))
     model = from_pretrained(path, dtype=jnp.float32)
-    assert model.config.is_moe and model.config.norm_topk_prob == (case == "fused_layout")
+    norm_topk_prob, sparse = MOE_REF_CASES[case]
+    assert model.config.is_moe and model.config.norm_topk_prob == norm_topk_prob
+    assert model.config.stack_layer_ids(0) == sparse
+    assert (model.dense_layers is None) == (len(sparse) == model.config.num_hidden_layers)
     real = ref["attention_mask"].astype(bool)
     for impl in ("ragged_dot", "dense"):
         logits, aux = model.set_compute_options(moe_implementation=impl)(
@@ -300,6 +365,52 @@ def test_committed_moe_reference_parity(case):
         assert np.abs(np.asarray(logits) - ref["logits"])[real].max() <= 1e-4, impl
         np.testing.assert_allclose(float(aux), float(ref["aux_loss"]), rtol=1e-5)
     assert np.abs(ref["logits"][real]).max() > 1.0  # not trivially flat
+
+
+@pytest.mark.slow
+def test_mixed_moe_hf_io_sharding_quantization_and_counts(tmp_path):
+    """A mixed model (layers 0, 2 sparse; 1 dense-MLP): HF names per layer kind, a bit-exact
+    save/load round trip, a missing dense tensor named, the dense stack's partition specs,
+    fp8 scales per (layer, output channel) and the parameter counts in closed form."""
+    from pdm_jax.models import presets
+    from pdm_jax.sampler import quantize as q
+    cfg = Qwen3Config(**MIXED_MOE)
+    model = _o1_weights(init_model(cfg, seed=0))
+    sd = hf_io.hf_state_dict(model)
+    dense_gate = np.asarray(model.dense_layers.mlp.gate_proj.kernel.get_value())  # [1, D, F]
+    np.testing.assert_array_equal(sd["model.layers.1.mlp.gate_proj.weight"], dense_gate[0].T)
+    up = np.asarray(model.layers.mlp.experts.up_proj.kernel.get_value())  # [2, E, D, I]
+    np.testing.assert_array_equal(sd["model.layers.2.mlp.experts.3.up_proj.weight"], up[1, 3].T)
+    np.testing.assert_array_equal(  # row 0 of dense_layers is layer 1
+        sd["model.layers.1.input_layernorm.weight"],
+        model.dense_layers.input_layernorm.scale.get_value()[0])
+    assert "model.layers.1.mlp.gate.weight" not in sd and "model.layers.0.mlp.up_proj.weight" not in sd
+    save_pretrained(model, str(tmp_path))
+    back = from_pretrained(str(tmp_path))
+    assert back.config == cfg
+    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                              nnx.to_flat_state(nnx.state(back, nnx.Param))):
+        np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(p))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.down_proj"):
+        hf_io.load_hf_state_dict(back, {k: v for k, v in sd.items()
+                                        if k != "model.layers.1.mlp.down_proj.weight"})
+    specs = dict(nnx.to_flat_state(shd.param_partition_specs(model, mesh=shd.make_mesh(
+        data=2, fsdp=2, tensor=2))))
+    P = jax.sharding.PartitionSpec
+    assert specs[("dense_layers", "mlp", "gate_proj", "kernel")] == P(None, "fsdp", "tensor")
+    assert specs[("layers", "mlp", "experts", "gate_proj", "kernel")] == P(None, "fsdp", None, "tensor")
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    got = q.prepare_sampler_params(pure, "fp8", compute_dtype=jnp.float32)
+    w = np.asarray(pure["dense_layers"]["mlp"]["down_proj"]["kernel"], np.float32)  # [1, F, D]
+    import ml_dtypes
+    scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(448.0)
+    want = (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+    np.testing.assert_allclose(got["dense_layers"]["mlp"]["down_proj"]["kernel"], want, rtol=1e-6)
+    D, F, I, E, k = 16, 24, 12, 4, 2
+    sparse_cfg = Qwen3Config(**{**MIXED_MOE, "mlp_only_layers": ()})
+    assert presets.count_params(cfg) == (presets.count_params(sparse_cfg)
+                                         - (D * E + E * 3 * D * I) + 3 * D * F)
+    assert presets.count_params(cfg) - presets.count_params(cfg, active=True) == 2 * (E - k) * 3 * D * I
 
 
 @pytest.mark.slow
@@ -375,17 +486,23 @@ def test_moe_sharded_load_and_expert_parallel_forward():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("norm_topk_prob", [False, True])
-def test_live_torch_moe_parity(tmp_path, norm_topk_prob):
+@pytest.mark.parametrize("norm_topk_prob,layers", [
+    (False, {}), (True, {}),
+    (True, dict(num_hidden_layers=4, decoder_sparse_step=2)),  # sparse 1, 3; dense 0, 2
+    (False, dict(num_hidden_layers=3, mlp_only_layers=[0])),  # sparse 1, 2; dense 0
+])
+def test_live_torch_moe_parity(tmp_path, norm_topk_prob, layers):
     """transformers Qwen3MoeForCausalLM -> save_pretrained -> pdm_jax.models.from_pretrained
-    (logits within 1e-4 in f32, aux loss), and our save -> transformers load."""
+    (logits within 1e-4 in f32, aux loss), and our save -> transformers load; all-sparse and
+    mixed sparse/dense-MLP layers."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(11)
     # Widths are multiples of 4 floats: the grouped-mm experts of a transformers model
     # loaded by from_pretrained need 16-byte strides (torch._grouped_mm).
     hf_config = transformers.Qwen3MoeConfig(
-        vocab_size=40, hidden_size=24, intermediate_size=36, num_hidden_layers=2,
+        **{"num_hidden_layers": 2, **layers},
+        vocab_size=40, hidden_size=24, intermediate_size=36,
         num_attention_heads=6, num_key_value_heads=2, head_dim=8, num_experts=5,
         num_experts_per_tok=2, moe_intermediate_size=12, norm_topk_prob=norm_topk_prob,
         rope_parameters={"rope_type": "default", "rope_theta": 3_000.0},
@@ -407,6 +524,7 @@ def test_live_torch_moe_parity(tmp_path, norm_topk_prob):
         out = hf_model(**kw)
     want = out.logits.numpy()
     ours = from_pretrained(str(tmp_path / "hf"), dtype=jnp.float32)
+    assert ours.config.is_mixed == bool(layers)
     got, aux = ours(ids, positions, mask, return_aux=True)
     assert np.abs(np.asarray(got) - want)[mask.astype(bool)].max() <= 1e-4
     np.testing.assert_allclose(float(aux), float(out.aux_loss), rtol=1e-5)

@@ -69,8 +69,8 @@ def test_quantized_experts_equal_per_expert_quantization(params, mode):
     assert np.abs(r_out - router).max() < 0.1 * np.abs(router).max()
 
 
-def _full_logits(params, b):
-    model = Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0))
+def _full_logits(params, b, cfg=CFG):
+    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
     st = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(st, params)
     nnx.update(model, st)
@@ -96,3 +96,25 @@ def test_moe_engine_decode_equals_forward_of_dequantized_model(params, quantizat
     if quantization == "fp8":  # ... and it is not the f32 policy
         pi = np.take_along_axis(_full_logits(params, b), b.completion_ids[..., None], -1)[..., 0]
         assert 1e-4 < np.abs(pi[m] - b.behavior_logprobs[m]).mean() < 1.0
+
+
+@pytest.mark.slow
+def test_mixed_moe_engine_fp8_decode_and_routing():
+    """A mixed sparse/dense-MLP model (layer 0 dense, 1 sparse) served fp8: decode logprobs ==
+    a teacher-forced forward of the dequantized weights; the returned routing is -1 at the dense
+    layer and the model's own top-k (recomputed on the sampled tokens) at the sparse one."""
+    cfg = Qwen3Config(**{**CFG.__dict__, "mlp_only_layers": (0,)})
+    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    pure = q._map_with_path(lambda path, x: x if path[-1] == "scale" else x * 25.0,
+                            nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    eng = SamplingEngine(cfg, pure, max_prompt_length=16, max_new_tokens=16, quantization="fp8",
+                         compute_dtype=jnp.float32)
+    b = eng.generate(PROMPTS, temperature=1.0, seed=5, return_routing=True, **GEN)
+    logp = _full_logits(eng.params, b, cfg)
+    tf = np.take_along_axis(logp, b.completion_ids[..., None], -1)[..., 0]
+    m = b.completion_mask
+    np.testing.assert_allclose(b.behavior_logprobs[m], tf[m], atol=1e-5)
+    r = b.routed_experts  # [N, P+T, L, k]
+    assert np.all(r[:, :, 0] == -1)
+    fed = np.concatenate([b.prompt_mask, np.cumsum(m, 1) < m.sum(1, keepdims=True)], axis=1)
+    assert np.all(r[:, :, 1][fed] >= 0)

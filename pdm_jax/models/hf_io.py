@@ -13,6 +13,9 @@ weights are ``[out, in]``; our kernels are ``[in..., out...]`` with heads split 
 The model stacks its decoder layers (``layers.self_attn.q_proj.kernel`` is [L, D, N, H]);
 row ``i`` of a stacked parameter is the per-layer path ``layers.{i}.…`` of ``KEY_MAP`` and
 so HF's ``model.layers.{i}.…`` tensor (``tensor_entries``). Files stay in the HF layout.
+A mixed Qwen3-MoE model (``decoder_sparse_step`` > 1 or ``mlp_only_layers``) has two
+stacks: row j of ``layers`` / ``dense_layers`` is HF layer ``config.stack_layer_ids(0 / 1)[j]``
+(the dense-MLP layers' tensors are ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``).
 
 Qwen3-MoE (``config.num_experts`` > 0): the router ``gate.kernel`` [D, E] is HF's
 ``model.layers.{i}.mlp.gate.weight`` [E, D], and each stacked expert kernel
@@ -146,30 +149,46 @@ class TensorEntry:
     expert: int | None = None
 
 
+_STACKS = ("layers", "dense_layers")  # the model's layer stacks (``Qwen3Config.layer_plan``)
+
+
 def is_stacked(path: str) -> bool:
-    """Whether a dotted NNX path is a stacked decoder-layer parameter (``layers.<name>…``)."""
+    """Whether a dotted NNX path is a stacked decoder-layer parameter (``layers.<name>…`` or a
+    mixed MoE model's ``dense_layers.<name>…``)."""
     parts = path.split(".")
-    return len(parts) > 1 and parts[0] == "layers" and not parts[1].isdigit()
+    return len(parts) > 1 and parts[0] in _STACKS and not parts[1].isdigit()
 
 
-def tensor_entries(path: str, shape: tuple[int, ...]) -> list[TensorEntry]:
+def tensor_entries(path: str, shape: tuple[int, ...],
+                   config: Qwen3Config | None = None) -> list[TensorEntry]:
     """The HF tensors a parameter (dotted NNX ``path``, our ``shape``) holds, in layer order.
 
-    Raises ValueError naming the path when no rule covers it.
+    Row j of a stacked parameter is HF layer ``config.stack_layer_ids(stack)[j]`` (a mixed
+    MoE model: ``layers`` holds the sparse layers, ``dense_layers`` the dense-MLP ones);
+    without ``config``, row j of ``layers`` is layer j.
+
+    Raises ValueError naming the path when no rule covers it, or for a ``dense_layers``
+    path without ``config``.
     """
     shape = tuple(shape)
     if not is_stacked(path):
         name, num_in = nnx_to_hf(path)
         return [TensorEntry(name, None, num_in, shape)]
-    rest = path[len("layers."):]
+    stack, rest = path.split(".", 1)
+    if config is not None:
+        layer_ids = config.stack_layer_ids(_STACKS.index(stack))
+    elif stack == "layers":
+        layer_ids = range(shape[0])
+    else:
+        raise ValueError(f"tensor_entries: {path!r} needs the model config (its layer ids)")
     out = []
-    for i in range(shape[0]):
+    for i, layer in zip(range(shape[0]), layer_ids, strict=True):
         if rest.startswith(_EXPERTS):  # [L, E, ...]: layer-major, then expert
             for e in range(shape[1]):
-                name, num_in = nnx_to_hf(f"layers.{i}.{_EXPERTS}{e}.{rest[len(_EXPERTS):]}")
+                name, num_in = nnx_to_hf(f"layers.{layer}.{_EXPERTS}{e}.{rest[len(_EXPERTS):]}")
                 out.append(TensorEntry(name, i, num_in, shape[2:], e))
             continue
-        name, num_in = nnx_to_hf(f"layers.{i}.{rest}")
+        name, num_in = nnx_to_hf(f"layers.{layer}.{rest}")
         out.append(TensorEntry(name, i, num_in, shape[1:]))
     return out
 
@@ -421,7 +440,8 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
 
     ckpt = _Checkpoint(path)
     try:
-        entries = {p: tensor_entries(_nnx_path_str(p), var.get_value().shape) for p, var in flat}
+        entries = {p: tensor_entries(_nnx_path_str(p), var.get_value().shape, config)
+                   for p, var in flat}
         expected = {e.name: e for es in entries.values() for e in es}
         present = set(ckpt.weight_map)
         missing = sorted(set(expected) - present, key=_hf_sort_key)
@@ -595,7 +615,7 @@ def _hf_sort_key(name: str):
 def _param_entries(model: Qwen3ForCausalLM) -> list:
     """(parameter value, TensorEntry) for every HF tensor of ``model``'s parameters."""
     return [(var.get_value(), e) for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
-            for e in tensor_entries(_nnx_path_str(p), var.get_value().shape)]
+            for e in tensor_entries(_nnx_path_str(p), var.get_value().shape, model.config)]
 
 
 def _hf_tensor(value: jax.Array, entry: TensorEntry) -> np.ndarray:
@@ -625,7 +645,7 @@ def load_hf_state_dict(model: Qwen3ForCausalLM, tensors: dict[str, Any]) -> Qwen
     new_values = []  # every check passes before the first parameter is written
     for p, var in flat:
         shape = tuple(var.get_value().shape)
-        entries = tensor_entries(_nnx_path_str(p), shape)
+        entries = tensor_entries(_nnx_path_str(p), shape, model.config)
         arrays = {}
         for e in entries:
             if e.name not in tensors:

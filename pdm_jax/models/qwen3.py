@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import numbers
 from typing import Any
@@ -83,7 +84,9 @@ class Qwen3Config:
     experts, weighted by their router probabilities (renormalised to sum to 1 when
     ``norm_topk_prob``). Layer ``i`` is sparse iff ``i`` not in ``mlp_only_layers`` and
     ``(i+1) % decoder_sparse_step == 0`` (``is_sparse_layer``); the others use the dense
-    MLP of width ``intermediate_size``. ``router_aux_loss_coef`` is the weight HF gives the
+    MLP of width ``intermediate_size`` (a mixed model, ``is_mixed``: the model then keeps the
+    sparse and the dense layers in two stacks, see ``layer_plan``). ``router_aux_loss_coef`` is
+    the weight HF gives the
     load-balancing loss (``Qwen3ForCausalLM(..., return_aux=True)``); the RL trainer does
     not add it unless told to.
 
@@ -94,8 +97,7 @@ class Qwen3Config:
         for a negative ``num_experts``, a non-positive ``num_experts_per_tok`` /
         ``moe_intermediate_size`` / ``decoder_sparse_step``, ``num_experts_per_tok`` >
         ``num_experts``, a negative or non-finite ``router_aux_loss_coef``, a non-bool
-        ``norm_topk_prob``, ``mlp_only_layers`` that are not distinct layer indices, or a
-        mix of sparse and dense layers (the stacked, scanned layers must be of one kind).
+        ``norm_topk_prob``, or ``mlp_only_layers`` that are not distinct layer indices.
     """
 
     vocab_size: int
@@ -176,16 +178,6 @@ class Qwen3Config:
             raise ValueError(
                 "Qwen3Config.mlp_only_layers must be distinct layer indices in "
                 f"[0, num_hidden_layers = {self.num_hidden_layers}), got {self.mlp_only_layers!r}")
-        sparse = [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
-        if sparse and len(sparse) != self.num_hidden_layers:
-            dense = sorted(set(range(self.num_hidden_layers)) - set(sparse))
-            raise ValueError(
-                f"Qwen3Config: num_experts = {self.num_experts}, decoder_sparse_step = "
-                f"{self.decoder_sparse_step} and mlp_only_layers = {list(layers)} make layers "
-                f"{dense} dense and {sparse} sparse (MoE); this model stacks all decoder layers "
-                "into one scanned module and needs them of one kind: every layer sparse "
-                "(decoder_sparse_step = 1, mlp_only_layers = [], as in the released Qwen3-MoE "
-                "models) or every layer dense")
 
     def is_sparse_layer(self, i: int) -> bool:
         """Whether layer ``i`` has the sparse MoE block (HF ``Qwen3MoeDecoderLayer``'s rule:
@@ -196,9 +188,35 @@ class Qwen3Config:
 
     @property
     def is_moe(self) -> bool:
-        """Whether the decoder layers carry the sparse MoE block (all of them; see
-        ``_check_moe``)."""
-        return self.num_experts > 0 and self.is_sparse_layer(self.num_hidden_layers - 1)
+        """Whether any decoder layer carries the sparse MoE block."""
+        return self.num_experts > 0 and any(self.is_sparse_layer(i)
+                                            for i in range(self.num_hidden_layers))
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether a MoE model also has dense-MLP layers (``decoder_sparse_step`` > 1 or
+        ``mlp_only_layers``): the model then holds two layer stacks (``layer_plan``)."""
+        return self.is_moe and not all(self.is_sparse_layer(i)
+                                       for i in range(self.num_hidden_layers))
+
+    @property
+    def layer_plan(self) -> tuple[tuple[int, int], ...]:
+        """Where each decoder layer's parameters live: ``layer_plan[i] = (stack, row)``,
+        stack 0 = ``Qwen3ForCausalLM.layers``, 1 = ``dense_layers``; rows in layer order.
+
+        Every layer is in stack 0 unless ``is_mixed``; then stack 0 holds the sparse (MoE)
+        layers and stack 1 the dense-MLP ones (HF ``Qwen3MoeDecoderLayer`` with ``Qwen3MLP``).
+        """
+        plan, rows = [], [0, 0]
+        for i in range(self.num_hidden_layers):
+            stack = int(self.is_mixed and not self.is_sparse_layer(i))
+            plan.append((stack, rows[stack]))
+            rows[stack] += 1
+        return tuple(plan)
+
+    def stack_layer_ids(self, stack: int) -> tuple[int, ...]:
+        """The layer indices (HF ``model.layers.{i}``) held by ``stack``'s rows, in order."""
+        return tuple(i for i, (s, _) in enumerate(self.layer_plan) if s == stack)
 
     @property
     def num_query_groups(self) -> int:
@@ -692,10 +710,10 @@ class SparseMoeBlock(nnx.Module):
 
 
 def make_mlp(config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-             param_dtype=jnp.float32) -> nnx.Module:
-    """The feed-forward submodule of a block: ``SparseMoeBlock`` when ``config.is_moe``
-    (every layer is then sparse, see ``Qwen3Config``), else the dense ``MLP``."""
-    if config.is_moe:
+             param_dtype=jnp.float32, sparse: bool | None = None) -> nnx.Module:
+    """The feed-forward submodule of a block: ``SparseMoeBlock`` when ``sparse`` (default
+    ``config.is_moe``), else the dense ``MLP`` (width ``intermediate_size``)."""
+    if config.is_moe if sparse is None else sparse:
         return SparseMoeBlock(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     return MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
@@ -704,13 +722,13 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 param_dtype=jnp.float32):
+                 param_dtype=jnp.float32, sparse: bool | None = None):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         D, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps, logical_axis="norm", **kw)
         self.self_attn = Attention(config, **kw)
         self.post_attention_layernorm = RMSNorm(D, eps, logical_axis="norm", **kw)
-        self.mlp = make_mlp(config, **kw)
+        self.mlp = make_mlp(config, sparse=sparse, **kw)
 
     def __call__(self, x_BxTxD, positions_BxT, mask, kv=None, cache_index=None, attention=None,
                  moe_implementation="ragged_dot", token_weight_BxT=None, routed_experts_BxTxK=None):
@@ -771,16 +789,18 @@ REMAT_POLICIES = {
 
 
 def stacked_layers(config: Qwen3Config, keys: KeySeq, *, dtype=jnp.float32,
-                   param_dtype=jnp.float32) -> DecoderLayer:
-    """The L decoder layers as one ``DecoderLayer`` whose parameters are stacked [L, ...].
+                   param_dtype=jnp.float32, stack: int = 0) -> DecoderLayer:
+    """The decoder layers of ``stack`` (``config.layer_plan``: all L layers unless the model is
+    mixed) as one ``DecoderLayer`` whose parameters are stacked [L, ...] (L = that stack's rows).
 
     Layer ``i`` draws its initial values from the same keys as the i-th of L layers built one
     after the other from ``keys`` (so the stacked and the per-layer initialisations agree
     exactly); ``keys`` advances past all of them. Each parameter's logical axes gain a
     leading "layers" (unsharded in ``pdm_jax.sharding.DEFAULT_RULES``).
     """
-    L = config.num_hidden_layers
-    make = functools.partial(DecoderLayer, config, dtype=dtype, param_dtype=param_dtype)
+    L = len(config.stack_layer_ids(stack))
+    make = functools.partial(DecoderLayer, config, dtype=dtype, param_dtype=param_dtype,
+                             sparse=config.is_moe and stack == 0)
     probe = KeySeq(keys.key)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: make(rngs=probe)))
     per_layer = probe.count
@@ -800,9 +820,12 @@ def layer_slice(layers_state: Any, i: int) -> Any:
 
 class Qwen3ForCausalLM(nnx.Module):
     """Qwen3 causal LM, dense (HF ``Qwen3ForCausalLM``) or mixture-of-experts (HF
-    ``Qwen3MoeForCausalLM``, when ``config.num_experts`` > 0: every layer's MLP is a
+    ``Qwen3MoeForCausalLM``, when ``config.num_experts`` > 0: every sparse layer's MLP is a
     ``SparseMoeBlock``; ``Qwen3MoeForCausalLM`` is this class), holding only ``nnx.Param``
-    state.
+    state. The decoder layers are stacked in ``layers``; a mixed MoE model
+    (``config.is_mixed``: ``decoder_sparse_step`` > 1 or ``mlp_only_layers``) keeps its sparse
+    layers in ``layers`` and its dense-MLP layers in ``dense_layers`` (``config.layer_plan``
+    says which row of which stack is layer i) and always runs them unrolled.
 
     Args:
       config: a validated ``Qwen3Config``.
@@ -821,7 +844,8 @@ class Qwen3ForCausalLM(nnx.Module):
       scan_layers: True (default): the training forward runs the stacked layers under
         ``jax.lax.scan``, so its program (and compile time) does not grow with L; False:
         a Python loop over static slices of the stack (one copy of the layer per L in the
-        program; the same numbers up to XLA's fusion choices).
+        program; the same numbers up to XLA's fusion choices). A mixed MoE model always
+        unrolls (its layers are of two kinds; a note is logged when scan_layers was asked).
       attention_block_q, attention_block_kv: tile lengths of "blockwise" and "splash".
       moe_implementation: how a MoE model's experts run, one of
         ``pdm_jax.models.moe.IMPLEMENTATIONS``: "ragged_dot" (default, grouped matmuls,
@@ -851,6 +875,9 @@ class Qwen3ForCausalLM(nnx.Module):
         kw = dict(rngs=keys, dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
         self.layers = stacked_layers(config, keys, dtype=dtype, param_dtype=param_dtype)
+        # A mixed MoE model's dense-MLP layers (``config.layer_plan``); None otherwise.
+        self.dense_layers = (stacked_layers(config, keys, dtype=dtype, param_dtype=param_dtype,
+                                            stack=1) if config.is_mixed else None)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, logical_axis="norm", **kw)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -874,6 +901,12 @@ class Qwen3ForCausalLM(nnx.Module):
         if scan_layers is not None:
             if not isinstance(scan_layers, (bool, np.bool_)):
                 raise ValueError(f"scan_layers must be a bool, got {scan_layers!r}")
+            if scan_layers and self.config.is_mixed:
+                logging.getLogger(__name__).info(
+                    "scan_layers=True: this MoE model mixes sparse and dense layers "
+                    "(decoder_sparse_step = %d, mlp_only_layers = %s), so its forward unrolls "
+                    "the layers instead", self.config.decoder_sparse_step,
+                    list(self.config.mlp_only_layers))
             self.scan_layers = bool(scan_layers)
         opts = self.attention_options
         self.attention_options = attn_lib.AttentionOptions(
@@ -962,7 +995,9 @@ class Qwen3ForCausalLM(nnx.Module):
         f32 softmax over them (renormalised when ``norm_topk_prob``; ``moe.route_replayed``);
         an entry with a negative id (no recorded routing) runs the router's own top-k there.
         ``return_routing`` also returns the experts each layer ran, [B, T, L, k] int32 (last
-        in the returned tuple): replaying them reproduces this forward.
+        in the returned tuple): replaying them reproduces this forward. In a mixed model the
+        dense-MLP layers' entries are -1 in the returned routing and ignored in
+        ``routed_experts``; the aux loss counts the sparse layers only (as HF's).
 
         Raises:
           ValueError: naming the argument when a shape is not [B, T] or ``segment_ids`` is
@@ -993,8 +1028,6 @@ class Qwen3ForCausalLM(nnx.Module):
             key_valid=None if attention_mask is None else jnp.asarray(attention_mask),
             segment_ids=segment_ids)
         x_BxTxD = self._embed(input_ids_BxT)
-        graphdef, layers_state = nnx.split(self.layers)
-        attention, moe_implementation = self.attention_options, self.moe_implementation
         token_weight_BxT = (None if attention_mask is None
                             else jnp.asarray(attention_mask).astype(jnp.float32))
 
@@ -1008,27 +1041,8 @@ class Qwen3ForCausalLM(nnx.Module):
                                  f"{want}, got {routed_experts.dtype} {routed_experts.shape}")
             replay_LxBxTxK = jnp.moveaxis(routed_experts.astype(jnp.int32), 2, 0)
 
-        def run_layer(layer_state, x_BxTxD, replay_BxTxK=None):
-            x_BxTxD, _, stats = nnx.merge(graphdef, layer_state)(
-                x_BxTxD, positions_BxT, mask, attention=attention,
-                moe_implementation=moe_implementation, token_weight_BxT=token_weight_BxT,
-                routed_experts_BxTxK=replay_BxTxK)
-            return x_BxTxD, stats
-
-        if self.remat != "none":
-            run_layer = jax.checkpoint(run_layer, policy=REMAT_POLICIES[self.remat])
-        if self.scan_layers:
-            x_BxTxD, stats = jax.lax.scan(lambda x, xs: run_layer(xs[0], x, xs[1]),
-                                          x_BxTxD, (layers_state, replay_LxBxTxK))
-        else:
-            per_layer = []
-            for i in range(L):
-                x_BxTxD, layer_stats = run_layer(
-                    layer_slice(layers_state, i), x_BxTxD,
-                    None if replay_LxBxTxK is None else replay_LxBxTxK[i])
-                per_layer.append(layer_stats)
-            stats = (None if per_layer[0] is None
-                     else jax.tree.map(lambda *a: jnp.stack(a), *per_layer))
+        x_BxTxD, stats, routing_LxBxTxK = self._run_layers(
+            x_BxTxD, positions_BxT, mask, token_weight_BxT, replay_LxBxTxK)
         h_BxTxD = shd.constrain(self.norm(x_BxTxD), ("batch", "length", "embed"))
         if not (return_aux or return_routing):
             return h_BxTxD
@@ -1041,8 +1055,58 @@ class Qwen3ForCausalLM(nnx.Module):
                 out += (moe_lib.load_balancing_loss(
                     assignments_LxE.sum(0), prob_sum_LxE.sum(0), rows_L.sum()),)
         if return_routing:
-            out += (jnp.moveaxis(stats[3], 0, 2),)  # [L, B, T, k] -> [B, T, L, k]
+            out += (jnp.moveaxis(routing_LxBxTxK, 0, 2),)  # [L, B, T, k] -> [B, T, L, k]
         return out
+
+    def _stack_states(self) -> list:
+        """(graphdef, state) of ``layers`` and, in a mixed model, ``dense_layers``."""
+        return [nnx.split(m) for m in (self.layers, self.dense_layers) if m is not None]
+
+    def _run_layers(self, x_BxTxD, positions_BxT, mask, token_weight_BxT, replay_LxBxTxK):
+        """The training forward's decoder layers (scanned or unrolled, each under
+        ``self.remat``). Returns (x [B,T,D], the sparse layers' router sums stacked over them
+        (``moe.load_balancing_stats`` + experts [Ls,B,T,k]) or None for a dense model,
+        the experts every layer ran [L,B,T,k] int32 (-1 rows for dense-MLP layers) or None).
+        """
+        attention, moe_implementation = self.attention_options, self.moe_implementation
+
+        def runner(graphdef):
+            def run_layer(layer_state, x_BxTxD, replay_BxTxK=None):
+                x_BxTxD, _, stats = nnx.merge(graphdef, layer_state)(
+                    x_BxTxD, positions_BxT, mask, attention=attention,
+                    moe_implementation=moe_implementation, token_weight_BxT=token_weight_BxT,
+                    routed_experts_BxTxK=replay_BxTxK)
+                return x_BxTxD, stats
+            if self.remat != "none":
+                return jax.checkpoint(run_layer, policy=REMAT_POLICIES[self.remat])
+            return run_layer
+
+        stacks = self._stack_states()
+        runs = [runner(graphdef) for graphdef, _ in stacks]
+        if self.scan_layers and len(stacks) == 1:
+            x_BxTxD, stats = jax.lax.scan(lambda x, xs: runs[0](xs[0], x, xs[1]),
+                                          x_BxTxD, (stacks[0][1], replay_LxBxTxK))
+            return x_BxTxD, stats, None if stats is None else stats[3]
+        per_layer = []
+        for i, (stack, row) in enumerate(self.config.layer_plan):
+            x_BxTxD, layer_stats = runs[stack](
+                layer_slice(stacks[stack][1], row), x_BxTxD,
+                None if replay_LxBxTxK is None else replay_LxBxTxK[i])
+            per_layer.append(layer_stats)
+        return (x_BxTxD,) + self._stack_layer_stats(per_layer, x_BxTxD.shape[:2])
+
+    def _stack_layer_stats(self, per_layer: list, batch_shape) -> tuple:
+        """(sparse layers' stats stacked, routing [L, B, T, k] with -1 for dense-MLP layers)
+        from the per-layer stats list (None entries for dense-MLP layers); (None, None) for a
+        dense model."""
+        sparse = [st for st in per_layer if st is not None]
+        if not sparse:
+            return None, None
+        stats = jax.tree.map(lambda *a: jnp.stack(a), *sparse)
+        if len(sparse) == len(per_layer):
+            return stats, stats[3]
+        none = jnp.full(tuple(batch_shape) + (self.config.num_experts_per_tok,), -1, jnp.int32)
+        return stats, jnp.stack([none if st is None else st[3] for st in per_layer])
 
     # ------------------------------------------------------------------ KV cache path
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
@@ -1074,7 +1138,7 @@ class Qwen3ForCausalLM(nnx.Module):
           (logits [B, T, V] float32 ([B, 1, V] with ``last_logits_only``), updated KVCache); with
           ``return_routing`` (MoE only) a third element, the experts each layer ran for these
           tokens, [B, T, L, k] int32 (the rollout engine's routing for routing replay,
-          ``hidden_states``' ``routed_experts``).
+          ``hidden_states``' ``routed_experts``; -1 for a mixed model's dense-MLP layers).
         The layers run in a Python loop over static slices of the stacked parameters (not
         under ``lax.scan``): the cache is one array per layer, which XLA updates in place
         and reads without copies (see ``KVCache``); a scan would carry a stacked cache and
@@ -1116,20 +1180,21 @@ class Qwen3ForCausalLM(nnx.Module):
         causal_BxTxS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= jnp.atleast_2d(slot_BxT)[:, :, None]
         mask_BxTxS = causal_BxTxS & kv_mask.astype(bool)[:, None, :]
         x_BxTxD = self._embed(input_ids_BxT)
-        graphdef, layers_state = nnx.split(self.layers)
+        stacks = self._stack_states()
         if return_routing and not c.is_moe:
             raise ValueError("decode: return_routing needs a MoE model (num_experts > 0)")
-        ks, vs, routed = [], [], []
-        for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
-            layer = nnx.merge(graphdef, layer_slice(layers_state, i))
+        ks, vs, per_layer = [], [], []
+        for (stack, row), k, v in zip(c.layer_plan, cache.k, cache.v, strict=True):
+            layer = nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))
             x_BxTxD, (k, v), stats = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index,
                                            moe_implementation=self.moe_implementation)
             ks.append(k)
             vs.append(v)
-            if return_routing:
-                routed.append(stats[3])
+            per_layer.append(stats)
         out = (self._logits(x_BxTxD[:, -1:] if last_logits_only else x_BxTxD), KVCache(k=tuple(ks), v=tuple(vs)))
-        return out + (jnp.stack(routed, axis=2),) if return_routing else out
+        if not return_routing:
+            return out
+        return out + (jnp.moveaxis(self._stack_layer_stats(per_layer, (B, T))[1], 0, 2),)
 
 
 def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,

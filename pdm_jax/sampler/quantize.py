@@ -92,11 +92,12 @@ def default_output_axes(path: Path, shape: Sequence[int], *, quantize_embedding:
         ``("layers", "self_attn", "q_proj", "kernel")`` for the scanned layout, whose
         layer parameters carry a leading layer axis [L, ...] (axis 0 is then an output
         axis too: every layer keeps its own scales), or the per-layer
-        ``("layers", "0", "self_attn", "q_proj", "kernel")``.
+        ``("layers", "0", "self_attn", "q_proj", "kernel")``; a mixed MoE model's
+        ``("dense_layers", ...)`` stack is scanned-layout too.
       shape: the parameter's shape.
     """
     names = [str(p) for p in path]
-    if len(names) > 1 and names[0] == "layers" and not names[1].isdigit():
+    if len(names) > 1 and names[0] in ("layers", "dense_layers") and not names[1].isdigit():
         # Scanned layout: a leading layer axis [L, ...]; each layer keeps its own scales.
         inner = default_output_axes(("layers", "0") + tuple(names[1:]), tuple(shape)[1:],
                                     quantize_embedding=quantize_embedding,
