@@ -137,22 +137,32 @@ def _rl_records(workdir):
     return {r["step"]: r for r in recs if r["phase"] == "rl"}
 
 
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """The uninterrupted SMALL run of the README command (fp8 sampler subprocess), shared by the slow tests here.
+
+    Returns ``(workdir, rl records by step, compile-cache flags)``; the cache directory is the tests' own, so the
+    later runs load the programs this run compiled (and the tests stay independent of ``~/.cache``).
+    """
+    root = tmp_path_factory.mktemp("reference_run")
+    cache = [f"--config.compile_cache.dir={root / 'jax_cache'}"]
+    r = _run_cli(root / "full", SMALL + cache)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return root / "full", _rl_records(root / "full"), cache
+
+
 @pytest.mark.slow
-def test_cli_end_to_end_then_resume_after_sigkill(tmp_path):
+def test_cli_end_to_end_then_resume_after_sigkill(reference_run, tmp_path):
     """A short run of the README command through the fp8 sampler subprocess, then a SIGKILLed run resumed.
 
     The resumed run must reproduce the uninterrupted run's metrics for the steps after the kill.
     """
-    full = tmp_path / "full"
-    cache = [f"--config.compile_cache.dir={tmp_path / 'jax_cache'}"]
-    r = _run_cli(full, SMALL + cache)
-    assert r.returncode == 0, r.stderr[-4000:]
+    full, ref, cache = reference_run
     summary = json.load(open(full / "summary.json"))
     assert summary["steps"] == 4
     for key in ("warmstart_accuracy", "final_accuracy", "wall_seconds"):
         assert summary[key] is not None
     assert (full / "curves.png").stat().st_size > 1000
-    ref = _rl_records(full)
     assert sorted(ref) == [1, 2, 3, 4]
     assert all(ref[s]["staleness"] == 0 for s in ref)
 
@@ -189,13 +199,12 @@ def _check_step_timing(records):
 
 
 @pytest.mark.slow
-def test_sampler_killed_mid_run_is_restarted_without_losing_a_batch(tmp_path):
-    full = tmp_path / "full"
-    r = _run_cli(full, SMALL + ["--config.rl.steps=3"])
-    assert r.returncode == 0, r.stderr[-4000:]
-    ref = _rl_records(full)
+def test_sampler_killed_mid_run_is_restarted_without_losing_a_batch(reference_run, tmp_path):
+    # The learning rate is constant after warm-up (no decay over rl.steps), so a 3-step run's steps equal the
+    # 4-step reference's first three.
+    _, ref, cache = reference_run
     broken = tmp_path / "broken"
-    r = _run_cli(broken, SMALL + ["--config.rl.steps=3", "--config.debug.kill_sampler_after_rl_step=1"])
+    r = _run_cli(broken, SMALL + cache + ["--config.rl.steps=3", "--config.debug.kill_sampler_after_rl_step=1"])
     assert r.returncode == 0, r.stderr[-4000:]
     got = _rl_records(broken)
     assert sorted(got) == [1, 2, 3]
