@@ -51,9 +51,14 @@ def _vg(graphdef, params, batch, **kw):
     return float(loss), jax.device_get(m), jax.device_get(g)
 
 
-@pytest.mark.parametrize("chunk", [0, 2])
-def test_router_aux_loss_enters_the_loss(chunk):
-    graphdef, params, batch = _setup()
+# Mixed sparse/dense-MLP layers (layer 0 dense, 1 sparse): the step trains it too.
+MIXED = Qwen3Config(**{**CFG.__dict__, "mlp_only_layers": (0,)})
+
+
+@pytest.mark.parametrize("chunk,cfg", [(0, CFG), (2, CFG), pytest.param(0, MIXED, marks=pytest.mark.slow)],
+                         ids=["full", "chunked", "mixed"])
+def test_router_aux_loss_enters_the_loss(chunk, cfg):
+    graphdef, params, batch = _setup(cfg)
     aux, aux_grad = jax.value_and_grad(lambda p: _model_aux(graphdef, p, batch))(params)
     l0, m0, g0 = _vg(graphdef, params, batch, logits_chunk_size=chunk)
     c = 0.3

@@ -130,9 +130,10 @@ def _inputs(B=3, T=7, V=64, seed=1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("norm_topk_prob", [False, True])
-def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob):
-    cfg = Qwen3Config(**TINY_MOE, norm_topk_prob=norm_topk_prob)
+@pytest.mark.parametrize("norm_topk_prob,fields", [
+    (False, {}), (True, {}), (True, dict(num_hidden_layers=3, mlp_only_layers=(1,)))])
+def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob, fields):
+    cfg = Qwen3Config(**{**TINY_MOE, **fields}, norm_topk_prob=norm_topk_prob)
     model = _o1_weights(init_model(cfg, seed=0))
     assert isinstance(model, Qwen3MoeForCausalLM)
     ids, mask = _inputs()
@@ -163,6 +164,8 @@ def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob):
                                    err_msg="/".join(map(str, path)))
     # The expert kernels and the router do get gradient (routing weights are differentiable).
     assert float(jnp.abs(flat_d[("layers", "mlp", "gate", "kernel")].get_value()).max()) > 1e-3
+    if cfg.is_mixed:  # ... and so do the dense-MLP layers' kernels
+        assert float(jnp.abs(flat_d[("dense_layers", "mlp", "up_proj", "kernel")].get_value()).max()) > 1e-3
 
 
 def test_megablox_interpret_equals_dense():
