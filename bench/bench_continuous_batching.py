@@ -13,8 +13,9 @@ useful tokens/s = completion tokens (the mask's sum) / wall time, median of ``--
 interleaved rounds after a compile round, and mixed / uniform per engine (the issue's target:
 >= 0.6x), with its min / median / max over the rounds (each round times mixed and uniform back to
 back) and the same ratio per process CPU second (all threads; less moved by other processes on a
-shared machine). ``--modes continuous`` times one engine. Both engines must give the same tokens
-(checked and printed).
+shared machine). ``--modes continuous`` times one engine; ``--modes continuous_nopark,continuous``
+times continuous batching without and with parking rows (`SamplingEngine.park_rows`). All engines
+must give the same tokens (checked against the first mode and printed).
 
 Part 2 (compiles). A stream of ``--stream`` requests of mixed shapes (1-8 prompts of 3-60
 tokens, n in {1, 2, 4, 8}, max_new_tokens in {8, 16, 32, 64, 128}, seeded) through a fresh
@@ -49,6 +50,8 @@ from pdm_jax.profiling import CompileCounter
 from pdm_jax.sampler.engine import SamplingEngine
 
 MODES = ("static", "continuous")
+ENGINE_KW = {"static": dict(batching="static"), "continuous": dict(batching="continuous"),
+             "continuous_nopark": dict(batching="continuous", park_rows=0)}  # --modes choices
 
 
 def make(a):
@@ -59,9 +62,9 @@ def make(a):
     return cfg, params
 
 
-def engines(cfg, params, a, max_new):
+def engines(cfg, params, a, max_new, modes):
     return {m: SamplingEngine(cfg, params, quantization="none", max_prompt_length=64, max_new_tokens=max_new,
-                              max_batch_size=a.slots, batching=m) for m in MODES}
+                              max_batch_size=a.slots, **ENGINE_KW[m]) for m in modes}
 
 
 def throughput(a):
@@ -72,12 +75,12 @@ def throughput(a):
     work = {"mixed": dict(max_new_tokens=a.max_new, stop_token_ids=stops),
             "uniform": dict(max_new_tokens=a.uniform_len, stop_token_ids=[])}
     modes = a.modes.split(",")
-    eng = engines(cfg, params, a, a.max_new)
+    eng = engines(cfg, params, a, a.max_new, modes)
     gen = dict(n=a.n, temperature=1.0, seed=0, top_k_logprobs=a.k)
     first = {(m, w): eng[m].generate(prompts, **gen, **work[w]) for w in work for m in modes}  # compile round
     times = {key: [] for key in first}
     cpu = {key: [] for key in first}  # process CPU seconds (all threads): less moved by other processes' load
-    steps = {}
+    steps, parked = {}, {}
     for _ in range(a.repeats):
         for key in first:
             m, w = key
@@ -86,23 +89,26 @@ def throughput(a):
             times[key].append(time.perf_counter() - t0)
             cpu[key].append(time.process_time() - c0)
             steps[key] = eng[m].last_decode_steps
+            parked[key], eng[m].parked_rows = eng[m].parked_rows, 0
     lengths = first[(modes[0], "mixed")].completion_mask.sum(1)
     print(f"# jax {jax.__version__} {jax.devices()[0].platform} x{len(jax.devices())}; tiny Qwen3 d={a.hidden} "
           f"L={a.layers} V={a.vocab}; {a.prompts} prompts x n={a.n} = {a.prompts * a.n} sequences, {a.slots} slots "
           f"(static: chunks of {a.slots}); prompt {a.prompt_len} tokens; K={a.k}; median of {a.repeats} rounds")
     print(f"# mixed lengths: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, max {lengths.max()} "
           f"(cap {a.max_new}); uniform: {a.uniform_len}")
-    for w in work if len(modes) == 2 else ():
-        same = np.array_equal(first[("static", w)].completion_ids, first[("continuous", w)].completion_ids)
-        print(f"# {w}: same tokens static vs continuous: {same}")
-    print(f"{'engine':>11} {'workload':>9} {'useful tok':>11} {'seconds':>8} {'tok/s':>8} {'last-chunk steps':>17}")
+    for w in work:
+        for m in modes[1:]:
+            same = np.array_equal(first[(modes[0], w)].completion_ids, first[(m, w)].completion_ids)
+            print(f"# {w}: same tokens {modes[0]} vs {m}: {same}")
+    print(f"{'engine':>17} {'workload':>9} {'useful tok':>11} {'seconds':>8} {'tok/s':>8} {'last-chunk steps':>17} "
+          f"{'parked rows':>12}")
     rate = {}
     for key in first:
         m, w = key
         useful = int(first[key].completion_mask.sum())
         sec = statistics.median(times[key])
         rate[key] = useful / sec
-        print(f"{m:>11} {w:>9} {useful:>11} {sec:>8.3f} {rate[key]:>8.0f} {steps[key]:>17}")
+        print(f"{m:>17} {w:>9} {useful:>11} {sec:>8.3f} {rate[key]:>8.0f} {steps[key]:>17} {parked[key]:>12}")
     for m in modes:
         useful = {w: int(first[(m, w)].completion_mask.sum()) for w in work}
         cpu_ratio = (useful["mixed"] / statistics.median(cpu[(m, "mixed")])
@@ -112,9 +118,9 @@ def throughput(a):
         print(f"# {m}: mixed / uniform useful tokens/s = {rate[(m, 'mixed')] / rate[(m, 'uniform')]:.2f}x "
               f"(per interleaved round: min {per_round[0]:.2f}, median {statistics.median(per_round):.2f}, "
               f"max {per_round[-1]:.2f}); per process CPU second {cpu_ratio:.2f}x")
-    if len(modes) == 2:
-        print(f"# continuous / static: mixed {rate[('continuous', 'mixed')] / rate[('static', 'mixed')]:.2f}x, "
-              f"uniform {rate[('continuous', 'uniform')] / rate[('static', 'uniform')]:.2f}x")
+    for m in modes[1:]:
+        print(f"# {m} / {modes[0]}: mixed {rate[(m, 'mixed')] / rate[(modes[0], 'mixed')]:.2f}x, "
+              f"uniform {rate[(m, 'uniform')] / rate[(modes[0], 'uniform')]:.2f}x")
 
 
 def stream(a):
@@ -131,7 +137,7 @@ def stream(a):
     print(f"{'engine':>11} {'programs':>9} {'XLA compiles':>13} {'compile s':>10} {'wall s':>8} {'compile share':>14}")
     for m in a.modes.split(","):
         e = SamplingEngine(cfg, params, quantization="none", max_prompt_length=64, max_new_tokens=128,
-                           max_batch_size=a.slots, batching=m)
+                           max_batch_size=a.slots, **ENGINE_KW[m])
         counter = CompileCounter()
         t0 = time.perf_counter()
         for prompts, kw in reqs:
@@ -250,7 +256,9 @@ def main():
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream", type=int, default=40)
-    ap.add_argument("--modes", default="static,continuous", help="engines of the throughput part and the compile stream")
+    ap.add_argument("--modes", default="static,continuous",
+                    help=f"engines of the throughput part and the compile stream, of {sorted(ENGINE_KW)} "
+                         "(continuous_nopark: continuous batching without parking rows)")
     a = ap.parse_args()
     if a.part in ("both", "throughput"):
         throughput(a)

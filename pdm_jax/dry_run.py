@@ -305,7 +305,10 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
       ``rl.max_new_tokens``; slots = ``sampler.max_slots`` (0: ``max_batch_size``) with continuous
       batching, ``max_batch_size`` with static batches; both rounded up to a power of two, as the engine does);
     * ``prompt_store`` (continuous batching): one rollout request's prompts prefilled once,
-      ``max(next_pow2(rl.prompts_per_step), slots / 4) x P`` more cache entries, split the same way.
+      ``max(next_pow2(rl.prompts_per_step), slots / 4) x P`` more cache entries, split the same way;
+    * ``park`` (continuous batching with ``sampler.park_rows`` > 0 and more than one cache phase): the
+      parked rows' first-phase slots, ``park_rows x slots x (P + T/4)`` (P + T/2 where T/4 is under 32
+      tokens; `engine.cache_phases`) more cache entries, split the same way.
 
     Activations of the decode step (per-slot logits, attention scores) are not counted.  ``colocated``:
     the engine shares the trainer's chips (``sampler.mode`` colocated, or auto, which resolves to it on
@@ -315,7 +318,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
     Raises:
       ValueError: ``sampler.mesh`` larger than ``num_devices`` in colocated mode (naming the field).
     """
-    from pdm_jax.sampler.engine import resolve_compute_dtype  # lazy: the dry run's own imports stay light
+    from pdm_jax.sampler.engine import cache_phases, resolve_compute_dtype  # lazy: the dry run's imports stay light
 
     sc = config.sampler
     mesh_cfg = sc.get("mesh") or {}
@@ -337,7 +340,10 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
     kv_cache = slots * (p + new) * per_entry // (d * kv_t)
     store_rows = max(pow2(config.rl.prompts_per_step), slots // 4) if continuous else 0
     prompt_store = store_rows * p * per_entry // (d * kv_t)
-    out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store)
+    caps = cache_phases(new)
+    park_rows = int(sc.get("park_rows", 2)) if continuous and len(caps) > 1 else 0
+    park = park_rows * slots * (p + caps[0]) * per_entry // (d * kv_t)
+    out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
     out["total"] = sum(out.values())
     return dict(out, mesh=(d, t), slots=slots, dtype=str(dtype), quantization=str(sc.quantization),
                 colocated=colocated)
@@ -554,7 +560,7 @@ def _sampler_lines(sp: dict, train_total: int, hbm: int, g, unit: str, compiled=
     d, t = sp["mesh"]
     lines = [f"SAMPLER (rollout engine), ANALYTIC, per device of its {d} x {t} (data x tensor) mesh   {unit}",
              f"  ({sp['quantization']} weights held in {sp['dtype']}, {sp['slots']} slots)"]
-    for k in ("weights", "kv_cache", "prompt_store", "total"):
+    for k in ("weights", "kv_cache", "prompt_store", "park", "total"):
         lines.append(f"  {'sampler_' + k:<30}{g(sp[k])}")
     if sp["colocated"]:
         both = train_total + sp["total"]

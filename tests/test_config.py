@@ -232,7 +232,8 @@ def test_stop_token_ids_reach_the_codec():
 
 
 @pytest.mark.parametrize("field, value, match", [("sampler.batching", "paged", "must be one of"),
-                                                 ("sampler.max_slots", -1, "integer >= 0")])
+                                                 ("sampler.max_slots", -1, "integer >= 0"),
+                                                 ("sampler.park_rows", -1, "integer >= 0")])
 def test_batching_settings_are_checked(field, value, match):
     c = _valid_config()
     group, name = field.split(".")
@@ -248,5 +249,7 @@ def test_batching_reaches_the_sampler_server_flags():
     args = parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--batching=continuous", "--max_slots=16"])
     assert (args.batching, args.max_slots) == ("continuous", 16)
     assert parse_args(["--model_config=x", "--checkpoint_root=/tmp"]).batching == "static"
+    assert parse_args(["--model_config=x", "--checkpoint_root=/tmp"]).park_rows == 2
+    assert parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--park_rows=0"]).park_rows == 0
     with pytest.raises(SystemExit):
         parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--batching=paged"])

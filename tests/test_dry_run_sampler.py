@@ -26,7 +26,8 @@ def _config(mesh=(1, 1), **sampler):
 
 def _hand(mesh=(1, 1), slots=256, store_rows=128, dtype_bytes=2):
     """Qwen3-8B by hand: L 36, 8 kv heads x 128, D 4096; every matrix has a heads / kv heads / MLP /
-    vocab axis that the tensor axis splits; the RMSNorm scales (2 D + 2 H per layer, D final) stay whole."""
+    vocab axis that the tensor axis splits; the RMSNorm scales (2 D + 2 H per layer, D final) stay whole.
+    Returns weights, KV cache, prompt store and park (2 x slots x (2,048 + 8,192 / 4) entries) bytes."""
     d, t = mesh
     n = count_params(get_preset("qwen3_8b"))
     norms = 36 * (2 * 4096 + 2 * 128) + 4096
@@ -34,30 +35,34 @@ def _hand(mesh=(1, 1), slots=256, store_rows=128, dtype_bytes=2):
     per_token = 36 * 2 * 8 * 128 * dtype_bytes  # 144 KiB in bf16 (the issue's figure)
     kv = slots * (2048 + 8192) * per_token // (d * t)
     store = store_rows * 2048 * per_token // (d * t)
-    return weights, kv, store
+    park = 2 * slots * (2048 + 2048) * per_token // (d * t)  # sampler.park_rows 2
+    return weights, kv, store, park
 
 
 @pytest.mark.parametrize("mesh", [(1, 1), (8, 8), (4, 2)])
 def test_sampler_plan_equals_hand_computation(mesh):
     sp = dry_run.plan(_config(mesh), mode="analytic")["sampler"]
-    weights, kv, store = _hand(mesh)
-    assert (sp["weights"], sp["kv_cache"], sp["prompt_store"]) == (weights, kv, store)
-    assert sp["total"] == weights + kv + store and sp["dtype"] == "bfloat16" and sp["colocated"]  # auto on TPU
+    weights, kv, store, park = _hand(mesh)
+    assert (sp["weights"], sp["kv_cache"], sp["prompt_store"], sp["park"]) == (weights, kv, store, park)
+    assert sp["total"] == weights + kv + store + park and sp["dtype"] == "bfloat16" and sp["colocated"]  # auto: TPU
     if mesh == (1, 1):  # the issue: 144 KiB per token, 256 slots x 10,240 tokens = 360 GiB on one chip
         assert 36 * 2 * 8 * 128 * 2 == 144 * 1024 and kv == 360 * GIB
-    if mesh == (8, 8):  # the README row: 1.91 + 5.62 + 0.56 = 8.10 GiB per chip beside the train step's 14.98
-        assert (round(sp["weights"] / GIB, 2), kv / GIB, store / GIB) == (1.91, 5.625, 0.5625)
+    if mesh == (8, 8):  # the README row: 1.91 + 5.62 + 0.56 + 4.50 = 12.60 GiB per chip beside the train step's 14.98
+        assert (round(sp["weights"] / GIB, 2), kv / GIB, store / GIB, park / GIB) == (1.91, 5.625, 0.5625, 4.5)
 
 
 def test_sampler_plan_dtype_slots_mode_and_report():
     """quantization none -> f32 weights and cache; static batches -> max_batch_size rows; continuous with
     max_slots 64 -> 64; a subprocess sampler on its own devices; the report's section and labels."""
     sp = dry_run.plan(_config(quantization="none"), mode="analytic")["sampler"]
-    assert (sp["weights"], sp["kv_cache"], sp["prompt_store"]) == _hand(dtype_bytes=4) and sp["dtype"] == "float32"
+    assert (sp["weights"], sp["kv_cache"], sp["prompt_store"], sp["park"]) == _hand(dtype_bytes=4)
+    assert sp["dtype"] == "float32"
     sp = dry_run.plan(_config(batching="static"), mode="analytic")["sampler"]
-    assert (sp["slots"], sp["prompt_store"]) == (256, 0)
+    assert (sp["slots"], sp["prompt_store"], sp["park"]) == (256, 0, 0)
+    assert dry_run.plan(_config(park_rows=0), mode="analytic")["sampler"]["park"] == 0
     sp = dry_run.plan(_config(max_slots=64, mode="subprocess"), mode="analytic")["sampler"]
     assert sp["kv_cache"] == _hand(slots=64)[1] and sp["prompt_store"] == _hand(store_rows=128)[2]
+    assert sp["park"] == _hand(slots=64)[3]
     assert not sp["colocated"]
     report = dry_run.plan(_config((8, 8)), mode="analytic")
     text = dry_run.format_report(report)
@@ -84,5 +89,5 @@ def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the
     sp, comp = report["sampler"], report["sampler_compiled"]
     assert comp is not None and sp["mesh"] == (2, 2)
     assert sp["weights"] <= comp["argument"] <= 1.05 * sp["weights"]
-    assert comp["temp"] >= sp["kv_cache"] + sp["prompt_store"]
+    assert comp["temp"] >= sp["kv_cache"] + sp["prompt_store"] + sp["park"]
     assert "sampler_compiled_temp" in dry_run.format_report(report)

@@ -414,15 +414,21 @@ def test_cache_phases():
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, TAU])
 def test_continuous_cache_phases_equal_static(params, continuous_pair, temperature):
-    """The cache grown in phases (P + 4, P + 8, P + 16 slots: min_cache_phase 4) while rows are refilled: the
-    static engine's tokens, finish reasons, log mu and top-K (1e-5), with and without stop ids."""
+    """The cache grown in phases (P + 4, P + 8, P + 16 slots: min_cache_phase 4) while rows are refilled, rows
+    past the first phase parked while rows are pending (and with parking off): the static engine's tokens,
+    finish reasons, log mu and top-K (1e-5), with and without stop ids."""
     static, _ = continuous_pair
-    cont = make_engine(params, max_batch_size=4, batching="continuous")
-    cont.min_cache_phase = 4
-    lengths, _ = _same_as_static_with_and_without_stops(
-        static, cont, dict(n=2, max_new_tokens=16, top_k_logprobs=K, temperature=temperature, seed=7), [(0, 5), (3, 9)])
-    assert len(set(lengths.tolist())) >= 3 and lengths.max() > 8, lengths  # rows end in more than one phase
-    assert all(key[-1] == ("min_phase", 4) for key in cont.program_shapes)
+    for park in (2, 0):
+        cont = make_engine(params, max_batch_size=4, batching="continuous", park_rows=park)
+        cont.min_cache_phase = 4
+        lengths, _ = _same_as_static_with_and_without_stops(
+            static, cont, dict(n=2, max_new_tokens=16, top_k_logprobs=K, temperature=temperature, seed=7),
+            [(0, 5), (3, 9)])
+        assert len(set(lengths.tolist())) >= 3 and lengths.max() > 8, lengths  # rows end in more than one phase
+        assert (cont.parked_rows > 0) == (park > 0), cont.parked_rows
+        assert all(key[-1] == (("min_phase", 4) if park else ("park", 0)) for key in cont.program_shapes)
+    with pytest.raises(ValueError, match="park_rows must be an integer >= 0, got -1"):
+        make_engine(params, batching="continuous", park_rows=-1)
 
 
 @pytest.mark.slow

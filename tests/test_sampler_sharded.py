@@ -45,9 +45,11 @@ def _max_abs(a, b):
 @pytest.mark.parametrize("batching", ["static", "continuous"])
 def test_sharded_engine_equals_single_device(params, mesh, batching):
     """data 2 x tensor 4: tokens, masks, finish reasons and top-K ids equal; log mu / top-K log mu within
-    1e-5 (float32; the sharded matmuls sum their partial products in another order)."""
+    1e-5 (float32; the sharded matmuls sum their partial products in another order). Continuous batching
+    runs cache phases of P + 4, 8, 16 slots and parks rows past the first while rows are pending."""
     single = SamplingEngine(CFG, params, batching=batching, **LIMITS)
     sharded = SamplingEngine(CFG, params, batching=batching, mesh=mesh, **LIMITS)
+    single.min_cache_phase = sharded.min_cache_phase = 4
     # weights: q_proj kernels [L, embed, heads, head_dim] split over tensor on heads
     leaves = jax.tree_util.tree_leaves_with_path(sharded._state)
     q = [x for p, x in leaves if "q_proj" in jax.tree_util.keystr(p) and x.ndim >= 3][0]
@@ -64,6 +66,7 @@ def test_sharded_engine_equals_single_device(params, mesh, batching):
         print(f"{batching} tau={temperature}: max |d log mu| {d_logp:.2e}, max |d top-K log mu| {d_topk:.2e}")
         assert d_logp <= 1e-5 and d_topk <= 1e-5
     assert sharded.prefill_rows < sharded.prefill_rows_unshared  # shared prefill ran (n = 2)
+    assert (sharded.parked_rows > 0) == (batching == "continuous"), sharded.parked_rows
 
 
 def test_sharded_kv_cache_layout(params, mesh):

@@ -325,7 +325,8 @@ _GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
 
 def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
                         temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
-                        k_logprobs: int, cache_dtype, routing: bool = False, min_phase: Optional[int] = None):
+                        k_logprobs: int, cache_dtype, routing: bool = False, min_phase: Optional[int] = None,
+                        park: int = 0):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
 
     Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
@@ -349,13 +350,18 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
        scattered to row ``r`` of the [N, num_new(, K)] outputs; then admission refills.
        One loop per cache-length phase: it runs while every live row's next token fits in
        the P + caps[i] slots, then the cache grows (zero slots appended) to the next phase.
+       With ``park`` > 0 (and more than one phase), a row that outgrows the first phase while rows
+       are pending is parked instead: its P + caps[0] cache slots and state are copied into a
+       park of ``park x slots`` entries and its slot is refilled, so the first phase's short cache
+       serves the queue; parked rows come back (before pending ones) once the cache has grown.
+       The first phase ends when the queue is empty or the park is full.
     5. Tail: once the queue is empty and at most slots/4 rows are live, the live slots
        are gathered into a cache of slots/4: the last long rows run in a
        smaller batch (`_TAIL_SHRINK`, `_TAIL_LEVELS`; no admission there).
 
     Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
     `_generate_program`, so rows get the same samples whichever slot or step runs them.
-    Returns the same dict as `_generate_program` (``steps``: decode steps run; with ``routing``
+    Returns the same dict as `_generate_program` (``steps``: decode steps run; ``parked``: rows parked; with ``routing``
     ``routed`` [N, P + num_new, L, k]: a row's prompt routing copied from its prompt's prefill at
     admission, token t's written by the step that feeds it).
 
@@ -407,7 +413,14 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                 max_new=jnp.zeros((slots,), jnp.int32))
     caps = cache_phases(num_new, min_phase)  # the cache holds P + caps[i] slots in main phase i (the last: P + num_new)
     carry = dict(cache=_laid_out(model.init_cache(slots, p + caps[0], dtype=cache_dtype)),
-                 kv_mask=jnp.zeros((slots, p + caps[0]), bool), slot=slot, outs=outs, queue=jnp.int32(0), steps=jnp.int32(0))
+                 kv_mask=jnp.zeros((slots, p + caps[0]), bool), slot=slot, outs=outs, queue=jnp.int32(0), steps=jnp.int32(0),
+                 parked=jnp.int32(0))
+    park_n = int(park) * slots if len(caps) > 1 else 0
+    park = park_n > 0
+    if park:  # parked rows' P + caps[0] cache slots and slot state; entries [0, n) hold rows
+        carry["park"] = dict(cache=_laid_out(model.init_cache(park_n, p + caps[0], dtype=cache_dtype)),
+                             slot=jax.tree.map(lambda a: jnp.zeros((park_n,) + a.shape[1:], a.dtype), slot),
+                             n=jnp.int32(0))
     sample1 = functools.partial(_sample_step, **params_for(1))
 
     def admit_cond(c):
@@ -425,7 +438,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                     for ck, sk in zip(cache.k, store.k)),
             v=tuple(jax.lax.dynamic_update_slice(cv, jax.lax.dynamic_slice_in_dim(sv, i, 1, axis=0), (b, zero, zero, zero))
                     for cv, sv in zip(cache.v, store.v))))
-        row_mask = jnp.concatenate([prompt_mask_UxP[i], jnp.ones((c["kv_mask"].shape[1] - p,), bool)])
+        row_mask = row_kv_mask(r, c["kv_mask"].shape[1])
         kv_mask = jax.lax.dynamic_update_slice(c["kv_mask"], row_mask[None, :], (b, zero))
         tok, lp, ids, lps = sample1(jax.lax.dynamic_slice_in_dim(last_UxV, i, 1, axis=0), key[None], zero)
         stop = is_stop(tok)
@@ -440,10 +453,54 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                   plen=sl["plen"].at[b].set(prompt_len_U[i]), max_new=sl["max_new"].at[b].set(max_new_N[r]))
         return dict(c, cache=cache, kv_mask=kv_mask, slot=sl, outs=outs, queue=r + 1)
 
-    def admit(c):
+    def row_kv_mask(r, width):
+        """Row r's kv mask over ``width`` cache slots: its prompt's mask, then every generated slot."""
+        return jnp.concatenate([prompt_mask_UxP[row_entry_N[r]], jnp.ones((width - p,), bool)])
+
+    def overflow(c):
+        return c["slot"]["live"] & (c["slot"]["t"] > caps[0])  # token t would be fed into slot P + t - 1
+
+    def park_cond(c):
+        return (c["queue"] < num_rows) & (c["park"]["n"] < park_n) & jnp.any(overflow(c))
+
+    def park_one(c):
+        """The first live row past the first phase moved into park entry n (its slot freed)."""
+        b = jnp.argmax(overflow(c)).astype(jnp.int32)
+        pk, n, zero = c["park"], c["park"]["n"], jnp.int32(0)
+        put = lambda dst, src: jax.lax.dynamic_update_slice(  # noqa: E731
+            dst, jax.lax.dynamic_slice_in_dim(src, b, 1, axis=0), (n, zero, zero, zero))
+        cache = type(c["cache"])(k=tuple(map(put, pk["cache"].k, c["cache"].k)),
+                                 v=tuple(map(put, pk["cache"].v, c["cache"].v)))
+        pslot = jax.tree.map(lambda a, v: a.at[n].set(v[b]), pk["slot"], c["slot"])
+        slot = dict(c["slot"], live=c["slot"]["live"].at[b].set(False))
+        return dict(c, slot=slot, park=dict(cache=_laid_out(cache), slot=pslot, n=n + 1), parked=c["parked"] + 1)
+
+    def unpark_cond(c):
+        return (c["park"]["n"] > 0) & ~jnp.all(c["slot"]["live"])
+
+    def unpark_one(c):
+        """Park entry n - 1 back into the first free slot of the (grown) cache."""
+        pk, n, zero = c["park"], c["park"]["n"] - 1, jnp.int32(0)
+        b = jnp.argmin(c["slot"]["live"]).astype(jnp.int32)
+        put = lambda dst, src: jax.lax.dynamic_update_slice(  # noqa: E731
+            dst, jax.lax.dynamic_slice_in_dim(src, n, 1, axis=0), (b, zero, zero, zero))
+        cache = type(c["cache"])(k=tuple(map(put, c["cache"].k, pk["cache"].k)),
+                                 v=tuple(map(put, c["cache"].v, pk["cache"].v)))
+        slot = jax.tree.map(lambda a, v: a.at[b].set(v[n]), c["slot"], pk["slot"])
+        kv_mask = jax.lax.dynamic_update_slice(
+            c["kv_mask"], row_kv_mask(pk["slot"]["row"][n], c["kv_mask"].shape[1])[None, :], (b, zero))
+        return dict(c, cache=_laid_out(cache), kv_mask=kv_mask, slot=slot, park=dict(pk, n=n))
+
+    def admit(c, unpark: bool = False):
+        if unpark:  # parked rows first: they are the oldest
+            c = jax.lax.while_loop(unpark_cond, unpark_one, c)
         return jax.lax.while_loop(admit_cond, admit_one, c)
 
-    def step(c, refill: bool):
+    def pending(c, parking: bool):
+        """Rows not yet admitted: the queue's, and (past the first phase) the park's."""
+        return (c["queue"] < num_rows) | ((c["park"]["n"] > 0) if park and not parking else False)
+
+    def step(c, refill: bool, parking: bool = False):
         sl = c["slot"]
         t_B = sl["t"]
         b = t_B.shape[0]
@@ -463,7 +520,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         sl = dict(sl, t=jnp.where(sl["live"], t_B + 1, t_B), live=sl["live"] & ~done,
                   prev=jnp.where(sl["live"], tok, sl["prev"]))
         c = dict(c, cache=cache, slot=sl, outs=outs, steps=c["steps"] + 1)
-        return admit(c) if refill else c
+        if parking:
+            c = jax.lax.while_loop(park_cond, park_one, c)
+        return admit(c, unpark=park and not parking) if refill else c
 
     def compact(c, m: int):
         """The live slots (at most m) moved into a cache of m slots: the tail runs a smaller batch."""
@@ -490,17 +549,21 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     for li, level in enumerate(levels):
         nxt = levels[li + 1] if li + 1 < len(levels) else 0
         for ci, cap in enumerate(caps if li == 0 else caps[-1:]):
+            parking = park and li == 0 and ci == 0  # the first phase parks rows that outgrow it
             if ci:
                 carry = grow(carry, cap - caps[ci - 1])
+                if park and li == 0:
+                    carry = admit(carry, unpark=True)
 
-            def cond(c, nxt=nxt, cap=cap):
+            def cond(c, nxt=nxt, cap=cap, parking=parking):
                 live = c["slot"]["live"]
                 fits = jnp.all(~live | (c["slot"]["t"] <= cap))  # token t is fed into slot P + t - 1
-                return jnp.any(live) & ((c["queue"] < num_rows) | (jnp.sum(live) > nxt)) & fits
-            carry = jax.lax.while_loop(cond, functools.partial(step, refill=li == 0), carry)
+                more = pending(c, parking) | ((jnp.sum(live) > nxt) & ((c["park"]["n"] == 0) if parking else True))
+                return jnp.any(live) & more & fits
+            carry = jax.lax.while_loop(cond, functools.partial(step, refill=li == 0, parking=parking), carry)
         if nxt:
             carry = compact(carry, nxt)
-    return dict(carry["outs"], steps=carry["steps"])
+    return dict(carry["outs"], steps=carry["steps"], parked=carry["parked"])
 
 
 def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
@@ -517,7 +580,8 @@ _MIN_PHASE = 32  # continuous batching: no cache phase shorter than this many ne
 _TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor ...
 _TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 decode loops per program
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
-                          static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase"))
+                          static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase",
+                                           "park"))
 BATCHING_MODES = ("static", "continuous")
 
 
@@ -622,6 +686,10 @@ class SamplingEngine:
         ``_V_AXES`` (rows over data, kv heads over tensor).  Batch buckets start at the row-shard
         count.  Same tokens as the single-device engine; log mu within float32 reduction-order
         rounding (tests/test_sampler_sharded.py).  Excludes `device`.  None: one device.
+      park_rows: continuous batching parks up to ``park_rows x max_slots`` rows that outgrow the first
+        cache phase while rows are pending (`_continuous_program`; 0: never), so the short first-phase
+        cache serves the queue; the same tokens either way (tests), fewer attention reads with mixed
+        lengths (bench/bench_continuous_batching.py), ``park_rows x slots x (P + T/4)`` more cache entries.
     Raises:
       ValueError: bad quantization or limits (prompt + new tokens beyond the
         model's ``max_position_embeddings``, non-positive sizes); with `mesh`, attention heads,
@@ -635,7 +703,7 @@ class SamplingEngine:
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096, share_prefill: bool = True,
                  output_axes_fn=quant.default_output_axes, device=None, batching: str = "static",
-                 max_slots: Optional[int] = None, mesh=None):
+                 max_slots: Optional[int] = None, mesh=None, park_rows: int = 2):
         quant.check_quantization(quantization)
         if batching not in BATCHING_MODES:
             raise ValueError(f"SamplingEngine: batching must be one of {BATCHING_MODES}, got {batching!r}")
@@ -672,6 +740,10 @@ class SamplingEngine:
         self.program_shapes = set()  # distinct (program, static shapes) run: each one compiled once (logged)
         self.min_cache_phase = _MIN_PHASE  # continuous batching: shortest cache phase (`cache_phases`; tests lower it)
         self.last_decode_steps = 0  # decode steps of the last program run (bench)
+        if not isinstance(park_rows, (int, np.integer)) or isinstance(park_rows, bool) or park_rows < 0:
+            raise ValueError(f"SamplingEngine: park_rows must be an integer >= 0, got {park_rows!r}")
+        self.park_rows = int(park_rows)
+        self.parked_rows = 0  # rows parked so far by continuous programs (`park_rows`)
         self._output_axes_fn = output_axes_fn
         self.device = device
         dt = self.compute_dtype
@@ -904,7 +976,7 @@ class SamplingEngine:
         stop_arr[:len(stops)] = stops
         phases = () if self.min_cache_phase == _MIN_PHASE else (("min_phase", self.min_cache_phase),)
         self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)) + ("routing",) * routing
-                           + phases)
+                           + phases + ((("park", self.park_rows),) if self.park_rows != 2 else ()))
         with self._layout():
             out = _CONTINUOUS_JIT(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
@@ -912,10 +984,11 @@ class SamplingEngine:
                 jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
                 jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
                 jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
-                cache_dtype=self.compute_dtype, min_phase=self.min_cache_phase)
+                cache_dtype=self.compute_dtype, min_phase=self.min_cache_phase, park=self.park_rows)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
-        return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
+        self.parked_rows += int(out["parked"])
+        return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key not in ("steps", "parked")}
 
     def _run_chunk(self, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, routing=False, n=1,
                    key_offset=0):

@@ -143,7 +143,8 @@ def start_sampler_server(*, model_config: str, weights: Optional[str], version: 
                          checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
                          token: Optional[str] = None, startup_timeout_s: float = 120.0,
                          max_prompt_length: int = 512, max_new_tokens: int = 256, max_batch_size: int = 64,
-                         batching: str = "static", max_slots: Optional[int] = None, max_body_bytes: Optional[int] = None, extra_args: Sequence[str] = (),
+                         batching: str = "static", max_slots: Optional[int] = None, park_rows: int = 2,
+                         max_body_bytes: Optional[int] = None, extra_args: Sequence[str] = (),
                          mesh_data: int = 1, mesh_tensor: int = 1,
                          client_kwargs: Optional[dict] = None, env: Optional[dict] = None) -> SamplerProcess:
     """Starts ``python -m pdm_jax.sampler.server`` and waits for ``/health``.
@@ -166,7 +167,7 @@ def start_sampler_server(*, model_config: str, weights: Optional[str], version: 
             f"--checkpoint_root={checkpoint_root}",
             f"--host={host}", f"--port={int(port)}", f"--max_prompt_length={int(max_prompt_length)}",
             f"--max_new_tokens={int(max_new_tokens)}", f"--max_batch_size={int(max_batch_size)}",
-            f"--batching={batching}", f"--max_slots={int(max_slots or 0)}",
+            f"--batching={batching}", f"--max_slots={int(max_slots or 0)}", f"--park_rows={int(park_rows)}",
             f"--mesh_data={int(mesh_data)}", f"--mesh_tensor={int(mesh_tensor)}",
             f"--parent_pid={os.getpid()}"]  # the server exits if this process dies (even by SIGKILL)
     if weights:

@@ -103,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="static: chunks of --max_batch_size rows run to their longest row; continuous: "
                         "--max_slots slots refilled as rows stop (pdm_jax.sampler.engine)")
     p.add_argument("--max_slots", type=int, default=0, help="continuous batching's slots (0 = --max_batch_size)")
+    p.add_argument("--park_rows", type=int, default=2,
+                   help="continuous batching: park up to this many x max_slots rows that outgrow the first cache "
+                        "phase (0 = never; SamplingEngine.park_rows)")
     p.add_argument("--mesh_data", type=int, default=1,
                    help="the sharded engine's data axis (rows); with --mesh_tensor, the first data x tensor of "
                         "this process's devices (pdm_jax.sampler.engine.make_sampler_mesh); 1 x 1 = one device")
@@ -397,7 +400,7 @@ def main(argv=None) -> None:
                             weights_path=args.weights, compute_dtype=args.compute_dtype,
                             max_prompt_length=args.max_prompt_length,
                             max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size,
-                            batching=args.batching, max_slots=args.max_slots or None,
+                            batching=args.batching, max_slots=args.max_slots or None, park_rows=args.park_rows,
                             mesh=make_sampler_mesh(args.mesh_data, args.mesh_tensor))
     app = create_app(engine, checkpoint_root=args.checkpoint_root, token=args.token,
                      max_body_bytes=args.max_body_bytes, compile_counter=compile_counter)

@@ -166,7 +166,8 @@ class SamplerSupervisor:
         self.limits = dict(max_prompt_length=int(sampler_config.max_prompt_length),
                            max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size),
                            batching=str(getattr(sampler_config, "batching", "static")),
-                           max_slots=int(getattr(sampler_config, "max_slots", 0)) or None)
+                           max_slots=int(getattr(sampler_config, "max_slots", 0)) or None,
+                           park_rows=int(getattr(sampler_config, "park_rows", 2)))
         mesh = getattr(sampler_config, "mesh", None)  # sampler.mesh: the sharded engine's data x tensor
         self.mesh_shape = (int(getattr(mesh, "data", 1)), int(getattr(mesh, "tensor", 1)))
 
