@@ -230,7 +230,9 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
       their gathered inputs and outputs) plus ``4 (2 E + k D)`` bytes in f32 (router logits
       and softmax, the weighted outputs), and the dots policies keep ``2 k I + k D + E``
       in place of ``2 F``; expert kernels are sharded over ``expert`` by the rules like any
-      parameter (``params`` counts all E experts, not only the active ones);
+      parameter (``params`` counts all E experts, not only the active ones); a mixed sparse /
+      dense MoE model (``decoder_sparse_step`` > 1 or ``mlp_only_layers``) counts each layer by
+      its own MLP, unscanned (such models always run unrolled);
     * ``loss``: 4 f32 ``[B, T, V]`` buffers (logits, log-softmax, the trust
       region's tail log pi, the softmax of the backward), or with
       ``logits_chunk_size`` c the same for ``[B, c, V]`` plus the ``[B, T, D]``
@@ -255,24 +257,30 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     # Dense attention keeps its [S] scores and probabilities per query and head; the fused / blockwise
     # kernels keep only their output and log-sum-exp (their tiles are transient).
     attention = (4 + a) * n_heads * seq if dense else n_heads * (h * a + 4)
-    if c.is_moe:  # k expert assignments per token at width I (sharded over tensor like F)
-        k, i = c.num_experts_per_tok, div(c.moe_intermediate_size)
-        mlp_a, mlp_f32 = _ACT_F_BUFFERS * k * i + _MOE_D_BUFFERS * k * d, 4 * (2 * c.num_experts + k * d)
-        mlp_dots = 2 * k * i + k * d + c.num_experts
-    else:
-        mlp_a, mlp_f32, mlp_dots = _ACT_F_BUFFERS * f, 0, 2 * f
-    per_token_layer = ((a * (_ACT_D_BUFFERS * d + _ACT_QKV_BUFFERS * (n_heads + n_kv) * h + n_kv * h + mlp_a)
-                        + mlp_f32) * (_SCAN_RESIDUAL_FACTOR if shape.scan_layers else 1)
-                       + attention)
-    if shape.remat == "none":
-        kept_per_layer = per_token_layer
-    elif shape.remat == "full":  # each layer keeps its input; one layer's buffers are live while recomputed
-        kept_per_layer = a * d
-    else:  # dots policies keep the matmul outputs (q, k, v, o, gate, up, down) and recompute the rest
-        kept_per_layer = (a * ((n_heads + 2 * n_kv) * h + 2 * d + mlp_dots)
-                          + (attention if shape.remat == "dots_saveable" and dense else 0))
-    recomputed = 0 if shape.remat == "none" else per_token_layer
-    activations = tokens * (kept_per_layer * c.num_hidden_layers + recomputed) + tokens * d * a  # + embeddings
+    scan = shape.scan_layers and not c.is_mixed  # mixed sparse / dense MoE models always run unrolled
+
+    def layer_bytes(sparse: bool) -> tuple:
+        """(bytes per token of one layer's buffers, bytes per token it keeps for the backward)."""
+        if sparse:  # k expert assignments per token at width I (sharded over tensor like F)
+            k, i = c.num_experts_per_tok, div(c.moe_intermediate_size)
+            mlp_a, mlp_f32 = _ACT_F_BUFFERS * k * i + _MOE_D_BUFFERS * k * d, 4 * (2 * c.num_experts + k * d)
+            mlp_dots = 2 * k * i + k * d + c.num_experts
+        else:
+            mlp_a, mlp_f32, mlp_dots = _ACT_F_BUFFERS * f, 0, 2 * f
+        per_token = ((a * (_ACT_D_BUFFERS * d + _ACT_QKV_BUFFERS * (n_heads + n_kv) * h + n_kv * h + mlp_a)
+                      + mlp_f32) * (_SCAN_RESIDUAL_FACTOR if scan else 1) + attention)
+        if shape.remat == "none":
+            return per_token, per_token
+        if shape.remat == "full":  # each layer keeps its input; one layer's buffers are live while recomputed
+            return per_token, a * d
+        # dots policies keep the matmul outputs (q, k, v, o, gate, up, down) and recompute the rest
+        return per_token, (a * ((n_heads + 2 * n_kv) * h + 2 * d + mlp_dots)
+                           + (attention if shape.remat == "dots_saveable" and dense else 0))
+
+    # Each layer by its own MLP: the sparse MoE block or (dense models, the dense layers of mixed MoE) the MLP.
+    layers = [layer_bytes(c.is_moe and c.is_sparse_layer(j)) for j in range(c.num_hidden_layers)]
+    recomputed = 0 if shape.remat == "none" else max(per_token for per_token, _ in layers)
+    activations = tokens * (sum(kept for _, kept in layers) + recomputed) + tokens * d * a  # + embeddings
     t = shape.completion_len
     if shape.logits_chunk_size and shape.logits_chunk_size < t:
         loss = (_LOSS_V_BUFFERS * m_loc * shape.logits_chunk_size * v * 4 + 2 * m_loc * t * d * a

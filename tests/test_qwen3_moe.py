@@ -595,6 +595,30 @@ def test_qwen3_30b_a3b_dapo_dry_run_fits_64_v5p():
     assert moe_act > dense_act
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_mixed_moe_activations_count_each_layer_by_its_mlp(remat):
+    """30B-A3B with decoder_sparse_step 2 (24 sparse + 24 dense-MLP layers, run unrolled): the activation
+    estimate is the mean of the all-sparse and the all-dense (intermediate_size 6144) unscanned models' (remat
+    none: per-layer sums), or their larger recomputed layer on top of 48 kept inputs (remat full)."""
+    from pdm_jax import dry_run
+
+    sparse = dataclasses.replace(presets.qwen3_30b_a3b(), intermediate_size=6144)
+    mixed = dataclasses.replace(sparse, decoder_sparse_step=2)
+    dense = dataclasses.replace(sparse, num_experts=0)
+    assert mixed.is_mixed and sum(map(mixed.is_sparse_layer, range(48))) == 24
+    shape = dry_run.StepShape(batch=64, prompt_len=256, completion_len=1024, top_k=20, logits_chunk_size=512,
+                              remat=remat, scan_layers=True)  # mixed models ignore scan_layers
+    unscanned = dataclasses.replace(shape, scan_layers=False)
+    mesh = {"data": 1, "fsdp": 64, "tensor": 1}
+    act = {name: dry_run.analytic_plan(cfg, unscanned if name != "mixed" else shape, mesh)["activations"]
+           for name, cfg in (("mixed", mixed), ("sparse", sparse), ("dense", dense))}
+    if remat == "none":
+        assert act["mixed"] == (act["sparse"] + act["dense"]) // 2
+    else:  # every layer keeps its input; the larger of the two layers' buffers is live once
+        assert act["mixed"] == max(act["sparse"], act["dense"])
+    assert act["dense"] != act["sparse"]
+
+
 # ------------------------------------------------------------------------------ run config
 
 
