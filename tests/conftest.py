@@ -6,15 +6,52 @@ override it). Side by side on this project's 2-core CPU (tests/test_param_jvp_ma
 tests/test_chunked_loss.py, 8 tests, both runs at once): 484 s at level 0 against 690 s at the default. Float
 semantics do not depend on the level (no fast-math either way), but the rounding of two *different* programs can
 differ by an ulp where it happened to agree at the default level, so tests comparing two programs use a
-tolerance. Subprocesses that inherit this environment (sampler servers) compile at the same level; the CLI and
-multi-process tests set their own ``XLA_FLAGS`` and run at the default, like a user's run.
+tolerance. Subprocesses that inherit this environment (sampler servers) compile at the same level, and so do
+the multi-process tests' processes (``test_distributed.O0``); the CLI tests set their own ``XLA_FLAGS`` and run at
+the default, like a user's run.
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The user cache directory (compile_cache.dir = "default": $XDG_CACHE_HOME/pdm_jax/jax_cache) is a fresh one per
+# test session, removed at its end: tests never read programs another session (or a user's run) wrote.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pdm_jax_test_cache_")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests draw the same examples on every run (a seed per test): a CI run cannot fail on an example no
+# earlier run drew. A test's own @settings still override the other fields.
+settings.register_profile("pdm_jax", derandomize=True, database=None)
+settings.load_profile("pdm_jax")
+
+_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                  "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_stays_in_its_test():
+    """A test that turns on JAX's persistent compilation cache in this process (an in-process trainer or
+    analysis run: `profiling.enable_compile_cache`) gets it turned off again afterwards. Left on, every later
+    test in the session wrote and read its programs there, and XLA:CPU crashed (SIGSEGV) deserializing one of
+    them in a CI run."""
+    import jax
+
+    before = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+    yield
+    if any(getattr(jax.config, name) != value for name, value in before.items()):
+        from jax.experimental.compilation_cache import compilation_cache
+
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()

@@ -54,6 +54,23 @@ def test_compile_cache_directory_choice(tmp_path, monkeypatch):
     assert profiling.enable_compile_cache("") is False
 
 
+def test_enable_compile_cache_sets_jax_options(tmp_path):
+    import jax
+
+    assert profiling.enable_compile_cache(str(tmp_path / "c")) is True
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+    assert jax.config.jax_persistent_cache_min_entry_size_bytes == -1
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+
+
+def test_the_compile_cache_of_the_previous_test_is_off():
+    """tests/conftest.py turns off a cache that a test turned on in this process (the test above)."""
+    import jax
+
+    assert jax.config.jax_compilation_cache_dir is None
+    assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
+
+
 def test_compile_counter_counts_new_programs_only():
     x7, x9 = jax.device_put(jnp.ones(7)), jax.device_put(jnp.ones(9))  # their programs built before counting
     counter = profiling.CompileCounter()

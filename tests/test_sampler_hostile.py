@@ -279,11 +279,14 @@ def _deep_body(depth, use_msgpack):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(body=st.one_of(_fields, _values, st.binary(max_size=64), st.integers(0, 100_000)),
+@given(body=st.one_of(_fields, _values, st.binary(max_size=64), st.tuples(st.just("depth"), st.integers(0, 100_000))),
        use_msgpack=st.booleans(), endpoint=st.sampled_from(["/v1/generate", "/v1/weights"]))
 def test_fuzzed_bodies_never_get_a_5xx(client, body, use_msgpack, endpoint):
-    if isinstance(body, int):
-        content = _deep_body(body, use_msgpack)
+    # ("depth", d): a valid request nested d deep (`_deep_body`); a bare int is one of `_values` (any size: a
+    # JSON number as the whole body)
+    depth = body[1] if isinstance(body, tuple) else None
+    if depth is not None:
+        content = _deep_body(depth, use_msgpack)
     elif isinstance(body, bytes):
         content = body
     else:
@@ -297,5 +300,5 @@ def test_fuzzed_bodies_never_get_a_5xx(client, body, use_msgpack, endpoint):
         err = error_of(r)
         assert isinstance(err["message"], str) and err["message"]
         assert err["field"] is None or isinstance(err["field"], str)
-    if isinstance(body, int) and endpoint == "/v1/generate":  # depth 0: model 1 (not a string) -> 422
-        assert r.status_code == (400 if body >= wire.MAX_DEPTH else 422)
+    if depth is not None and endpoint == "/v1/generate":  # depth 0: model 1 (not a string) -> 422
+        assert r.status_code == (400 if depth >= wire.MAX_DEPTH else 422)
