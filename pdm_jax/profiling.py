@@ -107,7 +107,12 @@ def resolve_compile_cache_dir(spec: str, workdir: Optional[str] = None) -> str:
     return os.path.abspath(os.path.expanduser(spec)) if spec else ""
 
 
-def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0) -> bool:
+#: Size limit of a local persistent compilation cache (`enable_compile_cache`): 16 GiB.
+COMPILE_CACHE_MAX_BYTES = 16 * 2 ** 30
+
+
+def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0,
+                         max_size_bytes: int = COMPILE_CACHE_MAX_BYTES) -> bool:
     """Turns on JAX's persistent compilation cache in `directory` for this process (no-op for ``""``).
 
     Every program is written, whatever its size (``jax_persistent_cache_min_entry_size_bytes
@@ -120,6 +125,15 @@ def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0) -> 
     (the trainer and the sampler server do, first thing); in a process that compiled
     already (e.g. a test session) the call has no effect until JAX resets its cache.
 
+    A local directory is shared safely by several processes (the trainer, its sampler
+    subprocess, the processes of a multi-process run, concurrent runs): JAX writes an entry
+    in place (not through a rename) and, without a size limit, takes no lock, so a process
+    could read another's half-written entry, and XLA deserializing truncated bytes can crash
+    the process. With ``jax_compilation_cache_max_size = max_size_bytes`` (default 16 GiB)
+    JAX holds a file lock (``filelock``) around every read and write and evicts the least
+    recently used entries beyond the size. Bucket paths (``gs://``) keep JAX's defaults
+    (no lock, no limit).
+
     Raises:
       OSError: the directory cannot be created.
     """
@@ -129,6 +143,8 @@ def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0) -> 
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if "://" not in directory:
+        jax.config.update("jax_compilation_cache_max_size", int(max_size_bytes))
     log.info("JAX compilation cache: %s", directory)
     return True
 

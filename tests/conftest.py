@@ -36,7 +36,7 @@ settings.register_profile("pdm_jax", derandomize=True, database=None)
 settings.load_profile("pdm_jax")
 
 _CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                  "jax_persistent_cache_min_entry_size_bytes")
+                  "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
 
 
 @pytest.fixture(autouse=True)

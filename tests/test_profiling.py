@@ -61,6 +61,7 @@ def test_enable_compile_cache_sets_jax_options(tmp_path):
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
     assert jax.config.jax_persistent_cache_min_entry_size_bytes == -1
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    assert jax.config.jax_compilation_cache_max_size == profiling.COMPILE_CACHE_MAX_BYTES  # locked reads and writes
 
 
 def test_the_compile_cache_of_the_previous_test_is_off():
@@ -69,6 +70,7 @@ def test_the_compile_cache_of_the_previous_test_is_off():
 
     assert jax.config.jax_compilation_cache_dir is None
     assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
+    assert jax.config.jax_compilation_cache_max_size == -1
 
 
 def test_compile_counter_counts_new_programs_only():

@@ -67,13 +67,11 @@ _WARMSTART_SKIP = ("summary.json", "curves.png", "train.log", "tensorboard", "sw
 
 
 def enable_compile_cache(path: str) -> None:
-    """Turns on JAX's persistent compilation cache at `path` (every entry cached, however fast to compile)."""
-    import jax  # lazy: this module also serves reading saved seeds, without JAX
+    """Turns on JAX's persistent compilation cache at `path` (`pdm_jax.profiling.enable_compile_cache`: every
+    entry cached, however fast to compile; a file lock shared with the seeds' other processes)."""
+    from pdm_jax.profiling import enable_compile_cache as enable  # lazy: this module also reads seeds without JAX
 
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    enable(os.path.abspath(path))
 
 
 def load_config(config_spec: str):
