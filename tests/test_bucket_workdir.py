@@ -26,8 +26,6 @@ import gcs_standin  # noqa: E402
 pytest.importorskip("gcsfs")
 pytest.importorskip("gcp_storage_emulator")
 
-from tests.test_distributed import O0  # noqa: E402
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = "pdm-standin"
 
@@ -193,7 +191,7 @@ def _run_two(workdir, args, env, logdir, timeout=600):
     procs = []
     for i in range(2):
         e = dict(os.environ, **env)
-        e.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2 " + O0,
+        e.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                  JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
         log = open(os.path.join(logdir, f"{os.path.basename(workdir)}_{len(os.listdir(logdir))}_p{i}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py",

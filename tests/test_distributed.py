@@ -21,9 +21,6 @@ from pdm_jax.sharding import make_mesh
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The multi-process tests' subprocesses compile at XLA's backend optimisation level 0 like the test process
-# (tests/conftest.py): each compares runs of its own flags, and compiling dominates their tiny programs.
-O0 = "--xla_backend_optimization_level=0"
 
 
 def _free_port() -> int:
@@ -35,7 +32,7 @@ def _free_port() -> int:
 def _launch(out, devices, env_extra):
     env = dict(os.environ)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {O0}",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), **env_extra)
     return subprocess.Popen([sys.executable, WORKER, out], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -33,7 +33,7 @@ _PROBE = textwrap.dedent("""
 
 
 def _faults_per_run(reuse: bool) -> tuple:
-    # XLA's default flags (no fake devices, the default optimisation level: conftest's level 0 makes the sort
+    # XLA's default flags (no fake devices; level 0 made the sort
     # several times slower to run)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-c", _PROBE, "1" if reuse else "0"], capture_output=True, text=True,
