@@ -1,7 +1,7 @@
 """Test setup: 8 fake CPU devices for sharding tests, f32 everywhere, CPU only, no state carried between tests.
 
 Programs compile at XLA's default optimisation level. Level 0 (``--xla_backend_optimization_level=0``) compiled the
-tiny programs faster (484 s vs 690 s for 8 compile-bound tests, side by side), but two of three fresh-clone CI runs
+tiny programs faster (484 s vs 690 s for 8 compile-bound tests, side by side), but two of four CI runs
 with it ended in a segfault inside XLA:CPU (once deserializing a cached executable, once compiling), late in the
 session and not when the crashing tests ran alone; no run at the default level has crashed. ``XLA_FLAGS`` naming a
 level still overrides it.
