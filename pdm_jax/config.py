@@ -212,7 +212,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.batching = "continuous"
     c.sampler.max_slots = 0  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
     # Continuous batching parks up to park_rows x slots rows that outgrow the first cache phase (P + T/4 slots)
-    # while rows are pending and refills their slots, so the queue runs in the short cache: same tokens, 1.15-1.24x
+    # while rows are pending and refills their slots, so the queue runs in the short cache: same tokens, 1.11-1.24x
     # useful tokens/s on mixed lengths, park_rows x slots x (P + T/4) more cache entries (the dry run counts
     # them); 0 = never (README, bench/bench_continuous_batching.py --modes continuous_nopark,continuous).
     c.sampler.park_rows = 2
