@@ -1,5 +1,12 @@
 """Test setup: 8 fake CPU devices for sharding tests, f32 everywhere, CPU only, no state carried between tests.
 
+The pytest process never reads or writes JAX's persistent compilation cache (``jax_enable_compilation_cache``
+is off here; in-process trainers still set its options, and subprocess runs, which the cache tests use, are
+unaffected). Every segfault CI has seen came from XLA:CPU in this long-lived process while that cache was on:
+deserializing a cached executable (a leaked cache, in test_trust_region) and twice in
+test_vllm_backend's trainer run, whose fake server loads and compiles programs on its own thread while the
+trainer's thread reads and writes the same cache.
+
 Programs compile at XLA's default optimisation level. Level 0 (``--xla_backend_optimization_level=0``) compiled the
 tiny programs faster (484 s vs 690 s for 8 compile-bound tests, side by side), but two of four CI runs
 with it ended in a segfault inside XLA:CPU (once deserializing a cached executable, once compiling), late in the
@@ -21,8 +28,11 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ["XLA_FLAGS"] = _flags
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+jax.config.update("jax_enable_compilation_cache", False)  # the cache's options may be set; it is never used
 
 # Property tests draw the same examples on every run (a seed per test): a CI run cannot fail on an example no
 # earlier run drew. A test's own @settings still override the other fields.
@@ -35,12 +45,9 @@ _CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile
 
 @pytest.fixture(autouse=True)
 def _compile_cache_stays_in_its_test():
-    """A test that turns on JAX's persistent compilation cache in this process (an in-process trainer or
-    analysis run: `profiling.enable_compile_cache`) gets it turned off again afterwards. Left on, every later
-    test in the session wrote and read its programs there, and XLA:CPU crashed (SIGSEGV) deserializing one of
-    them in a CI run."""
-    import jax
-
+    """A test that sets JAX's persistent compilation cache options in this process (an in-process trainer or
+    analysis run: `profiling.enable_compile_cache`) gets them reset afterwards, so that no later test runs
+    with them (the cache stays unused here either way: ``jax_enable_compilation_cache`` is off)."""
     before = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
     yield
     if any(getattr(jax.config, name) != value for name, value in before.items()):

@@ -64,6 +64,20 @@ def test_enable_compile_cache_sets_jax_options(tmp_path):
     assert jax.config.jax_compilation_cache_max_size == profiling.COMPILE_CACHE_MAX_BYTES  # locked reads and writes
 
 
+def test_the_test_process_never_writes_the_persistent_cache(tmp_path):
+    """tests/conftest.py keeps JAX's persistent cache unused in the pytest process (XLA:CPU segfaulted there
+    while it was on): a new program compiled after `enable_compile_cache` writes no entry."""
+    import jax
+
+    assert profiling.enable_compile_cache(str(tmp_path / "c")) is True
+    x = jax.device_put(jnp.ones(11))  # its programs built before counting
+    counter = profiling.CompileCounter()
+    jax.jit(lambda x: jnp.sin(x) * 5.0 - 2.0)(x).block_until_ready()
+    snap = counter.snapshot()
+    assert snap["compiles"] == 1 and snap["compile_cache_misses"] == 0 and snap["compile_cache_hits"] == 0
+    assert os.listdir(tmp_path / "c") == []
+
+
 def test_the_compile_cache_of_the_previous_test_is_off():
     """tests/conftest.py turns off a cache that a test turned on in this process (the test above)."""
     import jax
