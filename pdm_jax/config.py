@@ -34,7 +34,7 @@ from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.profiling import parse_steps
 from pdm_jax.sampler.engine import BATCHING_MODES, check_engine_mesh
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
-from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
+from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS, MAX_STOP_TOKEN_IDS
 from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.train_step import OptimizerConfig
 
@@ -215,7 +215,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # while rows are pending and refills their slots, so the queue runs in the short cache: same tokens, 1.11-1.24x
     # useful tokens/s on mixed lengths, park_rows x slots x (P + T/4) more cache entries (the dry run counts
     # them); 0 = never (README, bench/bench_continuous_batching.py --modes continuous_nopark,continuous).
-    c.sampler.park_rows = 2
+    c.sampler.park_rows = DEFAULT_PARK_ROWS
     # Multi-process runs (distributed=True): each process samples only the prompts whose rows its devices hold
     # (whole groups; keyed by their index in the step, so the rollouts equal a single process's) and evaluates
     # its share of the held-out prompts (pdm_jax.per_host). False: every process samples every prompt (old).

@@ -327,6 +327,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
       ValueError: ``sampler.mesh`` larger than ``num_devices`` in colocated mode (naming the field).
     """
     from pdm_jax.sampler.engine import cache_phases, resolve_compute_dtype  # lazy: the dry run's imports stay light
+    from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS
 
     sc = config.sampler
     mesh_cfg = sc.get("mesh") or {}
@@ -349,7 +350,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
     store_rows = max(pow2(config.rl.prompts_per_step), slots // 4) if continuous else 0
     prompt_store = store_rows * p * per_entry // (d * kv_t)
     caps = cache_phases(new)
-    park_rows = int(sc.get("park_rows", 2)) if continuous and len(caps) > 1 else 0
+    park_rows = int(sc.get("park_rows", DEFAULT_PARK_ROWS)) if continuous and len(caps) > 1 else 0
     park = park_rows * slots * (p + caps[0]) * per_entry // (d * kv_t)
     out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
     out["total"] = sum(out.values())

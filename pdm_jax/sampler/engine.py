@@ -82,7 +82,7 @@ from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
 # Request validation lives with the wire schema (its errors name wire fields); re-exported here.
-from pdm_jax.sampler.wire import MAX_SEED, MIN_TEMPERATURE, RequestError, validate_request  # noqa: F401
+from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS, MAX_SEED, MIN_TEMPERATURE, RequestError, validate_request  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,16 @@ def _laid_out(cache):
     rows over data, kv heads over tensor); the cache itself without a mesh (single-device engine)."""
     return type(cache)(k=tuple(shd.constrain(k, shd.KV_CACHE_K_AXES) for k in cache.k),
                        v=tuple(shd.constrain(v, shd.KV_CACHE_V_AXES) for v in cache.v))
+
+
+def copy_row(dst, i, src, j):
+    """KV cache `dst` with row ``i``'s first ``src`` length positions replaced by row ``j`` of cache `src`
+    (k and v of every layer; ``i``, ``j`` int32 scalars, traced), laid out by `_laid_out`. Continuous
+    batching moves a row this way: prefill store -> slot (admit), slot -> park, park -> slot."""
+    zero = jnp.int32(0)
+    put = lambda d, s: jax.lax.dynamic_update_slice(  # noqa: E731
+        d, jax.lax.dynamic_slice_in_dim(s, j, 1, axis=0), (i, zero, zero, zero))
+    return _laid_out(type(dst)(k=tuple(map(put, dst.k, src.k)), v=tuple(map(put, dst.v, src.v))))
 
 
 def _routing_buffer(model, prefill_routed: list, rows: int, width: int):
@@ -432,12 +442,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         i = row_entry_N[r]
         key = jax.random.fold_in(jax.random.fold_in(base_key, row_prompt_N[r]), row_sample_N[r])
         zero = jnp.int32(0)
-        cache = c["cache"]
-        cache = _laid_out(type(cache)(
-            k=tuple(jax.lax.dynamic_update_slice(ck, jax.lax.dynamic_slice_in_dim(sk, i, 1, axis=0), (b, zero, zero, zero))
-                    for ck, sk in zip(cache.k, store.k)),
-            v=tuple(jax.lax.dynamic_update_slice(cv, jax.lax.dynamic_slice_in_dim(sv, i, 1, axis=0), (b, zero, zero, zero))
-                    for cv, sv in zip(cache.v, store.v))))
+        cache = copy_row(c["cache"], b, store, i)
         row_mask = row_kv_mask(r, c["kv_mask"].shape[1])
         kv_mask = jax.lax.dynamic_update_slice(c["kv_mask"], row_mask[None, :], (b, zero))
         tok, lp, ids, lps = sample1(jax.lax.dynamic_slice_in_dim(last_UxV, i, 1, axis=0), key[None], zero)
@@ -466,14 +471,11 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     def park_one(c):
         """The first live row past the first phase moved into park entry n (its slot freed)."""
         b = jnp.argmax(overflow(c)).astype(jnp.int32)
-        pk, n, zero = c["park"], c["park"]["n"], jnp.int32(0)
-        put = lambda dst, src: jax.lax.dynamic_update_slice(  # noqa: E731
-            dst, jax.lax.dynamic_slice_in_dim(src, b, 1, axis=0), (n, zero, zero, zero))
-        cache = type(c["cache"])(k=tuple(map(put, pk["cache"].k, c["cache"].k)),
-                                 v=tuple(map(put, pk["cache"].v, c["cache"].v)))
+        pk, n = c["park"], c["park"]["n"]
         pslot = jax.tree.map(lambda a, v: a.at[n].set(v[b]), pk["slot"], c["slot"])
         slot = dict(c["slot"], live=c["slot"]["live"].at[b].set(False))
-        return dict(c, slot=slot, park=dict(cache=_laid_out(cache), slot=pslot, n=n + 1), parked=c["parked"] + 1)
+        return dict(c, slot=slot, park=dict(cache=copy_row(pk["cache"], n, c["cache"], b), slot=pslot, n=n + 1),
+                    parked=c["parked"] + 1)
 
     def unpark_cond(c):
         return (c["park"]["n"] > 0) & ~jnp.all(c["slot"]["live"])
@@ -482,14 +484,10 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         """Park entry n - 1 back into the first free slot of the (grown) cache."""
         pk, n, zero = c["park"], c["park"]["n"] - 1, jnp.int32(0)
         b = jnp.argmin(c["slot"]["live"]).astype(jnp.int32)
-        put = lambda dst, src: jax.lax.dynamic_update_slice(  # noqa: E731
-            dst, jax.lax.dynamic_slice_in_dim(src, n, 1, axis=0), (b, zero, zero, zero))
-        cache = type(c["cache"])(k=tuple(map(put, c["cache"].k, pk["cache"].k)),
-                                 v=tuple(map(put, c["cache"].v, pk["cache"].v)))
         slot = jax.tree.map(lambda a, v: a.at[b].set(v[n]), c["slot"], pk["slot"])
         kv_mask = jax.lax.dynamic_update_slice(
             c["kv_mask"], row_kv_mask(pk["slot"]["row"][n], c["kv_mask"].shape[1])[None, :], (b, zero))
-        return dict(c, cache=_laid_out(cache), kv_mask=kv_mask, slot=slot, park=dict(pk, n=n))
+        return dict(c, cache=copy_row(c["cache"], b, pk["cache"], n), kv_mask=kv_mask, slot=slot, park=dict(pk, n=n))
 
     def admit(c, unpark: bool = False):
         if unpark:  # parked rows first: they are the oldest
@@ -703,7 +701,7 @@ class SamplingEngine:
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096, share_prefill: bool = True,
                  output_axes_fn=quant.default_output_axes, device=None, batching: str = "static",
-                 max_slots: Optional[int] = None, mesh=None, park_rows: int = 2):
+                 max_slots: Optional[int] = None, mesh=None, park_rows: int = DEFAULT_PARK_ROWS):
         quant.check_quantization(quantization)
         if batching not in BATCHING_MODES:
             raise ValueError(f"SamplingEngine: batching must be one of {BATCHING_MODES}, got {batching!r}")
@@ -976,7 +974,7 @@ class SamplingEngine:
         stop_arr[:len(stops)] = stops
         phases = () if self.min_cache_phase == _MIN_PHASE else (("min_phase", self.min_cache_phase),)
         self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)) + ("routing",) * routing
-                           + phases + ((("park", self.park_rows),) if self.park_rows != 2 else ()))
+                           + phases + ((("park", self.park_rows),) if self.park_rows != DEFAULT_PARK_ROWS else ()))
         with self._layout():
             out = _CONTINUOUS_JIT(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),

@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="static: chunks of --max_batch_size rows run to their longest row; continuous: "
                         "--max_slots slots refilled as rows stop (pdm_jax.sampler.engine)")
     p.add_argument("--max_slots", type=int, default=0, help="continuous batching's slots (0 = --max_batch_size)")
-    p.add_argument("--park_rows", type=int, default=2,
+    p.add_argument("--park_rows", type=int, default=wire.DEFAULT_PARK_ROWS,
                    help="continuous batching: park up to this many x max_slots rows that outgrow the first cache "
                         "phase (0 = never; SamplingEngine.park_rows)")
     p.add_argument("--mesh_data", type=int, default=1,

@@ -58,7 +58,7 @@ from pdm_jax.sampler.engine import InProcessSampler, SamplingEngine, make_sample
 from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.sampler.vllm_client import VLLMSampler
 from pdm_jax.sampler.weights import META_FILE, load_weights, save_weights
-from pdm_jax.sampler.wire import COMPILE_STATS, RequestError
+from pdm_jax.sampler.wire import COMPILE_STATS, DEFAULT_PARK_ROWS, RequestError
 
 log = logging.getLogger("pdm_jax.sampler")
 
@@ -167,7 +167,7 @@ class SamplerSupervisor:
                            max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size),
                            batching=str(getattr(sampler_config, "batching", "static")),
                            max_slots=int(getattr(sampler_config, "max_slots", 0)) or None,
-                           park_rows=int(getattr(sampler_config, "park_rows", 2)))
+                           park_rows=int(getattr(sampler_config, "park_rows", DEFAULT_PARK_ROWS)))
         mesh = getattr(sampler_config, "mesh", None)  # sampler.mesh: the sharded engine's data x tensor
         self.mesh_shape = (int(getattr(mesh, "data", 1)), int(getattr(mesh, "tensor", 1)))
 

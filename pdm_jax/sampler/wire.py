@@ -100,6 +100,9 @@ MAX_TOKENS = "max_tokens"  # Python: max_new_tokens
 STOP_TOKEN_IDS = "stop_token_ids"
 #: Stop ids a request may carry (the engine's default per-row stop table, ``SamplingEngine(max_stop_tokens=)``).
 MAX_STOP_TOKEN_IDS = 8
+#: Continuous batching's park entries per slot, the default of ``SamplingEngine(park_rows=)``, ``--park_rows``
+#: and ``sampler.park_rows`` (defined here, where the server can read it without importing JAX).
+DEFAULT_PARK_ROWS = 2
 LOGPROBS = "logprobs"  # Python: top_k_logprobs (also the per-choice sampled log mu in the response)
 SEED = "seed"
 RETURN_ROUTING = "return_routing"  # Python: return_routing (MoE routing replay)
