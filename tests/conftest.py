@@ -1,17 +1,15 @@
 """Test setup: 8 fake CPU devices for sharding tests, f32 everywhere, CPU only, no state carried between tests.
 
+Compiled programs are dropped after each test module (`jax.clear_caches`). XLA:CPU maps every executable's code
+into its own memory mappings (~3 per program), and the whole suite compiles enough programs to reach the kernel's
+``vm.max_map_count`` (65,530 by default): the CI runs that segfaulted inside XLA:CPU late in the session (while
+compiling or loading a program, in test_vllm_backend's trainer runs or test_trust_region, never when those ran
+alone) were out of mappings. A module ending with more than half the limit in use fails with the count instead.
+
 The pytest process never reads or writes JAX's persistent compilation cache (``jax_enable_compilation_cache``
 is off here; in-process trainers still set its options, and subprocess runs, which the cache tests use, are
-unaffected). Every segfault CI has seen came from XLA:CPU in this long-lived process while that cache was on:
-deserializing a cached executable (a leaked cache, in test_trust_region) and twice in
-test_vllm_backend's trainer run, whose fake server loads and compiles programs on its own thread while the
-trainer's thread reads and writes the same cache.
-
-Programs compile at XLA's default optimisation level. Level 0 (``--xla_backend_optimization_level=0``) compiled the
-tiny programs faster (484 s vs 690 s for 8 compile-bound tests, side by side), but two of four CI runs
-with it ended in a segfault inside XLA:CPU (once deserializing a cached executable, once compiling), late in the
-session and not when the crashing tests ran alone; no run at the default level has crashed. ``XLA_FLAGS`` naming a
-level still overrides it.
+unaffected), so no test runs a program that another test compiled and wrote. Programs compile at XLA's default
+optimisation level (``XLA_FLAGS`` naming a level overrides it).
 """
 import atexit
 import os
@@ -56,3 +54,46 @@ def _compile_cache_stays_in_its_test():
         for name, value in before.items():
             jax.config.update(name, value)
         compilation_cache.reset_cache()
+
+
+def _memory_mappings() -> int:
+    """This process's memory mappings (lines of /proc/self/maps; 0 where there is no /proc)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+_MAPPINGS = []  # (memory mappings after the module, module name)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_stay_in_their_module(request):
+    """Drops every compiled program after a test module, so that the session's memory mappings stay far below
+    ``vm.max_map_count`` (module docstring); fails the module's last test, naming the count, if they do not."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+    used, limit = _memory_mappings(), _max_map_count()
+    _MAPPINGS.append((used, request.module.__name__))
+    assert used < limit // 2, (f"{used} memory mappings after this module, vm.max_map_count is {limit}: XLA:CPU "
+                               f"segfaults when it runs out")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MAPPINGS:
+        used, module = max(_MAPPINGS)
+        terminalreporter.write_line(f"memory mappings after a test module, most: {used} ({module}); "
+                                    f"vm.max_map_count {_max_map_count()}")
+
