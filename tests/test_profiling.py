@@ -65,8 +65,8 @@ def test_enable_compile_cache_sets_jax_options(tmp_path):
 
 
 def test_the_test_process_never_writes_the_persistent_cache(tmp_path):
-    """tests/conftest.py keeps JAX's persistent cache unused in the pytest process (XLA:CPU segfaulted there
-    while it was on): a new program compiled after `enable_compile_cache` writes no entry."""
+    """tests/conftest.py keeps JAX's persistent cache unused in the pytest process (no test runs a program
+    another test wrote): a new program compiled after `enable_compile_cache` writes no entry."""
     import jax
 
     assert profiling.enable_compile_cache(str(tmp_path / "c")) is True
@@ -79,7 +79,7 @@ def test_the_test_process_never_writes_the_persistent_cache(tmp_path):
 
 
 def test_the_compile_cache_of_the_previous_test_is_off():
-    """tests/conftest.py turns off a cache that a test turned on in this process (the test above)."""
+    """tests/conftest.py resets the cache options that a test set in this process (the two tests above)."""
     import jax
 
     assert jax.config.jax_compilation_cache_dir is None
