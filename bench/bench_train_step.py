@@ -19,6 +19,10 @@ Configs: ``tiny`` = configs/tiny.py's model and RL mini-batch (d 128, 3 layers,
 V 15, 128 sequences x (8 prompt + 5 completion) tokens, K 4); ``medium`` =
 d 256, 4 layers, V 8192, 16 sequences x (32 + 128) tokens, K 20.
 
+The process uses the trainer's allocator setting (``host_memory.reuse_freed``, set before JAX
+starts; ``--default_allocator`` keeps glibc's default, which maps and page-faults the step's
+temporary buffer in at every call).
+
 Reproduce (CPU, repository root; ~2-4 minutes on 2 cores):
 
     python bench/bench_train_step.py
@@ -41,6 +45,7 @@ from flax import nnx
 from pdm_jax import train_step as ts
 from pdm_jax import trust_region
 from pdm_jax.distributed import opt_state_shardings, put_global_batch
+from pdm_jax.host_memory import reuse_freed_host_memory
 from pdm_jax.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, init_model
 from pdm_jax.rollout import StepBatch
@@ -132,7 +137,11 @@ def main():
     ap.add_argument("--configs", default="tiny,medium")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default="")
+    ap.add_argument("--default_allocator", action="store_true",
+                    help="keep glibc's default allocator (as the trainer with host_memory.reuse_freed=false)")
     a = ap.parse_args()
+    if not a.default_allocator:  # as the trainer does, before JAX starts its backend (pdm_jax.host_memory)
+        reuse_freed_host_memory()
     print(f"# jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}, {platform.processor() or platform.machine()}")
     rows = []
     for name in a.configs.split(","):

@@ -13,9 +13,15 @@ heap and stay mapped after ``free``: one arena (``M_ARENA_MAX = 1``: a block lar
 thread arena's 64 MiB heap would otherwise still be mmapped), no mmapped blocks
 (``M_MMAP_MAX = 0``) and no trimming of the heap's top (``M_TRIM_THRESHOLD`` at its maximum).
 The process then keeps its peak heap mapped; no value changes (the allocator places buffers,
-it computes nothing). Called by ``pdm_jax.train`` and the sampler subprocess when
-``host_memory.reuse_freed`` is true (the default); call it before the first XLA execution
-(it is process-wide; later calls are no-ops).
+it computes nothing). Called by ``pdm_jax.train``, `pdm_jax.trainer.Trainer` (first thing; so also for
+``pdm_jax.analysis``) and the sampler subprocess when ``host_memory.reuse_freed`` is true (the default). It is process-wide (later calls
+are no-ops) and must run **before JAX starts its backend**: glibc gives each thread its malloc
+arena at the thread's first allocation and ``M_ARENA_MAX`` does not move a thread that already
+has one, and a thread arena cannot hold a block above its 64 MiB heap, so it still maps and
+unmaps such a block at every execution. Applied after ``jax.devices()`` (XLA's thread pools
+exist then), the tiny RL step kept faulting its 89 MB temporary buffer in, ~40k minor faults
+per RL step, and took 269 instead of 188 ms (README "The RL step before and after issue 17");
+a late call is therefore logged as a warning (`applied_late`).
 
 Source: glibc ``malloc/malloc.c`` (``mallopt``, ``sysmalloc``) and ``mallopt(3)``.
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
+import sys
 
 log = logging.getLogger("pdm_jax.host_memory")
 
@@ -34,7 +41,19 @@ M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 _TRIM_MAX = 2**31 - 1  # mallopt takes an int
 
-_state = {"applied": None}
+_state = {"applied": None, "late": False}
+
+
+def _jax_backend_started() -> bool:
+    """Whether JAX has created its backends (and with them XLA's thread pools); False when JAX is not imported."""
+    xla_bridge = sys.modules.get("jax._src.xla_bridge")
+    started = getattr(xla_bridge, "backends_are_initialized", None)  # private API: absent -> assume not started
+    return bool(started()) if started is not None else False
+
+
+def applied_late() -> bool:
+    """True when `reuse_freed_host_memory` took effect after JAX had started its backend (see the module docstring)."""
+    return bool(_state["late"])
 
 
 def reuse_freed_host_memory() -> bool:
@@ -56,5 +75,11 @@ def reuse_freed_host_memory() -> bool:
         ok = all(r == 1 for r in results)
         if not ok:
             log.warning("host_memory.reuse_freed: glibc refused mallopt (%s); the default allocator is kept", results)
+    if ok and _jax_backend_started():
+        _state["late"] = True
+        log.warning("host_memory.reuse_freed: applied after JAX started its backend; threads that already "
+                    "allocated keep their own malloc arenas, which still map and unmap blocks above 64 MiB at every "
+                    "XLA execution (page faults). Call pdm_jax.host_memory.reuse_freed_host_memory() before the "
+                    "first JAX operation, as pdm_jax.train does.")
     _state["applied"] = ok
     return ok

@@ -95,11 +95,12 @@ class Trainer:
       ValueError: a bad config (names the field) or a missing path.
       WorkdirLockedError: another run holds the workdir (names it and the holder's pid and host).
       CheckpointError: no intact checkpoint to resume from (names each one and what is wrong).
-      SamplerFailure: the sampler never came up, or died more than
-        ``sampler.max_restarts`` times.
+      SamplerFailure: the sampler never came up, or died more than ``sampler.max_restarts`` times.
     """
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, callbacks=()):
+        # First, before jax.process_index() starts JAX's backend and its threads (pdm_jax.host_memory).
+        self._reuse = bool(config.get("host_memory", {}).get("reuse_freed")) and host_memory.reuse_freed_host_memory()
         validate_config(config)
         self.config = config
         self.callbacks = list(callbacks)
@@ -116,7 +117,6 @@ class Trainer:
     def _setup(self) -> None:
         """Compile cache, data, tokenizer, model, mesh, sampler handle and checkpointer (the rest of __init__)."""
         config = self.config
-        self._reuse = bool(config.get("host_memory", {}).get("reuse_freed")) and host_memory.reuse_freed_host_memory()
         self.compile_cache_dir = resolve_compile_cache_dir(config.compile_cache.dir, self.workdir)
         enable_compile_cache(self.compile_cache_dir, min_compile_time_s=config.compile_cache.min_compile_time_s)
         self.compile_counter = CompileCounter()  # this run's compiles from here on (model init included)

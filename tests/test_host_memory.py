@@ -54,6 +54,27 @@ def test_freed_temp_buffer_is_reused_without_page_faults():
     assert reused < 0.25 * default
 
 
+@glibc_only
+def test_a_call_after_jax_started_its_backend_is_flagged_late(caplog):
+    """glibc keeps a thread's arena once it has one, so a late call cannot reach XLA's pool threads: it is logged."""
+    probe = textwrap.dedent("""
+        import logging, sys
+        from pdm_jax import host_memory
+        if sys.argv[1] == "late":
+            import jax
+            jax.devices()  # starts the backend and XLA's thread pools
+        logging.basicConfig(level=logging.WARNING)
+        assert host_memory.reuse_freed_host_memory() is True
+        import jax
+        jax.numpy.ones(3).block_until_ready()
+        print(host_memory.applied_late())
+    """)
+    for when, late in (("early", "False"), ("late", "True")):
+        out = subprocess.run([sys.executable, "-c", probe, when], capture_output=True, text=True, check=True)
+        assert out.stdout.strip().splitlines()[-1] == late, (when, out.stdout, out.stderr)
+        assert ("applied after JAX started its backend" in out.stderr) == (late == "True"), out.stderr
+
+
 def test_config_default_and_server_flag():
     from pdm_jax.config import get_base_config
     from pdm_jax.sampler import server

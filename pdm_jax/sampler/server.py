@@ -379,12 +379,12 @@ def main(argv=None) -> None:
     from pdm_jax.sampler import weights as wts  # after the flags parse: --help without JAX
     from pdm_jax.sampler.engine import SamplingEngine, make_sampler_mesh  # after the flags parse: --help without JAX
 
-    if args.parent_pid:
-        _exit_with_parent(args.parent_pid)
-    if args.reuse_freed_host_memory:  # before the first XLA execution
+    if args.reuse_freed_host_memory:  # before any thread of JAX's backend allocates (pdm_jax.host_memory)
         from pdm_jax.host_memory import reuse_freed_host_memory
 
         reuse_freed_host_memory()
+    if args.parent_pid:
+        _exit_with_parent(args.parent_pid)
     enable_compile_cache(args.compile_cache_dir, min_compile_time_s=args.compile_cache_min_compile_time_s)
     compile_counter = CompileCounter()
     config = load_model_config(args.model_config)
