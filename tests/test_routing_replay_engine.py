@@ -102,6 +102,10 @@ def test_wire_round_trip_of_routed_experts():
         body = wire.loads(wire.dumps(resp, msgpack=msgpack), msgpack=msgpack)
         back = wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=1).batch
         np.testing.assert_array_equal(back.routed_experts, rb.routed_experts)
+        columns = wire.loads(wire.dumps(wire.GenerateResponse(rb).to_wire("columns"), msgpack=msgpack), msgpack=msgpack)
+        by_columns = wire.GenerateResponse.from_wire(columns, prompts, top_k_logprobs=1).batch
+        np.testing.assert_array_equal(by_columns.routed_experts, rb.routed_experts)
+        assert by_columns.routed_experts.dtype == back.routed_experts.dtype
     no_routing = wire.GenerateResponse(rb.replace(routed_experts=None)).to_wire()
     assert wire.ROUTED_EXPERTS not in no_routing[wire.CHOICES][0]
     assert wire.GenerateResponse.from_wire(no_routing, prompts, top_k_logprobs=1).batch.routed_experts is None

@@ -148,6 +148,62 @@ def test_generate_response_round_trip(use_msgpack, k):
     assert_batches_equal(response_to_batch(prompts, body, top_k_logprobs=k), batch)
 
 
+@pytest.mark.parametrize("use_msgpack", CODECS)
+@pytest.mark.parametrize("k", [3, 0])
+def test_generate_response_columns_give_the_same_batch_as_choices(use_msgpack, k):
+    """response_format "columns" (what SamplerClient asks for): the batch's arrays whole, decoded to the same batch."""
+    prompts, batch = make_batch(k)
+    resp = wire.GenerateResponse(batch, model="qwen3(test)", prompt_tokens=4)
+    body = through(resp.to_wire("columns"), use_msgpack)
+    assert wire.CHOICES not in body and body["usage"] == {"prompt_tokens": 4, "completion_tokens": 9}
+    cols = body["columns"]
+    assert sorted(cols) == sorted(["token_ids", "lengths", "logprobs", "top_logprobs", "prompt_index",
+                                   "finish_reason", "weights_version"])
+    assert np.asarray(cols["lengths"]).tolist() == [2, 3, 1, 3]
+    back = wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=k)
+    assert back.model == "qwen3(test)" and back.prompt_tokens == 4 and back.weights_version == 7
+    assert_batches_equal(back.batch, batch)
+    assert_batches_equal(back.batch, wire.GenerateResponse.from_wire(through(resp.to_wire(), use_msgpack), prompts,
+                                                                     top_k_logprobs=k).batch)
+    if use_msgpack:  # a handful of packed arrays, not ~4 per row
+        assert len(wire.dumps(resp.to_wire("columns"), msgpack=True)) < len(wire.dumps(resp.to_wire(), msgpack=True))
+
+
+def _columns_body(mutate):
+    prompts, batch = make_batch(3)
+    body = through(wire.GenerateResponse(batch, model="m", prompt_tokens=4).to_wire("columns"), True)
+    mutate(body["columns"])
+    return prompts, body
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda c: c.update(lengths=np.array([2, 3, 1, 4], np.int32)), "columns.lengths"),  # beyond T = 3
+    (lambda c: c.update(lengths=np.array([2, 3, 1], np.int32)), "columns.lengths"),  # 3 of 4 rows
+    (lambda c: c.update(prompt_index=np.array([0, 0, 1, 2], np.int32)), "columns.prompt_index"),  # 2 prompts
+    (lambda c: c["top_logprobs"].update(ids=np.zeros((4, 3, 2), np.int32)), "columns.top_logprobs.ids"),  # K 2 != 3
+    (lambda c: c.update(logprobs=np.zeros((4, 2), np.float32)), "columns.logprobs"),
+    (lambda c: c.update(token_ids=np.zeros((4, 3), np.float32)), "columns.token_ids"),  # not integers
+    (lambda c: c.pop("weights_version"), "columns.weights_version"),
+    (lambda c: c.update(finish_reason=["stop"] * 3), "columns.finish_reason"),
+    (lambda c: c.update(top_logprobs=[1, 2]), "columns"),
+])
+def test_bad_columns_are_refused_naming_the_column(mutate, where):
+    prompts, body = _columns_body(mutate)
+    with pytest.raises(ValueError, match=where.replace(".", r"\.")):
+        wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3)
+
+
+def test_response_format_request_field():
+    req = wire.GenerateRequest(prompts=[[1, 2]], response_format="columns")
+    body = through(req.to_wire(), True)
+    assert body["response_format"] == "columns" and wire.GenerateRequest.from_wire(body) == req
+    assert "response_format" not in req.engine_kwargs() and "response_format" not in wire.GenerateRequest(
+        prompts=[[1]]).to_wire()  # the default: the vLLM-shaped choices, bodies unchanged
+    with pytest.raises(wire.RequestError) as e:
+        wire.GenerateRequest.from_wire({"prompt": [[1]], "response_format": "rows"})
+    assert e.value.field == "response_format" and "'rows'" in str(e.value)
+
+
 def test_generate_response_json_layout_is_the_vllm_shaped_schema():
     prompts, batch = make_batch(k=1)
     got = json.loads(wire.dumps(wire.GenerateResponse(batch, model="m", prompt_tokens=4).to_wire(), msgpack=False))

@@ -146,7 +146,8 @@ class SamplerClient:
                       first_prompt_index=int(first_prompt_index))
         if max_new_tokens is None:
             max_new_tokens = self.health().get(wire.MAX_NEW_TOKENS, wire.DEFAULT_MAX_TOKENS)
+        # "columns": one packed array per field, not ~4 per row (wire.GenerateResponse.to_wire; the same batch)
         request = wire.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens),
-                                       return_routing=bool(return_routing), **fields)
+                                       return_routing=bool(return_routing), response_format="columns", **fields)
         body = self._request("POST", "/v1/generate", request.to_wire())
         return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs)).batch

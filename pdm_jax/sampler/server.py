@@ -254,7 +254,7 @@ class SamplerService:
         resp = wire.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
         self.requests += 1
         self.generated_tokens += resp.completion_tokens
-        return respond(request, resp.to_wire())
+        return respond(request, resp.to_wire(req.response_format))
 
     async def load_weights(self, request: Request) -> Response:
         """``POST /v1/weights``: 403 outside the root, 404 missing/incomplete, 409 stale or other version,

@@ -85,6 +85,8 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 ND_KEY = "__nd__"
 _DTYPES = {"float32": "<f4", "int32": "<i4", "int8": "|i1", "int16": "<i2", "bool": "|b1", "float64": "<f8", "int64": "<i8"}
 ND_FIELDS = frozenset({ND_KEY, "dtype", "shape", "data"})
+_DTYPE_NAMES = {np.dtype(name): name for name in _DTYPES}  # numpy dtype -> wire name (str(dtype) is slow)
+_WIRE_DTYPES = {name: np.dtype(code) for name, code in _DTYPES.items()}
 MAX_DEPTH = 32  # most nesting levels of lists/maps in a body (requests need 3, responses 6)
 MAX_NDIM = 32  # most dimensions of a packed array
 MAX_EMPTY_ARRAY_ITEMS = 1 << 16  # an empty packed array's non-zero dimensions may multiply to at most this
@@ -110,8 +112,12 @@ ROUTED_EXPERTS = "routed_experts"  # per choice: [P_i + T_r, L, k] int, RolloutB
 FIRST_PROMPT_INDEX = "first_prompt_index"  # per-host rollouts: the request's prompts start at this index
 MODEL = "model"  # accepted and ignored in a request; the model's name in responses and /health
 STREAM = "stream"  # only false/absent is accepted
+#: How the response carries the rows: "choices" (default: one object per row, as vLLM) or "columns" (one packed
+#: array per field for all rows, `COLUMNS`: what `SamplerClient` asks for, no per-row objects to build or check).
+RESPONSE_FORMAT = "response_format"
+RESPONSE_FORMATS = ("choices", "columns")
 GENERATE_FIELDS = frozenset({PROMPT, N, TEMPERATURE, TOP_P, TOP_K, MAX_TOKENS, STOP_TOKEN_IDS, LOGPROBS, SEED,
-                             FIRST_PROMPT_INDEX, RETURN_ROUTING, MODEL, STREAM})
+                             FIRST_PROMPT_INDEX, RETURN_ROUTING, MODEL, STREAM, RESPONSE_FORMAT})
 DEFAULT_MAX_TOKENS = 16  # max_tokens when a request omits it (vLLM's default)
 
 # POST /v1/generate response
@@ -125,6 +131,8 @@ TOKEN_IDS = "token_ids"
 TOP_LOGPROBS = "top_logprobs"
 IDS = "ids"
 FINISH_REASON = "finish_reason"
+COLUMNS = "columns"  # response_format "columns": {token_ids [N,T], lengths [N], logprobs [N,T], top_logprobs {ids,
+LENGTHS = "lengths"  # logprobs} [N,T,K], prompt_index [N], finish_reason [N] strings, weights_version [N](, routed_experts)}
 USAGE = "usage"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
@@ -258,10 +266,11 @@ def encode_array(a: np.ndarray) -> dict:
       ValueError: a dtype other than float32/64, int32/64 or bool.
     """
     a = np.asarray(a)
-    name = str(a.dtype)
-    if name not in _DTYPES:
-        raise ValueError(f"cannot encode array dtype {name}")
-    return {ND_KEY: 1, "dtype": name, "shape": list(a.shape), "data": np.ascontiguousarray(a.astype(_DTYPES[name])).tobytes()}
+    name = _DTYPE_NAMES.get(a.dtype)
+    if name is None:
+        raise ValueError(f"cannot encode array dtype {a.dtype}")
+    # tobytes() writes C order whatever the strides; astype copies only for a byte-order change
+    return {ND_KEY: 1, "dtype": name, "shape": list(a.shape), "data": a.astype(_WIRE_DTYPES[name], copy=False).tobytes()}
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -283,12 +292,14 @@ def _where(path: tuple) -> str:
     return "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
 
 
-def decode_array(d: Mapping, where: str = "$") -> np.ndarray:
+def decode_array(d: Mapping, where: str | tuple = "$") -> np.ndarray:
     """Inverse of `encode_array`: a ``{"__nd__": 1, "dtype", "shape", "data"}`` map -> numpy array.
 
     Args:
       d: the map as msgpack decoded it.
-      where: its location in the body, for messages (e.g. ``"$.prompt"``).
+      where: its location in the body, for messages: ``"$.prompt"``, or the path tuple
+        (``("prompt",)``), formatted only when a message needs it (`check_tree` decodes
+        every packed array of a body, most of them valid).
     Returns:
       the array, shape ``shape``, dtype ``dtype`` (native byte order).
     Raises:
@@ -299,6 +310,20 @@ def decode_array(d: Mapping, where: str = "$") -> np.ndarray:
         dimensions multiply to more than `MAX_EMPTY_ARRAY_ITEMS` (its list form
         would be a memory bomb).
     """
+    if len(d) != len(ND_FIELDS) or not ND_FIELDS.issuperset(d):
+        return _decode_array_checked(d, where if isinstance(where, str) else _where(where))
+    name, shape, data = d["dtype"], d["shape"], d["data"]
+    if (type(d[ND_KEY]) is int and d[ND_KEY] == 1 and type(name) is str and name in _DTYPES
+            and type(shape) is list and len(shape) <= MAX_NDIM and all(type(s) is int and s >= 0 for s in shape)
+            and type(data) is bytes):
+        items = math.prod(shape)
+        if len(data) == items * _WIRE_DTYPES[name].itemsize and items:
+            return np.frombuffer(data, dtype=_WIRE_DTYPES[name]).reshape(shape).astype(name)
+    return _decode_array_checked(d, where if isinstance(where, str) else _where(where))
+
+
+def _decode_array_checked(d: Mapping, where: str) -> np.ndarray:
+    """`decode_array` with every check in order, each failing with its message (the slow path: errors, empty arrays)."""
     extra = sorted(str(k) for k in d if k not in ND_FIELDS)
     if extra:
         raise ValueError(f"{where}: packed array has unknown field(s) {_show(extra)}; expected {sorted(ND_FIELDS)}")
@@ -386,7 +411,7 @@ def check_tree(obj: Any, *, decode_arrays: bool, max_depth: int = MAX_DEPTH) -> 
                 raise BodyStructureError(f"{_where(path)}: nested deeper than {max_depth} levels", path)
             if isinstance(value, dict) and decode_arrays and ND_KEY in value:
                 try:
-                    return decode_array(value, _where(path))
+                    return decode_array(value, path)
                 except ValueError as e:
                     raise BodyStructureError(str(e), path) from None
             stack.append((value, path, depth))
@@ -424,10 +449,18 @@ def from_plain(obj: Any) -> Any:
 
 def dumps(obj: Any, *, msgpack: bool) -> bytes:
     """Serialises a response/request body (JSON is strict: no NaN/Infinity tokens)."""
-    plain = to_plain(obj, msgpack=msgpack)
-    if msgpack:
-        return _msgpack.packb(plain, use_bin_type=True)
-    return json.dumps(plain, allow_nan=False, separators=(",", ":")).encode()
+    if msgpack:  # msgpack walks the tree in C and calls back only for numpy values (as `to_plain` packs them)
+        return _msgpack.packb(obj, use_bin_type=True, default=_msgpack_default)
+    return json.dumps(to_plain(obj, msgpack=False), allow_nan=False, separators=(",", ":")).encode()
+
+
+def _msgpack_default(obj: Any) -> Any:
+    """msgpack's hook for what it cannot pack itself: numpy arrays (packed) and numpy scalars (Python values)."""
+    if isinstance(obj, np.ndarray):
+        return encode_array(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot serialise {type(obj).__name__}")
 
 
 def _refuse_constant(name: str):
@@ -504,6 +537,7 @@ class GenerateRequest:
       return_routing: also return each choice's routed experts (MoE routing replay).
       first_prompt_index: the index of the request's first prompt in a larger batch (keys the
         samples' random draws; 0 = the request is the whole batch).
+      response_format: ``"choices"`` (default) or ``"columns"`` (`GenerateResponse.to_wire`).
 
     Values are carried as given: types and ranges are checked by `validate_request`
     (the engine), only the body's structure by `from_wire`.
@@ -520,6 +554,7 @@ class GenerateRequest:
     top_k: Any = 0
     return_routing: Any = False
     first_prompt_index: Any = 0
+    response_format: Any = "choices"
 
     @classmethod
     def from_wire(cls, body: Mapping) -> "GenerateRequest":
@@ -527,8 +562,8 @@ class GenerateRequest:
 
         Raises:
           RequestError: an unknown field (named), ``stream`` not false/null/absent,
-            ``model`` not a string, no ``prompt``, or a ``stop_token_ids`` that is
-            not a list.
+            ``model`` not a string, no ``prompt``, a ``stop_token_ids`` that is
+            not a list, or a ``response_format`` other than "choices" / "columns".
         """
         unknown = sorted(set(body) - GENERATE_FIELDS)
         if unknown:
@@ -550,11 +585,14 @@ class GenerateRequest:
         if not isinstance(stops, list):
             raise RequestError(STOP_TOKEN_IDS, f"must be a list of token ids, got {_kind(stops)}")
         top_k, logprobs = body.get(TOP_K, 0), body.get(LOGPROBS)
+        layout = body.get(RESPONSE_FORMAT, RESPONSE_FORMATS[0])
+        if not isinstance(layout, str) or layout not in RESPONSE_FORMATS:
+            raise RequestError(RESPONSE_FORMAT, f"must be one of {RESPONSE_FORMATS}, got {_kind(layout)}")
         return cls(prompts=_normalise_prompts(body[PROMPT]), n=body.get(N, 1),
                    temperature=body.get(TEMPERATURE, 1.0), max_new_tokens=body.get(MAX_TOKENS, DEFAULT_MAX_TOKENS),
                    top_k_logprobs=0 if logprobs is None else logprobs, stop_token_ids=stops, seed=body.get(SEED),
                    top_p=body.get(TOP_P, 1.0), top_k=0 if _is_int(top_k) and top_k == -1 else top_k, return_routing=body.get(RETURN_ROUTING, False),
-                   first_prompt_index=body.get(FIRST_PROMPT_INDEX, 0))
+                   first_prompt_index=body.get(FIRST_PROMPT_INDEX, 0), response_format=layout)
 
     def to_wire(self) -> dict:
         """The request body (a dict for `dumps`); prompts and stop ids as lists; ``first_prompt_index``
@@ -566,6 +604,8 @@ class GenerateRequest:
             body[RETURN_ROUTING] = self.return_routing
         if self.first_prompt_index != 0:
             body[FIRST_PROMPT_INDEX] = self.first_prompt_index
+        if self.response_format != RESPONSE_FORMATS[0]:
+            body[RESPONSE_FORMAT] = self.response_format
         return body
 
     def engine_kwargs(self) -> dict:
@@ -727,11 +767,16 @@ class GenerateResponse:
         """Generated tokens over all rows (``usage.completion_tokens``)."""
         return int(self.batch.completion_mask.sum())
 
-    def to_wire(self) -> dict:
+    def to_wire(self, response_format: str = "choices") -> dict:
         """The response body (a dict for `dumps`; arrays stay numpy, `dumps` packs them).
 
-        Choice r carries row r of the batch cut to its completion length T_r.
+        ``"choices"``: choice r carries row r of the batch cut to its completion length T_r.
+        ``"columns"``: `COLUMNS` holds the batch's arrays whole (completion ids, log mu [N, T],
+        top-K [N, T, K], lengths, prompt indices, versions [N], finish reasons; routed experts
+        [N, P + T, L, k] when present): a handful of packed arrays instead of ~4 per row.
         """
+        if response_format == "columns":
+            return self._header(self._columns())
         b = self.batch
         lengths = b.completion_mask.sum(axis=1)
         p_out, plen = b.prompt_ids.shape[1], b.prompt_mask.sum(axis=1)
@@ -747,9 +792,22 @@ class GenerateResponse:
                 TOKEN_IDS: b.completion_ids[r, :t], LOGPROBS: b.behavior_logprobs[r, :t],
                 TOP_LOGPROBS: {IDS: b.topk_ids[r, :t], LOGPROBS: b.topk_logprobs[r, :t]},
                 FINISH_REASON: str(b.finish_reason[r]), WEIGHTS_VERSION: int(b.weights_version[r])})
-        return {OBJECT: TEXT_COMPLETION, MODEL: self.model, WEIGHTS_VERSION: self.weights_version,
-                CHOICES: choices,
-                USAGE: {PROMPT_TOKENS: int(self.prompt_tokens), COMPLETION_TOKENS: int(lengths.sum())}}
+        return self._header({CHOICES: choices})
+
+    def _header(self, rows: dict) -> dict:
+        """The body around the rows (``choices`` or ``columns``): object, model, version, usage."""
+        return {OBJECT: TEXT_COMPLETION, MODEL: self.model, WEIGHTS_VERSION: self.weights_version, **rows,
+                USAGE: {PROMPT_TOKENS: int(self.prompt_tokens), COMPLETION_TOKENS: self.completion_tokens}}
+
+    def _columns(self) -> dict:
+        b = self.batch
+        cols = {TOKEN_IDS: b.completion_ids, LENGTHS: b.completion_mask.sum(axis=1).astype(np.int32),
+                LOGPROBS: b.behavior_logprobs, TOP_LOGPROBS: {IDS: b.topk_ids, LOGPROBS: b.topk_logprobs},
+                PROMPT_INDEX: b.group_ids, FINISH_REASON: [str(x) for x in b.finish_reason],
+                WEIGHTS_VERSION: b.weights_version}
+        if b.routed_experts is not None:
+            cols[ROUTED_EXPERTS] = b.routed_experts
+        return {COLUMNS: cols}
 
     @classmethod
     def from_wire(cls, body: Mapping, prompts: Sequence[Sequence[int]], *,
@@ -762,10 +820,15 @@ class GenerateResponse:
         topk_* [N, T, K]; JSON nulls (-inf log-probs) become -inf.  ``model``
         and ``usage`` may be absent (then "" and the prompts' token count).
 
+        A ``columns`` body (`to_wire`) gives the same batch as its ``choices`` form.
+
         Raises:
           KeyError, ValueError: a body missing ``choices`` fields, or arrays whose
-            sizes do not match K and the token counts.
+            sizes do not match K and the token counts; for ``columns``, a ValueError naming
+            the column (``columns.lengths``) and what is wrong with it.
         """
+        if COLUMNS in body:
+            return cls._from_columns(body, prompts, int(top_k_logprobs))
         # pdm_jax.rollout imports JAX (heavy); imported here so that importing wire (the server's
         # parse_args / --help path) stays JAX-free.
         from pdm_jax.rollout import RolloutBatch
@@ -802,6 +865,83 @@ class GenerateResponse:
         usage = body.get(USAGE) or {}
         return cls(batch=batch, model=body.get(MODEL, ""),
                    prompt_tokens=int(usage.get(PROMPT_TOKENS, sum(len(p) for p in prompts))))
+
+
+    @classmethod
+    def _from_columns(cls, body: Mapping, prompts: Sequence[Sequence[int]], k: int) -> "GenerateResponse":
+        """`from_wire` of a ``columns`` body: every column's shape and range checked, rows cut as the choices are."""
+        from pdm_jax.rollout import ROUTING_PAD, RolloutBatch  # JAX-free import of wire: see from_wire
+
+        cols = body[COLUMNS]
+        if not isinstance(cols, Mapping) or not isinstance(cols.get(TOP_LOGPROBS), Mapping):
+            raise ValueError(f"{COLUMNS} and {COLUMNS}.{TOP_LOGPROBS} must be maps, got {_kind(cols)}")
+        ids = _column(cols, TOKEN_IDS, 2)
+        n_rows, t_in = ids.shape
+        if n_rows == 0 or t_in == 0:
+            raise ValueError(f"{COLUMNS}.{TOKEN_IDS}: must be [rows >= 1, tokens >= 1], got {list(ids.shape)}")
+        lengths, index = _column(cols, LENGTHS, 1, (n_rows,)), _column(cols, PROMPT_INDEX, 1, (n_rows,))
+        logp = _column(cols, LOGPROBS, 2, (n_rows, t_in), floats=True)
+        top = cols[TOP_LOGPROBS]
+        top_ids = _column(top, IDS, 3, (n_rows, t_in, k), where=f"{COLUMNS}.{TOP_LOGPROBS}")
+        top_logp = _column(top, LOGPROBS, 3, (n_rows, t_in, k), floats=True, where=f"{COLUMNS}.{TOP_LOGPROBS}")
+        versions = _column(cols, WEIGHTS_VERSION, 1, (n_rows,))
+        reasons = cols.get(FINISH_REASON)
+        if not isinstance(reasons, list) or len(reasons) != n_rows or not all(isinstance(x, str) for x in reasons):
+            raise ValueError(f"{COLUMNS}.{FINISH_REASON}: must be a list of {n_rows} strings, got {_kind(reasons)}")
+        if lengths.min() < 0 or lengths.max() > t_in:
+            raise ValueError(f"{COLUMNS}.{LENGTHS}: must lie in [0, {t_in}], got {_show(lengths.tolist())}")
+        if index.min() < 0 or index.max() >= len(prompts):
+            raise ValueError(f"{COLUMNS}.{PROMPT_INDEX}: must lie in [0, {len(prompts)}), got {_show(index.tolist())}")
+        t_out, p_out = max(1, int(lengths.max())), max(len(p) for p in prompts)
+        mask = np.arange(t_out)[None, :] < lengths[:, None]
+        plen = np.array([len(p) for p in prompts], np.int32)
+        store_ids = np.zeros((len(prompts), p_out), np.int32)  # each prompt left-padded once, then one gather
+        for i, p in enumerate(prompts):
+            store_ids[i, p_out - len(p):] = p
+        prompt_mask = (np.arange(p_out)[None, :] >= (p_out - plen)[:, None])[index]
+        routed = None
+        if ROUTED_EXPERTS in cols:
+            routed = _column(cols, ROUTED_EXPERTS, 4)
+            if routed.shape[:2] != (n_rows, p_out + t_in):
+                raise ValueError(f"{COLUMNS}.{ROUTED_EXPERTS}: must be [{n_rows}, {p_out + t_in}, L, k], "
+                                 f"got {list(routed.shape)}")
+            routed = np.concatenate([routed[:, :p_out], routed[:, p_out:p_out + t_out]], axis=1)
+            routed[~np.concatenate([prompt_mask, mask], axis=1)] = ROUTING_PAD
+        batch = RolloutBatch(
+            prompt_ids=store_ids[index], prompt_mask=prompt_mask, completion_ids=np.where(mask, ids[:, :t_out], 0),
+            completion_mask=mask, behavior_logprobs=np.where(mask, logp[:, :t_out], 0.0),
+            topk_ids=np.where(mask[..., None], top_ids[:, :t_out], 0),
+            topk_logprobs=np.where(mask[..., None], top_logp[:, :t_out], 0.0), weights_version=versions,
+            group_ids=index, finish_reason=np.array(reasons, dtype=object), routed_experts=routed)
+        usage = body.get(USAGE) or {}
+        return cls(batch=batch, model=body.get(MODEL, ""),
+                   prompt_tokens=int(usage.get(PROMPT_TOKENS, sum(len(p) for p in prompts))))
+
+
+def _column(cols: Mapping, name: str, ndim: int, shape: Optional[tuple] = None, *, floats: bool = False,
+            where: str = COLUMNS) -> np.ndarray:
+    """Column `name` of a ``columns`` response as int32 (or float32: JSON nulls = -inf), checked.
+
+    Raises:
+      ValueError: naming ``where.name``: missing, not numeric, not `ndim`-dimensional or not of `shape`.
+    """
+    if name not in cols:
+        raise ValueError(f"{where}.{name}: missing")
+    value = cols[name]
+    try:
+        if floats and not isinstance(value, np.ndarray):  # JSON: nested lists, null for -inf
+            a = np.array(value, dtype=object)
+            a = np.where(np.equal(a, None), -np.inf, a).astype(np.float32)
+        else:
+            a = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}.{name}: not a regular numeric array ({e})") from None
+    if a.ndim != ndim or (shape is not None and a.shape != shape):
+        want = f"shape {list(shape)}" if shape is not None else f"{ndim} dimensions"
+        raise ValueError(f"{where}.{name}: must have {want}, got shape {list(a.shape)}")
+    if a.dtype.kind not in ("f" if floats else "iu") and a.size:
+        raise ValueError(f"{where}.{name}: must hold {'numbers' if floats else 'integers'}, got {a.dtype}")
+    return a.astype(np.float32 if floats else (a.dtype if name == ROUTED_EXPERTS else np.int32))
 
 
 def _routed_experts(choices, prompts, p_out: int, t_out: int) -> Optional[np.ndarray]:
