@@ -185,12 +185,36 @@ def _columns_body(mutate):
     (lambda c: c.update(token_ids=np.zeros((4, 3), np.float32)), "columns.token_ids"),  # not integers
     (lambda c: c.pop("weights_version"), "columns.weights_version"),
     (lambda c: c.update(finish_reason=["stop"] * 3), "columns.finish_reason"),
-    (lambda c: c.update(top_logprobs=[1, 2]), "columns"),
+    (lambda c: c.update(top_logprobs=[1, 2]), "columns.top_logprobs"),
+    # integers beyond int32 would wrap silently in a cast (prompt 2**32 -> prompt 0)
+    (lambda c: c.update(prompt_index=np.array([0, 0, 1, 2**32], np.int64)), "columns.prompt_index"),
+    (lambda c: c.update(token_ids=c["token_ids"].astype(np.int64) + 2**32), "columns.token_ids"),
+    (lambda c: c.update(lengths=[2, 3, True, 3]), "columns.lengths"),  # a bool numpy would read as 1
+    (lambda c: c.update(logprobs=[["-0.5", 0, 0]] * 4), "columns.logprobs"),  # a string numpy would parse
+    (lambda c: c["logprobs"].__setitem__((0, 0), np.nan), "columns.logprobs"),  # never a silent NaN
+    (lambda c: c["top_logprobs"]["logprobs"].__setitem__((1, 0, 0), 5.0), "columns.top_logprobs.logprobs"),
+    (lambda c: c.update(logprobs=[[10**400, 0, 0]] * 4), "columns.logprobs"),  # beyond any float
+    (lambda c: c.update(finish_reason=["stop", "length", "eos", "stop"]), "columns.finish_reason"),
 ])
 def test_bad_columns_are_refused_naming_the_column(mutate, where):
     prompts, body = _columns_body(mutate)
-    with pytest.raises(ValueError, match=where.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=where.replace(".", r"\.") + ":"):
         wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda b: b.update(choices=[]), "not both"),
+    (lambda b: b.update(usage=[1]), "usage: must be a map"),
+    (lambda b: b["usage"].update(prompt_tokens="4"), "usage.prompt_tokens"),
+    (lambda b: b.update(model=[1]), "model: must be a string"),
+])
+def test_bad_response_headers_are_refused(change, words):
+    prompts, body = _columns_body(lambda c: None)
+    change(body)
+    with pytest.raises(ValueError, match=words):
+        wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3)
+    with pytest.raises(ValueError, match="response_format"):
+        wire.GenerateResponse(make_batch()[1]).to_wire("colums")
 
 
 def test_response_format_request_field():

@@ -775,6 +775,8 @@ class GenerateResponse:
         top-K [N, T, K], lengths, prompt indices, versions [N], finish reasons; routed experts
         [N, P + T, L, k] when present): a handful of packed arrays instead of ~4 per row.
         """
+        if response_format not in RESPONSE_FORMATS:
+            raise ValueError(f"{RESPONSE_FORMAT}: must be one of {RESPONSE_FORMATS}, got {_kind(response_format)}")
         if response_format == "columns":
             return self._header(self._columns())
         b = self.batch
@@ -859,35 +861,54 @@ class GenerateResponse:
             versions.append(int(c.get(WEIGHTS_VERSION, body[WEIGHTS_VERSION])))
             groups.append(i)
             reasons.append(c[FINISH_REASON])
+        _check_logprobs(out["behavior_logprobs"], f"{CHOICES}[*].{LOGPROBS}")
+        _check_logprobs(out["topk_logprobs"], f"{CHOICES}[*].{TOP_LOGPROBS}.{LOGPROBS}")
         batch = RolloutBatch(**out, weights_version=np.array(versions, np.int32),
                              group_ids=np.array(groups, np.int32), finish_reason=np.array(reasons, dtype=object),
                              routed_experts=routed)
-        usage = body.get(USAGE) or {}
-        return cls(batch=batch, model=body.get(MODEL, ""),
-                   prompt_tokens=int(usage.get(PROMPT_TOKENS, sum(len(p) for p in prompts))))
+        return cls._with_header(body, prompts, batch)
 
+
+    @classmethod
+    def _with_header(cls, body: Mapping, prompts, batch) -> "GenerateResponse":
+        """The response of a decoded `batch` with the body's ``model`` and ``usage`` (checked; defaults when absent)."""
+        usage, model = body.get(USAGE) or {}, body.get(MODEL, "")
+        if not isinstance(usage, Mapping):
+            raise ValueError(f"{USAGE}: must be a map, got {_kind(usage)}")
+        prompt_tokens = usage.get(PROMPT_TOKENS, sum(len(p) for p in prompts))
+        if not _is_int(prompt_tokens) or prompt_tokens < 0:
+            raise ValueError(f"{USAGE}.{PROMPT_TOKENS}: must be an integer >= 0, got {_kind(prompt_tokens)}")
+        if not isinstance(model, str):
+            raise ValueError(f"{MODEL}: must be a string, got {_kind(model)}")
+        return cls(batch=batch, model=model, prompt_tokens=int(prompt_tokens))
 
     @classmethod
     def _from_columns(cls, body: Mapping, prompts: Sequence[Sequence[int]], k: int) -> "GenerateResponse":
         """`from_wire` of a ``columns`` body: every column's shape and range checked, rows cut as the choices are."""
-        from pdm_jax.rollout import ROUTING_PAD, RolloutBatch  # JAX-free import of wire: see from_wire
+        from pdm_jax.rollout import FINISH_REASONS, ROUTING_PAD, RolloutBatch  # JAX-free import of wire: see from_wire
 
         cols = body[COLUMNS]
-        if not isinstance(cols, Mapping) or not isinstance(cols.get(TOP_LOGPROBS), Mapping):
-            raise ValueError(f"{COLUMNS} and {COLUMNS}.{TOP_LOGPROBS} must be maps, got {_kind(cols)}")
+        if CHOICES in body:
+            raise ValueError(f"a response carries {CHOICES!r} or {COLUMNS!r}, not both")
+        if not isinstance(cols, Mapping):
+            raise ValueError(f"{COLUMNS}: must be a map, got {_kind(cols)}")
+        if not isinstance(cols.get(TOP_LOGPROBS), Mapping):
+            raise ValueError(f"{COLUMNS}.{TOP_LOGPROBS}: must be a map, got {_kind(cols.get(TOP_LOGPROBS))}")
         ids = _column(cols, TOKEN_IDS, 2)
         n_rows, t_in = ids.shape
         if n_rows == 0 or t_in == 0:
             raise ValueError(f"{COLUMNS}.{TOKEN_IDS}: must be [rows >= 1, tokens >= 1], got {list(ids.shape)}")
         lengths, index = _column(cols, LENGTHS, 1, (n_rows,)), _column(cols, PROMPT_INDEX, 1, (n_rows,))
-        logp = _column(cols, LOGPROBS, 2, (n_rows, t_in), floats=True)
+        logp = _check_logprobs(_column(cols, LOGPROBS, 2, (n_rows, t_in), floats=True), f"{COLUMNS}.{LOGPROBS}")
         top = cols[TOP_LOGPROBS]
         top_ids = _column(top, IDS, 3, (n_rows, t_in, k), where=f"{COLUMNS}.{TOP_LOGPROBS}")
-        top_logp = _column(top, LOGPROBS, 3, (n_rows, t_in, k), floats=True, where=f"{COLUMNS}.{TOP_LOGPROBS}")
+        top_logp = _check_logprobs(_column(top, LOGPROBS, 3, (n_rows, t_in, k), floats=True,
+                                           where=f"{COLUMNS}.{TOP_LOGPROBS}"), f"{COLUMNS}.{TOP_LOGPROBS}.{LOGPROBS}")
         versions = _column(cols, WEIGHTS_VERSION, 1, (n_rows,))
         reasons = cols.get(FINISH_REASON)
-        if not isinstance(reasons, list) or len(reasons) != n_rows or not all(isinstance(x, str) for x in reasons):
-            raise ValueError(f"{COLUMNS}.{FINISH_REASON}: must be a list of {n_rows} strings, got {_kind(reasons)}")
+        if not isinstance(reasons, list) or len(reasons) != n_rows or not all(x in FINISH_REASONS for x in reasons):
+            raise ValueError(f"{COLUMNS}.{FINISH_REASON}: must be a list of {n_rows} of {FINISH_REASONS}, "
+                             f"got {_kind(reasons)}")
         if lengths.min() < 0 or lengths.max() > t_in:
             raise ValueError(f"{COLUMNS}.{LENGTHS}: must lie in [0, {t_in}], got {_show(lengths.tolist())}")
         if index.min() < 0 or index.max() >= len(prompts):
@@ -913,35 +934,61 @@ class GenerateResponse:
             topk_ids=np.where(mask[..., None], top_ids[:, :t_out], 0),
             topk_logprobs=np.where(mask[..., None], top_logp[:, :t_out], 0.0), weights_version=versions,
             group_ids=index, finish_reason=np.array(reasons, dtype=object), routed_experts=routed)
-        usage = body.get(USAGE) or {}
-        return cls(batch=batch, model=body.get(MODEL, ""),
-                   prompt_tokens=int(usage.get(PROMPT_TOKENS, sum(len(p) for p in prompts))))
+        return cls._with_header(body, prompts, batch)
+
+
+def _check_logprobs(a: np.ndarray, where: str) -> np.ndarray:
+    """Log-probabilities: NaN, +inf and values above 0 (beyond float32 rounding) are refused; -inf is allowed.
+
+    Raises:
+      ValueError: naming `where`, the first bad value and its position.
+    """
+    bad = np.isnan(a) | (a > 1e-3)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{where}: not a log-probability at {list(at)}: {float(a[at])} (NaN or above 0)")
+    return a
 
 
 def _column(cols: Mapping, name: str, ndim: int, shape: Optional[tuple] = None, *, floats: bool = False,
             where: str = COLUMNS) -> np.ndarray:
     """Column `name` of a ``columns`` response as int32 (or float32: JSON nulls = -inf), checked.
 
+    Plain lists (JSON, or msgpack without packing) may hold only ints (and, for floats, floats and
+    null): no bools, strings or bytes, which numpy would otherwise convert. Integers must fit int32
+    (routed experts keep their packed integer dtype).
+
     Raises:
-      ValueError: naming ``where.name``: missing, not numeric, not `ndim`-dimensional or not of `shape`.
+      ValueError: naming ``where.name``: missing, not numeric, not `ndim`-dimensional, not of `shape`, or
+        an integer outside int32.
     """
     if name not in cols:
         raise ValueError(f"{where}.{name}: missing")
-    value = cols[name]
-    try:
-        if floats and not isinstance(value, np.ndarray):  # JSON: nested lists, null for -inf
+    value, field = cols[name], f"{where}.{name}"
+    a = value
+    if not isinstance(value, np.ndarray):
+        try:
             a = np.array(value, dtype=object)
-            a = np.where(np.equal(a, None), -np.inf, a).astype(np.float32)
-        else:
-            a = np.asarray(value)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}.{name}: not a regular numeric array ({e})") from None
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{field}: not a regular array ({type(e).__name__}: {e})") from None
+        allowed = (int, float, type(None)) if floats else (int,)
+        odd = next((x for x in a.reshape(-1) if type(x) not in allowed), None)
+        if odd is not None:
+            raise ValueError(f"{field}: must hold {'numbers or null' if floats else 'integers'}, got {_kind(odd)}")
+        try:
+            a = np.where(np.equal(a, None), -np.inf, a).astype(np.float32) if floats else np.array(a.tolist())
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ValueError(f"{field}: not a regular numeric array ({type(e).__name__}: {e})") from None
     if a.ndim != ndim or (shape is not None and a.shape != shape):
         want = f"shape {list(shape)}" if shape is not None else f"{ndim} dimensions"
-        raise ValueError(f"{where}.{name}: must have {want}, got shape {list(a.shape)}")
-    if a.dtype.kind not in ("f" if floats else "iu") and a.size:
-        raise ValueError(f"{where}.{name}: must hold {'numbers' if floats else 'integers'}, got {a.dtype}")
-    return a.astype(np.float32 if floats else (a.dtype if name == ROUTED_EXPERTS else np.int32))
+        raise ValueError(f"{field}: must have {want}, got shape {list(a.shape)}")
+    if a.dtype.kind not in ("fiu" if floats else "iu") and a.size:
+        raise ValueError(f"{field}: must hold {'numbers' if floats else 'integers'}, got {a.dtype}")
+    if floats:
+        return a.astype(np.float32)
+    if a.size and (int(a.min()) < -MAX_INT32 - 1 or int(a.max()) > MAX_INT32):
+        raise ValueError(f"{field}: integers must fit int32, got {int(a.min())} .. {int(a.max())}")
+    return a.astype(a.dtype if name == ROUTED_EXPERTS and a.dtype.kind == "i" else np.int32)
 
 
 def _routed_experts(choices, prompts, p_out: int, t_out: int) -> Optional[np.ndarray]:
