@@ -1,6 +1,6 @@
 """The embedded default: a tiny Qwen3-architecture model on reasoning-gym chain_sum.
 
-0.6M parameters (d 128, 3 layers, GQA 4/2 heads), a 16-token character
+0.6M parameters (d 128, 3 layers, GQA 4/2 heads), a 15-token character
 tokenizer saved in Hugging Face format, prompts like ``57+87=``, a supervised
 warm start on the reference answers, then GRPO with the predictive divergence
 mask (top-K KL, bucket_exact estimator) from an fp8 sampler service. Runs on a
