@@ -868,7 +868,6 @@ class GenerateResponse:
                              routed_experts=routed)
         return cls._with_header(body, prompts, batch)
 
-
     @classmethod
     def _with_header(cls, body: Mapping, prompts, batch) -> "GenerateResponse":
         """The response of a decoded `batch` with the body's ``model`` and ``usage`` (checked; defaults when absent)."""
