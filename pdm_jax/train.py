@@ -61,10 +61,9 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
     logging.getLogger("pdm_jax").setLevel(logging.INFO)
     config = _CONFIG.value
-    if config.get("host_memory", {}).get("reuse_freed"):  # first: before any thread of JAX's backend allocates
-        from pdm_jax.host_memory import reuse_freed_host_memory
+    from pdm_jax.host_memory import reuse_freed_from_config  # first: before any thread of JAX's backend allocates
 
-        reuse_freed_host_memory()
+    reuse_freed_from_config(config)
     if config.get("distributed", False):  # config.multihost, then JAX_* env vars, then auto-detection
         from pdm_jax.distributed import initialize_from_config  # lazy: must run before any other JAX work
 

@@ -100,7 +100,7 @@ class Trainer:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, callbacks=()):
         # First, before jax.process_index() starts JAX's backend and its threads (pdm_jax.host_memory).
-        self._reuse = bool(config.get("host_memory", {}).get("reuse_freed")) and host_memory.reuse_freed_host_memory()
+        self._reuse = host_memory.reuse_freed_from_config(config)
         validate_config(config)
         self.config = config
         self.callbacks = list(callbacks)
