@@ -289,6 +289,24 @@ def activation_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Me
         yield mesh
 
 
+def target_platform() -> str:
+    """The platform the program being traced is for: that of the concrete mesh set by ``jax.set_mesh``
+    (`activation_sharding`), else ``jax.default_backend()``.
+
+    An ahead-of-time compile for a TPU slice on a CPU host (`pdm_jax.aot`) traces under a mesh of
+    TPU devices, so kernels chosen by platform (splash attention, megablox) see ``"tpu"`` there.
+    Returns ``"cpu"``, ``"gpu"`` (CUDA / ROCm devices) or ``"tpu"``.
+    """
+    from jax._src import mesh as mesh_lib  # the concrete mesh of jax.set_mesh (public get_mesh refuses under jit)
+
+    mesh = mesh_lib.get_concrete_mesh()
+    if mesh is not None and not mesh.empty:
+        platform = mesh.devices.flat[0].platform
+    else:
+        platform = jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def active_rules() -> Rules:
     """The logical-axis rules in force (set by `use_rules` / `activation_sharding`)."""
     return _ACTIVE_RULES.get()

@@ -34,7 +34,8 @@ Implementations (``AttentionOptions.implementation``):
   at most 1 MiB per head and row, and it is the exact reference), else ``splash`` on TPU,
   ``cudnn`` on GPU when the compute dtype is bfloat16/float16 and ``H`` is a multiple of 8
   up to 256, and ``blockwise`` otherwise. The choice is made when the model is traced, from
-  ``jax.default_backend()``.
+  the platform of the devices it is compiled for (`pdm_jax.sharding.target_platform`: the
+  active mesh's, so an ahead-of-time compile for a TPU slice on a CPU host gets splash).
 
 Shapes follow ``pdm_jax.models.qwen3``: q ``[B, T, K, G, H]``, k and v ``[B, T, K, H]``.
 """
@@ -134,7 +135,7 @@ def resolve_implementation(implementation: str, *, length: int, dtype, head_dim:
         return implementation
     if length <= AUTO_DENSE_MAX_LENGTH:
         return "dense"
-    backend = jax.default_backend()
+    backend = shd.target_platform()
     if backend == "tpu":
         return "splash"
     if (backend == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -364,12 +365,14 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _require_backend(implementation: str, backend: str, hardware: str) -> None:
-    found = jax.default_backend()
+    """Refuses a kernel traced for another platform than its own: the platform of the devices the program
+    is compiled for (`pdm_jax.sharding.target_platform`: the active mesh's, else the default backend)."""
+    found = shd.target_platform()
     if found != backend:
         raise ValueError(
-            f"attention implementation {implementation!r} needs {hardware} "
-            f"(jax.default_backend() == {backend!r}), but the backend is {found!r}; "
-            "use 'blockwise' (every backend) or 'auto'")
+            f"attention implementation {implementation!r} needs {hardware} (platform {backend!r}), "
+            f"but the program is compiled for platform {found!r} (the active mesh's devices, else "
+            "jax.default_backend()); use 'blockwise' (every backend) or 'auto'")
 
 
 def cudnn_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
@@ -406,18 +409,20 @@ def cudnn_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
     return out_BxTxNxH.reshape(B, T, K, G, H)
 
 
-@functools.lru_cache(maxsize=32)
 def _splash_kernel(num_heads: int, length: int, block_q: int, block_kv: int, interpret: bool):
-    """A causal ``splash`` kernel for one row ([N, T, H] queries, [K, T, H] keys)."""
+    """A causal ``splash`` kernel for one row ([N, T, H] queries, [K, T, H] keys).
+
+    Built inside the trace that uses it: its block-sparsity tables (numpy, cached by splash's own
+    ``process_mask``) are staged into the program as constants, so no concrete device is needed
+    and the program compiles ahead of time for a TPU slice from a host without one (`pdm_jax.aot`).
+    """
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * num_heads)
     sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
                               block_q_dkv=block_q, block_kv_dkv=block_kv,
                               block_kv_dkv_compute=block_kv, block_q_dq=block_q,
                               block_kv_dq=block_kv)
-    # Concrete mask tables even when first called under a trace (this cache outlives it).
-    with jax.ensure_compile_time_eval():
-        return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                      interpret=interpret)
+    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
 
 
 def splash_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,

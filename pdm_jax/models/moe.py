@@ -16,26 +16,50 @@ Implementations of the expert computation (``IMPLEMENTATIONS``):
   each expert's contiguous group is multiplied by its own kernel with
   ``jax.lax.ragged_dot`` (group sizes = tokens per expert): K/E of the dense FLOPs.
 * ``"megablox"``: the same grouped matmuls with the Pallas TPU kernel
-  ``jax.experimental.pallas.ops.tpu.megablox.gmm`` (rows padded to its 128-row tile); on
-  other backends it runs in Pallas interpret mode (slow; used by the tests only). Checked
-  only in interpret mode on CPU (== the dense reference); not run on a TPU here, and a
-  Pallas call is not partitioned by XLA's SPMD pass, so under a multi-device mesh it would
-  need a ``shard_map`` around it (not written yet).
+  ``jax.experimental.pallas.ops.tpu.megablox.gmm`` (rows padded to its 128-row tile; on TPU
+  D and I must be multiples of 128); on other backends it runs in Pallas interpret mode
+  (slow; used by the tests only). Checked in interpret mode on CPU (== the dense reference)
+  and compiled by XLA:TPU ahead of time (tests/test_aot.py); never run on a TPU here.
+* ``"auto"``: ``megablox`` when the program is compiled for TPU devices
+  (`pdm_jax.sharding.target_platform`) and D and I are multiples of 128, else ``ragged_dot``.
+  XLA:TPU's cost model counts ``ragged_dot`` above the dense reference (the tiny MoE with
+  E 16, K 2, I 128 on 4 v5p: 0.0675 against 0.0364 TFLOP per step, megablox's step without
+  its opaque kernel 0.0118), so on TPU the kernel whose work is K/E of dense by construction
+  is the default; how fast either runs on a chip is not measured here.
+* ``"dense"``: the reference: every expert on every token, outputs weighted by the
+  (zero outside the top-k) routing weights. E/K times the FLOPs; for tests.
 
 On XLA:CPU ``ragged_dot`` is lowered as one dense dot over an E-fold expanded input
 (measured with jax 0.10.2: temp 16.75 MiB for M=4096, D=128, E=8, I=192, whose output is
-3 MiB), so on CPU it costs about what ``"dense"`` does; TPU compiles it as a grouped matmul.
-* ``"dense"``: the reference: every expert on every token, outputs weighted by the
-  (zero outside the top-k) routing weights. E/K times the FLOPs; for tests.
+3 MiB), so on CPU it costs about what ``"dense"`` does.
+
+Under a mesh the grouped implementations run per shard (`experts_grouped`).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pdm_jax import sharding as shd
+
 Array = jax.Array
 
-IMPLEMENTATIONS = ("ragged_dot", "megablox", "dense")
+IMPLEMENTATIONS = ("ragged_dot", "megablox", "dense", "auto")
+
+
+def resolve_implementation(implementation: str, *, hidden_size: int, moe_intermediate_size: int) -> str:
+    """``implementation`` with ``"auto"`` resolved for the devices being compiled for (module docstring).
+
+    Raises:
+      ValueError: naming ``moe_implementation`` for an unknown name.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"moe_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation != "auto":
+        return implementation
+    if shd.target_platform() == "tpu" and hidden_size % 128 == 0 and moe_intermediate_size % 128 == 0:
+        return "megablox"
+    return "ragged_dot"
 
 
 def route(router_logits_NxE: Array, top_k: int, norm_topk_prob: bool
@@ -116,6 +140,10 @@ def _megablox_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, dtype)
 
     M, A = lhs_MxA.shape
     C = rhs_ExAxC.shape[-1]
+    interpret = shd.target_platform() != "tpu"
+    if not interpret and (A % 128 or C % 128):  # Mosaic's lane width; the backward swaps A and C
+        raise ValueError(f"moe_implementation 'megablox' on TPU needs hidden_size and moe_intermediate_size "
+                         f"that are multiples of 128, got a [{A}, {C}] expert matmul; use 'ragged_dot'")
     tm = 128 if M >= 128 else max(8, -(-M // 8) * 8)
     pad = -M % tm
     lhs = jnp.pad(lhs_MxA, ((0, pad), (0, 0)))
@@ -124,7 +152,7 @@ def _megablox_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, dtype)
         return 128 if n % 128 == 0 else n
 
     out = gmm(lhs, rhs_ExAxC.astype(dtype), group_sizes_E, preferred_element_type=dtype,
-              tiling=(tm, tile(A), tile(C)), interpret=jax.default_backend() != "tpu")
+              tiling=(tm, tile(A), tile(C)), interpret=interpret)
     return out[:M]
 
 
@@ -139,7 +167,39 @@ def experts_grouped(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_E
     outputs weighted and summed back per token in f32. Same result as ``experts_dense``
     up to float rounding (tested to 1e-5 in f32, values and gradients). Returns [N, D] in
     ``dtype``.
+
+    Under an active mesh (``jax.set_mesh`` / ``pdm_jax.sharding.activation_sharding``) the
+    whole dispatch runs under ``jax.shard_map`` with the tokens sharded as the logical
+    ``batch`` axis and the expert kernels gathered whole (cast to ``dtype`` first, so the
+    all-gather moves compute-dtype bytes; their gradients are reduced back): each shard
+    sorts, multiplies and combines only its own ``N/shards * K`` assignments. Without it a
+    sort over the globally sharded assignments makes XLA gather every token's
+    [N*K, D] / [N*K, I] buffers onto every device, and a Pallas kernel (megablox) cannot be
+    partitioned automatically at all. Tokens are replicated over mesh axes outside
+    ``batch`` (``tensor``), which then compute the same rows.
     """
+    if implementation not in ("ragged_dot", "megablox"):
+        raise ValueError(f"moe implementation must be one of {IMPLEMENTATIONS[:2]} here, "
+                         f"got {implementation!r}")
+    kernels = tuple(w.astype(dtype) for w in (gate_ExDxI, up_ExDxI, down_ExIxD))
+
+    def local(x_NxD, weights_NxK, experts_NxK, gate_ExDxI, up_ExDxI, down_ExIxD):
+        return _experts_grouped_local(x_NxD, weights_NxK, experts_NxK, gate_ExDxI, up_ExDxI,
+                                      down_ExIxD, dtype=dtype, implementation=implementation)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return local(x_NxD, weights_NxK, experts_NxK, *kernels)
+    rows = shd.logical_to_spec(("batch", None), shd.active_rules(), mesh, x_NxD.shape)
+    replicated = jax.sharding.PartitionSpec()
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows) + (replicated,) * 3,
+                            out_specs=rows, check_vma=False)
+    return sharded(x_NxD, weights_NxK, experts_NxK, *kernels)
+
+
+def _experts_grouped_local(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_ExDxI: Array,
+                           up_ExDxI: Array, down_ExIxD: Array, *, dtype, implementation: str) -> Array:
+    """`experts_grouped` on the rows at hand (one shard's, or all of them without a mesh)."""
     N, D = x_NxD.shape
     E = gate_ExDxI.shape[0]
     K = experts_NxK.shape[1]
@@ -151,12 +211,9 @@ def experts_grouped(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_E
     if implementation == "megablox":
         def gmm(lhs, rhs):
             return _megablox_gmm(lhs, rhs, group_sizes_E, dtype)
-    elif implementation == "ragged_dot":
+    else:
         def gmm(lhs, rhs):
             return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes_E)
-    else:
-        raise ValueError(f"moe implementation must be one of {IMPLEMENTATIONS[:2]} here, "
-                         f"got {implementation!r}")
     h_MxI = _swiglu(gmm(x_MxD, gate_ExDxI), gmm(x_MxD, up_ExDxI))
     out_MxD = gmm(h_MxI, down_ExIxD).astype(jnp.float32)
     weighted_MxD = out_MxD * weights_NxK.reshape(-1)[order_M][:, None]
@@ -166,13 +223,13 @@ def experts_grouped(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_E
 
 def experts(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_ExDxI: Array,
             up_ExDxI: Array, down_ExIxD: Array, *, dtype, implementation: str) -> Array:
-    """Dispatches to ``experts_dense`` or ``experts_grouped`` by ``implementation``.
+    """Dispatches to ``experts_dense`` or ``experts_grouped`` by ``implementation`` (``"auto"`` resolved by
+    `resolve_implementation`).
 
     Raises ValueError naming ``implementation`` when it is not in ``IMPLEMENTATIONS``.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"moe_implementation must be one of {IMPLEMENTATIONS}, "
-                         f"got {implementation!r}")
+    implementation = resolve_implementation(implementation, hidden_size=x_NxD.shape[-1],
+                                            moe_intermediate_size=gate_ExDxI.shape[-1])
     args = (x_NxD, weights_NxK, experts_NxK, gate_ExDxI, up_ExDxI, down_ExIxD)
     if implementation == "dense":
         return experts_dense(*args, dtype=dtype)

@@ -849,8 +849,9 @@ class Qwen3ForCausalLM(nnx.Module):
       attention_block_q, attention_block_kv: tile lengths of "blockwise" and "splash".
       moe_implementation: how a MoE model's experts run, one of
         ``pdm_jax.models.moe.IMPLEMENTATIONS``: "ragged_dot" (default, grouped matmuls,
-        every backend), "megablox" (Pallas TPU grouped matmul), "dense" (every expert on
-        every token: the reference for tests). Used by the training forward and ``decode``.
+        every backend), "megablox" (Pallas TPU grouped matmul), "auto" (megablox when compiled
+        for TPU devices, else ragged_dot), "dense" (every expert on every token: the reference
+        for tests). Used by the training forward and ``decode``.
     Raises:
       ValueError: naming the option and the value for an unknown ``attention`` or ``remat``
         or a non-positive block size.
