@@ -28,6 +28,7 @@ devices the dry run falls back to the analytic plan and says so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from flax import nnx
 from jax._src import xla_bridge
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pdm_jax import aot
 from pdm_jax import train_step as ts
 from pdm_jax.config import compute_options, model_config_from_fields, resolve_sampler_mode, step_configs
 from pdm_jax.distributed import opt_state_shardings
@@ -53,9 +55,7 @@ from pdm_jax.rollout import StepBatch, round_up
 from pdm_jax.sharding import MeshConfig, activation_sharding, make_mesh, param_partition_specs, param_shardings
 
 
-#: HBM per chip in GiB (vendor datasheets: TPU v4 32, v5e 16, v5p 95, v6e Trillium 32; H100 SXM 80; H200 141).
-CHIP_HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95, "v6e": 32, "H100": 80, "H200": 141}
-MODES = ("auto", "compile", "analytic")
+CHIP_HBM_GIB = aot.CHIP_HBM_GIB
 GIB = 1024 ** 3
 
 # Activation model of one decoder layer (bytes per token, see analytic_plan); the constants are
@@ -211,7 +211,8 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     * ``gradients``: one parameter-sized buffer (two with micro-batches: the accumulator);
     * ``gathered``: sharded (FSDP / tensor) parameters all-gathered for use and
       their gradients before the reduce-scatter, upper bound 2 x (full - local)
-      parameter bytes (kept across the backward pass when the layers are unrolled
+      parameters in the compute dtype (XLA casts before it gathers; calibrated on XLA:TPU's
+      compile of the Qwen3 recipes) (kept across the backward pass when the layers are unrolled
       without remat; with remat or scanned layers, which gather each layer's
       parameters inside the loop body, about three layers' worth, 3 / L of it);
     * ``activations``: buffers kept for the backward pass, per token of the
@@ -291,7 +292,9 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     full_params = n_params * _dtype(param_dtype).itemsize
     batch = b_loc * (shape.prompt_len * 5 + t * (4 + 1 + 4 + 8 * shape.top_k) + 4)
     gradients = params * (2 if shape.micro_batch_size else 1)  # + the accumulator of the micro-batch scan
-    gathered = 2 * (full_params - params)
+    # XLA moves the compute-dtype cast before the all-gather (half the bytes to move): the gathered copies and
+    # their gradients are compute-dtype arrays (XLA:TPU, the 8B / 30B-A3B recipes: docs/scaling.md).
+    gathered = 2 * (full_params - params) * min(a, _dtype(param_dtype).itemsize) // _dtype(param_dtype).itemsize
     if shape.remat != "none" or shape.scan_layers:  # gathered per layer as it runs: ~3 layers' worth live
         gathered = int(gathered * min(1.0, 3 / c.num_hidden_layers))
     out = dict(params=params, optimizer=2 * params, gradients=gradients, gathered=gathered,
@@ -301,7 +304,7 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     return out
 
 
-def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
+def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Optional[int] = None) -> dict:
     """ANALYTIC per-device bytes of the rollout engine (pdm_jax.sampler.engine) for this config on ``chip``.
 
     * ``weights``: the sampler's copy, sharded on its mesh (``sampler.mesh`` data x tensor, fsdp 1;
@@ -313,41 +316,57 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
       ``rl.max_new_tokens``; slots = ``sampler.max_slots`` (0: ``max_batch_size``) with continuous
       batching, ``max_batch_size`` with static batches; both rounded up to a power of two, as the engine does);
     * ``prompt_store`` (continuous batching): one rollout request's prompts prefilled once,
-      ``max(next_pow2(rl.prompts_per_step), slots / 4) x P`` more cache entries, split the same way;
+      ``max(next_pow2(prompts), slots / 4) x P`` more cache entries, split the same way (prompts:
+      ``rl.prompts_per_step``, or its share per host with ``sampler.per_host_rollouts`` on a slice of
+      more than one host: each process samples the groups its devices train on);
     * ``park`` (continuous batching with ``sampler.park_rows`` > 0 and more than one cache phase): the
       parked rows' first-phase slots, ``park_rows x slots x (P + T/4)`` (P + T/2 where T/4 is under 32
       tokens; `engine.cache_phases`) more cache entries, split the same way.
 
     Activations of the decode step (per-slot logits, attention scores) are not counted.  ``colocated``:
     the engine shares the trainer's chips (``sampler.mode`` colocated, or auto, which resolves to it on
-    TPU / GPU); otherwise it runs on devices of its own.
+    TPU / GPU); otherwise it runs on devices of its own. ``per_host``: a host's local chips (default
+    `aot.chips_per_host`); a colocated engine's mesh must fit in them, as the trainer checks
+    (`config.check_sampler_mesh`), and must split the model as the engine checks (`engine.check_engine_mesh`).
     Returns a dict of ints (bytes, plus ``total``) and the descriptive fields ``mesh``, ``slots``, ``dtype``,
-    ``quantization``, ``colocated``.
+    ``quantization``, ``colocated``, ``hosts``, ``request_prompts`` (prompts in one host's request).
     Raises:
-      ValueError: ``sampler.mesh`` larger than ``num_devices`` in colocated mode (naming the field).
+      ValueError: ``sampler.mesh`` larger than a host's chips in colocated mode, or not splitting the model
+        (naming the field).
     """
-    from pdm_jax.sampler.engine import cache_phases, resolve_compute_dtype  # lazy: the dry run's imports stay light
+    from pdm_jax.sampler.engine import (cache_phases, check_engine_mesh,  # lazy: the dry run's imports stay light
+                                        resolve_compute_dtype)
     from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS
 
     sc = config.sampler
     mesh_cfg = sc.get("mesh") or {}
     d, t = int(mesh_cfg.get("data", 1)), int(mesh_cfg.get("tensor", 1))
-    backend = "gpu" if chip.startswith("H") else "tpu"
+    backend = aot.chip_platform(chip)
     colocated = resolve_sampler_mode(str(sc.get("mode", "auto")), backend=backend) == "colocated"
-    if colocated and d * t > num_devices:
-        raise ValueError(f"sampler.mesh = data {d} x tensor {t} needs {d * t} devices; the colocated sampler "
-                         f"shares the trainer's {num_devices}")
+    per_host = per_host or aot.chips_per_host(chip, num_devices)
+    if colocated and d * t > per_host:
+        raise ValueError(f"sampler.mesh = data {d} x tensor {t} needs {d * t} devices; a colocated sampler runs on "
+                         f"one host's own chips ({per_host} of {chip} per host; sampler.mode = colocated)")
     dtype = resolve_compute_dtype(str(sc.get("compute_dtype", "auto")), str(sc.quantization), backend=backend)
     _, weights = param_bytes_per_device(model_cfg, {"data": d, "fsdp": 1, "tensor": t}, dtype)
     pow2 = lambda n: 1 << (max(int(n), 1) - 1).bit_length()  # noqa: E731  (engine._next_pow2)
-    continuous = str(sc.get("batching", "static")) == "continuous"
+    continuous = str(sc.get("batching", "continuous")) == "continuous"
     slots = pow2((int(sc.get("max_slots", 0)) if continuous else 0) or int(sc.max_batch_size))
+    try:
+        check_engine_mesh(model_cfg, jax.sharding.AbstractMesh((d, 1, t), ("data", "fsdp", "tensor")),
+                          max_batch_size=int(sc.max_batch_size), max_slots=slots)
+    except ValueError as e:
+        raise ValueError(f"sampler.mesh = {d} x {t}: {e}") from None
+    hosts = max(1, num_devices // per_host)
+    prompts = int(config.rl.prompts_per_step)
+    if hosts > 1 and sc.get("per_host_rollouts", True) and prompts % hosts == 0:
+        prompts //= hosts  # each process samples the groups its devices hold (pdm_jax.per_host)
     c = model_cfg
     kv_t = t if c.num_key_value_heads % t == 0 else 1
     per_entry = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * dtype.itemsize  # one token, one row
     p, new = int(sc.max_prompt_length), int(config.rl.max_new_tokens)
     kv_cache = slots * (p + new) * per_entry // (d * kv_t)
-    store_rows = max(pow2(config.rl.prompts_per_step), slots // 4) if continuous else 0
+    store_rows = max(pow2(prompts), slots // 4) if continuous else 0
     prompt_store = store_rows * p * per_entry // (d * kv_t)
     caps = cache_phases(new)
     park_rows = int(sc.get("park_rows", DEFAULT_PARK_ROWS)) if continuous and len(caps) > 1 else 0
@@ -355,22 +374,25 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str) -> dict:
     out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
     out["total"] = sum(out.values())
     return dict(out, mesh=(d, t), slots=slots, dtype=str(dtype), quantization=str(sc.quantization),
-                colocated=colocated)
+                colocated=colocated, hosts=hosts, request_prompts=prompts)
 
 
-def compiled_sampler_plan(config, model_cfg, sp: dict) -> dict:
-    """XLA:CPU ``memory_analysis`` of the sharded continuous-batching program (`engine._continuous_program`:
-    prefill of one request's prompt store + the slot decode loops) on ``sp["mesh"]`` fake devices, from
+def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
+    """``memory_analysis`` of the sharded continuous-batching program (`engine._continuous_program`:
+    prefill of one request's prompt store + the slot decode loops) compiled for ``devices`` (default: the
+    first ``data x tensor`` fake CPU devices; a TPU slice's or deviceless GPUs from `pdm_jax.aot`), from
     abstract inputs (weights as ``ShapeDtypeStruct`` with the engine's ``NamedSharding``s; one request of
-    ``rl.prompts_per_step`` prompts x ``rl.group_size`` samples).  Per device: ``argument`` (weights and
-    the request), ``output`` (the rollouts), ``temp`` (KV cache, prompt store, activations), ``total``
-    (their sum) and ``compile_seconds``.  An estimate of the accelerator's (CPU fusion and layouts).
+    ``sp["request_prompts"]`` prompts x ``rl.group_size`` samples, a host's share with per-host rollouts).
+    Per device: ``argument`` (weights and the request), ``output`` (the rollouts), ``temp`` (KV cache,
+    prompt store, park, activations), ``total`` (their sum), ``compile_seconds`` and ``flops``
+    (`aot.cost_flops`). XLA:CPU's figures are an estimate of an accelerator's (CPU fusion and layouts).
     """
     from pdm_jax.sampler import engine as eng  # lazy: the dry run's own imports stay light
     from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 
     d, t = sp["mesh"]
-    mesh = make_mesh(data=d, fsdp=1, tensor=t, devices=jax.devices()[:d * t])
+    devices = list(jax.devices() if devices is None else devices)[:d * t]
+    mesh = make_mesh(data=d, fsdp=1, tensor=t, devices=devices)
     dtype = _dtype(sp["dtype"])
     model = _abstract_model(model_cfg, dtype, dtype)
     graphdef, state = nnx.split(model)
@@ -378,21 +400,28 @@ def compiled_sampler_plan(config, model_cfg, sp: dict) -> dict:
     sc, rl = config.sampler, config.rl
     pow2 = lambda n: 1 << (max(int(n), 1) - 1).bit_length()  # noqa: E731
     slots, p, new = sp["slots"], int(sc.max_prompt_length), int(rl.max_new_tokens)
-    n_pad, u_pad = max(pow2(rl.prompts_per_step * rl.group_size), slots), max(pow2(rl.prompts_per_step), slots // 4)
-    arg = jax.ShapeDtypeStruct
+    prompts = int(sp.get("request_prompts", rl.prompts_per_step))
+    n_pad, u_pad = max(pow2(prompts * rl.group_size), slots), max(pow2(prompts), slots // 4)
+    replicated = NamedSharding(mesh, P())
+    arg = functools.partial(jax.ShapeDtypeStruct, sharding=replicated)
     args = (graphdef, state, arg((u_pad, p), jnp.int32), arg((u_pad, p), jnp.bool_), arg((n_pad,), jnp.int32),
             arg((n_pad,), jnp.uint32), arg((n_pad,), jnp.uint32), arg((2,), jnp.uint32), arg((), jnp.float32),
             arg((), jnp.float32), arg((), jnp.int32), arg((n_pad,), jnp.int32), arg((MAX_STOP_TOKEN_IDS,), jnp.int32),
             arg((), jnp.int32))
     t0 = time.perf_counter()
     with activation_sharding(mesh):
-        compiled = eng._CONTINUOUS_JIT.lower(*args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs),
-                                             cache_dtype=dtype).compile()
+        lowered = eng._CONTINUOUS_JIT.lower(*args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs),
+                                            cache_dtype=dtype)
+    compiled, exhausted = _compile_or_exhausted(lowered)
+    if exhausted is not None:
+        return dict(exhausted, argument=0, output=0, total=exhausted["temp"],
+                    compile_seconds=time.perf_counter() - t0, flops=None)
     m = compiled.memory_analysis()
     out = dict(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
                temp=int(m.temp_size_in_bytes))
     out["total"] = sum(out.values())
     out["compile_seconds"] = time.perf_counter() - t0
+    out["flops"] = aot.cost_flops(compiled)
     return out
 
 
@@ -405,29 +434,59 @@ def _with_shardings(tree, shardings):
     return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sh)])
 
 
-def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, activation_constraints: bool = True) -> dict:
-    """Compiles the real sharded RL train step on abstract inputs; per-device bytes from memory_analysis.
+_EXHAUSTED_GIB = re.compile(r"\(([0-9.]+)([KMGT])\)")
 
-    Needs ``prod(sizes)`` devices (fake CPU devices, :func:`prepare_devices`).
-    ``activation_constraints``: trace under ``sharding.activation_sharding(mesh)``
-    as the trainer does (without it XLA replicates activations under FSDP).
-    Returns ``{"argument", "output", "alias", "temp", "total"}`` in bytes
-    (``total`` = argument + output - alias + temp: live bytes at the peak, with
-    the donated state's outputs aliased to its inputs) and ``compile_seconds``.
+
+def _compile_or_exhausted(lowered):
+    """``(compiled, None)``, or ``(None, figures)`` when the compiler refuses the program for want of memory:
+    XLA:TPU stops at ``RESOURCE_EXHAUSTED: ... HLO temporaries (175.53G) exceeds available HBM (95.74G)``.
+    ``figures``: ``exhausted`` (the compiler's message), ``temp`` (the bytes it asked for: a lower bound of
+    the program's total) and ``hbm`` (what it had), bytes; other compile errors propagate."""
+    try:
+        return lowered.compile(), None
+    except Exception as e:  # noqa: BLE001  (jax.errors.JaxRuntimeError; its class moved between releases)
+        message = str(e)
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+        sizes = [float(v) * scale[u] for v, u in _EXHAUSTED_GIB.findall(message)]
+        line = next((ln for ln in message.splitlines() if "RESOURCE_EXHAUSTED" in ln), message)
+        return None, dict(exhausted=line.strip()[:300], temp=int(sizes[0]) if sizes else 0,
+                          hbm=int(sizes[1]) if len(sizes) > 1 else 0)
+
+
+def training_attention(attention: str, platform: str) -> tuple[str, str]:
+    """(the kernel a compile for ``platform`` uses for the step's resolved ``attention``, a note when it stands
+    in for another): splash on TPU; cuDNN on GPU where the cuDNN library is installed; blockwise (linear in T,
+    like both) on CPU or where the chip's kernel cannot be built."""
+    if attention == "splash" and platform != "tpu" or attention == "cudnn" and platform == "cpu":
+        return "blockwise", ""
+    if attention == "cudnn" and not aot.has_module("nvidia.cudnn"):
+        return "blockwise", ("cuDNN attention needs the cuDNN library on the compiling host (pip install "
+                             "nvidia-cudnn-cu12); compiled with blockwise attention")
+    return attention, ""
+
+
+def lowered_train_step(config, model_cfg, shape: StepShape, sizes: dict, *, devices=None, platform: str = "cpu",
+                       activation_constraints: bool = True):
+    """The trainer's sharded RL train step lowered on abstract inputs for ``devices`` (a ``jax.stages.Lowered``).
+
+    The step is `train_step.make_rl_train_step` with donated state and the batch split over
+    ``("data", "fsdp")``, the model's kernels as ``platform`` runs them (`training_attention`).
+    ``activation_constraints``: trace under ``sharding.activation_sharding(mesh)`` as the trainer does
+    (without it XLA replicates activations under FSDP).
 
     Raises:
       RuntimeError: fewer devices than the mesh needs.
     """
     n_dev = math.prod(sizes.values())
-    if len(jax.devices()) < n_dev:
-        raise RuntimeError(f"the mesh {sizes} needs {n_dev} devices, JAX has {len(jax.devices())}")
-    mesh = make_mesh(devices=jax.devices()[:n_dev], **sizes)
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < n_dev:
+        raise RuntimeError(f"the mesh {sizes} needs {n_dev} devices, have {len(devices)}")
+    mesh = make_mesh(devices=devices[:n_dev], **sizes)
     mc = config.model
     compute = compute_options(mc)
-    if shape.attention in ("splash", "cudnn"):  # the chip's kernel does not compile for CPU devices:
-        compute["attention"] = "blockwise"  # its memory behaviour (linear in T) is the blockwise kernel's
-    else:
-        compute["attention"] = shape.attention
+    compute["attention"], _ = training_attention(shape.attention, platform)
     abstract = _abstract_model(model_cfg, _dtype(mc.dtype), _dtype(mc.param_dtype), **compute)
     graphdef, abs_params = nnx.split(abstract)
     abs_params = _with_shardings(abs_params, param_shardings(abs_params, mesh))
@@ -452,71 +511,248 @@ def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, activatio
                                    micro_batch_size=shape.micro_batch_size)
     step = ts.make_rl_train_step(graphdef, tx, configs.trust_region, loss_cfg)
     state_sharding = jax.tree.map(lambda x: x.sharding, abs_state)
-    t0 = time.time()
     jitted = jax.jit(step, in_shardings=(state_sharding, jax.tree.map(lambda x: x.sharding, batch)),
                      out_shardings=(state_sharding, None), donate_argnums=0)
     if activation_constraints:
         with activation_sharding(mesh):
-            lowered = jitted.lower(abs_state, batch)
-    else:
-        lowered = jitted.lower(abs_state, batch)
-    compiled = lowered.compile()
+            return jitted.lower(abs_state, batch)
+    return jitted.lower(abs_state, batch)
+
+
+def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, devices=None, platform: str = "cpu",
+                  activation_constraints: bool = True) -> dict:
+    """Compiles `lowered_train_step`; per-device bytes from its memory_analysis.
+
+    ``devices``: the ``prod(sizes)`` devices to compile for (default the fake CPU devices,
+    :func:`prepare_devices`; a TPU slice's or deviceless GPUs from `pdm_jax.aot`), on ``platform``
+    (``"cpu"``, ``"tpu"``, ``"gpu"``).
+    Returns ``{"argument", "output", "alias", "temp", "total"}`` in bytes
+    (``total`` = argument + output - alias + temp: live bytes at the peak, with
+    the donated state's outputs aliased to its inputs), ``compile_seconds``, ``flops``
+    (`aot.cost_flops`) and ``attention_note`` (`training_attention`).
+
+    Raises:
+      RuntimeError: fewer devices than the mesh needs.
+    """
+    t0 = time.time()
+    compiled, exhausted = _compile_or_exhausted(lowered_train_step(
+        config, model_cfg, shape, sizes, devices=devices, platform=platform,
+        activation_constraints=activation_constraints))
+    if exhausted is not None:  # the compiler's refusal: its temporaries alone exceed the chip
+        return dict(exhausted, argument=0, output=0, alias=0, total=exhausted["temp"],
+                    compile_seconds=time.time() - t0, flops=None,
+                    attention_note=training_attention(shape.attention, platform)[1])
     ma = compiled.memory_analysis()
     out = dict(argument=int(ma.argument_size_in_bytes), output=int(ma.output_size_in_bytes),
                alias=int(ma.alias_size_in_bytes), temp=int(ma.temp_size_in_bytes))
     out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
     out["compile_seconds"] = time.time() - t0
+    out["flops"] = aot.cost_flops(compiled)
+    out["attention_note"] = training_attention(shape.attention, platform)[1]
     return out
 
 
-def plan(config, *, mode: Optional[str] = None, chip: Optional[str] = None,
-         num_devices: Optional[int] = None) -> dict:
-    """The dry-run report for ``config`` (analytic always; compiled per ``mode``).
+def counted_flops(config, model_cfg, shape: StepShape, sizes: dict, *, devices=None, platform: str = "cpu") -> dict:
+    """FLOPs per device of one optimizer step as the compiler counts them, every loop iteration included.
 
-    Args override ``config.dry_run.{mode,chip,num_devices}``.
+    XLA's ``cost_analysis`` counts a while loop's body once (checked: the 30B-A3B step scanned over 4 and
+    48 layers reports the same FLOPs), and the step loops over layers (``model.scan_layers``), micro-batches
+    and loss chunks. So the count comes from two more compiles of the same step without loops: layers
+    unrolled, no micro-batches, the loss unchunked, one sequence per batch shard, with 1 and 2 layers. Their
+    difference is one layer (every layer of a dense or all-sparse model is the same program), so
+    ``flops = (f(1) + (L - 1) (f(2) - f(1))) x sequences per batch shard``: the compiler's counts, added up.
 
-    Returns a dict with ``model`` (Qwen3Config), ``num_params``, ``shape``
-    (StepShape), ``mesh`` sizes, ``chip``, ``hbm_bytes``, ``analytic`` (bytes
-    per category), ``compiled`` (memory_analysis bytes or None),
-    ``compiled_note`` (why it was not compiled, if so), ``sampler`` (`sampler_plan`)
-    and ``sampler_compiled`` (`compiled_sampler_plan`, with ``dry_run.compile_sampler`` when the
-    train step was compiled and the sampler mesh fits the devices; else None).
+    Returns ``{"flops", "per_layer", "compile_seconds"}``, or ``{"flops": None, "note": why}`` for a mixed
+    sparse / dense MoE model (its layers differ) or when a compile fails.
+    """
+    if model_cfg.is_mixed:
+        return dict(flops=None, note="not counted: a mixed sparse / dense MoE model's layers differ")
+    shards = sizes["data"] * sizes["fsdp"]
+    flat = config.copy_and_resolve_references()
+    with flat.unlocked():
+        flat.model.scan_layers = False
+        flat.rl.micro_batch_size = 0
+        flat.rl.logits_chunk_size = 0
+    one = dataclasses.replace(shape, batch=shards, micro_batch_size=0, logits_chunk_size=0, scan_layers=False)
+    t0, counts = time.time(), []
+    for layers in (1, 2):
+        cfg = dataclasses.replace(model_cfg, num_hidden_layers=layers)
+        try:
+            compiled = lowered_train_step(flat, cfg, one, sizes, devices=devices, platform=platform).compile()
+        except Exception as e:  # noqa: BLE001  (e.g. the unchunked loss does not fit a small chip)
+            return dict(flops=None, note=f"not counted: the loop-free {layers}-layer step did not compile "
+                                         f"({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+        counts.append(aot.cost_flops(compiled))
+    if None in counts:
+        return dict(flops=None, note="not counted: the compiler gives no cost analysis")
+    per_layer = counts[1] - counts[0]
+    rows = shape.batch / shards
+    return dict(flops=(counts[0] + (model_cfg.num_hidden_layers - 1) * per_layer) * rows,
+                per_layer=per_layer * rows, compile_seconds=time.time() - t0)
+
+
+def _resolve_target(config, compiler: str, chip: str, num_devices: int, topology: Optional[str], n_params: int):
+    """(resolved compiler, its devices or None, a note when nothing is compiled)."""
+    dr = config.get("dry_run") or {}
+    resolved = aot.resolve_compiler(compiler, chip)
+    if resolved == "none":
+        return resolved, None, "not compiled: dry_run.compiler=none"
+    if resolved == "cpu":
+        limit = int(dr.get("max_compile_params", 2_000_000_000))
+        if compiler == "auto" and n_params > limit:
+            return "none", None, (f"not compiled: {n_params / 1e9:.1f}B parameters > dry_run.max_compile_params for "
+                                  f"XLA:CPU, and XLA:{aot.chip_platform(chip).upper()} is not installed "
+                                  f"({aot.TPU_INSTALL_HINT if aot.chip_platform(chip) == 'tpu' else aot.GPU_INSTALL_HINT})")
+        if len(jax.devices()) < num_devices:
+            return "none", None, (f"not compiled: {len(jax.devices())} JAX devices < {num_devices} "
+                                  "(run the CLI with --dry_run)")
+    return resolved, aot.target_devices(resolved, chip, num_devices, topology), ""
+
+
+def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
+         num_devices: Optional[int] = None, topology: Optional[str] = None) -> dict:
+    """The dry-run report for ``config``: the analytic plan always, the compiled ones per ``dry_run.compiler``.
+
+    Args override ``config.dry_run.{compiler,chip,num_devices,topology}``. ``compiler``:
+
+    * ``"tpu"`` / ``"gpu"``: XLA:TPU / XLA:GPU compile the train step and the rollout engine's
+      program ahead of time for the slice (`pdm_jax.aot`), with the kernels, mesh and dtypes the
+      run uses there (attention ``auto`` -> splash / cuDNN);
+    * ``"cpu"``: XLA:CPU on fake CPU devices (splash / cuDNN stand in as blockwise attention), the
+      sampler only with ``dry_run.compile_sampler``;
+    * ``"none"``: the analytic plan alone;
+    * ``"auto"`` (default): the chip's compiler when it is installed, else XLA:CPU for models up to
+      ``dry_run.max_compile_params``, else none.
+
+    Returns a dict with ``model`` (Qwen3Config), ``num_params``, ``shape`` (StepShape), ``mesh`` sizes,
+    ``chip``, ``hbm_bytes``, ``compiler`` (resolved), ``target`` (e.g. "XLA:TPU v5p:4x4x4"),
+    ``analytic`` (bytes per category), ``compiled`` (`compiled_plan` or None), ``compiled_note``,
+    ``sampler`` (`sampler_plan`), ``sampler_compiled`` (`compiled_sampler_plan` or None) and ``verdict``
+    (`verdict`).
 
     Raises:
-      ValueError: unknown chip or mode, or a config error naming the field.
+      ValueError: unknown chip or compiler, a topology that does not match ``num_devices``, or a config
+        error naming the field.
+      aot.CompilerUnavailable: ``tpu`` / ``gpu`` asked for and not installed (the message says how).
     """
     dr = config.get("dry_run") or {}
-    mode = mode or dr.get("mode", "auto")
+    compiler = compiler or dr.get("compiler", "auto")
     chip = chip or dr.get("chip", "v5p")
     num_devices = int(num_devices or dr.get("num_devices", 8))
-    if mode not in MODES:
-        raise ValueError(f"dry_run.mode must be one of {MODES}, got {mode!r}")
-    if chip not in CHIP_HBM_GIB:
-        raise ValueError(f"dry_run.chip must be one of {sorted(CHIP_HBM_GIB)}, got {chip!r}")
+    topology = topology or dr.get("topology", "") or None
+    aot.chip_platform(chip)  # names dry_run.chip
+    if compiler not in aot.COMPILERS:
+        raise ValueError(f"dry_run.compiler must be one of {aot.COMPILERS}, got {compiler!r}")
+    if num_devices < 1:
+        raise ValueError(f"dry_run.num_devices must be >= 1, got {num_devices}")
     step_configs(config)  # config errors before any work
     model_cfg = resolve_model_config(config)
     shape = step_shape(config, chip)
     sizes = mesh_sizes(config, num_devices)
     analytic = analytic_plan(model_cfg, shape, sizes, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
     n_params = analytic.pop("num_params")
-    compiled, note = None, ""
-    if mode == "auto" and n_params > int(dr.get("max_compile_params", 2_000_000_000)):
-        note = (f"not compiled: {n_params / 1e9:.1f}B parameters > dry_run.max_compile_params "
-                f"(set dry_run.mode=compile to compile on CPU anyway)")
-    elif mode in ("auto", "compile"):
-        if len(jax.devices()) < num_devices:
-            note = f"not compiled: {len(jax.devices())} JAX devices < {num_devices} (run the CLI with --dry_run)"
-        else:
-            compiled = compiled_plan(config, model_cfg, shape, sizes)
+    resolved, devices, note = _resolve_target(config, compiler, chip, num_devices, topology, n_params)
+    per_host = aot.devices_per_process(devices) if devices is not None and resolved != "cpu" \
+        else aot.chips_per_host(chip, num_devices)
+    sp = sampler_plan(config, model_cfg, num_devices, chip, per_host=per_host)
+    eval_plan = None
+    if str(config.eval.get("engine", "f32")) == "f32":  # a second, unquantized f32 engine on the trainer's chips
+        ec = config.copy_and_resolve_references()
+        ec.sampler.quantization, ec.sampler.compute_dtype = "none", "auto"
+        eval_plan = sampler_plan(ec, model_cfg, num_devices, chip, per_host=per_host)
+    compiled = sampler_compiled = None
+    if devices is not None:
+        compiled = compiled_plan(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
+        if resolved != "cpu" and not compiled.get("exhausted"):
+            compiled["counted"] = counted_flops(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
+        if resolved != "cpu" or dr.get("compile_sampler", False):
+            n = math.prod(sp["mesh"])
+            if sp["colocated"]:
+                sampler_devices = devices[:n]  # the engine's sub-mesh of the trainer's chips (the first host's)
+            else:
+                sampler_devices = (aot.target_devices(resolved, chip, n) if resolved != "cpu"
+                                   else (jax.devices()[:n] if len(jax.devices()) >= n else None))
+            if sampler_devices is not None:
+                sampler_compiled = compiled_sampler_plan(config, model_cfg, sp, devices=sampler_devices)
+    report = dict(model=model_cfg, num_params=n_params, shape=shape, mesh=sizes, chip=chip,
+                  hbm_bytes=aot.CHIP_HBM_GIB[chip] * GIB, compiler=resolved,
+                  target=aot.label(resolved, chip, topology, num_devices) if devices is not None else "analytic plan",
+                  analytic=analytic, compiled=compiled, compiled_note=note, sampler=sp, eval_engine=eval_plan,
+                  sampler_compiled=sampler_compiled, model_flops=model_flops(model_cfg, shape, num_devices),
+                  moe_implementation=str(config.model.get("moe_implementation", "ragged_dot")))
+    report["verdict"] = verdict(report)
+    return report
+
+
+def model_flops(model_cfg, shape: StepShape, num_devices: int) -> dict:
+    """Model FLOPs of one optimizer step per device (the usual accounting, an estimate by formula).
+
+    * ``flops``: ``6 N D`` (forward + backward; ``8 N D`` with full remat, the forward recomputed), N the
+      parameters a token's matmuls use (MoE: its routed experts only; the input embedding, a gather, not
+      counted), D the step's tokens per device; the LM head's ``[D, V]`` matmul runs on the completion
+      tokens only (the loss reads no prompt logits), so it counts ``T`` of the ``P + T`` tokens.
+    * ``attention_flops``: causal attention's two ``[S, S]`` matmuls, ``2 x 2 N_heads H S^2 / 2`` per layer
+      and sequence forward, times 3 (4 with full remat).
+
+    Returns {"tokens_per_device", "active_params", "flops", "attention_flops"}.
+    """
+    from pdm_jax.models.presets import count_params
+
+    c = model_cfg
+    head = c.hidden_size * c.vocab_size
+    body = count_params(c, non_embedding=True, active=True)  # neither the embedding nor an untied LM head
+    seq = shape.prompt_len + shape.completion_len
+    rows = shape.batch / num_devices
+    factor = 8 if shape.remat == "full" else 6
+    flops = factor * rows * (body * seq + head * shape.completion_len)
+    attention = (factor // 2) * rows * c.num_hidden_layers * 2 * c.num_attention_heads * c.head_dim * seq ** 2
+    return dict(tokens_per_device=rows * seq, active_params=body + head, flops=flops, attention_flops=attention)
+
+
+def verdict(report: dict) -> dict:
+    """What shares a chip, added up from the best account there is: the target compiler's where it compiled,
+    else the analytic plan. Returns {"total", "fits", "source", "parts"} (bytes; ``parts`` names each piece).
+
+    Colocated sampler: the train state (the step's arguments) and the sampler's weights stay resident, and
+    the step's transient buffers (its outputs beyond the donated state, its temporaries) and the engine's
+    (KV cache, prompt store, park, decode buffers, rollouts) are live at different times: resident + the
+    larger transient. A sampler on devices of its own must fit its own chips as well. ``fits`` is True
+    only when every part fits.
+    """
+    hbm, c, sc, sp, a = report["hbm_bytes"], report["compiled"], report["sampler_compiled"], report["sampler"], \
+        report["analytic"]
+    if c is not None:
+        train_resident, train_transient = c["argument"], c["total"] - c["argument"]
+        source = report["target"]
     else:
-        note = "not compiled: dry_run.mode=analytic"
-    sp = sampler_plan(config, model_cfg, num_devices, chip)
-    sampler_compiled = None
-    if dr.get("compile_sampler", False) and compiled is not None and math.prod(sp["mesh"]) <= len(jax.devices()):
-        sampler_compiled = compiled_sampler_plan(config, model_cfg, sp)
-    return dict(model=model_cfg, num_params=n_params, shape=shape, mesh=sizes, chip=chip,
-                hbm_bytes=CHIP_HBM_GIB[chip] * GIB, analytic=analytic, compiled=compiled, compiled_note=note,
-                sampler=sp, sampler_compiled=sampler_compiled)
+        train_resident = a["params"] + a["optimizer"] + a["batch"]
+        train_transient = a["total"] - train_resident
+        source = "analytic plan"
+    if sc is not None:
+        sampler_resident, sampler_transient = sc["argument"], sc["total"] - sc["argument"]
+    else:
+        sampler_resident, sampler_transient = sp["weights"], sp["total"] - sp["weights"]
+    sampler_src = "compiled" if sc is not None else "analytic"
+    train = train_resident + train_transient
+    parts = dict(train_resident=train_resident, train_transient=train_transient,
+                 sampler_resident=sampler_resident, sampler_transient=sampler_transient)
+    ev = report.get("eval_engine")
+    eval_resident = ev["weights"] if ev else 0
+    eval_transient = ev["total"] - ev["weights"] if ev else 0
+    if ev:
+        parts.update(eval_resident=eval_resident, eval_transient=eval_transient)
+        train_resident += eval_resident  # kept between evaluations, on the trainer's chips
+        train_transient = max(train_transient, eval_transient)
+        train = train_resident + train_transient
+    if sp["colocated"]:
+        total = train_resident + sampler_resident + max(train_transient, sampler_transient)
+        fits, what = total <= hbm, f"train step + colocated sampler ({sampler_src})"
+    else:
+        sampler = sampler_resident + sampler_transient
+        total = max(train, sampler)
+        fits, what = train <= hbm and sampler <= hbm, f"train step; sampler on its own chips ({sampler_src})"
+    return dict(total=int(total), fits=bool(fits), source=f"{source}, {what}", parts=parts,
+                colocated=bool(sp["colocated"]))
 
 
 def format_report(report: dict) -> str:
@@ -546,45 +782,115 @@ def format_report(report: dict) -> str:
     lines.append(f"  {'fits in HBM?':<30}{'yes' if a_total <= hbm else 'NO':>10}  ({100 * a_total / hbm:.0f}% of HBM)")
     c = report["compiled"]
     if c is not None:
-        lines += ["", f"COMPILED (XLA CPU memory_analysis, {c['compile_seconds']:.0f} s), per device   {unit}"]
-        if mc.is_moe:
-            lines.append("  (MoE: XLA:CPU lowers ragged_dot as a dense dot over an E-fold expanded input, so its temp "
-                         "overstates a TPU's)")
-        for k in ("argument", "output", "alias", "temp", "total"):
-            lines.append(f"  {k:<30}{g(c[k])}")
+        lines += ["", f"COMPILED by {report['target']} (memory_analysis, {c['compile_seconds']:.0f} s), "
+                      f"per device   {unit}"]
+        if report["compiler"] == "cpu":
+            lines.append("  (XLA:CPU: its fusion and layouts, an estimate of the accelerator's"
+                         + ("; splash / cuDNN compiled as blockwise attention" if s.attention in ("splash", "cudnn")
+                            else "") + ")")
+        if c.get("attention_note"):
+            lines.append(f"  ({c['attention_note']})")
+        if c.get("exhausted"):
+            lines += [f"  the compiler refused it: {c['exhausted']}",
+                      f"  {'temp (at least)':<30}{g(c['temp'])}"]
+        else:
+            for k in ("argument", "output", "alias", "temp", "total"):
+                lines.append(f"  {k:<30}{g(c[k])}")
         lines.append(f"  {'fits in HBM?':<30}{'yes' if c['total'] <= hbm else 'NO':>10}  "
                      f"({100 * c['total'] / hbm:.0f}% of HBM)")
+        lines += _flops_lines(report)
     else:
         lines += ["", f"COMPILED: {report['compiled_note']}"]
-    lines += [""] + _sampler_lines(report["sampler"], a_total, hbm, g, unit, report.get("sampler_compiled"))
-    # The verdict (last line): the analytic plan for the target chip (the compiled one is XLA:CPU's estimate).
-    verdict = "fits" if a_total <= hbm else "does not fit"
-    lines += ["", f"per-device total {a_total / GIB:.2f} GiB of {hbm / GIB:.0f} GiB HBM: {verdict}"]
+    lines += [""] + _sampler_lines(report["sampler"], hbm, g, unit, report.get("sampler_compiled"),
+                                   report["target"])
+    v = report["verdict"]
+    p = v["parts"]
+    lines += ["", f"WHAT SHARES A CHIP ({v['source']}), per device   {unit}",
+              f"  {'train_state_resident':<30}{g(p['train_resident'])}  (the step's arguments: parameters, "
+              "AdamW moments, batch)",
+              f"  {'train_step_transient':<30}{g(p['train_transient'])}  (its outputs beyond the donated state, "
+              "temporaries)",
+              f"  {'sampler_weights_resident':<30}{g(p['sampler_resident'])}  (the engine's arguments: its "
+              "weight copy, a request)",
+              f"  {'sampler_transient':<30}{g(p['sampler_transient'])}  (KV cache, prompt store, park, decode "
+              "buffers, rollouts)"]
+    if "eval_resident" in p:
+        lines += [f"  {'eval_engine_resident':<30}{g(p['eval_resident'])}  (eval.engine = f32: an unquantized f32 "
+                  "copy on the trainer's chips, analytic; eval.engine = rollout has none)",
+                  f"  {'eval_engine_transient':<30}{g(p['eval_transient'])}  (its KV cache and prompt store)"]
+    if v["colocated"]:
+        lines.append("  total = the residents + the largest transient (the programs run one after another)")
+    else:
+        lines.append("  the sampler runs on chips of its own: each side must fit")
+    lines += ["", f"per-device total {v['total'] / GIB:.2f} GiB of {hbm / GIB:.0f} GiB HBM ({v['source']}): "
+                  f"{'fits' if v['fits'] else 'does not fit'}"]
     return "\n".join(lines)
 
 
-def _sampler_lines(sp: dict, train_total: int, hbm: int, g, unit: str, compiled=None) -> list:
+def _flops_lines(report: dict) -> list:
+    """The step's FLOPs per device: XLA's count of the compiled program (each loop body once), the count with
+    every iteration (`counted_flops`, XLA:TPU / XLA:GPU), the model FLOPs beside it and a roofline time
+    labelled as an estimate. Mosaic kernels (splash attention, megablox) are opaque to XLA's cost model: what
+    they compute is not in its count, so the comparison leaves their share out of the model side too."""
+    c, mf, s, mc = report["compiled"], report["model_flops"], report["shape"], report["model"]
+    if c.get("flops") is None:
+        return ["  (no FLOPs: this compiler gives no cost analysis)"]
+    opaque_attention = s.attention == "splash" and report["compiler"] == "tpu"
+    opaque_experts = mc.is_moe and report["compiler"] == "tpu" and \
+        report.get("moe_implementation", "ragged_dot") == "megablox"
+    lines = [f"  {'compiled_tflops':<30}{c['flops'] / 1e12:10.4g}  per device (XLA cost_analysis: each loop "
+             "body counted once)",
+             f"  {'model_tflops':<30}{mf['flops'] / 1e12:10.4g}  ({'8' if s.remat == 'full' else '6'} x "
+             f"{mf['active_params'] / 1e9:.3g}B params per token x {mf['tokens_per_device']:,.0f} tokens, the LM "
+             "head on completion tokens)",
+             f"  {'attention_tflops':<30}{mf['attention_flops'] / 1e12:10.4g}  (causal S^2 matmuls"
+             + (": splash is a Mosaic kernel, not in XLA's count)" if opaque_attention else ")")]
+    counted = c.get("counted") or {}
+    if counted.get("flops") is not None:
+        flops = counted["flops"]
+        expected = mf["flops"] + (0 if opaque_attention else mf["attention_flops"])
+        peak = aot.CHIP_PEAK_BF16_FLOPS[report["chip"]]
+        lines += [f"  {'counted_tflops':<30}{flops / 1e12:10.4g}  (every layer, micro-batch and loss chunk: "
+                  f"loop-free 1- and 2-layer compiles, {counted['compile_seconds']:.0f} s)",
+                  f"  {'counted / expected':<30}{flops / expected:10.3f}  (expected: model"
+                  + ("" if opaque_attention else " + attention") + " FLOPs; the rest is the loss head's softmax, "
+                  "the mask, norms, padding" + ("; megablox's expert matmuls are not counted" if opaque_experts
+                                                else "") + ")",
+                  f"  {'roofline_seconds':<30}{(flops + (mf['attention_flops'] if opaque_attention else 0)) / peak:10.4g}"
+                  f"  ESTIMATE: counted{' + attention' if opaque_attention else ''} FLOPs at {peak / 1e12:.0f} "
+                  "TFLOP/s peak bf16, never measured on a chip"]
+    elif counted.get("note"):
+        lines.append(f"  counted_tflops: {counted['note']}")
+    return lines
+
+
+def _sampler_lines(sp: dict, hbm: int, g, unit: str, compiled=None, target: str = "XLA:CPU") -> list:
     """The report's sampler section (`sampler_plan`, `compiled_sampler_plan` when it ran): its keys are
     prefixed ``sampler_`` so that the train step's ``  key  value`` lines stay unique."""
     d, t = sp["mesh"]
     lines = [f"SAMPLER (rollout engine), ANALYTIC, per device of its {d} x {t} (data x tensor) mesh   {unit}",
-             f"  ({sp['quantization']} weights held in {sp['dtype']}, {sp['slots']} slots)"]
+             f"  ({sp['quantization']} weights held in {sp['dtype']}, {sp['slots']} slots, requests of "
+             f"{sp.get('request_prompts', '?')} prompts"
+             + (f": one host's share of {sp['hosts']} hosts)" if sp.get("hosts", 1) > 1 else ")")]
     for k in ("weights", "kv_cache", "prompt_store", "park", "total"):
         lines.append(f"  {'sampler_' + k:<30}{g(sp[k])}")
     if sp["colocated"]:
-        both = train_total + sp["total"]
-        lines += ["  colocated: the sampler lives on the same chips as the train step (sampler.mode)",
-                  f"  {'train_plus_sampler':<30}{g(both)}",
-                  f"  {'fits in HBM?':<30}{'yes' if both <= hbm else 'NO':>10}  ({100 * both / hbm:.0f}% of HBM)"]
+        lines += ["  colocated: the sampler lives on the same chips as the train step (sampler.mode); both are "
+                  "added up below"]
     else:
         lines += ["  on its own devices (sampler.mode subprocess / remote)",
                   f"  {'fits in HBM?':<30}{'yes' if sp['total'] <= hbm else 'NO':>10}  "
                   f"({100 * sp['total'] / hbm:.0f}% of HBM)"]
     if compiled is not None:
-        lines.append(f"  COMPILED sampler program (XLA CPU memory_analysis, {compiled['compile_seconds']:.0f} s), "
+        lines.append(f"  COMPILED sampler program by {target} (memory_analysis, {compiled['compile_seconds']:.0f} s), "
                      f"per device   {unit}")
-        for k in ("argument", "output", "temp", "total"):
+        if compiled.get("exhausted"):
+            lines += [f"  the compiler refused it: {compiled['exhausted']}",
+                      f"  {'sampler_compiled_temp_at_least':<30}{g(compiled['temp'])}"]
+        for k in () if compiled.get("exhausted") else ("argument", "output", "temp", "total"):
             lines.append(f"  {'sampler_compiled_' + k:<30}{g(compiled[k])}")
+        lines.append(f"  {'fits in HBM?':<30}{'yes' if compiled['total'] <= hbm else 'NO':>10}  "
+                     f"({100 * compiled['total'] / hbm:.0f}% of HBM, alone)")
     return lines
 
 

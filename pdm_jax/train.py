@@ -55,6 +55,9 @@ def main(argv):
         except ValueError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(2)
+        except dry_run.aot.CompilerUnavailable as e:  # e.g. dry_run.compiler=tpu without libtpu: how to install it
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         return
     if not _WORKDIR.value:
         raise app.UsageError("--workdir is required")

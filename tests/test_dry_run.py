@@ -45,7 +45,7 @@ def _tiny_variants():
 
 @pytest.mark.parametrize("name,config", _tiny_variants(), ids=lambda x: x if isinstance(x, str) else "")
 def test_planner_matches_compiled_memory_within_20_percent(name, config):
-    report = dry_run.plan(config, mode="compile", num_devices=8)
+    report = dry_run.plan(config, compiler="cpu", num_devices=8)
     a, c = report["analytic"], report["compiled"]
     assert c is not None, report["compiled_note"]
     # Arguments = sharded params + AdamW moments + the batch: exact up to a few scalars.
@@ -62,8 +62,8 @@ def test_planner_matches_compiled_memory_within_20_percent(name, config):
 def test_micro_batches_shrink_the_activations():
     plain, micro = _config("tiny"), _config("tiny")
     micro.rl.micro_batch_size = 32
-    a = dry_run.plan(plain, mode="analytic", num_devices=8)["analytic"]
-    b = dry_run.plan(micro, mode="analytic", num_devices=8)["analytic"]
+    a = dry_run.plan(plain, compiler="none", num_devices=8)["analytic"]
+    b = dry_run.plan(micro, compiler="none", num_devices=8)["analytic"]
     assert b["activations"] < 0.3 * a["activations"] and b["loss"] == a["loss"] // 4
     assert b["gradients"] == 2 * a["gradients"]  # the micro-batch scan's gradient accumulator
 
@@ -94,7 +94,7 @@ def _without_memory_savers(config):
 def test_qwen3_4b_and_8b_analytic_plans():
     for size, preset in (("4b", "qwen3_4b"), ("8b", "qwen3_8b")):
         config = _without_memory_savers(_config("qwen3_dapo", f"size={size}"))
-        report = dry_run.plan(config, mode="analytic", chip="v5p", num_devices=16)
+        report = dry_run.plan(config, compiler="none", chip="v5p", num_devices=16)
         a = report["analytic"]
         n = count_params(dry_run.resolve_model_config(config))
         assert report["num_params"] == n
@@ -104,7 +104,7 @@ def test_qwen3_4b_and_8b_analytic_plans():
         assert a["optimizer"] == 2 * a["params"]
         # 256 sequences x 10240 tokens with full attention probabilities and no remat: does not fit.
         assert a["activations"] > report["hbm_bytes"]
-        chunked = dry_run.plan(_with_chunk(config, 256), mode="analytic", chip="v5p", num_devices=16)["analytic"]
+        chunked = dry_run.plan(_with_chunk(config, 256), compiler="none", chip="v5p", num_devices=16)["analytic"]
         assert chunked["loss"] < a["loss"] / 10  # chunking bounds the loss buffers
         assert "fits in HBM?" in dry_run.format_report(report)
 
@@ -113,15 +113,17 @@ def test_qwen3_8b_dapo_defaults_fit_64_v5p():
     """The issue's command: 128 prompts x 8 samples, 2,048 + 8,192 tokens on 64 x v5p (the config's defaults)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run"],
+    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run",
+                          "--config.dry_run.compiler=none"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert "256 sequences x (2048 prompt + 8192 completion) tokens" in out.stdout and "on 64 x v5p" in out.stdout
     assert "attention=splash, remat=full" in out.stdout
-    assert lines[-1].startswith("per-device total ") and lines[-1].endswith("GiB of 95 GiB HBM: fits"), lines[-1]
-    before = dry_run.plan(_without_memory_savers(_config("qwen3_dapo", "size=8b")), mode="analytic")
-    after = dry_run.plan(_config("qwen3_dapo", "size=8b"), mode="analytic")
+    assert lines[-1].startswith("per-device total ") and lines[-1].endswith(
+        "GiB of 95 GiB HBM (analytic plan, train step + colocated sampler (analytic)): fits"), lines[-1]
+    before = dry_run.plan(_without_memory_savers(_config("qwen3_dapo", "size=8b")), compiler="none")
+    after = dry_run.plan(_config("qwen3_dapo", "size=8b"), compiler="none")
     assert before["analytic"]["total"] > 20 * before["hbm_bytes"] and after["analytic"]["total"] < after["hbm_bytes"]
 
 
@@ -135,7 +137,7 @@ def test_remat_and_blockwise_attention_in_the_analytic_plan():
         for remat in ("none", "full"):
             c = base.copy_and_resolve_references()
             c.model.attention, c.model.remat = attention, remat
-            plans[attention, remat] = dry_run.plan(c, mode="analytic", num_devices=8)["analytic"]["activations"]
+            plans[attention, remat] = dry_run.plan(c, compiler="none", num_devices=8)["analytic"]["activations"]
     assert plans["blockwise", "none"] < 0.5 * plans["dense", "none"]  # no [T,T] probabilities per layer
     assert plans["dense", "full"] < 0.6 * plans["dense", "none"]  # 3 layers: inputs + one recomputed layer
     assert plans["blockwise", "full"] < plans["blockwise", "none"]
@@ -163,9 +165,9 @@ def _with_chunk(config, chunk):
 def test_bad_chip_and_unknown_checkpoint_name():
     config = _config("tiny")
     with pytest.raises(ValueError, match="dry_run.chip"):
-        dry_run.plan(config, chip="A100", mode="analytic")
-    with pytest.raises(ValueError, match="dry_run.mode"):
-        dry_run.plan(config, mode="fast")
+        dry_run.plan(config, chip="A100", compiler="none")
+    with pytest.raises(ValueError, match="dry_run.compiler"):
+        dry_run.plan(config, compiler="fast")
     config.model.hf_path = "/nonexistent/MyModel"
     with pytest.raises(ValueError, match="model.hf_path"):
         dry_run.resolve_model_config(config)

@@ -1,5 +1,7 @@
-"""The dry run's sampler memory plan (issue #13, `dry_run.sampler_plan`) against hand computations for
-Qwen3-8B (``configs/qwen3_dapo.py:size=8b``: 256 slots, 2,048 + 8,192 tokens, fp8 weights held in bf16)."""
+"""The dry run's sampler memory plan (`dry_run.sampler_plan`) against hand computations for Qwen3-8B
+(``configs/qwen3_dapo.py:size=8b``, 2,048 + 8,192 tokens, fp8 weights held in bf16): the config's own
+per-host engine (1 x 4 chips, 64 slots, a host's 8 prompts) and, as before, a whole-step engine of 256
+slots (``_config``'s defaults: 128 prompts in one request, park 2)."""
 
 import importlib.util
 import os
@@ -13,12 +15,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024 ** 3
 
 
-def _config(mesh=(1, 1), **sampler):
+def _recipe():
     spec = importlib.util.spec_from_file_location("qwen3_dapo", os.path.join(ROOT, "configs", "qwen3_dapo.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    c = mod.get_config("size=8b")
+    return mod.get_config("size=8b")
+
+
+def _config(mesh=(1, 1), **sampler):
+    """The 8B recipe with one engine sampling the whole step (256 slots, park 2, no per-host split); a mesh
+    larger than a host's 4 chips runs as a subprocess sampler on devices of its own."""
+    c = _recipe()
     c.sampler.mesh.data, c.sampler.mesh.tensor = mesh
+    c.sampler.max_batch_size, c.sampler.park_rows, c.sampler.per_host_rollouts = 256, 2, False
+    if mesh[0] * mesh[1] > 4:
+        c.sampler.mode = "subprocess"
     for k, v in sampler.items():
         c.sampler[k] = v
     return c
@@ -39,39 +50,54 @@ def _hand(mesh=(1, 1), slots=256, store_rows=128, dtype_bytes=2):
     return weights, kv, store, park
 
 
-@pytest.mark.parametrize("mesh", [(1, 1), (8, 8), (4, 2)])
+@pytest.mark.parametrize("mesh", [(1, 1), (8, 8), (4, 2), (1, 4)])
 def test_sampler_plan_equals_hand_computation(mesh):
-    sp = dry_run.plan(_config(mesh), mode="analytic")["sampler"]
+    sp = dry_run.plan(_config(mesh), compiler="none")["sampler"]
     weights, kv, store, park = _hand(mesh)
     assert (sp["weights"], sp["kv_cache"], sp["prompt_store"], sp["park"]) == (weights, kv, store, park)
-    assert sp["total"] == weights + kv + store + park and sp["dtype"] == "bfloat16" and sp["colocated"]  # auto: TPU
+    assert sp["total"] == weights + kv + store + park and sp["dtype"] == "bfloat16"
+    assert sp["colocated"] == (mesh[0] * mesh[1] <= 4)  # auto: colocated on TPU
     if mesh == (1, 1):  # the issue: 144 KiB per token, 256 slots x 10,240 tokens = 360 GiB on one chip
         assert 36 * 2 * 8 * 128 * 2 == 144 * 1024 and kv == 360 * GIB
-    if mesh == (8, 8):  # the README row: 1.91 + 5.62 + 0.56 + 4.50 = 12.60 GiB per chip beside the train step's 14.98
+    if mesh == (8, 8):  # 1.91 + 5.62 + 0.56 + 4.50 = 12.60 GiB per chip
         assert (round(sp["weights"] / GIB, 2), kv / GIB, store / GIB, park / GIB) == (1.91, 5.625, 0.5625, 4.5)
+
+
+def test_the_recipes_own_per_host_engine():
+    """configs/qwen3_dapo.py's sampler: each of 16 hosts samples its 8 prompts x 8 samples on its own 4 chips
+    (tensor 4), 64 slots, a prompt store of max(8, 64 / 4) = 16 rows, nothing parked."""
+    sp = dry_run.plan(_recipe(), compiler="none")["sampler"]
+    weights, kv, _, _ = _hand((1, 4), slots=64)
+    store = _hand((1, 4), store_rows=16)[2]
+    assert (sp["weights"], sp["kv_cache"], sp["prompt_store"], sp["park"]) == (weights, kv, store, 0)
+    assert (sp["hosts"], sp["request_prompts"], sp["slots"], sp["mesh"]) == (16, 8, 64, (1, 4))
+    assert kv == 22.5 * GIB
 
 
 def test_sampler_plan_dtype_slots_mode_and_report():
     """quantization none -> f32 weights and cache; static batches -> max_batch_size rows; continuous with
     max_slots 64 -> 64; a subprocess sampler on its own devices; the report's section and labels."""
-    sp = dry_run.plan(_config(quantization="none"), mode="analytic")["sampler"]
+    sp = dry_run.plan(_config(quantization="none"), compiler="none")["sampler"]
     assert (sp["weights"], sp["kv_cache"], sp["prompt_store"], sp["park"]) == _hand(dtype_bytes=4)
     assert sp["dtype"] == "float32"
-    sp = dry_run.plan(_config(batching="static"), mode="analytic")["sampler"]
+    sp = dry_run.plan(_config(batching="static"), compiler="none")["sampler"]
     assert (sp["slots"], sp["prompt_store"], sp["park"]) == (256, 0, 0)
-    assert dry_run.plan(_config(park_rows=0), mode="analytic")["sampler"]["park"] == 0
-    sp = dry_run.plan(_config(max_slots=64, mode="subprocess"), mode="analytic")["sampler"]
+    assert dry_run.plan(_config(park_rows=0), compiler="none")["sampler"]["park"] == 0
+    sp = dry_run.plan(_config(max_slots=64, mode="subprocess"), compiler="none")["sampler"]
     assert sp["kv_cache"] == _hand(slots=64)[1] and sp["prompt_store"] == _hand(store_rows=128)[2]
     assert sp["park"] == _hand(slots=64)[3]
     assert not sp["colocated"]
-    report = dry_run.plan(_config((8, 8)), mode="analytic")
+    report = dry_run.plan(_config((2, 2)), compiler="none")
     text = dry_run.format_report(report)
     assert "SAMPLER (rollout engine), ANALYTIC" in text and "same chips as the train step" in text
-    both = report["analytic"]["total"] + report["sampler"]["total"]
-    assert f"{'train_plus_sampler':<30}{both / GIB:10.3f}" in text
-    assert text.splitlines()[-1].startswith("per-device total ")  # the train step's verdict stays last
+    a, sp, v = report["analytic"], report["sampler"], report["verdict"]
+    resident = a["params"] + a["optimizer"] + a["batch"]
+    both = resident + sp["weights"] + max(a["total"] - resident, sp["total"] - sp["weights"])
+    assert v["total"] == both and v["colocated"]
+    assert f"{'sampler_transient':<30}{(sp['total'] - sp['weights']) / GIB:10.3f}" in text
+    assert text.splitlines()[-1].startswith("per-device total ")  # the verdict stays last
     with pytest.raises(ValueError, match="sampler.mesh = data 16 x tensor 8"):
-        dry_run.plan(_config((16, 8)), mode="analytic")
+        dry_run.plan(_config((16, 8), mode="colocated"), compiler="none")
 
 
 @pytest.mark.slow
@@ -85,7 +111,7 @@ def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the
     c = mod.get_config(None)
     c.sampler.mesh.data, c.sampler.mesh.tensor = 2, 2
     c.dry_run.compile_sampler = True
-    report = dry_run.plan(c, mode="compile", chip="v5p", num_devices=8)
+    report = dry_run.plan(c, compiler="cpu", chip="v5p", num_devices=8)
     sp, comp = report["sampler"], report["sampler_compiled"]
     assert comp is not None and sp["mesh"] == (2, 2)
     assert sp["weights"] <= comp["argument"] <= 1.05 * sp["weights"]
