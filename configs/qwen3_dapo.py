@@ -43,7 +43,7 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     c.data.prompt_format = "question"
     c.data.path = data_path  # local DAPO-Math-17k parquet/jsonl (schema: prompt, reward_model.ground_truth, ...)
     c.data.eval_path = eval_path
-    c.data.num_eval = 256  # at most the number of distinct eval prompts (AIME-24: 30; pass num_eval=30)
+    c.data.num_eval = 30  # AIME-24's 30 problems (at most the eval file's distinct prompts)
     c.sft.steps = 0
     c.rl.steps = 500
     c.rl.prompts_per_step = 128
@@ -68,10 +68,21 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     c.sampler.quantization = "fp8"
     c.sampler.stop_token_ids = "151645,151643"  # <|im_end|>, <|endoftext|>: Qwen3 ends a turn on either
     c.sampler.max_prompt_length = 2048
-    c.sampler.max_batch_size = 256
+    # The colocated rollout engine, per host (python -m pdm_jax.train --config=... --dry_run --config.dry_run.compiler=tpu):
+    # each of the slice's 16 hosts samples the groups its chips train on (sampler.per_host_rollouts: 128 prompts x 8
+    # samples / 16 = 64 rows), on its own 4 chips (a host's local devices, as the trainer requires), heads and
+    # the KV cache split 4 ways (tensor 4 divides Qwen3's 8 / 4 kv heads); 64 slots hold a host's whole request,
+    # so no row waits and nothing is parked (park_rows 0 keeps the park's cache out of HBM).
+    c.sampler.mesh.data = 1
+    c.sampler.mesh.tensor = 4
+    c.sampler.max_batch_size = 64
+    c.sampler.park_rows = 0
     c.eval.every_steps = 25
-    c.eval.num_prompts = 256
+    c.eval.num_prompts = 30  # AIME-24
     c.eval.samples_per_prompt = 16  # avg@16
+    # Evaluation samples with the rollout engine (the fp8 copy the dry run plans), not a second f32 copy of the
+    # model on every chip (eval.engine = f32 is not in any memory plan).
+    c.eval.engine = "rollout"
     c.mesh.data = 1
     c.mesh.fsdp = -1
     c.mesh.tensor = 1

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 from typing import NamedTuple, Optional
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from pdm_jax import aot
 from pdm_jax import data as data_sources
 from pdm_jax import trust_region
 from pdm_jax.loss import PolicyLossConfig
@@ -88,6 +90,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.scan_layers = True
     # Qwen3-MoE checkpoints (config.json model_type "qwen3_moe"): how the experts run (pdm_jax.models.moe):
     # "ragged_dot" (grouped matmuls, every backend) | "megablox" (Pallas TPU kernel; interpret mode elsewhere)
+    # | "auto" (megablox when compiled for TPU devices and D, I are multiples of 128, else ragged_dot)
     # | "dense" (every expert on every token: the reference). Unused by dense models.
     c.model.moe_implementation = "ragged_dot"
     # A randomly initialised Qwen3-MoE (hf_path and preset unset): num_experts > 0 makes every layer's MLP
@@ -113,6 +116,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.data.task_config = ml_collections.ConfigDict(
         dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2))
     c.data.prompt_format = "compact"
+    # "auto": the source's own choice (gsm8k / dapo_math and reasoning-gym "question" prompts go through the
+    # tokenizer's chat template as one user turn + the generation prompt; "compact" prompts stay raw text) | "on" |
+    # "off" (raw prompt text: a Base model without chat training)
+    c.data.chat_template = "auto"
+    c.data.enable_thinking = True  # passed to the chat template (Qwen3: False opens an empty <think></think>)
     c.data.path = ""
     c.data.eval_path = ""
     c.data.num_eval = 256
@@ -261,10 +269,15 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.dry_run = ml_collections.ConfigDict()
     c.dry_run.chip = "v5p"  # target accelerator: v4 | v5e | v5p | v6e | H100 | H200 (HBM per chip)
     c.dry_run.num_devices = 8  # chips the mesh spans (resolves the mesh's -1 axis)
-    c.dry_run.mode = "auto"  # "compile" (fake CPU devices) | "analytic" | "auto" (compile if small enough)
-    c.dry_run.max_compile_params = 2_000_000_000  # auto: compile only models up to this many parameters
-    # Also compile the sampler's sharded continuous-batching program (dry_run.compiled_sampler_plan) when the
-    # train step is compiled: XLA:CPU memory_analysis beside the sampler's analytic plan (minutes on CPU).
+    # Who compiles the train step and the rollout engine (pdm_jax.aot): "tpu" (XLA:TPU for dry_run.topology, needs
+    # pip install -e '.[tpu]') | "gpu" (deviceless XLA:GPU, '.[gpu-aot]') | "cpu" (XLA:CPU on fake devices, an
+    # estimate) | "none" (the analytic plan alone) | "auto" (the chip's compiler if installed, else cpu up to
+    # max_compile_params parameters, else none).
+    c.dry_run.compiler = "auto"
+    c.dry_run.topology = ""  # the TPU slice, e.g. "v5p:4x4x4"; "" = from chip and num_devices (aot.default_topology)
+    c.dry_run.max_compile_params = 2_000_000_000  # compiler auto: XLA:CPU compiles only models up to this size
+    # With compiler=cpu also compile the sampler's continuous-batching program (minutes on CPU); XLA:TPU / XLA:GPU
+    # always compile it.
     c.dry_run.compile_sampler = False
 
     # ---- profiling (pdm_jax.profiling) --------------------------------------------------
@@ -495,9 +508,30 @@ def _check_types(config) -> None:
             raise ValueError(f"{path} = {value!r}: must be {what}")
 
 
+#: While `validate_config` runs: the errors found so far (every check runs; one ValueError names them all).
+_COLLECTED: contextvars.ContextVar = contextvars.ContextVar("pdm_jax_config_errors", default=None)
+
+
 def _need(cond, field, value, what) -> None:
     if not cond:
-        raise ValueError(f"{field} = {value!r}: {what}")
+        message = f"{field} = {value!r}: {what}"
+        errors = _COLLECTED.get()
+        if errors is None:
+            raise ValueError(message)
+        errors.append(message)
+
+
+def _collect(errors: list, check, *args) -> None:
+    """Runs one group of checks, keeping its errors in ``errors``. A check that breaks on a value already
+    named there (e.g. a comparison on a refused field) adds nothing; any other failure propagates."""
+    before = len(errors)
+    try:
+        check(*args)
+    except ValueError as e:
+        errors.append(str(e))
+    except Exception:  # noqa: BLE001
+        if len(errors) == before:
+            raise
 
 
 def _check_rl(config) -> None:
@@ -694,6 +728,14 @@ def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
                          f"{jax.device_count()} device(s): {e}") from None
 
 
+def _check_dry_run(config) -> None:
+    dr = config.dry_run
+    _need(dr.chip in aot.CHIP_HBM_GIB, "dry_run.chip", dr.chip, f"must be one of {sorted(aot.CHIP_HBM_GIB)}")
+    _need(dr.compiler in aot.COMPILERS, "dry_run.compiler", dr.compiler, f"must be one of {aot.COMPILERS}")
+    _need(dr.num_devices >= 1, "dry_run.num_devices", dr.num_devices, "must be >= 1")
+    _need(dr.max_compile_params >= 0, "dry_run.max_compile_params", dr.max_compile_params, "must be >= 0")
+
+
 def _check_profile(config) -> None:
     parse_steps(config.profile.steps)
 
@@ -732,19 +774,33 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     K = ``rl.top_k_logprobs`` <= the tokenizer's vocabulary. With
     ``num_held_out`` (the source's held-out prompts): ``eval.num_prompts`` <= it.
 
+    Every check runs, so that one start names every problem: a single error is raised as
+    ``"<dotted.field> = <value>: <what is wrong>"``, several as ``"N config errors: <each>; <each>"``.
+
     Raises:
-      ValueError: ``"<dotted.field> = <value>: <what is wrong>"``.
+      ValueError: as above (unknown fields and wrong value kinds are raised first, alone).
     """
     unknown = unknown_fields(config)
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown config field (not in pdm_jax.config.get_base_config)"
                          + (f"; also unknown: {', '.join(unknown[1:])}" if len(unknown) > 1 else ""))
     _check_types(config)
-    _check_paths(config)
-    _check_rl(config)
-    _check_sampler_and_eval(config)
-    _check_model_and_mesh(config, vocab_size)
-    _check_profile(config)
+    errors: list = []
+    token = _COLLECTED.set(errors)
+    try:
+        for check, args in ((_check_paths, ()), (_check_rl, ()), (_check_sampler_and_eval, ()),
+                            (_check_model_and_mesh, (vocab_size,)), (_check_profile, ()), (_check_dry_run, ()),
+                            (_check_sizes, (vocab_size, num_held_out))):
+            _collect(errors, check, config, *args)
+    finally:
+        _COLLECTED.reset(token)
+    if len(errors) == 1:
+        raise ValueError(errors[0])
+    if errors:
+        raise ValueError(f"{len(errors)} config errors: " + "; ".join(errors))
+
+
+def _check_sizes(config, vocab_size: Optional[int], num_held_out: Optional[int]) -> None:
     k = config.rl.top_k_logprobs
     if vocab_size is None and config.tokenizer.kind == "char":  # known before the tokenizer is written
         vocab_size = char_vocab_size(config.tokenizer.symbols)

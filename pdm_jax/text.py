@@ -7,6 +7,8 @@ the same way for rewards and for evaluation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from pdm_jax.rollout import StepBatch
@@ -20,6 +22,8 @@ class TextCodec:
       chat: apply the tokenizer's chat template to prompts (a chat prompt source).
       stop_token_ids: further ids that end a completion (``sampler.stop_token_ids``; Qwen3 stops
         on both <|im_end|> 151645 and <|endoftext|> 151643).
+      enable_thinking: passed to the chat template (``data.enable_thinking``; Qwen3's template opens
+        an empty ``<think></think>`` block when False); None passes nothing.
 
     Attributes:
       eos_id: the tokenizer's eos id, appended to supervised targets.
@@ -30,23 +34,40 @@ class TextCodec:
       ValueError: the tokenizer has no eos token (it is the stop token of every rollout).
     """
 
-    def __init__(self, tokenizer, *, chat: bool, stop_token_ids=()):
+    def __init__(self, tokenizer, *, chat: bool, stop_token_ids=(), enable_thinking=None):
         self.tokenizer = tokenizer
         self.chat = bool(chat)
+        self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
         self.eos_id = tokenizer.eos_token_id
         if self.eos_id is None:
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no eos_token")
         self.stop_ids = tuple(dict.fromkeys([int(self.eos_id)] + [int(i) for i in stop_token_ids]))
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a prompt (with the chat template and generation prompt for a chat source)."""
+        """Token ids of a prompt (with the chat template and generation prompt for a chat source).
+
+        ``apply_chat_template`` returns a list of ids, or (transformers 5) a ``BatchEncoding``, a
+        mapping whose ``input_ids`` are the ids: both are read as ids.
+
+        Raises:
+          TypeError: the template gave something other than integer ids (naming what it gave).
+        """
         if self.chat:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):
+                                                     add_generation_prompt=True, tokenize=True,
+                                                     **self.template_kwargs)
+            if isinstance(ids, Mapping):
                 ids = ids["input_ids"]
-            return list(ids)
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            ids = list(ids)
+            if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
+                ids = list(ids[0])
+        else:
+            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))), None)
+        if bad is not None:
+            raise TypeError(f"tokenizer {getattr(self.tokenizer, 'name_or_path', '')!r}: prompt ids must be "
+                            f"integers, got {bad!r} ({type(bad).__name__})")
+        return [int(i) for i in ids]
 
     def decode_completion(self, ids: np.ndarray, mask: np.ndarray) -> str:
         """Text of a completion's valid tokens (``ids``, ``mask`` ``[T]``), without the stop and special tokens."""

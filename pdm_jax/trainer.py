@@ -124,7 +124,7 @@ class Trainer:
         self.source = make_source(config.data)
         tokenizer = self._setup_tokenizer()
         self.vocab_size = len(tokenizer)
-        self.codec = TextCodec(tokenizer, chat=self.source.chat,
+        self.codec = TextCodec(tokenizer, chat=self.source.chat, enable_thinking=config.data.enable_thinking,
                                stop_token_ids=parse_stop_token_ids(config.sampler.stop_token_ids))
         # Over-long prompts are dropped (and counted) at load, never discovered mid-run.
         self.source = filter_long_prompts(self.source, self.codec.encode_prompt, config.sampler.max_prompt_length)

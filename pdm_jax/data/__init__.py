@@ -15,7 +15,9 @@ ml_collections ConfigDict (or any mapping) with fields
   train_size     reasoning_gym only: stream positions before wrapping (default 2**20)
   instruction    math only: text appended to each prompt (default "")
   verify_timeout_s  math only: math-verify budget per completion (default 5.0)
-  chat           optional override of the source's chat flag
+  chat_template  "auto" (the source's chat flag) | "on" (the tokenizer's chat template) |
+                 "off" (raw prompt text, e.g. for a Base model)
+  chat           (mappings only) optional override of the source's chat flag under "auto"
 
 Unknown kind, missing path, bad task etc. raise ValueError naming the field.
 
@@ -89,7 +91,10 @@ def make_source(config) -> PromptSource:
         raise ValueError(f"data.kind must be one of {KINDS}, got {kind!r}")
     num_eval = get("num_eval", 256)
     seed = get("seed", 0)
-    chat = cfg.get("chat")
+    template = cfg.get("chat_template", "auto")
+    if template not in ("auto", "on", "off"):
+        raise ValueError(f"data.chat_template must be one of ('auto', 'on', 'off'), got {template!r}")
+    chat = {"auto": cfg.get("chat"), "on": True, "off": False}[template]
     if kind == "reasoning_gym":
         task = cfg.get("task")
         if not task:
