@@ -439,7 +439,7 @@ _EXHAUSTED_GIB = re.compile(r"\(([0-9.]+)([KMGT])\)")
 
 def _compile_or_exhausted(lowered):
     """``(compiled, None)``, or ``(None, figures)`` when the compiler refuses the program for want of memory:
-    XLA:TPU stops at ``RESOURCE_EXHAUSTED: ... HLO temporaries (175.53G) exceeds available HBM (95.74G)``.
+    XLA:TPU stops at ``RESOURCE_EXHAUSTED: ... HLO temporaries (175.70G) exceeds available HBM (95.74G)``.
     ``figures``: ``exhausted`` (the compiler's message), ``temp`` (the bytes it asked for: a lower bound of
     the program's total) and ``hbm`` (what it had), bytes; other compile errors propagate."""
     try:

@@ -172,10 +172,10 @@ def experts_grouped(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_E
     whole dispatch runs under ``jax.shard_map`` with the tokens sharded as the logical
     ``batch`` axis and the expert kernels gathered whole (cast to ``dtype`` first, so the
     all-gather moves compute-dtype bytes; their gradients are reduced back): each shard
-    sorts, multiplies and combines only its own ``N/shards * K`` assignments. Without it a
-    sort over the globally sharded assignments makes XLA gather every token's
-    [N*K, D] / [N*K, I] buffers onto every device, and a Pallas kernel (megablox) cannot be
-    partitioned automatically at all. Tokens are replicated over mesh axes outside
+    sorts, multiplies and combines only its own ``N/shards * K`` assignments. With one sort
+    over the globally sharded assignments instead, XLA:TPU needed 175.7 GiB of temporaries
+    for the 30B-A3B step on 64 v5p (16.1 GiB with the shard_map; docs/scaling.md), and a
+    Pallas kernel (megablox) cannot be partitioned automatically at all. Tokens are replicated over mesh axes outside
     ``batch`` (``tensor``), which then compute the same rows.
     """
     if implementation not in ("ragged_dot", "megablox"):
