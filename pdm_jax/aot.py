@@ -166,13 +166,37 @@ def _gpu_devices(topology: str, chip: str) -> tuple:
                                               target_config=target).devices)
 
 
+def check_topology(topology: str, chip: str) -> None:
+    """Refuses a ``dry_run.topology`` that cannot name a slice of ``chip``: a TPU slice is
+    ``"<chip>:<x>x<y>[x<z>]"`` (e.g. ``"v5p:4x4x4"``), a GPU pod ``"<hosts>x<GPUs per host>"`` with at most 8
+    GPUs per host (e.g. ``"8x8"``).
+
+    Raises:
+      ValueError: naming ``dry_run.topology``, the value and the expected form.
+    """
+    if chip_platform(chip) == "tpu":
+        name, _, dims = topology.partition(":")
+        if name != chip:
+            raise ValueError(f"dry_run.topology = {topology!r} is not a slice of dry_run.chip = {chip!r} "
+                             f"(e.g. {default_topology(chip, 64)!r})")
+        parts = dims.split("x")
+        if len(parts) != (3 if chip in _TPU_3D else 2) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"dry_run.topology = {topology!r}: a {chip} slice is "
+                             f"{default_topology(chip, 64)!r}-shaped")
+        return
+    parts = topology.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) > 8:
+        raise ValueError(f"dry_run.topology = {topology!r}: a GPU pod is '<hosts>x<GPUs per host>' with at most "
+                         "8 GPUs per host, e.g. '8x8'")
+
+
 def target_devices(compiler: str, chip: str, num_devices: int, topology: Optional[str] = None) -> list:
     """The devices a dry run compiles for: ``num_devices`` of them.
 
     * ``cpu``: the first ``num_devices`` of ``jax.devices()`` (fake CPU devices,
       `pdm_jax.dry_run.prepare_devices`);
     * ``tpu``: the devices of ``topology`` (default `default_topology`), e.g. the 64 of
-      ``v5p:4x4x4``;
+      ``v5p:4x4x4``; fewer chips than one host's (a single-device sampler): the first of a one-host slice;
     * ``gpu``: ``num_devices`` deviceless CUDA devices of ``chip`` (``topology`` ``"<hosts>x<gpus per host>"``).
 
     Raises:
@@ -182,14 +206,16 @@ def target_devices(compiler: str, chip: str, num_devices: int, topology: Optiona
     """
     import jax
 
+    sub_slice = False
     if compiler in ("tpu", "gpu"):
-        topology = topology or default_topology(chip, num_devices)
-        if compiler == "tpu" and topology.split(":")[0] != chip:
-            raise ValueError(f"dry_run.topology = {topology!r} is not a slice of dry_run.chip = {chip!r} "
-                             f"(e.g. {default_topology(chip, num_devices)!r})")
-        if compiler == "gpu" and (len(topology.split("x")) != 2
-                                  or not all(p.isdigit() and int(p) > 0 for p in topology.split("x"))):
-            raise ValueError(f"dry_run.topology = {topology!r}: a GPU pod is '<hosts>x<GPUs per host>', e.g. '8x8'")
+        if topology:
+            check_topology(topology, chip)
+        elif compiler == "tpu" and num_devices < chips_per_host(chip, 1 << 30):
+            # libtpu builds no slice smaller than one host (v5p:1x1x1 is refused): compile on the first
+            # num_devices chips of a one-host slice, as a job on part of a host would run.
+            topology, sub_slice = default_topology(chip, chips_per_host(chip, 1 << 30)), True
+        else:
+            topology = default_topology(chip, num_devices)
         if compiler == "gpu" and chip not in GPU_TARGET_CONFIGS:
             raise ValueError(f"dry_run.chip = {chip!r}: no GPU target config shipped "
                              f"(have {sorted(GPU_TARGET_CONFIGS)})")
@@ -208,6 +234,8 @@ def target_devices(compiler: str, chip: str, num_devices: int, topology: Optiona
     else:
         _gpu_flags()
         devices = _gpu_devices(topology, chip)
+    if sub_slice:
+        return list(devices[:num_devices])
     if len(devices) != num_devices:
         raise ValueError(f"dry_run.topology = {topology!r} has {len(devices)} devices but dry_run.num_devices = "
                          f"{num_devices}; make them agree")
@@ -235,6 +263,8 @@ def chips_per_host(chip: str, num_devices: int) -> int:
 def label(compiler: str, chip: str, topology: Optional[str], num_devices: int) -> str:
     """How a report names a compile: ``"XLA:TPU v5p:4x4x4"``, ``"XLA:GPU 64 x H100"``, ``"XLA:CPU"``."""
     if compiler == "tpu":
+        if not topology and num_devices < chips_per_host(chip, 1 << 30):
+            return f"XLA:TPU {default_topology(chip, chips_per_host(chip, 1 << 30))} (its first {num_devices})"
         return f"XLA:TPU {topology or default_topology(chip, num_devices)}"
     if compiler == "gpu":
         return f"XLA:GPU {num_devices} x {chip}"

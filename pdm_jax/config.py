@@ -512,13 +512,17 @@ def _check_types(config) -> None:
 _COLLECTED: contextvars.ContextVar = contextvars.ContextVar("pdm_jax_config_errors", default=None)
 
 
-def _need(cond, field, value, what) -> None:
+def _need(cond, field, value, what) -> bool:
+    """Refuses ``field = value`` unless ``cond``: raises, or inside `validate_config` records the error and
+    returns False (so that a check depending on the value can skip itself); True when it holds."""
     if not cond:
         message = f"{field} = {value!r}: {what}"
         errors = _COLLECTED.get()
         if errors is None:
             raise ValueError(message)
         errors.append(message)
+        return False
+    return True
 
 
 def _collect(errors: list, check, *args) -> None:
@@ -626,8 +630,8 @@ def parse_stop_token_ids(text: str, vocab_size: Optional[int] = None) -> tuple:
     parts = [p.strip() for p in text.split(",")] if text.strip() else []
     ids = []
     for p in parts:
-        _need(p.isdigit(), field, text, f"{p!r} is not a non-negative integer token id")
-        ids.append(int(p))
+        if _need(p.isdigit(), field, text, f"{p!r} is not a non-negative integer token id"):
+            ids.append(int(p))
     _need(len(set(ids)) == len(ids), field, text, "repeats a token id")
     _need(len(ids) < MAX_STOP_TOKEN_IDS, field, text,
           f"at most {MAX_STOP_TOKEN_IDS - 1} ids (the eos id takes one of the sampler's {MAX_STOP_TOKEN_IDS} slots)")
@@ -692,7 +696,7 @@ def check_sampler_mesh(config, model_config) -> None:
         raise ValueError(f"sampler.mesh = {data} x {tensor}: {e}") from None
 
 
-def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
+def _check_model(config, vocab_size: Optional[int]) -> None:
     mc = config.model
     for name in ("dtype", "param_dtype"):
         try:
@@ -720,6 +724,9 @@ def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
         _need(context <= mc.max_position_embeddings, "rl.max_new_tokens", config.rl.max_new_tokens,
               f"sampler.max_prompt_length + rl.max_new_tokens = {context} exceeds "
               f"model.max_position_embeddings = {mc.max_position_embeddings}")
+
+
+def _check_mesh(config) -> None:
     m = config.mesh
     try:
         MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor).axis_sizes(jax.device_count())
@@ -730,17 +737,21 @@ def _check_model_and_mesh(config, vocab_size: Optional[int]) -> None:
 
 def _check_dry_run(config) -> None:
     dr = config.dry_run
-    _need(dr.chip in aot.CHIP_HBM_GIB, "dry_run.chip", dr.chip, f"must be one of {sorted(aot.CHIP_HBM_GIB)}")
-    _need(dr.compiler in aot.COMPILERS, "dry_run.compiler", dr.compiler, f"must be one of {aot.COMPILERS}")
+    chip_ok = _need(dr.chip in aot.CHIP_HBM_GIB, "dry_run.chip", dr.chip, f"must be one of {sorted(aot.CHIP_HBM_GIB)}")
+    if _need(dr.compiler in aot.COMPILERS, "dry_run.compiler", dr.compiler, f"must be one of {aot.COMPILERS}") \
+            and chip_ok:
+        aot.resolve_compiler(dr.compiler, dr.chip)  # tpu for an H100, gpu for a v5p: named
     _need(dr.num_devices >= 1, "dry_run.num_devices", dr.num_devices, "must be >= 1")
     _need(dr.max_compile_params >= 0, "dry_run.max_compile_params", dr.max_compile_params, "must be >= 0")
+    if dr.topology and chip_ok:
+        aot.check_topology(dr.topology, dr.chip)
 
 
 def _check_profile(config) -> None:
     parse_steps(config.profile.steps)
 
 
-def _check_paths(config) -> None:
+def _check_paths(config, exist: bool = True) -> None:
     tc, dc = config.tokenizer, config.data
     _need(tc.kind in TOKENIZER_KINDS, "tokenizer.kind", tc.kind, f"must be one of {TOKENIZER_KINDS}")
     if tc.kind == "path":
@@ -749,17 +760,19 @@ def _check_paths(config) -> None:
         _need(not tc.path, "tokenizer.path", tc.path,
               "is ignored when tokenizer.kind = 'char' (which builds its own); set tokenizer.kind=path to use it")
     _need(dc.kind in data_sources.KINDS, "data.kind", dc.kind, f"must be one of {data_sources.KINDS}")
+    _need(dc.chat_template in data_sources.CHAT_TEMPLATES, "data.chat_template", dc.chat_template,
+          f"must be one of {data_sources.CHAT_TEMPLATES}")
     if dc.kind != "reasoning_gym":  # file-backed sources: the path comes first, before any format option
         _need(bool(dc.path), "data.path", dc.path, f"required when data.kind = {dc.kind!r} (a local json/jsonl/"
               "parquet file; nothing is downloaded)")
     for field, path in (("model.hf_path", config.model.hf_path), ("data.path", dc.path),
                         ("data.eval_path", dc.eval_path), ("tokenizer.path", tc.path if tc.kind == "path" else "")):
-        if path:
+        if path and exist:
             _need(os.path.exists(path), field, path, "no such file or directory")
 
 
 def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[int] = None,
-                    num_held_out: Optional[int] = None) -> None:
+                    num_held_out: Optional[int] = None, dry_run: bool = False) -> None:
     """Checks a run config before any work starts.
 
     Checked: no unknown field (named by its dotted path); every field has the kind
@@ -773,6 +786,10 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     ``vocab_size`` (known without it for a char tokenizer, from ``tokenizer.symbols``):
     K = ``rl.top_k_logprobs`` <= the tokenizer's vocabulary. With
     ``num_held_out`` (the source's held-out prompts): ``eval.num_prompts`` <= it.
+
+    ``dry_run``: the checks of ``--dry_run``, which needs no checkpoint, data or devices: paths are not
+    required to exist and the mesh is resolved on ``dry_run.num_devices`` (by the dry run) instead of
+    ``jax.device_count()``.
 
     Every check runs, so that one start names every problem: a single error is raised as
     ``"<dotted.field> = <value>: <what is wrong>"``, several as ``"N config errors: <each>; <each>"``.
@@ -788,12 +805,14 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     errors: list = []
     token = _COLLECTED.set(errors)
     try:
-        for check, args in ((_check_paths, ()), (_check_rl, ()), (_check_sampler_and_eval, ()),
-                            (_check_model_and_mesh, (vocab_size,)), (_check_profile, ()), (_check_dry_run, ()),
-                            (_check_sizes, (vocab_size, num_held_out))):
+        checks = [(_check_paths, (not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
+                  (_check_model, (vocab_size,)), (_check_profile, ()), (_check_dry_run, ()),
+                  (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())])
+        for check, args in checks:
             _collect(errors, check, config, *args)
     finally:
         _COLLECTED.reset(token)
+    errors = list(dict.fromkeys(errors))  # a value checked twice (stop ids: here and with the vocabulary) once
     if len(errors) == 1:
         raise ValueError(errors[0])
     if errors:

@@ -45,7 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdm_jax import aot
 from pdm_jax import train_step as ts
-from pdm_jax.config import compute_options, model_config_from_fields, resolve_sampler_mode, step_configs
+from pdm_jax.config import (compute_options, model_config_from_fields, resolve_sampler_mode, step_configs,
+                            validate_config)
 from pdm_jax.distributed import opt_state_shardings
 from pdm_jax.models.hf_io import load_config
 from pdm_jax.models.presets import PRESETS, get_preset
@@ -357,10 +358,14 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
                           max_batch_size=int(sc.max_batch_size), max_slots=slots)
     except ValueError as e:
         raise ValueError(f"sampler.mesh = {d} x {t}: {e}") from None
-    hosts = max(1, num_devices // per_host)
+    hosts = max(1, -(-num_devices // per_host))
     prompts = int(config.rl.prompts_per_step)
-    if hosts > 1 and sc.get("per_host_rollouts", True) and prompts % hosts == 0:
-        prompts //= hosts  # each process samples the groups its devices hold (pdm_jax.per_host)
+    if hosts > 1 and sc.get("per_host_rollouts", True):  # each process samples the groups its devices hold
+        if prompts % hosts:  # the trainer refuses it at start-up too (pdm_jax.per_host)
+            raise ValueError(f"rl.prompts_per_step = {prompts}: with sampler.per_host_rollouts each of the {hosts} "
+                             f"hosts ({num_devices} x {chip}, {per_host} per host) samples whole groups, so the "
+                             "prompts must divide by the hosts")
+        prompts //= hosts
     c = model_cfg
     kv_t = t if c.num_key_value_heads % t == 0 else 1
     per_entry = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * dtype.itemsize  # one token, one row
@@ -434,14 +439,16 @@ def _with_shardings(tree, shardings):
     return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sh)])
 
 
-_EXHAUSTED_GIB = re.compile(r"\(([0-9.]+)([KMGT])\)")
+_EXHAUSTED_GIB = re.compile(r"\(([0-9.]+)([KMGT])\)")  # "... HLO temporaries (175.70G) exceeds available HBM (95.74G)"
+_EXHAUSTED_USED = re.compile(r"Used ([0-9.]+)([KMGT]) of ([0-9.]+)([KMGT])")  # "Used 21.90G of 7.48G hbm."
 
 
 def _compile_or_exhausted(lowered):
     """``(compiled, None)``, or ``(None, figures)`` when the compiler refuses the program for want of memory:
     XLA:TPU stops at ``RESOURCE_EXHAUSTED: ... HLO temporaries (175.70G) exceeds available HBM (95.74G)``.
     ``figures``: ``exhausted`` (the compiler's message), ``temp`` (the bytes it asked for: a lower bound of
-    the program's total) and ``hbm`` (what it had), bytes; other compile errors propagate."""
+    the program's total; 0 when the message names none) and ``hbm`` (what it had), bytes; a refused
+    program never fits (`verdict`); other compile errors propagate."""
     try:
         return lowered.compile(), None
     except Exception as e:  # noqa: BLE001  (jax.errors.JaxRuntimeError; its class moved between releases)
@@ -449,7 +456,11 @@ def _compile_or_exhausted(lowered):
         if "RESOURCE_EXHAUSTED" not in message:
             raise
         scale = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
-        sizes = [float(v) * scale[u] for v, u in _EXHAUSTED_GIB.findall(message)]
+        used = _EXHAUSTED_USED.search(message)
+        if used:
+            sizes = [float(used.group(1)) * scale[used.group(2)], float(used.group(3)) * scale[used.group(4)]]
+        else:
+            sizes = [float(v) * scale[u] for v, u in _EXHAUSTED_GIB.findall(message)]
         line = next((ln for ln in message.splitlines() if "RESOURCE_EXHAUSTED" in ln), message)
         return None, dict(exhausted=line.strip()[:300], temp=int(sizes[0]) if sizes else 0,
                           hbm=int(sizes[1]) if len(sizes) > 1 else 0)
@@ -638,14 +649,14 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
     dr = config.get("dry_run") or {}
     compiler = compiler or dr.get("compiler", "auto")
     chip = chip or dr.get("chip", "v5p")
-    num_devices = int(num_devices or dr.get("num_devices", 8))
+    num_devices = int(dr.get("num_devices", 8) if num_devices is None else num_devices)
     topology = topology or dr.get("topology", "") or None
     aot.chip_platform(chip)  # names dry_run.chip
     if compiler not in aot.COMPILERS:
         raise ValueError(f"dry_run.compiler must be one of {aot.COMPILERS}, got {compiler!r}")
     if num_devices < 1:
         raise ValueError(f"dry_run.num_devices must be >= 1, got {num_devices}")
-    step_configs(config)  # config errors before any work
+    validate_config(config, dry_run=True)  # every config error before any work (no file or device needed)
     model_cfg = resolve_model_config(config)
     shape = step_shape(config, chip)
     sizes = mesh_sizes(config, num_devices)
@@ -751,6 +762,9 @@ def verdict(report: dict) -> dict:
         sampler = sampler_resident + sampler_transient
         total = max(train, sampler)
         fits, what = train <= hbm and sampler <= hbm, f"train step; sampler on its own chips ({sampler_src})"
+    refused = [name for name, x in (("train step", c), ("sampler", sc)) if x is not None and x.get("exhausted")]
+    if refused:  # the compiler's own refusal, whatever figures its message gave
+        fits, what = False, what + f"; the compiler refused the {' and the '.join(refused)} for want of memory"
     return dict(total=int(total), fits=bool(fits), source=f"{source}, {what}", parts=parts,
                 colocated=bool(sp["colocated"]))
 
@@ -833,6 +847,8 @@ def _flops_lines(report: dict) -> list:
     labelled as an estimate. Mosaic kernels (splash attention, megablox) are opaque to XLA's cost model: what
     they compute is not in its count, so the comparison leaves their share out of the model side too."""
     c, mf, s, mc = report["compiled"], report["model_flops"], report["shape"], report["model"]
+    if c.get("exhausted"):
+        return ["  (no FLOPs: the compiler refused the program)"]
     if c.get("flops") is None:
         return ["  (no FLOPs: this compiler gives no cost analysis)"]
     opaque_attention = s.attention == "splash" and report["compiler"] == "tpu"

@@ -47,10 +47,12 @@ class TextCodec:
         """Token ids of a prompt (with the chat template and generation prompt for a chat source).
 
         ``apply_chat_template`` returns a list of ids, or (transformers 5) a ``BatchEncoding``, a
-        mapping whose ``input_ids`` are the ids: both are read as ids.
+        mapping whose ``input_ids`` are the ids, as lists or arrays, possibly a batch of one: all
+        are read as that one sequence of ids.
 
         Raises:
           TypeError: the template gave something other than integer ids (naming what it gave).
+          ValueError: it gave more than one sequence for the one prompt.
         """
         if self.chat:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
@@ -58,11 +60,16 @@ class TextCodec:
                                                      **self.template_kwargs)
             if isinstance(ids, Mapping):
                 ids = ids["input_ids"]
-            ids = list(ids)
-            if ids and isinstance(ids[0], (list, tuple)):  # a batch of one conversation
-                ids = list(ids[0])
         else:
-            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if hasattr(ids, "tolist"):  # numpy / jax arrays (return_tensors="np")
+            ids = ids.tolist()
+        ids = ids if isinstance(ids, list) else list(ids) if isinstance(ids, tuple) else [ids]
+        if ids and all(hasattr(i, "tolist") or isinstance(i, (list, tuple)) for i in ids):  # a batch
+            if len(ids) != 1:
+                raise ValueError(f"tokenizer {getattr(self.tokenizer, 'name_or_path', '')!r}: one prompt gave "
+                                 f"{len(ids)} sequences of ids")
+            ids = ids[0].tolist() if hasattr(ids[0], "tolist") else list(ids[0])
         bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))), None)
         if bad is not None:
             raise TypeError(f"tokenizer {getattr(self.tokenizer, 'name_or_path', '')!r}: prompt ids must be "

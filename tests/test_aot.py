@@ -241,3 +241,52 @@ def test_run_config_checks_the_dry_run_fields():
     c.dry_run.chip, c.dry_run.num_devices = "bogus", 0
     with pytest.raises(ValueError, match=r"2 config errors: dry_run.chip = 'bogus': .*dry_run.num_devices = 0"):
         validate_config(c)
+
+
+class _Refused:
+    """A lowered program whose compile raises the compiler's out-of-memory refusal ``message``."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def compile(self):
+        raise RuntimeError(self.message)
+
+
+@pytest.mark.parametrize("message,temp", [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (175.70G) "
+     "exceeds available HBM (95.74G).", 175.70),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 21.90G of "
+     "7.48G hbm. Exceeded hbm capacity by 14.42G.", 21.90),
+    ("RESOURCE_EXHAUSTED: out of memory", 0.0),
+])
+def test_a_refused_compile_never_fits(monkeypatch, message, temp):
+    """Both forms of XLA:TPU's refusal are read; whatever figures it gives, the verdict is 'does not fit'."""
+    compiled, figures = dry_run._compile_or_exhausted(_Refused(message))
+    assert compiled is None and abs(figures["temp"] / 2 ** 30 - temp) < 0.01
+    monkeypatch.setattr(dry_run, "_compile_or_exhausted", lambda lowered: (None, dict(figures)))
+    report = dry_run.plan(_config("tiny"), compiler="cpu", num_devices=8)
+    text = dry_run.format_report(report)
+    assert report["compiled"]["exhausted"] and not report["verdict"]["fits"]
+    assert "the compiler refused it" in text and text.splitlines()[-1].endswith("does not fit"), text[-400:]
+
+
+def test_per_host_rollouts_need_prompts_dividing_the_hosts():
+    """As the trainer refuses at start-up: 128 prompts over the 12 hosts of 48 v5p chips cut groups."""
+    with pytest.raises(ValueError, match=r"rl.prompts_per_step = 128: with sampler.per_host_rollouts each of the "
+                                         r"12 hosts \(48 x v5p, 4 per host\)"):
+        dry_run.plan(_config("qwen3_dapo", "size=8b"), compiler="none", num_devices=48)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_sampler_on_chips_of_its_own_compiles_on_part_of_a_host():
+    """A subprocess sampler on 1 chip: libtpu has no 1-chip v5p slice, so its program compiles on the first
+    chip of a one-host slice, and the verdict checks each side on its own chips."""
+    c = _tiny_tpu("blockwise")
+    c.sampler.mode = "subprocess"
+    report = dry_run.plan(c, compiler="tpu", chip="v5p", num_devices=4)
+    assert not report["sampler"]["colocated"] and report["sampler_compiled"]["total"] > 0
+    assert dry_run.format_report(report).splitlines()[-1].endswith("sampler on its own chips (compiled)): fits")
+    assert len(aot.target_devices("tpu", "v5p", 1)) == 1
+    assert aot.label("tpu", "v5p", None, 2) == "XLA:TPU v5p:2x2x1 (its first 2)"

@@ -294,3 +294,37 @@ def test_dapo_recipes_are_consistent(tmp_path, name, arg):
     assert c.data.num_eval == c.eval.num_prompts == 30 and c.eval.engine == "rollout"
     n = c.rl.prompts_per_step * c.rl.group_size // c.rl.num_minibatches
     assert n % c.rl.micro_batch_size == 0
+
+
+def test_collected_errors_are_each_named_once_and_skip_nothing():
+    """A malformed stop-id list does not hide the checks after it nor add a raw Python message; a model error
+    does not hide the mesh's; a value checked twice is named once; the new fields are checked too."""
+    c = get_base_config()
+    c.rl.top_k_logprobs = 4
+    c.sampler.stop_token_ids = "abc"
+    c.sampler.max_batch_size = 0
+    c.model.num_attention_heads = 3  # not a multiple of the 2 kv heads
+    c.mesh.data = 3  # on the test's 8 devices
+    c.data.chat_template = "bogus"
+    with pytest.raises(ValueError) as e:
+        validate_config(c)
+    text = str(e.value)
+    for part in ("sampler.stop_token_ids = 'abc': 'abc' is not a non-negative integer token id",
+                 "sampler.max_batch_size = 0: must be >= 1", "model: ", "mesh = (data=3",
+                 "data.chat_template = 'bogus'"):
+        assert text.count(part) == 1, (part, text)
+    assert "invalid literal" not in text and text.startswith("5 config errors: ")
+
+
+def test_dry_run_fields_are_checked_with_the_run():
+    c = get_base_config()
+    c.rl.top_k_logprobs = 4
+    c.dry_run.compiler, c.dry_run.chip = "tpu", "H100"
+    with pytest.raises(ValueError, match=r"dry_run.compiler = 'tpu' cannot compile for dry_run.chip = 'H100'"):
+        validate_config(c)
+    c.dry_run.compiler, c.dry_run.chip, c.dry_run.topology = "auto", "v5p", "8x8"
+    with pytest.raises(ValueError, match=r"dry_run.topology = '8x8' is not a slice of dry_run.chip = 'v5p'"):
+        validate_config(c)
+    c.dry_run.chip, c.dry_run.topology = "H100", "1x16"
+    with pytest.raises(ValueError, match=r"dry_run.topology = '1x16': a GPU pod is .* at most 8 GPUs per host"):
+        validate_config(c)

@@ -11,6 +11,7 @@ import os
 import time
 import unicodedata
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -417,3 +418,35 @@ def test_chat_template_field_is_checked():
 
     with pytest.raises(ValueError, match=r"data.chat_template must be one of .* got 'yes'"):
         make_source(dict(kind="reasoning_gym", task="chain_sum", chat_template="yes"))
+
+
+class _FakeChat:
+    """A tokenizer whose chat template returns ``out`` (the shapes transformers' versions and options give)."""
+
+    eos_token_id = 1
+    name_or_path = "fake"
+
+    def __init__(self, out):
+        self.out = out
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.out
+
+
+@pytest.mark.parametrize("out", [[5, 6, 7], (5, 6, 7), [[5, 6, 7]], {"input_ids": [5, 6, 7]},
+                                 {"input_ids": [[5, 6, 7]]}, np.array([5, 6, 7]), np.array([[5, 6, 7]]),
+                                 {"input_ids": np.array([[5, 6, 7]])}, [np.array([5, 6, 7])]],
+                         ids=lambda o: type(o).__name__)
+def test_chat_ids_in_every_container_read_as_one_sequence(out):
+    from pdm_jax.text import TextCodec
+
+    assert TextCodec(_FakeChat(out), chat=True).encode_prompt("x") == [5, 6, 7]
+
+
+def test_chat_ids_that_are_not_one_sequence_of_ints_are_refused():
+    from pdm_jax.text import TextCodec
+
+    with pytest.raises(ValueError, match="one prompt gave 2 sequences of ids"):
+        TextCodec(_FakeChat([[5], [6]]), chat=True).encode_prompt("x")
+    with pytest.raises(TypeError, match=r"prompt ids must be integers, got 'input_ids' \(str\)"):
+        TextCodec(_FakeChat(["input_ids", "attention_mask"]), chat=True).encode_prompt("x")

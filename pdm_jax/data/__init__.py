@@ -42,6 +42,8 @@ from pdm_jax.data.math_data import MathSource
 from pdm_jax.data.prompt_filter import LengthFilteredSource, filter_long_prompts
 
 KINDS = ("reasoning_gym", "gsm8k", "dapo_math")
+#: data.chat_template: the source's own choice, the tokenizer's chat template, or raw prompt text.
+CHAT_TEMPLATES = ("auto", "on", "off")
 
 __all__ = [
     "COMPACT_ALPHABET",
@@ -92,8 +94,8 @@ def make_source(config) -> PromptSource:
     num_eval = get("num_eval", 256)
     seed = get("seed", 0)
     template = cfg.get("chat_template", "auto")
-    if template not in ("auto", "on", "off"):
-        raise ValueError(f"data.chat_template must be one of ('auto', 'on', 'off'), got {template!r}")
+    if template not in CHAT_TEMPLATES:
+        raise ValueError(f"data.chat_template must be one of {CHAT_TEMPLATES}, got {template!r}")
     chat = {"auto": cfg.get("chat"), "on": True, "off": False}[template]
     if kind == "reasoning_gym":
         task = cfg.get("task")
