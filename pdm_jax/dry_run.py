@@ -844,23 +844,22 @@ def format_report(report: dict) -> str:
 def _flops_lines(report: dict) -> list:
     """The step's FLOPs per device: XLA's count of the compiled program (each loop body once), the count with
     every iteration (`counted_flops`, XLA:TPU / XLA:GPU), the model FLOPs beside it and a roofline time
-    labelled as an estimate. Mosaic kernels (splash attention, megablox) are opaque to XLA's cost model: what
-    they compute is not in its count, so the comparison leaves their share out of the model side too."""
-    c, mf, s, mc = report["compiled"], report["model_flops"], report["shape"], report["model"]
+    labelled as an estimate. A Pallas kernel counts only the FLOPs it declares to XLA: megablox's gmm
+    declares them, splash attention does not, so with splash the comparison leaves attention out of the
+    model side too."""
+    c, mf, s = report["compiled"], report["model_flops"], report["shape"]
     if c.get("exhausted"):
         return ["  (no FLOPs: the compiler refused the program)"]
     if c.get("flops") is None:
         return ["  (no FLOPs: this compiler gives no cost analysis)"]
-    opaque_attention = s.attention == "splash" and report["compiler"] == "tpu"
-    opaque_experts = mc.is_moe and report["compiler"] == "tpu" and \
-        report.get("moe_implementation", "ragged_dot") == "megablox"
+    opaque_attention = s.attention == "splash" and report["compiler"] == "tpu"  # splash declares no cost
     lines = [f"  {'compiled_tflops':<30}{c['flops'] / 1e12:10.4g}  per device (XLA cost_analysis: each loop "
              "body counted once)",
              f"  {'model_tflops':<30}{mf['flops'] / 1e12:10.4g}  ({'8' if s.remat == 'full' else '6'} x "
              f"{mf['active_params'] / 1e9:.3g}B params per token x {mf['tokens_per_device']:,.0f} tokens, the LM "
              "head on completion tokens)",
              f"  {'attention_tflops':<30}{mf['attention_flops'] / 1e12:10.4g}  (causal S^2 matmuls"
-             + (": splash is a Mosaic kernel, not in XLA's count)" if opaque_attention else ")")]
+             + (": splash declares no FLOPs to XLA, not in its count)" if opaque_attention else ")")]
     counted = c.get("counted") or {}
     if counted.get("flops") is not None:
         flops = counted["flops"]
@@ -870,8 +869,7 @@ def _flops_lines(report: dict) -> list:
                   f"loop-free 1- and 2-layer compiles, {counted['compile_seconds']:.0f} s)",
                   f"  {'counted / expected':<30}{flops / expected:10.3f}  (expected: model"
                   + ("" if opaque_attention else " + attention") + " FLOPs; the rest is the loss head's softmax, "
-                  "the mask, norms, padding" + ("; megablox's expert matmuls are not counted" if opaque_experts
-                                                else "") + ")",
+                  "the mask, norms, padding)",
                   f"  {'roofline_seconds':<30}{(flops + (mf['attention_flops'] if opaque_attention else 0)) / peak:10.4g}"
                   f"  ESTIMATE: counted{' + attention' if opaque_attention else ''} FLOPs at {peak / 1e12:.0f} "
                   "TFLOP/s peak bf16, never measured on a chip"]

@@ -23,9 +23,9 @@ Implementations of the expert computation (``IMPLEMENTATIONS``):
 * ``"auto"``: ``megablox`` when the program is compiled for TPU devices
   (`pdm_jax.sharding.target_platform`) and D and I are multiples of 128, else ``ragged_dot``.
   XLA:TPU's cost model counts ``ragged_dot`` above the dense reference (the tiny MoE with
-  E 16, K 2, I 128 on 4 v5p: 0.0675 against 0.0364 TFLOP per step, megablox's step without
-  its opaque kernel 0.0118), so on TPU the kernel whose work is K/E of dense by construction
-  is the default; how fast either runs on a chip is not measured here.
+  E 16, K 2, I 128 on 4 v5p: 0.0675 against 0.0364 TFLOP per step; megablox, whose gmm
+  declares its FLOPs to XLA, 0.0118), so on TPU the kernel whose work is K/E of dense by
+  construction is the default; how fast either runs on a chip is not measured here.
 * ``"dense"``: the reference: every expert on every token, outputs weighted by the
   (zero outside the top-k) routing weights. E/K times the FLOPs; for tests.
 
