@@ -210,10 +210,10 @@ def target_devices(compiler: str, chip: str, num_devices: int, topology: Optiona
     if compiler in ("tpu", "gpu"):
         if topology:
             check_topology(topology, chip)
-        elif compiler == "tpu" and num_devices < chips_per_host(chip, 1 << 30):
+        elif compiler == "tpu" and num_devices < host_devices(chip):
             # libtpu builds no slice smaller than one host (v5p:1x1x1 is refused): compile on the first
             # num_devices chips of a one-host slice, as a job on part of a host would run.
-            topology, sub_slice = default_topology(chip, chips_per_host(chip, 1 << 30)), True
+            topology, sub_slice = default_topology(chip, host_devices(chip)), True
         else:
             topology = default_topology(chip, num_devices)
         if compiler == "gpu" and chip not in GPU_TARGET_CONFIGS:
@@ -255,16 +255,21 @@ def devices_per_process(devices) -> int:
     return sum(1 for d in devices if d.process_index == first)
 
 
+def host_devices(chip: str) -> int:
+    """The devices of one host of ``chip`` (`CHIPS_PER_HOST` x devices per chip)."""
+    return CHIPS_PER_HOST[chip] * _TPU_DEVICES_PER_CHIP.get(chip, 1)
+
+
 def chips_per_host(chip: str, num_devices: int) -> int:
-    """A host's local chips in a slice of ``num_devices`` ``chip`` chips (`CHIPS_PER_HOST`, at most the slice)."""
-    return min(CHIPS_PER_HOST[chip] * _TPU_DEVICES_PER_CHIP.get(chip, 1), num_devices)
+    """A host's local chips in a slice of ``num_devices`` ``chip`` chips (`host_devices`, at most the slice)."""
+    return min(host_devices(chip), num_devices)
 
 
 def label(compiler: str, chip: str, topology: Optional[str], num_devices: int) -> str:
     """How a report names a compile: ``"XLA:TPU v5p:4x4x4"``, ``"XLA:GPU 64 x H100"``, ``"XLA:CPU"``."""
     if compiler == "tpu":
-        if not topology and num_devices < chips_per_host(chip, 1 << 30):
-            return f"XLA:TPU {default_topology(chip, chips_per_host(chip, 1 << 30))} (its first {num_devices})"
+        if not topology and num_devices < host_devices(chip):
+            return f"XLA:TPU {default_topology(chip, host_devices(chip))} (its first {num_devices})"
         return f"XLA:TPU {topology or default_topology(chip, num_devices)}"
     if compiler == "gpu":
         return f"XLA:GPU {num_devices} x {chip}"
