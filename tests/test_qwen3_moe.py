@@ -147,11 +147,19 @@ def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob, fie
         return jnp.sum(logits * probe) + 10.0 * aux, (logits, aux)
 
     got, want = {}, None
-    for impl in ("dense", "ragged_dot"):
+    for impl in ("dense", "ragged_dot", "blocked"):
         (val, (logits, aux)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True),
                                               static_argnums=1)(state, impl)
         got[impl] = (logits, aux, grads)
     (l_d, a_d, g_d), (l_r, a_r, g_r) = got["dense"], got["ragged_dot"]
+    l_b, a_b, g_b = got["blocked"]
+    np.testing.assert_allclose(l_b, l_r, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(a_b, a_r, atol=1e-6)
+    flat_r = dict(nnx.to_flat_state(g_r))
+    for path, g in nnx.to_flat_state(g_b):
+        want_g = np.asarray(flat_r[path].get_value())
+        np.testing.assert_allclose(g.get_value(), want_g, rtol=0, atol=1e-5 * max(1.0, np.abs(want_g).max()),
+                                   err_msg="blocked " + "/".join(map(str, path)))
     assert float(jnp.abs(l_d).max()) > 1.0  # O(1) logits: not a flat, trivially equal output
     np.testing.assert_allclose(l_r, l_d, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(a_r, a_d, atol=1e-6)
@@ -166,6 +174,47 @@ def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob, fie
     assert float(jnp.abs(flat_d[("layers", "mlp", "gate", "kernel")].get_value()).max()) > 1e-3
     if cfg.is_mixed:  # ... and so do the dense-MLP layers' kernels
         assert float(jnp.abs(flat_d[("dense_layers", "mlp", "up_proj", "kernel")].get_value()).max()) > 1e-3
+
+
+@pytest.mark.parametrize("sizes,extra_rows", [
+    ((5, 0, 17, 1, 0, 9), 0),       # empty groups, a group spanning blocks
+    ((0, 0, 40, 0, 0, 0), 3),       # one group; rows past the groups give zeros
+    ((3, 3, 3, 3, 3, 3), 0)])
+def test_blocked_gmm_equals_ragged_dot_values_and_grads(sizes, extra_rows):
+    """`moe.blocked_gmm` == ``jax.lax.ragged_dot`` (the XLA reference), forward and both gradients."""
+    from pdm_jax.models import moe
+
+    sizes_E = jnp.asarray(sizes, jnp.int32)
+    M, E, A, C = sum(sizes) + extra_rows, len(sizes), 12, 10
+    lhs = jax.random.normal(jax.random.key(0), (M, A))
+    rhs = jax.random.normal(jax.random.key(1), (E, A, C))
+    probe = jax.random.normal(jax.random.key(2), (M, C))
+
+    def run(f):
+        val, grads = jax.value_and_grad(lambda l, r: jnp.sum(f(l, r) * probe), argnums=(0, 1))(lhs, rhs)
+        return f(lhs, rhs), grads
+
+    want, (gl_w, gr_w) = run(lambda l, r: jax.lax.ragged_dot(l, r, sizes_E))
+    for block_rows, per_step in ((8, 1), (8, 3), (128, 8)):
+        got, (gl, gr) = run(lambda l, r: moe.blocked_gmm(l, r, sizes_E, block_rows=block_rows,
+                                                         blocks_per_step=per_step))
+        assert float(jnp.abs(want).max()) > 1.0
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(gl, gl_w, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(gr, gr_w, atol=1e-5, rtol=1e-5)
+    if extra_rows:
+        np.testing.assert_array_equal(np.asarray(got[-extra_rows:]), 0.0)
+
+
+def test_moe_auto_resolves_by_target_platform(monkeypatch):
+    """``auto``: megablox for TPU (dims % 128), blocked for GPU, ragged_dot elsewhere."""
+    from pdm_jax import sharding as shd
+    from pdm_jax.models import moe
+
+    for platform, dims, want in (("tpu", (256, 128), "megablox"), ("tpu", (64, 128), "ragged_dot"),
+                                 ("gpu", (64, 48), "blocked"), ("cpu", (256, 128), "ragged_dot")):
+        monkeypatch.setattr(shd, "target_platform", lambda p=platform: p)
+        assert moe.resolve_implementation("auto", hidden_size=dims[0], moe_intermediate_size=dims[1]) == want
 
 
 def test_megablox_interpret_equals_dense():
