@@ -54,6 +54,7 @@ def get_config(arg=None):
     c.dry_run.chip = "v5p"
     c.dry_run.num_devices = 64  # 64 v5p chips (v5p-128): 95 GiB HBM each
     # megablox on TPU (its grouped matmul does K/E of the dense work by construction; XLA:TPU's cost model counts
-    # ragged_dot above the dense reference, pdm_jax.models.moe), ragged_dot elsewhere.
+    # ragged_dot above the dense reference, pdm_jax.models.moe), blocked on GPUs (XLA:GPU expands ragged_dot E-fold),
+    # ragged_dot on CPU.
     c.model.moe_implementation = "auto"
     return apply_arg(c, arg or "")

@@ -90,8 +90,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.scan_layers = True
     # Qwen3-MoE checkpoints (config.json model_type "qwen3_moe"): how the experts run (pdm_jax.models.moe):
     # "ragged_dot" (grouped matmuls, every backend) | "megablox" (Pallas TPU kernel; interpret mode elsewhere)
-    # | "auto" (megablox when compiled for TPU devices and D, I are multiples of 128, else ragged_dot)
-    # | "dense" (every expert on every token: the reference). Unused by dense models.
+    # | "blocked" (rows in per-expert 128-row blocks, plain XLA ops; made for XLA:GPU, which expands ragged_dot E-fold)
+    # | "auto" (megablox when compiled for TPU devices and D, I are multiples of 128, blocked for GPUs, else
+    # ragged_dot) | "dense" (every expert on every token: the reference). Unused by dense models.
     c.model.moe_implementation = "ragged_dot"
     # A randomly initialised Qwen3-MoE (hf_path and preset unset): num_experts > 0 makes every layer's MLP
     # num_experts SwiGLU experts of width moe_intermediate_size, top num_experts_per_tok (configs/tiny_moe.py).
