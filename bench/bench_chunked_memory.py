@@ -5,7 +5,7 @@ compiles on a CPU) computes the PDM (top-K KL, bucket_exact) truncated-IS loss
 and its gradient w.r.t. all parameters, through ``train_step.make_rl_loss``:
 
 * ``unchunked``: all ``[B,T,V]`` f32 logits at once (``logits_chunk_size=0``);
-* ``chunk=c``:  ``pdm_jax.chunked_loss`` (scan over c positions, remat).
+* ``chunk=c``:  ``pdm_jax.rl.chunked_loss`` (scan over c positions, remat).
 
 For each completion length T it lowers and compiles the jitted
 ``value_and_grad`` on abstract inputs (nothing is allocated) and prints
@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 
 def temp_mib(graphdef, abs_params, batch: int, prompt: int, seq: int, top_k: int, chunk: int) -> tuple[float, float]:

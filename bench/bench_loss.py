@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdm_jax import objectives, trust_region
+from pdm_jax.rl import objectives, trust_region
 
 BASELINE = "dppo_topk_kl"
 #: XLA's static cost model of the compiled program (deterministic, unlike timings).

@@ -42,10 +42,10 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train_step import CONFIGS, make_batch  # noqa: E402  (sibling script: same configs and batch)
 
-from pdm_jax import train_step as ts  # noqa: E402
-from pdm_jax import trust_region  # noqa: E402
+from pdm_jax.rl import train_step as ts  # noqa: E402
+from pdm_jax.rl import trust_region  # noqa: E402
 from pdm_jax.analysis.param_direction import param_jvp_topk_kl, parameter_update  # noqa: E402
-from pdm_jax.loss import PolicyLossConfig  # noqa: E402
+from pdm_jax.rl.loss import PolicyLossConfig  # noqa: E402
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 TAU = 1.0

@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 WIDTH = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_attention_heads=8,
              num_key_value_heads=4, head_dim=32, tie_word_embeddings=True)

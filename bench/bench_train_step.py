@@ -42,13 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region
 from pdm_jax.distributed import opt_state_shardings, put_global_batch
 from pdm_jax.host_memory import reuse_freed_host_memory
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, init_model
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sharding import activation_sharding, make_mesh
 
 CONFIGS = {

@@ -66,7 +66,7 @@ def bench_model(name: str, repeats: int, quantization: str, modes=("subprocess",
     import jax
 
     from pdm_jax.models.qwen3 import Qwen3Config
-    from pdm_jax.sampler.supervisor import SamplerSupervisor
+    from pdm_jax.rollouts.supervisor import SamplerSupervisor
 
     cfg = Qwen3Config(**MODELS[name])
     params = random_params(cfg)

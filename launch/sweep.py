@@ -62,18 +62,18 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import trust_region as tr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _criterion_items(criterion: str) -> str:
-    """``key=value`` config-argument items selecting a `pdm_jax.trust_region.DIRECTION_CRITERIA` name."""
+    """``key=value`` config-argument items selecting a `pdm_jax.rl.trust_region.DIRECTION_CRITERIA` name."""
     return ",".join(f"{k}={v}" for k, v in tr.criterion_settings(criterion).items())
 
 
 #: The ``criterion`` axis -> config-argument items: the trust-region direction criteria (``ratio`` = DPPO;
-#: ``pdm_<estimator>`` = PDM with that estimator; `pdm_jax.trust_region.criterion_settings`), then the masks
+#: ``pdm_<estimator>`` = PDM with that estimator; `pdm_jax.rl.trust_region.criterion_settings`), then the masks
 #: without a divergence direction test: ``ppo`` (ratio clip 1 ± 0.2), ``ppo_clip_higher`` (GRPO with DAPO's
 #: clip-higher, r in [0.8, 1.28]; arXiv 2503.14476 eq. 10) and ``none`` (truncated IS, no mask); and
 #: ``pdm_param_jvp``: PDM with the parameter-space direction Ḋᵖ along the unmasked update (issue 16).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 
 class TrainerCallback:
@@ -17,7 +17,7 @@ class TrainerCallback:
     ``trainer`` exposes ``config`` (the run ConfigDict), ``graphdef`` (the model's
     ``nnx.GraphDef``), ``model_config`` (``Qwen3Config``) and ``step_configs``
     (``pdm_jax.config.StepConfigs``: the trust-region and loss configs of the step).
-    ``state`` is the ``pdm_jax.train_step.TrainState``; the step donates it, so read
+    ``state`` is the ``pdm_jax.rl.train_step.TrainState``; the step donates it, so read
     what you need in ``before_update``. Hooks must not change training.
     """
 

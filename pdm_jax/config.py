@@ -26,8 +26,8 @@ import numpy as np
 
 from pdm_jax import aot
 from pdm_jax import data as data_sources
-from pdm_jax import trust_region
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl import trust_region
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from pdm_jax.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from pdm_jax.models.presets import PRESETS
@@ -38,9 +38,9 @@ from pdm_jax.sampler.engine import BATCHING_MODES, check_engine_mesh
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
 from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS, MAX_STOP_TOKEN_IDS
 from pdm_jax.sharding import MESH_AXES, MeshConfig
-from pdm_jax.train_step import OptimizerConfig
+from pdm_jax.rl.train_step import OptimizerConfig
 
-#: ``sampler.mode``: "auto" resolves with `resolve_sampler_mode`; pdm_jax.sampler.supervisor runs each.
+#: ``sampler.mode``: "auto" resolves with `resolve_sampler_mode`; pdm_jax.rollouts.supervisor runs each.
 SAMPLER_MODES = ("auto", "subprocess", "remote", "in_process", "colocated")
 #: Modes whose sampler reads each weights version from a file under WORKDIR/weights ("colocated": in memory).
 SAMPLER_FILE_MODES = ("subprocess", "remote", "in_process")
@@ -158,11 +158,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.normalize_advantage_std = False  # DPPO uses none
     c.rl.kl_beta = 0.0  # KL penalty to the frozen initial policy (DAPO/DPPO: 0)
     c.rl.kl_estimator = "k3"
-    c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.chunked_loss); 0 = all [B,T,V] logits
+    c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.rl.chunked_loss); 0 = all [B,T,V] logits
     c.rl.micro_batch_size = 0  # sequences per micro-batch; > 0: gradients accumulated exactly over micro-batches; 0 = off
     c.rl.router_aux_loss_coef = 0.0  # Qwen3-MoE: weight of the router load-balancing loss in the RL loss (0 = off)
 
-    # ---- trust region (pdm_jax.trust_region.TrustRegionConfig) ---------------------------
+    # ---- trust region (pdm_jax.rl.trust_region.TrustRegionConfig) ---------------------------
     c.trust_region = ml_collections.ConfigDict()
     c.trust_region.mask = "pdm"  # "none" | "ppo" | "dppo" | "pdm"
     c.trust_region.divergence = "topk_kl"
@@ -179,7 +179,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     # ---- sampler service ------------------------------------------------------------
     c.sampler = ml_collections.ConfigDict()
-    # Where rollouts are sampled and how weights reach the sampler (pdm_jax.sampler.supervisor):
+    # Where rollouts are sampled and how weights reach the sampler (pdm_jax.rollouts.supervisor):
     # "subprocess" (a server process started by the trainer, weights through files) | "remote" (a server at
     # sampler.address, files) | "in_process" (an engine in the trainer's process, files) | "colocated" (an
     # engine on the trainer's first device, weights handed over in memory) | "auto" (subprocess on the CPU
@@ -188,7 +188,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.address = ""  # http://host:port for mode=remote
     c.sampler.token = ""
     # Rollout server: "native" (pdm_jax.sampler.server / engine) | "vllm" (a vLLM or vLLM-TPU OpenAI-compatible
-    # server at sampler.address, mode "remote"; pdm_jax.sampler.vllm_client, README "vLLM backend").
+    # server at sampler.address, mode "remote"; pdm_jax.rollouts.vllm_client, README "vLLM backend").
     c.sampler.backend = "native"
     c.sampler.vllm_model = ""  # served model name sent with each request ("" = the first of GET /v1/models)
     # Where each weights version is written as a Hugging Face safetensors directory for the vLLM server to
@@ -207,7 +207,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.request_timeout_s = 300.0
     c.sampler.retries = 3
     c.sampler.max_restarts = 3
-    # Stall detection while a call is in flight (pdm_jax.sampler.supervisor): /health probed every
+    # Stall detection while a call is in flight (pdm_jax.rollouts.supervisor): /health probed every
     # interval, each probe given timeout seconds; this many consecutive misses = stalled (kill + restart).
     c.sampler.stall_probe_interval_s = 10.0
     c.sampler.stall_probe_timeout_s = 10.0

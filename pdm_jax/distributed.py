@@ -209,7 +209,7 @@ def put_global_batch(arrays, mesh, *, batch_axes: Sequence[str] = ("data", "fsdp
     """Global, batch-sharded ``jax.Array``s from host arrays, correct with one or many processes.
 
     Args:
-      arrays: a pytree of host arrays ``[N, ...]`` (a ``pdm_jax.rollout.StepBatch``
+      arrays: a pytree of host arrays ``[N, ...]`` (a ``pdm_jax.rl.step_batch.StepBatch``
         or a name -> array mapping; None fields stay None).
       mesh: the global mesh.
       batch_axes: mesh axes the leading (row) axis is split over.

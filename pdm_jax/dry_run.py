@@ -44,7 +44,7 @@ from jax._src import xla_bridge
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdm_jax import aot
-from pdm_jax import train_step as ts
+from pdm_jax.rl import train_step as ts
 from pdm_jax.config import (compute_options, model_config_from_fields, resolve_sampler_mode, step_configs,
                             validate_config)
 from pdm_jax.distributed import opt_state_shardings
@@ -52,7 +52,11 @@ from pdm_jax.models.hf_io import load_config
 from pdm_jax.models.presets import PRESETS, get_preset
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.models.tokenizer import char_vocab_size
-from pdm_jax.rollout import StepBatch, round_up
+from pdm_jax.rollout import round_up
+from pdm_jax.sampler import engine as eng
+from pdm_jax.sampler.engine import next_pow2
+from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
+from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sharding import MeshConfig, activation_sharding, make_mesh, param_partition_specs, param_shardings
 
 
@@ -350,7 +354,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
                          f"one host's own chips ({per_host} of {chip} per host; sampler.mode = colocated)")
     dtype = resolve_compute_dtype(str(sc.get("compute_dtype", "auto")), str(sc.quantization), backend=backend)
     _, weights = param_bytes_per_device(model_cfg, {"data": d, "fsdp": 1, "tensor": t}, dtype)
-    pow2 = lambda n: 1 << (max(int(n), 1) - 1).bit_length()  # noqa: E731  (engine._next_pow2)
+    pow2 = next_pow2
     continuous = str(sc.get("batching", "continuous")) == "continuous"
     slots = pow2((int(sc.get("max_slots", 0)) if continuous else 0) or int(sc.max_batch_size))
     try:
@@ -392,8 +396,6 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     prompt store, park, activations), ``total`` (their sum), ``compile_seconds`` and ``flops``
     (`aot.cost_flops`). XLA:CPU's figures are an estimate of an accelerator's (CPU fusion and layouts).
     """
-    from pdm_jax.sampler import engine as eng  # lazy: the dry run's own imports stay light
-    from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 
     d, t = sp["mesh"]
     devices = list(jax.devices() if devices is None else devices)[:d * t]
@@ -403,7 +405,7 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     graphdef, state = nnx.split(model)
     state = _with_shardings(state, param_shardings(nnx.state(model, nnx.Param), mesh))
     sc, rl = config.sampler, config.rl
-    pow2 = lambda n: 1 << (max(int(n), 1) - 1).bit_length()  # noqa: E731
+    pow2 = next_pow2
     slots, p, new = sp["slots"], int(sc.max_prompt_length), int(rl.max_new_tokens)
     prompts = int(sp.get("request_prompts", rl.prompts_per_step))
     n_pad, u_pad = max(pow2(prompts * rl.group_size), slots), max(pow2(prompts), slots // 4)

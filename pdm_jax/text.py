@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 
 class TextCodec:

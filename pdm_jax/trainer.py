@@ -3,9 +3,8 @@
 One `Trainer` owns the side effects of a run (DESIGN.md §3): the orbax
 checkpoints, metrics files, the warm start and evaluation, and a
 `SamplerSupervisor` that owns the sampler (process, restarts, weights versions).
-The math lives in pure functions (`pdm_jax.train_step`, `pdm_jax.loss`,
-`pdm_jax.trust_region`, `pdm_jax.objectives`); the run config is checked and
-translated into their typed configs by `pdm_jax.config`.
+The math lives in the pure functions of `pdm_jax.rl` (the step, the loss, the masks);
+the run config is checked and translated into their typed configs by `pdm_jax.config`.
 
 Phases of a run (all resumable from ``--workdir``):
 
@@ -38,7 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from pdm_jax import evaluation, host_memory, objectives, per_host, train_step as ts, workdir as wd
+from pdm_jax import evaluation, host_memory, per_host, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import (check_routing_replay_model, check_sampler_mesh, compute_options, model_config_from_fields,
@@ -46,15 +45,15 @@ from pdm_jax.config import (check_routing_replay_model, check_sampler_mesh, comp
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary
-from pdm_jax.models import Qwen3ForCausalLM
-from pdm_jax.models.hf_io import from_pretrained
-from pdm_jax.models.presets import get_preset
+from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.models.tokenizer import build_char_tokenizer, load_tokenizer
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
                                enable_compile_cache, resolve_compile_cache_dir, step_timing)
-from pdm_jax.rollout import StepBatch, round_up
-from pdm_jax.rollout_producer import RolloutProducer
-from pdm_jax.sampler.supervisor import SamplerFailure, SamplerSupervisor
+from pdm_jax.rl import objectives, train_step as ts
+from pdm_jax.rl.step_batch import StepBatch
+from pdm_jax.rollout import round_up
+from pdm_jax.rollouts.producer import RolloutProducer
+from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
 from pdm_jax.text import TextCodec

@@ -29,9 +29,9 @@ def main(out_path: str) -> None:
     import numpy as np
     from flax import nnx
 
-    from pdm_jax import train_step as ts, trust_region
-    from pdm_jax.loss import PolicyLossConfig
-    from pdm_jax.rollout import StepBatch
+    from pdm_jax.rl import train_step as ts, trust_region
+    from pdm_jax.rl.loss import PolicyLossConfig
+    from pdm_jax.rl.step_batch import StepBatch
     from pdm_jax.models.qwen3 import Qwen3Config, init_model
     from pdm_jax.sharding import make_mesh
 

@@ -23,9 +23,9 @@ import pytest
 from flax import nnx
 
 from pdm_jax import config as config_lib
-from pdm_jax import objectives
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import objectives
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.config import validate_config
 

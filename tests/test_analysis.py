@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.analysis import alignment as al
 from pdm_jax.analysis import report
 from pdm_jax.analysis.callback import AlignmentCallback, isolated_changes
 from pdm_jax.metrics import read_metrics
 from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -146,7 +146,7 @@ def test_weights_versions_on_a_bucket(bucket):
 def test_file_sampler_modes_refuse_a_bucket_workdir():
     import ml_collections
 
-    from pdm_jax.sampler.supervisor import SamplerSupervisor
+    from pdm_jax.rollouts.supervisor import SamplerSupervisor
 
     for mode in ("subprocess", "in_process"):
         sc = ml_collections.ConfigDict(dict(mode=mode, max_prompt_length=8, max_batch_size=4))

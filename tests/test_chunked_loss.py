@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pdm_jax import chunked_loss, train_step as ts, trust_region
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl import chunked_loss, train_step as ts, trust_region
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 VOCAB, P, T, K, B = 61, 3, 7, 4, 4
 

@@ -24,7 +24,7 @@ from pdm_jax.config import get_base_config, resolve_sampler_mode, validate_confi
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler.engine import SamplingEngine, StaleWeightsError
-from pdm_jax.sampler.supervisor import SamplerRejected, SamplerSupervisor
+from pdm_jax.rollouts.supervisor import SamplerRejected, SamplerSupervisor
 from pdm_jax.sharding import make_mesh, param_shardings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -128,7 +128,7 @@ def test_colocated_sync_in_memory_refuses_nan_and_stale_versions(tmp_path):
 
 
 def test_stale_in_memory_version_is_refused_by_the_engine():
-    from pdm_jax.sampler.engine import InProcessSampler
+    from pdm_jax.rollouts.in_process import InProcessSampler
     state = _trainer_params((8, 1, 1))
     s = InProcessSampler(SamplingEngine(CFG, state, version=3, device=jax.local_devices()[0], **LIMITS))
     with pytest.raises(StaleWeightsError, match="stale weights version 2: the sampler holds version 3"):

@@ -9,11 +9,12 @@ import pytest
 
 from pdm_jax import config as config_lib
 from pdm_jax.config import get_base_config, step_configs, validate_config
-from pdm_jax.loss import PolicyLossConfig
-from pdm_jax.rollout import RolloutBatch, StepBatch
-from pdm_jax.rollout_producer import RolloutProducer
-from pdm_jax.train_step import OptimizerConfig
-from pdm_jax.trust_region import TrustRegionConfig
+from pdm_jax.rl.loss import PolicyLossConfig
+from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rl.step_batch import StepBatch
+from pdm_jax.rollouts.producer import RolloutProducer
+from pdm_jax.rl.train_step import OptimizerConfig
+from pdm_jax.rl.trust_region import TrustRegionConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.config import apply_arg, get_base_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +48,7 @@ def test_issue_sweep_expands_to_18_config_strings():
 
 
 def test_criterion_axis_selects_the_trust_region_direction_criteria():
-    """The sweep's criterion names map onto pdm_jax.trust_region's criteria and their config fields."""
+    """The sweep's criterion names map onto pdm_jax.rl.trust_region's criteria and their config fields."""
     assert list(sweep.CRITERIA) == ["ratio", "pdm_aggregated_tail", "pdm_uniform_tail", "pdm_bucket_exact", "ppo",
                                     "ppo_clip_higher", "none", "pdm_param_jvp"]
     for name in tr.DIRECTION_CRITERIA:

@@ -9,10 +9,10 @@ import optax
 import pytest
 from flax import nnx
 
-from pdm_jax import train_step as ts, trust_region
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl import train_step as ts, trust_region
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 V, P, T, K, B = 37, 3, 5, 4, 4
 CFG = Qwen3Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,

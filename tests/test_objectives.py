@@ -1,4 +1,4 @@
-"""Tests for pdm_jax.objectives: advantages, TIS / PPO-clip losses, KL penalty, aggregation.
+"""Tests for pdm_jax.rl.objectives: advantages, TIS / PPO-clip losses, KL penalty, aggregation.
 
 Closed forms are checked against jax.grad, PPO against an independent per-element
 numpy reference, and aggregation against a full-batch computation under
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdm_jax import loss as pl
-from pdm_jax import objectives as obj
+from pdm_jax.rl import loss as pl
+from pdm_jax.rl import objectives as obj
 
 RNG = np.random.default_rng(0)
 
@@ -339,7 +339,7 @@ def _problem(num_rows=B, all_pad_row=None):
 
 
 def _policy_loss(logp, behavior, adv, trust, valid, loss_type, mode, max_len=None, ref=None, kl_beta=0.0):
-    """The trainer's loss (pdm_jax.loss.per_token_policy_loss, then objectives.aggregate_loss): (sum, denominator)."""
+    """The trainer's loss (pdm_jax.rl.loss.per_token_policy_loss, then objectives.aggregate_loss): (sum, denominator)."""
     valid = jnp.asarray(valid).astype(bool)
     config = pl.PolicyLossConfig(policy_loss=loss_type, loss_aggregation=mode, tis_cap=2.0, clip_eps_low=0.2,
                                  clip_eps_high=0.28, dual_clip=3.0, kl_beta=kl_beta)
@@ -455,7 +455,7 @@ def test_nan_pads_never_reach_loss_or_gradient():
 
 
 def test_policy_loss_and_metrics_values():
-    """The trainer's aggregated loss and its ratio metrics (pdm_jax.loss) against hand-computed values."""
+    """The trainer's aggregated loss and its ratio metrics (pdm_jax.rl.loss) against hand-computed values."""
     logp = jnp.log(jnp.asarray([[0.5, 0.5, 0.2]]))
     blp = jnp.log(jnp.asarray([[0.25, 0.5, 0.4]]))  # r = 2, 1, 0.5
     adv = jnp.asarray([1.0])

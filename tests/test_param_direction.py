@@ -7,8 +7,8 @@ import optax
 import pytest
 from flax import nnx
 
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.analysis.param_direction import param_directional_change, param_jvp_topk_kl, parameter_update
 from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
 

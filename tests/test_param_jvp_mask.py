@@ -1,6 +1,6 @@
 """trust_region.direction = "param_jvp": the PDM mask with Ḋᵖ along the unmasked update, inside the train step.
 
-References are written here independently of pdm_jax.loss / trust_region's mask: the unmasked and masked
+References are written here independently of pdm_jax.rl.loss / trust_region's mask: the unmasked and masked
 truncated-IS losses by hand, Δθ from optax on jax.grad of the hand-written loss, and Ḋᵖ_t as the explicit
 dot product <jax.jacrev(D)(θ)[t], Δθ> (one reverse-mode gradient per token, no jvp).
 """
@@ -17,12 +17,12 @@ from flax import nnx
 
 from pdm_jax import config as run_config
 from pdm_jax import sharding as shd
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.distributed import opt_state_shardings, put_global_batch
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 CFG = Qwen3Config(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)

@@ -21,7 +21,7 @@ import pytest
 from pdm_jax import distributed, per_host
 from pdm_jax.sampler import wire
 from pdm_jax.sampler.engine import RequestError, SamplingEngine
-from pdm_jax.sampler.vllm_client import VLLMSampler, prompt_seed
+from pdm_jax.rollouts.vllm_client import VLLMSampler, prompt_seed
 from pdm_jax.sampler.vllm_fake import FakeVLLM, create_app, serve_in_thread
 from pdm_jax.sampler.weights import save_weights
 from pdm_jax.sharding import make_mesh

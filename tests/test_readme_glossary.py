@@ -15,8 +15,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from pdm_jax import evaluation, loss, metrics, profiling, train_step, trainer
-from pdm_jax import trust_region as tr
+from pdm_jax import evaluation, metrics, profiling, trainer
+from pdm_jax.rl import loss, train_step
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.config import get_base_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pdm_jax import train_step as ts, trust_region
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl import train_step as ts, trust_region
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import ROUTING_PAD, RolloutBatch, StepBatch
+from pdm_jax.rollout import ROUTING_PAD, RolloutBatch
+from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sampler import wire
 from pdm_jax.sampler.engine import SamplingEngine
 from pdm_jax.sampler.wire import RequestError

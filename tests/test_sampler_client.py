@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pdm_jax.sampler import wire
-from pdm_jax.sampler.client import SamplerClient, SamplerError, SamplerRequestError
+from pdm_jax.rollouts.client import SamplerClient, SamplerError, SamplerRequestError
 
 
 def _mp(obj, status=200):

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.sampler.engine import (InProcessSampler, RequestError, SamplingEngine, resolve_compute_dtype,
+from pdm_jax.rollouts.in_process import InProcessSampler
+from pdm_jax.sampler.engine import (RequestError, SamplingEngine, resolve_compute_dtype,
                                     sampling_distribution)
 
 CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -18,8 +18,8 @@ from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import weights as wts
-from pdm_jax.sampler.client import SamplerClient, SamplerRequestError, response_to_batch
-from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
+from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError, response_to_batch
+from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.sampler.server import parse_args
 
 pytestmark = pytest.mark.slow

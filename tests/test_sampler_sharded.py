@@ -128,7 +128,7 @@ def test_reachable_from_the_config(params, tmp_path):
 
     from pdm_jax.config import get_base_config, validate_config
     from pdm_jax.sampler import server
-    from pdm_jax.sampler.supervisor import SamplerSupervisor
+    from pdm_jax.rollouts.supervisor import SamplerSupervisor
 
     c = get_base_config()
     assert (c.sampler.mesh.data, c.sampler.mesh.tensor) == (1, 1)  # default: the single-device engine
@@ -161,7 +161,7 @@ def test_sharded_server_subprocess_equals_in_process(params, tmp_path):
     import json
 
     from pdm_jax.sampler import weights as wts
-    from pdm_jax.sampler.launcher import start_sampler_server
+    from pdm_jax.rollouts.launcher import start_sampler_server
 
     with open(tmp_path / "config.json", "w") as f:
         json.dump(CFG.to_hf_dict(), f)

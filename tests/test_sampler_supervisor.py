@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from pdm_jax.models.qwen3 import Qwen3Config
-from pdm_jax.sampler import supervisor as sup_mod
+from pdm_jax.rollouts import supervisor as sup_mod
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
-from pdm_jax.sampler.client import SamplerClient, SamplerError, SamplerRequestError
-from pdm_jax.sampler.launcher import SamplerStartupError
-from pdm_jax.sampler.supervisor import SamplerFailure, SamplerRejected, SamplerSupervisor
+from pdm_jax.rollouts.client import SamplerClient, SamplerError, SamplerRequestError
+from pdm_jax.rollouts.launcher import SamplerStartupError
+from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerRejected, SamplerSupervisor
 
 
 def sampler_config(**over):
@@ -263,7 +263,7 @@ def test_sigstopped_subprocess_is_killed_and_replaced(tmp_path):
         with pytest.raises(SamplerRejected) as e:
             s.sync(bad, 1)
         assert e.value.status == 422 and e.value.field == "path" and "non-finite" in str(e.value)
-        assert s.restarts_total == 1 and s.call("health")["version"] == 0 and s.version == 0
+        assert s.restarts_total == 1 and s.call("health", lambda sampler: sampler.health())["version"] == 0 and s.version == 0
     finally:
         s.stop()
 

@@ -12,7 +12,7 @@ import pytest
 
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import wire
-from pdm_jax.sampler.client import response_to_batch
+from pdm_jax.rollouts.client import response_to_batch
 
 CODECS = [pytest.param(False, id="json"), pytest.param(True, id="msgpack")]
 BATCH_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "behavior_logprobs", "topk_ids",

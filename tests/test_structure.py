@@ -74,9 +74,48 @@ def test_no_import_cycles():
 
 @pytest.mark.parametrize("importer", ["pdm_jax.dry_run", "pdm_jax.analysis.alignment", "pdm_jax.analysis.callback",
                                       "pdm_jax.analysis.report", "pdm_jax.analysis.run", "pdm_jax.config",
-                                      "pdm_jax.loss", "pdm_jax.train_step", "pdm_jax.chunked_loss"])
+                                      "pdm_jax.rl.loss", "pdm_jax.rl.train_step", "pdm_jax.rl.chunked_loss"])
 def test_planner_analysis_and_math_do_not_import_the_loop(importer):
     assert "pdm_jax.trainer" not in _imports(importer, MODULES[importer])
+
+
+def _in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_the_service_imports_nothing_of_the_trainers_side():
+    """``pdm_jax.sampler`` (the rollout service) never imports the trainer's side, the update or the config."""
+    trainer_side = ("pdm_jax.rollouts", "pdm_jax.rl", "pdm_jax.trainer", "pdm_jax.config", "pdm_jax.train",
+                    "pdm_jax.dry_run", "pdm_jax.evaluation", "pdm_jax.checkpointing", "pdm_jax.analysis")
+    bad = [f"{n} -> {m}" for n, t in MODULES.items() if _in(n, "pdm_jax.sampler")
+           for m in _imports(n, t) if any(_in(m, p) for p in trainer_side)]
+    assert not bad, bad
+
+
+def test_the_pure_update_imports_no_io():
+    """``pdm_jax.rl`` imports itself, the models, sharding and the numpy rollout contract; no I/O library."""
+    allowed = ("pdm_jax.rl", "pdm_jax.models", "pdm_jax.sharding", "pdm_jax.rollout")
+    io_libraries = {"orbax", "ml_collections", "requests", "httpx", "fastapi", "uvicorn", "msgpack", "json",
+                    "os", "subprocess", "socket", "tensorboardX", "datasets"}
+    bad = []
+    for n, t in MODULES.items():
+        if not _in(n, "pdm_jax.rl"):
+            continue
+        bad += [f"{n} -> {m}" for m in _imports(n, t) if not any(_in(m, p) for p in allowed)]
+        for node in ast.walk(t):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{n} -> {x}" for x in names if x.split(".")[0] in io_libraries]
+    assert not bad, bad
+
+
+def test_the_rollout_contract_is_numpy_only():
+    """``pdm_jax.rollout`` imports numpy and the standard library only (the service and the wire codec read it)."""
+    tree = MODULES["pdm_jax.rollout"]
+    top = {(a.name if isinstance(node, ast.Import) else node.module).split(".")[0]
+           for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+           for a in (node.names if isinstance(node, ast.Import) else [node])}
+    assert top <= {"numpy", "dataclasses", "typing", "__future__"}, top
 
 
 def test_wire_field_names_only_in_wire_py():
@@ -116,7 +155,27 @@ def test_one_log_ratio_clamp():
     assigned = [name for name, tree in MODULES.items() for node in ast.walk(tree)
                 if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LOG_RATIO_CLAMP"
                                                         for t in node.targets)]
-    assert assigned == ["pdm_jax.trust_region"]
-    for name in ("pdm_jax.loss", "pdm_jax.objectives", "pdm_jax.train_step", "pdm_jax.chunked_loss"):
+    assert assigned == ["pdm_jax.rl.trust_region"]
+    for name in ("pdm_jax.rl.loss", "pdm_jax.rl.objectives", "pdm_jax.rl.train_step", "pdm_jax.rl.chunked_loss"):
         consts = [n.value for n in ast.walk(MODULES[name]) if isinstance(n, ast.Constant)]
         assert 20.0 not in consts, name
+
+
+def test_every_sampler_implements_the_protocol():
+    """Each backend the supervisor can hold has every method of `pdm_jax.rollouts.base.Sampler`."""
+    import inspect
+
+    from pdm_jax.rollouts import base
+    from pdm_jax.rollouts.client import SamplerClient
+    from pdm_jax.rollouts.in_process import InProcessSampler
+    from pdm_jax.rollouts.vllm_client import VLLMSampler
+
+    members = [m for m in ("generate", "load_weights", "health", "version") if hasattr(base.Sampler, m)]
+    assert len(members) == 4
+    for cls in (SamplerClient, VLLMSampler, InProcessSampler):
+        for m in members:
+            assert hasattr(cls, m), f"{cls.__name__} lacks {m}"
+        want = set(inspect.signature(base.Sampler.generate).parameters) - {"self"}
+        got = set(inspect.signature(cls.generate).parameters) - {"self"}
+        assert want <= got or "kwargs" in got, f"{cls.__name__}.generate lacks {want - got}"
+    assert hasattr(InProcessSampler, "set_params")

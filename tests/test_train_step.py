@@ -1,4 +1,4 @@
-"""The jitted RL loss of pdm_jax.train_step on a tiny Qwen3: values against a direct computation."""
+"""The jitted RL loss of pdm_jax.rl.train_step on a tiny Qwen3: values against a direct computation."""
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +7,11 @@ import optax
 import pytest
 from flax import nnx
 
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region
-from pdm_jax.loss import PolicyLossConfig
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region
+from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 CFG = Qwen3Config(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)

@@ -14,8 +14,8 @@ from pdm_jax import trainer as trainer_mod
 from pdm_jax.checkpointing import Checkpointer
 from pdm_jax.config import apply_arg, get_base_config, validate_config
 from pdm_jax.metrics import run_summary
-from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
-from pdm_jax.sampler.supervisor import SamplerFailure
+from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
+from pdm_jax.rollouts.supervisor import SamplerFailure
 from pdm_jax.trainer import Trainer
 from pdm_jax.workdir import LOCK_NAME, WorkdirLock, WorkdirLockedError
 

@@ -1,4 +1,4 @@
-"""Tests of pdm_jax.trust_region: closed forms vs autodiff, edge inputs, masks.
+"""Tests of pdm_jax.rl.trust_region: closed forms vs autodiff, edge inputs, masks.
 
 Every closed form is checked against ``jax.jvp`` of an independent dense
 reference divergence written here (DESIGN.md section 2); numbers that could be
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import trust_region as tr
 
 ESTIMATORS = ("aggregated_tail", "uniform_tail", "bucket_exact")
 

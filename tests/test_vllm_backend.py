@@ -12,10 +12,10 @@ from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import wire
-from pdm_jax.sampler.client import SamplerRequestError
+from pdm_jax.rollouts.client import SamplerRequestError
 from pdm_jax.sampler.engine import SamplingEngine
 from pdm_jax.rollout import RolloutBatch
-from pdm_jax.sampler.vllm_client import (StaleVLLMWeightsError, VLLMResponseError, VLLMSampler, completions_request,
+from pdm_jax.rollouts.vllm_client import (StaleVLLMWeightsError, VLLMResponseError, VLLMSampler, completions_request,
                                          export_hf_weights, parse_completions, prompt_seed)
 from pdm_jax.sampler.vllm_fake import FakeVLLM, create_app, serve_in_thread
 from pdm_jax.sampler.weights import save_weights, to_pure_dict
@@ -208,7 +208,7 @@ def test_exported_hf_directory_is_bit_exact_and_refuses_wrong_shapes(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the CLI that writes a server's starting directory: from a save_weights directory, same tensors
-    from pdm_jax.sampler.vllm_client import main
+    from pdm_jax.rollouts.vllm_client import main
     save_weights(params, str(tmp_path / "w"), version=0)
     (tmp_path / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
     main(["--model_config", str(tmp_path / "config.json"), "--weights", str(tmp_path / "w"),
@@ -272,7 +272,7 @@ def test_rl_steps_with_the_vllm_backend_equal_the_in_process_engine(tmp_path, mo
     assert summary["steps"] == 2 and fake.reloads == 3  # version 0 at start, then one per RL step
     assert sorted(os.listdir(tmp_path / "vllm" / "weights_hf")) == ["v000001", "v000002"]
     # reference: our in-process engine with the client's request layout (one call per prompt, prompt_seed)
-    from pdm_jax.sampler.supervisor import SamplerSupervisor
+    from pdm_jax.rollouts.supervisor import SamplerSupervisor
     plain = SamplerSupervisor.generate
 
     def per_prompt(self, prompts, *, n, seed, **kw):

@@ -1,7 +1,7 @@
 """Token-level alignment analysis of trust-region direction criteria (PDM paper, arXiv 2607.10848).
 
 * `alignment` — pure per-token bookkeeping: keep decisions of the ratio and
-  predictive criteria (their names: `pdm_jax.trust_region.DIRECTION_CRITERIA`,
+  predictive criteria (their names: `pdm_jax.rl.trust_region.DIRECTION_CRITERIA`,
   plus the ``full`` oracle and ``param_jvp``), realized ΔD, unsafe-keep / corrective /
   sign-agreement rates, estimator fidelity against the full-vocabulary derivative;
 * `param_direction` — Ḋᵖ_t = ⟨∇_θ D_t, Δθ⟩, every token's first-order

@@ -9,7 +9,7 @@ callback (`pdm_jax.analysis.callback`) feeds it logits before and after each
 real optimizer step, and `pdm_jax.analysis.report` aggregates seeds.
 
 Criteria (the "direction" half of M_t = 0 iff D_t > δ and Â_t·dir_t > 0;
-`pdm_jax.trust_region.DIRECTION_CRITERIA` and `criterion_settings` name them
+`pdm_jax.rl.trust_region.DIRECTION_CRITERIA` and `criterion_settings` name them
 and their masks, and `trust_region_radius` gives δ by the sign of Â):
 
 * ``ratio``            dir = r − 1 (DPPO; sign of log π(k) − log μ(k));
@@ -24,10 +24,10 @@ and their masks, and `trust_region_radius` gives δ by the sign of Â):
   realized ΔD (it needs the update it judges): in the isolated mode its decision
   is the sign of the isolated step's own first-order term ``iso_first_order``.
 
-Every keep decision is taken by `pdm_jax.trust_region.trust_region_mask` itself
+Every keep decision is taken by `pdm_jax.rl.trust_region.trust_region_mask` itself
 (so the analysis sees exactly what training would do), except ``full``, which
 the library has no mask for (same rule, written out here). D is the top-K KL
-(`pdm_jax.trust_region.topk_kl`, DESIGN.md §2) with the *same* μ (the batch's
+(`pdm_jax.rl.trust_region.topk_kl`, DESIGN.md §2) with the *same* μ (the batch's
 top-K and behaviour log-probs) before and after the update.
 
 Definitions (over tokens outside the region with Â ≠ 0; tokens with Â = 0 get
@@ -52,9 +52,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.analysis.param_direction import PARAM_CRITERION
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 
 #: The oracle criterion (needs the full behaviour distribution; no library mask).
 ORACLE = "full"
@@ -84,7 +84,7 @@ def token_analysis(logits_before, logits_after, batch: StepBatch, *, delta: floa
         ``behavior_logprobs`` [B,T], ``topk_ids``/``topk_logprobs`` [B,T,K],
         ``advantages`` [B] or [B,T] f32.
       delta, delta_low, delta_high: the trust-region radius (nats), as in
-        `pdm_jax.trust_region.TrustRegionConfig` (static).
+        `pdm_jax.rl.trust_region.TrustRegionConfig` (static).
       behavior_logits: optional ``[B,T,V]`` temperature-scaled behaviour
         logits z_q/τ (full μ); adds the ``full`` oracle fields.
 
@@ -93,7 +93,7 @@ def token_analysis(logits_before, logits_after, batch: StepBatch, *, delta: floa
       ``advantage`` f32, ``d_before``/``d_after``/``delta_d`` (nats, f32),
       ``log_ratio`` f32, ``tail_mass`` (μ_T, f32), ``dir_<estimator>`` f32 (Ḋ),
       ``keep_<criterion>`` bool for every name in
-      `pdm_jax.trust_region.DIRECTION_CRITERIA` (True on
+      `pdm_jax.rl.trust_region.DIRECTION_CRITERIA` (True on
       tokens inside the region), and with ``behavior_logits``: ``dir_full``,
       ``keep_full``, ``full_kl_before``.
     """
@@ -196,7 +196,7 @@ def _keep_of(records: Mapping[str, np.ndarray], criterion: str, change_key: str)
 
 def criteria_in(records: Mapping[str, np.ndarray], change_key: str = "delta_d") -> list:
     """The criteria with a keep decision in `records` against `change_key` (`ALL_CRITERIA` order:
-    `pdm_jax.trust_region.DIRECTION_CRITERIA`, then ``full`` and ``param_jvp`` when present)."""
+    `pdm_jax.rl.trust_region.DIRECTION_CRITERIA`, then ``full`` and ``param_jvp`` when present)."""
     return [c for c in ALL_CRITERIA if _keep_of(records, c, change_key) is not None]
 
 

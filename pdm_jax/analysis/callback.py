@@ -40,12 +40,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.analysis import alignment as al
 from pdm_jax.analysis import param_direction as pd
 from pdm_jax.callbacks import TrainerCallback
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sampler.engine import SamplingEngine
 
 

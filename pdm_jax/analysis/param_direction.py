@@ -1,7 +1,7 @@
 """Parameter-space predictive direction: the first-order change of every token's divergence under Δθ.
 
 The PDM mask predicts the sign of a token's divergence change from a step of
-that token's *logits* along e_k − π (`pdm_jax.trust_region.kl_directional_derivative`).
+that token's *logits* along e_k − π (`pdm_jax.rl.trust_region.kl_directional_derivative`).
 A real optimizer step moves the parameters, and the logits move along
 J·Δθ (J = ∂z/∂θ), which couples every token of the batch. This module gives the
 first-order change of each token's top-K KL under the actual parameter step,
@@ -10,7 +10,7 @@ first-order change of each token's top-K KL under the actual parameter step,
 
 for all tokens of a mini-batch with ONE forward-mode pass (``jax.jvp`` of the
 per-token top-K KL through the model along Δθ). D_t is
-`pdm_jax.trust_region.topk_kl` (DESIGN.md §1-2: the behaviour top-K log-probs
+`pdm_jax.rl.trust_region.topk_kl` (DESIGN.md §1-2: the behaviour top-K log-probs
 and the tail bucket, μ fixed), so Ḋᵖ is the derivative of the same divergence
 the trust region uses. With the identity map θ = z it reduces to the
 logit-space derivative along Δz (for Δz = e_k − π, the ``bucket_exact``
@@ -32,8 +32,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pdm_jax import train_step as ts
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import train_step as ts
+from pdm_jax.rl import trust_region as tr
 
 __all__ = ["PARAM_CRITERION", "parameter_update", "param_directional_change", "param_jvp_topk_kl"]
 
@@ -90,7 +90,7 @@ def param_directional_change(logits_fn: Callable, params, delta_params, tokens, 
                              behavior_logprobs):
     """(D_t, Ḋᵖ_t): the top-K KL at θ and its derivative along Δθ, one ``jax.jvp`` through `logits_fn`.
 
-    Ḋᵖ_t = ⟨∇_θ D_t(θ), Δθ⟩ with D_t = `pdm_jax.trust_region.topk_kl` of
+    Ḋᵖ_t = ⟨∇_θ D_t(θ), Δθ⟩ with D_t = `pdm_jax.rl.trust_region.topk_kl` of
     ``logits_fn(θ)`` against the behaviour top-K (μ fixed). Not jitted itself
     (``logits_fn`` is a Python callable); call it under ``jax.jit``.
 
@@ -130,7 +130,7 @@ def param_jvp_topk_kl(graphdef, params, delta_params, prompt_ids, prompt_mask, c
                       topk_ids, topk_logprobs, behavior_logprobs, *, temperature: float):
     """(D, Ḋᵖ) ``[B,T]`` f32 of a train-step batch under the trainer's model, one forward-mode pass.
 
-    The logits are `pdm_jax.train_step.completion_logits` / τ (the trainer's
+    The logits are `pdm_jax.rl.train_step.completion_logits` / τ (the trainer's
     own forward), so D equals the step's ``mean_topk_kl`` inputs and Ḋᵖ is
     the first-order change of each completion token's top-K KL under θ → θ + Δθ.
 
@@ -142,7 +142,7 @@ def param_jvp_topk_kl(graphdef, params, delta_params, prompt_ids, prompt_mask, c
       prompt_ids ``[B,P]`` int, prompt_mask ``[B,P]`` bool, completion_ids
       ``[B,T]`` int, completion_mask ``[B,T]`` bool, topk_ids ``[B,T,K]`` int,
       topk_logprobs ``[B,T,K]`` f32, behavior_logprobs ``[B,T]`` f32: the
-      `pdm_jax.rollout.StepBatch` fields.
+      `pdm_jax.rl.step_batch.StepBatch` fields.
       temperature: τ (static), > 0.
 
     Returns:

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pdm_jax import trust_region as tr
+from pdm_jax.rl import trust_region as tr
 from pdm_jax.analysis import alignment as al
 from pdm_jax.analysis.run import load_config
 from pdm_jax.config import apply_arg
@@ -333,7 +333,7 @@ _DEFINITIONS = ["## Definitions", "",
            "P(kept | ΔD > 0), corrective = P(kept | ΔD < 0), sign agreement = P(predicted sign of Â·dir = sign ΔD), "
            "disagreement set = tokens where the criterion's keep decision differs from the ratio criterion's, "
            "'right on disagreement' = P(criterion right | disagreement) with right = kept & ΔD < 0 or masked & "
-           "ΔD > 0. Keep decisions come from `pdm_jax.trust_region.trust_region_mask` (the training code); "
+           "ΔD > 0. Keep decisions come from `pdm_jax.rl.trust_region.trust_region_mask` (the training code); "
            "`full` is the same rule with the full-vocabulary Ḋ; `param_jvp` masks a token iff Ḋᵖ = ⟨∇_θ D_t, Δθ⟩ > 0 "
            "(one jax.jvp through the model along the step's actual update Δθ; in the isolated mode along the "
            "isolated step, i.e. the sign of its first-order term) — an oracle of the first-order change, not a "

@@ -929,7 +929,7 @@ class Qwen3ForCausalLM(nnx.Module):
         """The LM head alone: final hidden states [B,T,D] (after ``norm``) -> logits [B,T,V] f32.
 
         Tied (``embed_tokens.attend``) or untied (``lm_head``) projection. Lets a loss
-        project a few positions at a time (``pdm_jax.chunked_loss``) instead of
+        project a few positions at a time (``pdm_jax.rl.chunked_loss``) instead of
         materialising all [B,T,V] logits.
         """
         if self.lm_head is None:

@@ -4,14 +4,14 @@ For Qwen3 (V = 151,936) a micro-batch of 8 sequences x 8k response tokens has
 f32 logits of 8 * 8192 * 151936 * 4 B = 40 GB, and the log-softmax, the tail
 reductions of the top-K divergence and their gradients need several buffers of
 that size. This module computes exactly the same loss, gradient and statistics
-as the unchunked ``pdm_jax.train_step.make_rl_loss`` while holding only ``[B, c, V]`` logits
+as the unchunked ``pdm_jax.rl.train_step.make_rl_loss`` while holding only ``[B, c, V]`` logits
 at a time (c = ``chunk_size`` sequence positions):
 
 1. the model runs once up to its final hidden states ``h [B,T,D]``
    (``Qwen3ForCausalLM.hidden_states``; D << V);
 2. ``jax.lax.scan`` walks over the T axis in chunks of c positions; each step
    projects its chunk to logits ``[B,c,V]`` (``logits_from_hidden``), divides by
-   the temperature and calls ``pdm_jax.loss.token_terms`` -- the same function the
+   the temperature and calls ``pdm_jax.rl.loss.token_terms`` -- the same function the
    unchunked path calls on all positions: ONE log-softmax, the gathers at the K+1
    candidates, the tail log-sum-exp and (for ``bucket_exact``) the tail sum of
    squares Σ_T π_i², the mask, the per-token loss (truncated IS or PPO clip,
@@ -20,7 +20,7 @@ at a time (c = ``chunk_size`` sequence positions):
    each chunk's logits from its hidden states instead of storing them, so the
    peak memory of the loss grows with c, not with T.
 
-Only ``[B,T]`` per-token arrays leave the scan; ``pdm_jax.loss.loss_and_metrics``
+Only ``[B,T]`` per-token arrays leave the scan; ``pdm_jax.rl.loss.loss_and_metrics``
 (called by ``train_step.make_rl_loss``) aggregates them over the whole batch, so every aggregation mode is exact (no
 mean of chunk means). The statistics of the trust-region mask are
 recombined from the chunks' counts: ``num_*`` are summed, ``frac_*`` are
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pdm_jax import loss as policy_loss, trust_region
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl import loss as policy_loss, trust_region
+from pdm_jax.rl.step_batch import StepBatch
 
 _F32 = jnp.float32
 
@@ -111,7 +111,7 @@ def chunked_token_divergence(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_co
     tempered logits against the behaviour top-K, with padding positions replaced by benign
     inputs first (``trust_region.sanitize_inputs``; their D is meaningless). Forward-mode
     differentiable (``jax.jvp`` through the ``lax.scan`` over chunks): the train step's
-    ``param_jvp`` direction (``pdm_jax.train_step``) takes its jvp along Δθ.
+    ``param_jvp`` direction (``pdm_jax.rl.train_step``) takes its jvp along Δθ.
     """
     t = batch.completion_ids.shape[1]
     to_chunks, from_chunks, n = _chunking(t, chunk_size)
@@ -131,7 +131,7 @@ def chunked_token_divergence(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_co
 
 def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: trust_region.TrustRegionConfig,
                      loss_config: policy_loss.PolicyLossConfig, chunk_size: int, *, param_direction=None) -> dict:
-    """``pdm_jax.loss.token_terms`` of all positions from hidden states, one ``[B,c,V]`` chunk at a time.
+    """``pdm_jax.rl.loss.token_terms`` of all positions from hidden states, one ``[B,c,V]`` chunk at a time.
 
     Args:
       h_BxTxD: ``[B,T,D]`` final hidden states (after the final norm), differentiable.
@@ -193,10 +193,10 @@ def make_chunked_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
                           loss_config: policy_loss.PolicyLossConfig, chunk_size: int):
     """``terms_fn(params, batch) -> token_terms`` of all positions without [B,T,V] logits.
 
-    The same per-token terms (``pdm_jax.loss.token_terms``) and recombined statistics as
+    The same per-token terms (``pdm_jax.rl.loss.token_terms``) and recombined statistics as
     the unchunked path (checked to 1e-5 by tests/test_chunked_loss.py for PDM with every
     estimator, DPPO and PPO-clip); the logits exist only ``chunk_size`` positions at a
-    time (see the module docstring). ``pdm_jax.train_step.make_rl_loss`` aggregates them.
+    time (see the module docstring). ``pdm_jax.rl.train_step.make_rl_loss`` aggregates them.
 
     Raises:
       ValueError: chunk_size < 1.

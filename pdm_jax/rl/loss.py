@@ -1,7 +1,7 @@
 """The RL policy loss in one place: per-token loss, its aggregation and the RL metrics.
 
-Both loss paths call this module: ``pdm_jax.train_step.make_rl_loss`` on the whole
-``[B,T,V]`` logits, and ``pdm_jax.chunked_loss`` on ``[B,c,V]`` chunks of them.
+Both loss paths call this module: ``pdm_jax.rl.train_step.make_rl_loss`` on the whole
+``[B,T,V]`` logits, and ``pdm_jax.rl.chunked_loss`` on ``[B,c,V]`` chunks of them.
 Given tempered logits (z/τ) of a block of positions, :func:`token_terms` computes
 the trust-region mask and log π(y_t) with ONE log-softmax
 (``trust_region.trust_region_mask_and_logprobs``), the per-token policy loss
@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pdm_jax import objectives, trust_region
+from pdm_jax.rl import objectives, trust_region
 
 _F32 = jnp.float32
 POLICY_LOSSES = objectives.LOSS_TYPES
@@ -49,9 +49,9 @@ class PolicyLossConfig:
     - ``max_response_length``: tokens, the Dr. GRPO normaliser (seq_mean_token_sum_norm);
     - ``kl_beta`` >= 0 and ``kl_estimator`` ("k1" | "k2" | "k3"): the penalty to π_ref;
     - ``temperature`` τ > 0: logits are divided by it before every log-softmax (DESIGN.md §1);
-    - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.chunked_loss``;
+    - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.rl.chunked_loss``;
     - ``micro_batch_size``: 0 = the whole mini-batch in one forward/backward, m > 0 = gradients
-      accumulated exactly over micro-batches of m sequences (``pdm_jax.train_step``);
+      accumulated exactly over micro-batches of m sequences (``pdm_jax.rl.train_step``);
     - ``router_aux_loss_coef`` >= 0 (finite): Qwen3-MoE only, the weight of the router
       load-balancing loss added to the RL loss (HF ``router_aux_loss_coef``; 0 = off, the RL
       default; the unscaled loss is logged as ``router_aux_loss``).
@@ -163,7 +163,7 @@ def token_terms(logits_tau, tokens, valid, topk_ids, topk_logprobs, behavior_log
       tr_config, loss_config: static settings.
       ref_logprobs: ``[B,T]`` f32 when ``kl_beta > 0``.
       param_direction: ``[B,T]`` f32 Ḋᵖ, given iff ``tr_config.direction == "param_jvp"``
-        (``pdm_jax.train_step`` computes it; see ``trust_region.trust_region_mask_and_logprobs``).
+        (``pdm_jax.rl.train_step`` computes it; see ``trust_region.trust_region_mask_and_logprobs``).
 
     Returns:
       dict of ``[B,T]`` f32 arrays ``per_token`` (loss), ``logprobs`` (log π(y_t), 0

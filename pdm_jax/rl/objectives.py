@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # |log pi - log mu| is clamped to LOG_RATIO_CLAMP before every exp (defined once, in trust_region).
-from pdm_jax.trust_region import LOG_RATIO_CLAMP
+from pdm_jax.rl.trust_region import LOG_RATIO_CLAMP
 
 __all__ = [
     "AGGREGATION_MODES",

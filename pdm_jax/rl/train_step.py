@@ -3,8 +3,8 @@
 `train_step(state, batch) -> (state, metrics)` is a pure function (DESIGN.md §3):
 no I/O, no services; the loop in `pdm_jax.trainer` owns side effects and jits
 it with explicit in/out shardings on the mesh. ``batch`` is a
-`pdm_jax.rollout.StepBatch` (its docstring gives every field's shape and dtype).
-The RL loss itself (per-token loss, aggregation, metrics) is `pdm_jax.loss`;
+`pdm_jax.rl.step_batch.StepBatch` (its docstring gives every field's shape and dtype).
+The RL loss itself (per-token loss, aggregation, metrics) is `pdm_jax.rl.loss`;
 this module runs the model and the optimizer around it.
 """
 
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from pdm_jax import chunked_loss, loss as policy_loss, objectives, trust_region
-from pdm_jax.rollout import StepBatch
+from pdm_jax.rl import chunked_loss, loss as policy_loss, objectives, trust_region
+from pdm_jax.rl.step_batch import StepBatch
 
 
 @flax.struct.dataclass
@@ -111,11 +111,11 @@ def _with_router_aux(loss, metrics: dict, aux, loss_config) -> tuple:
 
 
 def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: policy_loss.PolicyLossConfig):
-    """Returns ``terms_fn(params, batch: StepBatch, param_direction=None) -> dict``: `pdm_jax.loss.token_terms`
+    """Returns ``terms_fn(params, batch: StepBatch, param_direction=None) -> dict``: `pdm_jax.rl.loss.token_terms`
     of every position.
 
     On all ``[B,T,V]`` logits at once, or with ``loss_config.logits_chunk_size`` = c > 0
-    ``pdm_jax.chunked_loss`` c sequence positions at a time (the same terms). ``param_direction``
+    ``pdm_jax.rl.chunked_loss`` c sequence positions at a time (the same terms). ``param_direction``
     ``[B,T]`` (Ḋᵖ) is passed to the mask when ``tr_config.direction == "param_jvp"``.
     """
     if loss_config.logits_chunk_size > 0:  # same values, never all [B,T,V] logits at once
@@ -139,7 +139,7 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
     """Returns ``loss_fn(params, batch: StepBatch, param_direction=None) -> (loss, metrics)`` for the GRPO
     policy update.
 
-    The per-token loss, its aggregation and the metrics are `pdm_jax.loss`
+    The per-token loss, its aggregation and the metrics are `pdm_jax.rl.loss`
     (``token_terms`` via :func:`make_rl_terms`, then ``loss_and_metrics``).
     """
     terms_fn = make_rl_terms(graphdef, tr_config, loss_config)

@@ -95,7 +95,7 @@ DIRECTION_CRITERIA = ("ratio",) + CLOSED_FORM_ESTIMATORS
 #: token's own logit-space direction (r - 1 for ppo/dppo, the estimator's D' for pdm; the default).
 #: ``"param_jvp"`` (``mask="pdm"`` only): the first-order change of each token's divergence along the
 #: optimizer's update of this mini-batch's unmasked gradient, Ḋᵖ_t = <grad_theta D_t, Δθ>, computed by
-#: the train step (``pdm_jax.train_step``) with one ``jax.jvp`` and passed to the mask as
+#: the train step (``pdm_jax.rl.train_step``) with one ``jax.jvp`` and passed to the mask as
 #: ``param_direction``; an out-of-region token is kept iff Ḋᵖ_t <= 0 (DESIGN.md section 2).
 PARAM_JVP = "param_jvp"
 DIRECTIONS = ("per_token", PARAM_JVP)
@@ -873,7 +873,7 @@ def _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tail
     """The mask's statistics (f32 scalars, no gradient): counts, fractions of valid tokens, means over good ones.
 
     ``count_outside_kept`` adds ``num_outside`` and ``num_outside_kept`` (good out-of-region tokens, and
-    those the mask keeps), whose ratio ``pdm_jax.loss.loss_and_metrics`` logs as ``frac_outside_kept``.
+    those the mask keeps), whose ratio ``pdm_jax.rl.loss.loss_and_metrics`` logs as ``frac_outside_kept``.
     """
     n_valid = jnp.sum(valid.astype(_F32))
     n_good = jnp.sum(good.astype(_F32))
@@ -1000,7 +1000,7 @@ def trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs, beha
       valid_mask: ``[B,T]`` bool (False on padding).
       config: :class:`TrustRegionConfig` (static).
       param_direction: ``[B,T]`` f32 Ḋᵖ_t (nats per update), required iff
-        ``config.direction == "param_jvp"`` (``pdm_jax.train_step`` computes it);
+        ``config.direction == "param_jvp"`` (``pdm_jax.rl.train_step`` computes it);
         a non-finite value at a valid position counts as non-finite (masked).
 
     Returns:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from pdm_jax.sampler.client import SamplerClient, SamplerError
+from pdm_jax.rollouts.client import SamplerClient, SamplerError
 
 
 class SamplerStartupError(RuntimeError):

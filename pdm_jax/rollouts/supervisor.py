@@ -46,17 +46,19 @@ import os
 import shutil
 import threading
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 
 from pdm_jax import workdir as wd
 from pdm_jax.config import SAMPLER_FILE_MODES, resolve_sampler_mode
 from pdm_jax.rollout import RolloutBatch
-from pdm_jax.sampler.client import SamplerClient, SamplerRequestError
-from pdm_jax.sampler.engine import InProcessSampler, SamplingEngine, make_sampler_mesh
-from pdm_jax.sampler.launcher import SamplerStartupError, start_sampler_server
-from pdm_jax.sampler.vllm_client import VLLMSampler
+from pdm_jax.rollouts.base import Sampler
+from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError
+from pdm_jax.rollouts.in_process import InProcessSampler
+from pdm_jax.sampler.engine import SamplingEngine, make_sampler_mesh
+from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
+from pdm_jax.rollouts.vllm_client import VLLMSampler
 from pdm_jax.sampler.weights import META_FILE, load_weights, save_weights
 from pdm_jax.sampler.wire import COMPILE_STATS, DEFAULT_PARK_ROWS, RequestError
 
@@ -184,7 +186,7 @@ class SamplerSupervisor:
             raise ValueError(f"SamplerSupervisor: need stall_probe_interval_s > 0, stall_probe_timeout_s > 0 and an "
                              f"integer stall_probe_misses >= 0; got {self.stall_probe_interval_s}, "
                              f"{self.stall_probe_timeout_s}, {self.stall_probe_misses!r}")
-        self._sampler = None
+        self._sampler: Optional[Sampler] = None
         self._proc = None
         self._restartable = False
         self._lock = threading.RLock()
@@ -338,8 +340,11 @@ class SamplerSupervisor:
             self._generation += 1  # a failed start leaves no live sampler: the next failure restarts again
             self.start(self.version)
 
-    def call(self, fn_name: str, *args, **kwargs):
-        """Calls ``fn_name`` on the sampler; restarts a dead or stalled subprocess (same weights) and retries.
+    def call(self, fn_name: str, fn: Callable[[Sampler], Any]):
+        """``fn(sampler)`` on the live `Sampler`; restarts a dead or stalled subprocess (same weights) and retries.
+
+        ``fn`` calls one method of the `pdm_jax.rollouts.base.Sampler` protocol (e.g.
+        ``lambda s: s.generate(prompts, n=4)``); ``fn_name`` names that call in messages and logs.
 
         Generation requests carry a seed, so a retried request returns the same
         rollouts: no training batch is lost or duplicated.
@@ -356,7 +361,7 @@ class SamplerSupervisor:
         while True:
             generation = self._generation
             try:
-                return self._call_once(fn_name, args, kwargs)
+                return self._call_once(fn_name, fn)
             except (ValueError, TypeError) as e:  # the request itself is bad (SamplerRequestError is a ValueError)
                 raise SamplerRejected.from_error(fn_name, e) from e
             except Exception as e:  # connection errors, timeouts, stalls, 5xx after the client's own retries
@@ -372,18 +377,17 @@ class SamplerSupervisor:
                     startup_error = err
                     log.warning("restarting the sampler failed (%d/%d): %s", restarts, self.config.max_restarts, err)
 
-    def _call_once(self, fn_name: str, args: tuple, kwargs: dict):
+    def _call_once(self, fn_name: str, fn: Callable[[Sampler], Any]):
         """One attempt; calls on an HTTP sampler run under the stall probe (`_watched`)."""
         sampler = self._sampler
         if sampler is None:
             raise SamplerFailure("no live sampler (the last start-up failed or the sampler was stopped)")
-        fn = getattr(sampler, fn_name)
         if self.stall_probe_misses and hasattr(sampler, "probe"):
-            return self._watched(sampler, fn_name, fn, args, kwargs)
-        return fn(*args, **kwargs)
+            return self._watched(sampler, fn_name, fn)
+        return fn(sampler)
 
-    def _watched(self, sampler, fn_name: str, fn, args: tuple, kwargs: dict):
-        """Runs ``fn`` on a worker thread while probing ``sampler``'s /health from this one.
+    def _watched(self, sampler, fn_name: str, fn: Callable[[Sampler], Any]):
+        """Runs ``fn(sampler)`` on a worker thread while probing ``sampler``'s /health from this one.
 
         Returns what ``fn`` returns or raises what it raises.  Raises `SamplerStalled`
         after ``stall_probe_misses`` consecutive probes without an answer; the
@@ -393,7 +397,7 @@ class SamplerSupervisor:
 
         def work():
             try:
-                box["value"] = fn(*args, **kwargs)
+                box["value"] = fn(sampler)
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box["error"] = e
             finally:
@@ -419,7 +423,7 @@ class SamplerSupervisor:
 
     def generate(self, prompts, **kwargs) -> RolloutBatch:
         """Rollouts for ``prompts`` (lists of token ids); keyword arguments as ``SamplerClient.generate``."""
-        return self.call("generate", prompts, **kwargs)
+        return self.call("generate", lambda sampler: sampler.generate(prompts, **kwargs))
 
     def sync(self, params, version: int) -> None:
         """Pushes ``params`` as weights version ``version`` and has the sampler load it.
@@ -433,7 +437,7 @@ class SamplerSupervisor:
         t0 = time.perf_counter()
         if self.mode == "colocated":
             try:
-                self.call("set_params", params, version)
+                self.call("set_params", lambda sampler: sampler.set_params(params, version))
             except SamplerRejected as e:
                 raise SamplerRejected("set_params", f"weights version {version} (in memory): {e.message}",
                                       field=e.field) from e
@@ -443,7 +447,7 @@ class SamplerSupervisor:
         path = self.push_weights(params, version)
         t1 = time.perf_counter()
         try:
-            answer = self.call("load_weights", path, version)
+            answer = self.call("load_weights", lambda sampler: sampler.load_weights(path, version))
         except SamplerRejected as e:
             raise SamplerRejected("load_weights", f"weights version {version} at {path}: {e.message}",
                                   status=e.status, field=e.field) from e

@@ -84,7 +84,7 @@ from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
-from pdm_jax.sampler.client import SamplerError, SamplerRequestError
+from pdm_jax.rollouts.client import SamplerError, SamplerRequestError
 
 log = logging.getLogger("pdm_jax.sampler")
 
@@ -554,7 +554,7 @@ class VLLMSampler:
 
 
 def main(argv=None) -> None:
-    """``python -m pdm_jax.sampler.vllm_client --model_config CONFIG_JSON --out DIR [--weights WEIGHTS_DIR]``.
+    """``python -m pdm_jax.rollouts.vllm_client --model_config CONFIG_JSON --out DIR [--weights WEIGHTS_DIR]``.
 
     Writes a Hugging Face directory for a vLLM server to start from: the `save_weights` directory
     ``--weights`` (e.g. ``WORKDIR/weights/v000000``), or a random initialisation of the model (seed 0)
@@ -565,7 +565,7 @@ def main(argv=None) -> None:
 
     from pdm_jax.models.qwen3 import Qwen3Config
 
-    p = argparse.ArgumentParser(prog="python -m pdm_jax.sampler.vllm_client", description=main.__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdm_jax.rollouts.vllm_client", description=main.__doc__.split("\n")[0])
     p.add_argument("--model_config", required=True, help="the model's Hugging Face config.json (WORKDIR/model/config.json)")
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
     p.add_argument("--weights", default=None, help="a save_weights directory; omit for a random init")

@@ -1,14 +1,11 @@
-"""pdm_jax.sampler: the rollout service.
+"""pdm_jax.sampler: the rollout service (the trainer's side of it is ``pdm_jax.rollouts``).
 
 wire       the HTTP schema: field names, GenerateRequest / GenerateResponse / LoadWeightsRequest,
            request validation (RequestError names wire fields), JSON / msgpack body codecs
 quantize   bf16 / fp8-e4m3 (per-output-channel, weight-only) sampler weights
 weights    save_weights / load_weights: the trainer -> sampler weight-sync format
-engine     SamplingEngine (jitted KV-cache prefill + decode -> RolloutBatch), InProcessSampler
+engine     SamplingEngine (jitted KV-cache prefill + decode -> RolloutBatch)
 server     python -m pdm_jax.sampler.server (FastAPI + uvicorn)
-client     SamplerClient (msgpack over HTTP, retries)
-launcher   start_sampler_server -> SamplerProcess
-vllm_client  VLLMSampler: rollouts and weight pushes through a vLLM OpenAI-compatible server
 vllm_fake  python -m pdm_jax.sampler.vllm_fake: a fake of that server backed by SamplingEngine (tests, rehearsal)
 
 Names are imported lazily so that `python -m pdm_jax.sampler.server --help`
@@ -18,14 +15,11 @@ does not pay for importing JAX.
 import importlib
 
 _EXPORTS = {
-    "SamplingEngine": "engine", "InProcessSampler": "engine", "RequestError": "wire",
+    "SamplingEngine": "engine", "RequestError": "wire",
     "StaleWeightsError": "engine",
     "GenerateRequest": "wire", "GenerateResponse": "wire", "LoadWeightsRequest": "wire",
     "save_weights": "weights", "load_weights": "weights", "WeightsError": "weights",
     "prepare_sampler_params": "quantize", "quantize_fp8": "quantize",
-    "SamplerClient": "client", "SamplerError": "client", "SamplerRequestError": "client",
-    "start_sampler_server": "launcher", "SamplerProcess": "launcher", "SamplerStartupError": "launcher",
-    "VLLMSampler": "vllm_client", "VLLMResponseError": "vllm_client",
 }
 
 __all__ = sorted(_EXPORTS)

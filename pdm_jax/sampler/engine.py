@@ -116,12 +116,13 @@ class StaleWeightsError(wts.WeightsError):
     """A weights load with a version that is not newer than the current one."""
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= ``x`` (1 for ``x <= 1``): the engine's batch and slot buckets."""
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def _bucket(x: int, lo: int, hi: int) -> int:
-    return int(min(max(_next_pow2(x), lo), hi))
+    return int(min(max(next_pow2(x), lo), hi))
 
 
 def sampling_distribution(logits_BxV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
@@ -721,7 +722,7 @@ class SamplingEngine:
         self.compute_dtype = resolve_compute_dtype(compute_dtype, quantization)
         self.max_prompt_length = int(max_prompt_length)
         self.max_new_tokens = int(max_new_tokens)
-        self.max_batch_size = _next_pow2(int(max_batch_size))
+        self.max_batch_size = next_pow2(int(max_batch_size))
         self.min_prompt_bucket = int(min_prompt_bucket)
         self.min_new_tokens_bucket = int(min_new_tokens_bucket)
         self.max_stop_tokens = int(max_stop_tokens)
@@ -729,7 +730,7 @@ class SamplingEngine:
         self.first_cache_segment = int(first_cache_segment)
         self.share_prefill = bool(share_prefill)
         self.batching = batching
-        self.max_slots = _next_pow2(int(max_slots))
+        self.max_slots = next_pow2(int(max_slots))
         if mesh is not None and device is not None:
             raise ValueError("SamplingEngine: give either device (one device) or mesh (sharded), not both")
         self.mesh = mesh
@@ -945,14 +946,14 @@ class SamplingEngine:
         """
         n_rows = len(rows)
         slots = self.max_slots
-        n_pad = max(_next_pow2(n_rows), slots)
+        n_pad = max(next_pow2(n_rows), slots)
         if self.share_prefill:  # one prompt-store entry per prompt, read by its n rows
             entries = [i for i, _ in rows]
             uniq = list(range(len(prompts)))
         else:  # one entry per row: every row prefilled
             entries = list(range(n_rows))
             uniq = [i for i, _ in rows]
-        u_pad = max(_next_pow2(len(uniq)), slots // 4)
+        u_pad = max(next_pow2(len(uniq)), slots // 4)
         self.prefill_rows += u_pad
         self.prefill_rows_unshared += n_pad
         longest = max(len(prompts[i]) for i in uniq)
@@ -1074,56 +1075,6 @@ def _routing_rows(routed, t_bucket: int, p_out: int, t_out: int) -> np.ndarray:
     prompt = routed[:, max(p_bucket - p_out, 0):p_bucket]
     prompt = np.pad(prompt, [(0, 0), (p_out - prompt.shape[1], 0), (0, 0), (0, 0)], constant_values=ROUTING_PAD)
     return np.concatenate([prompt, routed[:, p_bucket:p_bucket + t_out]], axis=1)
-
-
-class InProcessSampler:
-    """The `SamplerClient` interface over an in-process `SamplingEngine` (tests, in-process trainer).
-
-    ``load_weights`` applies the server's path rule when `checkpoint_root` is
-    given (see `check_weights_path`).
-    """
-
-    def __init__(self, engine: SamplingEngine, *, checkpoint_root: Optional[str] = None):
-        self.engine = engine
-        self.checkpoint_root = checkpoint_root
-
-    def health(self) -> dict:
-        """Same fields as the server's ``GET /health``."""
-        return self.engine.health()
-
-    def generate(self, prompts, **kwargs) -> RolloutBatch:
-        """See `SamplingEngine.generate`."""
-        return self.engine.generate(prompts, **kwargs)
-
-    def load_weights(self, path: str, version: int) -> dict:
-        """See `SamplingEngine.load_weights` (plus the checkpoint-root rule)."""
-        if self.checkpoint_root is not None:
-            path = check_weights_path(path, self.checkpoint_root)
-        return self.engine.load_weights(path, version)
-
-    def set_params(self, params, version: int) -> dict:
-        """Installs in-memory ``params`` as weights ``version`` (`SamplingEngine.set_params`; colocated sync).
-
-        Returns ``{"version", "seconds"}`` (seconds: the reshard + re-quantization, finished).
-        Raises:
-          StaleWeightsError: ``version`` is not newer than the engine's.
-          WeightsError: non-finite values (naming the parameter) or a tree that does not fit
-            the model; the current weights stay.
-        """
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) \
-                or not 0 <= version <= wts.MAX_VERSION:
-            raise wts.WeightsError(f"version must be an integer in [0, 2**31), got {version!r}")
-        if version <= self.engine.version:
-            raise StaleWeightsError(f"stale weights version {version}: the sampler holds version "
-                                    f"{self.engine.version}; an in-memory load needs a higher version")
-        t0 = time.perf_counter()
-        self.engine.set_params(params, version=int(version))
-        return {"version": int(version), "seconds": time.perf_counter() - t0}
-
-    @property
-    def version(self) -> int:
-        """The engine's current weights version."""
-        return self.engine.version
 
 
 def check_weights_path(path: str, checkpoint_root: str) -> str:

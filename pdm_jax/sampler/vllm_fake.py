@@ -1,7 +1,7 @@
 """A fake vLLM OpenAI-compatible server backed by our `SamplingEngine`: ``python -m pdm_jax.sampler.vllm_fake``.
 
 For tests and for a dry rehearsal of ``sampler.backend = "vllm"`` where no vLLM runs.  It answers the
-routes `pdm_jax.sampler.vllm_client.VLLMSampler` uses, in the shapes vLLM documents (its
+routes `pdm_jax.rollouts.vllm_client.VLLMSampler` uses, in the shapes vLLM documents (its
 ``CompletionResponse`` / ``CompletionLogProbs``, error bodies ``{"error": {"message", "type", "param",
 "code"}}``), with real rollouts from our engine:
 

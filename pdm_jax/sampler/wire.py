@@ -70,13 +70,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import msgpack as _msgpack  # aliased: `dumps`/`loads`/`to_plain` take a keyword named msgpack
 import numpy as np
 
-if TYPE_CHECKING:  # pdm_jax.rollout imports JAX; see GenerateResponse.from_wire
-    from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import FINISH_REASONS, ROUTING_PAD, RolloutBatch  # numpy only: wire stays JAX-free
 
 # ----------------------------------------------------------------------------- content types
 JSON = "application/json"
@@ -152,7 +151,7 @@ FIELD = "field"
 TYPE = "type"
 
 # ----------------------------------------------------------------------------- vLLM's OpenAI-compatible server
-# What `pdm_jax.sampler.vllm_client` sends and reads, and what the fake server `pdm_jax.sampler.vllm_fake`
+# What `pdm_jax.rollouts.vllm_client` sends and reads, and what the fake server `pdm_jax.sampler.vllm_fake`
 # answers (vLLM docs: "OpenAI-Compatible Server", the completions API's extra parameters, "Weight Transfer";
 # the dev-mode routes need VLLM_SERVER_DEV_MODE=1).  Request fields shared with our own schema (prompt, n,
 # temperature, top_p, top_k, max_tokens, stop_token_ids, logprobs, seed, model) use the names above.
@@ -831,10 +830,6 @@ class GenerateResponse:
         """
         if COLUMNS in body:
             return cls._from_columns(body, prompts, int(top_k_logprobs))
-        # pdm_jax.rollout imports JAX (heavy); imported here so that importing wire (the server's
-        # parse_args / --help path) stays JAX-free.
-        from pdm_jax.rollout import RolloutBatch
-
         choices = sorted(body[CHOICES], key=lambda c: c[INDEX])
         n_rows, k = len(choices), int(top_k_logprobs)
         toks = [np.asarray(c[TOKEN_IDS], np.int32).reshape(-1) for c in choices]
@@ -884,8 +879,6 @@ class GenerateResponse:
     @classmethod
     def _from_columns(cls, body: Mapping, prompts: Sequence[Sequence[int]], k: int) -> "GenerateResponse":
         """`from_wire` of a ``columns`` body: every column's shape and range checked, rows cut as the choices are."""
-        from pdm_jax.rollout import FINISH_REASONS, ROUTING_PAD, RolloutBatch  # JAX-free import of wire: see from_wire
-
         cols = body[COLUMNS]
         if CHOICES in body:
             raise ValueError(f"a response carries {CHOICES!r} or {COLUMNS!r}, not both")
