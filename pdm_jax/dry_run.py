@@ -54,7 +54,7 @@ from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.rollout import round_up
 from pdm_jax.sampler import engine as eng
-from pdm_jax.sampler.engine import next_pow2
+from pdm_jax.sampler.engine import abstract_engine_model, next_pow2
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sharding import MeshConfig, activation_sharding, make_mesh, param_partition_specs, param_shardings
@@ -401,7 +401,7 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     devices = list(jax.devices() if devices is None else devices)[:d * t]
     mesh = make_mesh(data=d, fsdp=1, tensor=t, devices=devices)
     dtype = _dtype(sp["dtype"])
-    model = _abstract_model(model_cfg, dtype, dtype)
+    model = abstract_engine_model(model_cfg, dtype)
     graphdef, state = nnx.split(model)
     state = _with_shardings(state, param_shardings(nnx.state(model, nnx.Param), mesh))
     sc, rl = config.sampler, config.rl

@@ -118,3 +118,16 @@ def test_mixed_moe_engine_fp8_decode_and_routing():
     assert np.all(r[:, :, 0] == -1)
     fed = np.concatenate([b.prompt_mask, np.cumsum(m, 1) < m.sum(1, keepdims=True)], axis=1)
     assert np.all(r[:, :, 1][fed] >= 0)
+
+
+def test_engine_runs_its_experts_with_auto(monkeypatch):
+    """The engine's model (and the dry run's copy of it) resolves its MoE kernel by the target platform."""
+    from pdm_jax import sharding as shd
+    from pdm_jax.models import moe
+    from pdm_jax.sampler import engine as eng
+
+    model = eng.abstract_engine_model(CFG, jnp.float32)
+    assert model.moe_implementation == "auto"
+    monkeypatch.setattr(shd, "target_platform", lambda: "gpu")
+    assert moe.resolve_implementation(model.moe_implementation, hidden_size=CFG.hidden_size,
+                                      moe_intermediate_size=CFG.moe_intermediate_size) == "blocked"

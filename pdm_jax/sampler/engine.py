@@ -116,6 +116,17 @@ class StaleWeightsError(wts.WeightsError):
     """A weights load with a version that is not newer than the current one."""
 
 
+def abstract_engine_model(config, dtype) -> Qwen3ForCausalLM:
+    """The engine's model as abstract arrays (``nnx.eval_shape``) in ``dtype``; the dry run compiles the same.
+
+    A MoE model's experts run with ``moe_implementation="auto"``: the grouped-matmul kernel for the
+    platform the engine's programs are compiled for (`pdm_jax.models.moe.resolve_implementation`:
+    megablox on TPU, row blocks on GPU, ``ragged_dot`` on CPU).
+    """
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
+                                                   moe_implementation="auto"))
+
+
 def next_pow2(x: int) -> int:
     """The smallest power of two >= ``x`` (1 for ``x <= 1``): the engine's batch and slot buckets."""
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
@@ -746,7 +757,7 @@ class SamplingEngine:
         self._output_axes_fn = output_axes_fn
         self.device = device
         dt = self.compute_dtype
-        abstract_model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt))
+        abstract_model = abstract_engine_model(config, dt)
         self._graphdef, self._abstract_state = nnx.split(abstract_model)
         self._shardings = None if mesh is None else nnx.to_pure_dict(
             shd.param_shardings(nnx.state(abstract_model, nnx.Param), mesh))
