@@ -36,7 +36,7 @@ from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.profiling import parse_steps
 from pdm_jax.sampler.engine import BATCHING_MODES, check_engine_mesh
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
-from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS, MAX_STOP_TOKEN_IDS
+from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS, MAX_SEED, MAX_STOP_TOKEN_IDS, token_problem
 from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.rl.train_step import OptimizerConfig
 
@@ -513,6 +513,25 @@ def _check_types(config) -> None:
 _COLLECTED: contextvars.ContextVar = contextvars.ContextVar("pdm_jax_config_errors", default=None)
 
 
+#: Config fields holding secrets: `redacted` replaces them wherever the config is written or logged.
+SECRET_FIELDS = ("sampler.token",)
+REDACTED = "<redacted>"
+
+
+def redacted(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with every non-empty field of `SECRET_FIELDS` replaced by ``"<redacted>"``
+    (the workdir's ``config.json``; the run itself keeps the real values)."""
+    out = config.copy_and_resolve_references()
+    for path in SECRET_FIELDS:
+        *parents, leaf = path.split(".")
+        node = out
+        for name in parents:
+            node = node.get(name) if node is not None else None
+        if node is not None and node.get(leaf):
+            node[leaf] = REDACTED  # an existing field: allowed on a locked ConfigDict
+    return out
+
+
 def _need(cond, field, value, what) -> bool:
     """Refuses ``field = value`` unless ``cond``: raises, or inside `validate_config` records the error and
     returns False (so that a check depending on the value can skip itself); True when it holds."""
@@ -602,6 +621,8 @@ def _check_sampler_and_eval(config) -> None:
           cc.min_compile_time_s, "must be a finite number of seconds >= 0")
     if sc.mode == "remote":
         _need(bool(sc.address), "sampler.address", sc.address, "required when sampler.mode = 'remote'")
+    if sc.token:  # the value itself is a secret: never in a message
+        _need(token_problem(sc.token) is None, "sampler.token", REDACTED, token_problem(sc.token) or "")
     for name in ("startup_timeout_s", "request_timeout_s"):
         _need(math.isfinite(sc[name]) and sc[name] > 0, f"sampler.{name}", sc[name],
               "must be a finite number of seconds > 0")
@@ -748,6 +769,13 @@ def _check_dry_run(config) -> None:
         aot.check_topology(dr.topology, dr.chip)
 
 
+def _check_seeds_and_timeouts(config) -> None:
+    for name, value in (("seed", config.seed), ("data.seed", config.data.seed)):
+        _need(0 <= value <= MAX_SEED, name, value, "must be an integer in [0, 2**63 - 1] (the sampler's seed range)")
+    t = config.multihost.initialization_timeout_s
+    _need(math.isfinite(t) and t > 0, "multihost.initialization_timeout_s", t, "must be a finite number of seconds > 0")
+
+
 def _check_profile(config) -> None:
     parse_steps(config.profile.steps)
 
@@ -808,6 +836,7 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     try:
         checks = [(_check_paths, (not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
                   (_check_model, (vocab_size,)), (_check_profile, ()), (_check_dry_run, ()),
+                  (_check_seeds_and_timeouts, ()),
                   (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())])
         for check, args in checks:
             _collect(errors, check, config, *args)

@@ -41,7 +41,7 @@ from pdm_jax import evaluation, host_memory, per_host, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import (check_routing_replay_model, check_sampler_mesh, compute_options, model_config_from_fields,
-                            parse_stop_token_ids, step_configs, validate_config)
+                            parse_stop_token_ids, redacted, step_configs, validate_config)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary
@@ -152,8 +152,8 @@ class Trainer:
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          max_to_keep=config.checkpoint.max_to_keep)
         if jax.process_index() == 0:  # multi-host: one process writes run files
-            wd.write_bytes(os.path.join(self.workdir, "config.json"), config.to_json_best_effort(indent=2).encode(),
-                           atomic=False)
+            wd.write_bytes(os.path.join(self.workdir, "config.json"),
+                           redacted(config).to_json_best_effort(indent=2).encode())
 
     def _setup_per_host(self) -> None:
         """Per-host rollouts (`pdm_jax.per_host`): this process's prompts of every RL step, checked now."""
@@ -199,8 +199,7 @@ class Trainer:
             raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {self.vocab_size}")
         model_dir = os.path.join(self.workdir, "model")
         wd.makedirs(model_dir)
-        wd.write_bytes(os.path.join(model_dir, "config.json"), json.dumps(cfg.to_hf_dict(), indent=2).encode(),
-                       atomic=False)
+        wd.write_bytes(os.path.join(model_dir, "config.json"), json.dumps(cfg.to_hf_dict(), indent=2).encode())
         return cfg, model
 
     def _put_batch(self, batch: StepBatch) -> StepBatch:
@@ -533,8 +532,7 @@ class Trainer:
         summary = run_summary(read_metrics(writer.path), config=self.config, meta=meta, last_eval=last_eval,
                               wall_seconds=self._wall_seconds())
         if jax.process_index() == 0:
-            wd.write_bytes(os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2).encode(),
-                           atomic=False)
+            wd.write_bytes(os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2).encode())
             plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"), config=self.config)
         return summary
 

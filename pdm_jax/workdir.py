@@ -36,6 +36,7 @@ import os
 import posixpath
 import shutil
 import socket
+import stat
 import time
 from typing import Optional
 
@@ -89,7 +90,9 @@ class WorkdirLock:
         Raises:
           WorkdirLockedError: another open file description (another process, or
             another `WorkdirLock` in this one) holds the lock.
-          OSError: the lock file cannot be created or locked for another reason.
+          ValueError: the lock path is a symbolic link, a directory or not a regular file, or it cannot
+            be created (a read-only workdir); the message names the path.
+          OSError: the lock file cannot be locked for another reason.
         """
         if self._fd is not None:
             return self
@@ -99,8 +102,17 @@ class WorkdirLock:
                             "no other run uses it)", self.workdir)
             self._warned = True
             return self
-        os.makedirs(self.workdir, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(self.workdir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            why = {errno.ELOOP: "is a symbolic link; a lock file is never followed (remove the link)",
+                   errno.EISDIR: "is a directory, not a lock file (remove it)"}.get(
+                e.errno, f"cannot be created or opened ({e.strerror}; is the workdir writable?)")
+            raise ValueError(f"workdir lock {self.path} {why}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device: nothing a run may write to
+            os.close(fd)
+            raise ValueError(f"workdir lock {self.path} is not a regular file (remove it)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -329,3 +329,31 @@ def test_dry_run_fields_are_checked_with_the_run():
     c.dry_run.chip, c.dry_run.topology = "H100", "1x16"
     with pytest.raises(ValueError, match=r"dry_run.topology = '1x16': a GPU pod is .* at most 8 GPUs per host"):
         validate_config(c)
+
+
+def test_sampler_token_checked_without_showing_it_and_redacted_in_the_workdir_config():
+    c = get_base_config()
+    c.rl.top_k_logprobs = 4  # within the base config's 15-symbol vocabulary
+    c.sampler.token = "secret value"
+    with pytest.raises(ValueError, match=r"sampler.token = '<redacted>': holds 1 character") as e:
+        validate_config(c)
+    assert "secret" not in str(e.value)
+    c.sampler.token = "s3cret"
+    validate_config(c)
+    r = config_lib.redacted(c)
+    assert r.sampler.token == "<redacted>" and c.sampler.token == "s3cret"
+    assert "s3cret" not in r.to_json_best_effort()
+    assert config_lib.redacted(get_base_config()).sampler.token == ""  # nothing to hide: left as is
+
+
+def test_seeds_and_the_multihost_timeout_are_checked_before_work():
+    c = get_base_config()
+    c.rl.top_k_logprobs = 4
+    c.seed, c.data.seed, c.multihost.initialization_timeout_s = -1, -7, -1
+    with pytest.raises(ValueError) as e:
+        validate_config(c)
+    msg = str(e.value)
+    assert msg.startswith("3 config errors")
+    for want in ("seed = -1: must be an integer in [0, 2**63 - 1]", "data.seed = -7",
+                 "multihost.initialization_timeout_s = -1: must be a finite number of seconds > 0"):
+        assert want in msg

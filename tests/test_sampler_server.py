@@ -242,3 +242,26 @@ def test_non_loopback_requires_token_and_startup_errors_are_clear(tmp_path):
     with pytest.raises(SamplerStartupError, match="token is required"):
         start_sampler_server(model_config="x", weights=None, checkpoint_root=str(tmp_path), host="0.0.0.0",
                              startup_timeout_s=60, env=env)
+
+
+@pytest.mark.parametrize("token", ["tok ", " tok", "tök", "a\tb", "line\nbreak"])
+def test_a_token_no_client_could_send_is_refused_at_start_up(token, capsys):
+    """A space, control or non-ASCII character in --token would make every request 401: exit 2 at start."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model_config=x", "--checkpoint_root=y", f"--token={token}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--token (or PDM_SAMPLER_TOKEN) holds" in err and token not in err
+    assert parse_args(["--model_config=x", "--checkpoint_root=y", "--token=Ab9-._~+/="]).token == "Ab9-._~+/="
+
+
+def test_fake_vllm_refuses_a_public_host_without_a_key_and_a_bad_key(capsys):
+    from pdm_jax.sampler import vllm_fake
+
+    for argv, want in ((["--host=0.0.0.0"], "an --api_key is required"),
+                       (["--host=0.0.0.0", "--api_key=key "], "--api_key holds")):
+        with pytest.raises(SystemExit) as e:
+            vllm_fake.parse_args(["--weights_root=w"] + argv)
+        assert e.value.code == 2 and want in capsys.readouterr().err
+    assert vllm_fake.parse_args(["--weights_root=w", "--host=0.0.0.0", "--api_key=k1"]).api_key == "k1"
+    assert vllm_fake.parse_args(["--weights_root=w"]).host == "127.0.0.1"

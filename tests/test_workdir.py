@@ -68,3 +68,56 @@ def test_garbage_in_the_lock_file_does_not_block_or_crash(tmp_path):
     with WorkdirLock(str(tmp_path)):
         with pytest.raises(WorkdirLockedError):
             WorkdirLock(str(tmp_path)).acquire()
+
+
+def test_the_lock_refuses_links_directories_and_a_read_only_workdir(tmp_path):
+    """A .lock symlink is never followed (its target is left whole); a directory or an unwritable
+    workdir is a ValueError naming the path, not a traceback."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(ValueError, match=r"\.lock is a symbolic link"):
+        WorkdirLock(str(run)).acquire()
+    assert victim.read_text() == "precious"
+    run2 = tmp_path / "run2"
+    (run2 / LOCK_NAME).mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"\.lock is a directory"):
+        WorkdirLock(str(run2)).acquire()
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        with pytest.raises(ValueError, match=r"cannot be created or opened"):
+            WorkdirLock(str(ro)).acquire()
+
+
+def test_run_files_are_written_whole_or_not_at_all(tmp_path):
+    """write_bytes (the trainer's summary.json and config.json) replaces a file atomically: a write that
+    fails part way leaves the previous file, never a torn one."""
+    from pdm_jax import workdir as wd
+
+    path = str(tmp_path / "summary.json")
+    wd.write_bytes(path, b'{"old": 1}')
+
+    import builtins
+    real_open = builtins.open
+
+    def failing_open(p, mode="r", *a, **k):
+        f = real_open(p, mode, *a, **k)
+        if "w" in mode and str(p).startswith(path):
+            f.write(b'{"ne')  # a partial write, then the process "dies"
+            f.close()
+            raise OSError(28, "No space left on device")
+        return f
+
+    builtins.open = failing_open
+    try:
+        with pytest.raises(OSError):
+            wd.write_bytes(path, b'{"new": 2}')
+    finally:
+        builtins.open = real_open
+    assert json.loads(open(path).read()) == {"old": 1}
+    trainer_src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pdm_jax", "trainer.py")
+    assert "atomic=False" not in open(trainer_src).read()  # every run file the trainer writes is atomic

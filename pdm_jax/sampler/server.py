@@ -17,7 +17,9 @@ Accept, else the request's type; schema in ``pdm_jax.sampler.wire``):
 
 Security: binds 127.0.0.1 by default; any other host requires ``--token``
 (a shared bearer token, checked with ``hmac.compare_digest`` on every request,
-401 otherwise; the ``Bearer`` scheme is matched case-insensitively, RFC 7235).
+401 otherwise; the ``Bearer`` scheme is matched case-insensitively, RFC 7235). A token no
+client could send (a space, a control or non-ASCII character: `wire.token_problem`) is
+refused at start-up.
 Bodies over ``--max_body_bytes`` get 413.  Invalid requests get 4xx with
 ``{"error": {"message", "field", "type"}}`` naming the field (malformed bodies
 -- nesting deeper than ``wire.MAX_DEPTH``, non-string map keys, bad packed
@@ -118,6 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not is_loopback(args.host) and not args.token:
         p.error(f"--host={args.host} is not a loopback address: a shared --token is required")
+    if args.token and wire.token_problem(args.token):
+        p.error(f"--token (or PDM_SAMPLER_TOKEN) {wire.token_problem(args.token)}")
     if args.port < 0 or args.port > 65535:
         p.error(f"--port={args.port} out of range")
     for name in ("mesh_data", "mesh_tensor"):

@@ -26,6 +26,7 @@ loopback unless ``--host`` says otherwise.  Not a vLLM: no text prompts, no stre
 
 
 import argparse
+import hmac
 import logging
 import os
 import secrets
@@ -40,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from pdm_jax.sampler import wire
+from pdm_jax.sampler.server import is_loopback
 
 log = logging.getLogger("pdm_jax.sampler.vllm_fake")
 
@@ -234,7 +236,8 @@ def create_app(fake: FakeVLLM, *, api_key: Optional[str] = None):
                     fake.calls.append(request.url.path)
                 if dev and not fake.dev_mode:
                     raise FakeVLLMError(404, "Not Found")
-                if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+                if api_key and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                       f"Bearer {api_key}".encode()):
                     raise FakeVLLMError(401, "Unauthorized")
                 args = ()
                 if body:
@@ -287,8 +290,9 @@ def serve_in_thread(app, host: str = "127.0.0.1"):
     return f"http://{host}:{sock.getsockname()[1]}", stop
 
 
-def main(argv=None) -> None:
-    """``python -m pdm_jax.sampler.vllm_fake --weights_root DIR [--model HF_DIR] [--port 8000]``."""
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags of `main`. Like the native server, a non-loopback ``--host`` needs an ``--api_key``, and
+    a key no client could send (`wire.token_problem`) is refused; both exit 2 before anything starts."""
     p = argparse.ArgumentParser(prog="python -m pdm_jax.sampler.vllm_fake", description=__doc__.split("\n")[0])
     p.add_argument("--weights_root", required=True, help="directory reload_weights may read Hugging Face dirs from")
     p.add_argument("--model", default=None, help="a Hugging Face directory (under --weights_root) to serve at start")
@@ -303,6 +307,16 @@ def main(argv=None) -> None:
     p.add_argument("--no_dev_mode", action="store_true", help="404 on the dev-mode routes (as without "
                                                               "VLLM_SERVER_DEV_MODE=1)")
     args = p.parse_args(argv)
+    if not is_loopback(args.host) and not args.api_key:
+        p.error(f"--host={args.host} is not a loopback address: an --api_key is required")
+    if args.api_key and wire.token_problem(args.api_key):
+        p.error(f"--api_key {wire.token_problem(args.api_key)}")
+    return args
+
+
+def main(argv=None) -> None:
+    """``python -m pdm_jax.sampler.vllm_fake --weights_root DIR [--model HF_DIR] [--port 8000]``."""
+    args = parse_args(argv)
     logging.basicConfig(level="INFO")
     fake = FakeVLLM(weights_root=args.weights_root, model_name=args.served_model_name,
                     quantization=args.quantization, max_prompt_length=args.max_prompt_length,

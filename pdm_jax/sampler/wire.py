@@ -70,6 +70,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import string
 from typing import Any, Mapping, Optional, Sequence
 
 import msgpack as _msgpack  # aliased: `dumps`/`loads`/`to_plain` take a keyword named msgpack
@@ -270,6 +271,27 @@ def encode_array(a: np.ndarray) -> dict:
         raise ValueError(f"cannot encode array dtype {a.dtype}")
     # tobytes() writes C order whatever the strides; astype copies only for a byte-order change
     return {ND_KEY: 1, "dtype": name, "shape": list(a.shape), "data": a.astype(_WIRE_DTYPES[name], copy=False).tobytes()}
+
+
+#: The characters of a bearer token (RFC 6750 ``b64token``), which an ``Authorization`` header carries as is.
+TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + "-._~+/=")
+
+
+def token_problem(token: str) -> Optional[str]:
+    """Why ``token`` cannot serve as a shared bearer token, or None when it can.
+
+    A token with a space, a control or a non-ASCII character would be accepted by a server at start-up
+    and then match no client's ``Authorization: Bearer <token>`` header (HTTP strips the spaces, and
+    clients encode headers as Latin-1 or refuse): every request would get 401. The message never
+    repeats the token itself.
+    """
+    if not isinstance(token, str) or not token:
+        return "must be a non-empty string"
+    bad = sorted({c for c in token if c not in TOKEN_CHARS})
+    if bad:
+        return (f"holds {len(bad)} character(s) outside RFC 6750's token set (ASCII letters, digits and -._~+/=), "
+                f"e.g. {ascii(bad[0])}: no client could send it, every request would be refused")
+    return None
 
 
 def _show(value: Any, limit: int = 80) -> str:
