@@ -251,3 +251,73 @@ def pad_axis(x: np.ndarray, length: int, axis: int, *, left: bool = False, value
 def round_up(n: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is >= n (at least ``multiple``): a static length bucket."""
     return max(multiple, -(-n // multiple) * multiple)
+
+
+#: How far above 1 the top-K probabilities of a token may sum (float rounding of an f32 log-softmax).
+TOPK_MASS_TOLERANCE = 1e-3
+#: How far above 0 a log mu may round (f32).
+LOGPROB_TOLERANCE = 1e-5
+
+
+def check_answers(batch: RolloutBatch, prompts, *, n: int, max_new_tokens: int, top_k_logprobs: int,
+                  vocab_size: Optional[int] = None) -> None:
+    """Checks a sampler's rollouts against the request that asked for them (any backend, any transport).
+
+    A buggy or hostile sampler (or a proxy in front of one) must not train silently on the wrong
+    data: rows must be ``len(prompts) * n`` in prompt-major order (row ``i * n + j`` has group ``i``
+    and the prompt ``prompts[i]``), completions at most ``max_new_tokens`` long, ids in ``[0, V)``,
+    the sampled tokens' log mu finite and <= 0, the top-K log mu <= 0 and not NaN with a mass of at
+    most 1 + `TOPK_MASS_TOLERANCE`, and K = ``top_k_logprobs``.
+
+    Raises:
+      ValueError: naming the `RolloutBatch` field, the row and what is wrong (never the whole array).
+    """
+    rows = len(prompts) * int(n)
+    if batch.num_sequences != rows:
+        raise ValueError(f"RolloutBatch: {batch.num_sequences} rows for {len(prompts)} prompts x n = {n} "
+                         f"(expected {rows})")
+    if batch.top_k != int(top_k_logprobs):
+        raise ValueError(f"RolloutBatch.topk_ids: K = {batch.top_k}, the request asked for {top_k_logprobs}")
+    want_groups = np.repeat(np.arange(len(prompts), dtype=np.int32), int(n))
+    wrong = np.flatnonzero(batch.group_ids != want_groups)
+    if wrong.size:
+        r = int(wrong[0])
+        raise ValueError(f"RolloutBatch.group_ids[{r}] = {int(batch.group_ids[r])}: rows must be prompt-major "
+                         f"(row {r} is a sample of prompt {int(want_groups[r])})")
+    for r in range(rows):
+        got = batch.prompt_ids[r][batch.prompt_mask[r]]
+        want = np.asarray(prompts[r // int(n)], np.int32)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            raise ValueError(f"RolloutBatch.prompt_ids[{r}] is not the ids of prompt {r // int(n)} "
+                             f"({got.size} tokens, the request's has {want.size})")
+    lengths = batch.completion_mask.sum(axis=1)
+    if lengths.size and int(lengths.max()) > int(max_new_tokens):
+        r = int(np.argmax(lengths))
+        raise ValueError(f"RolloutBatch.completion_mask[{r}]: {int(lengths[r])} tokens, more than the request's "
+                         f"max_new_tokens = {max_new_tokens}")
+    valid = batch.completion_mask
+    hi = np.iinfo(np.int32).max if vocab_size is None else int(vocab_size)
+    for name, ids, mask in (("completion_ids", batch.completion_ids, valid),
+                            ("topk_ids", batch.topk_ids, np.broadcast_to(valid[..., None], batch.topk_ids.shape))):
+        bad = mask & ((ids < 0) | (ids >= hi))
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"RolloutBatch.{name}{list(where)} = {int(ids[where])}: outside [0, {hi})")
+    lp = batch.behavior_logprobs
+    bad = valid & ~(np.isfinite(lp) & (lp <= LOGPROB_TOLERANCE))
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"RolloutBatch.behavior_logprobs{list(where)} = {float(lp[where])}: a sampled token's "
+                         "log mu must be finite and <= 0")
+    tk = batch.topk_logprobs
+    bad = valid[..., None] & (np.isnan(tk) | (tk > LOGPROB_TOLERANCE))
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"RolloutBatch.topk_logprobs{list(where)} = {float(tk[where])}: must be <= 0 (or -inf)")
+    with np.errstate(over="ignore", under="ignore"):
+        mass = np.exp(tk.astype(np.float64)).sum(axis=-1)
+    bad = valid & (mass > 1.0 + TOPK_MASS_TOLERANCE)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"RolloutBatch.topk_logprobs{list(where)}: the top-K probabilities sum to "
+                         f"{float(mass[where]):.4g} > 1")

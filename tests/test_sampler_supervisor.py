@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from pdm_jax.models.qwen3 import Qwen3Config
+from pdm_jax.rollout import RolloutBatch
 from pdm_jax.rollouts import supervisor as sup_mod
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
@@ -33,6 +34,24 @@ def sampler_config(**over):
                 request_timeout_s=300.0, retries=3, max_restarts=3, max_prompt_length=16, max_batch_size=8)
     base.update(over)
     return types.SimpleNamespace(**base)
+
+
+def answer(prompts, n=1, top_k_logprobs=20, t=3, tag=0):
+    """A valid `RolloutBatch` answering ``prompts`` (``n`` rows each, 3 tokens, K log mu of mass 1/2);
+    ``tag`` goes into ``weights_version`` so a test can tell answers apart."""
+    rows, k, p = len(prompts) * n, top_k_logprobs, max(len(x) for x in prompts)
+    pid = np.zeros((rows, p), np.int32)
+    pmask = np.zeros((rows, p), bool)
+    for r in range(rows):
+        ids = prompts[r // n]
+        pid[r, p - len(ids):], pmask[r, p - len(ids):] = ids, True
+    return RolloutBatch(prompt_ids=pid, prompt_mask=pmask, completion_ids=np.ones((rows, t), np.int32),
+                        completion_mask=np.ones((rows, t), bool), behavior_logprobs=np.full((rows, t), -1.0),
+                        topk_ids=np.tile(np.arange(k, dtype=np.int32), (rows, t, 1)),
+                        topk_logprobs=np.full((rows, t, k), np.log(0.5 / k)),
+                        weights_version=np.full(rows, tag, np.int32),
+                        group_ids=np.repeat(np.arange(len(prompts), dtype=np.int32), n),
+                        finish_reason=np.array(["length"] * rows, dtype=object))
 
 
 class FakeClient:
@@ -51,7 +70,7 @@ class FakeClient:
         return result
 
     def generate(self, prompts, **kw):
-        return self._go(("rollouts", len(prompts)))
+        return self._go(answer(prompts))
 
     def load_weights(self, path, version):
         return self._go({"version": version})
@@ -133,7 +152,7 @@ def test_dead_sampler_is_restarted_with_sigterm(tmp_path, script):
     starts = script(first, FakeProcess(FakeClient("ok")))
     s = supervisor(tmp_path)
     s.start(0)
-    assert s.generate([[1]]) == ("rollouts", 1)
+    assert s.generate([[1]]).num_sequences == 1
     assert s.restarts_total == 1 and len(starts) == 2 and first.stopped and not first.killed
 
 
@@ -142,7 +161,7 @@ def test_replacements_dying_at_startup_count_against_max_restarts(tmp_path, scri
     starts = script(FakeProcess(FakeClient("dead")), died(), died(), FakeProcess(FakeClient("ok")))
     s = supervisor(tmp_path, max_restarts=3)
     s.start(0)
-    assert s.generate([[1], [2]]) == ("rollouts", 2)
+    assert s.generate([[1], [2]]).num_sequences == 2
     assert s.restarts_total == 3 and len(starts) == 4
 
 
@@ -180,7 +199,7 @@ def test_stall_is_detected_from_missed_probes_within_seconds(tmp_path, script, c
     with caplog.at_level(logging.WARNING, logger="pdm_jax.sampler"):
         out = s.generate([[1, 2]])
     elapsed = time.monotonic() - t0
-    assert out == ("rollouts", 1)
+    assert out.num_sequences == 1
     assert elapsed < 5.0, elapsed  # 3 x (0.2 + 0.3) s = 1.5 s, not 4 x 300 s
     assert s.stalls_total == 1 and s.restarts_total == 1 and len(starts) == 2
     assert stalled.killed and not stalled.stopped  # SIGKILL: a stopped process never acts on SIGTERM
@@ -191,11 +210,11 @@ def test_a_slow_but_answering_sampler_is_not_a_stall(tmp_path, script):
     class Slow(FakeClient):
         def generate(self, prompts, **kw):
             time.sleep(1.0)
-            return ("slow", len(prompts))
+            return answer(prompts, tag=7)
     script(FakeProcess(Slow("ok")))
     s = supervisor(tmp_path, stall_probe_interval_s=0.1, stall_probe_timeout_s=0.1, stall_probe_misses=2)
     s.start(0)
-    assert s.generate([[1]]) == ("slow", 1)
+    assert s.generate([[1]]).weights_version.tolist() == [7]
     assert s.stalls_total == 0 and s.restarts_total == 0
 
 
@@ -280,3 +299,68 @@ def test_threads_left_behind_end(tmp_path, script):
     while any(t.name == "sampler-generate" for t in threading.enumerate()):
         assert time.monotonic() < deadline, "the stalled call's worker thread is still alive"
         time.sleep(0.05)
+
+
+def _corrupt(batch, **changes):
+    fields = {f: getattr(batch, f) for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                                              "behavior_logprobs", "topk_ids", "topk_logprobs", "weights_version",
+                                              "group_ids", "finish_reason")}
+    for name, fn in changes.items():
+        fields[name] = fn(np.array(fields[name]))
+    return RolloutBatch(**fields)
+
+
+def _set(index, value):
+    def fn(a):
+        a[index] = value
+        return a
+    return fn
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(group_ids=lambda g: g[[2, 3, 0, 1]]), "group_ids[0] = 1: rows must be prompt-major"),
+    (dict(group_ids=_set(0, -1)), "group_ids[0] = -1"),
+    (dict(prompt_ids=lambda p: p[[2, 3, 0, 1]], group_ids=lambda g: g), "prompt_ids[0] is not the ids of prompt 0"),
+    (dict(behavior_logprobs=_set((1, 2), -np.inf)), "behavior_logprobs[1, 2] = -inf"),
+    (dict(behavior_logprobs=_set((0, 0), 0.5)), "behavior_logprobs[0, 0] = 0.5"),
+    (dict(topk_logprobs=lambda t: t + np.log(7.8)), "top-K probabilities sum to 3.9"),
+    (dict(topk_logprobs=_set((0, 0, 1), np.nan)), "topk_logprobs[0, 0, 1] = nan"),
+    (dict(completion_ids=_set((3, 1), -4)), "completion_ids[3, 1] = -4: outside [0, 64)"),
+    (dict(topk_ids=_set((2, 0, 0), 64)), "topk_ids[2, 0, 0] = 64: outside [0, 64)"),
+])
+def test_rollouts_that_do_not_answer_the_request_are_refused_naming_the_field(tmp_path, script, changes, field):
+    """Whatever a sampler sends, the supervisor checks it against the request before training on it."""
+    prompts = [[5, 6], [7]]
+
+    class Hostile(FakeClient):
+        def generate(self, prompts, **kw):
+            return _corrupt(answer(prompts, n=2, top_k_logprobs=4), **changes)
+    script(FakeProcess(Hostile("ok")))
+    s = SamplerSupervisor(sampler_config(), workdir=str(tmp_path), model_config=types.SimpleNamespace(vocab_size=64),
+                          max_new_tokens=8)
+    s.start(0)
+    with pytest.raises(sup_mod.SamplerResponseError, match=r"do not answer the request: RolloutBatch\.") as e:
+        s.generate(prompts, n=2, top_k_logprobs=4)
+    assert field in str(e.value)
+    assert s.restarts_total == 0
+
+
+def test_more_rows_longer_completions_or_another_k_are_refused(tmp_path, script):
+    prompts = [[5, 6], [7]]
+    cases = [(dict(n=1, top_k_logprobs=4), "4 rows for 2 prompts x n = 1"),
+             (dict(n=2, max_new_tokens=2, top_k_logprobs=4), "more than the request's"),
+             (dict(n=2, top_k_logprobs=3), "K = 4, the request asked for 3")]
+    for kw, want in cases:
+        class Fixed(FakeClient):
+            def generate(self, prompts, **k):
+                return answer(prompts, n=2, top_k_logprobs=4)
+        script(FakeProcess(Fixed("ok")))
+        s = supervisor(tmp_path)
+        s.start(0)
+        with pytest.raises(sup_mod.SamplerResponseError, match=want):
+            s.generate(prompts, **kw)
+        s.stop()
+    s = supervisor(tmp_path)
+    script(FakeProcess(Fixed("ok")))
+    s.start(0)
+    assert s.generate(prompts, n=2, top_k_logprobs=4).num_sequences == 4  # the same answer, asked for right

@@ -52,7 +52,7 @@ import jax
 
 from pdm_jax import workdir as wd
 from pdm_jax.config import SAMPLER_FILE_MODES, resolve_sampler_mode
-from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import RolloutBatch, check_answers
 from pdm_jax.rollouts.base import Sampler
 from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError
 from pdm_jax.rollouts.in_process import InProcessSampler
@@ -76,6 +76,10 @@ class SamplerFailure(RuntimeError):
 
 class SamplerStalled(RuntimeError):
     """The sampler missed ``stall_probe_misses`` consecutive ``/health`` probes while a call was in flight."""
+
+
+class SamplerResponseError(ValueError):
+    """The sampler answered, but its rollouts do not answer the request (`pdm_jax.rollout.check_answers`)."""
 
 
 class SamplerRejected(ValueError):
@@ -422,8 +426,25 @@ class SamplerSupervisor:
         return box["value"]
 
     def generate(self, prompts, **kwargs) -> RolloutBatch:
-        """Rollouts for ``prompts`` (lists of token ids); keyword arguments as ``SamplerClient.generate``."""
-        return self.call("generate", lambda sampler: sampler.generate(prompts, **kwargs))
+        """Rollouts for ``prompts`` (lists of token ids); keyword arguments as ``SamplerClient.generate``.
+
+        Whatever the backend, its answer is checked against the request (`pdm_jax.rollout.check_answers`:
+        rows, order, prompts, lengths, ids, log mu, top-K mass) before any of it is used.
+
+        Raises:
+          SamplerResponseError: the sampler's rollouts do not answer the request (names the field).
+          SamplerRejected, SamplerFailure: as `call`.
+        """
+        batch = self.call("generate", lambda sampler: sampler.generate(prompts, **kwargs))
+        max_new = kwargs.get("max_new_tokens")
+        try:
+            check_answers(batch, prompts, n=int(kwargs.get("n", 1)),
+                          max_new_tokens=int(self.limits["max_new_tokens"] if max_new is None else max_new),
+                          top_k_logprobs=int(kwargs.get("top_k_logprobs", 20)),
+                          vocab_size=getattr(self.model_config, "vocab_size", None))
+        except ValueError as e:
+            raise SamplerResponseError(f"the sampler's rollouts do not answer the request: {e}") from None
+        return batch
 
     def sync(self, params, version: int) -> None:
         """Pushes ``params`` as weights version ``version`` and has the sampler load it.
