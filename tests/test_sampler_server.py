@@ -244,14 +244,14 @@ def test_non_loopback_requires_token_and_startup_errors_are_clear(tmp_path):
                              startup_timeout_s=60, env=env)
 
 
-@pytest.mark.parametrize("token", ["tok ", " tok", "tök", "a\tb", "line\nbreak"])
+@pytest.mark.parametrize("token", ["zq7 ", " zq7", "zq7ö", "zq7\tb", "zq7\nbreak"])
 def test_a_token_no_client_could_send_is_refused_at_start_up(token, capsys):
     """A space, control or non-ASCII character in --token would make every request 401: exit 2 at start."""
     with pytest.raises(SystemExit) as e:
         parse_args(["--model_config=x", "--checkpoint_root=y", f"--token={token}"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--token (or PDM_SAMPLER_TOKEN) holds" in err and token not in err
+    assert "--token (or PDM_SAMPLER_TOKEN) holds" in err and "zq7" not in err  # the value is never echoed
     assert parse_args(["--model_config=x", "--checkpoint_root=y", "--token=Ab9-._~+/="]).token == "Ab9-._~+/="
 
 
