@@ -34,9 +34,10 @@ from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.profiling import parse_steps
-from pdm_jax.sampler.engine import BATCHING_MODES, check_engine_mesh
+from pdm_jax.sampler import defaults as sampler_defaults
+from pdm_jax.sampler.engine import check_engine_mesh
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
-from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS, MAX_SEED, MAX_STOP_TOKEN_IDS, token_problem
+from pdm_jax.sampler.wire import MAX_SEED, MAX_STOP_TOKEN_IDS, token_problem
 from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.rl.train_step import OptimizerConfig
 
@@ -59,6 +60,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     every field a run reads, and splitting it would scatter the schema.
     """
     c = ml_collections.ConfigDict()
+    # Seed of the model's initialisation and of the rollouts' sampling keys.
     c.seed = 0
 
     # ---- model -------------------------------------------------------------------------
@@ -66,16 +68,27 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.hf_path = ""  # local Hugging Face directory (config.json + safetensors); "" = random init
     c.model.preset = ""  # a pdm_jax.models.presets name (qwen3_4b ...) for random init / dry runs
     # Explicit architecture, used when hf_path and preset are empty (vocab_size comes from the tokenizer).
+    # Model width d (unit: features).
     c.model.hidden_size = 128
+    # Width of the dense SwiGLU MLP (unit: features).
     c.model.intermediate_size = 384
+    # Decoder layers (unit: layers).
     c.model.num_hidden_layers = 3
+    # Query heads (unit: heads).
     c.model.num_attention_heads = 4
+    # Key/value heads (GQA; divides num_attention_heads) (unit: heads).
     c.model.num_key_value_heads = 2
+    # Width of one attention head (even: RoPE rotates halves) (unit: features).
     c.model.head_dim = 32
+    # RoPE base frequency.
     c.model.rope_theta = 10_000.0
+    # Epsilon of every RMSNorm.
     c.model.rms_norm_eps = 1e-6
+    # True: the LM head reuses the embedding matrix.
     c.model.tie_word_embeddings = True
+    # Longest sequence the model accepts, prompt + completion (tokens).
     c.model.max_position_embeddings = 512
+    # Dtype of the trainer's parameters (the optimizer's master copy): "float32" | "bfloat16".
     c.model.param_dtype = "float32"
     c.model.dtype = "float32"  # compute dtype of the trainer
     # Training forward (pdm_jax.models.attention; the sampler's decode is unaffected): "dense" (reference,
@@ -83,6 +96,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # | "auto" (dense up to 512 tokens, then splash on TPU, cudnn on GPU, blockwise elsewhere).
     c.model.attention = "dense"
     c.model.attention_block_q = 512  # query / key tile sizes of blockwise and splash attention (tokens)
+    # Key / value tile size of blockwise and splash attention (tokens).
     c.model.attention_block_kv = 512
     c.model.remat = "none"  # per-layer jax.checkpoint: "none" | "full" | "dots_saveable" | "dots_with_no_batch_dims_saveable"
     # Training forward over the stacked layers: True = jax.lax.scan (one compiled layer body, compile time flat
@@ -97,8 +111,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     # A randomly initialised Qwen3-MoE (hf_path and preset unset): num_experts > 0 makes every layer's MLP
     # num_experts SwiGLU experts of width moe_intermediate_size, top num_experts_per_tok (configs/tiny_moe.py).
     c.model.num_experts = 0  # 0 = dense
+    # Experts each token is routed to (top-k) (unit: experts).
     c.model.num_experts_per_tok = 2
+    # Width of one expert's SwiGLU MLP (unit: features).
     c.model.moe_intermediate_size = 64
+    # True: the top-k routing weights are renormalised to sum to 1.
     c.model.norm_topk_prob = True
     # Routing replay (MoE only; pdm_jax.sampler engine, not the vLLM backend): the sampler returns the experts
     # every layer ran per token, and the training forward runs those experts (weighted by its own router).
@@ -108,56 +125,86 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.tokenizer = ml_collections.ConfigDict()
     c.tokenizer.path = ""  # local HF tokenizer directory; "" with kind=char builds one into the workdir
     c.tokenizer.kind = "char"  # "char" (built from `symbols`) | "path"
+    # Characters of the char tokenizer's vocabulary (besides its special tokens).
     c.tokenizer.symbols = "0123456789+-="
 
     # ---- prompts and verifier (pdm_jax.data.make_source) --------------------------------
     c.data = ml_collections.ConfigDict()
     c.data.kind = "reasoning_gym"  # "reasoning_gym" | "gsm8k" | "dapo_math"
+    # reasoning-gym task name (kind=reasoning_gym).
     c.data.task = "chain_sum"
+    # reasoning-gym config keyword arguments of the task (free-form, passed through).
     c.data.task_config = ml_collections.ConfigDict(
         dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2))
+    # "compact" (e.g. "57+87=", the answer's leading integer is scored) | "question" (the source's question text; the
+    # only format of gsm8k / dapo_math).
     c.data.prompt_format = "compact"
     # "auto": the source's own choice (gsm8k / dapo_math and reasoning-gym "question" prompts go through the
     # tokenizer's chat template as one user turn + the generation prompt; "compact" prompts stay raw text) | "on" |
     # "off" (raw prompt text: a Base model without chat training)
     c.data.chat_template = "auto"
     c.data.enable_thinking = True  # passed to the chat template (Qwen3: False opens an empty <think></think>)
+    # Local json / jsonl / parquet file of the prompts (kind=gsm8k or dapo_math).
     c.data.path = ""
+    # Optional separate held-out file in the same schema ("" = held out from data.path).
     c.data.eval_path = ""
+    # Held-out prompts set aside from the training stream (unit: prompts).
     c.data.num_eval = 256
+    # Seed of the prompt stream and of the held-out split.
     c.data.seed = 1234
 
     # ---- supervised warm start -----------------------------------------------------------
     c.sft = ml_collections.ConfigDict()
+    # Supervised warm-start optimizer steps on the reference answers (unit: steps).
     c.sft.steps = 0  # 0 = no warm start
+    # Sequences per warm-start optimizer step (unit: sequences).
     c.sft.batch_size = 128
+    # Warm-start AdamW learning rate (linear warm-up, then constant).
     c.sft.learning_rate = 1e-3
+    # Linear warm-up of the warm-start learning rate (unit: steps).
     c.sft.warmup_steps = 50
 
     # ---- RL ---------------------------------------------------------------------------
     c.rl = ml_collections.ConfigDict()
     c.rl.steps = 100  # rollout batches (= policy versions pushed to the sampler)
+    # Prompts per rollout batch; each is sampled group_size times (unit: prompts).
     c.rl.prompts_per_step = 32
     c.rl.group_size = 8  # samples per prompt (GRPO group)
     c.rl.num_minibatches = 1  # optimizer steps per pass over a rollout batch
     c.rl.num_iterations = 1  # passes over each rollout batch
     c.rl.max_staleness = 0  # versions the sampler may lag behind the trainer (0 = synchronous)
+    # Sampling temperature of the rollouts; pi is softmax(z / temperature) in the loss too.
     c.rl.temperature = 1.0
+    # Longest completion, its stop token included (tokens).
     c.rl.max_new_tokens = 8
+    # The sampler returns the top-K ids and their log mu for every token (unit: ids per token).
     c.rl.top_k_logprobs = 20  # K of the sampler's top-K view
+    # RL AdamW learning rate (linear warm-up, then constant).
     c.rl.learning_rate = 1e-4
+    # Linear warm-up of the RL learning rate (unit: optimizer steps).
     c.rl.warmup_steps = 0
+    # AdamW decoupled weight decay.
     c.rl.weight_decay = 0.0
+    # AdamW beta1.
     c.rl.adam_b1 = 0.9
+    # AdamW beta2.
     c.rl.adam_b2 = 0.999
+    # Global-norm gradient clipping, also in the warm start; <= 0 = no clipping.
     c.rl.max_grad_norm = 1.0
     c.rl.policy_loss = "tis"  # "tis" (-A sg(min(r,C)) M log pi) | "ppo_clip"
+    # Truncated importance sampling: the ratio pi/mu is capped at this value,
     c.rl.tis_cap = 5.0  # C
     c.rl.dual_clip = 0.0  # PPO dual clip c (>1) for A<0; 0 = off
+    # How the per-token losses become the loss ("token_mean": DAPO, over all valid tokens of the mini-batch;
+    # "seq_mean_token_mean": GRPO, per sequence then over sequences; "seq_mean_token_sum_norm": Dr. GRPO):
+    # "token_mean"
     c.rl.loss_aggregation = "token_mean"  # | "seq_mean_token_mean" | "seq_mean_token_sum_norm"
+    # True: group advantages divided by the group's reward std (GRPO); False: mean-centred only.
     c.rl.normalize_advantage_std = False  # DPPO uses none
     c.rl.kl_beta = 0.0  # KL penalty to the frozen initial policy (DAPO/DPPO: 0)
+    # Estimator of the KL penalty (with kl_beta > 0): "k1" | "k2" | "k3" (Schulman's).
     c.rl.kl_estimator = "k3"
+    # Chunked RL loss for large vocabularies (unit: tokens).
     c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.rl.chunked_loss); 0 = all [B,T,V] logits
     c.rl.micro_batch_size = 0  # sequences per micro-batch; > 0: gradients accumulated exactly over micro-batches; 0 = off
     c.rl.router_aux_loss_coef = 0.0  # Qwen3-MoE: weight of the router load-balancing loss in the RL loss (0 = off)
@@ -165,13 +212,23 @@ def get_base_config() -> ml_collections.ConfigDict:
     # ---- trust region (pdm_jax.rl.trust_region.TrustRegionConfig) ---------------------------
     c.trust_region = ml_collections.ConfigDict()
     c.trust_region.mask = "pdm"  # "none" | "ppo" | "dppo" | "pdm"
+    # Proximity D for dppo / pdm: "binary_tv" | "binary_kl" | "topk_tv" | "topk_kl" | "topk_reverse_kl".
     c.trust_region.divergence = "topk_kl"
+    # pdm's predictive direction D': "aggregated_tail" | "uniform_tail" | "bucket_exact" (closed forms, topk_kl only)
+    # | "autodiff" (jax.jvp of any divergence).
     c.trust_region.estimator = "bucket_exact"
+    # Radius delta of the trust region (unit: nats for KL, probability for TV).
     c.trust_region.delta = 0.05
+    # Radius where the advantage is negative (None = delta) (unit: as delta).
     c.trust_region.delta_low = ml_collections.FieldReference(None, field_type=float)
+    # Radius where the advantage is positive (None = delta) (unit: as delta).
     c.trust_region.delta_high = ml_collections.FieldReference(None, field_type=float)
+    # mask=ppo keeps r in [1 - clip_eps_low, 1 + clip_eps_high]; also rl.policy_loss=ppo_clip's clip.
     c.trust_region.clip_eps_low = 0.2
+    # Upper clip of the ratio (clip-higher: clip_eps_high > clip_eps_low).
     c.trust_region.clip_eps_high = 0.2
+    # NaN / inf inputs at a valid token: "mask" (counted in num_nonfinite and masked) | "error" (also raise, naming
+    # the position).
     c.trust_region.nonfinite = "mask"
     # Mask direction: "per_token" (ratio for ppo/dppo, the estimator's D' for pdm) | "param_jvp" (pdm only: the
     # first-order change of each token's divergence along the optimizer's update of the unmasked gradient)
@@ -186,9 +243,10 @@ def get_base_config() -> ml_collections.ConfigDict:
     # backend, colocated on TPU/GPU, where a subprocess cannot open the accelerator the trainer holds).
     c.sampler.mode = "auto"
     c.sampler.address = ""  # http://host:port for mode=remote
+    # Shared bearer token of the sampler server (required off loopback); written to config.json redacted.
     c.sampler.token = ""
     # Rollout server: "native" (pdm_jax.sampler.server / engine) | "vllm" (a vLLM or vLLM-TPU OpenAI-compatible
-    # server at sampler.address, mode "remote"; pdm_jax.rollouts.vllm_client, README "vLLM backend").
+    # server at sampler.address, mode "remote"; pdm_jax.rollouts.vllm_client, docs/sampler.md, "vLLM backend").
     c.sampler.backend = "native"
     c.sampler.vllm_model = ""  # served model name sent with each request ("" = the first of GET /v1/models)
     # Where each weights version is written as a Hugging Face safetensors directory for the vLLM server to
@@ -203,28 +261,38 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Token ids that end a rollout or an evaluation sample, comma separated ("151645,151643": Qwen3's
     # <|im_end|> and <|endoftext|>); the tokenizer's eos id is always one of them. "" = the eos id alone.
     c.sampler.stop_token_ids = ""
+    # How long the trainer waits for a sampler subprocess to listen.
     c.sampler.startup_timeout_s = 180.0
+    # Timeout of one sampler request.
     c.sampler.request_timeout_s = 300.0
+    # Extra attempts of a request after a connection error, timeout or 5xx (unit: attempts).
     c.sampler.retries = 3
+    # Restarts of a dead or stalled sampler subprocess before the run stops (unit: restarts).
     c.sampler.max_restarts = 3
     # Stall detection while a call is in flight (pdm_jax.rollouts.supervisor): /health probed every
     # interval, each probe given timeout seconds; this many consecutive misses = stalled (kill + restart).
     c.sampler.stall_probe_interval_s = 10.0
+    # Timeout of one /health probe.
     c.sampler.stall_probe_timeout_s = 10.0
+    # Consecutive unanswered /health probes that count as a stall (unit: probes).
     c.sampler.stall_probe_misses = 3  # 0 = no probing
     c.sampler.max_prompt_length = 64  # tokens; longest accepted prompt (largest prompt bucket)
-    c.sampler.max_batch_size = 64  # largest batch bucket; bigger requests run in chunks
+    # Static batching's chunk (unit: rows).
+    c.sampler.max_batch_size = sampler_defaults.MAX_BATCH_SIZE  # largest batch bucket; bigger requests run in chunks
     # How a request's rows are batched (pdm_jax.sampler.engine): "continuous" (max_slots slots of one static KV
     # cache; a slot whose row stops takes the next pending row: the static engine's tokens, log mu within f32
-    # rounding; faster on mixed response lengths and on the default run's requests; README) | "static" (chunks of
-    # max_batch_size rows, each run until its longest row stops; the engine's and the server's own default).
-    c.sampler.batching = "continuous"
-    c.sampler.max_slots = 0  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
+    # rounding; faster on mixed response lengths and on the default run's requests; docs/sampler.md) | "static"
+    # (chunks of max_batch_size rows, each run until its longest row stops). One default for the engine, the server
+    # and the trainer: pdm_jax.sampler.defaults.
+    c.sampler.batching = sampler_defaults.BATCHING
+    # Continuous batching's KV-cache slots (unit: slots).
+    c.sampler.max_slots = sampler_defaults.MAX_SLOTS  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
     # Continuous batching parks up to park_rows x slots rows that outgrow the first cache phase (P + T/4 slots)
     # while rows are pending and refills their slots, so the queue runs in the short cache: same tokens, 1.11-1.24x
     # useful tokens/s on mixed lengths, park_rows x slots x (P + T/4) more cache entries (the dry run counts
-    # them); 0 = never (README, bench/bench_continuous_batching.py --modes continuous_nopark,continuous).
-    c.sampler.park_rows = DEFAULT_PARK_ROWS
+    # them); 0 = never (docs/benchmarks.md, bench/bench_continuous_batching.py --modes continuous_nopark,continuous).
+    # park_rows counts rows per slot (unit: x slots).
+    c.sampler.park_rows = sampler_defaults.PARK_ROWS
     # Multi-process runs (distributed=True): each process samples only the prompts whose rows its devices hold
     # (whole groups; keyed by their index in the step, so the rollouts equal a single process's) and evaluates
     # its share of the held-out prompts (pdm_jax.per_host). False: every process samples every prompt (old).
@@ -235,14 +303,20 @@ def get_base_config() -> ml_collections.ConfigDict:
     # subprocess: the server's own devices. Heads, kv heads and the MLP width must divide by tensor and
     # max_batch_size / max_slots by data (the engine names the one that does not).
     c.sampler.mesh = ml_collections.ConfigDict()
+    # The sampler mesh's data axis: rows split over this many devices (unit: devices).
     c.sampler.mesh.data = 1
+    # The sampler mesh's tensor axis: heads, MLP and vocabulary split over this many devices (unit: devices).
     c.sampler.mesh.tensor = 1
 
     # ---- evaluation --------------------------------------------------------------------
     c.eval = ml_collections.ConfigDict()
+    # Held-out evaluation every this many RL steps, and at the last one (unit: RL steps).
     c.eval.every_steps = 50
+    # Held-out prompts evaluated, the first of the held-out set (unit: prompts).
     c.eval.num_prompts = 200
+    # Samples per held-out prompt (unit: samples).
     c.eval.samples_per_prompt = 4  # avg@k at the training temperature
+    # Also evaluate greedy (temperature 0) accuracy.
     c.eval.greedy = True
     # Which engine evaluates: "f32" (an unquantized f32 engine in the trainer's process on its first device,
     # fed the trainer's weights in memory) | "rollout" (the rollout sampler itself: sampler.quantization,
@@ -251,8 +325,11 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     # ---- mesh ------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()
+    # Trainer mesh's data-parallel axis; -1 = all devices the other axes leave (unit: devices).
     c.mesh.data = -1
+    # Trainer mesh's FSDP axis: parameters, optimizer state and batch sharded over it (unit: devices).
     c.mesh.fsdp = 1
+    # Trainer mesh's tensor-parallel axis: heads, MLP and vocabulary split over it (unit: devices).
     c.mesh.tensor = 1
     c.distributed = False  # call jax.distributed.initialize() (multi-host)
     # Multi-host runtime (pdm_jax.distributed); empty/sentinel values fall back to the environment
@@ -260,10 +337,12 @@ def get_base_config() -> ml_collections.ConfigDict:
     # JAX's cluster auto-detection (Cloud TPU, SLURM, ...).
     c.multihost = ml_collections.ConfigDict()
     c.multihost.coordinator_address = ""  # "host:port" of process 0
+    # Processes of the run (unit: processes).
     c.multihost.num_processes = 0  # 0 = from the environment / auto-detected
     c.multihost.process_id = -1  # -1 = from the environment / auto-detected
     c.multihost.local_device_ids = ""  # e.g. "0,1,2,3"; "" = all local devices
     c.multihost.cpu_collectives = "gloo"  # CPU cross-process collectives: "gloo" | "mpi" | "none"
+    # Timeout of jax.distributed.initialize().
     c.multihost.initialization_timeout_s = 300
 
     # ---- dry run (python -m pdm_jax.train --dry_run; pdm_jax.dry_run) ------------------
@@ -276,6 +355,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     # max_compile_params parameters, else none).
     c.dry_run.compiler = "auto"
     c.dry_run.topology = ""  # the TPU slice, e.g. "v5p:4x4x4"; "" = from chip and num_devices (aot.default_topology)
+    # A limit on the model's size (unit: parameters).
     c.dry_run.max_compile_params = 2_000_000_000  # compiler auto: XLA:CPU compiles only models up to this size
     # With compiler=cpu also compile the sampler's continuous-batching program (minutes on CPU); XLA:TPU / XLA:GPU
     # always compile it.
@@ -300,15 +380,21 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     # ---- checkpoints and logging ------------------------------------------------------
     c.checkpoint = ml_collections.ConfigDict()
+    # Orbax checkpoint every this many RL steps, and at the last one (unit: RL steps).
     c.checkpoint.every_steps = 50
+    # Checkpoints kept in WORKDIR/checkpoints; older ones are deleted (unit: checkpoints).
     c.checkpoint.max_to_keep = 2
     c.log = ml_collections.ConfigDict()
+    # Also write TensorBoard events to WORKDIR/tensorboard.
     c.log.tensorboard = True
+    # Show tqdm progress bars of the warm start and the RL loop.
     c.log.progress = True
 
     # ---- fault injection for the resume / sampler-failure tests (off by default) ---------
     c.debug = ml_collections.ConfigDict()
+    # Fault injection (unit: RL step); -1 = off.
     c.debug.kill_after_rl_step = -1  # SIGKILL the trainer itself right after this RL step's checkpoint
+    # Fault injection (unit: RL step); -1 = off.
     c.debug.kill_sampler_after_rl_step = -1  # SIGKILL the sampler subprocess after this RL step
     return c
 
@@ -607,7 +693,8 @@ def _check_sampler_and_eval(config) -> None:
     _need(config.eval.engine in EVAL_ENGINES, "eval.engine", config.eval.engine, f"must be one of {EVAL_ENGINES}")
     _need(sc.compute_dtype in COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
           f"must be one of {COMPUTE_DTYPES}")
-    _need(sc.batching in BATCHING_MODES, "sampler.batching", sc.batching, f"must be one of {BATCHING_MODES}")
+    _need(sc.batching in sampler_defaults.BATCHING_MODES, "sampler.batching", sc.batching,
+          f"must be one of {sampler_defaults.BATCHING_MODES}")
     _need(isinstance(sc.max_slots, int) and not isinstance(sc.max_slots, bool) and sc.max_slots >= 0,
           "sampler.max_slots", sc.max_slots, "must be an integer >= 0 (0 = sampler.max_batch_size)")
     _need(isinstance(sc.park_rows, int) and not isinstance(sc.park_rows, bool) and sc.park_rows >= 0,

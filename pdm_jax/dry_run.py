@@ -341,7 +341,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
     """
     from pdm_jax.sampler.engine import (cache_phases, check_engine_mesh,  # lazy: the dry run's imports stay light
                                         resolve_compute_dtype)
-    from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS
+    from pdm_jax.sampler import defaults
 
     sc = config.sampler
     mesh_cfg = sc.get("mesh") or {}
@@ -355,8 +355,8 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
     dtype = resolve_compute_dtype(str(sc.get("compute_dtype", "auto")), str(sc.quantization), backend=backend)
     _, weights = param_bytes_per_device(model_cfg, {"data": d, "fsdp": 1, "tensor": t}, dtype)
     pow2 = next_pow2
-    continuous = str(sc.get("batching", "continuous")) == "continuous"
-    slots = pow2((int(sc.get("max_slots", 0)) if continuous else 0) or int(sc.max_batch_size))
+    continuous = str(sc.get("batching", defaults.BATCHING)) == "continuous"
+    slots = pow2((int(sc.get("max_slots", defaults.MAX_SLOTS)) if continuous else 0) or int(sc.max_batch_size))
     try:
         check_engine_mesh(model_cfg, jax.sharding.AbstractMesh((d, 1, t), ("data", "fsdp", "tensor")),
                           max_batch_size=int(sc.max_batch_size), max_slots=slots)
@@ -378,7 +378,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
     store_rows = max(pow2(prompts), slots // 4) if continuous else 0
     prompt_store = store_rows * p * per_entry // (d * kv_t)
     caps = cache_phases(new)
-    park_rows = int(sc.get("park_rows", DEFAULT_PARK_ROWS)) if continuous and len(caps) > 1 else 0
+    park_rows = int(sc.get("park_rows", defaults.PARK_ROWS)) if continuous and len(caps) > 1 else 0
     park = park_rows * slots * (p + caps[0]) * per_entry // (d * kv_t)
     out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
     out["total"] = sum(out.values())

@@ -232,6 +232,112 @@ def _as(x, dtype, name, ndim):
         return a.astype(dtype)
 
 
+def left_pad(prompts, length: Optional[int] = None, *, rows: Optional[int] = None):
+    """The one prompt padding of the package: token-id sequences left-padded into a block.
+
+    Args:
+      prompts: a sequence of token-id sequences (ints).
+      length: P, the block's width (default: the longest prompt); each prompt must fit.
+      rows: the block's height (default ``len(prompts)``); rows past the prompts are all pads.
+    Returns:
+      ``(prompt_ids [rows, P] int32, prompt_mask [rows, P] bool)``: prompt ``i`` in the last
+      ``len(prompts[i])`` columns of row ``i``, id 0 and mask False elsewhere.
+    Raises:
+      ValueError: a prompt longer than ``length``, or more prompts than ``rows``.
+    """
+    lens = np.array([len(p) for p in prompts], np.int64)
+    width = int(lens.max(initial=0)) if length is None else int(length)
+    height = len(prompts) if rows is None else int(rows)
+    if height < len(prompts):
+        raise ValueError(f"left_pad: {len(prompts)} prompts do not fit in {height} rows")
+    if lens.size and lens.max() > width:
+        i = int(np.argmax(lens))
+        raise ValueError(f"left_pad: prompt {i} has {int(lens[i])} tokens, longer than P = {width}")
+    ids = np.zeros((height, width), np.int32)
+    mask = np.zeros((height, width), bool)
+    for i, p in enumerate(prompts):
+        if len(p):
+            ids[i, width - len(p):] = p
+            mask[i, width - len(p):] = True
+    return ids, mask
+
+
+def right_pad_rows(rows, width: Optional[int] = None, *, dtype=np.float32) -> np.ndarray:
+    """Per-row arrays ``[t_r, ...]`` (same trailing shape) stacked right-padded with 0 into ``[N, width, ...]``.
+
+    ``width`` defaults to max(1, longest row). Raises ValueError for a row longer than ``width``.
+    """
+    arrays = [np.asarray(r, dtype) for r in rows]
+    trailing = arrays[0].shape[1:] if arrays else ()
+    width = max([1] + [a.shape[0] for a in arrays]) if width is None else int(width)
+    out = np.zeros((len(arrays), width) + tuple(trailing), dtype)
+    for r, a in enumerate(arrays):
+        if a.shape[0] > width:
+            raise ValueError(f"right_pad_rows: row {r} has {a.shape[0]} entries, more than {width}")
+        out[r, :a.shape[0]] = a
+    return out
+
+
+def build_batch(prompts, *, group_ids, lengths, completion_ids, behavior_logprobs, topk_ids, topk_logprobs,
+                weights_version, finish_reason, routed_experts=None) -> RolloutBatch:
+    """The one `RolloutBatch` builder from a sampler's per-row outputs (engine, wire decoders, vLLM client).
+
+    Args:
+      prompts: the request's prompts (token-id sequences).
+      group_ids: [N] int, the prompt index of each row.
+      lengths: [N] int, the tokens each row generated (stop token included), <= T_in.
+      completion_ids: [N, T_in] int; behavior_logprobs: [N, T_in] float (log mu of the sampled token);
+        topk_ids / topk_logprobs: [N, T_in, K]. Entries at or past a row's length are ignored.
+      weights_version: [N] int, or one int for every row.
+      finish_reason: [N] of "stop" / "length".
+      routed_experts: None, or [N, P + T_in, L, k] int with P = the longest prompt: prompt columns
+        right-aligned to P as the prompts are.
+    Returns:
+      RolloutBatch: prompts left-padded to the longest (`left_pad`), completions cut to
+      T = max(1, longest length) with id 0, log-prob 0 and mask False past each row's length;
+      ``routed_experts`` (if given) `ROUTING_PAD` on prompt pads and past each row's length (the
+      sampler marks the last token it never fed itself).
+    Raises:
+      ValueError: a group id outside ``[0, len(prompts))``, a length outside ``[0, T_in]``, or a
+        field `RolloutBatch` refuses (named).
+    """
+    group_ids = np.asarray(group_ids).reshape(-1)
+    lengths = np.asarray(lengths).reshape(-1)
+    n_rows, t_in = np.shape(completion_ids)[:2]
+    if group_ids.shape != (n_rows,) or lengths.shape != (n_rows,):
+        raise ValueError(f"build_batch: group_ids {group_ids.shape} and lengths {lengths.shape} must be [{n_rows}]")
+    if n_rows and (group_ids.min() < 0 or group_ids.max() >= len(prompts)):
+        raise ValueError(f"build_batch: group_ids must lie in [0, {len(prompts)}), got "
+                         f"{int(group_ids.min())}..{int(group_ids.max())}")
+    if n_rows and (lengths.min() < 0 or lengths.max() > t_in):
+        raise ValueError(f"build_batch: lengths must lie in [0, {t_in}], got {int(lengths.min())}..{int(lengths.max())}")
+    t_out = int(max(lengths.max(initial=0), 1))
+    if t_in < t_out:  # rows that all generated nothing, sent as [N, 0]: one masked column
+        completion_ids, behavior_logprobs, topk_ids, topk_logprobs = (
+            pad_axis(np.asarray(a), t_out, 1) for a in (completion_ids, behavior_logprobs, topk_ids, topk_logprobs))
+    mask = np.arange(t_out)[None, :] < lengths[:, None]
+    cut = lambda a, fill: np.where(mask.reshape(mask.shape + (1,) * (np.ndim(a) - 2)),  # noqa: E731
+                                   np.asarray(a)[:, :t_out], fill)
+    store_ids, store_mask = left_pad(prompts)  # each prompt padded once, then one gather per row
+    prompt_mask = store_mask[group_ids]
+    p_out = store_ids.shape[1]
+    routed = None
+    if routed_experts is not None:
+        r = np.asarray(routed_experts)
+        if r.ndim != 4 or r.shape[:2] != (n_rows, p_out + t_in):
+            raise ValueError(f"RolloutBatch.routed_experts must be [{n_rows}, {p_out + t_in}, L, k], got {list(r.shape)}")
+        routed = np.concatenate([r[:, :p_out], r[:, p_out:p_out + t_out]], axis=1)
+        real = np.concatenate([prompt_mask, mask], axis=1)
+        routed = np.where(real[:, :, None, None], routed, ROUTING_PAD).astype(r.dtype)
+    version = np.asarray(weights_version)
+    return RolloutBatch(
+        prompt_ids=store_ids[group_ids], prompt_mask=prompt_mask, completion_ids=cut(completion_ids, 0),
+        completion_mask=mask, behavior_logprobs=cut(behavior_logprobs, 0.0), topk_ids=cut(topk_ids, 0),
+        topk_logprobs=cut(topk_logprobs, 0.0),
+        weights_version=np.full((n_rows,), int(version), np.int32) if version.ndim == 0 else version,
+        group_ids=group_ids, finish_reason=np.asarray(finish_reason, dtype=object), routed_experts=routed)
+
+
 def pad_axis(x: np.ndarray, length: int, axis: int, *, left: bool = False, value=0) -> np.ndarray:
     """``x`` padded with ``value`` along ``axis`` to ``length`` (on the left if ``left``).
 

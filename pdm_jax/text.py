@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from pdm_jax.rl.step_batch import StepBatch
+from pdm_jax.rollout import left_pad, right_pad_rows
 
 
 class TextCodec:
@@ -84,16 +85,9 @@ class TextCodec:
     def sft_batch(self, prompts, targets, *, prompt_len: int, completion_len: int) -> StepBatch:
         """A supervised batch: each prompt's ids (left-padded, cut to its last ``prompt_len``) and its
         target's ids + eos (right-padded, cut to ``completion_len``); the RL fields are None."""
-        count = len(prompts)
-        p_ids = np.zeros((count, prompt_len), np.int32)
-        p_mask = np.zeros((count, prompt_len), bool)
-        c_ids = np.zeros((count, completion_len), np.int32)
-        c_mask = np.zeros((count, completion_len), bool)
-        for i, (prompt, target) in enumerate(zip(prompts, targets)):
-            p = self.encode_prompt(prompt)[-prompt_len:]
-            c = (list(self.tokenizer(target, add_special_tokens=False)["input_ids"]) + [self.eos_id])[:completion_len]
-            p_ids[i, prompt_len - len(p):] = p
-            p_mask[i, prompt_len - len(p):] = True
-            c_ids[i, :len(c)] = c
-            c_mask[i, :len(c)] = True
+        p_ids, p_mask = left_pad([self.encode_prompt(prompt)[-prompt_len:] for prompt in prompts], prompt_len)
+        c = [(list(self.tokenizer(target, add_special_tokens=False)["input_ids"]) + [self.eos_id])[:completion_len]
+             for target in targets]
+        c_ids = right_pad_rows(c, completion_len, dtype=np.int32)
+        c_mask = np.arange(completion_len)[None, :] < np.array([len(x) for x in c])[:, None]
         return StepBatch(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask)

@@ -26,23 +26,11 @@ from pdm_jax import config as config_lib
 from pdm_jax.rl import objectives
 from pdm_jax.rl import train_step as ts
 from pdm_jax.rl import trust_region as tr
-from pdm_jax.rollout import RolloutBatch
 from pdm_jax.config import validate_config
 
 # --------------------------------------------------------------------------- helpers
 
 B, T, V, K = 2, 3, 8, 3
-
-
-def _rollout(n=2, t=3, k=2, p=2, **overrides) -> RolloutBatch:
-    fields = dict(
-        prompt_ids=np.ones((n, p), np.int32), prompt_mask=np.ones((n, p), bool),
-        completion_ids=np.ones((n, t), np.int32), completion_mask=np.ones((n, t), bool),
-        behavior_logprobs=np.full((n, t), -1.0, np.float32), topk_ids=np.zeros((n, t, k), np.int32),
-        topk_logprobs=np.full((n, t, k), -1.0, np.float32), weights_version=np.zeros(n, np.int32),
-        group_ids=np.arange(n) // 2, finish_reason=np.array(["stop"] * n, object))
-    fields.update(overrides)
-    return RolloutBatch(**fields)
 
 
 def _tr_inputs(seed=0, vocab=V, k=K):
@@ -124,52 +112,6 @@ def _edit_hf_config(path, **changes):
             cfg[key] = value
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
-
-
-# =========================================================================== RolloutBatch
-
-
-def test_rollout_rejects_nonfinite_reward_naming_sample():
-    with pytest.raises(ValueError, match=r"rewards\[1\].*nan"):
-        _rollout(rewards=[1.0, np.nan])
-    with pytest.raises(ValueError, match="rewards"):  # finite f64 that overflows f32
-        _rollout(rewards=[1e300, 0.0])
-
-
-def test_rollout_rejects_shape_and_mask_garbage():
-    with pytest.raises(ValueError, match="topk_logprobs.*shape"):
-        _rollout(topk_logprobs=np.zeros((2, 3, 3)))
-    with pytest.raises(ValueError, match="completion_mask"):
-        _rollout(completion_mask=np.full((2, 3), 2))
-    with pytest.raises(ValueError, match="weights_version"):
-        _rollout(weights_version=[1.5, 1.0])
-    with pytest.raises(ValueError, match="finish_reason"):
-        _rollout(finish_reason=[b"stop", b"stop"])
-
-
-def test_rollout_concatenate_pads_and_keeps_groups_distinct():
-    a = _rollout(t=2, p=2)
-    b = _rollout(n=4, t=4, p=3)
-    empty = _rollout(n=0)
-    cat = RolloutBatch.concatenate([empty, a, b])
-    assert cat.completion_ids.shape == (6, 4) and cat.prompt_ids.shape == (6, 3)
-    np.testing.assert_array_equal(cat.completion_mask.sum(1), [2, 2, 4, 4, 4, 4])
-    assert not cat.prompt_mask[:2, 0].any() and cat.prompt_mask[:2, 1:].all()  # left-padded prompts
-    np.testing.assert_array_equal(cat.group_ids, [0, 0, 1, 1, 2, 2])
-    with pytest.raises(ValueError, match="at least one"):
-        RolloutBatch.concatenate([])
-    with pytest.raises(ValueError, match="top_k"):
-        RolloutBatch.concatenate([a, _rollout(k=3)])
-
-
-def test_rollout_int_overflow_is_rejected_not_wrapped():
-    with pytest.raises(ValueError, match="completion_ids"):
-        _rollout(completion_ids=np.full((2, 3), 2**32 + 5, np.int64))
-
-
-def test_rollout_string_ids_error_names_field():
-    with pytest.raises(ValueError, match="completion_ids"):
-        _rollout(completion_ids=np.full((2, 3), "1"))
 
 
 # =========================================================================== trust region

@@ -10,9 +10,6 @@ import pytest
 from pdm_jax import config as config_lib
 from pdm_jax.config import get_base_config, step_configs, validate_config
 from pdm_jax.rl.loss import PolicyLossConfig
-from pdm_jax.rollout import RolloutBatch
-from pdm_jax.rl.step_batch import StepBatch
-from pdm_jax.rollouts.producer import RolloutProducer
 from pdm_jax.rl.train_step import OptimizerConfig
 from pdm_jax.rl.trust_region import TrustRegionConfig
 
@@ -112,71 +109,6 @@ def test_check_field_path():
         config_lib.check_field_path("rl.foo")
 
 
-# ---- the step batch ----------------------------------------------------------------------
-
-def _rollouts(n=4, p=3, t=2, k=2):
-    rng = np.random.default_rng(0)
-    return RolloutBatch(
-        prompt_ids=rng.integers(1, 9, (n, p)), prompt_mask=np.ones((n, p), bool),
-        completion_ids=rng.integers(1, 9, (n, t)), completion_mask=np.ones((n, t), bool),
-        behavior_logprobs=-rng.random((n, t)), topk_ids=rng.integers(0, 9, (n, t, k)),
-        topk_logprobs=-rng.random((n, t, k)), weights_version=np.arange(n), group_ids=np.arange(n) // 2,
-        finish_reason=["length"] * n)
-
-
-def test_step_batch_from_rollouts_pads_to_static_lengths():
-    rb = _rollouts()
-    adv = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
-    b = StepBatch.from_rollouts(rb, adv, prompt_len=8, completion_len=5)
-    assert b.prompt_ids.shape == (4, 8) and b.completion_ids.shape == (4, 5) and b.topk_ids.shape == (4, 5, 2)
-    np.testing.assert_array_equal(b.prompt_ids[:, 5:], rb.prompt_ids)  # left-padded
-    assert not b.prompt_mask[:, :5].any() and b.prompt_mask[:, 5:].all()
-    np.testing.assert_array_equal(b.completion_ids[:, :2], rb.completion_ids)  # right-padded
-    assert not b.completion_mask[:, 2:].any()
-    np.testing.assert_array_equal(b.advantages, adv)
-    np.testing.assert_array_equal(b.weights_version, rb.weights_version)
-    assert b.ref_logprobs is None
-    sub = b.select(np.array([2, 0]))
-    np.testing.assert_array_equal(sub.completion_ids, b.completion_ids[[2, 0]])
-    assert sub.num_sequences == 2 and sub.ref_logprobs is None
-    with pytest.raises(ValueError, match="advantages has shape"):
-        StepBatch.from_rollouts(rb, adv[:3], prompt_len=8, completion_len=5)
-    with pytest.raises(ValueError, match="cannot pad"):
-        StepBatch.from_rollouts(rb, adv, prompt_len=2, completion_len=5)
-
-
-# ---- the rollout producer -------------------------------------------------------------------
-
-@pytest.mark.parametrize("staleness", [0, 1, 2])
-def test_producer_keeps_step_order_and_the_staleness_bound(staleness):
-    seen = []
-    producer = None
-
-    def make(step):
-        seen.append((step, producer.version if producer else 0))
-        return f"batch {step}"
-
-    producer = RolloutProducer(make, first_step=0, last_step=5, max_staleness=staleness, version=0)
-    try:
-        for step in range(5):
-            assert producer.get(step) == f"batch {step}"
-            producer.notify_version(step + 1)
-    finally:
-        producer.close()
-    assert [s for s, _ in seen] == list(range(5))
-    assert all(v >= s - staleness for s, v in seen)  # batch s sampled with a version >= s - staleness
-
-
-def test_producer_surfaces_the_thread_error():
-    def make(step):
-        raise RuntimeError(f"boom at {step}")
-
-    producer = RolloutProducer(make, first_step=0, last_step=3, max_staleness=1, version=0)
-    with pytest.raises(RuntimeError, match="boom at 0"):
-        producer.get(0)
-    producer.close()
-
-
 def test_profile_steps_are_checked_up_front():
     from pdm_jax.profiling import parse_steps
 
@@ -247,10 +179,8 @@ def test_batching_reaches_the_sampler_server_flags():
     """sampler.batching / max_slots become the server's --batching / --max_slots (the launcher's argv)."""
     from pdm_jax.sampler.server import parse_args
 
-    args = parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--batching=continuous", "--max_slots=16"])
-    assert (args.batching, args.max_slots) == ("continuous", 16)
-    assert parse_args(["--model_config=x", "--checkpoint_root=/tmp"]).batching == "static"
-    assert parse_args(["--model_config=x", "--checkpoint_root=/tmp"]).park_rows == 2
+    args = parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--batching=static", "--max_slots=16"])
+    assert (args.batching, args.max_slots) == ("static", 16)
     assert parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--park_rows=0"]).park_rows == 0
     with pytest.raises(SystemExit):
         parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--batching=paged"])

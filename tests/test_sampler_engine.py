@@ -32,7 +32,9 @@ def make_params(seed=0, scale=25.0):
 
 
 def make_engine(params, **kw):
+    """A tiny engine; static batching unless asked (the continuous tests below ask for it by name)."""
     kw.setdefault("quantization", "none")
+    kw.setdefault("batching", "static")
     return SamplingEngine(CFG, params, max_prompt_length=16, max_new_tokens=16, **kw)
 
 

@@ -39,47 +39,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from pdm_jax.rl import loss as policy_loss, trust_region
+from pdm_jax.rl.forward import completion_hidden_states
 from pdm_jax.rl.step_batch import StepBatch
 
 _F32 = jnp.float32
-
-
-def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                             return_aux: bool = False, routed_experts=None):
-    """Final hidden states predicting each completion token, and the LM-head function.
-
-    Runs the model on concat(prompt, completion) and keeps positions P-1 .. P+T-2,
-    as ``train_step.completion_logits`` does for the logits (this module cannot
-    import train_step, which imports it: the two share only the model call).
-
-    Args:
-      graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
-      prompt_ids [B,P] int32, prompt_mask [B,P] bool, completion_ids [B,T] int32,
-      completion_mask [B,T] bool.
-      routed_experts: [B,P+T,L,k] int or None: routing replay (``train_step.completion_logits``).
-
-    Returns:
-      ``(h [B,T,D] in the compute dtype, head_fn)`` where ``head_fn(h_chunk [B,c,D])``
-      returns f32 logits ``[B,c,V]`` (``Qwen3ForCausalLM.logits_from_hidden``); with
-      ``return_aux`` a third element, the unscaled router aux loss of a MoE model (None if dense).
-    """
-    model = nnx.merge(graphdef, params)
-    input_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
-    attn = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-    p = prompt_ids.shape[1]
-    t = completion_ids.shape[1]
-    aux = None
-    replay = {} if routed_experts is None else dict(routed_experts=routed_experts)
-    if return_aux and getattr(model.config, "is_moe", False):
-        h_BxLxD, aux = model.hidden_states(input_ids, attention_mask=attn, return_aux=True, **replay)
-    else:
-        h_BxLxD = model.hidden_states(input_ids, attention_mask=attn, **replay)
-    if return_aux:
-        return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden, aux
-    return h_BxLxD[:, p - 1:p + t - 1], model.logits_from_hidden
 
 
 def _chunking(t: int, chunk_size: int):

@@ -17,9 +17,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from pdm_jax.rl import chunked_loss, loss as policy_loss, objectives, trust_region
+from pdm_jax.rl.forward import completion_logits  # the analysis and the tests call it as train_step.completion_logits
 from pdm_jax.rl.step_batch import StepBatch
 
 
@@ -74,32 +74,6 @@ def make_optimizer(learning_rate, *, weight_decay=0.0, b1=0.9, b2=0.999, max_gra
         parts.append(optax.clip_by_global_norm(max_grad_norm))
     parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
     return optax.chain(*parts), schedule
-
-
-def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                      return_aux: bool = False, routed_experts=None):
-    """Logits predicting each completion token: [B,T,V] float32.
-
-    Runs the model on concat(prompt, completion) and keeps the positions
-    P-1 .. P+T-2, whose next-token logits score completion tokens 0..T-1.
-    With ``return_aux``, returns ``(logits, router_aux_loss)``: the unscaled router
-    load-balancing loss (f32 scalar, transformers' ``load_balancing_loss_func`` over the
-    real prompt and completion tokens) of a Qwen3-MoE model, None for a dense model.
-    ``routed_experts`` [B, P+T, L, k] int (routing replay, ``StepBatch.routed_experts``): the
-    experts each MoE layer runs per token (``Qwen3ForCausalLM``'s ``routed_experts``); None: its router's.
-    """
-    model = nnx.merge(graphdef, params)
-    input_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
-    attn = jnp.concatenate([prompt_mask, completion_mask], axis=1)
-    p = prompt_ids.shape[1]
-    t = completion_ids.shape[1]
-    replay = {} if routed_experts is None else dict(routed_experts=routed_experts)
-    if return_aux and getattr(model.config, "is_moe", False):
-        logits_BxLxV, aux = model(input_ids, attention_mask=attn, return_aux=True, **replay)
-        return logits_BxLxV[:, p - 1:p + t - 1].astype(jnp.float32), aux
-    logits_BxLxV = model(input_ids, attention_mask=attn, **replay)
-    out = logits_BxLxV[:, p - 1:p + t - 1].astype(jnp.float32)
-    return (out, None) if return_aux else out
 
 
 def _with_router_aux(loss, metrics: dict, aux, loss_config) -> tuple:

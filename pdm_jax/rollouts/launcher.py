@@ -18,6 +18,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from pdm_jax.sampler import defaults
 from pdm_jax.rollouts.client import SamplerClient, SamplerError
 
 
@@ -143,7 +144,7 @@ def start_sampler_server(*, model_config: str, weights: Optional[str], version: 
                          checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
                          token: Optional[str] = None, startup_timeout_s: float = 120.0,
                          max_prompt_length: int = 512, max_new_tokens: int = 256, max_batch_size: int = 64,
-                         batching: str = "static", max_slots: Optional[int] = None, park_rows: int = 2,
+                         batching: str = defaults.BATCHING, max_slots: Optional[int] = None, park_rows: int = defaults.PARK_ROWS,
                          max_body_bytes: Optional[int] = None, extra_args: Sequence[str] = (),
                          mesh_data: int = 1, mesh_tensor: int = 1,
                          client_kwargs: Optional[dict] = None, env: Optional[dict] = None) -> SamplerProcess:

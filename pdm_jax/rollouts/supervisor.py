@@ -60,7 +60,8 @@ from pdm_jax.sampler.engine import SamplingEngine, make_sampler_mesh
 from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.rollouts.vllm_client import VLLMSampler
 from pdm_jax.sampler.weights import META_FILE, load_weights, save_weights
-from pdm_jax.sampler.wire import COMPILE_STATS, DEFAULT_PARK_ROWS, RequestError
+from pdm_jax.sampler import defaults
+from pdm_jax.sampler.wire import COMPILE_STATS, RequestError
 
 log = logging.getLogger("pdm_jax.sampler")
 
@@ -171,9 +172,9 @@ class SamplerSupervisor:
         self.model_config = model_config
         self.limits = dict(max_prompt_length=int(sampler_config.max_prompt_length),
                            max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size),
-                           batching=str(getattr(sampler_config, "batching", "static")),
-                           max_slots=int(getattr(sampler_config, "max_slots", 0)) or None,
-                           park_rows=int(getattr(sampler_config, "park_rows", DEFAULT_PARK_ROWS)))
+                           batching=str(getattr(sampler_config, "batching", defaults.BATCHING)),
+                           max_slots=int(getattr(sampler_config, "max_slots", defaults.MAX_SLOTS)) or None,
+                           park_rows=int(getattr(sampler_config, "park_rows", defaults.PARK_ROWS)))
         mesh = getattr(sampler_config, "mesh", None)  # sampler.mesh: the sharded engine's data x tensor
         self.mesh_shape = (int(getattr(mesh, "data", 1)), int(getattr(mesh, "tensor", 1)))
 

@@ -81,7 +81,7 @@ from flax import nnx
 
 from pdm_jax.models import hf_io
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import RolloutBatch, build_batch, right_pad_rows
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
 from pdm_jax.rollouts.client import SamplerError, SamplerRequestError
@@ -284,24 +284,14 @@ def parse_completions(body: Any, prompts: Sequence[Sequence[int]], *, n: int, to
         by_index[idx] = c
     rows = [_parse_choice(by_index[r], f"choices[{r}]", k=k, max_new_tokens=max_new_tokens, stops=stops)
             for r in range(n_rows)]
-    t_out = max(1, max(len(row[0]) for row in rows))
-    p_out = max(len(p) for p in prompts)
-    out = dict(prompt_ids=np.zeros((n_rows, p_out), np.int32), prompt_mask=np.zeros((n_rows, p_out), bool),
-               completion_ids=np.zeros((n_rows, t_out), np.int32), completion_mask=np.zeros((n_rows, t_out), bool),
-               behavior_logprobs=np.zeros((n_rows, t_out), np.float32),
-               topk_ids=np.zeros((n_rows, t_out, k), np.int32), topk_logprobs=np.zeros((n_rows, t_out, k), np.float32))
-    for r, (ids, sampled, tk_ids, tk_lp, _) in enumerate(rows):
-        p, t = prompts[r // n], len(ids)
-        out["prompt_ids"][r, p_out - len(p):] = p
-        out["prompt_mask"][r, p_out - len(p):] = True
-        out["completion_ids"][r, :t] = ids
-        out["completion_mask"][r, :t] = True
-        out["behavior_logprobs"][r, :t] = sampled
-        out["topk_ids"][r, :t] = tk_ids
-        out["topk_logprobs"][r, :t] = tk_lp
-    return RolloutBatch(**out, weights_version=np.full((n_rows,), int(version), np.int32),
-                        group_ids=np.arange(n_rows, dtype=np.int32) // n,
-                        finish_reason=np.array([row[4] for row in rows], dtype=object))
+    t_in = max(1, max(len(row[0]) for row in rows))
+    return build_batch(
+        prompts, group_ids=np.arange(n_rows) // n, lengths=[len(row[0]) for row in rows],
+        completion_ids=right_pad_rows([row[0] for row in rows], t_in, dtype=np.int32),
+        behavior_logprobs=right_pad_rows([row[1] for row in rows], t_in),
+        topk_ids=right_pad_rows([row[2] for row in rows], t_in, dtype=np.int32),
+        topk_logprobs=right_pad_rows([row[3] for row in rows], t_in),
+        weights_version=int(version), finish_reason=np.array([row[4] for row in rows], dtype=object))
 
 
 # ============================================================================= weights

@@ -77,12 +77,14 @@ from flax import nnx
 
 from pdm_jax import sharding as shd
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-from pdm_jax.rollout import ROUTING_PAD, RolloutBatch, routing_dtype
+from pdm_jax.rollout import ROUTING_PAD, RolloutBatch, build_batch, left_pad, pad_axis, routing_dtype
 from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
 # Request validation lives with the wire schema (its errors name wire fields); re-exported here.
-from pdm_jax.sampler.wire import DEFAULT_PARK_ROWS, MAX_SEED, MIN_TEMPERATURE, RequestError, validate_request  # noqa: F401
+from pdm_jax.sampler import defaults
+from pdm_jax.sampler.defaults import BATCHING_MODES
+from pdm_jax.sampler.wire import MAX_SEED, MIN_TEMPERATURE, RequestError, validate_request  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -592,7 +594,6 @@ _TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 d
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
                           static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase",
                                            "park"))
-BATCHING_MODES = ("static", "continuous")
 
 
 def make_sampler_mesh(data: int = 1, tensor: int = 1, devices=None):
@@ -673,8 +674,8 @@ class SamplingEngine:
         adds one copy of the decode loop to the compiled program.
       max_stop_tokens: capacity of the per-row stop-id table.
       max_sequences: most sequences (prompts x n) one request may ask for.
-      batching: ``"static"`` (default: chunks of up to ``max_batch_size`` rows, each run until
-        its longest row stops, `_generate_program`) or ``"continuous"`` (`_continuous_program`:
+      batching: ``"static"`` (chunks of up to ``max_batch_size`` rows, each run until its longest
+        row stops, `_generate_program`) or ``"continuous"`` (the default, `pdm_jax.sampler.defaults`; `_continuous_program`:
         the whole request queued into ``max_slots`` slots of one static cache; a slot whose row
         stops takes the next pending row; same tokens and log mu as static, tests).
       max_slots: slots of the continuous cache (None: ``max_batch_size``; rounded up to a power
@@ -709,11 +710,11 @@ class SamplingEngine:
 
     def __init__(self, config, params, *, quantization: str = "none", version: int = 0,
                  weights_path: Optional[str] = None, compute_dtype=None, max_prompt_length: int = 512,
-                 max_new_tokens: int = 256, max_batch_size: int = 64, min_prompt_bucket: int = 8,
+                 max_new_tokens: int = 256, max_batch_size: int = defaults.MAX_BATCH_SIZE, min_prompt_bucket: int = 8,
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096, share_prefill: bool = True,
-                 output_axes_fn=quant.default_output_axes, device=None, batching: str = "static",
-                 max_slots: Optional[int] = None, mesh=None, park_rows: int = DEFAULT_PARK_ROWS):
+                 output_axes_fn=quant.default_output_axes, device=None, batching: str = defaults.BATCHING,
+                 max_slots: Optional[int] = None, mesh=None, park_rows: int = defaults.PARK_ROWS):
         quant.check_quantization(quantization)
         if batching not in BATCHING_MODES:
             raise ValueError(f"SamplingEngine: batching must be one of {BATCHING_MODES}, got {batching!r}")
@@ -974,19 +975,14 @@ class SamplingEngine:
         t = _bucket(max_new, self.min_new_tokens_bucket, self.max_new_tokens)
         if t < max_new:
             t = self.max_new_tokens
-        ids = np.zeros((u_pad, p), np.int32)
-        mask = np.zeros((u_pad, p), bool)
-        mask[:, -1] = True  # padding entries: one dummy token, never a fully masked row
-        for e, i in enumerate(uniq):
-            ids[e, p - len(prompts[i]):] = prompts[i]
-            mask[e] = False
-            mask[e, p - len(prompts[i]):] = True
+        ids, mask = left_pad([prompts[i] for i in uniq], p, rows=u_pad)
+        mask[len(uniq):, -1] = True  # padding entries: one dummy token, never a fully masked row
         per_row = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, n_pad - n_rows))  # noqa: E731
         stop_arr = np.full((self.max_stop_tokens,), -1, np.int32)
         stop_arr[:len(stops)] = stops
         phases = () if self.min_cache_phase == _MIN_PHASE else (("min_phase", self.min_cache_phase),)
         self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)) + ("routing",) * routing
-                           + phases + ((("park", self.park_rows),) if self.park_rows != DEFAULT_PARK_ROWS else ()))
+                           + phases + ((("park", self.park_rows),) if self.park_rows != defaults.PARK_ROWS else ()))
         with self._layout():
             out = _CONTINUOUS_JIT(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
@@ -1016,14 +1012,8 @@ class SamplingEngine:
         t = _bucket(max_new, self.min_new_tokens_bucket, self.max_new_tokens)
         if t < max_new:
             t = self.max_new_tokens
-        ids = np.zeros((b, p), np.int32)
-        mask = np.zeros((b, p), bool)
-        mask[:, -1] = True  # padding rows: one dummy token, never a fully masked row
-        for r, (i, _) in enumerate(chunk):
-            pr = prompts[i]
-            ids[r, p - len(pr):] = pr
-            mask[r] = False
-            mask[r, p - len(pr):] = True
+        ids, mask = left_pad([prompts[i] for i, _ in chunk], p, rows=b)
+        mask[n_rows:, -1] = True  # padding rows: one dummy token, never a fully masked row
         prompt_idx = np.zeros((b,), np.uint32)
         sample_idx = np.zeros((b,), np.uint32)
         for r, (i, j) in enumerate(chunk):
@@ -1048,34 +1038,20 @@ class SamplingEngine:
     def _to_batch(self, prompts, rows, parts, version) -> RolloutBatch:
         cat = {k: [p[k] for p in parts] for k in parts[0]}
         length = np.concatenate(cat["length"])
-        stopped = np.concatenate(cat["stopped"])
         t_out = int(max(length.max(), 1))
-        tr = lambda a: np.concatenate([x[:, :t_out] for x in a])  # noqa: E731
-        tokens, logp, tk_ids, tk_lp = tr(cat["tokens"]), tr(cat["logp"]), tr(cat["topk_ids"]), tr(cat["topk_logp"])
-        comp_mask = np.arange(t_out)[None, :] < length[:, None]
-        tokens = np.where(comp_mask, tokens, 0)
-        logp = np.where(comp_mask, logp, 0.0)
-        tk_ids = np.where(comp_mask[..., None], tk_ids, 0)
-        tk_lp = np.where(comp_mask[..., None], tk_lp, 0.0)
-        p_out = max(len(p) for p in prompts)
-        prompt_ids = np.zeros((len(rows), p_out), np.int32)
-        prompt_mask = np.zeros((len(rows), p_out), bool)
-        for r, (i, _) in enumerate(rows):
-            prompt_ids[r, p_out - len(prompts[i]):] = prompts[i]
-            prompt_mask[r, p_out - len(prompts[i]):] = True
+        tr = lambda a: np.concatenate([pad_axis(x[:, :t_out], t_out, 1) for x in a])  # noqa: E731
         routed = None
         if "routed" in cat:
+            p_out = max(len(p) for p in prompts)
             routed = np.concatenate([_routing_rows(r, x.shape[1], p_out, t_out)
                                      for r, x in zip(cat["routed"], cat["tokens"])])
-            # only tokens the sampler fed through the model have routing: not pads, not a row's last token
-            fed = np.concatenate([prompt_mask, np.arange(t_out)[None, :] < length[:, None] - 1], axis=1)
-            routed = np.where(fed[:, :, None, None], routed, ROUTING_PAD).astype(routed.dtype)
-        return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=tokens, completion_mask=comp_mask,
-            behavior_logprobs=logp, topk_ids=tk_ids, topk_logprobs=tk_lp,
-            weights_version=np.full((len(rows),), version, np.int32),
-            group_ids=np.array([i for i, _ in rows], np.int32),
-            finish_reason=np.array(["stop" if s else "length" for s in stopped], dtype=object),
+            last = length > 0  # a row's last token was sampled, never fed through the model: no routing
+            routed[np.flatnonzero(last), p_out + length[last] - 1] = ROUTING_PAD
+        return build_batch(
+            prompts, group_ids=np.array([i for i, _ in rows], np.int32), lengths=length,
+            completion_ids=tr(cat["tokens"]), behavior_logprobs=tr(cat["logp"]), topk_ids=tr(cat["topk_ids"]),
+            topk_logprobs=tr(cat["topk_logp"]), weights_version=version,
+            finish_reason=np.array(["stop" if s else "length" for s in np.concatenate(cat["stopped"])], dtype=object),
             routed_experts=routed)
 
 
@@ -1085,7 +1061,7 @@ def _routing_rows(routed, t_bucket: int, p_out: int, t_out: int) -> np.ndarray:
     p_bucket = routed.shape[1] - t_bucket
     prompt = routed[:, max(p_bucket - p_out, 0):p_bucket]
     prompt = np.pad(prompt, [(0, 0), (p_out - prompt.shape[1], 0), (0, 0), (0, 0)], constant_values=ROUTING_PAD)
-    return np.concatenate([prompt, routed[:, p_bucket:p_bucket + t_out]], axis=1)
+    return np.concatenate([prompt, pad_axis(routed[:, p_bucket:p_bucket + t_out], t_out, 1, value=ROUTING_PAD)], axis=1)
 
 
 def check_weights_path(path: str, checkpoint_root: str) -> str:

@@ -57,7 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from pdm_jax.sampler import wire
+from pdm_jax.sampler import defaults, wire
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 log = logging.getLogger("pdm_jax.sampler.server")
@@ -99,13 +99,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="shared bearer token (required for a non-loopback host); env PDM_SAMPLER_TOKEN")
     p.add_argument("--max_prompt_length", type=int, default=512)
     p.add_argument("--max_new_tokens", type=int, default=256)
-    p.add_argument("--max_batch_size", type=int, default=64)
-    # = pdm_jax.sampler.engine.BATCHING_MODES (spelled out: the engine imports JAX, --help must not)
-    p.add_argument("--batching", default="static", choices=("static", "continuous"),
+    p.add_argument("--max_batch_size", type=int, default=defaults.MAX_BATCH_SIZE)
+    p.add_argument("--batching", default=defaults.BATCHING, choices=defaults.BATCHING_MODES,
                    help="static: chunks of --max_batch_size rows run to their longest row; continuous: "
                         "--max_slots slots refilled as rows stop (pdm_jax.sampler.engine)")
-    p.add_argument("--max_slots", type=int, default=0, help="continuous batching's slots (0 = --max_batch_size)")
-    p.add_argument("--park_rows", type=int, default=wire.DEFAULT_PARK_ROWS,
+    p.add_argument("--max_slots", type=int, default=defaults.MAX_SLOTS, help="continuous batching's slots (0 = --max_batch_size)")
+    p.add_argument("--park_rows", type=int, default=defaults.PARK_ROWS,
                    help="continuous batching: park up to this many x max_slots rows that outgrow the first cache "
                         "phase (0 = never; SamplingEngine.park_rows)")
     p.add_argument("--mesh_data", type=int, default=1,

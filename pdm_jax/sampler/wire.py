@@ -76,7 +76,7 @@ from typing import Any, Mapping, Optional, Sequence
 import msgpack as _msgpack  # aliased: `dumps`/`loads`/`to_plain` take a keyword named msgpack
 import numpy as np
 
-from pdm_jax.rollout import FINISH_REASONS, ROUTING_PAD, RolloutBatch  # numpy only: wire stays JAX-free
+from pdm_jax.rollout import FINISH_REASONS, RolloutBatch, build_batch, right_pad_rows  # numpy only: wire stays JAX-free
 
 # ----------------------------------------------------------------------------- content types
 JSON = "application/json"
@@ -102,9 +102,6 @@ MAX_TOKENS = "max_tokens"  # Python: max_new_tokens
 STOP_TOKEN_IDS = "stop_token_ids"
 #: Stop ids a request may carry (the engine's default per-row stop table, ``SamplingEngine(max_stop_tokens=)``).
 MAX_STOP_TOKEN_IDS = 8
-#: Continuous batching's park entries per slot, the default of ``SamplingEngine(park_rows=)``, ``--park_rows``
-#: and ``sampler.park_rows`` (defined here, where the server can read it without importing JAX).
-DEFAULT_PARK_ROWS = 2
 LOGPROBS = "logprobs"  # Python: top_k_logprobs (also the per-choice sampled log mu in the response)
 SEED = "seed"
 RETURN_ROUTING = "return_routing"  # Python: return_routing (MoE routing replay)
@@ -853,36 +850,25 @@ class GenerateResponse:
         if COLUMNS in body:
             return cls._from_columns(body, prompts, int(top_k_logprobs))
         choices = sorted(body[CHOICES], key=lambda c: c[INDEX])
-        n_rows, k = len(choices), int(top_k_logprobs)
+        k = int(top_k_logprobs)
         toks = [np.asarray(c[TOKEN_IDS], np.int32).reshape(-1) for c in choices]
-        t_out = max(1, max(len(x) for x in toks))
-        p_out = max(len(p) for p in prompts)
-        out = dict(
-            prompt_ids=np.zeros((n_rows, p_out), np.int32), prompt_mask=np.zeros((n_rows, p_out), bool),
-            completion_ids=np.zeros((n_rows, t_out), np.int32), completion_mask=np.zeros((n_rows, t_out), bool),
-            behavior_logprobs=np.zeros((n_rows, t_out), np.float32), topk_ids=np.zeros((n_rows, t_out, k), np.int32),
-            topk_logprobs=np.zeros((n_rows, t_out, k), np.float32))
-        routed = _routed_experts(choices, prompts, p_out, t_out)
-        versions, groups, reasons = [], [], []
-        for r, c in enumerate(choices):
-            i, t = int(c[PROMPT_INDEX]), len(toks[r])
-            pr = prompts[i]
-            out["prompt_ids"][r, p_out - len(pr):] = pr
-            out["prompt_mask"][r, p_out - len(pr):] = True
-            out["completion_ids"][r, :t] = toks[r]
-            out["completion_mask"][r, :t] = True
-            out["behavior_logprobs"][r, :t] = float_list(c[LOGPROBS]).reshape(-1)
-            if k and t:
-                out["topk_ids"][r, :t] = np.asarray(c[TOP_LOGPROBS][IDS], np.int32).reshape(t, k)
-                out["topk_logprobs"][r, :t] = float_list(c[TOP_LOGPROBS][LOGPROBS]).reshape(t, k)
-            versions.append(int(c.get(WEIGHTS_VERSION, body[WEIGHTS_VERSION])))
-            groups.append(i)
-            reasons.append(c[FINISH_REASON])
-        _check_logprobs(out["behavior_logprobs"], f"{CHOICES}[*].{LOGPROBS}")
-        _check_logprobs(out["topk_logprobs"], f"{CHOICES}[*].{TOP_LOGPROBS}.{LOGPROBS}")
-        batch = RolloutBatch(**out, weights_version=np.array(versions, np.int32),
-                             group_ids=np.array(groups, np.int32), finish_reason=np.array(reasons, dtype=object),
-                             routed_experts=routed)
+        lengths = np.array([len(x) for x in toks], np.int64)
+        t_in = int(max(1, lengths.max(initial=0)))
+        top = [c[TOP_LOGPROBS] if k and len(x) else None for c, x in zip(choices, toks)]
+        top_ids = right_pad_rows([np.zeros((len(x), k)) if tp is None else np.asarray(tp[IDS]).reshape(len(x), k)
+                                  for x, tp in zip(toks, top)], t_in, dtype=np.int32)
+        top_logp = right_pad_rows([np.zeros((len(x), k)) if tp is None else float_list(tp[LOGPROBS]).reshape(len(x), k)
+                                   for x, tp in zip(toks, top)], t_in)
+        logp = right_pad_rows([float_list(c[LOGPROBS]).reshape(len(x)) for c, x in zip(choices, toks)], t_in)
+        _check_logprobs(logp, f"{CHOICES}[*].{LOGPROBS}")
+        _check_logprobs(top_logp, f"{CHOICES}[*].{TOP_LOGPROBS}.{LOGPROBS}")
+        batch = build_batch(
+            prompts, group_ids=np.array([int(c[PROMPT_INDEX]) for c in choices], np.int64), lengths=lengths,
+            completion_ids=right_pad_rows(toks, t_in, dtype=np.int32), behavior_logprobs=logp, topk_ids=top_ids,
+            topk_logprobs=top_logp,
+            weights_version=np.array([int(c.get(WEIGHTS_VERSION, body[WEIGHTS_VERSION])) for c in choices], np.int64),
+            finish_reason=np.array([c[FINISH_REASON] for c in choices], dtype=object),
+            routed_experts=_routed_experts(choices, prompts, max(len(p) for p in prompts), t_in))
         return cls._with_header(body, prompts, batch)
 
     @classmethod
@@ -927,27 +913,16 @@ class GenerateResponse:
             raise ValueError(f"{COLUMNS}.{LENGTHS}: must lie in [0, {t_in}], got {_show(lengths.tolist())}")
         if index.min() < 0 or index.max() >= len(prompts):
             raise ValueError(f"{COLUMNS}.{PROMPT_INDEX}: must lie in [0, {len(prompts)}), got {_show(index.tolist())}")
-        t_out, p_out = max(1, int(lengths.max())), max(len(p) for p in prompts)
-        mask = np.arange(t_out)[None, :] < lengths[:, None]
-        plen = np.array([len(p) for p in prompts], np.int32)
-        store_ids = np.zeros((len(prompts), p_out), np.int32)  # each prompt left-padded once, then one gather
-        for i, p in enumerate(prompts):
-            store_ids[i, p_out - len(p):] = p
-        prompt_mask = (np.arange(p_out)[None, :] >= (p_out - plen)[:, None])[index]
+        p_out = max(len(p) for p in prompts)
         routed = None
         if ROUTED_EXPERTS in cols:
             routed = _column(cols, ROUTED_EXPERTS, 4)
             if routed.shape[:2] != (n_rows, p_out + t_in):
                 raise ValueError(f"{COLUMNS}.{ROUTED_EXPERTS}: must be [{n_rows}, {p_out + t_in}, L, k], "
                                  f"got {list(routed.shape)}")
-            routed = np.concatenate([routed[:, :p_out], routed[:, p_out:p_out + t_out]], axis=1)
-            routed[~np.concatenate([prompt_mask, mask], axis=1)] = ROUTING_PAD
-        batch = RolloutBatch(
-            prompt_ids=store_ids[index], prompt_mask=prompt_mask, completion_ids=np.where(mask, ids[:, :t_out], 0),
-            completion_mask=mask, behavior_logprobs=np.where(mask, logp[:, :t_out], 0.0),
-            topk_ids=np.where(mask[..., None], top_ids[:, :t_out], 0),
-            topk_logprobs=np.where(mask[..., None], top_logp[:, :t_out], 0.0), weights_version=versions,
-            group_ids=index, finish_reason=np.array(reasons, dtype=object), routed_experts=routed)
+        batch = build_batch(prompts, group_ids=index, lengths=lengths, completion_ids=ids, behavior_logprobs=logp,
+                            topk_ids=top_ids, topk_logprobs=top_logp, weights_version=versions,
+                            finish_reason=np.array(reasons, dtype=object), routed_experts=routed)
         return cls._with_header(body, prompts, batch)
 
 

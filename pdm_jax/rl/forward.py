@@ -1,0 +1,70 @@
+"""The one forward pass of the update: the policy on prompt + completion, kept at the completion's positions.
+
+Both the whole-vocabulary step (`pdm_jax.rl.train_step`) and the chunked one (`pdm_jax.rl.chunked_loss`)
+call `completion_forward`; `completion_logits` and `completion_hidden_states` are its two outputs.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+
+def completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                       head: bool, return_aux: bool = False, routed_experts=None):
+    """Runs the model on ``concat(prompt, completion)`` and keeps positions P-1 .. P+T-2, whose
+    next-token outputs score completion tokens 0..T-1.
+
+    Args:
+      graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
+      prompt_ids [B,P] int32, prompt_mask [B,P] bool (left-padded), completion_ids [B,T] int32,
+        completion_mask [B,T] bool.
+      head: True: the logits (the model's own call); False: the final hidden states.
+      return_aux: compute the router aux loss (MoE only; otherwise ``aux`` is None).
+      routed_experts: [B,P+T,L,k] int or None: routing replay (``StepBatch.routed_experts``): the experts each
+        MoE layer runs per token (``Qwen3ForCausalLM``'s ``routed_experts``); None: its router's.
+    Returns:
+      ``(out, model, aux)``: ``out`` the f32 logits [B,T,V] (``head``) or the hidden states [B,T,D] in the
+      compute dtype; ``model`` the merged module (``logits_from_hidden`` is the LM head); ``aux`` the
+      unscaled router load-balancing loss of a Qwen3-MoE model with ``return_aux`` (f32 scalar, transformers'
+      ``load_balancing_loss_func`` over the real prompt and completion tokens), None for a dense model.
+    """
+    model = nnx.merge(graphdef, params)
+    input_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
+    attn = jnp.concatenate([prompt_mask, completion_mask], axis=1)
+    p, t = prompt_ids.shape[1], completion_ids.shape[1]
+    kw = {} if routed_experts is None else dict(routed_experts=routed_experts)
+    call = model if head else model.hidden_states
+    aux = None
+    if return_aux and getattr(model.config, "is_moe", False):
+        out, aux = call(input_ids, attention_mask=attn, return_aux=True, **kw)
+    else:
+        out = call(input_ids, attention_mask=attn, **kw)
+    out = out[:, p - 1:p + t - 1]
+    return (out.astype(jnp.float32) if head else out), model, aux
+
+
+def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                      return_aux: bool = False, routed_experts=None):
+    """Logits predicting each completion token: [B,T,V] float32 (`completion_forward` with ``head``).
+
+    With ``return_aux``, returns ``(logits, router_aux_loss)`` (None for a dense model).
+    """
+    logits, _, aux = completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                        head=True, return_aux=return_aux,
+                                        routed_experts=routed_experts)
+    return (logits, aux) if return_aux else logits
+
+
+def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                             return_aux: bool = False, routed_experts=None):
+    """Final hidden states predicting each completion token, and the LM-head function.
+
+    Returns ``(h [B,T,D] in the compute dtype, head_fn)`` where ``head_fn(h_chunk [B,c,D])`` returns f32
+    logits ``[B,c,V]`` (``Qwen3ForCausalLM.logits_from_hidden``); with ``return_aux`` a third element, the
+    unscaled router aux loss of a MoE model (None if dense).
+    """
+    h, model, aux = completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                       head=False, return_aux=return_aux,
+                                       routed_experts=routed_experts)
+    return (h, model.logits_from_hidden, aux) if return_aux else (h, model.logits_from_hidden)
