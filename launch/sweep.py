@@ -646,6 +646,10 @@ def main(argv=None) -> int:
             print(f"{len(failed)} run(s) failed: {failed}", file=sys.stderr)
     table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]),
                       paired_baseline=sweep["paired_baseline"])
+    if not table["rows"]:
+        print(f"no finished runs under {args.out}: none of the sweep's {len(runs)} run directories has a "
+              f"summary.json (run the sweep without --aggregate_only first)", file=sys.stderr)
+        return 1
     plot_sweep(runs, args.out)
     print(table["markdown"])
     return 0

@@ -211,10 +211,13 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     # ---- trust region (pdm_jax.rl.trust_region.TrustRegionConfig) ---------------------------
     c.trust_region = ml_collections.ConfigDict()
+    # Which out-of-region tokens are masked: none (keep every valid token), ppo (ratio clip, ratio direction), dppo
+    # (D > delta, ratio direction) or pdm (D > delta, predictive direction D'):
     c.trust_region.mask = "pdm"  # "none" | "ppo" | "dppo" | "pdm"
     # Proximity D for dppo / pdm: "binary_tv" | "binary_kl" | "topk_tv" | "topk_kl" | "topk_reverse_kl".
     c.trust_region.divergence = "topk_kl"
-    # pdm's predictive direction D': "aggregated_tail" | "uniform_tail" | "bucket_exact" (closed forms, topk_kl only)
+    # The predictive direction D' of mask=pdm: "aggregated_tail" | "uniform_tail" | "bucket_exact" (closed forms,
+    # topk_kl only)
     # | "autodiff" (jax.jvp of any divergence).
     c.trust_region.estimator = "bucket_exact"
     # Radius delta of the trust region (unit: nats for KL, probability for TV).
@@ -570,6 +573,28 @@ def check_field_path(path: str) -> None:
         return
     if path not in dict(_leaves(get_base_config())):
         raise ValueError(f"{path}: unknown config field (not in pdm_jax.config.get_base_config)")
+
+
+def check_override_value(path: str, raw: str) -> None:
+    """Raises ValueError, naming the field and the value, when a ``--config.<path>=<raw>`` override does not parse
+    as the schema's kind of that field (bool, int, float), as absl's flag parsers read it; the command line checks
+    every override with it before absl would exit 1 with "FATAL Flags parsing error".
+    """
+    check_field_path(path)
+    if any(path == p or path.startswith(p + ".") for p in OPEN_FIELDS):
+        return
+    from absl import flags  # the parsers ml_collections' config flags use
+
+    default = dict(_leaves(get_base_config()))[path]
+    kind = {bool: ("a boolean (true/false, 1/0)", flags.BooleanParser()),
+            int: ("an integer", flags.IntegerParser()),
+            float: ("a number", flags.FloatParser())}.get(type(default))
+    if kind is None:
+        return
+    try:
+        kind[1].parse(raw)
+    except (ValueError, TypeError):
+        raise ValueError(f"{path} must be {kind[0]}, got {raw!r}") from None
 
 
 def _check_types(config) -> None:

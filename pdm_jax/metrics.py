@@ -124,6 +124,15 @@ def _mean(values) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def sampler_weights_format(config) -> str:
+    """The rollout weights' format as logs and ``summary.json`` name it: ``sampler.quantization`` for the native
+    sampler; for ``sampler.backend = "vllm"`` the vLLM server's own (it loads the exported bf16 checkpoint and
+    applies its own quantization flags: ``sampler.quantization`` does not apply)."""
+    if str(config.sampler.backend) == "vllm":
+        return "vllm-managed"
+    return str(config.sampler.quantization)
+
+
 def run_summary(records: Iterable[dict], *, config, meta: Mapping, last_eval: Mapping, wall_seconds: float) -> dict:
     """The dict written to ``WORKDIR/summary.json`` at the end of a run.
 
@@ -185,7 +194,7 @@ def run_summary(records: Iterable[dict], *, config, meta: Mapping, last_eval: Ma
         eval_prompts=int(config.eval.num_prompts),
         eval_samples_per_prompt=int(config.eval.samples_per_prompt),
         trust_region=dict(config.trust_region.to_dict()),
-        sampler_quantization=config.sampler.quantization,
+        sampler_quantization=sampler_weights_format(config),
         checkpoint_fallbacks=len(meta.get("checkpoint_fallbacks", [])),
     )
 

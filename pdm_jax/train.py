@@ -20,7 +20,7 @@ from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pdm_jax.checkpointing import CheckpointError  # noqa: E402
-from pdm_jax.config import check_field_path, validate_config  # noqa: E402
+from pdm_jax.config import check_field_path, check_override_value, validate_config  # noqa: E402
 from pdm_jax.workdir import WorkdirLockedError, run_path  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
@@ -86,11 +86,15 @@ def main(argv):
 
 
 def _check_overrides(argv) -> None:
-    """Names an unknown ``--config.<field>=`` override before absl applies it (exit 2)."""
+    """Names an unknown ``--config.<field>=`` override, or a value that does not parse as the field's kind, before
+    absl applies it (exit 2, as every other config error; absl itself would exit 1)."""
     for arg in argv[1:]:
         if arg.startswith("--config."):
+            path, eq, raw = arg[len("--config."):].partition("=")
             try:
-                check_field_path(arg[len("--config."):].split("=", 1)[0])
+                check_field_path(path)
+                if eq:
+                    check_override_value(path, raw)
             except ValueError as e:
                 print(f"config error: {e} (from {arg!r})", file=sys.stderr)
                 sys.exit(2)

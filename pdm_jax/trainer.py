@@ -44,7 +44,7 @@ from pdm_jax.config import (check_routing_replay_model, check_sampler_mesh, comp
                             parse_stop_token_ids, redacted, step_configs, validate_config)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
-from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary
+from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary, sampler_weights_format
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.models.tokenizer import build_char_tokenizer, load_tokenizer
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
@@ -440,7 +440,7 @@ class Trainer:
         if not self.sampler.started:  # file modes: the version is pushed first if it is not on disk
             self.sampler.start(version, params=state.params)
         log.info("sampler ready (%s, %s weights, version %d); %d GRPO steps to go", self.sampler.mode,
-                 cfg.sampler.quantization, version, rl.steps - meta["rl_step"])
+                 sampler_weights_format(cfg), version, rl.steps - meta["rl_step"])
         bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
                    initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
         base_position = meta["data_position"] - meta["rl_step"] * rl.prompts_per_step

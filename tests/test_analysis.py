@@ -392,3 +392,12 @@ def test_behavior_logits_follow_weights_version_with_counted_fallback():
     z, lag, err, fallbacks = cb._behavior_logits(trainer, host, 1.0, rl_step=5)
     np.testing.assert_array_equal(z[2:], z3[2:])
     assert (lag, fallbacks) == (1, 2) and err < 1e-6
+
+
+def test_one_seed_verdict_never_calls_a_difference_significant():
+    """One seed has no confidence interval: the verdict says so, as the headline counts 0 significant."""
+    rng = np.random.default_rng(0)
+    summ = report.summarize(report.seed_rates([_synthetic_seed(0, rng)]))
+    text = report.verdict(summ, "bucket_exact")
+    assert "(significant)" not in text and "significance unknown (one seed" in text
+    assert "0 of" in report.headline(summ)

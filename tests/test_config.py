@@ -1,6 +1,7 @@
 """pdm_jax.config: checks that run before any work, and the one builder of the step configs."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,29 @@ def test_cli_override_of_an_unknown_field_is_a_named_config_error():
     assert out.returncode == 2
     assert "config error: rl.foo: unknown config field" in out.stderr
     assert "AttributeError" not in out.stderr
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("rl.steps=abc", "rl.steps must be an integer, got 'abc'"),
+    ("rl.steps=1.5", "rl.steps must be an integer, got '1.5'"),
+    ("log.progress=maybe", "log.progress must be a boolean (true/false, 1/0), got 'maybe'"),
+    ("trust_region.delta=x", "trust_region.delta must be a number, got 'x'"),
+])
+def test_cli_override_that_does_not_parse_exits_2_like_every_config_error(override, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        config_lib.check_override_value(*override.split("="))
+    config_lib.check_override_value("rl.steps", "12")
+    config_lib.check_override_value("log.progress", "false")
+    config_lib.check_override_value("trust_region.delta", "1e-3")
+    config_lib.check_override_value("sampler.mode", "anything")  # strings are checked by validate_config
+
+
+def test_cli_override_bad_value_exit_code():
+    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", "--config.rl.steps=abc",
+                          "--workdir=/nonexistent/never-created"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "config error: rl.steps must be an integer, got 'abc'" in out.stderr
+    assert "FATAL" not in out.stderr
 
 
 @pytest.mark.parametrize("field, value, needle", [
@@ -210,7 +234,7 @@ def test_validate_config_names_every_error_at_once():
                                       ("qwen3_30b_a3b_dapo", None)])
 def test_dapo_recipes_are_consistent(tmp_path, name, arg):
     """The recipes' own defaults pass the whole validation (paths pointed at files that exist here) and the
-    held-out check against AIME-24's 30 problems; the README's data layout is what they read."""
+    held-out check against AIME-24's 30 problems; docs/models.md's data layout is what they read."""
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -115,6 +115,14 @@ def test_print_only_and_pod_commands():
     assert pod[0].startswith("launch/tpu_pod.sh --name=pdm-000 ") and "--results=gs://b/s/delta=0.05" in pod[0]
 
 
+def test_aggregate_only_without_runs_says_so(tmp_path):
+    path = os.path.join(REPO, "launch", "sweeps", "tiny_delta_estimator.py")
+    done = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", f"--out={tmp_path}", "--aggregate_only"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"no finished runs under {tmp_path}: none of the sweep's 18 run directories" in done.stderr
+
+
 def _fake_run(workdir, rewards, evals, warm=0.30, final=None):
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:

@@ -64,8 +64,9 @@ def setup(tmp_path_factory):
                               checkpoint_root=str(root), token=TOKEN, max_prompt_length=16, max_new_tokens=16,
                               max_batch_size=8, max_body_bytes=BODY_LIMIT, startup_timeout_s=180)
     yield dict(sp=sp, root=root, params=params, paths=paths)
+    tmp = os.path.dirname(sp.stderr_path)
     sp.stop()
-    assert not sp.alive()
+    assert not sp.alive() and not os.path.exists(tmp)
 
 
 def auth():
@@ -219,19 +220,31 @@ def test_weight_sync_versions_and_path_rules(setup):
         ("/etc", 2, 403, "outside"),                 # outside the root
         (str(setup["root"]), -1, 422, "version"),    # bad version
     ]
+    root = os.path.realpath(setup["root"])
     for path, version, status, words in cases:
         with pytest.raises(SamplerRequestError) as e:
             sp.client.load_weights(path, version)
         assert e.value.status == status and words in e.value.message, (path, version, e.value)
-    assert sp.client.health()["version"] == 1
+        if not path.startswith(str(setup["root"])):  # a refusal names paths as the client sent them, never the root
+            assert root not in e.value.message, e.value.message
+    # a version directory whose tensor file links outside the root: refused (422), nothing loaded
+    linked = setup["root"] / "weights" / "9"
+    os.makedirs(linked)
+    os.symlink(os.path.join(paths[1], "weights_meta.json"), linked / "weights_meta.json")
+    with pytest.raises(SamplerRequestError) as e:
+        sp.client.load_weights("weights/9", 2)
+    assert e.value.status == 422 and "symbolic link" in e.value.message and root not in e.value.message
+    assert sp.client.health()["version"] == 1 and sp.client.health()["loading"] is None
 
 
 def test_restart_comes_back_with_its_flags(setup):
     sp = setup["sp"]
-    old_port = sp.port
+    old_port, old_dir = sp.port, os.path.dirname(sp.stderr_path)
+    assert os.path.basename(old_dir).startswith("pdm_sampler_") and os.path.isdir(old_dir)
     sp.restart()  # same flags: weights version 0 again, a fresh port
     assert sp.alive() and sp.client.health()["version"] == 0
     assert sp.port != old_port or sp.client.health()["status"] == "ok"
+    assert not os.path.exists(old_dir)  # a stopped server leaves no temporary directory behind
 
 
 def test_non_loopback_requires_token_and_startup_errors_are_clear(tmp_path):

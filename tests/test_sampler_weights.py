@@ -74,3 +74,127 @@ def test_engine_version_rules(tmp_path):
     with pytest.raises(wts.WeightsError, match="outside"):
         s.load_weights("/tmp", 3)
     assert eng.version == 1
+
+
+# ---- the checkpoint root is a boundary: no link followed, no FIFO, sizes checked before a byte is read ----------
+
+def _root_with_versions(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    m0, m1 = (Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(s)) for s in (0, 1))
+    p0 = wts.save_weights(m0, str(root / "weights" / "0"), version=0)
+    wts.save_weights(m1, str(outside / "1"), version=1)
+    eng = SamplingEngine(CFG, wts.load_weights(p0, CFG), version=0, weights_path=p0, max_prompt_length=16,
+                         max_new_tokens=16)
+    return root, outside, eng, InProcessSampler(eng, checkpoint_root=str(root))
+
+
+def test_a_symlinked_file_or_directory_under_the_root_is_refused(tmp_path):
+    root, outside, eng, s = _root_with_versions(tmp_path)
+    # a version directory whose tensor file is a link to a file outside the root
+    linked = root / "weights" / "1"
+    os.makedirs(linked)
+    for name in (wts.META_FILE, wts.TENSORS_FILE):
+        os.symlink(outside / "1" / name, linked / name)
+    with pytest.raises(wts.WeightsError, match="symbolic link"):
+        s.load_weights("weights/1", 1)
+    # a link to a directory inside the root is followed by no reader either (its real path is checked, then walked)
+    os.symlink(root / "weights" / "0", root / "weights" / "alias")
+    assert wts.ConfinedDir(str(root), os.path.realpath(root / "weights" / "alias")).fd is not None
+    # the same through load_weights with a root directly: the directory path itself may not pass through a link
+    os.symlink(outside, root / "ext")
+    with pytest.raises(wts.WeightsError, match="symbolic link"):
+        wts.load_weights(str(root / "ext" / "1"), CFG, root=str(root))
+    assert eng.version == 0  # nothing was loaded
+
+
+def test_a_directory_swapped_for_a_link_during_loads_is_never_read(tmp_path):
+    """The race the path check alone loses: between the check and the open, the version directory becomes a link
+    to outside the root. Every try ends refused (a link) or loads the real version from inside the root."""
+    import threading
+
+    root, outside, eng, s = _root_with_versions(tmp_path)
+    inside = wts.save_weights(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(2)), str(root / "weights" / "real"), version=1)
+    target = root / "weights" / "v"
+    stop = threading.Event()
+
+    def swapper():
+        while not stop.is_set():
+            for src in (inside, str(outside / "1")):
+                tmp = str(target) + ".tmp"
+                try:
+                    os.symlink(src, tmp)
+                    os.replace(tmp, target)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=swapper, daemon=True)
+    t.start()
+    outcomes = []
+    try:
+        for version in range(1, 61):
+            try:
+                s.load_weights(str(target), version)
+                outcomes.append(eng.weights_path)
+            except wts.WeightsError as e:  # refused (a link, outside the root) or version mismatch
+                outcomes.append(type(e).__name__)
+    finally:
+        stop.set()
+        t.join()
+    loaded = [o for o in outcomes if o.startswith("/")]
+    assert all(os.path.commonpath([str(root.resolve()), o]) == str(root.resolve()) for o in loaded), loaded
+
+
+def test_fifo_sparse_file_and_deep_meta_are_refused_unread(tmp_path):
+    root, outside, eng, s = _root_with_versions(tmp_path)
+    good = wts.save_weights(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(3)), str(root / "weights" / "3"), version=3)
+    # a FIFO in place of the tensor file: refused at once, never a blocked read
+    fifo_dir = root / "weights" / "4"
+    os.makedirs(fifo_dir)
+    os.link(os.path.join(good, wts.META_FILE), fifo_dir / wts.META_FILE)
+    os.mkfifo(fifo_dir / wts.TENSORS_FILE)
+    meta4 = wts.read_meta(str(fifo_dir))
+    with pytest.raises(wts.WeightsError, match="not a regular file"):
+        wts.load_weights(str(fifo_dir), CFG, version=meta4["version"], root=str(root))
+    # a tensor file grown to a 1 GiB sparse file: its size is refused before a byte is read
+    with open(os.path.join(good, wts.TENSORS_FILE), "r+b") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(wts.CorruptWeightsError, match=r"has 1073741824 bytes, the manifest records \d+ .*not read"):
+        wts.load_weights(good, CFG, root=str(root))
+    with pytest.raises(wts.CorruptWeightsError, match="not read"):
+        wts.load_weights(good, CFG)  # without a root too
+    # a meta file nested 100,000 deep: a named CorruptWeightsError, not a RecursionError (an HTTP 500)
+    deep = root / "weights" / "5"
+    os.makedirs(deep)
+    (deep / wts.META_FILE).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(wts.CorruptWeightsError, match="cannot be read as JSON"):
+        wts.load_weights(str(deep), CFG, root=str(root))
+    with pytest.raises(wts.CorruptWeightsError, match="cannot be read as JSON"):
+        wts.read_meta(str(deep))
+    assert eng.version == 0
+
+
+def test_generation_goes_on_while_a_load_reads_its_files(tmp_path, monkeypatch):
+    """A load stuck in its read (a slow mount) holds neither the engine's lock nor /health: generate runs, and
+    health says a load of which version has been running how long."""
+    import threading
+
+    root, outside, eng, s = _root_with_versions(tmp_path)
+    p1 = wts.save_weights(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(1)), str(root / "weights" / "1"), version=1)
+    release, entered = threading.Event(), threading.Event()
+    real_read = wts.ConfinedDir.read
+
+    def slow_read(self, name, **kw):
+        if name == wts.TENSORS_FILE:
+            entered.set()
+            release.wait(60)
+        return real_read(self, name, **kw)
+
+    monkeypatch.setattr(wts.ConfinedDir, "read", slow_read)
+    t = threading.Thread(target=s.load_weights, args=(p1, 1), daemon=True)
+    t.start()
+    assert entered.wait(60)
+    rb = eng.generate([[1, 2, 3]], max_new_tokens=2, top_k_logprobs=0, seed=0)  # not blocked by the load
+    assert rb.weights_version[0] == 0 and eng.health()["loading"]["version"] == 1
+    release.set()
+    t.join(60)
+    assert eng.version == 1 and eng.health()["loading"] is None

@@ -5,6 +5,7 @@ layout of a response (the bytes the server sends), and validation errors that
 name fields by their wire names.
 """
 import json
+import time
 
 import msgpack
 import numpy as np
@@ -282,7 +283,12 @@ def test_error_and_health_bodies(use_msgpack):
                                                 vocab_size=32, max_prompt_length=8, max_new_tokens=16,
                                                 weights_path=None), requests=1, generated_tokens=5, uptime_s=0.5)
     assert list(h) == ["status", "model", "quantization", "version", "compute_dtype", "vocab_size",
-                       "max_prompt_length", "max_new_tokens", "weights_path", "requests", "generated_tokens",
-                       "uptime_s"]
+                       "max_prompt_length", "max_new_tokens", "weights_path", "loading", "requests",
+                       "generated_tokens", "uptime_s"]
+    assert h["loading"] is None
+    busy = wire.health_body(model="m", quantization="fp8", version=3, compute_dtype="bfloat16", vocab_size=32,
+                            max_prompt_length=8, max_new_tokens=16, weights_path=None,
+                            loading={"version": 4, "since": time.monotonic() - 2.0})["loading"]
+    assert busy["version"] == 4 and 2.0 <= busy["seconds"] < 60
     assert wire.weights_response(wire.weights_loaded(version=3, path="/w", seconds=0.1, reloaded=False)) == {
         "status": "ok", "version": 3, "path": "/w", "seconds": 0.1, "reloaded": False}

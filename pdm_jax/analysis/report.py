@@ -97,11 +97,15 @@ def verdict(summary: dict, criterion: str) -> str:
     paper_du = PAPER["unsafe_keep"]["predictive"] - PAPER["unsafe_keep"]["ratio"]
     paper_dc = PAPER["corrective"]["predictive"] - PAPER["corrective"]["ratio"]
 
-    def judge(mc, want_sign):
+    def judge(mc, want_sign):  # significant only with a finite 95% CI that excludes 0, as `headline` counts
         m, ci, _ = mc
         if not math.isfinite(m):
             return "undetermined"
-        if math.isfinite(ci) and abs(m) <= ci:
+        side = "same direction as the paper" if m * want_sign > 0 else (
+            "opposite direction to the paper" if m * want_sign < 0 else "no difference")
+        if not math.isfinite(ci):
+            return side if m * want_sign == 0 else f"{side}, significance unknown (one seed: no confidence interval)"
+        if abs(m) <= ci:
             return "same direction as the paper but not significant" if m * want_sign > 0 else (
                 "opposite direction to the paper but not significant" if m * want_sign < 0 else "no difference")
         return "same direction as the paper (significant)" if m * want_sign > 0 else (

@@ -40,7 +40,7 @@ class InProcessSampler:
         """See `SamplingEngine.load_weights` (plus the checkpoint-root rule)."""
         if self.checkpoint_root is not None:
             path = check_weights_path(path, self.checkpoint_root)
-        return self.engine.load_weights(path, version)
+        return self.engine.load_weights(path, version, root=self.checkpoint_root)
 
     def set_params(self, params, version: int) -> dict:
         """Installs in-memory ``params`` as weights ``version`` (`SamplingEngine.set_params`; colocated sync).

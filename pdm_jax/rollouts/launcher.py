@@ -10,7 +10,9 @@ stderr.  The returned `SamplerProcess` has ``.url``, ``.client``, ``.alive()``,
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,9 +108,11 @@ class SamplerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout_s`; closes the client. Idempotent."""
+        """SIGTERM, then SIGKILL after `timeout_s`; closes the client; removes the process's temporary
+        directory (port file and log) unless the server had died on its own (`_remove_workdir`). Idempotent."""
         if self.client is not None:
             self.client.close()
+        crashed = self.proc is not None and self.proc.poll() not in (None, 0)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -116,14 +120,30 @@ class SamplerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._remove_workdir(crashed)
 
     def kill(self) -> None:
-        """SIGKILLs the subprocess (also a stopped one, which would never act on SIGTERM) and closes the client."""
+        """SIGKILLs the subprocess (also a stopped one, which would never act on SIGTERM), closes the client and
+        removes its temporary directory (`stop`)."""
         if self.client is not None:
             self.client.close()
+        crashed = self.proc is not None and self.proc.poll() not in (None, 0)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._remove_workdir(crashed)
+
+    def _remove_workdir(self, crashed: bool) -> None:
+        """Removes the ``pdm_sampler_*`` temporary directory; a server that died on its own keeps its log there
+        for a post-mortem (its path logged)."""
+        path, self._workdir = getattr(self, "_workdir", None), None
+        if not path:
+            return
+        if crashed:
+            logging.getLogger(__name__).warning("sampler server exited with code %s; its log is kept at %s",
+                                                self.proc.returncode, self._log_path)
+            return
+        shutil.rmtree(path, ignore_errors=True)
 
     def restart(self) -> "SamplerProcess":
         """Stops the process and starts it again with the same flags (a new port); returns self."""

@@ -36,7 +36,7 @@ processing (no temperature), "processed" is *after* all processors, "including t
 top_k/top_p" (vLLM engine-argument docs).  So the server must run with
 ``--logprobs-mode processed_logprobs``; with the default the trainer's ratio pi/mu would compare the
 policy at temperature tau with the raw distribution at temperature 1.  The response does not say
-which mode produced it, so the client cannot check it (README, "vLLM backend").
+which mode produced it, so the client cannot check it (docs/sampler.md, "vLLM backend").
 
 Weights: vLLM documents no way to send JAX arrays to a running OpenAI server (its ``/update_weights``
 weight-transfer routes move torch tensors over NCCL or CUDA IPC, docs "Weight Transfer"), so each

@@ -31,7 +31,7 @@ Sampling (per row, per token):
   sampled from -- so filtered-out ids have log mu = -inf.  With filters on, the
   trainer's ratio pi/mu then compares the unfiltered policy with a truncated
   behaviour policy: mu(k) >= softmax(z_q/tau)(k), and log-ratios are biased
-  downwards on kept tokens (README).  Filters are off by default (top_p=1, top_k=0).
+  downwards on kept tokens (docs/sampler.md).  Filters are off by default (top_p=1, top_k=0).
 * ``temperature == 0``: greedy (argmax of the logits); the returned
   log-probabilities are those of softmax(z) at tau = 1 (after the same filters),
   i.e. what the trainer computes with temperature 1.
@@ -763,6 +763,8 @@ class SamplingEngine:
         self._shardings = None if mesh is None else nnx.to_pure_dict(
             shd.param_shardings(nnx.state(abstract_model, nnx.Param), mesh))
         self._lock = threading.RLock()
+        self._load_lock = threading.Lock()  # one weights load at a time; generation goes on while its files are read
+        self.loading: Optional[dict] = None  # {"version", "since"} while a load reads its files (`health`)
         self._program = _GENERATE_JIT
         self.prefill_rows = 0  # prompt rows prefilled so far (padding rows included), with shared prefill
         self.prefill_rows_unshared = 0  # ... and what they would have been without it
@@ -816,12 +818,14 @@ class SamplingEngine:
             self._version = int(version)
             self._weights_path = None if weights_path is None else os.path.realpath(weights_path)
 
-    def load_weights(self, path: str, version: int) -> dict:
+    def load_weights(self, path: str, version: int, *, root: Optional[str] = None) -> dict:
         """Loads weights `version` from a `save_weights` directory and re-quantizes.
 
         Accepted when ``version > self.version``, or ``version == self.version``
         and `path` is the directory the current weights came from (idempotent
-        reload: the output is then identical).
+        reload: the output is then identical).  The files are read without the lock generation holds (a slow or
+        stuck read never stops serving; `health` reports ``loading`` meanwhile); `root` confines every read to a
+        directory (`weights.ConfinedDir`: no link followed, no FIFO, sizes checked before reading).
         Returns ``{"version", "path", "seconds", "reloaded"}``.
         Raises:
           StaleWeightsError: version <= current (except the idempotent case).
@@ -834,6 +838,23 @@ class SamplingEngine:
                 or not 0 <= version <= wts.MAX_VERSION:
             raise wts.WeightsError(f"version must be an integer in [0, 2**31), got {version!r}")
         real = os.path.realpath(path)
+        with self._load_lock:
+            self._check_not_stale(version, real)
+            t0 = time.perf_counter()
+            self.loading = {"version": int(version), "since": time.monotonic()}
+            try:
+                pure = wts.load_weights(real, abstract=wts.to_pure_dict(self._abstract_state_f32()), version=version,
+                                        root=root)
+                with self._lock:
+                    same = self._check_not_stale(version, real)
+                    self.set_params(pure, version=int(version), weights_path=real, finite_checked=True)  # load refused NaN/inf
+            finally:
+                self.loading = None
+            return wire.weights_loaded(version=int(version), path=real, seconds=time.perf_counter() - t0,
+                                       reloaded=bool(same))
+
+    def _check_not_stale(self, version: int, real: str) -> bool:
+        """Raises StaleWeightsError unless `version` may load from `real` (`load_weights`); True for a reload."""
         with self._lock:
             same = version == self._version and self._weights_path is not None and real == self._weights_path
             if version < self._version or (version == self._version and not same):
@@ -841,11 +862,7 @@ class SamplingEngine:
                     f"stale weights version {version}: the sampler holds version {self._version}"
                     f" (from {self._weights_path!r}); a new load needs a higher version, or the same version "
                     f"and the same path")
-            t0 = time.perf_counter()
-            pure = wts.load_weights(real, abstract=wts.to_pure_dict(self._abstract_state_f32()), version=version)
-            self.set_params(pure, version=int(version), weights_path=real, finite_checked=True)  # load refused NaN/inf
-            return wire.weights_loaded(version=int(version), path=real, seconds=time.perf_counter() - t0,
-                                       reloaded=bool(same))
+            return same
 
     def _abstract_state_f32(self):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), self._abstract_state)
@@ -866,7 +883,7 @@ class SamplingEngine:
             model=f"qwen3(L={c.num_hidden_layers},H={c.hidden_size},V={c.vocab_size})",
             quantization=self.quantization, version=self._version, compute_dtype=str(self.compute_dtype),
             vocab_size=c.vocab_size, max_prompt_length=self.max_prompt_length, max_new_tokens=self.max_new_tokens,
-            weights_path=self._weights_path)
+            weights_path=self._weights_path, loading=self.loading)
 
     # -------------------------------------------------------------- generation
     def validate(self, prompts, *, n=1, temperature=1.0, max_new_tokens=None, top_k_logprobs=20,

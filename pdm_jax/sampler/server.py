@@ -263,10 +263,22 @@ class SamplerService:
         """``POST /v1/weights``: 403 outside the root, 404 missing/incomplete, 409 stale or other version,
         422 unusable weights (corrupt files, non-finite values, wrong shapes; the current version stays)."""
         req = wire.LoadWeightsRequest.from_wire(await self.read_body(request))
-        full = self._weights_dir(req.path)
-        info = await run_in_threadpool(self._load, full, req.version)
+        try:
+            full = self._weights_dir(req.path)
+            info = await run_in_threadpool(self._load, full, req.version)
+        except HTTPError as e:  # the message names paths as the client sent them, never the server's own root
+            e.message = self._scrub(e.message)
+            raise
         stats = None if self.compile_counter is None else self.compile_counter.snapshot()
         return respond(request, wire.weights_response(info, stats))
+
+    def _scrub(self, message: str) -> str:
+        """`message` with the checkpoint root's absolute path (as given and resolved) replaced by
+        ``<checkpoint_root>``: error bodies never tell a client where the server keeps its files."""
+        for root in sorted({os.path.realpath(self.checkpoint_root), os.path.abspath(self.checkpoint_root)},
+                           key=len, reverse=True):
+            message = message.replace(root, "<checkpoint_root>")
+        return message
 
     def _weights_dir(self, path: str) -> str:
         """`path` resolved under the checkpoint root; HTTPError 403 (outside / ``..``) or 404 (incomplete)."""
@@ -295,7 +307,7 @@ class SamplerService:
         from pdm_jax.sampler.engine import StaleWeightsError  # engine loads JAX: imported once a request needs it
 
         try:
-            return self.engine.load_weights(full, version)
+            return self.engine.load_weights(full, version, root=self.checkpoint_root)
         except StaleWeightsError as e:
             raise HTTPError(409, str(e), field=wire.VERSION, kind="stale_version")
         except wts.VersionMismatchError as e:

@@ -62,6 +62,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from typing import Any, Mapping, Optional
 
 import jax
@@ -87,6 +88,8 @@ LEGACY_FORMAT = "pdm_jax.weights/1"  # orbax, no integrity manifest: loaded unve
 FILES_KEY = "files"
 META_HASH_KEY = "meta_sha256"
 MAX_VERSION = 2**31 - 1  # versions travel as int32 (RolloutBatch.weights_version)
+#: The largest ``weights_meta.json`` read (bytes): a meta lists a handful of files; a bigger one is refused unread.
+MAX_META_BYTES = 4 << 20
 _HASH_CHUNK = 8 << 20  # bytes read per hashlib update (hashlib releases the GIL on large updates)
 _DTYPES_METADATA = "pdm_jax.dtypes"  # safetensors metadata key: {name: dtype} of tensors stored as uint views
 _NATIVE = {np.dtype(t) for t in (np.float64, np.float32, np.float16, np.int64, np.uint64, np.int32, np.uint32,
@@ -292,9 +295,133 @@ def _write_version(path: str, leaves: list, data: bytes, version: int, extra_met
     return path
 
 
-def read_meta(path: str) -> dict:
+class ConfinedDir:
+    """A weights directory opened under a root with no symbolic link followed, for a reader that must not leave it
+    (the sampler server's ``--checkpoint_root``).
+
+    The directory is reached from the root one component at a time (``O_NOFOLLOW | O_DIRECTORY`` relative to the
+    previous directory's descriptor) and its files are opened relative to the directory's descriptor with
+    ``O_NOFOLLOW | O_NONBLOCK``, then checked with ``fstat`` (a regular file, of the size expected) before a byte is
+    read: a link anywhere under the root, a directory swapped for a link while a load runs, a FIFO (which would block
+    the reader) or a sparse file grown far past its manifest size are refused, never read. Use as a context manager.
+
+    Raises:
+      WeightsError: a component of the path under the root is a link or not a directory (naming it), or the path
+        is not under the root.
+    """
+
+    def __init__(self, root: str, path: str):
+        root_real = os.path.realpath(root)
+        rel = os.path.relpath(os.path.abspath(path), root_real)
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel):
+            raise WeightsError(f"weights path {path!r} is outside the checkpoint root; refused")
+        self.path = path
+        fd = os.open(root_real, os.O_RDONLY | os.O_DIRECTORY)
+        for part in [] if rel == os.curdir else rel.split(os.sep):
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                os.close(fd)
+                raise WeightsError(f"weights path {path!r} does not exist") from None
+            except OSError as e:  # ELOOP / ENOTDIR: a link (perhaps swapped in since the path was checked)
+                os.close(fd)
+                raise WeightsError(f"weights path {path!r}: {part!r} is a symbolic link or not a directory "
+                                   f"({os.strerror(e.errno)}); refused: nothing under the checkpoint root is "
+                                   f"read through a link") from None
+            os.close(fd)
+            fd = nxt
+        self.fd = fd
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def read(self, name: str, *, max_bytes: Optional[int] = None, expect_bytes: Optional[int] = None) -> bytes:
+        """The bytes of the file `name` of the directory (no link followed, a regular file, size checked first).
+
+        Raises:
+          FileNotFoundError: no such file.
+          WeightsError: `name` is a link or not a regular file (a FIFO, a device, a directory).
+          CorruptWeightsError: its size exceeds `max_bytes` or differs from `expect_bytes` (checked before reading).
+        """
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise WeightsError(f"weights path {self.path!r}: {name!r} is a symbolic link or cannot be opened "
+                               f"({os.strerror(e.errno)}); refused") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise WeightsError(f"weights path {self.path!r}: {name!r} is not a regular file; refused")
+            if max_bytes is not None and st.st_size > max_bytes:
+                raise CorruptWeightsError(self.path, name, f"has {st.st_size} bytes, more than the {max_bytes} "
+                                                           "a reader accepts; not read")
+            if expect_bytes is not None and st.st_size != expect_bytes:
+                raise CorruptWeightsError(self.path, name, f"has {st.st_size} bytes, the manifest records "
+                                                           f"{expect_bytes} (truncated or extended); not read")
+            chunks, left = [], st.st_size
+            while left > 0:
+                chunk = os.read(fd, min(left, _HASH_CHUNK))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def check_tree(self) -> None:
+        """Refuses a link or a non-regular file anywhere below the directory (the orbax formats, which orbax opens
+        by path: checked before, so only a swap during the load itself could still pass).
+
+        Raises:
+          WeightsError: naming the first link or special file found.
+        """
+        def walk(fd, prefix):
+            with os.scandir(fd) as it:
+                entries = list(it)
+            for e in entries:
+                rel = prefix + e.name
+                if e.is_symlink():
+                    raise WeightsError(f"weights path {self.path!r}: {rel!r} is a symbolic link; refused")
+                if e.is_dir(follow_symlinks=False):
+                    sub_fd = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                    try:
+                        walk(sub_fd, rel + "/")
+                    finally:
+                        os.close(sub_fd)
+                elif not e.is_file(follow_symlinks=False):
+                    raise WeightsError(f"weights path {self.path!r}: {rel!r} is not a regular file; refused")
+
+        walk(self.fd, "")
+
+
+def _parse_meta_json(path: str, data: bytes):
+    if len(data) > MAX_META_BYTES:
+        raise CorruptWeightsError(path, META_FILE, f"has {len(data)} bytes, more than the {MAX_META_BYTES} a reader "
+                                                   "accepts")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise CorruptWeightsError(path, META_FILE, f"cannot be read as JSON ({type(e).__name__}: "
+                                                   f"{str(e)[:200]})") from None
+
+
+def read_meta(path: str, *, confined: Optional[ConfinedDir] = None) -> dict:
     """The ``weights_meta.json`` of a weights directory, its own checksum verified.
 
+    Args:
+      path: the weights directory.
+      confined: the directory opened under a root (`ConfinedDir`): the meta file is read through it.
     Returns:
       the meta dict; ``meta["files"]`` is absent only for a legacy
       (``pdm_jax.weights/1``) directory.
@@ -305,15 +432,26 @@ def read_meta(path: str) -> dict:
         ``meta_sha256``, lacks the manifest its format requires, or records no
         valid version.
     """
-    if not wd.isdir(path):
-        raise WeightsError(f"weights path {path!r} does not exist")
-    meta_path = wd.join(path, META_FILE)
-    if not (wd.exists(meta_path) if wd.is_remote(meta_path) else os.path.isfile(meta_path)):
-        raise WeightsError(f"weights path {path!r} has no {META_FILE} (incomplete or not written by save_weights)")
-    try:
-        meta = json.loads(wd.read_bytes(meta_path))
-    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
-        raise CorruptWeightsError(path, META_FILE, f"cannot be read as JSON ({type(e).__name__}: {e})") from e
+    missing = WeightsError(f"weights path {path!r} has no {META_FILE} (incomplete or not written by save_weights)")
+    if confined is not None:
+        try:
+            meta = _parse_meta_json(path, confined.read(META_FILE, max_bytes=MAX_META_BYTES))
+        except FileNotFoundError:
+            raise missing from None
+    else:
+        if not wd.isdir(path):
+            raise WeightsError(f"weights path {path!r} does not exist")
+        meta_path = wd.join(path, META_FILE)
+        if not (wd.exists(meta_path) if wd.is_remote(meta_path) else os.path.isfile(meta_path)):
+            raise missing
+        if not wd.is_remote(meta_path) and os.path.getsize(meta_path) > MAX_META_BYTES:
+            raise CorruptWeightsError(path, META_FILE, f"has {os.path.getsize(meta_path)} bytes, more than the "
+                                                       f"{MAX_META_BYTES} a reader accepts; not read")
+        try:
+            data = wd.read_bytes(meta_path)
+        except OSError as e:
+            raise CorruptWeightsError(path, META_FILE, f"cannot be read ({type(e).__name__}: {e})") from e
+        meta = _parse_meta_json(path, data)
     if not isinstance(meta, dict):
         raise CorruptWeightsError(path, META_FILE, f"holds a {type(meta).__name__}, not a JSON object")
     has_manifest = FILES_KEY in meta or META_HASH_KEY in meta
@@ -379,7 +517,7 @@ def verify_files(path: str, meta: Mapping) -> None:
         raise CorruptWeightsError(path, rel, problem + more)
 
 
-def read_tensors(path: str, meta: Mapping) -> dict:
+def read_tensors(path: str, meta: Mapping, *, confined: Optional[ConfinedDir] = None) -> dict:
     """``{name: numpy array}`` of a ``/4`` (or ``/3``) directory's tensor file, its size and checksum checked first.
 
     The file is read once; the hash and the parse run over the same buffer.
@@ -390,8 +528,17 @@ def read_tensors(path: str, meta: Mapping) -> dict:
     """
     entries = meta[FILES_KEY]
     _check_entries(path, entries)
+    want = entries[TENSORS_FILE].get("bytes")
+    want = want if isinstance(want, int) and not isinstance(want, bool) else None
+    file = wd.join(path, TENSORS_FILE)
     try:
-        data = wd.read_bytes(wd.join(path, TENSORS_FILE))
+        if confined is not None:
+            data = confined.read(TENSORS_FILE, expect_bytes=want)
+        else:
+            if want is not None and not wd.is_remote(file) and os.path.isfile(file) and os.path.getsize(file) != want:
+                raise CorruptWeightsError(path, TENSORS_FILE, f"has {os.path.getsize(file)} bytes, the manifest "
+                                                              f"records {want} (truncated or extended); not read")
+            data = wd.read_bytes(file)
     except FileNotFoundError:
         raise CorruptWeightsError(path, TENSORS_FILE, "is missing") from None
     except OSError as e:
@@ -477,7 +624,8 @@ def _restore_orbax(path: str, target: Mapping) -> dict:
     return restored
 
 
-def load_weights(path: str, config=None, *, version: Optional[int] = None, abstract: Optional[Mapping] = None) -> dict:
+def load_weights(path: str, config=None, *, version: Optional[int] = None, abstract: Optional[Mapping] = None,
+                 root: Optional[str] = None) -> dict:
     """Restores the parameters written by `save_weights` as a nested pure dict of host arrays, verified.
 
     Order: the meta file (and its own checksum), the version, the tensor file's
@@ -492,6 +640,8 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
       version: if given, must equal the version recorded in the meta file.
       abstract: an explicit target tree of jax.ShapeDtypeStruct (overrides config);
         float tensors are cast to its dtypes.
+      root: a local directory `path` must lie under: every file is then read through `ConfinedDir` (no link
+        followed, no FIFO, sizes checked before reading; the orbax formats' trees checked for links first).
     Returns:
       nested dict (the target's structure) of numpy arrays (jax arrays for an orbax directory).
     Raises:
@@ -501,13 +651,22 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
       CorruptWeightsError: a damaged file (naming the directory and the file).
     """
     path = wd.run_path(path)
-    meta = read_meta(path)
-    if version is not None and int(meta["version"]) != int(version):
-        raise VersionMismatchError(f"weights path {path!r} holds version {meta['version']}, "
-                                   f"not the requested version {version}")
-    tensors = None
-    if meta["format"] in RAW_FORMATS:
-        tensors = read_tensors(path, meta)
+    confined = None if root is None or wd.is_remote(path) else ConfinedDir(root, path)
+    try:
+        meta = read_meta(path, confined=confined)
+        if version is not None and int(meta["version"]) != int(version):
+            raise VersionMismatchError(f"weights path {path!r} holds version {meta['version']}, "
+                                       f"not the requested version {version}")
+        tensors = None
+        if meta["format"] in RAW_FORMATS:
+            tensors = read_tensors(path, meta, confined=confined)
+        elif confined is not None:
+            confined.check_tree()
+    finally:
+        if confined is not None:
+            confined.close()
+    if tensors is not None:
+        pass
     elif FILES_KEY in meta:
         verify_files(path, meta)
     else:

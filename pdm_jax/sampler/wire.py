@@ -42,7 +42,7 @@ Response::
 ``{"status": "ok", "version", "path", "seconds", "reloaded"}``.
 
 ``GET /health``: ``{"status", "model", "quantization", "version", "compute_dtype",
-"vocab_size", "max_prompt_length", "max_new_tokens", "weights_path"}`` (the
+"vocab_size", "max_prompt_length", "max_new_tokens", "weights_path", "loading"}`` (the
 engine's `health_body`), plus ``requests``, ``generated_tokens``, ``uptime_s``
 from the server.
 
@@ -71,6 +71,7 @@ import dataclasses
 import json
 import math
 import string
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 import msgpack as _msgpack  # aliased: `dumps`/`loads`/`to_plain` take a keyword named msgpack
@@ -726,7 +727,7 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
     if not _is_int(n) or n <= 0:
         raise RequestError(N, f"must be an integer >= 1, got {_kind(n)}")
     if len(out) * int(n) > max_sequences:
-        raise RequestError(N, f"{len(out)} prompts x n={n} = {len(out) * int(n)} sequences exceeds the limit "
+        raise RequestError(N, f"{len(out)} prompts x n={_show(n, 24)} sequences exceeds the limit "
                            f"of {max_sequences} per request")
     tau = _real(temperature)
     if tau is None or not math.isfinite(tau) or tau < 0:
@@ -1062,11 +1063,18 @@ def weights_response(info: Mapping, compile_stats: Optional[Mapping] = None) -> 
 
 
 def health_body(*, model: str, quantization: str, version: int, compute_dtype: str, vocab_size: int,
-                max_prompt_length: int, max_new_tokens: int, weights_path: Optional[str]) -> dict:
-    """An engine's ``/health`` fields (`SamplingEngine.health`), status "ok"."""
+                max_prompt_length: int, max_new_tokens: int, weights_path: Optional[str],
+                loading: Optional[Mapping] = None) -> dict:
+    """An engine's ``/health`` fields (`SamplingEngine.health`), status "ok".
+
+    ``loading`` is null, or ``{"version", "seconds"}`` while a weights load reads its files (a load stuck on a
+    slow mount shows here, while generation goes on with the current version).
+    """
+    busy = None if loading is None else {VERSION: int(loading["version"]),
+                                          "seconds": round(time.monotonic() - float(loading["since"]), 3)}
     return {STATUS: OK, MODEL: model, "quantization": quantization, VERSION: version,
             "compute_dtype": compute_dtype, "vocab_size": vocab_size, "max_prompt_length": max_prompt_length,
-            MAX_NEW_TOKENS: max_new_tokens, "weights_path": weights_path}
+            MAX_NEW_TOKENS: max_new_tokens, "weights_path": weights_path, "loading": busy}
 
 
 def health_with_stats(health: Mapping, *, requests: int, generated_tokens: int, uptime_s: float) -> dict:
