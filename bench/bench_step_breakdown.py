@@ -1,7 +1,7 @@
 """Where an RL step's time goes, phase by phase, beside the floor each phase is compared with.
 
 Reads the ``time_*`` metrics of a run's ``metrics.jsonl`` (`pdm_jax.profiling.PhaseTimer`,
-README's metrics glossary) -- from ``--workdir`` of a finished or running job, or from a
+docs/metrics.md) -- from ``--workdir`` of a finished or running job, or from a
 short run of the default config that this script starts first (``--run``) -- and prints,
 per phase, the median over the steady RL steps (the first ``--skip`` steps compile), its
 share of the step, and a floor measured or computed on this machine:

@@ -3,8 +3,11 @@
 0.6M parameters (d 128, 3 layers, GQA 4/2 heads), a 15-token character
 tokenizer saved in Hugging Face format, prompts like ``57+87=``, a supervised
 warm start on the reference answers, then GRPO with the predictive divergence
-mask (top-K KL, bucket_exact estimator) from an fp8 sampler service. Runs on a
-2-core CPU in minutes.
+mask (top-K KL, bucket_exact estimator) from an fp8 sampler service.
+
+Expect held-out avg@4 to rise from 0.48125 after the warm start to 0.64375 (greedy
+0.605 → 0.68) in about 3.5 minutes on a 2-core CPU; other CPUs round differently and
+give other digits, with about the same gain.
 
 Argument string (big_vision style): ``configs/tiny.py:delta=0.05,estimator=uniform_tail``.
 """
@@ -25,6 +28,6 @@ def get_config(arg=None):
     c.rl.num_minibatches = 2  # two optimizer steps per rollout batch: the second is off-policy
     c.eval.every_steps = 100
     # 3 layers: the unrolled forward compiles fast and runs with a smaller XLA:CPU temp buffer (89 vs 117 MB, CPU
-    # time per train step -16%, README "The RL step before and after issue 17"); identical metrics to the scan.
+    # time per train step -16%, docs/benchmarks.md); identical metrics to the scan.
     c.model.scan_layers = False
     return apply_arg(c, arg)

@@ -4,7 +4,7 @@
 
 * a shorter supervised warm start (500 SFT steps × 128 instead of 700): avg@4 ≈ 0.35 on 200 held-out prompts;
 * int8 rollouts (weight-only, per output channel) instead of fp8, staleness 1 (on this model int8 is not
-  coarser than fp8 in top-K KL: README, "The sampler service"; the mismatch comes from the next item);
+  coarser than fp8 in top-K KL: docs/sampler.md, "Weight precision"; the mismatch comes from the next item);
 * 4 mini-batches × 4 iterations per rollout batch of 16 prompts × 8 samples: 16 optimizer steps on every
   rollout batch, 15 of them off-policy; learning rate 1e-4;
 * 30 RL steps, held-out evaluation (avg@4 at temperature 1 + greedy, 200 prompts) every 10 steps.

@@ -6,7 +6,7 @@ tiny config's RL train step). glibc serves a block above its mmap threshold (32 
 with a fresh ``mmap`` and returns it with ``munmap``, so each execution page-faults its whole
 temporary buffer in again, zero-filled by the kernel: 28.6k minor page faults and ~80 ms of
 kernel time per tiny train step (``resource.getrusage``, measured on the 2-core CPU of
-README "Benchmarks"), about 30% of the step's CPU time.
+docs/benchmarks.md), about 30% of the step's CPU time.
 
 :func:`reuse_freed_host_memory` sets glibc's ``mallopt`` so that large blocks come from the
 heap and stay mapped after ``free``: one arena (``M_ARENA_MAX = 1``: a block larger than a
@@ -20,7 +20,7 @@ arena at the thread's first allocation and ``M_ARENA_MAX`` does not move a threa
 has one, and a thread arena cannot hold a block above its 64 MiB heap, so it still maps and
 unmaps such a block at every execution. Applied after ``jax.devices()`` (XLA's thread pools
 exist then), the tiny RL step kept faulting its 89 MB temporary buffer in, ~40k minor faults
-per RL step, and took 269 instead of 188 ms (README "The RL step before and after issue 17");
+per RL step, and took 269 instead of 188 ms (docs/benchmarks.md, bench/bench_train_step.py);
 a late call is therefore logged as a warning (`applied_late`).
 
 Source: glibc ``malloc/malloc.c`` (``mallopt``, ``sysmalloc``) and ``mallopt(3)``.

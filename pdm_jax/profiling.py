@@ -1,7 +1,7 @@
 """Where a run's time goes: profiler traces, phase timers, compile counts and the compilation cache.
 
 * `StepProfiler`: a ``jax.profiler`` trace of a range of RL steps (``--config.profile.steps=a:b``);
-* `PhaseTimer`: the ``time_*`` metrics of an RL step (sampling, scoring, ... see README's glossary);
+* `PhaseTimer`: the ``time_*`` metrics of an RL step (sampling, scoring, ... see docs/metrics.md);
 * `CompileCounter`: XLA programs built by this process (``jax.monitoring`` listeners);
 * `enable_compile_cache`: JAX's persistent compilation cache (``--config.compile_cache.dir``).
 
@@ -263,7 +263,7 @@ STEP_PHASES = ("sampling", "scoring", "advantages", "optimizer", "weight_sync", 
 
 
 def step_timing(phases: dict, sync_seconds: dict, generation_seconds: float) -> dict:
-    """The timing fields of an ``rl`` record (README's metrics glossary).
+    """The timing fields of an ``rl`` record (docs/metrics.md).
 
     Args:
       phases: `PhaseTimer.record` of the step (``time_<phase>``, ``time_other``, ``time_step``).

@@ -74,14 +74,25 @@ def _max_map_count() -> int:
 
 
 _MAPPINGS = []  # (memory mappings after the module, module name)
+_MODULE_COSTS = []  # (wall seconds, XLA compiles, compile seconds, module name)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _compiled_programs_stay_in_their_module(request):
     """Drops every compiled program after a test module, so that the session's memory mappings stay far below
-    ``vm.max_map_count`` (module docstring); fails the module's last test, naming the count, if they do not."""
+    ``vm.max_map_count`` (module docstring); fails the module's last test, naming the count, if they do not.
+    Records the module's wall time and XLA compiles for the summary."""
+    import time
+
+    from pdm_jax.profiling import CompileCounter
+
+    counter, start = CompileCounter(), time.perf_counter()
     yield
     import gc
+
+    done = counter.snapshot()
+    _MODULE_COSTS.append((time.perf_counter() - start, done["compiles"], done["compile_seconds"],
+                          request.module.__name__))
 
     jax.clear_caches()
     gc.collect()
@@ -92,6 +103,13 @@ def _compiled_programs_stay_in_their_module(request):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _MODULE_COSTS:
+        wall = sum(c[0] for c in _MODULE_COSTS)
+        compiles, seconds = sum(c[1] for c in _MODULE_COSTS), sum(c[2] for c in _MODULE_COSTS)
+        terminalreporter.write_line(f"test modules: {wall:.0f} s in their tests, {compiles} XLA compiles taking "
+                                    f"{seconds:.0f} s; the costliest (s, compiles, compile s):")
+        for w, n, cs, module in sorted(_MODULE_COSTS, reverse=True)[:15]:
+            terminalreporter.write_line(f"  {w:7.1f} {n:5d} {cs:7.1f}  {module}")
     if _MAPPINGS:
         used, module = max(_MAPPINGS)
         terminalreporter.write_line(f"memory mappings after a test module, most: {used} ({module}); "

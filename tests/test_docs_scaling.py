@@ -1,8 +1,9 @@
-"""The README's dry-run commands, run as written, print the figures of its scaling table (issue 15).
+"""docs/scaling.md's dry-run commands, run as written, print the figures of its tables.
 
-The table's numbers needed flags the README did not show (``--config.dry_run.num_devices=64``, the
-chunk size); every command is now spelled out. The 4B compiled check (minutes of XLA compilation) is run
-with its analytic estimate only (``--config.dry_run.compiler=none`` appended: the last flag wins).
+Every flag that sets a figure is spelled out in the commands (``--config.dry_run.num_devices=64``, the
+chunk size). The checks read the page's "Dry run: does a config fit?" section (its analytic tables).
+The 4B compiled check (minutes of XLA compilation) is run with its analytic estimate only
+(``--config.dry_run.compiler=none`` appended: the last flag wins).
 """
 
 import os
@@ -17,9 +18,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def readme_dry_run_commands() -> list[list[str]]:
-    """Every `python -m pdm_jax.train ... --dry_run` command of the README's bash blocks, as argv lists."""
-    text = (REPO / "README.md").read_text()
+def dry_run_section() -> str:
+    """The "Dry run: does a config fit?" section of docs/scaling.md (up to the next ``## `` heading)."""
+    text = (REPO / "docs" / "scaling.md").read_text()
+    start = text.index("## Dry run: does a config fit?")
+    end = text.find("\n## ", start + 1)
+    return text[start: end if end >= 0 else len(text)]
+
+
+def docs_dry_run_commands(text: str | None = None) -> list[list[str]]:
+    """Every `python -m pdm_jax.train ... --dry_run` command of the section's bash blocks, as argv lists."""
+    text = dry_run_section() if text is None else text
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
         for command in block.replace("\\\n", " ").splitlines():
@@ -41,8 +50,8 @@ def _run(argv):
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^  (\w+) +([0-9.]+)$", out.stdout, re.MULTILINE)}
 
 
-def test_readme_shows_every_table_command():
-    commands = readme_dry_run_commands()
+def test_docs_show_every_table_command():
+    commands = docs_dry_run_commands()
     assert len(commands) == 4
     eight_b = [c for c in commands if "configs/qwen3_dapo.py:size=8b" in c[3] and len(c) > 5]
     assert len(eight_b) == 2 and all("--config.dry_run.num_devices=64" in c for c in eight_b)
@@ -50,9 +59,21 @@ def test_readme_shows_every_table_command():
     assert sum("--config.rl.logits_chunk_size=512" in c for c in eight_b) == 1
 
 
+def test_every_dry_run_command_on_the_page_names_known_fields():
+    """The compiled-recipe commands further down the page parse too (an unknown --config. field exits 2)."""
+    from pdm_jax.config import check_field_path
+
+    commands = docs_dry_run_commands((REPO / "docs" / "scaling.md").read_text())
+    assert len(commands) > 4
+    for argv in commands:
+        for arg in argv:
+            if arg.startswith("--config."):
+                check_field_path(arg[len("--config."):].split("=", 1)[0])
+
+
 @pytest.mark.slow
-def test_readme_dry_run_commands_print_the_table_figures():
-    commands = readme_dry_run_commands()
+def test_docs_dry_run_commands_print_the_table_figures():
+    commands = docs_dry_run_commands()
     unchunked, chunked = [c for c in commands if "size=8b" in c[3] and len(c) > 5]
     a, b = _run(unchunked), _run(chunked)
     # | params / AdamW / grads | 0.48 / 0.96 / 0.48 | same |

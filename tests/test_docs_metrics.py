@@ -1,4 +1,4 @@
-"""The README's metrics glossary names every field the run writes (issue 15), and only those.
+"""docs/metrics.md's glossary names every field the run writes, and only those.
 
 The fields are collected from the code that writes them: the RL metrics by calling
 `loss.loss_and_metrics` on a tiny batch (trust-region statistics included), the trainer's
@@ -24,9 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def glossary() -> str:
-    text = (REPO / "README.md").read_text()
+    """The "Metrics glossary" section of docs/metrics.md (up to the next section or the end)."""
+    text = (REPO / "docs" / "metrics.md").read_text()
     start = text.index("## Metrics glossary")
-    return text[start: text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)
+    return text[start: end if end >= 0 else len(text)]
 
 
 def documented(section: str) -> set:

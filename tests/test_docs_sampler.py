@@ -1,4 +1,4 @@
-"""The README's sampler-by-hand block, run as pasted (issue 15: curl used to run before the server listened).
+"""docs/sampler.md's sampler-by-hand block, run as pasted (curl must run only once the server listens).
 
 The test builds what a finished default run leaves in ``runs/tiny`` (the character tokenizer, the
 model's ``config.json``, sampler weights ``v000300`` of a freshly initialised tiny model), points the
@@ -28,13 +28,14 @@ from pdm_jax.sampler.weights import save_weights
 REPO = Path(__file__).resolve().parents[1]
 
 
-def readme_sampler_block() -> str:
-    """The first ```bash block of the README's "The sampler service" section."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## The sampler service"):]
-    section = section[: section.index("\n## ", 1)]
+def docs_sampler_block() -> str:
+    """The first ```bash block of docs/sampler.md's "Serving a run by hand" section."""
+    text = (REPO / "docs" / "sampler.md").read_text()
+    section = text[text.index("## Serving a run by hand"):]
+    end = section.find("\n## ", 1)
+    section = section[: end if end >= 0 else len(section)]
     match = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
-    assert match, "no bash block in the README's sampler section"
+    assert match, "no bash block in docs/sampler.md's 'Serving a run by hand' section"
     return match.group(1)
 
 
@@ -54,8 +55,8 @@ def fake_finished_run(run_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("curl") is None or shutil.which("bash") is None, reason="needs bash and curl")
-def test_readme_sampler_block_runs_as_pasted(tmp_path):
-    block = readme_sampler_block()
+def test_docs_sampler_block_runs_as_pasted(tmp_path):
+    block = docs_sampler_block()
     assert "SAMPLER_LISTENING" in block and "AutoTokenizer" in block and "kill" in block
     run_dir = tmp_path / "runs" / "tiny"
     fake_finished_run(run_dir)
@@ -65,7 +66,8 @@ def test_readme_sampler_block_runs_as_pasted(tmp_path):
     # The block is run exactly as written, from a directory whose runs/tiny is the fake run.
     proc = subprocess.run(["bash", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout
-    log = (tmp_path / "sampler.log").read_text()
+    log = (run_dir / "sampler.log").read_text()
+    assert not (tmp_path / "sampler.log").exists()  # the log stays in the run's directory
     assert proc.returncode == 0, (out, proc.stderr, log)
     port = int(re.search(r"^SAMPLER_LISTENING port=(\d+)$", log, re.MULTILINE).group(1))
     health = json.loads(out.splitlines()[0])
