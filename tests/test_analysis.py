@@ -401,3 +401,26 @@ def test_one_seed_verdict_never_calls_a_difference_significant():
     text = report.verdict(summ, "bucket_exact")
     assert "(significant)" not in text and "significance unknown (one seed" in text
     assert "0 of" in report.headline(summ)
+
+
+def test_both_readings_and_youden_j_by_hand():
+    """10 out-of-region tokens, ΔD > 0 on 6, < 0 on 4; ratio keeps 3 increased + 2 decreased, bucket_exact
+    keeps 1 increased + 2 decreased. Precision reading (the paper's): P(ΔD>0 | kept), P(ΔD<0 | kept), which
+    add up to 1; keep-rate reading: P(kept | ΔD>0), P(kept | ΔD<0); J = the second minus the first."""
+    dd = np.array([1, 1, 1, 1, 1, 1, -1, -1, -1, -1], np.float32)
+    keep_ratio = np.array([1, 1, 1, 0, 0, 0, 1, 1, 0, 0], bool)
+    keep_be = np.array([1, 0, 0, 0, 0, 0, 1, 1, 0, 0], bool)
+    rec = dict(delta_d=dd, keep_ratio=keep_ratio, keep_bucket_exact=keep_be)
+    r = al.alignment_rates(al.alignment_counts(rec))
+    assert r["ratio"]["unsafe_share"] == pytest.approx(3 / 5) and r["ratio"]["corrective_share"] == pytest.approx(2 / 5)
+    assert r["bucket_exact"]["unsafe_share"] == pytest.approx(1 / 3)
+    assert r["bucket_exact"]["corrective_share"] == pytest.approx(2 / 3)
+    assert r["ratio"]["unsafe_keep"] == pytest.approx(3 / 6) and r["ratio"]["corrective"] == pytest.approx(2 / 4)
+    assert r["bucket_exact"]["unsafe_keep"] == pytest.approx(1 / 6) and r["bucket_exact"]["corrective"] == pytest.approx(2 / 4)
+    assert r["ratio"]["youden_j"] == pytest.approx(0.0) and r["bucket_exact"]["youden_j"] == pytest.approx(2 / 4 - 1 / 6)
+    # masking more lowers both keep rates (corrective keep unchanged here) but raises the corrective share
+    summ = report.summarize([dict(seed=0, counts=al.alignment_counts(rec), rates=r)])
+    text = report.headline(summ)
+    assert "unsafe-keep agrees" in text and "corrective agrees" in text and "vs the paper's -2.7 pts" in text
+    assert "P(kept | ΔD > 0) agrees" in report.headline(summ, reading="keep_rate")
+    assert "vs the paper" not in report.headline(summ, reading="keep_rate")  # the paper gives no keep rates

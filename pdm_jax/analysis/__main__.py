@@ -99,6 +99,7 @@ def main(argv=None) -> int:
         print(f"no saved seeds under {os.path.join(args.out, 'seeds')}", file=sys.stderr)
         return 1
     report.write_report(loaded, args.out)
+    print("\n".join(report.readings(loaded)))
     print(f"report written to {os.path.join(args.out, 'README.md')}")
     return 0
 

@@ -241,16 +241,30 @@ def _ratio(num: int, den: int) -> float:
 
 
 def alignment_rates(counts: Mapping) -> dict:
-    """Rates from `alignment_counts`: per criterion ``unsafe_keep``, ``corrective``,
-    ``sign_agreement``, ``disagreement_frac`` (of the N tokens), ``disagreement_n``,
-    ``right_on_disagreement``; NaN where a denominator is 0."""
+    """Rates from `alignment_counts`, per criterion; NaN where a denominator is 0.
+
+    Two readings of "unsafe" and "corrective" (both kept; they condition on different events):
+
+    * the precision reading, the paper's (its rates of a criterion add up to 1): of the out-of-region updates
+      the criterion keeps (ΔD ≠ 0), the share that increased D, ``unsafe_share`` = P(ΔD > 0 | kept), and the
+      share that decreased it, ``corrective_share`` = P(ΔD < 0 | kept);
+    * the keep-rate reading: ``unsafe_keep`` = P(kept | ΔD > 0) and ``corrective`` = P(kept | ΔD < 0) (a
+      criterion that merely masks more tokens lowers both).
+
+    Threshold-free beside them: ``youden_j`` = P(kept | ΔD < 0) − P(kept | ΔD > 0) (Youden's J of "keep" as a
+    test for "the update decreases D"; 0 = no better than chance) and ``sign_agreement``. Also
+    ``disagreement_frac`` (of the N tokens), ``disagreement_n``, ``right_on_disagreement``."""
     out = {}
     n, ninc, ndec = counts.get("n", 0), counts.get("n_increase", 0), counts.get("n_decrease", 0)
     for c in ALL_CRITERIA:
         if c not in counts:
             continue
         k = counts[c]
-        out[c] = dict(unsafe_keep=_ratio(k["kept_increase"], ninc), corrective=_ratio(k["kept_decrease"], ndec),
+        kept = k["kept_increase"] + k["kept_decrease"]
+        unsafe, corrective = _ratio(k["kept_increase"], ninc), _ratio(k["kept_decrease"], ndec)
+        out[c] = dict(unsafe_keep=unsafe, corrective=corrective,
+                      unsafe_share=_ratio(k["kept_increase"], kept), corrective_share=_ratio(k["kept_decrease"], kept),
+                      youden_j=corrective - unsafe,
                       sign_agreement=_ratio(k["agree"], ninc + ndec),
                       disagreement_frac=_ratio(k["disagree_with_ratio"], n),
                       disagreement_n=float(k["disagree_with_ratio"]),

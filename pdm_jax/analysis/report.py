@@ -8,7 +8,11 @@ are computed per seed, then averaged the same way.
 
 The paper's numbers (PDM, arXiv 2607.10848, token-level analysis over 61 seeds)
 are shown beside ours: unsafe-keep 34.2% (predictive) vs 36.9% (ratio),
-corrective 65.1% vs 62.9%. Beyond the paper, the ``param_jvp`` row is the
+corrective 65.1% vs 62.9%. They are the precision reading (each criterion's two rates add up to
+about 100%): of the out-of-region updates a criterion keeps, the share that increased D and the
+share that decreased it (`alignment.alignment_rates`' ``unsafe_share`` / ``corrective_share``),
+which is the report's headline; the keep-rate reading, P(kept | ΔD > 0) and P(kept | ΔD < 0),
+and the threshold-free Youden's J and sign agreement are reported beside it. Beyond the paper, the ``param_jvp`` row is the
 parameter-space first-order change Ḋᵖ = ⟨∇_θ D_t, Δθ⟩ along the actual update
 (`pdm_jax.analysis.param_direction`): its sign agreement against the logit-space
 estimators' says how much of their misses is the logit-space approximation.
@@ -30,8 +34,16 @@ from pdm_jax.config import apply_arg
 #: The paper's disagreement set (tokens where the predictive and the ratio criterion decide differently) has
 #: about 82 tokens per seed (as quoted in issue 16).
 PAPER_DISAGREEMENT_PER_SEED = 82
-PAPER = dict(seeds=61, unsafe_keep=dict(predictive=0.342, ratio=0.369), corrective=dict(predictive=0.651, ratio=0.629))
-METRICS = ("unsafe_keep", "corrective", "sign_agreement", "disagreement_frac", "right_on_disagreement")
+#: The paper's rates: the precision reading (`alignment.alignment_rates`), P(ΔD > 0 | kept) and P(ΔD < 0 | kept).
+PAPER = dict(seeds=61, unsafe_share=dict(predictive=0.342, ratio=0.369),
+             corrective_share=dict(predictive=0.651, ratio=0.629))
+METRICS = ("unsafe_share", "corrective_share", "unsafe_keep", "corrective", "youden_j", "sign_agreement",
+           "disagreement_frac", "right_on_disagreement")
+#: Metrics whose paired difference (criterion − ratio) is reported.
+DIFF_METRICS = ("unsafe_share", "corrective_share", "unsafe_keep", "corrective", "youden_j", "sign_agreement")
+#: reading -> (unsafe metric, corrective metric, their names in sentences). The precision reading is the paper's.
+READINGS = {"precision": ("unsafe_share", "corrective_share", "unsafe-keep", "corrective"),
+            "keep_rate": ("unsafe_keep", "corrective", "P(kept | ΔD > 0)", "P(kept | ΔD < 0)")}
 LABELS = {"ratio": "ratio (DPPO)", "aggregated_tail": "predictive, aggregated tail",
           "uniform_tail": "predictive, uniform tail", "bucket_exact": "predictive, bucket exact",
           "full": "predictive, full μ (oracle)", "param_jvp": "parameter-space Ḋᵖ along Δθ (first-order oracle)"}
@@ -64,7 +76,7 @@ def summarize(per_seed: list) -> dict:
             out[c]["diff_vs_ratio"] = {
                 m: al.mean_ci95([p["rates"][c][m] - p["rates"]["ratio"][m] for p in per_seed
                                  if c in p["rates"] and "ratio" in p["rates"]])
-                for m in ("unsafe_keep", "corrective", "sign_agreement")}
+                for m in DIFF_METRICS}
     out["_totals"] = dict(
         tokens=int(sum(p["counts"]["n"] for p in per_seed)),
         increase=int(sum(p["counts"]["n_increase"] for p in per_seed)),
@@ -88,14 +100,19 @@ def _pts(mc) -> str:
     return f"{100 * m:+.1f} pts" + (f" (95% CI {100 * (m - ci):+.1f} to {100 * (m + ci):+.1f})" if math.isfinite(ci) else "")
 
 
-def verdict(summary: dict, criterion: str) -> str:
-    """One honest sentence comparing `criterion` with the ratio direction against the paper's direction."""
+def _paper_diff(metric: str) -> Optional[float]:
+    """The paper's predictive − ratio difference of `metric` (a fraction), None where the paper gives none."""
+    return PAPER[metric]["predictive"] - PAPER[metric]["ratio"] if metric in PAPER else None
+
+
+def verdict(summary: dict, criterion: str, reading: str = "precision") -> str:
+    """One honest sentence comparing `criterion` with the ratio direction against the paper's direction, under
+    `reading` ("precision", the paper's, or "keep_rate"; `READINGS`)."""
     d = summary.get(criterion, {}).get("diff_vs_ratio")
     if not d:
         return f"No {criterion} results."
-    du, dc = d["unsafe_keep"], d["corrective"]
-    paper_du = PAPER["unsafe_keep"]["predictive"] - PAPER["unsafe_keep"]["ratio"]
-    paper_dc = PAPER["corrective"]["predictive"] - PAPER["corrective"]["ratio"]
+    mu, mc, nu, nc = READINGS[reading]
+    du, dc = d[mu], d[mc]
 
     def judge(mc, want_sign):  # significant only with a finite 95% CI that excludes 0, as `headline` counts
         m, ci, _ = mc
@@ -111,9 +128,12 @@ def verdict(summary: dict, criterion: str) -> str:
         return "same direction as the paper (significant)" if m * want_sign > 0 else (
             "opposite direction to the paper (significant)" if m * want_sign < 0 else "no difference")
 
-    return (f"{LABELS.get(criterion, criterion)} vs ratio: unsafe-keep {_pts(du)} "
-            f"(paper {100 * paper_du:+.1f} pts) — {judge(du, -1)}; corrective {_pts(dc)} "
-            f"(paper {100 * paper_dc:+.1f} pts) — {judge(dc, +1)}.")
+    def paper(metric):
+        p = _paper_diff(metric)
+        return "" if p is None else f" (paper {100 * p:+.1f} pts)"
+
+    return (f"{LABELS.get(criterion, criterion)} vs ratio: {nu} {_pts(du)}{paper(mu)} — {judge(du, -1)}; "
+            f"{nc} {_pts(dc)}{paper(mc)} — {judge(dc, +1)}.")
 
 
 def param_direction_sentence(summary: dict, label: str = "real optimizer step") -> Optional[str]:
@@ -145,12 +165,13 @@ def param_direction_sentence(summary: dict, label: str = "real optimizer step") 
     return text
 
 
-def headline(summary: dict, label: str = "real optimizer step") -> str:
-    """One sentence: does the paper's direction (predictive lower unsafe-keep, higher corrective) hold, by how much."""
-    paper_du = 100 * (PAPER["unsafe_keep"]["predictive"] - PAPER["unsafe_keep"]["ratio"])
-    paper_dc = 100 * (PAPER["corrective"]["predictive"] - PAPER["corrective"]["ratio"])
+def headline(summary: dict, label: str = "real optimizer step", reading: str = "precision") -> str:
+    """One sentence: does the paper's direction (predictive lower unsafe-keep, higher corrective) hold, by how much,
+    under `reading` (`READINGS`; the paper's numbers are given beside the precision reading only)."""
+    mu, mc, nu, nc = READINGS[reading]
     parts = []
-    for metric, want, paper in (("unsafe_keep", -1, paper_du), ("corrective", +1, paper_dc)):
+    for metric, name, want in ((mu, nu, -1), (mc, nc, +1)):
+        paper = _paper_diff(metric)
         diffs = [summary[c]["diff_vs_ratio"][metric] for c in tr.CLOSED_FORM_ESTIMATORS + (al.ORACLE,)
                  if c in summary and "diff_vs_ratio" in summary[c]]
         ms = [100 * d[0] for d in diffs if math.isfinite(d[0])]
@@ -160,10 +181,21 @@ def headline(summary: dict, label: str = "real optimizer step") -> str:
         agree = all(m * want > 0 for m in ms)
         oppose = all(m * want < 0 for m in ms)
         word = "agrees with" if agree else ("goes against" if oppose else "is mixed relative to")
-        parts.append(f"{metric.replace('_', '-')} {word} the paper's direction "
-                     f"({min(ms):+.1f} to {max(ms):+.1f} pts across estimators vs the paper's {paper:+.1f} pts; "
+        vs = "" if paper is None else f" vs the paper's {100 * paper:+.1f} pts"
+        parts.append(f"{name} {word} the paper's direction "
+                     f"({min(ms):+.1f} to {max(ms):+.1f} pts across estimators{vs}; "
                      f"{len(sig)} of {len(diffs)} significant at 95%)")
     return f"On the {label}, predictive minus ratio: " + "; ".join(parts) + "."
+
+
+def threshold_free_sentence(summary: dict, label: str = "real optimizer step") -> Optional[str]:
+    """Youden's J and sign agreement of each closed-form estimator minus the ratio test's (None without them)."""
+    crits = [c for c in tr.CLOSED_FORM_ESTIMATORS + (al.ORACLE,) if "diff_vs_ratio" in summary.get(c, {})]
+    if not crits or "ratio" not in summary:
+        return None
+    cells = ", ".join(f"{_SHORT[c]} {_pts(summary[c]['diff_vs_ratio']['youden_j'])}" for c in crits)
+    return (f"Threshold-free, on the {label}: Youden's J = P(kept | ΔD < 0) − P(kept | ΔD > 0) of the ratio test "
+            f"is {_pct(summary['ratio']['youden_j'])}; predictive minus ratio: {cells}.")
 
 
 # ----------------------------------------------------------------------------- figures
@@ -189,8 +221,8 @@ def figure_paper_vs_ours(summary: dict, iso_summary: Optional[dict], path: str) 
     plt = _plt()
     crits = [c for c in al.ALL_CRITERIA if c in summary or (iso_summary and c in iso_summary)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-    for ax, metric, title in zip(axes, ("unsafe_keep", "corrective"),
-                                 ("unsafe-keep  P(kept | D increased)  ↓", "corrective  P(kept | D decreased)  ↑")):
+    for ax, metric, title in zip(axes, ("unsafe_share", "corrective_share"),
+                                 ("unsafe-keep  P(D increased | kept)  ↓", "corrective  P(D decreased | kept)  ↑")):
         xs, labels, clusters = [], [], []
         ax.bar([0, 1], [PAPER[metric]["ratio"], PAPER[metric]["predictive"]],
                color=[_COLORS["ratio"], _COLORS["aggregated_tail"]], hatch="//", edgecolor="white")
@@ -233,9 +265,9 @@ def figure_differences(summaries: dict, path: str) -> None:
     """
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, metric, title in zip(axes, ("unsafe_keep", "corrective"),
-                                 ("Δ unsafe-keep vs ratio (pts, lower = better)",
-                                  "Δ corrective vs ratio (pts, higher = better)")):
+    for ax, metric, title in zip(axes, ("unsafe_share", "corrective_share"),
+                                 ("Δ unsafe-keep P(ΔD > 0 | kept) vs ratio (pts, lower = better)",
+                                  "Δ corrective P(ΔD < 0 | kept) vs ratio (pts, higher = better)")):
         paper = 100 * (PAPER[metric]["predictive"] - PAPER[metric]["ratio"])
         ax.axhline(0, color="k", lw=0.8)
         ax.scatter([0], [paper], marker="*", s=160, color="C3", zorder=3)
@@ -267,7 +299,7 @@ def figure_paired(per_seed: list, path: str, criterion: str = "aggregated_tail")
     """Per-seed scatter: criterion vs ratio, for unsafe-keep and corrective (points below/above the diagonal)."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.8))
-    for ax, metric in zip(axes, ("unsafe_keep", "corrective")):
+    for ax, metric in zip(axes, ("unsafe_share", "corrective_share")):
         pts = [(p["rates"]["ratio"][metric], p["rates"][criterion][metric]) for p in per_seed
                if criterion in p["rates"] and "ratio" in p["rates"]]
         pts = [(a, b) for a, b in pts if math.isfinite(a) and math.isfinite(b)]
@@ -279,7 +311,8 @@ def figure_paired(per_seed: list, path: str, criterion: str = "aggregated_tail")
                    label="paper (mean)")
         ax.set_xlabel("ratio criterion")
         ax.set_ylabel(criterion.replace("_", " "))
-        ax.set_title(metric.replace("_", "-") + " per seed", fontsize=10)
+        ax.set_title({"unsafe_share": "unsafe-keep", "corrective_share": "corrective"}[metric] + " per seed "
+                     "(share of the kept updates)", fontsize=9)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7, loc="upper left")
@@ -317,24 +350,31 @@ def figure_fidelity(fidelity: dict, path: str) -> None:
 
 # ----------------------------------------------------------------------------- markdown
 def _table(summary: dict, crits: Sequence[str]) -> list:
-    lines = ["| criterion | unsafe-keep ↓ | corrective ↑ | sign agreement ↑ | disagreement set (frac. of tokens) "
-             "| right on disagreement | Δ unsafe-keep vs ratio | Δ corrective vs ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| criterion | unsafe-keep P(ΔD>0 \\| kept) ↓ | corrective P(ΔD<0 \\| kept) ↑ | P(kept \\| ΔD>0) ↓ "
+             "| P(kept \\| ΔD<0) ↑ | Youden's J ↑ | sign agreement ↑ | disagreement set (frac. of tokens) "
+             "| right on disagreement | Δ unsafe-keep vs ratio | Δ corrective vs ratio | Δ J vs ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in crits:
         if c not in summary:
             continue
         s = summary[c]
         d = s.get("diff_vs_ratio")
-        lines.append(f"| {LABELS.get(c, c)} | {_pct(s['unsafe_keep'])} | {_pct(s['corrective'])} | "
+        diffs = " | ".join(_pts(d[m]) if d else "–" for m in ("unsafe_share", "corrective_share", "youden_j"))
+        lines.append(f"| {LABELS.get(c, c)} | {_pct(s['unsafe_share'])} | {_pct(s['corrective_share'])} | "
+                     f"{_pct(s['unsafe_keep'])} | {_pct(s['corrective'])} | {_pct(s['youden_j'])} | "
                      f"{_pct(s['sign_agreement'])} | {_pct(s['disagreement_frac'])} | "
-                     f"{_pct(s['right_on_disagreement'])} | "
-                     f"{_pts(d['unsafe_keep']) if d else '–'} | {_pts(d['corrective']) if d else '–'} |")
+                     f"{_pct(s['right_on_disagreement'])} | {diffs} |")
     return lines
 
 
 _DEFINITIONS = ["## Definitions", "",
-           "Over tokens outside the trust region (top-K KL D_t > δ) with Â ≠ 0, per seed: unsafe-keep = "
-           "P(kept | ΔD > 0), corrective = P(kept | ΔD < 0), sign agreement = P(predicted sign of Â·dir = sign ΔD), "
+           "Over tokens outside the trust region (top-K KL D_t > δ) with Â ≠ 0, per seed. The precision reading "
+           "(the paper's; a criterion's two rates add up to 100%): unsafe-keep = P(ΔD > 0 | kept), the share of the "
+           "updates the criterion keeps that increased the divergence, and corrective = P(ΔD < 0 | kept), the share "
+           "that decreased it. The keep-rate reading conditions on the change instead: P(kept | ΔD > 0) and "
+           "P(kept | ΔD < 0) (a criterion that merely masks more tokens lowers both). Youden's J = "
+           "P(kept | ΔD < 0) − P(kept | ΔD > 0) (threshold-free: 0 = keeping is unrelated to the change), "
+           "sign agreement = P(predicted sign of Â·dir = sign ΔD), "
            "disagreement set = tokens where the criterion's keep decision differs from the ratio criterion's, "
            "'right on disagreement' = P(criterion right | disagreement) with right = kept & ΔD < 0 or masked & "
            "ΔD > 0. Keep decisions come from `pdm_jax.rl.trust_region.trust_region_mask` (the training code); "
@@ -434,16 +474,18 @@ def _paper_section(summary, crits) -> list:
     """"Paper vs ours" and the real-step tables and figures."""
     t = summary["_totals"]
     md = ["", "## Paper vs ours", "",
+           "The precision reading, P(ΔD > 0 | kept) and P(ΔD < 0 | kept), in which the paper reports its rates:", "",
            "| | unsafe-keep ↓ (ratio → predictive) | corrective ↑ (ratio → predictive) | seeds |",
            "|---|---|---|---|",
-           f"| paper (PDM, arXiv 2607.10848) | {100 * PAPER['unsafe_keep']['ratio']:.1f}% → "
-           f"{100 * PAPER['unsafe_keep']['predictive']:.1f}% | {100 * PAPER['corrective']['ratio']:.1f}% → "
-           f"{100 * PAPER['corrective']['predictive']:.1f}% | {PAPER['seeds']} |"]
+           f"| paper (PDM, arXiv 2607.10848) | {100 * PAPER['unsafe_share']['ratio']:.1f}% → "
+           f"{100 * PAPER['unsafe_share']['predictive']:.1f}% | {100 * PAPER['corrective_share']['ratio']:.1f}% → "
+           f"{100 * PAPER['corrective_share']['predictive']:.1f}% | {PAPER['seeds']} |"]
     for c in crits:
         if c == "ratio":
             continue
-        md.append(f"| ours, {LABELS[c]} | {_pct(summary['ratio']['unsafe_keep'])} → {_pct(summary[c]['unsafe_keep'])} "
-                  f"| {_pct(summary['ratio']['corrective'])} → {_pct(summary[c]['corrective'])} | {t['seeds']} |")
+        md.append(f"| ours, {LABELS[c]} | {_pct(summary['ratio']['unsafe_share'])} → "
+                  f"{_pct(summary[c]['unsafe_share'])} | {_pct(summary['ratio']['corrective_share'])} → "
+                  f"{_pct(summary[c]['corrective_share'])} | {t['seeds']} |")
     md += ["", "![paper vs ours](paper_vs_ours.png)", "",
            "Paired differences (criterion − ratio, per seed, then mean ± 95% CI over seeds; the star is the paper):",
            "", "![differences](differences.png)", "",
@@ -536,6 +578,20 @@ def _fidelity_section(fidelity) -> list:
     return md
 
 
+def readings(seeds: list) -> list:
+    """The verdict in both readings and the threshold-free measure, one line each (what ``report`` prints)."""
+    per_seed = seed_rates(seeds)
+    summary = summarize(per_seed)
+    iso_per_seed = seed_rates(seeds, change_key="iso_delta_d")
+    lines = [f"precision reading (the paper's), P(ΔD > 0 | kept) / P(ΔD < 0 | kept): {headline(summary)}"]
+    if any(p["counts"]["n"] for p in iso_per_seed):
+        lines.append(f"precision reading, isolated step: {headline(summarize(iso_per_seed), 'isolated step')}")
+    lines.append("keep-rate reading, P(kept | ΔD > 0) / P(kept | ΔD < 0): "
+                 + headline(summary, reading="keep_rate"))
+    tf = threshold_free_sentence(summary)
+    return lines + ([tf] if tf else [])
+
+
 def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysis of the direction criteria",
                  extra_notes: Sequence[str] = ()) -> str:
     """Writes ``<out_dir>/README.md`` and figures from loaded seeds (`run.load_seeds`); returns the markdown."""
@@ -561,9 +617,17 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
     md = [f"# {title}", "",
           f"Generated by `python -m pdm_jax.analysis` from {len(seeds)} seeds "
           f"(seeds {_seed_ranges([s['seed'] for s in seeds])}).", "",
-          "## Verdict", "", f"**{headline(summary)}**", ""]
+          "## Verdict", "",
+          "In the paper's reading (of the out-of-region updates a criterion keeps, the share that increased / "
+          "decreased the divergence, P(ΔD > 0 | kept) / P(ΔD < 0 | kept)):", "", f"**{headline(summary)}**", ""]
     if iso_summary:
         md += [f"**{headline(iso_summary, 'isolated step')}**", ""]
+    md += ["In the keep-rate reading (of the updates that increased / decreased the divergence, the share the "
+           "criterion keeps, P(kept | ΔD > 0) / P(kept | ΔD < 0)): " + headline(summary, reading="keep_rate"), ""]
+    for label, summ in (("real optimizer step", summary), ("isolated step", iso_summary)):
+        line = threshold_free_sentence(summ, label) if summ else None
+        if line:
+            md += [line, ""]
     for label, summ in (("real optimizer step", summary), ("isolated step", iso_summary)):
         line = param_direction_sentence(summ, label) if summ else None
         if line:
