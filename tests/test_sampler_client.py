@@ -85,3 +85,90 @@ def test_wire_json_nonfinite_and_array_roundtrip():
     np.testing.assert_array_equal(m["x"], a) and np.testing.assert_array_equal(m["i"], [0, 1, 2])
     with pytest.raises(ValueError, match="malformed"):
         wire.loads(b"{", msgpack=False)
+
+
+# ---- what a client trusts of a server: bounded bodies, a deadline, no redirects, 429 retried -------------------
+
+def _valid_columns_answer():
+    """A real answer for prompts [[1, 2], [3]], n = 2, K = 3 (the columns form, as our server sends)."""
+    from pdm_jax.rollout import build_batch
+
+    rb = build_batch([[1, 2], [3]], group_ids=[0, 0, 1, 1], lengths=[2, 3, 2, 3],
+                     completion_ids=np.full((4, 3), 5), behavior_logprobs=np.full((4, 3), -0.5),
+                     topk_ids=np.tile(np.arange(3), (4, 3, 1)), topk_logprobs=np.full((4, 3, 3), -1.5),
+                     weights_version=4, finish_reason=["stop", "length"] * 2)
+    return wire.GenerateResponse(rb, model="m", prompt_tokens=3).to_wire("columns")
+
+
+def test_a_gzip_bomb_is_refused_by_its_decoded_size():
+    import gzip
+
+    bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB of zeros: ~64 KB on the wire
+    assert len(bomb) < 100_000
+
+    def handler(request):
+        return httpx.Response(200, content=bomb, headers={"content-type": wire.MSGPACK, "content-encoding": "gzip"})
+
+    c = SamplerClient("http://sampler", retries=2, backoff_s=0.0, transport=httpx.MockTransport(handler))
+    with pytest.raises(SamplerError, match=r"larger than \d+ bytes \(decoded\); refused"):
+        c.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
+    assert c.retry_counts == {}  # not retried: the next answer would be as large
+
+
+def test_a_trickled_body_is_cut_at_the_deadline_and_retried():
+    def slow():
+        yield b"\x81"
+        for _ in range(20):
+            time.sleep(0.2)
+            yield b" "
+
+    def handler(request):
+        return httpx.Response(200, content=slow(), headers={"content-type": wire.MSGPACK})
+
+    c = SamplerClient("http://sampler", retries=1, backoff_s=0.0, timeout_s=0.5, transport=httpx.MockTransport(handler))
+    t0 = time.monotonic()
+    with pytest.raises(SamplerError, match="deadline"):
+        c.health()
+    assert time.monotonic() - t0 < 2.5 and c.retry_counts == {"transport": 2}  # 2 x ~0.6 s, not 2 x 4 s
+
+
+def test_a_200_error_body_a_non_map_and_a_redirect_are_named_not_decoded():
+    from pdm_jax.rollouts.client import SamplerProtocolError
+
+    answers = iter([_mp({"error": {"message": "overloaded"}}), _mp([1, 2, 3]),
+                    httpx.Response(307, headers={"location": "http://elsewhere/v1/generate"})])
+    c = SamplerClient("http://sampler", retries=0, transport=httpx.MockTransport(lambda r: next(answers)))
+    gen = dict(n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
+    with pytest.raises(SamplerProtocolError, match="HTTP 200 with an error body: overloaded"):
+        c.generate([[1, 2], [3]], **gen)
+    with pytest.raises(SamplerProtocolError, match="HTTP 200 with a list, not a map"):
+        c.generate([[1, 2], [3]], **gen)
+    with pytest.raises(SamplerProtocolError, match="HTTP 307 redirect to 'http://elsewhere/v1/generate'"):
+        c.generate([[1, 2], [3]], **gen)
+
+
+def test_429_is_retried_after_its_retry_after_and_counted(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    answers = iter([httpx.Response(429, headers={"retry-after": "2"}, text="slow down"),
+                    httpx.Response(429, headers={"retry-after": "3600"}, text="slow down"),
+                    _mp(_valid_columns_answer())])
+    c = SamplerClient("http://sampler", retries=3, backoff_s=0.01, transport=httpx.MockTransport(lambda r: next(answers)))
+    b = c.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
+    assert b.num_sequences == 4 and c.retry_counts == {"429": 2}
+    assert slept == [2.0, 30.0]  # Retry-After honoured, capped at MAX_RETRY_AFTER_S
+
+
+def test_the_vllm_client_reads_a_deeply_nested_body_as_text_and_names_it():
+    from pdm_jax.rollouts.client import SamplerProtocolError
+    from pdm_jax.rollouts.vllm_client import VLLMSampler
+
+    def handler(request):
+        if request.url.path == wire.VLLM_HEALTH:
+            return httpx.Response(200)
+        return httpx.Response(200, content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"})
+
+    v = VLLMSampler("http://vllm", model_config=None, weights_dir="/nonexistent", retries=0,
+                    transport=httpx.MockTransport(handler))
+    with pytest.raises(SamplerProtocolError, match="not a model list"):
+        v.health()

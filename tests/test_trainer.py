@@ -389,3 +389,15 @@ def test_a_sampler_mesh_the_engine_cannot_split_is_refused_before_the_warm_start
     with pytest.raises(ValueError, match=needle):
         Trainer(c, str(tmp_path))
     assert not os.path.exists(os.path.join(str(tmp_path), "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_an_unreachable_remote_sampler_is_a_named_error_exit_2(tmp_path):
+    """sampler.mode=remote at an address nothing listens on: one line naming the address, exit 2, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'w'}",
+                          "--config.sft.steps=0", "--config.sampler.mode=remote",
+                          "--config.sampler.address=http://127.0.0.1:9", "--config.sampler.retries=0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "error: sampler.address = 'http://127.0.0.1:9' is not reachable" in out.stderr
+    assert "Traceback" not in out.stderr

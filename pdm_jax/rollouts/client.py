@@ -1,11 +1,13 @@
 """`SamplerClient`: what the trainer uses to talk to the sampler service.
 
 Speaks msgpack (top-K tables travel as raw f32/int32 arrays; schema in
-``pdm_jax.sampler.wire``), with a per-request timeout and retries with
-exponential backoff on connection errors, timeouts and 5xx answers.  A
-generation request always carries a seed (drawn here when the caller gives
-none), so a retried request returns the same tokens.  4xx answers are not
-retried: they raise `SamplerRequestError` with the server's message.
+``pdm_jax.sampler.wire``), with a deadline per attempt and retries with
+exponential backoff on connection errors, timeouts, 429 and 5xx answers
+(`pdm_jax.rollouts.http.exchange`, which also caps what a body may grow to by what
+the request can need).  A generation request always carries a seed (drawn here
+when the caller gives none), so a retried request returns the same tokens.  4xx
+answers are not retried: they raise `SamplerRequestError` with the server's
+message; a 200 whose body is not a map, or is an error, raises `SamplerProtocolError`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Optional, Sequence
 import httpx
 
 from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollouts import http as sampler_http
 from pdm_jax.sampler import wire
 from pdm_jax.sampler.wire import response_to_batch  # re-exported: callers import it from here
 
@@ -27,6 +30,10 @@ class SamplerError(RuntimeError):
     """The sampler could not be reached or kept failing (after all retries)."""
 
 
+class SamplerProtocolError(ValueError):
+    """The sampler answered HTTP 2xx with a body that is no answer: not a map, or an error body."""
+
+
 class SamplerRequestError(ValueError):
     """The sampler rejected a request (HTTP 4xx); ``status``, ``field`` and ``message`` say why."""
 
@@ -35,13 +42,24 @@ class SamplerRequestError(ValueError):
         self.status, self.message, self.field = status, message, field
 
 
+def generate_response_bytes(rows: int, max_new_tokens: int, k: int, prompt_len: int, *, routing: bool = False,
+                            per_value: int = 16) -> int:
+    """The most a generation answer for this request can need (bytes), with room to spare: ``per_value``
+    bytes (msgpack columns: 4-9; JSON: up to ~40) per generated id, log mu and top-K entry, 8 KiB per token
+    of routed experts when ``routing``, plus 1 MiB of framing. The clients refuse a larger body
+    (`pdm_jax.rollouts.http.exchange`): 0.5 MB of gzip on the wire can inflate to gigabytes."""
+    per_token = (2 + 2 * k) * per_value + (8192 if routing else 0)  # routing: L x k entries (94 x 8 as JSON fits)
+    tokens = rows * (max_new_tokens + (prompt_len if routing else 0))
+    return (1 << 20) + tokens * per_token
+
+
 class SamplerClient:
     """HTTP client of ``python -m pdm_jax.sampler.server``.
 
     Args:
       base_url: e.g. ``"http://127.0.0.1:8000"``.
-      timeout_s: per-request timeout in seconds (generation included).
-      retries: extra attempts after the first on connection errors, timeouts, 5xx.
+      timeout_s: per-attempt deadline in seconds, from sending to the body's last byte (generation included).
+      retries: extra attempts after the first on connection errors, timeouts, 429 and 5xx.
       backoff_s: first backoff; doubles per retry.
       token: shared bearer token when the server was started with ``--token``.
       transport: optional ``httpx`` transport (tests: ``httpx.MockTransport``).
@@ -58,6 +76,7 @@ class SamplerClient:
         if token:
             headers["authorization"] = f"Bearer {token}"
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers, transport=transport)
+        self.retry_counts: dict = {}  # retries by cause ("429", "5xx", "transport"), `sampler_http.exchange`
 
     def close(self) -> None:
         """Closes the connection pool."""
@@ -69,41 +88,42 @@ class SamplerClient:
     def __exit__(self, *exc):
         self.close()
 
-    def _request(self, method: str, path: str, payload=None, *, retries: Optional[int] = None) -> dict:
+    def _request(self, method: str, path: str, payload=None, *, retries: Optional[int] = None,
+                 max_response_bytes: int = sampler_http.SMALL_RESPONSE_BYTES) -> dict:
         """Sends `payload` (a dict, msgpack-encoded) and returns the decoded answer, retrying transient failures.
 
         Raises:
           SamplerRequestError: a 4xx answer (not retried).
-          SamplerError: connection errors, timeouts or 5xx answers on every attempt.
+          SamplerProtocolError: a 2xx whose body is not a map or is an error body; a redirect
+            (`sampler_http.SamplerRedirect`).
+          SamplerError: connection errors, timeouts, 429 or 5xx answers on every attempt; a body larger
+            than `max_response_bytes`.
         """
-        retries = self.retries if retries is None else retries
         content = None if payload is None else wire.dumps(payload, msgpack=True)
         headers = {} if payload is None else {"content-type": wire.MSGPACK}
-        last = None
-        for attempt in range(retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                r = self._http.request(method, path, content=content, headers=headers)
-            except (httpx.TransportError, httpx.TimeoutException) as e:
-                last = f"{type(e).__name__}: {e}"
-                continue
-            body = self._decode(r)
-            if r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {wire.error_detail(body)}"
-                continue
-            if r.status_code >= 400:
-                message, field = wire.decode_error(body)
-                raise SamplerRequestError(r.status_code, message, field)
-            return body
-        raise SamplerError(f"{method} {self.base_url}{path} failed after {retries + 1} attempt(s): {last}")
+        try:
+            status, body = sampler_http.exchange(
+                self._http, method, path, retries=self.retries if retries is None else retries,
+                backoff_s=self.backoff_s, deadline_s=self.timeout_s, max_response_bytes=max_response_bytes,
+                decode=self._decode, error_text=wire.error_detail, counts=self.retry_counts, sleep=time.sleep,
+                base_url=self.base_url, content=content, headers=headers)
+        except sampler_http.SamplerRedirect as e:
+            raise SamplerProtocolError(str(e)) from None
+        if status >= 400:
+            message, field = wire.decode_error(body)
+            raise SamplerRequestError(status, message, field)
+        if not isinstance(body, dict) or body.get(wire.ERROR) is not None:
+            what = "an error body" if isinstance(body, dict) else f"a {type(body).__name__}, not a map"
+            raise SamplerProtocolError(f"{method} {self.base_url}{path}: HTTP {status} with {what}: "
+                                       f"{wire.decode_error(body)[0][:500]}")
+        return body
 
     @staticmethod
-    def _decode(r):
+    def _decode(r, content: bytes):
         try:
-            return wire.loads(r.content, msgpack=wire.is_msgpack(r.headers.get("content-type")))
+            return wire.loads(content, msgpack=wire.is_msgpack(r.headers.get("content-type")))
         except ValueError:
-            return r.text
+            return content.decode("utf-8", "replace")[:2000]
 
     def health(self, *, retries: Optional[int] = None) -> dict:
         """``GET /health``: {"status", "model", "quantization", "version", ...}."""
@@ -149,5 +169,8 @@ class SamplerClient:
         # "columns": one packed array per field, not ~4 per row (wire.GenerateResponse.to_wire; the same batch)
         request = wire.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens),
                                        return_routing=bool(return_routing), response_format="columns", **fields)
-        body = self._request("POST", "/v1/generate", request.to_wire())
+        body = self._request("POST", "/v1/generate", request.to_wire(),
+                             max_response_bytes=generate_response_bytes(
+                                 len(prompts) * int(n), int(max_new_tokens), int(top_k_logprobs),
+                                 max(len(p) for p in prompts) if prompts else 0, routing=bool(return_routing)))
         return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs)).batch

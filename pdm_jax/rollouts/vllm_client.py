@@ -84,7 +84,8 @@ from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch, build_batch, right_pad_rows
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
-from pdm_jax.rollouts.client import SamplerError, SamplerRequestError
+from pdm_jax.rollouts import http as sampler_http
+from pdm_jax.rollouts.client import SamplerError, SamplerProtocolError, SamplerRequestError, generate_response_bytes
 
 log = logging.getLogger("pdm_jax.sampler")
 
@@ -363,7 +364,8 @@ class VLLMSampler:
         self.model_config = model_config
         self.weights_dir = os.path.abspath(weights_dir)
         self.model = model
-        self.retries, self.backoff_s = int(retries), float(backoff_s)
+        self.retries, self.backoff_s, self.timeout_s = int(retries), float(backoff_s), float(timeout_s)
+        self.retry_counts: dict = {}  # retries by cause ("429", "5xx", "transport"), `sampler_http.exchange`
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers, transport=transport)
         self._lock = threading.RLock()
@@ -378,44 +380,44 @@ class VLLMSampler:
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, *, json_body=None, params=None, retries: Optional[int] = None,
-                 missing_ok: bool = False):
-        """One JSON request with retries; the decoded body (None for an empty one).
+                 missing_ok: bool = False, max_response_bytes: int = sampler_http.SMALL_RESPONSE_BYTES):
+        """One JSON request with retries (`sampler_http.exchange`: a deadline per attempt, 429/5xx retried, the
+        body capped at `max_response_bytes`); the decoded body (None for an empty one).
 
         Raises:
           SamplerRequestError: a 4xx answer (vLLM's message and ``param``), not retried; a 404 returns
             `_MISSING` instead when `missing_ok`.
-          SamplerError: connection errors, timeouts or 5xx answers on every attempt.
+          SamplerProtocolError: a redirect, or a 2xx carrying an ``error`` object.
+          SamplerError: connection errors, timeouts, 429 or 5xx answers on every attempt; a body too large.
         """
-        retries = self.retries if retries is None else retries
-        last = None
-        for attempt in range(retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                r = self._http.request(method, path, json=json_body, params=params)
-            except (httpx.TransportError, httpx.TimeoutException) as e:
-                last = f"{type(e).__name__}: {e}"
-                continue
-            body = self._decode(r)
-            if r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {self._message(body)[0]}"
-                continue
-            if r.status_code == 404 and missing_ok:
-                return _MISSING
-            if r.status_code >= 400:
-                message, field = self._message(body)
-                raise SamplerRequestError(r.status_code, f"{method} {path}: {message}", field)
-            return body
-        raise SamplerError(f"{method} {self.base_url}{path} failed after {retries + 1} attempt(s): {last}")
+        try:
+            status, body = sampler_http.exchange(
+                self._http, method, path, retries=self.retries if retries is None else retries,
+                backoff_s=self.backoff_s, deadline_s=self.timeout_s, max_response_bytes=max_response_bytes,
+                decode=self._decode, error_text=lambda b: self._message(b)[0], counts=self.retry_counts,
+                sleep=time.sleep, base_url=self.base_url, json=json_body, params=params)
+        except sampler_http.SamplerRedirect as e:
+            raise SamplerProtocolError(str(e)) from None
+        if status == 404 and missing_ok:
+            return _MISSING
+        if status >= 400:
+            message, field = self._message(body)
+            raise SamplerRequestError(status, f"{method} {path}: {message}", field)
+        if isinstance(body, Mapping) and body.get(wire.ERROR) is not None:
+            raise SamplerProtocolError(f"{method} {self.base_url}{path}: HTTP {status} with an error body: "
+                                       f"{self._message(body)[0][:500]}")
+        return body
 
     @staticmethod
-    def _decode(r):
-        if not r.content:
+    def _decode(r, content: bytes):
+        """JSON with the wire codec's depth and size limits (a body nested 100,000 deep is text, not a
+        RecursionError); empty -> None; not JSON -> its text (2,000 characters at most)."""
+        if not content:
             return None
         try:
-            return r.json()
+            return wire.loads(content, msgpack=False)
         except ValueError:
-            return r.text
+            return content.decode("utf-8", "replace")[:2000]
 
     @staticmethod
     def _message(body) -> tuple:
@@ -435,7 +437,10 @@ class VLLMSampler:
         """
         self._request("GET", wire.VLLM_HEALTH, retries=retries)
         listed = self._request("GET", wire.VLLM_MODELS, retries=retries)
-        ids = [m.get(wire.ID) for m in (listed or {}).get(wire.DATA, []) if isinstance(m, Mapping)]
+        if not isinstance(listed, Mapping) or not isinstance(listed.get(wire.DATA, []), list):
+            raise SamplerProtocolError(f"GET {self.base_url}{wire.VLLM_MODELS}: not a model list: "
+                                       f"{wire._show(listed, 300)}")
+        ids = [m.get(wire.ID) for m in listed.get(wire.DATA, []) if isinstance(m, Mapping)]
         if not self.model:
             if not ids:
                 raise SamplerError(f"GET {self.base_url}{wire.VLLM_MODELS} lists no model: {wire._show(listed, 300)}")
@@ -478,7 +483,9 @@ class VLLMSampler:
                                       top_k_logprobs=top_k_logprobs, stop_token_ids=stops,
                                       seed=prompt_seed(seed, int(first_prompt_index) + i, n), top_p=top_p, top_k=top_k, model=self.model)
                   for i, p in enumerate(prompts)]
-        post = functools.partial(self._request, "POST", wire.VLLM_COMPLETIONS)
+        cap = generate_response_bytes(int(n), max_new, int(top_k_logprobs), max((len(p) for p in prompts), default=0),
+                                      per_value=64)  # JSON text: "token_id:123": -1.234..., per entry
+        post = functools.partial(self._request, "POST", wire.VLLM_COMPLETIONS, max_response_bytes=cap)
         with self._lock:
             if self._version is None:
                 raise ValueError("VLLMSampler.generate: no weights version loaded yet (load_weights first)")
