@@ -54,7 +54,7 @@ class FakeEngine:
             group_ids=np.repeat(np.arange(len(prompts)), n).astype(np.int32),
             finish_reason=np.array(["length"] * rows, dtype=object))
 
-    def load_weights(self, path, version):
+    def load_weights(self, path, version, root=None):
         self.loads.append((path, version))
         raise AssertionError("the fake engine loads nothing; hostile paths must be refused before")
 
@@ -302,3 +302,35 @@ def test_fuzzed_bodies_never_get_a_5xx(client, body, use_msgpack, endpoint):
         assert err["field"] is None or isinstance(err["field"], str)
     if depth is not None and endpoint == "/v1/generate":  # depth 0: model 1 (not a string) -> 422
         assert r.status_code == (400 if depth >= wire.MAX_DEPTH else 422)
+
+
+def test_health_answers_while_bodies_are_decoded(live_url, monkeypatch):
+    """Request bodies are parsed off the event loop: while 4 requests' bodies take 1 s each to decode,
+    /health still answers at once (on the loop it waited for all of them: 4 s, past a stall probe's budget)."""
+    from pdm_jax.sampler import server as server_mod
+
+    real = wire.decode_body
+
+    def slow_decode(body, content_type):
+        time.sleep(1.0)  # an 8 MB body's parse, without holding the GIL the loop needs
+        return real(body, content_type)
+
+    monkeypatch.setattr(server_mod.wire, "decode_body", slow_decode)
+    body = json.dumps({"prompt": [[1, 2]], "max_tokens": 1, "logprobs": 2}).encode()
+    answers = []
+
+    def post():
+        with httpx.Client(base_url=live_url, timeout=30) as c:
+            answers.append(c.post("/v1/generate", content=body, headers={"content-type": "application/json"}).status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the four bodies are being decoded now
+    with httpx.Client(base_url=live_url, timeout=30) as c:
+        t0 = time.monotonic()
+        assert c.get("/health").status_code == 200
+        waited = time.monotonic() - t0
+    for t in threads:
+        t.join()
+    assert answers == [200] * 4 and waited < 0.5, waited

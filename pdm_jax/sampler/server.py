@@ -233,8 +233,8 @@ class SamplerService:
                 raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
                                 kind="too_large")
             chunks.append(chunk)
-        try:
-            return wire.decode_body(b"".join(chunks), request.headers.get("content-type"))
+        try:  # parsing an 8 MB body takes a while: off the event loop, so /health keeps answering meanwhile
+            return await run_in_threadpool(wire.decode_body, b"".join(chunks), request.headers.get("content-type"))
         except wire.BodyError as e:
             raise HTTPError(e.status, str(e), field=e.field, kind=e.kind) from e
 
@@ -248,16 +248,22 @@ class SamplerService:
     async def generate(self, request: Request) -> Response:
         """``POST /v1/generate``: decode (`wire.GenerateRequest`), validate, generate, encode (422 names the field).
 
-        Generation runs in a worker thread, off the event loop, so ``/health``
-        answers while it runs (the trainer's stall probe relies on that).
+        Decoding, validation, generation and encoding all run in a worker thread, off the event loop, so
+        ``/health`` answers while they run (the trainer's stall probe relies on that).
         """
-        req = wire.GenerateRequest.from_wire(await self.read_body(request))
-        self.engine.validate(req.prompts, **req.engine_kwargs())
-        batch = await run_in_threadpool(self.engine.generate, req.prompts, **req.engine_kwargs())
-        resp = wire.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
+        body = await self.read_body(request)
+
+        def work():
+            req = wire.GenerateRequest.from_wire(body)
+            self.engine.validate(req.prompts, **req.engine_kwargs())
+            batch = self.engine.generate(req.prompts, **req.engine_kwargs())
+            resp = wire.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
+            return resp, respond(request, resp.to_wire(req.response_format))
+
+        resp, answer = await run_in_threadpool(work)
         self.requests += 1
         self.generated_tokens += resp.completion_tokens
-        return respond(request, resp.to_wire(req.response_format))
+        return answer
 
     async def load_weights(self, request: Request) -> Response:
         """``POST /v1/weights``: 403 outside the root, 404 missing/incomplete, 409 stale or other version,
