@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
 import os
 import shutil
 import tempfile
+import time
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -23,12 +25,46 @@ def _to_float(v):
     return f
 
 
+class MetricsWriteError(OSError):
+    """A record could not be written (a full disk: ENOSPC, a read-only or vanished directory); names the file and
+    the error. The run stops at once; freeing the space and running the same command resumes it."""
+
+
+class _TensorBoardScalars:
+    """TensorBoard scalars written synchronously: tensorboardX's event-file writer and protos, without its writer
+    thread (`tensorboardX.SummaryWriter` queues events for a thread that dies on ENOSPC, after which the queue's
+    next put blocks forever). Each `add` writes and flushes its events, so a full disk raises right there."""
+
+    def __init__(self, logdir: str):
+        from tensorboardX.event_file_writer import EventsWriter  # only when log.tensorboard is on
+
+        os.makedirs(logdir, exist_ok=True)
+        self._writer = EventsWriter(os.path.join(logdir, "events"))
+        self._writer.flush()
+
+    def add(self, phase: str, step: int, scalars: Mapping[str, float]) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        now = time.time()
+        for k, v in scalars.items():
+            self._writer.write_event(Event(wall_time=now, step=int(step), summary=scalar(f"{phase}/{k}", v)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsWriter:
     """Appends one JSON object per step to ``DIR/metrics.jsonl`` and mirrors scalars to TensorBoard.
 
     Non-finite values are written as JSON null (and skipped in TensorBoard), never
     as NaN literals. On resume, RL and eval lines of steps >= the resume step are dropped first
-    so that the file has each step once.
+    so that the file has each step once; ``fresh`` (a run starting over: no checkpoint survived) drops
+    every line a run that left no checkpoint wrote; ``restore`` (the checkpoint's copy of its step's ``rl``
+    record, without the step's timings) is written back, marked ``restored_from_checkpoint``, when a crash
+    after the checkpoint left that record missing or torn. A write that fails (ENOSPC...) raises
+    `MetricsWriteError` naming the file, at once (both sinks write synchronously).
 
     Bucket workdir (``gs://...``, `pdm_jax.workdir.is_remote`): objects cannot be appended to, so
     the file and the TensorBoard events are written in a local staging directory exactly as
@@ -38,7 +74,8 @@ class MetricsWriter:
     Cost: one upload of the whole file per record (O(records^2) bytes over a run).
     """
 
-    def __init__(self, workdir: str, *, tensorboard: bool = True, resume_from_step: int | None = None):
+    def __init__(self, workdir: str, *, tensorboard: bool = True, resume_from_step: int | None = None,
+                 fresh: bool = False, restore: Mapping | None = None):
         self._remote = wd.run_path(workdir) if wd.is_remote(workdir) else None
         self._staging = tempfile.mkdtemp(prefix="pdm_jax_metrics_") if self._remote else None
         local_dir = self._staging or workdir
@@ -49,19 +86,33 @@ class MetricsWriter:
                 with open(self.path, "wb") as f:
                     f.write(wd.read_bytes(remote_file))
         os.makedirs(local_dir, exist_ok=True)
-        if resume_from_step is not None and os.path.exists(self.path):
-            kept = [r for r in read_metrics(self.path)
-                    if r.get("step", -1) < resume_from_step or r.get("phase") not in ("rl", "eval")]
-            with open(self.path, "w") as f:
-                for r in kept:
-                    f.write(json.dumps(r) + "\n")
-        self._file = open(self.path, "a")
+        if (fresh or resume_from_step is not None) and os.path.exists(self.path):
+            kept = [] if fresh else [r for r in read_metrics(self.path)
+                                     if r.get("step", -1) < resume_from_step or r.get("phase") not in ("rl", "eval")]
+            if restore is not None and not fresh and not any(
+                    r.get("phase") == "rl" and r.get("step") == restore.get("step") for r in kept):
+                kept.append(dict(restore, phase="rl", restored_from_checkpoint=1.0))
+            self._guarded(self.path, lambda: wd.write_bytes(self.path, "".join(
+                json.dumps(r) + "\n" for r in kept).encode()))
+        self._file = self._guarded(self.path, lambda: open(self.path, "a"))
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter  # only when log.tensorboard is on
-
-            self._tb = SummaryWriter(os.path.join(local_dir, "tensorboard"))
+            tb_dir = os.path.join(local_dir, "tensorboard")
+            self._tb = self._guarded(tb_dir, lambda: _TensorBoardScalars(tb_dir))
         self._upload()
+
+    @staticmethod
+    def _guarded(path: str, fn):
+        """``fn()``, an OSError raised as `MetricsWriteError` naming `path` and the error (ENOSPC...)."""
+        try:
+            return fn()
+        except MetricsWriteError:
+            raise
+        except OSError as e:
+            name = errno.errorcode.get(e.errno, "") if e.errno else ""
+            raise MetricsWriteError(e.errno, f"cannot write {path}: {name + ': ' if name else ''}{e.strerror or e} "
+                                             "(free space or fix the directory, then run the same command: it "
+                                             "resumes from the last checkpoint)") from e
 
     def _upload(self) -> None:
         """Bucket workdir: uploads the staged metrics.jsonl and TensorBoard event files whole."""
@@ -70,7 +121,6 @@ class MetricsWriter:
         self._file.flush()
         wd.upload_file(self.path, wd.join(self._remote, "metrics.jsonl"))
         if self._tb is not None:
-            self._tb.flush()
             tb_dir = os.path.join(self._staging, "tensorboard")
             for name in sorted(os.listdir(tb_dir)):
                 wd.upload_file(os.path.join(tb_dir, name), wd.join(self._remote, "tensorboard", name))
@@ -81,12 +131,12 @@ class MetricsWriter:
         for k, v in metrics.items():
             f = _to_float(v)
             rec[k] = None if f is None or not math.isfinite(f) else f
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
+        line = json.dumps(rec) + "\n"
+        self._guarded(self.path, lambda: (self._file.write(line), self._file.flush()))
         if self._tb is not None:
-            for k, v in rec.items():
-                if k not in ("step", "phase") and v is not None:
-                    self._tb.add_scalar(f"{phase}/{k}", v, step)
+            scalars = {k: v for k, v in rec.items() if k not in ("step", "phase") and v is not None}
+            self._guarded(os.path.join(os.path.dirname(self.path), "tensorboard"),
+                          lambda: self._tb.add(phase, step, scalars))
         self._upload()
         return rec
 

@@ -76,11 +76,12 @@ def main(argv):
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    from pdm_jax.metrics import MetricsWriteError
     from pdm_jax.rollouts.supervisor import SamplerFailure  # lazy, as the trainer: imports JAX
 
     try:
         summary = run(config, _WORKDIR.value)
-    except (WorkdirLockedError, CheckpointError, ValueError, SamplerFailure) as e:  # named, actionable: no traceback
+    except (WorkdirLockedError, CheckpointError, ValueError, SamplerFailure, MetricsWriteError) as e:  # named: no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(summary, indent=2))

@@ -293,8 +293,8 @@ class Trainer:
         self._t_start = t_start
         if jax.process_index() == 0:  # records after the checkpoint are dropped (the warm start's eval too if redone)
             first_redone = meta["rl_step"] + (meta.get("warmstart") is not None)
-            writer = MetricsWriter(self.workdir, tensorboard=cfg.log.tensorboard,
-                                   resume_from_step=first_redone if resumed else None)
+            writer = MetricsWriter(self.workdir, tensorboard=cfg.log.tensorboard, fresh=not resumed,
+                                   resume_from_step=first_redone if resumed else None, restore=meta.get("rl_record"))
         else:  # multi-host: only process 0 writes metrics (pdm_jax.distributed)
             writer = NullMetricsWriter()
         try:
@@ -470,8 +470,8 @@ class Trainer:
     def _rl_step(self, step, run, producer, step_fn, ref, schedule, meta, writer) -> dict:
         """RL step ``step + 1``, every phase timed (`PhaseTimer`); updates ``run`` and ``meta``, writes its records.
 
-        The ``rl`` record is written after the step's evaluation and checkpoint, so that it
-        carries their times (a crash between the checkpoint and the record loses that one record).
+        The ``rl`` record is written after the step's evaluation and checkpoint, so that it carries their times;
+        the checkpoint's meta keeps it without them (``rl_record``), for a resume after a crash in between.
         """
         cfg, rl = self.config, self.config.rl
         timer = PhaseTimer(STEP_PHASES)
@@ -501,7 +501,7 @@ class Trainer:
             log.info("eval after RL step %d: %s", step + 1, _fmt(run["last_eval"]))
         if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == rl.steps:
             with timer.phase("checkpoint"):
-                self._checkpoint(run["state"], meta)
+                self._checkpoint(run["state"], dict(meta, rl_record=dict(rec, step=step + 1)))
         rec.update(step_timing(timer.record(), self.sampler.last_sync_seconds, gen_seconds))
         rec.update(compile_record(self.compile_counter.snapshot(), self.sampler.sampler_compile_stats))
         writer.write(step + 1, "rl", rec)

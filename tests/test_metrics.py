@@ -9,3 +9,73 @@ def test_the_weights_format_names_vllm_where_our_quantization_does_not_apply():
     assert sampler_weights_format(c) == c.sampler.quantization == "fp8"
     c.sampler.backend = "vllm"
     assert sampler_weights_format(c) == "vllm-managed"  # the vLLM server quantizes (or not) by its own flags
+
+
+def test_a_full_disk_fails_the_write_at_once_naming_enospc_and_the_file(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    from pdm_jax import metrics
+
+    w = metrics.MetricsWriter(str(tmp_path), tensorboard=True)
+    w.write(1, "rl", {"reward": 0.5})
+    w._file = open("/dev/full", "a")  # every flush: ENOSPC, as on a full disk
+    with pytest.raises(metrics.MetricsWriteError, match=r"cannot write .*metrics.jsonl: ENOSPC: No space left"):
+        w.write(2, "rl", {"reward": 0.6})
+    w._file = open(w.path, "a")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(w._tb, "add", full)  # the TensorBoard events: raised at the write, never a hung queue
+    with pytest.raises(metrics.MetricsWriteError, match=r"cannot write .*tensorboard: ENOSPC"):
+        w.write(3, "rl", {"reward": 0.7})
+
+
+def test_resume_restores_a_lost_record_once_and_a_fresh_start_drops_stale_ones(tmp_path):
+    import json
+
+    from pdm_jax.metrics import MetricsWriter, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 50, "phase": "sft", "loss": 1.0}] + [
+        {"step": s, "phase": p, "x": s} for s in range(1, 8) for p in ("rl",)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 8, "phase": "rl", "x"')  # torn: step 8
+    restore = {"step": 8, "x": 8.0}  # the checkpoint of RL step 8 keeps its record
+    MetricsWriter(str(tmp_path), tensorboard=False, resume_from_step=9, restore=restore).close()
+    recs = read_metrics(str(path))
+    assert [r["step"] for r in recs if r["phase"] == "rl"] == list(range(1, 9))
+    assert recs[-1] == {"step": 8, "x": 8.0, "phase": "rl", "restored_from_checkpoint": 1.0}
+    MetricsWriter(str(tmp_path), tensorboard=False, resume_from_step=9, restore=restore).close()  # again: once
+    assert [r["step"] for r in read_metrics(str(path)) if r["phase"] == "rl"] == list(range(1, 9))
+    # a run that starts over (no checkpoint survived, e.g. a kill during the end-of-SFT save) keeps no old line
+    w = MetricsWriter(str(tmp_path), tensorboard=False, fresh=True)
+    w.write(50, "sft", {"loss": 1.0})
+    w.close()
+    assert read_metrics(str(path)) == [{"step": 50, "phase": "sft", "loss": 1.0}]
+
+
+def test_tensorboard_events_hold_every_scalar_of_every_record(tmp_path):
+    """The synchronous writer's event file, read back as TFRecords of `Event` protos (what TensorBoard reads)."""
+    import glob
+    import os
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    from pdm_jax.metrics import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path), tensorboard=True)
+    w.write(1, "rl", {"reward": 0.5, "loss": float("nan")})
+    w.write(2, "eval", {"eval_accuracy": 0.25})
+    (path,) = glob.glob(os.path.join(tmp_path, "tensorboard", "events.out.tfevents.*"))
+    data, events, at = open(path, "rb").read(), [], 0
+    while at < len(data):
+        (n,) = struct.unpack("<Q", data[at:at + 8])
+        events.append(Event.FromString(data[at + 12:at + 12 + n]))
+        at += 12 + n + 4
+    w.close()
+    scalars = [(e.step, v.tag, round(v.simple_value, 6)) for e in events for v in e.summary.value]
+    assert events[0].file_version == "brain.Event:2"
+    assert scalars == [(1, "rl/reward", 0.5), (2, "eval/eval_accuracy", 0.25)]  # the NaN is skipped
