@@ -262,7 +262,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # none, and on the CPU backend; bf16 for bf16/fp8 on TPU/GPU) | "float32" | "bfloat16".
     c.sampler.compute_dtype = "auto"
     # Token ids that end a rollout or an evaluation sample, comma separated ("151645,151643": Qwen3's
-    # <|im_end|> and <|endoftext|>); the tokenizer's eos id is always one of them. "" = the eos id alone.
+    # <|im_end|> and <|endoftext|>); the tokenizer's eos id is always one of them. "" = with model.hf_path, the
+    # checkpoint's own (generation_config.json's eos_token_id and the tokenizer's pad token; pdm_jax.text.
+    # checkpoint_stop_ids), else the eos id alone; the run logs the ids chosen.
     c.sampler.stop_token_ids = ""
     # How long the trainer waits for a sampler subprocess to listen.
     c.sampler.startup_timeout_s = 180.0

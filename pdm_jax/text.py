@@ -15,6 +15,28 @@ from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import left_pad, right_pad_rows
 
 
+def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:
+    """The ids a checkpoint's own files say end a completion, for a run whose ``sampler.stop_token_ids`` is empty:
+    ``generation_config.json``'s ``eos_token_id`` (an int or a list; Qwen3 instruct: 151645 and 151643), then the
+    tokenizer's pad id where it is a special token (Qwen3: <|endoftext|> 151643, where a Base model ends). ()
+    without ``hf_path`` (a random-init or char-tokenizer run: the eos id alone) or when neither names one.
+    Read with transformers' ``GenerationConfig`` from the local directory (nothing is downloaded)."""
+    if not hf_path:
+        return ()
+    from transformers import GenerationConfig
+
+    ids = []
+    try:
+        eos = GenerationConfig.from_pretrained(hf_path, local_files_only=True).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json
+        eos = None
+    ids += [eos] if isinstance(eos, int) else list(eos or [])
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is not None and getattr(tokenizer, "pad_token", None) in getattr(tokenizer, "all_special_tokens", ()):
+        ids.append(pad)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
 class TextCodec:
     """Token ids of prompts and reference answers; text of completions.
 

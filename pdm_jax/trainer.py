@@ -56,7 +56,7 @@ from pdm_jax.rollouts.producer import RolloutProducer
 from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
-from pdm_jax.text import TextCodec
+from pdm_jax.text import TextCodec, checkpoint_stop_ids
 from pdm_jax.workdir import WorkdirLock
 
 __all__ = ["SamplerFailure", "Trainer", "TrainerCallback"]
@@ -124,7 +124,9 @@ class Trainer:
         tokenizer = self._setup_tokenizer()
         self.vocab_size = len(tokenizer)
         self.codec = TextCodec(tokenizer, chat=self.source.chat, enable_thinking=config.data.enable_thinking,
-                               stop_token_ids=parse_stop_token_ids(config.sampler.stop_token_ids))
+                               stop_token_ids=parse_stop_token_ids(config.sampler.stop_token_ids)
+                               or checkpoint_stop_ids(tokenizer, config.model.hf_path))
+        log.info("rollouts stop on token ids %s", list(self.codec.stop_ids))
         # Over-long prompts are dropped (and counted) at load, never discovered mid-run.
         self.source = filter_long_prompts(self.source, self.codec.encode_prompt, config.sampler.max_prompt_length)
         validate_config(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))

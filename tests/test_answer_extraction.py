@@ -51,8 +51,8 @@ FORMS = [
     ("Answer: $1,250", False, "1,250", FOUND, "answer_line"),  # a currency sign, not math
     ("so the result is $\\boxed{12}$.", False, "12", FOUND, "boxed"),
     ("\\[\\boxed{\\frac{a}{b^{2}}}\\]", False, "\\frac{a}{b^{2}}", FOUND, "boxed"),
-    # several candidate markers: the last box wins over any line; the last Answer: line over ####
-    ("\\boxed{3} and then\nAnswer: 4", False, "3", FOUND, "boxed"),
+    # several candidate markers: the later of the last box and the last Answer: line wins; the last Answer: line over ####
+    ("\\boxed{3} and then\nAnswer: 4", False, "4", FOUND, "answer_line"),  # the later final answer wins (issue 31)
     ("\\boxed{1} then \\boxed{2}", False, "2", FOUND, "boxed"),
     ("#### 72\nAnswer: 73", False, "73", FOUND, "answer_line"),
     ("Answer: 5\nchecking...\nAnswer: 6", False, "6", FOUND, "answer_line"),
@@ -190,3 +190,32 @@ def test_extraction_is_fast_on_pathological_inputs(text):
     find_final_answer(text, truncated=True)
     extract_tagged_answer(text)
     assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("text, truncated, answer, status, marker", [
+    ("scratch \\boxed{3}. So\nAnswer: 5", False, "5", "found", "answer_line"),  # the later final answer wins
+    ("Answer: \\boxed{5}", False, "5", "found", "boxed"),
+    ("<think>try \\boxed{3}</think>So the answer: \\boxed{5}", False, "5", "found", "boxed"),
+    ("<think>try \\boxed{3}</think>Answer: 5", False, "5", "found", "answer_line"),
+    ("<think>a box in the reasoning \\boxed{5}", False, None, "absent", "think"),  # never closed: no answer
+    ("<think>a box in the reasoning \\boxed{5}", True, None, "truncated", "think"),
+    ("\\[Answer: 5\\]", False, "5", "found", "answer_line"),  # the display block's closer is not the answer
+    ("\\[\\text{Answer: } 5\\]", False, "5", "found", "answer_line"),
+    ("$$Answer: \\frac{1}{2}$$", False, "\\frac{1}{2}", "found", "answer_line"),
+])
+def test_reasoning_and_the_later_final_answer(text, truncated, answer, status, marker):
+    got = find_final_answer(text, truncated=truncated)
+    assert (got.answer, got.status, got.marker) == (answer, status, marker)
+
+
+@pytest.mark.parametrize("pred, gold, reward", [
+    ("\\frac{1}{2006!}", "\\frac{1}{2004!}", 0.0),  # equal to 1e-16 in floats; not equal
+    ("\\frac{1}{2^{98}}", "\\frac{1}{2^{99}}", 0.0),
+    ("\\frac{1}{2^{99}}", "\\frac{1}{2^{99}}", 1.0),
+    ("\\frac{2}{4}", "\\frac{1}{2}", 1.0),
+    ("2^{10}", "1024", 1.0),
+    ("0.5", "\\frac{1}{2}", 1.0),  # a decimal stays with math-verify's comparison
+    ("x+1", "1+x", 1.0),  # symbols too
+])
+def test_exact_numbers_are_compared_exactly(pred, gold, reward):
+    assert math_verdict(f"Answer: ${pred}$", gold, in_process=True, timeout_s=60).reward == reward

@@ -278,7 +278,7 @@ def test_math_bad_config_names_field(fields, field):
         ("work\n#### 1,234\n", "1,234"),
         ("Answer: $\\frac{3}{4}$.", "\\frac{3}{4}"),
         ("The final answer: 12", "12"),
-        ("\\boxed{3} and then\nAnswer: 4", "3"),  # boxed wins
+        ("\\boxed{3} and then\nAnswer: 4", "4"),  # the later final answer wins
         ("I think it is 7", None),
         ("\\boxed{unclosed", None),
         ("", None),

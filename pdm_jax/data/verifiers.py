@@ -20,10 +20,13 @@ can hang forever. This module never uses math-verify's internal timeouts:
 A timeout, a parse failure or any exception gives reward 0.0 and is counted
 per reason (`verifier_counts()`); `math_verdict` also returns the reason.
 
-Answer extraction (`find_final_answer`, which states the full precedence): the
-last `\\boxed{...}` (or `\\fbox{...}`), else the last `Answer:` line (DAPO-Math-17k's
-requested format; markdown emphasis, headings and math delimiters allowed), else
-the last GSM8K `#### N` line whose content is a number. Completions with none of
+Answer extraction (`find_final_answer`, which states the full precedence): only
+what follows the reasoning (`</think>`; nothing when a `<think>` never closes);
+there, the later of the last `\\boxed{...}` (or `\\fbox{...}`) and the last
+`Answer:` line (DAPO-Math-17k's requested format; markdown emphasis, headings and
+math delimiters allowed), else the last GSM8K `#### N` line whose content is a
+number. Exact numbers (rationals, factorials, powers) are compared exactly before
+math-verify's own comparison, whose float check equates values below ~1e-16. Completions with none of
 these score 0 (reason "no_answer"); a final answer cut off (an unclosed last box
 or math delimiter, or, for a completion stopped by max_tokens, an unterminated
 final answer line) scores 0 (reason "truncated"). math-verify's own free-text
@@ -37,6 +40,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -217,8 +221,16 @@ def _is_cut(answer: str) -> bool:
 
 
 def _clean_line(raw: str) -> tuple[str, bool]:
-    """A marker line's answer: a trailing full stop, balanced wrappers, a currency `$` and, when the answer is prose around inline math, the prose removed. Returns (answer, closed)."""
-    answer = raw.strip().rstrip(".").strip()
+    """A marker line's answer: a trailing full stop, balanced wrappers, a currency `$` and, when the answer is prose around inline math, the prose removed; the closer of a math block the marker sat in (`\\[Answer: 5\\]`) and the `}` of a `\\text{Answer:}` dropped. Returns (answer, closed)."""
+    answer = raw.strip()
+    if answer.startswith("}"):  # the marker was inside \text{Answer: }
+        answer = answer[1:].strip()
+    for opener, closer in (("\\[", "\\]"), ("\\(", "\\)"), ("$$", "$$"), ("$", "$")):
+        body = answer[: -len(closer)] if answer.endswith(closer) else None
+        if body is not None and opener not in body and (closer != "$" or "$" not in body):
+            answer = body.strip()  # the block closes after the answer; its opener came before the marker
+            break
+    answer = answer.rstrip(".").strip()
     answer, closed = unwrap_answer(answer)
     answer = answer.rstrip(".").strip()
     spans = _math_spans(answer)
@@ -271,11 +283,16 @@ def _hash_answer(text: str, truncated: bool) -> Extraction:
 def find_final_answer(text: str, *, truncated: bool = False) -> Extraction:
     """The final answer of a free-form completion, with how it was found.
 
+    Reasoning first: with a `</think>`, only the text after the last one is graded (a box tried inside
+    the reasoning is not the answer); a `<think>` that never closes leaves nothing to grade (ABSENT, or
+    TRUNCATED for a completion stopped by max_tokens, marker "think").
+
     Precedence (the first rule that applies decides; "last" is by position):
 
     1. the last `\\boxed{...}` / `\\fbox{...}` (balanced braces; also `\\boxed 3`), also inside
-       `$...$`/`\\[...\\]`; if that last box never closes, the answer was cut off: TRUNCATED
-       (an earlier box is not taken);
+       `$...$`/`\\[...\\]`, unless an answer marker (rule 2) comes after it: then that line is the final
+       answer (a scratch `\\boxed{3}` before `Answer: 5` gives 5; `Answer: \\boxed{5}` gives 5); if that
+       last box never closes, the answer was cut off: TRUNCATED (an earlier box is not taken);
     2. else the last answer marker: `Answer:` anywhere in a line (any case, `Final answer:`,
        markdown emphasis around the word or the colon: `**Answer:**`, `**Answer**:`), or a line that
        is only an answer heading (`## Final Answer`, `**Answer**`). The answer is the rest of that
@@ -301,10 +318,17 @@ def find_final_answer(text: str, *, truncated: bool = False) -> Extraction:
     """
     if not isinstance(text, str):
         return Extraction(None, ABSENT)
-    boxed = _last_box(text, truncated)
-    if boxed.status != ABSENT:
-        return boxed
+    closed = text.rfind("</think>")
+    if closed >= 0:
+        text = text[closed + len("</think>"):]
+    elif "<think>" in text:  # still reasoning: no answer yet (a box tried in there is not one)
+        return Extraction(None, TRUNCATED if truncated else ABSENT, "think")
     markers = [(m.start(), m.end()) for m in _ANSWER_MARKER_RE.finditer(text)] + _answer_headings(text)
+    boxes = list(_BOX_RE.finditer(text))
+    if markers and (not boxes or max(markers)[1] <= boxes[-1].start()) or not markers:
+        boxed = _last_box(text, truncated)
+        if boxed.status != ABSENT:
+            return boxed
     if markers:
         return _marker_answer(text, max(markers)[1], truncated, "answer_line")
     return _hash_answer(text, truncated)
@@ -363,6 +387,67 @@ def _parse(math_verify, answer: str):
     return parsed
 
 
+#: The largest exact number `_exact_equal` evaluates (decimal digits of a power or factorial).
+MAX_EXACT_DIGITS = 100_000
+
+
+def _exact_value(expr):
+    """`expr` (a sympy expression) evaluated exactly to a Rational: integers and fractions combined by +, x,
+    integer powers and factorials; None when it holds anything else (symbols, floats, roots, functions) or
+    would grow past `MAX_EXACT_DIGITS` decimal digits (checked before each power or factorial is taken)."""
+    import sympy
+
+    def digits(q) -> float:
+        return math.log10(max(abs(int(q.p)), abs(int(q.q)), 2))
+
+    def ev(node):
+        if isinstance(node, sympy.Rational):  # Integer is a Rational
+            return node
+        if isinstance(node, sympy.Add):
+            return sympy.Add(*[ev(a) for a in node.args])
+        if isinstance(node, sympy.Mul):
+            return sympy.Mul(*[ev(a) for a in node.args])
+        if isinstance(node, sympy.Pow):
+            base, exp = ev(node.args[0]), ev(node.args[1])
+            if not exp.is_Integer or abs(int(exp)) * digits(base) > MAX_EXACT_DIGITS or (base == 0 and exp < 0):
+                raise ValueError("not an exact power")
+            return base ** exp
+        if isinstance(node, sympy.factorial):
+            n = ev(node.args[0])
+            if not n.is_Integer or n < 0 or int(n) > MAX_EXACT_DIGITS // 5:
+                raise ValueError("not an exact factorial")
+            return sympy.factorial(int(n))
+        raise ValueError(f"not exact: {type(node).__name__}")
+
+    try:
+        value = ev(expr)
+    except (ValueError, TypeError, ZeroDivisionError):
+        return None
+    return value if isinstance(value, sympy.Rational) else None
+
+
+def _exact_equal(gold, pred, gold_text: str, pred_text: str) -> Optional[bool]:
+    """Both answers exact numbers (integers, fractions, integer powers and factorials; no decimals, no
+    symbols): their exact equality; else None (math-verify decides). math-verify's numeric check rounds to
+    ~1e-16 and equates 1/2006! with 1/2004!, or 1/2^98 with 1/2^99. Decimals stay with math-verify (its
+    rounding is how a decimal answer is judged)."""
+    import sympy
+
+    if "." in gold_text or "." in pred_text:
+        return None
+
+    def first(parsed):
+        return next((x for x in parsed if isinstance(x, sympy.Basic)), None)
+
+    g, p = first(gold), first(pred)
+    if g is None or p is None:
+        return None
+    gv, pv = _exact_value(g), _exact_value(p)
+    if gv is None or pv is None:
+        return None
+    return bool(gv == pv)
+
+
 def _verdict_unbounded(completion: str, ground_truth: str, truncated: bool = False) -> MathVerdict:
     math_verify = _import_math_verify()
     found = find_final_answer(completion, truncated=truncated)
@@ -378,7 +463,9 @@ def _verdict_unbounded(completion: str, ground_truth: str, truncated: bool = Fal
     pred = _parse(math_verify, extracted)
     if not pred:
         return MathVerdict(0.0, "unparsable_answer", extracted)
-    ok = math_verify.verify(gold, pred, timeout_seconds=None, raise_on_error=False)
+    ok = _exact_equal(gold, pred, gold_text, extracted)
+    if ok is None:
+        ok = math_verify.verify(gold, pred, timeout_seconds=None, raise_on_error=False)
     return MathVerdict(1.0 if ok else 0.0, "correct" if ok else "wrong", extracted)
 
 
