@@ -178,7 +178,9 @@ def test_weight_push_and_rollouts_through_the_fake_server_equal_our_engine(tmp_p
         np.testing.assert_allclose(got.topk_logprobs, want.topk_logprobs, rtol=0, atol=1e-6)
         assert got.weights_version.tolist() == [version] * 6
     assert sorted(os.listdir(tmp_path / "hf")) == ["v000001", "v000002"] and fake.reloads == 2
-    # one request per prompt, own seed; the requests run concurrently, so they arrive in any order
+    # one request per prompt, own seed; the requests run concurrently, so they arrive in any order (the first
+    # load also sent the two one-token logprobs-mode probes)
+    assert sum(r["max_tokens"] == 1 for r in fake.requests) == 2
     assert sorted((r["prompt"], r["seed"]) for r in fake.requests[-2:]) == sorted(
         ([p], prompt_seed(1234, i, 3)) for i, p in enumerate(prompts))
     sent = fake.requests[-1]
@@ -232,6 +234,28 @@ def test_server_without_dev_mode_names_the_missing_route(tmp_path):
         with pytest.raises(SamplerRequestError) as e:
             client.load_weights(str(tmp_path / "w0"), 0)
         assert e.value.status == 404 and "/collective_rpc" in str(e.value)
+    finally:
+        stop()
+
+
+def test_a_server_returning_raw_logprobs_is_refused_at_the_first_load(tmp_path):
+    """vLLM's default --logprobs-mode (raw: before temperature) would compare pi at tau with mu at 1: the
+    client's probe (top-1 log-probability at temperatures 0.5 and 1.0) refuses it, naming the flag; a
+    processed-logprobs server passes the same probe (test above)."""
+    from pdm_jax.rollouts.vllm_client import VLLMLogprobsModeError
+
+    fake = FakeVLLM(weights_root=str(tmp_path), max_prompt_length=16, max_tokens=8, max_logprobs=5,
+                    logprobs_mode="raw_logprobs")
+    url, stop = serve_in_thread(create_app(fake))
+    try:
+        save_weights(_params(0), str(tmp_path / "w1"), version=1)
+        client = VLLMSampler(url, model_config=CFG, weights_dir=str(tmp_path / "hf"), retries=0)
+        client.health()
+        with pytest.raises(VLLMLogprobsModeError, match="returns raw log-probabilities .* --logprobs-mode "
+                                                         "processed_logprobs"):
+            client.load_weights(str(tmp_path / "w1"), 1)
+        probes = [r for r in fake.requests if r["max_tokens"] == 1]
+        assert sorted(r["temperature"] for r in probes) == [0.5, 1.0]
     finally:
         stop()
 

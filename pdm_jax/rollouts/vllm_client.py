@@ -104,6 +104,10 @@ class VLLMResponseError(ValueError):
         self.field = field
 
 
+class VLLMLogprobsModeError(ValueError):
+    """The vLLM server returns raw log-probabilities (``--logprobs-mode raw_logprobs``, vLLM's default)."""
+
+
 class StaleVLLMWeightsError(ValueError):
     """A weights version older than the one the server already holds."""
 
@@ -546,8 +550,43 @@ class VLLMSampler:
             for name in os.listdir(self.weights_dir):
                 if name.startswith("v") and name not in keep:
                     shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
+            if previous is None:  # the first version on this server: is it returning what the ratios need?
+                self.check_logprobs_mode()
             return wire.weights_loaded(version=int(version), path=target, seconds=time.perf_counter() - t0,
                                        reloaded=previous == int(version))
+
+    def check_logprobs_mode(self, prompt: Sequence[int] = (0,)) -> None:
+        """Refuses a server started without ``--logprobs-mode processed_logprobs`` (vLLM's default is raw).
+
+        One token of `prompt` is sampled at temperatures 0.5 and 1.0 with its top-1 log-probability: processed
+        log-probabilities (log mu, after temperature) differ between the two, raw ones (the model's
+        log-softmax before temperature) are the same. The check is skipped, with a warning, when the top-1
+        token is near-certain (log-probability above -1e-3: both modes give ~0).
+
+        Raises:
+          VLLMLogprobsModeError: the server returns raw log-probabilities.
+        """
+        top = []
+        for tau in (0.5, 1.0):
+            body = completions_request([list(prompt)], n=1, temperature=tau, max_new_tokens=1, top_k_logprobs=1,
+                                       stop_token_ids=[], seed=0, top_p=1.0, top_k=0, model=self.model)
+            answer = self._request("POST", wire.VLLM_COMPLETIONS, json_body=body)
+            try:
+                entry = answer[wire.CHOICES][0][wire.LOGPROBS][wire.TOP_LOGPROBS][0]
+                top.append(max(float(v) for v in entry.values()))
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+                raise VLLMResponseError(wire.CHOICES, f"the logprobs-mode probe got no top-1 log-probability "
+                                                      f"({type(e).__name__}: {e})") from None
+        if top[1] > -1e-3:
+            log.warning("cannot tell vLLM's --logprobs-mode from the probe (the top-1 token is near-certain: "
+                        "log-probability %.2g); make sure the server runs with --logprobs-mode processed_logprobs",
+                        top[1])
+        elif abs(top[0] - top[1]) < 1e-6:
+            raise VLLMLogprobsModeError(
+                f"the vLLM server at {self.base_url} returns raw log-probabilities (the same top-1 log-probability "
+                f"{top[1]:.6f} at temperatures 0.5 and 1.0): restart it with --logprobs-mode processed_logprobs; "
+                "with raw ones the trust-region ratios compare the policy at the sampling temperature with the "
+                "distribution at temperature 1 (docs/sampler.md, vLLM backend)")
 
 
 def main(argv=None) -> None:

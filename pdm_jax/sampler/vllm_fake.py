@@ -60,6 +60,9 @@ def error_body(e: FakeVLLMError) -> dict:
     return {wire.ERROR: {wire.MESSAGE: e.message, wire.TYPE: kind, "param": e.param, "code": e.status}}
 
 
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
 class FakeVLLM:
     """The fake server's state and handlers (framework-free, so tests can call them directly).
 
@@ -70,11 +73,18 @@ class FakeVLLM:
       max_prompt_length, max_tokens, max_batch_size: engine limits (tokens / sequences).
       max_logprobs: largest ``logprobs`` served (vLLM's ``--max-logprobs``, default 20).
       dev_mode: serve the dev-mode routes.
+      logprobs_mode: vLLM's ``--logprobs-mode``: "processed_logprobs" (what the trainer needs: log mu after
+        temperature) or "raw_logprobs" (vLLM's default, emulated: the log-probabilities of the model's
+        logits at temperature 1, whatever the request's; the tokens are then drawn at temperature 1 too).
     """
 
     def __init__(self, *, weights_root: str, model_name: str = "fake-vllm", quantization: str = "none",
                  compute_dtype: str = "auto", max_prompt_length: int = 64, max_tokens: int = 16,
-                 max_batch_size: int = 64, max_logprobs: int = 20, dev_mode: bool = True):
+                 max_batch_size: int = 64, max_logprobs: int = 20, dev_mode: bool = True,
+                 logprobs_mode: str = "processed_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self.weights_root = os.path.realpath(weights_root)
         self.model_name = model_name
         self.engine_kwargs = dict(quantization=quantization, compute_dtype=compute_dtype,
@@ -154,7 +164,8 @@ class FakeVLLM:
         n = body.get(wire.N, 1)
         stops = body.get(wire.STOP_TOKEN_IDS) or []
         try:
-            batch = engine.generate(prompts, n=n, temperature=body.get(wire.TEMPERATURE, 1.0),
+            raw = self.logprobs_mode == "raw_logprobs" and body.get(wire.TEMPERATURE, 1.0) != 0
+            batch = engine.generate(prompts, n=n, temperature=1.0 if raw else body.get(wire.TEMPERATURE, 1.0),
                                     max_new_tokens=body.get(wire.MAX_TOKENS, wire.DEFAULT_MAX_TOKENS),
                                     top_k_logprobs=k or 0, stop_token_ids=stops, seed=body.get(wire.SEED),
                                     top_p=body.get(wire.TOP_P, 1.0),
@@ -304,6 +315,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_prompt_length", type=int, default=512)
     p.add_argument("--max_tokens", type=int, default=256)
     p.add_argument("--max_logprobs", type=int, default=20)
+    p.add_argument("--logprobs_mode", default="processed_logprobs", choices=LOGPROBS_MODES,
+                   help="vLLM's --logprobs-mode: raw_logprobs (vLLM's default) emulated to test the client's check")
     p.add_argument("--no_dev_mode", action="store_true", help="404 on the dev-mode routes (as without "
                                                               "VLLM_SERVER_DEV_MODE=1)")
     args = p.parse_args(argv)
@@ -320,7 +333,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level="INFO")
     fake = FakeVLLM(weights_root=args.weights_root, model_name=args.served_model_name,
                     quantization=args.quantization, max_prompt_length=args.max_prompt_length,
-                    max_tokens=args.max_tokens, max_logprobs=args.max_logprobs, dev_mode=not args.no_dev_mode)
+                    max_tokens=args.max_tokens, max_logprobs=args.max_logprobs, dev_mode=not args.no_dev_mode,
+                    logprobs_mode=args.logprobs_mode)
     if args.model:
         fake.reload(args.model)
     uvicorn.run(create_app(fake, api_key=args.api_key), host=args.host, port=args.port, log_level="warning")
