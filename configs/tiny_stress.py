@@ -1,4 +1,4 @@
-"""Stress testbed: the tiny chain_sum task made strongly off-policy, so the trust-region mask matters (issue 16).
+"""Stress testbed: the tiny chain_sum task made strongly off-policy, so the trust-region mask matters.
 
 ``configs/tiny.py`` (0.6M-parameter Qwen3-architecture model, reasoning-gym chain_sum, K = 4) with:
 
@@ -9,9 +9,9 @@
   rollout batch, 15 of them off-policy; learning rate 1e-4;
 * 30 RL steps, held-out evaluation (avg@4 at temperature 1 + greedy, 200 prompts) every 10 steps.
 
-How it was found (measured on the shared 2-core CPU, one seed per trial): see ``reports/stress/README.md``.
-With these settings truncated IS without a mask loses ≈ 0.2 of held-out accuracy within 30 steps.
-One run takes ≈ 1-2 min after a ≈ 3 min warm start on that machine (under load).
+How the settings were chosen: ``reports/stress/README.md``. With them, truncated IS without a mask loses
+≈ 0.2 of held-out accuracy within 30 steps. One run takes a few minutes on a 2-core CPU, most of it the
+warm start (docs/benchmarks.md).
 
 Argument string (big_vision style): ``configs/tiny_stress.py:mask=dppo,delta=0.05,seed=3``.
 """
