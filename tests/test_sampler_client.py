@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pdm_jax.sampler import wire
+from pdm_jax.sampler import vllm_api, wire
 from pdm_jax.rollouts.client import SamplerClient, SamplerError, SamplerRequestError
 
 
@@ -164,7 +164,7 @@ def test_the_vllm_client_reads_a_deeply_nested_body_as_text_and_names_it():
     from pdm_jax.rollouts.vllm_client import VLLMSampler
 
     def handler(request):
-        if request.url.path == wire.VLLM_HEALTH:
+        if request.url.path == vllm_api.VLLM_HEALTH:
             return httpx.Response(200)
         return httpx.Response(200, content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"})
 

@@ -20,14 +20,11 @@ import httpx
 
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.rollouts import http as sampler_http
+from pdm_jax.rollouts.http import SamplerError
 from pdm_jax.sampler import wire
 from pdm_jax.sampler.wire import response_to_batch  # re-exported: callers import it from here
 
 __all__ = ["SamplerClient", "SamplerError", "SamplerRequestError", "response_to_batch"]
-
-
-class SamplerError(RuntimeError):
-    """The sampler could not be reached or kept failing (after all retries)."""
 
 
 class SamplerProtocolError(ValueError):

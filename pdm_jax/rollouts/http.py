@@ -22,6 +22,11 @@ MAX_RETRY_AFTER_S = 30.0
 SMALL_RESPONSE_BYTES = 1 << 20
 
 
+class SamplerError(RuntimeError):
+    """The sampler could not be reached or kept failing (after all retries). Re-exported by
+    `pdm_jax.rollouts.client`, where callers import it from."""
+
+
 class ResponseTooLarge(Exception):
     """A response body grew past the client's cap (`exchange`)."""
 
@@ -67,13 +72,11 @@ def exchange(http: httpx.Client, method: str, path: str, *, retries: int, backof
       counts: a dict whose ``"429"``, ``"5xx"`` and ``"transport"`` entries count the retries by cause.
       base_url: named in the messages.
     Raises:
-      SamplerError (`pdm_jax.rollouts.client`): connection errors, timeouts, an attempt past its deadline,
+      SamplerError: connection errors, timeouts, an attempt past its deadline,
         5xx or 429 answers on every attempt, or a body past ``max_response_bytes`` (not retried: it would be
         as large again).
       SamplerRedirect: a 3xx answer.
     """
-    from pdm_jax.rollouts.client import SamplerError  # the clients' error; client.py imports this module
-
     counts = counts if counts is not None else {}
     last, wait = None, None
     for attempt in range(retries + 1):

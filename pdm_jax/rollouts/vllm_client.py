@@ -12,7 +12,7 @@ them), each with its own seed (`prompt_seed`: vLLM gives the n samples of a requ
 only, the eos id among them, as our engine does), ``logprobs: K``,
 ``return_tokens_as_token_ids: true`` (tokens and top-K keys come back as ``"token_id:<id>"``
 strings, not text that different ids can share), ``echo: false``, and the penalties / min_p /
-min_tokens at their neutral values (`wire.VLLM_NEUTRAL_SAMPLING`) so that no server-side default
+min_tokens at their neutral values (`vllm_api.VLLM_NEUTRAL_SAMPLING`) so that no server-side default
 (the served model's generation_config.json) changes the sampling distribution.  Response shape
 (vLLM's ``CompletionResponse``; choice ``index = i * n + j`` is sample j of prompt i)::
 
@@ -25,7 +25,7 @@ min_tokens at their neutral values (`wire.VLLM_NEUTRAL_SAMPLING`) so that no ser
 
 Each ``top_logprobs[t]`` holds the sampled token plus the K most likely ones (K or K + 1 entries);
 the K largest, in descending order, are the top-K table.  -inf is written as -9999.0
-(`wire.VLLM_MIN_LOGPROB`) and read back as -inf in the top-K table; a sampled token at -9999.0 is
+(`vllm_api.VLLM_MIN_LOGPROB`) and read back as -inf in the top-K table; a sampled token at -9999.0 is
 an error.
 
 **Which distribution the log-probabilities are of.**  Our engine's behaviour log-probabilities are
@@ -83,7 +83,7 @@ from pdm_jax.models import hf_io
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch, build_batch, right_pad_rows
 from pdm_jax.sampler import weights as wts
-from pdm_jax.sampler import wire
+from pdm_jax.sampler import vllm_api, wire
 from pdm_jax.rollouts import http as sampler_http
 from pdm_jax.rollouts.client import SamplerError, SamplerProtocolError, SamplerRequestError, generate_response_bytes
 
@@ -143,20 +143,20 @@ def completions_request(prompts: Sequence[Sequence[int]], *, n: int, temperature
     body = {wire.PROMPT: [[int(t) for t in p] for p in prompts], wire.N: int(n),
             wire.TEMPERATURE: float(temperature), wire.TOP_P: float(top_p),
             wire.TOP_K: int(top_k) if int(top_k) > 0 else -1, wire.MAX_TOKENS: int(max_new_tokens),
-            wire.STOP_TOKEN_IDS: [int(s) for s in stop_token_ids], wire.IGNORE_EOS: True,
-            wire.LOGPROBS: int(top_k_logprobs), wire.RETURN_TOKENS_AS_TOKEN_IDS: True, wire.SEED: int(seed),
-            wire.ECHO: False, wire.STREAM: False, **wire.VLLM_NEUTRAL_SAMPLING}
+            wire.STOP_TOKEN_IDS: [int(s) for s in stop_token_ids], vllm_api.IGNORE_EOS: True,
+            wire.LOGPROBS: int(top_k_logprobs), vllm_api.RETURN_TOKENS_AS_TOKEN_IDS: True, wire.SEED: int(seed),
+            vllm_api.ECHO: False, wire.STREAM: False, **vllm_api.VLLM_NEUTRAL_SAMPLING}
     if model:
         body[wire.MODEL] = model
     return body
 
 
 def parse_token_id(token: Any, field: str) -> int:
-    """The id of a ``"token_id:<id>"`` string (`wire.TOKEN_ID_PREFIX`); VLLMResponseError otherwise."""
-    if not isinstance(token, str) or not token.startswith(wire.TOKEN_ID_PREFIX):
+    """The id of a ``"token_id:<id>"`` string (`vllm_api.TOKEN_ID_PREFIX`); VLLMResponseError otherwise."""
+    if not isinstance(token, str) or not token.startswith(vllm_api.TOKEN_ID_PREFIX):
         raise VLLMResponseError(field, f"is {wire._show(token)}, not a 'token_id:<id>' string: the server ignored "
-                                       f"{wire.RETURN_TOKENS_AS_TOKEN_IDS}=true (or is not vLLM)")
-    digits = token[len(wire.TOKEN_ID_PREFIX):]
+                                       f"{vllm_api.RETURN_TOKENS_AS_TOKEN_IDS}=true (or is not vLLM)")
+    digits = token[len(vllm_api.TOKEN_ID_PREFIX):]
     if not digits.isdigit() or len(digits) > 10:
         raise VLLMResponseError(field, f"is {wire._show(token)}: the id after 'token_id:' is not a non-negative integer")
     return int(digits)
@@ -171,7 +171,7 @@ def _logprob(value: Any, field: str, *, allow_min: bool) -> float:
         raise VLLMResponseError(field, f"is {v}, not a finite log-probability")
     if v > 1e-4:
         raise VLLMResponseError(field, f"is {v} > 0, not a log-probability")
-    if v <= wire.VLLM_MIN_LOGPROB:
+    if v <= vllm_api.VLLM_MIN_LOGPROB:
         if not allow_min:
             raise VLLMResponseError(field, f"is {v}: vLLM's -inf, but a sampled token must have a finite "
                                            f"log-probability (is the server's --logprobs-mode processed_logprobs?)")
@@ -194,14 +194,14 @@ def _parse_choice(c: Any, at: str, *, k: int, max_new_tokens: int, stops: set) -
     """``(ids, sampled log-probs [T], top-K ids [T, K], top-K log-probs [T, K], finish reason)`` of one
     choice (`parse_completions`; `at` is its location, ``choices[r]``)."""
     lp = _get(c, wire.LOGPROBS, f"{at}.logprobs", Mapping, "an object (the request asked for logprobs)")
-    tokens = _get(lp, wire.TOKENS, f"{at}.logprobs.tokens", list, "a list")
-    token_lp = _get(lp, wire.TOKEN_LOGPROBS, f"{at}.logprobs.token_logprobs", list, "a list")
+    tokens = _get(lp, vllm_api.TOKENS, f"{at}.logprobs.tokens", list, "a list")
+    token_lp = _get(lp, vllm_api.TOKEN_LOGPROBS, f"{at}.logprobs.token_logprobs", list, "a list")
     top = _get(lp, wire.TOP_LOGPROBS, f"{at}.logprobs.top_logprobs", list, "a list")
     t_r = len(tokens)
     if not 1 <= t_r <= max_new_tokens:
         raise VLLMResponseError(f"{at}.logprobs.tokens", f"has {t_r} tokens; 1..max_tokens={max_new_tokens} "
                                                          f"expected")
-    for name, lst in ((wire.TOKEN_LOGPROBS, token_lp), (wire.TOP_LOGPROBS, top)):
+    for name, lst in ((vllm_api.TOKEN_LOGPROBS, token_lp), (wire.TOP_LOGPROBS, top)):
         if len(lst) != t_r:
             raise VLLMResponseError(f"{at}.logprobs.{name}", f"has {len(lst)} entries for {t_r} tokens")
     ids = [parse_token_id(tok, f"{at}.logprobs.tokens[{t}]") for t, tok in enumerate(tokens)]
@@ -439,22 +439,22 @@ class VLLMSampler:
         Raises:
           SamplerError / SamplerRequestError: the server does not answer, or lists no model.
         """
-        self._request("GET", wire.VLLM_HEALTH, retries=retries)
-        listed = self._request("GET", wire.VLLM_MODELS, retries=retries)
-        if not isinstance(listed, Mapping) or not isinstance(listed.get(wire.DATA, []), list):
-            raise SamplerProtocolError(f"GET {self.base_url}{wire.VLLM_MODELS}: not a model list: "
+        self._request("GET", vllm_api.VLLM_HEALTH, retries=retries)
+        listed = self._request("GET", vllm_api.VLLM_MODELS, retries=retries)
+        if not isinstance(listed, Mapping) or not isinstance(listed.get(vllm_api.DATA, []), list):
+            raise SamplerProtocolError(f"GET {self.base_url}{vllm_api.VLLM_MODELS}: not a model list: "
                                        f"{wire._show(listed, 300)}")
-        ids = [m.get(wire.ID) for m in listed.get(wire.DATA, []) if isinstance(m, Mapping)]
+        ids = [m.get(vllm_api.ID) for m in listed.get(vllm_api.DATA, []) if isinstance(m, Mapping)]
         if not self.model:
             if not ids:
-                raise SamplerError(f"GET {self.base_url}{wire.VLLM_MODELS} lists no model: {wire._show(listed, 300)}")
+                raise SamplerError(f"GET {self.base_url}{vllm_api.VLLM_MODELS} lists no model: {wire._show(listed, 300)}")
             self.model = str(ids[0])
         return {wire.STATUS: wire.OK, wire.MODEL: self.model, wire.VERSION: self._version, "models": ids}
 
     def probe(self, timeout_s: float) -> bool:
         """One ``GET /health`` with its own timeout and no retry: True iff HTTP 200 (the supervisor's stall probe)."""
         try:
-            return self._http.get(wire.VLLM_HEALTH, timeout=timeout_s).status_code == 200
+            return self._http.get(vllm_api.VLLM_HEALTH, timeout=timeout_s).status_code == 200
         except Exception:  # noqa: BLE001 - transport errors, timeouts, a closed client: all "no answer"
             return False
 
@@ -489,7 +489,7 @@ class VLLMSampler:
                   for i, p in enumerate(prompts)]
         cap = generate_response_bytes(int(n), max_new, int(top_k_logprobs), max((len(p) for p in prompts), default=0),
                                       per_value=64)  # JSON text: "token_id:123": -1.234..., per entry
-        post = functools.partial(self._request, "POST", wire.VLLM_COMPLETIONS, max_response_bytes=cap)
+        post = functools.partial(self._request, "POST", vllm_api.VLLM_COMPLETIONS, max_response_bytes=cap)
         with self._lock:
             if self._version is None:
                 raise ValueError("VLLMSampler.generate: no weights version loaded yet (load_weights first)")
@@ -535,15 +535,15 @@ class VLLMSampler:
             pure = wts.load_weights(path, abstract=self._abstract, version=int(version))
             target = export_hf_weights(pure, self.model_config, self.hf_path(version), template=self._template)
             t1 = time.perf_counter()
-            paused = self._request("POST", wire.VLLM_PAUSE, params={"mode": "wait", "wait_for_inflight_requests": "true",
+            paused = self._request("POST", vllm_api.VLLM_PAUSE, params={"mode": "wait", "wait_for_inflight_requests": "true",
                                                                      "clear_cache": "true"}, missing_ok=True)
             try:
-                self._request("POST", wire.VLLM_COLLECTIVE_RPC, json_body={
-                    "method": wire.VLLM_RELOAD_METHOD, "kwargs": {wire.VLLM_WEIGHTS_PATH: target}})
-                self._request("POST", wire.VLLM_RESET_PREFIX_CACHE)
+                self._request("POST", vllm_api.VLLM_COLLECTIVE_RPC, json_body={
+                    "method": vllm_api.VLLM_RELOAD_METHOD, "kwargs": {vllm_api.VLLM_WEIGHTS_PATH: target}})
+                self._request("POST", vllm_api.VLLM_RESET_PREFIX_CACHE)
             finally:
                 if paused is not _MISSING:
-                    self._request("POST", wire.VLLM_RESUME)
+                    self._request("POST", vllm_api.VLLM_RESUME)
             previous, self._version = self._version, int(version)
             self.last_load_seconds = {"export": t1 - t0, "reload": time.perf_counter() - t1}
             keep = {os.path.basename(self.hf_path(v)) for v in (version, previous) if v is not None}
@@ -570,7 +570,7 @@ class VLLMSampler:
         for tau in (0.5, 1.0):
             body = completions_request([list(prompt)], n=1, temperature=tau, max_new_tokens=1, top_k_logprobs=1,
                                        stop_token_ids=[], seed=0, top_p=1.0, top_k=0, model=self.model)
-            answer = self._request("POST", wire.VLLM_COMPLETIONS, json_body=body)
+            answer = self._request("POST", vllm_api.VLLM_COMPLETIONS, json_body=body)
             try:
                 entry = answer[wire.CHOICES][0][wire.LOGPROBS][wire.TOP_LOGPROBS][0]
                 top.append(max(float(v) for v in entry.values()))

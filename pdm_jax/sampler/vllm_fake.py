@@ -40,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from pdm_jax.sampler import wire
+from pdm_jax.sampler import vllm_api, wire
 from pdm_jax.sampler.server import is_loopback
 
 log = logging.getLogger("pdm_jax.sampler.vllm_fake")
@@ -135,9 +135,9 @@ class FakeVLLM:
         self.requests.append(body)
         if body.get(wire.STREAM):
             raise FakeVLLMError(400, "streaming is not served by the fake server", wire.STREAM)
-        if body.get(wire.ECHO):
-            raise FakeVLLMError(400, "echo is not served by the fake server", wire.ECHO)
-        for name, neutral in wire.VLLM_NEUTRAL_SAMPLING.items():
+        if body.get(vllm_api.ECHO):
+            raise FakeVLLMError(400, "echo is not served by the fake server", vllm_api.ECHO)
+        for name, neutral in vllm_api.VLLM_NEUTRAL_SAMPLING.items():
             if body.get(name, neutral) != neutral:
                 raise FakeVLLMError(400, f"{name}={body[name]!r}: only the neutral value {neutral} is served", name)
         prompts = body.get(wire.PROMPT)
@@ -153,9 +153,9 @@ class FakeVLLM:
             if k > self.max_logprobs:
                 raise FakeVLLMError(400, f"Requested sample logprobs of {k}, which is greater than max allowed: "
                                          f"{self.max_logprobs}", wire.LOGPROBS)
-            if body.get(wire.RETURN_TOKENS_AS_TOKEN_IDS) is not True:
+            if body.get(vllm_api.RETURN_TOKENS_AS_TOKEN_IDS) is not True:
                 raise FakeVLLMError(400, "the fake server has no tokenizer: set return_tokens_as_token_ids=true",
-                                    wire.RETURN_TOKENS_AS_TOKEN_IDS)
+                                    vllm_api.RETURN_TOKENS_AS_TOKEN_IDS)
         self._resumed.wait(timeout=600)
         engine = self.engine
         if engine is None:
@@ -185,19 +185,19 @@ class FakeVLLM:
             if k is not None:
                 top = []
                 for t in range(t_r):
-                    entry = {f"{wire.TOKEN_ID_PREFIX}{ids[t]}": _clamp(batch.behavior_logprobs[r, t])}
+                    entry = {f"{vllm_api.TOKEN_ID_PREFIX}{ids[t]}": _clamp(batch.behavior_logprobs[r, t])}
                     for i, v in zip(batch.topk_ids[r, t, :k], batch.topk_logprobs[r, t, :k]):
-                        entry.setdefault(f"{wire.TOKEN_ID_PREFIX}{int(i)}", _clamp(v))
+                        entry.setdefault(f"{vllm_api.TOKEN_ID_PREFIX}{int(i)}", _clamp(v))
                     top.append(entry)
-                logprobs = {wire.TEXT_OFFSET: [0] * t_r,
-                            wire.TOKEN_LOGPROBS: [_clamp(v) for v in batch.behavior_logprobs[r, :t_r]],
-                            wire.TOKENS: [f"{wire.TOKEN_ID_PREFIX}{i}" for i in ids], wire.TOP_LOGPROBS: top}
+                logprobs = {vllm_api.TEXT_OFFSET: [0] * t_r,
+                            vllm_api.TOKEN_LOGPROBS: [_clamp(v) for v in batch.behavior_logprobs[r, :t_r]],
+                            vllm_api.TOKENS: [f"{vllm_api.TOKEN_ID_PREFIX}{i}" for i in ids], wire.TOP_LOGPROBS: top}
             reason = str(batch.finish_reason[r])
-            choices.append({wire.INDEX: r, wire.TEXT: "", wire.LOGPROBS: logprobs, wire.FINISH_REASON: reason,
-                            wire.STOP_REASON: ids[-1] if reason == "stop" and ids[-1] in stops else None,
+            choices.append({wire.INDEX: r, vllm_api.TEXT: "", wire.LOGPROBS: logprobs, wire.FINISH_REASON: reason,
+                            vllm_api.STOP_REASON: ids[-1] if reason == "stop" and ids[-1] in stops else None,
                             "prompt_logprobs": None})
         completion = int(lengths.sum())
-        return {wire.ID: f"cmpl-{secrets.token_hex(8)}", wire.OBJECT: wire.TEXT_COMPLETION,
+        return {vllm_api.ID: f"cmpl-{secrets.token_hex(8)}", wire.OBJECT: wire.TEXT_COMPLETION,
                 "created": int(time.time()), wire.MODEL: self.model_name, wire.CHOICES: choices,
                 wire.USAGE: {wire.PROMPT_TOKENS: prompt_tokens, wire.COMPLETION_TOKENS: completion,
                              "total_tokens": prompt_tokens + completion}}
@@ -207,13 +207,13 @@ class FakeVLLM:
         """``reload_weights`` with ``kwargs.weights_path``; vLLM's answer ``{"results": [null]}`` (one worker)."""
         if not isinstance(body, dict) or body.get("method") is None:
             raise FakeVLLMError(400, "Missing 'method' in request body", "method")
-        if body["method"] != wire.VLLM_RELOAD_METHOD:
+        if body["method"] != vllm_api.VLLM_RELOAD_METHOD:
             raise FakeVLLMError(400, f"method {body['method']!r} is not served by the fake server (only "
-                                     f"{wire.VLLM_RELOAD_METHOD!r})", "method")
+                                     f"{vllm_api.VLLM_RELOAD_METHOD!r})", "method")
         kwargs = body.get("kwargs") or {}
         if not isinstance(kwargs, dict):
             raise FakeVLLMError(400, "kwargs must be an object", "kwargs")
-        self.reload(kwargs.get(wire.VLLM_WEIGHTS_PATH))
+        self.reload(kwargs.get(vllm_api.VLLM_WEIGHTS_PATH))
         return {"results": [None]}
 
     def pause(self) -> dict:
@@ -225,7 +225,7 @@ class FakeVLLM:
         return {wire.STATUS: "resumed"}
 
     def models(self) -> dict:
-        return {wire.OBJECT: "list", wire.DATA: [{wire.ID: self.model_name, wire.OBJECT: "model",
+        return {wire.OBJECT: "list", vllm_api.DATA: [{vllm_api.ID: self.model_name, wire.OBJECT: "model",
                                                   "owned_by": "vllm", "root": self.weights_path,
                                                   "max_model_len": self.engine_kwargs["max_prompt_length"]
                                                   + self.engine_kwargs["max_new_tokens"]}]}
@@ -233,7 +233,7 @@ class FakeVLLM:
 
 def _clamp(v) -> float:
     """A log-probability as vLLM writes it: -inf (and anything below) -> -9999.0."""
-    return max(float(v), wire.VLLM_MIN_LOGPROB)
+    return max(float(v), vllm_api.VLLM_MIN_LOGPROB)
 
 
 def create_app(fake: FakeVLLM, *, api_key: Optional[str] = None):
@@ -266,13 +266,13 @@ def create_app(fake: FakeVLLM, *, api_key: Optional[str] = None):
             return Response(status_code=200) if result is None else JSONResponse(result)
         return endpoint
 
-    app.get(wire.VLLM_HEALTH)(answer(lambda: None, body=False))
-    app.get(wire.VLLM_MODELS)(answer(fake.models, body=False))
-    app.post(wire.VLLM_COMPLETIONS)(answer(fake.completions))
-    app.post(wire.VLLM_PAUSE)(answer(fake.pause, dev=True, body=False))
-    app.post(wire.VLLM_RESUME)(answer(fake.resume, dev=True, body=False))
-    app.post(wire.VLLM_RESET_PREFIX_CACHE)(answer(lambda: None, dev=True, body=False))
-    app.post(wire.VLLM_COLLECTIVE_RPC)(answer(fake.collective_rpc, dev=True))
+    app.get(vllm_api.VLLM_HEALTH)(answer(lambda: None, body=False))
+    app.get(vllm_api.VLLM_MODELS)(answer(fake.models, body=False))
+    app.post(vllm_api.VLLM_COMPLETIONS)(answer(fake.completions))
+    app.post(vllm_api.VLLM_PAUSE)(answer(fake.pause, dev=True, body=False))
+    app.post(vllm_api.VLLM_RESUME)(answer(fake.resume, dev=True, body=False))
+    app.post(vllm_api.VLLM_RESET_PREFIX_CACHE)(answer(lambda: None, dev=True, body=False))
+    app.post(vllm_api.VLLM_COLLECTIVE_RPC)(answer(fake.collective_rpc, dev=True))
     app.state.fake = fake
     return app
 
