@@ -37,6 +37,45 @@ jax.config.update("jax_enable_compilation_cache", False)  # the cache's options 
 settings.register_profile("pdm_jax", derandomize=True, database=None)
 settings.load_profile("pdm_jax")
 
+# ---- shared test fixtures: the tiny models most modules build, a free loopback port ----------------------------
+
+def _tiny_configs():
+    from pdm_jax.models.qwen3 import Qwen3Config
+
+    dense = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    moe = Qwen3Config(**{**dense.__dict__, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                         "norm_topk_prob": True})
+    return dense, moe
+
+
+#: The tiny dense Qwen3 of the sampler, weights and colocation tests (V 32, d 32, 2 layers, GQA 4/2, head 8).
+#: Modules import it (``from conftest import TINY_DENSE``) so that equal shapes are written once.
+#: TINY_MOE: the same with 4 experts, top-2, expert width 16, normalised top-k.
+TINY_DENSE, TINY_MOE = _tiny_configs()
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (bound and released; the caller binds it next)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tiny_dense_config():
+    """`TINY_DENSE` as a fixture."""
+    return TINY_DENSE
+
+
+@pytest.fixture
+def tiny_moe_config():
+    """`TINY_MOE` as a fixture."""
+    return TINY_MOE
+
+
 _CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                   "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
 

@@ -10,7 +10,6 @@ uninterrupted 2-process run's, and process 1's checkpoint shards are in the buck
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gcs_standin  # noqa: E402
+from conftest import free_port
 
 pytest.importorskip("gcsfs")
 pytest.importorskip("gcp_storage_emulator")
@@ -179,15 +179,9 @@ DETERMINISTIC_KEYS = ("reward", "loss", "frac_masked", "frac_outside", "mean_div
                       "response_length", "mean_tail_mass")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two(workdir, args, env, logdir, timeout=600):
     """Two processes x 2 CPU devices of ``python -m pdm_jax.train`` on loopback; returns their exit codes."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for i in range(2):
         e = dict(os.environ, **env)

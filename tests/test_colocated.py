@@ -21,17 +21,17 @@ import pytest
 from flax import nnx
 
 from pdm_jax.config import get_base_config, resolve_sampler_mode, validate_config
-from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler.engine import SamplingEngine, StaleWeightsError
 from pdm_jax.rollouts.supervisor import SamplerRejected, SamplerSupervisor
 from pdm_jax.sharding import make_mesh, param_shardings
+from conftest import TINY_DENSE
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_trainer import DETERMINISTIC_KEYS, tiny_test_config  # noqa: E402
 
-CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CFG = TINY_DENSE
 LIMITS = dict(max_prompt_length=16, max_new_tokens=16)
 GEN = dict(n=2, max_new_tokens=4, top_k_logprobs=5, temperature=0.7, seed=3)
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]

@@ -6,7 +6,6 @@ devices each) and one single-process reference with 8 fake devices.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,15 +17,10 @@ import pytest
 
 from pdm_jax import distributed
 from pdm_jax.sharding import make_mesh
+from conftest import free_port
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(out, devices, env_extra):
@@ -56,7 +50,7 @@ def wait_all(procs, timeout):
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     common = dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
     two = str(tmp_path / "two.npz")
     one = str(tmp_path / "one.npz")

@@ -25,7 +25,8 @@ from pdm_jax.rollouts.vllm_client import VLLMSampler, prompt_seed
 from pdm_jax.sampler.vllm_fake import FakeVLLM, create_app, serve_in_thread
 from pdm_jax.sampler.weights import save_weights
 from pdm_jax.sharding import make_mesh
-from tests.test_distributed import _free_port, wait_all
+from conftest import free_port
+from tests.test_distributed import wait_all
 from tests.test_sampler_engine import CFG, K, make_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +151,7 @@ DETERMINISTIC = ("loss", "frac_masked", "frac_masked_first_minibatch", "frac_out
 
 @pytest.mark.slow
 def test_two_processes_with_per_host_rollouts_match_one_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     cache = str(tmp_path / "jax_cache")
     common = dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
     two, one = str(tmp_path / "two"), str(tmp_path / "one")

@@ -15,10 +15,9 @@ from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sampler import wire
 from pdm_jax.sampler.engine import SamplingEngine
 from pdm_jax.sampler.wire import RequestError
+from conftest import TINY_MOE
 
-CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                  num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+CFG = TINY_MOE
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
 GEN = dict(n=2, max_new_tokens=10, top_k_logprobs=3, temperature=1.0, seed=5, stop_token_ids=[0])
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollouts.in_process import InProcessSampler
 from pdm_jax.sampler.engine import (RequestError, SamplingEngine, resolve_compute_dtype,
                                     sampling_distribution)
+from conftest import TINY_DENSE
 
-CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CFG = TINY_DENSE
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
 K = 5
 GEN = dict(n=2, max_new_tokens=12, top_k_logprobs=K)

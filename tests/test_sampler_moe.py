@@ -11,10 +11,9 @@ from flax import nnx
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import quantize as q
 from pdm_jax.sampler.engine import SamplingEngine
+from conftest import TINY_MOE
 
-CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                  num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+CFG = TINY_MOE
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
 GEN = dict(n=2, max_new_tokens=12, top_k_logprobs=5)
 

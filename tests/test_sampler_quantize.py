@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.sampler import quantize as q
+from conftest import TINY_DENSE
 
-CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CFG = TINY_DENSE
 
 
 @pytest.fixture(scope="module")

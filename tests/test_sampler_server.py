@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.sampler import weights as wts
 from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError, response_to_batch
 from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.sampler.server import parse_args
+from conftest import TINY_DENSE
 
 pytestmark = pytest.mark.slow
 
-CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CFG = TINY_DENSE
 TOKEN = "test-token-123"
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
 K = 5

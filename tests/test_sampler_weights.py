@@ -11,9 +11,9 @@ from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import weights as wts
 from pdm_jax.rollouts.in_process import InProcessSampler
 from pdm_jax.sampler.engine import SamplingEngine, StaleWeightsError
+from conftest import TINY_DENSE
 
-CFG = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+CFG = TINY_DENSE
 
 
 def test_save_load_roundtrip_exact(tmp_path):
