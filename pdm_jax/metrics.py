@@ -37,18 +37,18 @@ class _TensorBoardScalars:
 
     def __init__(self, logdir: str):
         from tensorboardX.event_file_writer import EventsWriter  # only when log.tensorboard is on
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
 
+        self._event, self._scalar = Event, scalar
         os.makedirs(logdir, exist_ok=True)
         self._writer = EventsWriter(os.path.join(logdir, "events"))
         self._writer.flush()
 
     def add(self, phase: str, step: int, scalars: Mapping[str, float]) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
-
         now = time.time()
         for k, v in scalars.items():
-            self._writer.write_event(Event(wall_time=now, step=int(step), summary=scalar(f"{phase}/{k}", v)))
+            self._writer.write_event(self._event(wall_time=now, step=int(step), summary=self._scalar(f"{phase}/{k}", v)))
         self._writer.flush()
 
     def close(self) -> None:

@@ -64,6 +64,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def doc_section(page: str, heading: str) -> str:
+    """The section of ``docs/<page>`` that starts at the ``## <heading>`` line, up to the next ``## `` heading."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / page).read_text()
+    start = text.index(f"## {heading}")
+    end = text.find("\n## ", start + 1)
+    return text[start: end if end >= 0 else len(text)]
+
+
 @pytest.fixture
 def tiny_dense_config():
     """`TINY_DENSE` as a fixture."""

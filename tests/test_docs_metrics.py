@@ -19,16 +19,14 @@ from pdm_jax import evaluation, metrics, profiling, trainer
 from pdm_jax.rl import loss, train_step
 from pdm_jax.rl import trust_region as tr
 from pdm_jax.config import get_base_config
+from conftest import doc_section
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def glossary() -> str:
     """The "Metrics glossary" section of docs/metrics.md (up to the next section or the end)."""
-    text = (REPO / "docs" / "metrics.md").read_text()
-    start = text.index("## Metrics glossary")
-    end = text.find("\n## ", start + 1)
-    return text[start: end if end >= 0 else len(text)]
+    return doc_section("metrics.md", "Metrics glossary")
 
 
 def documented(section: str) -> set:

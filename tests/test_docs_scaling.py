@@ -14,16 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import doc_section
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def dry_run_section() -> str:
     """The "Dry run: does a config fit?" section of docs/scaling.md (up to the next ``## `` heading)."""
-    text = (REPO / "docs" / "scaling.md").read_text()
-    start = text.index("## Dry run: does a config fit?")
-    end = text.find("\n## ", start + 1)
-    return text[start: end if end >= 0 else len(text)]
+    return doc_section("scaling.md", "Dry run: does a config fit?")
 
 
 def docs_dry_run_commands(text: str | None = None) -> list[list[str]]:
