@@ -325,7 +325,7 @@ def find_final_answer(text: str, *, truncated: bool = False) -> Extraction:
         return Extraction(None, TRUNCATED if truncated else ABSENT, "think")
     markers = [(m.start(), m.end()) for m in _ANSWER_MARKER_RE.finditer(text)] + _answer_headings(text)
     boxes = list(_BOX_RE.finditer(text))
-    if markers and (not boxes or max(markers)[1] <= boxes[-1].start()) or not markers:
+    if not markers or (boxes and boxes[-1].start() >= max(markers)[1]):  # no answer line after the last box
         boxed = _last_box(text, truncated)
         if boxed.status != ABSENT:
             return boxed
