@@ -285,16 +285,20 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Saves `state` (a pytree of arrays) and `meta` (JSON-serialisable) as checkpoint `step`, synchronously.
 
-        Returns once orbax has committed the checkpoint and its integrity manifest is written.
+        Returns once orbax has committed the checkpoint and its integrity manifest is written. Raises
+        `pdm_jax.workdir.RunWriteError` naming the step's directory when a file cannot be written (a full disk:
+        orbax itself raises a bare ``OSError(ENOSPC)``); what is left is orbax's temporary directory or a step
+        without its manifest, neither of which a restore takes.
         """
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
-        self._manager.wait_until_finished()
-        if jax.process_index() == 0:
-            write_manifest(self.step_path(step))
+        with wd.naming_write_errors(self.step_path(step)):
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+            self._manager.wait_until_finished()
+            if jax.process_index() == 0:
+                write_manifest(self.step_path(step))
         self._barrier("manifest")
 
     def restore(self, abstract_state: Any, step: Optional[int] = None):

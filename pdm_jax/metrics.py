@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import errno
 import io
 import json
+import logging
 import math
 import os
 import shutil
@@ -16,6 +16,8 @@ import numpy as np
 
 from pdm_jax import workdir as wd
 
+log = logging.getLogger(__name__)
+
 
 def _to_float(v):
     try:
@@ -23,11 +25,6 @@ def _to_float(v):
     except (TypeError, ValueError):
         return None
     return f
-
-
-class MetricsWriteError(OSError):
-    """A record could not be written (a full disk: ENOSPC, a read-only or vanished directory); names the file and
-    the error. The run stops at once; freeing the space and running the same command resumes it."""
 
 
 class _TensorBoardScalars:
@@ -64,7 +61,7 @@ class MetricsWriter:
     every line a run that left no checkpoint wrote; ``restore`` (the checkpoint's copy of its step's ``rl``
     record, without the step's timings) is written back, marked ``restored_from_checkpoint``, when a crash
     after the checkpoint left that record missing or torn. A write that fails (ENOSPC...) raises
-    `MetricsWriteError` naming the file, at once (both sinks write synchronously).
+    `pdm_jax.workdir.RunWriteError` naming the file, at once (both sinks write synchronously).
 
     Bucket workdir (``gs://...``, `pdm_jax.workdir.is_remote`): objects cannot be appended to, so
     the file and the TensorBoard events are written in a local staging directory exactly as
@@ -103,16 +100,9 @@ class MetricsWriter:
 
     @staticmethod
     def _guarded(path: str, fn):
-        """``fn()``, an OSError raised as `MetricsWriteError` naming `path` and the error (ENOSPC...)."""
-        try:
+        """``fn()``, an OSError raised as `pdm_jax.workdir.RunWriteError` naming `path` and the error (ENOSPC...)."""
+        with wd.naming_write_errors(path):
             return fn()
-        except MetricsWriteError:
-            raise
-        except OSError as e:
-            name = errno.errorcode.get(e.errno, "") if e.errno else ""
-            raise MetricsWriteError(e.errno, f"cannot write {path}: {name + ': ' if name else ''}{e.strerror or e} "
-                                             "(free space or fix the directory, then run the same command: it "
-                                             "resumes from the last checkpoint)") from e
 
     def _upload(self) -> None:
         """Bucket workdir: uploads the staged metrics.jsonl and TensorBoard event files whole."""
@@ -152,6 +142,19 @@ class MetricsWriter:
                 for name in sorted(os.listdir(tb_dir)):
                     wd.upload_file(os.path.join(tb_dir, name), wd.join(self._remote, "tensorboard", name))
             shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def read_summary(path: str) -> dict | None:
+    """The ``summary.json`` of a finished run, or None when it is missing or unreadable (torn: it is then written
+    again from the metrics file, which holds everything it says; a warning names the file)."""
+    if not wd.exists(path):
+        return None
+    try:
+        summary = json.loads(wd.read_bytes(path))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        log.warning("%s is unreadable (%s); it is written again from the metrics", path, e)
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -384,10 +387,7 @@ def plot_curves(records: Iterable[dict], out_png: str, config=None) -> None:
     fig = curves_figure(records, config)
     import matplotlib.pyplot as plt  # heavy (~1 s); after curves_figure has selected the Agg backend
 
-    if wd.is_remote(out_png):
-        buf = io.BytesIO()
-        fig.savefig(buf, dpi=110, format="png")
-        wd.write_bytes(out_png, buf.getvalue())
-    else:
-        fig.savefig(out_png, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
+    wd.write_bytes(out_png, buf.getvalue())  # whole or not at all; a full disk: RunWriteError naming the file

@@ -21,7 +21,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from pdm_jax.checkpointing import CheckpointError  # noqa: E402
 from pdm_jax.config import check_field_path, check_override_value, validate_config  # noqa: E402
-from pdm_jax.workdir import WorkdirLockedError, run_path  # noqa: E402
+from pdm_jax.workdir import RunWriteError, WorkdirLockedError, run_path  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
                                           lock_config=True)
@@ -76,12 +76,11 @@ def main(argv):
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
-    from pdm_jax.metrics import MetricsWriteError
     from pdm_jax.rollouts.supervisor import SamplerFailure  # lazy, as the trainer: imports JAX
 
     try:
         summary = run(config, _WORKDIR.value)
-    except (WorkdirLockedError, CheckpointError, ValueError, SamplerFailure, MetricsWriteError) as e:  # named: no traceback
+    except (WorkdirLockedError, RunWriteError, CheckpointError, ValueError, SamplerFailure) as e:  # named: no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(summary, indent=2))

@@ -44,7 +44,7 @@ from pdm_jax.config import (check_routing_replay_model, check_sampler_mesh, comp
                             parse_stop_token_ids, redacted, step_configs, validate_config)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
-from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, run_summary, sampler_weights_format
+from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summary, run_summary, sampler_weights_format
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.models.tokenizer import build_char_tokenizer, load_tokenizer
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
@@ -436,9 +436,9 @@ class Trainer:
         ref = self._reference_policy(state)
         version = meta["sampler_version"]
         summary_path = os.path.join(self.workdir, "summary.json")
-        if meta["rl_step"] >= rl.steps and wd.exists(summary_path):
+        if meta["rl_step"] >= rl.steps and (done := read_summary(summary_path)) is not None:
             log.info("all %d RL steps are done; summary in %s", rl.steps, summary_path)
-            return json.loads(wd.read_bytes(summary_path))
+            return done
         if not self.sampler.started:  # file modes: the version is pushed first if it is not on disk
             self.sampler.start(version, params=state.params)
         log.info("sampler ready (%s, %s weights, version %d); %d GRPO steps to go", self.sampler.mode,

@@ -28,6 +28,7 @@ locks nothing (one launch per bucket path is the user's responsibility).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -43,6 +44,30 @@ from typing import Optional
 log = logging.getLogger("pdm_jax.workdir")
 
 LOCK_NAME = ".lock"
+
+
+class RunWriteError(OSError):
+    """A run file could not be written: a full disk (ENOSPC), a quota, a read-only or vanished directory.
+
+    Names the file and the error (``errno`` keeps the code). The run stops at once, before it writes anything
+    else; freeing the space (or fixing the directory) and running the same command resumes it from its last
+    checkpoint. Raised by every writer of the run: metrics, TensorBoard, checkpoints, weights pushed to the
+    sampler, ``summary.json``, ``config.json``, ``curves.png``.
+    """
+
+
+@contextlib.contextmanager
+def naming_write_errors(path: str):
+    """Re-raises an OSError from the body as `RunWriteError` naming `path` and the errno's name."""
+    try:
+        yield
+    except RunWriteError:
+        raise
+    except OSError as e:
+        name = errno.errorcode.get(e.errno, "") if e.errno else ""
+        raise RunWriteError(e.errno, f"cannot write {path}: {name + ': ' if name else ''}{e.strerror or e} (free "
+                                     "space or fix the directory, then run the same command: it resumes from the "
+                                     "last checkpoint)") from e
 
 
 class WorkdirLockedError(RuntimeError):
@@ -252,19 +277,26 @@ def read_bytes(path: str) -> bytes:
 def write_bytes(path: str, data: bytes, *, atomic: bool = True) -> None:
     """Writes a file whole. Local: to a temporary name, then ``os.replace`` (atomic for readers) when
     `atomic`, else a plain overwrite. URL: one single-object upload (on GCS the object appears complete
-    or not at all; no temporary name, as object stores have no rename)."""
+    or not at all; no temporary name, as object stores have no rename). Raises `RunWriteError` (local) naming
+    `path` when the file cannot be written."""
     if is_remote(path):
         fs, p = filesystem(path)
         fs.pipe_file(p, data)
         return
-    if not atomic:
-        with open(path, "wb") as f:
-            f.write(data)
-        return
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    with naming_write_errors(path):
+        if not atomic:
+            with open(path, "wb") as f:
+                f.write(data)
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # a full disk keeps no half-written temporary
+            raise
 
 
 def upload_file(local: str, remote: str) -> None:

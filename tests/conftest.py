@@ -74,6 +74,43 @@ def doc_section(page: str, heading: str) -> str:
     return text[start: end if end >= 0 else len(text)]
 
 
+class SmallDisk:
+    """A tmpfs of its own (a real file system, so every writer meets the kernel's own ENOSPC when it is full)."""
+
+    def __init__(self, root):
+        self.root = root
+        self.ballast = os.path.join(root, "ballast")
+
+    def fill(self) -> None:
+        """Writes a ballast file until the kernel answers ENOSPC: the disk is full."""
+        from fault_run import fill_disk
+
+        fill_disk(self.ballast)
+
+    def free(self) -> None:
+        os.unlink(self.ballast)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs mounted under the test's directory (`SmallDisk`), unmounted after the test.
+
+    Needs the right to mount (root, as on this project's CI machines); the test is skipped, saying so, where it has
+    not.
+    """
+    import subprocess
+
+    root = tmp_path / "small_disk"
+    root.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(root)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"a full-disk test needs a tmpfs mount, which this user may not make: {r.stderr.strip()}")
+    try:
+        yield SmallDisk(str(root))
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
 @pytest.fixture
 def tiny_dense_config():
     """`TINY_DENSE` as a fixture."""

@@ -1,5 +1,6 @@
 """`pdm_jax.metrics`: what the run summary and the logs say about the run."""
 
+from pdm_jax import workdir as wd
 from pdm_jax.config import get_base_config
 from pdm_jax.metrics import sampler_weights_format
 
@@ -21,7 +22,7 @@ def test_a_full_disk_fails_the_write_at_once_naming_enospc_and_the_file(tmp_path
     w = metrics.MetricsWriter(str(tmp_path), tensorboard=True)
     w.write(1, "rl", {"reward": 0.5})
     w._file = open("/dev/full", "a")  # every flush: ENOSPC, as on a full disk
-    with pytest.raises(metrics.MetricsWriteError, match=r"cannot write .*metrics.jsonl: ENOSPC: No space left"):
+    with pytest.raises(wd.RunWriteError, match=r"cannot write .*metrics.jsonl: ENOSPC: No space left"):
         w.write(2, "rl", {"reward": 0.6})
     w._file = open(w.path, "a")
 
@@ -29,7 +30,7 @@ def test_a_full_disk_fails_the_write_at_once_naming_enospc_and_the_file(tmp_path
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(w._tb, "add", full)  # the TensorBoard events: raised at the write, never a hung queue
-    with pytest.raises(metrics.MetricsWriteError, match=r"cannot write .*tensorboard: ENOSPC"):
+    with pytest.raises(wd.RunWriteError, match=r"cannot write .*tensorboard: ENOSPC"):
         w.write(3, "rl", {"reward": 0.7})
 
 

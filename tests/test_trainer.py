@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -214,6 +215,81 @@ def test_sampler_killed_mid_run_is_restarted_without_losing_a_batch(reference_ru
     for s in (2, 3):
         for k in DETERMINISTIC_KEYS:
             assert got[s][k] == pytest.approx(ref[s][k], rel=1e-5, abs=1e-6), (s, k)
+
+
+def _run_fault(workdir, fault, args, timeout=900):
+    """`_run_cli` with one fault of `tests/fault_run.py` injected (``PDM_FAULT``)."""
+    cmd = [sys.executable, os.path.join(REPO, "tests", "fault_run.py"), "--config=configs/tiny.py",
+           f"--workdir={workdir}"] + args
+    env = dict(os.environ, PDM_FAULT=fault)
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _records(workdir):
+    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if line.strip()]
+
+
+def _assert_same_records(got, ref):
+    """Every record of the uninterrupted run once, in its order, with its values (timings aside)."""
+    assert [(r["phase"], r["step"]) for r in got] == [(r["phase"], r["step"]) for r in ref]
+    for g, r in zip(got, ref):
+        keys = [k for k in r if k not in ("phase", "step") and not k.startswith("time_")
+                and not any(w in k for w in ("seconds", "compile", "tokens_per"))]  # timings and caches aside
+        assert keys and set(keys) <= set(g), (r["phase"], r["step"])
+        for k in keys:
+            assert g[k] == pytest.approx(r[k], rel=1e-5, abs=1e-6), (r["phase"], r["step"], k)
+        assert "restored_from_checkpoint" not in g or g["phase"] == "rl"
+
+
+@pytest.mark.slow
+def test_sigkill_while_orbax_writes_the_end_of_sft_checkpoint_resumes_with_every_record_once(reference_run,
+                                                                                             tmp_path):
+    """Killed with the warm start's checkpoint in orbax's temporary directory (arrays and meta written, no commit):
+    the same command starts over (no checkpoint is intact), and the SFT record is in the file once."""
+    full, _, cache = reference_run
+    killed = tmp_path / "killed"
+    r = _run_fault(killed, "kill_in_checkpoint=20", SMALL + cache)  # sft.steps=20: the end of the warm start
+    assert r.returncode == -9, (r.returncode, r.stderr[-3000:])
+    assert [n for n in os.listdir(killed / "checkpoints")] == ["20.orbax-checkpoint-tmp"]
+    assert [x["phase"] for x in _records(killed)] == ["sft"]  # written before the kill
+    _assert_no_sampler_left(killed)
+    r = _run_cli(killed, SMALL + cache)
+    assert r.returncode == 0, r.stderr[-4000:]
+    _assert_same_records(_records(killed), _records(full))
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_at_once_naming_it_and_the_same_command_resumes_it(reference_run, small_disk):
+    """The workdir's file system fills after RL step 2 (a real tmpfs, the kernel's ENOSPC): the run stops with
+    exit 2 naming the file and ENOSPC, without hanging; a torn last record is left as a crash would; once the space
+    is freed the same command resumes to the uninterrupted run's records, each once. A torn summary.json of the
+    finished run is written again."""
+    full, _, cache = reference_run
+    workdir = os.path.join(small_disk.root, "run")
+    t0 = time.time()
+    r = _run_fault(workdir, f"fill_disk_after_rl_step=2:{small_disk.ballast}", SMALL + cache, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert re.search(r"error: .*cannot write .*/run/\S+: ENOSPC: No space left on device", r.stderr), r.stderr[-3000:]
+    assert time.time() - t0 < 120  # stopped, not hung (a whole run of these shapes takes ~10 s)
+    assert [x["step"] for x in _records(workdir) if x["phase"] == "rl"] == [1, 2]
+    small_disk.free()
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "phase": "rl", "rew')  # torn: a crash in the middle of step 3's record
+    r = _run_cli(workdir, SMALL + cache)
+    assert r.returncode == 0, r.stderr[-4000:]
+    _assert_same_records(_records(workdir), _records(full))
+    summary_path = os.path.join(workdir, "summary.json")
+    summary = json.load(open(summary_path))
+    with open(summary_path, "r+") as f:
+        f.truncate(40)  # torn
+    r = _run_cli(workdir, SMALL + cache)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "summary.json is unreadable" in r.stderr
+    again = json.load(open(summary_path))
+    assert {k: v for k, v in again.items() if k != "wall_seconds"} == {
+        k: v for k, v in summary.items() if k != "wall_seconds"}
+    _assert_same_records(_records(workdir), _records(full))
 
 
 def test_unreachable_sampler_fails_fast_with_a_clear_error(tmp_path):

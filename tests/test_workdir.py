@@ -1,12 +1,15 @@
 """The workdir lock: one holder at a time, named in the error; a dead holder's lock file does not block."""
 
+import errno
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from pdm_jax.workdir import LOCK_NAME, WorkdirLock, WorkdirLockedError, read_holder
@@ -121,3 +124,44 @@ def test_run_files_are_written_whole_or_not_at_all(tmp_path):
     assert json.loads(open(path).read()) == {"old": 1}
     trainer_src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pdm_jax", "trainer.py")
     assert "atomic=False" not in open(trainer_src).read()  # every run file the trainer writes is atomic
+
+
+def test_every_writer_of_the_run_names_a_full_disk_and_leaves_no_temporary(small_disk):
+    """On a real full file system (the kernel's ENOSPC), each writer of the run raises `RunWriteError` naming its
+    file and ENOSPC at once: the run files, the sampler's weights, the checkpoints, the curves, the metrics."""
+    import jax.numpy as jnp
+
+    from pdm_jax import workdir as wd
+    from pdm_jax.checkpointing import Checkpointer
+    from pdm_jax.metrics import MetricsWriter, plot_curves
+    from pdm_jax.sampler.weights import save_weights
+
+    run = os.path.join(small_disk.root, "run")
+    os.makedirs(run)
+    state = {"w": jnp.ones((64, 64), jnp.float32)}
+    ckpt = Checkpointer(os.path.join(run, "checkpoints"))
+    ckpt.save(1, state, {"step": 1})  # room enough before the disk fills
+    writer = MetricsWriter(run, tensorboard=True)
+    writer.write(1, "rl", {"reward": 0.5})
+    small_disk.fill()
+    enospc = r"cannot write {}: ENOSPC: No space left on device \(free space"
+    writes = {
+        os.path.join(run, "summary.json"): lambda: wd.write_bytes(os.path.join(run, "summary.json"), b"{}" * 4096),
+        os.path.join(run, "weights", "v000001", "params.safetensors"):
+            lambda: save_weights({"w": np.ones((256, 256), np.float32)}, os.path.join(run, "weights", "v000001"),
+                                 version=1),
+        os.path.join(run, "checkpoints", "2"): lambda: ckpt.save(2, state, {"step": 2}),
+        os.path.join(run, "curves.png"):
+            lambda: plot_curves([{"step": 1, "phase": "rl", "reward": 0.5}], os.path.join(run, "curves.png")),
+        os.path.join(run, "metrics.jsonl"): lambda: writer.write(2, "rl", {"reward": 0.6, "x" * 8192: 1.0}),
+    }
+    for path, write in writes.items():
+        with pytest.raises(wd.RunWriteError, match=enospc.format(re.escape(path))) as e:
+            write()
+        assert e.value.errno == errno.ENOSPC
+    small_disk.free()
+    left = [f for _, _, files in os.walk(run) for f in files if f.endswith(".tmp")]
+    assert left == []  # no half-written temporary of the run files or the weights
+    assert ckpt.latest_step() == 1  # the failed save is orbax's temporary directory, never a step
+    ckpt.close()
+    writer.close()

@@ -58,6 +58,7 @@ orbax formats are read from local directories only.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -226,14 +227,20 @@ def deserialize(data: bytes) -> dict:
 def _write_atomic(path: str, data: bytes) -> None:
     """Writes `data` to a temporary file and renames it over `path` (atomic for readers; no fsync: a
     version torn by a power loss fails its checksum at load, and the trainer re-pushes a missing one).
-    A URL: one single-object upload."""
+    A URL: one single-object upload. Raises `pdm_jax.workdir.RunWriteError` naming `path` (ENOSPC...)."""
     if wd.is_remote(path):
         wd.write_bytes(path, data)
         return
     tmp = f"{path}.{os.getpid()}.tmp"  # per process: several hosts may write the same (identical) directory
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    with wd.naming_write_errors(path):  # a full disk: RunWriteError naming the file, no temporary left behind
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def save_weights(model_or_state: Any, path: str, *, version: Optional[int] = None,
@@ -254,6 +261,7 @@ def save_weights(model_or_state: Any, path: str, *, version: Optional[int] = Non
     Raises:
       ValueError: negative/non-integer version, or no version given and the
         directory name is not an integer; two leaves with the same flattened name.
+      pdm_jax.workdir.RunWriteError: a file cannot be written (ENOSPC...), naming it.
     """
     if version is None:
         name = os.path.basename(os.path.normpath(path))

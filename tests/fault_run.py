@@ -1,0 +1,79 @@
+"""The main job (``python -m pdm_jax.train`` and its flags) with one fault injected, for the fault tests.
+
+``PDM_FAULT`` names the fault:
+
+- ``kill_in_checkpoint=<id>``: SIGKILL the trainer while orbax holds checkpoint ``<id>`` in its temporary
+  directory, every array and the meta written, before the commit marker and the rename (the end of the warm start
+  is id ``sft.steps``).
+- ``fill_disk_after_rl_step=<N>:<ballast path>``: right after RL step ``N``'s record is written, fill the file
+  system holding ``<ballast path>`` (the test's small tmpfs, which holds the workdir too) until the kernel answers
+  ENOSPC, so that whatever the run writes next meets a full disk. Deleting the ballast frees the space.
+
+Only the tests run this; the production code has no fault hook of its own for these.
+"""
+
+import errno
+import os
+import signal
+import sys
+
+
+def _kill_in_checkpoint(step_id: str) -> None:
+    from orbax.checkpoint._src.path import atomicity
+
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def killing_finalize(self, *args, **kwargs):
+        if self._final_path.name == step_id:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await finalize(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
+
+
+def fill_disk(ballast: str) -> None:
+    """Writes the file `ballast` until the kernel answers ENOSPC: its file system is full."""
+    chunk = b"\0" * (1 << 16)
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+
+
+def _fill_disk_after(rl_step: int, ballast: str) -> None:
+    from pdm_jax import metrics
+
+    write = metrics.MetricsWriter.write
+
+    def filling_write(self, step, phase, values):
+        rec = write(self, step, phase, values)
+        if phase == "rl" and int(step) == rl_step:
+            fill_disk(ballast)
+            print(f"fault: filled the disk under {ballast} after RL step {rl_step}", file=sys.stderr, flush=True)
+        return rec
+
+    metrics.MetricsWriter.write = filling_write
+
+
+def install(fault: str) -> None:
+    kind, _, arg = fault.partition("=")
+    if kind == "kill_in_checkpoint":
+        _kill_in_checkpoint(arg)
+    elif kind == "fill_disk_after_rl_step":
+        step, _, ballast = arg.partition(":")
+        _fill_disk_after(int(step), ballast)
+    else:
+        raise ValueError(f"PDM_FAULT: unknown fault {fault!r}")
+
+
+if __name__ == "__main__":
+    install(os.environ["PDM_FAULT"])
+    from absl import app
+
+    from pdm_jax import train
+
+    train._check_overrides(sys.argv)
+    app.run(train.main)
