@@ -243,6 +243,19 @@ def test_run_config_checks_the_dry_run_fields():
         validate_config(c)
 
 
+def test_a_dry_run_on_zero_devices_exits_2_naming_the_field():
+    """The CLI, as a user types it: a config error (exit 2, the field and the value), not a ZeroDivisionError."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", "--dry_run",
+                        "--config.dry_run.num_devices=0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "config error: dry_run.num_devices must be >= 1, got 0" in r.stderr and "Traceback" not in r.stderr
+
+
 class _Refused:
     """A lowered program whose compile raises the compiler's out-of-memory refusal ``message``."""
 

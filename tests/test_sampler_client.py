@@ -115,6 +115,46 @@ def test_a_gzip_bomb_is_refused_by_its_decoded_size():
     assert c.retry_counts == {}  # not retried: the next answer would be as large
 
 
+def test_the_vllm_client_refuses_a_gzip_bomb_by_its_decoded_size():
+    """The vLLM client's answers are capped by what its request can need, decoded size counted, as the native
+    client's are (0.5 MB on the wire once grew it to 3.3 GB)."""
+    import gzip
+
+    from pdm_jax.rollouts.vllm_client import VLLMSampler
+
+    bomb = gzip.compress(b" " * (64 << 20))  # 64 MiB of JSON whitespace: ~64 KB on the wire
+
+    def handler(request):
+        return httpx.Response(200, content=bomb, headers={"content-type": "application/json",
+                                                          "content-encoding": "gzip"})
+
+    v = VLLMSampler("http://vllm", model_config=None, weights_dir="/nonexistent", model="m", retries=2,
+                    backoff_s=0.0, transport=httpx.MockTransport(handler))
+    v._version = 0  # as after a first weight push
+    with pytest.raises(SamplerError, match=r"larger than \d+ bytes \(decoded\); refused"):
+        v.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
+    assert v.retry_counts == {}  # not retried
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (lambda cs: cs[0].update(prompt_index=-1), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
+    (lambda cs: cs[1].update(logprobs=np.full(1, -0.5, np.float32)), r"choices\[1\]\.logprobs: 1 values for 3"),
+])
+def test_a_hostile_choices_body_is_refused_by_the_client_naming_the_field(mutate, words):
+    """What `SamplerClient.generate` decodes from a server (or a proxy) that answers in the ``choices`` form with a
+    row of a prompt the request does not have, or one log-prob for three tokens. (What a well-formed answer must
+    match in the request, rows x n in order, lengths, ids, log mu, top-K mass, is checked for every backend by the
+    supervisor the trainer calls: `rollout.check_answers`, tests/test_sampler_supervisor.py.)"""
+    def handler(request):
+        choices = [_choice(i, [5, 6, 7][: 2 + i % 2], 3) for i in range(4)]
+        mutate(choices)
+        return _mp({"object": "text_completion", "weights_version": 4, "choices": choices})
+
+    c = SamplerClient("http://sampler", retries=0, transport=httpx.MockTransport(handler))
+    with pytest.raises(ValueError, match=words):
+        c.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
+
+
 def test_a_trickled_body_is_cut_at_the_deadline_and_retried():
     def slow():
         yield b"\x81"

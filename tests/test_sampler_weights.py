@@ -1,6 +1,7 @@
 """Weight-sync format (safetensors + meta JSON; older orbax directories still read) and the engine's version rules."""
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -97,6 +98,24 @@ def test_a_symlinked_file_or_directory_under_the_root_is_refused(tmp_path):
         os.symlink(outside / "1" / name, linked / name)
     with pytest.raises(wts.WeightsError, match="symbolic link"):
         s.load_weights("weights/1", 1)
+    # only the tensor file a link, beside the version's own, real meta file
+    os.unlink(linked / wts.META_FILE)
+    shutil.copy(outside / "1" / wts.META_FILE, linked / wts.META_FILE)
+    with pytest.raises(wts.WeightsError, match=r"'params.safetensors' is a symbolic link"):
+        s.load_weights("weights/1", 1)
+    # an older orbax directory under the root with one file of its tree a link: refused, never handed to orbax
+    from test_sampler_integrity import _orbax_dir
+
+    params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(1)), nnx.Param))
+    legacy = _orbax_dir(str(root / "weights" / "orbax"), params, wts.ORBAX_FORMAT)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    back = wts.load_weights(legacy, abstract=abstract, version=3, root=str(root))  # read from a private copy
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), back, params)
+    victim = next(os.path.join(d, f) for d, _, fs in os.walk(legacy) for f in fs if f != wts.META_FILE)
+    os.replace(victim, str(outside / "moved"))
+    os.symlink(outside / "moved", victim)
+    with pytest.raises(wts.WeightsError, match="is a symbolic link; refused"):
+        wts.load_weights(legacy, abstract=abstract, version=3, root=str(root))
     # a link to a directory inside the root is followed by no reader either (its real path is checked, then walked)
     os.symlink(root / "weights" / "0", root / "weights" / "alias")
     assert wts.ConfinedDir(str(root), os.path.realpath(root / "weights" / "alias")).fd is not None
@@ -108,40 +127,51 @@ def test_a_symlinked_file_or_directory_under_the_root_is_refused(tmp_path):
 
 
 def test_a_directory_swapped_for_a_link_during_loads_is_never_read(tmp_path):
-    """The race the path check alone loses: between the check and the open, the version directory becomes a link
-    to outside the root. Every try ends refused (a link) or loads the real version from inside the root."""
+    """The race the path check alone loses: between the check and the open, the real version directory becomes a
+    link to outside the root (and back). Every try loads the inside version or is refused; none reads outside."""
     import threading
 
     root, outside, eng, s = _root_with_versions(tmp_path)
-    inside = wts.save_weights(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(2)), str(root / "weights" / "real"), version=1)
-    target = root / "weights" / "v"
-    stop = threading.Event()
+    real = root / "weights" / "v"
+    parked = root / "weights" / "v.parked"
+    # the same version inside and outside, so that only where the bytes came from tells the two apart
+    wts.save_weights(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(2)), str(real), version=1)
+    inside_params = wts.load_weights(str(real), CFG)
+    stop, swaps, errs = threading.Event(), [0], []
 
     def swapper():
         while not stop.is_set():
-            for src in (inside, str(outside / "1")):
-                tmp = str(target) + ".tmp"
-                try:
-                    os.symlink(src, tmp)
-                    os.replace(tmp, target)
-                except OSError:
-                    pass
+            try:
+                os.replace(real, parked)  # the real directory out, a link to outside in its place
+                os.symlink(outside / "1", real)
+            except OSError as e:
+                errs.append(repr(e))
+            finally:  # and back, whatever failed
+                if os.path.islink(real):
+                    os.unlink(real)
+                if os.path.isdir(parked) and not os.path.exists(real):
+                    os.replace(parked, real)
+            swaps[0] += 1
 
     t = threading.Thread(target=swapper, daemon=True)
     t.start()
     outcomes = []
     try:
-        for version in range(1, 61):
+        for _ in range(60):
             try:
-                s.load_weights(str(target), version)
-                outcomes.append(eng.weights_path)
-            except wts.WeightsError as e:  # refused (a link, outside the root) or version mismatch
-                outcomes.append(type(e).__name__)
+                outcomes.append(("loaded", wts.load_weights(str(real), CFG, version=1, root=str(root))))
+            except wts.WeightsError as e:
+                outcomes.append((type(e).__name__, str(e)))
     finally:
         stop.set()
         t.join()
-    loaded = [o for o in outcomes if o.startswith("/")]
-    assert all(os.path.commonpath([str(root.resolve()), o]) == str(root.resolve()) for o in loaded), loaded
+    assert swaps[0] > 0 and errs == [], errs
+    for kind, got in outcomes:
+        if kind == "loaded":  # what was loaded is the inside version's bytes, never the outside one's
+            jax.tree.map(np.testing.assert_array_equal, got, inside_params)
+        else:
+            assert "symbolic link" in got or "does not exist" in got or "not a directory" in got, got
+    assert any(kind != "loaded" for kind, _ in outcomes), "no try met the race"
 
 
 def test_fifo_sparse_file_and_deep_meta_are_refused_unread(tmp_path):

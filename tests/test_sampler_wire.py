@@ -258,6 +258,33 @@ def test_response_without_usage_or_model_and_out_of_order_choices():
     np.testing.assert_array_equal(back.batch.completion_ids, batch.completion_ids)
 
 
+@pytest.mark.parametrize("mutate,words", [
+    (lambda c: c[1].update(logprobs=c[1]["logprobs"][:1]), r"choices\[1\]\.logprobs: 1 values for 3 completion"),
+    (lambda c: c[1]["top_logprobs"].update(ids=c[1]["top_logprobs"]["ids"][:-1]),
+     r"choices\[1\]\.top_logprobs\.ids: 6 values for 3 completion tokens; expected 3 x 3 = 9"),
+    (lambda c: c[1]["top_logprobs"]["logprobs"][2].pop(), r"choices\[1\]\.top_logprobs\.logprobs: not a list of 3 x 3"),
+    (lambda c: c[0].update(prompt_index=-1), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
+    (lambda c: c[0].update(prompt_index=2), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
+])
+def test_bad_choices_are_refused_naming_the_field(mutate, words):
+    """The ``choices`` form (vLLM's shape; another server may send it) is checked field by field, as the columns
+    are: one log-prob for three tokens, a short top-K list, a prompt index outside the request (-1 would be Python's
+    last prompt)."""
+    prompts, batch = make_batch()
+    body = through(wire.GenerateResponse(batch, model="m", prompt_tokens=4).to_wire(), False)
+    assert len(body["choices"][1]["token_ids"]) == 3 and body["choices"][0]["prompt_index"] == 0
+    mutate(body["choices"])
+    with pytest.raises(ValueError, match=words):
+        wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3)
+
+
+def test_a_huge_number_is_never_echoed_whole():
+    """A 4,000-digit ``n`` is refused with a message that shows it cut, not an 8 KB echo."""
+    with pytest.raises(wire.RequestError) as e:
+        wire.validate_request([[1]], **{**OK_KW, "n": 10 ** 4000}, **LIMITS)
+    assert e.value.field == "n" and len(str(e.value)) < 200, str(e.value)
+
+
 # ----------------------------------------------------------------------------- bodies, errors, health
 def test_decode_body_statuses():
     assert wire.decode_body(b'{"a": 1}', None) == {"a": 1}

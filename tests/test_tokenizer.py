@@ -450,3 +450,29 @@ def test_chat_ids_that_are_not_one_sequence_of_ints_are_refused():
         TextCodec(_FakeChat([[5], [6]]), chat=True).encode_prompt("x")
     with pytest.raises(TypeError, match=r"prompt ids must be integers, got 'input_ids' \(str\)"):
         TextCodec(_FakeChat(["input_ids", "attention_mask"]), chat=True).encode_prompt("x")
+
+
+def test_a_base_checkpoints_endoftext_stops_the_rollout_so_its_first_answer_is_graded(qwen3_tok, tmp_path):
+    """Qwen3 Base ends a completion with <|endoftext|> (151643): its generation_config names it, so the rollouts
+    stop there (`text.checkpoint_stop_ids`, used when `sampler.stop_token_ids` is empty), and "Answer: 5" then
+    151643 then a rambling "Answer: 7" scores 1 against gold 5. Stopping on <|im_end|> alone, the verifier would
+    read past the end and grade 7 (score 0)."""
+    import numpy as np
+    from transformers import GenerationConfig
+
+    from pdm_jax.data.verifiers import math_reward
+    from pdm_jax.text import TextCodec, checkpoint_stop_ids
+
+    GenerationConfig(eos_token_id=151643).save_pretrained(str(tmp_path / "base"))
+    stops = checkpoint_stop_ids(qwen3_tok, str(tmp_path / "base"))
+    assert 151643 in stops
+    ids = qwen3_tok.encode("Answer: 5") + [151643] + qwen3_tok.encode("\nAnswer: 7")
+
+    def graded(stop_ids):
+        codec = TextCodec(qwen3_tok, chat=False, stop_token_ids=stop_ids)
+        first_stop = next((i for i, t in enumerate(ids) if t in codec.stop_ids), len(ids) - 1)
+        mask = np.arange(len(ids)) <= first_stop  # as the engine leaves a row: valid through its stop token
+        return math_reward(codec.decode_completion(np.array(ids), mask), "5", in_process=True)
+
+    assert graded(stops) == 1.0
+    assert graded(()) == 0.0  # the eos <|im_end|> alone: 151643 is skipped as special and "Answer: 7" is graded

@@ -324,8 +324,10 @@ def test_second_trainer_on_a_locked_workdir_is_refused_naming_the_holder(tmp_pat
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": "gone"}))  # stale: does not block
-    c = tiny_test_config(**{"sampler.mode": "in_process"})
+    c = tiny_test_config(**{"sampler.mode": "in_process", "sampler.token": "s3cret-token"})
     first = trainer_mod.Trainer(c, str(tmp_path))
+    written = (tmp_path / "config.json").read_text()  # the run's own copy of its config: no secret in clear
+    assert json.loads(written)["sampler"]["token"] == "<redacted>" and "s3cret" not in written
     with pytest.raises(WorkdirLockedError, match=rf"workdir {tmp_path} is in use by another run \(pid {os.getpid()} "):
         trainer_mod.Trainer(c, str(tmp_path))
     # Multi-host: the workdir is shared, only process 0 locks it.

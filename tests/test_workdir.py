@@ -134,8 +134,14 @@ def test_every_writer_of_the_run_names_a_full_disk_and_leaves_no_temporary(small
     from pdm_jax import workdir as wd
     from pdm_jax.checkpointing import Checkpointer
     from pdm_jax.metrics import MetricsWriter, plot_curves
+    from flax import nnx
+
+    from conftest import TINY_DENSE
+    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
+    from pdm_jax.rollouts.vllm_client import export_hf_weights
     from pdm_jax.sampler.weights import save_weights
 
+    tiny_params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(TINY_DENSE, rngs=nnx.Rngs(0)), nnx.Param))
     run = os.path.join(small_disk.root, "run")
     os.makedirs(run)
     state = {"w": jnp.ones((64, 64), jnp.float32)}
@@ -154,13 +160,15 @@ def test_every_writer_of_the_run_names_a_full_disk_and_leaves_no_temporary(small
         os.path.join(run, "curves.png"):
             lambda: plot_curves([{"step": 1, "phase": "rl", "reward": 0.5}], os.path.join(run, "curves.png")),
         os.path.join(run, "metrics.jsonl"): lambda: writer.write(2, "rl", {"reward": 0.6, "x" * 8192: 1.0}),
+        os.path.join(run, "vllm", "v1"):  # the vLLM backend's Hugging Face export
+            lambda: export_hf_weights(tiny_params, TINY_DENSE, os.path.join(run, "vllm", "v1")),
     }
     for path, write in writes.items():
         with pytest.raises(wd.RunWriteError, match=enospc.format(re.escape(path))) as e:
             write()
         assert e.value.errno == errno.ENOSPC
     small_disk.free()
-    left = [f for _, _, files in os.walk(run) for f in files if f.endswith(".tmp")]
+    left = [f for d, _, files in os.walk(run) for f in files if f.endswith(".tmp") or d.endswith(".tmp")]
     assert left == []  # no half-written temporary of the run files or the weights
     assert ckpt.latest_step() == 1  # the failed save is orbax's temporary directory, never a step
     ckpt.close()

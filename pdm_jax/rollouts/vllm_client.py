@@ -79,6 +79,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from pdm_jax import workdir as wd
 from pdm_jax.models import hf_io
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch, build_batch, right_pad_rows
@@ -312,6 +313,7 @@ def export_hf_weights(params: Mapping, model_config, path: str, *, template=None
 
     Raises:
       ValueError: `params` do not fit the model's structure.
+      pdm_jax.workdir.RunWriteError: a file cannot be written (ENOSPC...), naming `path`; no temporary is left.
     """
     abstract = template if template is not None else nnx.eval_shape(
         lambda: Qwen3ForCausalLM(model_config, rngs=nnx.Rngs(0)))
@@ -331,9 +333,14 @@ def export_hf_weights(params: Mapping, model_config, path: str, *, template=None
     nnx.update(abstract, params_state)
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    hf_io.save_pretrained(abstract, tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    with wd.naming_write_errors(path):  # a full disk: RunWriteError naming the directory, no temporary left
+        try:
+            hf_io.save_pretrained(abstract, tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return path
 
 

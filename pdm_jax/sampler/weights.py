@@ -64,6 +64,7 @@ import json
 import logging
 import os
 import stat
+import tempfile
 from typing import Any, Mapping, Optional
 
 import jax
@@ -359,8 +360,13 @@ class ConfinedDir:
           WeightsError: `name` is a link or not a regular file (a FIFO, a device, a directory).
           CorruptWeightsError: its size exceeds `max_bytes` or differs from `expect_bytes` (checked before reading).
         """
+        return self._read_at(self.fd, name, max_bytes=max_bytes, expect_bytes=expect_bytes)
+
+    def _read_at(self, dir_fd: int, name: str, *, max_bytes: Optional[int] = None,
+                 expect_bytes: Optional[int] = None) -> bytes:
+        """`read` of the file `name` (a path relative to this directory, for messages) in the directory `dir_fd`."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self.fd)
+            fd = os.open(os.path.basename(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError:
             raise
         except OSError as e:
@@ -387,14 +393,18 @@ class ConfinedDir:
         finally:
             os.close(fd)
 
-    def check_tree(self) -> None:
-        """Refuses a link or a non-regular file anywhere below the directory (the orbax formats, which orbax opens
-        by path: checked before, so only a swap during the load itself could still pass).
+    def copy_tree(self, dest: str) -> None:
+        """Copies every file below the directory into the new directory `dest`, each read as `read` reads it.
+
+        For the orbax formats, which orbax opens by path: orbax then reads the private copy, which nothing under
+        the root can swap, so a link swapped in during the load is never followed. Every directory is opened
+        relative to its parent's descriptor with ``O_NOFOLLOW``.
 
         Raises:
-          WeightsError: naming the first link or special file found.
+          WeightsError: naming the first link or non-regular file found (or swapped in while copying).
         """
-        def walk(fd, prefix):
+        def walk(fd, prefix, out):
+            os.mkdir(out, 0o700)
             with os.scandir(fd) as it:
                 entries = list(it)
             for e in entries:
@@ -402,15 +412,23 @@ class ConfinedDir:
                 if e.is_symlink():
                     raise WeightsError(f"weights path {self.path!r}: {rel!r} is a symbolic link; refused")
                 if e.is_dir(follow_symlinks=False):
-                    sub_fd = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                     try:
-                        walk(sub_fd, rel + "/")
+                        sub_fd = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                    except OSError as err:
+                        raise WeightsError(f"weights path {self.path!r}: {rel!r} is a symbolic link or not a "
+                                           f"directory ({os.strerror(err.errno)}); refused") from None
+                    try:
+                        walk(sub_fd, rel + "/", os.path.join(out, e.name))
                     finally:
                         os.close(sub_fd)
-                elif not e.is_file(follow_symlinks=False):
+                elif e.is_file(follow_symlinks=False):
+                    data = self._read_at(fd, rel)
+                    with open(os.path.join(out, e.name), "xb") as f:
+                        f.write(data)
+                else:
                     raise WeightsError(f"weights path {self.path!r}: {rel!r} is not a regular file; refused")
 
-        walk(self.fd, "")
+        walk(self.fd, "", dest)
 
 
 def _parse_meta_json(path: str, data: bytes):
@@ -498,8 +516,9 @@ def _mismatch(rel: str, got: tuple, want: Mapping, algorithm: str = "sha256") ->
     return None
 
 
-def verify_files(path: str, meta: Mapping) -> None:
-    """Checks every file of the manifest ``meta["files"]`` (size and sha256) under the directory `path`.
+def verify_files(path: str, meta: Mapping, *, shown: Optional[str] = None) -> None:
+    """Checks every file of the manifest ``meta["files"]`` (size and sha256) under the directory `path`
+    (named `shown` in errors, when `path` is a private copy of it).
 
     Raises:
       CorruptWeightsError: naming the first bad file (sorted) and how many are bad:
@@ -508,7 +527,7 @@ def verify_files(path: str, meta: Mapping) -> None:
         (changed bytes).
     """
     entries = meta[FILES_KEY]
-    _check_entries(path, entries)
+    _check_entries(shown or path, entries)
     hashes = _hash_files(path, sorted(entries))
     bad = []
     for rel in sorted(entries):
@@ -522,7 +541,7 @@ def verify_files(path: str, meta: Mapping) -> None:
     if bad:
         rel, problem = bad[0]
         more = f" ({len(bad) - 1} more damaged file(s))" if len(bad) > 1 else ""
-        raise CorruptWeightsError(path, rel, problem + more)
+        raise CorruptWeightsError(shown or path, rel, problem + more)
 
 
 def read_tensors(path: str, meta: Mapping, *, confined: Optional[ConfinedDir] = None) -> dict:
@@ -619,10 +638,11 @@ def _match_target(path: str, tensors: Mapping, target: Mapping) -> dict:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _restore_orbax(path: str, target: Mapping) -> dict:
-    """orbax restore of an older (``/1``, ``/2``) directory's ``params/`` into `target`'s shapes."""
+def _restore_orbax(path: str, target: Mapping, *, source: Optional[str] = None) -> dict:
+    """orbax restore of an older (``/1``, ``/2``) directory's ``params/`` into `target`'s shapes (read from
+    `source`, a private copy of `path`, when given)."""
     try:
-        restored = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS_DIR), target)
+        restored = ocp.StandardCheckpointer().restore(os.path.join(source or path, PARAMS_DIR), target)
     except Exception as e:  # orbax raises assorted types for tree/shape mismatches
         raise WeightsError(f"weights path {path!r} does not match the model: {type(e).__name__}: {e}") from e
     got = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), restored)
@@ -649,9 +669,11 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
       abstract: an explicit target tree of jax.ShapeDtypeStruct (overrides config);
         float tensors are cast to its dtypes.
       root: a local directory `path` must lie under: every file is then read through `ConfinedDir` (no link
-        followed, no FIFO, sizes checked before reading; the orbax formats' trees checked for links first).
+        followed, no FIFO, sizes checked before reading; the orbax formats copied that way into a private
+        directory that orbax then reads).
     Returns:
-      nested dict (the target's structure) of numpy arrays (jax arrays for an orbax directory).
+      nested dict (the target's structure) of numpy arrays (jax arrays for an orbax directory read without
+      `root`).
     Raises:
       WeightsError: missing/incomplete directory, tensors whose names/shapes do
         not match the model, or parameters holding NaN/inf (naming the parameter).
@@ -660,31 +682,35 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
     """
     path = wd.run_path(path)
     confined = None if root is None or wd.is_remote(path) else ConfinedDir(root, path)
-    try:
-        meta = read_meta(path, confined=confined)
-        if version is not None and int(meta["version"]) != int(version):
-            raise VersionMismatchError(f"weights path {path!r} holds version {meta['version']}, "
-                                       f"not the requested version {version}")
-        tensors = None
-        if meta["format"] in RAW_FORMATS:
-            tensors = read_tensors(path, meta, confined=confined)
-        elif confined is not None:
-            confined.check_tree()
-    finally:
-        if confined is not None:
-            confined.close()
-    if tensors is not None:
-        pass
-    elif FILES_KEY in meta:
-        verify_files(path, meta)
-    else:
-        log.warning("weights path %r has no integrity manifest (format %s): loading it unverified; re-save it with "
-                    "save_weights to add one", path, LEGACY_FORMAT)
-    if abstract is None:
-        if config is None:
-            raise ValueError("load_weights needs a config or an abstract target tree")
-        abstract = abstract_params(config)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dict(abstract))
-    restored = _match_target(path, tensors, target) if tensors is not None else _restore_orbax(path, target)
-    _check_finite(path, restored)
-    return restored
+    with contextlib.ExitStack() as cleanup:
+        try:
+            meta = read_meta(path, confined=confined)
+            if version is not None and int(meta["version"]) != int(version):
+                raise VersionMismatchError(f"weights path {path!r} holds version {meta['version']}, "
+                                           f"not the requested version {version}")
+            tensors, orbax_dir = None, path
+            if meta["format"] in RAW_FORMATS:
+                tensors = read_tensors(path, meta, confined=confined)
+            elif confined is not None:  # orbax reads by path: a private copy read through descriptors
+                orbax_dir = os.path.join(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="pdm_weights_")),
+                                         "copy")
+                confined.copy_tree(orbax_dir)
+        finally:
+            if confined is not None:
+                confined.close()
+        if tensors is None and FILES_KEY in meta:
+            verify_files(orbax_dir, meta, shown=path)
+        elif tensors is None:
+            log.warning("weights path %r has no integrity manifest (format %s): loading it unverified; re-save it "
+                        "with save_weights to add one", path, LEGACY_FORMAT)
+        if abstract is None:
+            if config is None:
+                raise ValueError("load_weights needs a config or an abstract target tree")
+            abstract = abstract_params(config)
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dict(abstract))
+        if tensors is not None:
+            restored = _match_target(path, tensors, target)
+        else:
+            restored = jax.tree.map(np.asarray, _restore_orbax(path, target, source=orbax_dir))  # read before the copy goes
+        _check_finite(path, restored)
+        return restored

@@ -821,14 +821,23 @@ class GenerateResponse:
         choices = sorted(body[CHOICES], key=lambda c: c[INDEX])
         k = int(top_k_logprobs)
         toks = [np.asarray(c[TOKEN_IDS], np.int32).reshape(-1) for c in choices]
+        for r, c in enumerate(choices):
+            i = c[PROMPT_INDEX]
+            if not _is_int(i) or not 0 <= i < len(prompts):
+                raise ValueError(f"{CHOICES}[{r}].{PROMPT_INDEX}: must be an integer in [0, {len(prompts)}) (the "
+                                 f"request's prompts), got {_show(i, 24)}")
         lengths = np.array([len(x) for x in toks], np.int64)
         t_in = int(max(1, lengths.max(initial=0)))
         top = [c[TOP_LOGPROBS] if k and len(x) else None for c, x in zip(choices, toks)]
-        top_ids = right_pad_rows([np.zeros((len(x), k)) if tp is None else np.asarray(tp[IDS]).reshape(len(x), k)
-                                  for x, tp in zip(toks, top)], t_in, dtype=np.int32)
-        top_logp = right_pad_rows([np.zeros((len(x), k)) if tp is None else float_list(tp[LOGPROBS]).reshape(len(x), k)
-                                   for x, tp in zip(toks, top)], t_in)
-        logp = right_pad_rows([float_list(c[LOGPROBS]).reshape(len(x)) for c, x in zip(choices, toks)], t_in)
+        top_ids = right_pad_rows([np.zeros((len(x), k)) if tp is None else
+                                  _per_token(np.asarray, tp[IDS], (len(x), k), f"{CHOICES}[{r}].{TOP_LOGPROBS}.{IDS}")
+                                  for r, (x, tp) in enumerate(zip(toks, top))], t_in, dtype=np.int32)
+        top_logp = right_pad_rows([np.zeros((len(x), k)) if tp is None else
+                                   _per_token(float_list, tp[LOGPROBS], (len(x), k),
+                                              f"{CHOICES}[{r}].{TOP_LOGPROBS}.{LOGPROBS}")
+                                   for r, (x, tp) in enumerate(zip(toks, top))], t_in)
+        logp = right_pad_rows([_per_token(float_list, c[LOGPROBS], (len(x),), f"{CHOICES}[{r}].{LOGPROBS}")
+                               for r, (c, x) in enumerate(zip(choices, toks))], t_in)
         _check_logprobs(logp, f"{CHOICES}[*].{LOGPROBS}")
         _check_logprobs(top_logp, f"{CHOICES}[*].{TOP_LOGPROBS}.{LOGPROBS}")
         batch = build_batch(
@@ -947,6 +956,19 @@ def _column(cols: Mapping, name: str, ndim: int, shape: Optional[tuple] = None, 
     if a.size and (int(a.min()) < -MAX_INT32 - 1 or int(a.max()) > MAX_INT32):
         raise ValueError(f"{field}: integers must fit int32, got {int(a.min())} .. {int(a.max())}")
     return a.astype(a.dtype if name == ROUTED_EXPERTS and a.dtype.kind == "i" else np.int32)
+
+
+def _per_token(convert, value, shape: tuple, field: str) -> np.ndarray:
+    """``convert(value)`` reshaped to `shape` (one value, or K, per completion token), or a ValueError naming
+    `field` (a ragged list, a non-number, or another count of values)."""
+    try:
+        a = convert(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{field}: not a list of {' x '.join(map(str, shape))} numbers ({e})") from None
+    if a.size != math.prod(shape):
+        raise ValueError(f"{field}: {a.size} values for {shape[0]} completion tokens; expected "
+                         f"{' x '.join(map(str, shape))} = {math.prod(shape)}")
+    return a.reshape(shape)
 
 
 def _routed_experts(choices, prompts, p_out: int, t_out: int) -> Optional[np.ndarray]:
