@@ -418,7 +418,8 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     t0 = time.perf_counter()
     with activation_sharding(mesh):
         lowered = eng._CONTINUOUS_JIT.lower(*args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs),
-                                            cache_dtype=dtype)
+                                            cache_dtype=dtype,  # as the engine on that platform runs it
+                                            slice_layers_once=eng.hoist_layer_slices(mesh.devices.flat[0].platform))
     compiled, exhausted = _compile_or_exhausted(lowered)
     if exhausted is not None:
         return dict(exhausted, argument=0, output=0, total=exhausted["temp"],

@@ -127,6 +127,24 @@ def test_quantized_decode_equals_quantized_prefill(params, quantization):
     assert 1e-4 < gap.mean() < 0.5
 
 
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_layers_sliced_before_the_loop_give_the_same_tokens_bit_for_bit(params, batching):
+    """On XLA:CPU the engine slices the layers out of the stacks once, before its decode loops
+    (`engine.hoist_layer_slices`); inside each step (TPU's way) the same program gives the same tokens, log mu and
+    top-K to the last bit."""
+    from pdm_jax.sampler import engine as engine_mod
+
+    assert engine_mod.hoist_layer_slices("cpu") and not engine_mod.hoist_layer_slices("tpu")
+    hoisted, per_step = make_engine(params, batching=batching), make_engine(params, batching=batching)
+    assert hoisted.slice_layers_once
+    per_step.slice_layers_once = False
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    a, b = (e.generate(prompts, n=2, temperature=1.0, max_new_tokens=8, top_k_logprobs=4, seed=5)
+            for e in (hoisted, per_step))
+    for field in ("completion_ids", "completion_mask", "behavior_logprobs", "topk_ids", "topk_logprobs"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+
+
 def test_reproducible_and_seed_sensitive(engine, batch):
     again = engine.generate(PROMPTS, temperature=TAU, seed=11, **GEN)
     for f in ("completion_ids", "behavior_logprobs", "topk_ids", "topk_logprobs"):

@@ -1120,8 +1120,20 @@ class Qwen3ForCausalLM(nnx.Module):
         return KVCache(k=tuple(jnp.zeros((B, K, H, S), dtype) for _ in range(L)),
                        v=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)))
 
+    def decode_layers(self) -> tuple:
+        """The decoder layers in order, one module per layer (static slices of the stacked parameters).
+
+        A decode loop builds them once, before the loop, and passes them to every `decode` call (``layers=``):
+        sliced inside the loop body, XLA materialises every layer's weights again at every step (a copy of the
+        model per token, as much memory traffic as the matmuls themselves at a small batch).
+        """
+        stacks = self._stack_states()
+        return tuple(nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))
+                     for stack, row in self.config.layer_plan)
+
     def decode(self, input_ids: Array, positions: Array, cache: KVCache, cache_index: Array,
-               kv_mask: Array, *, return_routing: bool = False, last_logits_only: bool = False) -> tuple:
+               kv_mask: Array, *, return_routing: bool = False, last_logits_only: bool = False,
+               layers: tuple | None = None) -> tuple:
         """Incremental forward through the KV cache (prefill or one-token decode).
 
         Args:
@@ -1133,6 +1145,7 @@ class Qwen3ForCausalLM(nnx.Module):
           kv_mask: [B, S] bool, which slots hold real tokens, including those written now.
           last_logits_only: static; project only the last position through the LM head: logits
             [B, 1, V] (a prefill needs just those: [B, T, V] f32 is T x the memory and LM-head work).
+          layers: `decode_layers()` built once outside a decode loop (default: sliced here, per call).
         Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and
         s <= cache_index + t (cache_index[b] + t per row).
         Returns:
@@ -1181,12 +1194,13 @@ class Qwen3ForCausalLM(nnx.Module):
         causal_BxTxS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= jnp.atleast_2d(slot_BxT)[:, :, None]
         mask_BxTxS = causal_BxTxS & kv_mask.astype(bool)[:, None, :]
         x_BxTxD = self._embed(input_ids_BxT)
-        stacks = self._stack_states()
         if return_routing and not c.is_moe:
             raise ValueError("decode: return_routing needs a MoE model (num_experts > 0)")
+        layers = self.decode_layers() if layers is None else tuple(layers)
+        if len(layers) != L:
+            raise ValueError(f"decode: {len(layers)} layers given (decode_layers()), the model has {L}")
         ks, vs, per_layer = [], [], []
-        for (stack, row), k, v in zip(c.layer_plan, cache.k, cache.v, strict=True):
-            layer = nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))
+        for layer, k, v in zip(layers, cache.k, cache.v, strict=True):
             x_BxTxD, (k, v), stats = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index,
                                            moe_implementation=self.moe_implementation)
             ks.append(k)

@@ -235,8 +235,12 @@ def cache_segments(num_new: int, first_segment: int) -> list:
 
 def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx2, prompt_idx_B, sample_idx_B,
                       temperature_B, top_p_B, top_k_B, max_new_B, stop_ids_BxS, *, num_new: int, k_logprobs: int,
-                      cache_dtype, first_segment: int, group: int = 1, routing: bool = False):
+                      cache_dtype, first_segment: int, group: int = 1, routing: bool = False,
+                      slice_layers_once: bool = False):
     """The jitted prefill + while-loop decode for one (B, P, T=num_new, K) bucket.
+
+    ``slice_layers_once`` (static): slice every layer's weights out of the stacks once, before the loops
+    (`hoist_layer_slices`).
 
     ``routing`` (MoE models, routing replay): also return ``routed`` [B, P + num_new, L, k]
     (`rollout.routing_dtype`): the experts every layer ran for prompt slot s < P (from the
@@ -259,6 +263,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     per-token cost close to constant; rows stop early in any segment.
     """
     model = nnx.merge(graphdef, state)
+    layers = model.decode_layers() if slice_layers_once else None
     b, p = prompt_ids_BxP.shape
     ends = cache_segments(num_new, first_segment)
     cache = _laid_out(model.init_cache(b, p + ends[0], dtype=cache_dtype))
@@ -329,7 +334,8 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
             t, prev_B, cache, done, length, stopped, outs, routed = c
             pos_Bx1 = (prompt_len_B + t - 1)[:, None]
             logits_Bx1xV, cache, *step_routed = model.decode(prev_B[:, None], pos_Bx1, cache,
-                                                             (p + t - 1).astype(jnp.int32), kv_mask_seg, **rkw)
+                                                             (p + t - 1).astype(jnp.int32), kv_mask_seg,
+                                                             layers=layers, **rkw)
             routed = _put_routing(routed, step_routed, p + t - 1)  # token t - 1 was fed now
             cache = _laid_out(cache)
             outs, tok, done, length, stopped = record(outs, t, done, length, stopped, logits_Bx1xV[:, 0, :])
@@ -343,14 +349,28 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
 
 
 # One module-level jit: engines with equal configs (equal graphdefs) share compiled buckets.
+def hoist_layer_slices(platform: str) -> bool:
+    """Whether the decode programs slice every layer's weights out of the stacked ``[L, ...]`` parameters once,
+    before their loops (`Qwen3ForCausalLM.decode_layers`), rather than inside each step (the default).
+
+    True on XLA:CPU, which materialises a static slice of a loop-invariant operand at every iteration: a copy of
+    every layer's weights per decoded token, as many bytes moved as the matmuls read (measured with
+    ``bench/bench_decode.py``; `docs/benchmarks.md`). False on TPU and GPU: XLA:TPU reads the slices in place inside
+    the loop, and slicing them before it holds a second copy of the layers for the whole program (compiled for the
+    Qwen3-8B engine on v5p:4x4x4: 3.0 GiB more temporaries per device).
+    """
+    return platform == "cpu"
+
+
 _GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
-                        static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment", "group", "routing"))
+                        static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment", "group", "routing",
+                                         "slice_layers_once"))
 
 
 def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
                         temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
                         k_logprobs: int, cache_dtype, routing: bool = False, min_phase: Optional[int] = None,
-                        park: int = 0):
+                        park: int = 0, slice_layers_once: bool = False):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
 
     Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
@@ -394,6 +414,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     they would pass a dozen arrays each way and read less like the five steps above.
     """
     model = nnx.merge(graphdef, state)
+    layers = model.decode_layers() if slice_layers_once else None  # `hoist_layer_slices`
     u, p = prompt_ids_UxP.shape
     n_pad = row_entry_N.shape[0]
     s = p + num_new
@@ -518,7 +539,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
         b = t_B.shape[0]
         index_B = jnp.minimum(p + t_B - 1, c["kv_mask"].shape[1] - 1)  # free slots: any in-range slot (never read)
         logits_Bx1xV, cache, *step_routed = model.decode(
-            sl["prev"][:, None], (sl["plen"] + t_B - 1)[:, None], c["cache"], index_B, c["kv_mask"],
+            sl["prev"][:, None], (sl["plen"] + t_B - 1)[:, None], c["cache"], index_B, c["kv_mask"], layers=layers,
             **(dict(return_routing=True) if routing else {}))
         cache = _laid_out(cache)
         tok, lp, ids, lps = _sample_step(logits_Bx1xV[:, 0, :], sl["key"], t_B, **params_for(b))
@@ -593,7 +614,7 @@ _TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor
 _TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 decode loops per program
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
                           static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase",
-                                           "park"))
+                                           "park", "slice_layers_once"))
 
 
 def make_sampler_mesh(data: int = 1, tensor: int = 1, devices=None):
@@ -757,6 +778,9 @@ class SamplingEngine:
         self.parked_rows = 0  # rows parked so far by continuous programs (`park_rows`)
         self._output_axes_fn = output_axes_fn
         self.device = device
+        self.slice_layers_once = hoist_layer_slices(device.platform if device is not None else
+                                                   mesh.devices.flat[0].platform if mesh is not None else
+                                                   jax.default_backend())
         dt = self.compute_dtype
         abstract_model = abstract_engine_model(config, dt)
         self._graphdef, self._abstract_state = nnx.split(abstract_model)
@@ -1007,7 +1031,8 @@ class SamplingEngine:
                 jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
                 jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
                 jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
-                cache_dtype=self.compute_dtype, min_phase=self.min_cache_phase, park=self.park_rows)
+                cache_dtype=self.compute_dtype, min_phase=self.min_cache_phase, park=self.park_rows,
+                slice_layers_once=self.slice_layers_once)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         self.parked_rows += int(out["parked"])
@@ -1047,7 +1072,8 @@ class SamplingEngine:
                 jnp.asarray(prompt_idx), jnp.asarray(sample_idx), jnp.full((b,), temperature, jnp.float32),
                 jnp.full((b,), top_p, jnp.float32), jnp.full((b,), top_k, jnp.int32), jnp.asarray(max_new_b),
                 jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=self.compute_dtype,
-                first_segment=self.first_cache_segment, group=group, routing=routing)
+                first_segment=self.first_cache_segment, group=group, routing=routing,
+                slice_layers_once=self.slice_layers_once)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}
