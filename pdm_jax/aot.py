@@ -276,19 +276,29 @@ def label(compiler: str, chip: str, topology: Optional[str], num_devices: int) -
     return "XLA:CPU"
 
 
+def cost_bytes_accessed(compiled) -> Optional[float]:
+    """XLA's ``cost_analysis()["bytes accessed"]`` of a compiled program (per device), or None where it gives none.
+    As `cost_flops`, a while loop's body counts once."""
+    return _cost(compiled, "bytes accessed")
+
+
 def cost_flops(compiled) -> Optional[float]:
     """XLA's ``cost_analysis()["flops"]`` of a compiled program (per device), or None where it gives none.
 
     XLA counts a while loop's body once, whatever its trip count (a ``lax.scan`` over 48 layers
     reports the FLOPs of one); `pdm_jax.dry_run.counted_flops` adds the iterations up.
     """
+    return _cost(compiled, "flops")
+
+
+def _cost(compiled, key: str) -> Optional[float]:
     try:
         cost = compiled.cost_analysis()
     except Exception:  # noqa: BLE001  (some backends do not implement it)
         return None
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
-    if not cost or "flops" not in cost:
+    if not cost or key not in cost:
         return None
-    flops = float(cost["flops"])
-    return flops if math.isfinite(flops) and flops >= 0 else None
+    value = float(cost[key])
+    return value if math.isfinite(value) and value >= 0 else None

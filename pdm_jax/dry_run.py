@@ -57,7 +57,8 @@ from pdm_jax.sampler import engine as eng
 from pdm_jax.sampler.engine import abstract_engine_model, next_pow2
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.rl.step_batch import StepBatch
-from pdm_jax.sharding import MeshConfig, activation_sharding, make_mesh, param_partition_specs, param_shardings
+from pdm_jax.sharding import (MeshConfig, activation_sharding, kv_cache_specs, make_mesh, param_partition_specs,
+                              param_shardings)
 
 
 CHIP_HBM_GIB = aot.CHIP_HBM_GIB
@@ -397,13 +398,7 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     (`aot.cost_flops`). XLA:CPU's figures are an estimate of an accelerator's (CPU fusion and layouts).
     """
 
-    d, t = sp["mesh"]
-    devices = list(jax.devices() if devices is None else devices)[:d * t]
-    mesh = make_mesh(data=d, fsdp=1, tensor=t, devices=devices)
-    dtype = _dtype(sp["dtype"])
-    model = abstract_engine_model(model_cfg, dtype)
-    graphdef, state = nnx.split(model)
-    state = _with_shardings(state, param_shardings(nnx.state(model, nnx.Param), mesh))
+    mesh, dtype, graphdef, state = _engine_on_mesh(model_cfg, sp, devices)
     sc, rl = config.sampler, config.rl
     pow2 = next_pow2
     slots, p, new = sp["slots"], int(sc.max_prompt_length), int(rl.max_new_tokens)
@@ -430,6 +425,67 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     out["total"] = sum(out.values())
     out["compile_seconds"] = time.perf_counter() - t0
     out["flops"] = aot.cost_flops(compiled)
+    return out
+
+
+def _engine_on_mesh(model_cfg, sp: dict, devices=None) -> tuple:
+    """(mesh, compute dtype, graphdef, abstract weights with the engine's ``NamedSharding``s) of the sampler
+    plan `sp` (its ``mesh`` and ``dtype``) on the first ``data x tensor`` of `devices` (default: JAX's)."""
+    d, t = sp["mesh"]
+    devices = list(jax.devices() if devices is None else devices)[:d * t]
+    mesh = make_mesh(data=d, fsdp=1, tensor=t, devices=devices)
+    dtype = _dtype(sp["dtype"])
+    model = abstract_engine_model(model_cfg, dtype)
+    graphdef, state = nnx.split(model)
+    return mesh, dtype, graphdef, _with_shardings(state, param_shardings(nnx.state(model, nnx.Param), mesh))
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of the sharded ``ShapeDtypeStruct`` leaves of `tree` (its shard of each)."""
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+def compiled_decode_step(config, model_cfg, sp: dict, *, devices=None) -> dict:
+    """XLA's bytes accessed by one decode step of the rollout engine, beside its floor, per device.
+
+    The step is `Qwen3ForCausalLM.decode` of one token per slot (``sp["slots"]`` rows) through every layer
+    against a KV cache of P + T slots (``sampler.max_prompt_length`` + ``rl.max_new_tokens``: the longest
+    cache phase), the LM head included, compiled alone for `devices` on the engine's mesh, its layers sliced as
+    the engine slices them on that platform (`engine.hoist_layer_slices`). A program's ``cost_analysis`` counts
+    a loop body once, so the step is compiled without its loop. Returns ``bytes_accessed`` (``cost_analysis``),
+    ``floor`` (the weights' bytes + the whole KV cache's bytes, read once each: what any decode step of this
+    cache must move), ``weights``, ``kv_cache``, ``ratio`` (bytes_accessed / floor) and ``compile_seconds``;
+    ``bytes_accessed`` and ``ratio`` are None where the compiler reports no cost.
+    """
+    from pdm_jax.sampler import engine as eng  # lazy: the dry run's imports stay light
+
+    mesh, dtype, graphdef, state = _engine_on_mesh(model_cfg, sp, devices)
+    slots, s = int(sp["slots"]), int(config.sampler.max_prompt_length) + int(config.rl.max_new_tokens)
+    hoist = eng.hoist_layer_slices(mesh.devices.flat[0].platform)
+    cache = jax.eval_shape(lambda: abstract_engine_model(model_cfg, dtype).init_cache(slots, s, dtype=dtype))
+    cache = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+                         cache, kv_cache_specs(cache, mesh=mesh))
+    rows = NamedSharding(mesh, P())
+    arg = functools.partial(jax.ShapeDtypeStruct, sharding=rows)
+
+    def step(state, cache, ids_Bx1, pos_Bx1, index_B, kv_mask_BxS):
+        model = nnx.merge(graphdef, state)
+        return model.decode(ids_Bx1, pos_Bx1, cache, index_B, kv_mask_BxS,
+                            layers=model.decode_layers() if hoist else None)
+
+    t0 = time.perf_counter()
+    with activation_sharding(mesh):
+        lowered = jax.jit(step, donate_argnums=(1,)).lower(
+            state, cache, arg((slots, 1), jnp.int32), arg((slots, 1), jnp.int32), arg((slots,), jnp.int32),
+            arg((slots, s), jnp.bool_))
+    compiled, exhausted = _compile_or_exhausted(lowered)
+    weights, kv = _bytes_per_device(state), _bytes_per_device(cache)
+    out = dict(weights=weights, kv_cache=kv, floor=weights + kv, bytes_accessed=None, ratio=None,
+               compile_seconds=time.perf_counter() - t0)
+    if exhausted is None:
+        accessed = aot.cost_bytes_accessed(compiled)
+        if accessed is not None:
+            out.update(bytes_accessed=int(accessed), ratio=accessed / out["floor"])
     return out
 
 
@@ -688,6 +744,7 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
                                    else (jax.devices()[:n] if len(jax.devices()) >= n else None))
             if sampler_devices is not None:
                 sampler_compiled = compiled_sampler_plan(config, model_cfg, sp, devices=sampler_devices)
+                sampler_compiled["decode_step"] = compiled_decode_step(config, model_cfg, sp, devices=sampler_devices)
     report = dict(model=model_cfg, num_params=n_params, shape=shape, mesh=sizes, chip=chip,
                   hbm_bytes=aot.CHIP_HBM_GIB[chip] * GIB, compiler=resolved,
                   target=aot.label(resolved, chip, topology, num_devices) if devices is not None else "analytic plan",
@@ -908,6 +965,17 @@ def _sampler_lines(sp: dict, hbm: int, g, unit: str, compiled=None, target: str 
             lines.append(f"  {'sampler_compiled_' + k:<30}{g(compiled[k])}")
         lines.append(f"  {'fits in HBM?':<30}{'yes' if compiled['total'] <= hbm else 'NO':>10}  "
                      f"({100 * compiled['total'] / hbm:.0f}% of HBM, alone)")
+    step = (compiled or {}).get("decode_step")
+    if step is not None:
+        lines.append(f"  ONE DECODE STEP by {target} (cost_analysis, {step['compile_seconds']:.0f} s), per device   "
+                     f"{unit}")
+        for k in ("weights", "kv_cache", "floor"):
+            lines.append(f"  {'decode_step_' + k:<30}{g(step[k])}")
+        if step["bytes_accessed"] is None:
+            lines.append("  decode_step_bytes_accessed      (the compiler reports no cost)")
+        else:
+            lines.append(f"  {'decode_step_bytes_accessed':<30}{g(step['bytes_accessed'])}  "
+                         f"({step['ratio']:.2f}x the floor: weights + KV cache, each read once)")
     return lines
 
 

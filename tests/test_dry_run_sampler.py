@@ -116,4 +116,11 @@ def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the
     assert comp is not None and sp["mesh"] == (2, 2)
     assert sp["weights"] <= comp["argument"] <= 1.05 * sp["weights"]
     assert comp["temp"] >= sp["kv_cache"] + sp["prompt_store"] + sp["park"]
-    assert "sampler_compiled_temp" in dry_run.format_report(report)
+    text = dry_run.format_report(report)
+    assert "sampler_compiled_temp" in text
+    # one decode step compiled alone: its floor is the analytic weights and KV cache, read once each
+    step = comp["decode_step"]
+    assert (step["weights"], step["kv_cache"]) == (sp["weights"], sp["kv_cache"])
+    assert step["floor"] == step["weights"] + step["kv_cache"]
+    assert step["bytes_accessed"] >= step["weights"]  # every weight read at least once per step
+    assert "x the floor: weights + KV cache, each read once" in text
