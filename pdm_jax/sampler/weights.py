@@ -226,22 +226,11 @@ def deserialize(data: bytes) -> dict:
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    """Writes `data` to a temporary file and renames it over `path` (atomic for readers; no fsync: a
-    version torn by a power loss fails its checksum at load, and the trainer re-pushes a missing one).
-    A URL: one single-object upload. Raises `pdm_jax.workdir.RunWriteError` naming `path` (ENOSPC...)."""
-    if wd.is_remote(path):
-        wd.write_bytes(path, data)
-        return
-    tmp = f"{path}.{os.getpid()}.tmp"  # per process: several hosts may write the same (identical) directory
-    with wd.naming_write_errors(path):  # a full disk: RunWriteError naming the file, no temporary left behind
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+    """`pdm_jax.workdir.write_bytes`: a temporary file (one per process: several hosts may write the same,
+    identical directory) renamed over `path`, atomic for readers; no fsync: a version torn by a power loss fails
+    its checksum at load, and the trainer re-pushes a missing one. A URL: one single-object upload. Raises
+    `pdm_jax.workdir.RunWriteError` naming `path` (ENOSPC...), no temporary left behind."""
+    wd.write_bytes(path, data)
 
 
 def save_weights(model_or_state: Any, path: str, *, version: Optional[int] = None,
