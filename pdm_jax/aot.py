@@ -297,8 +297,11 @@ def _cost(compiled, key: str) -> Optional[float]:
     except Exception:  # noqa: BLE001  (some backends do not implement it)
         return None
     if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else None
-    if not cost or key not in cost:
+        cost = next((c for c in cost if isinstance(c, dict) and key in c), None)
+    if not isinstance(cost, dict) or key not in cost:
         return None
-    value = float(cost[key])
+    try:
+        value = float(cost[key])
+    except (TypeError, ValueError, OverflowError):
+        return None
     return value if math.isfinite(value) and value >= 0 else None

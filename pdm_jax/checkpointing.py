@@ -287,7 +287,8 @@ class Checkpointer:
 
         Returns once orbax has committed the checkpoint and its integrity manifest is written. Raises
         `pdm_jax.workdir.RunWriteError` naming the step's directory when a file cannot be written (a full disk:
-        orbax itself raises a bare ``OSError(ENOSPC)``); what is left is orbax's temporary directory or a step
+        orbax raises a bare ``OSError(ENOSPC)``, or tensorstore a ValueError naming ``os_error_code='28'``, as
+        the disk fills under the arrays or the metadata); what is left is orbax's temporary directory or a step
         without its manifest, neither of which a restore takes.
         """
         with wd.naming_write_errors(self.step_path(step)):

@@ -450,18 +450,16 @@ def compiled_decode_step(config, model_cfg, sp: dict, *, devices=None) -> dict:
 
     The step is `Qwen3ForCausalLM.decode` of one token per slot (``sp["slots"]`` rows) through every layer
     against a KV cache of P + T slots (``sampler.max_prompt_length`` + ``rl.max_new_tokens``: the longest
-    cache phase), the LM head included, compiled alone for `devices` on the engine's mesh, its layers sliced as
-    the engine slices them on that platform (`engine.hoist_layer_slices`). A program's ``cost_analysis`` counts
-    a loop body once, so the step is compiled without its loop. Returns ``bytes_accessed`` (``cost_analysis``),
+    cache phase), the LM head included, compiled alone for `devices` on the engine's mesh: without its loop, since
+    ``cost_analysis`` counts a loop body once (and without a loop, where the layers are sliced makes no
+    difference: `engine.hoist_layer_slices`). Returns ``bytes_accessed`` (``cost_analysis``),
     ``floor`` (the weights' bytes + the whole KV cache's bytes, read once each: what any decode step of this
     cache must move), ``weights``, ``kv_cache``, ``ratio`` (bytes_accessed / floor) and ``compile_seconds``;
-    ``bytes_accessed`` and ``ratio`` are None where the compiler reports no cost.
+    ``bytes_accessed`` and ``ratio`` are None where the compiler reports no cost or refuses the step for want of
+    memory (then ``exhausted`` holds its message).
     """
-    from pdm_jax.sampler import engine as eng  # lazy: the dry run's imports stay light
-
     mesh, dtype, graphdef, state = _engine_on_mesh(model_cfg, sp, devices)
     slots, s = int(sp["slots"]), int(config.sampler.max_prompt_length) + int(config.rl.max_new_tokens)
-    hoist = eng.hoist_layer_slices(mesh.devices.flat[0].platform)
     cache = jax.eval_shape(lambda: abstract_engine_model(model_cfg, dtype).init_cache(slots, s, dtype=dtype))
     cache = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
                          cache, kv_cache_specs(cache, mesh=mesh))
@@ -469,9 +467,7 @@ def compiled_decode_step(config, model_cfg, sp: dict, *, devices=None) -> dict:
     arg = functools.partial(jax.ShapeDtypeStruct, sharding=rows)
 
     def step(state, cache, ids_Bx1, pos_Bx1, index_B, kv_mask_BxS):
-        model = nnx.merge(graphdef, state)
-        return model.decode(ids_Bx1, pos_Bx1, cache, index_B, kv_mask_BxS,
-                            layers=model.decode_layers() if hoist else None)
+        return nnx.merge(graphdef, state).decode(ids_Bx1, pos_Bx1, cache, index_B, kv_mask_BxS)
 
     t0 = time.perf_counter()
     with activation_sharding(mesh):
@@ -482,7 +478,9 @@ def compiled_decode_step(config, model_cfg, sp: dict, *, devices=None) -> dict:
     weights, kv = _bytes_per_device(state), _bytes_per_device(cache)
     out = dict(weights=weights, kv_cache=kv, floor=weights + kv, bytes_accessed=None, ratio=None,
                compile_seconds=time.perf_counter() - t0)
-    if exhausted is None:
+    if exhausted is not None:
+        out["exhausted"] = exhausted["exhausted"]
+    else:
         accessed = aot.cost_bytes_accessed(compiled)
         if accessed is not None:
             out.update(bytes_accessed=int(accessed), ratio=accessed / out["floor"])
@@ -971,7 +969,9 @@ def _sampler_lines(sp: dict, hbm: int, g, unit: str, compiled=None, target: str 
                      f"{unit}")
         for k in ("weights", "kv_cache", "floor"):
             lines.append(f"  {'decode_step_' + k:<30}{g(step[k])}")
-        if step["bytes_accessed"] is None:
+        if step.get("exhausted"):
+            lines.append(f"  the compiler refused the step: {step['exhausted']}")
+        elif step["bytes_accessed"] is None:
             lines.append("  decode_step_bytes_accessed      (the compiler reports no cost)")
         else:
             lines.append(f"  {'decode_step_bytes_accessed':<30}{g(step['bytes_accessed'])}  "

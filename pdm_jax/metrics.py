@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import tempfile
 import time
 from typing import Iterable, Mapping
@@ -150,9 +151,12 @@ def read_summary(path: str) -> dict | None:
     if not wd.exists(path):
         return None
     try:
+        if not wd.is_remote(path) and not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read
+            raise ValueError("not a regular file")
         summary = json.loads(wd.read_bytes(path))
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        log.warning("%s is unreadable (%s); it is written again from the metrics", path, e)
+    except (ValueError, RecursionError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep, a directory
+        log.warning("%s is unreadable (%s); it is written again from the metrics", path, type(e).__name__
+                    if isinstance(e, RecursionError) else e)
         return None
     return summary if isinstance(summary, dict) else None
 

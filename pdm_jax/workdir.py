@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import shutil
 import socket
 import stat
@@ -56,18 +57,46 @@ class RunWriteError(OSError):
     """
 
 
+# The OS error a library reports inside its own exception type: tensorstore (orbax's arrays) raises ValueError
+# "... [os_error_code='28'] ...", safetensors SafetensorError "... (os error 28)".
+_WRAPPED_OS_ERROR = re.compile(r"os_error_code='(\d+)'|\(os error (\d+)\)")
+
+
+def wrapped_os_errno(e: BaseException) -> Optional[int]:
+    """The errno an exception carries: an OSError's own, or the OS error a library's exception names in its text
+    (tensorstore, safetensors); None when it carries none."""
+    if isinstance(e, OSError):
+        return e.errno
+    m = _WRAPPED_OS_ERROR.search(str(e))
+    return int(m.group(1) or m.group(2)) if m else None
+
+
 @contextlib.contextmanager
 def naming_write_errors(path: str):
-    """Re-raises an OSError from the body as `RunWriteError` naming `path` and the errno's name."""
+    """Re-raises an OSError from the body, or a library's exception naming an OS error (`wrapped_os_errno`: orbax's
+    tensorstore, safetensors), as `RunWriteError` naming `path` and the errno's name."""
     try:
         yield
     except RunWriteError:
         raise
-    except OSError as e:
-        name = errno.errorcode.get(e.errno, "") if e.errno else ""
-        raise RunWriteError(e.errno, f"cannot write {path}: {name + ': ' if name else ''}{e.strerror or e} (free "
-                                     "space or fix the directory, then run the same command: it resumes from the "
-                                     "last checkpoint)") from e
+    except Exception as e:  # noqa: BLE001 - only those that carry an OS error are renamed
+        code = wrapped_os_errno(e)
+        if code is None and not isinstance(e, OSError):
+            raise
+        name = errno.errorcode.get(code, "") if code else ""
+        why = (e.strerror if isinstance(e, OSError) else None) or (os.strerror(code) if code else str(e))
+        message = (f"cannot write {path}: {name + ': ' if name else ''}{why} (free space or fix the directory, then "
+                   "run the same command: it resumes from the last checkpoint)")
+        raise (RunWriteError(message) if code is None else RunWriteError(code, message)) from e
+
+
+def _write_new(tmp: str, data: bytes) -> None:
+    """Writes `data` to the new file `tmp` (a stale one of a dead process removed first; never through a link)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a link planted at the name is removed, not followed
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 class WorkdirLockedError(RuntimeError):
@@ -290,12 +319,11 @@ def write_bytes(path: str, data: bytes, *, atomic: bool = True) -> None:
             return
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
+            _write_new(tmp, data)
             os.replace(tmp, path)
-        except OSError:
+        except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)  # a full disk keeps no half-written temporary
+                os.unlink(tmp)  # a full disk (or any failure) keeps no half-written temporary
             raise
 
 

@@ -81,11 +81,11 @@ class SmallDisk:
         self.root = root
         self.ballast = os.path.join(root, "ballast")
 
-    def fill(self) -> None:
-        """Writes a ballast file until the kernel answers ENOSPC: the disk is full."""
+    def fill(self, leave: int = 0) -> None:
+        """Writes a ballast file until the kernel answers ENOSPC: the disk is full (but for `leave` bytes)."""
         from fault_run import fill_disk
 
-        fill_disk(self.ballast)
+        fill_disk(self.ballast, leave)
 
     def free(self) -> None:
         os.unlink(self.ballast)

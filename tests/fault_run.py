@@ -31,8 +31,9 @@ def _kill_in_checkpoint(step_id: str) -> None:
     atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
 
 
-def fill_disk(ballast: str) -> None:
-    """Writes the file `ballast` until the kernel answers ENOSPC: its file system is full."""
+def fill_disk(ballast: str, leave: int = 0) -> None:
+    """Writes the file `ballast` until the kernel answers ENOSPC: its file system is full; then gives `leave`
+    bytes back (room for small files, not for large ones)."""
     chunk = b"\0" * (1 << 16)
     with open(ballast, "wb", buffering=0) as f:
         try:
@@ -41,6 +42,8 @@ def fill_disk(ballast: str) -> None:
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
+        if leave:
+            f.truncate(max(0, f.tell() - leave))
 
 
 def _fill_disk_after(rl_step: int, ballast: str) -> None:

@@ -80,3 +80,25 @@ def test_tensorboard_events_hold_every_scalar_of_every_record(tmp_path):
     scalars = [(e.step, v.tag, round(v.simple_value, 6)) for e in events for v in e.summary.value]
     assert events[0].file_version == "brain.Event:2"
     assert scalars == [(1, "rl/reward", 0.5), (2, "eval/eval_accuracy", 0.25)]  # the NaN is skipped
+
+
+def test_a_summary_that_cannot_be_read_is_treated_as_missing(tmp_path):
+    """`read_summary` of a finished run's summary.json: torn, nested too deep, not a map, a directory or a FIFO
+    (which would block a reader) all read as missing, so the run writes it again; none raises or hangs."""
+    import os
+
+    from pdm_jax.metrics import read_summary
+
+    path = tmp_path / "summary.json"
+    assert read_summary(str(path)) is None
+    for body in (b'{"steps": 3', b"[" * 100_000, b"[1, 2]", b"\xff\xfe"):
+        path.write_bytes(body)
+        assert read_summary(str(path)) is None, body[:10]
+    path.write_bytes(b'{"steps": 3}')
+    assert read_summary(str(path)) == {"steps": 3}
+    path.unlink()
+    os.mkfifo(path)
+    assert read_summary(str(path)) is None
+    path.unlink()
+    path.mkdir()
+    assert read_summary(str(path)) is None

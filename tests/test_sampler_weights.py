@@ -1,4 +1,5 @@
 """Weight-sync format (safetensors + meta JSON; older orbax directories still read) and the engine's version rules."""
+import functools
 import json
 import os
 import shutil
@@ -228,3 +229,50 @@ def test_generation_goes_on_while_a_load_reads_its_files(tmp_path, monkeypatch):
     release.set()
     t.join(60)
     assert eng.version == 1 and eng.health()["loading"] is None
+
+
+def test_an_orbax_directory_under_a_root_is_copied_within_bounds(tmp_path, monkeypatch):
+    """The private copy of an older orbax directory: each file checked against its manifest size before it is
+    read (a sparse file grown to 256 MiB is refused unread), a tree too deep or a file deleted mid-copy refused
+    by name, and no message naming the copy instead of the version directory."""
+    import tempfile
+
+    from test_sampler_integrity import _orbax_dir
+
+    root = tmp_path / "root"
+    params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(1)), nnx.Param))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    load = functools.partial(wts.load_weights, abstract=abstract, version=3, root=str(root))
+    v2 = _orbax_dir(str(root / "v2"), params, wts.ORBAX_FORMAT)
+    victim = sorted(wts.read_meta(v2)[wts.FILES_KEY])[0]
+    with open(os.path.join(v2, victim), "r+b") as f:
+        f.truncate(256 << 20)  # sparse: nothing is allocated, a reader of the whole file would hold 256 MiB
+    with pytest.raises(wts.CorruptWeightsError, match=r"has 268435456 bytes, the manifest records .*not read"):
+        load(v2)
+    v1 = _orbax_dir(str(root / "v1"), params, wts.LEGACY_FORMAT)  # no manifest: bounded by the model's size
+    with open(os.path.join(v1, victim), "r+b") as f:
+        f.truncate(256 << 20)
+    with pytest.raises(wts.CorruptWeightsError, match=r"more than the .* a reader accepts; not read"):
+        load(v1)
+    deep = _orbax_dir(str(root / "deep"), params, wts.LEGACY_FORMAT)
+    os.makedirs(os.path.join(deep, *(["z"] * (wts.MAX_TREE_DEPTH + 1))))
+    with pytest.raises(wts.WeightsError, match=r"more than 32 directories deep; refused"):
+        load(deep)
+    gone = _orbax_dir(str(root / "gone"), params, wts.ORBAX_FORMAT)
+    read_at = wts.ConfinedDir._read_at
+
+    def deleting(self, fd, name, **kw):  # the version is deleted while the copy reads it
+        if name != wts.META_FILE:
+            os.unlink(os.path.basename(name), dir_fd=fd)
+        return read_at(self, fd, name, **kw)
+
+    monkeypatch.setattr(wts.ConfinedDir, "_read_at", deleting)
+    with pytest.raises(wts.WeightsError, match=r"vanished while it was read") as e:
+        load(gone)
+    monkeypatch.undo()
+    no_params = _orbax_dir(str(root / "no_params"), params, wts.LEGACY_FORMAT)
+    shutil.rmtree(os.path.join(no_params, wts.PARAMS_DIR))
+    with pytest.raises(wts.WeightsError) as e:
+        load(no_params)
+    assert "pdm_weights_" not in str(e.value) and f"Checkpoint at {no_params}/params not found" in str(e.value)
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("pdm_weights_")]  # copies removed

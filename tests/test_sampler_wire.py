@@ -259,21 +259,35 @@ def test_response_without_usage_or_model_and_out_of_order_choices():
 
 
 @pytest.mark.parametrize("mutate,words", [
-    (lambda c: c[1].update(logprobs=c[1]["logprobs"][:1]), r"choices\[1\]\.logprobs: 1 values for 3 completion"),
+    (lambda c: c[1].update(logprobs=c[1]["logprobs"][:1]), r"choices\[1\]\.logprobs: must have shape \[3\], got shape \[1\]"),
     (lambda c: c[1]["top_logprobs"].update(ids=c[1]["top_logprobs"]["ids"][:-1]),
-     r"choices\[1\]\.top_logprobs\.ids: 6 values for 3 completion tokens; expected 3 x 3 = 9"),
-    (lambda c: c[1]["top_logprobs"]["logprobs"][2].pop(), r"choices\[1\]\.top_logprobs\.logprobs: not a list of 3 x 3"),
+     r"choices\[1\]\.top_logprobs\.ids: must have shape \[3, 3\], got shape \[2, 3\]"),
+    (lambda c: c[1]["top_logprobs"].update(ids=[list(r) for r in zip(*c[1]["top_logprobs"]["ids"])][:2] + [[1, 2, 3]]),
+     None),  # transposed but square (3 x 3): a valid shape, nothing to tell it from
+    (lambda c: c[1]["top_logprobs"]["logprobs"][2].pop(), r"choices\[1\]\.top_logprobs\.logprobs: "),
+    (lambda c: c[1]["top_logprobs"].update(ids=[[2 ** 32 + 7] * 3] * 3),
+     r"choices\[1\]\.top_logprobs\.ids: integers must fit int32"),
+    (lambda c: c[1]["top_logprobs"].update(ids=[["25", "20", "21"]] * 3),
+     r"choices\[1\]\.top_logprobs\.ids: must hold integers, got '25' \(str\)"),
+    (lambda c: c[1].update(top_logprobs=None), r"choices\[1\]\.top_logprobs: must be a map of ids and logprobs"),
+    (lambda c: c[1].update(logprobs=[False, False, False]), r"choices\[1\]\.logprobs: must hold numbers or null"),
+    (lambda c: c[0].update(token_ids=[1.5, 2.0]), r"choices\[0\]\.token_ids: must hold integers"),
+    (lambda c: c[0].update(index="z"), r"choices\[0\]\.index: must be an integer"),
+    (lambda c: c.append([1, 2]), r"choices: must be a list of maps"),
     (lambda c: c[0].update(prompt_index=-1), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
     (lambda c: c[0].update(prompt_index=2), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
 ])
 def test_bad_choices_are_refused_naming_the_field(mutate, words):
     """The ``choices`` form (vLLM's shape; another server may send it) is checked field by field, as the columns
-    are: one log-prob for three tokens, a short top-K list, a prompt index outside the request (-1 would be Python's
-    last prompt)."""
+    are: one log-prob for three tokens, a short or ragged top-K list, ids past int32 or given as strings, a missing
+    top-K, bools for log-probs, a prompt index outside the request (-1 would be Python's last prompt)."""
     prompts, batch = make_batch()
     body = through(wire.GenerateResponse(batch, model="m", prompt_tokens=4).to_wire(), False)
     assert len(body["choices"][1]["token_ids"]) == 3 and body["choices"][0]["prompt_index"] == 0
     mutate(body["choices"])
+    if words is None:
+        wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3)
+        return
     with pytest.raises(ValueError, match=words):
         wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3)
 

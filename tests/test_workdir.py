@@ -104,23 +104,27 @@ def test_run_files_are_written_whole_or_not_at_all(tmp_path):
     path = str(tmp_path / "summary.json")
     wd.write_bytes(path, b'{"old": 1}')
 
-    import builtins
-    real_open = builtins.open
+    real_write = wd._write_new
 
-    def failing_open(p, mode="r", *a, **k):
-        f = real_open(p, mode, *a, **k)
-        if "w" in mode and str(p).startswith(path):
-            f.write(b'{"ne')  # a partial write, then the process "dies"
-            f.close()
-            raise OSError(28, "No space left on device")
-        return f
+    def failing_write(tmp, data):
+        real_write(tmp, data[:4])  # a partial write, then the disk is full
+        raise OSError(28, "No space left on device")
 
-    builtins.open = failing_open
+    wd._write_new = failing_write
     try:
-        with pytest.raises(OSError):
+        with pytest.raises(wd.RunWriteError, match=r"cannot write .*summary.json: ENOSPC"):
             wd.write_bytes(path, b'{"new": 2}')
     finally:
-        builtins.open = real_open
+        wd._write_new = real_write
+    assert os.listdir(tmp_path) == ["summary.json"]  # no temporary left
+    # a link planted at the temporary's name is removed, never written through
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    os.symlink(victim, f"{path}.{os.getpid()}.tmp")
+    wd.write_bytes(path, b'{"new": 3}')
+    assert victim.read_text() == "keep" and json.loads(open(path).read()) == {"new": 3}
+    assert not os.path.islink(path)
+    wd.write_bytes(path, b'{"old": 1}')
     assert json.loads(open(path).read()) == {"old": 1}
     trainer_src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pdm_jax", "trainer.py")
     assert "atomic=False" not in open(trainer_src).read()  # every run file the trainer writes is atomic
@@ -129,6 +133,7 @@ def test_run_files_are_written_whole_or_not_at_all(tmp_path):
 def test_every_writer_of_the_run_names_a_full_disk_and_leaves_no_temporary(small_disk):
     """On a real full file system (the kernel's ENOSPC), each writer of the run raises `RunWriteError` naming its
     file and ENOSPC at once: the run files, the sampler's weights, the checkpoints, the curves, the metrics."""
+    import jax
     import jax.numpy as jnp
 
     from pdm_jax import workdir as wd
@@ -164,6 +169,19 @@ def test_every_writer_of_the_run_names_a_full_disk_and_leaves_no_temporary(small
             lambda: export_hf_weights(tiny_params, TINY_DENSE, os.path.join(run, "vllm", "v1")),
     }
     for path, write in writes.items():
+        with pytest.raises(wd.RunWriteError, match=enospc.format(re.escape(path))) as e:
+            write()
+        assert e.value.errno == errno.ENOSPC
+    # A disk that fills under the data itself, with room left for the small files: orbax's arrays (tensorstore's
+    # ValueError naming the OS error) and the Hugging Face export's tensors (safetensors' own error) are named too.
+    small_disk.free()
+    small_disk.fill(leave=64 << 10)
+    rng = np.random.default_rng(0)
+    big = {"w": jnp.asarray(rng.standard_normal((512, 1024), np.float32))}  # 2 MiB that do not compress
+    big_params = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), tiny_params)  # 82 KB
+    for path, write in {os.path.join(run, "checkpoints", "3"): lambda: ckpt.save(3, big, {"step": 3}),
+                        os.path.join(run, "vllm", "v2"):
+                            lambda: export_hf_weights(big_params, TINY_DENSE, os.path.join(run, "vllm", "v2/"))}.items():
         with pytest.raises(wd.RunWriteError, match=enospc.format(re.escape(path))) as e:
             write()
         assert e.value.errno == errno.ENOSPC

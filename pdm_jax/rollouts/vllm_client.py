@@ -331,15 +331,16 @@ def export_hf_weights(params: Mapping, model_config, path: str, *, template=None
     except Exception as e:  # noqa: BLE001 - any mismatch of names, nesting or shapes
         raise ValueError(f"weights do not match the model structure: {type(e).__name__}: {e}") from e
     nnx.update(abstract, params_state)
+    path = os.path.normpath(path)  # "v1/" is "v1": its temporary is beside it, never inside it
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    with wd.naming_write_errors(path):  # a full disk: RunWriteError naming the directory, no temporary left
+    with wd.naming_write_errors(path):  # a full disk (safetensors' own error too): RunWriteError naming the directory
         try:
             hf_io.save_pretrained(abstract, tmp)
             shutil.rmtree(path, ignore_errors=True)
             os.replace(tmp, path)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # no temporary left, whatever failed
             raise
     return path
 

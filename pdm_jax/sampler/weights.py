@@ -61,6 +61,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
+import math
 import logging
 import os
 import stat
@@ -82,6 +83,7 @@ from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 META_FILE = "weights_meta.json"
 TENSORS_FILE = "params.safetensors"
 PARAMS_DIR = "params"  # the orbax directory of the older formats (read only)
+MAX_TREE_DEPTH = 32  # directories below a version directory that a confined copy walks (orbax nests 2-3)
 FORMAT = "pdm_jax.weights/4"  # safetensors + CRC-32C manifest
 SHA256_FORMAT = "pdm_jax.weights/3"  # safetensors + sha256 manifest: still read, verified
 RAW_FORMATS = (FORMAT, SHA256_FORMAT)  # the single-tensor-file formats
@@ -382,42 +384,77 @@ class ConfinedDir:
         finally:
             os.close(fd)
 
-    def copy_tree(self, dest: str) -> None:
+    def copy_tree(self, dest: str, *, sizes: Optional[Mapping[str, int]] = None, max_bytes: int = 0) -> None:
         """Copies every file below the directory into the new directory `dest`, each read as `read` reads it.
 
         For the orbax formats, which orbax opens by path: orbax then reads the private copy, which nothing under
         the root can swap, so a link swapped in during the load is never followed. Every directory is opened
-        relative to its parent's descriptor with ``O_NOFOLLOW``.
+        relative to its parent's descriptor with ``O_NOFOLLOW``, at most `MAX_TREE_DEPTH` deep. `sizes` (a
+        manifest's ``{relative path: bytes}``): every file must be listed and of its size, checked before it is
+        read; else each file is refused past `max_bytes` (0: no bound) unread.
 
         Raises:
-          WeightsError: naming the first link or non-regular file found (or swapped in while copying).
+          WeightsError: naming the first link, non-regular file, too deep a directory, file missing from the
+            manifest or vanished while copying, or a copy that cannot be written (where `tempfile` puts it).
+          CorruptWeightsError: a file of another size than `sizes` records, or larger than `max_bytes`.
         """
-        def walk(fd, prefix, out):
+        stack = [(self.fd, "", dest, None)]  # (directory fd, relative prefix, copy, fd to close when done)
+        try:
+            while stack:
+                fd, prefix, out, own = stack.pop()
+                try:
+                    self._copy_dir(fd, prefix, out, stack, sizes, max_bytes)
+                finally:
+                    if own is not None:
+                        os.close(own)
+        finally:
+            for _, _, _, own in stack:
+                if own is not None:
+                    os.close(own)
+
+    def _copy_dir(self, fd, prefix, out, stack, sizes, max_bytes) -> None:
+        """One directory of `copy_tree`: its files copied, its subdirectories pushed on `stack`."""
+        if prefix.count("/") >= MAX_TREE_DEPTH:
+            raise WeightsError(f"weights path {self.path!r}: {prefix.rstrip('/')!r} is more than {MAX_TREE_DEPTH} "
+                               "directories deep; refused")
+        try:
             os.mkdir(out, 0o700)
-            with os.scandir(fd) as it:
-                entries = list(it)
-            for e in entries:
-                rel = prefix + e.name
-                if e.is_symlink():
-                    raise WeightsError(f"weights path {self.path!r}: {rel!r} is a symbolic link; refused")
-                if e.is_dir(follow_symlinks=False):
-                    try:
-                        sub_fd = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-                    except OSError as err:
-                        raise WeightsError(f"weights path {self.path!r}: {rel!r} is a symbolic link or not a "
-                                           f"directory ({os.strerror(err.errno)}); refused") from None
-                    try:
-                        walk(sub_fd, rel + "/", os.path.join(out, e.name))
-                    finally:
-                        os.close(sub_fd)
-                elif e.is_file(follow_symlinks=False):
-                    data = self._read_at(fd, rel)
+        except OSError as e:
+            raise WeightsError(f"weights path {self.path!r}: its private copy cannot be written under "
+                               f"{tempfile.gettempdir()!r} ({os.strerror(e.errno)}; TMPDIR picks the place)") from None
+        with os.scandir(fd) as it:
+            entries = list(it)
+        for e in entries:
+            rel = prefix + e.name
+            if rel == META_FILE:
+                continue  # read and checked already (`read_meta`); orbax does not read it
+            if e.is_symlink():
+                raise WeightsError(f"weights path {self.path!r}: {rel!r} is a symbolic link; refused")
+            if e.is_dir(follow_symlinks=False):
+                try:
+                    sub_fd = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as err:
+                    raise WeightsError(f"weights path {self.path!r}: {rel!r} is a symbolic link, not a directory "
+                                       f"or gone ({os.strerror(err.errno)}); refused") from None
+                stack.append((sub_fd, rel + "/", os.path.join(out, e.name), sub_fd))
+            elif e.is_file(follow_symlinks=False):
+                if sizes is not None and rel not in sizes:
+                    raise WeightsError(f"weights path {self.path!r}: {rel!r} is not in its manifest; refused")
+                try:
+                    data = self._read_at(fd, rel, expect_bytes=None if sizes is None else sizes[rel],
+                                         max_bytes=None if sizes is not None or not max_bytes else max_bytes)
+                except FileNotFoundError:
+                    raise WeightsError(f"weights path {self.path!r}: {rel!r} vanished while it was read (the "
+                                       "version is being deleted?)") from None
+                try:
                     with open(os.path.join(out, e.name), "xb") as f:
                         f.write(data)
-                else:
-                    raise WeightsError(f"weights path {self.path!r}: {rel!r} is not a regular file; refused")
-
-        walk(self.fd, "", dest)
+                except OSError as err:
+                    raise WeightsError(f"weights path {self.path!r}: its private copy cannot be written under "
+                                       f"{tempfile.gettempdir()!r} ({os.strerror(err.errno)}; TMPDIR picks the "
+                                       "place)") from None
+            else:
+                raise WeightsError(f"weights path {self.path!r}: {rel!r} is not a regular file; refused")
 
 
 def _parse_meta_json(path: str, data: bytes):
@@ -492,8 +529,8 @@ def read_meta(path: str, *, confined: Optional[ConfinedDir] = None) -> dict:
 def _check_entries(path: str, entries: Mapping) -> None:
     for rel, info in entries.items():
         parts = rel.split("/")
-        if not rel or rel.startswith("/") or ".." in parts or not isinstance(info, dict):
-            raise CorruptWeightsError(path, rel, "is not a valid manifest entry")
+        if not rel or rel.startswith("/") or ".." in parts or "\0" in rel or not isinstance(info, dict):
+            raise CorruptWeightsError(path, rel.replace("\0", "\\0"), "is not a valid manifest entry")
 
 
 def _mismatch(rel: str, got: tuple, want: Mapping, algorithm: str = "sha256") -> Optional[str]:
@@ -524,7 +561,7 @@ def verify_files(path: str, meta: Mapping, *, shown: Optional[str] = None) -> No
         if isinstance(got, FileNotFoundError):
             bad.append((rel, "is missing"))
         elif isinstance(got, OSError):
-            bad.append((rel, f"cannot be read ({got})"))
+            bad.append((rel, f"cannot be read ({str(got).replace(path, shown) if shown else got})"))
         elif (problem := _mismatch(rel, got, entries[rel])) is not None:
             bad.append((rel, problem))
     if bad:
@@ -633,7 +670,8 @@ def _restore_orbax(path: str, target: Mapping, *, source: Optional[str] = None) 
     try:
         restored = ocp.StandardCheckpointer().restore(os.path.join(source or path, PARAMS_DIR), target)
     except Exception as e:  # orbax raises assorted types for tree/shape mismatches
-        raise WeightsError(f"weights path {path!r} does not match the model: {type(e).__name__}: {e}") from e
+        why = str(e).replace(source, path) if source else str(e)  # the private copy is named as what it copies
+        raise WeightsError(f"weights path {path!r} does not match the model: {type(e).__name__}: {why}") from None
     got = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), restored)
     want = jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), target)
     if got != want:
@@ -670,6 +708,11 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
       CorruptWeightsError: a damaged file (naming the directory and the file).
     """
     path = wd.run_path(path)
+    if abstract is None:
+        if config is None:
+            raise ValueError("load_weights needs a config or an abstract target tree")
+        abstract = abstract_params(config)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dict(abstract))
     confined = None if root is None or wd.is_remote(path) else ConfinedDir(root, path)
     with contextlib.ExitStack() as cleanup:
         try:
@@ -683,7 +726,13 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
             elif confined is not None:  # orbax reads by path: a private copy read through descriptors
                 orbax_dir = os.path.join(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="pdm_weights_")),
                                          "copy")
-                confined.copy_tree(orbax_dir)
+                if FILES_KEY in meta:  # every file listed, of its size: checked before it is read
+                    _check_entries(path, meta[FILES_KEY])
+                    sizes = {rel: info.get("bytes") for rel, info in meta[FILES_KEY].items()}
+                    confined.copy_tree(orbax_dir, sizes=sizes)
+                else:  # /1, no manifest: no file larger than the whole model (and its metadata) is read
+                    total = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(target))
+                    confined.copy_tree(orbax_dir, max_bytes=2 * total + (16 << 20))
         finally:
             if confined is not None:
                 confined.close()
@@ -692,11 +741,6 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
         elif tensors is None:
             log.warning("weights path %r has no integrity manifest (format %s): loading it unverified; re-save it "
                         "with save_weights to add one", path, LEGACY_FORMAT)
-        if abstract is None:
-            if config is None:
-                raise ValueError("load_weights needs a config or an abstract target tree")
-            abstract = abstract_params(config)
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), dict(abstract))
         if tensors is not None:
             restored = _match_target(path, tensors, target)
         else:

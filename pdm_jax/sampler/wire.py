@@ -818,26 +818,40 @@ class GenerateResponse:
         """
         if COLUMNS in body:
             return cls._from_columns(body, prompts, int(top_k_logprobs))
-        choices = sorted(body[CHOICES], key=lambda c: c[INDEX])
-        k = int(top_k_logprobs)
-        toks = [np.asarray(c[TOKEN_IDS], np.int32).reshape(-1) for c in choices]
+        k = top_k_logprobs
+        if not _is_int(k) or k < 0:
+            raise ValueError(f"top_k_logprobs: must be an integer >= 0 (the request's {LOGPROBS}), got {_show(k, 24)}")
+        raw = body[CHOICES]
+        if not isinstance(raw, list) or not all(isinstance(c, Mapping) for c in raw):
+            raise ValueError(f"{CHOICES}: must be a list of maps, got {_kind(raw)}")
+        for r, c in enumerate(raw):
+            if not _is_int(c.get(INDEX)):
+                raise ValueError(f"{CHOICES}[{r}].{INDEX}: must be an integer, got {_show(c.get(INDEX), 24)}")
+        choices = sorted(raw, key=lambda c: c[INDEX])
+        toks = []
         for r, c in enumerate(choices):
-            i = c[PROMPT_INDEX]
+            i = c.get(PROMPT_INDEX)
             if not _is_int(i) or not 0 <= i < len(prompts):
                 raise ValueError(f"{CHOICES}[{r}].{PROMPT_INDEX}: must be an integer in [0, {len(prompts)}) (the "
                                  f"request's prompts), got {_show(i, 24)}")
+            toks.append(_column(c, TOKEN_IDS, 1, where=f"{CHOICES}[{r}]"))
         lengths = np.array([len(x) for x in toks], np.int64)
         t_in = int(max(1, lengths.max(initial=0)))
-        top = [c[TOP_LOGPROBS] if k and len(x) else None for c, x in zip(choices, toks)]
-        top_ids = right_pad_rows([np.zeros((len(x), k)) if tp is None else
-                                  _per_token(np.asarray, tp[IDS], (len(x), k), f"{CHOICES}[{r}].{TOP_LOGPROBS}.{IDS}")
-                                  for r, (x, tp) in enumerate(zip(toks, top))], t_in, dtype=np.int32)
-        top_logp = right_pad_rows([np.zeros((len(x), k)) if tp is None else
-                                   _per_token(float_list, tp[LOGPROBS], (len(x), k),
-                                              f"{CHOICES}[{r}].{TOP_LOGPROBS}.{LOGPROBS}")
-                                   for r, (x, tp) in enumerate(zip(toks, top))], t_in)
-        logp = right_pad_rows([_per_token(float_list, c[LOGPROBS], (len(x),), f"{CHOICES}[{r}].{LOGPROBS}")
-                               for r, (c, x) in enumerate(zip(choices, toks))], t_in)
+        top_ids, top_logp, logp = [], [], []
+        for r, (c, x) in enumerate(zip(choices, toks)):
+            logp.append(_column(c, LOGPROBS, 1, (len(x),), floats=True, where=f"{CHOICES}[{r}]"))
+            if not (k and len(x)):
+                top_ids.append(np.zeros((len(x), k), np.int32))
+                top_logp.append(np.zeros((len(x), k), np.float32))
+                continue
+            tp, where = c.get(TOP_LOGPROBS), f"{CHOICES}[{r}].{TOP_LOGPROBS}"
+            if not isinstance(tp, Mapping):
+                raise ValueError(f"{where}: must be a map of {IDS} and {LOGPROBS} ({k} per token), got {_kind(tp)}")
+            top_ids.append(_column(tp, IDS, 2, (len(x), k), where=where))
+            top_logp.append(_column(tp, LOGPROBS, 2, (len(x), k), floats=True, where=where))
+        top_ids = right_pad_rows(top_ids, t_in, dtype=np.int32)
+        top_logp = right_pad_rows(top_logp, t_in)
+        logp = right_pad_rows(logp, t_in)
         _check_logprobs(logp, f"{CHOICES}[*].{LOGPROBS}")
         _check_logprobs(top_logp, f"{CHOICES}[*].{TOP_LOGPROBS}.{LOGPROBS}")
         batch = build_batch(
@@ -956,19 +970,6 @@ def _column(cols: Mapping, name: str, ndim: int, shape: Optional[tuple] = None, 
     if a.size and (int(a.min()) < -MAX_INT32 - 1 or int(a.max()) > MAX_INT32):
         raise ValueError(f"{field}: integers must fit int32, got {int(a.min())} .. {int(a.max())}")
     return a.astype(a.dtype if name == ROUTED_EXPERTS and a.dtype.kind == "i" else np.int32)
-
-
-def _per_token(convert, value, shape: tuple, field: str) -> np.ndarray:
-    """``convert(value)`` reshaped to `shape` (one value, or K, per completion token), or a ValueError naming
-    `field` (a ragged list, a non-number, or another count of values)."""
-    try:
-        a = convert(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{field}: not a list of {' x '.join(map(str, shape))} numbers ({e})") from None
-    if a.size != math.prod(shape):
-        raise ValueError(f"{field}: {a.size} values for {shape[0]} completion tokens; expected "
-                         f"{' x '.join(map(str, shape))} = {math.prod(shape)}")
-    return a.reshape(shape)
 
 
 def _routed_experts(choices, prompts, p_out: int, t_out: int) -> Optional[np.ndarray]:
