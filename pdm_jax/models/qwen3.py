@@ -1123,9 +1123,10 @@ class Qwen3ForCausalLM(nnx.Module):
     def decode_layers(self) -> tuple:
         """The decoder layers in order, one module per layer (static slices of the stacked parameters).
 
-        A decode loop builds them once, before the loop, and passes them to every `decode` call (``layers=``):
-        sliced inside the loop body, XLA materialises every layer's weights again at every step (a copy of the
-        model per token, as much memory traffic as the matmuls themselves at a small batch).
+        A decode loop may build them once, before the loop, and pass them to every `decode` call (``layers=``):
+        sliced inside the loop body, XLA:CPU materialises every layer's weights again at every step (a copy of the
+        model per token); XLA:TPU does not, and there slicing first costs a second copy of the layers
+        (`pdm_jax.sampler.engine.hoist_layer_slices` decides).
         """
         stacks = self._stack_states()
         return tuple(nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))

@@ -355,9 +355,9 @@ def hoist_layer_slices(platform: str) -> bool:
 
     True on XLA:CPU, which materialises a static slice of a loop-invariant operand at every iteration: a copy of
     every layer's weights per decoded token, as many bytes moved as the matmuls read (measured with
-    ``bench/bench_decode.py``; `docs/benchmarks.md`). False on TPU and GPU: XLA:TPU reads the slices in place inside
-    the loop, and slicing them before it holds a second copy of the layers for the whole program (compiled for the
-    Qwen3-8B engine on v5p:4x4x4: 3.0 GiB more temporaries per device).
+    ``bench/bench_decode.py``; `docs/benchmarks.md`). False on TPU: XLA:TPU reads the slices in place inside the
+    loop, and slicing them before it holds a second copy of the layers for the whole program (compiled for the
+    Qwen3-8B engine on v5p:4x4x4: 3.0 GiB more temporaries per device). False on GPU too, not measured there.
     """
     return platform == "cpu"
 
