@@ -206,7 +206,15 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.kl_estimator = "k3"
     # Chunked RL loss for large vocabularies (unit: tokens).
     c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.rl.chunked_loss); 0 = all [B,T,V] logits
-    c.rl.micro_batch_size = 0  # sequences per micro-batch; > 0: gradients accumulated exactly over micro-batches; 0 = off
+    # Sequences per micro-batch (packed rows per micro-batch with rl.pack_sequences); > 0: gradients accumulated
+    # exactly over micro-batches; 0 = off (unit: sequences).
+    c.rl.micro_batch_size = 0
+    # True: each mini-batch's sequences are packed end to end into rows of rl.packed_length tokens (segment ids,
+    # per-sequence positions; pdm_jax.rl.packing): the same loss and gradient without the FLOPs of padding;
+    # rl.micro_batch_size then counts packed rows per micro-batch.
+    c.rl.pack_sequences = False
+    # Tokens per packed row; 0 = sampler.max_prompt_length + rl.max_new_tokens, the longest sequence (unit: tokens).
+    c.rl.packed_length = 0
     c.rl.router_aux_loss_coef = 0.0  # Qwen3-MoE: weight of the router load-balancing loss in the RL loss (0 = off)
 
     # ---- trust region (pdm_jax.rl.trust_region.TrustRegionConfig) ---------------------------
@@ -690,10 +698,35 @@ def _check_rl(config) -> None:
         _need(0.0 <= rl[name] < 1.0, f"rl.{name}", rl[name], "must be in [0, 1)")
     _need(math.isfinite(rl.max_grad_norm), "rl.max_grad_norm", rl.max_grad_norm, "must be finite (<= 0: no clipping)")
     mb_rows = n // max(rl.num_minibatches, 1)
-    _need(rl.micro_batch_size == 0 or (rl.micro_batch_size > 0 and mb_rows % rl.micro_batch_size == 0),
-          "rl.micro_batch_size", rl.micro_batch_size,
-          f"must be 0 (off) or divide the optimizer mini-batch of {mb_rows} sequences")
+    _need(isinstance(rl.pack_sequences, bool), "rl.pack_sequences", rl.pack_sequences, "must be true or false")
+    if not rl.pack_sequences:  # packed: micro_batch_size counts packed rows, whatever the mini-batch
+        _need(rl.micro_batch_size == 0 or (rl.micro_batch_size > 0 and mb_rows % rl.micro_batch_size == 0),
+              "rl.micro_batch_size", rl.micro_batch_size,
+              f"must be 0 (off) or divide the optimizer mini-batch of {mb_rows} sequences")
+    longest = config.sampler.max_prompt_length + rl.max_new_tokens
+    _need(isinstance(rl.packed_length, int) and (rl.packed_length == 0 or rl.packed_length >= longest),
+          "rl.packed_length", rl.packed_length, f"must be 0 (the longest sequence) or at least "
+          f"sampler.max_prompt_length + rl.max_new_tokens = {longest} tokens")
+    if rl.pack_sequences:
+        _need(config.trust_region.get("direction") != "param_jvp", "rl.pack_sequences", True,
+              "is not implemented with trust_region.direction = param_jvp (its jvp runs on padded rows)")
+        _need(not config.model.get("moe_routing_replay", False), "rl.pack_sequences", True,
+              "is not implemented with model.moe_routing_replay (the replayed routing is laid out padded)")
     step_configs(config)  # trust region and policy loss: their own checks, named by field
+
+
+def check_context(config, model_config) -> None:
+    """Raises ValueError naming ``rl.max_new_tokens`` when ``sampler.max_prompt_length + rl.max_new_tokens``
+    exceeds the resolved model's ``max_position_embeddings`` (a preset's or a checkpoint's)."""
+    context = config.sampler.max_prompt_length + config.rl.max_new_tokens
+    _need(context <= model_config.max_position_embeddings, "rl.max_new_tokens", config.rl.max_new_tokens,
+          f"sampler.max_prompt_length + rl.max_new_tokens = {context} exceeds the model's "
+          f"max_position_embeddings = {model_config.max_position_embeddings}")
+
+
+def packed_length(config) -> int:
+    """L, tokens per packed row (``rl.packed_length``, or 0: ``sampler.max_prompt_length + rl.max_new_tokens``)."""
+    return int(config.rl.packed_length or config.sampler.max_prompt_length + config.rl.max_new_tokens)
 
 
 def resolve_sampler_mode(mode: str, backend: Optional[str] = None) -> str:
@@ -1021,7 +1054,8 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
         max_response_length=int(max_response_length or rl.max_new_tokens), kl_beta=_as_float("rl.kl_beta", rl.kl_beta),
         kl_estimator=rl.kl_estimator, temperature=_as_float("rl.temperature", rl.temperature),
         logits_chunk_size=rl.logits_chunk_size, micro_batch_size=rl.micro_batch_size,
-        router_aux_loss_coef=_as_float("rl.router_aux_loss_coef", rl.get("router_aux_loss_coef", 0.0)))
+        router_aux_loss_coef=_as_float("rl.router_aux_loss_coef", rl.get("router_aux_loss_coef", 0.0)),
+        pack_sequences=rl.pack_sequences)
     rl_opt = OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, b1=rl.adam_b1,
                              b2=rl.adam_b2, max_grad_norm=rl.max_grad_norm, warmup_steps=rl.warmup_steps)
     sft_opt = OptimizerConfig(learning_rate=sft.learning_rate, warmup_steps=sft.warmup_steps,

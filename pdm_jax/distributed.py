@@ -34,6 +34,8 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pdm_jax.rl.packing import plan_packing
+
 log = logging.getLogger("pdm_jax.distributed")
 
 #: Environment variables read when the config leaves a field unset.
@@ -242,6 +244,28 @@ def put_global_batch(arrays, mesh, *, batch_axes: Sequence[str] = ("data", "fsdp
         return jax.make_array_from_process_local_data(NamedSharding(mesh, P()), value, value.shape)
 
     return jax.tree.map(put, arrays)
+
+
+def with_packing(batch, mesh, *, row_length: int, rows_per_micro_batch: int, host_batch=None,
+                 batch_axes: Sequence[str] = ("data", "fsdp")):
+    """The device mini-batch ``batch`` with its packing plan (``rl.pack_sequences``) on the mesh.
+
+    The plan (``pdm_jax.rl.packing.plan_packing``) is made from the host copy of the masks, the same
+    on every process: ``host_batch``'s when given (every process holds the global host batch),
+    otherwise gathered from the devices (per-host rollouts: each process holds only its rows). Its
+    ``[N, L]`` arrays are split over ``batch_axes`` by rows (N is a multiple of the batch shards), its
+    ``unpack_index`` like the batch.
+
+    Raises:
+      ValueError: from ``plan_packing`` (a sequence longer than ``row_length``, a micro-batch row count
+        that does not divide into the batch shards, masks not padded on their side).
+    """
+    src = batch if host_batch is None else host_batch
+    masks = to_host(dict(prompt=src.prompt_mask, completion=src.completion_mask))
+    shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
+    plan = plan_packing(masks["prompt"], masks["completion"], row_length=row_length,
+                        rows_per_micro_batch=rows_per_micro_batch, row_multiple=shards)
+    return batch.replace(packing=put_global_batch(plan, mesh, batch_axes=batch_axes))
 
 
 def opt_state_shardings(tx, params, mesh):

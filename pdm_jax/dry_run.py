@@ -45,8 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdm_jax import aot
 from pdm_jax.rl import train_step as ts
-from pdm_jax.config import (compute_options, model_config_from_fields, resolve_sampler_mode, step_configs,
-                            validate_config)
+from pdm_jax.config import (compute_options, model_config_from_fields, packed_length, resolve_sampler_mode,
+                            step_configs, validate_config)
 from pdm_jax.distributed import opt_state_shardings
 from pdm_jax.models.hf_io import load_config
 from pdm_jax.models.presets import PRESETS, get_preset
@@ -56,6 +56,7 @@ from pdm_jax.rollout import round_up
 from pdm_jax.sampler import engine as eng
 from pdm_jax.sampler.engine import abstract_engine_model, next_pow2
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
+from pdm_jax.rl.packing import PackingPlan
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sharding import (MeshConfig, activation_sharding, kv_cache_specs, make_mesh, param_partition_specs,
                               param_shardings)
@@ -146,6 +147,18 @@ class StepShape:
     attention: str = "dense"  # the training forward's attention, "auto" resolved for the target chip
     remat: str = "none"  # the per-layer remat policy (pdm_jax.models.REMAT_POLICIES)
     scan_layers: bool = False  # the layers run under lax.scan (model.scan_layers)
+    packed_length: int = 0  # rl.pack_sequences: tokens per packed row (0: not packed)
+    packed_rows: int = 0  # packed rows of the step (rows_per_micro_batch x micro-batches; see packed_rows_bound)
+
+    @property
+    def rows(self) -> int:
+        """The model's rows per step: packed rows when packed, else the sequences."""
+        return self.packed_rows if self.packed_length else self.batch
+
+    @property
+    def row_length(self) -> int:
+        """Tokens per model row: the packed length, or P + T."""
+        return self.packed_length or self.prompt_len + self.completion_len
 
 
 def resolve_attention(attention: str, chip: str, seq: int) -> str:
@@ -165,12 +178,23 @@ def step_shape(config, chip: Optional[str] = None) -> StepShape:
     if rl.num_minibatches < 1 or n % rl.num_minibatches:
         raise ValueError(f"rl.num_minibatches = {rl.num_minibatches} must divide prompts_per_step x group_size = {n}")
     p = round_up(int(config.sampler.max_prompt_length), 8)
-    return StepShape(batch=n // rl.num_minibatches, prompt_len=p, completion_len=int(rl.max_new_tokens),
+    b = n // rl.num_minibatches
+    packed = packed_length(config) if rl.get("pack_sequences", False) else 0
+    return StepShape(batch=b, prompt_len=p, completion_len=int(rl.max_new_tokens),
                      top_k=int(rl.top_k_logprobs), logits_chunk_size=int(rl.logits_chunk_size),
                      micro_batch_size=int(rl.micro_batch_size),
                      attention=resolve_attention(config.model.attention, chip or config.dry_run.chip,
-                                                 p + int(rl.max_new_tokens)),
-                     remat=config.model.remat, scan_layers=bool(config.model.get("scan_layers", True)))
+                                                 packed or p + int(rl.max_new_tokens)),
+                     remat=config.model.remat, scan_layers=bool(config.model.get("scan_layers", True)),
+                     packed_length=packed, packed_rows=packed_rows_bound(b, int(rl.micro_batch_size)) if packed else 0)
+
+
+def packed_rows_bound(batch: int, rows_per_micro_batch: int) -> int:
+    """The most packed rows a mini-batch of ``batch`` sequences can need (one sequence per row), as
+    ``pdm_jax.rl.packing.plan_packing`` rounds them: whole micro-batches, or a power of two."""
+    if rows_per_micro_batch > 0:
+        return -(-batch // rows_per_micro_batch) * rows_per_micro_batch
+    return next_pow2(batch)
 
 
 def mesh_sizes(config, num_devices: int) -> dict:
@@ -570,11 +594,19 @@ def lowered_train_step(config, model_cfg, shape: StepShape, sizes: dict, *, devi
         spec = P(("data", "fsdp"), *([None] * (len(shp) - 1)))
         return jax.ShapeDtypeStruct(shp, dt, sharding=NamedSharding(mesh, spec))
 
+    plan = None
+    if shape.packed_length:  # rl.pack_sequences: the plan's index arrays, packed rows split like the batch
+        n_rows, length = shape.packed_rows, shape.packed_length
+        i32, flag = (arg((n_rows, length), dt) for dt in (jnp.int32, jnp.bool_))
+        plan = PackingPlan(src_row=i32, src_col=i32, segment_ids=i32, token_mask=flag, target_col=i32,
+                           target_mask=flag, unpack_index=arg((b, t), jnp.int32),
+                           num_micro_batches=n_rows // (shape.micro_batch_size or n_rows))
     batch = StepBatch(prompt_ids=arg((b, p), jnp.int32), prompt_mask=arg((b, p), jnp.bool_),
                       completion_ids=arg((b, t), jnp.int32), completion_mask=arg((b, t), jnp.bool_),
                       behavior_logprobs=arg((b, t), jnp.float32), topk_ids=arg((b, t, k), jnp.int32),
                       topk_logprobs=arg((b, t, k), jnp.float32), advantages=arg((b,), jnp.float32),
-                      ref_logprobs=arg((b, t), jnp.float32) if configs.policy_loss.kl_beta > 0 else None)
+                      ref_logprobs=arg((b, t), jnp.float32) if configs.policy_loss.kl_beta > 0 else None,
+                      packing=plan)
     loss_cfg = dataclasses.replace(configs.policy_loss, logits_chunk_size=shape.logits_chunk_size,
                                    micro_batch_size=shape.micro_batch_size)
     step = ts.make_rl_train_step(graphdef, tx, configs.trust_region, loss_cfg)
@@ -641,7 +673,8 @@ def counted_flops(config, model_cfg, shape: StepShape, sizes: dict, *, devices=N
         flat.model.scan_layers = False
         flat.rl.micro_batch_size = 0
         flat.rl.logits_chunk_size = 0
-    one = dataclasses.replace(shape, batch=shards, micro_batch_size=0, logits_chunk_size=0, scan_layers=False)
+    one = dataclasses.replace(shape, batch=shards, micro_batch_size=0, logits_chunk_size=0, scan_layers=False,
+                              packed_rows=shards if shape.packed_length else 0)
     t0, counts = time.time(), []
     for layers in (1, 2):
         cfg = dataclasses.replace(model_cfg, num_hidden_layers=layers)
@@ -654,7 +687,7 @@ def counted_flops(config, model_cfg, shape: StepShape, sizes: dict, *, devices=N
     if None in counts:
         return dict(flops=None, note="not counted: the compiler gives no cost analysis")
     per_layer = counts[1] - counts[0]
-    rows = shape.batch / shards
+    rows = shape.rows / shards  # model rows per batch shard (packed rows when packed)
     return dict(flops=(counts[0] + (model_cfg.num_hidden_layers - 1) * per_layer) * rows,
                 per_layer=per_layer * rows, compile_seconds=time.time() - t0)
 
@@ -759,7 +792,8 @@ def model_flops(model_cfg, shape: StepShape, num_devices: int) -> dict:
     * ``flops``: ``6 N D`` (forward + backward; ``8 N D`` with full remat, the forward recomputed), N the
       parameters a token's matmuls use (MoE: its routed experts only; the input embedding, a gather, not
       counted), D the step's tokens per device; the LM head's ``[D, V]`` matmul runs on the completion
-      tokens only (the loss reads no prompt logits), so it counts ``T`` of the ``P + T`` tokens.
+      tokens only (the loss reads no prompt logits), so it counts ``T`` of the ``P + T`` tokens; packed
+      (``rl.pack_sequences``) the rows are ``shape.packed_rows`` of ``L`` tokens and the head runs at all L.
     * ``attention_flops``: causal attention's two ``[S, S]`` matmuls, ``2 x 2 N_heads H S^2 / 2`` per layer
       and sequence forward, times 3 (4 with full remat).
 
@@ -770,10 +804,11 @@ def model_flops(model_cfg, shape: StepShape, num_devices: int) -> dict:
     c = model_cfg
     head = c.hidden_size * c.vocab_size
     body = count_params(c, non_embedding=True, active=True)  # neither the embedding nor an untied LM head
-    seq = shape.prompt_len + shape.completion_len
-    rows = shape.batch / num_devices
+    seq = shape.row_length
+    rows = shape.rows / num_devices
     factor = 8 if shape.remat == "full" else 6
-    flops = factor * rows * (body * seq + head * shape.completion_len)
+    head_positions = seq if shape.packed_length else shape.completion_len  # packed: the head runs everywhere
+    flops = factor * rows * (body * seq + head * head_positions)
     attention = (factor // 2) * rows * c.num_hidden_layers * 2 * c.num_attention_heads * c.head_dim * seq ** 2
     return dict(tokens_per_device=rows * seq, active_params=body + head, flops=flops, attention_flops=attention)
 
@@ -844,7 +879,9 @@ def format_report(report: dict) -> str:
         f"({hbm / GIB:.0f} GiB HBM each)",
         f"step: {s.batch} sequences x ({s.prompt_len} prompt + {s.completion_len} completion) tokens, K={s.top_k}, "
         f"logits_chunk_size={s.logits_chunk_size or 'off'}, micro_batch_size={s.micro_batch_size or 'off'}, "
-        f"attention={s.attention}, remat={s.remat}, scan_layers={s.scan_layers}",
+        f"attention={s.attention}, remat={s.remat}, scan_layers={s.scan_layers}"
+        + (f"; packed into {s.packed_rows} rows of {s.packed_length} tokens (rl.pack_sequences: the most a "
+           "mini-batch can need; the analytic plan counts the padded rows)" if s.packed_length else ""),
         "",
         f"ANALYTIC estimate, per device        {unit}",
     ]

@@ -40,10 +40,11 @@ from tqdm.auto import tqdm
 from pdm_jax import evaluation, host_memory, per_host, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
-from pdm_jax.config import (check_routing_replay_model, check_sampler_mesh, compute_options, model_config_from_fields,
-                            parse_stop_token_ids, redacted, step_configs, validate_config)
+from pdm_jax.config import (check_context, check_routing_replay_model, check_sampler_mesh, compute_options,
+                            model_config_from_fields, packed_length, parse_stop_token_ids, redacted, step_configs,
+                            validate_config)
 from pdm_jax.data import filter_long_prompts, make_source
-from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch
+from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch, with_packing
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summary, run_summary, sampler_weights_format
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.models.tokenizer import build_char_tokenizer, load_tokenizer
@@ -138,11 +139,7 @@ class Trainer:
         check_routing_replay_model(config, self.model_config)  # a dense hf_path checkpoint
         check_sampler_mesh(config, self.model_config)  # before the warm start, not when the engine is built
         self._replay = bool(config.model.get("moe_routing_replay", False))  # rollouts carry routed_experts
-        context = config.sampler.max_prompt_length + config.rl.max_new_tokens
-        if context > self.model_config.max_position_embeddings:
-            raise ValueError(f"rl.max_new_tokens = {config.rl.max_new_tokens}: sampler.max_prompt_length + "
-                             f"rl.max_new_tokens = {context} exceeds the model's max_position_embeddings = "
-                             f"{self.model_config.max_position_embeddings}")
+        check_context(config, self.model_config)  # a preset's or checkpoint's max_position_embeddings
         self.graphdef, params = nnx.split(model)
         self._params_sharding = param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._params_sharding)
@@ -418,8 +415,11 @@ class Trainer:
             perm = rng.permutation(n_seq)
             for j in range(rl.num_minibatches):
                 rows = perm[j * mb:(j + 1) * mb]
-                sub = per_host.select_rows(batch, rows, self.mesh) if self.per_host else \
-                    self._put_batch(batch.select(rows))
+                host = None if self.per_host else batch.select(rows)
+                sub = per_host.select_rows(batch, rows, self.mesh) if self.per_host else self._put_batch(host)
+                if rl.pack_sequences:  # the packing plan of these rows travels with them (pdm_jax.rl.packing)
+                    sub = with_packing(sub, self.mesh, host_batch=host, row_length=packed_length(self.config),
+                                       rows_per_micro_batch=rl.micro_batch_size)
                 for cb in self.callbacks:
                     cb.before_update(self, rl_step, sub, state)
                 state, m = step_fn(state, sub)

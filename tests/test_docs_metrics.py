@@ -84,7 +84,8 @@ def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
     rl_fields = rl_step_metric_keys() | dict_keys_in(trainer.Trainer._rl_record) \
         | dict_keys_in(profiling.step_timing) | dict_keys_in(profiling.compile_record) \
         | set(profiling.PhaseTimer(profiling.STEP_PHASES).record()) - {"time_step"} \
-        | dict_keys_in(train_step._with_router_aux)  # MoE models only: router_aux_loss
+        | dict_keys_in(train_step._with_router_aux) \
+        | dict_keys_in(train_step._with_packing_metrics)  # MoE only: router_aux_loss; packed only: packed_fill
     sft_fields = dict_keys_in(train_step.make_sft_train_step) | {"loss", "grad_norm"}
     eval_fields = {k for k in dict_keys_in(evaluation.evaluate) if k.startswith("eval_")}
     assert {"reward", "staleness", "frac_masked", "mean_tail_mass", "router_aux_loss"} <= rl_fields

@@ -71,6 +71,11 @@ def tiny_test_config(**overrides):
         ({"data.kind": "gsm8k", "data.path": "/nonexistent/gsm8k.jsonl"}, "data.path"),
         ({"sampler.quantization": "int3"}, "sampler.quantization"),
         ({"rl.max_staleness": -1}, "rl.max_staleness"),
+        ({"rl.pack_sequences": True, "rl.packed_length": 16}, "rl.packed_length = 16: must be 0"),
+        ({"rl.pack_sequences": True, "trust_region.direction": "param_jvp"},
+         "rl.pack_sequences = True: is not implemented with trust_region.direction = param_jvp"),
+        ({"rl.pack_sequences": True, "model.moe_routing_replay": True, "model.num_experts": 4,
+          "model.num_experts_per_tok": 2, "model.moe_intermediate_size": 16}, "rl.pack_sequences = True"),
     ],
 )
 def test_bad_configs_name_the_field(overrides, field):
@@ -185,6 +190,25 @@ def test_cli_end_to_end_then_resume_after_sigkill(reference_run, tmp_path):
     for s in (3, 4):
         for k in DETERMINISTIC_KEYS:
             assert got[s][k] == pytest.approx(ref[s][k], rel=1e-5, abs=1e-6), (s, k)
+
+
+@pytest.mark.slow
+def test_packed_sequences_train_the_run_the_padded_step_trains(reference_run, tmp_path):
+    """``rl.pack_sequences`` from the CLI: the same RL records as the padded reference run, step by step.
+
+    The packed step's loss and gradient are the padded step's (tests/test_packing.py), so the weights, the
+    rollouts they sample and every metric follow the same path; ``packed_fill`` says how full the rows were.
+    """
+    _, ref, cache = reference_run
+    packed = tmp_path / "packed"
+    r = _run_cli(packed, SMALL + cache + ["--config.rl.pack_sequences=True"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = _rl_records(packed)
+    assert sorted(got) == sorted(ref)
+    for s in ref:
+        for k in DETERMINISTIC_KEYS:
+            assert got[s][k] == pytest.approx(ref[s][k], rel=1e-4, abs=1e-5), (s, k)
+        assert 0.0 < got[s]["packed_fill"] < 1.0 and "packed_fill" not in ref[s]
 
 
 def _check_step_timing(records):

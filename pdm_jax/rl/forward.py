@@ -2,6 +2,7 @@
 
 Both the whole-vocabulary step (`pdm_jax.rl.train_step`) and the chunked one (`pdm_jax.rl.chunked_loss`)
 call `completion_forward`; `completion_logits` and `completion_hidden_states` are its two outputs.
+`packed_forward` is the same model call on packed rows (`pdm_jax.rl.packing`), every position kept.
 """
 
 from __future__ import annotations
@@ -41,6 +42,29 @@ def completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids
     else:
         out = call(input_ids, attention_mask=attn, **kw)
     out = out[:, p - 1:p + t - 1]
+    return (out.astype(jnp.float32) if head else out), model, aux
+
+
+def packed_forward(graphdef, params, rows, *, head: bool, return_aux: bool = False):
+    """Runs the model on packed rows (``pdm_jax.rl.packing.PackedRows``): every position, segments apart.
+
+    Args:
+      graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
+      rows: ``input_ids`` [N,L] int32, ``token_mask`` [N,L] bool (the attention mask) and ``segment_ids``
+        [N,L] int32 (a token attends only within its sequence; rotary positions restart at each one).
+      head, return_aux: as `completion_forward`.
+    Returns:
+      ``(out, model, aux)`` as `completion_forward`, ``out`` at all N x L positions: position l's
+      output predicts the token at l + 1 of its sequence.
+    """
+    model = nnx.merge(graphdef, params)
+    call = model if head else model.hidden_states
+    kw = dict(attention_mask=rows.token_mask, segment_ids=rows.segment_ids)
+    aux = None
+    if return_aux and getattr(model.config, "is_moe", False):
+        out, aux = call(rows.input_ids, return_aux=True, **kw)
+    else:
+        out = call(rows.input_ids, **kw)
     return (out.astype(jnp.float32) if head else out), model, aux
 
 

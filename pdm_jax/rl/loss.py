@@ -52,6 +52,9 @@ class PolicyLossConfig:
     - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.rl.chunked_loss``;
     - ``micro_batch_size``: 0 = the whole mini-batch in one forward/backward, m > 0 = gradients
       accumulated exactly over micro-batches of m sequences (``pdm_jax.rl.train_step``);
+    - ``pack_sequences``: the mini-batch's sequences packed into rows of ``rl.packed_length`` tokens
+      (``pdm_jax.rl.packing``; the step batch then carries a ``PackingPlan``), ``micro_batch_size``
+      then counting packed rows;
     - ``router_aux_loss_coef`` >= 0 (finite): Qwen3-MoE only, the weight of the router
       load-balancing loss added to the RL loss (HF ``router_aux_loss_coef``; 0 = off, the RL
       default; the unscaled loss is logged as ``router_aux_loss``).
@@ -73,6 +76,7 @@ class PolicyLossConfig:
     logits_chunk_size: int = 0
     micro_batch_size: int = 0
     router_aux_loss_coef: float = 0.0
+    pack_sequences: bool = False
 
     def __post_init__(self):
         def need(ok, field, what):
@@ -95,6 +99,7 @@ class PolicyLossConfig:
         need(isinstance(self.router_aux_loss_coef, (int, float)) and not isinstance(self.router_aux_loss_coef, bool)
              and math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0,
              "rl.router_aux_loss_coef", "must be a finite float >= 0 (0 = off)")
+        need(isinstance(self.pack_sequences, bool), "rl.pack_sequences", "must be True or False")
 
 
 def needs_separate_topk_kl(tr_config: trust_region.TrustRegionConfig) -> bool:

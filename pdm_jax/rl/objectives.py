@@ -514,6 +514,26 @@ def aggregate_loss(
     return jnp.sum(loss), denominator
 
 
+def token_loss_weights(valid_mask: jax.Array, mode: str, *, max_response_length: Optional[int] = None) -> jax.Array:
+    """``[B,T]`` f32 weights w with ``sum(w * l)`` = :func:`aggregate_loss`'s ``loss_sum / denominator``.
+
+    For any per-token loss l finite where ``valid_mask``: token_mean ``v / #valid``;
+    seq_mean_token_mean ``v / (#tokens of the row x #sequences)``; seq_mean_token_sum_norm
+    ``v / (#sequences x max_response_length)``; all 0 when the denominator is 0. The packed step
+    (``pdm_jax.rl.packing``) weights each packed position by its token's w, so any split of the
+    tokens, not only a sequence-aligned one, gives the padded loss and gradient.
+
+    Raises:
+      ValueError: as :func:`loss_denominator`.
+    """
+    valid_mask = jnp.asarray(valid_mask).astype(bool)
+    denominator = loss_denominator(valid_mask, mode, max_response_length=max_response_length)
+    per_token = jnp.ones(valid_mask.shape, jnp.float32)
+    if mode == "seq_mean_token_mean":
+        per_token = per_token / jnp.maximum(jnp.sum(valid_mask, axis=1, dtype=jnp.float32), 1.0)[:, None]
+    return jnp.where(valid_mask & (denominator > 0), per_token / jnp.where(denominator > 0, denominator, 1.0), 0.0)
+
+
 def combine(loss_sums, denominators) -> jax.Array:
     """Global loss from per-micro-batch ``(loss_sum, denominator)`` pairs.
 

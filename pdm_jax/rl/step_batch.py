@@ -38,6 +38,8 @@ class StepBatch:
     ref_logprobs       [B, T]        float32   log pi_ref(y_t), only when rl.kl_beta > 0
     routed_experts     [B, P+T,      int8/16/  the sampler's experts per token and layer, only
                        L, k]         32        with model.moe_routing_replay (-1: own top-k)
+    packing            PackingPlan   int32/    with rl.pack_sequences: where each token goes in
+                       ([N, L])      bool      the packed rows (``pdm_jax.rl.packing``); None: padded
     =================  ============  ========  ==========================================
     """
 
@@ -52,6 +54,7 @@ class StepBatch:
     weights_version: object = None
     ref_logprobs: object = None
     routed_experts: object = None
+    packing: object = None
 
     @classmethod
     def from_rollouts(cls, rb: RolloutBatch, advantages, *, prompt_len: int, completion_len: int,
@@ -100,5 +103,11 @@ class StepBatch:
         return int(self.completion_ids.shape[0])
 
     def select(self, rows) -> "StepBatch":
-        """The rows ``rows`` (an index array or slice) of every field (host arrays)."""
+        """The rows ``rows`` (an index array or slice) of every field (host arrays) of an unpacked batch.
+
+        Raises:
+          ValueError: the batch carries a packing plan (it indexes the rows it was planned for).
+        """
+        if self.packing is not None:
+            raise ValueError("StepBatch.select on a packed batch: plan the packing of the selected rows instead")
         return jax.tree.map(lambda x: x[rows], self)

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pdm_jax.rl import chunked_loss, loss as policy_loss, objectives, trust_region
+from pdm_jax.rl import chunked_loss, loss as policy_loss, objectives, packing, trust_region
 from pdm_jax.rl.forward import completion_logits  # the analysis and the tests call it as train_step.completion_logits
+from pdm_jax.rl.forward import packed_forward
 from pdm_jax.rl.step_batch import StepBatch
 
 
@@ -134,8 +135,14 @@ def make_rl_train_step(graphdef, tx, tr_config, loss_config) -> Callable:
     With ``loss_config.micro_batch_size`` = m > 0 the mini-batch's gradient is accumulated
     over micro-batches of m sequences (:func:`_micro_batched_grads`); the loss, gradient
     and metrics equal the one-shot step's. With ``tr_config.direction == "param_jvp"`` the
-    mask's direction is Ḋᵖ along the unmasked update (:func:`_param_jvp_rl_step`).
+    mask's direction is Ḋᵖ along the unmasked update (:func:`_param_jvp_rl_step`). With
+    ``loss_config.pack_sequences`` the batch carries a ``PackingPlan`` and the model runs on packed
+    rows (:func:`_packed_rl_step`), the same loss, gradient and metrics plus ``packed_fill``.
     """
+    if loss_config.pack_sequences:
+        if tr_config.uses_param_direction:
+            raise ValueError("rl.pack_sequences is not implemented with trust_region.direction = param_jvp")
+        return _packed_rl_step(graphdef, tx, tr_config, loss_config)
     if tr_config.uses_param_direction:
         return _param_jvp_rl_step(graphdef, tx, tr_config, loss_config)
     if loss_config.micro_batch_size > 0:
@@ -229,6 +236,91 @@ def _micro_batched_grads(terms_fn, params, batch: StepBatch, loss_config: policy
     loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, lc)
     loss, aux = _with_router_aux(loss, aux, None if router_aux_N is None else router_aux_N.mean(), lc)
     return grads, loss, aux
+
+
+def make_packed_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
+                         loss_config: policy_loss.PolicyLossConfig):
+    """Returns ``terms_fn(params, rows: packing.PackedRows) -> dict``: `pdm_jax.rl.loss.token_terms` of every
+    packed position ``[N,L]`` (all logits at once, or ``logits_chunk_size`` positions at a time)."""
+    lc = loss_config
+
+    def terms_fn(params, rows: packing.PackedRows):
+        if lc.logits_chunk_size > 0:
+            h, model, aux = packed_forward(graphdef, params, rows, head=False, return_aux=True)
+            terms = chunked_loss.chunked_rl_terms(h, model.logits_from_hidden, rows, tr_config, lc,
+                                                  lc.logits_chunk_size)
+        else:
+            logits, _, aux = packed_forward(graphdef, params, rows, head=True, return_aux=True)
+            terms = policy_loss.token_terms(logits / lc.temperature, rows.completion_ids, rows.completion_mask,
+                                            rows.topk_ids, rows.topk_logprobs, rows.behavior_logprobs,
+                                            rows.advantages, tr_config, lc, ref_logprobs=rows.ref_logprobs)
+        if aux is not None:
+            terms["router_aux_loss"] = aux
+        return terms
+
+    return terms_fn
+
+
+def _split_into(x, n: int):
+    """[N,...] -> [n, N/n, ...]: part j holds rows j, j + n, j + 2n, ... (the layout of :func:`_micro_split`)."""
+    return jnp.swapaxes(x.reshape((x.shape[0] // n, n) + x.shape[1:]), 0, 1)
+
+
+def _with_packing_metrics(metrics: dict, plan: packing.PackingPlan) -> dict:
+    """Adds ``packed_fill``: the fraction of packed positions that hold a real token."""
+    return dict(metrics, packed_fill=jnp.mean(plan.token_mask.astype(jnp.float32)))
+
+
+def packed_grads(terms_fn, params, batch: StepBatch, loss_config: policy_loss.PolicyLossConfig):
+    """``(grads, loss, metrics)`` of one mini-batch whose sequences are packed (``batch.packing``).
+
+    The per-token inputs are gathered into the packed rows (`packing.packed_rows`), the rows split into
+    the plan's micro-batches (row r in micro-batch r % n) and the gradient of each micro-batch's
+    ``sum(per_token x loss_weights)`` accumulated under ``lax.scan``, the weights those of the whole
+    padded mini-batch's aggregation (``objectives.token_loss_weights``): the padded step's loss and
+    gradient. The per-token terms are gathered back to ``[B,T]`` (`packing.unpack`) and the metrics
+    computed by ``loss.loss_and_metrics`` as in the padded step.
+
+    Raises:
+      ValueError: ``batch.packing`` is None (at trace time).
+    """
+    lc, plan = loss_config, batch.packing
+    if plan is None:
+        raise ValueError("rl.pack_sequences: the step batch carries no packing plan (StepBatch.packing)")
+    n = plan.num_micro_batches
+    valid = batch.completion_mask.astype(bool)
+    weights = objectives.token_loss_weights(valid, lc.loss_aggregation, max_response_length=lc.max_response_length)
+    micro = jax.tree.map(lambda x: _split_into(x, n), packing.packed_rows(batch, plan, weights))
+
+    def micro_loss(params, mb):
+        terms = terms_fn(params, mb)
+        loss = jnp.sum(jnp.where(mb.completion_mask, terms["per_token"], 0.0) * mb.loss_weights)
+        if "router_aux_loss" in terms:  # MoE: the mean over micro-batches of each one's aux loss
+            loss = loss + lc.router_aux_loss_coef * terms["router_aux_loss"] / n
+        return loss, jax.lax.stop_gradient(terms)
+
+    def body(grads, mb):
+        g, terms = jax.grad(micro_loss, has_aux=True)(params, mb)
+        return jax.tree.map(jnp.add, grads, g), terms
+
+    grads, terms_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+    router_aux_N = terms_N.pop("router_aux_loss", None)
+    terms = {k: packing.unpack(_micro_join(v), plan, valid) for k, v in terms_N.items() if k != "stats"}
+    terms["stats"] = policy_loss.combine_stats(terms_N["stats"])
+    loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, lc)
+    loss, aux = _with_router_aux(loss, aux, None if router_aux_N is None else router_aux_N.mean(), lc)
+    return grads, loss, _with_packing_metrics(aux, plan)
+
+
+def _packed_rl_step(graphdef, tx, tr_config, loss_config) -> Callable:
+    """The RL step on packed rows (:func:`packed_grads`), then the optimizer step."""
+    terms_fn = make_packed_rl_terms(graphdef, tr_config, loss_config)
+
+    def step(state: TrainState, batch: StepBatch):
+        grads, loss, aux = packed_grads(terms_fn, state.params, batch, loss_config)
+        return _apply(tx, state, grads, dict(aux, loss=loss))
+
+    return step
 
 
 def make_token_divergence(graphdef, tr_config: trust_region.TrustRegionConfig,
