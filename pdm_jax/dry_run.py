@@ -952,7 +952,7 @@ def _flops_lines(report: dict) -> list:
              "body counted once)",
              f"  {'model_tflops':<30}{mf['flops'] / 1e12:10.4g}  ({'8' if s.remat == 'full' else '6'} x "
              f"{mf['active_params'] / 1e9:.3g}B params per token x {mf['tokens_per_device']:,.0f} tokens, the LM "
-             "head on completion tokens)",
+             + ("head at every packed position)" if s.packed_length else "head on completion tokens)"),
              f"  {'attention_tflops':<30}{mf['attention_flops'] / 1e12:10.4g}  (causal S^2 matmuls"
              + (": splash declares no FLOPs to XLA, not in its count)" if opaque_attention else ")")]
     counted = c.get("counted") or {}
