@@ -74,6 +74,22 @@ def doc_section(page: str, heading: str) -> str:
     return text[start: end if end >= 0 else len(text)]
 
 
+def assert_same_step(metrics, params_after, want_metrics, want_params_after, params_before):
+    """Two optimizer steps agree: every metric of ``want_metrics`` and every parameter to 1e-5, and the
+    reference step moved some parameter by more than 1e-4 (it did something)."""
+    import jax
+    import numpy as np
+
+    for k in want_metrics:
+        np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    moved = 0.0
+    for got, want, before in zip(jax.tree.leaves(params_after), jax.tree.leaves(want_params_after),
+                                 jax.tree.leaves(jax.device_get(params_before))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        moved = max(moved, float(np.max(np.abs(want - before))))
+    assert moved > 1e-4  # the step did something
+
+
 class SmallDisk:
     """A tmpfs of its own (a real file system, so every writer meets the kernel's own ENOSPC when it is full)."""
 

@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
+from conftest import assert_same_step
 from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.rl import objectives, packing, train_step as ts, trust_region
 from pdm_jax.rl.loss import PolicyLossConfig
@@ -151,13 +152,7 @@ def test_the_packed_step_is_the_padded_step(setup, loss_kw, rows_per_micro, row_
     assert 0.0 < m0["frac_masked"] < 1.0
     assert set(m1) == set(m0) | {"packed_fill"}
     np.testing.assert_allclose(m1["packed_fill"], plan.fill, rtol=1e-6)
-    for k in m0:
-        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    moved = 0.0
-    for a, b, p in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), jax.tree.leaves(jax.device_get(params))):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
-        moved = max(moved, float(np.max(np.abs(a - p))))
-    assert moved > 1e-4  # the step did something
+    assert_same_step(m1, p1, m0, p0, params)
 
 
 def test_a_packed_step_without_a_plan_is_refused(setup):
@@ -197,7 +192,4 @@ def test_the_packed_step_on_a_mesh_is_the_padded_step(setup):
 
     m0, p0 = run(False)
     m1, p1 = run(True)
-    for k in m0:
-        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert_same_step(m1, p1, m0, p0, params)

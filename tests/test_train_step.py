@@ -7,6 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
+from conftest import assert_same_step
 from pdm_jax.rl import train_step as ts
 from pdm_jax.rl import trust_region
 from pdm_jax.rl.loss import PolicyLossConfig
@@ -114,13 +115,7 @@ def test_micro_batched_step_equals_one_shot(setup, loss_kw, micro):
     m1, p1 = run(micro)
     assert 0.0 < m0["frac_masked"] < 1.0
     assert set(m0) == set(m1)
-    for k in m0:
-        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    moved = 0.0
-    for a, b, p in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), jax.tree.leaves(jax.device_get(params))):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
-        moved = max(moved, float(np.max(np.abs(a - p))))
-    assert moved > 1e-4  # the step did something
+    assert_same_step(m1, p1, m0, p0, params)
 
 
 def test_micro_batch_size_must_divide_the_mini_batch(setup):

@@ -225,17 +225,29 @@ def _micro_batched_grads(terms_fn, params, batch: StepBatch, loss_config: policy
             loss = loss + lc.router_aux_loss_coef * terms["router_aux_loss"] / n
         return loss, jax.lax.stop_gradient(terms)
 
+    grads, terms_N = _accumulated_grads(micro_loss, params, micro)
+    loss, aux = _metrics_of_parts(terms_N, _micro_join, valid, batch, lc)
+    return grads, loss, aux
+
+
+def _accumulated_grads(micro_loss, params, micro):
+    """``(sum of grad(micro_loss)(params, part), stacked aux terms)`` over the leading axis of ``micro`` (lax.scan)."""
+
     def body(grads, mb):
         g, terms = jax.grad(micro_loss, has_aux=True)(params, mb)
         return jax.tree.map(jnp.add, grads, g), terms
 
-    grads, terms_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+    return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
+
+
+def _metrics_of_parts(terms_N: dict, join, valid, batch: StepBatch, loss_config) -> tuple:
+    """``(loss, metrics)`` of the whole mini-batch from its parts' stacked terms: ``join`` maps each ``[n, ...]``
+    term back to ``[B,T]``, the trust-region stats are recombined, the router aux loss (MoE) averaged."""
     router_aux_N = terms_N.pop("router_aux_loss", None)
-    terms = {k: _micro_join(v) for k, v in terms_N.items() if k != "stats"}
+    terms = {k: join(v) for k, v in terms_N.items() if k != "stats"}
     terms["stats"] = policy_loss.combine_stats(terms_N["stats"])
-    loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, lc)
-    loss, aux = _with_router_aux(loss, aux, None if router_aux_N is None else router_aux_N.mean(), lc)
-    return grads, loss, aux
+    loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, loss_config)
+    return _with_router_aux(loss, aux, None if router_aux_N is None else router_aux_N.mean(), loss_config)
 
 
 def make_packed_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
@@ -299,16 +311,8 @@ def packed_grads(terms_fn, params, batch: StepBatch, loss_config: policy_loss.Po
             loss = loss + lc.router_aux_loss_coef * terms["router_aux_loss"] / n
         return loss, jax.lax.stop_gradient(terms)
 
-    def body(grads, mb):
-        g, terms = jax.grad(micro_loss, has_aux=True)(params, mb)
-        return jax.tree.map(jnp.add, grads, g), terms
-
-    grads, terms_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micro)
-    router_aux_N = terms_N.pop("router_aux_loss", None)
-    terms = {k: packing.unpack(_micro_join(v), plan, valid) for k, v in terms_N.items() if k != "stats"}
-    terms["stats"] = policy_loss.combine_stats(terms_N["stats"])
-    loss, aux = policy_loss.loss_and_metrics(terms, valid, batch.behavior_logprobs, batch.advantages, lc)
-    loss, aux = _with_router_aux(loss, aux, None if router_aux_N is None else router_aux_N.mean(), lc)
+    grads, terms_N = _accumulated_grads(micro_loss, params, micro)
+    loss, aux = _metrics_of_parts(terms_N, lambda v: packing.unpack(_micro_join(v), plan, valid), valid, batch, lc)
     return grads, loss, _with_packing_metrics(aux, plan)
 
 
