@@ -7,7 +7,8 @@ single process when JAX_NUM_PROCESSES is 1 or unset). Every process builds the
 same global batch on the host, feeds its own rows through
 ``pdm_jax.distributed.put_global_batch``, and computes the jitted PDM loss and
 its gradient on a (data=2, fsdp=2, tensor=2) mesh of the 8 global devices;
-process 0 writes the loss, the statistics and the gathered gradients to OUT.npz.
+process 0 writes the loss, the statistics and the gathered gradients to OUT.npz, and the same loss and
+gradients of the packed step (``rl.pack_sequences``, the plan made from masks gathered off the devices).
 """
 
 import os
@@ -64,13 +65,23 @@ def main(out_path: str) -> None:
     loss_fn = ts.make_rl_loss(graphdef, tr_config, PolicyLossConfig(max_response_length=t))
     step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     (loss, aux), grads = step(params, device_batch)
-    host = distributed.to_host(dict(loss=loss, aux=aux, grads=nnx.to_pure_dict(grads)))
+    # rl.pack_sequences as per-host rollouts run it: the plan made from masks gathered off the devices
+    # (no host batch), its rows split over the mesh; the packed step's gradient must be the padded one's.
+    lc = PolicyLossConfig(max_response_length=t, pack_sequences=True)
+    packed_batch = distributed.with_packing(device_batch, mesh, row_length=p + t, rows_per_micro_batch=4)
+    packed_step = jax.jit(lambda prm, bt: ts.packed_grads(ts.make_packed_rl_terms(graphdef, tr_config, lc), prm, bt, lc))
+    p_grads, p_loss, p_aux = packed_step(params, packed_batch)
+    host = distributed.to_host(dict(loss=loss, aux=aux, grads=nnx.to_pure_dict(grads), packed_loss=p_loss,
+                                    packed_fill=p_aux["packed_fill"], packed_grads=nnx.to_pure_dict(p_grads)))
     if distributed.is_primary():
         flat = {"loss": np.asarray(host["loss"]), "rows": np.array([rows.start, rows.stop]),
-                "process_count": np.array(jax.process_count())}
+                "process_count": np.array(jax.process_count()), "packed_loss": np.asarray(host["packed_loss"]),
+                "packed_fill": np.asarray(host["packed_fill"])}
         flat.update({f"aux/{name}": np.asarray(val) for name, val in host["aux"].items()})
-        for path, leaf in jax.tree_util.tree_flatten_with_path(host["grads"])[0]:
-            flat["grad/" + "/".join(str(getattr(q, "key", getattr(q, "idx", q))) for q in path)] = np.asarray(leaf)
+        for key in ("grads", "packed_grads"):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(host[key])[0]:
+                name = "/".join(str(getattr(q, "key", getattr(q, "idx", q))) for q in path)
+                flat[("grad/" if key == "grads" else "packed_grad/") + name] = np.asarray(leaf)
         np.savez(out_path, **flat)
     print(f"process {jax.process_index()}/{jax.process_count()} rows {rows.start}:{rows.stop} "
           f"loss {float(host['loss']):.6f}", flush=True)

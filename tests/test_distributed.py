@@ -70,6 +70,11 @@ def test_two_processes_match_one_process(tmp_path):
         if k in ("rows", "process_count"):
             continue
         np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # The packed step (plan from the gathered masks, rows over the mesh) gives the padded step's loss and gradient.
+    assert 0.0 < float(a["packed_fill"]) < 1.0
+    np.testing.assert_allclose(a["packed_loss"], a["loss"], rtol=1e-5, atol=1e-6)
+    for k in grads:
+        np.testing.assert_allclose(a["packed_" + k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_settings_from_config_and_env():
