@@ -179,13 +179,13 @@ def step_shape(config, chip: Optional[str] = None) -> StepShape:
         raise ValueError(f"rl.num_minibatches = {rl.num_minibatches} must divide prompts_per_step x group_size = {n}")
     p = round_up(int(config.sampler.max_prompt_length), 8)
     b = n // rl.num_minibatches
-    packed = packed_length(config) if rl.get("pack_sequences", False) else 0
+    packed = packed_length(config) if rl.pack_sequences else 0
     return StepShape(batch=b, prompt_len=p, completion_len=int(rl.max_new_tokens),
                      top_k=int(rl.top_k_logprobs), logits_chunk_size=int(rl.logits_chunk_size),
                      micro_batch_size=int(rl.micro_batch_size),
                      attention=resolve_attention(config.model.attention, chip or config.dry_run.chip,
                                                  packed or p + int(rl.max_new_tokens)),
-                     remat=config.model.remat, scan_layers=bool(config.model.get("scan_layers", True)),
+                     remat=config.model.remat, scan_layers=bool(config.model.scan_layers),
                      packed_length=packed, packed_rows=packed_rows_bound(b, int(rl.micro_batch_size)) if packed else 0)
 
 
@@ -366,22 +366,20 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
     """
     from pdm_jax.sampler.engine import (cache_phases, check_engine_mesh,  # lazy: the dry run's imports stay light
                                         resolve_compute_dtype)
-    from pdm_jax.sampler import defaults
 
     sc = config.sampler
-    mesh_cfg = sc.get("mesh") or {}
-    d, t = int(mesh_cfg.get("data", 1)), int(mesh_cfg.get("tensor", 1))
+    d, t = int(sc.mesh.data), int(sc.mesh.tensor)
     backend = aot.chip_platform(chip)
-    colocated = resolve_sampler_mode(str(sc.get("mode", "auto")), backend=backend) == "colocated"
+    colocated = resolve_sampler_mode(str(sc.mode), backend=backend) == "colocated"
     per_host = per_host or aot.chips_per_host(chip, num_devices)
     if colocated and d * t > per_host:
         raise ValueError(f"sampler.mesh = data {d} x tensor {t} needs {d * t} devices; a colocated sampler runs on "
                          f"one host's own chips ({per_host} of {chip} per host; sampler.mode = colocated)")
-    dtype = resolve_compute_dtype(str(sc.get("compute_dtype", "auto")), str(sc.quantization), backend=backend)
+    dtype = resolve_compute_dtype(str(sc.compute_dtype), str(sc.quantization), backend=backend)
     _, weights = param_bytes_per_device(model_cfg, {"data": d, "fsdp": 1, "tensor": t}, dtype)
     pow2 = next_pow2
-    continuous = str(sc.get("batching", defaults.BATCHING)) == "continuous"
-    slots = pow2((int(sc.get("max_slots", defaults.MAX_SLOTS)) if continuous else 0) or int(sc.max_batch_size))
+    continuous = str(sc.batching) == "continuous"
+    slots = pow2((int(sc.max_slots) if continuous else 0) or int(sc.max_batch_size))
     try:
         check_engine_mesh(model_cfg, jax.sharding.AbstractMesh((d, 1, t), ("data", "fsdp", "tensor")),
                           max_batch_size=int(sc.max_batch_size), max_slots=slots)
@@ -389,7 +387,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
         raise ValueError(f"sampler.mesh = {d} x {t}: {e}") from None
     hosts = max(1, -(-num_devices // per_host))
     prompts = int(config.rl.prompts_per_step)
-    if hosts > 1 and sc.get("per_host_rollouts", True):  # each process samples the groups its devices hold
+    if hosts > 1 and sc.per_host_rollouts:  # each process samples the groups its devices hold
         if prompts % hosts:  # the trainer refuses it at start-up too (pdm_jax.per_host)
             raise ValueError(f"rl.prompts_per_step = {prompts}: with sampler.per_host_rollouts each of the {hosts} "
                              f"hosts ({num_devices} x {chip}, {per_host} per host) samples whole groups, so the "
@@ -403,7 +401,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
     store_rows = max(pow2(prompts), slots // 4) if continuous else 0
     prompt_store = store_rows * p * per_entry // (d * kv_t)
     caps = cache_phases(new)
-    park_rows = int(sc.get("park_rows", defaults.PARK_ROWS)) if continuous and len(caps) > 1 else 0
+    park_rows = int(sc.park_rows) if continuous and len(caps) > 1 else 0
     park = park_rows * slots * (p + caps[0]) * per_entry // (d * kv_t)
     out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
     out["total"] = sum(out.values())
@@ -694,12 +692,12 @@ def counted_flops(config, model_cfg, shape: StepShape, sizes: dict, *, devices=N
 
 def _resolve_target(config, compiler: str, chip: str, num_devices: int, topology: Optional[str], n_params: int):
     """(resolved compiler, its devices or None, a note when nothing is compiled)."""
-    dr = config.get("dry_run") or {}
+    dr = config.dry_run
     resolved = aot.resolve_compiler(compiler, chip)
     if resolved == "none":
         return resolved, None, "not compiled: dry_run.compiler=none"
     if resolved == "cpu":
-        limit = int(dr.get("max_compile_params", 2_000_000_000))
+        limit = int(dr.max_compile_params)
         if compiler == "auto" and n_params > limit:
             return "none", None, (f"not compiled: {n_params / 1e9:.1f}B parameters > dry_run.max_compile_params for "
                                   f"XLA:CPU, and XLA:{aot.chip_platform(chip).upper()} is not installed "
@@ -736,11 +734,11 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
         error naming the field.
       aot.CompilerUnavailable: ``tpu`` / ``gpu`` asked for and not installed (the message says how).
     """
-    dr = config.get("dry_run") or {}
-    compiler = compiler or dr.get("compiler", "auto")
-    chip = chip or dr.get("chip", "v5p")
-    num_devices = int(dr.get("num_devices", 8) if num_devices is None else num_devices)
-    topology = topology or dr.get("topology", "") or None
+    dr = config.dry_run
+    compiler = compiler or dr.compiler
+    chip = chip or dr.chip
+    num_devices = int(dr.num_devices if num_devices is None else num_devices)
+    topology = topology or dr.topology or None
     aot.chip_platform(chip)  # names dry_run.chip
     if compiler not in aot.COMPILERS:
         raise ValueError(f"dry_run.compiler must be one of {aot.COMPILERS}, got {compiler!r}")
@@ -757,7 +755,7 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
         else aot.chips_per_host(chip, num_devices)
     sp = sampler_plan(config, model_cfg, num_devices, chip, per_host=per_host)
     eval_plan = None
-    if str(config.eval.get("engine", "f32")) == "f32":  # a second, unquantized f32 engine on the trainer's chips
+    if str(config.eval.engine) == "f32":  # a second, unquantized f32 engine on the trainer's chips
         ec = config.copy_and_resolve_references()
         ec.sampler.quantization, ec.sampler.compute_dtype = "none", "auto"
         eval_plan = sampler_plan(ec, model_cfg, num_devices, chip, per_host=per_host)
@@ -766,7 +764,7 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
         compiled = compiled_plan(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
         if resolved != "cpu" and not compiled.get("exhausted"):
             compiled["counted"] = counted_flops(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
-        if resolved != "cpu" or dr.get("compile_sampler", False):
+        if resolved != "cpu" or dr.compile_sampler:
             n = math.prod(sp["mesh"])
             if sp["colocated"]:
                 sampler_devices = devices[:n]  # the engine's sub-mesh of the trainer's chips (the first host's)
@@ -781,7 +779,7 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
                   target=aot.label(resolved, chip, topology, num_devices) if devices is not None else "analytic plan",
                   analytic=analytic, compiled=compiled, compiled_note=note, sampler=sp, eval_engine=eval_plan,
                   sampler_compiled=sampler_compiled, model_flops=model_flops(model_cfg, shape, num_devices),
-                  moe_implementation=str(config.model.get("moe_implementation", "ragged_dot")))
+                  moe_implementation=str(config.model.moe_implementation))
     report["verdict"] = verdict(report)
     return report
 
