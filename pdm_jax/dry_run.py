@@ -598,7 +598,7 @@ def lowered_train_step(config, model_cfg, shape: StepShape, sizes: dict, *, devi
         i32, flag = (arg((n_rows, length), dt) for dt in (jnp.int32, jnp.bool_))
         plan = PackingPlan(src_row=i32, src_col=i32, segment_ids=i32, token_mask=flag, target_col=i32,
                            target_mask=flag, unpack_index=arg((b, t), jnp.int32),
-                           num_micro_batches=n_rows // (shape.micro_batch_size or n_rows))
+                           num_micro_batches=n_rows // (shape.micro_batch_size or n_rows), planned_for=(b, p, t))
     batch = StepBatch(prompt_ids=arg((b, p), jnp.int32), prompt_mask=arg((b, p), jnp.bool_),
                       completion_ids=arg((b, t), jnp.int32), completion_mask=arg((b, t), jnp.bool_),
                       behavior_logprobs=arg((b, t), jnp.float32), topk_ids=arg((b, t, k), jnp.int32),

@@ -138,7 +138,7 @@ class Trainer:
         self.model_config, model = self._setup_model()
         check_routing_replay_model(config, self.model_config)  # a dense hf_path checkpoint
         check_sampler_mesh(config, self.model_config)  # before the warm start, not when the engine is built
-        self._replay = bool(config.model.get("moe_routing_replay", False))  # rollouts carry routed_experts
+        self._replay = bool(config.model.moe_routing_replay)  # rollouts carry routed_experts
         check_context(config, self.model_config)  # a preset's or checkpoint's max_position_embeddings
         self.graphdef, params = nnx.split(model)
         self._params_sharding = param_shardings(params, self.mesh)

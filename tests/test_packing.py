@@ -110,6 +110,33 @@ def test_bad_plans_are_refused_naming_the_field():
     empty[3] = False
     with pytest.raises(ValueError, match="sequence 3 has completion tokens but an empty prompt_mask"):
         packing.plan_packing(empty, completion_mask, row_length=16)
+    with pytest.raises(ValueError, match="completion_mask must be a bool .* got dtype float64"):
+        packing.plan_packing(prompt_mask, np.where(completion_mask, 1.0, np.nan), row_length=16)
+    assert packing.plan_packing(prompt_mask.astype(np.int32), completion_mask.astype(np.int8),
+                                row_length=16).token_mask.sum() > 0  # 0 / 1 masks are masks
+    for bad in (dict(row_length=True), dict(row_length=16, rows_per_micro_batch=True),
+                dict(row_length=16, row_multiple=0), dict(row_length=16, rows_per_micro_batch=2.0)):
+        with pytest.raises(ValueError, match="rl.packed_length|row_multiple|rl.micro_batch_size"):
+            packing.plan_packing(prompt_mask, completion_mask, **bad)
+    with pytest.raises(ValueError, match="overflow the plan's int32 indices"):
+        packing.plan_packing(prompt_mask, completion_mask, row_length=2 ** 31)
+
+
+def test_a_plan_made_for_other_rows_is_refused_by_the_step(setup):
+    graphdef, params, batch = setup
+    tx = optax.sgd(1.0)
+    step = ts.make_rl_train_step(graphdef, tx, trust_region.TrustRegionConfig(),
+                                 PolicyLossConfig(temperature=TAU, pack_sequences=True))
+    state = ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    wide = batch.replace(prompt_ids=np.pad(batch.prompt_ids, ((0, 0), (2, 0))),
+                         prompt_mask=np.pad(batch.prompt_mask, ((0, 0), (2, 0))))
+    plan = packing.plan_packing(batch.prompt_mask, batch.completion_mask, row_length=P + T)
+    with pytest.raises(ValueError, match=r"planned for 6 sequences of 4 prompt \+ 5 completion columns; the batch "
+                                         r"has 6 of 6 \+ 5"):
+        jax.eval_shape(step, state, wide.replace(packing=plan))
+    short = batch.replace(behavior_logprobs=batch.behavior_logprobs[:, :-1], packing=plan)
+    with pytest.raises(ValueError, match=r"behavior_logprobs must have shape \(6, 5\), got \(6, 4\)"):
+        jax.eval_shape(step, state, short)
 
 
 @pytest.mark.parametrize("mode", objectives.AGGREGATION_MODES)

@@ -64,6 +64,8 @@ class PackingPlan:
     target_mask: object
     unpack_index: object
     num_micro_batches: int = flax.struct.field(pytree_node=False, default=1)
+    #: (B, P, T) of the padded batch the plan was made for (checked by the step: `check_plan`).
+    planned_for: tuple = flax.struct.field(pytree_node=False, default=())
 
     @property
     def fill(self) -> float:
@@ -96,10 +98,15 @@ class PackedRows:
 
 
 def _lengths(mask: np.ndarray, name: str, *, left: bool) -> np.ndarray:
-    """Per-row count of True in a left- (``left``) or right-padded bool mask; ValueError if it has holes."""
-    mask = np.asarray(mask).astype(bool)
+    """Per-row count of True in a left- (``left``) or right-padded bool (or 0 / 1) mask; ValueError if it has
+    holes, another shape than [B, width] or other values."""
+    mask = np.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"{name} must be [B, width], got shape {mask.shape}")
+    if mask.dtype != bool:
+        if not (np.issubdtype(mask.dtype, np.number) and np.isin(mask, (0, 1)).all()):
+            raise ValueError(f"{name} must be a bool (or 0 / 1) mask, got dtype {mask.dtype} with other values")
+        mask = mask.astype(bool)
     n = mask.sum(axis=1)
     width = mask.shape[1]
     cols = np.arange(width)[None, :]
@@ -162,10 +169,15 @@ def plan_packing(prompt_mask, completion_mask, *, row_length: int, rows_per_micr
         raise ValueError(f"prompt_mask has {p_len.shape[0]} rows, completion_mask {c_len.shape[0]}")
     b, p_width = np.shape(prompt_mask)
     t_width = np.shape(completion_mask)[1]
-    if not (isinstance(row_length, (int, np.integer)) and row_length >= 1):
+    def whole(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+    if not (whole(row_length) and row_length >= 1):
         raise ValueError(f"rl.packed_length must be an int >= 1 here, got {row_length!r}")
-    if rows_per_micro_batch < 0 or rows_per_micro_batch % max(row_multiple, 1):
-        raise ValueError(f"rl.micro_batch_size = {rows_per_micro_batch} (packed rows per micro-batch) must be 0 or "
+    if not (whole(row_multiple) and row_multiple >= 1):
+        raise ValueError(f"row_multiple (the batch shards) must be an int >= 1, got {row_multiple!r}")
+    if not (whole(rows_per_micro_batch) and rows_per_micro_batch >= 0) or rows_per_micro_batch % row_multiple:
+        raise ValueError(f"rl.micro_batch_size = {rows_per_micro_batch!r} (packed rows per micro-batch) must be 0 or "
                          f"a positive multiple of the {row_multiple} batch shards")
     used = np.flatnonzero(c_len > 0)
     no_prompt = used[p_len[used] == 0]
@@ -187,6 +199,9 @@ def plan_packing(prompt_mask, completion_mask, *, row_length: int, rows_per_micr
         n, rows = 1, 1 << max(len(bins) - 1, 0).bit_length()
         rows = -(-rows // max(row_multiple, 1)) * max(row_multiple, 1)
     total, L = n * rows, int(row_length)
+    if total * L >= 2 ** 31:
+        raise ValueError(f"rl.packed_length = {L}: {total} packed rows x {L} tokens overflow the plan's int32 "
+                         "indices (2**31 positions)")
     src_row = np.zeros((total, L), np.int32)
     src_col = np.zeros((total, L), np.int32)
     segment_ids = np.zeros((total, L), np.int32)
@@ -210,7 +225,34 @@ def plan_packing(prompt_mask, completion_mask, *, row_length: int, rows_per_micr
             offset += p + c
     return PackingPlan(src_row=src_row, src_col=src_col, segment_ids=segment_ids, token_mask=token_mask,
                        target_col=target_col, target_mask=target_mask, unpack_index=unpack_index,
-                       num_micro_batches=n)
+                       num_micro_batches=n, planned_for=(int(b), int(p_width), int(t_width)))
+
+
+def check_plan(batch, plan: PackingPlan) -> None:
+    """Raises ValueError (at trace time) unless ``plan`` was made for ``batch``'s shapes.
+
+    Checks B, P and T (`PackingPlan.planned_for`) and the per-token fields the step gathers
+    (``[B, T]``, top-K ``[B, T, K]``, advantages ``[B]`` or ``[B, T]``), naming the field. A plan made
+    from other masks of the same shapes is not detected: plan each batch from its own masks
+    (``pdm_jax.distributed.with_packing`` does).
+    """
+    b, p = np.shape(batch.prompt_ids)
+    t = np.shape(batch.completion_ids)[1]
+    if plan.planned_for and tuple(plan.planned_for) != (b, p, t):
+        pb, pp, pt = plan.planned_for
+        raise ValueError(f"StepBatch.packing was planned for {pb} sequences of {pp} prompt + {pt} completion "
+                         f"columns; the batch has {b} of {p} + {t}: plan the packing of these rows")
+    fields = dict(completion_mask=(b, t), behavior_logprobs=(b, t), topk_ids=None, topk_logprobs=None,
+                  ref_logprobs=(b, t))
+    for name, want in fields.items():
+        x = getattr(batch, name)
+        if x is None:
+            continue
+        shape = np.shape(x)
+        if (want is None and shape[:2] != (b, t)) or (want is not None and shape != want):
+            raise ValueError(f"{name} must have shape {want or (b, t, 'K')}, got {shape}")
+    if np.shape(batch.advantages) not in ((b,), (b, t)):
+        raise ValueError(f"advantages must have shape {(b,)} or {(b, t)}, got {np.shape(batch.advantages)}")
 
 
 def packed_rows(batch, plan: PackingPlan, loss_weights) -> PackedRows:

@@ -294,11 +294,13 @@ def packed_grads(terms_fn, params, batch: StepBatch, loss_config: policy_loss.Po
     computed by ``loss.loss_and_metrics`` as in the padded step.
 
     Raises:
-      ValueError: ``batch.packing`` is None (at trace time).
+      ValueError: ``batch.packing`` is None or made for other shapes, or a per-token field of the wrong
+        shape (at trace time, `packing.check_plan`).
     """
     lc, plan = loss_config, batch.packing
     if plan is None:
         raise ValueError("rl.pack_sequences: the step batch carries no packing plan (StepBatch.packing)")
+    packing.check_plan(batch, plan)
     n = plan.num_micro_batches
     valid = batch.completion_mask.astype(bool)
     weights = objectives.token_loss_weights(valid, lc.loss_aggregation, max_response_length=lc.max_response_length)
