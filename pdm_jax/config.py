@@ -708,9 +708,9 @@ def _check_rl(config) -> None:
           "rl.packed_length", rl.packed_length, f"must be 0 (the longest sequence) or at least "
           f"sampler.max_prompt_length + rl.max_new_tokens = {longest} tokens")
     if rl.pack_sequences:
-        _need(config.trust_region.get("direction") != "param_jvp", "rl.pack_sequences", True,
+        _need(config.trust_region.direction != "param_jvp", "rl.pack_sequences", True,
               "is not implemented with trust_region.direction = param_jvp (its jvp runs on padded rows)")
-        _need(not config.model.get("moe_routing_replay", False), "rl.pack_sequences", True,
+        _need(not config.model.moe_routing_replay, "rl.pack_sequences", True,
               "is not implemented with model.moe_routing_replay (the replayed routing is laid out padded)")
     step_configs(config)  # trust region and policy loss: their own checks, named by field
 

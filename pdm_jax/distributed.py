@@ -260,8 +260,10 @@ def with_packing(batch, mesh, *, row_length: int, rows_per_micro_batch: int, hos
       ValueError: from ``plan_packing`` (a sequence longer than ``row_length``, a micro-batch row count
         that does not divide into the batch shards, masks not padded on their side).
     """
-    src = batch if host_batch is None else host_batch
-    masks = to_host(dict(prompt=src.prompt_mask, completion=src.completion_mask))
+    if host_batch is not None:  # every process's own copy of the global rows: no collective (it would tile them)
+        masks = dict(prompt=np.asarray(host_batch.prompt_mask), completion=np.asarray(host_batch.completion_mask))
+    else:
+        masks = to_host(dict(prompt=batch.prompt_mask, completion=batch.completion_mask))
     shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
     plan = plan_packing(masks["prompt"], masks["completion"], row_length=row_length,
                         rows_per_micro_batch=rows_per_micro_batch, row_multiple=shards)

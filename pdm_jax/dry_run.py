@@ -192,9 +192,7 @@ def step_shape(config, chip: Optional[str] = None) -> StepShape:
 def packed_rows_bound(batch: int, rows_per_micro_batch: int) -> int:
     """The most packed rows a mini-batch of ``batch`` sequences can need (one sequence per row), as
     ``pdm_jax.rl.packing.plan_packing`` rounds them: whole micro-batches, or a power of two."""
-    if rows_per_micro_batch > 0:
-        return -(-batch // rows_per_micro_batch) * rows_per_micro_batch
-    return next_pow2(batch)
+    return round_up(batch, rows_per_micro_batch) if rows_per_micro_batch > 0 else next_pow2(batch)
 
 
 def mesh_sizes(config, num_devices: int) -> dict:

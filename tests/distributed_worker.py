@@ -69,6 +69,11 @@ def main(out_path: str) -> None:
     # (no host batch), its rows split over the mesh; the packed step's gradient must be the padded one's.
     lc = PolicyLossConfig(max_response_length=t, pack_sequences=True)
     packed_batch = distributed.with_packing(device_batch, mesh, row_length=p + t, rows_per_micro_batch=4)
+    # The trainer's global mode: every process plans from its own copy of the host batch; the same plan.
+    from_host = distributed.with_packing(device_batch, mesh, row_length=p + t, rows_per_micro_batch=4, host_batch=batch)
+    for got, want in zip(jax.tree.leaves(distributed.to_host(from_host.packing)),
+                         jax.tree.leaves(distributed.to_host(packed_batch.packing))):
+        assert got.shape == want.shape and (got == want).all(), (got.shape, want.shape)
     packed_step = jax.jit(lambda prm, bt: ts.packed_grads(ts.make_packed_rl_terms(graphdef, tr_config, lc), prm, bt, lc))
     p_grads, p_loss, p_aux = packed_step(params, packed_batch)
     host = distributed.to_host(dict(loss=loss, aux=aux, grads=nnx.to_pure_dict(grads), packed_loss=p_loss,

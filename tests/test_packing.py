@@ -122,12 +122,16 @@ def test_bad_plans_are_refused_naming_the_field():
         packing.plan_packing(prompt_mask, completion_mask, row_length=2 ** 31)
 
 
-def test_a_plan_made_for_other_rows_is_refused_by_the_step(setup):
-    graphdef, params, batch = setup
+def _packed_step_and_state(graphdef, params):
     tx = optax.sgd(1.0)
     step = ts.make_rl_train_step(graphdef, tx, trust_region.TrustRegionConfig(),
                                  PolicyLossConfig(temperature=TAU, pack_sequences=True))
-    state = ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return step, ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def test_a_plan_made_for_other_rows_is_refused_by_the_step(setup):
+    graphdef, params, batch = setup
+    step, state = _packed_step_and_state(graphdef, params)
     wide = batch.replace(prompt_ids=np.pad(batch.prompt_ids, ((0, 0), (2, 0))),
                          prompt_mask=np.pad(batch.prompt_mask, ((0, 0), (2, 0))))
     plan = packing.plan_packing(batch.prompt_mask, batch.completion_mask, row_length=P + T)
@@ -184,10 +188,7 @@ def test_the_packed_step_is_the_padded_step(setup, loss_kw, rows_per_micro, row_
 
 def test_a_packed_step_without_a_plan_is_refused(setup):
     graphdef, params, batch = setup
-    tx = optax.sgd(1.0)
-    step = ts.make_rl_train_step(graphdef, tx, trust_region.TrustRegionConfig(),
-                                 PolicyLossConfig(temperature=TAU, pack_sequences=True))
-    state = ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    step, state = _packed_step_and_state(graphdef, params)
     with pytest.raises(ValueError, match="carries no packing plan"):
         jax.eval_shape(step, state, batch)
 

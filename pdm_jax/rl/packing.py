@@ -34,6 +34,8 @@ import flax.struct
 import jax.numpy as jnp
 import numpy as np
 
+from pdm_jax.rollout import round_up
+
 
 @flax.struct.dataclass
 class PackingPlan:
@@ -169,6 +171,7 @@ def plan_packing(prompt_mask, completion_mask, *, row_length: int, rows_per_micr
         raise ValueError(f"prompt_mask has {p_len.shape[0]} rows, completion_mask {c_len.shape[0]}")
     b, p_width = np.shape(prompt_mask)
     t_width = np.shape(completion_mask)[1]
+
     def whole(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
@@ -196,8 +199,7 @@ def plan_packing(prompt_mask, completion_mask, *, row_length: int, rows_per_micr
         n = max(1, -(-len(bins) // rows_per_micro_batch))
         rows = rows_per_micro_batch
     else:
-        n, rows = 1, 1 << max(len(bins) - 1, 0).bit_length()
-        rows = -(-rows // max(row_multiple, 1)) * max(row_multiple, 1)
+        n, rows = 1, round_up(1 << max(len(bins) - 1, 0).bit_length(), row_multiple)  # a power of two
     total, L = n * rows, int(row_length)
     if total * L >= 2 ** 31:
         raise ValueError(f"rl.packed_length = {L}: {total} packed rows x {L} tokens overflow the plan's int32 "
