@@ -6,10 +6,12 @@ into its own memory mappings (~3 per program), and the whole suite compiles enou
 compiling or loading a program, in test_vllm_backend's trainer runs or test_trust_region, never when those ran
 alone) were out of mappings. A module ending with more than half the limit in use fails with the count instead.
 
-The pytest process never reads or writes JAX's persistent compilation cache (``jax_enable_compilation_cache``
-is off here; in-process trainers still set its options, and subprocess runs, which the cache tests use, are
-unaffected), so no test runs a program that another test compiled and wrote. Programs compile at XLA's default
-optimisation level (``XLA_FLAGS`` naming a level overrides it).
+The test run has a persistent compilation cache of its own (a fresh directory, shared by pytest-xdist's
+workers, removed at the end): a program another module (or the other worker) compiled is loaded from it instead of
+compiled again. Its key is the program, the devices and the XLA flags, so a loaded program is the one this test
+would have compiled; no test reads what another run or a user's run wrote. In-process trainers may point the cache
+elsewhere for a test (`_compile_cache_stays_in_its_test` puts it back); subprocess runs keep their own caches.
+Programs compile at XLA's default optimisation level (``XLA_FLAGS`` naming a level overrides it).
 """
 import atexit
 import os
@@ -17,10 +19,14 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The user cache directory (compile_cache.dir = "default": $XDG_CACHE_HOME/pdm_jax/jax_cache) is a fresh one per
-# test session, removed at its end: tests never read programs another session (or a user's run) wrote.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pdm_jax_test_cache_")
-atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+# The user cache directory (compile_cache.dir = "default": $XDG_CACHE_HOME/pdm_jax/jax_cache) and the test run's
+# own compilation cache are fresh per test run (one for all of pytest-xdist's workers, made by the controller
+# before it starts them), removed at its end: tests never read programs another run (or a user's run) wrote.
+if "PYTEST_XDIST_WORKER" not in os.environ or "PDM_JAX_TEST_RUN_DIR" not in os.environ:
+    os.environ["PDM_JAX_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="pdm_jax_test_run_")
+    atexit.register(shutil.rmtree, os.environ["PDM_JAX_TEST_RUN_DIR"], True)
+os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], "xdg_cache")
+TEST_RUN_COMPILE_CACHE = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], "jax_cache")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
@@ -30,7 +36,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-jax.config.update("jax_enable_compilation_cache", False)  # the cache's options may be set; it is never used
+from pdm_jax.profiling import enable_compile_cache  # noqa: E402
+
+enable_compile_cache(TEST_RUN_COMPILE_CACHE)
 
 # Property tests draw the same examples on every run (a seed per test): a CI run cannot fail on an example no
 # earlier run drew. A test's own @settings still override the other fields.
@@ -146,8 +154,8 @@ _CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile
 @pytest.fixture(autouse=True)
 def _compile_cache_stays_in_its_test():
     """A test that sets JAX's persistent compilation cache options in this process (an in-process trainer or
-    analysis run: `profiling.enable_compile_cache`) gets them reset afterwards, so that no later test runs
-    with them (the cache stays unused here either way: ``jax_enable_compilation_cache`` is off)."""
+    analysis run: `profiling.enable_compile_cache`) gets them reset afterwards to the test run's own cache, so
+    that no later test reads or writes the cache that test chose."""
     before = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
     yield
     if any(getattr(jax.config, name) != value for name, value in before.items()):
@@ -176,7 +184,7 @@ def _max_map_count() -> int:
 
 
 _MAPPINGS = []  # (memory mappings after the module, module name)
-_MODULE_COSTS = []  # (wall seconds, XLA compiles, compile seconds, module name)
+_MODULE_COSTS = []  # (wall seconds, XLA compiles, compile seconds, module name, cache hits)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -194,7 +202,7 @@ def _compiled_programs_stay_in_their_module(request):
 
     done = counter.snapshot()
     _MODULE_COSTS.append((time.perf_counter() - start, done["compiles"], done["compile_seconds"],
-                          request.module.__name__))
+                          request.module.__name__, done["compile_cache_hits"]))
 
     jax.clear_caches()
     gc.collect()
@@ -204,13 +212,39 @@ def _compiled_programs_stay_in_their_module(request):
                                f"segfaults when it runs out")
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its module costs and mapping counts to the controller (`pytest_testnodedown`)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["pdm_jax_module_costs"] = list(_MODULE_COSTS)
+        workeroutput["pdm_jax_mappings"] = list(_MAPPINGS)
+
+
+class _GatherWorkerCosts:
+    """The controller of a pytest-xdist run gathers each worker's module costs for the summary (a plugin, since
+    ``pytest_testnodedown`` is xdist's hook: pytest refuses an unknown hook in a conftest)."""
+
+    @staticmethod
+    def pytest_testnodedown(node, error):
+        out = getattr(node, "workeroutput", None) or {}
+        _MODULE_COSTS.extend(tuple(c) for c in out.get("pdm_jax_module_costs", ()))
+        _MAPPINGS.extend(tuple(m) for m in out.get("pdm_jax_mappings", ()))
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_GatherWorkerCosts(), "pdm_jax_gather_worker_costs")
+
+
 def pytest_terminal_summary(terminalreporter):
     if _MODULE_COSTS:
         wall = sum(c[0] for c in _MODULE_COSTS)
         compiles, seconds = sum(c[1] for c in _MODULE_COSTS), sum(c[2] for c in _MODULE_COSTS)
-        terminalreporter.write_line(f"test modules: {wall:.0f} s in their tests, {compiles} XLA compiles taking "
-                                    f"{seconds:.0f} s; the costliest (s, compiles, compile s):")
-        for w, n, cs, module in sorted(_MODULE_COSTS, reverse=True)[:15]:
+        hits = sum(c[4] for c in _MODULE_COSTS)
+        terminalreporter.write_line(f"test modules: {wall:.0f} s in their tests, {compiles} XLA programs built in "
+                                    f"{seconds:.0f} s ({hits} of them loaded from the test run's compilation "
+                                    f"cache); the costliest (s, programs, their s):")
+        for w, n, cs, module, _ in sorted(_MODULE_COSTS, reverse=True)[:15]:
             terminalreporter.write_line(f"  {w:7.1f} {n:5d} {cs:7.1f}  {module}")
     if _MAPPINGS:
         used, module = max(_MAPPINGS)

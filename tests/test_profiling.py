@@ -64,27 +64,35 @@ def test_enable_compile_cache_sets_jax_options(tmp_path):
     assert jax.config.jax_compilation_cache_max_size == profiling.COMPILE_CACHE_MAX_BYTES  # locked reads and writes
 
 
-def test_the_test_process_never_writes_the_persistent_cache(tmp_path):
-    """tests/conftest.py keeps JAX's persistent cache unused in the pytest process (no test runs a program
-    another test wrote): a new program compiled after `enable_compile_cache` writes no entry."""
-    import jax
+def test_the_test_run_shares_compiled_programs_across_modules_through_its_own_cache():
+    """tests/conftest.py gives the test run (all pytest-xdist workers) one fresh persistent cache: a program
+    compiled in one module is loaded, not compiled, after the module's end drops it (`jax.clear_caches`)."""
+    import conftest
 
-    assert profiling.enable_compile_cache(str(tmp_path / "c")) is True
-    x = jax.device_put(jnp.ones(11))  # its programs built before counting
+    assert jax.config.jax_compilation_cache_dir == conftest.TEST_RUN_COMPILE_CACHE
+    assert conftest.TEST_RUN_COMPILE_CACHE.startswith(os.environ["PDM_JAX_TEST_RUN_DIR"])
+    assert os.path.basename(os.environ["PDM_JAX_TEST_RUN_DIR"]).startswith("pdm_jax_test_run_")
+    x = jax.device_put(jnp.ones(13))  # its programs built before counting
+    f = jax.jit(lambda x: jnp.tanh(x) * 7.0 - 3.0)
     counter = profiling.CompileCounter()
-    jax.jit(lambda x: jnp.sin(x) * 5.0 - 2.0)(x).block_until_ready()
-    snap = counter.snapshot()
-    assert snap["compiles"] == 1 and snap["compile_cache_misses"] == 0 and snap["compile_cache_hits"] == 0
-    assert os.listdir(tmp_path / "c") == []
+    want = f(x)
+    first = counter.snapshot()
+    assert first["compiles"] == 1 and first["compile_cache_misses"] == 1 and first["compile_cache_hits"] == 0
+    jax.clear_caches()  # what the end of a module does
+    got = f(x)
+    second = counter.snapshot()
+    assert second["compiles"] == 2 and second["compile_cache_hits"] == 1 and second["compile_cache_misses"] == 1
+    assert jnp.array_equal(got, want)
 
 
-def test_the_compile_cache_of_the_previous_test_is_off():
-    """tests/conftest.py resets the cache options that a test set in this process (the two tests above)."""
-    import jax
+def test_the_compile_cache_of_the_previous_test_is_the_runs_again():
+    """tests/conftest.py resets the cache options that a test set in this process
+    (`test_enable_compile_cache_sets_jax_options`) to the test run's own cache."""
+    import conftest
 
-    assert jax.config.jax_compilation_cache_dir is None
-    assert jax.config.jax_persistent_cache_min_entry_size_bytes == 0
-    assert jax.config.jax_compilation_cache_max_size == -1
+    assert jax.config.jax_compilation_cache_dir == conftest.TEST_RUN_COMPILE_CACHE
+    assert jax.config.jax_persistent_cache_min_entry_size_bytes == -1
+    assert jax.config.jax_compilation_cache_max_size == profiling.COMPILE_CACHE_MAX_BYTES
 
 
 def test_compile_counter_counts_new_programs_only():
