@@ -201,6 +201,7 @@ def _tiny_model(seed=0):
     return nnx.split(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)))
 
 
+@pytest.mark.slow
 def test_isolated_step_matches_autodiff_reference():
     """iso_first_order = −∇D·∇ℓ/‖∇ℓ‖ (independent grads), and the finite step ≈ ε × first order."""
     graphdef, params = _tiny_model()

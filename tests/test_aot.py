@@ -125,6 +125,7 @@ def _tiny_tpu(attention, **overrides):
 
 @needs_libtpu
 @pytest.mark.parametrize("attention", ["splash", "blockwise"])
+@pytest.mark.slow
 def test_tiny_train_step_compiles_for_tpu(attention):
     """The tiny step with splash (Mosaic kernel under shard_map, batch sharded over 4 chips) and blockwise
     attention, compiled by XLA:TPU; FLOPs from XLA:TPU's cost model within 2x of 6 N D."""

@@ -90,6 +90,7 @@ def _per_layer_leaves(state):
 
 
 @pytest.mark.parametrize("name,dtype", [("f32", jnp.float32), ("bf16", jnp.bfloat16)])
+@pytest.mark.slow
 def test_dense_path_equals_the_values_before_the_move(name, dtype):
     """Default (dense, no remat) logits and gradients equal the values recorded before the move.
 
@@ -160,6 +161,7 @@ def _compare_with_dense(kernel, q, k, v, valid, mask, tol=1e-5):
     (2, 3, 12, 4, 4, 0, True),    # exact tiling, segments only
     (2, 2, 13, 4, 5, 0, False),   # causal only
 ])
+@pytest.mark.slow
 def test_blockwise_matches_dense(K, G, T, bq, bkv, pad, segments):
     rng = np.random.RandomState(T * 7 + K)
     q, k, v = _qkv(rng, 3, T, K, G, 8)
@@ -278,6 +280,7 @@ def _packed_case():
 
 
 @pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.slow
 def test_model_blockwise_equals_dense(segments):
     mask, _ = _packed_case()
     blockwise = _model_loss_and_grads(segments, attention="blockwise", attention_block_q=3,
@@ -293,6 +296,7 @@ def test_auto_on_short_rows_is_the_dense_path_exactly():
 @pytest.mark.parametrize("remat,attention", [("full", "dense"), ("full", "blockwise"),
                                              ("dots_saveable", "dense"),
                                              ("dots_with_no_batch_dims_saveable", "blockwise")])
+@pytest.mark.slow
 def test_remat_same_loss_and_grads(remat, attention):
     mask, _ = _packed_case()
     opts = {"attention": attention, "attention_block_q": 4, "attention_block_kv": 4}
@@ -301,6 +305,7 @@ def test_remat_same_loss_and_grads(remat, attention):
 
 @pytest.mark.parametrize("remat,attention", [("none", "dense"), ("full", "blockwise"),
                                              ("dots_saveable", "dense")])
+@pytest.mark.slow
 def test_scanned_layers_equal_unrolled(remat, attention):
     """The layers under lax.scan (default) vs a Python loop over the stacked parameters:
     loss, logits and every gradient within 1e-5 in f32, with and without remat."""
@@ -310,6 +315,7 @@ def test_scanned_layers_equal_unrolled(remat, attention):
                  _model_loss_and_grads(scan_layers=False, **opts), mask)
 
 
+@pytest.mark.slow
 def test_scanned_program_has_one_layer_body():
     """With scan_layers the forward's jaxpr holds one copy of the layer (a scan), so the program
     does not grow with depth; unrolled, it holds one copy per layer."""

@@ -64,6 +64,7 @@ def _state(seed):
             "step": jnp.asarray(seed, jnp.int32)}
 
 
+@pytest.mark.slow
 def test_checkpoints_on_a_bucket_manifest_damage_fallback(bucket):
     from pdm_jax.checkpointing import CheckpointError, Checkpointer, abstract_like
 

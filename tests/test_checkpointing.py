@@ -104,6 +104,7 @@ def test_flipped_bytes_that_orbax_restores_silently_are_refused(two_checkpoints,
 
 
 @pytest.mark.parametrize("mode", ["truncate", "flip"])
+@pytest.mark.slow
 def test_any_damaged_file_of_the_latest_checkpoint_falls_back_to_the_previous(two_checkpoints, tmp_path, caplog, mode):
     """Every file of checkpoint 2 in turn (orbax's files and the manifest): a logged fallback to step 1."""
     files = _files(os.path.join(two_checkpoints, "2"))

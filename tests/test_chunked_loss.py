@@ -71,6 +71,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,tr_kw,loss_kw,chunks", CASES)
+@pytest.mark.slow
 def test_chunked_equals_unchunked(name, tr_kw, loss_kw, chunks):
     _, _, _, tau = _setup()
     tr_config = trust_region.TrustRegionConfig(delta=0.02, **tr_kw)
@@ -138,6 +139,7 @@ def _temp_bytes(t, chunk, vocab=16384, d=16):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_chunked_temp_memory_does_not_grow_with_length():
     full_256, full_512 = _temp_bytes(256, 0), _temp_bytes(512, 0)
     chunk_256, chunk_512 = _temp_bytes(256, 32), _temp_bytes(512, 32)

@@ -62,6 +62,7 @@ def _leaves(tree):
 
 @pytest.mark.parametrize("quantization, mesh_shape", [("fp8", (1, 4, 2)), ("int8", (1, 4, 2)), ("none", (1, 4, 2)),
                                                       ("bf16", (8, 1, 1)), ("fp8", (8, 1, 1))])
+@pytest.mark.slow
 def test_in_memory_copy_equals_the_file_copy_and_survives_donation(tmp_path, mesh_shape, quantization):
     """(1, 4, 2): FSDP x tensor sharded parameters, gathered in the program; (8, 1, 1): data-parallel
     (replicated) parameters, whose replica on the sampling device is used."""
@@ -98,6 +99,7 @@ def _sampler_config(**over):
     return c
 
 
+@pytest.mark.slow
 def test_colocated_sync_in_memory_refuses_nan_and_stale_versions(tmp_path):
     state = _trainer_params((1, 8, 1))
     sup = SamplerSupervisor(_sampler_config(), workdir=str(tmp_path), model_config=CFG, max_new_tokens=16)
@@ -149,6 +151,7 @@ def test_auto_mode_and_eval_engine_settings():
             validate_config(c)
 
 
+@pytest.mark.slow
 def test_eval_on_the_rollout_engine_equals_the_f32_engine_when_unquantized(tmp_path):
     """eval.engine: the rollout sampler (quantization none) == the in-memory f32 engine == the f32 engine
     fed through the weights file (what evaluation used before it was fed in memory): same evaluation

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pdm_jax import evaluation, metrics, profiling, trainer
 from pdm_jax.rl import loss, train_step
@@ -79,6 +80,7 @@ def rl_step_metric_keys() -> set:
     return set(m) | set(m_jvp) | {"loss", "grad_norm"}
 
 
+@pytest.mark.slow
 def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
     section = glossary()
     rl_fields = rl_step_metric_keys() | dict_keys_in(trainer.Trainer._rl_record) \

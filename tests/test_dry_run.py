@@ -44,6 +44,7 @@ def _tiny_variants():
 
 
 @pytest.mark.parametrize("name,config", _tiny_variants(), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.slow
 def test_planner_matches_compiled_memory_within_20_percent(name, config):
     report = dry_run.plan(config, compiler="cpu", num_devices=8)
     a, c = report["analytic"], report["compiled"]

@@ -57,6 +57,7 @@ MIXED = Qwen3Config(**{**CFG.__dict__, "mlp_only_layers": (0,)})
 
 @pytest.mark.parametrize("chunk,cfg", [(0, CFG), (2, CFG), pytest.param(0, MIXED, marks=pytest.mark.slow)],
                          ids=["full", "chunked", "mixed"])
+@pytest.mark.slow
 def test_router_aux_loss_enters_the_loss(chunk, cfg):
     graphdef, params, batch = _setup(cfg)
     aux, aux_grad = jax.value_and_grad(lambda p: _model_aux(graphdef, p, batch))(params)
@@ -71,6 +72,7 @@ def test_router_aux_loss_enters_the_loss(chunk, cfg):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), g1, want)
 
 
+@pytest.mark.slow
 def test_micro_batched_step_logs_mean_of_micro_batch_aux():
     graphdef, params, batch = _setup()
     tx = optax.sgd(0.0)

@@ -129,6 +129,7 @@ def _packed_step_and_state(graphdef, params):
     return step, ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
+@pytest.mark.slow
 def test_a_plan_made_for_other_rows_is_refused_by_the_step(setup):
     graphdef, params, batch = setup
     step, state = _packed_step_and_state(graphdef, params)
@@ -162,6 +163,7 @@ def test_token_loss_weights_give_the_aggregated_loss(mode):
     pytest.param(dict(loss_aggregation="seq_mean_token_sum_norm", max_response_length=8, logits_chunk_size=3), 2,
                  12, marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_the_packed_step_is_the_padded_step(setup, loss_kw, rows_per_micro, row_length):
     """Loss, every metric and the gradient (one SGD step) of the packed step equal the padded step's."""
     graphdef, params, batch = setup

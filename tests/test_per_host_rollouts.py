@@ -63,6 +63,7 @@ def test_a_share_of_the_prompts_draws_the_whole_batch_tokens(batching):
         engine.generate(PROMPTS, first_prompt_index=2 ** 32 - 3, **gen)
 
 
+@pytest.mark.slow
 def test_vllm_backend_seeds_a_share_by_its_prompt_indices(tmp_path):
     """VLLMSampler: prompt i of a request with first_prompt_index=1 is sent with prompt 1 + i's seed, so the
     fake vLLM server (our engine behind vLLM's routes) returns the whole request's rows for those prompts."""

@@ -137,6 +137,7 @@ def _left_padded_batch(rng, vocab, prompt_lens, total_len):
 
 
 @pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.slow
 def test_decode_matches_full_forward(tied):
     """Prefill a left-padded prompt batch, then decode one token at a time (positions up to
     22, past the prefill chunk); every step's logits equal the full forward's."""
@@ -349,6 +350,7 @@ def test_kv_cache_grow_keeps_slots_and_appends_zeros():
         cache.grow(-1)
 
 
+@pytest.mark.slow
 def test_decode_rejects_mismatched_cache_and_out_of_range_index():
     """A cache of the wrong structure or a cache_index leaving the cache is a named error, never a
     silently shorter model or a clamped write (dynamic_update_slice clamps its start)."""

@@ -180,6 +180,7 @@ def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob, fie
     ((5, 0, 17, 1, 0, 9), 0),       # empty groups, a group spanning blocks
     ((0, 0, 40, 0, 0, 0), 3),       # one group; rows past the groups give zeros
     ((3, 3, 3, 3, 3, 3), 0)])
+@pytest.mark.slow
 def test_blocked_gmm_equals_ragged_dot_values_and_grads(sizes, extra_rows):
     """`moe.blocked_gmm` == ``jax.lax.ragged_dot`` (the XLA reference), forward and both gradients."""
     from pdm_jax.models import moe
@@ -397,6 +398,7 @@ MOE_REF_CASES = {"hub_layout": (False, (0, 1)), "fused_layout": (True, (0, 1)),
 
 
 @pytest.mark.parametrize("case", list(MOE_REF_CASES))
+@pytest.mark.slow
 def test_committed_moe_reference_parity(case):
     """Logits and router aux loss of transformers' Qwen3MoeForCausalLM (committed by
     scripts/make_qwen3_moe_reference.py): hub per-expert layout and transformers 5's fused

@@ -32,6 +32,7 @@ def _loss_and_grads(model, ids, mask, routed=None):
 
 
 @pytest.mark.parametrize("norm_topk_prob,scan_layers", [(True, True), (False, False)])
+@pytest.mark.slow
 def test_replaying_own_routing_equals_no_replay(norm_topk_prob, scan_layers):
     model, ids, mask = _model(norm_topk_prob, scan_layers)
     logits, routed = model(ids, attention_mask=mask, return_routing=True)

@@ -71,6 +71,7 @@ def batch(engine):
     return engine.generate(PROMPTS, temperature=TAU, seed=11, **GEN)
 
 
+@pytest.mark.slow
 def test_batch_layout(batch):
     assert batch.num_sequences == 4 and batch.top_k == K
     np.testing.assert_array_equal(batch.group_ids, [0, 0, 1, 1])
@@ -128,6 +129,7 @@ def test_quantized_decode_equals_quantized_prefill(params, quantization):
 
 
 @pytest.mark.parametrize("batching", ["static", "continuous"])
+@pytest.mark.slow
 def test_layers_sliced_before_the_loop_give_the_same_tokens_bit_for_bit(params, batching):
     """On XLA:CPU the engine slices the layers out of the stacks once, before its decode loops
     (`engine.hoist_layer_slices`); inside each step (TPU's way) the same program gives the same tokens, log mu and
@@ -308,6 +310,7 @@ def test_compute_dtype_choice():
 
 
 @pytest.mark.parametrize("temperature", [0.0, TAU])
+@pytest.mark.slow
 def test_shared_prefill_equals_per_row_prefill(params, temperature):
     """n = 4 samples of 3 prompts: one prefill per prompt (its KV cache repeated) == every row prefilled;
     tokens exactly, log mu and top-K within 1e-5 (absolute + relative, f32: the prefill's batch size changes
@@ -340,6 +343,7 @@ def _assert_same_rollouts(a, b):
     np.testing.assert_allclose(a.topk_logprobs, b.topk_logprobs, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_row_cache_index_decode_equals_per_row_decodes(params):
     """model.decode with one cache index per row == each row decoded alone at its index (and a [B] index of
     equal values == the scalar index)."""

@@ -83,6 +83,7 @@ def _full_logits(params, b, cfg=CFG):
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
+@pytest.mark.slow
 def test_moe_engine_decode_equals_forward_of_dequantized_model(params, quantization):
     eng = SamplingEngine(CFG, params, max_prompt_length=16, max_new_tokens=16,
                          quantization=quantization, compute_dtype=jnp.float32)

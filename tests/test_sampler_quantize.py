@@ -31,6 +31,7 @@ def _fp8_reference(w, output_axes):
 
 
 @pytest.mark.parametrize("shape,axes", [((32, 4, 8), (1, 2)), ((4, 8, 32), (2,)), ((32, 64), (1,))])
+@pytest.mark.slow
 def test_fp8_matches_independent_reference(shape, axes):
     w = jax.random.normal(jax.random.PRNGKey(1), shape) * jnp.linspace(0.1, 3.0, shape[-1])
     t = q.quantize_fp8(w, axes)
@@ -86,6 +87,7 @@ def test_stacked_quantization_equals_per_layer(params):
         np.testing.assert_array_equal(np.asarray(stacked.dequantize()[i]), np.asarray(one.dequantize()))
 
 
+@pytest.mark.slow
 def test_prepare_modes_and_errors(params):
     f32 = q.prepare_sampler_params(params, "none")
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), f32, params))
@@ -104,6 +106,7 @@ def test_prepare_modes_and_errors(params):
         q.prepare_sampler_params(params, "int4")
 
 
+@pytest.mark.slow
 def test_logits_error_ordering(params):
     """Logit error vs f32: fp8 (bf16 compute) > bf16 > 0, and fp8 stays small (relative <= 10%)."""
     ids = jax.random.randint(jax.random.PRNGKey(3), (2, 12), 0, CFG.vocab_size)

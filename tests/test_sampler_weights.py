@@ -204,6 +204,7 @@ def test_fifo_sparse_file_and_deep_meta_are_refused_unread(tmp_path):
     assert eng.version == 0
 
 
+@pytest.mark.slow
 def test_generation_goes_on_while_a_load_reads_its_files(tmp_path, monkeypatch):
     """A load stuck in its read (a slow mount) holds neither the engine's lock nor /health: generate runs, and
     health says a load of which version has been running how long."""

@@ -150,6 +150,7 @@ def test_constrain_is_noop_without_mesh():
     assert shd.constrain(x, ("batch", "embed")) is x
 
 
+@pytest.mark.slow
 def test_init_model_directly_sharded(mesh):
     m = init_model(CFG, seed=0, mesh=mesh)
     k = m.layers.self_attn.k_proj.kernel.get_value()

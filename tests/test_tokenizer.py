@@ -218,6 +218,7 @@ def qwen3_ref():
     return bq.qwen3_reference_encoder()
 
 
+@pytest.mark.slow
 def test_qwen3_files_and_config(qwen3_dir, qwen3_tok):
     assert (qwen3_dir / "tokenizer.json").is_file()
     config = json.loads((qwen3_dir / "tokenizer_config.json").read_text())

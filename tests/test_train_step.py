@@ -59,6 +59,7 @@ def test_on_policy_loss_is_the_policy_gradient_surrogate(setup):
     np.testing.assert_allclose(float(aux["mean_topk_kl"]), 0.0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_padding_garbage_and_empty_batches_stay_finite(setup):
     graphdef, params, batch = setup
     pad = ~batch.completion_mask
@@ -96,6 +97,7 @@ def test_off_policy_tokens_outside_the_region_are_masked_by_direction(setup):
     (dict(loss_aggregation="seq_mean_token_mean", kl_beta=0.1), 1),
     (dict(loss_aggregation="seq_mean_token_sum_norm", max_response_length=8, logits_chunk_size=2), 2),
 ])
+@pytest.mark.slow
 def test_micro_batched_step_equals_one_shot(setup, loss_kw, micro):
     """rl.micro_batch_size: loss, every metric and the gradient (one SGD step) equal the one-shot step's."""
     graphdef, params, batch = setup

@@ -462,6 +462,7 @@ def test_failed_warmstart_eval_resumes_without_sft_and_damaged_checkpoint_falls_
         (c.sft.steps + 3, c.sft.steps + 2)]
 
 
+@pytest.mark.slow
 def test_over_long_prompts_are_dropped_at_load_not_mid_run(tmp_path):
     """chain_sum with up to 5 terms and sampler.max_prompt_length = 10 (issue #15): the warm-start evaluation
     used to die on the first over-long held-out prompt; now such prompts never reach the sampler."""

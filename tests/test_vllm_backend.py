@@ -155,6 +155,7 @@ def fake_server(tmp_path):
     stop()
 
 
+@pytest.mark.slow
 def test_weight_push_and_rollouts_through_the_fake_server_equal_our_engine(tmp_path, fake_server):
     fake, url = fake_server
     client = VLLMSampler(url, model_config=CFG, weights_dir=str(tmp_path / "hf"), retries=0)
