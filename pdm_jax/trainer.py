@@ -54,7 +54,7 @@ from pdm_jax.rl import objectives, train_step as ts
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import round_up
 from pdm_jax.rollouts.producer import RolloutProducer
-from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
+from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSpec, SamplerSupervisor
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
 from pdm_jax.text import TextCodec, checkpoint_stop_ids
@@ -143,7 +143,8 @@ class Trainer:
         self.graphdef, params = nnx.split(model)
         self._params_sharding = param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._params_sharding)
-        self.sampler = SamplerSupervisor(config.sampler, workdir=self.workdir, model_config=self.model_config,
+        spec = SamplerSpec.from_config(config.sampler)
+        self.sampler = SamplerSupervisor(spec, workdir=self.workdir, model_config=self.model_config,
                                          max_new_tokens=config.rl.max_new_tokens, reuse_freed_host_memory=self._reuse,
                                          compile_cache_dir=self.compile_cache_dir,
                                          compile_cache_min_compile_time_s=config.compile_cache.min_compile_time_s)

@@ -145,12 +145,13 @@ def test_weights_versions_on_a_bucket(bucket):
 
 
 def test_file_sampler_modes_refuse_a_bucket_workdir():
-    import ml_collections
+    import dataclasses
 
-    from pdm_jax.rollouts.supervisor import SamplerSupervisor
+    from pdm_jax.config import get_base_config
+    from pdm_jax.rollouts.supervisor import SamplerSpec, SamplerSupervisor
 
     for mode in ("subprocess", "in_process"):
-        sc = ml_collections.ConfigDict(dict(mode=mode, max_prompt_length=8, max_batch_size=4))
+        sc = dataclasses.replace(SamplerSpec.from_config(get_base_config().sampler), mode=mode)
         with pytest.raises(ValueError, match=f"sampler.mode = '{mode}'.*colocated"):
             SamplerSupervisor(sc, workdir="gs://b/run", model_config=None, max_new_tokens=4)
 

@@ -24,7 +24,7 @@ from pdm_jax.config import get_base_config, resolve_sampler_mode, validate_confi
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler.engine import SamplingEngine, StaleWeightsError
-from pdm_jax.rollouts.supervisor import SamplerRejected, SamplerSupervisor
+from pdm_jax.rollouts.supervisor import SamplerRejected, SamplerSpec, SamplerSupervisor
 from pdm_jax.sharding import make_mesh, param_shardings
 from conftest import TINY_DENSE
 
@@ -96,7 +96,7 @@ def _sampler_config(**over):
     c.max_batch_size = 8
     for k, v in over.items():
         c[k] = v
-    return c
+    return SamplerSpec.from_config(c)
 
 
 @pytest.mark.slow

@@ -124,26 +124,27 @@ def test_mesh_errors_name_the_field(params):
 def test_reachable_from_the_config(params, tmp_path):
     """sampler.mesh: validated by name; the colocated engine (SamplerSupervisor.memory_engine) is sharded
     over the first data x tensor local devices; the server takes --mesh_data / --mesh_tensor."""
-    import types
+    import dataclasses
 
     from pdm_jax.config import get_base_config, validate_config
     from pdm_jax.sampler import server
-    from pdm_jax.rollouts.supervisor import SamplerSupervisor
+    from pdm_jax.rollouts.supervisor import SamplerSpec, SamplerSupervisor
 
     c = get_base_config()
     assert (c.sampler.mesh.data, c.sampler.mesh.tensor) == (1, 1)  # default: the single-device engine
     c.sampler.mesh.tensor = 0
     with pytest.raises(ValueError, match="sampler.mesh.tensor"):
         validate_config(c)
-    sc = types.SimpleNamespace(mode="colocated", quantization="fp8", max_prompt_length=16, max_batch_size=4,
-                               mesh=types.SimpleNamespace(data=2, tensor=2))
+    c.sampler.update(mode="colocated", quantization="fp8", max_prompt_length=16, max_batch_size=4)
+    c.sampler.mesh.update(data=2, tensor=2)
+    sc = SamplerSpec.from_config(c.sampler)
     sup = SamplerSupervisor(sc, workdir=str(tmp_path), model_config=CFG, max_new_tokens=16)
     eng = sup.memory_engine(params, 1, "fp8").engine
     assert dict(eng.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2} and eng.device is None
     assert set(eng.mesh.devices.flat) == set(jax.local_devices()[:4])  # a sub-mesh of the trainer's devices
     assert all(x.sharding.mesh == eng.mesh for x in jax.tree.leaves(eng._state))
-    single = SamplerSupervisor(types.SimpleNamespace(**dict(vars(sc), mesh=types.SimpleNamespace(data=1, tensor=1))),
-                               workdir=str(tmp_path), model_config=CFG, max_new_tokens=16)
+    single = SamplerSupervisor(dataclasses.replace(sc, mesh_data=1, mesh_tensor=1), workdir=str(tmp_path),
+                               model_config=CFG, max_new_tokens=16)
     one = single.memory_engine(params, 1, "fp8").engine
     assert one.mesh is None and one.device == jax.local_devices()[0]
     for a, b in zip(jax.tree.leaves(one._state), jax.tree.leaves(eng._state)):  # the same fp8 copy, sharded

@@ -6,6 +6,7 @@ real socket that accepts connections and never answers (what a SIGSTOPped
 server looks like from outside).  The slow test SIGSTOPs a real sampler
 subprocess.
 """
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from pdm_jax.config import get_base_config
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.rollouts import supervisor as sup_mod
@@ -26,14 +28,15 @@ from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import wire
 from pdm_jax.rollouts.client import SamplerClient, SamplerError, SamplerRequestError
 from pdm_jax.rollouts.launcher import SamplerStartupError
-from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerRejected, SamplerSupervisor
+from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerRejected, SamplerSpec, SamplerSupervisor
 
 
 def sampler_config(**over):
+    """The base config's `SamplerSpec` with a subprocess sampler (16-token prompts, batches of 8, 30 s start-up,
+    3 retries and restarts) and ``over``'s fields."""
     base = dict(mode="subprocess", address="", token="", quantization="none", startup_timeout_s=30.0,
                 request_timeout_s=300.0, retries=3, max_restarts=3, max_prompt_length=16, max_batch_size=8)
-    base.update(over)
-    return types.SimpleNamespace(**base)
+    return dataclasses.replace(SamplerSpec.from_config(get_base_config().sampler), **{**base, **over})
 
 
 def answer(prompts, n=1, top_k_logprobs=20, t=3, tag=0):
@@ -113,9 +116,7 @@ def script(monkeypatch):
 
 
 def supervisor(tmp_path, **over):
-    probe = {k: over.pop(k) for k in list(over) if k.startswith("stall_")}
-    return SamplerSupervisor(sampler_config(**over), workdir=str(tmp_path), model_config=None, max_new_tokens=8,
-                             **probe)
+    return SamplerSupervisor(sampler_config(**over), workdir=str(tmp_path), model_config=None, max_new_tokens=8)
 
 
 def died():
@@ -232,8 +233,9 @@ def test_a_stalled_remote_sampler_is_a_failure(tmp_path):
 
 def test_probe_settings_come_from_the_config_with_defaults(tmp_path):
     s = supervisor(tmp_path)
+    c = get_base_config().sampler
     assert (s.stall_probe_interval_s, s.stall_probe_timeout_s, s.stall_probe_misses) == (
-        sup_mod.STALL_PROBE_INTERVAL_S, sup_mod.STALL_PROBE_TIMEOUT_S, sup_mod.STALL_PROBE_MISSES)
+        c.stall_probe_interval_s, c.stall_probe_timeout_s, c.stall_probe_misses) == (10.0, 10.0, 3)
     s = SamplerSupervisor(sampler_config(stall_probe_interval_s=2.0, stall_probe_timeout_s=1.0,
                                          stall_probe_misses=0), workdir=str(tmp_path), model_config=None,
                           max_new_tokens=8)
@@ -242,6 +244,23 @@ def test_probe_settings_come_from_the_config_with_defaults(tmp_path):
         supervisor(tmp_path, stall_probe_interval_s=0.0)
     with pytest.raises(ValueError, match="stall_probe_misses"):
         supervisor(tmp_path, stall_probe_misses=-1)
+    with pytest.raises(ValueError, match="stall_probe_misses"):
+        supervisor(tmp_path, stall_probe_misses=True)
+
+
+def test_the_supervisor_takes_the_typed_spec_read_once_from_the_schema(tmp_path):
+    """`SamplerSpec.from_config` reads every field of the schema's ``sampler`` section (no fallbacks: a section
+    without one is an AttributeError naming it); the supervisor refuses the ConfigDict itself."""
+    c = get_base_config().sampler
+    spec = SamplerSpec.from_config(c)
+    assert (spec.batching, spec.max_slots, spec.park_rows, spec.mesh_data, spec.mesh_tensor, spec.backend) == (
+        c.batching, c.max_slots, c.park_rows, c.mesh.data, c.mesh.tensor, c.backend)
+    assert {f.name for f in dataclasses.fields(SamplerSpec)} >= {
+        k for k in c.keys() if k not in ("mesh", "per_host_rollouts", "stop_token_ids")}
+    with pytest.raises(AttributeError, match="park_rows"):
+        SamplerSpec.from_config(types.SimpleNamespace(**{k: v for k, v in c.items() if k != "park_rows"}))
+    with pytest.raises(TypeError, match="takes a SamplerSpec"):
+        SamplerSupervisor(c, workdir=str(tmp_path), model_config=None, max_new_tokens=8)
 
 
 # ----------------------------------------------------------------------------- a real SIGSTOP
@@ -255,9 +274,9 @@ def test_sigstopped_subprocess_is_killed_and_replaced(tmp_path):
     os.makedirs(tmp_path / "model")
     with open(tmp_path / "model" / "config.json", "w") as f:
         json.dump(cfg.to_hf_dict(), f)
-    s = SamplerSupervisor(sampler_config(startup_timeout_s=240.0, request_timeout_s=300.0, retries=1),
-                          workdir=str(tmp_path), model_config=cfg, max_new_tokens=8,
-                          stall_probe_interval_s=1.0, stall_probe_timeout_s=1.0, stall_probe_misses=3)
+    s = SamplerSupervisor(sampler_config(startup_timeout_s=240.0, request_timeout_s=300.0, retries=1,
+                                         stall_probe_interval_s=1.0, stall_probe_timeout_s=1.0, stall_probe_misses=3),
+                          workdir=str(tmp_path), model_config=cfg, max_new_tokens=8)
     rng = np.random.default_rng(0)
     s.push_weights(jax.tree.map(lambda a: (rng.standard_normal(a.shape) * 0.1).astype(np.float32),
                                 wts.abstract_params(cfg)), 0)

@@ -1,6 +1,7 @@
 """pdm_jax.rollouts: the trainer's side of rollouts (docs/DESIGN.md §3).
 
 base         Sampler (and InMemorySampler): the protocol every backend below implements
+spec         SamplerSpec: the run config's sampler section, typed, read once (what the supervisor takes)
 supervisor   SamplerSupervisor: starts, health-checks, restarts and versions the sampler of any mode
 client       SamplerClient (msgpack over HTTP to ``pdm_jax.sampler.server``, retries)
 launcher     start_sampler_server -> SamplerProcess (a server subprocess the trainer owns)

@@ -58,17 +58,12 @@ from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError
 from pdm_jax.rollouts.in_process import InProcessSampler
 from pdm_jax.sampler.engine import SamplingEngine, make_sampler_mesh
 from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
+from pdm_jax.rollouts.spec import SamplerSpec
 from pdm_jax.rollouts.vllm_client import VLLMSampler
 from pdm_jax.sampler.weights import META_FILE, load_weights, save_weights
-from pdm_jax.sampler import defaults
 from pdm_jax.sampler.wire import COMPILE_STATS, RequestError
 
 log = logging.getLogger("pdm_jax.sampler")
-
-# Stall-probe settings: read from the sampler config section when it has them, else these defaults.
-STALL_PROBE_INTERVAL_S = 10.0  # seconds between /health probes while a call is in flight
-STALL_PROBE_TIMEOUT_S = 10.0  # seconds one probe may take
-STALL_PROBE_MISSES = 3  # consecutive missed probes that make a stall; 0 = no probing
 
 
 class SamplerFailure(RuntimeError):
@@ -115,20 +110,13 @@ class SamplerSupervisor:
     """Starts, calls, restarts, feeds weights to and stops the rollout sampler.
 
     Args:
-      sampler_config: the run config's ``sampler`` section (mode, address, token,
-        quantization, startup/request timeouts in seconds, retries, max_restarts,
-        max_prompt_length and max_batch_size in tokens / sequences; optionally
-        ``stall_probe_interval_s``, ``stall_probe_timeout_s``, ``stall_probe_misses``).
+      spec: the run's sampler settings (`SamplerSpec.from_config(config.sampler)`: mode, address,
+        token, quantization, startup/request timeouts and stall probes in seconds, retries,
+        max_restarts, max_prompt_length and max_batch_size in tokens / sequences, batching, mesh).
       workdir: the run directory; weights versions go to ``workdir/weights``, the
         model's Hugging Face config is read from ``workdir/model/config.json``.
       model_config: the ``Qwen3Config`` (for in-process engines).
       max_new_tokens: the longest completion the engine must serve (tokens).
-      stall_probe_interval_s: seconds between ``/health`` probes while a call is
-        in flight (default: the config's, else `STALL_PROBE_INTERVAL_S`).
-      stall_probe_timeout_s: seconds one probe may take (default: config, else
-        `STALL_PROBE_TIMEOUT_S`).
-      stall_probe_misses: consecutive missed probes that make a stall; 0 turns
-        probing off (default: config, else `STALL_PROBE_MISSES`).
       compile_cache_dir: the JAX persistent compilation cache a subprocess sampler
         uses ("" = none; `pdm_jax.profiling.enable_compile_cache`).
       compile_cache_min_compile_time_s: its minimum compile time (s).
@@ -136,8 +124,9 @@ class SamplerSupervisor:
         (``pdm_jax.host_memory``; config ``host_memory.reuse_freed``).
 
     Attributes:
+      spec: the `SamplerSpec` it was built with.
       mode: the resolved ``sampler.mode`` (`config.resolve_sampler_mode`: never "auto").
-      compute_dtype: the config's ``sampler.compute_dtype`` (default "auto").
+      compute_dtype: the spec's ``compute_dtype`` ("auto" | "float32" | "bfloat16").
       last_sync_seconds: ``{"save": s, "load": s}`` of the last `sync` (writing the
         version; the sampler's load, re-quantization and round trip). Colocated:
         save 0, load the in-memory reshard + re-quantization, finished.
@@ -146,19 +135,22 @@ class SamplerSupervisor:
         in-process sampler, whose compiles count in this process).
 
     Raises:
-      ValueError: a non-positive probe interval or timeout, or a negative miss count.
+      TypeError: ``spec`` is not a `SamplerSpec` (e.g. the ConfigDict section itself).
+      ValueError: a file sampler mode with a bucket workdir.
 
     Thread safety: :meth:`call` may run on the rollout producer's thread while the
     trainer pushes weights; a restart happens once per failure (a generation counter).
     """
 
-    def __init__(self, sampler_config, *, workdir: str, model_config, max_new_tokens: int,
-                 stall_probe_interval_s: Optional[float] = None, stall_probe_timeout_s: Optional[float] = None,
-                 stall_probe_misses: Optional[int] = None, compile_cache_dir: str = "",
-                 compile_cache_min_compile_time_s: float = 0.0, reuse_freed_host_memory: bool = False):
-        self.config = sampler_config
-        self.mode = resolve_sampler_mode(str(sampler_config.mode))
-        self.compute_dtype = str(getattr(sampler_config, "compute_dtype", "auto"))
+    def __init__(self, spec: SamplerSpec, *, workdir: str, model_config, max_new_tokens: int,
+                 compile_cache_dir: str = "", compile_cache_min_compile_time_s: float = 0.0,
+                 reuse_freed_host_memory: bool = False):
+        if not isinstance(spec, SamplerSpec):
+            raise TypeError(f"SamplerSupervisor takes a SamplerSpec (SamplerSpec.from_config(config.sampler)), "
+                            f"not {type(spec).__name__}")
+        self.spec = spec
+        self.mode = resolve_sampler_mode(spec.mode)
+        self.compute_dtype = spec.compute_dtype
         self.compile_cache = dict(compile_cache_dir=compile_cache_dir,
                                   compile_cache_min_compile_time_s=float(compile_cache_min_compile_time_s),
                                   reuse_freed_host_memory=bool(reuse_freed_host_memory))
@@ -166,31 +158,17 @@ class SamplerSupervisor:
         self.sampler_compile_stats: Optional[dict] = None
         self.workdir = workdir
         if wd.is_remote(workdir) and self.mode in SAMPLER_FILE_MODES:
-            raise ValueError(f"sampler.mode = {str(sampler_config.mode)!r} (resolved: {self.mode!r}) reads weights "
+            raise ValueError(f"sampler.mode = {spec.mode!r} (resolved: {self.mode!r}) reads weights "
                              f"versions from local files, but the workdir {workdir} is a bucket: use "
                              "sampler.mode = 'colocated' with a bucket workdir")
         self.model_config = model_config
-        self.limits = dict(max_prompt_length=int(sampler_config.max_prompt_length),
-                           max_new_tokens=int(max_new_tokens), max_batch_size=int(sampler_config.max_batch_size),
-                           batching=str(getattr(sampler_config, "batching", defaults.BATCHING)),
-                           max_slots=int(getattr(sampler_config, "max_slots", defaults.MAX_SLOTS)) or None,
-                           park_rows=int(getattr(sampler_config, "park_rows", defaults.PARK_ROWS)))
-        mesh = getattr(sampler_config, "mesh", None)  # sampler.mesh: the sharded engine's data x tensor
-        self.mesh_shape = (int(getattr(mesh, "data", 1)), int(getattr(mesh, "tensor", 1)))
-
-        def setting(value, name, default):
-            return getattr(sampler_config, name, default) if value is None else value
-        self.stall_probe_interval_s = float(setting(stall_probe_interval_s, "stall_probe_interval_s",
-                                                    STALL_PROBE_INTERVAL_S))
-        self.stall_probe_timeout_s = float(setting(stall_probe_timeout_s, "stall_probe_timeout_s",
-                                                   STALL_PROBE_TIMEOUT_S))
-        self.stall_probe_misses = setting(stall_probe_misses, "stall_probe_misses", STALL_PROBE_MISSES)
-        if not (self.stall_probe_interval_s > 0 and self.stall_probe_timeout_s > 0) or isinstance(
-                self.stall_probe_misses, bool) or not isinstance(self.stall_probe_misses, int) \
-                or self.stall_probe_misses < 0:
-            raise ValueError(f"SamplerSupervisor: need stall_probe_interval_s > 0, stall_probe_timeout_s > 0 and an "
-                             f"integer stall_probe_misses >= 0; got {self.stall_probe_interval_s}, "
-                             f"{self.stall_probe_timeout_s}, {self.stall_probe_misses!r}")
+        self.limits = dict(max_prompt_length=spec.max_prompt_length, max_new_tokens=int(max_new_tokens),
+                           max_batch_size=spec.max_batch_size, batching=spec.batching,
+                           max_slots=spec.max_slots or None, park_rows=spec.park_rows)
+        self.mesh_shape = (spec.mesh_data, spec.mesh_tensor)  # sampler.mesh: the sharded engine's data x tensor
+        self.stall_probe_interval_s = spec.stall_probe_interval_s
+        self.stall_probe_timeout_s = spec.stall_probe_timeout_s
+        self.stall_probe_misses = spec.stall_probe_misses
         self._sampler: Optional[Sampler] = None
         self._proc = None
         self._restartable = False
@@ -275,7 +253,7 @@ class SamplerSupervisor:
           SamplerRejected: a remote sampler that refuses the weights version.
           SamplerStartupError: a subprocess that died or did not come up in time.
         """
-        sc = self.config
+        sc = self.spec
         path = self.weights_path(version)
         self._restartable = self.mode == "subprocess"
         self._proc = self._sampler = None
@@ -316,10 +294,9 @@ class SamplerSupervisor:
     def _remote_client(self, sc):
         """The client of the server at ``sampler.address``: ours (`SamplerClient`), or a vLLM server's
         (`VLLMSampler`, ``sampler.backend = "vllm"``; weights go to ``sampler.vllm_weights_dir``)."""
-        if getattr(sc, "backend", "native") == "vllm":
-            return VLLMSampler(sc.address, model_config=self.model_config, model=getattr(sc, "vllm_model", ""),
-                               weights_dir=getattr(sc, "vllm_weights_dir", "") or os.path.join(self.workdir,
-                                                                                            "weights_hf"),
+        if sc.backend == "vllm":
+            return VLLMSampler(sc.address, model_config=self.model_config, model=sc.vllm_model,
+                               weights_dir=sc.vllm_weights_dir or os.path.join(self.workdir, "weights_hf"),
                                timeout_s=sc.request_timeout_s, retries=sc.retries, token=sc.token or None)
         return SamplerClient(sc.address, timeout_s=sc.request_timeout_s, retries=sc.retries, token=sc.token or None)
 
@@ -335,7 +312,7 @@ class SamplerSupervisor:
                 return  # another thread already restarted it
             self.restarts_total += 1
             log.warning("sampler call %s failed (%s); restarting the sampler (%d/%d)", fn_name, error, restarts,
-                        self.config.max_restarts)
+                        self.spec.max_restarts)
             proc, self._proc, self._sampler = self._proc, None, None
             if proc is not None:
                 try:
@@ -370,17 +347,17 @@ class SamplerSupervisor:
             except (ValueError, TypeError) as e:  # the request itself is bad (SamplerRequestError is a ValueError)
                 raise SamplerRejected.from_error(fn_name, e) from e
             except Exception as e:  # connection errors, timeouts, stalls, 5xx after the client's own retries
-                if not self._restartable or restarts >= self.config.max_restarts:
+                if not self._restartable or restarts >= self.spec.max_restarts:
                     last = f"; the last start-up failed: {startup_error}" if startup_error and self._sampler is None \
                         else ""
                     raise SamplerFailure(f"sampler call {fn_name} failed after {restarts} restart(s) "
-                                         f"(sampler.max_restarts = {self.config.max_restarts}): {e}{last}") from e
+                                         f"(sampler.max_restarts = {self.spec.max_restarts}): {e}{last}") from e
                 restarts += 1
                 try:
                     self._restart(generation, fn_name, e, restarts)
                 except SamplerStartupError as err:  # counts against the budget; the loop decides
                     startup_error = err
-                    log.warning("restarting the sampler failed (%d/%d): %s", restarts, self.config.max_restarts, err)
+                    log.warning("restarting the sampler failed (%d/%d): %s", restarts, self.spec.max_restarts, err)
 
     def _call_once(self, fn_name: str, fn: Callable[[Sampler], Any]):
         """One attempt; calls on an HTTP sampler run under the stall probe (`_watched`)."""
