@@ -40,11 +40,13 @@ MODELS = {
 
 
 def sampler_section(mode: str, quantization: str):
+    """The base config's sampler settings (`SamplerSpec`) in ``mode`` / ``quantization``, 16-token prompts, batches of 8."""
     from pdm_jax.config import get_base_config
+    from pdm_jax.rollouts.spec import SamplerSpec
     sc = get_base_config().sampler
     sc.mode, sc.quantization = mode, quantization
     sc.max_prompt_length, sc.max_batch_size = 16, 8
-    return sc
+    return SamplerSpec.from_config(sc)
 
 
 def random_params(cfg, seed: int = 0):
