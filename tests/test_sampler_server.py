@@ -1,8 +1,9 @@
 """The sampler service end to end: a real `python -m pdm_jax.sampler.server` subprocess on a free
 loopback port (started by the launcher), driven through SamplerClient and raw HTTP.
 
-One server (f32 weights, bearer token) serves every test; all generations share one shape
-bucket so the server compiles once.
+One server (f32 weights, bearer token) serves every slow test here; all generations share one shape
+bucket so the server compiles once. The argument checks (token, host, the fake vLLM's key) start no
+server and run in the fast tier.
 """
 import json
 import os
@@ -22,8 +23,6 @@ from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError, response
 from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.sampler.server import parse_args
 from conftest import TINY_DENSE
-
-pytestmark = pytest.mark.slow
 
 CFG = TINY_DENSE
 TOKEN = "test-token-123"
@@ -73,6 +72,7 @@ def auth():
     return {"authorization": f"Bearer {TOKEN}"}
 
 
+@pytest.mark.slow
 def test_health_and_token(setup):
     sp = setup["sp"]
     h = sp.client.health()
@@ -84,6 +84,7 @@ def test_health_and_token(setup):
     assert sp.url.startswith("http://127.0.0.1:") and sp.port > 0
 
 
+@pytest.mark.slow
 def test_generate_matches_trainer_logprobs_and_topk(setup):
     sp, params = setup["sp"], setup["params"]
     b = sp.client.generate(PROMPTS, seed=7, **GEN)
@@ -129,6 +130,7 @@ def _post(sp, content, ctype="application/json"):
     (json.dumps({"prompt": [[1, 2]], "bogus": 1}).encode(), 422, "bogus"),
     (json.dumps({"prompt": [[1, 2]] * 20000}).encode(), 413, None),
 ])
+@pytest.mark.slow
 def test_bad_requests_get_4xx_with_message(setup, payload, status, field):
     r = _post(setup["sp"], payload)
     assert r.status_code == status, r.text
@@ -138,6 +140,7 @@ def test_bad_requests_get_4xx_with_message(setup, payload, status, field):
         assert field in err["message"]
 
 
+@pytest.mark.slow
 def test_bad_msgpack_content_type_and_streamed_oversize(setup):
     sp = setup["sp"]
     r = _post(sp, b"\xc1\xc1", ctype="application/msgpack")  # answered in msgpack (Accept: */*)
@@ -162,6 +165,7 @@ def test_bad_msgpack_content_type_and_streamed_oversize(setup):
     assert sp.client.health()["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_concurrent_requests_are_served_correctly(setup):
     sp = setup["sp"]
     seeds = [21, 22, 23, 24]
@@ -188,6 +192,7 @@ def test_concurrent_requests_are_served_correctly(setup):
     assert not np.array_equal(results[21].completion_ids, results[22].completion_ids)
 
 
+@pytest.mark.slow
 def test_weight_sync_versions_and_path_rules(setup):
     sp, params, paths = setup["sp"], setup["params"], setup["paths"]
     prompt = PROMPTS  # the compiled bucket
@@ -237,6 +242,7 @@ def test_weight_sync_versions_and_path_rules(setup):
     assert sp.client.health()["version"] == 1 and sp.client.health()["loading"] is None
 
 
+@pytest.mark.slow
 def test_restart_comes_back_with_its_flags(setup):
     sp = setup["sp"]
     old_port, old_dir = sp.port, os.path.dirname(sp.stderr_path)
@@ -247,6 +253,7 @@ def test_restart_comes_back_with_its_flags(setup):
     assert not os.path.exists(old_dir)  # a stopped server leaves no temporary directory behind
 
 
+@pytest.mark.slow
 def test_non_loopback_requires_token_and_startup_errors_are_clear(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--model_config=x", "--checkpoint_root=y", "--host=0.0.0.0"])
