@@ -70,6 +70,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -367,6 +368,231 @@ _GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
                                          "slice_layers_once"))
 
 
+# ---------------------------------------------------------------- continuous batching: the typed decode state
+@flax.struct.dataclass
+class _Slots:
+    """Per-slot state of continuous batching, each field [S] (S = the cache's slots, or the park's entries)."""
+
+    row: jax.Array  # int32: the queue row the slot runs
+    t: jax.Array  # int32: tokens sampled so far (the slot samples token t next)
+    live: jax.Array  # bool: the slot runs a row that has not stopped
+    prev: jax.Array  # int32: the last sampled token (fed to the model at the next step)
+    key: jax.Array  # [S, 2] uint32: the row's key (token t draws with fold_in(key, t))
+    plen: jax.Array  # int32: the row's prompt length (positions are plen + t - 1)
+    max_new: jax.Array  # int32: the row's new-token limit
+
+    @classmethod
+    def empty(cls, n: int, key, *, ones=True) -> "_Slots":
+        """``n`` free slots (``t`` and ``plen`` start at 1 in the cache's slots, at 0 in the park's)."""
+        fill = jnp.ones if ones else jnp.zeros
+        return cls(row=jnp.zeros((n,), jnp.int32), t=fill((n,), jnp.int32), live=jnp.zeros((n,), bool),
+                   prev=jnp.zeros((n,), jnp.int32), key=jnp.zeros((n,) + key.shape, key.dtype),
+                   plen=fill((n,), jnp.int32), max_new=jnp.zeros((n,), jnp.int32))
+
+
+@flax.struct.dataclass
+class _Outputs:
+    """The program's outputs per queue row: tokens / log mu [N, T], top-K ids / log mu [N, T, K], ``length`` and
+    ``stopped`` [N]; ``routed`` [N, P + T, L, k] with routing replay, else None."""
+
+    tokens: jax.Array
+    logp: jax.Array
+    topk_ids: jax.Array
+    topk_logp: jax.Array
+    length: jax.Array
+    stopped: jax.Array
+    routed: Optional[jax.Array] = None
+
+    def record(self, rows_B, t_B, tok_B, lp_B, ids_BxK, lps_BxK, stop_B) -> "_Outputs":
+        """Token ``t_B[b]`` of row ``rows_B[b]`` written (a row index >= N is dropped)."""
+        at = dict(mode="drop")
+        return self.replace(tokens=self.tokens.at[rows_B, t_B].set(tok_B, **at),
+                            logp=self.logp.at[rows_B, t_B].set(lp_B, **at),
+                            topk_ids=self.topk_ids.at[rows_B, t_B].set(ids_BxK, **at),
+                            topk_logp=self.topk_logp.at[rows_B, t_B].set(lps_BxK, **at),
+                            length=self.length.at[rows_B].set(t_B + 1, **at),
+                            stopped=self.stopped.at[rows_B].set(stop_B, **at))
+
+
+@flax.struct.dataclass
+class _Park:
+    """Rows parked out of the first cache phase: their ``P + caps[0]`` cache slots, slot state, and count ``n``
+    (entries [0, n) hold rows)."""
+
+    cache: object
+    slots: _Slots
+    n: jax.Array
+
+
+@flax.struct.dataclass
+class _DecodeState:
+    """The carry of continuous batching's loops: the KV cache [slots, P + cap] (`KVCache`), its mask, the slots,
+    the outputs, the next queue row, decode steps run, rows parked so far, and the park (None when off)."""
+
+    cache: object
+    kv_mask: jax.Array
+    slots: _Slots
+    outs: _Outputs
+    queue: jax.Array
+    steps: jax.Array
+    parked: jax.Array
+    park: Optional[_Park] = None
+
+
+@flax.struct.dataclass
+class _Request:
+    """What the loops read and never change: the prefilled prompt store (KV cache [U, P], last logits [U, V],
+    prompt routing), the queue (row r: prompt-store entry, key indices, new-token limit), the stop ids, the
+    sampling parameters (scalars), and the static sizes (P, T = num_new, K, queue rows N, cache phases, park
+    entries)."""
+
+    store: object
+    last_UxV: jax.Array
+    store_routed: Optional[jax.Array]
+    prompt_mask_UxP: jax.Array
+    prompt_len_U: jax.Array
+    row_entry_N: jax.Array
+    row_prompt_N: jax.Array
+    row_sample_N: jax.Array
+    max_new_N: jax.Array
+    stop_ids_S: jax.Array
+    num_rows: jax.Array
+    base_key: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    p: int = flax.struct.field(pytree_node=False, default=0)
+    num_new: int = flax.struct.field(pytree_node=False, default=0)
+    k_logprobs: int = flax.struct.field(pytree_node=False, default=0)
+    n_pad: int = flax.struct.field(pytree_node=False, default=0)
+    caps: tuple = flax.struct.field(pytree_node=False, default=())
+    park_n: int = flax.struct.field(pytree_node=False, default=0)
+
+    def sampling(self, b: int) -> dict:
+        """`_sample_step`'s per-row sampling parameters for ``b`` rows."""
+        return dict(temperature_B=jnp.full((b,), self.temperature, jnp.float32),
+                    top_p_B=jnp.full((b,), self.top_p, jnp.float32),
+                    top_k_B=jnp.full((b,), self.top_k, jnp.int32), k_logprobs=self.k_logprobs)
+
+    def is_stop(self, tok_B):
+        """[B] bool: the token is one of the request's stop ids."""
+        return jnp.any(tok_B[:, None] == self.stop_ids_S[None, :], axis=-1)
+
+    def row_kv_mask(self, r, width: int):
+        """Row r's kv mask over ``width`` cache slots: its prompt's mask, then every generated slot."""
+        return jnp.concatenate([self.prompt_mask_UxP[self.row_entry_N[r]], jnp.ones((width - self.p,), bool)])
+
+
+def _admit_one(req: _Request, c: _DecodeState, sample1) -> _DecodeState:
+    """The next queued row into the first free slot: its prompt's store entry copied into the slot's first P cache
+    slots, its kv mask set, its token 0 sampled from the prompt's last logits."""
+    r = c.queue
+    b = jnp.argmin(c.slots.live).astype(jnp.int32)  # the first free slot
+    i = req.row_entry_N[r]
+    key = jax.random.fold_in(jax.random.fold_in(req.base_key, req.row_prompt_N[r]), req.row_sample_N[r])
+    zero = jnp.int32(0)
+    cache = copy_row(c.cache, b, req.store, i)
+    row_mask = req.row_kv_mask(r, c.kv_mask.shape[1])
+    kv_mask = jax.lax.dynamic_update_slice(c.kv_mask, row_mask[None, :], (b, zero))
+    tok, lp, ids, lps = sample1(jax.lax.dynamic_slice_in_dim(req.last_UxV, i, 1, axis=0), key[None], zero)
+    stop = req.is_stop(tok)
+    outs = c.outs.record(r[None], zero[None], tok, lp, ids, lps, stop)
+    if req.store_routed is not None:  # the row's prompt routing, from its prompt's prefill
+        outs = outs.replace(routed=jax.lax.dynamic_update_slice(
+            outs.routed, jax.lax.dynamic_slice_in_dim(req.store_routed, i, 1, axis=0), (r, zero, zero, zero)))
+    live = ~(stop[0] | (req.max_new_N[r] <= 1))
+    sl = c.slots
+    sl = sl.replace(row=sl.row.at[b].set(r), t=sl.t.at[b].set(1), live=sl.live.at[b].set(live),
+                    prev=sl.prev.at[b].set(tok[0]), key=sl.key.at[b].set(key),
+                    plen=sl.plen.at[b].set(req.prompt_len_U[i]), max_new=sl.max_new.at[b].set(req.max_new_N[r]))
+    return c.replace(cache=cache, kv_mask=kv_mask, slots=sl, outs=outs, queue=r + 1)
+
+
+def _overflow(req: _Request, c: _DecodeState):
+    """[slots] bool: live rows past the first cache phase (token t would be fed into slot P + t - 1)."""
+    return c.slots.live & (c.slots.t > req.caps[0])
+
+
+def _park_one(req: _Request, c: _DecodeState) -> _DecodeState:
+    """The first live row past the first phase moved into park entry n (its slot freed)."""
+    b = jnp.argmax(_overflow(req, c)).astype(jnp.int32)
+    pk, n = c.park, c.park.n
+    pslots = jax.tree.map(lambda a, v: a.at[n].set(v[b]), pk.slots, c.slots)
+    slots = c.slots.replace(live=c.slots.live.at[b].set(False))
+    return c.replace(slots=slots, park=_Park(cache=copy_row(pk.cache, n, c.cache, b), slots=pslots, n=n + 1),
+                     parked=c.parked + 1)
+
+
+def _unpark_one(req: _Request, c: _DecodeState) -> _DecodeState:
+    """Park entry n - 1 back into the first free slot of the (grown) cache."""
+    pk, n, zero = c.park, c.park.n - 1, jnp.int32(0)
+    b = jnp.argmin(c.slots.live).astype(jnp.int32)
+    slots = jax.tree.map(lambda a, v: a.at[b].set(v[n]), c.slots, pk.slots)
+    kv_mask = jax.lax.dynamic_update_slice(c.kv_mask, req.row_kv_mask(pk.slots.row[n], c.kv_mask.shape[1])[None, :],
+                                           (b, zero))
+    return c.replace(cache=copy_row(c.cache, b, pk.cache, n), kv_mask=kv_mask, slots=slots, park=pk.replace(n=n))
+
+
+def _admit(req: _Request, c: _DecodeState, unpark: bool = False) -> _DecodeState:
+    """Free slots refilled: parked rows first (``unpark``: they are the oldest), then queued ones."""
+    if unpark:
+        c = jax.lax.while_loop(lambda c: (c.park.n > 0) & ~jnp.all(c.slots.live),
+                               functools.partial(_unpark_one, req), c)
+    sample1 = functools.partial(_sample_step, **req.sampling(1))
+    return jax.lax.while_loop(lambda c: (c.queue < req.num_rows) & ~jnp.all(c.slots.live),
+                              lambda c: _admit_one(req, c, sample1), c)
+
+
+def _pending(req: _Request, c: _DecodeState, parking: bool):
+    """Rows not yet admitted: the queue's, and (past the first phase) the park's."""
+    return (c.queue < req.num_rows) | ((c.park.n > 0) if c.park is not None and not parking else False)
+
+
+def _decode_step(model, layers, req: _Request, c: _DecodeState, *, refill: bool, parking: bool = False) -> _DecodeState:
+    """Every slot decodes one token; a row stops on a stop id or its max; then (``parking``) rows past the first
+    phase are parked while rows are pending, and (``refill``) free slots are refilled."""
+    sl = c.slots
+    t_B = sl.t
+    b = t_B.shape[0]
+    p, routing = req.p, req.store_routed is not None
+    index_B = jnp.minimum(p + t_B - 1, c.kv_mask.shape[1] - 1)  # free slots: any in-range slot (never read)
+    logits_Bx1xV, cache, *step_routed = model.decode(
+        sl.prev[:, None], (sl.plen + t_B - 1)[:, None], c.cache, index_B, c.kv_mask, layers=layers,
+        **(dict(return_routing=True) if routing else {}))
+    cache = _laid_out(cache)
+    tok, lp, ids, lps = _sample_step(logits_Bx1xV[:, 0, :], sl.key, t_B, **req.sampling(b))
+    stop = req.is_stop(tok)
+    rows_B = jnp.where(sl.live, sl.row, req.n_pad)
+    outs = c.outs.record(rows_B, jnp.minimum(t_B, req.num_new - 1), tok, lp, ids, lps, stop)
+    if routing:  # token t - 1 of each live row was fed now: column P + t - 1
+        outs = outs.replace(routed=outs.routed.at[rows_B, p + t_B - 1].set(
+            step_routed[0][:, 0].astype(outs.routed.dtype), mode="drop"))
+    done = stop | (t_B + 1 >= sl.max_new)
+    sl = sl.replace(t=jnp.where(sl.live, t_B + 1, t_B), live=sl.live & ~done, prev=jnp.where(sl.live, tok, sl.prev))
+    c = c.replace(cache=cache, slots=sl, outs=outs, steps=c.steps + 1)
+    if parking:
+        c = jax.lax.while_loop(
+            lambda c: (c.queue < req.num_rows) & (c.park.n < req.park_n) & jnp.any(_overflow(req, c)),
+            functools.partial(_park_one, req), c)
+    return _admit(req, c, unpark=c.park is not None and not parking) if refill else c
+
+
+def _compact(c: _DecodeState, m: int) -> _DecodeState:
+    """The live slots (at most m) moved into a cache of m slots: the tail runs a smaller batch."""
+    keep = jnp.argsort(~c.slots.live, stable=True)[:m]
+    take = lambda a: jnp.take(a, keep, axis=0)  # noqa: E731
+    cache = c.cache
+    return c.replace(cache=_laid_out(type(cache)(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)))),
+                     kv_mask=take(c.kv_mask), slots=jax.tree.map(take, c.slots))
+
+
+def _grow(c: _DecodeState, extra: int) -> _DecodeState:
+    """The cache and kv mask with ``extra`` more slots (zero keys/values; generated columns are unmasked,
+    `decode` hides those past each row's own index)."""
+    return c.replace(cache=_laid_out(c.cache.grow(extra)),
+                     kv_mask=jnp.pad(c.kv_mask, ((0, 0), (0, extra)), constant_values=True))
+
+
 def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
                         temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
                         k_logprobs: int, cache_dtype, routing: bool = False, min_phase: Optional[int] = None,
@@ -375,32 +601,32 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
 
     Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
     queue of N rows (row r: prompt-store entry ``row_entry_N[r]``, sample j = ``row_sample_N[r]``
-    of prompt i = ``row_prompt_N[r]`` (its key), 
-    ``max_new_N[r]`` new tokens at most; rows ``>= num_rows`` are padding, never run);
-    the request's sampling parameters (scalars) and stop ids ``stop_ids_S`` (-1 = unused).
+    of prompt i = ``row_prompt_N[r]`` (its key), ``max_new_N[r]`` new tokens at most; rows ``>= num_rows``
+    are padding, never run); the request's sampling parameters (scalars) and stop ids ``stop_ids_S``
+    (-1 = unused).
 
     1. Prefill: every prompt once ([U, P] through ``model.decode`` into a prompt store of
-       P slots; shared prefill: a prompt's n rows all read its entry).
+       P slots; shared prefill: a prompt's n rows all read its entry): the `_Request`.
     2. One KV cache [slots, P + caps[0]] (per layer, `KVCache` layouts; `cache_phases`) and per-slot state
-       (row, tokens so far, last token, prompt length, key).  Row b keeps the static
-       engine's layout: the prompt in slots 0..P-1, token t's key/value at slot P + t - 1
-       (``model.decode`` with a per-row ``cache_index``), so attention sees the same
-       entries as in `_generate_program`.
-    3. Admission (an inner while-loop): while a slot is free and rows are pending, the
+       (`_Slots`: row, tokens so far, last token, prompt length, key), carried with the outputs in a
+       `_DecodeState`.  Row b keeps the static engine's layout: the prompt in slots 0..P-1, token t's
+       key/value at slot P + t - 1 (``model.decode`` with a per-row ``cache_index``), so attention sees the
+       same entries as in `_generate_program`.
+    3. Admission (`_admit`, an inner while-loop): while a slot is free and rows are pending, the
        next row is copied in (its prompt's store entry into the slot's first P slots,
        its kv mask set), and its token 0 is sampled from the prompt's last logits.
-    4. Decode (the outer while-loop, one step per iteration while any slot is live):
+    4. Decode (`_decode_step`, the outer while-loop, one step per iteration while any slot is live):
        all slots decode one token; a row stops on a stop id or its max; its outputs are
        scattered to row ``r`` of the [N, num_new(, K)] outputs; then admission refills.
        One loop per cache-length phase: it runs while every live row's next token fits in
-       the P + caps[i] slots, then the cache grows (zero slots appended) to the next phase.
+       the P + caps[i] slots, then the cache grows (`_grow`, zero slots appended) to the next phase.
        With ``park`` > 0 (and more than one phase), a row that outgrows the first phase while rows
-       are pending is parked instead: its P + caps[0] cache slots and state are copied into a
-       park of ``park x slots`` entries and its slot is refilled, so the first phase's short cache
-       serves the queue; parked rows come back (before pending ones) once the cache has grown.
+       are pending is parked instead (`_park_one`): its P + caps[0] cache slots and state are copied into a
+       `_Park` of ``park x slots`` entries and its slot is refilled, so the first phase's short cache
+       serves the queue; parked rows come back (`_unpark_one`, before pending ones) once the cache has grown.
        The first phase ends when the queue is empty or the park is full.
     5. Tail: once the queue is empty and at most slots/4 rows are live, the live slots
-       are gathered into a cache of slots/4: the last long rows run in a
+       are gathered into a cache of slots/4 (`_compact`): the last long rows run in a
        smaller batch (`_TAIL_SHRINK`, `_TAIL_LEVELS`; no admission there).
 
     Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
@@ -408,168 +634,40 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     Returns the same dict as `_generate_program` (``steps``: decode steps run; ``parked``: rows parked; with ``routing``
     ``routed`` [N, P + num_new, L, k]: a row's prompt routing copied from its prompt's prefill at
     admission, token t's written by the step that feeds it).
-
-    Long on purpose: one traced program whose admission, decode and tail loops close over the
-    same prefilled prompt store, outputs and per-request scalars; split into module functions
-    they would pass a dozen arrays each way and read less like the five steps above.
     """
     model = nnx.merge(graphdef, state)
     layers = model.decode_layers() if slice_layers_once else None  # `hoist_layer_slices`
     u, p = prompt_ids_UxP.shape
     n_pad = row_entry_N.shape[0]
-    s = p + num_new
     positions_UxP = jnp.maximum(jnp.cumsum(prompt_mask_UxP, axis=-1) - 1, 0).astype(jnp.int32)
     store = model.init_cache(u, p, dtype=cache_dtype)
     logits_Ux1xV, store, *store_routed = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0), prompt_mask_UxP,
                                                       last_logits_only=True, **(dict(return_routing=True) if routing else {}))
-    last_UxV = logits_Ux1xV[:, -1, :]  # the LM head on the last prompt position only (not [U, P, V])
-    prompt_len_U = jnp.sum(prompt_mask_UxP, axis=-1).astype(jnp.int32)
     base_key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
-    stop_ids_S = jnp.asarray(stop_ids_S, jnp.int32)
-
-    def params_for(b):
-        return dict(temperature_B=jnp.full((b,), temperature, jnp.float32), top_p_B=jnp.full((b,), top_p, jnp.float32),
-                    top_k_B=jnp.full((b,), top_k, jnp.int32), k_logprobs=k_logprobs)
-
-    def is_stop(tok_B):
-        return jnp.any(tok_B[:, None] == stop_ids_S[None, :], axis=-1)
-
-    outs = dict(tokens=jnp.zeros((n_pad, num_new), jnp.int32), logp=jnp.zeros((n_pad, num_new), jnp.float32),
-                topk_ids=jnp.zeros((n_pad, num_new, k_logprobs), jnp.int32),
-                topk_logp=jnp.zeros((n_pad, num_new, k_logprobs), jnp.float32),
-                length=jnp.zeros((n_pad,), jnp.int32), stopped=jnp.zeros((n_pad,), bool))
+    caps = cache_phases(num_new, min_phase)  # the cache holds P + caps[i] slots in main phase i (the last: P + num_new)
+    park_n = int(park) * slots if len(caps) > 1 else 0
+    outs = _Outputs(tokens=jnp.zeros((n_pad, num_new), jnp.int32), logp=jnp.zeros((n_pad, num_new), jnp.float32),
+                    topk_ids=jnp.zeros((n_pad, num_new, k_logprobs), jnp.int32),
+                    topk_logp=jnp.zeros((n_pad, num_new, k_logprobs), jnp.float32),
+                    length=jnp.zeros((n_pad,), jnp.int32), stopped=jnp.zeros((n_pad,), bool))
     if routing:  # [N, P + num_new, L, k] (see `_generate_program`)
         store_routed = store_routed[0].astype(routing_dtype(model.config.num_experts))
-        outs["routed"] = jnp.full((n_pad, s) + store_routed.shape[2:], ROUTING_PAD, store_routed.dtype)
-
-    def record(outs, rows_B, t_B, tok_B, lp_B, ids_BxK, lps_BxK, stop_B):
-        """Token t_B[b] of row rows_B[b] (a row index >= n_pad is dropped)."""
-        at = dict(mode="drop")
-        return dict(outs, tokens=outs["tokens"].at[rows_B, t_B].set(tok_B, **at),
-                    logp=outs["logp"].at[rows_B, t_B].set(lp_B, **at),
-                    topk_ids=outs["topk_ids"].at[rows_B, t_B].set(ids_BxK, **at),
-                    topk_logp=outs["topk_logp"].at[rows_B, t_B].set(lps_BxK, **at),
-                    length=outs["length"].at[rows_B].set(t_B + 1, **at),
-                    stopped=outs["stopped"].at[rows_B].set(stop_B, **at))
-
-    slot = dict(row=jnp.zeros((slots,), jnp.int32), t=jnp.ones((slots,), jnp.int32),
-                live=jnp.zeros((slots,), bool), prev=jnp.zeros((slots,), jnp.int32),
-                key=jnp.zeros((slots,) + base_key.shape, base_key.dtype), plen=jnp.ones((slots,), jnp.int32),
-                max_new=jnp.zeros((slots,), jnp.int32))
-    caps = cache_phases(num_new, min_phase)  # the cache holds P + caps[i] slots in main phase i (the last: P + num_new)
-    carry = dict(cache=_laid_out(model.init_cache(slots, p + caps[0], dtype=cache_dtype)),
-                 kv_mask=jnp.zeros((slots, p + caps[0]), bool), slot=slot, outs=outs, queue=jnp.int32(0), steps=jnp.int32(0),
-                 parked=jnp.int32(0))
-    park_n = int(park) * slots if len(caps) > 1 else 0
-    park = park_n > 0
-    if park:  # parked rows' P + caps[0] cache slots and slot state; entries [0, n) hold rows
-        carry["park"] = dict(cache=_laid_out(model.init_cache(park_n, p + caps[0], dtype=cache_dtype)),
-                             slot=jax.tree.map(lambda a: jnp.zeros((park_n,) + a.shape[1:], a.dtype), slot),
-                             n=jnp.int32(0))
-    sample1 = functools.partial(_sample_step, **params_for(1))
-
-    def admit_cond(c):
-        return (c["queue"] < num_rows) & ~jnp.all(c["slot"]["live"])
-
-    def admit_one(c):
-        r = c["queue"]
-        b = jnp.argmin(c["slot"]["live"]).astype(jnp.int32)  # the first free slot
-        i = row_entry_N[r]
-        key = jax.random.fold_in(jax.random.fold_in(base_key, row_prompt_N[r]), row_sample_N[r])
-        zero = jnp.int32(0)
-        cache = copy_row(c["cache"], b, store, i)
-        row_mask = row_kv_mask(r, c["kv_mask"].shape[1])
-        kv_mask = jax.lax.dynamic_update_slice(c["kv_mask"], row_mask[None, :], (b, zero))
-        tok, lp, ids, lps = sample1(jax.lax.dynamic_slice_in_dim(last_UxV, i, 1, axis=0), key[None], zero)
-        stop = is_stop(tok)
-        outs = record(c["outs"], r[None], zero[None], tok, lp, ids, lps, stop)
-        if routing:  # the row's prompt routing, from its prompt's prefill
-            outs["routed"] = jax.lax.dynamic_update_slice(
-                outs["routed"], jax.lax.dynamic_slice_in_dim(store_routed, i, 1, axis=0), (r, zero, zero, zero))
-        live = ~(stop[0] | (max_new_N[r] <= 1))
-        sl = c["slot"]
-        sl = dict(row=sl["row"].at[b].set(r), t=sl["t"].at[b].set(1), live=sl["live"].at[b].set(live),
-                  prev=sl["prev"].at[b].set(tok[0]), key=sl["key"].at[b].set(key),
-                  plen=sl["plen"].at[b].set(prompt_len_U[i]), max_new=sl["max_new"].at[b].set(max_new_N[r]))
-        return dict(c, cache=cache, kv_mask=kv_mask, slot=sl, outs=outs, queue=r + 1)
-
-    def row_kv_mask(r, width):
-        """Row r's kv mask over ``width`` cache slots: its prompt's mask, then every generated slot."""
-        return jnp.concatenate([prompt_mask_UxP[row_entry_N[r]], jnp.ones((width - p,), bool)])
-
-    def overflow(c):
-        return c["slot"]["live"] & (c["slot"]["t"] > caps[0])  # token t would be fed into slot P + t - 1
-
-    def park_cond(c):
-        return (c["queue"] < num_rows) & (c["park"]["n"] < park_n) & jnp.any(overflow(c))
-
-    def park_one(c):
-        """The first live row past the first phase moved into park entry n (its slot freed)."""
-        b = jnp.argmax(overflow(c)).astype(jnp.int32)
-        pk, n = c["park"], c["park"]["n"]
-        pslot = jax.tree.map(lambda a, v: a.at[n].set(v[b]), pk["slot"], c["slot"])
-        slot = dict(c["slot"], live=c["slot"]["live"].at[b].set(False))
-        return dict(c, slot=slot, park=dict(cache=copy_row(pk["cache"], n, c["cache"], b), slot=pslot, n=n + 1),
-                    parked=c["parked"] + 1)
-
-    def unpark_cond(c):
-        return (c["park"]["n"] > 0) & ~jnp.all(c["slot"]["live"])
-
-    def unpark_one(c):
-        """Park entry n - 1 back into the first free slot of the (grown) cache."""
-        pk, n, zero = c["park"], c["park"]["n"] - 1, jnp.int32(0)
-        b = jnp.argmin(c["slot"]["live"]).astype(jnp.int32)
-        slot = jax.tree.map(lambda a, v: a.at[b].set(v[n]), c["slot"], pk["slot"])
-        kv_mask = jax.lax.dynamic_update_slice(
-            c["kv_mask"], row_kv_mask(pk["slot"]["row"][n], c["kv_mask"].shape[1])[None, :], (b, zero))
-        return dict(c, cache=copy_row(c["cache"], b, pk["cache"], n), kv_mask=kv_mask, slot=slot, park=dict(pk, n=n))
-
-    def admit(c, unpark: bool = False):
-        if unpark:  # parked rows first: they are the oldest
-            c = jax.lax.while_loop(unpark_cond, unpark_one, c)
-        return jax.lax.while_loop(admit_cond, admit_one, c)
-
-    def pending(c, parking: bool):
-        """Rows not yet admitted: the queue's, and (past the first phase) the park's."""
-        return (c["queue"] < num_rows) | ((c["park"]["n"] > 0) if park and not parking else False)
-
-    def step(c, refill: bool, parking: bool = False):
-        sl = c["slot"]
-        t_B = sl["t"]
-        b = t_B.shape[0]
-        index_B = jnp.minimum(p + t_B - 1, c["kv_mask"].shape[1] - 1)  # free slots: any in-range slot (never read)
-        logits_Bx1xV, cache, *step_routed = model.decode(
-            sl["prev"][:, None], (sl["plen"] + t_B - 1)[:, None], c["cache"], index_B, c["kv_mask"], layers=layers,
-            **(dict(return_routing=True) if routing else {}))
-        cache = _laid_out(cache)
-        tok, lp, ids, lps = _sample_step(logits_Bx1xV[:, 0, :], sl["key"], t_B, **params_for(b))
-        stop = is_stop(tok)
-        rows_B = jnp.where(sl["live"], sl["row"], n_pad)
-        outs = record(c["outs"], rows_B, jnp.minimum(t_B, num_new - 1), tok, lp, ids, lps, stop)
-        if routing:  # token t - 1 of each live row was fed now: column P + t - 1
-            outs["routed"] = outs["routed"].at[rows_B, p + t_B - 1].set(
-                step_routed[0][:, 0].astype(outs["routed"].dtype), mode="drop")
-        done = stop | (t_B + 1 >= sl["max_new"])
-        sl = dict(sl, t=jnp.where(sl["live"], t_B + 1, t_B), live=sl["live"] & ~done,
-                  prev=jnp.where(sl["live"], tok, sl["prev"]))
-        c = dict(c, cache=cache, slot=sl, outs=outs, steps=c["steps"] + 1)
-        if parking:
-            c = jax.lax.while_loop(park_cond, park_one, c)
-        return admit(c, unpark=park and not parking) if refill else c
-
-    def compact(c, m: int):
-        """The live slots (at most m) moved into a cache of m slots: the tail runs a smaller batch."""
-        keep = jnp.argsort(~c["slot"]["live"], stable=True)[:m]
-        take = lambda a: jnp.take(a, keep, axis=0)  # noqa: E731
-        cache = c["cache"]
-        return dict(c, cache=_laid_out(type(cache)(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)))),
-                    kv_mask=take(c["kv_mask"]), slot=jax.tree.map(take, c["slot"]))
-
-    def grow(c, extra: int):
-        """The cache and kv mask with ``extra`` more slots (zero keys/values; generated columns are unmasked,
-        `decode` hides those past each row's own index)."""
-        return dict(c, cache=_laid_out(c["cache"].grow(extra)), kv_mask=jnp.pad(c["kv_mask"], ((0, 0), (0, extra)),
-                                                                                  constant_values=True))
+        outs = outs.replace(routed=jnp.full((n_pad, p + num_new) + store_routed.shape[2:], ROUTING_PAD,
+                                            store_routed.dtype))
+    req = _Request(store=store, last_UxV=logits_Ux1xV[:, -1, :],  # the LM head on the last prompt position only
+                   store_routed=store_routed if routing else None, prompt_mask_UxP=prompt_mask_UxP,
+                   prompt_len_U=jnp.sum(prompt_mask_UxP, axis=-1).astype(jnp.int32), row_entry_N=row_entry_N,
+                   row_prompt_N=row_prompt_N, row_sample_N=row_sample_N, max_new_N=max_new_N,
+                   stop_ids_S=jnp.asarray(stop_ids_S, jnp.int32), num_rows=num_rows, base_key=base_key,
+                   temperature=temperature, top_p=top_p, top_k=top_k, p=p, num_new=num_new, k_logprobs=k_logprobs,
+                   n_pad=n_pad, caps=tuple(caps), park_n=park_n)
+    carry = _DecodeState(cache=_laid_out(model.init_cache(slots, p + caps[0], dtype=cache_dtype)),
+                         kv_mask=jnp.zeros((slots, p + caps[0]), bool), slots=_Slots.empty(slots, base_key),
+                         outs=outs, queue=jnp.int32(0), steps=jnp.int32(0), parked=jnp.int32(0))
+    if park_n:
+        carry = carry.replace(park=_Park(cache=_laid_out(model.init_cache(park_n, p + caps[0], dtype=cache_dtype)),
+                                         slots=_Slots.empty(park_n, base_key, ones=False), n=jnp.int32(0)))
+    park = carry.park is not None
 
     # Level 0 runs every slot while rows are pending, in cache-length phases: phase i's loop runs while every
     # live row's next token fits in P + caps[i] slots, then the cache grows (`cache_phases`). Once the queue is
@@ -578,25 +676,29 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     levels = [slots]
     while len(levels) < _TAIL_LEVELS and levels[-1] // _TAIL_SHRINK >= 1:
         levels.append(levels[-1] // _TAIL_SHRINK)
-    carry = admit(carry)
+    carry = _admit(req, carry)
     for li, level in enumerate(levels):
         nxt = levels[li + 1] if li + 1 < len(levels) else 0
         for ci, cap in enumerate(caps if li == 0 else caps[-1:]):
             parking = park and li == 0 and ci == 0  # the first phase parks rows that outgrow it
             if ci:
-                carry = grow(carry, cap - caps[ci - 1])
+                carry = _grow(carry, cap - caps[ci - 1])
                 if park and li == 0:
-                    carry = admit(carry, unpark=True)
+                    carry = _admit(req, carry, unpark=True)
 
             def cond(c, nxt=nxt, cap=cap, parking=parking):
-                live = c["slot"]["live"]
-                fits = jnp.all(~live | (c["slot"]["t"] <= cap))  # token t is fed into slot P + t - 1
-                more = pending(c, parking) | ((jnp.sum(live) > nxt) & ((c["park"]["n"] == 0) if parking else True))
+                live = c.slots.live
+                fits = jnp.all(~live | (c.slots.t <= cap))  # token t is fed into slot P + t - 1
+                more = _pending(req, c, parking) | ((jnp.sum(live) > nxt) & ((c.park.n == 0) if parking else True))
                 return jnp.any(live) & more & fits
-            carry = jax.lax.while_loop(cond, functools.partial(step, refill=li == 0, parking=parking), carry)
+            step = functools.partial(_decode_step, model, layers, req, refill=li == 0, parking=parking)
+            carry = jax.lax.while_loop(cond, step, carry)
         if nxt:
-            carry = compact(carry, nxt)
-    return dict(carry["outs"], steps=carry["steps"], parked=carry["parked"])
+            carry = _compact(carry, nxt)
+    outs = carry.outs
+    return dict(tokens=outs.tokens, logp=outs.logp, topk_ids=outs.topk_ids, topk_logp=outs.topk_logp,
+                length=outs.length, stopped=outs.stopped, steps=carry.steps, parked=carry.parked,
+                **({} if outs.routed is None else dict(routed=outs.routed)))
 
 
 def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
