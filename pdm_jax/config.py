@@ -978,13 +978,28 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
         raise ValueError(f"{unknown[0]}: unknown config field (not in pdm_jax.config.get_base_config)"
                          + (f"; also unknown: {', '.join(unknown[1:])}" if len(unknown) > 1 else ""))
     _check_types(config)
+    _run_checks(config, [(_check_paths, (not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
+                         (_check_model, (vocab_size,)), (_check_profile, ()), (_check_dry_run, ()),
+                         (_check_seeds_and_timeouts, ()),
+                         (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())]))
+
+
+def validate_against_data(config: ml_collections.ConfigDict, *, vocab_size: int, num_held_out: int) -> None:
+    """The checks of a validated config that need the tokenizer and the prompt source, run once they exist:
+    K = ``rl.top_k_logprobs`` and ``sampler.stop_token_ids`` within the ``vocab_size`` tokens, an explicit
+    model shape with that vocabulary, ``eval.num_prompts`` <= the source's ``num_held_out`` prompts.
+
+    Raises:
+      ValueError: as `validate_config` (``"<dotted.field> = <value>: <what is wrong>"``).
+    """
+    _run_checks(config, [(_check_model, (vocab_size,)), (_check_sizes, (vocab_size, num_held_out))])
+
+
+def _run_checks(config, checks) -> None:
+    """Runs every ``(check, args)``, collecting their `_need` errors; raises them as one ValueError."""
     errors: list = []
     token = _COLLECTED.set(errors)
     try:
-        checks = [(_check_paths, (not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
-                  (_check_model, (vocab_size,)), (_check_profile, ()), (_check_dry_run, ()),
-                  (_check_seeds_and_timeouts, ()),
-                  (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())])
         for check, args in checks:
             _collect(errors, check, config, *args)
     finally:

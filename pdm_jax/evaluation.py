@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.text import TextCodec
 
 CORRECT_SCORE = 0.999  # a verifier score at or above this counts as a correct answer
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """The held-out evaluation of a run (docs/configuration.md, section ``eval``): every ``every_steps`` RL steps
+    (and at the last), the first ``num_prompts`` held-out prompts, ``samples_per_prompt`` samples each (avg@k at
+    the training temperature), ``greedy`` accuracy too, on ``engine`` "f32" (an unquantized engine of the
+    trainer's) or "rollout" (the rollout sampler)."""
+
+    every_steps: int
+    num_prompts: int
+    samples_per_prompt: int
+    greedy: bool
+    engine: str
+
+    @classmethod
+    def from_config(cls, section) -> "EvalSpec":
+        """The spec of a validated config's ``eval`` section, read field by field (no fallbacks).
+
+        Raises:
+          AttributeError: naming a field the section lacks.
+        """
+        return cls(every_steps=int(section.every_steps), num_prompts=int(section.num_prompts),
+                   samples_per_prompt=int(section.samples_per_prompt), greedy=bool(section.greedy),
+                   engine=str(section.engine))
 
 
 def score_rollouts(source, codec: TextCodec, rb: RolloutBatch, examples, n: int) -> np.ndarray:
@@ -26,15 +53,15 @@ def score_rollouts(source, codec: TextCodec, rb: RolloutBatch, examples, n: int)
     return np.asarray([source.score(t, e, truncated=c) for t, e, c in zip(texts, exs, truncated)], np.float32)
 
 
-def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: float, max_new_tokens: int,
+def evaluate(engine, source, codec: TextCodec, eval_spec: EvalSpec, *, temperature: float, max_new_tokens: int,
              seed: int, prompt_range=None, gather=None) -> dict:
-    """Accuracy on the first ``eval_config.num_prompts`` held-out prompts.
+    """Accuracy on the first ``eval_spec.num_prompts`` held-out prompts.
 
     Args:
       engine: a sampler with ``generate`` (``InProcessSampler`` or ``SamplerClient``).
       source: the prompt source (``eval_examples()``, ``score``).
       codec: the run's `TextCodec`.
-      eval_config: the run config's ``eval`` section (num_prompts, samples_per_prompt k, greedy).
+      eval_spec: the run's `EvalSpec` (num_prompts, samples_per_prompt k, greedy).
       temperature: τ of the avg@k samples (the training temperature).
       max_new_tokens: completion budget (tokens).
       seed: the avg@k sampling seed (10_007 + the run's seed in the trainer).
@@ -47,14 +74,14 @@ def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: floa
     Returns:
       ``eval_accuracy`` (avg@k: the fraction of the k samples per prompt that are
       fully correct, averaged over prompts), ``eval_reward`` (mean verifier score)
-      and, with ``eval_config.greedy``, ``eval_greedy_accuracy`` (τ = 0, one sample).
+      and, with ``eval_spec.greedy``, ``eval_greedy_accuracy`` (τ = 0, one sample).
 
     Raises:
-      ValueError: the source has fewer held-out prompts than ``eval_config.num_prompts``.
+      ValueError: the source has fewer held-out prompts than ``eval_spec.num_prompts``.
     """
-    exs = source.eval_examples()[: eval_config.num_prompts]
-    if len(exs) < eval_config.num_prompts:
-        raise ValueError(f"eval.num_prompts = {eval_config.num_prompts} but the source has only {len(exs)} "
+    exs = source.eval_examples()[: eval_spec.num_prompts]
+    if len(exs) < eval_spec.num_prompts:
+        raise ValueError(f"eval.num_prompts = {eval_spec.num_prompts} but the source has only {len(exs)} "
                          "held-out prompts")
     lo, hi = (0, len(exs)) if prompt_range is None else prompt_range
     total, exs = len(exs), exs[lo:hi]
@@ -67,10 +94,10 @@ def evaluate(engine, source, codec: TextCodec, eval_config, *, temperature: floa
             else np.zeros((0,), np.float32)
         return got if gather is None else gather(got, total, n)
 
-    k = eval_config.samples_per_prompt
+    k = eval_spec.samples_per_prompt
     avg = scores(k, temperature=temperature, seed=seed)
     # Accuracy counts fully correct answers only (some verifiers give partial credit).
     out = dict(eval_accuracy=float(np.mean(avg >= CORRECT_SCORE)), eval_reward=float(np.mean(avg)))
-    if eval_config.greedy:
+    if eval_spec.greedy:
         out["eval_greedy_accuracy"] = float(np.mean(scores(1, temperature=0.0, seed=0) >= CORRECT_SCORE))
     return out

@@ -41,8 +41,8 @@ from pdm_jax import evaluation, host_memory, per_host, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import (check_context, check_routing_replay_model, check_sampler_mesh, compute_options,
-                            model_config_from_fields, packed_length, parse_stop_token_ids, redacted, step_configs,
-                            validate_config)
+                            model_config_from_fields, packed_length, parse_stop_token_ids, redacted,
+                            validate_against_data)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch, with_packing
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summary, run_summary, sampler_weights_format
@@ -54,7 +54,8 @@ from pdm_jax.rl import objectives, train_step as ts
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import round_up
 from pdm_jax.rollouts.producer import RolloutProducer
-from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSpec, SamplerSupervisor
+from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
+from pdm_jax.run_spec import run_spec
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
 from pdm_jax.text import TextCodec, checkpoint_stop_ids
@@ -78,7 +79,8 @@ class Trainer:
     """A resumable GRPO run with trust-region masks (see module docstring).
 
     Args:
-      config: a ConfigDict following pdm_jax/config.py (validated at start).
+      config: a ConfigDict following pdm_jax/config.py, validated once at start and read into ``self.spec``
+        (`pdm_jax.run_spec.RunSpec`: the typed data, sampler, eval and step pieces the components take).
       workdir: run directory; checkpoints, weights pushed to the sampler,
         metrics.jsonl, TensorBoard events, summary.json and curves.png go here.
         An existing workdir is resumed from its latest intact checkpoint
@@ -101,7 +103,7 @@ class Trainer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, callbacks=()):
         # First, before jax.process_index() starts JAX's backend and its threads (pdm_jax.host_memory).
         self._reuse = host_memory.reuse_freed_from_config(config)
-        validate_config(config)
+        self.spec = run_spec(config)  # validated once; the typed pieces the components take
         self.config = config
         self.callbacks = list(callbacks)
         self.workdir = wd.run_path(workdir)  # a local path or a bucket URL (gs://...: pdm_jax.workdir)
@@ -120,17 +122,16 @@ class Trainer:
         self.compile_cache_dir = resolve_compile_cache_dir(config.compile_cache.dir, self.workdir)
         enable_compile_cache(self.compile_cache_dir, min_compile_time_s=config.compile_cache.min_compile_time_s)
         self.compile_counter = CompileCounter()  # this run's compiles from here on (model init included)
-        self.step_configs = step_configs(config)
-        self.source = make_source(config.data)
+        self.source = make_source(self.spec.data)
         tokenizer = self._setup_tokenizer()
         self.vocab_size = len(tokenizer)
-        self.codec = TextCodec(tokenizer, chat=self.source.chat, enable_thinking=config.data.enable_thinking,
+        self.codec = TextCodec(tokenizer, chat=self.source.chat, enable_thinking=self.spec.data.enable_thinking,
                                stop_token_ids=parse_stop_token_ids(config.sampler.stop_token_ids)
                                or checkpoint_stop_ids(tokenizer, config.model.hf_path))
         log.info("rollouts stop on token ids %s", list(self.codec.stop_ids))
         # Over-long prompts are dropped (and counted) at load, never discovered mid-run.
         self.source = filter_long_prompts(self.source, self.codec.encode_prompt, config.sampler.max_prompt_length)
-        validate_config(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
+        validate_against_data(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
         wd.makedirs(self.workdir)
         m = config.mesh
         self.mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
@@ -143,8 +144,7 @@ class Trainer:
         self.graphdef, params = nnx.split(model)
         self._params_sharding = param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._params_sharding)
-        spec = SamplerSpec.from_config(config.sampler)
-        self.sampler = SamplerSupervisor(spec, workdir=self.workdir, model_config=self.model_config,
+        self.sampler = SamplerSupervisor(self.spec.sampler, workdir=self.workdir, model_config=self.model_config,
                                          max_new_tokens=config.rl.max_new_tokens, reuse_freed_host_memory=self._reuse,
                                          compile_cache_dir=self.compile_cache_dir,
                                          compile_cache_min_compile_time_s=config.compile_cache.min_compile_time_s)
@@ -241,7 +241,7 @@ class Trainer:
           RuntimeError: ``eval.engine = rollout`` and the sampler serves another version.
         """
         params = self.params if params is None else params
-        if self.config.eval.engine == "rollout":
+        if self.spec.eval.engine == "rollout":
             if not self.sampler.started:
                 self.sampler.start(version, params=params)
             if self.sampler.version != version:
@@ -256,9 +256,9 @@ class Trainer:
                 engine.engine.set_params(params, version=version)
         split = {}
         if self.per_host:  # each process its share of the prompts; the scores gathered back in order
-            split = dict(prompt_range=per_host.eval_prompt_range(self.config.eval.num_prompts),
+            split = dict(prompt_range=per_host.eval_prompt_range(self.spec.eval.num_prompts),
                          gather=per_host.gather_ragged)
-        return evaluation.evaluate(engine, self.source, self.codec, self.config.eval,
+        return evaluation.evaluate(engine, self.source, self.codec, self.spec.eval,
                                    temperature=self.config.rl.temperature,
                                    max_new_tokens=self.config.rl.max_new_tokens, seed=10_007 + self.config.seed,
                                    **split)
@@ -276,8 +276,8 @@ class Trainer:
     def _run(self) -> dict:
         cfg = self.config
         t_start = time.time()
-        sft_tx, _ = self.step_configs.sft_optimizer.build()
-        rl_tx, rl_schedule = self.step_configs.rl_optimizer.build()
+        sft_tx, _ = self.spec.step.sft_optimizer.build()
+        rl_tx, rl_schedule = self.spec.step.rl_optimizer.build()
         meta = dict(phase="sft", sft_step=0, rl_step=0, data_position=0, sampler_version=0,
                     wall_seconds=0.0, warmstart=None, seed=int(cfg.seed))
         state = None
@@ -432,7 +432,7 @@ class Trainer:
     def _run_rl(self, state, tx, schedule, meta, writer) -> dict:
         cfg = self.config
         rl = cfg.rl
-        sc = self.step_configs
+        sc = self.spec.step
         step_fn = self._jit_step(ts.make_rl_train_step(self.graphdef, tx, sc.trust_region, sc.policy_loss), state)
         ref = self._reference_policy(state)
         version = meta["sampler_version"]
@@ -497,7 +497,7 @@ class Trainer:
         if self.per_host:  # every process's rows and the slowest process's generation time (collectives)
             rows, gen_seconds = per_host.gather_rows(rows, self.mesh), per_host.gather_max(gen_seconds)
         rec = self._rl_record(step_metrics, rows, run["state"], schedule, version, gen_seconds)
-        if (step + 1) % cfg.eval.every_steps == 0 or step + 1 == rl.steps:
+        if (step + 1) % self.spec.eval.every_steps == 0 or step + 1 == rl.steps:
             with timer.phase("eval"):
                 run["last_eval"] = self.evaluate(version, run["state"].params)
             writer.write(step + 1, "eval", run["last_eval"])

@@ -63,6 +63,21 @@ def _tiny_configs():
 TINY_DENSE, TINY_MOE = _tiny_configs()
 
 
+def data_spec(fields):
+    """A `pdm_jax.data.DataSpec`: the base config's ``data`` section with ``fields`` (a mapping or ConfigDict) set.
+    Math kinds (gsm8k, dapo_math) take ``prompt_format="question"`` unless ``fields`` says otherwise (their only
+    format; a run config sets it, as configs/qwen3_dapo.py does)."""
+    import dataclasses
+
+    from pdm_jax.config import get_base_config
+    from pdm_jax.data import DataSpec
+
+    fields = dict(fields.to_dict() if hasattr(fields, "to_dict") else fields)
+    if fields.get("kind") in ("gsm8k", "dapo_math"):
+        fields.setdefault("prompt_format", "question")
+    return dataclasses.replace(DataSpec.from_config(get_base_config().data), **fields)
+
+
 def free_port() -> int:
     """A free TCP port on loopback (bound and released; the caller binds it next)."""
     import socket

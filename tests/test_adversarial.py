@@ -27,6 +27,7 @@ from pdm_jax.rl import objectives
 from pdm_jax.rl import train_step as ts
 from pdm_jax.rl import trust_region as tr
 from pdm_jax.config import validate_config
+from conftest import data_spec
 
 # --------------------------------------------------------------------------- helpers
 
@@ -528,7 +529,7 @@ def test_make_source_bad_configs_name_field():
 
     rg = dict(kind="reasoning_gym", task="chain_sum", num_eval=4, seed=0,
               task_config=dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2))
-    for cfg, needle in ((dict(), "data.kind"), (dict(kind="x"), "data.kind"),
+    for cfg, needle in ((dict(kind=""), "data.kind"), (dict(kind="x"), "data.kind"),
                         (dict(rg, task="nope"), "data.task"),
                         (dict(rg, task_config=dict(foo=1)), "data.task_config"),
                         (dict(rg, task_config=dict(min_terms=5, max_terms=2)), "data.task_config"),
@@ -538,7 +539,7 @@ def test_make_source_bad_configs_name_field():
                         (dict(kind="gsm8k"), "data.path"),
                         (dict(kind="dapo_math", path="/nonexistent.parquet"), "data.path")):
         with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
-            make_source(cfg)
+            make_source(data_spec(cfg))
 
 
 def test_make_source_bad_files_name_field(tmp_path):
@@ -549,14 +550,14 @@ def test_make_source_bad_files_name_field(tmp_path):
     for name, text in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=r"data\.path"):
-            make_source(dict(kind="gsm8k", path=str(tmp_path / name), num_eval=1))
+            make_source(data_spec(dict(kind="gsm8k", path=str(tmp_path / name), num_eval=1)))
 
 
 def test_score_garbage_completions_is_zero():
     from pdm_jax.data import make_source
 
-    src = make_source(dict(kind="reasoning_gym", task="chain_sum", num_eval=4, seed=0,
-                           task_config=dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2)))
+    src = make_source(data_spec(dict(kind="reasoning_gym", task="chain_sum", num_eval=4, seed=0,
+                                     task_config=dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2))))
     ex = src.train_example(0)
     for garbage in ("", "\x00\x01", "9" * 10_000, "nan", "inf", "==" * 100, "\ud800", None, 5, b"12"):
         assert src.score(garbage, ex) == 0.0, repr(garbage)[:30]

@@ -7,11 +7,11 @@ question-format scorer; the compact chain_sum format is checked to be unchanged.
 
 import time
 
-import ml_collections
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import data_spec
 from pdm_jax.data import Example, make_source
 from pdm_jax.data.tasks import extract_compact_answer, extract_tagged_answer
 from pdm_jax.data.verifiers import (
@@ -115,7 +115,7 @@ def _rg(**overrides):
                   task_config=dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2),
                   prompt_format="compact", num_eval=8, seed=0)
     fields.update(overrides)
-    return make_source(ml_collections.ConfigDict(fields))
+    return make_source(data_spec(fields))
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ import threading
 import time
 from pathlib import Path
 
-import ml_collections
 import pytest
 import reasoning_gym
 
+from conftest import data_spec
 from pdm_jax.data import COMPACT_ALPHABET, Example, PromptSource, ReasoningGymSource, make_source
 from pdm_jax.data import verifiers
 from pdm_jax.data.verifiers import (
@@ -33,7 +33,7 @@ def _rg_config(**overrides):
         "seed": 0,
     }
     fields.update(overrides)  # replaces task_config wholesale (ConfigDict.update would merge)
-    return ml_collections.ConfigDict(fields)
+    return data_spec(fields)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ FIXTURES = Path(__file__).parent / "data" / "fixtures"
 
 
 def _math_config(**fields):
-    return ml_collections.ConfigDict({"num_eval": 2, "seed": 0, **fields})
+    return data_spec({"num_eval": 2, "seed": 0, **fields})
 
 
 def test_gsm8k_jsonl_source():

@@ -7,19 +7,19 @@ that as the independent reference.
 
 from pathlib import Path
 
-import ml_collections
 import pytest
 
 from pdm_jax.data import COMPACT_ALPHABET, LengthFilteredSource, PromptSource, filter_long_prompts, make_source
 from pdm_jax.data import prompt_filter
 from pdm_jax.models.tokenizer import build_char_tokenizer
 from pdm_jax.text import TextCodec
+from conftest import data_spec
 
 FIXTURES = Path(__file__).parent / "data" / "fixtures"
 
 
 def _chain_sum(max_terms, num_eval=64, seed=0):
-    return make_source(ml_collections.ConfigDict(dict(
+    return make_source(data_spec(dict(
         kind="reasoning_gym", task="chain_sum", prompt_format="compact", num_eval=num_eval, seed=seed,
         task_config=dict(min_terms=2, max_terms=max_terms, min_digits=1, max_digits=2))))
 
@@ -96,7 +96,7 @@ def test_bad_max_prompt_length(encode, bad):
 
 def test_math_source_with_a_word_count_encoder():
     """Any source and any encoder: GSM8K rows, "tokens" = words; the held-out set keeps its order."""
-    source = make_source(ml_collections.ConfigDict(dict(kind="gsm8k", path=str(FIXTURES / "gsm8k_tiny.jsonl"),
+    source = make_source(data_spec(dict(kind="gsm8k", path=str(FIXTURES / "gsm8k_tiny.jsonl"),
                                                         num_eval=2, seed=0)))
     words = lambda text: text.split()  # noqa: E731
     lengths = sorted(len(words(e.prompt)) for e in source.train_batch(0, source.num_train) + source.eval_examples())

@@ -83,6 +83,37 @@ def _in(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
+#: docs/DESIGN.md §3's layers, lowest first: a module imports only its own layer and those below (the longest
+#: matching prefix places a module). Package ``__init__`` modules only re-export and are not placed.
+LAYERS = (
+    ("pdm_jax.rollout", "pdm_jax.models", "pdm_jax.sharding"),
+    ("pdm_jax.rl",),
+    ("pdm_jax.distributed", "pdm_jax.per_host", "pdm_jax.checkpointing", "pdm_jax.workdir", "pdm_jax.metrics",
+     "pdm_jax.profiling", "pdm_jax.data", "pdm_jax.text", "pdm_jax.evaluation", "pdm_jax.host_memory", "pdm_jax.aot"),
+    ("pdm_jax.sampler",),
+    ("pdm_jax.config", "pdm_jax.config_reference"),
+    ("pdm_jax.rollouts", "pdm_jax.callbacks"),
+    ("pdm_jax.trainer", "pdm_jax.run_spec", "pdm_jax.dry_run", "pdm_jax.analysis"),
+    ("pdm_jax.train", "pdm_jax.analysis.run", "pdm_jax.analysis.report", "pdm_jax.analysis.__main__"),
+)
+
+
+def _layer(name: str):
+    placed = [(len(p), i) for i, layer in enumerate(LAYERS) for p in layer if _in(name, p)]
+    return max(placed)[1] if placed else None
+
+
+def test_imports_point_down_the_layers():
+    """No import from a lower layer to a higher one (the service never imports the trainer's side, the config
+    never the rollouts' clients, nothing the trainer), and every module has its layer."""
+    graph = _graph()
+    unplaced = sorted(n for n in graph if _layer(n) is None)
+    assert not unplaced, f"modules in no layer of LAYERS (docs/DESIGN.md §3): {unplaced}"
+    up = [f"{n} (layer {_layer(n) + 1}) -> {m} (layer {_layer(m) + 1})"
+          for n, deps in sorted(graph.items()) for m in sorted(deps) if _layer(m) > _layer(n)]
+    assert not up, up
+
+
 def test_the_service_imports_nothing_of_the_trainers_side():
     """``pdm_jax.sampler`` (the rollout service) never imports the trainer's side, the update or the config."""
     trainer_side = ("pdm_jax.rollouts", "pdm_jax.rl", "pdm_jax.trainer", "pdm_jax.config", "pdm_jax.train",

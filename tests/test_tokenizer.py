@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 
 from pdm_jax.models import build_qwen3_tokenizer as bq
 from pdm_jax.models.tokenizer import build_char_tokenizer, encode_strict, load_tokenizer
+from conftest import data_spec
 
 TINY_SYMBOLS = "0123456789+-= "
 
@@ -398,7 +399,7 @@ def test_every_prompt_source_encodes_with_the_real_qwen3_tokenizer(qwen3_tok, da
     cfg = dict(data, num_eval=2, seed=0)
     if "path" in cfg:
         cfg["path"] = os.path.join(FIXTURES, cfg["path"])
-    source = make_source(cfg)
+    source = make_source(data_spec(cfg))
     assert source.chat is chat
     prompt = source.eval_examples()[0].prompt
     for thinking in (True, False):
@@ -418,7 +419,7 @@ def test_chat_template_field_is_checked():
     from pdm_jax.data import make_source
 
     with pytest.raises(ValueError, match=r"data.chat_template must be one of .* got 'yes'"):
-        make_source(dict(kind="reasoning_gym", task="chain_sum", chat_template="yes"))
+        make_source(data_spec(dict(kind="reasoning_gym", task="chain_sum", chat_template="yes")))
 
 
 class _FakeChat:

@@ -249,7 +249,7 @@ class AlignmentCallback(TrainerCallback):
         logits_before = np.asarray(completion_logits_tau(
             trainer.graphdef, state.params, host.prompt_ids, host.prompt_mask, host.completion_ids,
             host.completion_mask, temperature=tau))
-        trc = trainer.step_configs.trust_region
+        trc = trainer.spec.step.trust_region
         behavior_logits, lag, err, fallbacks = None, None, None, None
         if self.full_mu and self._behavior_params:
             behavior_logits, lag, err, fallbacks = self._behavior_logits(trainer, host, tau, rl_step)

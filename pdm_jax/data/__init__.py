@@ -1,23 +1,20 @@
 """pdm_jax.data: prompt sources (reasoning-gym, local HF datasets) and verifiers.
 
-Entry point: `make_source(config)` builds a `PromptSource` from an
-ml_collections ConfigDict (or any mapping) with fields
+Entry point: `make_source(spec)` builds a `PromptSource` from a `DataSpec`, the run config's ``data`` section
+read once (`DataSpec.from_config(config.data)`; fields and units in docs/configuration.md):
 
-  kind           "reasoning_gym" | "gsm8k" | "dapo_math"                (required)
+  kind           "reasoning_gym" | "gsm8k" | "dapo_math"
   task           reasoning-gym task name, e.g. "chain_sum"            (reasoning_gym)
   task_config    dict of reasoning-gym config kwargs                  (reasoning_gym)
-  prompt_format  "compact" | "question"  (default "compact" for reasoning_gym,
-                 "question" for the math datasets, which only support it)
+  prompt_format  "compact" | "question" (the math datasets support only "question")
   path           local json/jsonl/parquet file                        (gsm8k, dapo_math)
-  eval_path      optional separate held-out file                      (gsm8k, dapo_math)
-  num_eval       held-out size (default 256)
-  seed           int (default 0)
-  train_size     reasoning_gym only: stream positions before wrapping (default 2**20)
-  instruction    math only: text appended to each prompt (default "")
-  verify_timeout_s  math only: math-verify budget per completion (default 5.0)
+  eval_path      optional separate held-out file ("" = held out from path)
+  num_eval       held-out size (prompts)
+  seed           seed of the prompt stream and the held-out split
   chat_template  "auto" (the source's chat flag) | "on" (the tokenizer's chat template) |
                  "off" (raw prompt text, e.g. for a Base model)
-  chat           (mappings only) optional override of the source's chat flag under "auto"
+
+and, outside the run config, ``train_size``, ``instruction``, ``verify_timeout_s`` and ``chat`` (`DataSpec`).
 
 Unknown kind, missing path, bad task etc. raise ValueError naming the field.
 
@@ -28,7 +25,7 @@ sampler accepts, from the training stream and the held-out set.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 from pdm_jax.data.tasks import (
     COMPACT_ALPHABET,
@@ -40,6 +37,7 @@ from pdm_jax.data.tasks import (
 )
 from pdm_jax.data.math_data import MathSource
 from pdm_jax.data.prompt_filter import LengthFilteredSource, filter_long_prompts
+from pdm_jax.data.spec import DataSpec
 
 KINDS = ("reasoning_gym", "gsm8k", "dapo_math")
 #: data.chat_template: the source's own choice, the tokenizer's chat template, or raw prompt text.
@@ -47,6 +45,7 @@ CHAT_TEMPLATES = ("auto", "on", "off")
 
 __all__ = [
     "COMPACT_ALPHABET",
+    "DataSpec",
     "Example",
     "KINDS",
     "LengthFilteredSource",
@@ -59,65 +58,34 @@ __all__ = [
 ]
 
 
-def _to_dict(value: Any) -> dict:
-    if value is None:
-        return {}
-    if hasattr(value, "to_dict"):
-        return dict(value.to_dict())
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise ValueError(f"data.task_config must be a dict, got {value!r}")
-
-
-def make_source(config) -> PromptSource:
-    """Build the prompt source described by `config` (see module docstring).
+def make_source(spec: DataSpec) -> PromptSource:
+    """Build the prompt source a `DataSpec` describes (see module docstring).
 
     Args:
-      config: ml_collections.ConfigDict (or mapping) with the fields above.
+      spec: the run's `DataSpec` (`DataSpec.from_config(config.data)`).
 
     Returns:
       A `ReasoningGymSource` or `pdm_jax.data.math_data.MathSource`.
 
     Raises:
+      TypeError: ``spec`` is not a `DataSpec` (e.g. the ConfigDict section itself).
       ValueError: unknown kind, missing/non-existent path, unknown task, bad
         task_config, prompt_format or num_eval (the message names the field).
     """
-    cfg = _to_dict(config)
-
-    def get(name, default=None):
-        value = cfg.get(name, default)
-        return default if value is None else value
-
-    kind = cfg.get("kind")
-    if kind not in KINDS:
-        raise ValueError(f"data.kind must be one of {KINDS}, got {kind!r}")
-    num_eval = get("num_eval", 256)
-    seed = get("seed", 0)
-    template = cfg.get("chat_template", "auto")
-    if template not in CHAT_TEMPLATES:
-        raise ValueError(f"data.chat_template must be one of {CHAT_TEMPLATES}, got {template!r}")
-    chat = {"auto": cfg.get("chat"), "on": True, "off": False}[template]
-    if kind == "reasoning_gym":
-        task = cfg.get("task")
-        if not task:
-            raise ValueError(f"data.task is required for kind='reasoning_gym', got {task!r}")
-        return ReasoningGymSource(
-            task,
-            _to_dict(cfg.get("task_config")),
-            prompt_format=get("prompt_format", "compact"),
-            num_eval=num_eval,
-            seed=seed,
-            train_size=get("train_size", 1 << 20),
-            chat=chat,
-        )
-    return MathSource(
-        kind,
-        path=cfg.get("path"),
-        eval_path=cfg.get("eval_path"),
-        prompt_format=get("prompt_format", "question"),
-        num_eval=num_eval,
-        seed=seed,
-        instruction=get("instruction", ""),
-        verify_timeout_s=get("verify_timeout_s", 5.0),
-        chat=chat,
-    )
+    if not isinstance(spec, DataSpec):
+        raise TypeError(f"make_source takes a DataSpec (DataSpec.from_config(config.data)), got {type(spec).__name__}")
+    if spec.kind not in KINDS:
+        raise ValueError(f"data.kind must be one of {KINDS}, got {spec.kind!r}")
+    if spec.chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"data.chat_template must be one of {CHAT_TEMPLATES}, got {spec.chat_template!r}")
+    if not isinstance(spec.task_config, Mapping):
+        raise ValueError(f"data.task_config must be a dict, got {spec.task_config!r}")
+    chat = {"auto": spec.chat, "on": True, "off": False}[spec.chat_template]
+    if spec.kind == "reasoning_gym":
+        if not spec.task:
+            raise ValueError(f"data.task is required for kind='reasoning_gym', got {spec.task!r}")
+        return ReasoningGymSource(spec.task, dict(spec.task_config), prompt_format=spec.prompt_format,
+                                  num_eval=spec.num_eval, seed=spec.seed, train_size=spec.train_size, chat=chat)
+    return MathSource(spec.kind, path=spec.path or None, eval_path=spec.eval_path or None,
+                      prompt_format=spec.prompt_format, num_eval=spec.num_eval, seed=spec.seed,
+                      instruction=spec.instruction, verify_timeout_s=spec.verify_timeout_s, chat=chat)
