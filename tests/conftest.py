@@ -3,7 +3,7 @@
 Compiled programs are dropped after each test module (`jax.clear_caches`). XLA:CPU maps every executable's code
 into its own memory mappings (~3 per program), and the whole suite compiles enough programs to reach the kernel's
 ``vm.max_map_count`` (65,530 by default): the CI runs that segfaulted inside XLA:CPU late in the session (while
-compiling or loading a program, in test_vllm_backend's trainer runs or test_trust_region, never when those ran
+compiling or loading a program, in test_rollouts_vllm_client's trainer runs or test_trust_region, never when those ran
 alone) were out of mappings. A module ending with more than half the limit in use fails with the count instead.
 
 The test run has a persistent compilation cache of its own (a fresh directory, shared by pytest-xdist's

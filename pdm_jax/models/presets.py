@@ -12,7 +12,7 @@ layout; all use ``vocab_size`` 151936, ``head_dim`` 128, 8 KV heads, ``rope_thet
 Mixture-of-experts (Qwen3-MoE) presets, from the ``config.json`` of ``Qwen/Qwen3-30B-A3B``
 and ``Qwen/Qwen3-235B-A22B`` (128 experts, 8 per token, ``norm_topk_prob`` true, every
 layer sparse, 4 KV heads, head_dim 128, untied): the model cards' totals (30.5B total /
-3.3B activated / 29.9B non-embedding; 235B / 22B) are checked by ``tests/test_qwen3_moe.py``
+3.3B activated / 29.9B non-embedding; 235B / 22B) are checked by ``tests/test_models_moe.py``
 against ``count_params`` (``active=True`` for the activated count). The 235B preset is
 for shapes (dry runs, parameter counts) only: nothing here was run at that size.
 """

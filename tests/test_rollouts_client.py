@@ -144,7 +144,7 @@ def test_a_hostile_choices_body_is_refused_by_the_client_naming_the_field(mutate
     """What `SamplerClient.generate` decodes from a server (or a proxy) that answers in the ``choices`` form with a
     row of a prompt the request does not have, or one log-prob for three tokens. (What a well-formed answer must
     match in the request, rows x n in order, lengths, ids, log mu, top-K mass, is checked for every backend by the
-    supervisor the trainer calls: `rollout.check_answers`, tests/test_sampler_supervisor.py.)"""
+    supervisor the trainer calls: `rollout.check_answers`, tests/test_rollouts_supervisor.py.)"""
     def handler(request):
         choices = [_choice(i, [5, 6, 7][: 2 + i % 2], 3) for i in range(4)]
         mutate(choices)
