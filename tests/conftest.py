@@ -17,6 +17,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The user cache directory (compile_cache.dir = "default": $XDG_CACHE_HOME/pdm_jax/jax_cache) and the test run's
@@ -70,6 +71,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: The small data files the data-source and tokenizer tests read (tests/data/fixtures: GSM8K / DAPO-Math-17k rows).
+FIXTURES = Path(__file__).resolve().parent / "data" / "fixtures"
+
+
+def math_source_config(**fields):
+    """A local math dataset's data section for `pdm_jax.data.make_source` (2 held-out prompts, seed 0) with
+    ``fields`` (kind, path, ...)."""
+    import ml_collections
+
+    return ml_collections.ConfigDict({"num_eval": 2, "seed": 0, **fields})
 
 
 def doc_section(page: str, heading: str) -> str:

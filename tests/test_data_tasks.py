@@ -1,24 +1,16 @@
-"""Tests for pdm_jax.data: reasoning-gym source, local math datasets, math verifier."""
+"""pdm_jax.data.tasks: the reasoning-gym source (compact and question formats, scoring, answer extraction)
+through `make_source`. The local math datasets: tests/test_data_math_data.py; the math verifier:
+tests/test_data_verifiers.py."""
 
 import os
-import threading
-import time
-from pathlib import Path
 
 import ml_collections
 import pytest
 import reasoning_gym
 
 from pdm_jax.data import COMPACT_ALPHABET, Example, PromptSource, ReasoningGymSource, make_source
-from pdm_jax.data import verifiers
-from pdm_jax.data.verifiers import (
-    MathVerdict,
-    extract_final_answer,
-    math_reward,
-    math_verdict,
-    reset_verifier_counts,
-    verifier_counts,
-)
+from pdm_jax.data.tasks import extract_compact_answer, extract_tagged_answer
+from conftest import FIXTURES, math_source_config
 
 TINY_TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
@@ -166,216 +158,8 @@ def test_rg_task_with_negation_stays_in_alphabet():
 
 
 # ---------------------------------------------------------------------------
-# Local math datasets (GSM8K / DAPO-Math-17k schemas)
+# score_batch (also a math source's) and indices
 # ---------------------------------------------------------------------------
-
-FIXTURES = Path(__file__).parent / "data" / "fixtures"
-
-
-def _math_config(**fields):
-    return ml_collections.ConfigDict({"num_eval": 2, "seed": 0, **fields})
-
-
-def test_gsm8k_jsonl_source():
-    source = make_source(_math_config(kind="gsm8k", path=str(FIXTURES / "gsm8k_tiny.jsonl")))
-    assert isinstance(source, PromptSource) and source.chat is True
-    eval_examples = source.eval_examples()
-    assert len(eval_examples) == 2 and source.num_train == 4
-    train = source.train_batch(0, 12)  # three passes over the 4 training rows
-    eval_prompts = {e.prompt for e in eval_examples}
-    assert not eval_prompts.intersection(e.prompt for e in train)
-    assert sorted(e.uid for e in train[:4]) == sorted(e.uid for e in train[4:8])  # each pass = all rows
-    assert [e.uid for e in train[:4]] != [e.uid for e in train[4:8]] or [e.uid for e in train[4:8]] != [
-        e.uid for e in train[8:12]]  # re-shuffled per epoch
-    assert source.train_batch(5, 3) == make_source(
-        _math_config(kind="gsm8k", path=str(FIXTURES / "gsm8k_tiny.jsonl"))).train_batch(5, 3)
-    by_question = {e.prompt: e for e in train + eval_examples}
-    marbles = by_question["Tom has 3 boxes with 250 marbles each and buys 2 more such boxes. "
-                          "How many marbles does he have?"]
-    assert marbles.answer == "1250"  # "#### 1,250" with the comma removed
-    target = source.sft_target(marbles)
-    assert target == "He has 3+2=5 boxes.\n5*250=1250 marbles.\n#### 1250"  # no <<...>> annotations
-    assert source.score(target, marbles) == 1.0
-    assert source.score("The answer is \\boxed{1250}.", marbles) == 1.0
-    assert source.score("#### 1,250", marbles) == 1.0
-    assert source.score("#### 1251", marbles) == 0.0
-    assert source.score("", marbles) == 0.0
-
-
-def test_gsm8k_separate_eval_file_drops_overlap():
-    source = make_source(_math_config(kind="gsm8k", path=str(FIXTURES / "gsm8k_tiny.jsonl"),
-                                      eval_path=str(FIXTURES / "gsm8k_tiny_eval.jsonl"), num_eval=3))
-    eval_prompts = {e.prompt for e in source.eval_examples()}
-    assert len(eval_prompts) == 3
-    assert source.num_train == 4  # 6 rows minus the 2 that also appear in the eval file
-    assert not eval_prompts.intersection(e.prompt for e in source.train_batch(0, 8))
-
-
-@pytest.mark.parametrize("filename", ["dapo_math_tiny.jsonl", "dapo_math_tiny.parquet"])
-def test_dapo_source_jsonl_and_parquet(filename):
-    source = make_source(_math_config(kind="dapo_math", path=str(FIXTURES / filename),
-                                      instruction=""))
-    assert source.chat is True
-    # 7 rows, one a repeated problem: de-duplicated to 6 = 2 eval + 4 train.
-    assert len(source.eval_examples()) == 2 and source.num_train == 4
-    examples = source.train_batch(0, 4) + source.eval_examples()
-    assert len({e.prompt for e in examples}) == 6
-    half = next(e for e in examples if "one half of one" in e.prompt)
-    assert half.answer == "\\frac{1}{2}" and half.uid.endswith("/id-0000")
-    assert half.prompt.startswith("Solve the following math problem")
-    assert half.meta["messages"][0]["role"] == "user" and half.meta["data_source"] == "math_dapo"
-    assert source.score("Half of one is 0.5.\nAnswer: 0.5", half) == 1.0
-    assert source.score("Answer: 1/2", half) == 1.0
-    assert source.score("Answer: 2", half) == 0.0
-    assert source.score(source.sft_target(half), half) == 1.0
-
-
-def test_jsonl_and_parquet_give_the_same_split():
-    a = make_source(_math_config(kind="dapo_math", path=str(FIXTURES / "dapo_math_tiny.jsonl")))
-    b = make_source(_math_config(kind="dapo_math", path=str(FIXTURES / "dapo_math_tiny.parquet")))
-    assert a.eval_examples() == b.eval_examples()
-    assert a.train_batch(0, 6) == b.train_batch(0, 6)
-
-
-def test_math_instruction_is_appended():
-    source = make_source(_math_config(kind="gsm8k", path=str(FIXTURES / "gsm8k_tiny.jsonl"),
-                                      instruction="Put the final answer in \\boxed{}."))
-    assert all(e.prompt.endswith("\n\nPut the final answer in \\boxed{}.") for e in source.eval_examples())
-
-
-@pytest.mark.parametrize(
-    "fields, field",
-    [
-        ({"kind": "gsm8k"}, "data.path"),
-        ({"kind": "gsm8k", "path": "/no/such/file.jsonl"}, "data.path"),
-        ({"kind": "gsm8k", "path": str(FIXTURES / "dapo_math_tiny.jsonl")}, "data.path"),  # wrong schema
-        ({"kind": "dapo_math", "path": str(FIXTURES / "gsm8k_tiny.jsonl")}, "data.path"),
-        ({"kind": "gsm8k", "path": str(FIXTURES / "gsm8k_tiny.jsonl"), "num_eval": 6}, "data.num_eval"),
-        ({"kind": "gsm8k", "path": str(FIXTURES / "gsm8k_tiny.jsonl"), "prompt_format": "compact"},
-         "data.prompt_format"),
-        ({"kind": "gsm8k", "path": str(FIXTURES / "gsm8k_tiny.jsonl"), "eval_path": "/nope.parquet"},
-         "data.eval_path"),
-        ({"kind": "gsm8k", "path": str(FIXTURES)}, "data.path"),  # a directory
-    ],
-)
-def test_math_bad_config_names_field(fields, field):
-    with pytest.raises(ValueError, match=field):
-        make_source(_math_config(**fields))
-
-
-# ---------------------------------------------------------------------------
-# math-verify verifier
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("so the result is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
-        ("\\boxed{1} then \\boxed{\\frac{a}{b^{2}}}", "\\frac{a}{b^{2}}"),  # last box, nested braces
-        ("\\fbox{7}", "7"),
-        ("\\boxed 5 apples", "5"),
-        ("work\n#### 1,234\n", "1,234"),
-        ("Answer: $\\frac{3}{4}$.", "\\frac{3}{4}"),
-        ("The final answer: 12", "12"),
-        ("\\boxed{3} and then\nAnswer: 4", "4"),  # the later final answer wins
-        ("I think it is 7", None),
-        ("\\boxed{unclosed", None),
-        ("", None),
-    ],
-)
-def test_extract_final_answer(text, expected):
-    assert extract_final_answer(text) == expected
-
-
-EQUIVALENT = [
-    ("\\boxed{0.5}", "\\frac{1}{2}"),
-    ("\\boxed{1/2}", "0.5"),
-    ("Answer: \\frac{1}{2}", "1/2"),
-    ("\\boxed{3}", "3"),
-    ("#### 3", "\\boxed{3}"),
-    ("\\boxed{\\sqrt{3}/2}", "\\frac{\\sqrt{3}}{2}"),
-    ("\\boxed{1+x^2}", "x^2+1"),
-    ("#### 1,000", "1000"),
-    ("\\boxed{72.0}", "72"),
-]
-WRONG = [
-    ("\\boxed{0.51}", "\\frac{1}{2}"),
-    ("\\boxed{4}", "3"),
-    ("Answer: -3", "3"),
-    ("\\boxed{x^2-1}", "x^2+1"),
-]
-
-
-@pytest.mark.parametrize("in_process", [True, False])
-def test_math_reward_equivalences(in_process):
-    for completion, truth in EQUIVALENT:
-        assert math_reward(completion, truth, timeout_s=5, in_process=in_process) == 1.0, (completion, truth)
-    for completion, truth in WRONG:
-        assert math_reward(completion, truth, timeout_s=5, in_process=in_process) == 0.0, (completion, truth)
-
-
-def test_math_verdict_reasons_and_counts():
-    reset_verifier_counts()
-    assert math_verdict("3", "3", in_process=True) == MathVerdict(0.0, "no_answer", None)
-    assert math_verdict("\\boxed{3}", "3", in_process=True).reason == "correct"
-    assert math_verdict("\\boxed{4}", "3", in_process=True).reason == "wrong"
-    assert math_verdict("\\boxed{3}", "", in_process=True).reason == "unparsable_gold"
-    assert math_verdict(None, "3", in_process=True).reason == "error"
-    counts = verifier_counts()
-    assert counts["no_answer"] == counts["correct"] == counts["wrong"] == counts["unparsable_gold"] == 1
-    assert counts["error"] == 1 and sum(counts.values()) == 5
-    with pytest.raises(ValueError, match="timeout_s"):
-        math_verdict("\\boxed{3}", "3", timeout_s=0)
-
-
-def test_math_reward_from_threads():
-    # math-verify's own signal.alarm timeouts raise in non-main threads; ours must not.
-    cases = EQUIVALENT[:4] + WRONG[:2]
-    results = {}
-
-    def work(i, completion, truth):
-        results[i] = (math_reward(completion, truth, timeout_s=5),
-                      math_reward(completion, truth, timeout_s=5, in_process=True))
-
-    threads = [threading.Thread(target=work, args=(i, c, t)) for i, (c, t) in enumerate(cases)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert [results[i] for i in range(len(cases))] == [(1.0, 1.0)] * 4 + [(0.0, 0.0)] * 2
-
-
-def test_math_reward_timeouts(monkeypatch):
-    reset_verifier_counts()
-    assert math_reward("\\boxed{2}", "2", timeout_s=5) == 1.0  # workers started
-    # Soft timeout inside the worker (itimer): a huge power is abandoned on time.
-    start = time.monotonic()
-    assert math_verdict("\\boxed{9^{9^{9^{9}}}}", "3", timeout_s=0.2) == MathVerdict(0.0, "timeout", None)
-    assert time.monotonic() - start < 0.2 + verifiers.HARD_TIMEOUT_GRACE_S
-    # Hard deadline: make the caller's deadline expire before the worker's soft
-    # budget, as when a worker is stuck in C code; the worker must be killed.
-    pool = verifiers._get_pool()
-    pids_before = {worker.proc.pid for worker in pool._all}
-    monkeypatch.setattr(verifiers, "HARD_TIMEOUT_GRACE_S", -0.9)
-    start = time.monotonic()
-    assert math_verdict("\\boxed{9^{9^{9^{9}}}}", "3", timeout_s=1.0).reason == "timeout"
-    assert time.monotonic() - start < 0.5
-    killed = pids_before - {worker.proc.pid for worker in pool._all}
-    assert len(killed) == 1
-    monkeypatch.setattr(verifiers, "HARD_TIMEOUT_GRACE_S", 2.0)
-    assert math_reward("\\boxed{2}", "2", timeout_s=5) == 1.0  # the pool recovers
-
-    # Soft timeout in process, main thread: a Python-level loop is interrupted.
-    def spin(completion, ground_truth, truncated=False):
-        while True:
-            pass
-
-    monkeypatch.setattr(verifiers, "_verdict_unbounded", spin)
-    start = time.monotonic()
-    assert math_verdict("\\boxed{1}", "1", timeout_s=0.2, in_process=True).reason == "timeout"
-    assert time.monotonic() - start < 2.0
-    assert verifier_counts()["timeout"] == 3
 
 
 def test_score_batch_matches_score(rg_source):
@@ -383,7 +167,7 @@ def test_score_batch_matches_score(rg_source):
     completions = [e.answer for e in examples[:3]] + ["0", "", "x"]
     assert rg_source.score_batch(completions, examples) == [
         rg_source.score(c, e) for c, e in zip(completions, examples)]
-    source = make_source(_math_config(kind="dapo_math", path=str(FIXTURES / "dapo_math_tiny.jsonl")))
+    source = make_source(math_source_config(kind="dapo_math", path=str(FIXTURES / "dapo_math_tiny.jsonl")))
     examples = source.train_batch(0, 4) * 2
     completions = [source.sft_target(e) for e in examples[:4]] + ["Answer: 999"] * 3 + ["no answer"]
     assert source.score_batch(completions, examples) == [1.0] * 4 + [0.0] * 4
@@ -401,3 +185,59 @@ def test_index_validation(rg_source):
             rg_source.train_example(bad)
     with pytest.raises(ValueError, match="count"):
         rg_source.train_batch(0, -2)
+
+
+# ---------------------------------------------------------------------------
+# answer forms of real model responses (issue 15); the compact format unchanged
+# ---------------------------------------------------------------------------
+
+
+def _rg(**overrides):
+    return make_source(_rg_config(**{"num_eval": 8, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def question_source():
+    return _rg(prompt_format="question")
+
+
+@pytest.mark.parametrize("template, truncated, reward", [
+    ("<answer>**{a}**</answer>", False, 1.0),
+    ("<answer> ${a}$ </answer>", False, 1.0),
+    ("Answer: **{a}**", False, 1.0),
+    ("#### Step 1: add\nAnswer: {a}", False, 1.0),
+    ("The sum is $\\boxed{{{a}}}$.", False, 1.0),
+    ("{a}", False, 1.0),  # a short direct answer
+    ("<answer>{a}</answer> wait, <answer>{a}", False, 0.0),  # the last <answer> never closes: cut off
+    ("Answer: {a}", True, 0.0),
+    ("Answer: {a}\nDone", True, 1.0),
+])
+def test_question_format_scores_response_forms(question_source, template, truncated, reward):
+    example = question_source.train_example(0)
+    assert question_source.score(template.format(a=example.answer), example, truncated=truncated) == reward
+
+
+def test_extract_tagged_answer_precedence():
+    assert extract_tagged_answer("\\boxed{1}\n<answer>2</answer>") == "2"  # a closed tag wins
+    assert extract_tagged_answer("<answer>2</answer>\n\\boxed{1}") == "2"
+    assert extract_tagged_answer("<answer>2") == ""
+    assert extract_tagged_answer("so \\boxed{12") == ""
+    assert extract_tagged_answer("  **7** ") == "7"
+    assert extract_tagged_answer(None) == ""
+
+
+def test_compact_format_is_unchanged():
+    """The default run's scoring (leading integer of a compact completion) does not move, with or without
+    the truncation flag."""
+    source = _rg()
+    minus = Example(prompt="5-33=", answer="-28", uid="m", meta={})
+    assert extract_compact_answer("-28garbage") == "-28"
+    assert source.score("-28garbage", minus) == 1.0
+    assert source.score("-28garbage", minus, truncated=True) == 1.0
+    assert source.score("**-28**", minus) == 0.0  # no markdown in the compact format
+    plus = Example(prompt="57+87=", answer="144", uid="p", meta={})
+    assert source.score("1445", plus) == pytest.approx(0.75)  # rg partial credit, as before
+    assert source.score("14", plus, truncated=True) == 0.0
+    assert source.score_batch(["144", "14"], [plus, plus], truncated=[True, False]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="truncated flags"):
+        source.score_batch(["144"], [plus], truncated=[True, False])
