@@ -1,4 +1,5 @@
-"""The package's structure (docs/DESIGN.md §3): one home per concern, no import cycles, layering kept.
+"""The package's structure (docs/DESIGN.md §3): one home per concern, no import cycles, layering kept, and a test
+file named after every module.
 
 Reads the source with ``ast`` (imports nothing), so these run in milliseconds.
 """
@@ -159,3 +160,46 @@ def test_one_log_ratio_clamp():
     for name in ("pdm_jax.rl.loss", "pdm_jax.rl.objectives", "pdm_jax.rl.train_step", "pdm_jax.rl.chunked_loss"):
         consts = [n.value for n in ast.walk(MODULES[name]) if isinstance(n, ast.Constant)]
         assert 20.0 not in consts, name
+
+
+# ---- the tests mirror the modules (issue 27) -------------------------------------------------------------------
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+#: Modules tested only through another module's test file: module -> the test file that covers it. Keep it short:
+#: a module with tests of its own gets its own file (then its entry here fails the test below).
+TESTED_ELSEWHERE = {
+    # The RL-phase hook interface: a base class whose two hooks do nothing. Its one implementation,
+    # AlignmentCallback, runs through a Trainer there (hooks called once per optimizer step, training unchanged).
+    "pdm_jax/callbacks.py": "test_analysis_callback.py",
+    # vLLM's route and field names (constants only): the requests built from them are compared with vLLM's
+    # documented request and response shapes there, and the fake server answers on the same routes.
+    "pdm_jax/sampler/vllm_api.py": "test_rollouts_vllm_client.py",
+}
+
+
+def _package_modules() -> list:
+    """Every module file of the package as ``pdm_jax/<pkg>/<mod>.py`` (``__init__`` and ``__main__`` left out)."""
+    return sorted(os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/") for d, _, files in os.walk(PKG)
+                  for f in files if f.endswith(".py") and f not in ("__init__.py", "__main__.py"))
+
+
+def _test_files_for(module: str) -> set:
+    """The accepted names: ``test_<pkg>_<mod>.py`` (``test_<mod>.py`` for a root module) or ``test_<mod>.py``."""
+    parts = module[: -len(".py")].split("/")[1:]
+    return {f"test_{'_'.join(parts)}.py", f"test_{parts[-1]}.py"}
+
+
+def test_every_module_has_a_test_file():
+    """``pdm_jax/<mod>.py`` has ``tests/test_<mod>.py``; ``pdm_jax/<pkg>/<mod>.py`` has ``tests/test_<pkg>_<mod>.py``
+    or ``tests/test_<mod>.py``; the rest are in `TESTED_ELSEWHERE`, whose entries name existing modules without a
+    file of their own and existing covering files."""
+    modules, tests = _package_modules(), set(os.listdir(TESTS))
+    assert len(modules) > 50 and "pdm_jax/rollouts/supervisor.py" in modules
+    missing = [m for m in modules if m not in TESTED_ELSEWHERE and not _test_files_for(m) & tests]
+    assert not missing, "modules without a test file named after them: " + "; ".join(
+        f"{m} (tests/" + " or tests/".join(sorted(_test_files_for(m))) + ")" for m in missing)
+    for module, covering in TESTED_ELSEWHERE.items():
+        assert module in modules, f"TESTED_ELSEWHERE names {module}, which is not a module of the package"
+        assert covering in tests, f"TESTED_ELSEWHERE: {module} is said to be covered by tests/{covering}, absent"
+        assert not _test_files_for(module) & tests, f"{module} has its own test file: drop it from TESTED_ELSEWHERE"
