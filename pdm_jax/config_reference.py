@@ -12,7 +12,7 @@ words.
     python -m pdm_jax.config_reference > docs/configuration.md
     python -m pdm_jax.config_reference --write          # the same, written in place
 
-``tests/test_docs_configuration.py`` fails when the page differs from this output or when a field
+``tests/test_config_reference.py`` fails when the page differs from this output or when a field
 has no description.
 """
 

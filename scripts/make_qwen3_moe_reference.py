@@ -140,7 +140,7 @@ def main():
                 f"{transformers.__version__} and torch {torch.__version__} (CPU).\n"
                 "hub_layout: per-expert tensors (default save_pretrained); fused_layout: "
                 "save_original_format=False; sparse_step_2 (hub layout) and mlp_only_layers "
-                "(fused layout): mixed sparse and dense-MLP layers.\nUsed by tests/test_qwen3_moe.py; regenerate "
+                "(fused layout): mixed sparse and dense-MLP layers.\nUsed by tests/test_models_moe.py; regenerate "
                 "with that script.\n")
     print(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__}))
 

@@ -3,7 +3,7 @@
 Compiled programs are dropped after each test module (`jax.clear_caches`). XLA:CPU maps every executable's code
 into its own memory mappings (~3 per program), and the whole suite compiles enough programs to reach the kernel's
 ``vm.max_map_count`` (65,530 by default): the CI runs that segfaulted inside XLA:CPU late in the session (while
-compiling or loading a program, in test_vllm_backend's trainer runs or test_trust_region, never when those ran
+compiling or loading a program, in test_rollouts_vllm_client's trainer runs or test_trust_region, never when those ran
 alone) were out of mappings. A module ending with more than half the limit in use fails with the count instead.
 
 The test run has a persistent compilation cache of its own (a fresh directory, shared by pytest-xdist's
@@ -17,6 +17,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The user cache directory (compile_cache.dir = "default": $XDG_CACHE_HOME/pdm_jax/jax_cache) and the test run's
@@ -85,6 +86,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: The small data files the data-source and tokenizer tests read (tests/data/fixtures: GSM8K / DAPO-Math-17k rows).
+FIXTURES = Path(__file__).resolve().parent / "data" / "fixtures"
+
+
+def math_source_config(**fields):
+    """A local math dataset's `DataSpec` for `pdm_jax.data.make_source` (2 held-out prompts, seed 0, `data_spec`)
+    with ``fields`` (kind, path, ...)."""
+    return data_spec({"num_eval": 2, "seed": 0, **fields})
 
 
 def doc_section(page: str, heading: str) -> str:

@@ -1,4 +1,4 @@
-"""One process of the per-host rollout test (tests/test_per_host_rollouts.py): a few RL steps of the tiny task.
+"""One process of the per-host rollout test (tests/test_per_host.py): a few RL steps of the tiny task.
 
 Run as ``python tests/per_host_worker.py WORKDIR OUT.npz [--config.field=value ...]`` with
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` and

@@ -1,4 +1,5 @@
-"""Qwen3 NNX model: parity with transformers' PyTorch Qwen3, KV-cache decode, config, presets."""
+"""Qwen3 NNX model: parity with transformers' PyTorch Qwen3, KV-cache decode, config (the presets:
+tests/test_models_presets.py)."""
 import dataclasses
 import json
 import os
@@ -11,7 +12,6 @@ from flax import nnx
 
 from pdm_jax.models import (KVCache, Qwen3Config, Qwen3ForCausalLM, from_pretrained,
                             save_pretrained)
-from pdm_jax.models import presets
 
 REF_DIR = os.path.join(os.path.dirname(__file__), "data", "qwen3_reference")
 CASES = ("gqa_untied", "mqa_tied", "sharded")
@@ -296,42 +296,6 @@ def test_from_hf_dict_missing_field():
     del d["intermediate_size"]
     with pytest.raises(ValueError, match="intermediate_size"):
         Qwen3Config.from_hf_dict(d)
-
-
-# ----------------------------------------------------------------------------- presets
-
-# Published totals / non-embedding counts (model cards of Qwen/Qwen3-*), in billions.
-PUBLISHED = {
-    "qwen3_0p6b": (0.6, 0.44), "qwen3_1p7b": (1.7, 1.4), "qwen3_4b": (4.0, 3.6),
-    "qwen3_8b": (8.2, 6.95), "qwen3_14b": (14.8, 13.2), "qwen3_32b": (32.8, 31.2),
-}
-
-
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_preset_param_counts(name):
-    config = presets.get_preset(name)
-    total, non_emb = PUBLISHED[name]
-    got_total = presets.count_params(config) / 1e9
-    got_non_emb = presets.count_params(config, non_embedding=True) / 1e9
-    # Model cards round to 2 significant digits ("1.7B" is 1.72B).
-    assert abs(got_total - total) <= 0.03 * total, got_total
-    assert abs(got_non_emb - non_emb) <= 0.03 * non_emb, got_non_emb
-
-
-def test_count_params_closed_form():
-    c = TINY
-    D, F, N, K, H, V, L = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                           c.num_key_value_heads, c.head_dim, c.vocab_size, c.num_hidden_layers)
-    per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D + 2 * H
-    assert presets.count_params(c) == 2 * V * D + L * per_layer + D
-    tied = dataclasses.replace(c, tie_word_embeddings=True)
-    assert presets.count_params(tied) == V * D + L * per_layer + D
-    assert presets.count_params(c, non_embedding=True) == L * per_layer + D
-
-
-def test_get_preset_unknown():
-    with pytest.raises(ValueError, match="qwen3_8b"):
-        presets.get_preset("qwen3_7b")
 
 
 def test_kv_cache_grow_keeps_slots_and_appends_zeros():

@@ -2,7 +2,6 @@
 batching) == the routing the model computes on the sampled sequences; the wire carries it; a train
 step replaying the sampler's own routing == the step without replay (f32, unquantized)."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

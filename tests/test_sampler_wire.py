@@ -333,3 +333,14 @@ def test_error_and_health_bodies(use_msgpack):
     assert busy["version"] == 4 and 2.0 <= busy["seconds"] < 60
     assert wire.weights_response(wire.weights_loaded(version=3, path="/w", seconds=0.1, reloaded=False)) == {
         "status": "ok", "version": 3, "path": "/w", "seconds": 0.1, "reloaded": False}
+
+
+def test_wire_json_nonfinite_and_array_roundtrip():
+    a = np.array([[0.5, -np.inf], [1.0, 2.0]], np.float32)
+    j = wire.loads(wire.dumps({"x": a}, msgpack=False), msgpack=False)
+    assert j["x"] == [[0.5, None], [1.0, 2.0]]
+    np.testing.assert_array_equal(wire.float_list(j["x"]), a)
+    m = wire.loads(wire.dumps({"x": a, "i": np.arange(3, dtype=np.int32)}, msgpack=True), msgpack=True)
+    np.testing.assert_array_equal(m["x"], a) and np.testing.assert_array_equal(m["i"], [0, 1, 2])
+    with pytest.raises(ValueError, match="malformed"):
+        wire.loads(b"{", msgpack=False)

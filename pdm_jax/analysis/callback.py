@@ -24,7 +24,7 @@ outside the region (Â ≠ 0), and (``param_direction``) the parameter-space
 first-order change Ḋᵖ_t = ⟨∇_θ D_t, Δθ⟩ along the step's actual update
 Δθ = θ_after − θ_before (`pdm_jax.analysis.param_direction`; the callback keeps
 a device copy of θ_before, as the step donates it). Nothing here touches the trainer's state, RNG or
-data stream; the no-op-on-training property is tested (tests/test_analysis.py).
+data stream; the no-op-on-training property is tested (tests/test_analysis_callback.py).
 Meant for small models on one process: it copies each mini-batch and its
 ``[B,T,V]`` logits to the host.
 """

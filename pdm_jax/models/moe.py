@@ -3,7 +3,7 @@
 Pure functions on arrays (the NNX block holding the parameters is
 ``pdm_jax.models.qwen3.SparseMoeBlock``). Reference checked against: ``transformers`` 5.24
 ``models/qwen3_moe/modeling_qwen3_moe.py`` (``Qwen3MoeTopKRouter``, ``Qwen3MoeExperts``,
-``load_balancing_loss_func``); parity in ``tests/test_qwen3_moe.py``.
+``load_balancing_loss_func``); parity in ``tests/test_models_moe.py``.
 
 Axis letters: N tokens (B*T flattened), D hidden size, E experts, I expert (moe
 intermediate) width, K experts per token (top-k), M = N*K (token, expert) assignments.
@@ -192,7 +192,7 @@ def blocked_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, *, block
     ``blocks_per_step`` kernels; FLOPs: those of the padded rows (the M rows and at most
     E * (b - 1) padding rows), never E-fold. The layout is MegaBlocks' (Gale et al. 2022,
     arXiv 2211.15841), written here in XLA ops. Checked against ``ragged_dot`` (values and
-    gradients) in tests/test_qwen3_moe.py.
+    gradients) in tests/test_models_moe.py.
     """
     M, A = lhs_MxA.shape
     E, _, C = rhs_ExAxC.shape

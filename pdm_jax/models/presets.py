@@ -7,12 +7,12 @@ layout; all use ``vocab_size`` 151936, ``head_dim`` 128, 8 KV heads, ``rope_thet
 0.6B/1.7B/4B only), cross-checked with Table 1 of the Qwen3 Technical Report
 (arXiv 2505.09388). The published totals on the model cards (0.6B, 1.7B, 4.0B, 8.2B,
 14.8B, 32.8B; non-embedding 0.44B, 1.4B, 3.6B, 6.95B, 13.2B, 31.2B) are checked by
-``tests/test_qwen3.py`` against ``count_params``.
+``tests/test_models_presets.py`` against ``count_params``.
 
 Mixture-of-experts (Qwen3-MoE) presets, from the ``config.json`` of ``Qwen/Qwen3-30B-A3B``
 and ``Qwen/Qwen3-235B-A22B`` (128 experts, 8 per token, ``norm_topk_prob`` true, every
 layer sparse, 4 KV heads, head_dim 128, untied): the model cards' totals (30.5B total /
-3.3B activated / 29.9B non-embedding; 235B / 22B) are checked by ``tests/test_qwen3_moe.py``
+3.3B activated / 29.9B non-embedding; 235B / 22B) are checked by ``tests/test_models_presets.py``
 against ``count_params`` (``active=True`` for the activated count). The 235B preset is
 for shapes (dry runs, parameter counts) only: nothing here was run at that size.
 """

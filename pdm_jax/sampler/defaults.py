@@ -3,7 +3,7 @@ without JAX).
 
 The run config's schema (`pdm_jax.config`), `pdm_jax.sampler.engine.SamplingEngine`, the server's flags
 (`pdm_jax.sampler.server`), the launcher, the supervisor and the dry run all take these values, so a
-server started by hand batches as the trainer's own does (tests/test_structure.py checks the equalities).
+server started by hand batches as the trainer's own does (tests/test_sampler_defaults.py checks the equalities).
 """
 
 #: How a request's rows are batched: "static" (chunks of ``max_batch_size`` rows run to their longest row)

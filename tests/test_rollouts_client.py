@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pdm_jax.sampler import vllm_api, wire
+from pdm_jax.sampler import wire
 from pdm_jax.rollouts.client import SamplerClient, SamplerError, SamplerRequestError
 
 
@@ -76,17 +76,6 @@ def test_connection_errors_exhaust_retries():
         SamplerClient("http://x", retries=-1)
 
 
-def test_wire_json_nonfinite_and_array_roundtrip():
-    a = np.array([[0.5, -np.inf], [1.0, 2.0]], np.float32)
-    j = wire.loads(wire.dumps({"x": a}, msgpack=False), msgpack=False)
-    assert j["x"] == [[0.5, None], [1.0, 2.0]]
-    np.testing.assert_array_equal(wire.float_list(j["x"]), a)
-    m = wire.loads(wire.dumps({"x": a, "i": np.arange(3, dtype=np.int32)}, msgpack=True), msgpack=True)
-    np.testing.assert_array_equal(m["x"], a) and np.testing.assert_array_equal(m["i"], [0, 1, 2])
-    with pytest.raises(ValueError, match="malformed"):
-        wire.loads(b"{", msgpack=False)
-
-
 # ---- what a client trusts of a server: bounded bodies, a deadline, no redirects, 429 retried -------------------
 
 def _valid_columns_answer():
@@ -115,27 +104,6 @@ def test_a_gzip_bomb_is_refused_by_its_decoded_size():
     assert c.retry_counts == {}  # not retried: the next answer would be as large
 
 
-def test_the_vllm_client_refuses_a_gzip_bomb_by_its_decoded_size():
-    """The vLLM client's answers are capped by what its request can need, decoded size counted, as the native
-    client's are (0.5 MB on the wire once grew it to 3.3 GB)."""
-    import gzip
-
-    from pdm_jax.rollouts.vllm_client import VLLMSampler
-
-    bomb = gzip.compress(b" " * (64 << 20))  # 64 MiB of JSON whitespace: ~64 KB on the wire
-
-    def handler(request):
-        return httpx.Response(200, content=bomb, headers={"content-type": "application/json",
-                                                          "content-encoding": "gzip"})
-
-    v = VLLMSampler("http://vllm", model_config=None, weights_dir="/nonexistent", model="m", retries=2,
-                    backoff_s=0.0, transport=httpx.MockTransport(handler))
-    v._version = 0  # as after a first weight push
-    with pytest.raises(SamplerError, match=r"larger than \d+ bytes \(decoded\); refused"):
-        v.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
-    assert v.retry_counts == {}  # not retried
-
-
 @pytest.mark.parametrize("mutate,words", [
     (lambda cs: cs[0].update(prompt_index=-1), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
     (lambda cs: cs[1].update(logprobs=np.full(1, -0.5, np.float32)), r"choices\[1\]\.logprobs: must have shape \[3\]"),
@@ -144,7 +112,7 @@ def test_a_hostile_choices_body_is_refused_by_the_client_naming_the_field(mutate
     """What `SamplerClient.generate` decodes from a server (or a proxy) that answers in the ``choices`` form with a
     row of a prompt the request does not have, or one log-prob for three tokens. (What a well-formed answer must
     match in the request, rows x n in order, lengths, ids, log mu, top-K mass, is checked for every backend by the
-    supervisor the trainer calls: `rollout.check_answers`, tests/test_sampler_supervisor.py.)"""
+    supervisor the trainer calls: `rollout.check_answers`, tests/test_rollouts_supervisor.py.)"""
     def handler(request):
         choices = [_choice(i, [5, 6, 7][: 2 + i % 2], 3) for i in range(4)]
         mutate(choices)
@@ -197,18 +165,3 @@ def test_429_is_retried_after_its_retry_after_and_counted(monkeypatch):
     b = c.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
     assert b.num_sequences == 4 and c.retry_counts == {"429": 2}
     assert slept == [2.0, 30.0]  # Retry-After honoured, capped at MAX_RETRY_AFTER_S
-
-
-def test_the_vllm_client_reads_a_deeply_nested_body_as_text_and_names_it():
-    from pdm_jax.rollouts.client import SamplerProtocolError
-    from pdm_jax.rollouts.vllm_client import VLLMSampler
-
-    def handler(request):
-        if request.url.path == vllm_api.VLLM_HEALTH:
-            return httpx.Response(200)
-        return httpx.Response(200, content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"})
-
-    v = VLLMSampler("http://vllm", model_config=None, weights_dir="/nonexistent", retries=0,
-                    transport=httpx.MockTransport(handler))
-    with pytest.raises(SamplerProtocolError, match="not a model list"):
-        v.health()

@@ -6,13 +6,14 @@ import json
 import math
 import os
 
+import httpx
 import numpy as np
 import pytest
 from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.sampler import wire
-from pdm_jax.rollouts.client import SamplerRequestError
+from pdm_jax.sampler import vllm_api, wire
+from pdm_jax.rollouts.client import SamplerError, SamplerRequestError
 from pdm_jax.sampler.engine import SamplingEngine
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.rollouts.vllm_client import (StaleVLLMWeightsError, VLLMResponseError, VLLMSampler, completions_request,
@@ -136,6 +137,43 @@ def test_prompt_seeds_are_deterministic_distinct_and_leave_room_for_the_n_childr
     assert all(0 <= v <= 2**63 - 1 - n for v in seeds.values())
     ranges = sorted(seeds.values())  # vLLM seeds the children v .. v + n - 1: no two prompts share one
     assert all(b - a >= n for a, b in zip(ranges, ranges[1:]))
+
+
+# ----------------------------------------------------------------------------- what the client trusts of a server
+def test_the_vllm_client_refuses_a_gzip_bomb_by_its_decoded_size():
+    """The vLLM client's answers are capped by what its request can need, decoded size counted, as the native
+    client's are (0.5 MB on the wire once grew it to 3.3 GB)."""
+    import gzip
+
+    from pdm_jax.rollouts.vllm_client import VLLMSampler
+
+    bomb = gzip.compress(b" " * (64 << 20))  # 64 MiB of JSON whitespace: ~64 KB on the wire
+
+    def handler(request):
+        return httpx.Response(200, content=bomb, headers={"content-type": "application/json",
+                                                          "content-encoding": "gzip"})
+
+    v = VLLMSampler("http://vllm", model_config=None, weights_dir="/nonexistent", model="m", retries=2,
+                    backoff_s=0.0, transport=httpx.MockTransport(handler))
+    v._version = 0  # as after a first weight push
+    with pytest.raises(SamplerError, match=r"larger than \d+ bytes \(decoded\); refused"):
+        v.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
+    assert v.retry_counts == {}  # not retried
+
+
+def test_the_vllm_client_reads_a_deeply_nested_body_as_text_and_names_it():
+    from pdm_jax.rollouts.client import SamplerProtocolError
+    from pdm_jax.rollouts.vllm_client import VLLMSampler
+
+    def handler(request):
+        if request.url.path == vllm_api.VLLM_HEALTH:
+            return httpx.Response(200)
+        return httpx.Response(200, content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"})
+
+    v = VLLMSampler("http://vllm", model_config=None, weights_dir="/nonexistent", retries=0,
+                    transport=httpx.MockTransport(handler))
+    with pytest.raises(SamplerProtocolError, match="not a model list"):
+        v.health()
 
 
 # ----------------------------------------------------------------------------- against the fake server

@@ -1,28 +1,33 @@
-"""Answer extraction from real model response forms (issue 15): precedence, markdown, math, truncation.
+"""pdm_jax.data.verifiers: final-answer extraction and the math-verify verifier.
 
+Answer extraction from real model response forms (issue 15): precedence, markdown, math, truncation.
 Each case is a response form with its right answer (or the right "no credit"), checked on
-`verifiers.find_final_answer`, on the math verifier's reward and on the reasoning-gym
-question-format scorer; the compact chain_sum format is checked to be unchanged.
+`verifiers.find_final_answer` and on the math verifier's reward (the reasoning-gym question-format scorer
+and the unchanged compact format: tests/test_data_tasks.py). Then math-verify itself: equivalences,
+verdict reasons and counts, calls from threads, soft and hard timeouts.
 """
 
+import threading
 import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import data_spec
-from pdm_jax.data import Example, make_source
-from pdm_jax.data.tasks import extract_compact_answer, extract_tagged_answer
+from pdm_jax.data import verifiers
+from pdm_jax.data.tasks import extract_tagged_answer
 from pdm_jax.data.verifiers import (
     ABSENT,
     FOUND,
     TRUNCATED,
     Extraction,
     MathVerdict,
+    extract_final_answer,
     find_final_answer,
     math_reward,
     math_verdict,
+    reset_verifier_counts,
+    verifier_counts,
 )
 
 # (completion, truncated, answer, status, marker)
@@ -110,61 +115,6 @@ def test_truncated_flag_reaches_the_worker_process():
     assert math_reward("Answer: 12", "12", truncated=False, timeout_s=60) == 1.0
 
 
-def _rg(**overrides):
-    fields = dict(kind="reasoning_gym", task="chain_sum",
-                  task_config=dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2),
-                  prompt_format="compact", num_eval=8, seed=0)
-    fields.update(overrides)
-    return make_source(data_spec(fields))
-
-
-@pytest.fixture(scope="module")
-def question_source():
-    return _rg(prompt_format="question")
-
-
-@pytest.mark.parametrize("template, truncated, reward", [
-    ("<answer>**{a}**</answer>", False, 1.0),
-    ("<answer> ${a}$ </answer>", False, 1.0),
-    ("Answer: **{a}**", False, 1.0),
-    ("#### Step 1: add\nAnswer: {a}", False, 1.0),
-    ("The sum is $\\boxed{{{a}}}$.", False, 1.0),
-    ("{a}", False, 1.0),  # a short direct answer
-    ("<answer>{a}</answer> wait, <answer>{a}", False, 0.0),  # the last <answer> never closes: cut off
-    ("Answer: {a}", True, 0.0),
-    ("Answer: {a}\nDone", True, 1.0),
-])
-def test_question_format_scores_response_forms(question_source, template, truncated, reward):
-    example = question_source.train_example(0)
-    assert question_source.score(template.format(a=example.answer), example, truncated=truncated) == reward
-
-
-def test_extract_tagged_answer_precedence():
-    assert extract_tagged_answer("\\boxed{1}\n<answer>2</answer>") == "2"  # a closed tag wins
-    assert extract_tagged_answer("<answer>2</answer>\n\\boxed{1}") == "2"
-    assert extract_tagged_answer("<answer>2") == ""
-    assert extract_tagged_answer("so \\boxed{12") == ""
-    assert extract_tagged_answer("  **7** ") == "7"
-    assert extract_tagged_answer(None) == ""
-
-
-def test_compact_format_is_unchanged():
-    """The default run's scoring (leading integer of a compact completion) does not move, with or without
-    the truncation flag."""
-    source = _rg()
-    minus = Example(prompt="5-33=", answer="-28", uid="m", meta={})
-    assert extract_compact_answer("-28garbage") == "-28"
-    assert source.score("-28garbage", minus) == 1.0
-    assert source.score("-28garbage", minus, truncated=True) == 1.0
-    assert source.score("**-28**", minus) == 0.0  # no markdown in the compact format
-    plus = Example(prompt="57+87=", answer="144", uid="p", meta={})
-    assert source.score("1445", plus) == pytest.approx(0.75)  # rg partial credit, as before
-    assert source.score("14", plus, truncated=True) == 0.0
-    assert source.score_batch(["144", "14"], [plus, plus], truncated=[True, False]) == [1.0, 0.0]
-    with pytest.raises(ValueError, match="truncated flags"):
-        source.score_batch(["144"], [plus], truncated=[True, False])
-
-
 PIECES = ["Answer", "answer:", "Final", "**", "*", "_", "__", "`", "$", "$$", "\\(", "\\)", "\\[", "\\]", "\\boxed",
           "{", "}", "####", "#", "\n", " ", "\t", "12", "-3", "1,234", ".", ":", "<answer>", "</answer>", "x", "é"]
 
@@ -219,3 +169,120 @@ def test_reasoning_and_the_later_final_answer(text, truncated, answer, status, m
 ])
 def test_exact_numbers_are_compared_exactly(pred, gold, reward):
     assert math_verdict(f"Answer: ${pred}$", gold, in_process=True, timeout_s=60).reward == reward
+
+
+# ---------------------------------------------------------------------------
+# math-verify verifier
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the result is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{\\frac{a}{b^{2}}}", "\\frac{a}{b^{2}}"),  # last box, nested braces
+        ("\\fbox{7}", "7"),
+        ("\\boxed 5 apples", "5"),
+        ("work\n#### 1,234\n", "1,234"),
+        ("Answer: $\\frac{3}{4}$.", "\\frac{3}{4}"),
+        ("The final answer: 12", "12"),
+        ("\\boxed{3} and then\nAnswer: 4", "4"),  # the later final answer wins
+        ("I think it is 7", None),
+        ("\\boxed{unclosed", None),
+        ("", None),
+    ],
+)
+def test_extract_final_answer(text, expected):
+    assert extract_final_answer(text) == expected
+
+
+EQUIVALENT = [
+    ("\\boxed{0.5}", "\\frac{1}{2}"),
+    ("\\boxed{1/2}", "0.5"),
+    ("Answer: \\frac{1}{2}", "1/2"),
+    ("\\boxed{3}", "3"),
+    ("#### 3", "\\boxed{3}"),
+    ("\\boxed{\\sqrt{3}/2}", "\\frac{\\sqrt{3}}{2}"),
+    ("\\boxed{1+x^2}", "x^2+1"),
+    ("#### 1,000", "1000"),
+    ("\\boxed{72.0}", "72"),
+]
+
+
+WRONG = [
+    ("\\boxed{0.51}", "\\frac{1}{2}"),
+    ("\\boxed{4}", "3"),
+    ("Answer: -3", "3"),
+    ("\\boxed{x^2-1}", "x^2+1"),
+]
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_math_reward_equivalences(in_process):
+    for completion, truth in EQUIVALENT:
+        assert math_reward(completion, truth, timeout_s=5, in_process=in_process) == 1.0, (completion, truth)
+    for completion, truth in WRONG:
+        assert math_reward(completion, truth, timeout_s=5, in_process=in_process) == 0.0, (completion, truth)
+
+
+def test_math_verdict_reasons_and_counts():
+    reset_verifier_counts()
+    assert math_verdict("3", "3", in_process=True) == MathVerdict(0.0, "no_answer", None)
+    assert math_verdict("\\boxed{3}", "3", in_process=True).reason == "correct"
+    assert math_verdict("\\boxed{4}", "3", in_process=True).reason == "wrong"
+    assert math_verdict("\\boxed{3}", "", in_process=True).reason == "unparsable_gold"
+    assert math_verdict(None, "3", in_process=True).reason == "error"
+    counts = verifier_counts()
+    assert counts["no_answer"] == counts["correct"] == counts["wrong"] == counts["unparsable_gold"] == 1
+    assert counts["error"] == 1 and sum(counts.values()) == 5
+    with pytest.raises(ValueError, match="timeout_s"):
+        math_verdict("\\boxed{3}", "3", timeout_s=0)
+
+
+def test_math_reward_from_threads():
+    # math-verify's own signal.alarm timeouts raise in non-main threads; ours must not.
+    cases = EQUIVALENT[:4] + WRONG[:2]
+    results = {}
+
+    def work(i, completion, truth):
+        results[i] = (math_reward(completion, truth, timeout_s=5),
+                      math_reward(completion, truth, timeout_s=5, in_process=True))
+
+    threads = [threading.Thread(target=work, args=(i, c, t)) for i, (c, t) in enumerate(cases)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert [results[i] for i in range(len(cases))] == [(1.0, 1.0)] * 4 + [(0.0, 0.0)] * 2
+
+
+def test_math_reward_timeouts(monkeypatch):
+    reset_verifier_counts()
+    assert math_reward("\\boxed{2}", "2", timeout_s=5) == 1.0  # workers started
+    # Soft timeout inside the worker (itimer): a huge power is abandoned on time.
+    start = time.monotonic()
+    assert math_verdict("\\boxed{9^{9^{9^{9}}}}", "3", timeout_s=0.2) == MathVerdict(0.0, "timeout", None)
+    assert time.monotonic() - start < 0.2 + verifiers.HARD_TIMEOUT_GRACE_S
+    # Hard deadline: make the caller's deadline expire before the worker's soft
+    # budget, as when a worker is stuck in C code; the worker must be killed.
+    pool = verifiers._get_pool()
+    pids_before = {worker.proc.pid for worker in pool._all}
+    monkeypatch.setattr(verifiers, "HARD_TIMEOUT_GRACE_S", -0.9)
+    start = time.monotonic()
+    assert math_verdict("\\boxed{9^{9^{9^{9}}}}", "3", timeout_s=1.0).reason == "timeout"
+    assert time.monotonic() - start < 0.5
+    killed = pids_before - {worker.proc.pid for worker in pool._all}
+    assert len(killed) == 1
+    monkeypatch.setattr(verifiers, "HARD_TIMEOUT_GRACE_S", 2.0)
+    assert math_reward("\\boxed{2}", "2", timeout_s=5) == 1.0  # the pool recovers
+
+    # Soft timeout in process, main thread: a Python-level loop is interrupted.
+    def spin(completion, ground_truth, truncated=False):
+        while True:
+            pass
+
+    monkeypatch.setattr(verifiers, "_verdict_unbounded", spin)
+    start = time.monotonic()
+    assert math_verdict("\\boxed{1}", "1", timeout_s=0.2, in_process=True).reason == "timeout"
+    assert time.monotonic() - start < 2.0
+    assert verifier_counts()["timeout"] == 3

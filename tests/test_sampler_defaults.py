@@ -1,0 +1,24 @@
+"""`pdm_jax.sampler.defaults`: the one set of batching defaults of the engine, the server, the launcher and the schema."""
+
+
+def test_every_batching_default_is_the_schemas():
+    """The engine, the server's flags, the launcher and the run config take one set of batching defaults
+    (`pdm_jax.sampler.defaults`): a server started by hand batches as the trainer's does."""
+    import inspect
+
+    from pdm_jax.config import get_base_config
+    from pdm_jax.rollouts.launcher import start_sampler_server
+    from pdm_jax.sampler import defaults
+    from pdm_jax.sampler.engine import SamplingEngine
+    from pdm_jax.sampler.server import parse_args
+
+    want = dict(batching=defaults.BATCHING, max_batch_size=defaults.MAX_BATCH_SIZE, park_rows=defaults.PARK_ROWS)
+    assert defaults.BATCHING == "continuous" and defaults.BATCHING in defaults.BATCHING_MODES
+    sc = get_base_config().sampler
+    assert {k: sc[k] for k in want} == want and sc.max_slots == defaults.MAX_SLOTS
+    args = vars(parse_args(["--model_config=x", "--checkpoint_root=/tmp"]))
+    assert {k: args[k] for k in want} == want and args["max_slots"] == defaults.MAX_SLOTS
+    for fn in (SamplingEngine.__init__, start_sampler_server):
+        params = inspect.signature(fn).parameters
+        got = {k: params[k].default for k in want if k in params}
+        assert got == {k: want[k] for k in got} and "batching" in got, fn

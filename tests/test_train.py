@@ -1,0 +1,25 @@
+"""`pdm_jax.train`: the command line. A config override that names no field or does not parse exits 2 with the
+config error, as every other config error does."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_cli_override_of_an_unknown_field_is_a_named_config_error():
+    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", "--config.rl.foo=1",
+                          "--workdir=/nonexistent/never-created"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2
+    assert "config error: rl.foo: unknown config field" in out.stderr
+    assert "AttributeError" not in out.stderr
+
+
+def test_cli_override_bad_value_exit_code():
+    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", "--config.rl.steps=abc",
+                          "--workdir=/nonexistent/never-created"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "config error: rl.steps must be an integer, got 'abc'" in out.stderr
+    assert "FATAL" not in out.stderr
