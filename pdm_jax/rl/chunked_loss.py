@@ -126,21 +126,15 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: tr
     adv = jnp.asarray(batch.advantages).astype(_F32)
     adv_BxT = jnp.broadcast_to(adv[:, None], (b, t)) if adv.ndim == 1 else adv
 
-    xs = dict(
-        h=to_chunks(h_BxTxD), tokens=to_chunks(batch.completion_ids),
-        valid=to_chunks(jnp.asarray(batch.completion_mask).astype(bool), False),
-        topk_ids=to_chunks(batch.topk_ids), topk_lp=to_chunks(batch.topk_logprobs),
-        behavior_lp=to_chunks(batch.behavior_logprobs), adv=to_chunks(adv_BxT))
-    if loss_config.kl_beta > 0:
-        xs["ref_lp"] = to_chunks(batch.ref_logprobs)
-    if param_direction is not None:
-        xs["param_dir"] = to_chunks(param_direction)
+    tokens = policy_loss.TokenInputs.of(batch, param_direction=param_direction).replace(
+        valid=jnp.asarray(batch.completion_mask).astype(bool), advantages=adv_BxT,
+        ref_logprobs=batch.ref_logprobs if loss_config.kl_beta > 0 else None)
+    xs = (to_chunks(h_BxTxD), jax.tree.map(to_chunks, tokens))  # padding positions: invalid (False), zeros
 
     def chunk(x):
-        logits = head_fn(x["h"]).astype(_F32) / loss_config.temperature  # [B,c,V]: the only vocabulary-sized buffers
-        return policy_loss.token_terms(logits, x["tokens"], x["valid"], x["topk_ids"], x["topk_lp"],
-                                       x["behavior_lp"], x["adv"], tr_config, loss_config,
-                                       ref_logprobs=x.get("ref_lp"), param_direction=x.get("param_dir"))
+        h_c, tokens_c = x
+        logits = head_fn(h_c).astype(_F32) / loss_config.temperature  # [B,c,V]: the only vocabulary-sized buffers
+        return policy_loss.token_terms(logits, tokens_c, tr_config, loss_config)
 
     if n == 1:  # one chunk covers T: a scan with remat would only add a recomputation
         ys = jax.tree.map(lambda y: y[None], chunk(jax.tree.map(lambda x: x[0], xs)))

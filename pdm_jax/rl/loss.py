@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -154,21 +155,55 @@ def per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, 
     return jnp.where(valid, per_token, 0.0), kl
 
 
-def token_terms(logits_tau, tokens, valid, topk_ids, topk_logprobs, behavior_logprobs, advantages,
-                tr_config: trust_region.TrustRegionConfig, loss_config: PolicyLossConfig, *,
-                ref_logprobs=None, param_direction=None) -> dict:
+@flax.struct.dataclass
+class TokenInputs:
+    """The per-token inputs of the mask and the loss for one block of positions, one pytree (a JAX dataclass), so
+    that chunking (`pdm_jax.rl.chunked_loss`) and micro-batching map over it whole.
+
+    ==================  ==========  =======  ===================================================================
+    field               shape       dtype    meaning
+    ==================  ==========  =======  ===================================================================
+    tokens              [B, T]      int32    the sampled ids y_t
+    valid               [B, T]      bool     valid completion tokens
+    topk_ids            [B, T, K]   int32    the sampler's top-K ids
+    topk_logprobs       [B, T, K]   float32  their log mu
+    behavior_logprobs   [B, T]      float32  log mu(y_t)
+    advantages          [B] or      float32  the sequence's (or each token's) advantage
+                        [B, T]
+    ref_logprobs        [B, T]      float32  log pi_ref(y_t), when ``kl_beta > 0``; else None
+    param_direction     [B, T]      float32  Ḋᵖ, iff ``direction == "param_jvp"``; else None
+    ==================  ==========  =======  ===================================================================
+    """
+
+    tokens: object
+    valid: object
+    topk_ids: object
+    topk_logprobs: object
+    behavior_logprobs: object
+    advantages: object
+    ref_logprobs: object = None
+    param_direction: object = None
+
+    @classmethod
+    def of(cls, batch, *, param_direction=None) -> "TokenInputs":
+        """The per-token fields of a ``pdm_jax.rl.step_batch.StepBatch`` (or ``pdm_jax.rl.packing.PackedRows``,
+        which lays out the same fields on packed rows): ``completion_ids`` are the tokens, ``completion_mask``
+        the valid positions."""
+        return cls(tokens=batch.completion_ids, valid=batch.completion_mask, topk_ids=batch.topk_ids,
+                   topk_logprobs=batch.topk_logprobs, behavior_logprobs=batch.behavior_logprobs,
+                   advantages=batch.advantages, ref_logprobs=batch.ref_logprobs, param_direction=param_direction)
+
+
+def token_terms(logits_tau, x: TokenInputs, tr_config: trust_region.TrustRegionConfig,
+                loss_config: PolicyLossConfig) -> dict:
     """Everything per token of one block of positions (the whole completion or one chunk).
 
     Args:
       logits_tau: ``[B,T,V]`` f32 trainer logits already divided by τ (differentiable).
-      tokens: ``[B,T]`` int32 sampled ids y_t; valid ``[B,T]`` bool.
-      topk_ids ``[B,T,K]`` int32, topk_logprobs ``[B,T,K]`` f32, behavior_logprobs
-        ``[B,T]`` f32: the sampler's top-K view and log μ(y_t).
-      advantages: ``[B]`` or ``[B,T]`` f32.
+      x: the block's `TokenInputs` (tokens, valid, the sampler's top-K view and log μ(y_t), advantages;
+        ref_logprobs when ``kl_beta > 0``; param_direction Ḋᵖ iff ``tr_config.direction == "param_jvp"``,
+        computed by ``pdm_jax.rl.train_step``, see ``trust_region.trust_region_mask_and_logprobs``).
       tr_config, loss_config: static settings.
-      ref_logprobs: ``[B,T]`` f32 when ``kl_beta > 0``.
-      param_direction: ``[B,T]`` f32 Ḋᵖ, given iff ``tr_config.direction == "param_jvp"``
-        (``pdm_jax.rl.train_step`` computes it; see ``trust_region.trust_region_mask_and_logprobs``).
 
     Returns:
       dict of ``[B,T]`` f32 arrays ``per_token`` (loss), ``logprobs`` (log π(y_t), 0
@@ -179,16 +214,16 @@ def token_terms(logits_tau, tokens, valid, topk_ids, topk_logprobs, behavior_log
     # One log-softmax gives the mask (under stop_gradient) and the differentiable log π(y_t),
     # with padded / non-finite positions replaced before the math (no NaN in loss or gradient).
     mask, logprobs, stats = trust_region.trust_region_mask_and_logprobs(
-        logits_tau, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages, valid, tr_config,
-        param_direction=param_direction)
-    per_token, kl = per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, loss_config,
-                                          ref_logprobs=ref_logprobs, mask_is_ppo_clip=tr_config.mask == "ppo")
+        logits_tau, x.tokens, x.topk_ids, x.topk_logprobs, x.behavior_logprobs, x.advantages, x.valid, tr_config,
+        param_direction=x.param_direction)
+    per_token, kl = per_token_policy_loss(logprobs, x.behavior_logprobs, x.advantages, mask, x.valid, loss_config,
+                                          ref_logprobs=x.ref_logprobs, mask_is_ppo_clip=tr_config.mask == "ppo")
     logits_sg = jax.lax.stop_gradient(logits_tau)
     logp_sg = jax.nn.log_softmax(logits_sg, axis=-1)
     out = dict(per_token=per_token, logprobs=logprobs, mask=mask, kl=kl, stats=stats,
                entropy=-jnp.sum(jnp.exp(logp_sg) * logp_sg, axis=-1))
     if needs_separate_topk_kl(tr_config):  # always report the top-K KL, whatever the proximity test
-        out["topk_kl"] = trust_region.topk_kl(logits_sg, tokens, topk_ids, topk_logprobs, behavior_logprobs)
+        out["topk_kl"] = trust_region.topk_kl(logits_sg, x.tokens, x.topk_ids, x.topk_logprobs, x.behavior_logprobs)
     return out
 
 

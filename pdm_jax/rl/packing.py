@@ -79,9 +79,8 @@ class PackingPlan:
 class PackedRows:
     """The packed model input and the per-token inputs at the positions that predict them, ``[N, L]``.
 
-    Duck-types the per-token fields of ``pdm_jax.rl.step_batch.StepBatch`` that
-    ``pdm_jax.rl.loss.token_terms`` and ``pdm_jax.rl.chunked_loss.chunked_rl_terms`` read, laid
-    out as packed rows: ``completion_ids`` is the token position (r, l) predicts,
+    Has the per-token fields of ``pdm_jax.rl.step_batch.StepBatch`` that ``pdm_jax.rl.loss.TokenInputs.of``
+    reads (for ``token_terms`` and ``pdm_jax.rl.chunked_loss.chunked_rl_terms``), laid out as packed rows: ``completion_ids`` is the token position (r, l) predicts,
     ``completion_mask`` whether it is a valid completion token, ``advantages`` its sequence's
     advantage; ``loss_weights`` its weight in the padded step's aggregated loss.
     """

@@ -99,10 +99,9 @@ def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_conf
     def terms_fn(params, batch: StepBatch, param_direction=None):
         logits, aux = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                         batch.completion_mask, return_aux=True, routed_experts=batch.routed_experts)
-        terms = policy_loss.token_terms(logits / loss_config.temperature, batch.completion_ids,
-                                        batch.completion_mask, batch.topk_ids, batch.topk_logprobs,
-                                        batch.behavior_logprobs, batch.advantages, tr_config, loss_config,
-                                        ref_logprobs=batch.ref_logprobs, param_direction=param_direction)
+        terms = policy_loss.token_terms(logits / loss_config.temperature,
+                                        policy_loss.TokenInputs.of(batch, param_direction=param_direction),
+                                        tr_config, loss_config)
         if aux is not None:  # Qwen3-MoE: the router load-balancing loss (a scalar, not a token term)
             terms["router_aux_loss"] = aux
         return terms
@@ -263,9 +262,7 @@ def make_packed_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
                                                   lc.logits_chunk_size)
         else:
             logits, _, aux = packed_forward(graphdef, params, rows, head=True, return_aux=True)
-            terms = policy_loss.token_terms(logits / lc.temperature, rows.completion_ids, rows.completion_mask,
-                                            rows.topk_ids, rows.topk_logprobs, rows.behavior_logprobs,
-                                            rows.advantages, tr_config, lc, ref_logprobs=rows.ref_logprobs)
+            terms = policy_loss.token_terms(logits / lc.temperature, policy_loss.TokenInputs.of(rows), tr_config, lc)
         if aux is not None:
             terms["router_aux_loss"] = aux
         return terms
