@@ -379,10 +379,11 @@ class Trainer:
         self.rollout_counts["rows"] += rb.num_sequences
         return rb, examples[lo:hi], seconds
 
-    def _step_batch(self, rb, rewards, ref) -> StepBatch:
-        """The host `StepBatch` of a scored rollout batch (advantages; reference logprobs when kl_beta > 0)."""
+    def _step_batch(self, rb, ref) -> StepBatch:
+        """The host `StepBatch` of a scored rollout batch (advantages of ``rb.rewards``, checked by `RolloutBatch`:
+        a non-finite reward is named with its row; reference logprobs when kl_beta > 0)."""
         rl = self.config.rl
-        adv = np.asarray(objectives.group_advantages(jnp.asarray(rewards), rl.group_size,
+        adv = np.asarray(objectives.group_advantages(jnp.asarray(rb.rewards), rl.group_size,
                                                      normalize_std=rl.normalize_advantage_std))
         width = rb.prompt_ids.shape[1]  # per host: the step's longest prompt over all processes
         width = int(per_host.gather_max(width)) if self.per_host else width
@@ -481,10 +482,9 @@ class Trainer:
         with timer.phase("sampling"):
             rb, examples, gen_seconds = producer.get(step)
         with timer.phase("scoring"):
-            rewards = evaluation.score_rollouts(self.source, self.codec, rb, examples, rl.group_size)
-            rb = rb.replace(rewards=rewards)
+            rb = rb.replace(rewards=evaluation.score_rollouts(self.source, self.codec, rb, examples, rl.group_size))
         with timer.phase("advantages"):
-            batch = self._step_batch(rb, rewards, ref)
+            batch = self._step_batch(rb, ref)
         with timer.phase("optimizer"):  # ends with the metrics' device_get: the device work is done
             run["state"], step_metrics = self._update(step_fn, run["state"], batch, step + 1)
         run["version"] = version = run["version"] + 1
@@ -493,7 +493,7 @@ class Trainer:
         with timer.phase("weight_sync"):
             self.sampler.sync(run["state"].params, version)
         producer.notify_version(version)
-        rows = dict(rewards=rewards, length=rb.completion_mask.sum(1), weights_version=rb.weights_version)
+        rows = dict(rewards=rb.rewards, length=rb.completion_mask.sum(1), weights_version=rb.weights_version)
         if self.per_host:  # every process's rows and the slowest process's generation time (collectives)
             rows, gen_seconds = per_host.gather_rows(rows, self.mesh), per_host.gather_max(gen_seconds)
         rec = self._rl_record(step_metrics, rows, run["state"], schedule, version, gen_seconds)
