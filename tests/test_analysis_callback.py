@@ -66,7 +66,7 @@ def test_isolated_step_matches_autodiff_reference():
             lp = jax.nn.log_softmax(logits_at(prm))[comp[i, c]]
             return -adv[i] * jax.lax.stop_gradient(jnp.minimum(jnp.exp(lp - beh[i, c]), 5.0)) * lp
 
-        gd, gl = jax.grad(dfn)(params), jax.grad(loss)(params)
+        gd, gl = jax.jit(jax.grad(dfn))(params), jax.jit(jax.grad(loss))(params)  # one program each
         dot = sum(float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(gd), jax.tree.leaves(gl)))
         norm = math.sqrt(sum(float(jnp.vdot(b, b)) for b in jax.tree.leaves(gl)))
         assert gnorm[i] == pytest.approx(norm, rel=1e-4)

@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gcs_standin  # noqa: E402
-from conftest import free_port
+from conftest import free_port, xla_flags
 
 pytest.importorskip("gcsfs")
 pytest.importorskip("gcp_storage_emulator")
@@ -187,7 +187,7 @@ def _run_two(workdir, args, env, logdir, timeout=600):
     procs = []
     for i in range(2):
         e = dict(os.environ, **env)
-        e.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        e.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2),
                  JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
         log = open(os.path.join(logdir, f"{os.path.basename(workdir)}_{len(os.listdir(logdir))}_p{i}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py",

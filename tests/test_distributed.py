@@ -17,7 +17,7 @@ import pytest
 
 from pdm_jax import distributed
 from pdm_jax.sharding import make_mesh
-from conftest import free_port
+from conftest import free_port, xla_flags
 
 WORKER = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _launch(out, devices, env_extra):
     env = dict(os.environ)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices),
                PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), **env_extra)
     return subprocess.Popen([sys.executable, WORKER, out], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

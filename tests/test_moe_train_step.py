@@ -60,7 +60,7 @@ MIXED = Qwen3Config(**{**CFG.__dict__, "mlp_only_layers": (0,)})
 @pytest.mark.slow
 def test_router_aux_loss_enters_the_loss(chunk, cfg):
     graphdef, params, batch = _setup(cfg)
-    aux, aux_grad = jax.value_and_grad(lambda p: _model_aux(graphdef, p, batch))(params)
+    aux, aux_grad = jax.jit(jax.value_and_grad(lambda p: _model_aux(graphdef, p, batch)))(params)
     l0, m0, g0 = _vg(graphdef, params, batch, logits_chunk_size=chunk)
     c = 0.3
     l1, m1, g1 = _vg(graphdef, params, batch, logits_chunk_size=chunk, router_aux_loss_coef=c)
@@ -80,8 +80,9 @@ def test_micro_batched_step_logs_mean_of_micro_batch_aux():
     lc = PolicyLossConfig(micro_batch_size=2, router_aux_loss_coef=0.1)
     _, m = jax.jit(ts.make_rl_train_step(graphdef, tx, TR, lc))(state, batch)
     n = B // 2  # micro-batch j holds rows j, j + n
-    want = np.mean([float(_model_aux(graphdef, params, jax.tree.map(
-        lambda x: None if x is None else x[j::n], batch))) for j in range(n)])
+    model_aux = jax.jit(lambda p, b: _model_aux(graphdef, p, b))
+    want = np.mean([float(model_aux(params, jax.tree.map(lambda x: None if x is None else x[j::n], batch)))
+                    for j in range(n)])
     np.testing.assert_allclose(m["router_aux_loss"], want, rtol=1e-5)
     _, m0 = jax.jit(ts.make_rl_train_step(graphdef, tx, TR, PolicyLossConfig(micro_batch_size=2)))(state, batch)
     np.testing.assert_allclose(m["loss"] - m0["loss"], 0.1 * want, rtol=1e-4)

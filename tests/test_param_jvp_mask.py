@@ -67,7 +67,12 @@ def _tis_loss(graphdef, params, batch, keep):
 
 
 def _reference(graphdef, params, batch, tx):
-    """(D, Ḋᵖ by explicit per-token gradients · Δθ, the keep mask, params after the masked step)."""
+    """(D, Ḋᵖ by explicit per-token gradients · Δθ, the keep mask, params after the masked step), as one compiled
+    program (the same operations as run one by one, without building a program for each)."""
+    return jax.jit(lambda p, b: _reference_ops(graphdef, p, b, tx))(params, batch)
+
+
+def _reference_ops(graphdef, params, batch, tx):
     opt_state = tx.init(params)
     all_kept = jnp.ones(batch.completion_ids.shape, bool)
     grads_u = jax.grad(lambda p: _tis_loss(graphdef, p, batch, all_kept))(params)
@@ -111,10 +116,13 @@ def test_keep_decisions_and_step_equal_the_explicit_gradient_reference(setup):
     assert np.abs(np.asarray(d_dot_ref)[outside]).min() > 1e-3 * scale
 
     # Ḋᵖ of the step's pieces (one jvp along the optimizer's update of the unmasked gradient) = the reference.
-    grads_u = jax.grad(lambda p: ts.make_rl_loss(graphdef, dataclasses.replace(PARAM_JVP, mask="none",
-                                                                               direction="per_token"),
-                                                 PolicyLossConfig(temperature=TAU, tis_cap=CAP))(p, batch)[0])(params)
-    delta, _ = tx.update(grads_u, tx.init(params), params)
+    def unmasked_update(params, batch):
+        loss = ts.make_rl_loss(graphdef, dataclasses.replace(PARAM_JVP, mask="none", direction="per_token"),
+                               PolicyLossConfig(temperature=TAU, tis_cap=CAP))
+        grads_u = jax.grad(lambda p: loss(p, batch)[0])(params)
+        return tx.update(grads_u, tx.init(params), params)[0]
+
+    delta = jax.jit(unmasked_update)(params, batch)
     divergence_fn = ts.make_token_divergence(graphdef, PARAM_JVP, PolicyLossConfig(temperature=TAU))
     d_dot = jax.jit(ts.param_direction_along, static_argnums=0)(divergence_fn, params, delta, batch)
     np.testing.assert_allclose(np.where(valid, d_dot, 0), np.where(valid, d_dot_ref, 0), rtol=1e-4, atol=1e-4 * scale)
@@ -157,7 +165,9 @@ def test_huge_delta_is_the_unmasked_step(setup):
     m_none, p_none = _run(graphdef, params, batch, tx, tr.TrustRegionConfig(mask="none", delta=1e6))
     assert m_jvp["frac_outside"] == 0.0 and m_jvp["frac_masked"] == 0.0 and m_jvp["frac_outside_kept"] == 0.0
     for k in ("loss", "policy_loss", "grad_norm", "mean_ratio", "mean_topk_kl", "entropy"):
-        np.testing.assert_allclose(m_jvp[k], m_none[k], rtol=1e-6, err_msg=k)
+        # Two programs fused differently: f32 rounding in other orders (mean_topk_kl, a mean of differences of
+        # logs, differs by 7e-6 relative where XLA:CPU's fusion emitters are off).
+        np.testing.assert_allclose(m_jvp[k], m_none[k], rtol=1e-5, err_msg=k)
     assert m_none["grad_norm"] > 1e-3
     _assert_params_close(p_jvp, p_none, rtol=1e-6, atol=1e-7)
 

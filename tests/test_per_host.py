@@ -25,7 +25,7 @@ from pdm_jax.rollouts.vllm_client import VLLMSampler, prompt_seed
 from pdm_jax.sampler.vllm_fake import FakeVLLM, create_app, serve_in_thread
 from pdm_jax.sampler.weights import save_weights
 from pdm_jax.sharding import make_mesh
-from conftest import free_port
+from conftest import free_port, xla_flags
 from tests.test_distributed import wait_all
 from tests.test_sampler_engine import CFG, K, make_params
 
@@ -133,7 +133,7 @@ SMALL = [
 def _launch(workdir, out, devices, env_extra, cache):
     env = dict(os.environ)
     env.pop("JAX_COORDINATOR_ADDRESS", None)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices),
                PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), **env_extra)
     return subprocess.Popen([sys.executable, WORKER, workdir, out, f"--config.compile_cache.dir={cache}"] + SMALL,
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

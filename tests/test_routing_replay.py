@@ -28,21 +28,29 @@ def _loss_and_grads(model, ids, mask, routed=None):
     def f(p):
         logits = nnx.merge(graphdef, p)(ids, attention_mask=mask, routed_experts=routed)
         return jnp.sum(jax.nn.log_softmax(logits)[..., 3] * mask)
-    return jax.value_and_grad(f)(params)
+    return jax.jit(jax.value_and_grad(f))(params)
+
+
+def _forward(model, ids, mask, routed_experts=None, return_routing=False):
+    """``model(ids, attention_mask=mask, ...)`` as one compiled program (not one program per operation)."""
+    graphdef, params = nnx.split(model)
+
+    def f(p, routed):
+        return nnx.merge(graphdef, p)(ids, attention_mask=mask, routed_experts=routed, return_routing=return_routing)
+    return jax.jit(f)(params, routed_experts)
 
 
 @pytest.mark.parametrize("norm_topk_prob,scan_layers", [(True, True), (False, False)])
 @pytest.mark.slow
 def test_replaying_own_routing_equals_no_replay(norm_topk_prob, scan_layers):
     model, ids, mask = _model(norm_topk_prob, scan_layers)
-    logits, routed = model(ids, attention_mask=mask, return_routing=True)
+    logits, routed = _forward(model, ids, mask, return_routing=True)
     assert routed.shape == (B, T, 2, 2) and routed.dtype == jnp.int32
     assert np.all(np.sort(np.asarray(routed), -1)[..., 0] < np.sort(np.asarray(routed), -1)[..., 1])  # distinct
-    replay = model(ids, attention_mask=mask, routed_experts=routed)
+    replay = _forward(model, ids, mask, routed)
     np.testing.assert_allclose(replay, logits, rtol=1e-6, atol=1e-6)
     # the order of the k replayed experts does not matter
-    np.testing.assert_allclose(model(ids, attention_mask=mask, routed_experts=routed[..., ::-1]), logits,
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_forward(model, ids, mask, routed[..., ::-1]), logits, rtol=1e-5, atol=1e-6)
     l0, g0 = _loss_and_grads(model, ids, mask)
     l1, g1 = _loss_and_grads(model, ids, mask, routed)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)

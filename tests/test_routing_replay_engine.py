@@ -157,7 +157,9 @@ def test_train_step_replaying_sampler_routing_equals_no_replay(model, static_rol
     np.testing.assert_allclose(l1, l0, rtol=1e-5, atol=1e-7)
     for k in m0:
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g0)
+    # Gradient entries reach ~2.6 (sums over the batch's tokens, summed in another order with the replay): 1e-5
+    # absolute is f32 rounding at that scale.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g1, g0)
     other = np.where(batch.routed_experts >= 0, (batch.routed_experts + 1) % CFG.num_experts, ROUTING_PAD)
     (l2, _), _ = fn(params, batch.replace(routed_experts=other.astype(np.int8)))
     assert abs(float(l2) - float(l0)) > 1e-4

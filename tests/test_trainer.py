@@ -20,6 +20,8 @@ from pdm_jax.rollouts.supervisor import SamplerFailure
 from pdm_jax.trainer import Trainer
 from pdm_jax.workdir import LOCK_NAME, WorkdirLock, WorkdirLockedError
 
+from conftest import xla_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -99,8 +101,7 @@ def test_config_argument_string():
 
 def _run_cli(workdir, args, timeout=900):
     cmd = [sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", f"--workdir={workdir}"] + args
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's run
+    env = dict(os.environ, XLA_FLAGS=xla_flags())  # one CPU device, as a user's run
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -245,8 +246,7 @@ def _run_fault(workdir, fault, args, timeout=900):
     """`_run_cli` with one fault of `tests/fault_run.py` injected (``PDM_FAULT``)."""
     cmd = [sys.executable, os.path.join(REPO, "tests", "fault_run.py"), "--config=configs/tiny.py",
            f"--workdir={workdir}"] + args
-    env = dict(os.environ, PDM_FAULT=fault)
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PDM_FAULT=fault, XLA_FLAGS=xla_flags())
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
