@@ -360,22 +360,28 @@ def test_model_aux_loss_is_the_formula_on_its_router_logits(fields):
     cfg = Qwen3Config(**{**TINY_MOE, **fields})
     model = _o1_weights(init_model(cfg, seed=0))
     ids, mask = _inputs()
-    _, aux = model(ids, attention_mask=mask, return_aux=True)
-    # Router logits per layer: run the unrolled layers by hand.
+    # Router logits per layer: run the unrolled layers by hand (one compiled program, not one per operation).
     from pdm_jax.models import attention as attn_lib
     from pdm_jax.models.qwen3 import default_positions, layer_slice
     stacks = [nnx.split(m) for m in (model.layers, model.dense_layers) if m is not None]
-    x = model._embed(ids)
-    amask = attn_lib.SelfAttentionMask(key_valid=mask, segment_ids=None)
-    pos = default_positions(ids, mask)
-    gate_logits = []
-    for i, (stack, row) in enumerate(cfg.layer_plan):
-        layer = nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))
-        h = x + layer.self_attn(layer.input_layernorm(x), pos, amask)[0]
-        if cfg.is_sparse_layer(i):
-            gate_logits.append(np.asarray(layer.mlp.gate(
-                layer.post_attention_layernorm(h).reshape(-1, cfg.hidden_size))))
-        x = layer(x, pos, amask)[0]
+
+    @jax.jit
+    def aux_and_gate_logits(ids, mask):
+        _, aux = model(ids, attention_mask=mask, return_aux=True)
+        x = model._embed(ids)
+        amask = attn_lib.SelfAttentionMask(key_valid=mask, segment_ids=None)
+        pos = default_positions(ids, mask)
+        gate_logits = []
+        for i, (stack, row) in enumerate(cfg.layer_plan):
+            layer = nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))
+            h = x + layer.self_attn(layer.input_layernorm(x), pos, amask)[0]
+            if cfg.is_sparse_layer(i):
+                gate_logits.append(layer.mlp.gate(layer.post_attention_layernorm(h).reshape(-1, cfg.hidden_size)))
+            x = layer(x, pos, amask)[0]
+        return aux, gate_logits
+
+    aux, gate_logits = aux_and_gate_logits(ids, mask)
+    gate_logits = [np.asarray(g) for g in gate_logits]
     assert len(gate_logits) == len(cfg.stack_layer_ids(0))
     want = _np_load_balancing_loss(gate_logits, cfg.num_experts, cfg.num_experts_per_tok,
                                    np.asarray(mask))
