@@ -42,10 +42,11 @@ os.environ["XLA_FLAGS"] = _flags
 
 
 def xla_flags(devices: int | None = None) -> str:
-    """``XLA_FLAGS`` for a test's subprocess run (a trainer, a worker): the test run's compile-speed flags
-    (`TEST_XLA_FLAGS`) with ``devices`` fake CPU devices, or XLA's one device where ``devices`` is None."""
-    flags = {**TEST_XLA_FLAGS, "xla_force_host_platform_device_count": devices}
-    return " ".join(f"--{k}={v}" for k, v in flags.items() if v is not None)
+    """``XLA_FLAGS`` for a test's subprocess run (a trainer, a worker): this test run's flags (`TEST_XLA_FLAGS`
+    and whatever the caller's ``XLA_FLAGS`` overrode) with ``devices`` fake CPU devices, or XLA's one device where
+    ``devices`` is None."""
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
