@@ -94,6 +94,23 @@ def data_spec(fields):
     return dataclasses.replace(DataSpec.from_config(get_base_config().data), **fields)
 
 
+def jit_method(model, method: str = "__call__", **static):
+    """``model.<method>`` of an nnx module as one compiled program, its weights passed in: the call's arguments
+    traced (keyword ones too), ``static`` keyword arguments fixed, the module's compute options (static attributes: attention, scan,
+    MoE implementation) taken as they are now. Tests call references through it: run op by op, a model's forward
+    builds a hundred small programs, one by one."""
+    import functools
+
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    def call(state, *args, **kwargs):
+        return getattr(nnx.merge(graphdef, state), method)(*args, **kwargs, **static)
+
+    return functools.partial(jax.jit(call), state)
+
+
 def free_port() -> int:
     """A free TCP port on loopback (bound and released; the caller binds it next)."""
     import socket
@@ -251,6 +268,26 @@ def _compiled_programs_stay_in_their_module(request):
     _MAPPINGS.append((used, request.module.__name__))
     assert used < limit // 2, (f"{used} memory mappings after this module, vm.max_map_count is {limit}: XLA:CPU "
                                f"segfaults when it runs out")
+
+
+#: Test modules, costliest first (seconds of a full run here: the summary's "costliest" list). pytest-xdist hands
+#: whole modules to its workers in collection order (``--dist loadfile --no-loadscope-reorder``), and this order
+#: starts the long ones first, so the run ends on short modules instead of one worker finishing a long one alone.
+#: Modules not named here follow in their collection order; a stale order costs balance, never a result.
+COSTLIEST_FIRST = (
+    "test_aot", "test_trainer", "test_models_moe", "test_bucket_workdir", "test_recipe", "test_sampler_engine",
+    "test_attention", "test_per_host", "test_rollouts_vllm_client", "test_qwen3", "test_sampler_sharded",
+    "test_host_memory", "test_colocated", "test_param_jvp_mask", "test_objectives", "test_analysis_callback",
+    "test_packing", "test_param_direction", "test_moe_train_step", "test_routing_replay_engine",
+    "test_sampler_quantize", "test_chunked_loss", "test_rl_forward", "test_adversarial", "test_routing_replay",
+    "test_dry_run", "test_distributed", "test_trust_region", "test_rollouts_supervisor", "test_docs_sampler",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Orders the collected tests by module, `COSTLIEST_FIRST` first (a stable sort: each module's own order kept)."""
+    rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).stem, len(rank)))
 
 
 def pytest_sessionfinish(session):

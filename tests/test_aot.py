@@ -5,6 +5,7 @@ tests skip, saying so, where it is absent. Nothing runs on a TPU: the tests comp
 model's programs for ``v5p:2x2x1`` (4 chips) and read XLA:TPU's own memory plan.
 """
 
+import functools
 import importlib.util
 import os
 import re
@@ -123,14 +124,20 @@ def _tiny_tpu(attention, **overrides):
     return c
 
 
+@functools.lru_cache(maxsize=None)
+def _tpu_plan(attention, **overrides):
+    """``dry_run.plan`` of `_tiny_tpu` on 4 v5p chips, made once per module for the tests that read the same plan
+    (each XLA:TPU compile of it takes seconds; the tests only read the report)."""
+    return dry_run.plan(_tiny_tpu(attention, **overrides), compiler="tpu", chip="v5p", num_devices=4)
+
+
 @needs_libtpu
 @pytest.mark.parametrize("attention", ["splash", "blockwise"])
 @pytest.mark.slow
 def test_tiny_train_step_compiles_for_tpu(attention):
     """The tiny step with splash (Mosaic kernel under shard_map, batch sharded over 4 chips) and blockwise
     attention, compiled by XLA:TPU; FLOPs from XLA:TPU's cost model within 2x of 6 N D."""
-    config = _tiny_tpu(attention)
-    report = dry_run.plan(config, compiler="tpu", chip="v5p", num_devices=4)
+    report = _tpu_plan(attention)
     c = report["compiled"]
     assert report["target"] == "XLA:TPU v5p:2x2x1" and report["shape"].attention == attention
     assert c["attention_note"] == "" and 0 < c["total"] < 2 ** 30
@@ -175,6 +182,7 @@ def test_tiny_moe_megablox_compiles_for_tpu():
         c = _config("tiny_moe")
         c.model.moe_implementation = impl
         c.model.moe_intermediate_size = 128  # Mosaic's lane width
+        c.model.num_hidden_layers = 1  # the unrolled layers are alike: one compiles in a third of the time
         # The train step alone, as `dry_run.plan` compiles it (without the plan's sampler and FLOP-count compiles).
         temps[impl] = dry_run.compiled_plan(c, dry_run.resolve_model_config(c), dry_run.step_shape(c, "v5p"),
                                             dry_run.mesh_sizes(c, 4), platform="tpu",
@@ -185,7 +193,9 @@ def test_tiny_moe_megablox_compiles_for_tpu():
 @needs_libtpu
 @pytest.mark.slow
 def test_cli_dry_run_on_tpu_ends_with_the_verdict():
-    out = _cli_dry_run("--config.dry_run.compiler=tpu", "--config.dry_run.num_devices=4")
+    """The CLI's XLA:TPU dry run of the tiny config (one layer: XLA:TPU compiles the step in half the time)."""
+    out = _cli_dry_run("--config.dry_run.compiler=tpu", "--config.dry_run.num_devices=4",
+                       "--config.model.num_hidden_layers=1")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert "COMPILED by XLA:TPU v5p:2x2x1" in out.stdout and "COMPILED sampler program by XLA:TPU" in out.stdout
@@ -204,10 +214,9 @@ def test_counted_flops_add_up_every_loop_iteration():
     """XLA counts a loop body once: the step scanned over layers and micro-batches reports a fraction of the
     FLOPs of the same step without loops; `counted_flops` (loop-free 1- and 2-layer compiles, added up) comes
     within 10% of the loop-free program's own count (the rest: ops that do not scale with rows)."""
-    looped = _tiny_tpu("blockwise", model__scan_layers=True, rl__micro_batch_size=8)
-    flat = _tiny_tpu("blockwise", model__scan_layers=False, rl__micro_batch_size=0)
-    a = dry_run.plan(looped, compiler="tpu", chip="v5p", num_devices=4)["compiled"]
-    b = dry_run.plan(flat, compiler="tpu", chip="v5p", num_devices=4)["compiled"]
+    a = _tpu_plan("blockwise", model__scan_layers=True, rl__micro_batch_size=8)["compiled"]
+    b = _tpu_plan("blockwise")["compiled"]  # the tiny config's own step: layers unrolled, no micro-batches
+    assert not _tiny_tpu("blockwise").model.scan_layers and _tiny_tpu("blockwise").rl.micro_batch_size == 0
     assert a["flops"] < 0.5 * b["flops"]
     for c in (a, b):
         assert abs(c["counted"]["flops"] - b["flops"]) < 0.1 * b["flops"], (c["counted"], b["flops"])
@@ -300,7 +309,7 @@ def test_per_host_rollouts_need_prompts_dividing_the_hosts():
 def test_a_sampler_on_chips_of_its_own_compiles_on_part_of_a_host():
     """A subprocess sampler on 1 chip: libtpu has no 1-chip v5p slice, so its program compiles on the first
     chip of a one-host slice, and the verdict checks each side on its own chips."""
-    c = _tiny_tpu("blockwise")
+    c = _tiny_tpu("blockwise", model__num_hidden_layers=1)  # one layer: the compiles take half the time
     c.sampler.mode = "subprocess"
     report = dry_run.plan(c, compiler="tpu", chip="v5p", num_devices=4)
     assert not report["sampler"]["colocated"] and report["sampler_compiled"]["total"] > 0

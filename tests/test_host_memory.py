@@ -11,8 +11,8 @@ import pytest
 glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="mallopt is glibc's")
 
-# A jitted program with a ~50 MB temporary buffer (above glibc's 32 MiB mmap threshold), run 3 times
-# after 2 warm-up runs (the heap reaches its peak in the second); prints temp bytes and the minor page faults per run in units of the temp buffer.
+# A jitted program with a 96 MiB temporary buffer (a cumulative sum's; above glibc's 32 MiB mmap threshold), run 20 times
+# after 10 warm-up runs (the heap reaches its peak in them, in each pool thread that ran it); prints temp bytes and the minor page faults per run in units of the temp buffer.
 _PROBE = textwrap.dedent("""
     import resource, sys
     if sys.argv[1] == "1":
@@ -20,21 +20,20 @@ _PROBE = textwrap.dedent("""
         assert reuse_freed_host_memory() is True
         assert reuse_freed_host_memory() is True  # idempotent
     import jax, jax.numpy as jnp
-    f = jax.jit(lambda x: jnp.sort(jnp.sin(x) * x)[::1000].sum())
+    f = jax.jit(lambda x: jnp.cumsum(jnp.sin(x) * x)[::1000].sum())
     x = jnp.arange(12 * 2**20, dtype=jnp.float32)
     temp = f.lower(x).compile().memory_analysis().temp_size_in_bytes
-    for _ in range(2):
+    for _ in range(10):
         f(x).block_until_ready()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
+    for _ in range(20):
         f(x).block_until_ready()
-    print(temp, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3 * 4096 / temp)
+    print(temp, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20 * 4096 / temp)
 """)
 
 
 def _faults_per_run(reuse: bool) -> tuple:
-    # XLA's default flags (no fake devices; level 0 made the sort
-    # several times slower to run)
+    # XLA's default flags, as a user's run (no fake devices, XLA's own optimisation level)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-c", _PROBE, "1" if reuse else "0"], capture_output=True, text=True,
                          check=True, env=env)
@@ -42,15 +41,15 @@ def _faults_per_run(reuse: bool) -> tuple:
     return int(temp), float(faulted)
 
 
-@pytest.mark.slow  # two subprocesses sorting 12M floats 5 times (~45 s on the idle 2-core CPU)
+@pytest.mark.slow  # two subprocesses, each starting JAX and running one program 30 times
 @glibc_only
 def test_freed_temp_buffer_is_reused_without_page_faults():
     temp, default = _faults_per_run(False)
     assert temp > 40 * 2**20  # above glibc's largest mmap threshold (32 MiB)
     _, reused = _faults_per_run(True)
-    assert default > 0.9  # default allocator: the temp buffer is faulted in again at every run (4.996 measured)
-    # kept mapped: 0.0 measured idle, 0.33 and 0.67 under load (the pool's threads can reach a new heap peak
-    # in a measured run); the default allocator faults the whole temp buffer in again, 5.0 per run
+    assert default > 0.9  # default allocator: the temp buffer is faulted in again at every run (1.000 measured)
+    # kept mapped: 0.0 and 0.05 measured idle (a pool thread can reach a new heap peak in a measured run and
+    # fault the buffer in once); the default allocator faults the whole temp buffer in again, 1.0 per run
     assert reused < 0.25 * default
 
 

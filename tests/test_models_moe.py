@@ -9,6 +9,8 @@ import pytest
 
 from pdm_jax.models.qwen3 import Qwen3Config
 
+from conftest import jit_method
+
 TINY_MOE = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10_000.0,
                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12)
@@ -191,9 +193,12 @@ def test_blocked_gmm_equals_ragged_dot_values_and_grads(sizes, extra_rows):
     rhs = jax.random.normal(jax.random.key(1), (E, A, C))
     probe = jax.random.normal(jax.random.key(2), (M, C))
 
-    def run(f):
-        val, grads = jax.value_and_grad(lambda l, r: jnp.sum(f(l, r) * probe), argnums=(0, 1))(lhs, rhs)
-        return f(lhs, rhs), grads
+    def run(f):  # values and both gradients, one compiled program
+        @jax.jit
+        def values_and_grads(l, r):
+            return f(l, r), jax.grad(lambda l, r: jnp.sum(f(l, r) * probe), argnums=(0, 1))(l, r)
+
+        return values_and_grads(lhs, rhs)
 
     want, (gl_w, gr_w) = run(lambda l, r: jax.lax.ragged_dot(l, r, sizes_E))
     for block_rows, per_step in ((8, 1), (8, 3), (128, 8)):
@@ -231,19 +236,19 @@ def test_megablox_interpret_equals_dense():
 def test_scan_unrolled_remat_and_decode_agree():
     model = _o1_weights(init_model(Qwen3Config(**TINY_MOE), seed=0))
     ids, mask = _inputs()
-    ref, aux = model(ids, attention_mask=mask, return_aux=True)
+    ref, aux = jit_method(model, return_aux=True)(ids, attention_mask=mask)
     for opts in (dict(scan_layers=False), dict(scan_layers=True, remat="full")):
         model.set_compute_options(**opts)
-        got, got_aux = model(ids, attention_mask=mask, return_aux=True)
+        got, got_aux = jit_method(model, return_aux=True)(ids, attention_mask=mask)
         np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(got_aux, aux, atol=1e-6)
     model.set_compute_options(scan_layers=True, remat="none")
     # Prefill through the KV cache = the training forward (right-padded rows only).
     full = jnp.ones_like(mask)
-    want = model(ids, attention_mask=full)
+    want = jit_method(model)(ids, attention_mask=full)
     cache = model.init_cache(3, 7)
     positions = jnp.broadcast_to(jnp.arange(7), (3, 7))
-    got, _ = model.decode(ids, positions, cache, 0, full.astype(bool))
+    got, _ = jit_method(model, "decode")(ids, positions, cache, 0, full.astype(bool))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -261,22 +266,22 @@ def test_mixed_model_forward_paths_decode_and_routing_agree():
     assert model.layers.mlp.experts.gate_proj.kernel.get_value().shape == (2, 4, 16, 12)
     ids, mask = _inputs()
     full = jnp.ones_like(mask)
-    ref, ref_aux = model.set_compute_options(moe_implementation="dense")(
-        ids, attention_mask=full, return_aux=True)
+    ref, ref_aux = jit_method(model.set_compute_options(moe_implementation="dense"), return_aux=True)(
+        ids, attention_mask=full)
     model.set_compute_options(moe_implementation="ragged_dot")
-    got, aux, routed = model.set_compute_options(scan_layers=True, remat="full")(
-        ids, attention_mask=full, return_aux=True, return_routing=True)
+    got, aux, routed = jit_method(model.set_compute_options(scan_layers=True, remat="full"), return_aux=True,
+                                  return_routing=True)(ids, attention_mask=full)
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(aux, ref_aux, rtol=1e-6)
     routed = np.asarray(routed)
     assert routed.shape == (3, 7, 3, 2) and np.all(routed[:, :, 1] == -1)
     assert np.all(routed[:, :, [0, 2]] >= 0)
-    np.testing.assert_allclose(model(ids, attention_mask=full, routed_experts=routed), ref,
-                               atol=1e-5, rtol=1e-5)
+    replayed = jit_method(model)(ids, attention_mask=full, routed_experts=routed)
+    np.testing.assert_allclose(replayed, ref, atol=1e-5, rtol=1e-5)
     cache = model.init_cache(3, 8)
     positions = jnp.broadcast_to(jnp.arange(7), (3, 7))
-    got, _, dec_routed = model.decode(ids, positions, cache, 0, jnp.arange(8)[None].repeat(3, 0) < 7,
-                                      return_routing=True)
+    got, _, dec_routed = jit_method(model, "decode", return_routing=True)(
+        ids, positions, cache, 0, jnp.arange(8)[None].repeat(3, 0) < 7)
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(dec_routed, routed)
 
@@ -419,9 +424,8 @@ def test_committed_moe_reference_parity(case):
     assert (model.dense_layers is None) == (len(sparse) == model.config.num_hidden_layers)
     real = ref["attention_mask"].astype(bool)
     for impl in ("ragged_dot", "dense"):
-        logits, aux = model.set_compute_options(moe_implementation=impl)(
-            ref["input_ids"], positions=ref["position_ids"],
-            attention_mask=ref["attention_mask"], return_aux=True)
+        logits, aux = jit_method(model.set_compute_options(moe_implementation=impl), return_aux=True)(
+            ref["input_ids"], positions=ref["position_ids"], attention_mask=ref["attention_mask"])
         assert np.abs(np.asarray(logits) - ref["logits"])[real].max() <= 1e-4, impl
         np.testing.assert_allclose(float(aux), float(ref["aux_loss"]), rtol=1e-5)
     assert np.abs(ref["logits"][real]).max() > 1.0  # not trivially flat

@@ -13,6 +13,8 @@ from flax import nnx
 from pdm_jax.models import (KVCache, Qwen3Config, Qwen3ForCausalLM, from_pretrained,
                             save_pretrained)
 
+from conftest import jit_method
+
 REF_DIR = os.path.join(os.path.dirname(__file__), "data", "qwen3_reference")
 CASES = ("gqa_untied", "mqa_tied", "sharded")
 
@@ -26,9 +28,15 @@ def _scaled_model(config: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
     model = Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed))
     state = nnx.state(model, nnx.Param)
     leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    new = [jax.random.normal(k, x.shape) * (1.0 if x.ndim == 1 else 1.0 / np.sqrt(x.shape[0]))
-           + (1.0 if x.ndim == 1 else 0.0) for k, x in zip(keys, leaves)]
+    shapes = [x.shape for x in leaves]
+
+    @jax.jit  # one program for all the draws
+    def draw(key):
+        keys = jax.random.split(key, len(shapes))
+        return [jax.random.normal(k, shape) * (1.0 if len(shape) == 1 else 1.0 / np.sqrt(shape[0]))
+                + (1.0 if len(shape) == 1 else 0.0) for k, shape in zip(keys, shapes)]
+
+    new = draw(jax.random.key(seed + 1))
     nnx.update(model, jax.tree.unflatten(treedef, new))
     return model
 
@@ -335,7 +343,8 @@ def test_decode_rejects_mismatched_cache_and_out_of_range_index():
             model.decode(ids, pos, cache, index, kv_mask)
     with pytest.raises(ValueError, match="1 <= T <= S"):
         model.decode(np.ones((2, 0), np.int32), np.ones((2, 0), np.int32), cache, 0, kv_mask)
-    logits, _ = model.decode(ids, pos, cache, 7, kv_mask)  # the last legal start
+    # The last legal start (a static index: the check runs at trace time; one compiled program).
+    logits, _ = jit_method(model, "decode", cache_index=7)(ids, pos, cache, kv_mask=kv_mask)
     assert logits.shape == (2, 3, TINY.vocab_size)
     for extra in (2.5, True, -1):
         with pytest.raises(ValueError, match="static int"):

@@ -8,7 +8,7 @@ from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rl import forward
-from conftest import TINY_DENSE
+from conftest import TINY_DENSE, jit_method
 
 
 def test_completion_positions_are_the_ones_that_score_the_completion_tokens():
@@ -55,6 +55,7 @@ def test_packed_rows_give_each_sequence_its_own_logits():
     assert out.shape == (1, 10, TINY_DENSE.vocab_size) and aux is None
 
     def alone(ids):
-        return np.asarray(model(jnp.asarray([ids], jnp.int32), attention_mask=jnp.ones((1, len(ids)), bool))[0])
+        return np.asarray(jit_method(model)(jnp.asarray([ids], jnp.int32),
+                                            attention_mask=jnp.ones((1, len(ids)), bool))[0])
     np.testing.assert_allclose(np.asarray(out[0, :len(a)]), alone(a), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(out[0, len(a):len(a) + len(b)]), alone(b), atol=1e-5, rtol=1e-5)

@@ -14,7 +14,7 @@ from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollouts.in_process import InProcessSampler
 from pdm_jax.sampler.engine import (RequestError, SamplingEngine, resolve_compute_dtype,
                                     sampling_distribution)
-from conftest import TINY_DENSE
+from conftest import TINY_DENSE, jit_method
 
 CFG = TINY_DENSE
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
@@ -358,16 +358,17 @@ def test_per_row_cache_index_decode_equals_per_row_decodes(params):
                         v=tuple(jnp.asarray(rng.normal(size=v.shape), jnp.float32) for v in cache.v))
     ids, pos = jnp.array([[3], [7], [1]], jnp.int32), jnp.array([[4], [2], [8]], jnp.int32)
     index, mask = jnp.array([4, 2, 8], jnp.int32), jnp.asarray(rng.random((b, s)) < 0.8)
-    logits, new = model.decode(ids, pos, cache, index, mask)
+    decode = jit_method(model, "decode")  # one program per shape of the arguments, not op by op
+    logits, new = decode(ids, pos, cache, index, mask)
     for r in range(b):
         row = type(cache)(k=tuple(k[r:r + 1] for k in cache.k), v=tuple(v[r:r + 1] for v in cache.v))
-        lr, nr = model.decode(ids[r:r + 1], pos[r:r + 1], row, int(index[r]), mask[r:r + 1])
+        lr, nr = decode(ids[r:r + 1], pos[r:r + 1], row, int(index[r]), mask[r:r + 1])
         np.testing.assert_allclose(logits[r:r + 1], lr, atol=1e-5, rtol=1e-5)
         # the [3]- and [1]-row programs compute the new k/v alike up to rounding (bit-equal at XLA's default opt level)
         np.testing.assert_allclose(new.k[0][r:r + 1], nr.k[0], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(new.v[1][r:r + 1], nr.v[1], rtol=1e-5, atol=1e-5)
-    same, _ = model.decode(ids, pos, cache, jnp.array([5, 5, 5]), mask)
-    scalar, _ = model.decode(ids, pos, cache, 5, mask)
+    same, _ = decode(ids, pos, cache, jnp.array([5, 5, 5]), mask)
+    scalar, _ = decode(ids, pos, cache, 5, mask)
     np.testing.assert_array_equal(same, scalar)
     with pytest.raises(ValueError, match="cache_index"):
         model.decode(ids, pos, cache, jnp.array([5, 5]), mask)

@@ -497,10 +497,12 @@ def test_a_sampler_mesh_the_engine_cannot_split_is_refused_before_the_warm_start
 @pytest.mark.slow
 def test_an_unreachable_remote_sampler_is_a_named_error_exit_2(tmp_path):
     """sampler.mode=remote at an address nothing listens on: one line naming the address, exit 2, no traceback."""
-    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'w'}",
-                          "--config.sft.steps=0", "--config.sampler.mode=remote",
-                          "--config.sampler.address=http://127.0.0.1:9", "--config.sampler.retries=0"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    # The warm start is evaluated (on the trainer's own engine) before the first rollout reaches the sampler:
+    # SMALL's model, no SFT step and a 2-row evaluation keep that short.
+    out = _run_cli(tmp_path / "w", SMALL + ["--config.sft.steps=0", "--config.eval.num_prompts=2",
+                                            "--config.eval.samples_per_prompt=1", "--config.eval.greedy=False",
+                                            "--config.sampler.mode=remote", "--config.sampler.address=http://127.0.0.1:9",
+                                            "--config.sampler.retries=0"], timeout=600)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "error: sampler.address = 'http://127.0.0.1:9' is not reachable" in out.stderr
     assert "Traceback" not in out.stderr
