@@ -274,19 +274,29 @@ def _compiled_programs_stay_in_their_module(request):
 #: whole modules to its workers in collection order (``--dist loadfile --no-loadscope-reorder``), and this order
 #: starts the long ones first, so the run ends on short modules instead of one worker finishing a long one alone.
 #: Modules not named here follow in their collection order; a stale order costs balance, never a result.
+#: `FAST_TIER_COSTLIEST_FIRST` is the same for ``-m "not slow"``, whose costs differ (no end-to-end runs).
 COSTLIEST_FIRST = (
-    "test_aot", "test_trainer", "test_models_moe", "test_bucket_workdir", "test_recipe", "test_sampler_engine",
-    "test_attention", "test_per_host", "test_rollouts_vllm_client", "test_qwen3", "test_sampler_sharded",
-    "test_host_memory", "test_colocated", "test_param_jvp_mask", "test_objectives", "test_analysis_callback",
-    "test_packing", "test_param_direction", "test_moe_train_step", "test_routing_replay_engine",
-    "test_sampler_quantize", "test_chunked_loss", "test_rl_forward", "test_adversarial", "test_routing_replay",
-    "test_dry_run", "test_distributed", "test_trust_region", "test_rollouts_supervisor", "test_docs_sampler",
+    "test_trainer", "test_bucket_workdir", "test_aot", "test_recipe", "test_per_host", "test_attention",
+    "test_trust_region", "test_colocated", "test_sampler_engine", "test_analysis_callback", "test_param_jvp_mask",
+    "test_objectives", "test_routing_replay_engine", "test_sampler_sharded", "test_chunked_loss",
+    "test_rollouts_vllm_client", "test_models_moe", "test_host_memory", "test_packing", "test_moe_train_step",
+    "test_sampler_quantize", "test_qwen3", "test_adversarial", "test_routing_replay", "test_dry_run",
+    "test_distributed", "test_rollouts_supervisor", "test_docs_sampler", "test_hf_training", "test_rl_forward",
+)
+
+
+FAST_TIER_COSTLIEST_FIRST = (
+    "test_hf_training", "test_trust_region", "test_adversarial", "test_sampler_quantize", "test_objectives",
+    "test_routing_replay", "test_attention", "test_models_moe", "test_aot", "test_qwen3", "test_hf_io",
+    "test_sampler_engine", "test_dry_run", "test_launch", "test_packing",
 )
 
 
 def pytest_collection_modifyitems(config, items):
-    """Orders the collected tests by module, `COSTLIEST_FIRST` first (a stable sort: each module's own order kept)."""
-    rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
+    """Orders the collected tests by module, `COSTLIEST_FIRST` first (`FAST_TIER_COSTLIEST_FIRST` under
+    ``-m "not slow"``; a stable sort: each module's own order kept)."""
+    fast_tier = (config.getoption("markexpr", "") or "").replace(" ", "") == "notslow"
+    rank = {name: i for i, name in enumerate(FAST_TIER_COSTLIEST_FIRST if fast_tier else COSTLIEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).stem, len(rank)))
 
 

@@ -1,7 +1,7 @@
 """The DAPO recipe (``configs/qwen3_dapo.py``) end to end on a stand-in checkpoint, on 8 fake CPU devices.
 
 The stand-in is the real Qwen3 architecture (Qwen3-0.6B's config: q/k RMSNorm, GQA, RoPE theta 1e6, tied
-embeddings, V = 151,936) narrowed to d 256, 4 / 4 heads of 64, ffn 768 and 2 layers, with random weights,
+embeddings, V = 151,936) narrowed to d 128, 4 / 4 heads of 32, ffn 384 and 2 layers, with random weights,
 written in Hugging Face format by the project's `save_pretrained` (at 0.6B's width, d 1024, the 8 fake
 devices of one CPU host each hold the gathered [V, D] embedding and its gradient: more than this machine's
 memory), beside the real Qwen3 BPE the project builds offline
@@ -29,8 +29,8 @@ FIXTURE = os.path.join(ROOT, "tests", "data", "fixtures", "dapo_math_tiny.parque
 
 def _stand_in(path):
     assert bq.main(["--out", str(path)]) == 0  # the real Qwen3 BPE, built and verified offline
-    cfg = dataclasses.replace(get_preset("qwen3_0p6b"), num_hidden_layers=2, hidden_size=256, intermediate_size=768,
-                              num_attention_heads=4, num_key_value_heads=4, head_dim=64)
+    cfg = dataclasses.replace(get_preset("qwen3_0p6b"), num_hidden_layers=2, hidden_size=128, intermediate_size=384,
+                              num_attention_heads=4, num_key_value_heads=4, head_dim=32)
     model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
     save_pretrained(model, str(path))
     del model
