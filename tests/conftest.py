@@ -96,9 +96,9 @@ def data_spec(fields):
 
 def jit_method(model, method: str = "__call__", **static):
     """``model.<method>`` of an nnx module as one compiled program, its weights passed in: the call's arguments
-    traced (keyword ones too), ``static`` keyword arguments fixed, the module's compute options (static attributes: attention, scan,
-    MoE implementation) taken as they are now. Tests call references through it: run op by op, a model's forward
-    builds a hundred small programs, one by one."""
+    traced (keyword ones too), ``static`` keyword arguments fixed, the module's compute options (static attributes:
+    attention, scan, MoE implementation) taken as they are now. Tests call references through it: run op by op, a
+    model's forward builds a hundred small programs, one by one."""
     import functools
 
     from flax import nnx

@@ -42,11 +42,8 @@ def _scaled_model(config: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
 
 
 def forward(model, ids, positions=None, attention_mask=None):
-    """Jitted full forward (one compile instead of op-by-op eager dispatch)."""
-    graphdef, state = nnx.split(model)
-    fn = jax.jit(lambda st, i, p, m: nnx.merge(graphdef, st)(i, positions=p, attention_mask=m))
-    return fn(state, jnp.asarray(ids), None if positions is None else jnp.asarray(positions),
-              None if attention_mask is None else jnp.asarray(attention_mask))
+    """Jitted full forward (`conftest.jit_method`: one compile instead of op-by-op eager dispatch)."""
+    return jit_method(model)(ids, positions=positions, attention_mask=attention_mask)
 
 
 # ----------------------------------------------------------------------------- parity
