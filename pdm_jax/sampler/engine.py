@@ -705,7 +705,8 @@ def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
     """Continuous batching's cache-length phases: new-token capacities [T/4, T/2, T] of the KV cache (P + cap
     slots) for T = num_new >= 4 * min_phase (default `_MIN_PHASE`), [T/2, T] for T >= 2 * min_phase, else [T].  Attention reads
     the whole cache on every step, so the first steps of a request (no row past T/4 tokens yet) read a
-    P + T/4 slot cache instead of P + T; the phases live in one program (no extra compile)."""
+    P + T/4 slot cache instead of P + T; the phases live in one program (no extra program), each phase's loop a copy
+    of the decode step that XLA compiles."""
     lo = _MIN_PHASE if min_phase is None else int(min_phase)
     caps = [c for c in (num_new // 4, num_new // 2) if c >= max(lo, 1)]
     return caps + [int(num_new)]
