@@ -373,6 +373,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # With compiler=cpu also compile the sampler's continuous-batching program (minutes on CPU); XLA:TPU / XLA:GPU
     # always compile it.
     c.dry_run.compile_sampler = False
+    # XLA:TPU / XLA:GPU: count the step's FLOPs with every loop iteration (two more compiles of the step without
+    # loops, with 1 and 2 layers: dry_run.counted_flops); False skips them (a faster plan, no counted_tflops line).
+    c.dry_run.count_flops = True
 
     # ---- profiling (pdm_jax.profiling) --------------------------------------------------
     c.profile = ml_collections.ConfigDict()

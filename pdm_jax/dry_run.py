@@ -761,7 +761,9 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
     if devices is not None:
         compiled = compiled_plan(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
         if resolved != "cpu" and not compiled.get("exhausted"):
-            compiled["counted"] = counted_flops(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
+            compiled["counted"] = (counted_flops(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
+                                   if dr.count_flops else dict(flops=None, note="not counted: dry_run.count_flops "
+                                                                                 "= False"))
         if resolved != "cpu" or dr.compile_sampler:
             n = math.prod(sp["mesh"])
             if sp["colocated"]:

@@ -138,7 +138,9 @@ def _tpu_plan(attention, **overrides):
 def test_tiny_train_step_compiles_for_tpu(attention):
     """The tiny step with splash (Mosaic kernel under shard_map, batch sharded over 4 chips) and blockwise
     attention, compiled by XLA:TPU; FLOPs from XLA:TPU's cost model within 2x of 6 N D."""
-    report = _tpu_plan(attention)
+    # The splash plan skips the FLOP-count compiles (dry_run.count_flops; the blockwise plan's count is
+    # test_counted_flops_add_up_every_loop_iteration's).
+    report = _tpu_plan(attention, dry_run__count_flops=attention == "blockwise")
     c = report["compiled"]
     assert report["target"] == "XLA:TPU v5p:2x2x1" and report["shape"].attention == attention
     assert c["attention_note"] == "" and 0 < c["total"] < 2 ** 30
@@ -150,7 +152,9 @@ def test_tiny_train_step_compiles_for_tpu(attention):
     assert 0.8 < ratio < 2.0, ratio
     # The sampler's programs compile for the same chips (colocated on TPU) and the verdict names XLA:TPU.
     assert report["sampler"]["colocated"] and report["sampler_compiled"]["total"] > 0
-    last = dry_run.format_report(report).splitlines()[-1]
+    text = dry_run.format_report(report)
+    assert ("counted_tflops: not counted: dry_run.count_flops = False" in text) == (attention == "splash")
+    last = text.splitlines()[-1]
     assert re.fullmatch(r"per-device total [0-9.]+ GiB of 95 GiB HBM \(XLA:TPU v5p:2x2x1, train step \+ colocated "
                         r"sampler \(compiled\)\): fits", last), last
 
@@ -196,10 +200,11 @@ def test_tiny_moe_megablox_compiles_for_tpu():
 def test_cli_dry_run_on_tpu_ends_with_the_verdict():
     """The CLI's XLA:TPU dry run of the tiny config (one layer: XLA:TPU compiles the step in half the time)."""
     out = _cli_dry_run("--config.dry_run.compiler=tpu", "--config.dry_run.num_devices=4",
-                       "--config.model.num_hidden_layers=1")
+                       "--config.model.num_hidden_layers=1", "--config.dry_run.count_flops=false")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert "COMPILED by XLA:TPU v5p:2x2x1" in out.stdout and "COMPILED sampler program by XLA:TPU" in out.stdout
+    assert "counted_tflops: not counted: dry_run.count_flops = False" in out.stdout  # the flag reaches the plan
     assert lines[-1].endswith("(XLA:TPU v5p:2x2x1, train step + colocated sampler (compiled)): fits"), lines[-1]
 
 
@@ -216,11 +221,13 @@ def test_counted_flops_add_up_every_loop_iteration():
     FLOPs of the same step without loops; `counted_flops` (loop-free 1- and 2-layer compiles, added up) comes
     within 10% of the loop-free program's own count (the rest: ops that do not scale with rows)."""
     a = _tpu_plan("blockwise", model__scan_layers=True, rl__micro_batch_size=8)["compiled"]
-    b = _tpu_plan("blockwise")["compiled"]  # the tiny config's own step: layers unrolled, no micro-batches
+    b = _tpu_plan("blockwise", dry_run__count_flops=True)["compiled"]  # layers unrolled, no micro-batches
     assert not _tiny_tpu("blockwise").model.scan_layers and _tiny_tpu("blockwise").rl.micro_batch_size == 0
     assert a["flops"] < 0.5 * b["flops"]
     for c in (a, b):
         assert abs(c["counted"]["flops"] - b["flops"]) < 0.1 * b["flops"], (c["counted"], b["flops"])
+    text = dry_run.format_report(_tpu_plan("blockwise", dry_run__count_flops=True))
+    assert re.search(r"counted_tflops +[0-9.e+-]+ +\(every layer", text) and "counted / expected" in text, text
 
 
 @needs_libtpu
@@ -310,7 +317,8 @@ def test_per_host_rollouts_need_prompts_dividing_the_hosts():
 def test_a_sampler_on_chips_of_its_own_compiles_on_part_of_a_host():
     """A subprocess sampler on 1 chip: libtpu has no 1-chip v5p slice, so its program compiles on the first
     chip of a one-host slice, and the verdict checks each side on its own chips."""
-    c = _tiny_tpu("blockwise", model__num_hidden_layers=1)  # one layer: the compiles take half the time
+    # One layer (the compiles take half the time), no FLOP-count compiles: this test is about the sampler's chips.
+    c = _tiny_tpu("blockwise", model__num_hidden_layers=1, dry_run__count_flops=False)
     c.sampler.mode = "subprocess"
     report = dry_run.plan(c, compiler="tpu", chip="v5p", num_devices=4)
     assert not report["sampler"]["colocated"] and report["sampler_compiled"]["total"] > 0
