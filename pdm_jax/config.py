@@ -266,6 +266,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Sampler weights: "none" (f32) | "bf16" | "fp8" (e4m3 weight-only, per channel; native on recent GPUs and
     # TPU7x) | "int8" (weight-only, per channel; native on TPU v5e/v5p/v6e).
     c.sampler.quantization = "fp8"
+    # The rollouts' own sampling temperature tau_s: mu = softmax(z_q / tau_s) while the loss's pi stays softmax(z /
+    # rl.temperature), a persistent behaviour/trainer mismatch that no weight update closes (a stress lever like
+    # the paper's FP8 rollouts; docs/sampler.md). None = rl.temperature (no mismatch). Evaluation samples at
+    # rl.temperature.
+    c.sampler.temperature = ml_collections.FieldReference(None, field_type=float)
     # Dtype the sampler computes in (weights keep their bf16/fp8 values exactly in f32): "auto" (f32 for
     # none, and on the CPU backend; bf16 for bf16/fp8 on TPU/GPU) | "float32" | "bfloat16".
     c.sampler.compute_dtype = "auto"
@@ -513,6 +518,13 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collecti
     return config
 
 
+def rollout_temperature(config) -> float:
+    """tau_s, the temperature the sampler draws the rollouts at: ``sampler.temperature``, or ``rl.temperature`` when
+    that is None. The behaviour log-probabilities log mu come at tau_s; the trainer's pi at ``rl.temperature``."""
+    tau = config.sampler.temperature
+    return float(config.rl.temperature if tau is None else tau)
+
+
 def compute_options(model_fields: ml_collections.ConfigDict) -> dict:
     """The training forward's options of ``model.*`` (attention kernel, its tiles, remat, layer scan, MoE experts), as
     keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
@@ -753,6 +765,8 @@ def _check_sampler_and_eval(config) -> None:
         _need(sc.mode == "remote", "sampler.mode", sc.mode,
               "must be 'remote' when sampler.backend = 'vllm' (the vLLM server runs on its own, at sampler.address)")
     _need(sc.quantization in QUANTIZATIONS, "sampler.quantization", sc.quantization, f"must be one of {QUANTIZATIONS}")
+    _need(sc.temperature is None or (math.isfinite(sc.temperature) and sc.temperature > 0), "sampler.temperature",
+          sc.temperature, "must be None (= rl.temperature) or finite and > 0")
     _need(config.eval.engine in EVAL_ENGINES, "eval.engine", config.eval.engine, f"must be one of {EVAL_ENGINES}")
     _need(sc.compute_dtype in COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
           f"must be one of {COMPUTE_DTYPES}")

@@ -42,7 +42,7 @@ from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like
 from pdm_jax.config import (check_context, check_routing_replay_model, check_sampler_mesh, compute_options,
                             model_config_from_fields, packed_length, parse_stop_token_ids, redacted,
-                            validate_against_data)
+                            rollout_temperature, validate_against_data)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch, with_packing
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summary, run_summary, sampler_weights_format
@@ -370,9 +370,9 @@ class Trainer:
         lo, hi = self._host_prompts
         t0 = time.time()
         rb = self.sampler.generate(
-            prompts[lo:hi], n=rl.group_size, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-            top_k_logprobs=rl.top_k_logprobs, stop_token_ids=list(self.codec.stop_ids),
-            **(dict(return_routing=True) if self._replay else {}),
+            prompts[lo:hi], n=rl.group_size, temperature=rollout_temperature(self.config),
+            max_new_tokens=rl.max_new_tokens, top_k_logprobs=rl.top_k_logprobs,
+            stop_token_ids=list(self.codec.stop_ids), **(dict(return_routing=True) if self._replay else {}),
             seed=int(self.config.seed) * 1_000_003 + step, **(dict(first_prompt_index=lo) if lo else {}))
         seconds = time.time() - t0
         self.rollout_counts["prompts"] += hi - lo

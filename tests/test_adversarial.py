@@ -352,6 +352,8 @@ def test_tis_loss_finite_for_zero_policy_probability():
     ({"data.path": "/nonexistent/data.parquet"}, None, "data.path"),
     ({"rl.learning_rate": math.nan}, None, "rl.learning_rate"),
     ({"rl.temperature": 0.0}, None, "rl.temperature"),
+    ({"sampler.temperature": 0.0}, None, "sampler.temperature = 0.0: must be None (= rl.temperature) or finite"),
+    ({"sampler.temperature": math.nan}, None, "sampler.temperature = nan"),
     ({"rl.num_minibatches": 3}, None, "rl.num_minibatches = 3"),
     ({"rl.tis_cap": 0.0}, None, "rl.tis_cap"),
     ({"rl.dual_clip": 0.5}, None, "rl.dual_clip"),

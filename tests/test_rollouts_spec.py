@@ -17,8 +17,9 @@ def test_the_supervisor_takes_the_typed_spec_read_once_from_the_schema(tmp_path)
     spec = SamplerSpec.from_config(c)
     assert (spec.batching, spec.max_slots, spec.park_rows, spec.mesh_data, spec.mesh_tensor, spec.backend) == (
         c.batching, c.max_slots, c.park_rows, c.mesh.data, c.mesh.tensor, c.backend)
+    # Not the supervisor's: stop_token_ids and temperature go with each generate call (the trainer's rollouts).
     assert {f.name for f in dataclasses.fields(SamplerSpec)} >= {
-        k for k in c.keys() if k not in ("mesh", "per_host_rollouts", "stop_token_ids")}
+        k for k in c.keys() if k not in ("mesh", "per_host_rollouts", "stop_token_ids", "temperature")}
     with pytest.raises(AttributeError, match="park_rows"):
         SamplerSpec.from_config(types.SimpleNamespace(**{k: v for k, v in c.items() if k != "park_rows"}))
     with pytest.raises(TypeError, match="takes a SamplerSpec"):

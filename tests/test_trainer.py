@@ -316,6 +316,26 @@ def test_a_full_disk_stops_the_run_at_once_naming_it_and_the_same_command_resume
     _assert_same_records(_records(workdir), _records(full))
 
 
+@pytest.mark.parametrize("sampler_temperature,expected", [(None, 0.9), (1.3, 1.3)])
+def test_rollouts_are_drawn_at_the_sampler_temperature(tmp_path, monkeypatch, sampler_temperature, expected):
+    """sampler.temperature (the behaviour/trainer mismatch lever) reaches the sampler's generate call; None draws
+    the rollouts at rl.temperature, the trainer's pi's temperature."""
+    t = Trainer(tiny_test_config(**{"sampler.mode": "in_process", "rl.temperature": 0.9,
+                                    "sampler.temperature": sampler_temperature}), str(tmp_path))
+    asked = {}
+
+    def generate(prompts, **kwargs):
+        asked.update(kwargs)
+        raise InterruptedError("captured")
+    try:
+        monkeypatch.setattr(t.sampler, "generate", generate)
+        with pytest.raises(InterruptedError, match="captured"):
+            t._make_rollouts(0, 1)
+    finally:
+        t.close()
+    assert asked["temperature"] == expected and asked["n"] == 4
+
+
 def test_unreachable_sampler_fails_fast_with_a_clear_error(tmp_path):
     with socket.socket() as s:  # a free loopback port with nothing listening
         s.bind(("127.0.0.1", 0))
