@@ -37,7 +37,7 @@ from pdm_jax.profiling import parse_steps
 from pdm_jax.sampler import defaults as sampler_defaults
 from pdm_jax.sampler.engine import check_engine_mesh
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
-from pdm_jax.sampler.wire import MAX_SEED, MAX_STOP_TOKEN_IDS, token_problem
+from pdm_jax.sampler.wire import MAX_SEED, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, token_problem
 from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.rl.train_step import OptimizerConfig
 
@@ -379,7 +379,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     # always compile it.
     c.dry_run.compile_sampler = False
     # XLA:TPU / XLA:GPU: count the step's FLOPs with every loop iteration (two more compiles of the step without
-    # loops, with 1 and 2 layers: dry_run.counted_flops); False skips them (a faster plan, no counted_tflops line).
+    # loops, with 1 and 2 layers: dry_run.counted_flops); False skips them (a faster plan; the report's
+    # counted_tflops line then says "not counted").
     c.dry_run.count_flops = True
 
     # ---- profiling (pdm_jax.profiling) --------------------------------------------------
@@ -613,7 +614,11 @@ def check_override_value(path: str, raw: str) -> None:
     default = dict(_leaves(get_base_config()))[path]
     kind = {bool: ("a boolean (true/false, 1/0)", flags.BooleanParser()),
             int: ("an integer", flags.IntegerParser()),
-            float: ("a number", flags.FloatParser())}.get(type(default))
+            float: ("a number", flags.FloatParser()),
+            # An optional number (None by default): the flag parses a number only; None is set in the argument
+            # string (--config=configs/tiny.py:<path>=none) or by leaving the field out.
+            type(None): (f"a number (None only in the argument string, --config=<file>:{path}=none)",
+                         flags.FloatParser())}.get(type(default))
     if kind is None:
         return
     try:
@@ -765,8 +770,12 @@ def _check_sampler_and_eval(config) -> None:
         _need(sc.mode == "remote", "sampler.mode", sc.mode,
               "must be 'remote' when sampler.backend = 'vllm' (the vLLM server runs on its own, at sampler.address)")
     _need(sc.quantization in QUANTIZATIONS, "sampler.quantization", sc.quantization, f"must be one of {QUANTIZATIONS}")
-    _need(sc.temperature is None or (math.isfinite(sc.temperature) and sc.temperature > 0), "sampler.temperature",
-          sc.temperature, "must be None (= rl.temperature) or finite and > 0")
+    # The sampler refuses 0 < tau < MIN_TEMPERATURE (logits / tau overflow f32): named here, before any work.
+    _need(sc.temperature is None or (math.isfinite(sc.temperature) and sc.temperature >= MIN_TEMPERATURE),
+          "sampler.temperature", sc.temperature, f"must be None (= rl.temperature) or finite and >= {MIN_TEMPERATURE}")
+    tau = config.rl.temperature
+    _need(not 0 < tau < MIN_TEMPERATURE, "rl.temperature", tau, f"must be >= {MIN_TEMPERATURE}: the sampler draws the "
+          "evaluation samples (and, with sampler.temperature None, the rollouts) at it")
     _need(config.eval.engine in EVAL_ENGINES, "eval.engine", config.eval.engine, f"must be one of {EVAL_ENGINES}")
     _need(sc.compute_dtype in COMPUTE_DTYPES, "sampler.compute_dtype", sc.compute_dtype,
           f"must be one of {COMPUTE_DTYPES}")

@@ -354,6 +354,9 @@ def test_tis_loss_finite_for_zero_policy_probability():
     ({"rl.temperature": 0.0}, None, "rl.temperature"),
     ({"sampler.temperature": 0.0}, None, "sampler.temperature = 0.0: must be None (= rl.temperature) or finite"),
     ({"sampler.temperature": math.nan}, None, "sampler.temperature = nan"),
+    ({"sampler.temperature": 1e-4}, None, "sampler.temperature = 0.0001: must be None (= rl.temperature) or finite "
+                                          "and >= 0.001"),  # the sampler's own floor, named before any work
+    ({"rl.temperature": 1e-4}, None, "rl.temperature = 0.0001: must be >= 0.001"),
     ({"rl.num_minibatches": 3}, None, "rl.num_minibatches = 3"),
     ({"rl.tis_cap": 0.0}, None, "rl.tis_cap"),
     ({"rl.dual_clip": 0.5}, None, "rl.dual_clip"),

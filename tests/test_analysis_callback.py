@@ -120,6 +120,23 @@ def test_analysis_changes_nothing_in_training(tmp_path):
     assert rates["param_jvp"]["sign_agreement"] > 0.9
 
 
+@pytest.mark.slow
+def test_behavior_logits_at_the_sampler_temperature(tmp_path):
+    """With sampler.temperature != rl.temperature the callback rebuilds mu at the rollouts' temperature: its log mu
+    of the sampled tokens matches the sampler's (an f32 sampler), and pi (rl.temperature) is what the trainer saw."""
+    from test_trainer import tiny_test_config  # a sibling test module (tests/ is put on sys.path above)
+
+    overrides = {"sampler.mode": "in_process", "sampler.quantization": "none", "rl.steps": 1, "sft.steps": 4,
+                 "rl.temperature": 1.0, "sampler.temperature": 1.7, "eval.num_prompts": 4,
+                 "eval.samples_per_prompt": 1, "eval.greedy": False}
+    cb = AlignmentCallback(full_mu=True, isolated_tokens=0)
+    Trainer(tiny_test_config(**overrides), str(tmp_path), callbacks=[cb]).run()
+    assert len(cb.steps) == 2  # 2 mini-batches of the one RL step
+    for st in cb.steps:
+        assert st["behavior_logprob_max_err"] < 1e-3, st["behavior_logprob_max_err"]  # 0.21 nats with mu at rl.temperature
+        assert st["mean_d_before"] == pytest.approx(st["trainer_mean_topk_kl"], rel=1e-4, abs=1e-7)
+
+
 def test_behavior_logits_follow_weights_version_with_counted_fallback():
     """Rows use the weights version the batch names; a version that is not kept falls back to the
     best log-μ match among the kept ones and is counted."""

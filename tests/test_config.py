@@ -35,6 +35,9 @@ def test_unknown_field_is_named_by_its_dotted_path():
     ("rl.steps=1.5", "rl.steps must be an integer, got '1.5'"),
     ("log.progress=maybe", "log.progress must be a boolean (true/false, 1/0), got 'maybe'"),
     ("trust_region.delta=x", "trust_region.delta must be a number, got 'x'"),
+    ("sampler.temperature=none", "sampler.temperature must be a number (None only in the argument string, "
+                                 "--config=<file>:sampler.temperature=none), got 'none'"),
+    ("trust_region.delta_low=abc", "trust_region.delta_low must be a number (None only in the argument string"),
 ])
 def test_cli_override_that_does_not_parse_exits_2_like_every_config_error(override, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
@@ -42,6 +45,7 @@ def test_cli_override_that_does_not_parse_exits_2_like_every_config_error(overri
     config_lib.check_override_value("rl.steps", "12")
     config_lib.check_override_value("log.progress", "false")
     config_lib.check_override_value("trust_region.delta", "1e-3")
+    config_lib.check_override_value("sampler.temperature", "1.2")  # an optional number takes a number
     config_lib.check_override_value("sampler.mode", "anything")  # strings are checked by validate_config
 
 

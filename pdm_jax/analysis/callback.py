@@ -45,6 +45,7 @@ from pdm_jax.rl import trust_region as tr
 from pdm_jax.analysis import alignment as al
 from pdm_jax.analysis import param_direction as pd
 from pdm_jax.callbacks import TrainerCallback
+from pdm_jax.config import rollout_temperature
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sampler.engine import SamplingEngine
 
@@ -252,7 +253,9 @@ class AlignmentCallback(TrainerCallback):
         trc = trainer.spec.step.trust_region
         behavior_logits, lag, err, fallbacks = None, None, None, None
         if self.full_mu and self._behavior_params:
-            behavior_logits, lag, err, fallbacks = self._behavior_logits(trainer, host, tau, rl_step)
+            # mu at the rollouts' temperature (sampler.temperature; rl.temperature unless set), pi at rl.temperature.
+            behavior_logits, lag, err, fallbacks = self._behavior_logits(trainer, host, rollout_temperature(
+                trainer.config), rl_step)
             fid = al.fidelity_analysis(logits_before, behavior_logits, host.completion_ids,
                                        host.completion_mask, k=int(host.topk_ids.shape[-1]))
             self.fidelity = al.add_fidelity_counts(self.fidelity, al.fidelity_counts(fid))
