@@ -152,8 +152,8 @@ class Trainer:
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
                                          max_to_keep=config.checkpoint.max_to_keep)
         if jax.process_index() == 0:  # multi-host: one process writes run files
-            wd.write_bytes(os.path.join(self.workdir, "config.json"),
-                           redacted(config).to_json_best_effort(indent=2).encode())
+            # A resume with other overrides keeps the earlier config.json as config.<n>.json and logs the fields.
+            wd.write_run_config(self.workdir, redacted(config).to_json_best_effort(indent=2))
 
     def _setup_per_host(self) -> None:
         """Per-host rollouts (`pdm_jax.per_host`): this process's prompts of every RL step, checked now."""

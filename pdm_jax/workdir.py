@@ -331,3 +331,58 @@ def upload_file(local: str, remote: str) -> None:
     """Copies the local file `local` to the URL `remote` (one single-object upload)."""
     fs, p = filesystem(remote)
     fs.put_file(local, p)
+
+
+def _flat(d, prefix: str = "") -> dict:
+    """Dotted paths of a nested dict's leaves."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def write_run_config(workdir: str, config_json: str) -> list:
+    """Writes the run's ``config.json``; a resumed run with another config keeps the earlier one beside it.
+
+    When ``WORKDIR/config.json`` exists with other content (the same workdir run again with other overrides),
+    the earlier file is first kept as ``config.<n>.json`` (n = 1, 2, ...: the first free name), so that the
+    workdir records what each part of the run ran with, and a warning names the changed fields.
+
+    Args:
+      workdir: the run directory (local or a bucket URL).
+      config_json: the config as JSON text (the trainer's redacted config).
+
+    Returns:
+      The dotted paths of the fields that differ from the earlier ``config.json`` (sorted; ``["<unreadable
+      config.json>"]`` when the earlier file is not JSON, e.g. torn by a crash); ``[]`` on a first run or the
+      same config.
+
+    Raises:
+      RunWriteError: a file cannot be written (local workdir), naming it.
+    """
+    path = join(workdir, "config.json")
+    if not exists(path):
+        write_bytes(path, config_json.encode())
+        return []
+    earlier = read_bytes(path)
+    if earlier == config_json.encode():
+        return []
+    try:
+        old, new = _flat(json.loads(earlier)), _flat(json.loads(config_json))
+        changed = sorted(k for k in old.keys() | new.keys() if old.get(k, "<absent>") != new.get(k, "<absent>"))
+    except ValueError:
+        changed = ["<unreadable config.json>"]
+    if not changed:  # the same fields and values, laid out otherwise
+        write_bytes(path, config_json.encode())
+        return []
+    n = 1
+    while exists(join(workdir, f"config.{n}.json")):
+        n += 1
+    write_bytes(join(workdir, f"config.{n}.json"), earlier)
+    write_bytes(path, config_json.encode())
+    log.warning("%s: this run's config differs from the earlier run's in %s; the earlier one is kept as "
+                "config.%d.json", workdir, ", ".join(changed), n)
+    return changed

@@ -191,3 +191,25 @@ def test_every_writer_of_the_run_names_a_full_disk_and_leaves_no_temporary(small
     assert ckpt.latest_step() == 1  # the failed save is orbax's temporary directory, never a step
     ckpt.close()
     writer.close()
+
+
+def test_a_resume_with_another_config_keeps_the_earlier_config_json(tmp_path, caplog):
+    """`write_run_config`: the same config rewrites nothing; another one keeps the earlier file as config.<n>.json
+    (the first free n) and names the changed fields; a torn earlier file is kept too."""
+    from pdm_jax.workdir import write_run_config
+
+    wd, first = str(tmp_path), json.dumps({"rl": {"steps": 1, "temperature": 1.0}, "seed": 0}, indent=2)
+    assert write_run_config(wd, first) == [] and sorted(os.listdir(wd)) == ["config.json"]
+    assert write_run_config(wd, json.dumps(json.loads(first))) == []  # the same values, laid out otherwise
+    assert sorted(os.listdir(wd)) == ["config.json"]
+    second = json.dumps({"rl": {"steps": 2, "temperature": 1.0}, "seed": 0, "sampler": {"temperature": 1.3}})
+    with caplog.at_level("WARNING", logger="pdm_jax.workdir"):
+        assert write_run_config(wd, second) == ["rl.steps", "sampler.temperature"]
+    assert "differs from the earlier run's in rl.steps, sampler.temperature" in caplog.text
+    assert json.loads(open(os.path.join(wd, "config.1.json")).read()) == json.loads(first)
+    assert open(os.path.join(wd, "config.json")).read() == second
+    with open(os.path.join(wd, "config.json"), "w") as f:
+        f.write('{"rl": {"ste')  # torn by a crash
+    assert write_run_config(wd, second) == ["<unreadable config.json>"]
+    assert open(os.path.join(wd, "config.2.json")).read() == '{"rl": {"ste'
+    assert sorted(os.listdir(wd)) == ["config.1.json", "config.2.json", "config.json"]
