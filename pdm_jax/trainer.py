@@ -47,7 +47,7 @@ from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch, with_packing
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summary, run_summary, sampler_weights_format
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
-from pdm_jax.models.tokenizer import build_char_tokenizer, load_tokenizer
+from pdm_jax.models.tokenizer import load_tokenizer, shared_char_tokenizer
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
                                enable_compile_cache, resolve_compile_cache_dir, step_timing)
 from pdm_jax.rl import objectives, train_step as ts
@@ -177,10 +177,9 @@ class Trainer:
         """The run's tokenizer; a char tokenizer is built into ``workdir/tokenizer`` once and loaded back."""
         tc = self.config.tokenizer
         if tc.kind == "char":  # bucket workdir: built locally (it depends on tokenizer.symbols only)
+            # Processes sharing the workdir: built once in a private directory, renamed into place whole.
             path = os.path.join(tempfile.mkdtemp() if wd.is_remote(self.workdir) else self.workdir, "tokenizer")
-            if not os.path.exists(os.path.join(path, "tokenizer.json")):
-                build_char_tokenizer(tc.symbols, path)
-            return load_tokenizer(path)
+            return shared_char_tokenizer(tc.symbols, path)
         return load_tokenizer(tc.path)
 
     def _setup_model(self):

@@ -23,7 +23,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers import AutoTokenizer
 
 from pdm_jax.models import build_qwen3_tokenizer as bq
-from pdm_jax.models.tokenizer import build_char_tokenizer, encode_strict, load_tokenizer
+from pdm_jax.models import tokenizer as tokenizer_module
+from pdm_jax.models.tokenizer import build_char_tokenizer, encode_strict, load_tokenizer, shared_char_tokenizer
 from conftest import data_spec
 
 TINY_SYMBOLS = "0123456789+-= "
@@ -115,6 +116,42 @@ def test_encode_strict_unknown_character_names_it(char_dir):
 def test_build_char_tokenizer_bad_input(tmp_path, symbols, kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_char_tokenizer(symbols, tmp_path, **kwargs)
+
+
+def test_shared_char_tokenizer_is_published_whole_and_a_race_loser_loads_the_winners(tmp_path, monkeypatch):
+    """Processes sharing a workdir (a two-process CI run read a half-written tokenizer.json): nothing appears
+    at out_dir until the rename, and a process whose rename loses loads the winner's copy and keeps none."""
+    out = tmp_path / "work" / "tokenizer"
+    real_build = build_char_tokenizer
+
+    def build_then_lose(symbols, d):
+        assert not out.exists()  # a reader never sees a directory being written
+        real_build(symbols, d)
+        real_build(symbols, out)  # another process publishes first
+        (out / "winner").write_text("")
+
+    monkeypatch.setattr(tokenizer_module, "build_char_tokenizer", build_then_lose)
+    tok = shared_char_tokenizer(TINY_SYMBOLS, out)
+    assert (out / "winner").exists() and len(tok) == 16
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tokenizer"]  # the loser's copy is gone
+
+    def must_not_build(symbols, d):
+        raise AssertionError("rebuilt an existing tokenizer")
+
+    monkeypatch.setattr(tokenizer_module, "build_char_tokenizer", must_not_build)
+    assert shared_char_tokenizer(TINY_SYMBOLS, out).convert_tokens_to_ids("7") == 2 + TINY_SYMBOLS.index("7")
+
+
+def test_shared_char_tokenizer_fills_an_empty_directory_and_names_a_foreign_one(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert len(shared_char_tokenizer("ab", empty)) == 4 and (empty / "tokenizer.json").is_file()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"foreign.*without a tokenizer\.json"):
+        shared_char_tokenizer("ab", foreign)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "foreign"]
 
 
 def test_load_tokenizer_errors_name_the_path(tmp_path):

@@ -10,6 +10,8 @@ The real Qwen3 tokenizer is built by :mod:`pdm_jax.models.build_qwen3_tokenizer`
 
 Public API:
   * :func:`build_char_tokenizer` -- character-level tokenizer (one token per symbol).
+  * :func:`shared_char_tokenizer` -- the char tokenizer in a directory several processes share
+    (built once, published whole).
   * :func:`encode_strict` -- encode text, raising ``ValueError`` on characters the
     tokenizer cannot represent (never a silent unknown token).
   * :func:`load_tokenizer` -- ``AutoTokenizer`` from a local directory only.
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import unicodedata
 from pathlib import Path
 
@@ -26,7 +30,7 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["build_char_tokenizer", "encode_strict", "load_tokenizer"]
+__all__ = ["build_char_tokenizer", "encode_strict", "load_tokenizer", "shared_char_tokenizer"]
 
 # Files whose presence marks a directory as a Hugging Face tokenizer directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -149,6 +153,44 @@ def build_char_tokenizer(
     if got != vocab:  # guards the contract against a transformers behaviour change
         raise RuntimeError(f"saved char tokenizer in {out_path} reloads with ids {got}, expected {vocab}")
     return reloaded
+
+
+def shared_char_tokenizer(symbols: str, out_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The char tokenizer in ``out_dir``, built there first when absent; safe for processes sharing ``out_dir``.
+
+    The processes of a multi-process run (one per host, or several on one host) share the workdir and
+    each may find ``out_dir`` missing. Each one that does builds the tokenizer in a private sibling
+    directory and renames it onto ``out_dir``; a directory rename is atomic, so a reader sees either no
+    ``out_dir`` or a complete one (a plain :func:`build_char_tokenizer` into ``out_dir`` let another
+    process read a half-written ``tokenizer.json``). The first rename wins; a loser discards its copy,
+    which is identical (the vocabulary depends on ``symbols`` only).
+
+    Args:
+      symbols: as for :func:`build_char_tokenizer` (field ``tokenizer.symbols``).
+      out_dir: a local directory, e.g. ``WORKDIR/tokenizer``; its parent is created if missing.
+
+    Returns:
+      The tokenizer loaded from ``out_dir`` (:func:`load_tokenizer`).
+
+    Raises:
+      ValueError: bad ``symbols`` (see :func:`build_char_tokenizer`); ``out_dir`` exists, is not empty
+        and holds no ``tokenizer.json`` (left by something else: the message names it).
+    """
+    out = Path(out_dir).expanduser()
+    if not (out / "tokenizer.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            build_char_tokenizer(symbols, tmp)
+            try:
+                os.rename(tmp, out)  # onto a missing or empty directory; refused onto a non-empty one
+            except OSError as e:
+                if not (out / "tokenizer.json").is_file():  # not another process's tokenizer: something else
+                    raise ValueError(f"tokenizer directory {str(out)!r} exists without a tokenizer.json and is "
+                                     f"not empty ({type(e).__name__}: {e}); remove it to have it rebuilt") from e
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; a loser's copy
+    return load_tokenizer(out)
 
 
 def _char_vocab(tokenizer: PreTrainedTokenizerBase) -> dict[str, int] | None:
