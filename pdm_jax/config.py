@@ -173,12 +173,15 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.num_minibatches = 1  # optimizer steps per pass over a rollout batch
     c.rl.num_iterations = 1  # passes over each rollout batch
     c.rl.max_staleness = 0  # versions the sampler may lag behind the trainer (0 = synchronous)
-    # Sampling temperature of the rollouts; pi is softmax(z / temperature) in the loss too.
+    # The loss's pi is softmax(z / temperature); the rollouts sample at it too unless sampler.temperature is set.
     c.rl.temperature = 1.0
     # Longest completion, its stop token included (tokens).
     c.rl.max_new_tokens = 8
-    # The sampler returns the top-K ids and their log mu for every token (unit: ids per token).
-    c.rl.top_k_logprobs = 20  # K of the sampler's top-K view
+    # K, the size of the sampler's top-K view: for every generated token the K most likely ids under mu and their
+    # log mu (unit: ids per token). The top-K TV / KL proximity and the top-K estimators read it, the other V - K ids
+    # are one tail bucket; K <= the vocabulary size (configs/tiny.py sets 4 against its 15 ids, so the tail is
+    # never empty).
+    c.rl.top_k_logprobs = 20
     # RL AdamW learning rate (linear warm-up, then constant).
     c.rl.learning_rate = 1e-4
     # Linear warm-up of the RL learning rate (unit: optimizer steps).

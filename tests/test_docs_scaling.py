@@ -51,9 +51,10 @@ def _run(argv):
 def test_docs_show_every_table_command():
     commands = docs_dry_run_commands()
     assert len(commands) == 4
-    eight_b = [c for c in commands if "configs/qwen3_dapo.py:size=8b" in c[3] and len(c) > 5]
+    eight_b = [c for c in commands if "configs/qwen3_dapo.py:size=8b" in c[3] and len(c) > 6]
     assert len(eight_b) == 2 and all("--config.dry_run.num_devices=64" in c for c in eight_b)
-    assert ["python", "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run"] in commands
+    assert ["python", "-m", "pdm_jax.train", "--config=configs/qwen3_dapo.py:size=8b", "--dry_run",
+            "--config.dry_run.compiler=none"] in commands
     assert sum("--config.rl.logits_chunk_size=512" in c for c in eight_b) == 1
 
 
@@ -72,7 +73,7 @@ def test_every_dry_run_command_on_the_page_names_known_fields():
 @pytest.mark.slow
 def test_docs_dry_run_commands_print_the_table_figures():
     commands = docs_dry_run_commands()
-    unchunked, chunked = [c for c in commands if "size=8b" in c[3] and len(c) > 5]
+    unchunked, chunked = [c for c in commands if "size=8b" in c[3] and len(c) > 6]
     a, b = _run(unchunked), _run(chunked)
     # | params / AdamW / grads | 0.48 / 0.96 / 0.48 | same |
     for plan in (a, b):
