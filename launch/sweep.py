@@ -87,10 +87,12 @@ CRITERIA = {
 
 #: Columns of the per-run table, in order.
 RUN_COLUMNS = ("name", "warmstart_accuracy", "final_accuracy", "accuracy_gain", "final_greedy_accuracy",
-               "reward_area", "mean_frac_masked", "mean_frac_outside", "mean_topk_kl", "collapse_events",
+               "reward_area", "mean_frac_masked", "mean_frac_outside", "mean_frac_direction_disagree", "mean_topk_kl",
+               "collapse_events",
                "collapsed", "eval_points", "steps", "wall_seconds")
 #: Metrics summarised over seeds in the grouped table (``collapsed`` is 0/1 per run: its mean is the collapse rate).
 GROUP_METRICS = ("final_accuracy", "accuracy_gain", "reward_area", "mean_frac_masked", "mean_frac_outside",
+                 "mean_frac_direction_disagree",
                  "mean_topk_kl", "collapse_events", "collapsed")
 #: Metrics of the paired (same seed) differences against a baseline arm.
 PAIRED_METRICS = ("final_accuracy", "accuracy_gain", "reward_area")
@@ -355,7 +357,8 @@ def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
 
     Fields: see `RUN_COLUMNS`. ``reward_area`` is the mean of the per-step
     training reward over the RL steps; ``mean_frac_masked``/``mean_frac_outside``/
-    ``mean_topk_kl`` are means over RL steps; accuracies are the trainer's
+    ``mean_frac_direction_disagree``/``mean_topk_kl`` are means over RL steps (the disagreement: the share of
+    valid tokens whose ratio and predictive direction tests differ, whichever mask the run applies); accuracies are the trainer's
     avg@k held-out accuracies.
     """
     path = os.path.join(workdir, "summary.json")
@@ -380,7 +383,8 @@ def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
         accuracy_gain=(final - warm) if (final is not None and warm is not None) else None,
         final_greedy_accuracy=s.get("final_greedy_accuracy"),
         reward_area=mean_of("reward"), mean_frac_masked=mean_of("frac_masked"),
-        mean_frac_outside=mean_of("frac_outside"), mean_topk_kl=mean_of("mean_topk_kl"),
+        mean_frac_outside=mean_of("frac_outside"), mean_frac_direction_disagree=mean_of("frac_direction_disagree"),
+        mean_topk_kl=mean_of("mean_topk_kl"),
         collapse_events=events, collapsed=int(events > 0),
         eval_points=len(ev), steps=s.get("steps"), wall_seconds=s.get("wall_seconds"),
     )
@@ -500,15 +504,17 @@ def _markdown(group_keys: list, group_rows: list[dict], axis_keys: list, rows: l
             return "–"
         return _num(m) if not math.isfinite(ci) else f"{_num(m)} ± {_num(ci)}"
 
-    heads = ["n", "warm start acc", "final acc", "gain", "reward area", "masked frac", "outside frac", "top-K KL",
+    heads = ["n", "warm start acc", "final acc", "gain", "reward area", "masked frac", "outside frac",
+             "direction disagree", "top-K KL",
              "collapse events", "collapse rate"]
     lines = ["| " + " | ".join(group_keys + heads) + " |", "|" + "---|" * (len(group_keys) + len(heads))]
     for g in group_rows:
         lines.append("| " + " | ".join([str(g[k]) for k in group_keys] + [str(g["n"]), cell(g["warmstart_accuracy"])]
                                        + [cell(g[m]) for m in GROUP_METRICS]) + " |")
     cols = ("warmstart_accuracy", "final_accuracy", "accuracy_gain", "reward_area", "mean_frac_masked",
-            "mean_frac_outside", "mean_topk_kl", "collapse_events")
-    heads = ["warm start", "final", "gain", "reward area", "masked", "outside", "top-K KL", "collapses", "wall s"]
+            "mean_frac_outside", "mean_frac_direction_disagree", "mean_topk_kl", "collapse_events")
+    heads = ["warm start", "final", "gain", "reward area", "masked", "outside", "disagree", "top-K KL", "collapses",
+             "wall s"]
     lines += ["", "Per run:", "", "| " + " | ".join(axis_keys + heads) + " |",
               "|" + "---|" * (len(axis_keys) + len(heads))]
     f3 = lambda v: "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else (  # noqa: E731

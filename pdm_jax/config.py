@@ -48,7 +48,7 @@ SAMPLER_FILE_MODES = ("subprocess", "remote", "in_process")
 #: ``eval.engine``: a separate unquantized f32 engine on the trainer's weights, or the rollout sampler itself.
 EVAL_ENGINES = ("f32", "rollout")
 SAMPLER_BACKENDS = ("native", "vllm")  # who serves rollouts: pdm_jax.sampler.server/engine, or a vLLM server
-TOKENIZER_KINDS = ("char", "path")
+TOKENIZER_KINDS = ("char", "bpe", "path")
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
 OPEN_FIELDS = ("data.task_config",)
 
@@ -123,10 +123,17 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     # ---- tokenizer ---------------------------------------------------------------------
     c.tokenizer = ml_collections.ConfigDict()
-    c.tokenizer.path = ""  # local HF tokenizer directory; "" with kind=char builds one into the workdir
-    c.tokenizer.kind = "char"  # "char" (built from `symbols`) | "path"
-    # Characters of the char tokenizer's vocabulary (besides its special tokens).
+    c.tokenizer.path = ""  # local HF tokenizer directory (kind=path); char and bpe build one into the workdir
+    # "char" (one token per character of `symbols`) | "bpe" (byte-pair encoding trained on the task's text: its
+    # training prompts and reference answers, pdm_jax.text.run_tokenizer) | "path" (a Hugging Face directory).
+    c.tokenizer.kind = "char"
+    # Characters of the char tokenizer's vocabulary (besides its special tokens); kind=bpe gives each a token too.
     c.tokenizer.symbols = "0123456789+-="
+    # kind=bpe: the vocabulary size to train to, its 3 special tokens included (fewer when the corpus runs out of
+    # pairs that occur twice).
+    c.tokenizer.vocab_size = 1024
+    # kind=bpe: how many training examples (prompt and reference answer each) make its corpus.
+    c.tokenizer.corpus_prompts = 20000
 
     # ---- prompts and verifier (pdm_jax.data.make_source) --------------------------------
     c.data = ml_collections.ConfigDict()
@@ -963,7 +970,12 @@ def _check_paths(config, exist: bool = True) -> None:
         _need(bool(tc.path), "tokenizer.path", tc.path, "required when tokenizer.kind = 'path'")
     else:
         _need(not tc.path, "tokenizer.path", tc.path,
-              "is ignored when tokenizer.kind = 'char' (which builds its own); set tokenizer.kind=path to use it")
+              f"is ignored when tokenizer.kind = {tc.kind!r} (which builds its own); set tokenizer.kind=path to use it")
+    if tc.kind == "bpe":
+        for field in ("vocab_size", "corpus_prompts"):
+            value = tc[field]
+            _need(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"tokenizer.{field}", value,
+                  "must be a positive int")
     _need(dc.kind in data_sources.KINDS, "data.kind", dc.kind, f"must be one of {data_sources.KINDS}")
     _need(dc.chat_template in data_sources.CHAT_TEMPLATES, "data.chat_template", dc.chat_template,
           f"must be one of {data_sources.CHAT_TEMPLATES}")
@@ -1044,6 +1056,8 @@ def _check_sizes(config, vocab_size: Optional[int], num_held_out: Optional[int])
     k = config.rl.top_k_logprobs
     if vocab_size is None and config.tokenizer.kind == "char":  # known before the tokenizer is written
         vocab_size = char_vocab_size(config.tokenizer.symbols)
+    if vocab_size is None and config.tokenizer.kind == "bpe":  # its most; the trained size is checked again
+        vocab_size = config.tokenizer.vocab_size if isinstance(config.tokenizer.vocab_size, int) else None
     if vocab_size is not None:
         _need(k <= vocab_size, "rl.top_k_logprobs", k, f"K is larger than the vocabulary size {vocab_size}")
         parse_stop_token_ids(config.sampler.stop_token_ids, vocab_size)

@@ -104,7 +104,7 @@ def resolve_model_config(config):
     Order: ``model.preset``; ``model.hf_path/config.json`` if it exists; a
     preset named like the checkpoint directory (``.../Qwen3-8B-Base`` ->
     ``qwen3_8b``, ``.../Qwen3-30B-A3B-Base`` -> ``qwen3_30b_a3b``); the explicit ``model.*`` fields with the vocabulary of the
-    tokenizer (char tokenizer: ``len(symbols)`` + pad + eos; or
+    tokenizer (char tokenizer: ``len(symbols)`` + pad + eos; BPE: ``tokenizer.vocab_size``; or
     ``tokenizer.path/tokenizer.json``).
 
     Raises:
@@ -127,6 +127,8 @@ def resolve_model_config(config):
     tc = config.tokenizer
     if tc.kind == "char":
         vocab = char_vocab_size(tc.symbols)
+    elif tc.kind == "bpe":  # the most it trains to
+        vocab = int(tc.vocab_size)
     else:
         with open(os.path.join(tc.path, "tokenizer.json")) as f:
             tok = json.load(f)

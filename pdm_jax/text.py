@@ -7,12 +7,63 @@ the same way for rewards and for evaluation.
 
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
 from collections.abc import Mapping
 
 import numpy as np
 
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import left_pad, right_pad_rows
+
+log = logging.getLogger(__name__)
+
+
+def run_tokenizer(tokenizer_config, out_dir: str, source):
+    """The run's tokenizer, per ``tokenizer.kind`` (``config.tokenizer``):
+
+    * ``"char"``: :func:`~pdm_jax.models.tokenizer.build_char_tokenizer` over ``tokenizer.symbols``;
+    * ``"bpe"``: :func:`~pdm_jax.models.tokenizer.build_bpe_tokenizer` trained to ``tokenizer.vocab_size`` on
+      the prompts and reference answers (``source.sft_target``) of the first ``tokenizer.corpus_prompts``
+      training examples, the characters of ``tokenizer.symbols`` and of the held-out examples given a token
+      each (a held-out prompt never meets an unknown character; no held-out text trains a merge);
+    * ``"path"``: the Hugging Face tokenizer directory ``tokenizer.path``.
+
+    A built tokenizer is written once into ``out_dir`` (the workdir's ``tokenizer/``) and loaded back from
+    there on a resume, safely when several processes share the workdir
+    (:func:`~pdm_jax.models.tokenizer.shared_tokenizer`).
+
+    Raises:
+      ValueError: ``tokenizer.kind = "bpe"`` with a chat source (a trained BPE has no chat template: the
+        message names ``data.chat_template``), or what the builder raises, naming the field.
+    """
+    from pdm_jax.models.tokenizer import build_bpe_tokenizer, build_char_tokenizer, load_tokenizer, shared_tokenizer
+
+    tc = tokenizer_config
+    if tc.kind == "char":
+        return shared_tokenizer(out_dir, lambda d: build_char_tokenizer(tc.symbols, d))
+    if tc.kind != "bpe":
+        return load_tokenizer(tc.path)
+    if source.chat:
+        raise ValueError("tokenizer.kind = 'bpe' trains a tokenizer without a chat template, and this data source "
+                         "applies one: set data.chat_template=off or use tokenizer.kind=path")
+
+    def build(d):
+        examples = source.train_batch(0, int(tc.corpus_prompts))
+        texts = [e.prompt for e in examples] + [source.sft_target(e) for e in examples]
+        held_out = "".join(e.prompt + source.sft_target(e) for e in source.eval_examples())
+        tok = build_bpe_tokenizer(texts, d, vocab_size=int(tc.vocab_size), alphabet=tc.symbols + held_out)
+        log.info("trained a BPE tokenizer of %d tokens (tokenizer.vocab_size %d) on %d texts", len(tok),
+                 tc.vocab_size, len(texts))
+
+    return shared_tokenizer(out_dir, build)
+
+
+def built_tokenizer_dir(workdir: str, is_remote: bool) -> str:
+    """Where a char / BPE tokenizer is built: ``WORKDIR/tokenizer``, or a local temporary directory for a
+    bucket workdir (it depends on the config alone, so each process rebuilds the same one)."""
+    return os.path.join(tempfile.mkdtemp() if is_remote else workdir, "tokenizer")
 
 
 def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:

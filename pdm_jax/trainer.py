@@ -26,7 +26,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import time
 
 import jax
@@ -47,7 +46,6 @@ from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch, with_packing
 from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summary, run_summary, sampler_weights_format
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
-from pdm_jax.models.tokenizer import load_tokenizer, shared_char_tokenizer
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
                                enable_compile_cache, resolve_compile_cache_dir, step_timing)
 from pdm_jax.rl import objectives, train_step as ts
@@ -58,7 +56,7 @@ from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
 from pdm_jax.run_spec import run_spec
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
-from pdm_jax.text import TextCodec, checkpoint_stop_ids
+from pdm_jax.text import TextCodec, built_tokenizer_dir, checkpoint_stop_ids, run_tokenizer
 from pdm_jax.workdir import WorkdirLock
 
 __all__ = ["SamplerFailure", "Trainer", "TrainerCallback"]
@@ -174,13 +172,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- setup
     def _setup_tokenizer(self):
-        """The run's tokenizer; a char tokenizer is built into ``workdir/tokenizer`` once and loaded back."""
-        tc = self.config.tokenizer
-        if tc.kind == "char":  # bucket workdir: built locally (it depends on tokenizer.symbols only)
-            # Processes sharing the workdir: built once in a private directory, renamed into place whole.
-            path = os.path.join(tempfile.mkdtemp() if wd.is_remote(self.workdir) else self.workdir, "tokenizer")
-            return shared_char_tokenizer(tc.symbols, path)
-        return load_tokenizer(tc.path)
+        """The run's tokenizer (`text.run_tokenizer`); a char / BPE one is built into ``workdir/tokenizer`` once."""
+        out_dir = built_tokenizer_dir(self.workdir, wd.is_remote(self.workdir))
+        return run_tokenizer(self.config.tokenizer, out_dir, self.source)
 
     def _setup_model(self):
         mc = self.config.model

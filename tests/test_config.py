@@ -294,3 +294,22 @@ def test_seeds_and_the_multihost_timeout_are_checked_before_work():
     for want in ("seed = -1: must be an integer in [0, 2**63 - 1]", "data.seed = -7",
                  "multihost.initialization_timeout_s = -1: must be a finite number of seconds > 0"):
         assert want in msg
+
+
+def test_bpe_tokenizer_fields_are_checked_naming_them():
+    c = get_base_config()
+    c.tokenizer.kind, c.tokenizer.vocab_size, c.tokenizer.corpus_prompts = "bpe", 16, 0
+    c.tokenizer.path = "/somewhere"
+    with pytest.raises(ValueError) as e:
+        validate_config(c)
+    text = str(e.value)
+    for part in ("tokenizer.path = '/somewhere': is ignored when tokenizer.kind = 'bpe'",
+                 "tokenizer.corpus_prompts = 0: must be a positive int",
+                 "rl.top_k_logprobs = 20: K is larger than the vocabulary size 16"):
+        assert part in text, (part, text)
+    c.tokenizer.path, c.tokenizer.vocab_size, c.tokenizer.corpus_prompts = "", 1024, 100
+    validate_config(c)
+    validate_config(c, vocab_size=1000)  # the trained size, below tokenizer.vocab_size
+    c.tokenizer.kind = "bogus"
+    with pytest.raises(ValueError, match=r"tokenizer.kind = 'bogus': must be one of \('char', 'bpe', 'path'\)"):
+        validate_config(c)

@@ -129,7 +129,8 @@ def _fake_run(workdir, rewards, evals, warm=0.30, final=None):
         f.write(json.dumps({"step": 0, "phase": "eval", "eval_accuracy": warm}) + "\n")
         for i, r in enumerate(rewards):
             f.write(json.dumps({"step": i + 1, "phase": "rl", "reward": r, "frac_masked": 0.1 * (i + 1),
-                                "frac_outside": 0.2, "mean_topk_kl": 0.002}) + "\n")
+                                "frac_outside": 0.2, "frac_direction_disagree": 0.01 * (i + 1),
+                                "mean_topk_kl": 0.002}) + "\n")
         for step, acc in evals:
             f.write(json.dumps({"step": step, "phase": "eval", "eval_accuracy": acc}) + "\n")
     with open(os.path.join(workdir, "summary.json"), "w") as f:
@@ -150,6 +151,7 @@ def test_aggregate_table_by_hand(tmp_path):
     r0 = rows[runs[0]["name"]]
     assert r0["reward_area"] == pytest.approx(0.3)
     assert r0["mean_frac_masked"] == pytest.approx(0.15)
+    assert r0["mean_frac_direction_disagree"] == pytest.approx(0.015)  # the mean over RL steps of 0.01, 0.02
     assert r0["collapse_events"] == 1 and r0["eval_points"] == 2
     assert r0["accuracy_gain"] == pytest.approx(-0.15)
     assert rows[runs[1]["name"]]["collapse_events"] == 0

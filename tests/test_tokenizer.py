@@ -24,7 +24,8 @@ from transformers import AutoTokenizer
 
 from pdm_jax.models import build_qwen3_tokenizer as bq
 from pdm_jax.models import tokenizer as tokenizer_module
-from pdm_jax.models.tokenizer import build_char_tokenizer, encode_strict, load_tokenizer, shared_char_tokenizer
+from pdm_jax.models.tokenizer import (build_bpe_tokenizer, build_char_tokenizer, encode_strict, load_tokenizer,
+                                      shared_tokenizer)
 from conftest import data_spec
 
 TINY_SYMBOLS = "0123456789+-= "
@@ -118,40 +119,103 @@ def test_build_char_tokenizer_bad_input(tmp_path, symbols, kwargs, match):
         build_char_tokenizer(symbols, tmp_path, **kwargs)
 
 
-def test_shared_char_tokenizer_is_published_whole_and_a_race_loser_loads_the_winners(tmp_path, monkeypatch):
+def test_shared_tokenizer_is_published_whole_and_a_race_loser_loads_the_winners(tmp_path):
     """Processes sharing a workdir (a two-process CI run read a half-written tokenizer.json): nothing appears
     at out_dir until the rename, and a process whose rename loses loads the winner's copy and keeps none."""
     out = tmp_path / "work" / "tokenizer"
-    real_build = build_char_tokenizer
 
-    def build_then_lose(symbols, d):
+    def build_then_lose(d):
         assert not out.exists()  # a reader never sees a directory being written
-        real_build(symbols, d)
-        real_build(symbols, out)  # another process publishes first
+        build_char_tokenizer(TINY_SYMBOLS, d)
+        build_char_tokenizer(TINY_SYMBOLS, out)  # another process publishes first
         (out / "winner").write_text("")
 
-    monkeypatch.setattr(tokenizer_module, "build_char_tokenizer", build_then_lose)
-    tok = shared_char_tokenizer(TINY_SYMBOLS, out)
+    tok = shared_tokenizer(out, build_then_lose)
     assert (out / "winner").exists() and len(tok) == 16
     assert sorted(p.name for p in out.parent.iterdir()) == ["tokenizer"]  # the loser's copy is gone
 
-    def must_not_build(symbols, d):
+    def must_not_build(d):
         raise AssertionError("rebuilt an existing tokenizer")
 
-    monkeypatch.setattr(tokenizer_module, "build_char_tokenizer", must_not_build)
-    assert shared_char_tokenizer(TINY_SYMBOLS, out).convert_tokens_to_ids("7") == 2 + TINY_SYMBOLS.index("7")
+    assert shared_tokenizer(out, must_not_build).convert_tokens_to_ids("7") == 2 + TINY_SYMBOLS.index("7")
 
 
-def test_shared_char_tokenizer_fills_an_empty_directory_and_names_a_foreign_one(tmp_path):
+def test_shared_tokenizer_fills_an_empty_directory_and_names_a_foreign_one(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert len(shared_char_tokenizer("ab", empty)) == 4 and (empty / "tokenizer.json").is_file()
+    assert len(shared_tokenizer(empty, lambda d: build_char_tokenizer("ab", d))) == 4
+    assert (empty / "tokenizer.json").is_file()
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=r"foreign.*without a tokenizer\.json"):
-        shared_char_tokenizer("ab", foreign)
+        shared_tokenizer(foreign, lambda d: build_char_tokenizer("ab", d))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "foreign"]
+
+
+# ----------------------------------------------------------------------------- bpe
+
+BPE_CORPUS = [f"{a}{op}{b}=" for a in range(0, 120, 7) for op in "+-" for b in range(3, 90, 11)]
+BPE_CORPUS += [str(eval(t[:-1])) for t in BPE_CORPUS]
+
+
+def test_bpe_tokenizer_round_trips_its_corpus_with_fixed_special_ids(tmp_path):
+    tok = build_bpe_tokenizer(BPE_CORPUS, tmp_path / "a", vocab_size=200, alphabet="0123456789+-=*")
+    assert 16 < len(tok) <= 200
+    assert [tok.convert_tokens_to_ids(t) for t in ("<pad>", "<eos>", "<unk>")] == [0, 1, 2]
+    assert (tok.pad_token_id, tok.eos_token_id) == (0, 1)
+    assert json.loads((tmp_path / "a" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
+        "PreTrainedTokenizerFast"
+    lengths = []
+    for text in BPE_CORPUS:
+        ids = encode_strict(tok, text)
+        assert 2 not in ids and tok.decode(ids) == text
+        lengths.append(len(ids))
+    assert np.mean(lengths) < 0.6 * np.mean([len(t) for t in BPE_CORPUS])  # merges were learnt and are used
+    assert tok.convert_tokens_to_ids("*") > 2  # the alphabet's characters get a token without the corpus
+    assert tok.decode(encode_strict(tok, "7*7=", add_eos=True), skip_special_tokens=True) == "7*7="
+    with pytest.raises(ValueError, match="unknown token"):
+        encode_strict(tok, "7/7=")  # "/" is in neither
+    again = build_bpe_tokenizer(BPE_CORPUS, tmp_path / "b", vocab_size=200, alphabet="0123456789+-=*")
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("texts,vocab_size,match", [
+    ([], 100, "non-empty list of strings, got 0 texts"),
+    (["12", 3], 100, "including 3"),
+    (["12+3="], 8, r"tokenizer.vocab_size = 8: must be an int above the 3 special tokens \+ the 5 characters"),
+    (["12+3="], True, "tokenizer.vocab_size = True"),
+])
+def test_bpe_tokenizer_bad_input(tmp_path, texts, vocab_size, match):
+    with pytest.raises(ValueError, match=match):
+        build_bpe_tokenizer(texts, tmp_path, vocab_size=vocab_size)
+
+
+def test_run_tokenizer_trains_a_bpe_on_the_task_text_and_covers_the_held_out_prompts(tmp_path):
+    """configs/tiny_bpe.py's tokenizer, on a smaller corpus: every held-out prompt and answer encodes without
+    <unk> and decodes back; a chat source is refused naming data.chat_template; a resume loads it unchanged."""
+    import types
+
+    from pdm_jax.analysis.run import load_config
+    from pdm_jax.data import make_source
+    from pdm_jax.data.spec import DataSpec
+    from pdm_jax.text import run_tokenizer
+
+    c = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_bpe.py"))
+    c.tokenizer.corpus_prompts, c.tokenizer.vocab_size, c.data.num_eval = 2000, 300, 64
+    source = make_source(DataSpec.from_config(c.data))
+    tok = run_tokenizer(c.tokenizer, str(tmp_path / "tokenizer"), source)
+    assert len(tok) == 300
+    for e in source.eval_examples():
+        for text in (e.prompt, source.sft_target(e)):
+            assert tok.decode(encode_strict(tok, text)) == text
+    files = (tmp_path / "tokenizer" / "tokenizer.json").read_bytes()
+    c.tokenizer.vocab_size = 500  # a resume with another value loads what the workdir holds
+    assert len(run_tokenizer(c.tokenizer, str(tmp_path / "tokenizer"), source)) == 300
+    assert (tmp_path / "tokenizer" / "tokenizer.json").read_bytes() == files
+    chat = types.SimpleNamespace(chat=True)
+    with pytest.raises(ValueError, match="data.chat_template=off"):
+        run_tokenizer(c.tokenizer, str(tmp_path / "other"), chat)
 
 
 def test_load_tokenizer_errors_name_the_path(tmp_path):

@@ -1,4 +1,4 @@
-"""Tokenizers in Hugging Face format: a character-level tokenizer for tiny tasks, local loading.
+"""Tokenizers in Hugging Face format: character-level and task-trained BPE tokenizers for tiny tasks, local loading.
 
 Everything here goes through the `tokenizers` library (the Rust backend) and
 `transformers` (``PreTrainedTokenizerFast`` / ``AutoTokenizer``), so a directory
@@ -10,7 +10,8 @@ The real Qwen3 tokenizer is built by :mod:`pdm_jax.models.build_qwen3_tokenizer`
 
 Public API:
   * :func:`build_char_tokenizer` -- character-level tokenizer (one token per symbol).
-  * :func:`shared_char_tokenizer` -- the char tokenizer in a directory several processes share
+  * :func:`build_bpe_tokenizer` -- byte-pair encoding trained on a corpus (e.g. a task's text).
+  * :func:`shared_tokenizer` -- a built tokenizer in a directory several processes share
     (built once, published whole).
   * :func:`encode_strict` -- encode text, raising ``ValueError`` on characters the
     tokenizer cannot represent (never a silent unknown token).
@@ -24,13 +25,14 @@ import os
 import shutil
 import tempfile
 import unicodedata
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import tokenizers
-from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["build_char_tokenizer", "encode_strict", "load_tokenizer", "shared_char_tokenizer"]
+__all__ = ["build_bpe_tokenizer", "build_char_tokenizer", "encode_strict", "load_tokenizer", "shared_tokenizer"]
 
 # Files whose presence marks a directory as a Hugging Face tokenizer directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -142,12 +144,7 @@ def build_char_tokenizer(
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_path))
-    # transformers 5 writes its internal class name "TokenizersBackend"; the public
-    # alias also loads in transformers 4 and in other consumers of the HF layout.
-    config_path = out_path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    _public_tokenizer_class(out_path)
     reloaded = load_tokenizer(out_path)
     got = {value: reloaded.convert_tokens_to_ids(value) for value in vocab}
     if got != vocab:  # guards the contract against a transformers behaviour change
@@ -155,25 +152,26 @@ def build_char_tokenizer(
     return reloaded
 
 
-def shared_char_tokenizer(symbols: str, out_dir: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The char tokenizer in ``out_dir``, built there first when absent; safe for processes sharing ``out_dir``.
+def shared_tokenizer(out_dir: str | os.PathLike[str], build: Callable[[Path], object]) -> PreTrainedTokenizerBase:
+    """The tokenizer in ``out_dir``, written there by ``build`` first when absent; safe for processes sharing it.
 
     The processes of a multi-process run (one per host, or several on one host) share the workdir and
-    each may find ``out_dir`` missing. Each one that does builds the tokenizer in a private sibling
-    directory and renames it onto ``out_dir``; a directory rename is atomic, so a reader sees either no
-    ``out_dir`` or a complete one (a plain :func:`build_char_tokenizer` into ``out_dir`` let another
-    process read a half-written ``tokenizer.json``). The first rename wins; a loser discards its copy,
-    which is identical (the vocabulary depends on ``symbols`` only).
+    each may find ``out_dir`` missing. Each one that does calls ``build`` on a private sibling directory
+    and renames it onto ``out_dir``; a directory rename is atomic, so a reader sees either no
+    ``out_dir`` or a complete one (building straight into ``out_dir`` let another process read a
+    half-written ``tokenizer.json``). The first rename wins; a loser discards its copy, so ``build``
+    must be deterministic (the char and BPE builders are: same inputs, same files).
 
     Args:
-      symbols: as for :func:`build_char_tokenizer` (field ``tokenizer.symbols``).
       out_dir: a local directory, e.g. ``WORKDIR/tokenizer``; its parent is created if missing.
+      build: writes a tokenizer into the directory it is given, e.g.
+        ``lambda d: build_char_tokenizer(symbols, d)``.
 
     Returns:
       The tokenizer loaded from ``out_dir`` (:func:`load_tokenizer`).
 
     Raises:
-      ValueError: bad ``symbols`` (see :func:`build_char_tokenizer`); ``out_dir`` exists, is not empty
+      ValueError: what ``build`` raises (bad symbols, an empty corpus); ``out_dir`` exists, is not empty
         and holds no ``tokenizer.json`` (left by something else: the message names it).
     """
     out = Path(out_dir).expanduser()
@@ -181,7 +179,7 @@ def shared_char_tokenizer(symbols: str, out_dir: str | os.PathLike[str]) -> PreT
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            build_char_tokenizer(symbols, tmp)
+            build(tmp)
             try:
                 os.rename(tmp, out)  # onto a missing or empty directory; refused onto a non-empty one
             except OSError as e:
@@ -191,6 +189,80 @@ def shared_char_tokenizer(symbols: str, out_dir: str | os.PathLike[str]) -> PreT
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; a loser's copy
     return load_tokenizer(out)
+
+
+BPE_SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2 of build_bpe_tokenizer
+
+
+def build_bpe_tokenizer(
+    texts: Iterable[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    vocab_size: int,
+    alphabet: str = "",
+) -> PreTrainedTokenizerFast:
+    """Trains a byte-pair-encoding tokenizer on ``texts`` and saves it in Hugging Face format.
+
+    The ``tokenizers`` library's ``BpeTrainer`` learns merges over the raw characters of each text
+    (no pre-tokenizer: a text is one word, so merges may span any character, and each text is kept
+    apart from the others, e.g. a prompt and its answer, so no token crosses between them) until the
+    vocabulary has ``vocab_size`` entries or no pair occurs twice. Ids: ``<pad>`` 0, ``<eos>`` 1,
+    ``<unk>`` 2, then the alphabet, then the merges in the order learnt. A ``Fuse`` decoder joins
+    tokens with no separator, so ``decode(encode(x)) == x`` for a string over the alphabet;
+    :func:`encode_strict` refuses any other character (it encodes to ``<unk>``). No chat template.
+    Training is deterministic: the same texts give the same files.
+
+    Args:
+      texts: the corpus, e.g. a task's training prompts and reference answers (each a string).
+      out_dir: directory to write (created if missing).
+      vocab_size: the most entries, the 3 special tokens included (field ``tokenizer.vocab_size``).
+      alphabet: characters that get a token whether or not ``texts`` holds them (e.g. the
+        characters of held-out prompts, or ``tokenizer.symbols``).
+
+    Returns:
+      The tokenizer, as reloaded from ``out_dir``; ``len(tokenizer)`` may be below ``vocab_size``
+      when the corpus has too few repeated pairs.
+
+    Raises:
+      ValueError: ``vocab_size`` not an int above the special tokens plus the alphabet; ``texts`` empty
+        or holding a non-string.
+    """
+    texts = list(texts)
+    if not texts or not all(isinstance(t, str) for t in texts):
+        bad = next((t for t in texts if not isinstance(t, str)), None)
+        raise ValueError(f"the BPE corpus must be a non-empty list of strings, got {len(texts)} texts"
+                         + (f" including {bad!r}" if texts else ""))
+    chars = sorted(set(alphabet).union(*texts))
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= len(BPE_SPECIAL_TOKENS) \
+            + len(chars):
+        raise ValueError(f"tokenizer.vocab_size = {vocab_size!r}: must be an int above the {len(BPE_SPECIAL_TOKENS)} "
+                         f"special tokens + the {len(chars)} characters of the corpus and alphabet")
+    pad, eos, unk = BPE_SPECIAL_TOKENS
+    backend = tokenizers.Tokenizer(models.BPE(unk_token=unk))
+    backend.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  special_tokens=list(BPE_SPECIAL_TOKENS), initial_alphabet=chars)
+    backend.train_from_iterator(texts, trainer, length=len(texts))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                        model_max_length=1 << 20, pad_token=pad, eos_token=eos, unk_token=unk)
+    out_path = Path(out_dir)
+    out_path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(out_path))
+    _public_tokenizer_class(out_path)
+    reloaded = load_tokenizer(out_path)
+    got = [reloaded.convert_tokens_to_ids(t) for t in BPE_SPECIAL_TOKENS]
+    if got != [0, 1, 2]:  # guards the contract against a tokenizers / transformers behaviour change
+        raise RuntimeError(f"saved BPE tokenizer in {out_path} reloads with special ids {got}, expected [0, 1, 2]")
+    return reloaded
+
+
+def _public_tokenizer_class(out_path: Path) -> None:
+    """transformers 5 writes its internal class name "TokenizersBackend"; the public alias also loads in
+    transformers 4 and in other consumers of the HF layout."""
+    config_path = out_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _char_vocab(tokenizer: PreTrainedTokenizerBase) -> dict[str, int] | None:
