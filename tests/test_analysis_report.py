@@ -78,3 +78,24 @@ def test_one_seed_verdict_never_calls_a_difference_significant():
     text = report.verdict(summ, "bucket_exact")
     assert "(significant)" not in text and "significance unknown (one seed" in text
     assert "0 of" in report.headline(summ)
+
+
+def test_topk_capture_pools_the_seeds_and_is_left_out_without_full_mu(tmp_path):
+    """Σ top-K KL / Σ full KL, computed here by hand: pooled over every token, and the mean of the seeds' ratios."""
+    rng = np.random.default_rng(2)
+    seeds = [_synthetic_seed(s, rng) for s in range(3)]
+    assert report.topk_capture(seeds) is None and "Top-K KL capture" not in report.write_report(seeds, str(tmp_path))
+    sums = []
+    for s in seeds:
+        full = rng.uniform(0.05, 0.5, size=200)
+        topk = full * rng.uniform(0.8, 1.0, size=200)
+        topk[0] = np.nan  # a non-finite record is left out of both sums
+        s["records"].update(d_before=topk, full_kl_before=full)
+        sums.append((np.nansum(topk), full[1:].sum()))
+    cap = report.topk_capture(seeds)
+    assert cap["n"] == 3 * 199 and cap["seeds"] == 3
+    assert abs(cap["pooled"] - sum(a for a, _ in sums) / sum(b for _, b in sums)) < 1e-12
+    assert abs(cap["per_seed"][0] - np.mean([a / b for a, b in sums])) < 1e-12
+    text = report.write_report(seeds, str(tmp_path))
+    assert f"**{100 * cap['pooled']:.1f}%** pooled" in text and "the paper reports > 99%" in text
+    assert "597 analysed out-of-region tokens of 3 seeds (K = 4;" in text  # configs/tiny.py's K

@@ -34,6 +34,8 @@ from pdm_jax.config import apply_arg
 #: The paper's disagreement set (tokens where the predictive and the ratio criterion decide differently) has
 #: about 82 tokens per seed (as quoted in issue 16).
 PAPER_DISAGREEMENT_PER_SEED = 82
+#: The paper's share of the full KL its top-K KL captures at K = 20 ("> 99%").
+PAPER_TOPK_CAPTURE_PCT = 99
 #: The paper's rates: the precision reading (`alignment.alignment_rates`), P(ΔD > 0 | kept) and P(ΔD < 0 | kept).
 PAPER = dict(seeds=61, unsafe_share=dict(predictive=0.342, ratio=0.369),
              corrective_share=dict(predictive=0.651, ratio=0.629))
@@ -578,6 +580,52 @@ def _fidelity_section(fidelity) -> list:
     return md
 
 
+def topk_capture(seeds: Sequence[dict]) -> Optional[dict]:
+    """Σ top-K KL / Σ full KL over the analysed tokens of the seeds that recorded the full KL (full μ recomputed).
+
+    Per token, ``d_before`` is the top-K KL the mask tests (the K ids of μ's view and one tail bucket) and
+    ``full_kl_before`` the KL over the whole vocabulary, both KL(μ ‖ π) in nats before the step. The top-K KL is
+    the KL of the two distributions coarsened to K + 1 outcomes, so it never exceeds the full KL (the data
+    processing inequality): the ratio is the share of the divergence the top-K view sees (the paper: > 99%).
+
+    Returns None when no seed has both fields, else ``pooled`` (Σ over every token of every seed), ``per_seed``
+    (`alignment.mean_ci95` of the seeds' own ratios), ``n`` (tokens) and ``seeds``.
+    """
+    ratios, tot_topk, tot_full, n = [], 0.0, 0.0, 0
+    for s in seeds:
+        r = s.get("records", {})
+        if "full_kl_before" not in r or "d_before" not in r:
+            continue
+        d = np.asarray(r["d_before"], np.float64)
+        f = np.asarray(r["full_kl_before"], np.float64)
+        ok = np.isfinite(d) & np.isfinite(f)
+        if not ok.any() or f[ok].sum() <= 0:
+            continue
+        ratios.append(d[ok].sum() / f[ok].sum())
+        tot_topk, tot_full, n = tot_topk + d[ok].sum(), tot_full + f[ok].sum(), n + int(ok.sum())
+    if not ratios:
+        return None
+    return dict(pooled=tot_topk / tot_full, per_seed=al.mean_ci95(ratios), n=n, seeds=len(ratios))
+
+
+def _capture_section(seeds: Sequence[dict]) -> list:
+    """The top-K KL capture beside the paper's > 99% (empty without full μ)."""
+    cap = topk_capture(seeds)
+    if cap is None:
+        return []
+    m, ci, _ = cap["per_seed"]
+    try:
+        k = f"K = {_run_config(seeds[0].get('settings', {})).rl.top_k_logprobs}"
+    except Exception:  # noqa: BLE001 - a report must still be written without the config file
+        k = "the run's K"
+    return ["## Top-K KL capture", "",
+            f"Σ top-K KL / Σ full KL over the {cap['n']} analysed out-of-region tokens of {cap['seeds']} seeds ({k}; "
+            "the full KL from μ recomputed over the whole vocabulary): "
+            f"**{100 * cap['pooled']:.1f}%** pooled, {_pm(100 * m, 100 * ci, 1)}% per seed; the paper reports "
+            f"> {PAPER_TOPK_CAPTURE_PCT}%. The top-K KL compares the two distributions coarsened to the K ids of μ's "
+            "view and one tail bucket, so it never exceeds the full KL.", ""]
+
+
 def readings(seeds: list) -> list:
     """The verdict in both readings and the threshold-free measure, one line each (what ``report`` prints)."""
     per_seed = seed_rates(seeds)
@@ -652,6 +700,7 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
     md += _isolated_section(seeds, iso_summary, [c for c in al.ALL_CRITERIA if iso_summary and c in iso_summary])
     md += _disagreement_section(per_seed, iso_per_seed if iso_summary else None, crits)
     md += _fidelity_section(fidelity)
+    md += _capture_section(seeds)
     md += _DEFINITIONS
     text = "\n".join(md) + "\n"
     with open(os.path.join(out_dir, "README.md"), "w") as f:
@@ -668,12 +717,18 @@ def _field_of(settings: dict, key: str, default: str = "?") -> str:
     return val
 
 
+def _run_config(settings: dict):
+    """The config the seeds ran with (file, argument string, overrides); raises what loading it raises."""
+    c = load_config(f"{settings['config']}:{settings.get('arg', '')}")
+    if settings.get("overrides"):
+        apply_arg(c, settings["overrides"])
+    return c
+
+
 def _describe_config(settings: dict) -> str:
     """A sentence with the run settings that matter here, read from the config the seeds ran with."""
     try:
-        c = load_config(f"{settings['config']}:{settings.get('arg', '')}")
-        if settings.get("overrides"):
-            apply_arg(c, settings["overrides"])
+        c = _run_config(settings)
     except Exception as e:  # noqa: BLE001 - a report must still be written without the config file
         return f"(config not readable here: {type(e).__name__})."
     m, rl = c.model, c.rl
@@ -684,7 +739,12 @@ def _describe_config(settings: dict) -> str:
             f"{rl.steps} GRPO steps of {rl.prompts_per_step} prompts × {rl.group_size} samples, lr "
             f"{rl.learning_rate:g}; {c.sampler.quantization} sampler ({c.sampler.mode}); {rl.num_minibatches} "
             f"mini-batches × {rl.num_iterations} iterations per rollout batch ({ups} optimizer steps, {ups - 1} of "
-            f"them off-policy); staleness {rl.max_staleness}; K = {rl.top_k_logprobs}; trained with mask "
+            f"them off-policy); staleness {rl.max_staleness}; K = {rl.top_k_logprobs}"
+            + (f"; a `{c.tokenizer.kind}` tokenizer of up to {c.tokenizer.vocab_size} tokens"
+               if c.tokenizer.kind == "bpe" else "")
+            + (f"; rollouts at temperature τ_s = {c.sampler.temperature:g} (the loss's π at {rl.temperature:g})"
+               if c.sampler.temperature is not None else "")
+            + "; trained with mask "
             f"`{c.trust_region.mask}`"
             + (f" (estimator `{c.trust_region.estimator}`)" if c.trust_region.mask == "pdm" else "") + ".")
 

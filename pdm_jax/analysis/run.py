@@ -59,8 +59,21 @@ STRESS_ARG = ",".join([
     "sampler.mode=in_process",
 ])
 
+#: Overrides of configs/tiny_bpe.py for the analysis on the BPE testbed (issue 29): V = 1,024, K = 20, with the
+#: rollouts sampled at their own temperature tau_s = 1.6 (the loss's pi at 1), the persistent mismatch under which
+#: the ratio and predictive direction tests disagree on 5-6% of tokens (reports/bpe_pilot). 12 RL steps of 16 x 8
+#: samples, 4 mini-batches x 2 iterations (96 optimizer steps per seed, as the tiny analysis). Meant with
+#: ``--warmstart`` (the config's 2,500-step warm start, about 4 min).
+BPE_ARG = ",".join([
+    "steps=12", "rl.prompts_per_step=16", "rl.group_size=8", "rl.num_minibatches=4", "rl.num_iterations=2",
+    "eval.num_prompts=32", "eval.samples_per_prompt=2", "eval.greedy=False", "eval.every_steps=1000",
+    "checkpoint.every_steps=1000", "log.tensorboard=False", "log.progress=False",
+    "sampler.mode=in_process", "sampler.temperature=1.6",
+])
+
 #: Named analysis settings: ``--setting=NAME`` -> (config file, argument string).
-SETTINGS = {"tiny": ("configs/tiny.py", DEFAULT_ARG), "stress": ("configs/tiny_stress.py", STRESS_ARG)}
+SETTINGS = {"tiny": ("configs/tiny.py", DEFAULT_ARG), "stress": ("configs/tiny_stress.py", STRESS_ARG),
+            "bpe": ("configs/tiny_bpe.py", BPE_ARG)}
 
 #: Files of a warm-start workdir not copied into a seed's workdir (the sweep runner's list).
 _WARMSTART_SKIP = ("summary.json", "curves.png", "train.log", "tensorboard", "sweep_run.json")
