@@ -32,7 +32,7 @@ from pdm_jax.models import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from pdm_jax.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
-from pdm_jax.models.tokenizer import char_vocab_size
+from pdm_jax.models.tokenizer import MAX_BPE_VOCAB_SIZE, char_vocab_size
 from pdm_jax.profiling import parse_steps
 from pdm_jax.sampler import defaults as sampler_defaults
 from pdm_jax.sampler.engine import check_engine_mesh
@@ -49,6 +49,8 @@ SAMPLER_FILE_MODES = ("subprocess", "remote", "in_process")
 EVAL_ENGINES = ("f32", "rollout")
 SAMPLER_BACKENDS = ("native", "vllm")  # who serves rollouts: pdm_jax.sampler.server/engine, or a vLLM server
 TOKENIZER_KINDS = ("char", "bpe", "path")
+#: tokenizer.corpus_prompts' limit (1M examples: about 40 s and 3 GB of host memory to train on).
+MAX_CORPUS_PROMPTS = 1_000_000
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
 OPEN_FIELDS = ("data.task_config",)
 
@@ -124,15 +126,16 @@ def get_base_config() -> ml_collections.ConfigDict:
     # ---- tokenizer ---------------------------------------------------------------------
     c.tokenizer = ml_collections.ConfigDict()
     c.tokenizer.path = ""  # local HF tokenizer directory (kind=path); char and bpe build one into the workdir
-    # "char" (one token per character of `symbols`) | "bpe" (byte-pair encoding trained on the task's text: its
-    # training prompts and reference answers, pdm_jax.text.run_tokenizer) | "path" (a Hugging Face directory).
+    # "char" (one token per character of `symbols`) | "bpe" (byte-level byte-pair encoding trained on the task's text:
+    # its training prompts and reference answers, pdm_jax.text.run_tokenizer) | "path" (a Hugging Face directory).
+    # A built tokenizer is kept in WORKDIR/tokenizer; a resume whose tokenizer fields or data differ is refused.
     c.tokenizer.kind = "char"
-    # Characters of the char tokenizer's vocabulary (besides its special tokens); kind=bpe gives each a token too.
+    # Characters of the char tokenizer's vocabulary (besides its special tokens).
     c.tokenizer.symbols = "0123456789+-="
-    # kind=bpe: the vocabulary size to train to, its 3 special tokens included (fewer when the corpus runs out of
-    # pairs that occur twice).
+    # kind=bpe: the vocabulary size to train to (unit: tokens), its 2 special tokens and 256 bytes included (fewer
+    # when the corpus runs out of pairs that occur twice); at most 2**20.
     c.tokenizer.vocab_size = 1024
-    # kind=bpe: how many training examples (prompt and reference answer each) make its corpus.
+    # kind=bpe: how many training examples (prompt and reference answer each) make its corpus; at most 1,000,000.
     c.tokenizer.corpus_prompts = 20000
 
     # ---- prompts and verifier (pdm_jax.data.make_source) --------------------------------
@@ -971,11 +974,17 @@ def _check_paths(config, exist: bool = True) -> None:
     else:
         _need(not tc.path, "tokenizer.path", tc.path,
               f"is ignored when tokenizer.kind = {tc.kind!r} (which builds its own); set tokenizer.kind=path to use it")
-    if tc.kind == "bpe":
-        for field in ("vocab_size", "corpus_prompts"):
+    if tc.kind == "bpe":  # byte level: 2 special tokens + 256 bytes, then the merges
+        for field, low, high in (("vocab_size", 259, MAX_BPE_VOCAB_SIZE), ("corpus_prompts", 1, MAX_CORPUS_PROMPTS)):
             value = tc[field]
-            _need(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"tokenizer.{field}", value,
-                  "must be a positive int")
+            _need(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
+                  f"tokenizer.{field}", value, f"must be an int in [{low}, {high}]")
+        chat = dc.chat_template == "on" or (dc.chat_template == "auto" and (
+            dc.kind != "reasoning_gym" or dc.prompt_format == "question"))
+        _need(not chat, "data.chat_template", dc.chat_template,
+              "tokenizer.kind = 'bpe' trains a tokenizer without a chat template, and this data source would apply "
+              "one (question prompts, gsm8k and dapo_math do under 'auto'): set data.chat_template=off or use "
+              "tokenizer.kind=path")
     _need(dc.kind in data_sources.KINDS, "data.kind", dc.kind, f"must be one of {data_sources.KINDS}")
     _need(dc.chat_template in data_sources.CHAT_TEMPLATES, "data.chat_template", dc.chat_template,
           f"must be one of {data_sources.CHAT_TEMPLATES}")
@@ -1056,8 +1065,9 @@ def _check_sizes(config, vocab_size: Optional[int], num_held_out: Optional[int])
     k = config.rl.top_k_logprobs
     if vocab_size is None and config.tokenizer.kind == "char":  # known before the tokenizer is written
         vocab_size = char_vocab_size(config.tokenizer.symbols)
-    if vocab_size is None and config.tokenizer.kind == "bpe":  # its most; the trained size is checked again
-        vocab_size = config.tokenizer.vocab_size if isinstance(config.tokenizer.vocab_size, int) else None
+    tv = config.tokenizer.vocab_size
+    if vocab_size is None and config.tokenizer.kind == "bpe" and isinstance(tv, int) and tv > 0:
+        vocab_size = tv  # its most; the trained size is checked again
     if vocab_size is not None:
         _need(k <= vocab_size, "rl.top_k_logprobs", k, f"K is larger than the vocabulary size {vocab_size}")
         parse_stop_token_ids(config.sampler.stop_token_ids, vocab_size)

@@ -7,6 +7,7 @@ the same way for rewards and for evaluation.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -20,50 +21,85 @@ from pdm_jax.rollout import left_pad, right_pad_rows
 log = logging.getLogger(__name__)
 
 
-def run_tokenizer(tokenizer_config, out_dir: str, source):
+#: The `DataSpec` fields that decide the training prompts' text, so a BPE trained on them.
+CORPUS_FIELDS = ("kind", "task", "task_config", "prompt_format", "path", "num_eval", "seed", "train_size",
+                 "instruction")
+
+
+def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: bool = True):
     """The run's tokenizer, per ``tokenizer.kind`` (``config.tokenizer``):
 
     * ``"char"``: :func:`~pdm_jax.models.tokenizer.build_char_tokenizer` over ``tokenizer.symbols``;
-    * ``"bpe"``: :func:`~pdm_jax.models.tokenizer.build_bpe_tokenizer` trained to ``tokenizer.vocab_size`` on
-      the prompts and reference answers (``source.sft_target``) of the first ``tokenizer.corpus_prompts``
-      training examples, the characters of ``tokenizer.symbols`` and of the held-out examples given a token
-      each (a held-out prompt never meets an unknown character; no held-out text trains a merge);
+    * ``"bpe"``: :func:`~pdm_jax.models.tokenizer.build_bpe_tokenizer` (byte-level, so any text encodes)
+      trained to ``tokenizer.vocab_size`` on the prompts and reference answers (``source.sft_target``) of
+      the first ``tokenizer.corpus_prompts`` training examples (no held-out text);
     * ``"path"``: the Hugging Face tokenizer directory ``tokenizer.path``.
 
-    A built tokenizer is written once into ``out_dir`` (the workdir's ``tokenizer/``) and loaded back from
-    there on a resume, safely when several processes share the workdir
-    (:func:`~pdm_jax.models.tokenizer.shared_tokenizer`).
+    A built tokenizer is written once into ``WORKDIR/tokenizer`` with what it was built from (the
+    tokenizer fields and, for bpe, ``data``) and loaded back from there on a resume, safely when several
+    processes share the workdir; a resume whose config would build another one is refused
+    (:func:`~pdm_jax.models.tokenizer.shared_tokenizer`). A bucket workdir's is built (or, on a resume,
+    downloaded) in a local temporary directory and uploaded to ``WORKDIR/tokenizer/`` by the process
+    with ``upload`` (process 0), so a resume never retrains it.
+
+    Args:
+      tokenizer_config: ``config.tokenizer``.
+      workdir: the run directory (local or a bucket URL).
+      source: the run's `PromptSource` (bpe: its corpus).
+      data: the run's `DataSpec`: its `CORPUS_FIELDS` (what decides the training stream's text) are part of
+        a bpe tokenizer's recipe.
+      upload: bucket workdir: upload a newly built tokenizer.
 
     Raises:
       ValueError: ``tokenizer.kind = "bpe"`` with a chat source (a trained BPE has no chat template: the
-        message names ``data.chat_template``), or what the builder raises, naming the field.
+        message names ``data.chat_template``); a workdir tokenizer built from another config (naming the
+        fields); or what the builder raises, naming the field.
     """
-    from pdm_jax.models.tokenizer import build_bpe_tokenizer, build_char_tokenizer, load_tokenizer, shared_tokenizer
+    from pdm_jax import workdir as wd
+    from pdm_jax.models.tokenizer import (RECIPE_FILE, build_bpe_tokenizer, build_char_tokenizer, load_tokenizer,
+                                          shared_tokenizer)
 
     tc = tokenizer_config
-    if tc.kind == "char":
-        return shared_tokenizer(out_dir, lambda d: build_char_tokenizer(tc.symbols, d))
-    if tc.kind != "bpe":
+    if tc.kind == "path":
         return load_tokenizer(tc.path)
-    if source.chat:
-        raise ValueError("tokenizer.kind = 'bpe' trains a tokenizer without a chat template, and this data source "
-                         "applies one: set data.chat_template=off or use tokenizer.kind=path")
+    if tc.kind == "char":
+        recipe = dict(kind="char", symbols=tc.symbols)
 
-    def build(d):
-        examples = source.train_batch(0, int(tc.corpus_prompts))
-        texts = [e.prompt for e in examples] + [source.sft_target(e) for e in examples]
-        held_out = "".join(e.prompt + source.sft_target(e) for e in source.eval_examples())
-        tok = build_bpe_tokenizer(texts, d, vocab_size=int(tc.vocab_size), alphabet=tc.symbols + held_out)
-        log.info("trained a BPE tokenizer of %d tokens (tokenizer.vocab_size %d) on %d texts", len(tok),
-                 tc.vocab_size, len(texts))
+        def build(d):
+            build_char_tokenizer(tc.symbols, d)
+    else:
+        if source.chat:
+            raise ValueError("tokenizer.kind = 'bpe' trains a tokenizer without a chat template, and this data source "
+                             "applies one: set data.chat_template=off or use tokenizer.kind=path")
+        corpus = None if data is None else {f: getattr(data, f) for f in CORPUS_FIELDS}
+        recipe = dict(kind="bpe", vocab_size=int(tc.vocab_size), corpus_prompts=int(tc.corpus_prompts), data=corpus)
 
-    return shared_tokenizer(out_dir, build)
-
-
-def built_tokenizer_dir(workdir: str, is_remote: bool) -> str:
-    """Where a char / BPE tokenizer is built: ``WORKDIR/tokenizer``, or a local temporary directory for a
-    bucket workdir (it depends on the config alone, so each process rebuilds the same one)."""
-    return os.path.join(tempfile.mkdtemp() if is_remote else workdir, "tokenizer")
+        def build(d):
+            examples = source.train_batch(0, int(tc.corpus_prompts))
+            texts = [e.prompt for e in examples] + [source.sft_target(e) for e in examples]
+            tok = build_bpe_tokenizer(texts, d, vocab_size=int(tc.vocab_size))
+            level = logging.WARNING if len(tok) < tc.vocab_size else logging.INFO
+            log.log(level, "trained a BPE tokenizer of %d tokens (tokenizer.vocab_size %d) on %d texts (%d "
+                    "training examples, tokenizer.corpus_prompts)", len(tok), tc.vocab_size, len(texts),
+                    tc.corpus_prompts)
+    if not wd.is_remote(workdir):
+        return shared_tokenizer(os.path.join(workdir, "tokenizer"), build, recipe)
+    # A bucket workdir: a local copy, from the bucket when an earlier start uploaded one.
+    local = os.path.join(tempfile.mkdtemp(prefix="pdm_jax_tokenizer_"), "tokenizer")
+    remote = wd.join(workdir, "tokenizer")
+    uploaded = wd.exists(wd.join(remote, RECIPE_FILE))
+    if uploaded:
+        os.makedirs(local)
+        saved = json.loads(wd.read_bytes(wd.join(remote, RECIPE_FILE)))
+        for name in list(saved.get("files", [])) + [RECIPE_FILE]:
+            with open(os.path.join(local, name), "wb") as f:
+                f.write(wd.read_bytes(wd.join(remote, name)))
+    tokenizer = shared_tokenizer(local, build, recipe)
+    if upload and not uploaded:  # the recipe last: its presence marks a complete upload
+        names = sorted(n for n in os.listdir(local) if n != RECIPE_FILE) + [RECIPE_FILE]
+        for name in names:
+            wd.upload_file(os.path.join(local, name), wd.join(remote, name))
+    return tokenizer
 
 
 def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:

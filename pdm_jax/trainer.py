@@ -56,7 +56,7 @@ from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
 from pdm_jax.run_spec import run_spec
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
-from pdm_jax.text import TextCodec, built_tokenizer_dir, checkpoint_stop_ids, run_tokenizer
+from pdm_jax.text import TextCodec, checkpoint_stop_ids, run_tokenizer
 from pdm_jax.workdir import WorkdirLock
 
 __all__ = ["SamplerFailure", "Trainer", "TrainerCallback"]
@@ -173,8 +173,8 @@ class Trainer:
     # ---------------------------------------------------------------- setup
     def _setup_tokenizer(self):
         """The run's tokenizer (`text.run_tokenizer`); a char / BPE one is built into ``workdir/tokenizer`` once."""
-        out_dir = built_tokenizer_dir(self.workdir, wd.is_remote(self.workdir))
-        return run_tokenizer(self.config.tokenizer, out_dir, self.source)
+        return run_tokenizer(self.config.tokenizer, self.workdir, self.source, data=self.spec.data,
+                             upload=jax.process_index() == 0)
 
     def _setup_model(self):
         mc = self.config.model

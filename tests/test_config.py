@@ -304,12 +304,23 @@ def test_bpe_tokenizer_fields_are_checked_naming_them():
         validate_config(c)
     text = str(e.value)
     for part in ("tokenizer.path = '/somewhere': is ignored when tokenizer.kind = 'bpe'",
-                 "tokenizer.corpus_prompts = 0: must be a positive int",
+                 "tokenizer.corpus_prompts = 0: must be an int in [1, 1000000]",
+                 "tokenizer.vocab_size = 16: must be an int in [259, 1048576]",
                  "rl.top_k_logprobs = 20: K is larger than the vocabulary size 16"):
         assert part in text, (part, text)
     c.tokenizer.path, c.tokenizer.vocab_size, c.tokenizer.corpus_prompts = "", 1024, 100
     validate_config(c)
     validate_config(c, vocab_size=1000)  # the trained size, below tokenizer.vocab_size
+    for field, value in (("vocab_size", 2 ** 31), ("corpus_prompts", 10 ** 9)):
+        c.tokenizer[field] = value
+        with pytest.raises(ValueError, match=f"tokenizer.{field} = {value}: must be an int in"):
+            validate_config(c)
+        c.tokenizer.vocab_size, c.tokenizer.corpus_prompts = 1024, 100
+    c.data.prompt_format = "question"  # a chat source under chat_template auto, before any tokenizer is trained
+    with pytest.raises(ValueError, match="data.chat_template = 'auto': tokenizer.kind = 'bpe' trains"):
+        validate_config(c)
+    c.data.chat_template = "off"
+    validate_config(c)
     c.tokenizer.kind = "bogus"
     with pytest.raises(ValueError, match=r"tokenizer.kind = 'bogus': must be one of \('char', 'bpe', 'path'\)"):
         validate_config(c)

@@ -159,63 +159,105 @@ BPE_CORPUS = [f"{a}{op}{b}=" for a in range(0, 120, 7) for op in "+-" for b in r
 BPE_CORPUS += [str(eval(t[:-1])) for t in BPE_CORPUS]
 
 
-def test_bpe_tokenizer_round_trips_its_corpus_with_fixed_special_ids(tmp_path):
-    tok = build_bpe_tokenizer(BPE_CORPUS, tmp_path / "a", vocab_size=200, alphabet="0123456789+-=*")
-    assert 16 < len(tok) <= 200
-    assert [tok.convert_tokens_to_ids(t) for t in ("<pad>", "<eos>", "<unk>")] == [0, 1, 2]
+def test_bpe_tokenizer_round_trips_any_text_with_fixed_special_ids(tmp_path):
+    tok = build_bpe_tokenizer(BPE_CORPUS, tmp_path / "a", vocab_size=400)
+    assert 258 < len(tok) <= 400
+    assert [tok.convert_tokens_to_ids(t) for t in ("<pad>", "<eos>")] == [0, 1] and tok.unk_token_id is None
     assert (tok.pad_token_id, tok.eos_token_id) == (0, 1)
     assert json.loads((tmp_path / "a" / "tokenizer_config.json").read_text())["tokenizer_class"] == \
         "PreTrainedTokenizerFast"
     lengths = []
     for text in BPE_CORPUS:
         ids = encode_strict(tok, text)
-        assert 2 not in ids and tok.decode(ids) == text
+        assert tok.decode(ids) == text
         lengths.append(len(ids))
     assert np.mean(lengths) < 0.6 * np.mean([len(t) for t in BPE_CORPUS])  # merges were learnt and are used
-    assert tok.convert_tokens_to_ids("*") > 2  # the alphabet's characters get a token without the corpus
-    assert tok.decode(encode_strict(tok, "7*7=", add_eos=True), skip_special_tokens=True) == "7*7="
-    with pytest.raises(ValueError, match="unknown token"):
-        encode_strict(tok, "7/7=")  # "/" is in neither
-    again = build_bpe_tokenizer(BPE_CORPUS, tmp_path / "b", vocab_size=200, alphabet="0123456789+-=*")
+    for text in ("7*7=", "é 😀\n\t x", "57+87=144"):  # byte level: characters the corpus never had too
+        assert tok.decode(encode_strict(tok, text, add_eos=True), skip_special_tokens=True) == text
+    again = build_bpe_tokenizer(BPE_CORPUS, tmp_path / "b", vocab_size=400)
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.parametrize("texts,vocab_size,match", [
-    ([], 100, "non-empty list of strings, got 0 texts"),
-    (["12", 3], 100, "including 3"),
-    (["12+3="], 8, r"tokenizer.vocab_size = 8: must be an int above the 3 special tokens \+ the 5 characters"),
+    ([], 300, "non-empty list of strings, got 0 texts"),
+    (["12", 3], 300, "including 3"),
+    (["12+3="], 258, r"tokenizer.vocab_size = 258: must be an int above the 2 special tokens \+ the 256 bytes"),
     (["12+3="], True, "tokenizer.vocab_size = True"),
+    (["12+3="], 2 ** 31, "and at most 1048576"),
 ])
 def test_bpe_tokenizer_bad_input(tmp_path, texts, vocab_size, match):
     with pytest.raises(ValueError, match=match):
         build_bpe_tokenizer(texts, tmp_path, vocab_size=vocab_size)
 
 
-def test_run_tokenizer_trains_a_bpe_on_the_task_text_and_covers_the_held_out_prompts(tmp_path):
-    """configs/tiny_bpe.py's tokenizer, on a smaller corpus: every held-out prompt and answer encodes without
-    <unk> and decodes back; a chat source is refused naming data.chat_template; a resume loads it unchanged."""
+def test_run_tokenizer_trains_a_bpe_on_the_task_text_and_refuses_another_recipe(tmp_path):
+    """configs/tiny_bpe.py's tokenizer, on a smaller corpus: every held-out prompt and answer round-trips; a
+    resume with another vocab_size or data, or a char config on its workdir, is refused naming the field; a chat
+    source is refused naming data.chat_template; the directory is readable by others (not mkdtemp's 0700)."""
     import types
 
     from pdm_jax.analysis.run import load_config
     from pdm_jax.data import make_source
     from pdm_jax.data.spec import DataSpec
+    from pdm_jax.models.tokenizer import RECIPE_FILE
     from pdm_jax.text import run_tokenizer
 
     c = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny_bpe.py"))
-    c.tokenizer.corpus_prompts, c.tokenizer.vocab_size, c.data.num_eval = 2000, 300, 64
-    source = make_source(DataSpec.from_config(c.data))
-    tok = run_tokenizer(c.tokenizer, str(tmp_path / "tokenizer"), source)
-    assert len(tok) == 300
+    c.tokenizer.corpus_prompts, c.tokenizer.vocab_size, c.data.num_eval = 2000, 400, 64
+    spec = DataSpec.from_config(c.data)
+    source = make_source(spec)
+    tok = run_tokenizer(c.tokenizer, str(tmp_path), source, data=spec)
+    assert len(tok) == 400
     for e in source.eval_examples():
         for text in (e.prompt, source.sft_target(e)):
             assert tok.decode(encode_strict(tok, text)) == text
-    files = (tmp_path / "tokenizer" / "tokenizer.json").read_bytes()
-    c.tokenizer.vocab_size = 500  # a resume with another value loads what the workdir holds
-    assert len(run_tokenizer(c.tokenizer, str(tmp_path / "tokenizer"), source)) == 300
-    assert (tmp_path / "tokenizer" / "tokenizer.json").read_bytes() == files
-    chat = types.SimpleNamespace(chat=True)
+    out = tmp_path / "tokenizer"
+    assert (out.stat().st_mode & 0o777) == (0o777 & ~_umask())
+    recipe = json.loads((out / RECIPE_FILE).read_text())
+    assert recipe["vocab_size"] == 400 and recipe["data"]["task"] == "chain_sum" and "tokenizer.json" in recipe["files"]
+    files = (out / "tokenizer.json").read_bytes()
+    assert len(run_tokenizer(c.tokenizer, str(tmp_path), source, data=spec)) == 400  # the same config: loaded
+    c.tokenizer.vocab_size = 500
+    with pytest.raises(ValueError, match=r"vocab_size: built with 400, the config has 500.*new workdir"):
+        run_tokenizer(c.tokenizer, str(tmp_path), source, data=spec)
+    c.tokenizer.vocab_size = 400
+    other = DataSpec.from_config(c.data)
+    other.task_config["max_digits"] = 3
+    with pytest.raises(ValueError, match="data: built with"):
+        run_tokenizer(c.tokenizer, str(tmp_path), source, data=other)
+    c.tokenizer.kind = "char"
+    with pytest.raises(ValueError, match="kind: built with 'bpe', the config has 'char'"):
+        run_tokenizer(c.tokenizer, str(tmp_path), source)
+    assert (out / "tokenizer.json").read_bytes() == files
+    c.tokenizer.kind = "bpe"
     with pytest.raises(ValueError, match="data.chat_template=off"):
-        run_tokenizer(c.tokenizer, str(tmp_path / "other"), chat)
+        run_tokenizer(c.tokenizer, str(tmp_path / "other"), types.SimpleNamespace(chat=True))
+
+
+def test_a_tokenizer_directory_from_before_recipes_is_checked_for_its_kind(tmp_path):
+    """A char tokenizer an earlier run left (no recipe file) is refused for a bpe config and loaded for a char one."""
+    from pdm_jax.config import get_base_config
+    from pdm_jax.text import run_tokenizer
+
+    build_char_tokenizer(TINY_SYMBOLS, tmp_path / "tokenizer")
+    c = get_base_config()
+    c.tokenizer.symbols = TINY_SYMBOLS
+    assert len(run_tokenizer(c.tokenizer, str(tmp_path), source=None)) == 16
+    c.tokenizer.kind = "bpe"
+    with pytest.raises(ValueError, match="kind: built with 'char', the config has 'bpe'"):
+        run_tokenizer(c.tokenizer, str(tmp_path), types_chat_off())
+
+
+def types_chat_off():
+    import types
+
+    return types.SimpleNamespace(chat=False)
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_load_tokenizer_errors_name_the_path(tmp_path):

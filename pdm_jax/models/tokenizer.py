@@ -152,7 +152,12 @@ def build_char_tokenizer(
     return reloaded
 
 
-def shared_tokenizer(out_dir: str | os.PathLike[str], build: Callable[[Path], object]) -> PreTrainedTokenizerBase:
+#: The file beside a built tokenizer's that records what it was built from (`shared_tokenizer`'s ``recipe``).
+RECIPE_FILE = "pdm_jax_tokenizer.json"
+
+
+def shared_tokenizer(out_dir: str | os.PathLike[str], build: Callable[[Path], object],
+                     recipe: dict | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer in ``out_dir``, written there by ``build`` first when absent; safe for processes sharing it.
 
     The processes of a multi-process run (one per host, or several on one host) share the workdir and
@@ -162,24 +167,40 @@ def shared_tokenizer(out_dir: str | os.PathLike[str], build: Callable[[Path], ob
     half-written ``tokenizer.json``). The first rename wins; a loser discards its copy, so ``build``
     must be deterministic (the char and BPE builders are: same inputs, same files).
 
+    ``recipe`` (JSON-able: what the tokenizer is built from, e.g. ``{"kind": "bpe", "vocab_size": 1024,
+    ...}``) is saved beside it as ``RECIPE_FILE`` with the list of its ``files``. A run that finds
+    ``out_dir`` built from another recipe (a resume with another ``tokenizer.vocab_size``, or a workdir an
+    earlier run with another config left) is refused: a run's tokenizer cannot change under its
+    checkpoints. A directory without the file (built before it existed) is checked for its kind only
+    (a ``WordLevel`` model is ``char``, a ``BPE`` one ``bpe``).
+
     Args:
       out_dir: a local directory, e.g. ``WORKDIR/tokenizer``; its parent is created if missing.
       build: writes a tokenizer into the directory it is given, e.g.
         ``lambda d: build_char_tokenizer(symbols, d)``.
+      recipe: what ``build`` builds from; None checks nothing.
 
     Returns:
       The tokenizer loaded from ``out_dir`` (:func:`load_tokenizer`).
 
     Raises:
-      ValueError: what ``build`` raises (bad symbols, an empty corpus); ``out_dir`` exists, is not empty
-        and holds no ``tokenizer.json`` (left by something else: the message names it).
+      ValueError: what ``build`` raises (bad symbols, an empty corpus); ``out_dir`` built from another
+        recipe (naming each differing field, both values and the directory); ``out_dir`` exists, is not
+        empty and holds no ``tokenizer.json`` (left by something else: the message names it).
     """
     out = Path(out_dir).expanduser()
+    recipe = None if recipe is None else json.loads(json.dumps(recipe, default=str))  # as it is read back
     if not (out / "tokenizer.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
             build(tmp)
+            if recipe is not None:
+                files = sorted(p.name for p in tmp.iterdir())
+                (tmp / RECIPE_FILE).write_text(json.dumps(dict(recipe, files=files), indent=2) + "\n")
+            umask = os.umask(0)
+            os.umask(umask)
+            tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 -> what a plain mkdir gives
             try:
                 os.rename(tmp, out)  # onto a missing or empty directory; refused onto a non-empty one
             except OSError as e:
@@ -188,10 +209,36 @@ def shared_tokenizer(out_dir: str | os.PathLike[str], build: Callable[[Path], ob
                                      f"not empty ({type(e).__name__}: {e}); remove it to have it rebuilt") from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; a loser's copy
+    if recipe is not None:
+        _check_recipe(out, recipe)
     return load_tokenizer(out)
 
 
-BPE_SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2 of build_bpe_tokenizer
+def _check_recipe(out: Path, recipe: dict) -> None:
+    """Refuses a tokenizer directory built from another recipe (see `shared_tokenizer`)."""
+    path = out / RECIPE_FILE
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"{str(path)!r} is not JSON ({e}); remove {str(out)!r} to have it rebuilt") from e
+        keys = [k for k in recipe if saved.get(k) != recipe[k]]
+    else:  # built before recipes were saved: its kind is all there is to check
+        model = json.loads((out / "tokenizer.json").read_text(encoding="utf-8")).get("model", {}).get("type")
+        saved = {"kind": {"WordLevel": "char", "BPE": "bpe"}.get(model, model)}
+        keys = ["kind"] if "kind" in recipe and saved["kind"] != recipe["kind"] else []
+    if keys:
+        diff = "; ".join(f"{k}: built with {saved.get(k)!r}, the config has {recipe[k]!r}" for k in keys)
+        raise ValueError(f"the tokenizer in {str(out)!r} was built from another config ({diff}): a run keeps the "
+                         "tokenizer its checkpoints were trained with; restore those values, or use a new workdir "
+                         "(or remove that directory if nothing was trained with it)")
+
+
+BPE_SPECIAL_TOKENS = ("<pad>", "<eos>")  # ids 0, 1 of build_bpe_tokenizer
+#: Byte-level BPE: every one of the 256 bytes has a token, so any text encodes (no unknown token).
+BPE_ALPHABET_SIZE = 256
+#: The largest ``tokenizer.vocab_size`` accepted (Qwen3's is 151,669; the trainer reserves memory for it up front).
+MAX_BPE_VOCAB_SIZE = 1 << 20
 
 
 def build_bpe_tokenizer(
@@ -199,60 +246,60 @@ def build_bpe_tokenizer(
     out_dir: str | os.PathLike[str],
     *,
     vocab_size: int,
-    alphabet: str = "",
 ) -> PreTrainedTokenizerFast:
-    """Trains a byte-pair-encoding tokenizer on ``texts`` and saves it in Hugging Face format.
+    """Trains a byte-level byte-pair-encoding tokenizer on ``texts`` and saves it in Hugging Face format.
 
-    The ``tokenizers`` library's ``BpeTrainer`` learns merges over the raw characters of each text
-    (no pre-tokenizer: a text is one word, so merges may span any character, and each text is kept
-    apart from the others, e.g. a prompt and its answer, so no token crosses between them) until the
-    vocabulary has ``vocab_size`` entries or no pair occurs twice. Ids: ``<pad>`` 0, ``<eos>`` 1,
-    ``<unk>`` 2, then the alphabet, then the merges in the order learnt. A ``Fuse`` decoder joins
-    tokens with no separator, so ``decode(encode(x)) == x`` for a string over the alphabet;
-    :func:`encode_strict` refuses any other character (it encodes to ``<unk>``). No chat template.
+    As GPT-2's and Qwen's tokenizers, it works on the UTF-8 bytes of the text (``tokenizers``'
+    ``ByteLevel`` pre-tokenizer and decoder): each of the 256 bytes has a token, so every string
+    encodes and ``decode(encode(x)) == x`` for any ``x``; there is no unknown token. Unlike theirs,
+    no regex splits the text into words first (``use_regex=False``), so merges may span any
+    character, and each text stays apart from the others (e.g. a prompt and its answer: no token
+    crosses between them). The ``tokenizers`` library's ``BpeTrainer`` learns merges of pairs that
+    occur at least twice until the vocabulary has ``vocab_size`` entries. Ids: ``<pad>`` 0,
+    ``<eos>`` 1, then the 256 bytes, then the merges in the order learnt. No chat template.
     Training is deterministic: the same texts give the same files.
 
     Args:
       texts: the corpus, e.g. a task's training prompts and reference answers (each a string).
       out_dir: directory to write (created if missing).
-      vocab_size: the most entries, the 3 special tokens included (field ``tokenizer.vocab_size``).
-      alphabet: characters that get a token whether or not ``texts`` holds them (e.g. the
-        characters of held-out prompts, or ``tokenizer.symbols``).
+      vocab_size: the most entries, the 2 special tokens and the 256 bytes included (field
+        ``tokenizer.vocab_size``), at most ``MAX_BPE_VOCAB_SIZE``.
 
     Returns:
       The tokenizer, as reloaded from ``out_dir``; ``len(tokenizer)`` may be below ``vocab_size``
       when the corpus has too few repeated pairs.
 
     Raises:
-      ValueError: ``vocab_size`` not an int above the special tokens plus the alphabet; ``texts`` empty
-        or holding a non-string.
+      ValueError: ``vocab_size`` not an int in (258, ``MAX_BPE_VOCAB_SIZE``]; ``texts`` empty or
+        holding a non-string.
     """
     texts = list(texts)
     if not texts or not all(isinstance(t, str) for t in texts):
         bad = next((t for t in texts if not isinstance(t, str)), None)
         raise ValueError(f"the BPE corpus must be a non-empty list of strings, got {len(texts)} texts"
                          + (f" including {bad!r}" if texts else ""))
-    chars = sorted(set(alphabet).union(*texts))
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= len(BPE_SPECIAL_TOKENS) \
-            + len(chars):
+    least = len(BPE_SPECIAL_TOKENS) + BPE_ALPHABET_SIZE
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not least < vocab_size <= MAX_BPE_VOCAB_SIZE:
         raise ValueError(f"tokenizer.vocab_size = {vocab_size!r}: must be an int above the {len(BPE_SPECIAL_TOKENS)} "
-                         f"special tokens + the {len(chars)} characters of the corpus and alphabet")
-    pad, eos, unk = BPE_SPECIAL_TOKENS
-    backend = tokenizers.Tokenizer(models.BPE(unk_token=unk))
-    backend.decoder = decoders.Fuse()
+                         f"special tokens + the {BPE_ALPHABET_SIZE} bytes ({least}) and at most {MAX_BPE_VOCAB_SIZE}")
+    pad, eos = BPE_SPECIAL_TOKENS
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=list(BPE_SPECIAL_TOKENS), initial_alphabet=chars)
+                                  special_tokens=list(BPE_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(texts, trainer, length=len(texts))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
-                                        model_max_length=1 << 20, pad_token=pad, eos_token=eos, unk_token=unk)
+                                        model_max_length=1 << 20, pad_token=pad, eos_token=eos)
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out_path))
     _public_tokenizer_class(out_path)
     reloaded = load_tokenizer(out_path)
     got = [reloaded.convert_tokens_to_ids(t) for t in BPE_SPECIAL_TOKENS]
-    if got != [0, 1, 2]:  # guards the contract against a tokenizers / transformers behaviour change
-        raise RuntimeError(f"saved BPE tokenizer in {out_path} reloads with special ids {got}, expected [0, 1, 2]")
+    if got != [0, 1]:  # guards the contract against a tokenizers / transformers behaviour change
+        raise RuntimeError(f"saved BPE tokenizer in {out_path} reloads with special ids {got}, expected [0, 1]")
     return reloaded
 
 
@@ -287,7 +334,9 @@ def encode_strict(
     ``text`` must be one of its symbols and maps to that symbol's id; special-token
     strings inside ``text`` are NOT interpreted (``"<eos>"`` is five characters, all
     of which must be symbols). For any other tokenizer the text is encoded without
-    automatic special tokens and an output containing the unknown-token id is refused.
+    automatic special tokens (a special-token string inside the text, e.g. ``"<eos>"`` for a
+    :func:`build_bpe_tokenizer` one, is read as that token, as Hugging Face tokenizers do) and an
+    output containing the unknown-token id is refused.
 
     Args:
       tokenizer: a Hugging Face tokenizer.
