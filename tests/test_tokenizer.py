@@ -567,3 +567,35 @@ def test_a_base_checkpoints_endoftext_stops_the_rollout_so_its_first_answer_is_g
 
     assert graded(stops) == 1.0
     assert graded(()) == 0.0  # the eos <|im_end|> alone: 151643 is skipped as special and "Answer: 7" is graded
+
+
+def test_a_bucket_workdir_keeps_its_tokenizer_in_the_bucket(monkeypatch):
+    """A bucket workdir (fsspec's memory:// stands in for gs://): process 0 uploads the built tokenizer with its
+    recipe; a later start downloads it instead of building again; a process without upload writes nothing."""
+    import fsspec
+
+    from pdm_jax.config import get_base_config
+    from pdm_jax.models import tokenizer as tokenizer_module
+    from pdm_jax.models.tokenizer import RECIPE_FILE
+    from pdm_jax.text import run_tokenizer
+
+    fs = fsspec.filesystem("memory")
+    c = get_base_config()
+    c.tokenizer.symbols = TINY_SYMBOLS
+    assert len(run_tokenizer(c.tokenizer, "memory://tok_bucket/other", None, upload=False)) == 16
+    assert not fs.exists("/tok_bucket/other")
+    assert len(run_tokenizer(c.tokenizer, "memory://tok_bucket/run", None)) == 16
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls("/tok_bucket/run/tokenizer", detail=False))
+    assert RECIPE_FILE in names and "tokenizer.json" in names
+    built = fs.cat("/tok_bucket/run/tokenizer/tokenizer.json")
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("rebuilt a tokenizer the bucket holds")
+
+    monkeypatch.setattr(tokenizer_module, "build_char_tokenizer", must_not_build)
+    tok = run_tokenizer(c.tokenizer, "memory://tok_bucket/run", None)
+    assert tok.convert_tokens_to_ids("7") == 2 + TINY_SYMBOLS.index("7")
+    assert fs.cat("/tok_bucket/run/tokenizer/tokenizer.json") == built
+    c.tokenizer.symbols = TINY_SYMBOLS + "*"
+    with pytest.raises(ValueError, match="symbols: built with"):
+        run_tokenizer(c.tokenizer, "memory://tok_bucket/run", None)
