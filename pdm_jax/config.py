@@ -485,6 +485,24 @@ def _default_is_none(path: str) -> bool:
     return node is None
 
 
+def load_config_file(config_spec: str) -> ml_collections.ConfigDict:
+    """Loads ``path.py[:arg]`` as ``--config`` does: the file's ``get_config(arg)`` (None without ``:arg``).
+
+    Raises:
+      ValueError: the file does not exist, or what its ``get_config`` raises for a bad argument string (an
+        unknown key or a value that does not parse: `apply_arg`).
+    """
+    import importlib.util
+
+    path, _, arg = config_spec.partition(":")
+    if not os.path.exists(path):
+        raise ValueError(f"config file {path!r} does not exist")
+    spec = importlib.util.spec_from_file_location("_config_file", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(arg or None)
+
+
 def apply_arg(config: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
     """Applies "key=value,..." overrides (short aliases or dotted paths) with type coercion.
 

@@ -20,7 +20,7 @@ from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pdm_jax.checkpointing import CheckpointError  # noqa: E402
-from pdm_jax.config import check_field_path, check_override_value, validate_config  # noqa: E402
+from pdm_jax.config import check_field_path, check_override_value, load_config_file, validate_config  # noqa: E402
 from pdm_jax.workdir import RunWriteError, WorkdirLockedError, run_path  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
@@ -88,9 +88,16 @@ def main(argv):
 
 
 def _check_overrides(argv) -> None:
-    """Names an unknown ``--config.<field>=`` override, or a value that does not parse as the field's kind, before
-    absl applies it (exit 2, as every other config error; absl itself would exit 1)."""
+    """Names an unknown ``--config.<field>=`` override, a value that does not parse as the field's kind, or a bad
+    key or value of the config's argument string (``--config=FILE:ARG``), before absl applies them (exit 2, as every
+    other config error; absl itself would exit 1 with a traceback)."""
     for arg in argv[1:]:
+        if arg.startswith("--config=") and ":" in arg:
+            try:
+                load_config_file(arg[len("--config="):])  # the file's get_config(ARG), as absl will call it
+            except ValueError as e:
+                print(f"config error: {e} (from {arg!r})", file=sys.stderr)
+                sys.exit(2)
         if arg.startswith("--config."):
             path, eq, raw = arg[len("--config."):].partition("=")
             try:

@@ -23,3 +23,16 @@ def test_cli_override_bad_value_exit_code():
                          timeout=300)
     assert out.returncode == 2 and "config error: rl.steps must be an integer, got 'abc'" in out.stderr
     assert "FATAL" not in out.stderr
+
+
+def test_cli_argument_string_typo_is_a_named_config_error():
+    """A bad key or value in ``--config=FILE:ARG`` exits 2 naming it, as a ``--config.`` override does (absl's own
+    flag parsing exited 1 with a traceback)."""
+    for arg, message in (("dleta=0.1", "config argument 'dleta': unknown field 'dleta'"),
+                         ("delta=abc", "delta")):
+        out = subprocess.run([sys.executable, "-m", "pdm_jax.train", f"--config=configs/tiny.py:{arg}",
+                              "--workdir=/nonexistent/never-created"], cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.startswith("config error: ") and message in out.stderr, out.stderr[-2000:]
+        assert "FATAL" not in out.stderr and "Traceback" not in out.stderr

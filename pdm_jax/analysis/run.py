@@ -17,7 +17,6 @@ turns a directory of them into the report.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -88,14 +87,10 @@ def enable_compile_cache(path: str) -> None:
 
 
 def load_config(config_spec: str):
-    """Loads ``path.py[:arg]`` like ``--config`` does (``get_config(arg)``); raises ValueError for a bad path."""
-    path, _, arg = config_spec.partition(":")
-    if not os.path.exists(path):
-        raise ValueError(f"config file {path!r} does not exist")
-    spec = importlib.util.spec_from_file_location("_analysis_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(arg or None)
+    """Loads ``path.py[:arg]`` like ``--config`` does (`pdm_jax.config.load_config_file`)."""
+    from pdm_jax.config import load_config_file  # lazy: this module also reads seeds without JAX
+
+    return load_config_file(config_spec)
 
 
 def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: float = 1e-2, full_mu: bool = True,
