@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import unicodedata
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -192,15 +192,14 @@ def shared_tokenizer(out_dir: str | os.PathLike[str], build: Callable[[Path], ob
     recipe = None if recipe is None else json.loads(json.dumps(recipe, default=str))  # as it is read back
     if not (out / "tokenizer.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        # A private name made with a plain mkdir (the umask's mode, unlike mkdtemp's 0700), never an existing one.
+        tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp.mkdir()
         try:
             build(tmp)
             if recipe is not None:
                 files = sorted(p.name for p in tmp.iterdir())
                 (tmp / RECIPE_FILE).write_text(json.dumps(dict(recipe, files=files), indent=2) + "\n")
-            umask = os.umask(0)
-            os.umask(umask)
-            tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 -> what a plain mkdir gives
             try:
                 os.rename(tmp, out)  # onto a missing or empty directory; refused onto a non-empty one
             except OSError as e:
