@@ -340,7 +340,7 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
     * ``weights``: the sampler's copy, sharded on its mesh (``sampler.mesh`` data x tensor, fsdp 1;
       `param_bytes_per_device` with the model's rules), in its compute dtype: ``sampler.compute_dtype``,
       "auto" resolved for an accelerator (`engine.resolve_compute_dtype`: float32 for quantization none,
-      bfloat16 for bf16 / fp8 / int8, whose values are held dequantized in it);
+      bfloat16 for bf16 / fp8 / int8 / int4, whose values are held dequantized in it);
     * ``kv_cache``: ``slots x (P + T) x layers x 2 x kv_heads x head_dim x dtype bytes`` / (data x tensor),
       the tensor axis only where it divides the kv heads (P = ``sampler.max_prompt_length``, T =
       ``rl.max_new_tokens``; slots = ``sampler.max_slots`` (0: ``max_batch_size``) with continuous

@@ -414,6 +414,29 @@ def test_stress_config_and_comparison_sweep():
             assert (c.trust_region.mask, c.trust_region.clip_eps_high) == ("ppo", 0.28)
 
 
+def test_bpe_testbed_sweeps_expand_into_valid_runs():
+    """launch/sweeps/bpe_testbed.py: the temperature pilot and the int4 pilot expand into 4 x 3 and 2 x 3 runs whose
+    configs validate and set the lever; a bad argument is named."""
+    import runpy
+
+    from pdm_jax.config import validate_config
+
+    path = os.path.join(REPO, "launch", "sweeps", "bpe_testbed.py")
+    get = runpy.run_path(os.path.join(REPO, "configs", "tiny_bpe.py"))["get_config"]
+    for arg, field, values in (("pilot", "temperature", {1.0, 1.3, 1.6, 2.0}), ("int4", "quantization", {"fp8", "int4"})):
+        runs = sweep.expand(sweep.load_sweep(path, arg))
+        assert len(runs) == len(values) * 3
+        seen = set()
+        for r in runs:
+            c = get(r["arg"])
+            validate_config(c)
+            seen.add(getattr(c.sampler, field))
+            assert c.rl.steps == 200 and c.tokenizer.kind == "bpe"
+        assert seen == values
+    with pytest.raises(ValueError, match="'int2'"):
+        sweep.load_sweep(path, "int2")
+
+
 def test_paired_differences_by_hand(tmp_path):
     """Arm - baseline per seed at the same other axis values; mean ± t half-width; wins counted."""
     d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1]), ("criterion", ["ratio", "none"])],

@@ -220,7 +220,7 @@ class SamplerSupervisor:
         return self.version is not None and (self._sampler is not None or self._restartable)
 
     def local_engine(self, version: int, quantization: str, compute_dtype: str = "auto") -> InProcessSampler:
-        """An in-process engine on weights version ``version`` with ``quantization`` ("none" | "bf16" | "fp8" | "int8")
+        """An in-process engine on weights version ``version`` with ``quantization`` ("none" | "bf16" | "fp8" | "int8" | "int4")
         computing in ``compute_dtype`` ("auto" | "float32" | "bfloat16", `engine.resolve_compute_dtype`)."""
         path = self.weights_path(version)
         engine = SamplingEngine(self.model_config, load_weights(path, self.model_config), quantization=quantization,

@@ -6,6 +6,9 @@ The run config's schema (`pdm_jax.config`), `pdm_jax.sampler.engine.SamplingEngi
 server started by hand batches as the trainer's own does (tests/test_sampler_defaults.py checks the equalities).
 """
 
+#: The sampler's weight precisions (``sampler.quantization``, the server's ``--quantization``); see quantize.py.
+QUANTIZATIONS = ("none", "bf16", "fp8", "int8", "int4")
+
 #: How a request's rows are batched: "static" (chunks of ``max_batch_size`` rows run to their longest row)
 #: or "continuous" (``max_slots`` slots of one KV cache, a slot whose row stops takes the next pending row).
 BATCHING_MODES = ("static", "continuous")

@@ -81,8 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--version", type=int, default=None,
                    help="weights version of --weights, checked against the one the directory records "
                         "(default: that recorded version; 0 for a random init)")
-    # = pdm_jax.sampler.quantize.QUANTIZATIONS (spelled out: quantize imports JAX, --help must not)
-    p.add_argument("--quantization", default="fp8", choices=("none", "bf16", "fp8", "int8"))
+    p.add_argument("--quantization", default="fp8", choices=defaults.QUANTIZATIONS)
     p.add_argument("--compute_dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="dtype the engine computes in (auto: f32 for none and on CPU, bf16 for bf16/fp8 on TPU/GPU)")
     p.add_argument("--compile_cache_dir", default="",
