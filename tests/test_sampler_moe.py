@@ -40,7 +40,7 @@ def test_expert_output_axes():
     assert q.default_output_axes(("layers", "mlp", "gate", "kernel"), (2, 32, 4)) == (0, 2)
 
 
-@pytest.mark.parametrize("mode", ["fp8", "int8"])
+@pytest.mark.parametrize("mode", ["fp8", "int8", "int4"])
 def test_quantized_experts_equal_per_expert_quantization(params, mode):
     """Every (layer, expert) [in, out] matrix quantized on its own with per-output-channel absmax
     scales (numpy + ml_dtypes) == the stacked [L, E, in, out] copy."""
@@ -56,16 +56,17 @@ def test_quantized_experts_equal_per_expert_quantization(params, mode):
                     s = np.abs(m).max(axis=0, keepdims=True) / np.float32(448.0)
                     want = (m / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
                     np.testing.assert_allclose(out[l, e], want, rtol=1e-6, atol=0, err_msg=f"{name} {l} {e}")
-                else:
-                    s = np.abs(m).max(axis=0, keepdims=True) / np.float32(127.5)
+                else:  # int8 / int4: scale max|W| / 127.5 (7.5), values in [-128, 127] ([-8, 7])
+                    half, lo, hi = (127.5, -128, 127) if mode == "int8" else (7.5, -8, 7)
+                    s = np.abs(m).max(axis=0, keepdims=True) / np.float32(half)
                     x = m / s
-                    want = np.clip(np.round(x), -128, 127) * s
-                    ok = np.isclose(out[l, e], want, rtol=1e-6, atol=0) | (np.abs(np.abs(x) - 127.5) < 1e-3)
+                    want = np.clip(np.round(x), lo, hi) * s
+                    ok = np.isclose(out[l, e], want, rtol=1e-6, atol=0) | (np.abs(np.abs(x) - half) < 1e-3)
                     assert ok.all(), (name, l, e)
     router = np.asarray(params["layers"]["mlp"]["gate"]["kernel"], np.float32)  # [L, D, E]
     r_out = np.asarray(got["layers"]["mlp"]["gate"]["kernel"])
     assert r_out.shape == router.shape and not np.array_equal(r_out, router)
-    assert np.abs(r_out - router).max() < 0.1 * np.abs(router).max()
+    assert np.abs(r_out - router).max() < 0.1 * np.abs(router).max()  # int4: at most max|W| / 15
 
 
 def _full_logits(params, b, cfg=CFG):

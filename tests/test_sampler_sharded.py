@@ -87,7 +87,7 @@ def test_sharded_kv_cache_layout(params, mesh):
     assert f"f32[{b},{CFG.num_key_value_heads},{CFG.head_dim},{s}]" not in text  # never a whole cache
 
 
-@pytest.mark.parametrize("quantization", ["bf16", "fp8", "int8"])
+@pytest.mark.parametrize("quantization", ["bf16", "fp8", "int8", "int4"])
 def test_sharded_quantized_copy_equals_unsharded(params, mesh, quantization):
     """prepare_sampler_params with shardings: the same values as on one device, placed by the rules."""
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0)))
