@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 
@@ -84,22 +85,27 @@ def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: 
                     tc.corpus_prompts)
     if not wd.is_remote(workdir):
         return shared_tokenizer(os.path.join(workdir, "tokenizer"), build, recipe)
-    # A bucket workdir: a local copy, from the bucket when an earlier start uploaded one.
-    local = os.path.join(tempfile.mkdtemp(prefix="pdm_jax_tokenizer_"), "tokenizer")
-    remote = wd.join(workdir, "tokenizer")
-    uploaded = wd.exists(wd.join(remote, RECIPE_FILE))
-    if uploaded:
-        os.makedirs(local)
-        saved = json.loads(wd.read_bytes(wd.join(remote, RECIPE_FILE)))
-        for name in list(saved.get("files", [])) + [RECIPE_FILE]:
-            with open(os.path.join(local, name), "wb") as f:
-                f.write(wd.read_bytes(wd.join(remote, name)))
-    tokenizer = shared_tokenizer(local, build, recipe)
-    if upload and not uploaded:  # the recipe last: its presence marks a complete upload
-        names = sorted(n for n in os.listdir(local) if n != RECIPE_FILE) + [RECIPE_FILE]
-        for name in names:
-            wd.upload_file(os.path.join(local, name), wd.join(remote, name))
-    return tokenizer
+    # A bucket workdir: a local copy, from the bucket when an earlier start uploaded one, removed once the
+    # tokenizer is loaded (it is held in memory) and uploaded.
+    staging = tempfile.mkdtemp(prefix="pdm_jax_tokenizer_")
+    try:
+        local = os.path.join(staging, "tokenizer")
+        remote = wd.join(workdir, "tokenizer")
+        uploaded = wd.exists(wd.join(remote, RECIPE_FILE))
+        if uploaded:
+            os.makedirs(local)
+            saved = json.loads(wd.read_bytes(wd.join(remote, RECIPE_FILE)))
+            for name in list(saved.get("files", [])) + [RECIPE_FILE]:
+                with open(os.path.join(local, name), "wb") as f:
+                    f.write(wd.read_bytes(wd.join(remote, name)))
+        tokenizer = shared_tokenizer(local, build, recipe)
+        if upload and not uploaded:  # the recipe last: its presence marks a complete upload
+            names = sorted(n for n in os.listdir(local) if n != RECIPE_FILE) + [RECIPE_FILE]
+            for name in names:
+                wd.upload_file(os.path.join(local, name), wd.join(remote, name))
+        return tokenizer
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:

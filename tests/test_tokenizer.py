@@ -569,10 +569,15 @@ def test_a_base_checkpoints_endoftext_stops_the_rollout_so_its_first_answer_is_g
     assert graded(()) == 0.0  # the eos <|im_end|> alone: 151643 is skipped as special and "Answer: 7" is graded
 
 
-def test_a_bucket_workdir_keeps_its_tokenizer_in_the_bucket(monkeypatch):
+def test_a_bucket_workdir_keeps_its_tokenizer_in_the_bucket(monkeypatch, tmp_path):
     """A bucket workdir (fsspec's memory:// stands in for gs://): process 0 uploads the built tokenizer with its
-    recipe; a later start downloads it instead of building again; a process without upload writes nothing."""
+    recipe; a later start downloads it instead of building again; a process without upload writes nothing; the
+    local copies are removed (the tokenizer is held in memory), on a refusal too."""
+    import tempfile
+
     import fsspec
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     from pdm_jax.config import get_base_config
     from pdm_jax.models import tokenizer as tokenizer_module
@@ -599,3 +604,4 @@ def test_a_bucket_workdir_keeps_its_tokenizer_in_the_bucket(monkeypatch):
     c.tokenizer.symbols = TINY_SYMBOLS + "*"
     with pytest.raises(ValueError, match="symbols: built with"):
         run_tokenizer(c.tokenizer, "memory://tok_bucket/run", None)
+    assert os.listdir(tmp_path) == []  # no local copy left behind
