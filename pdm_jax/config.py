@@ -998,8 +998,7 @@ def _check_paths(config, exist: bool = True) -> None:
             value = tc[field]
             _need(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
                   f"tokenizer.{field}", value, f"must be an int in [{low}, {high}]")
-        chat = dc.chat_template == "on" or (dc.chat_template == "auto" and (
-            dc.kind != "reasoning_gym" or dc.prompt_format == "question"))
+        chat = data_sources.applies_chat_template(dc.kind, dc.prompt_format, dc.chat_template)
         _need(not chat, "data.chat_template", dc.chat_template,
               "tokenizer.kind = 'bpe' trains a tokenizer without a chat template, and this data source would apply "
               "one (question prompts, gsm8k and dapo_math do under 'auto'): set data.chat_template=off or use "

@@ -33,3 +33,23 @@ def test_make_source_takes_the_spec_not_the_config_section():
     assert make_source(dataclasses.replace(spec, chat_template="on")).chat is True
     with pytest.raises(ValueError, match=r"data\.task_config must be a dict"):
         make_source(dataclasses.replace(spec, task_config=[1, 2]))
+
+
+def test_applies_chat_template_is_what_the_sources_do(tmp_path):
+    """The one rule `make_source` and `validate_config` read: "on" / "off" decide; under "auto" an explicit
+    DataSpec.chat, else each source's own default (its constructor with chat=None)."""
+    from pdm_jax.data import ReasoningGymSource, applies_chat_template
+    from pdm_jax.data.math_data import MathSource
+
+    for fmt in ("compact", "question"):
+        own = ReasoningGymSource("chain_sum", {}, prompt_format=fmt, num_eval=2, chat=None).chat
+        assert applies_chat_template("reasoning_gym", fmt, "auto") is own is (fmt == "question")
+    rows = tmp_path / "gsm8k.jsonl"
+    rows.write_text("".join(f'{{"question": "{i} + 1?", "answer": "so #### {i + 1}"}}\n' for i in range(4)))
+    own = MathSource("gsm8k", path=str(rows), num_eval=2, chat=None).chat
+    assert applies_chat_template("gsm8k", "question", "auto") is own is True
+    assert applies_chat_template("dapo_math", "question", "auto") is True
+    for kind, fmt in (("reasoning_gym", "compact"), ("gsm8k", "question")):
+        assert applies_chat_template(kind, fmt, "on") is True and applies_chat_template(kind, fmt, "off") is False
+        assert applies_chat_template(kind, fmt, "auto", chat=False) is False
+        assert applies_chat_template(kind, fmt, "auto", chat=True) is True

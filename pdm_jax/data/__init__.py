@@ -46,6 +46,7 @@ CHAT_TEMPLATES = ("auto", "on", "off")
 __all__ = [
     "COMPACT_ALPHABET",
     "DataSpec",
+    "applies_chat_template",
     "Example",
     "KINDS",
     "LengthFilteredSource",
@@ -56,6 +57,20 @@ __all__ = [
     "filter_long_prompts",
     "make_source",
 ]
+
+
+def applies_chat_template(kind: str, prompt_format: str, chat_template: str, chat=None) -> bool:
+    """Whether a source's prompts go through the tokenizer's chat template (`PromptSource.chat`).
+
+    ``chat_template`` "on" / "off" decide; under "auto" an explicit ``chat`` (`DataSpec.chat`) does, else the
+    source's own choice: reasoning-gym tasks with ``prompt_format="question"``, gsm8k and dapo_math apply it,
+    reasoning-gym "compact" prompts do not. `make_source` and `pdm_jax.config.validate_config` both read it.
+    """
+    if chat_template != "auto":
+        return chat_template == "on"
+    if chat is not None:
+        return bool(chat)
+    return kind != "reasoning_gym" or prompt_format == "question"
 
 
 def make_source(spec: DataSpec) -> PromptSource:
@@ -80,7 +95,7 @@ def make_source(spec: DataSpec) -> PromptSource:
         raise ValueError(f"data.chat_template must be one of {CHAT_TEMPLATES}, got {spec.chat_template!r}")
     if not isinstance(spec.task_config, Mapping):
         raise ValueError(f"data.task_config must be a dict, got {spec.task_config!r}")
-    chat = {"auto": spec.chat, "on": True, "off": False}[spec.chat_template]
+    chat = applies_chat_template(spec.kind, spec.prompt_format, spec.chat_template, spec.chat)
     if spec.kind == "reasoning_gym":
         if not spec.task:
             raise ValueError(f"data.task is required for kind='reasoning_gym', got {spec.task!r}")
