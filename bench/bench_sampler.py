@@ -31,6 +31,7 @@ from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.profiling import CompileCounter
+from pdm_jax.sampler.defaults import QUANTIZATIONS
 from pdm_jax.sampler.engine import SamplingEngine
 
 
@@ -68,7 +69,7 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--k", type=int, default=20)
-    ap.add_argument("--quantization", default="none", choices=("none", "bf16", "fp8"),
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                     help="JAX sampler weights/compute (none = f32, like the torch side)")
     ap.add_argument("--modes", default="",
                     help="comma list of quantization[:compute_dtype] engines timed beside the first "

@@ -285,8 +285,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     # the paper's FP8 rollouts; docs/sampler.md). None = rl.temperature (no mismatch). Evaluation samples at
     # rl.temperature.
     c.sampler.temperature = ml_collections.FieldReference(None, field_type=float)
-    # Dtype the sampler computes in (weights keep their bf16/fp8 values exactly in f32): "auto" (f32 for
-    # none, and on the CPU backend; bf16 for bf16/fp8 on TPU/GPU) | "float32" | "bfloat16".
+    # Dtype the sampler computes in (weights keep their bf16/fp8/int8/int4 values exactly in f32): "auto" (f32 for
+    # none, and on the CPU backend; bf16 for the quantized copies on TPU/GPU) | "float32" | "bfloat16".
     c.sampler.compute_dtype = "auto"
     # Token ids that end a rollout or an evaluation sample, comma separated ("151645,151643": Qwen3's
     # <|im_end|> and <|endoftext|>); the tokenizer's eos id is always one of them. "" = with model.hf_path, the
@@ -998,7 +998,8 @@ def _check_paths(config, exist: bool = True) -> None:
             value = tc[field]
             _need(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
                   f"tokenizer.{field}", value, f"must be an int in [{low}, {high}]")
-        chat = data_sources.applies_chat_template(dc.kind, dc.prompt_format, dc.chat_template)
+        chat = (dc.kind in data_sources.KINDS and dc.chat_template in data_sources.CHAT_TEMPLATES  # else named below
+                and data_sources.applies_chat_template(dc.kind, dc.prompt_format, dc.chat_template))
         _need(not chat, "data.chat_template", dc.chat_template,
               "tokenizer.kind = 'bpe' trains a tokenizer without a chat template, and this data source would apply "
               "one (question prompts, gsm8k and dapo_math do under 'auto'): set data.chat_template=off or use "

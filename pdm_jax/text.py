@@ -95,10 +95,19 @@ def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: 
         if uploaded:
             os.makedirs(local)
             saved = json.loads(wd.read_bytes(wd.join(remote, RECIPE_FILE)))
-            for name in list(saved.get("files", [])) + [RECIPE_FILE]:
+            files = saved.get("files") if isinstance(saved, dict) else None
+            names = list(files) if isinstance(files, list) else None
+            bad = [n for n in names or [] if not isinstance(n, str) or n in ("", ".", "..") or "/" in n or "\\" in n]
+            if names is None or bad:
+                raise ValueError(f"{wd.join(remote, RECIPE_FILE)}: its 'files' must be plain file names, got "
+                                 f"{bad[0] if bad else saved!r}")
+            for name in names + [RECIPE_FILE]:
                 with open(os.path.join(local, name), "wb") as f:
                     f.write(wd.read_bytes(wd.join(remote, name)))
-        tokenizer = shared_tokenizer(local, build, recipe)
+        try:
+            tokenizer = shared_tokenizer(local, build, recipe)
+        except ValueError as e:  # the local copy is gone once this returns: name the bucket's
+            raise ValueError(f"the tokenizer of {remote} (downloaded to a local copy): {e}") from e
         if upload and not uploaded:  # the recipe last: its presence marks a complete upload
             names = sorted(n for n in os.listdir(local) if n != RECIPE_FILE) + [RECIPE_FILE]
             for name in names:

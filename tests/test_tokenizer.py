@@ -604,4 +604,8 @@ def test_a_bucket_workdir_keeps_its_tokenizer_in_the_bucket(monkeypatch, tmp_pat
     c.tokenizer.symbols = TINY_SYMBOLS + "*"
     with pytest.raises(ValueError, match="symbols: built with"):
         run_tokenizer(c.tokenizer, "memory://tok_bucket/run", None)
-    assert os.listdir(tmp_path) == []  # no local copy left behind
+    # a recipe whose file list would write outside the local copy is refused before anything is written
+    fs.pipe("/tok_bucket/evil/tokenizer/" + RECIPE_FILE, json.dumps({"kind": "char", "files": ["../../x"]}).encode())
+    with pytest.raises(ValueError, match=r"'files' must be plain file names, got '\.\./\.\./x'"):
+        run_tokenizer(c.tokenizer, "memory://tok_bucket/evil", None)
+    assert os.listdir(tmp_path) == []  # no local copy left behind, nothing written beside it

@@ -95,7 +95,7 @@ def resolve_compute_dtype(compute_dtype, quantization: str, backend: Optional[st
     ``auto``: float32 for quantization ``none`` (bit-compatible with the trainer);
     for ``bf16`` / ``fp8`` float32 on the CPU backend -- XLA:CPU has no fast bf16
     matmul (bf16 decode measured 3x slower than f32 at batch 32, ``bench/bench_sampler.py``),
-    and the weights keep their bf16/fp8 values exactly in f32 -- and bfloat16 on
+    and the weights keep their bf16/fp8/int8/int4 values exactly in f32 -- and bfloat16 on
     TPU/GPU (`backend`, default ``jax.default_backend()``).
 
     Raises:
@@ -781,9 +781,9 @@ class SamplingEngine:
       version: weights version of `params`, reported per sequence.
       weights_path: where `params` came from (for idempotent reloads), or None.
       compute_dtype: activations/weights/KV-cache dtype of the sampler forward:
-        ``None``/``"auto"`` (`resolve_compute_dtype`: f32 for none, and for bf16/fp8
+        ``None``/``"auto"`` (`resolve_compute_dtype`: f32 for none, and for bf16/fp8/int8/int4
         f32 on the CPU backend, bf16 on TPU/GPU), ``"float32"`` or ``"bfloat16"``.
-        The bf16/fp8 weights are rounded / quantized-dequantized once per version
+        The bf16/fp8/int8/int4 weights are rounded / quantized-dequantized once per version
         and then held in this dtype, so f32 keeps their values exactly; logits are
         always f32.
       max_prompt_length: longest accepted prompt (tokens); also the largest prompt bucket.

@@ -304,7 +304,9 @@ def _weight_only_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype, qtype) 
     fp8 (``float8_e4m3fn``): exactly ``quantize_fp8(w, axes).dequantize(dtype)`` without the host-side
     finiteness check (traceable). int8: qwix's convention, ``scale = max|W| / 127.5`` per output
     channel, ``qvalue = clip(round_half_even(W * (1 / scale)), -128, 127)``; int4 the same with
-    ``max|W| / 7.5`` and ``[-8, 7]``.
+    ``max|W| / 7.5`` and ``[-8, 7]``. A channel's largest |W| lands on +-127.5 (+-7.5): the positive
+    one is clipped to 127 (7), the negative one becomes -128 or -127 (-8 or -7) by the f32 rounding of
+    ``W * (1 / scale)``, so the extreme weight loses up to 1/255 (int4: 1/15) of its size.
     """
     import qwix  # local import: qwix pulls in flax.linen; only needed for fp8 / int8 / int4
 
