@@ -423,7 +423,8 @@ def test_bpe_testbed_sweeps_expand_into_valid_runs():
 
     path = os.path.join(REPO, "launch", "sweeps", "bpe_testbed.py")
     get = runpy.run_path(os.path.join(REPO, "configs", "tiny_bpe.py"))["get_config"]
-    for arg, field, values in (("pilot", "temperature", {1.0, 1.3, 1.6, 2.0}), ("int4", "quantization", {"fp8", "int4"})):
+    for arg, field, values in (("pilot", "temperature", {1.0, 1.3, 1.6, 2.0}),
+                               ("int4", "quantization", {"fp8", "int4"})):
         runs = sweep.expand(sweep.load_sweep(path, arg))
         assert len(runs) == len(values) * 3
         seen = set()

@@ -114,7 +114,8 @@ def test_topk_equals_independent_topk(params, batch):
 
 @pytest.mark.parametrize("quantization", ["fp8", "int8", "int4"])
 def test_quantized_decode_equals_quantized_prefill(params, quantization):
-    """fp8 / int8 / int4 weights, f32 compute: decode logprobs == teacher-forced logprobs of the same quantized weights."""
+    """fp8 / int8 / int4 weights, f32 compute: decode logprobs == teacher-forced logprobs of the same quantized
+    weights."""
     eng = make_engine(params, quantization=quantization, compute_dtype=jnp.float32)
     b = eng.generate(PROMPTS, temperature=1.0, seed=5, **GEN)
     logp = log_softmax_np(full_logits(eng.params, b))

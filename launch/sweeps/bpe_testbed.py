@@ -25,7 +25,10 @@ def get_sweep(arg=None):
     the temperature pilot, "int4" = the int4-rollouts pilot."""
     if arg not in (None, "pilot", "int4"):
         raise ValueError(f"bpe_testbed sweep argument {arg!r}: expected 'pilot', 'int4' or none")
-    lever = ("sampler.quantization", ["fp8", "int4"]) if arg == "int4" else ("sampler.temperature", [1.0, 1.3, 1.6, 2.0])
+    if arg == "int4":
+        lever = ("sampler.quantization", ["fp8", "int4"])
+    else:
+        lever = ("sampler.temperature", [1.0, 1.3, 1.6, 2.0])
     return dict(
         config="configs/tiny_bpe.py",
         fixed="log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50",

@@ -220,8 +220,9 @@ class SamplerSupervisor:
         return self.version is not None and (self._sampler is not None or self._restartable)
 
     def local_engine(self, version: int, quantization: str, compute_dtype: str = "auto") -> InProcessSampler:
-        """An in-process engine on weights version ``version`` with ``quantization`` ("none" | "bf16" | "fp8" | "int8" | "int4")
-        computing in ``compute_dtype`` ("auto" | "float32" | "bfloat16", `engine.resolve_compute_dtype`)."""
+        """An in-process engine on weights version ``version`` with ``quantization`` (one of
+        `pdm_jax.sampler.defaults.QUANTIZATIONS`) computing in ``compute_dtype`` ("auto" | "float32" | "bfloat16",
+        `engine.resolve_compute_dtype`)."""
         path = self.weights_path(version)
         engine = SamplingEngine(self.model_config, load_weights(path, self.model_config), quantization=quantization,
                                 version=version, weights_path=path, compute_dtype=compute_dtype,

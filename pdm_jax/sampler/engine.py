@@ -777,7 +777,8 @@ class SamplingEngine:
       params: trainer weights: an ``nnx.Module``, ``nnx.State`` or nested pure
         dict of arrays (any float dtype; f32 expected).
       quantization: ``"none"`` (f32, bit-compatible with the trainer), ``"bf16"``,
-        ``"fp8"`` (e4m3 weight-only, per-output-channel) or ``"int8"`` / ``"int4"`` (weight-only, per channel; see quantize.py).
+        ``"fp8"`` (e4m3 weight-only, per-output-channel) or ``"int8"`` / ``"int4"`` (weight-only, per channel;
+        see quantize.py).
       version: weights version of `params`, reported per sequence.
       weights_path: where `params` came from (for idempotent reloads), or None.
       compute_dtype: activations/weights/KV-cache dtype of the sampler forward:

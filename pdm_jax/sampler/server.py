@@ -83,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: that recorded version; 0 for a random init)")
     p.add_argument("--quantization", default="fp8", choices=defaults.QUANTIZATIONS)
     p.add_argument("--compute_dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="dtype the engine computes in (auto: f32 for none and on CPU, bf16 for bf16/fp8/int8/int4 on TPU/GPU)")
+                   help="dtype the engine computes in (auto: f32 for none and on CPU, bf16 for the quantized copies "
+                        "on TPU/GPU)")
     p.add_argument("--compile_cache_dir", default="",
                    help="JAX persistent compilation cache directory ('' = none); see pdm_jax.profiling")
     p.add_argument("--compile_cache_min_compile_time_s", type=float, default=0.0,
