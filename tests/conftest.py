@@ -27,6 +27,12 @@ if "PYTEST_XDIST_WORKER" not in os.environ or "PDM_JAX_TEST_RUN_DIR" not in os.e
     os.environ["PDM_JAX_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="pdm_jax_test_run_")
     atexit.register(shutil.rmtree, os.environ["PDM_JAX_TEST_RUN_DIR"], True)
 os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], "xdg_cache")
+# Temporary files made without a named place (tempfile's default; subprocesses inherit TMPDIR) go to the test run's
+# directory too, so they go with it: a sampler server a test makes crash keeps its log for a post-mortem, by design,
+# and a SIGKILLed run leaves its sampler's port file; in the machine's /tmp both outlived the run.
+os.environ["TMPDIR"] = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], "tmp")
+os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 TEST_RUN_COMPILE_CACHE = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], "jax_cache")
 #: XLA:CPU flags for the test run, each unless ``XLA_FLAGS`` names it already: 8 fake devices, and programs built for
 #: compile speed (the tests' programs are tiny and run briefly; building them was two thirds of the suite's time).
