@@ -1,8 +1,10 @@
-"""CLI of the token-level analysis: ``python -m pdm_jax.analysis {run,report} ...``.
+"""CLI of the token-level analysis: ``python -m pdm_jax.analysis {run,report,disagreement_map} ...``.
 
 ``run``    runs ``--seeds`` short tiny-task runs with the `AlignmentCallback` in
            one process, saves each seed under ``<out>/seeds/`` and writes the report;
-``report`` rebuilds ``<out>/README.md`` and the figures from the saved seeds.
+``report`` rebuilds ``<out>/README.md`` and the figures from the saved seeds;
+``disagreement_map`` maps, on synthetic logits, where the ratio and predictive direction tests
+           can disagree (`pdm_jax.analysis.disagreement_map`; issue 29's feasibility question).
 
 Example (the committed report)::
 
@@ -42,6 +44,28 @@ def _parse_seeds(text: str) -> list:
     return list(range(n))
 
 
+def _disagreement_map(args, parser) -> int:
+    """The ``disagreement_map`` subcommand: computes the map, writes it, prints its summary; returns 0."""
+    import dataclasses
+
+    import jax
+
+    from pdm_jax.analysis import disagreement_map as dm
+
+    spec = dm.MapSpec()
+    if args.positions:
+        try:
+            spec = dataclasses.replace(spec, positions=tuple(int(x) for x in args.positions.split(",")))
+        except ValueError as e:
+            parser.error(f"--positions={args.positions!r}: {e}")
+    command = "python -m pdm_jax.analysis disagreement_map --out=" + args.out + (
+        f" --positions={args.positions}" if args.positions else "")
+    dm.run(args.out, spec, command=command, provenance=f"JAX {jax.__version__} on {jax.default_backend()}")
+    print("\n".join(dm.summary(dm.read_csv(os.path.join(args.out, "cells.csv")))))
+    print(f"map written to {os.path.join(args.out, 'README.md')}")
+    return 0
+
+
 def main(argv=None) -> int:
     """CLI of the token-level analysis (`run` seeds, or `report` from saved seeds); returns the exit code."""
     from pdm_jax.analysis.run import SETTINGS  # lazy: --help answers without importing JAX
@@ -72,6 +96,11 @@ def main(argv=None) -> int:
     r.add_argument("--no_report", action="store_true")
     q = sub.add_parser("report", help="rebuild the report from <out>/seeds")
     q.add_argument("--out", required=True)
+    m = sub.add_parser("disagreement_map", help="where the ratio and predictive direction tests can disagree: a map "
+                       "on synthetic logits (writes <out>/cells.csv and <out>/README.md)")
+    m.add_argument("--out", required=True)
+    m.add_argument("--positions", default=None,
+                   help="positions per cell, one per vocabulary size, comma-separated (default: MapSpec's)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     from absl import logging as absl_logging  # lazy: --help answers without importing JAX
@@ -79,6 +108,8 @@ def main(argv=None) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)
     from pdm_jax.analysis import report, run  # lazy: --help answers without importing JAX
 
+    if args.cmd == "disagreement_map":
+        return _disagreement_map(args, m)
     if args.cmd == "run":
         try:
             seeds = _parse_seeds(args.seeds)
