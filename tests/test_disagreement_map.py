@@ -96,18 +96,65 @@ def test_the_readme_bolds_and_summarises_the_cells_that_reach_the_rule(tmp_path)
     assert qualifying, "the test spec has a qualifying cell"
     n_offset = sum(r["lever"] == "offset" and r["delta"] == 0.02 for r in qualifying)
     assert f"V = {V}, δ = 0.02, offset: {n_offset} of 1 cells reach 5.0% disagreement" in text
+    assert "Over the whole map at most" in text and "cell rows of fewer" not in text
 
 
-def test_bad_specs_and_arguments_are_refused_naming_the_field(tmp_path, capsys):
-    with pytest.raises(ValueError, match="MapSpec.positions"):
-        dm.MapSpec(vocab_sizes=(64, 128), positions=(10,))
-    with pytest.raises(ValueError, match="MapSpec.top_k=64"):
-        dm.MapSpec(vocab_sizes=(64,), positions=(10,), top_k=64)
-    with pytest.raises(ValueError, match="MapSpec.offsets"):
-        dm.MapSpec(offsets=(0.0,))
+@pytest.mark.parametrize("field,value,match", [
+    ("positions", (10, 10), "one count per vocabulary size"),
+    ("top_k", 64, "MapSpec.top_k=64 must be below"),
+    ("top_k", 0, r"MapSpec.top_k must hold integers in \[1"),
+    ("top_k", True, "MapSpec.top_k must hold integers"),
+    ("top_k", 2.5, "MapSpec.top_k must hold integers"),
+    ("seed", 2 ** 70, "MapSpec.seed must hold integers"),
+    ("vocab_sizes", ("64",), "MapSpec.vocab_sizes must hold integers"),
+    ("positions", (float("inf"),), "MapSpec.positions must hold integers"),
+    ("offsets", (0.0,), "MapSpec.offsets must hold finite numbers"),
+    ("offsets", (float("inf"),), "MapSpec.offsets must hold finite numbers"),
+    ("logit_scales", (1e39,), "MapSpec.logit_scales must hold finite numbers"),
+    ("temperatures", (1e-46,), "MapSpec.temperatures must hold finite numbers"),
+    ("deltas", (float("nan"),), "MapSpec.deltas must hold finite numbers"),
+    ("deltas", 0.05, "MapSpec.deltas must be a list or tuple, got 0.05"),
+    ("logit_scales", (), "MapSpec.logit_scales must not be empty"),
+])
+def test_a_bad_spec_is_refused_naming_the_field_and_the_value(field, value, match):
+    fields = dict(vocab_sizes=(V,), positions=(N,), top_k=K)
+    fields[field] = value
+    with pytest.raises(ValueError, match=match):
+        dm.MapSpec(**fields)
+
+
+def test_no_lever_and_non_finite_cells_are_errors_not_zeros():
+    with pytest.raises(ValueError, match="both empty: no lever"):
+        dm.MapSpec(offsets=(), temperatures=())
+    spec = dm.MapSpec(vocab_sizes=(V,), positions=(N,), top_k=K)
+    object.__setattr__(spec, "offsets", (float("inf"),))  # past the checks, as an overflow would be
+    with pytest.raises(ValueError, match=r"cell V=64, s=2, offset=inf: 512 of 512 positions have a non-finite"):
+        dm.cell(spec, V, N, 2.0, "offset", float("inf"), index=0)
+
+
+def test_offset_rows_of_a_column_share_their_positions():
+    spec = dm.MapSpec(vocab_sizes=(V,), top_k=K, logit_scales=(2.0,), offsets=(0.3, 0.6), temperatures=(),
+                      deltas=(0.05,), positions=(N,))
+    a, b = dm.compute(spec)
+    assert a["entropy"] == b["entropy"] and a["top1"] == b["top1"]
+    assert a["frac_outside"] < b["frac_outside"]  # the same offset direction, twice as long
+
+
+def test_a_small_map_is_left_out_of_the_summary_saying_so():
+    spec = dm.MapSpec(vocab_sizes=(V,), top_k=K, logit_scales=(2.0,), offsets=(0.6,), temperatures=(),
+                      deltas=(0.05,), positions=(8,))
+    assert dm.summary(dm.compute(spec)) == ["1 cell rows of fewer than 400 positions are left out of this summary."]
+
+
+def test_bad_cli_arguments_are_refused_before_anything_runs(tmp_path, capsys):
+    for positions in ("12", "", "a,b"):  # one count for two vocabulary sizes; empty; not integers
+        with pytest.raises(SystemExit):
+            main(["disagreement_map", f"--out={tmp_path}", f"--positions={positions}"])
+        assert f"--positions={positions!r}" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        main(["disagreement_map", f"--out={tmp_path / 'file'}"])
+    assert "exists and is not a directory" in capsys.readouterr().err
     with pytest.raises(ValueError, match="lever must be one of"):
         dm.cell(SPEC, V, N, 2.0, "noise", 0.6, index=0)
-    with pytest.raises(SystemExit):
-        main(["disagreement_map", f"--out={tmp_path}", "--positions=12"])  # one count for two vocabulary sizes
-    assert "--positions='12'" in capsys.readouterr().err
-    assert not os.listdir(tmp_path)

@@ -52,14 +52,16 @@ def _disagreement_map(args, parser) -> int:
 
     from pdm_jax.analysis import disagreement_map as dm
 
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out={args.out!r} exists and is not a directory")
     spec = dm.MapSpec()
-    if args.positions:
+    if args.positions is not None:
         try:
             spec = dataclasses.replace(spec, positions=tuple(int(x) for x in args.positions.split(",")))
         except ValueError as e:
             parser.error(f"--positions={args.positions!r}: {e}")
     command = "python -m pdm_jax.analysis disagreement_map --out=" + args.out + (
-        f" --positions={args.positions}" if args.positions else "")
+        f" --positions={args.positions}" if args.positions is not None else "")
     dm.run(args.out, spec, command=command, provenance=f"JAX {jax.__version__} on {jax.default_backend()}")
     print("\n".join(dm.summary(dm.read_csv(os.path.join(args.out, "cells.csv")))))
     print(f"map written to {os.path.join(args.out, 'README.md')}")

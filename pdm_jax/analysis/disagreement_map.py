@@ -31,6 +31,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import functools
+import math
 import os
 import time
 from typing import Iterable, Sequence
@@ -51,33 +52,66 @@ MIN_TOKENS = 20
 CHUNK_ELEMENTS = 1 << 25
 
 
+#: Bounds of the grid's float fields (exclusive low, inclusive high): beyond them f32 logits overflow or the cell
+#: means nothing (a temperature of 0).
+FLOAT_BOUNDS = dict(logit_scales=(0.0, 1e3), offsets=(0.0, 1e2), temperatures=(1e-2, 1e2), deltas=(0.0, 1e2))
+#: Bounds of the grid's integer fields (inclusive).
+INT_BOUNDS = dict(vocab_sizes=(2, 1 << 20), positions=(1, 1 << 20), top_k=(1, 1 << 20), seed=(0, (1 << 32) - 1))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 @dataclasses.dataclass(frozen=True)
 class MapSpec:
     """The grid. Fields: vocab_sizes (V), top_k (K), logit_scales (s), offsets (sigma, logit units),
     temperatures (tau_s), deltas (nats of top-K KL), positions (per cell and V, same order as vocab_sizes),
-    seed."""
+    seed. Sequences are stored as tuples.
+
+    Raises:
+      ValueError: naming the field and its value: a sequence field that is not a non-empty list or tuple (offsets
+        or temperatures may be empty, not both), an integer field that is not an int (bools are refused) or is out
+        of `INT_BOUNDS`, a float that is not finite or is out of `FLOAT_BOUNDS`, positions not one count per
+        vocabulary size, or top_k not below every vocabulary size.
+    """
 
     vocab_sizes: Sequence[int] = (1024, 151936)  # the BPE testbed's, Qwen3's
     top_k: int = 20
     logit_scales: Sequence[float] = (3.0, 4.5, 6.0, 9.0, 12.0)
-    offsets: Sequence[float] = (0.1, 0.2, 0.4, 0.8)
+    offsets: Sequence[float] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
     temperatures: Sequence[float] = (1.1, 1.3, 1.6)
     deltas: Sequence[float] = (0.05, 0.15)
     positions: Sequence[int] = (4096, 1024)
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("vocab_sizes", "positions", "logit_scales", "offsets", "temperatures", "deltas"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"MapSpec.{name} must be a list or tuple, got {value!r}")
+            if not value and name not in ("offsets", "temperatures"):
+                raise ValueError(f"MapSpec.{name} must not be empty")
+            object.__setattr__(self, name, tuple(value))
+        if not self.offsets and not self.temperatures:
+            raise ValueError("MapSpec.offsets and MapSpec.temperatures are both empty: no lever to map")
+        for name, (lo, hi) in INT_BOUNDS.items():
+            value = getattr(self, name)
+            for x in (value if isinstance(value, tuple) else (value,)):
+                if not _is_int(x) or not lo <= x <= hi:
+                    raise ValueError(f"MapSpec.{name} must hold integers in [{lo}, {hi}], got {value!r}")
+        for name, (lo, hi) in FLOAT_BOUNDS.items():
+            value = getattr(self, name)
+            for x in value:
+                if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)) \
+                        or not math.isfinite(x) or not lo < x <= hi:
+                    raise ValueError(f"MapSpec.{name} must hold finite numbers in ({lo:g}, {hi:g}], got {value!r}")
         if len(self.positions) != len(self.vocab_sizes):
-            raise ValueError(f"MapSpec.positions {tuple(self.positions)} must give one count per vocabulary size "
-                             f"{tuple(self.vocab_sizes)}")
+            raise ValueError(f"MapSpec.positions {self.positions} must give one count per vocabulary size "
+                             f"{self.vocab_sizes}")
         for v in self.vocab_sizes:
             if not self.top_k < v:
                 raise ValueError(f"MapSpec.top_k={self.top_k} must be below every vocabulary size, got V={v}")
-        for name in ("logit_scales", "offsets", "deltas", "positions"):
-            if any(not x > 0 for x in getattr(self, name)):
-                raise ValueError(f"MapSpec.{name} must be positive, got {tuple(getattr(self, name))}")
-        if any(not t > 0 for t in self.temperatures):
-            raise ValueError(f"MapSpec.temperatures must be positive, got {tuple(self.temperatures)}")
 
     def levers(self) -> list:
         """[(lever, strength)] in table order."""
@@ -107,8 +141,8 @@ def chunk_key(seed: int, index: int, chunk: int):
 
 @functools.partial(jax.jit, static_argnames=("n", "vocab", "top_k", "lever"))
 def _chunk(key, scale, strength, deltas, *, n: int, vocab: int, top_k: int, lever: str):
-    """Per-chunk sums: [entropy, top1, topk_kl, then per delta: outside, disagree, disagree & oracle agrees
-    with the predictive sign]. f32 ``[3 + 3 * len(deltas)]``."""
+    """Per-chunk sums: [non-finite positions, entropy, top1, topk_kl, then per delta: outside, disagree,
+    disagree & oracle agrees with the predictive sign]. f32 ``[4 + 3 * len(deltas)]``."""
     pi_z, mu_z, tokens, topk_ids, topk_lp, behavior = positions(key, scale, strength, n=n, vocab=vocab,
                                                                 top_k=top_k, lever=lever)
     mu_lp = jax.nn.log_softmax(mu_z, axis=-1)
@@ -117,12 +151,14 @@ def _chunk(key, scale, strength, deltas, *, n: int, vocab: int, top_k: int, leve
     d_pred = tr.kl_directional_derivative(*args, estimator="bucket_exact")
     d_full = tr.full_kl_directional_derivative(pi_z, mu_z, tokens)
     log_ratio = jnp.take_along_axis(jax.nn.log_softmax(pi_z, axis=-1), tokens[:, None], axis=-1)[:, 0] - behavior
-    # With A > 0 the ratio test drops an outside token iff log r > 0, the predictive one iff D' > 0
-    # (trust_region._mask_core); with A < 0 both flip, so they differ iff these two signs differ.
+    # With A = +1 (every token here) the ratio test drops an outside token iff log r > 0, the predictive one iff
+    # D' > 0 (trust_region._mask_core). With A = -1 the tests drop it iff log r < 0 / D' < 0: the same count but
+    # at an exact zero of log r or D', which no out-of-region token of the committed map has.
     differ = (log_ratio > 0) != (d_pred > 0)
     oracle_agrees = (d_full > 0) == (d_pred > 0)
     entropy = -jnp.sum(jnp.exp(mu_lp) * mu_lp, axis=-1)
-    out = [jnp.sum(entropy), jnp.sum(jnp.exp(jnp.max(mu_lp, axis=-1))), jnp.sum(kl)]
+    finite = jnp.isfinite(kl) & jnp.isfinite(d_pred) & jnp.isfinite(d_full) & jnp.isfinite(entropy)
+    out = [jnp.sum(~finite), jnp.sum(entropy), jnp.sum(jnp.exp(jnp.max(mu_lp, axis=-1))), jnp.sum(kl)]
     for i in range(deltas.shape[0]):
         outside = kl > deltas[i]
         out += [jnp.sum(outside), jnp.sum(outside & differ), jnp.sum(outside & differ & oracle_agrees)]
@@ -133,8 +169,13 @@ def cell(spec: MapSpec, vocab: int, num_positions: int, scale: float, lever: str
          index: int) -> list:
     """One (V, s, lever, strength) cell: a list of row dicts, one per delta (see `CSV_FIELDS`).
 
+    ``index`` numbers the cell's column (V, s) (`compute` counts them from 0): its positions' behaviour logits,
+    offset noise and sampling keys come from it and ``spec.seed``, so every lever of a column reads the same
+    draws (the offset rows share their positions and tokens; sigma only scales the offset).
+
     Raises:
-      ValueError: unknown ``lever``.
+      ValueError: unknown ``lever``; a non-finite divergence, derivative or entropy at any position (naming the
+        cell), where f32 overflowed.
     """
     if lever not in LEVERS:
         raise ValueError(f"lever must be one of {LEVERS}, got {lever!r}")
@@ -148,6 +189,11 @@ def cell(spec: MapSpec, vocab: int, num_positions: int, scale: float, lever: str
         sums = np.asarray(sums, np.float64)
         total = sums if total is None else total + sums
         done, c = done + n, c + 1
+    if total[0]:
+        raise ValueError(f"cell V={vocab}, s={scale:g}, {lever}={strength:g}: {int(total[0])} of {num_positions} "
+                         "positions have a non-finite top-K KL, derivative or entropy (f32 overflow); use smaller "
+                         "logit scales or offsets")
+    total = total[1:]
     rows = []
     for i, delta in enumerate(spec.deltas):
         outside, disagree, right = total[3 + 3 * i: 6 + 3 * i]
@@ -165,11 +211,11 @@ CSV_FIELDS = ("vocab", "top_k", "logit_scale", "lever", "strength", "delta", "po
 
 def compute(spec: MapSpec, progress=None) -> list:
     """Every cell of the grid, in a fixed order; ``progress(i, n)`` is called after each cell."""
-    jobs = [(v, p, s, lever, strength) for v, p in zip(spec.vocab_sizes, spec.positions)
-            for s in spec.logit_scales for lever, strength in spec.levers()]
+    columns = [(v, p, s) for v, p in zip(spec.vocab_sizes, spec.positions) for s in spec.logit_scales]
+    jobs = [(column, c, lever, strength) for column, c in enumerate(columns) for lever, strength in spec.levers()]
     rows = []
-    for i, (v, p, s, lever, strength) in enumerate(jobs):
-        rows += cell(spec, v, p, s, lever, strength, index=i)
+    for i, (column, (v, p, s), lever, strength) in enumerate(jobs):
+        rows += cell(spec, v, p, s, lever, strength, index=column)
         if progress is not None:
             progress(i + 1, len(jobs))
     return rows
@@ -201,39 +247,60 @@ def _lever_label(lever: str, strength: float) -> str:
     return f"offset σ = {strength:g}" if lever == "offset" else f"temperature τ_s = {strength:g}"
 
 
+def _ratio(r: dict) -> float:
+    return r["frac_disagree"] / r["frac_outside"]
+
+
 def summary(rows: Sequence[dict]) -> list:
-    """Reading lines computed from the rows: per (V, delta), the cells that reach the qualification rule and the
-    least out-of-region share among them, and the largest disagreement per out-of-region token per lever."""
+    """Reading lines computed from the rows. Per (V, delta, lever): how many cells reach the qualification rule,
+    the least out-of-region share among them, and the largest share of out-of-region tokens that disagree; then
+    that share over the whole map and the out-of-region share it implies for the rule; then how often the
+    predictive sign is the full-vocabulary derivative's where the tests part.
+
+    Shares are read only where their denominator holds at least `MIN_TOKENS` tokens: cells with fewer than
+    ``MIN_TOKENS / QUALIFYING_DISAGREEMENT`` positions are left out (and said so), a ratio needs as many outside
+    tokens, a right-sign share as many disagreeing ones."""
+    min_positions = math.ceil(MIN_TOKENS / QUALIFYING_DISAGREEMENT)
+    readable = [r for r in rows if r["positions"] >= min_positions]
     lines = []
-    for v in sorted({r["vocab"] for r in rows}):
-        for d in sorted({r["delta"] for r in rows}):
-            sel = [r for r in rows if r["vocab"] == v and r["delta"] == d]
+    if len(readable) < len(rows):
+        lines.append(f"{len(rows) - len(readable)} cell rows of fewer than {min_positions} positions are left out "
+                     "of this summary.")
+    rule = f"{_pct(QUALIFYING_DISAGREEMENT)}%"
+    for v in sorted({r["vocab"] for r in readable}):
+        for d in sorted({r["delta"] for r in readable}):
             for lever in LEVERS:
-                lr = [r for r in sel if r["lever"] == lever]
+                lr = [r for r in readable if r["vocab"] == v and r["delta"] == d and r["lever"] == lever]
                 if not lr:
                     continue
                 q = [r for r in lr if r["frac_disagree"] >= QUALIFYING_DISAGREEMENT]
                 out = [r for r in lr if r["frac_outside"] * r["positions"] >= MIN_TOKENS]
-                best = max(out, key=lambda r: r["frac_disagree"] / r["frac_outside"]) if out else None
-                text = (f"V = {v}, δ = {d:g}, {lever}: {len(q)} of {len(lr)} cells reach "
-                        f"{_pct(QUALIFYING_DISAGREEMENT)}% disagreement")
+                text = f"V = {v}, δ = {d:g}, {lever}: {len(q)} of {len(lr)} cells reach {rule} disagreement"
                 if q:
                     m = min(q, key=lambda r: r["frac_outside"])
                     text += (f"; the one with the fewest tokens outside δ has {_pct(m['frac_outside'])}% outside "
                              f"(entropy {m['entropy']:.2f} nats, {_lever_label(lever, m['strength'])}, "
                              f"top-K KL {m['mean_topk_kl']:.3g} nats)")
-                if best is not None:
-                    text += (f"; at most {_pct(best['frac_disagree'] / best['frac_outside'])}% of the outside tokens "
-                             f"disagree (cells with >= {MIN_TOKENS} outside; entropy {best['entropy']:.2f} nats, "
-                             f"{_lever_label(lever, best['strength'])})")
+                if out:
+                    best = max(out, key=_ratio)
+                    text += (f"; at most {_pct(_ratio(best))}% of the outside tokens disagree (entropy "
+                             f"{best['entropy']:.2f} nats, {_lever_label(lever, best['strength'])})")
                 lines.append(text + ".")
-    counted = [r for r in rows if r["frac_disagree"] * r["positions"] >= MIN_TOKENS]
+    out = [r for r in readable if r["frac_outside"] * r["positions"] >= MIN_TOKENS]
+    if out:
+        best = max(out, key=_ratio)
+        lines.append(f"Over the whole map at most {_pct(_ratio(best))}% of the outside tokens disagree (V = "
+                     f"{best['vocab']}, δ = {best['delta']:g}, {_lever_label(best['lever'], best['strength'])}, "
+                     f"entropy {best['entropy']:.2f} nats): {rule} of all tokens disagreeing needs at least "
+                     f"{_pct(QUALIFYING_DISAGREEMENT / _ratio(best))}% of them outside δ, and more where fewer of "
+                     "the outside ones disagree.")
+    counted = [r for r in readable if r["frac_disagree"] * r["positions"] >= MIN_TOKENS]
     if counted:
         right = [r["pred_right_on_disagree"] for r in counted]
-        lines.append(f"Where the tests disagree ({len(counted)} cell rows with >= {MIN_TOKENS} "
-                     f"disagreeing tokens), the predictive sign is the full-vocabulary derivative's on "
-                     f"{_pct(min(right))}-{_pct(max(right))}% of them: the ratio test's decision is the wrong one "
-                     f"there to first order.")
+        lines.append(f"Where the tests disagree ({len(counted)} (cell, δ) rows with >= {MIN_TOKENS} disagreeing "
+                     f"tokens), the predictive sign is the full-vocabulary derivative's on "
+                     f"{_pct(min(right))}-{_pct(max(right))}% of them: to first order, the ratio test decides "
+                     "against the divergence's change there.")
     return lines
 
 
@@ -282,8 +349,10 @@ def markdown(rows: Sequence[dict], spec_line: str, command: str, provenance: str
                     text = f"{_pct(r['frac_outside'])} / {_pct(r['frac_disagree'])}"
                     cells.append(f"**{text}**" if r["frac_disagree"] >= QUALIFYING_DISAGREEMENT else text)
                 out.append(f"| {_lever_label(lever, strength)} | " + " | ".join(cells) + " |")
-    out += ["", f"Bold: the cell reaches {_pct(QUALIFYING_DISAGREEMENT)}% disagreement. The entropy row is "
-            "the offset rows' μ; a temperature row's μ is hotter (its own entropy is in `cells.csv`)."]
+    out += ["", f"Bold: the cell reaches {_pct(QUALIFYING_DISAGREEMENT)}% disagreement. The entropy row is the "
+            "first lever's μ. The offset rows of a column share their positions, tokens and offset direction (σ only "
+            "scales it), so it is every offset row's μ; a temperature row's μ is z/τ_s (its entropy is in "
+            "`cells.csv`)."]
     return "\n".join(out) + "\n"
 
 
@@ -297,12 +366,22 @@ def spec_line(spec: MapSpec) -> str:
 
 
 def run(out_dir: str, spec: MapSpec = MapSpec(), command: str = "", provenance: str = "") -> list:
-    """Computes the grid, writes ``cells.csv`` and ``README.md`` under ``out_dir``; returns the rows."""
+    """Computes the grid, writes ``cells.csv`` and ``README.md`` under ``out_dir`` (replacing an earlier map's);
+    returns the rows.
+
+    Raises:
+      ValueError: ``out_dir`` exists and is not a directory (before anything is computed); what `cell` raises.
+    """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"out_dir {out_dir!r} exists and is not a directory")
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
     rows = compute(spec, progress=lambda i, n: print(f"cell {i}/{n} ({time.time() - t0:.0f} s)", flush=True))
-    write_csv(rows, os.path.join(out_dir, "cells.csv"))
-    rows = read_csv(os.path.join(out_dir, "cells.csv"))  # the README is what `report` would rebuild
-    with open(os.path.join(out_dir, "README.md"), "w") as f:
+    csv_path, readme_path = os.path.join(out_dir, "cells.csv"), os.path.join(out_dir, "README.md")
+    write_csv(rows, csv_path + ".tmp")
+    rows = read_csv(csv_path + ".tmp")  # the README reads what the file holds
+    with open(readme_path + ".tmp", "w") as f:
         f.write(markdown(rows, spec_line(spec), command, provenance))
+    os.replace(csv_path + ".tmp", csv_path)  # both files replaced only once both are written
+    os.replace(readme_path + ".tmp", readme_path)
     return rows
