@@ -1,4 +1,5 @@
-"""Off-policy gap of the quantized sampler: bf16 and fp8 (e4m3, per-channel) against the f32 policy.
+"""Off-policy gap of the quantized sampler: every ``sampler.quantization`` (bf16, fp8 e4m3, int8, int4; the
+quantized ones per output channel) against the f32 policy.
 
 For each sampler mode the sampler generates rollouts (tokens drawn from mu =
 softmax(z_q / tau)); the f32 "trainer" recomputes pi = softmax(z / tau) by teacher
@@ -15,7 +16,7 @@ Weights: a random Qwen3 with fan-in-scaled init (peaked, LLM-like next-token
 distributions; the default N(0, 0.02) init gives near-uniform ones), or a real
 Hugging Face checkpoint with ``--hf_path``.
 
-    python bench/bench_quantization.py [--hf_path DIR] [--layers 4] [--hidden 256] ...
+    python bench/bench_quantization.py [--hf_path DIR] [--layers 4] [--hidden 256] [--modes none,fp8,int4] ...
 """
 import argparse
 import time
@@ -27,11 +28,16 @@ from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import quantize as q
+from pdm_jax.sampler.defaults import QUANTIZATIONS
 from pdm_jax.sampler.engine import SamplingEngine
 
 
 def fan_in_scaled(pure: dict, config: Qwen3Config, logit_gain: float) -> dict:
-    """Rescales a random init to std 1/sqrt(fan_in) (embedding: 1; lm_head: logit_gain/sqrt(D))."""
+    """Rescales a random init's matrices to std 1/sqrt(fan_in) (embedding: 1; lm_head: logit_gain/sqrt(D)).
+
+    Norm scales and other vectors are left alone. Under ``layers`` every leaf is stacked over the layers (a
+    leading [L] axis), which is not a fan-in axis: the fan-in is the first axis after it (o_proj: the heads and
+    head_dim axes)."""
     def rec(d, path):
         out = {}
         for k, v in d.items():
@@ -39,7 +45,8 @@ def fan_in_scaled(pure: dict, config: Qwen3Config, logit_gain: float) -> dict:
             if isinstance(v, dict):
                 out[k] = rec(v, p)
                 continue
-            if v.ndim < 2:
+            shape = v.shape[1:] if "layers" in p else v.shape
+            if len(shape) < 2 or "norm" in p[-2]:
                 out[k] = v
                 continue
             x = v / jnp.std(v)
@@ -48,9 +55,9 @@ def fan_in_scaled(pure: dict, config: Qwen3Config, logit_gain: float) -> dict:
             elif "lm_head" in p:
                 std = logit_gain / np.sqrt(config.hidden_size)
             elif "o_proj" in p:
-                std = 1.0 / np.sqrt(v.shape[0] * v.shape[1])
+                std = 1.0 / np.sqrt(shape[0] * shape[1])
             else:
-                std = 1.0 / np.sqrt(v.shape[0])
+                std = 1.0 / np.sqrt(shape[0])
             out[k] = x * std
         return out
     return rec(pure, ())
@@ -116,7 +123,13 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default=",".join(QUANTIZATIONS),
+                    help=f"comma-separated sampler precisions, of {', '.join(QUANTIZATIONS)} (default: all)")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in QUANTIZATIONS]
+    if bad or not modes:
+        ap.error(f"--modes={args.modes!r}: each must be one of {', '.join(QUANTIZATIONS)}")
 
     if args.hf_path:
         from pdm_jax.models import hf_io
@@ -141,14 +154,17 @@ def main():
         by_kind.setdefault(k.split("/")[-2], []).append(v)
     print("fp8 weight error ||W - W_q||_F / ||W||_F per tensor kind (mean over layers): " +
           ", ".join(f"{kind} {np.mean(v):.4f}" for kind, v in sorted(by_kind.items())))
-    bf = q.relative_errors(params, q.prepare_sampler_params(params, "bf16"))
-    print(f"bf16 weight error: mean {np.mean(list(bf.values())):.5f}, max {max(bf.values()):.5f}")
+    for mode in modes:
+        if mode in ("none", "fp8"):
+            continue
+        e = [v for v in q.relative_errors(params, q.prepare_sampler_params(params, mode)).values() if v > 0]
+        print(f"{mode} weight error: mean {np.mean(e):.5f}, max {max(e):.5f} (over the {len(e)} tensors it changes)")
 
     rng = np.random.default_rng(args.seed)
     prompts = [list(rng.integers(0, config.vocab_size, size=int(rng.integers(4, 17)))) for _ in range(args.prompts)]
     print(f"\n{'mode':6s} {'mean|logmu-logpi|':>18s} {'p99':>8s} {'mean KL_topK':>13s} {'mean KL_full':>13s} "
           f"{'logit rel err':>14s} {'tokens':>7s} {'gen s':>6s}")
-    for mode in ("none", "bf16", "fp8"):
+    for mode in modes:
         eng = SamplingEngine(config, params, quantization=mode, max_prompt_length=32,
                              max_new_tokens=args.max_new_tokens, min_new_tokens_bucket=args.max_new_tokens)
         t0 = time.perf_counter()
