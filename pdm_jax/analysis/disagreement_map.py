@@ -222,6 +222,7 @@ def compute(spec: MapSpec, progress=None) -> list:
 
 
 def write_csv(rows: Iterable[dict], path: str) -> None:
+    """Writes `compute`'s rows to ``path`` as CSV with the `CSV_FIELDS` columns (floats to 6 significant digits)."""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
@@ -304,7 +305,7 @@ def summary(rows: Sequence[dict]) -> list:
     return lines
 
 
-def markdown(rows: Sequence[dict], spec_line: str, command: str, provenance: str) -> str:
+def markdown(rows: Sequence[dict], grid: str, command: str, provenance: str) -> str:
     """The README: how the cells are made, the summary lines, and per (V, delta) one table whose rows are the
     levers and columns the logit scales; a cell reads ``outside % / disagree %``."""
     out = ["# Where the direction tests can disagree: a map on synthetic logits (issue 29)", "",
@@ -321,7 +322,7 @@ def markdown(rows: Sequence[dict], spec_line: str, command: str, provenance: str
            "vocabulary and position-dependent). `temperature τ_s`: behaviour logits z/τ_s, trainer logits z "
            "(the `sampler.temperature` lever).",
            "- **Tokens**: y ~ μ, with μ's top-K view; every token counts (no padding).",
-           f"- **Grid**: {spec_line}.",
+           f"- **Grid**: {grid}.",
            f"- **Command**: `{command}` (deterministic; {provenance}).",
            "- **Files**: [`cells.csv`](cells.csv), one row per cell and δ, with the share of the disagreement "
            "set on which the predictive sign is the full-vocabulary derivative's (`pred_right_on_disagree`).", "",
@@ -357,6 +358,7 @@ def markdown(rows: Sequence[dict], spec_line: str, command: str, provenance: str
 
 
 def spec_line(spec: MapSpec) -> str:
+    """The grid in one line for the README (V and positions, K, s, sigma, tau_s, delta, seed)."""
     return (f"V ∈ {{{', '.join(map(str, spec.vocab_sizes))}}} "
             f"(positions per cell {', '.join(map(str, spec.positions))}), "
             f"K = {spec.top_k}, s ∈ {{{', '.join(f'{s:g}' for s in spec.logit_scales)}}}, "
