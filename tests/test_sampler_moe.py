@@ -3,7 +3,6 @@ against an independent per-expert numpy reference, and the MoE engine's decode l
 a teacher-forced forward of the same (dequantized) weights."""
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,6 +11,7 @@ from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import quantize as q
 from pdm_jax.sampler.engine import SamplingEngine
 from conftest import TINY_MOE
+from quant_reference import fp8_reference, int_matches
 
 CFG = TINY_MOE
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8]]
@@ -43,7 +43,7 @@ def test_expert_output_axes():
 @pytest.mark.parametrize("mode", ["fp8", "int8", "int4"])
 def test_quantized_experts_equal_per_expert_quantization(params, mode):
     """Every (layer, expert) [in, out] matrix quantized on its own with per-output-channel absmax
-    scales (numpy + ml_dtypes) == the stacked [L, E, in, out] copy."""
+    scales (tests/quant_reference.py: numpy + ml_dtypes) == the stacked [L, E, in, out] copy."""
     got = q.prepare_sampler_params(params, mode, compute_dtype=jnp.float32)
     for name in ("gate_proj", "up_proj", "down_proj"):
         w = np.asarray(params["layers"]["mlp"]["experts"][name]["kernel"], np.float32)
@@ -53,16 +53,11 @@ def test_quantized_experts_equal_per_expert_quantization(params, mode):
             for e in range(E):
                 m = w[l, e]  # [in, out]
                 if mode == "fp8":
-                    s = np.abs(m).max(axis=0, keepdims=True) / np.float32(448.0)
-                    want = (m / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
+                    qv, s = fp8_reference(m, (1,))
+                    want = qv.astype(np.float32) * s
                     np.testing.assert_allclose(out[l, e], want, rtol=1e-6, atol=0, err_msg=f"{name} {l} {e}")
-                else:  # int8 / int4: scale max|W| / 127.5 (7.5), values in [-128, 127] ([-8, 7])
-                    half, lo, hi = (127.5, -128, 127) if mode == "int8" else (7.5, -8, 7)
-                    s = np.abs(m).max(axis=0, keepdims=True) / np.float32(half)
-                    x = m / s
-                    want = np.clip(np.round(x), lo, hi) * s
-                    ok = np.isclose(out[l, e], want, rtol=1e-6, atol=0) | (np.abs(np.abs(x) - half) < 1e-3)
-                    assert ok.all(), (name, l, e)
+                else:
+                    assert int_matches(out[l, e], m, (1,), mode).all(), (name, l, e)
     router = np.asarray(params["layers"]["mlp"]["gate"]["kernel"], np.float32)  # [L, D, E]
     r_out = np.asarray(got["layers"]["mlp"]["gate"]["kernel"])
     assert r_out.shape == router.shape and not np.array_equal(r_out, router)

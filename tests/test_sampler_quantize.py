@@ -1,7 +1,6 @@
 """Sampler weight copies: fp8-e4m3 per-output-channel quantization and bf16, against independent references."""
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -9,6 +8,7 @@ from flax import nnx
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.sampler import quantize as q
 from conftest import TINY_DENSE
+from quant_reference import INT_RANGES, fp8_reference, int_matches
 
 CFG = TINY_DENSE
 
@@ -21,21 +21,12 @@ def params():
     return q._map_with_path(lambda path, x: x if path[-1] == "scale" else x * 25.0, pure)  # not the norms
 
 
-def _fp8_reference(w, output_axes):
-    """numpy + ml_dtypes: absmax over the non-output axes / 448, round to e4m3 (nearest even)."""
-    w = np.asarray(w, np.float32)
-    reduce = tuple(i for i in range(w.ndim) if i not in output_axes)
-    scale = np.abs(w).max(axis=reduce, keepdims=True) / 448.0
-    qv = (w / np.where(scale == 0, 1, scale)).astype(ml_dtypes.float8_e4m3fn)
-    return qv, scale.astype(np.float32)
-
-
 @pytest.mark.parametrize("shape,axes", [((32, 4, 8), (1, 2)), ((4, 8, 32), (2,)), ((32, 64), (1,))])
 @pytest.mark.slow
 def test_fp8_matches_independent_reference(shape, axes):
     w = jax.random.normal(jax.random.PRNGKey(1), shape) * jnp.linspace(0.1, 3.0, shape[-1])
     t = q.quantize_fp8(w, axes)
-    qv_ref, scale_ref = _fp8_reference(w, axes)
+    qv_ref, scale_ref = fp8_reference(w, axes)
     assert t.qvalue.dtype == jnp.float8_e4m3fn and t.scale.dtype == jnp.float32
     assert t.scale.shape == scale_ref.shape  # reduced (contraction) axes kept as size 1
     np.testing.assert_allclose(np.asarray(t.scale), scale_ref, rtol=1e-6)
@@ -167,26 +158,18 @@ def test_one_program_preparation_is_bit_identical_to_the_eager_path(params, mode
         np.testing.assert_array_equal(np.asarray(got["layers"]["mlp"]["up_proj"]["kernel"]), exact)
 
 
-@pytest.mark.parametrize("mode, half_range, lo, hi", [("int8", 127.5, -128, 127), ("int4", 7.5, -8, 7)])
-def test_integer_modes_match_independent_reference(params, mode, half_range, lo, hi):
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_integer_modes_match_independent_reference(params, mode):
     """int8 / int4 weight-only (qwix's per-channel absmax: scale = max|W| / 127.5 (int4: / 7.5) over the
     input axes, W times 1/scale rounded half to even, clipped to [-128, 127] (int4: [-8, 7])) == a numpy
-    reference on a stacked [L, D, F] kernel; embeddings, lm_head and norms unchanged; per-tensor error
-    below fp8's for int8 (8 bits of uniform grid vs e4m3's 3 mantissa bits), above it for int4 (16 levels:
-    the coarse copy sampler.quantization=int4 offers as a mismatch lever)."""
+    reference on a stacked [L, D, F] kernel (tests/quant_reference.py); embeddings, lm_head and norms unchanged;
+    per-tensor error below fp8's for int8 (8 bits of uniform grid vs e4m3's 3 mantissa bits), above it for int4
+    (16 levels: the coarse copy sampler.quantization=int4 offers as a mismatch lever)."""
+    _, lo, hi = INT_RANGES[mode]
     got = q.prepare_sampler_params(params, mode, compute_dtype=jnp.float32)
     w = np.asarray(params["layers"]["mlp"]["up_proj"]["kernel"], np.float32)  # [L, D, F]: scales per (L, F)
-    scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(half_range)
-    x = w / scale
-    want = np.clip(np.round(x), lo, hi).astype(np.float32) * scale
     out = np.asarray(got["layers"]["mlp"]["up_proj"]["kernel"])
-    # A channel's -max|W| sits on the tie x = -half_range: the float rounding of W * (1/scale) in the
-    # compiled program decides between lo and lo + 1 there; everywhere else the reference is exact.
-    tie = np.abs(np.abs(x) - half_range) < 1e-3
-    np.testing.assert_allclose(out[~tie], want[~tie], rtol=1e-6, atol=0)
-    assert np.all(np.isclose(out[tie], lo * np.broadcast_to(scale, x.shape)[tie], rtol=1e-6)
-                  | np.isclose(out[tie], (lo + 1) * np.broadcast_to(scale, x.shape)[tie], rtol=1e-6)
-                  | np.isclose(out[tie], hi * np.broadcast_to(scale, x.shape)[tie], rtol=1e-6))
+    assert int_matches(out, w, (0, 2), mode).all()
     assert len(np.unique(out[0, :, 0])) <= hi - lo + 1
     np.testing.assert_array_equal(np.asarray(got["embed_tokens"]["embedding"]), params["embed_tokens"]["embedding"])
     err = q.relative_errors(params, got)
