@@ -69,7 +69,8 @@ def _disagreement_map(args, parser) -> int:
 
 
 def main(argv=None) -> int:
-    """CLI of the token-level analysis (`run` seeds, or `report` from saved seeds); returns the exit code."""
+    """CLI of the token-level analysis (`run` seeds, `report` from saved seeds, or the synthetic
+    `disagreement_map`); returns the exit code."""
     from pdm_jax.analysis.run import SETTINGS  # lazy: --help answers without importing JAX
 
     p = argparse.ArgumentParser(prog="python -m pdm_jax.analysis", description=__doc__.split("\n\n")[0])
