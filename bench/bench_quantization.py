@@ -1,5 +1,6 @@
 """Off-policy gap of the quantized sampler: every ``sampler.quantization`` (bf16, fp8 e4m3, int8, int4; the
-quantized ones per output channel) against the f32 policy.
+quantized ones per output channel) and every ``sampler.weight_noise`` asked for (f32 copies with a fixed
+Gaussian perturbation, ``--weight_noise``) against the f32 policy.
 
 For each sampler mode the sampler generates rollouts (tokens drawn from mu =
 softmax(z_q / tau)); the f32 "trainer" recomputes pi = softmax(z / tau) by teacher
@@ -8,6 +9,7 @@ forcing.  Printed per mode:
 * mean |log mu(y) - log pi(y)| over generated tokens (and its 99th percentile),
 * mean top-K KL_topK(mu || pi) over E = TopK(mu) u {y} plus the tail bucket
   (DESIGN.md section 2, the DPPO proximity D_t),
+* the share of generated tokens whose top-K KL exceeds ``--delta`` (outside the DPPO trust region),
 * mean full-vocabulary KL(mu || pi) (the sampler's full logits, for reference),
 * the relative Frobenius error ||W - W_q|| / ||W|| of the weights (mean / max over
   quantized tensors) and the relative error of the logits.
@@ -16,7 +18,8 @@ Weights: a random Qwen3 with fan-in-scaled init (peaked, LLM-like next-token
 distributions; the default N(0, 0.02) init gives near-uniform ones), or a real
 Hugging Face checkpoint with ``--hf_path``.
 
-    python bench/bench_quantization.py [--hf_path DIR] [--layers 4] [--hidden 256] [--modes none,fp8,int4] ...
+    python bench/bench_quantization.py [--hf_path DIR] [--layers 4] [--hidden 256] [--modes none,fp8,int4] \
+        [--weight_noise 0.02,0.05,0.1] [--delta 0.05] ...
 """
 import argparse
 import time
@@ -125,11 +128,19 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default=",".join(QUANTIZATIONS),
                     help=f"comma-separated sampler precisions, of {', '.join(QUANTIZATIONS)} (default: all)")
+    ap.add_argument("--weight_noise", default="",
+                    help="comma-separated sampler.weight_noise values: one more row each, an f32 copy with that "
+                         "relative noise (default: none)")
+    ap.add_argument("--delta", type=float, default=0.05, help="trust-region delta of the 'outside' column (nats)")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in QUANTIZATIONS]
     if bad or not modes:
         ap.error(f"--modes={args.modes!r}: each must be one of {', '.join(QUANTIZATIONS)}")
+    try:
+        noises = [q.check_weight_noise(float(x)) for x in args.weight_noise.split(",") if x.strip()]
+    except ValueError as e:
+        ap.error(f"--weight_noise={args.weight_noise!r}: {e}")
 
     if args.hf_path:
         from pdm_jax.models import hf_io
@@ -162,10 +173,10 @@ def main():
 
     rng = np.random.default_rng(args.seed)
     prompts = [list(rng.integers(0, config.vocab_size, size=int(rng.integers(4, 17)))) for _ in range(args.prompts)]
-    print(f"\n{'mode':6s} {'mean|logmu-logpi|':>18s} {'p99':>8s} {'mean KL_topK':>13s} {'mean KL_full':>13s} "
-          f"{'logit rel err':>14s} {'tokens':>7s} {'gen s':>6s}")
-    for mode in modes:
-        eng = SamplingEngine(config, params, quantization=mode, max_prompt_length=32,
+    print(f"\n{'mode':11s} {'mean|logmu-logpi|':>18s} {'p99':>8s} {'mean KL_topK':>13s} {'outside':>8s} "
+          f"{'mean KL_full':>13s} {'logit rel err':>14s} {'tokens':>7s} {'gen s':>6s}")
+    for mode, noise in [(m, 0.0) for m in modes] + [("none", x) for x in noises]:
+        eng = SamplingEngine(config, params, quantization=mode, weight_noise=noise, max_prompt_length=32,
                              max_new_tokens=args.max_new_tokens, min_new_tokens_bucket=args.max_new_tokens)
         t0 = time.perf_counter()
         b = eng.generate(prompts, n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
@@ -182,9 +193,12 @@ def main():
         logmu = log_softmax(z_mu / tau)
         kl_full = (np.exp(logmu) * (logmu - logpi)).sum(-1)[m]
         logit_err = np.linalg.norm((z_mu - z_pi)[m]) / np.linalg.norm(z_pi[m])
-        print(f"{mode:6s} {gap.mean():18.3e} {np.quantile(gap, 0.99):8.2e} {kl_topk.mean():13.3e} "
-              f"{kl_full.mean():13.3e} {logit_err:14.3e} {int(m.sum()):7d} {gen_s:6.1f}")
-    print("\n(none = the f32 sampler: the gap is decode-vs-full-forward rounding only)")
+        name = mode if not noise else f"noise {noise:g}"
+        print(f"{name:11s} {gap.mean():18.3e} {np.quantile(gap, 0.99):8.2e} {kl_topk.mean():13.3e} "
+              f"{np.mean(kl_topk > args.delta):8.1%} {kl_full.mean():13.3e} {logit_err:14.3e} {int(m.sum()):7d} "
+              f"{gen_s:6.1f}")
+    print("\n(none = the f32 sampler: the gap is decode-vs-full-forward rounding only; noise x = sampler.weight_noise "
+          f"x on the f32 copy; outside = the share of tokens whose top-K KL exceeds delta = {args.delta:g})")
 
 
 if __name__ == "__main__":

@@ -285,6 +285,14 @@ def get_base_config() -> ml_collections.ConfigDict:
     # the paper's FP8 rollouts; docs/sampler.md). None = rl.temperature (no mismatch). Evaluation samples at
     # rl.temperature.
     c.sampler.temperature = ml_collections.FieldReference(None, field_type=float)
+    # Relative std of a fixed Gaussian perturbation of the sampler's weight copy (every matmul weight, the embedding and
+    # lm_head; each entry gets this times its output channel's RMS, before the quantization): a persistent
+    # behaviour/trainer mismatch of a chosen size, the same perturbation for every weights version (a dialable
+    # quantization error; 0.1 is about int4's per-weight error; docs/sampler.md). 0 = none. In [0, 1]. The
+    # evaluation engine (eval.engine "f32") is never noised; not available with sampler.backend "vllm".
+    c.sampler.weight_noise = 0.0
+    # Seed of sampler.weight_noise's draws (an integer in [0, 2**32)); a run resumed keeps the same perturbation.
+    c.sampler.weight_noise_seed = 0
     # Dtype the sampler computes in (weights keep their bf16/fp8/int8/int4 values exactly in f32): "auto" (f32 for
     # none, and on the CPU backend; bf16 for the quantized copies on TPU/GPU) | "float32" | "bfloat16".
     c.sampler.compute_dtype = "auto"
@@ -467,6 +475,7 @@ ARG_ALIASES = {
     "seed": "seed",
     "steps": "rl.steps",
     "quantization": "sampler.quantization",
+    "weight_noise": "sampler.weight_noise",
     "staleness": "rl.max_staleness",
     "hf_path": "model.hf_path",
     "tokenizer_path": "tokenizer.path",
@@ -794,6 +803,19 @@ def resolve_sampler_mode(mode: str, backend: Optional[str] = None) -> str:
     return "subprocess" if (backend or jax.default_backend()) == "cpu" else "colocated"
 
 
+def _check_weight_noise(config) -> None:
+    """``sampler.weight_noise`` in [0, MAX_WEIGHT_NOISE] (native backend only) and its seed in [0, 2**32)."""
+    sc = config.sampler
+    noise, most = sc.weight_noise, sampler_defaults.MAX_WEIGHT_NOISE
+    _need(isinstance(noise, (int, float)) and not isinstance(noise, bool) and math.isfinite(noise)
+          and 0 <= noise <= most, "sampler.weight_noise", noise, f"must be a finite relative std in [0, {most}]")
+    _need(noise == 0 or sc.backend == "native", "sampler.weight_noise", noise,
+          "must be 0 with sampler.backend = 'vllm' (the vLLM server loads the exported weights as they are)")
+    seed = sc.weight_noise_seed
+    _need(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32, "sampler.weight_noise_seed",
+          seed, "must be an integer in [0, 2**32)")
+
+
 def _check_sampler_and_eval(config) -> None:
     sc = config.sampler
     _need(sc.mode in SAMPLER_MODES, "sampler.mode", sc.mode, f"must be one of {SAMPLER_MODES}")
@@ -1048,7 +1070,8 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
                          + (f"; also unknown: {', '.join(unknown[1:])}" if len(unknown) > 1 else ""))
     _check_types(config)
     _run_checks(config, [(_check_paths, (not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
-                         (_check_model, (vocab_size,)), (_check_profile, ()), (_check_dry_run, ()),
+                         (_check_weight_noise, ()), (_check_model, (vocab_size,)), (_check_profile, ()),
+                         (_check_dry_run, ()),
                          (_check_seeds_and_timeouts, ()),
                          (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())]))
 

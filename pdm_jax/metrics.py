@@ -224,6 +224,8 @@ def run_summary(records: Iterable[dict], *, config, meta: Mapping, last_eval: Ma
     eval_samples_per_prompt     k of avg@k (``eval.samples_per_prompt``)
     trust_region                the ``trust_region`` config section
     sampler_quantization        the sampler's weight format (``sampler.quantization``)
+    sampler_weight_noise        relative std of the sampler copy's fixed perturbation (``sampler.weight_noise``;
+                                0 = none)
     checkpoint_fallbacks        resumes that fell back past a refused checkpoint (count; the
                                 details are in the checkpoints' meta, pdm_jax.checkpointing)
     =========================== ==============================================================
@@ -252,6 +254,7 @@ def run_summary(records: Iterable[dict], *, config, meta: Mapping, last_eval: Ma
         eval_samples_per_prompt=int(config.eval.samples_per_prompt),
         trust_region=dict(config.trust_region.to_dict()),
         sampler_quantization=sampler_weights_format(config),
+        sampler_weight_noise=float(config.sampler.weight_noise),
         checkpoint_fallbacks=len(meta.get("checkpoint_fallbacks", [])),
     )
 

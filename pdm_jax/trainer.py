@@ -242,7 +242,7 @@ class Trainer:
                                    f"{self.sampler.version}, not {version}")
             engine = self.sampler
         elif self._eval_engine is None:
-            engine = self._eval_engine = self.sampler.memory_engine(params, version, "none")
+            engine = self._eval_engine = self.sampler.memory_engine(params, version, "none", noised=False)
         else:
             engine = self._eval_engine
             if engine.version != version:

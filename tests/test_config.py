@@ -182,6 +182,59 @@ def test_batching_settings_are_checked(field, value, match):
         validate_config(c)
 
 
+@pytest.mark.parametrize("changes, field, match", [
+    ({"weight_noise": -0.1}, "sampler.weight_noise", "finite relative std in"),
+    ({"weight_noise": float("nan")}, "sampler.weight_noise", "finite relative std in"),
+    ({"weight_noise": 1.5}, "sampler.weight_noise", "finite relative std in"),
+    ({"weight_noise": 0.1, "backend": "vllm", "mode": "remote", "address": "http://127.0.0.1:1"},
+     "sampler.weight_noise", "must be 0 with sampler.backend = 'vllm'"),
+    ({"weight_noise_seed": -1}, "sampler.weight_noise_seed", "integer in"),
+    ({"weight_noise_seed": 2**32}, "sampler.weight_noise_seed", "integer in")])
+def test_weight_noise_settings_are_checked(changes, field, match):
+    c = _valid_config()
+    for name, value in changes.items():
+        c.sampler[name] = value
+    with pytest.raises(ValueError, match=f"{field} = .*{match}"):
+        validate_config(c)
+    c = _valid_config()
+    c.sampler.weight_noise = 0.3
+    validate_config(c)
+
+
+def test_weight_noise_reaches_the_server_flags_and_the_rollout_engines_only(tmp_path):
+    """sampler.weight_noise becomes the server's --weight_noise (refused out of range) and the in-process rollout
+    engines' noise; the trainer's evaluation engine (``noised=False``) holds the weights as they are."""
+    import dataclasses
+
+    from pdm_jax.rollouts.spec import SamplerSpec
+    from pdm_jax.rollouts.supervisor import SamplerSupervisor
+    from pdm_jax.sampler.server import parse_args
+
+    args = parse_args(["--model_config=x", "--checkpoint_root=/tmp", "--weight_noise=0.25", "--weight_noise_seed=3"])
+    assert (args.weight_noise, args.weight_noise_seed) == (0.25, 3)
+    for bad in ("--weight_noise=nan", "--weight_noise=-1", "--weight_noise=2", "--weight_noise_seed=-1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model_config=x", "--checkpoint_root=/tmp", bad])
+    c = _valid_config()
+    c.sampler.weight_noise, c.sampler.weight_noise_seed = 0.2, 11
+    spec = SamplerSpec.from_config(c.sampler)
+    assert (spec.weight_noise, spec.weight_noise_seed) == (0.2, 11)
+    from conftest import TINY_DENSE
+    from flax import nnx
+
+    from pdm_jax.models.qwen3 import Qwen3ForCausalLM
+
+    params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(TINY_DENSE, rngs=nnx.Rngs(0)), nnx.Param))
+    sup = SamplerSupervisor(dataclasses.replace(spec, mode="colocated", max_prompt_length=16, max_batch_size=4),
+                            workdir=str(tmp_path), model_config=TINY_DENSE, max_new_tokens=8)
+    rollout = sup.memory_engine(params, 0, "none").engine
+    evaluation = sup.memory_engine(params, 0, "none", noised=False).engine
+    assert (rollout.weight_noise, rollout.weight_noise_seed, evaluation.weight_noise) == (0.2, 11, 0.0)
+    w = np.asarray(params["lm_head"]["kernel"])
+    assert np.array_equal(np.asarray(evaluation.params["lm_head"]["kernel"]), w)
+    assert 0.15 < np.linalg.norm(np.asarray(rollout.params["lm_head"]["kernel"]) - w) / np.linalg.norm(w) < 0.25
+
+
 def test_batching_reaches_the_sampler_server_flags():
     """sampler.batching / max_slots become the server's --batching / --max_slots (the launcher's argv)."""
     from pdm_jax.sampler.server import parse_args

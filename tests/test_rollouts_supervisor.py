@@ -368,3 +368,24 @@ def test_more_rows_longer_completions_or_another_k_are_refused(tmp_path, script)
     script(FakeProcess(Fixed("ok")))
     s.start(0)
     assert s.generate(prompts, n=2, top_k_logprobs=4).num_sequences == 4  # the same answer, asked for right
+
+
+def test_a_remote_native_server_with_another_weight_noise_is_refused(tmp_path, monkeypatch):
+    """sampler.weight_noise with mode=remote: the running server's /health must report the same --weight_noise,
+    else the start fails naming both values (a server started by hand without the flag would sample from
+    another copy than the run says)."""
+    class Remote(FakeClient):
+        def health(self):
+            return {"status": "ok", "weight_noise": self.noise}
+
+    client = Remote("ok")
+    monkeypatch.setattr(SamplerSupervisor, "_remote_client", lambda self, sc: client)
+    for served, wanted, ok in ((0.0, 0.1, False), (0.1, 0.0, False), (0.1, 0.1, True)):
+        client.noise = served
+        s = supervisor(tmp_path, mode="remote", address="http://127.0.0.1:9", weight_noise=wanted)
+        if ok:
+            s.start(0)
+            assert s.version == 0
+        else:
+            with pytest.raises(ValueError, match=f"sampler.weight_noise = {wanted} .*--weight_noise={served}"):
+                s.start(0)

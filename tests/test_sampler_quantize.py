@@ -189,3 +189,68 @@ def test_non_finite_weight_is_refused_naming_it(params):
     leaf.flat[3] = np.inf
     with pytest.raises(ValueError, match=r"non-finite values: .*down_proj/kernel holds 1 NaN/inf"):
         q.prepare_sampler_params(bad, "fp8")
+
+
+def _tree_equal(a, b) -> bool:
+    return jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a, b))
+
+
+def test_weight_noise_is_a_fixed_gaussian_perturbation_per_output_channel(params):
+    """``weight_noise`` sigma: every matmul weight, the embedding and lm_head become ``w + sigma * rms_c * z`` with
+    ``rms_c`` the RMS of w's output channel (numpy, float64) and z standard normal (mean 0, std 1 per leaf, its own
+    draws per channel); RMSNorm scales untouched; the same seed gives the same copy, another seed a copy whose
+    distance to the first is sigma * sqrt(2); 0 is the program without noise."""
+    sigma = 0.1
+    # channels of very different sizes, so that a noise scaled by the leaf's RMS would fail the per-channel check
+    params = {**params, "lm_head": {"kernel": params["lm_head"]["kernel"] * np.geomspace(0.1, 10.0, CFG.vocab_size)},
+              "embed_tokens": {"embedding": params["embed_tokens"]["embedding"]
+                               * np.geomspace(0.1, 10.0, CFG.vocab_size)[:, None]}}
+    assert _tree_equal(q.prepare_sampler_params(params, "none"),
+                       q.prepare_sampler_params(params, "none", weight_noise=0.0, noise_seed=7))
+    noised = q.prepare_sampler_params(params, "none", weight_noise=sigma, noise_seed=3)
+    touched = set()
+    for (path, w), (_, got) in zip(q._named_leaves(params), q._named_leaves(noised)):
+        w, got = np.asarray(w, np.float64), np.asarray(got, np.float64)
+        if path[-1] == "scale":
+            np.testing.assert_array_equal(got, w)
+            continue
+        touched.add("/".join(path))
+        axes = {"embedding": (0,)}.get(path[-1], q.noise_output_axes(path, w.shape))
+        reduce = tuple(a for a in range(w.ndim) if a not in axes)
+        z = (got - w) / (sigma * np.sqrt(np.mean(w ** 2, axis=reduce, keepdims=True)))
+        tol = 5.0 / np.sqrt(z.size)  # five standard errors
+        assert abs(z.mean()) < tol and abs(z.std() - 1.0) < tol, (path, z.mean(), z.std())
+        per_channel = np.sqrt(np.mean(z ** 2, axis=reduce))  # each channel's noise is its own size, not the leaf's
+        tol = 6.0 / np.sqrt(2.0 * z.size / per_channel.size)
+        assert np.all(np.abs(per_channel - 1.0) < tol), (path, per_channel.min(), per_channel.max())
+    assert {"embed_tokens/embedding", "lm_head/kernel", "layers/self_attn/q_proj/kernel",
+            "layers/mlp/down_proj/kernel"} <= touched and len(touched) == 9
+    assert _tree_equal(noised, q.prepare_sampler_params(params, "none", weight_noise=sigma, noise_seed=3))
+    other = q.relative_errors(noised, q.prepare_sampler_params(params, "none", weight_noise=sigma, noise_seed=4))
+    assert all(0.9 * sigma * 2 ** 0.5 < v < 1.1 * sigma * 2 ** 0.5 for k, v in other.items()
+               if not k.endswith("scale")), other
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "int4"])
+def test_weight_noise_comes_before_the_quantization(params, mode):
+    """The noised quantized copy is the quantization of the noised f32 copy, up to rounding ties (the noise is
+    computed inside the same program, where XLA may fuse its multiply-add: at most 0.5% of a leaf's entries one
+    quantization step away)."""
+    noised = q.prepare_sampler_params(params, "none", weight_noise=0.05, noise_seed=1)
+    want = q.prepare_sampler_params(noised, mode, compute_dtype=jnp.float32)
+    got = q.prepare_sampler_params(params, mode, compute_dtype=jnp.float32, weight_noise=0.05, noise_seed=1)
+    for (path, a), (_, b) in zip(q._named_leaves(want), q._named_leaves(got)):
+        a, b = np.asarray(a), np.asarray(b)
+        off = a != b
+        assert off.mean() <= 0.005, (path, off.mean())
+        if off.any():
+            step = np.abs(a).max() / (7.0 if mode == "int4" else 100.0)
+            assert np.abs(a - b).max() <= step, path
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), 1.5, True, "0.1"])
+def test_bad_weight_noise_is_refused_naming_it(params, value):
+    with pytest.raises(ValueError, match="weight_noise"):
+        q.prepare_sampler_params(params, "none", weight_noise=value)
+    with pytest.raises(ValueError, match="noise_seed"):
+        q.prepare_sampler_params(params, "none", weight_noise=0.1, noise_seed=-1)

@@ -87,16 +87,23 @@ def test_sharded_kv_cache_layout(params, mesh):
     assert f"f32[{b},{CFG.num_key_value_heads},{CFG.head_dim},{s}]" not in text  # never a whole cache
 
 
-@pytest.mark.parametrize("quantization", ["bf16", "fp8", "int8", "int4"])
-def test_sharded_quantized_copy_equals_unsharded(params, mesh, quantization):
-    """prepare_sampler_params with shardings: the same values as on one device, placed by the rules."""
+@pytest.mark.parametrize("quantization,noise", [("bf16", 0), ("fp8", 0), ("int8", 0), ("int4", 0), ("none", 0.1)])
+def test_sharded_quantized_copy_equals_unsharded(params, mesh, quantization, noise):
+    """prepare_sampler_params with shardings: the same values as on one device, placed by the rules; with
+    ``weight_noise`` the same draws too (threefry is partitionable: a shard draws its own part of the leaf's),
+    scaled by channel RMS values that a sharded reduction sums in another order (float32 rounding)."""
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0)))
     shardings = nnx.to_pure_dict(shd.param_shardings(nnx.state(model, nnx.Param), mesh))
-    one = quant.prepare_sampler_params(params, quantization, compute_dtype=jnp.float32)
-    many = quant.prepare_sampler_params(params, quantization, compute_dtype=jnp.float32, shardings=shardings)
+    kw = dict(compute_dtype=jnp.float32, weight_noise=noise, noise_seed=5)
+    one = quant.prepare_sampler_params(params, quantization, **kw)
+    many = quant.prepare_sampler_params(params, quantization, shardings=shardings, **kw)
     for (path, x), y, s in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(many),
                                jax.tree.leaves(shardings)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+        if noise:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7,
+                                       err_msg=jax.tree_util.keystr(path))
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
         assert y.sharding == s
     assert any(s.spec != PartitionSpec() for s in jax.tree.leaves(shardings))
     with pytest.raises(ValueError, match="either device or shardings"):
@@ -158,7 +165,7 @@ def test_reachable_from_the_config(params, tmp_path):
 @pytest.mark.slow
 def test_sharded_server_subprocess_equals_in_process(params, tmp_path):
     """The subprocess server with --mesh_data 2 --mesh_tensor 4 (its own 8 fake devices, inherited
-    XLA_FLAGS) serves the single-device engine's tokens, log mu within 1e-5."""
+    XLA_FLAGS) and --weight_noise serves the single-device engine's tokens, log mu within 1e-5."""
     import json
 
     from pdm_jax.sampler import weights as wts
@@ -167,15 +174,19 @@ def test_sharded_server_subprocess_equals_in_process(params, tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump(CFG.to_hf_dict(), f)
     path = wts.save_weights(params, str(tmp_path / "weights" / "0"), version=0)
-    single = SamplingEngine(CFG, params, batching="continuous", **LIMITS)
+    noise = dict(weight_noise=0.05, weight_noise_seed=9)  # sampler.weight_noise: the same draws on every mesh
+    single = SamplingEngine(CFG, params, batching="continuous", **noise, **LIMITS)
     sp = start_sampler_server(model_config=str(tmp_path), weights=path, version=0, quantization="none",
                               checkpoint_root=str(tmp_path), max_prompt_length=16, max_new_tokens=16, max_batch_size=4,
-                              batching="continuous", mesh_data=2, mesh_tensor=4, startup_timeout_s=240)
+                              batching="continuous", mesh_data=2, mesh_tensor=4, startup_timeout_s=240, **noise)
     try:
+        assert sp.client.health()["weight_noise"] == 0.05 and single.health()["weight_noise"] == 0.05
         a = single.generate(PROMPTS, temperature=0.8, **GEN)
         b = sp.client.generate(PROMPTS, temperature=0.8, **GEN)
+        plain = SamplingEngine(CFG, params, batching="continuous", **LIMITS).generate(PROMPTS, temperature=0.8, **GEN)
     finally:
         sp.stop()
+    assert _max_abs(plain.topk_logprobs, a.topk_logprobs) > 1e-3  # the noise is there
     np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
     np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
     assert _max_abs(a.behavior_logprobs, b.behavior_logprobs) <= 1e-5

@@ -159,7 +159,8 @@ class SamplerProcess:
 
 
 def start_sampler_server(*, model_config: str, weights: Optional[str], version: int = 0, quantization: str = "fp8",
-                         compute_dtype: str = "auto", compile_cache_dir: str = "",
+                         compute_dtype: str = "auto", weight_noise: float = 0.0, weight_noise_seed: int = 0,
+                         compile_cache_dir: str = "",
                          compile_cache_min_compile_time_s: float = 0.0, reuse_freed_host_memory: bool = False,
                          checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
                          token: Optional[str] = None, startup_timeout_s: float = 120.0,
@@ -183,6 +184,7 @@ def start_sampler_server(*, model_config: str, weights: Optional[str], version: 
     """
     argv = [sys.executable, "-m", "pdm_jax.sampler.server", f"--model_config={model_config}",
             f"--version={int(version)}", f"--quantization={quantization}", f"--compute_dtype={compute_dtype}",
+            f"--weight_noise={float(weight_noise)!r}", f"--weight_noise_seed={int(weight_noise_seed)}",
             f"--compile_cache_dir={compile_cache_dir}",
             f"--compile_cache_min_compile_time_s={float(compile_cache_min_compile_time_s)}",
             f"--checkpoint_root={checkpoint_root}",

@@ -26,6 +26,8 @@ class SamplerSpec:
     token: str
     backend: str
     quantization: str
+    weight_noise: float
+    weight_noise_seed: int
     compute_dtype: str
     max_prompt_length: int
     max_batch_size: int
@@ -64,6 +66,7 @@ class SamplerSpec:
         return cls(
             mode=str(sampler.mode), address=str(sampler.address), token=str(sampler.token),
             backend=str(sampler.backend), quantization=str(sampler.quantization),
+            weight_noise=float(sampler.weight_noise), weight_noise_seed=int(sampler.weight_noise_seed),
             compute_dtype=str(sampler.compute_dtype), max_prompt_length=int(sampler.max_prompt_length),
             max_batch_size=int(sampler.max_batch_size), batching=str(sampler.batching),
             max_slots=int(sampler.max_slots), park_rows=int(sampler.park_rows), mesh_data=int(sampler.mesh.data),

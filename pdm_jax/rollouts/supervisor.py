@@ -165,6 +165,9 @@ class SamplerSupervisor:
         self.limits = dict(max_prompt_length=spec.max_prompt_length, max_new_tokens=int(max_new_tokens),
                            max_batch_size=spec.max_batch_size, batching=spec.batching,
                            max_slots=spec.max_slots or None, park_rows=spec.park_rows)
+        # sampler.weight_noise: the rollout engine's fixed perturbation (every mode but remote, whose server has its own
+        # --weight_noise flag, and vllm, refused by the config)
+        self.noise = dict(weight_noise=spec.weight_noise, weight_noise_seed=spec.weight_noise_seed)
         self.mesh_shape = (spec.mesh_data, spec.mesh_tensor)  # sampler.mesh: the sharded engine's data x tensor
         self.stall_probe_interval_s = spec.stall_probe_interval_s
         self.stall_probe_timeout_s = spec.stall_probe_timeout_s
@@ -226,18 +229,21 @@ class SamplerSupervisor:
         path = self.weights_path(version)
         engine = SamplingEngine(self.model_config, load_weights(path, self.model_config), quantization=quantization,
                                 version=version, weights_path=path, compute_dtype=compute_dtype,
-                                mesh=make_sampler_mesh(*self.mesh_shape), **self.limits)
+                                mesh=make_sampler_mesh(*self.mesh_shape), **self.noise, **self.limits)
         return InProcessSampler(engine, checkpoint_root=self.workdir)
 
-    def memory_engine(self, params, version: int, quantization: str, compute_dtype: str = "auto") -> InProcessSampler:
+    def memory_engine(self, params, version: int, quantization: str, compute_dtype: str = "auto", *,
+                      noised: bool = True) -> InProcessSampler:
         """An in-process engine built from the parameter tree ``params`` (weights ``version``) on this
         process's first local device, in memory (`SamplingEngine`'s ``device``): the colocated sampler,
         and the trainer's f32 evaluation engine.  With ``sampler.mesh`` larger than 1 x 1: sharded over the
-        first data x tensor local devices (`make_sampler_mesh`; a sub-mesh of the trainer's or all of them)."""
+        first data x tensor local devices (`make_sampler_mesh`; a sub-mesh of the trainer's or all of them).
+        ``noised``: with the spec's ``weight_noise`` (False for the evaluation engine, which measures the
+        trainer's own weights)."""
         mesh = make_sampler_mesh(*self.mesh_shape, devices=jax.local_devices())
         place = dict(device=jax.local_devices()[0]) if mesh is None else dict(mesh=mesh)
         engine = SamplingEngine(self.model_config, params, quantization=quantization, version=version,
-                                compute_dtype=compute_dtype, **place, **self.limits)
+                                compute_dtype=compute_dtype, **(self.noise if noised else {}), **place, **self.limits)
         return InProcessSampler(engine)
 
     # ---------------------------------------------------------------- lifecycle
@@ -249,7 +255,8 @@ class SamplerSupervisor:
         engine is built from ``params`` (required) in memory.
 
         Raises:
-          ValueError: colocated without ``params``.
+          ValueError: colocated without ``params``; a remote native server whose ``--weight_noise`` is not
+            ``sampler.weight_noise``.
           SamplerFailure: a remote sampler that does not answer ``/health``.
           SamplerRejected: a remote sampler that refuses the weights version.
           SamplerStartupError: a subprocess that died or did not come up in time.
@@ -271,6 +278,7 @@ class SamplerSupervisor:
             self._proc = start_sampler_server(
                 model_config=os.path.join(self.workdir, "model", "config.json"), weights=path, version=version,
                 quantization=sc.quantization, compute_dtype=self.compute_dtype, checkpoint_root=self.workdir,
+                **self.noise,
                 startup_timeout_s=sc.startup_timeout_s, client_kwargs=dict(timeout_s=sc.request_timeout_s,
                                                                            retries=sc.retries),
                 mesh_data=self.mesh_shape[0], mesh_tensor=self.mesh_shape[1], **self.compile_cache, **self.limits)
@@ -278,10 +286,14 @@ class SamplerSupervisor:
         elif self.mode == "remote":
             client = self._remote_client(sc)
             try:
-                client.health()
+                health = client.health()
             except Exception as e:  # noqa: BLE001 - any transport error means "not reachable"
                 raise SamplerFailure(f"sampler.address = {sc.address!r} is not reachable "
                                      f"(after {sc.retries} retries): {e}") from e
+            served = health.get("weight_noise", 0.0) if sc.backend == "native" and isinstance(health, dict) else None
+            if served is not None and float(served) != sc.weight_noise:
+                raise ValueError(f"sampler.weight_noise = {sc.weight_noise} but the server at {sc.address} runs with "
+                                 f"--weight_noise={served}: start it with the run's value")
             try:
                 client.load_weights(path, version)
             except ValueError as e:  # a 4xx (SamplerRequestError), or weights the vLLM export refuses

@@ -9,6 +9,10 @@ server started by hand batches as the trainer's own does (tests/test_sampler_def
 #: The sampler's weight precisions (``sampler.quantization``, the server's ``--quantization``); see quantize.py.
 QUANTIZATIONS = ("none", "bf16", "fp8", "int8", "int4")
 
+#: The largest ``sampler.weight_noise`` (the server's ``--weight_noise``): a relative std of 1 already buries each
+#: weight in noise of its own size.
+MAX_WEIGHT_NOISE = 1.0
+
 #: How a request's rows are batched: "static" (chunks of ``max_batch_size`` rows run to their longest row)
 #: or "continuous" (``max_slots`` slots of one KV cache, a slot whose row stops takes the next pending row).
 BATCHING_MODES = ("static", "continuous")

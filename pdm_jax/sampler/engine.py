@@ -780,6 +780,10 @@ class SamplingEngine:
         ``"fp8"`` (e4m3 weight-only, per-output-channel) or ``"int8"`` / ``"int4"`` (weight-only, per channel;
         see quantize.py).
       version: weights version of `params`, reported per sequence.
+      weight_noise: relative std of the fixed Gaussian perturbation of the sampler's copy
+        (`quant.prepare_sampler_params`' ``weight_noise``; ``sampler.weight_noise``, the dialable
+        behaviour/trainer mismatch lever), in [0, 1]; 0 = none.
+      weight_noise_seed: its seed, an integer in [0, 2**32); the same perturbation for every version.
       weights_path: where `params` came from (for idempotent reloads), or None.
       compute_dtype: activations/weights/KV-cache dtype of the sampler forward:
         ``None``/``"auto"`` (`resolve_compute_dtype`: f32 for none, and for bf16/fp8/int8/int4
@@ -839,8 +843,15 @@ class SamplingEngine:
                  min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
                  max_sequences: int = 4096, share_prefill: bool = True,
                  output_axes_fn=quant.default_output_axes, device=None, batching: str = defaults.BATCHING,
-                 max_slots: Optional[int] = None, mesh=None, park_rows: int = defaults.PARK_ROWS):
+                 max_slots: Optional[int] = None, mesh=None, park_rows: int = defaults.PARK_ROWS,
+                 weight_noise: float = 0.0, weight_noise_seed: int = 0):
         quant.check_quantization(quantization)
+        self.weight_noise = quant.check_weight_noise(weight_noise)
+        if isinstance(weight_noise_seed, bool) or not isinstance(weight_noise_seed, (int, np.integer)) \
+                or not 0 <= weight_noise_seed < 2**32:
+            raise ValueError(f"SamplingEngine: weight_noise_seed must be an integer in [0, 2**32), "
+                             f"got {weight_noise_seed!r}")
+        self.weight_noise_seed = int(weight_noise_seed)
         if batching not in BATCHING_MODES:
             raise ValueError(f"SamplingEngine: batching must be one of {BATCHING_MODES}, got {batching!r}")
         max_slots = max_batch_size if max_slots is None else max_slots
@@ -926,7 +937,8 @@ class SamplingEngine:
                                                     check_finite=not finite_checked,
                                                     output_axes_fn=self._output_axes_fn, device=self.device,
                                                     check_all_finite=self.device is not None or self.mesh is not None,
-                                                    shardings=self._shardings)
+                                                    shardings=self._shardings, weight_noise=self.weight_noise,
+                                                    noise_seed=self.weight_noise_seed)
         except ValueError as e:  # e.g. a non-finite weight refused by the fp8 quantizer
             where = f" from {weights_path!r}" if weights_path else ""
             raise wts.WeightsError(f"weights version {version}{where} cannot be quantized "
@@ -1005,11 +1017,12 @@ class SamplingEngine:
         return nnx.merge(self._graphdef, self._state)
 
     def health(self) -> dict:
-        """``{"status", "model", "quantization", "version", "compute_dtype", limits...}``."""
+        """``{"status", "model", "quantization", "weight_noise", "version", "compute_dtype", limits...}``."""
         c = self.config
         return wire.health_body(
             model=f"qwen3(L={c.num_hidden_layers},H={c.hidden_size},V={c.vocab_size})",
-            quantization=self.quantization, version=self._version, compute_dtype=str(self.compute_dtype),
+            quantization=self.quantization, weight_noise=self.weight_noise, version=self._version,
+            compute_dtype=str(self.compute_dtype),
             vocab_size=c.vocab_size, max_prompt_length=self.max_prompt_length, max_new_tokens=self.max_new_tokens,
             weights_path=self._weights_path, loading=self.loading)
 

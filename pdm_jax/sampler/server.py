@@ -13,7 +13,7 @@ Accept, else the request's type; schema in ``pdm_jax.sampler.wire``):
   directory, 409 stale version or a directory holding another version, 422
   weights that fail their integrity check, hold non-finite values or do not fit
   the model (the server keeps serving its current version).
-* ``GET /health`` -- model, quantization, version, limits.
+* ``GET /health`` -- model, quantization, weight noise, version, limits.
 
 Security: binds 127.0.0.1 by default; any other host requires ``--token``
 (a shared bearer token, checked with ``hmac.compare_digest`` on every request,
@@ -82,6 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weights version of --weights, checked against the one the directory records "
                         "(default: that recorded version; 0 for a random init)")
     p.add_argument("--quantization", default="fp8", choices=defaults.QUANTIZATIONS)
+    p.add_argument("--weight_noise", type=float, default=0.0,
+                   help="relative std of a fixed Gaussian perturbation of the sampler's weights, the same for every "
+                        f"version (in [0, {defaults.MAX_WEIGHT_NOISE}]; 0 = none; pdm_jax.sampler.quantize)")
+    p.add_argument("--weight_noise_seed", type=int, default=0, help="seed of --weight_noise's draws, in [0, 2**32)")
     p.add_argument("--compute_dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="dtype the engine computes in (auto: f32 for none and on CPU, bf16 for the quantized copies "
                         "on TPU/GPU)")
@@ -123,6 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--token (or PDM_SAMPLER_TOKEN) {wire.token_problem(args.token)}")
     if args.port < 0 or args.port > 65535:
         p.error(f"--port={args.port} out of range")
+    if not 0.0 <= args.weight_noise <= defaults.MAX_WEIGHT_NOISE:  # NaN fails too
+        p.error(f"--weight_noise={args.weight_noise} must be in [0, {defaults.MAX_WEIGHT_NOISE}]")
+    if not 0 <= args.weight_noise_seed < 2**32:
+        p.error(f"--weight_noise_seed={args.weight_noise_seed} must be in [0, 2**32)")
     for name in ("mesh_data", "mesh_tensor"):
         if getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)} must be >= 1")
@@ -417,7 +425,8 @@ def main(argv=None) -> None:
     else:
         version = 0 if version is None else version
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(args.init_seed)), nnx.Param))
-    engine = SamplingEngine(config, params, quantization=args.quantization, version=version,
+    engine = SamplingEngine(config, params, quantization=args.quantization, weight_noise=args.weight_noise,
+                            weight_noise_seed=args.weight_noise_seed, version=version,
                             weights_path=args.weights, compute_dtype=args.compute_dtype,
                             max_prompt_length=args.max_prompt_length,
                             max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size,
