@@ -436,8 +436,9 @@ class Trainer:
             return done
         if not self.sampler.started:  # file modes: the version is pushed first if it is not on disk
             self.sampler.start(version, params=state.params)
-        log.info("sampler ready (%s, %s weights, version %d); %d GRPO steps to go", self.sampler.mode,
-                 sampler_weights_format(cfg), version, rl.steps - meta["rl_step"])
+        noise = f" + weight noise {cfg.sampler.weight_noise:g}" if cfg.sampler.weight_noise else ""
+        log.info("sampler ready (%s, %s weights%s, version %d); %d GRPO steps to go", self.sampler.mode,
+                 sampler_weights_format(cfg), noise, version, rl.steps - meta["rl_step"])
         bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
                    initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
         base_position = meta["data_position"] - meta["rl_step"] * rl.prompts_per_step

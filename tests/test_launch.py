@@ -438,6 +438,25 @@ def test_bpe_testbed_sweeps_expand_into_valid_runs():
         sweep.load_sweep(path, "int2")
 
 
+def test_between_testbed_pilot_expands_into_valid_runs():
+    """launch/sweeps/between_testbed.py: 2 seeds x 3 arms of configs/tiny_between.py that validate, with the
+    weight-noise lever set and 200 RL steps; a bad argument is named."""
+    import runpy
+
+    from pdm_jax.config import validate_config
+
+    path = os.path.join(REPO, "launch", "sweeps", "between_testbed.py")
+    get = runpy.run_path(os.path.join(REPO, "configs", "tiny_between.py"))["get_config"]
+    runs = sweep.expand(sweep.load_sweep(path, "pilot"))
+    assert len(runs) == 6
+    for r in runs:
+        c = get(r["arg"])
+        validate_config(c)
+        assert c.sampler.weight_noise == 0.45 and c.rl.steps == 200 and c.data.task == "number_between"
+    with pytest.raises(ValueError, match="'full'"):
+        sweep.load_sweep(path, "full")
+
+
 def test_paired_differences_by_hand(tmp_path):
     """Arm - baseline per seed at the same other axis values; mean ± t half-width; wins counted."""
     d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1]), ("criterion", ["ratio", "none"])],

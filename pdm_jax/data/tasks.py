@@ -227,7 +227,8 @@ class ReasoningGymSource:
     `score_failures` and give 0.0.
 
     Args:
-      task: registered reasoning-gym dataset name (e.g. "chain_sum").
+      task: registered reasoning-gym dataset name (e.g. "chain_sum"), or this project's
+        "number_between" (`pdm_jax.data.number_between`, registered with reasoning-gym here).
       task_config: kwargs of the task's rg config (e.g. {"min_terms": 2,
         "max_terms": 2, "min_digits": 1, "max_digits": 2}); must not contain
         `seed` or `size` (they are set by this class).
@@ -258,6 +259,9 @@ class ReasoningGymSource:
     ):
         import reasoning_gym  # heavy (~1 s) and only for reasoning-gym sources
 
+        from pdm_jax.data import number_between
+
+        number_between.register()  # this project's own task (many right answers), served like rg's
         task_config = dict(task_config or {})
         if not isinstance(task, str) or task not in reasoning_gym.factory.DATASETS:
             raise ValueError(f"data.task: unknown reasoning-gym task {task!r}")

@@ -1,0 +1,37 @@
+"""Issue 29's testbed candidate with many right answers, ``configs/tiny_between.py`` (``number_between``: any
+integer strictly inside a prompt's interval; a 1,024-token BPE trained on the task's text, K = 20), with a fixed
+perturbation of the sampler's copy (``sampler.weight_noise``) as the behaviour/trainer mismatch lever.
+
+``get_sweep("pilot")`` measures whether the masks can differ there before comparison seeds are spent: seeds 0
+and 1, weight noise sigma = 0.45 (chosen by 30-step probes, reports/between_pilot), arms ``none`` (truncated IS, no
+mask), ``ratio`` (DPPO-TopK-KL) and ``pdm_bucket_exact`` at delta = 0.05, 200 RL steps, held-out evaluation every
+50 steps. The testbed qualifies (the issue's rule) when the mean ``frac_direction_disagree`` is >= 5% of valid
+tokens and ``none`` ends measurably below ``ratio``.
+
+All runs share one supervised warm start (``share_warmstart_by=()``).
+
+    python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot --out=runs/between_pilot
+"""
+
+PILOT_ARMS = ["none", "ratio", "pdm_bucket_exact"]
+#: The pilot's sampler.weight_noise (see the module docstring).
+PILOT_NOISE = 0.45
+
+
+def get_sweep(arg=None):
+    """Returns the sweep dict read by launch/sweep.py (see its module docstring); arg "pilot" (the default)."""
+    if arg not in (None, "pilot"):
+        raise ValueError(f"between_testbed sweep argument {arg!r}: expected 'pilot' or none")
+    return dict(
+        config="configs/tiny_between.py",
+        fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,"
+              f"sampler.weight_noise={PILOT_NOISE}",
+        axes=[  # seed outermost: a sweep stopped early has every arm at the same number of seeds
+            ("seed", [0, 1]),
+            ("criterion", PILOT_ARMS),
+        ],
+        flags={"sampler.mode": "in_process"},
+        collapse_margin=0.1,
+        share_warmstart_by=(),
+        paired_baseline=("criterion", "ratio"),
+    )

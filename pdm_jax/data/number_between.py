@@ -1,0 +1,94 @@
+"""``number_between``: a reasoning-gym task whose prompts have many right answers (issue 29's testbed).
+
+A prompt names an open interval, ``3721<x<3760=``, and any integer strictly inside it is right. The reference
+answer (the supervised warm start's target) is one of them drawn uniformly, so after the warm start the model
+spreads its probability over the valid answers: the answer tokens stay uncertain, and with 4-digit numbers an
+answer spans several tokens of a BPE vocabulary. That is where the ratio (DPPO) and the predictive (PDM) direction
+tests can decide differently (reports/disagreement_map), unlike chain_sum, whose answer is one token after which the
+stop token is near-certain.
+
+It is registered as a reasoning-gym dataset (``reasoning_gym.register_dataset``, the library's own extension
+point: a `ProceduralDataset` whose `score_answer` is overridden when no single oracle answer exists), so
+`pdm_jax.data.tasks.ReasoningGymSource` serves it like any other task: ``data.task = "number_between"`` with
+``data.prompt_format = "question"`` (the prompt is the question text as it is) and the config keys below in
+``data.task_config``. Item ``i`` of seed ``s`` is drawn from ``random.Random(s + i)``, as reasoning-gym's own
+tasks are.
+
+Scoring: 1.0 if the answer, stripped of surrounding whitespace, is a plain decimal integer (an optional minus
+sign and digits only) strictly between the prompt's bounds, else 0.0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from typing import Any, Optional
+
+from reasoning_gym.dataset import ProceduralDataset
+from reasoning_gym.factory import DATASETS, register_dataset
+
+NAME = "number_between"
+_INTEGER_RE = re.compile(r"^-?[0-9]+$")
+
+
+@dataclasses.dataclass
+class NumberBetweenConfig:
+    """The task's settings (``data.task_config``): bounds in [min_value, max_value], the interval's width
+    ``hi - lo`` in [min_width, max_width] (``width - 1`` right answers), both drawn uniformly.
+
+    Raises (`validate`): ValueError naming the field when a width is below 2 (no integer strictly inside),
+    ``min_width > max_width``, or ``max_value - min_value < max_width``."""
+
+    min_value: int = 0
+    max_value: int = 9999
+    min_width: int = 5
+    max_width: int = 50
+    seed: Optional[int] = None
+    size: int = 500
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range (see the class docstring)."""
+        for name in ("min_value", "max_value", "min_width", "max_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"data.task_config.{name} must be an integer, got {value!r}")
+        if self.min_width < 2:
+            raise ValueError(f"data.task_config.min_width must be >= 2 (an integer strictly inside), got "
+                             f"{self.min_width}")
+        if self.max_width < self.min_width:
+            raise ValueError(f"data.task_config.max_width must be >= min_width = {self.min_width}, got "
+                             f"{self.max_width}")
+        if self.max_value - self.min_value < self.max_width:
+            raise ValueError(f"data.task_config.max_value must be >= min_value + max_width = "
+                             f"{self.min_value + self.max_width}, got {self.max_value}")
+
+
+class NumberBetweenDataset(ProceduralDataset):
+    """Items ``{"question": "lo<x<hi=", "answer": a uniform integer in (lo, hi), "metadata": {"lo", "hi"}}``."""
+
+    def __init__(self, config: NumberBetweenConfig):
+        super().__init__(config=config, seed=config.seed, size=config.size)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        """Item ``idx``: drawn from ``random.Random(seed + idx)`` (any index, not only those below ``size``)."""
+        c, rng = self.config, random.Random(self.seed + idx)
+        width = rng.randint(c.min_width, c.max_width)
+        lo = rng.randint(c.min_value, c.max_value - width)
+        hi = lo + width
+        return {"question": f"{lo}<x<{hi}=", "answer": str(rng.randint(lo + 1, hi - 1)),
+                "metadata": {"lo": lo, "hi": hi}}
+
+    def score_answer(self, answer: Optional[str], entry: dict[str, Any]) -> float:
+        """1.0 for a plain integer strictly between ``entry["metadata"]``'s lo and hi, else 0.0 (never raises on a
+        malformed answer; a malformed entry raises KeyError / TypeError, which the source counts)."""
+        lo, hi = int(entry["metadata"]["lo"]), int(entry["metadata"]["hi"])
+        if not isinstance(answer, str) or not _INTEGER_RE.match(answer.strip()):
+            return 0.0
+        return 1.0 if lo < int(answer.strip()) < hi else 0.0
+
+
+def register() -> None:
+    """Registers the task with reasoning-gym once per process (later calls do nothing)."""
+    if NAME not in DATASETS:
+        register_dataset(NAME, NumberBetweenDataset, NumberBetweenConfig)
