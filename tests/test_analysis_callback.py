@@ -121,14 +121,16 @@ def test_analysis_changes_nothing_in_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_behavior_logits_at_the_sampler_temperature(tmp_path):
-    """With sampler.temperature != rl.temperature the callback rebuilds mu at the rollouts' temperature: its log mu
-    of the sampled tokens matches the sampler's (an f32 sampler), and pi (rl.temperature) is what the trainer saw."""
+@pytest.mark.parametrize("lever", [{"sampler.temperature": 1.7}, {"sampler.weight_noise": 0.3}])
+def test_behavior_logits_at_the_sampler_temperature(tmp_path, lever):
+    """With sampler.temperature != rl.temperature the callback rebuilds mu at the rollouts' temperature, and with
+    sampler.weight_noise from the same noised copy: its log mu of the sampled tokens matches the sampler's (an f32
+    sampler), and pi (rl.temperature) is what the trainer saw."""
     from test_trainer import tiny_test_config  # a sibling test module (tests/ is put on sys.path above)
 
     overrides = {"sampler.mode": "in_process", "sampler.quantization": "none", "rl.steps": 1, "sft.steps": 4,
-                 "rl.temperature": 1.0, "sampler.temperature": 1.7, "eval.num_prompts": 4,
-                 "eval.samples_per_prompt": 1, "eval.greedy": False}
+                 "rl.temperature": 1.0, "eval.num_prompts": 4, "eval.samples_per_prompt": 1, "eval.greedy": False,
+                 **lever}
     cb = AlignmentCallback(full_mu=True, isolated_tokens=0)
     Trainer(tiny_test_config(**overrides), str(tmp_path), callbacks=[cb]).run()
     assert len(cb.steps) == 2  # 2 mini-batches of the one RL step

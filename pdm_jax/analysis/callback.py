@@ -120,10 +120,9 @@ class AlignmentCallback(TrainerCallback):
     """Records, per optimizer step, the keep decisions and the realized ΔD of tokens outside the region.
 
     Args:
-      full_mu: recompute the behaviour logits from quantized weights (adds the
-        ``full`` oracle criterion and estimator-fidelity counts). Needs the
-        config's ``sampler.quantization``; costs up to ``max_staleness + 1``
-        extra forwards per step.
+      full_mu: recompute the behaviour logits from the rollout engine's copy of the weights (the config's
+        ``sampler.quantization`` and ``sampler.weight_noise``; adds the ``full`` oracle criterion and
+        estimator-fidelity counts); costs up to ``max_staleness + 1`` extra forwards per step.
       isolated_tokens: N > 0 enables the isolated mode on up to N tokens per
         optimizer step (chosen uniformly at random, with a local RNG, among the
         tokens outside the region with Â ≠ 0); 0 = off.
@@ -176,11 +175,11 @@ class AlignmentCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ behaviour policy
     def _snapshot_version(self, trainer, version: int, params) -> None:
-        q = trainer.config.sampler.quantization
-        if self._engine is None:
-            self._engine = SamplingEngine(trainer.model_config, params, quantization=q, version=version,
-                                          max_prompt_length=8, max_new_tokens=8,
-                                          min_new_tokens_bucket=1)
+        sc = trainer.config.sampler
+        if self._engine is None:  # the rollout engine's copy: its quantization and its weight noise
+            self._engine = SamplingEngine(trainer.model_config, params, quantization=sc.quantization, version=version,
+                                          weight_noise=sc.weight_noise, weight_noise_seed=sc.weight_noise_seed,
+                                          max_prompt_length=8, max_new_tokens=8, min_new_tokens_bucket=1)
         else:
             self._engine.set_params(params, version=version)
         graphdef, state = nnx.split(self._engine.model())
