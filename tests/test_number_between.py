@@ -75,3 +75,17 @@ def test_the_testbed_config_validates_and_sets_the_task():
         ("number_between", "question", "bpe", 0.1)
     assert c.trust_region.delta == 0.15
     assert dict(c.data.task_config) == dict(min_value=0, max_value=99999, min_width=10, max_width=400)
+
+
+def test_every_named_analysis_setting_validates():
+    """`python -m pdm_jax.analysis run --setting=NAME`: each setting's config and argument string validate; the
+    between setting samples at the loss's temperature from the noised copy."""
+    from pdm_jax.analysis.run import SETTINGS, load_config
+    from pdm_jax.config import validate_config
+
+    for name, (path, arg) in SETTINGS.items():
+        c = load_config(f"{os.path.join(REPO, path)}:{arg}")
+        validate_config(c)
+        if name == "between":
+            assert c.sampler.temperature is None and c.sampler.weight_noise == 0.45
+            assert c.data.task == "number_between" and c.rl.steps == 12

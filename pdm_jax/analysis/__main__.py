@@ -82,7 +82,9 @@ def main(argv=None) -> int:
                    help="named analysis setting: tiny = configs/tiny.py with run.DEFAULT_ARG (δ = 0.005, fp8); "
                         "stress = configs/tiny_stress.py with run.STRESS_ARG (int8, 16 optimizer steps per batch, "
                         "δ = 0.05, 6 RL steps); bpe = configs/tiny_bpe.py with run.BPE_ARG (V 1,024, K 20, rollouts "
-                        "at sampler.temperature 1.6, δ = 0.05, 12 RL steps)")
+                        "at sampler.temperature 1.6, δ = 0.05, 12 RL steps); between = configs/tiny_between.py with "
+                        "run.BETWEEN_ARG (number_between, many right answers, V 1,024, K 20, sampler.weight_noise "
+                        "0.45, δ = 0.05, 12 RL steps)")
     r.add_argument("--config", default=None, help="config file (get_config(arg)); default: the --setting's")
     r.add_argument("--arg", default=None, help="config argument string; default: the --setting's")
     r.add_argument("--warmstart", default=None,

@@ -70,9 +70,15 @@ BPE_ARG = ",".join([
     "sampler.mode=in_process", "sampler.temperature=1.6",
 ])
 
+#: Overrides of configs/tiny_between.py (``number_between``, many right answers, V = 1,024, K = 20) for the analysis:
+#: BPE_ARG's schedule with the rollouts at the loss's temperature from a copy perturbed by ``sampler.weight_noise``
+#: 0.45 (a fixed offset; the pilot's level, reports/between_pilot). Meant with ``--warmstart`` (about 4 min).
+BETWEEN_ARG = ",".join([item for item in BPE_ARG.split(",") if not item.startswith("sampler.temperature=")]
+                       + ["sampler.weight_noise=0.45"])
+
 #: Named analysis settings: ``--setting=NAME`` -> (config file, argument string).
 SETTINGS = {"tiny": ("configs/tiny.py", DEFAULT_ARG), "stress": ("configs/tiny_stress.py", STRESS_ARG),
-            "bpe": ("configs/tiny_bpe.py", BPE_ARG)}
+            "bpe": ("configs/tiny_bpe.py", BPE_ARG), "between": ("configs/tiny_between.py", BETWEEN_ARG)}
 
 #: Files of a warm-start workdir not copied into a seed's workdir (the sweep runner's list).
 _WARMSTART_SKIP = ("summary.json", "curves.png", "train.log", "tensorboard", "sweep_run.json")
