@@ -8,9 +8,13 @@ mask), ``ratio`` (DPPO-TopK-KL) and ``pdm_bucket_exact`` at delta = 0.05, 200 RL
 50 steps. The testbed qualifies (the issue's rule) when the mean ``frac_direction_disagree`` is >= 5% of valid
 tokens and ``none`` ends measurably below ``ratio``.
 
+``get_sweep("pilot_delta_0.15")`` is the masked arms of the same pilot at delta = 0.15 (``none`` has no radius).
+
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot --out=runs/between_pilot
+    python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_delta_0.15 \
+        --out=runs/between_pilot_delta_0.15
 """
 
 PILOT_ARMS = ["none", "ratio", "pdm_bucket_exact"]
@@ -19,16 +23,18 @@ PILOT_NOISE = 0.45
 
 
 def get_sweep(arg=None):
-    """Returns the sweep dict read by launch/sweep.py (see its module docstring); arg "pilot" (the default)."""
-    if arg not in (None, "pilot"):
-        raise ValueError(f"between_testbed sweep argument {arg!r}: expected 'pilot' or none")
+    """Returns the sweep dict read by launch/sweep.py (see its module docstring): arg "pilot" (the default) or
+    "pilot_delta_0.15"."""
+    if arg not in (None, "pilot", "pilot_delta_0.15"):
+        raise ValueError(f"between_testbed sweep argument {arg!r}: expected 'pilot', 'pilot_delta_0.15' or none")
+    wide = arg == "pilot_delta_0.15"
     return dict(
         config="configs/tiny_between.py",
         fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,"
-              f"sampler.weight_noise={PILOT_NOISE}",
+              f"sampler.weight_noise={PILOT_NOISE},delta={0.15 if wide else 0.05}",
         axes=[  # seed outermost: a sweep stopped early has every arm at the same number of seeds
             ("seed", [0, 1]),
-            ("criterion", PILOT_ARMS),
+            ("criterion", PILOT_ARMS[1:] if wide else PILOT_ARMS),
         ],
         flags={"sampler.mode": "in_process"},
         collapse_margin=0.1,
