@@ -146,8 +146,9 @@ def test_behavior_logits_follow_weights_version_with_counted_fallback():
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
     trainer = types.SimpleNamespace(
         model_config=cfg,
-        config=types.SimpleNamespace(sampler=types.SimpleNamespace(quantization="none"),
-                                     rl=types.SimpleNamespace(max_staleness=1)))
+        config=types.SimpleNamespace(
+            sampler=types.SimpleNamespace(quantization="none", weight_noise=0.0, weight_noise_seed=0),
+            rl=types.SimpleNamespace(max_staleness=1)))
     cb = AlignmentCallback(full_mu=True)
     for version, seed in ((3, 0), (4, 1)):
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param))
