@@ -360,7 +360,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.eval.greedy = True
     # Which engine evaluates: "f32" (an unquantized f32 engine in the trainer's process on its first device,
     # fed the trainer's weights in memory) | "rollout" (the rollout sampler itself: sampler.quantization,
-    # sampler.mode; no second engine, but evaluations then include the quantization gap).
+    # sampler.mode; no second engine, but evaluations then include the quantization gap and sampler.weight_noise).
     c.eval.engine = "f32"
 
     # ---- mesh ------------------------------------------------------------------------

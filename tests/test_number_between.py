@@ -35,6 +35,31 @@ def test_every_integer_strictly_inside_scores_one_and_nothing_else_does():
         assert ds.score_answer(bad, entry) == 0.0, bad
     negative = {"metadata": {"lo": -5, "hi": -2}}
     assert ds.score_answer("-3", negative) == 1.0 and ds.score_answer("3", negative) == 0.0
+    assert ds.score_answer("0102", entry) == 1.0 and ds.score_answer("00102", entry) == 0.0  # longer than a bound + 1
+    assert ds.score_answer("1" * 5000, entry) == 0.0  # never handed to int() (which refuses > 4,300 digits)
+
+
+def test_registering_from_many_threads_at_once_registers_once():
+    import threading
+
+    from reasoning_gym.factory import DATASETS
+
+    for _ in range(20):
+        DATASETS.pop(nb.NAME, None)
+        errors = []
+
+        def go():
+            try:
+                nb.register()
+            except Exception as e:  # noqa: BLE001 - any error is the failure
+                errors.append(e)
+
+        threads = [threading.Thread(target=go) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and nb.NAME in DATASETS
 
 
 @pytest.mark.parametrize("changes, match", [(dict(min_width=1), "min_width must be >= 2"),

@@ -371,21 +371,30 @@ def test_more_rows_longer_completions_or_another_k_are_refused(tmp_path, script)
 
 
 def test_a_remote_native_server_with_another_weight_noise_is_refused(tmp_path, monkeypatch):
-    """sampler.weight_noise with mode=remote: the running server's /health must report the same --weight_noise,
-    else the start fails naming both values (a server started by hand without the flag would sample from
-    another copy than the run says)."""
+    """sampler.weight_noise with mode=remote: the running server's /health must report the same --weight_noise and
+    --weight_noise_seed, else the start fails naming both values (a server started by hand without the flags would
+    sample from another copy than the run says); a missing, null or malformed value is named too."""
     class Remote(FakeClient):
         def health(self):
-            return {"status": "ok", "weight_noise": self.noise}
+            return self.body
 
     client = Remote("ok")
     monkeypatch.setattr(SamplerSupervisor, "_remote_client", lambda self, sc: client)
-    for served, wanted, ok in ((0.0, 0.1, False), (0.1, 0.0, False), (0.1, 0.1, True)):
-        client.noise = served
-        s = supervisor(tmp_path, mode="remote", address="http://127.0.0.1:9", weight_noise=wanted)
-        if ok:
+    cases = [({"weight_noise": 0.0}, dict(weight_noise=0.1), "sampler.weight_noise = 0.1 .*--weight_noise=0.0"),
+             ({"weight_noise": 0.1}, dict(weight_noise=0.0), "sampler.weight_noise = 0.0 .*--weight_noise=0.1"),
+             ({"weight_noise": 0.1}, dict(weight_noise=0.1, weight_noise_seed=7),  # the seed is compared too
+              "sampler.weight_noise_seed = 7 .*--weight_noise_seed=0"),
+             ({"weight_noise": None}, dict(weight_noise=0.1), "--weight_noise=None"),
+             ({"weight_noise": "abc"}, dict(weight_noise=0.1), "--weight_noise='abc'"),
+             ({"weight_noise": [0.1]}, dict(weight_noise=0.1), "--weight_noise=\\[0.1\\]"),
+             ({"weight_noise": 0.1, "weight_noise_seed": 7}, dict(weight_noise=0.1, weight_noise_seed=7), None),
+             ({}, {}, None)]  # a server that reports neither field: no noise, seed 0
+    for body, spec, error in cases:
+        client.body = {"status": "ok", **body}
+        s = supervisor(tmp_path, mode="remote", address="http://127.0.0.1:9", **spec)
+        if error is None:
             s.start(0)
             assert s.version == 0
         else:
-            with pytest.raises(ValueError, match=f"sampler.weight_noise = {wanted} .*--weight_noise={served}"):
+            with pytest.raises(ValueError, match=error):
                 s.start(0)

@@ -248,6 +248,27 @@ def test_weight_noise_comes_before_the_quantization(params, mode):
             assert np.abs(a - b).max() <= step, path
 
 
+def test_weight_noise_is_finite_near_the_float32_limit_and_independent_of_the_default_prng():
+    """A channel whose entries reach 1e37 gets finite noise (its RMS is taken on the channel scaled by its max, so
+    w**2 never overflows); the draws come from the named threefry PRNG, so a process whose default PRNG is another
+    one draws the same copy."""
+    w = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    w[0, 0] = 1e37
+    tree = {"layers": {"0": {"mlp": {"up_proj": {"kernel": w}}}}}
+    for mode in ("none", "fp8", "int4"):
+        out = q.prepare_sampler_params(tree, mode, weight_noise=0.1, check_all_finite=True, compute_dtype=jnp.float32)
+        got = np.asarray(out["layers"]["0"]["mlp"]["up_proj"]["kernel"])
+        assert np.isfinite(got).all() and np.abs(got[:, 0] - w[:, 0]).max() > 0, mode
+    want = q.prepare_sampler_params(tree, "none", weight_noise=0.1, noise_seed=5)
+    old = jax.config.jax_default_prng_impl
+    try:
+        jax.config.update("jax_default_prng_impl", "rbg")
+        got = q.prepare_sampler_params(tree, "none", weight_noise=0.1, noise_seed=5)
+    finally:
+        jax.config.update("jax_default_prng_impl", old)
+    assert _tree_equal(want, got)
+
+
 @pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), 1.5, True, "0.1"])
 def test_bad_weight_noise_is_refused_naming_it(params, value):
     with pytest.raises(ValueError, match="weight_noise"):

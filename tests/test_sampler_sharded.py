@@ -87,11 +87,13 @@ def test_sharded_kv_cache_layout(params, mesh):
     assert f"f32[{b},{CFG.num_key_value_heads},{CFG.head_dim},{s}]" not in text  # never a whole cache
 
 
-@pytest.mark.parametrize("quantization,noise", [("bf16", 0), ("fp8", 0), ("int8", 0), ("int4", 0), ("none", 0.1)])
+@pytest.mark.parametrize("quantization,noise", [("bf16", 0), ("fp8", 0), ("int8", 0), ("int4", 0), ("none", 0.1),
+                                                ("int4", 0.1)])
 def test_sharded_quantized_copy_equals_unsharded(params, mesh, quantization, noise):
     """prepare_sampler_params with shardings: the same values as on one device, placed by the rules; with
     ``weight_noise`` the same draws too (threefry is partitionable: a shard draws its own part of the leaf's),
-    scaled by channel RMS values that a sharded reduction sums in another order (float32 rounding)."""
+    scaled by channel RMS values that a sharded reduction sums in another order (float32 rounding; int4: about one
+    entry in 10^4 one level away)."""
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0)))
     shardings = nnx.to_pure_dict(shd.param_shardings(nnx.state(model, nnx.Param), mesh))
     kw = dict(compute_dtype=jnp.float32, weight_noise=noise, noise_seed=5)
@@ -99,9 +101,14 @@ def test_sharded_quantized_copy_equals_unsharded(params, mesh, quantization, noi
     many = quant.prepare_sampler_params(params, quantization, shardings=shardings, **kw)
     for (path, x), y, s in zip(jax.tree_util.tree_leaves_with_path(one), jax.tree.leaves(many),
                                jax.tree.leaves(shardings)):
-        if noise:
+        if noise and quantization == "none":
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7,
                                        err_msg=jax.tree_util.keystr(path))
+        elif noise:  # an entry at a rounding boundary may land one int4 level (channel max / 7.5) away
+            a, b = np.asarray(x), np.asarray(y)
+            apart = np.abs(a - b) > 1e-5 * np.abs(a).max()
+            assert apart.mean() <= 1e-3, (jax.tree_util.keystr(path), apart.mean())
+            assert np.abs(a - b).max() <= np.abs(a).max() / 7.5 + 1e-6, jax.tree_util.keystr(path)
         else:
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
         assert y.sharding == s

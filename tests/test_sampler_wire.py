@@ -322,10 +322,11 @@ def test_error_and_health_bodies(use_msgpack):
     assert wire.decode_error("busy") == ("busy", None) and wire.error_detail("busy") == "busy"
     h = wire.health_with_stats(wire.health_body(model="m", quantization="fp8", version=3, compute_dtype="bfloat16",
                                                 vocab_size=32, max_prompt_length=8, max_new_tokens=16,
-                                                weights_path=None, weight_noise=0.05), requests=1, generated_tokens=5,
-                               uptime_s=0.5)
-    assert h["weight_noise"] == 0.05
-    assert list(h) == ["status", "model", "quantization", "weight_noise", "version", "compute_dtype", "vocab_size",
+                                                weights_path=None, weight_noise=0.05, weight_noise_seed=3),
+                               requests=1, generated_tokens=5, uptime_s=0.5)
+    assert (h["weight_noise"], h["weight_noise_seed"]) == (0.05, 3)
+    assert list(h) == ["status", "model", "quantization", "weight_noise", "weight_noise_seed", "version",
+                       "compute_dtype", "vocab_size",
                        "max_prompt_length", "max_new_tokens", "weights_path", "loading", "requests",
                        "generated_tokens", "uptime_s"]
     assert h["loading"] is None

@@ -15,7 +15,8 @@ point: a `ProceduralDataset` whose `score_answer` is overridden when no single o
 tasks are.
 
 Scoring: 1.0 if the answer, stripped of surrounding whitespace, is a plain decimal integer (an optional minus
-sign and digits only) strictly between the prompt's bounds, else 0.0.
+sign and ASCII digits only, leading zeros allowed up to one character more than the longer bound) strictly between
+the prompt's bounds, else 0.0.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import threading
 from typing import Any, Optional
 
 from reasoning_gym.dataset import ProceduralDataset
@@ -30,6 +32,7 @@ from reasoning_gym.factory import DATASETS, register_dataset
 
 NAME = "number_between"
 _INTEGER_RE = re.compile(r"^-?[0-9]+$")
+_REGISTER_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -83,12 +86,18 @@ class NumberBetweenDataset(ProceduralDataset):
         """1.0 for a plain integer strictly between ``entry["metadata"]``'s lo and hi, else 0.0 (never raises on a
         malformed answer; a malformed entry raises KeyError / TypeError, which the source counts)."""
         lo, hi = int(entry["metadata"]["lo"]), int(entry["metadata"]["hi"])
-        if not isinstance(answer, str) or not _INTEGER_RE.match(answer.strip()):
+        if not isinstance(answer, str):
             return 0.0
-        return 1.0 if lo < int(answer.strip()) < hi else 0.0
+        answer = answer.strip()
+        # longer than any integer in (lo, hi) can be (leading zeros included up to that length): wrong, and never
+        # handed to int(), which refuses strings of over 4,300 digits
+        if len(answer) > max(len(str(lo)), len(str(hi))) + 1 or not _INTEGER_RE.match(answer):
+            return 0.0
+        return 1.0 if lo < int(answer) < hi else 0.0
 
 
 def register() -> None:
-    """Registers the task with reasoning-gym once per process (later calls do nothing)."""
-    if NAME not in DATASETS:
-        register_dataset(NAME, NumberBetweenDataset, NumberBetweenConfig)
+    """Registers the task with reasoning-gym once per process (later calls, from any thread, do nothing)."""
+    with _REGISTER_LOCK:
+        if NAME not in DATASETS:
+            register_dataset(NAME, NumberBetweenDataset, NumberBetweenConfig)

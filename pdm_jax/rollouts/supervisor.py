@@ -106,6 +106,19 @@ class SamplerRejected(ValueError):
         return cls(call, f"{type(error).__name__}: {error}", field=field)
 
 
+def _check_served_noise(health, sc: SamplerSpec) -> None:
+    """Raises ValueError unless a native server's ``/health`` reports the run's ``sampler.weight_noise`` and
+    ``sampler.weight_noise_seed`` (a server from before the fields existed reports neither: no noise, seed 0)."""
+    health = health if isinstance(health, dict) else {}
+    for field, flag, wanted, default in (("weight_noise", "--weight_noise", sc.weight_noise, 0.0),
+                                         ("weight_noise_seed", "--weight_noise_seed", sc.weight_noise_seed, 0)):
+        served = health.get(field, default)
+        ok = isinstance(served, (int, float)) and not isinstance(served, bool) and served == wanted
+        if not ok:
+            raise ValueError(f"sampler.{field} = {wanted} but the server at {sc.address} reports {flag}={served!r} "
+                             f"in /health: start it with the run's value")
+
+
 class SamplerSupervisor:
     """Starts, calls, restarts, feeds weights to and stops the rollout sampler.
 
@@ -255,8 +268,8 @@ class SamplerSupervisor:
         engine is built from ``params`` (required) in memory.
 
         Raises:
-          ValueError: colocated without ``params``; a remote native server whose ``--weight_noise`` is not
-            ``sampler.weight_noise``.
+          ValueError: colocated without ``params``; a remote native server whose ``/health`` does not report
+            ``sampler.weight_noise`` and ``sampler.weight_noise_seed``.
           SamplerFailure: a remote sampler that does not answer ``/health``.
           SamplerRejected: a remote sampler that refuses the weights version.
           SamplerStartupError: a subprocess that died or did not come up in time.
@@ -290,10 +303,8 @@ class SamplerSupervisor:
             except Exception as e:  # noqa: BLE001 - any transport error means "not reachable"
                 raise SamplerFailure(f"sampler.address = {sc.address!r} is not reachable "
                                      f"(after {sc.retries} retries): {e}") from e
-            served = health.get("weight_noise", 0.0) if sc.backend == "native" and isinstance(health, dict) else None
-            if served is not None and float(served) != sc.weight_noise:
-                raise ValueError(f"sampler.weight_noise = {sc.weight_noise} but the server at {sc.address} runs with "
-                                 f"--weight_noise={served}: start it with the run's value")
+            if sc.backend == "native":
+                _check_served_noise(health, sc)
             try:
                 client.load_weights(path, version)
             except ValueError as e:  # a 4xx (SamplerRequestError), or weights the vLLM export refuses

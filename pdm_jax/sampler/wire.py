@@ -1055,17 +1055,19 @@ def weights_response(info: Mapping, compile_stats: Optional[Mapping] = None) -> 
 
 def health_body(*, model: str, quantization: str, version: int, compute_dtype: str, vocab_size: int,
                 max_prompt_length: int, max_new_tokens: int, weights_path: Optional[str],
-                loading: Optional[Mapping] = None, weight_noise: float = 0.0) -> dict:
+                loading: Optional[Mapping] = None, weight_noise: float = 0.0, weight_noise_seed: int = 0) -> dict:
     """An engine's ``/health`` fields (`SamplingEngine.health`), status "ok".
 
-    ``weight_noise`` is the relative std of the copy's fixed perturbation (``--weight_noise``; 0 = none).
+    ``weight_noise`` / ``weight_noise_seed`` are the relative std and the seed of the copy's fixed perturbation
+    (``--weight_noise``, 0 = none; ``--weight_noise_seed``).
 
     ``loading`` is null, or ``{"version", "seconds"}`` while a weights load reads its files (a load stuck on a
     slow mount shows here, while generation goes on with the current version).
     """
     busy = None if loading is None else {VERSION: int(loading["version"]),
                                           "seconds": round(time.monotonic() - float(loading["since"]), 3)}
-    return {STATUS: OK, MODEL: model, "quantization": quantization, "weight_noise": weight_noise, VERSION: version,
+    return {STATUS: OK, MODEL: model, "quantization": quantization, "weight_noise": weight_noise,
+            "weight_noise_seed": weight_noise_seed, VERSION: version,
             "compute_dtype": compute_dtype, "vocab_size": vocab_size, "max_prompt_length": max_prompt_length,
             MAX_NEW_TOKENS: max_new_tokens, "weights_path": weights_path, "loading": busy}
 
