@@ -287,7 +287,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.temperature = ml_collections.FieldReference(None, field_type=float)
     # Relative std of a fixed Gaussian perturbation of the sampler's weight copy (every matmul weight, the embedding and
     # lm_head; each entry gets this times its output channel's RMS, before the quantization): a persistent
-    # behaviour/trainer mismatch of a chosen size, the same perturbation for every weights version (a dialable
+    # behaviour/trainer mismatch of a chosen size, the same draws for every weights version (a dialable
     # quantization error; 0.1 is about int4's per-weight error; docs/sampler.md). 0 = none. In [0, 1]. The
     # evaluation engine (eval.engine "f32") is never noised; not available with sampler.backend "vllm".
     c.sampler.weight_noise = 0.0

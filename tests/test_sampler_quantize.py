@@ -273,5 +273,6 @@ def test_weight_noise_is_finite_near_the_float32_limit_and_independent_of_the_de
 def test_bad_weight_noise_is_refused_naming_it(params, value):
     with pytest.raises(ValueError, match="weight_noise"):
         q.prepare_sampler_params(params, "none", weight_noise=value)
-    with pytest.raises(ValueError, match="noise_seed"):
-        q.prepare_sampler_params(params, "none", weight_noise=0.1, noise_seed=-1)
+    for seed in (-1, 2**32, True, 1.0):
+        with pytest.raises(ValueError, match="weight_noise_seed"):
+            q.prepare_sampler_params(params, "none", weight_noise=0.1, noise_seed=seed)

@@ -783,7 +783,7 @@ class SamplingEngine:
       weight_noise: relative std of the fixed Gaussian perturbation of the sampler's copy
         (`quant.prepare_sampler_params`' ``weight_noise``; ``sampler.weight_noise``, the dialable
         behaviour/trainer mismatch lever), in [0, 1]; 0 = none.
-      weight_noise_seed: its seed, an integer in [0, 2**32); the same perturbation for every version.
+      weight_noise_seed: its seed, an integer in [0, 2**32); the same draws for every version.
       weights_path: where `params` came from (for idempotent reloads), or None.
       compute_dtype: activations/weights/KV-cache dtype of the sampler forward:
         ``None``/``"auto"`` (`resolve_compute_dtype`: f32 for none, and for bf16/fp8/int8/int4
@@ -847,11 +847,7 @@ class SamplingEngine:
                  weight_noise: float = 0.0, weight_noise_seed: int = 0):
         quant.check_quantization(quantization)
         self.weight_noise = quant.check_weight_noise(weight_noise)
-        if isinstance(weight_noise_seed, bool) or not isinstance(weight_noise_seed, (int, np.integer)) \
-                or not 0 <= weight_noise_seed < 2**32:
-            raise ValueError(f"SamplingEngine: weight_noise_seed must be an integer in [0, 2**32), "
-                             f"got {weight_noise_seed!r}")
-        self.weight_noise_seed = int(weight_noise_seed)
+        self.weight_noise_seed = quant.check_noise_seed(weight_noise_seed)
         if batching not in BATCHING_MODES:
             raise ValueError(f"SamplingEngine: batching must be one of {BATCHING_MODES}, got {batching!r}")
         max_slots = max_batch_size if max_slots is None else max_slots
@@ -1023,8 +1019,7 @@ class SamplingEngine:
         return wire.health_body(
             model=f"qwen3(L={c.num_hidden_layers},H={c.hidden_size},V={c.vocab_size})",
             quantization=self.quantization, weight_noise=self.weight_noise, weight_noise_seed=self.weight_noise_seed,
-            version=self._version,
-            compute_dtype=str(self.compute_dtype),
+            version=self._version, compute_dtype=str(self.compute_dtype),
             vocab_size=c.vocab_size, max_prompt_length=self.max_prompt_length, max_new_tokens=self.max_new_tokens,
             weights_path=self._weights_path, loading=self.loading)
 

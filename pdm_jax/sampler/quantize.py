@@ -81,6 +81,14 @@ def check_weight_noise(weight_noise) -> float:
     return float(weight_noise)
 
 
+def check_noise_seed(seed) -> int:
+    """Returns `seed` as an int if it is an integer in [0, 2**32) (a weight-noise seed), else raises ValueError naming
+    ``weight_noise_seed`` and the value."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"weight_noise_seed={seed!r}; expected an integer in [0, 2**32)")
+    return int(seed)
+
+
 def noise_output_axes(path: Path, shape: Sequence[int]) -> Optional[Tuple[int, ...]]:
     """The output axes of every matmul weight, the embedding table and ``lm_head`` included: the channels whose
     RMS scales the weight-noise lever (`prepare_sampler_params`' ``weight_noise``). None for RMSNorm scales."""
@@ -423,8 +431,7 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
     """
     check_quantization(quantization)
     weight_noise = check_weight_noise(weight_noise)
-    if isinstance(noise_seed, bool) or not isinstance(noise_seed, (int, np.integer)) or not 0 <= noise_seed < 2**32:
-        raise ValueError(f"noise_seed={noise_seed!r}; expected an integer in [0, 2**32)")
+    noise_seed = check_noise_seed(noise_seed)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype(quantization))
     named = _named_leaves(params)
     axes = tuple(output_axes_fn(p, tuple(np.shape(x))) if quantization in WEIGHT_ONLY_DTYPES else None
