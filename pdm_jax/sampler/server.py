@@ -83,8 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: that recorded version; 0 for a random init)")
     p.add_argument("--quantization", default="fp8", choices=defaults.QUANTIZATIONS)
     p.add_argument("--weight_noise", type=float, default=0.0,
-                   help="relative std of a fixed Gaussian perturbation of the sampler's weights, the same draws for every "
-                        f"version (in [0, {defaults.MAX_WEIGHT_NOISE}]; 0 = none; pdm_jax.sampler.quantize)")
+                   help="relative std of a fixed Gaussian perturbation of the sampler's weights, the same draws "
+                        f"for every version (in [0, {defaults.MAX_WEIGHT_NOISE}]; 0 = none; pdm_jax.sampler.quantize)")
     p.add_argument("--weight_noise_seed", type=int, default=0, help="seed of --weight_noise's draws, in [0, 2**32)")
     p.add_argument("--compute_dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="dtype the engine computes in (auto: f32 for none and on CPU, bf16 for the quantized copies "
