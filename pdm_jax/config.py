@@ -278,7 +278,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.vllm_weights_dir = ""
     # Sampler weights: "none" (f32) | "bf16" | "fp8" (e4m3 weight-only, per channel; native on recent GPUs and
     # TPU7x) | "int8" (weight-only, per channel; native on TPU v5e/v5p/v6e) | "int4" (weight-only, one scale per
-    # output channel: a coarse copy, the persistent-mismatch stress lever; docs/sampler.md).
+    # output channel: a coarse copy, the persistent-mismatch stress lever; docs/sampler.md) | "int2" (four levels per
+    # output channel: a stress lever only, coarser than int4).
     c.sampler.quantization = "fp8"
     # The rollouts' own sampling temperature tau_s: mu = softmax(z_q / tau_s) while the loss's pi stays softmax(z /
     # rl.temperature), a persistent behaviour/trainer mismatch that no weight update closes (a stress lever like

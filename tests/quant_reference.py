@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 
 #: mode -> (half range: scale = max|W| / half range, lowest and highest integer value); qwix's absmax convention.
-INT_RANGES = {"int8": (127.5, -128, 127), "int4": (7.5, -8, 7)}
+INT_RANGES = {"int8": (127.5, -128, 127), "int4": (7.5, -8, 7), "int2": (1.5, -2, 1)}
 
 
 def _scale(w, output_axes, divisor):
@@ -22,7 +22,7 @@ def fp8_reference(w, output_axes):
 
 
 def int_reference(w, output_axes, mode):
-    """``(dequantized f32, tie bool, scale f32)`` of int8 / int4 (`INT_RANGES`): scale = max|W| / half range over
+    """``(dequantized f32, tie bool, scale f32)`` of int8 / int4 / int2 (`INT_RANGES`): scale = max|W| / half range over
     the non-output axes, ``clip(round_half_even(W / scale), lo, hi) * scale``. ``tie`` marks a channel's extreme
     weights, which sit on +-half range: there the compiled program's f32 rounding of ``W * (1 / scale)`` picks
     between neighbouring integers, so a test accepts lo, lo + 1 or hi times the scale."""

@@ -453,6 +453,12 @@ def test_between_testbed_pilot_expands_into_valid_runs():
         c = get(r["arg"])
         validate_config(c)
         assert c.sampler.weight_noise == 0.45 and c.rl.steps == 200 and c.data.task == "number_between"
+    coarse = sweep.expand(sweep.load_sweep(path, "pilot_int2"))
+    assert len(coarse) == 6
+    for r in coarse:
+        c = get(r["arg"])
+        validate_config(c)
+        assert (c.sampler.quantization, c.sampler.weight_noise, c.trust_region.delta) == ("int2", 0.0, 0.05)
     wide = sweep.expand(sweep.load_sweep(path, "pilot_delta_0.15"))
     assert len(wide) == 4 and {get(r["arg"]).trust_region.delta for r in wide} == {0.15}
     assert {get(r["arg"]).trust_region.delta for r in runs} == {0.05}

@@ -10,11 +10,16 @@ tokens and ``none`` ends measurably below ``ratio``.
 
 ``get_sweep("pilot_delta_0.15")`` is the masked arms of the same pilot at delta = 0.15 (``none`` has no radius).
 
+``get_sweep("pilot_int2")`` is the pilot with a lever that has fixed points instead of the noise: rollouts from an
+int2 copy of the weights (``sampler.quantization=int2``, four levels per output channel; a π whose weights sit on
+the grid is its own copy), at delta = 0.05.
+
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot --out=runs/between_pilot
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_delta_0.15 \
         --out=runs/between_pilot_delta_0.15
+    python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_int2 --out=runs/between_int2
 """
 
 PILOT_ARMS = ["none", "ratio", "pdm_bucket_exact"]
@@ -23,15 +28,17 @@ PILOT_NOISE = 0.45
 
 
 def get_sweep(arg=None):
-    """Returns the sweep dict read by launch/sweep.py (see its module docstring): arg "pilot" (the default) or
-    "pilot_delta_0.15"."""
-    if arg not in (None, "pilot", "pilot_delta_0.15"):
-        raise ValueError(f"between_testbed sweep argument {arg!r}: expected 'pilot', 'pilot_delta_0.15' or none")
+    """Returns the sweep dict read by launch/sweep.py (see its module docstring): arg "pilot" (the default),
+    "pilot_delta_0.15" or "pilot_int2"."""
+    if arg not in (None, "pilot", "pilot_delta_0.15", "pilot_int2"):
+        raise ValueError(f"between_testbed sweep argument {arg!r}: expected 'pilot', 'pilot_delta_0.15', "
+                         f"'pilot_int2' or none")
     wide = arg == "pilot_delta_0.15"
+    lever = "sampler.quantization=int2" if arg == "pilot_int2" else f"sampler.weight_noise={PILOT_NOISE}"
     return dict(
         config="configs/tiny_between.py",
         fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,"
-              f"sampler.weight_noise={PILOT_NOISE},delta={0.15 if wide else 0.05}",
+              f"{lever},delta={0.15 if wide else 0.05}",
         axes=[  # seed outermost: a sweep stopped early has every arm at the same number of seeds
             ("seed", [0, 1]),
             ("criterion", PILOT_ARMS[1:] if wide else PILOT_ARMS),

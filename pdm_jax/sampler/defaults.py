@@ -7,7 +7,7 @@ server started by hand batches as the trainer's own does (tests/test_sampler_def
 """
 
 #: The sampler's weight precisions (``sampler.quantization``, the server's ``--quantization``); see quantize.py.
-QUANTIZATIONS = ("none", "bf16", "fp8", "int8", "int4")
+QUANTIZATIONS = ("none", "bf16", "fp8", "int8", "int4", "int2")
 
 #: The largest ``sampler.weight_noise`` (the server's ``--weight_noise``): a relative std of 1 already buries each
 #: weight in noise of its own size.

@@ -777,8 +777,8 @@ class SamplingEngine:
       params: trainer weights: an ``nnx.Module``, ``nnx.State`` or nested pure
         dict of arrays (any float dtype; f32 expected).
       quantization: ``"none"`` (f32, bit-compatible with the trainer), ``"bf16"``,
-        ``"fp8"`` (e4m3 weight-only, per-output-channel) or ``"int8"`` / ``"int4"`` (weight-only, per channel;
-        see quantize.py).
+        ``"fp8"`` (e4m3 weight-only, per-output-channel) or ``"int8"`` / ``"int4"`` / ``"int2"`` (weight-only, per
+        channel; int2 a stress lever only; see quantize.py).
       version: weights version of `params`, reported per sequence.
       weight_noise: relative std of the fixed Gaussian perturbation of the sampler's copy
         (`quant.prepare_sampler_params`' ``weight_noise``; ``sampler.weight_noise``, the dialable

@@ -1,4 +1,4 @@
-"""Sampler weight copies: f32, bf16, and fp8-e4m3 / int8 / int4 weight-only with per-output-channel scales.
+"""Sampler weight copies: f32, bf16, and fp8-e4m3 / int8 / int4 / int2 weight-only with per-output-channel scales.
 
 The sampler generates from a *quantized copy* of the trainer's weights; the gap
 between the sampler's distribution mu = softmax(z_q / tau) and the trainer's
@@ -24,7 +24,7 @@ that would make keeping fp8 operands worthwhile.  Quantizing per tensor, with a
 rule that names the output axes of each parameter of our own model, is explicit,
 cheap to redo on every sync, and testable.
 
-What is quantized (``fp8``, ``int8`` and ``int4`` alike): every >=2-D weight of the decoder layers (attention
+What is quantized (``fp8``, ``int8``, ``int4`` and ``int2`` alike): every >=2-D weight of the decoder layers (attention
 q/k/v/o projections, MLP gate/up/down; for Qwen3-MoE the router and every expert's
 gate/up/down, scales per (layer, expert, output channel)).  Embedding table, ``lm_head`` and the
 RMSNorm scales stay in the compute dtype unless asked otherwise -- vLLM's fp8
@@ -46,7 +46,7 @@ from pdm_jax.sampler.defaults import MAX_WEIGHT_NOISE, QUANTIZATIONS  # defined 
 #: The sampler's compute dtype choices (``sampler.compute_dtype``; resolved by ``engine.resolve_compute_dtype``).
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 #: Weight-only modes: the storage dtype of each quantized matmul weight.
-WEIGHT_ONLY_DTYPES = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.int4}
+WEIGHT_ONLY_DTYPES = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8, "int4": jnp.int4, "int2": jnp.int2}
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 
@@ -58,7 +58,7 @@ def default_compute_dtype(quantization: str):
     """The dtype the sampler computes in for a given quantization mode.
 
     ``none`` -> float32 (bit-compatible with the trainer), ``bf16`` -> bfloat16,
-    ``fp8`` / ``int8`` / ``int4`` -> bfloat16 (the weights are dequantized into bf16, as on TPU/GPU).
+    ``fp8`` / ``int8`` / ``int4`` / ``int2`` -> bfloat16 (the weights are dequantized into bf16, as on TPU/GPU).
     Raises ValueError for an unknown mode.
     """
     check_quantization(quantization)
@@ -355,7 +355,7 @@ def _weight_only_dequantized(w: jax.Array, axes: Tuple[int, ...], dtype, qtype) 
     one is clipped to 127 (7), the negative one becomes -128 or -127 (-8 or -7) by the f32 rounding of
     ``W * (1 / scale)``, so the extreme weight loses up to 1/255 (int4: 1/15) of its size.
     """
-    import qwix  # local import: qwix pulls in flax.linen; only needed for fp8 / int8 / int4
+    import qwix  # local import: qwix pulls in flax.linen; only needed for fp8 / int8 / int4 / int2
 
     qa = qwix.quantize(w, qtype, channelwise_axes=axes, calibration_method="absmax", scale_dtype=jnp.float32)
     qvalue = qa.qvalue if qa.qvalue.dtype == qtype else qa.qvalue.astype(qtype)
@@ -378,6 +378,9 @@ def prepare_sampler_params(params: Mapping, quantization: str, *, compute_dtype=
     output channel (no groups): about 11% relative error per weight on a Gaussian matrix against
     int8's 0.65% and fp8's 2.6% -- a coarse copy whose persistent offset from the trainer's weights is
     the behaviour/trainer mismatch lever (the analogue of the paper's FP8 stress; docs/sampler.md).
+    ``int2``: the same with int2 (scale ``max|W| / 1.5``, values in [-2, 1]: four levels per output channel),
+    about 59% relative error per weight on a Gaussian matrix: no model serves from it, it is a stress lever
+    coarser than int4 whose copy, unlike `weight_noise`'s, has fixed points (weights already on the grid).
     With ``compute_dtype`` float32 the bf16 / fp8 weights keep their rounded /
     dequantized values exactly; with bfloat16 the fp8 dequantized values are
     rounded once more, to bf16.  The whole tree is one jitted program (compiled
