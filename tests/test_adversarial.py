@@ -347,7 +347,7 @@ def test_tis_loss_finite_for_zero_policy_probability():
     ({"rl.steps": -1}, None, "rl.steps = -1"),
     ({"sft.steps": -1}, None, "sft.steps = -1"),
     ({"sampler.mode": "inproc"}, None, "sampler.mode = 'inproc'"),
-    ({"sampler.quantization": "int2"}, None, "sampler.quantization = 'int2'"),
+    ({"sampler.quantization": "int3"}, None, "sampler.quantization = 'int3'"),
     ({"model.hf_path": "/nonexistent/ckpt"}, None, "model.hf_path = '/nonexistent/ckpt'"),
     ({"data.path": "/nonexistent/data.parquet"}, None, "data.path"),
     ({"rl.learning_rate": math.nan}, None, "rl.learning_rate"),

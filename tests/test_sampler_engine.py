@@ -305,7 +305,7 @@ def test_compute_dtype_choice():
     with pytest.raises(ValueError, match=r"compute_dtype = 'float16': must be one of \('auto', 'float32'"):
         resolve_compute_dtype("float16", "fp8")
     with pytest.raises(ValueError, match="quantization"):
-        resolve_compute_dtype("auto", "int2")
+        resolve_compute_dtype("auto", "int3")
     if jax.default_backend() == "cpu":
         eng = make_engine(make_params(), quantization="fp8")
         assert eng.compute_dtype == f32 and eng.health()["compute_dtype"] == "float32"

@@ -94,7 +94,7 @@ def test_prepare_modes_and_errors(params):
     assert all(0.005 < v < 2.0 ** -4 for v in kernels.values()), kernels
     assert err_fp8["lm_head/kernel"] == 0.0 and err_fp8["embed_tokens/embedding"] == 0.0
     with pytest.raises(ValueError, match="quantization"):
-        q.prepare_sampler_params(params, "int2")
+        q.prepare_sampler_params(params, "int3")
 
 
 @pytest.mark.slow
