@@ -1,5 +1,5 @@
-"""Off-policy gap of the quantized sampler: every ``sampler.quantization`` (bf16, fp8 e4m3, int8, int4; the
-quantized ones per output channel) and every ``sampler.weight_noise`` asked for (f32 copies with a fixed
+"""Off-policy gap of the quantized sampler: every ``sampler.quantization`` (bf16, fp8 e4m3, int8, int4, int2;
+the quantized ones per output channel) and every ``sampler.weight_noise`` asked for (f32 copies with a fixed
 Gaussian perturbation, ``--weight_noise``) against the f32 policy.
 
 For each sampler mode the sampler generates rollouts (tokens drawn from mu =
