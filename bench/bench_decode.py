@@ -3,8 +3,11 @@
 Each side runs in its own process (the baseline's package from a ``git worktree`` of ``--baseline``,
 this file's measuring code for both), the processes alternate over ``--rounds`` rounds, and each
 figure is the best over all rounds. Per shape and batch size it prints tokens/s, process CPU time
-per generated token, the first call's seconds (trace + compile + run) and whether both sides
-sampled the same tokens and log-probabilities bit for bit (a SHA-256 of the outputs).
+per generated token, the first call's seconds (trace + compile + run), the compile seconds within it (JAX's
+tracing, lowering and XLA compile durations, from ``jax.monitoring``) and whether both sides sampled the same
+tokens and log-probabilities bit for bit (a SHA-256 of the outputs). With a baseline, the ratio columns are
+this tree's tokens/s over the baseline's, and this tree's first-call and compile seconds over the baseline's
+(below 1: this tree compiles faster).
 
 Shapes (random f32 weights, ``quantization="none"``, the engine's default batching, prompts of
 16 tokens, 128 new tokens each, temperature 1, top-K 20 log-probs):
@@ -38,6 +41,16 @@ def worker(shapes, batches, repeats) -> dict:
     from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
     from pdm_jax.sampler.engine import SamplingEngine
 
+    import jax
+
+    compile_s = [0.0]
+    stages = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def on_duration(event, seconds, **_):
+        if event in stages:
+            compile_s[0] += seconds
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     out = {"package": os.path.dirname(pdm_jax.__file__)}
     for name in shapes:
         s = SHAPES[name]
@@ -54,9 +67,11 @@ def worker(shapes, batches, repeats) -> dict:
             def go():
                 return engine.generate(prompts, n=1, temperature=1.0, max_new_tokens=NEW, top_k_logprobs=TOP_K,
                                        seed=1)
+            compile_s[0] = 0.0
             t0 = time.perf_counter()
             batch = go()
             first = time.perf_counter() - t0
+            compiling = compile_s[0]
             digest = hashlib.sha256()
             for a in (batch.completion_ids, batch.completion_mask, batch.behavior_logprobs, batch.topk_ids,
                       batch.topk_logprobs):
@@ -69,7 +84,7 @@ def worker(shapes, batches, repeats) -> dict:
                 cpus.append(time.process_time() - c0)
             tokens = b * NEW
             out[f"{name}/{b}"] = dict(wall=min(walls), cpu_per_token=min(cpus) / tokens, first_call=first,
-                                      tokens=tokens, digest=digest.hexdigest())
+                                      compile=compiling, tokens=tokens, digest=digest.hexdigest())
     return out
 
 
@@ -96,7 +111,7 @@ def _merge(best, result):
         if key not in best:
             best[key] = dict(v)
         else:
-            for f in ("wall", "cpu_per_token", "first_call"):
+            for f in ("wall", "cpu_per_token", "first_call", "compile"):
                 best[key][f] = min(best[key][f], v[f])
 
 
@@ -136,9 +151,9 @@ def main():
     names = list(trees)
     head = f"{'shape':>6s} {'B':>3s}"
     for n in names:
-        head += f" | {n + ' tok/s':>22s} {'CPU us/tok':>10s} {'1st call s':>10s}"
+        head += f" | {n + ' tok/s':>22s} {'CPU us/tok':>10s} {'1st call s':>10s} {'compile s':>9s}"
     if len(names) == 2:
-        head += " | tok/s ratio  same tokens"
+        head += " | tok/s ratio  1st call ratio  compile ratio  same tokens"
     print(head)
     for s in shapes:
         for b in batches:
@@ -146,10 +161,13 @@ def main():
             row = f"{s:>6s} {b:3d}"
             for n in names:
                 v = best[n][key]
-                row += f" | {v['tokens'] / v['wall']:22.0f} {v['cpu_per_token'] * 1e6:10.1f} {v['first_call']:10.2f}"
+                row += (f" | {v['tokens'] / v['wall']:22.0f} {v['cpu_per_token'] * 1e6:10.1f} {v['first_call']:10.2f}"
+                        f" {v['compile']:9.2f}")
             if len(names) == 2:
                 a, c = best[names[0]][key], best[names[1]][key]
-                row += f" | {a['wall'] / c['wall']:10.2f}x  {'yes' if a['digest'] == c['digest'] else 'NO'}"
+                ratio = lambda f: c[f] / a[f] if a[f] > 0 else float("nan")  # noqa: E731  this tree / baseline
+                row += (f" | {a['wall'] / c['wall']:10.2f}x  {ratio('first_call'):13.2f}x  {ratio('compile'):12.2f}x"
+                        f"  {'yes' if a['digest'] == c['digest'] else 'NO'}")
             print(row, flush=True)
 
 

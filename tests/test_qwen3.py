@@ -352,3 +352,45 @@ def test_decode_rejects_mismatched_cache_and_out_of_range_index():
 def test_config_rejects_infinite_floats(field):
     with pytest.raises(ValueError, match=f"Qwen3Config.{field}"):
         dataclasses.replace(TINY, **{field: float("inf")})
+
+
+def test_decode_kv_window_reads_only_the_window():
+    """``decode(kv_window=(i, widths))`` gives, bit for bit, the logits and written slots of a decode over a cache
+    physically cut to widths[i] (the continuous engine's cache phases); slots past the width are never read (NaN
+    there leaves the result finite, while a decode of the whole cache turns NaN); bad widths are named errors."""
+    model = _scaled_model(TINY, seed=9)
+    graphdef, state = nnx.split(model)
+    rng = np.random.RandomState(3)
+    B, P, S = 3, 6, 24
+    ids, mask, _ = _left_padded_batch(rng, TINY.vocab_size, [6, 3, 5], P)
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
+    kv_mask = np.zeros((B, S), bool)
+    kv_mask[:, :P] = mask
+    kv_mask[:, P:] = True  # generated slots: hidden past each row's own index by causality
+    _, cache = model.decode(ids, positions, model.init_cache(B, S), 0, kv_mask)
+    index = np.array([P, P + 2, P + 3], np.int32)  # each row at its own slot (continuous batching)
+    tok = rng.randint(0, TINY.vocab_size, size=(B, 1)).astype(np.int32)
+    pos = (positions[:, -1:] + 1 + index[:, None] - P).astype(np.int32)
+    nan_tail = lambda c, w: KVCache(k=tuple(k.at[..., w:].set(jnp.nan) for k in c.k),  # noqa: E731
+                                    v=tuple(v.at[:, :, w:].set(jnp.nan) for v in c.v))
+    cut = lambda c, w: KVCache(k=tuple(k[..., :w] for k in c.k), v=tuple(v[:, :, :w] for v in c.v))  # noqa: E731
+
+    @jax.jit
+    def windowed(state, cache, phase):
+        return nnx.merge(graphdef, state).decode(tok, pos, cache, index, kv_mask, kv_window=(phase, (10, 16, S)))
+
+    @jax.jit
+    def plain(state, cache, kv_mask):
+        return nnx.merge(graphdef, state).decode(tok, pos, cache, index, kv_mask)
+
+    for phase, width in enumerate((10, 16, S)):
+        got, got_cache = windowed(state, nan_tail(cache, width), jnp.int32(phase))
+        want, want_cache = plain(state, cut(cache, width), kv_mask[:, :width])
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        for a, b in zip(cut(got_cache, width).k + cut(got_cache, width).v, want_cache.k + want_cache.v):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if width < S:
+            assert np.isnan(np.asarray(plain(state, nan_tail(cache, width), kv_mask)[0])).any()
+    for widths in ((), (0,), (10, S + 1), (10.0,), (True,)):
+        with pytest.raises(ValueError, match="kv_window widths must be static ints in"):
+            model.decode(tok, pos, cache, index, kv_mask, kv_window=(0, widths))

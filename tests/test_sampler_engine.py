@@ -432,6 +432,51 @@ def test_continuous_rows_with_different_max_lengths(continuous_pair):
         assert part["stopped"][r] == (full.finish_reason[r] == "stop" and want == full.completion_mask[r].sum())
 
 
+def test_cache_phases_share_one_decode_loop(params, monkeypatch):
+    """The cache phases add no decode loop to the continuous program: with 3 phases (min_cache_phase 4, T = 16) it
+    holds as many while-loops as with 1 (min_cache_phase 16; parking off in both, a single phase has none), and
+    only 2 dots per layer more for each extra phase's attention (the einsums of `_cached_attention`); the phased
+    program's rollouts equal the single-phase one's."""
+    import pdm_jax.sampler.engine as engine_mod
+
+    texts = []
+    real = engine_mod._CONTINUOUS_JIT
+
+    def spy(*args, **kwargs):
+        texts.append(real.lower(*args, **kwargs).as_text())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine_mod, "_CONTINUOUS_JIT", spy)
+    gen = dict(n=2, max_new_tokens=16, top_k_logprobs=K, temperature=TAU, seed=3)
+    out = []
+    for phase in (4, 16):
+        cont = make_engine(params, max_batch_size=4, batching="continuous", park_rows=0)  # 1 phase: no park
+        cont.min_cache_phase = phase
+        out.append(cont.generate(PROMPTS, **gen))
+    _assert_same_rollouts(*out)
+    phased, single = texts
+    assert phased.count("stablehlo.while") == single.count("stablehlo.while"), "a decode loop per cache phase"
+    extra_dots = phased.count("stablehlo.dot_general") - single.count("stablehlo.dot_general")
+    assert extra_dots == 2 * 2 * CFG.num_hidden_layers, extra_dots  # 2 more phases x 2 einsums x L layers
+
+
+def test_unfiltered_requests_compile_no_filter(params):
+    """Without top-p / top-k the program has no filter (``may_filter=False``): the same log mu bit for bit as the
+    filter's no-op branch; a filtering request runs its own program (a distinct shape key) and filters."""
+    z = jnp.asarray(np.random.default_rng(0).normal(size=(3, CFG.vocab_size)) * 4, jnp.float32)
+    ones, zeros = jnp.ones(3), jnp.zeros(3, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(sampling_distribution(z, ones * TAU, ones, zeros, may_filter=False)),
+                                  np.asarray(sampling_distribution(z, ones * TAU, ones, zeros)))
+    cont = make_engine(params, max_batch_size=4, batching="continuous")
+    gen = dict(n=2, max_new_tokens=8, top_k_logprobs=K, temperature=TAU, seed=3)
+    cont.generate(PROMPTS, **gen)
+    filtered = cont.generate(PROMPTS, top_k=2, **gen)
+    assert len(cont.program_shapes) == 2
+    assert [key[-1] == "top_p/top_k filter" for key in sorted(cont.program_shapes, key=len)] == [False, True]
+    ids = filtered.topk_ids[filtered.completion_mask.astype(bool)]
+    lps = filtered.topk_logprobs[filtered.completion_mask.astype(bool)]
+    assert np.isfinite(lps[:, :2]).all() and np.isneginf(lps[:, 2:]).all(), (ids, lps)  # 2 ids kept per step
+
+
 def test_cache_phases():
     """Continuous batching's cache-length phases (new-token capacities), by hand."""
     from pdm_jax.sampler.engine import cache_phases

@@ -556,6 +556,7 @@ class Attention(nnx.Module):
                  kv: tuple[Array, Array] | None = None,
                  cache_index: Array | None = None,
                  attention: attn_lib.AttentionOptions | None = None,
+                 kv_window: tuple[Array, tuple[int, ...]] | None = None,
                  ) -> tuple[Array, tuple[Array, Array] | None]:
         """Attends the T queries to S keys.
 
@@ -567,7 +568,10 @@ class Attention(nnx.Module):
         keys/values are written at slots ``cache_index .. cache_index+T-1``
         (``dynamic_update_slice``, in place under buffer donation), the queries attend
         densely to all S slots and ``mask`` is the ``[B,T,S]`` bool array of which slots
-        each query may see.
+        each query may see. ``kv_window`` = ``(index, widths)`` (with ``kv`` only): the queries
+        read only the first ``widths[index]`` slots (``widths`` static ints <= S, ``index`` an
+        int32 scalar, may be traced: one ``lax.switch`` branch per width; slots past the width
+        must be masked for every query). The write above still goes to the whole cache.
 
         Returns (out [B,T,D], updated ``(k, v)`` or None).
         """
@@ -580,8 +584,6 @@ class Attention(nnx.Module):
         q_BxTxNxH = shd.constrain(q_BxTxNxH, ("batch", "length", "heads", "head_dim"))
         K, G, H = self.num_kv_heads, self.num_groups, self.head_dim
         q_BxTxKxGxH = q_BxTxNxH.reshape(B, T, K, G, H)
-        # A finite fill keeps fully masked rows (pure padding queries) NaN-free.
-        fill = jnp.finfo(jnp.float32).min
         if kv is None and isinstance(mask, attn_lib.SelfAttentionMask):
             out_BxTxKxGxH = attn_lib.self_attention(
                 q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, mask,
@@ -604,23 +606,36 @@ class Attention(nnx.Module):
                 k_BxKxHxS = jax.lax.dynamic_update_slice(k_BxKxHxS, new_k, (zero, zero, zero, cache_index))
                 v_BxKxSxH = jax.lax.dynamic_update_slice(v_BxKxSxH, new_v, (zero, zero, cache_index, zero))
             kv = (k_BxKxHxS, v_BxKxSxH)
-            S = k_BxKxHxS.shape[-1]
             # Queries as [B, K, T*G, H] rows: with the cache layouts both products are plain
             # batched matmuls ([TG,H] x [H,S], then [TG,S] x [S,H]) with no cache transpose
             # (for T = 1 the query/output transposes are free).
             q_BxKxTGxH = q_BxTxKxGxH.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
-            scores_BxKxTGxS = jnp.einsum("bkqh,bkhs->bkqs", q_BxKxTGxH,
-                                         k_BxKxHxS.astype(self.dtype),
-                                         preferred_element_type=jnp.float32) * H ** -0.5
-            scores_BxKxTxGxS = jnp.where(mask_BxTxS[:, None, :, None, :],
-                                         scores_BxKxTGxS.reshape(B, K, T, G, S), fill)
-            probs_BxKxTGxS = jax.nn.softmax(scores_BxKxTxGxS, axis=-1).astype(
-                self.dtype).reshape(B, K, T * G, S)
-            out_BxKxTGxH = jnp.einsum("bkqs,bksh->bkqh", probs_BxKxTGxS,
-                                      v_BxKxSxH.astype(self.dtype))
+            attend = functools.partial(self._cached_attention, T=T, G=G)
+            if kv_window is None:
+                out_BxKxTGxH = attend(q_BxKxTGxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS)
+            else:  # read only the first widths[index] slots (one branch per static width)
+                index, widths = kv_window
+                out_BxKxTGxH = jax.lax.switch(
+                    index, [functools.partial(attend, width=w) for w in widths],
+                    q_BxKxTGxH, k_BxKxHxS, v_BxKxSxH, mask_BxTxS)
             out_BxTxKxGxH = out_BxKxTGxH.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
         out_BxTxNxH = out_BxTxKxGxH.reshape(B, T, -1, self.head_dim)
         return self.o_proj(out_BxTxNxH), kv
+
+    def _cached_attention(self, q_BxKxTGxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, mask_BxTxS: Array, *,
+                          T: int, G: int, width: int | None = None) -> Array:
+        """Dense attention of the [B, K, T*G, H] queries over the first ``width`` (default all S) cache
+        slots under ``mask_BxTxS``; returns [B, K, T*G, H] in the compute dtype."""
+        if width is not None:
+            k_BxKxHxS, v_BxKxSxH, mask_BxTxS = k_BxKxHxS[..., :width], v_BxKxSxH[:, :, :width], mask_BxTxS[..., :width]
+        B, K, _, H = q_BxKxTGxH.shape
+        S = k_BxKxHxS.shape[-1]
+        fill = jnp.finfo(jnp.float32).min  # a finite fill keeps fully masked rows (pure padding queries) NaN-free
+        scores_BxKxTGxS = jnp.einsum("bkqh,bkhs->bkqs", q_BxKxTGxH, k_BxKxHxS.astype(self.dtype),
+                                     preferred_element_type=jnp.float32) * H ** -0.5
+        scores_BxKxTxGxS = jnp.where(mask_BxTxS[:, None, :, None, :], scores_BxKxTGxS.reshape(B, K, T, G, S), fill)
+        probs_BxKxTGxS = jax.nn.softmax(scores_BxKxTxGxS, axis=-1).astype(self.dtype).reshape(B, K, T * G, S)
+        return jnp.einsum("bkqs,bksh->bkqh", probs_BxKxTGxS, v_BxKxSxH.astype(self.dtype))
 
 
 class MLP(nnx.Module):
@@ -731,12 +746,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = make_mlp(config, sparse=sparse, **kw)
 
     def __call__(self, x_BxTxD, positions_BxT, mask, kv=None, cache_index=None, attention=None,
-                 moe_implementation="ragged_dot", token_weight_BxT=None, routed_experts_BxTxK=None):
+                 moe_implementation="ragged_dot", token_weight_BxT=None, routed_experts_BxTxK=None,
+                 kv_window=None):
         """[B,T,D] -> ([B,T,D], kv, router sums); see ``Attention.__call__`` for the
-        attention arguments. The router sums (``moe.load_balancing_stats``, rows weighted by
+        attention arguments (``kv_window`` too). The router sums (``moe.load_balancing_stats``, rows weighted by
         ``token_weight_BxT``) are None for a dense MLP."""
         attn_BxTxD, kv = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT,
-                                        mask, kv, cache_index, attention)
+                                        mask, kv, cache_index, attention, kv_window)
         x_BxTxD = x_BxTxD + attn_BxTxD
         h_BxTxD = self.post_attention_layernorm(x_BxTxD)
         if isinstance(self.mlp, SparseMoeBlock):
@@ -1134,7 +1150,7 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def decode(self, input_ids: Array, positions: Array, cache: KVCache, cache_index: Array,
                kv_mask: Array, *, return_routing: bool = False, last_logits_only: bool = False,
-               layers: tuple | None = None) -> tuple:
+               layers: tuple | None = None, kv_window: tuple[Array, tuple[int, ...]] | None = None) -> tuple:
         """Incremental forward through the KV cache (prefill or one-token decode).
 
         Args:
@@ -1147,6 +1163,10 @@ class Qwen3ForCausalLM(nnx.Module):
           last_logits_only: static; project only the last position through the LM head: logits
             [B, 1, V] (a prefill needs just those: [B, T, V] f32 is T x the memory and LM-head work).
           layers: `decode_layers()` built once outside a decode loop (default: sliced here, per call).
+          kv_window: ``(index, widths)``: attention reads only the first ``widths[index]`` cache slots
+            (static ints <= S, ``index`` an int32 scalar, may be traced; one ``lax.switch`` branch per
+            width, so a decode loop whose rows fit a shorter cache reads less without a second copy of the
+            loop). Every slot past the width must be masked for every query (``kv_mask`` or causality).
         Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and
         s <= cache_index + t (cache_index[b] + t per row).
         Returns:
@@ -1197,13 +1217,20 @@ class Qwen3ForCausalLM(nnx.Module):
         x_BxTxD = self._embed(input_ids_BxT)
         if return_routing and not c.is_moe:
             raise ValueError("decode: return_routing needs a MoE model (num_experts > 0)")
+        if kv_window is not None:
+            widths = tuple(kv_window[1])
+            if not widths or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and T <= w <= S
+                                     for w in widths):
+                raise ValueError(f"decode: kv_window widths must be static ints in [T, S] = [{T}, {S}], "
+                                 f"got {kv_window[1]!r}")
+            kv_window = (jnp.asarray(kv_window[0], jnp.int32), widths)
         layers = self.decode_layers() if layers is None else tuple(layers)
         if len(layers) != L:
             raise ValueError(f"decode: {len(layers)} layers given (decode_layers()), the model has {L}")
         ks, vs, per_layer = [], [], []
         for layer, k, v in zip(layers, cache.k, cache.v, strict=True):
             x_BxTxD, (k, v), stats = layer(x_BxTxD, positions_BxT, mask_BxTxS, (k, v), cache_index,
-                                           moe_implementation=self.moe_implementation)
+                                           moe_implementation=self.moe_implementation, kv_window=kv_window)
             ks.append(k)
             vs.append(v)
             per_layer.append(stats)

@@ -48,10 +48,12 @@ rows queue for ``max_slots`` slots of one KV cache of static shape [slots, P + T
 (every prompt prefilled once into a prompt store); a slot whose row stops (stop id or
 its max) is refilled inside the same while-loop with the next pending row (its prompt's
 entry copied in, token 0 sampled from the stored last logits), so rows of mixed
-lengths do not wait for the longest one. The cache starts at P + T/4 slots and grows to
-P + T/2 and P + T when a live row needs it (`cache_phases`: early steps read a shorter
-cache); once no row is pending and at most a quarter of the slots are live, the live rows
-move into a 4x smaller cache (at most 4 decode loops per program). The row keys above make its tokens the static
+lengths do not wait for the longest one. Attention reads the first P + T/4 slots of the
+cache, then P + T/2 and P + T once a live row needs them (`cache_phases`: early steps read a
+shorter cache; one decode loop for all phases, each layer's attention a ``lax.switch`` over
+the widths); once no row is pending and at most a quarter of the slots are live, the live rows
+move into a 4x smaller cache (2 decode loops per program). A request without top-p / top-k
+filtering runs a program without the filter. The row keys above make its tokens the static
 engine's (tests). One program per (slots, queue, prompt store, P, T, K) bucket; the
 shapes an engine ran are counted in ``program_shapes`` and logged.
 
@@ -140,12 +142,14 @@ def _bucket(x: int, lo: int, hi: int) -> int:
 
 
 def sampling_distribution(logits_BxV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
-                          top_k_B: jax.Array) -> jax.Array:
+                          top_k_B: jax.Array, may_filter: bool = True) -> jax.Array:
     """log mu [B, V] f32: the distribution tokens are drawn from (see module docstring).
 
     log_softmax(z / tau) with tau = temperature (1 for greedy rows, temperature 0),
     then top-k (k > 0) and top-p (p < 1) filtering with renormalisation; filtered
-    ids get -inf.  Ties at the top-k threshold are all kept.
+    ids get -inf.  Ties at the top-k threshold are all kept.  ``may_filter=False`` (static):
+    the caller knows that no row filters (top_p 1, top_k 0), and the filter is not even
+    compiled (its sort and cumulative sum are a large share of a sampling step's compile).
     """
     z = logits_BxV.astype(jnp.float32)
     tau_B = jnp.where(temperature_B > 0, temperature_B, 1.0).astype(jnp.float32)
@@ -169,17 +173,19 @@ def sampling_distribution(logits_BxV: jax.Array, temperature_B: jax.Array, top_p
         masked = jnp.where(keep, logp, -jnp.inf)
         return masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True)
 
+    if not may_filter:
+        return logp_BxV
     active = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
     return jax.lax.cond(active, filtered, lambda x: x, logp_BxV)
 
 
-def _sample_step(logits_BxV, keys_B, t, temperature_B, top_p_B, top_k_B, k_logprobs: int):
+def _sample_step(logits_BxV, keys_B, t, temperature_B, top_p_B, top_k_B, k_logprobs: int, may_filter: bool = True):
     """One sampling step: (token [B] i32, log mu(token) [B] f32, topk ids [B,K], topk log mu [B,K]).
 
     ``t``: the token index, a scalar (static batches: every row at the same index) or [B]
     (continuous batching: each slot at its own); row b's key is ``fold_in(keys_B[b], t[b])``.
     """
-    logmu_BxV = sampling_distribution(logits_BxV, temperature_B, top_p_B, top_k_B)
+    logmu_BxV = sampling_distribution(logits_BxV, temperature_B, top_p_B, top_k_B, may_filter)
     t_B = jnp.broadcast_to(jnp.asarray(t), keys_B.shape[:1])
     step_keys_B = jax.vmap(jax.random.fold_in)(keys_B, t_B)
     drawn_B = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(step_keys_B, logmu_BxV)
@@ -198,13 +204,18 @@ def _laid_out(cache):
 
 
 def copy_row(dst, i, src, j):
-    """KV cache `dst` with row ``i``'s first ``src`` length positions replaced by row ``j`` of cache `src`
-    (k and v of every layer; ``i``, ``j`` int32 scalars, traced), laid out by `_laid_out`. Continuous
-    batching moves a row this way: prefill store -> slot (admit), slot -> park, park -> slot."""
+    """KV cache `dst` with row ``i``'s first W positions replaced by row ``j`` of cache `src`, W the shorter of the
+    two caches' lengths (k and v of every layer; ``i``, ``j`` int32 scalars, traced), laid out by `_laid_out`.
+    Continuous batching moves a row this way: prefill store -> slot (admit), slot -> park (the park holds the
+    first phase's P + T/4 slots of a row), park -> slot."""
     zero = jnp.int32(0)
-    put = lambda d, s: jax.lax.dynamic_update_slice(  # noqa: E731
-        d, jax.lax.dynamic_slice_in_dim(s, j, 1, axis=0), (i, zero, zero, zero))
-    return _laid_out(type(dst)(k=tuple(map(put, dst.k, src.k)), v=tuple(map(put, dst.v, src.v))))
+
+    def put(d, s, axis):  # axis: the cache-slot axis (k: 3, v: 2)
+        row = jax.lax.dynamic_slice_in_dim(s, j, 1, axis=0)
+        row = jax.lax.slice_in_dim(row, 0, min(row.shape[axis], d.shape[axis]), axis=axis)
+        return jax.lax.dynamic_update_slice(d, row, (i, zero, zero, zero))
+    return _laid_out(type(dst)(k=tuple(put(d, s, 3) for d, s in zip(dst.k, src.k)),
+                               v=tuple(put(d, s, 2) for d, s in zip(dst.v, src.v))))
 
 
 def _routing_buffer(model, prefill_routed: list, rows: int, width: int):
@@ -426,8 +437,9 @@ class _Park:
 
 @flax.struct.dataclass
 class _DecodeState:
-    """The carry of continuous batching's loops: the KV cache [slots, P + cap] (`KVCache`), its mask, the slots,
-    the outputs, the next queue row, decode steps run, rows parked so far, and the park (None when off)."""
+    """The carry of continuous batching's loops: the KV cache [slots, P + T] (`KVCache`), its mask, the slots,
+    the outputs, the next queue row, decode steps run, rows parked so far, the cache phase i (attention reads
+    P + caps[i] slots) and the park (None when off)."""
 
     cache: object
     kv_mask: jax.Array
@@ -436,6 +448,7 @@ class _DecodeState:
     queue: jax.Array
     steps: jax.Array
     parked: jax.Array
+    phase: jax.Array
     park: Optional[_Park] = None
 
 
@@ -467,12 +480,14 @@ class _Request:
     n_pad: int = flax.struct.field(pytree_node=False, default=0)
     caps: tuple = flax.struct.field(pytree_node=False, default=())
     park_n: int = flax.struct.field(pytree_node=False, default=0)
+    may_filter: bool = flax.struct.field(pytree_node=False, default=True)
 
     def sampling(self, b: int) -> dict:
         """`_sample_step`'s per-row sampling parameters for ``b`` rows."""
         return dict(temperature_B=jnp.full((b,), self.temperature, jnp.float32),
                     top_p_B=jnp.full((b,), self.top_p, jnp.float32),
-                    top_k_B=jnp.full((b,), self.top_k, jnp.int32), k_logprobs=self.k_logprobs)
+                    top_k_B=jnp.full((b,), self.top_k, jnp.int32), k_logprobs=self.k_logprobs,
+                    may_filter=self.may_filter)
 
     def is_stop(self, tok_B):
         """[B] bool: the token is one of the request's stop ids."""
@@ -533,32 +548,35 @@ def _unpark_one(req: _Request, c: _DecodeState) -> _DecodeState:
     return c.replace(cache=copy_row(c.cache, b, pk.cache, n), kv_mask=kv_mask, slots=slots, park=pk.replace(n=n))
 
 
-def _admit(req: _Request, c: _DecodeState, unpark: bool = False) -> _DecodeState:
-    """Free slots refilled: parked rows first (``unpark``: they are the oldest), then queued ones."""
-    if unpark:
-        c = jax.lax.while_loop(lambda c: (c.park.n > 0) & ~jnp.all(c.slots.live),
+def _admit(req: _Request, c: _DecodeState) -> _DecodeState:
+    """Free slots refilled: parked rows first (past the first phase: they are the oldest), then queued ones."""
+    if c.park is not None:
+        c = jax.lax.while_loop(lambda c: (c.phase > 0) & (c.park.n > 0) & ~jnp.all(c.slots.live),
                                functools.partial(_unpark_one, req), c)
     sample1 = functools.partial(_sample_step, **req.sampling(1))
     return jax.lax.while_loop(lambda c: (c.queue < req.num_rows) & ~jnp.all(c.slots.live),
                               lambda c: _admit_one(req, c, sample1), c)
 
 
-def _pending(req: _Request, c: _DecodeState, parking: bool):
+def _pending(req: _Request, c: _DecodeState):
     """Rows not yet admitted: the queue's, and (past the first phase) the park's."""
-    return (c.queue < req.num_rows) | ((c.park.n > 0) if c.park is not None and not parking else False)
+    return (c.queue < req.num_rows) | (((c.park.n > 0) & (c.phase > 0)) if c.park is not None else False)
 
 
-def _decode_step(model, layers, req: _Request, c: _DecodeState, *, refill: bool, parking: bool = False) -> _DecodeState:
-    """Every slot decodes one token; a row stops on a stop id or its max; then (``parking``) rows past the first
-    phase are parked while rows are pending, and (``refill``) free slots are refilled."""
+def _decode_step(model, layers, req: _Request, c: _DecodeState, *, windowed: bool = False,
+                 parking: bool = False) -> _DecodeState:
+    """Every slot decodes one token (``windowed``: attention reads the P + caps[phase] slots of the cache phase);
+    a row stops on a stop id or its max; then (``parking``, in the first phase) rows past the first phase are
+    parked while rows are pending."""
     sl = c.slots
     t_B = sl.t
     b = t_B.shape[0]
     p, routing = req.p, req.store_routed is not None
     index_B = jnp.minimum(p + t_B - 1, c.kv_mask.shape[1] - 1)  # free slots: any in-range slot (never read)
+    window = dict(kv_window=(c.phase, tuple(p + cap for cap in req.caps))) if windowed and len(req.caps) > 1 else {}
     logits_Bx1xV, cache, *step_routed = model.decode(
         sl.prev[:, None], (sl.plen + t_B - 1)[:, None], c.cache, index_B, c.kv_mask, layers=layers,
-        **(dict(return_routing=True) if routing else {}))
+        **window, **(dict(return_routing=True) if routing else {}))
     cache = _laid_out(cache)
     tok, lp, ids, lps = _sample_step(logits_Bx1xV[:, 0, :], sl.key, t_B, **req.sampling(b))
     stop = req.is_stop(tok)
@@ -572,9 +590,9 @@ def _decode_step(model, layers, req: _Request, c: _DecodeState, *, refill: bool,
     c = c.replace(cache=cache, slots=sl, outs=outs, steps=c.steps + 1)
     if parking:
         c = jax.lax.while_loop(
-            lambda c: (c.queue < req.num_rows) & (c.park.n < req.park_n) & jnp.any(_overflow(req, c)),
+            lambda c: (c.phase == 0) & (c.queue < req.num_rows) & (c.park.n < req.park_n) & jnp.any(_overflow(req, c)),
             functools.partial(_park_one, req), c)
-    return _admit(req, c, unpark=c.park is not None and not parking) if refill else c
+    return c
 
 
 def _compact(c: _DecodeState, m: int) -> _DecodeState:
@@ -586,17 +604,35 @@ def _compact(c: _DecodeState, m: int) -> _DecodeState:
                      kv_mask=take(c.kv_mask), slots=jax.tree.map(take, c.slots))
 
 
-def _grow(c: _DecodeState, extra: int) -> _DecodeState:
-    """The cache and kv mask with ``extra`` more slots (zero keys/values; generated columns are unmasked,
-    `decode` hides those past each row's own index)."""
-    return c.replace(cache=_laid_out(c.cache.grow(extra)),
-                     kv_mask=jnp.pad(c.kv_mask, ((0, 0), (0, extra)), constant_values=True))
+def _settle(req: _Request, c: _DecodeState, *, nxt: int) -> _DecodeState:
+    """Free slots refilled (`_admit`); then, while the current cache phase cannot run a step (`_runs`) and a later
+    one exists, the next phase, and its refill (parked rows come back from phase 1 on). The phases thus change
+    between two steps of one decode loop; the step runs unconditionally in that loop's body (a ``lax.cond`` around
+    it changed XLA:CPU's fusion and the log-probabilities' last bits)."""
+    def body(cf):
+        c, first = cf
+        return _admit(req, c.replace(phase=c.phase + jnp.where(first, 0, 1))), jnp.bool_(False)
+    more = lambda cf: cf[1] | (~_runs(req, cf[0], nxt) & (cf[0].phase < len(req.caps) - 1))  # noqa: E731
+    return jax.lax.while_loop(more, body, (c, jnp.bool_(True)))[0]
+
+
+def _runs(req: _Request, c: _DecodeState, nxt: int):
+    """Whether the loop of the current cache phase runs another step: a slot is live, every live row's next token
+    fits the phase's P + caps[phase] slots, and rows are pending or more than ``nxt`` slots are live (the next
+    level's size; in the first phase with a park, only while the park is empty)."""
+    live = c.slots.live
+    caps = jnp.asarray(req.caps, jnp.int32)
+    fits = jnp.all(~live | (c.slots.t <= caps[c.phase]))  # token t is fed into slot P + t - 1
+    many = jnp.sum(live) > nxt
+    if c.park is not None:
+        many = many & ((c.park.n == 0) | (c.phase > 0))
+    return jnp.any(live) & (_pending(req, c) | many) & fits
 
 
 def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
                         temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
                         k_logprobs: int, cache_dtype, routing: bool = False, min_phase: Optional[int] = None,
-                        park: int = 0, slice_layers_once: bool = False):
+                        park: int = 0, slice_layers_once: bool = False, may_filter: bool = True):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
 
     Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
@@ -607,7 +643,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
 
     1. Prefill: every prompt once ([U, P] through ``model.decode`` into a prompt store of
        P slots; shared prefill: a prompt's n rows all read its entry): the `_Request`.
-    2. One KV cache [slots, P + caps[0]] (per layer, `KVCache` layouts; `cache_phases`) and per-slot state
+    2. One KV cache [slots, P + T] (per layer, `KVCache` layouts) and per-slot state
        (`_Slots`: row, tokens so far, last token, prompt length, key), carried with the outputs in a
        `_DecodeState`.  Row b keeps the static engine's layout: the prompt in slots 0..P-1, token t's
        key/value at slot P + t - 1 (``model.decode`` with a per-row ``cache_index``), so attention sees the
@@ -618,12 +654,13 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     4. Decode (`_decode_step`, the outer while-loop, one step per iteration while any slot is live):
        all slots decode one token; a row stops on a stop id or its max; its outputs are
        scattered to row ``r`` of the [N, num_new(, K)] outputs; then admission refills.
-       One loop per cache-length phase: it runs while every live row's next token fits in
-       the P + caps[i] slots, then the cache grows (`_grow`, zero slots appended) to the next phase.
+       Cache-length phases (`cache_phases`), all in the same loop: in phase i attention reads only the first
+       P + caps[i] slots (``decode(kv_window=...)``) while every live row's next token fits in them (`_runs`);
+       after each step's refill, `_settle` moves to the next phase when the current one cannot run.
        With ``park`` > 0 (and more than one phase), a row that outgrows the first phase while rows
        are pending is parked instead (`_park_one`): its P + caps[0] cache slots and state are copied into a
        `_Park` of ``park x slots`` entries and its slot is refilled, so the first phase's short cache
-       serves the queue; parked rows come back (`_unpark_one`, before pending ones) once the cache has grown.
+       serves the queue; parked rows come back (`_unpark_one`, before pending ones) in the later phases.
        The first phase ends when the queue is empty or the park is full.
     5. Tail: once the queue is empty and at most slots/4 rows are live, the live slots
        are gathered into a cache of slots/4 (`_compact`): the last long rows run in a
@@ -660,41 +697,30 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
                    row_prompt_N=row_prompt_N, row_sample_N=row_sample_N, max_new_N=max_new_N,
                    stop_ids_S=jnp.asarray(stop_ids_S, jnp.int32), num_rows=num_rows, base_key=base_key,
                    temperature=temperature, top_p=top_p, top_k=top_k, p=p, num_new=num_new, k_logprobs=k_logprobs,
-                   n_pad=n_pad, caps=tuple(caps), park_n=park_n)
-    carry = _DecodeState(cache=_laid_out(model.init_cache(slots, p + caps[0], dtype=cache_dtype)),
-                         kv_mask=jnp.zeros((slots, p + caps[0]), bool), slots=_Slots.empty(slots, base_key),
-                         outs=outs, queue=jnp.int32(0), steps=jnp.int32(0), parked=jnp.int32(0))
+                   n_pad=n_pad, caps=tuple(caps), park_n=park_n, may_filter=may_filter)
+    carry = _DecodeState(cache=_laid_out(model.init_cache(slots, p + num_new, dtype=cache_dtype)),
+                         kv_mask=jnp.zeros((slots, p + num_new), bool), slots=_Slots.empty(slots, base_key),
+                         outs=outs, queue=jnp.int32(0), steps=jnp.int32(0), parked=jnp.int32(0), phase=jnp.int32(0))
     if park_n:
         carry = carry.replace(park=_Park(cache=_laid_out(model.init_cache(park_n, p + caps[0], dtype=cache_dtype)),
                                          slots=_Slots.empty(park_n, base_key, ones=False), n=jnp.int32(0)))
-    park = carry.park is not None
 
-    # Level 0 runs every slot while rows are pending, in cache-length phases: phase i's loop runs while every
-    # live row's next token fits in P + caps[i] slots, then the cache grows (`cache_phases`). Once the queue is
-    # empty and at most a quarter of the slots are live, the live rows move to a 4x smaller cache
-    # (`_TAIL_LEVELS`): len(caps) + 1 decode loops in all.
+    # Level 0 runs every slot while rows are pending, in cache-length phases, all in one loop: a step of the
+    # current phase (attention reads its P + caps[i] slots), then `_settle` refills free slots and moves to the next
+    # phase while the current one cannot run (`_runs`). Once the queue is empty and at most a quarter of the slots
+    # are live, the live rows move to a 4x smaller cache (`_TAIL_LEVELS`): one decode loop per level.
     levels = [slots]
     while len(levels) < _TAIL_LEVELS and levels[-1] // _TAIL_SHRINK >= 1:
         levels.append(levels[-1] // _TAIL_SHRINK)
-    carry = _admit(req, carry)
-    for li, level in enumerate(levels):
+    nxt = levels[1] if len(levels) > 1 else 0
+    settle = functools.partial(_settle, req, nxt=nxt)
+    step = functools.partial(_decode_step, model, layers, req, windowed=True, parking=park_n > 0)
+    carry = jax.lax.while_loop(lambda c: _runs(req, c, nxt), lambda c: settle(step(c)), settle(carry))
+    for li, level in enumerate(levels[1:], start=1):  # the tail: phase `last`, no admission
+        carry = _compact(carry, level)
         nxt = levels[li + 1] if li + 1 < len(levels) else 0
-        for ci, cap in enumerate(caps if li == 0 else caps[-1:]):
-            parking = park and li == 0 and ci == 0  # the first phase parks rows that outgrow it
-            if ci:
-                carry = _grow(carry, cap - caps[ci - 1])
-                if park and li == 0:
-                    carry = _admit(req, carry, unpark=True)
-
-            def cond(c, nxt=nxt, cap=cap, parking=parking):
-                live = c.slots.live
-                fits = jnp.all(~live | (c.slots.t <= cap))  # token t is fed into slot P + t - 1
-                more = _pending(req, c, parking) | ((jnp.sum(live) > nxt) & ((c.park.n == 0) if parking else True))
-                return jnp.any(live) & more & fits
-            step = functools.partial(_decode_step, model, layers, req, refill=li == 0, parking=parking)
-            carry = jax.lax.while_loop(cond, step, carry)
-        if nxt:
-            carry = _compact(carry, nxt)
+        carry = jax.lax.while_loop(lambda c, nxt=nxt: _runs(req, c, nxt),
+                                   functools.partial(_decode_step, model, layers, req), carry)
     outs = carry.outs
     return dict(tokens=outs.tokens, logp=outs.logp, topk_ids=outs.topk_ids, topk_logp=outs.topk_logp,
                 length=outs.length, stopped=outs.stopped, steps=carry.steps, parked=carry.parked,
@@ -703,10 +729,10 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
 
 def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
     """Continuous batching's cache-length phases: new-token capacities [T/4, T/2, T] of the KV cache (P + cap
-    slots) for T = num_new >= 4 * min_phase (default `_MIN_PHASE`), [T/2, T] for T >= 2 * min_phase, else [T].  Attention reads
-    the whole cache on every step, so the first steps of a request (no row past T/4 tokens yet) read a
-    P + T/4 slot cache instead of P + T; the phases live in one program (no extra program), each phase's loop a copy
-    of the decode step that XLA compiles."""
+    slots read) for T = num_new >= 4 * min_phase (default `_MIN_PHASE`), [T/2, T] for T >= 2 * min_phase, else [T].
+    Attention reads the first P + cap slots of every row, so the first steps of a request (no row past T/4 tokens
+    yet) read P + T/4 slots instead of P + T. The phases share one decode loop: only each layer's attention is
+    compiled once per phase (a ``lax.switch`` over the widths)."""
     lo = _MIN_PHASE if min_phase is None else int(min_phase)
     caps = [c for c in (num_new // 4, num_new // 2) if c >= max(lo, 1)]
     return caps + [int(num_new)]
@@ -717,7 +743,7 @@ _TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor
 _TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 decode loops per program
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
                           static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase",
-                                           "park", "slice_layers_once"))
+                                           "park", "slice_layers_once", "may_filter"))
 
 
 def make_sampler_mesh(data: int = 1, tensor: int = 1, devices=None):
@@ -1136,8 +1162,10 @@ class SamplingEngine:
         stop_arr = np.full((self.max_stop_tokens,), -1, np.int32)
         stop_arr[:len(stops)] = stops
         phases = () if self.min_cache_phase == _MIN_PHASE else (("min_phase", self.min_cache_phase),)
+        may_filter = top_p < 1.0 or top_k > 0  # else the program has no top-p / top-k filter (`sampling_distribution`)
         self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)) + ("routing",) * routing
-                           + phases + ((("park", self.park_rows),) if self.park_rows != defaults.PARK_ROWS else ()))
+                           + phases + ((("park", self.park_rows),) if self.park_rows != defaults.PARK_ROWS else ())
+                           + (("top_p/top_k filter",) if may_filter else ()))
         with self._layout():
             out = _CONTINUOUS_JIT(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
@@ -1146,7 +1174,7 @@ class SamplingEngine:
                 jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
                 jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
                 cache_dtype=self.compute_dtype, min_phase=self.min_cache_phase, park=self.park_rows,
-                slice_layers_once=self.slice_layers_once)
+                slice_layers_once=self.slice_layers_once, may_filter=may_filter)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         self.parked_rows += int(out["parked"])
