@@ -1,7 +1,7 @@
 """Digests of the continuous-batching engine's outputs, to show that a change of the engine keeps its tokens.
 
 Runs `SamplingEngine.generate` (``batching="continuous"``, 4 slots, cache phases of 8 / 16 / 32 / 64 new
-tokens, so every piece of `_continuous_program` runs: admission, the phases and their growth, parking, the
+tokens, so every piece of `_continuous_program` runs: admission, the cache phases and their changes, parking, the
 tail, shared and per-row prefill, MoE routing replay) over 18 requests of a tiny random dense and MoE Qwen3,
 and prints one SHA-256 (first 16 hex digits) per request of its tokens, log mu, top-K ids and log mu, completion
 mask, finish reasons (and routed experts), with the decode steps and rows parked.
