@@ -410,14 +410,16 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
 
 
 def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
-    """``memory_analysis`` of the sharded continuous-batching program (`engine._continuous_program`:
-    prefill of one request's prompt store + the slot decode loops) compiled for ``devices`` (default: the
+    """``memory_analysis`` of the sharded continuous-batching programs (`engine._continuous_program`:
+    prefill of one request's prompt store + the slots' decode loop; `engine._continuous_tail`) compiled for ``devices`` (default: the
     first ``data x tensor`` fake CPU devices; a TPU slice's or deviceless GPUs from `pdm_jax.aot`), from
     abstract inputs (weights as ``ShapeDtypeStruct`` with the engine's ``NamedSharding``s; one request of
     ``sp["request_prompts"]`` prompts x ``rl.group_size`` samples, a host's share with per-host rollouts).
-    Per device: ``argument`` (weights and the request), ``output`` (the rollouts), ``temp`` (KV cache,
-    prompt store, park, activations), ``total`` (their sum), ``compile_seconds`` and ``flops``
-    (`aot.cost_flops`). XLA:CPU's figures are an estimate of an accelerator's (CPU fusion and layouts).
+    Per device: ``argument`` (weights and the request), ``output`` (the main loop's carry: KV cache and the
+    rollouts), ``temp`` (prompt store, park, activations), ``total`` (their sum, or ``tail_total`` if larger:
+    the tail's program, `engine._continuous_tail`, run after it on the carry, weights + carry + its outputs
+    and temporaries), ``compile_seconds`` and ``flops`` (`aot.cost_flops`, both programs). XLA:CPU's figures are
+    an estimate of an accelerator's (CPU fusion and layouts).
     """
 
     mesh, dtype, graphdef, state = _engine_on_mesh(model_cfg, sp, devices)
@@ -445,8 +447,23 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     out = dict(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
                temp=int(m.temp_size_in_bytes))
     out["total"] = sum(out.values())
-    out["compile_seconds"] = time.perf_counter() - t0
     out["flops"] = aot.cost_flops(compiled)
+    if len(eng.tail_levels(slots)) > 1:  # the tail's program, which takes the main program's carry
+        carry, req = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                  compiled.out_info)
+        with activation_sharding(mesh):
+            lowered = eng._CONTINUOUS_TAIL_JIT.lower(
+                graphdef, state, carry, req, slots=slots,
+                slice_layers_once=eng.hoist_layer_slices(mesh.devices.flat[0].platform))
+        tail, exhausted = _compile_or_exhausted(lowered)
+        if exhausted is not None:
+            return dict(exhausted, argument=0, output=0, total=exhausted["temp"],
+                        compile_seconds=time.perf_counter() - t0, flops=None)
+        m = tail.memory_analysis()
+        out["tail_total"] = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+        out["total"] = max(out["total"], out["tail_total"])
+        out["flops"] = None if out["flops"] is None else out["flops"] + (aot.cost_flops(tail) or 0)
+    out["compile_seconds"] = time.perf_counter() - t0
     return out
 
 
@@ -996,7 +1013,9 @@ def _sampler_lines(sp: dict, hbm: int, g, unit: str, compiled=None, target: str 
         if compiled.get("exhausted"):
             lines += [f"  the compiler refused it: {compiled['exhausted']}",
                       f"  {'sampler_compiled_temp_at_least':<30}{g(compiled['temp'])}"]
-        for k in () if compiled.get("exhausted") else ("argument", "output", "temp", "total"):
+        for k in () if compiled.get("exhausted") else ("argument", "output", "temp", "tail_total", "total"):
+            if k not in compiled:  # no tail (fewer than 4 slots)
+                continue
             lines.append(f"  {'sampler_compiled_' + k:<30}{g(compiled[k])}")
         lines.append(f"  {'fits in HBM?':<30}{'yes' if compiled['total'] <= hbm else 'NO':>10}  "
                      f"({100 * compiled['total'] / hbm:.0f}% of HBM, alone)")

@@ -459,6 +459,37 @@ def test_cache_phases_share_one_decode_loop(params, monkeypatch):
     assert extra_dots == 2 * 2 * CFG.num_hidden_layers, extra_dots  # 2 more phases x 2 einsums x L layers
 
 
+@pytest.mark.slow
+def test_tail_program_runs_only_when_rows_are_left(params, continuous_pair, monkeypatch):
+    """The tail (`_continuous_tail`, rows left once the queue is empty and at most slots / 4 are live) is a program
+    of its own, run only when rows are left; a request of at most slots / 4 rows runs in a cache of that many slots
+    with one cache phase and no tail. Both equal the static engine's rollouts."""
+    import pdm_jax.sampler.engine as engine_mod
+
+    static, _ = continuous_pair
+    tails = []
+    real = engine_mod._CONTINUOUS_TAIL_JIT
+    monkeypatch.setattr(engine_mod, "_CONTINUOUS_TAIL_JIT", lambda *a, **k: tails.append(k["slots"]) or real(*a, **k))
+    cont = make_engine(params, max_batch_size=4, batching="continuous")
+    gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=TAU, seed=5)
+    full = static.generate(PROMPTS, **gen)
+    rows = [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
+    part = cont._run_continuous(cont._state, PROMPTS, rows, temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
+                                stops=[], seed=5, row_max_new=[12, 1, 5, 3])  # row 0 is left alone: the tail
+    assert tails == [4], tails
+    for r, m in enumerate([12, 1, 5, 3]):
+        np.testing.assert_array_equal(part["tokens"][r, :m], full.completion_ids[r, :m])
+        np.testing.assert_allclose(part["logp"][r, :m], full.behavior_logprobs[r, :m], atol=1e-5, rtol=1e-5)
+    n_tails = len(tails)
+    _assert_same_rollouts(static.generate(PROMPTS, **gen), cont.generate(PROMPTS, **gen))  # 4 rows in 4 slots
+    assert len(tails) == n_tails  # every row ended in the main loop: no tail
+    one = dict(gen, n=1)
+    _assert_same_rollouts(static.generate(PROMPTS[:1], **one), cont.generate(PROMPTS[:1], **one))
+    assert len(tails) == n_tails
+    small = [key for key in cont.program_shapes if key[1] == 1]  # 1 row: 1 slot (4 / 4), one phase (T = 16)
+    assert len(small) == 1 and small[0][1:4] == (1, 1, 1) and small[0][-1] == ("min_phase", 16), cont.program_shapes
+
+
 def test_unfiltered_requests_compile_no_filter(params):
     """Without top-p / top-k the program has no filter (``may_filter=False``): the same log mu bit for bit as the
     filter's no-op branch; a filtering request runs its own program (a distinct shape key) and filters."""

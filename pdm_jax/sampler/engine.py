@@ -52,8 +52,10 @@ lengths do not wait for the longest one. Attention reads the first P + T/4 slots
 cache, then P + T/2 and P + T once a live row needs them (`cache_phases`: early steps read a
 shorter cache; one decode loop for all phases, each layer's attention a ``lax.switch`` over
 the widths); once no row is pending and at most a quarter of the slots are live, the live rows
-move into a 4x smaller cache (2 decode loops per program). A request without top-p / top-k
-filtering runs a program without the filter. The row keys above make its tokens the static
+move into a 4x smaller cache (the tail: a second program, compiled and run only when a request
+leaves rows to it). A request of at most slots/4 rows runs in a cache of slots/4 slots with one
+phase and no tail, and a request without top-p / top-k filtering runs a program without the
+filter: a bucket's first call compiles one decode loop. The row keys above make its tokens the static
 engine's (tests). One program per (slots, queue, prompt store, P, T, K) bucket; the
 shapes an engine ran are counted in ``program_shapes`` and logged.
 
@@ -571,7 +573,7 @@ def _decode_step(model, layers, req: _Request, c: _DecodeState, *, windowed: boo
     sl = c.slots
     t_B = sl.t
     b = t_B.shape[0]
-    p, routing = req.p, req.store_routed is not None
+    p, routing = req.p, c.outs.routed is not None
     index_B = jnp.minimum(p + t_B - 1, c.kv_mask.shape[1] - 1)  # free slots: any in-range slot (never read)
     window = dict(kv_window=(c.phase, tuple(p + cap for cap in req.caps))) if windowed and len(req.caps) > 1 else {}
     logits_Bx1xV, cache, *step_routed = model.decode(
@@ -632,7 +634,7 @@ def _runs(req: _Request, c: _DecodeState, nxt: int):
 def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
                         temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
                         k_logprobs: int, cache_dtype, routing: bool = False, min_phase: Optional[int] = None,
-                        park: int = 0, slice_layers_once: bool = False, may_filter: bool = True):
+                        park: int = 0, slice_layers_once: bool = False, may_filter: bool = True, tail: bool = True):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
 
     Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
@@ -662,13 +664,16 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
        `_Park` of ``park x slots`` entries and its slot is refilled, so the first phase's short cache
        serves the queue; parked rows come back (`_unpark_one`, before pending ones) in the later phases.
        The first phase ends when the queue is empty or the park is full.
-    5. Tail: once the queue is empty and at most slots/4 rows are live, the live slots
-       are gathered into a cache of slots/4 (`_compact`): the last long rows run in a
-       smaller batch (`_TAIL_SHRINK`, `_TAIL_LEVELS`; no admission there).
+    5. Tail: once the queue is empty and at most slots/4 rows are live, this program returns; if rows are left,
+       `_continuous_tail` (a second program, compiled the first time a request needs it) gathers the live slots
+       into a cache of slots/4 (`_compact`): the last long rows run in a smaller batch (`_TAIL_SHRINK`,
+       `_TAIL_LEVELS`; no admission there).
 
     Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
     `_generate_program`, so rows get the same samples whichever slot or step runs them.
-    Returns the same dict as `_generate_program` (``steps``: decode steps run; ``parked``: rows parked; with ``routing``
+    Returns ``(carry, req)``: the `_DecodeState` after the main loop (without the park, empty by then) and the
+    `_Request` without its prompt store, which `_continuous_tail` takes; `_outputs` of the carry (or the tail's)
+    is `_generate_program`'s dict (``steps``: decode steps run; ``parked``: rows parked; with ``routing``
     ``routed`` [N, P + num_new, L, k]: a row's prompt routing copied from its prompt's prefill at
     admission, token t's written by the step that feeds it).
     """
@@ -708,23 +713,50 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     # Level 0 runs every slot while rows are pending, in cache-length phases, all in one loop: a step of the
     # current phase (attention reads its P + caps[i] slots), then `_settle` refills free slots and moves to the next
     # phase while the current one cannot run (`_runs`). Once the queue is empty and at most a quarter of the slots
-    # are live, the live rows move to a 4x smaller cache (`_TAIL_LEVELS`): one decode loop per level.
-    levels = [slots]
-    while len(levels) < _TAIL_LEVELS and levels[-1] // _TAIL_SHRINK >= 1:
-        levels.append(levels[-1] // _TAIL_SHRINK)
+    # are live, the loop ends; `_continuous_tail` runs what is left.
+    levels = tail_levels(slots) if tail else [slots]  # without a tail the loop runs every row to its end
     nxt = levels[1] if len(levels) > 1 else 0
     settle = functools.partial(_settle, req, nxt=nxt)
     step = functools.partial(_decode_step, model, layers, req, windowed=True, parking=park_n > 0)
     carry = jax.lax.while_loop(lambda c: _runs(req, c, nxt), lambda c: settle(step(c)), settle(carry))
-    for li, level in enumerate(levels[1:], start=1):  # the tail: phase `last`, no admission
+    # The tail runs in `_continuous_tail`, its own program, only when rows are left: the request's prompt store,
+    # last logits and the (now empty) park are not passed on.
+    return carry.replace(park=None), req.replace(store=None, last_UxV=None, store_routed=None)
+
+
+def _continuous_tail(graphdef, state, carry: _DecodeState, req: _Request, *, slots: int,
+                     slice_layers_once: bool = False):
+    """Continuous batching's tail (`_continuous_program` step 5): the live rows of ``carry`` (`_DecodeState` at the
+    last cache phase, the queue empty) gathered into a cache of slots / 4 (`_compact`), decoded to the end there
+    (`_TAIL_LEVELS` levels in all, no admission). A program of its own, so that a request whose rows all end in
+    the main loop (uniform lengths, or more rows than slots) never compiles it. Returns `_outputs`' dict."""
+    model = nnx.merge(graphdef, state)
+    layers = model.decode_layers() if slice_layers_once else None  # `hoist_layer_slices`
+    levels = tail_levels(slots)
+    for li, level in enumerate(levels[1:], start=1):
         carry = _compact(carry, level)
         nxt = levels[li + 1] if li + 1 < len(levels) else 0
         carry = jax.lax.while_loop(lambda c, nxt=nxt: _runs(req, c, nxt),
                                    functools.partial(_decode_step, model, layers, req), carry)
+    return _outputs(carry)
+
+
+def _outputs(carry: _DecodeState) -> dict:
+    """The continuous program's result: the rows' outputs, decode steps run and rows parked (`_generate_program`'s
+    dict; ``routed`` with routing replay)."""
     outs = carry.outs
     return dict(tokens=outs.tokens, logp=outs.logp, topk_ids=outs.topk_ids, topk_logp=outs.topk_logp,
                 length=outs.length, stopped=outs.stopped, steps=carry.steps, parked=carry.parked,
                 **({} if outs.routed is None else dict(routed=outs.routed)))
+
+
+def tail_levels(slots: int) -> list:
+    """Continuous batching's slot counts: ``slots``, then the tail's (slots / 4, ... : `_TAIL_SHRINK`, at most
+    `_TAIL_LEVELS` levels, none under 1)."""
+    levels = [int(slots)]
+    while len(levels) < _TAIL_LEVELS and levels[-1] // _TAIL_SHRINK >= 1:
+        levels.append(levels[-1] // _TAIL_SHRINK)
+    return levels
 
 
 def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
@@ -740,10 +772,11 @@ def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
 
 _MIN_PHASE = 32  # continuous batching: no cache phase shorter than this many new tokens
 _TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor ...
-_TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): 2 decode loops per program
+_TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): the main program and the tail's
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
                           static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase",
-                                           "park", "slice_layers_once", "may_filter"))
+                                           "park", "slice_layers_once", "may_filter", "tail"))
+_CONTINUOUS_TAIL_JIT = jax.jit(_continuous_tail, static_argnums=(0,), static_argnames=("slots", "slice_layers_once"))
 
 
 def make_sampler_mesh(data: int = 1, tensor: int = 1, devices=None):
@@ -1133,12 +1166,20 @@ class SamplingEngine:
         ``row_max_new``: per-row limits (each <= max_new) instead of max_new for all (tests);
         ``key_offset``: added to each row's prompt index in its key (``first_prompt_index``).
 
-        Static shapes (few, to bound compiles): always ``max_slots`` slots (a smaller request leaves
-        slots empty), the row queue next_pow2(N) (at least the slots), the prompt store next_pow2(U)
-        (at least slots / 4), the prompt and new-token buckets of `_run_chunk`.
+        Static shapes (few, to bound compiles): ``max_slots`` slots, or max_slots / 4 with no tail for a request
+        of at most that many rows (a smaller request leaves slots empty), the row queue next_pow2(N) (at least the
+        slots), the prompt store next_pow2(U) (at least max_slots / 4), the prompt and new-token buckets of
+        `_run_chunk`. The tail (`_continuous_tail`) runs, and compiles, only when rows are left after the main loop.
         """
         n_rows = len(rows)
         slots = self.max_slots
+        # A request whose rows fit the tail's slots (slots / 4) runs in a cache of that many slots, with no tail and
+        # one cache phase (no park): one decode loop without phase branches to compile, and the rows decode as the
+        # tail would have run them (the same batch, attention over all P + T slots).
+        small = (len(tail_levels(slots)) > 1 and n_rows <= slots // _TAIL_SHRINK
+                 and (slots // _TAIL_SHRINK) % self.row_shards == 0)
+        if small:
+            slots //= _TAIL_SHRINK
         n_pad = max(next_pow2(n_rows), slots)
         if self.share_prefill:  # one prompt-store entry per prompt, read by its n rows
             entries = [i for i, _ in rows]
@@ -1146,7 +1187,7 @@ class SamplingEngine:
         else:  # one entry per row: every row prefilled
             entries = list(range(n_rows))
             uniq = [i for i, _ in rows]
-        u_pad = max(next_pow2(len(uniq)), slots // 4)
+        u_pad = max(next_pow2(len(uniq)), self.max_slots // 4)
         self.prefill_rows += u_pad
         self.prefill_rows_unshared += n_pad
         longest = max(len(prompts[i]) for i in uniq)
@@ -1161,20 +1202,26 @@ class SamplingEngine:
         per_row = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, n_pad - n_rows))  # noqa: E731
         stop_arr = np.full((self.max_stop_tokens,), -1, np.int32)
         stop_arr[:len(stops)] = stops
-        phases = () if self.min_cache_phase == _MIN_PHASE else (("min_phase", self.min_cache_phase),)
+        min_phase = t if small else self.min_cache_phase
+        phases = () if min_phase == _MIN_PHASE else (("min_phase", min_phase),)
         may_filter = top_p < 1.0 or top_k > 0  # else the program has no top-p / top-k filter (`sampling_distribution`)
         self._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(self.compute_dtype)) + ("routing",) * routing
                            + phases + ((("park", self.park_rows),) if self.park_rows != defaults.PARK_ROWS else ())
                            + (("top_p/top_k filter",) if may_filter else ()))
         with self._layout():
-            out = _CONTINUOUS_JIT(
+            carry, req = _CONTINUOUS_JIT(
                 self._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
                 jnp.asarray(per_row([key_offset + i for i, _ in rows], np.uint32)), jnp.asarray(per_row([j for _, j in rows], np.uint32)),
                 jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
                 jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
                 jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
-                cache_dtype=self.compute_dtype, min_phase=self.min_cache_phase, park=self.park_rows,
-                slice_layers_once=self.slice_layers_once, may_filter=may_filter)
+                cache_dtype=self.compute_dtype, min_phase=min_phase, park=self.park_rows,
+                slice_layers_once=self.slice_layers_once, may_filter=may_filter, tail=not small)
+            if not small and len(tail_levels(slots)) > 1 and np.any(jax.device_get(carry.slots.live)):  # rows left: the tail
+                out = _CONTINUOUS_TAIL_JIT(self._graphdef, state, carry, req, slots=slots,
+                                           slice_layers_once=self.slice_layers_once)
+            else:
+                out = _outputs(carry)
         out = jax.device_get(out)
         self.last_decode_steps = int(out["steps"])
         self.parked_rows += int(out["parked"])
