@@ -434,35 +434,33 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
             arg((n_pad,), jnp.uint32), arg((n_pad,), jnp.uint32), arg((2,), jnp.uint32), arg((), jnp.float32),
             arg((), jnp.float32), arg((), jnp.int32), arg((n_pad,), jnp.int32), arg((MAX_STOP_TOKEN_IDS,), jnp.int32),
             arg((), jnp.int32))
-    t0 = time.perf_counter()
-    with activation_sharding(mesh):
-        lowered = eng._CONTINUOUS_JIT.lower(*args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs),
-                                            cache_dtype=dtype,  # as the engine on that platform runs it
-                                            slice_layers_once=eng.hoist_layer_slices(mesh.devices.flat[0].platform))
-    compiled, exhausted = _compile_or_exhausted(lowered)
-    if exhausted is not None:
-        return dict(exhausted, argument=0, output=0, total=exhausted["temp"],
-                    compile_seconds=time.perf_counter() - t0, flops=None)
-    m = compiled.memory_analysis()
-    out = dict(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
-               temp=int(m.temp_size_in_bytes))
-    out["total"] = sum(out.values())
-    out["flops"] = aot.cost_flops(compiled)
-    if len(eng.tail_levels(slots)) > 1:  # the tail's program, which takes the main program's carry
-        carry, req = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                  compiled.out_info)
+    slice_once = eng.hoist_layer_slices(mesh.devices.flat[0].platform)  # as the engine on that platform runs it
+
+    def lower(compiled):  # the main program, then (``compiled``: the main one) the tail's, on the main one's carry
         with activation_sharding(mesh):
-            lowered = eng._CONTINUOUS_TAIL_JIT.lower(
-                graphdef, state, carry, req, slots=slots,
-                slice_layers_once=eng.hoist_layer_slices(mesh.devices.flat[0].platform))
-        tail, exhausted = _compile_or_exhausted(lowered)
+            if compiled is None:
+                return eng._CONTINUOUS_JIT.lower(*args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs),
+                                                 cache_dtype=dtype, slice_layers_once=slice_once)
+            carry, req = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                      compiled.out_info)
+            return eng._CONTINUOUS_TAIL_JIT.lower(graphdef, state, carry, req, slots=slots,
+                                                  slice_layers_once=slice_once)
+    t0, out, compiled = time.perf_counter(), {}, None
+    for program in ("main", "tail")[:1 + (len(eng.tail_levels(slots)) > 1)]:
+        compiled, exhausted = _compile_or_exhausted(lower(compiled))
         if exhausted is not None:
             return dict(exhausted, argument=0, output=0, total=exhausted["temp"],
                         compile_seconds=time.perf_counter() - t0, flops=None)
-        m = tail.memory_analysis()
-        out["tail_total"] = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
-        out["total"] = max(out["total"], out["tail_total"])
-        out["flops"] = None if out["flops"] is None else out["flops"] + (aot.cost_flops(tail) or 0)
+        m = compiled.memory_analysis()
+        sizes = dict(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
+                     temp=int(m.temp_size_in_bytes))
+        flops = aot.cost_flops(compiled)
+        if program == "main":
+            out = dict(sizes, total=sum(sizes.values()), flops=flops)
+        else:
+            out["tail_total"] = sum(sizes.values())
+            out["total"] = max(out["total"], out["tail_total"])
+            out["flops"] = None if out["flops"] is None or flops is None else out["flops"] + flops
     out["compile_seconds"] = time.perf_counter() - t0
     return out
 

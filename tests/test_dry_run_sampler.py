@@ -104,7 +104,8 @@ def test_sampler_plan_dtype_slots_mode_and_report():
 def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the_cache():
     """configs/tiny.py with a 2 x 2 sampler mesh and dry_run.compile_sampler: XLA:CPU's memory_analysis of
     the sharded continuous program (8 fake devices) has the analytic weights as its argument (within 5%:
-    plus the request's inputs) and a temp at least the analytic KV cache + prompt store (plus activations)."""
+    plus the request's inputs) and an output (the carry) + temp at least the analytic KV cache + prompt store
+    (plus activations); the tail's program is compiled too."""
     spec = importlib.util.spec_from_file_location("tiny", os.path.join(ROOT, "configs", "tiny.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -115,9 +116,10 @@ def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the
     sp, comp = report["sampler"], report["sampler_compiled"]
     assert comp is not None and sp["mesh"] == (2, 2)
     assert sp["weights"] <= comp["argument"] <= 1.05 * sp["weights"]
-    assert comp["temp"] >= sp["kv_cache"] + sp["prompt_store"] + sp["park"]
+    assert comp["output"] + comp["temp"] >= sp["kv_cache"] + sp["prompt_store"] + sp["park"]  # the carry: output
+    assert 0 < comp["tail_total"] <= comp["total"]  # the tail's program, on the main one's carry
     text = dry_run.format_report(report)
-    assert "sampler_compiled_temp" in text
+    assert "sampler_compiled_temp" in text and "sampler_compiled_tail_total" in text
     # one decode step compiled alone: its floor is the analytic weights and KV cache, read once each
     step = comp["decode_step"]
     assert (step["weights"], step["kv_cache"]) == (sp["weights"], sp["kv_cache"])
