@@ -439,8 +439,10 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     def lower(compiled):  # the main program, then (``compiled``: the main one) the tail's, on the main one's carry
         with activation_sharding(mesh):
             if compiled is None:
-                return eng._CONTINUOUS_JIT.lower(*args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs),
-                                                 cache_dtype=dtype, slice_layers_once=slice_once)
+                return eng._CONTINUOUS_JIT.lower(  # the trainer's requests: no top-p / top-k, its park and routing
+                    *args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs), cache_dtype=dtype,
+                    slice_layers_once=slice_once, park=int(sc.park_rows), may_filter=False,
+                    routing=bool(config.model.moe_routing_replay) and model_cfg.is_moe)
             carry, req = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                       compiled.out_info)
             return eng._CONTINUOUS_TAIL_JIT.lower(graphdef, state, carry, req, slots=slots,

@@ -394,3 +394,6 @@ def test_decode_kv_window_reads_only_the_window():
     for widths in ((), (0,), (10, S + 1), (10.0,), (True,)):
         with pytest.raises(ValueError, match="kv_window widths must be static ints in"):
             model.decode(tok, pos, cache, index, kv_mask, kv_window=(0, widths))
+    for bad in (-1, 3, np.array([0, 1])):
+        with pytest.raises(ValueError, match=r"kv_window index must be a scalar in \[0, 3\)"):
+            model.decode(tok, pos, cache, index, kv_mask, kv_window=(bad, (10, 16, S)))

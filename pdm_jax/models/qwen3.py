@@ -570,12 +570,15 @@ class Attention(nnx.Module):
         densely to all S slots and ``mask`` is the ``[B,T,S]`` bool array of which slots
         each query may see. ``kv_window`` = ``(index, widths)`` (with ``kv`` only): the queries
         read only the first ``widths[index]`` slots (``widths`` static ints <= S, ``index`` an
-        int32 scalar, may be traced: one ``lax.switch`` branch per width; slots past the width
-        must be masked for every query). The write above still goes to the whole cache.
+        int32 scalar, may be traced: one ``lax.switch`` branch per width, which clamps a traced index into
+        range; slots past the width must be masked for every query). The write above still goes to the whole
+        cache. Raises ValueError for a ``kv_window`` without ``kv``.
 
         Returns (out [B,T,D], updated ``(k, v)`` or None).
         """
         B, T, _ = x_BxTxD.shape
+        if kv_window is not None and kv is None:
+            raise ValueError("Attention: kv_window needs a KV cache (kv); it selects how many cache slots are read")
         q_BxTxNxH = self.q_norm(self.q_proj(x_BxTxD))
         k_BxTxKxH = self.k_norm(self.k_proj(x_BxTxD))
         v_BxTxKxH = self.v_proj(x_BxTxD)
@@ -1164,9 +1167,10 @@ class Qwen3ForCausalLM(nnx.Module):
             [B, 1, V] (a prefill needs just those: [B, T, V] f32 is T x the memory and LM-head work).
           layers: `decode_layers()` built once outside a decode loop (default: sliced here, per call).
           kv_window: ``(index, widths)``: attention reads only the first ``widths[index]`` cache slots
-            (static ints <= S, ``index`` an int32 scalar, may be traced; one ``lax.switch`` branch per
-            width, so a decode loop whose rows fit a shorter cache reads less without a second copy of the
-            loop). Every slot past the width must be masked for every query (``kv_mask`` or causality).
+            (static ints in [T, S]; ``index`` an int32 scalar in [0, len(widths)), checked when concrete,
+            clamped by ``lax.switch`` when traced; one branch per width, so a decode loop whose rows fit a
+            shorter cache reads less without a second copy of the loop). Every slot past the width must be
+            masked for every query (``kv_mask`` or causality).
         Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and
         s <= cache_index + t (cache_index[b] + t per row).
         Returns:
@@ -1223,6 +1227,11 @@ class Qwen3ForCausalLM(nnx.Module):
                                      for w in widths):
                 raise ValueError(f"decode: kv_window widths must be static ints in [T, S] = [{T}, {S}], "
                                  f"got {kv_window[1]!r}")
+            if not isinstance(kv_window[0], jax.core.Tracer):
+                index = np.asarray(kv_window[0])
+                if index.shape != () or not 0 <= int(index) < len(widths):
+                    raise ValueError(f"decode: kv_window index must be a scalar in [0, {len(widths)}), "
+                                     f"got {kv_window[0]!r}")
             kv_window = (jnp.asarray(kv_window[0], jnp.int32), widths)
         layers = self.decode_layers() if layers is None else tuple(layers)
         if len(layers) != L:

@@ -56,8 +56,9 @@ move into a 4x smaller cache (the tail: a second program, compiled and run only 
 leaves rows to it). A request of at most slots/4 rows runs in a cache of slots/4 slots with one
 phase and no tail, and a request without top-p / top-k filtering runs a program without the
 filter: a bucket's first call compiles one decode loop. The row keys above make its tokens the static
-engine's (tests). One program per (slots, queue, prompt store, P, T, K) bucket; the
-shapes an engine ran are counted in ``program_shapes`` and logged.
+engine's (tests). One program per (slots, queue, prompt store, P, T, K, filter) bucket (and
+its tail's, compiled when a request first needs it); the shapes an engine ran are counted in
+``program_shapes`` and logged.
 
 Finish reasons: ``"stop"`` when a stop token was generated (it is kept in the
 completion and in the mask), ``"length"`` when ``max_new_tokens`` was reached.
@@ -867,7 +868,8 @@ class SamplingEngine:
         the whole request queued into ``max_slots`` slots of one static cache; a slot whose row
         stops takes the next pending row; same tokens and log mu as static, tests).
       max_slots: slots of the continuous cache (None: ``max_batch_size``; rounded up to a power
-        of two); every continuous request runs in this many slots (one shape: bounded compiles).
+        of two); every continuous request runs in this many slots, or max_slots / 4 for a request of at most
+        that many rows (when the row shards divide it; few shapes: bounded compiles).
       share_prefill: prefill each prompt once for its n samples and repeat its KV cache
         (`_generate_program`'s ``group``) when a batch chunk holds whole groups of n rows
         and its bucket is a multiple of n (n a power of two, ``max_batch_size`` a multiple
@@ -1154,7 +1156,8 @@ class SamplingEngine:
 
     def _note_program(self, key: tuple) -> None:
         """Counts (``program_shapes``) and logs a program shape this engine has not run before: one compile
-        each (engines of one model config share them: the jits are module-level)."""
+        each, plus a continuous bucket's tail program the first time a request needs it (engines of one model
+        config share them: the jits are module-level)."""
         if key not in self.program_shapes:
             self.program_shapes.add(key)
             log.info("sampler: %d distinct generate programs; new: %s", len(self.program_shapes), key)
