@@ -411,14 +411,16 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
 
 def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     """``memory_analysis`` of the sharded continuous-batching programs (`engine._continuous_program`:
-    prefill of one request's prompt store + the slots' decode loop; `engine._continuous_tail`) compiled for ``devices`` (default: the
+    prefill of one request's prompt store + the slots' decode loop; `engine._continuous_compact` and
+    `engine._continuous_tail`) compiled for ``devices`` (default: the
     first ``data x tensor`` fake CPU devices; a TPU slice's or deviceless GPUs from `pdm_jax.aot`), from
     abstract inputs (weights as ``ShapeDtypeStruct`` with the engine's ``NamedSharding``s; one request of
     ``sp["request_prompts"]`` prompts x ``rl.group_size`` samples, a host's share with per-host rollouts).
     Per device: ``argument`` (weights and the request), ``output`` (the main loop's carry: KV cache and the
-    rollouts), ``temp`` (prompt store, park, activations), ``total`` (their sum, or ``tail_total`` if larger:
-    the tail's program, `engine._continuous_tail`, run after it on the carry, weights + carry + its outputs
-    and temporaries), ``compile_seconds`` and ``flops`` (`aot.cost_flops`, both programs). XLA:CPU's figures are
+    rollouts), ``temp`` (prompt store, park, activations), ``total`` (their sum, or the larger of ``compact_total``
+    and ``tail_total``: the programs run after it, `engine._continuous_compact` (the weights, the carry and the
+    carry gathered into half the slots) and `engine._continuous_tail` (the weights, the half carry, its smaller
+    levels, outputs and temporaries)), ``compile_seconds`` and ``flops`` (`aot.cost_flops`, all programs). XLA:CPU's figures are
     an estimate of an accelerator's (CPU fusion and layouts).
     """
 
@@ -436,20 +438,24 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
             arg((), jnp.int32))
     slice_once = eng.hoist_layer_slices(mesh.devices.flat[0].platform)  # as the engine on that platform runs it
 
-    def lower(compiled):  # the main program, then (``compiled``: the main one) the tail's, on the main one's carry
+    def lower(program, prev):  # the main program, then (``prev``: the one before) the compaction and the tail
         with activation_sharding(mesh):
-            if compiled is None:
+            if program == "main":
                 return eng._CONTINUOUS_JIT.lower(  # the trainer's requests: no top-p / top-k, its park and routing
                     *args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs), cache_dtype=dtype,
                     slice_layers_once=slice_once, park=int(sc.park_rows), may_filter=False,
                     routing=bool(config.model.moe_routing_replay) and model_cfg.is_moe)
-            carry, req = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                      compiled.out_info)
-            return eng._CONTINUOUS_TAIL_JIT.lower(graphdef, state, carry, req, slots=slots,
+            outs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), prev.out_info)
+            if program == "compact":
+                return eng._CONTINUOUS_COMPACT_JIT.lower(outs[0], slots=slots), outs[1]
+            return eng._CONTINUOUS_TAIL_JIT.lower(graphdef, state, outs, req, slots=slots,
                                                   slice_layers_once=slice_once)
-    t0, out, compiled = time.perf_counter(), {}, None
-    for program in ("main", "tail")[:1 + (len(eng.tail_levels(slots)) > 1)]:
-        compiled, exhausted = _compile_or_exhausted(lower(compiled))
+    t0, out, compiled, req = time.perf_counter(), {}, None, None
+    for program in ("main", "compact", "tail")[:1 + 2 * (len(eng.tail_levels(slots, new)) > 1)]:
+        lowered = lower(program, compiled)
+        if program == "compact":
+            lowered, req = lowered
+        compiled, exhausted = _compile_or_exhausted(lowered)
         if exhausted is not None:
             return dict(exhausted, argument=0, output=0, total=exhausted["temp"],
                         compile_seconds=time.perf_counter() - t0, flops=None)
@@ -459,10 +465,11 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
         flops = aot.cost_flops(compiled)
         if program == "main":
             out = dict(sizes, total=sum(sizes.values()), flops=flops)
-        else:
-            out["tail_total"] = sum(sizes.values())
-            out["total"] = max(out["total"], out["tail_total"])
-            out["flops"] = None if out["flops"] is None or flops is None else out["flops"] + flops
+            continue
+        # the compaction's arguments are the carry alone: the weights (the main program's arguments) stay resident
+        out[f"{program}_total"] = sum(sizes.values()) + (out["argument"] if program == "compact" else 0)
+        out["total"] = max(out["total"], out[f"{program}_total"])
+        out["flops"] = None if out["flops"] is None or flops is None else out["flops"] + flops
     out["compile_seconds"] = time.perf_counter() - t0
     return out
 
@@ -1013,8 +1020,9 @@ def _sampler_lines(sp: dict, hbm: int, g, unit: str, compiled=None, target: str 
         if compiled.get("exhausted"):
             lines += [f"  the compiler refused it: {compiled['exhausted']}",
                       f"  {'sampler_compiled_temp_at_least':<30}{g(compiled['temp'])}"]
-        for k in () if compiled.get("exhausted") else ("argument", "output", "temp", "tail_total", "total"):
-            if k not in compiled:  # no tail (fewer than 4 slots)
+        for k in () if compiled.get("exhausted") else ("argument", "output", "temp", "compact_total", "tail_total",
+                                                       "total"):
+            if k not in compiled:  # no tail (fewer than 2 slots)
                 continue
             lines.append(f"  {'sampler_compiled_' + k:<30}{g(compiled[k])}")
         lines.append(f"  {'fits in HBM?':<30}{'yes' if compiled['total'] <= hbm else 'NO':>10}  "

@@ -117,9 +117,12 @@ def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the
     assert comp is not None and sp["mesh"] == (2, 2)
     assert sp["weights"] <= comp["argument"] <= 1.05 * sp["weights"]
     assert comp["output"] + comp["temp"] >= sp["kv_cache"] + sp["prompt_store"] + sp["park"]  # the carry: output
-    assert 0 < comp["tail_total"] <= comp["total"]  # the tail's program, on the main one's carry
+    assert 0 < comp["tail_total"] <= comp["total"] and 0 < comp["compact_total"] <= comp["total"]
+    assert comp["compact_total"] >= comp["argument"] + comp["output"]  # weights + full carry (+ its half)
+    assert comp["tail_total"] < comp["compact_total"]  # the full cache is not the tail's
     text = dry_run.format_report(report)
     assert "sampler_compiled_temp" in text and "sampler_compiled_tail_total" in text
+    assert "sampler_compiled_compact_total" in text
     # one decode step compiled alone: its floor is the analytic weights and KV cache, read once each
     step = comp["decode_step"]
     assert (step["weights"], step["kv_cache"]) == (sp["weights"], sp["kv_cache"])

@@ -460,23 +460,34 @@ def test_cache_phases_share_one_decode_loop(params, monkeypatch):
 
 
 @pytest.mark.slow
-def test_tail_program_runs_only_when_rows_are_left(params, continuous_pair, monkeypatch):
-    """The tail (`_continuous_tail`, rows left once the queue is empty and at most slots / 4 are live) is a program
-    of its own, run only when rows are left; a request of at most slots / 4 rows runs in a cache of that many slots
-    with one cache phase and no tail. Both equal the static engine's rollouts."""
+@pytest.mark.parametrize("halving", [True, False])
+def test_tail_program_runs_only_when_rows_are_left(params, continuous_pair, monkeypatch, request, halving):
+    """The tail (`_continuous_compact` then `_continuous_tail`, rows left once the queue is empty and few slots are
+    live) is a program of its own, run only when rows are left; with halving levels (T >= `_HALVING_MIN_NEW`, lowered
+    to 16 here) the rows run in 2 slots, then 1, else in 1 (slots / 4); a request of at most slots / 4 rows runs in a
+    cache of that many slots with one cache phase and no tail. All equal the static engine's rollouts."""
     import pdm_jax.sampler.engine as engine_mod
 
     static, _ = continuous_pair
+    programs = (engine_mod._CONTINUOUS_JIT, engine_mod._CONTINUOUS_COMPACT_JIT, engine_mod._CONTINUOUS_TAIL_JIT)
+    if halving:  # the levels are traced into the programs: none may come from a cache traced with other levels
+        monkeypatch.setattr(engine_mod, "_HALVING_MIN_NEW", 16)
+        for program in programs:
+            program.clear_cache()
+        request.addfinalizer(lambda: [program.clear_cache() for program in programs])
+    assert engine_mod.tail_levels(4, 16) == ([4, 2, 1] if halving else [4, 1])
     tails = []
-    real = engine_mod._CONTINUOUS_TAIL_JIT
+    real, compact = engine_mod._CONTINUOUS_TAIL_JIT, engine_mod._CONTINUOUS_COMPACT_JIT
     monkeypatch.setattr(engine_mod, "_CONTINUOUS_TAIL_JIT", lambda *a, **k: tails.append(k["slots"]) or real(*a, **k))
+    monkeypatch.setattr(engine_mod, "_CONTINUOUS_COMPACT_JIT",  # the carry it hands the tail: the first tail level
+                        lambda c, **k: tails.append(compact(c, **k).slots.live.shape[0]) or compact(c, **k))
     cont = make_engine(params, max_batch_size=4, batching="continuous")
     gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=TAU, seed=5)
     full = static.generate(PROMPTS, **gen)
     rows = [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
     part = cont._run_continuous(cont._state, PROMPTS, rows, temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
-                                stops=[], seed=5, row_max_new=[12, 1, 5, 3])  # row 0 is left alone: the tail
-    assert tails == [4], tails
+                                stops=[], seed=5, row_max_new=[12, 1, 5, 3])  # rows 0 and 2 (2 slots), then 0 (1)
+    assert tails == [2 if halving else 1, 4], tails
     for r, m in enumerate([12, 1, 5, 3]):
         np.testing.assert_array_equal(part["tokens"][r, :m], full.completion_ids[r, :m])
         np.testing.assert_allclose(part["logp"][r, :m], full.behavior_logprobs[r, :m], atol=1e-5, rtol=1e-5)
@@ -506,6 +517,15 @@ def test_unfiltered_requests_compile_no_filter(params):
     ids = filtered.topk_ids[filtered.completion_mask.astype(bool)]
     lps = filtered.topk_logprobs[filtered.completion_mask.astype(bool)]
     assert np.isfinite(lps[:, :2]).all() and np.isneginf(lps[:, 2:]).all(), (ids, lps)  # 2 ids kept per step
+
+
+def test_tail_levels():
+    """Continuous batching's slot counts: the main loop's, then the tail's halving levels (at most 4 in all) for
+    requests of 64 new tokens or more, one level of slots / 4 for shorter ones."""
+    from pdm_jax.sampler.engine import tail_levels
+
+    assert tail_levels(64, 256) == [64, 32, 16, 8] and tail_levels(4, 64) == [4, 2, 1] and tail_levels(2, 64) == [2, 1]
+    assert tail_levels(1, 64) == [1] and tail_levels(64, 32) == [64, 16] and tail_levels(2, 8) == [2]
 
 
 def test_cache_phases():

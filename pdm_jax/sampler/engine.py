@@ -51,13 +51,13 @@ entry copied in, token 0 sampled from the stored last logits), so rows of mixed
 lengths do not wait for the longest one. Attention reads the first P + T/4 slots of the
 cache, then P + T/2 and P + T once a live row needs them (`cache_phases`: early steps read a
 shorter cache; one decode loop for all phases, each layer's attention a ``lax.switch`` over
-the widths); once no row is pending and at most a quarter of the slots are live, the live rows
-move into a 4x smaller cache (the tail: a second program, compiled and run only when a request
-leaves rows to it). A request of at most slots/4 rows runs in a cache of slots/4 slots with one
-phase and no tail, and a request without top-p / top-k filtering runs a program without the
+the widths); once no row is pending and at most half the slots are live, the live rows
+move into a cache of half the slots, then a quarter, an eighth as more rows end (the tail: programs of
+their own, compiled and run only when a request leaves rows to them). A request of at most slots/4
+rows runs in a cache of slots/4 slots with one phase and no tail, and a request without top-p / top-k filtering runs a program without the
 filter: a bucket's first call compiles one decode loop. The row keys above make its tokens the static
 engine's (tests). One program per (slots, queue, prompt store, P, T, K, filter) bucket (and
-its tail's, compiled when a request first needs it); the shapes an engine ran are counted in
+its tail's two, compiled when a request first needs them); the shapes an engine ran are counted in
 ``program_shapes`` and logged.
 
 Finish reasons: ``"stop"`` when a stop token was generated (it is kept in the
@@ -665,15 +665,16 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
        `_Park` of ``park x slots`` entries and its slot is refilled, so the first phase's short cache
        serves the queue; parked rows come back (`_unpark_one`, before pending ones) in the later phases.
        The first phase ends when the queue is empty or the park is full.
-    5. Tail: once the queue is empty and at most slots/4 rows are live, this program returns; if rows are left,
-       `_continuous_tail` (a second program, compiled the first time a request needs it) gathers the live slots
-       into a cache of slots/4 (`_compact`): the last long rows run in a smaller batch (`_TAIL_SHRINK`,
-       `_TAIL_LEVELS`; no admission there).
+    5. Tail: once the queue is empty and at most slots/2 rows are live, this program returns; if rows are left,
+       `_continuous_compact` gathers the live slots into a cache of slots/2 (`_compact`) and `_continuous_tail`
+       decodes them there, then in slots/4 and slots/8 as more rows end (`tail_levels`: `_TAIL_SHRINK`,
+       `_TAIL_LEVELS`; no admission there): the last long rows run in smaller batches. Both are programs of their
+       own, compiled the first time a request needs them.
 
     Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
     `_generate_program`, so rows get the same samples whichever slot or step runs them.
     Returns ``(carry, req)``: the `_DecodeState` after the main loop (without the park, empty by then) and the
-    `_Request` without its prompt store, which `_continuous_tail` takes; `_outputs` of the carry (or the tail's)
+    `_Request` without its prompt store, which `_continuous_tail` takes (the carry through `_continuous_compact`); `_outputs` of the carry (or the tail's)
     is `_generate_program`'s dict (``steps``: decode steps run; ``parked``: rows parked; with ``routing``
     ``routed`` [N, P + num_new, L, k]: a row's prompt routing copied from its prompt's prefill at
     admission, token t's written by the step that feeds it).
@@ -713,9 +714,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
 
     # Level 0 runs every slot while rows are pending, in cache-length phases, all in one loop: a step of the
     # current phase (attention reads its P + caps[i] slots), then `_settle` refills free slots and moves to the next
-    # phase while the current one cannot run (`_runs`). Once the queue is empty and at most a quarter of the slots
-    # are live, the loop ends; `_continuous_tail` runs what is left.
-    levels = tail_levels(slots) if tail else [slots]  # without a tail the loop runs every row to its end
+    # phase while the current one cannot run (`_runs`). Once the queue is empty and at most half the slots are
+    # live, the loop ends; `_continuous_compact` and `_continuous_tail` run what is left.
+    levels = tail_levels(slots, num_new) if tail else [slots]  # without a tail the loop runs every row to its end
     nxt = levels[1] if len(levels) > 1 else 0
     settle = functools.partial(_settle, req, nxt=nxt)
     step = functools.partial(_decode_step, model, layers, req, windowed=True, parking=park_n > 0)
@@ -725,17 +726,28 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     return carry.replace(park=None), req.replace(store=None, last_UxV=None, store_routed=None)
 
 
+def _continuous_compact(carry: _DecodeState, *, slots: int) -> _DecodeState:
+    """The main loop's carry (`_continuous_program`: the queue empty, at most slots / 2 live) gathered into a cache of
+    slots / 2 (`_compact`). A program of its own, before `_continuous_tail`: while it runs the full cache and the
+    half one are live, and nothing else of a decode step; the tail program then holds only the half cache (and its
+    smaller levels), not the full one beside them."""
+    return _compact(carry, tail_levels(slots, carry.outs.tokens.shape[1])[1])
+
+
 def _continuous_tail(graphdef, state, carry: _DecodeState, req: _Request, *, slots: int,
                      slice_layers_once: bool = False):
     """Continuous batching's tail (`_continuous_program` step 5): the live rows of ``carry`` (`_DecodeState` at the
-    last cache phase, the queue empty) gathered into a cache of slots / 4 (`_compact`), decoded to the end there
-    (`_TAIL_LEVELS` levels in all, no admission). A program of its own, so that a request whose rows all end in
-    the main loop (uniform lengths, or more rows than slots) never compiles it. Returns `_outputs`' dict."""
+    last cache phase, the queue empty, already in a cache of slots / 2: `_continuous_compact`) decoded to the end in
+    halving caches (slots / 2, slots / 4, ...: `tail_levels`; each loop runs while more than the next level's slots
+    are live, then `_compact` moves the live rows down a level; no admission there). A program of its own, so that a
+    request whose rows all end in the main loop (uniform lengths, or more rows than slots) never compiles it.
+    Returns `_outputs`' dict."""
     model = nnx.merge(graphdef, state)
     layers = model.decode_layers() if slice_layers_once else None  # `hoist_layer_slices`
-    levels = tail_levels(slots)
+    levels = tail_levels(slots, req.num_new)
     for li, level in enumerate(levels[1:], start=1):
-        carry = _compact(carry, level)
+        if li > 1:
+            carry = _compact(carry, level)
         nxt = levels[li + 1] if li + 1 < len(levels) else 0
         carry = jax.lax.while_loop(lambda c, nxt=nxt: _runs(req, c, nxt),
                                    functools.partial(_decode_step, model, layers, req), carry)
@@ -751,9 +763,13 @@ def _outputs(carry: _DecodeState) -> dict:
                 **({} if outs.routed is None else dict(routed=outs.routed)))
 
 
-def tail_levels(slots: int) -> list:
-    """Continuous batching's slot counts: ``slots``, then the tail's (slots / 4, ... : `_TAIL_SHRINK`, at most
-    `_TAIL_LEVELS` levels, none under 1)."""
+def tail_levels(slots: int, num_new: int) -> list:
+    """Continuous batching's slot counts for requests of ``num_new`` (the bucket T) new tokens: ``slots``, then the
+    tail's. For T >= `_HALVING_MIN_NEW`: slots / 2, slots / 4, ... (`_TAIL_SHRINK`, at most `_TAIL_LEVELS` levels in
+    all, none under 1). Shorter requests keep one tail level of slots / 4: their rows cannot run long at low
+    occupancy, so more levels would add loops to compile and little else."""
+    if num_new < _HALVING_MIN_NEW:
+        return [int(slots)] + ([int(slots) // 4] if slots >= 4 else [])
     levels = [int(slots)]
     while len(levels) < _TAIL_LEVELS and levels[-1] // _TAIL_SHRINK >= 1:
         levels.append(levels[-1] // _TAIL_SHRINK)
@@ -772,11 +788,16 @@ def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
 
 
 _MIN_PHASE = 32  # continuous batching: no cache phase shorter than this many new tokens
-_TAIL_SHRINK = 4  # continuous batching: the tail's cache shrinks by this factor ...
-_TAIL_LEVELS = 2  # ... into at most this many slot counts (slots, slots/4): the main program and the tail's
+_TAIL_SHRINK = 2  # continuous batching: the tail's cache shrinks by this factor per level ...
+_TAIL_LEVELS = 4  # ... into at most this many slot counts (slots, slots/2, slots/4, slots/8): the main loop, then the
+#                   tail program's loops (with fewer live rows than slots, every slot still pays a step's sampling and
+#                   attention: halving the cache as rows end keeps the last, longest rows of a mixed-length request cheap)
+_HALVING_MIN_NEW = 64  # ... for requests of at least this many new tokens (shorter ones: one level, slots / 4)
+_SMALL_REQUEST = 4  # a request of at most max_slots / this many rows runs in a cache of that many slots, one phase
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
                           static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase",
                                            "park", "slice_layers_once", "may_filter", "tail"))
+_CONTINUOUS_COMPACT_JIT = jax.jit(_continuous_compact, static_argnames=("slots",))
 _CONTINUOUS_TAIL_JIT = jax.jit(_continuous_tail, static_argnums=(0,), static_argnames=("slots", "slice_layers_once"))
 
 
@@ -1172,17 +1193,17 @@ class SamplingEngine:
         Static shapes (few, to bound compiles): ``max_slots`` slots, or max_slots / 4 with no tail for a request
         of at most that many rows (a smaller request leaves slots empty), the row queue next_pow2(N) (at least the
         slots), the prompt store next_pow2(U) (at least max_slots / 4), the prompt and new-token buckets of
-        `_run_chunk`. The tail (`_continuous_tail`) runs, and compiles, only when rows are left after the main loop.
+        `_run_chunk`. The tail (`_continuous_compact`, then `_continuous_tail`) runs, and compiles, only when rows are
+        left after the main loop.
         """
         n_rows = len(rows)
         slots = self.max_slots
-        # A request whose rows fit the tail's slots (slots / 4) runs in a cache of that many slots, with no tail and
-        # one cache phase (no park): one decode loop without phase branches to compile, and the rows decode as the
-        # tail would have run them (the same batch, attention over all P + T slots).
-        small = (len(tail_levels(slots)) > 1 and n_rows <= slots // _TAIL_SHRINK
-                 and (slots // _TAIL_SHRINK) % self.row_shards == 0)
+        # A request of at most slots / 4 rows runs in a cache of that many slots, with no tail and one cache phase
+        # (no park): one decode loop without phase branches to compile, attention over all P + T slots.
+        small = (slots // _SMALL_REQUEST >= 1 and n_rows <= slots // _SMALL_REQUEST
+                 and (slots // _SMALL_REQUEST) % self.row_shards == 0)
         if small:
-            slots //= _TAIL_SHRINK
+            slots //= _SMALL_REQUEST
         n_pad = max(next_pow2(n_rows), slots)
         if self.share_prefill:  # one prompt-store entry per prompt, read by its n rows
             entries = [i for i, _ in rows]
@@ -1220,7 +1241,8 @@ class SamplingEngine:
                 jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
                 cache_dtype=self.compute_dtype, min_phase=min_phase, park=self.park_rows,
                 slice_layers_once=self.slice_layers_once, may_filter=may_filter, tail=not small)
-            if not small and len(tail_levels(slots)) > 1 and np.any(jax.device_get(carry.slots.live)):  # rows left: the tail
+            if not small and len(tail_levels(slots, t)) > 1 and np.any(jax.device_get(carry.slots.live)):  # rows left: the tail
+                carry = _CONTINUOUS_COMPACT_JIT(carry, slots=slots)  # the full cache is dropped before the tail runs
                 out = _CONTINUOUS_TAIL_JIT(self._graphdef, state, carry, req, slots=slots,
                                            slice_layers_once=self.slice_layers_once)
             else:
