@@ -168,6 +168,14 @@ def test_generate_response_columns_give_the_same_batch_as_choices(use_msgpack, k
                                                                      top_k_logprobs=k).batch)
     if use_msgpack:  # a handful of packed arrays, not ~4 per row
         assert len(wire.dumps(resp.to_wire("columns"), msgpack=True)) < len(wire.dumps(resp.to_wire(), msgpack=True))
+    # the per-token columns hold the 9 generated tokens, row after row, not the padded 4 x 3
+    assert np.asarray(cols["token_ids"]).tolist() == batch.completion_ids[batch.completion_mask.astype(bool)].tolist()
+    assert np.shape(cols["top_logprobs"]["logprobs"]) == (9, k)
+    # a padded body (servers before the packed columns: [N, T(, K)] arrays) decodes to the same batch
+    padded = dict(body, columns=dict(cols, token_ids=batch.completion_ids, logprobs=batch.behavior_logprobs,
+                                     top_logprobs=dict(ids=batch.topk_ids, logprobs=batch.topk_logprobs)))
+    assert_batches_equal(wire.GenerateResponse.from_wire(through(padded, use_msgpack), prompts, top_k_logprobs=k).batch,
+                         batch)
 
 
 def _columns_body(mutate):
@@ -178,12 +186,15 @@ def _columns_body(mutate):
 
 
 @pytest.mark.parametrize("mutate, where", [
-    (lambda c: c.update(lengths=np.array([2, 3, 1, 4], np.int32)), "columns.lengths"),  # beyond T = 3
+    (lambda c: c.update(lengths=np.array([2, 3, 1, 4], np.int32)), "columns.lengths"),  # 10 tokens, 9 sent
     (lambda c: c.update(lengths=np.array([2, 3, 1], np.int32)), "columns.lengths"),  # 3 of 4 rows
+    (lambda c: c.update(lengths=np.array([2, 3, -1, 5], np.int32)), "columns.lengths"),  # sums to 9, one < 0
     (lambda c: c.update(prompt_index=np.array([0, 0, 1, 2], np.int32)), "columns.prompt_index"),  # 2 prompts
-    (lambda c: c["top_logprobs"].update(ids=np.zeros((4, 3, 2), np.int32)), "columns.top_logprobs.ids"),  # K 2 != 3
-    (lambda c: c.update(logprobs=np.zeros((4, 2), np.float32)), "columns.logprobs"),
-    (lambda c: c.update(token_ids=np.zeros((4, 3), np.float32)), "columns.token_ids"),  # not integers
+    (lambda c: c["top_logprobs"].update(ids=np.zeros((9, 2), np.int32)), "columns.top_logprobs.ids"),  # K 2 != 3
+    (lambda c: c.update(logprobs=np.zeros((8,), np.float32)), "columns.logprobs"),  # 8 of 9 tokens
+    (lambda c: c.update(logprobs=np.zeros((4, 3), np.float32)), "columns.logprobs"),  # padded beside packed ids
+    (lambda c: c.update(token_ids=np.zeros((9,), np.float32)), "columns.token_ids"),  # not integers
+    (lambda c: c.update(token_ids=np.zeros((4, 3), np.float32)), "columns.token_ids"),  # padded, not integers
     (lambda c: c.pop("weights_version"), "columns.weights_version"),
     (lambda c: c.update(finish_reason=["stop"] * 3), "columns.finish_reason"),
     (lambda c: c.update(top_logprobs=[1, 2]), "columns.top_logprobs"),
@@ -191,10 +202,10 @@ def _columns_body(mutate):
     (lambda c: c.update(prompt_index=np.array([0, 0, 1, 2**32], np.int64)), "columns.prompt_index"),
     (lambda c: c.update(token_ids=c["token_ids"].astype(np.int64) + 2**32), "columns.token_ids"),
     (lambda c: c.update(lengths=[2, 3, True, 3]), "columns.lengths"),  # a bool numpy would read as 1
-    (lambda c: c.update(logprobs=[["-0.5", 0, 0]] * 4), "columns.logprobs"),  # a string numpy would parse
-    (lambda c: c["logprobs"].__setitem__((0, 0), np.nan), "columns.logprobs"),  # never a silent NaN
-    (lambda c: c["top_logprobs"]["logprobs"].__setitem__((1, 0, 0), 5.0), "columns.top_logprobs.logprobs"),
-    (lambda c: c.update(logprobs=[[10**400, 0, 0]] * 4), "columns.logprobs"),  # beyond any float
+    (lambda c: c.update(logprobs=["-0.5"] + [0] * 8), "columns.logprobs"),  # a string numpy would parse
+    (lambda c: c["logprobs"].__setitem__(0, np.nan), "columns.logprobs"),  # never a silent NaN
+    (lambda c: c["top_logprobs"]["logprobs"].__setitem__((1, 0), 5.0), "columns.top_logprobs.logprobs"),
+    (lambda c: c.update(logprobs=[10**400] + [0] * 8), "columns.logprobs"),  # beyond any float
     (lambda c: c.update(finish_reason=["stop", "length", "eos", "stop"]), "columns.finish_reason"),
 ])
 def test_bad_columns_are_refused_naming_the_column(mutate, where):

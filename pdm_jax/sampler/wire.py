@@ -129,8 +129,9 @@ TOKEN_IDS = "token_ids"
 TOP_LOGPROBS = "top_logprobs"
 IDS = "ids"
 FINISH_REASON = "finish_reason"
-COLUMNS = "columns"  # response_format "columns": {token_ids [N,T], lengths [N], logprobs [N,T], top_logprobs {ids,
-LENGTHS = "lengths"  # logprobs} [N,T,K], prompt_index [N], finish_reason [N] strings, weights_version [N](, routed_experts)}
+COLUMNS = "columns"  # response_format "columns": {token_ids [sum T_r], lengths [N], logprobs [sum T_r], top_logprobs
+LENGTHS = "lengths"  # {ids, logprobs} [sum T_r, K] (each row's T_r tokens, row after row; [N,T(,K)] padded accepted too),
+#                      prompt_index [N], finish_reason [N] strings, weights_version [N](, routed_experts [N,P+T,L,k])}
 USAGE = "usage"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
@@ -758,9 +759,10 @@ class GenerateResponse:
         """The response body (a dict for `dumps`; arrays stay numpy, `dumps` packs them).
 
         ``"choices"``: choice r carries row r of the batch cut to its completion length T_r.
-        ``"columns"``: `COLUMNS` holds the batch's arrays whole (completion ids, log mu [N, T],
-        top-K [N, T, K], lengths, prompt indices, versions [N], finish reasons; routed experts
-        [N, P + T, L, k] when present): a handful of packed arrays instead of ~4 per row.
+        ``"columns"``: `COLUMNS` holds one array per field for all rows: the per-token fields packed, each row's
+        T_r entries after the previous row's (completion ids, log mu [sum T_r], top-K [sum T_r, K]; no padding: a
+        mixed-length batch's columns are its tokens' size, not N x T), lengths, prompt indices, versions [N],
+        finish reasons; routed experts [N, P + T, L, k] when present: a handful of arrays instead of ~4 per row.
         """
         if response_format not in RESPONSE_FORMATS:
             raise ValueError(f"{RESPONSE_FORMAT}: must be one of {RESPONSE_FORMATS}, got {_kind(response_format)}")
@@ -790,8 +792,9 @@ class GenerateResponse:
 
     def _columns(self) -> dict:
         b = self.batch
-        cols = {TOKEN_IDS: b.completion_ids, LENGTHS: b.completion_mask.sum(axis=1).astype(np.int32),
-                LOGPROBS: b.behavior_logprobs, TOP_LOGPROBS: {IDS: b.topk_ids, LOGPROBS: b.topk_logprobs},
+        real = b.completion_mask.astype(bool)  # row-major: row 0's tokens, then row 1's, ...
+        cols = {TOKEN_IDS: b.completion_ids[real], LENGTHS: b.completion_mask.sum(axis=1).astype(np.int32),
+                LOGPROBS: b.behavior_logprobs[real], TOP_LOGPROBS: {IDS: b.topk_ids[real], LOGPROBS: b.topk_logprobs[real]},
                 PROMPT_INDEX: b.group_ids, FINISH_REASON: [str(x) for x in b.finish_reason],
                 WEIGHTS_VERSION: b.weights_version}
         if b.routed_experts is not None:
@@ -886,16 +889,30 @@ class GenerateResponse:
             raise ValueError(f"{COLUMNS}: must be a map, got {_kind(cols)}")
         if not isinstance(cols.get(TOP_LOGPROBS), Mapping):
             raise ValueError(f"{COLUMNS}.{TOP_LOGPROBS}: must be a map, got {_kind(cols.get(TOP_LOGPROBS))}")
-        ids = _column(cols, TOKEN_IDS, 2)
-        n_rows, t_in = ids.shape
-        if n_rows == 0 or t_in == 0:
-            raise ValueError(f"{COLUMNS}.{TOKEN_IDS}: must be [rows >= 1, tokens >= 1], got {list(ids.shape)}")
-        lengths, index = _column(cols, LENGTHS, 1, (n_rows,)), _column(cols, PROMPT_INDEX, 1, (n_rows,))
-        logp = _check_logprobs(_column(cols, LOGPROBS, 2, (n_rows, t_in), floats=True), f"{COLUMNS}.{LOGPROBS}")
+        raw = cols.get(TOKEN_IDS)
+        padded = (raw.ndim == 2) if isinstance(raw, np.ndarray) else bool(raw) and isinstance(raw, list) and isinstance(
+            raw[0], list)  # [N, T(, K)]: servers before the packed columns
+        ids = _column(cols, TOKEN_IDS, 2 if padded else 1)
+        if padded:
+            n_rows, t_in = shape = ids.shape
+            if n_rows == 0 or t_in == 0:
+                raise ValueError(f"{COLUMNS}.{TOKEN_IDS}: must be [rows >= 1, tokens >= 1], got {list(ids.shape)}")
+            lengths = _column(cols, LENGTHS, 1, (n_rows,))
+        else:  # packed: row r's lengths[r] entries after row r - 1's
+            lengths, shape = _column(cols, LENGTHS, 1), ids.shape
+            n_rows, t_in = lengths.shape[0], int(max(lengths.max(initial=0), 1))
+            if n_rows == 0 or lengths.min() < 0 or int(lengths.sum()) != shape[0]:
+                raise ValueError(f"{COLUMNS}.{LENGTHS}: must be >= 1 counts >= 0 that sum to the {shape[0]} packed "
+                                 f"{COLUMNS}.{TOKEN_IDS}, got {_show(lengths.tolist())}")
+        index = _column(cols, PROMPT_INDEX, 1, (n_rows,))
+        logp = _check_logprobs(_column(cols, LOGPROBS, len(shape), shape, floats=True), f"{COLUMNS}.{LOGPROBS}")
         top = cols[TOP_LOGPROBS]
-        top_ids = _column(top, IDS, 3, (n_rows, t_in, k), where=f"{COLUMNS}.{TOP_LOGPROBS}")
-        top_logp = _check_logprobs(_column(top, LOGPROBS, 3, (n_rows, t_in, k), floats=True,
+        top_ids = _column(top, IDS, len(shape) + 1, shape + (k,), where=f"{COLUMNS}.{TOP_LOGPROBS}")
+        top_logp = _check_logprobs(_column(top, LOGPROBS, len(shape) + 1, shape + (k,), floats=True,
                                            where=f"{COLUMNS}.{TOP_LOGPROBS}"), f"{COLUMNS}.{TOP_LOGPROBS}.{LOGPROBS}")
+        if not padded:  # back to [N, T(, K)], zeros past each row's length (build_batch masks them)
+            real = np.arange(t_in)[None, :] < lengths[:, None]
+            ids, logp, top_ids, top_logp = (_unpack(a, real) for a in (ids, logp, top_ids, top_logp))
         versions = _column(cols, WEIGHTS_VERSION, 1, (n_rows,))
         reasons = cols.get(FINISH_REASON)
         if not isinstance(reasons, list) or len(reasons) != n_rows or not all(x in FINISH_REASONS for x in reasons):
@@ -916,6 +933,14 @@ class GenerateResponse:
                             topk_ids=top_ids, topk_logprobs=top_logp, weights_version=versions,
                             finish_reason=np.array(reasons, dtype=object), routed_experts=routed)
         return cls._with_header(body, prompts, batch)
+
+
+def _unpack(flat: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """A packed column ([sum T_r(, K)], row after row) placed into [N, T(, K)] at ``real`` ([N, T] bool), zeros
+    elsewhere."""
+    out = np.zeros(real.shape + flat.shape[1:], flat.dtype)
+    out[real] = flat
+    return out
 
 
 def _check_logprobs(a: np.ndarray, where: str) -> np.ndarray:
@@ -960,6 +985,8 @@ def _column(cols: Mapping, name: str, ndim: int, shape: Optional[tuple] = None, 
             a = np.where(np.equal(a, None), -np.inf, a).astype(np.float32) if floats else np.array(a.tolist())
         except (ValueError, TypeError, OverflowError) as e:
             raise ValueError(f"{field}: not a regular numeric array ({type(e).__name__}: {e})") from None
+    if shape is not None and a.size == 0 and 0 in shape and a.ndim < ndim:  # an empty JSON list of any depth
+        a = a.reshape(shape)
     if a.ndim != ndim or (shape is not None and a.shape != shape):
         want = f"shape {list(shape)}" if shape is not None else f"{ndim} dimensions"
         raise ValueError(f"{field}: must have {want}, got shape {list(a.shape)}")
