@@ -2,9 +2,10 @@
 
 Runs `SamplingEngine.generate` (``batching="continuous"``, 4 slots, cache phases of 8 / 16 / 32 / 64 new
 tokens, so every piece of `_continuous_program` runs: admission, the cache phases and their changes, parking, the
-tail, shared and per-row prefill, MoE routing replay) over 18 requests of a tiny random dense and MoE Qwen3,
-and prints one SHA-256 (first 16 hex digits) per request of its tokens, log mu, top-K ids and log mu, completion
-mask, finish reasons (and routed experts), with the decode steps and rows parked.
+tail's levels, shared and per-row prefill, MoE routing replay, and the single-row requests' own program) over 24
+requests of a tiny random dense and MoE Qwen3, and prints one SHA-256 (first 16 hex digits) per request of its
+tokens, log mu, top-K ids and log mu, completion mask, finish reasons (and routed experts), with the decode steps
+and rows parked.
 
     python scripts/engine_digest.py                     # this tree
     python scripts/engine_digest.py --baseline HEAD~1   # this tree and a revision (a git worktree), compared
@@ -45,7 +46,8 @@ def digests() -> list:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 64, size=int(n)).tolist() for n in rng.integers(2, 15, size=6)]
     requests = (dict(temperature=1.0, stop_token_ids=[3, 7], n=3), dict(temperature=0.8, top_p=0.9, top_k=10, n=2),
-                dict(temperature=0.0, n=1, stop_token_ids=[5]))
+                dict(temperature=0.0, n=1, stop_token_ids=[5]),
+                dict(temperature=1.0, n=1, stop_token_ids=[3], prompts=1))  # 1 row: the small requests' program
     lines = []
     for name, cfg in models.items():
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param))
@@ -56,9 +58,10 @@ def digests() -> list:
                                         share_prefill=share)
                 engine.min_cache_phase = 8
                 for kw in requests:
-                    rb = engine.generate(prompts, max_new_tokens=64, top_k_logprobs=5, seed=11,
+                    kw = dict(kw)
+                    rb = engine.generate(prompts[:kw.pop("prompts", len(prompts))], max_new_tokens=64, top_k_logprobs=5, seed=11,
                                          **kw, **(dict(return_routing=True) if name == "moe" else {}))
-                    lines.append(f"{name} park={park} shared_prefill={share} {kw}: {digest(rb)} "
+                    lines.append(f"{name} park={park} shared_prefill={share} {kw} rows={rb.num_sequences}: {digest(rb)} "
                                  f"steps={engine.last_decode_steps} parked={engine.parked_rows}")
     return lines
 
