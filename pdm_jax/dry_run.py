@@ -420,8 +420,8 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     rollouts), ``temp`` (prompt store, park, activations), ``total`` (their sum, or the larger of ``compact_total``
     and ``tail_total``: the programs run after it, `engine._continuous_compact` (the weights, the carry and the
     carry gathered into half the slots) and `engine._continuous_tail` (the weights, the half carry, its smaller
-    levels, outputs and temporaries)), ``compile_seconds`` and ``flops`` (`aot.cost_flops`, all programs). XLA:CPU's figures are
-    an estimate of an accelerator's (CPU fusion and layouts).
+    levels, outputs and temporaries)), ``compile_seconds`` and ``flops`` (`aot.cost_flops`, all programs).
+    XLA:CPU's figures are an estimate of an accelerator's (CPU fusion and layouts).
     """
 
     mesh, dtype, graphdef, state = _engine_on_mesh(model_cfg, sp, devices)

@@ -59,9 +59,11 @@ def digests() -> list:
                 engine.min_cache_phase = 8
                 for kw in requests:
                     kw = dict(kw)
-                    rb = engine.generate(prompts[:kw.pop("prompts", len(prompts))], max_new_tokens=64, top_k_logprobs=5, seed=11,
+                    rb = engine.generate(prompts[:kw.pop("prompts", len(prompts))], max_new_tokens=64,
+                                         top_k_logprobs=5, seed=11,
                                          **kw, **(dict(return_routing=True) if name == "moe" else {}))
-                    lines.append(f"{name} park={park} shared_prefill={share} {kw} rows={rb.num_sequences}: {digest(rb)} "
+                    lines.append(f"{name} park={park} shared_prefill={share} {kw} rows={rb.num_sequences}: "
+                                 f"{digest(rb)} "
                                  f"steps={engine.last_decode_steps} parked={engine.parked_rows}")
     return lines
 

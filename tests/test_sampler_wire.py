@@ -214,6 +214,35 @@ def test_bad_columns_are_refused_naming_the_column(mutate, where):
         wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3)
 
 
+def test_bodies_beyond_the_request_are_refused_before_they_are_unpacked():
+    """With the request's rows and max_new_tokens (what SamplerClient passes), a small packed body whose rows x longest
+    row would be gigabytes ([20000, 2000, 20] here, from 2000 tokens) is refused naming columns.lengths, before any
+    [N, T] array is built; so are more rows or longer rows than the request's, in the choices form too; a
+    top_k_logprobs that is not an integer >= 0 is refused on the columns path as on the choices path."""
+    prompts, batch = make_batch(3)
+    lengths = np.zeros(20000, np.int32)
+    lengths[0] = 2000
+    cols = {"token_ids": np.ones(2000, np.int32), "lengths": lengths, "logprobs": -np.ones(2000, np.float32),
+            "top_logprobs": {"ids": np.zeros((2000, 20), np.int32), "logprobs": -np.ones((2000, 20), np.float32)},
+            "prompt_index": np.zeros(20000, np.int32), "finish_reason": ["length"] * 20000,
+            "weights_version": np.zeros(20000, np.int32)}
+    body = through({"columns": cols}, True)
+    with pytest.raises(ValueError, match=r"columns\.lengths: the request asked for 4 rows .* has 20000"):
+        wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=20, rows=4, max_new_tokens=8)
+    good = wire.GenerateResponse(batch, model="m", prompt_tokens=4)
+    for fmt, where in (("columns", r"columns\.lengths"), ("choices", r"choices\[\*\]\.token_ids")):
+        body = through(good.to_wire(fmt), True)
+        assert_batches_equal(wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3, rows=4,
+                                                             max_new_tokens=3).batch, batch)
+        with pytest.raises(ValueError, match=where + r": a row of 3 tokens, beyond the request's max_new_tokens 2"):
+            wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3, rows=4, max_new_tokens=2)
+        with pytest.raises(ValueError, match=r"the request asked for 8 rows"):
+            wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=3, rows=8)
+        for bad in (-1, 2.5, "3", None):
+            with pytest.raises(ValueError, match="top_k_logprobs: must be an integer >= 0"):
+                wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=bad)
+
+
 @pytest.mark.parametrize("change, words", [
     (lambda b: b.update(choices=[]), "not both"),
     (lambda b: b.update(usage=[1]), "usage: must be a map"),

@@ -170,4 +170,5 @@ class SamplerClient:
                              max_response_bytes=generate_response_bytes(
                                  len(prompts) * int(n), int(max_new_tokens), int(top_k_logprobs),
                                  max(len(p) for p in prompts) if prompts else 0, routing=bool(return_routing)))
-        return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs)).batch
+        return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs),
+                                               rows=len(prompts) * int(n), max_new_tokens=int(max_new_tokens)).batch

@@ -53,8 +53,9 @@ cache, then P + T/2 and P + T once a live row needs them (`cache_phases`: early 
 shorter cache; one decode loop for all phases, each layer's attention a ``lax.switch`` over
 the widths); once no row is pending and at most half the slots are live, the live rows
 move into a cache of half the slots, then a quarter, an eighth as more rows end (the tail: programs of
-their own, compiled and run only when a request leaves rows to them). A request of at most slots/4
-rows runs in a cache of slots/4 slots with one phase and no tail, and a request without top-p / top-k filtering runs a program without the
+their own, compiled and run only when a request leaves rows to them; requests under 64 new tokens
+keep one tail level of a quarter). A request of at most slots/4 rows runs in a cache of slots/4 slots
+with one phase and no tail, and a request without top-p / top-k filtering runs a program without the
 filter: a bucket's first call compiles one decode loop. The row keys above make its tokens the static
 engine's (tests). One program per (slots, queue, prompt store, P, T, K, filter) bucket (and
 its tail's two, compiled when a request first needs them); the shapes an engine ran are counted in
@@ -674,10 +675,10 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     Token t of row (i, j) uses the key ``fold_in(row_key(i, j), t)`` as in
     `_generate_program`, so rows get the same samples whichever slot or step runs them.
     Returns ``(carry, req)``: the `_DecodeState` after the main loop (without the park, empty by then) and the
-    `_Request` without its prompt store, which `_continuous_tail` takes (the carry through `_continuous_compact`); `_outputs` of the carry (or the tail's)
-    is `_generate_program`'s dict (``steps``: decode steps run; ``parked``: rows parked; with ``routing``
-    ``routed`` [N, P + num_new, L, k]: a row's prompt routing copied from its prompt's prefill at
-    admission, token t's written by the step that feeds it).
+    `_Request` without its prompt store, which `_continuous_tail` takes (the carry through `_continuous_compact`);
+    `_outputs` of the carry (or the tail's) is `_generate_program`'s dict (``steps``: decode steps run;
+    ``parked``: rows parked; with ``routing`` ``routed`` [N, P + num_new, L, k]: a row's prompt routing copied from
+    its prompt's prefill at admission, token t's written by the step that feeds it).
     """
     model = nnx.merge(graphdef, state)
     layers = model.decode_layers() if slice_layers_once else None  # `hoist_layer_slices`
@@ -790,8 +791,9 @@ def cache_phases(num_new: int, min_phase: Optional[int] = None) -> list:
 _MIN_PHASE = 32  # continuous batching: no cache phase shorter than this many new tokens
 _TAIL_SHRINK = 2  # continuous batching: the tail's cache shrinks by this factor per level ...
 _TAIL_LEVELS = 4  # ... into at most this many slot counts (slots, slots/2, slots/4, slots/8): the main loop, then the
-#                   tail program's loops (with fewer live rows than slots, every slot still pays a step's sampling and
-#                   attention: halving the cache as rows end keeps the last, longest rows of a mixed-length request cheap)
+#                   tail program's loops (with fewer live rows than slots, every slot still pays a step's sampling
+#                   and attention: halving the cache as rows end keeps the last, longest rows of a mixed-length
+#                   request cheap)
 _HALVING_MIN_NEW = 64  # ... for requests of at least this many new tokens (shorter ones: one level, slots / 4)
 _SMALL_REQUEST = 4  # a request of at most max_slots / this many rows runs in a cache of that many slots, one phase
 _CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
@@ -1241,8 +1243,9 @@ class SamplingEngine:
                 jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
                 cache_dtype=self.compute_dtype, min_phase=min_phase, park=self.park_rows,
                 slice_layers_once=self.slice_layers_once, may_filter=may_filter, tail=not small)
-            if not small and len(tail_levels(slots, t)) > 1 and np.any(jax.device_get(carry.slots.live)):  # rows left: the tail
-                carry = _CONTINUOUS_COMPACT_JIT(carry, slots=slots)  # the full cache is dropped before the tail runs
+            rows_left = not small and len(tail_levels(slots, t)) > 1 and np.any(jax.device_get(carry.slots.live))
+            if rows_left:  # the tail; the full cache is dropped before its program runs
+                carry = _CONTINUOUS_COMPACT_JIT(carry, slots=slots)
                 out = _CONTINUOUS_TAIL_JIT(self._graphdef, state, carry, req, slots=slots,
                                            slice_layers_once=self.slice_layers_once)
             else:

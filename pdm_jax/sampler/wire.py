@@ -130,8 +130,9 @@ TOP_LOGPROBS = "top_logprobs"
 IDS = "ids"
 FINISH_REASON = "finish_reason"
 COLUMNS = "columns"  # response_format "columns": {token_ids [sum T_r], lengths [N], logprobs [sum T_r], top_logprobs
-LENGTHS = "lengths"  # {ids, logprobs} [sum T_r, K] (each row's T_r tokens, row after row; [N,T(,K)] padded accepted too),
-#                      prompt_index [N], finish_reason [N] strings, weights_version [N](, routed_experts [N,P+T,L,k])}
+LENGTHS = "lengths"  # {ids, logprobs} [sum T_r, K] (each row's T_r tokens, row after row; padded [N,T(,K)] read
+#                      too), prompt_index [N], finish_reason [N] strings, weights_version [N]
+#                      (, routed_experts [N,P+T,L,k])}
 USAGE = "usage"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
@@ -792,9 +793,10 @@ class GenerateResponse:
 
     def _columns(self) -> dict:
         b = self.batch
-        real = b.completion_mask.astype(bool)  # row-major: row 0's tokens, then row 1's, ...
-        cols = {TOKEN_IDS: b.completion_ids[real], LENGTHS: b.completion_mask.sum(axis=1).astype(np.int32),
-                LOGPROBS: b.behavior_logprobs[real], TOP_LOGPROBS: {IDS: b.topk_ids[real], LOGPROBS: b.topk_logprobs[real]},
+        lengths = b.completion_mask.sum(axis=1).astype(np.int32)
+        real = np.arange(b.completion_ids.shape[1])[None, :] < lengths[:, None]  # each row's first T_r, row after row
+        cols = {TOKEN_IDS: b.completion_ids[real], LENGTHS: lengths, LOGPROBS: b.behavior_logprobs[real],
+                TOP_LOGPROBS: {IDS: b.topk_ids[real], LOGPROBS: b.topk_logprobs[real]},
                 PROMPT_INDEX: b.group_ids, FINISH_REASON: [str(x) for x in b.finish_reason],
                 WEIGHTS_VERSION: b.weights_version}
         if b.routed_experts is not None:
@@ -802,8 +804,8 @@ class GenerateResponse:
         return {COLUMNS: cols}
 
     @classmethod
-    def from_wire(cls, body: Mapping, prompts: Sequence[Sequence[int]], *,
-                  top_k_logprobs: int) -> "GenerateResponse":
+    def from_wire(cls, body: Mapping, prompts: Sequence[Sequence[int]], *, top_k_logprobs: int,
+                  rows: Optional[int] = None, max_new_tokens: Optional[int] = None) -> "GenerateResponse":
         """Decodes a response body (JSON- or msgpack-decoded) for the request's `prompts` and K.
 
         The batch is rebuilt as the engine builds it: prompts left-padded to the
@@ -814,19 +816,25 @@ class GenerateResponse:
 
         A ``columns`` body (`to_wire`) gives the same batch as its ``choices`` form.
 
+        ``rows`` (the request's prompts x n) and ``max_new_tokens``, when given (`SamplerClient` gives both): a body
+        with another number of rows, or a row longer than that, is refused before any [N, T] array is built, so a
+        small body cannot make the decoder allocate rows x longest row beyond what the request allows.
+
         Raises:
           KeyError, ValueError: a body missing ``choices`` fields, or arrays whose
             sizes do not match K and the token counts; for ``columns``, a ValueError naming
-            the column (``columns.lengths``) and what is wrong with it.
+            the column (``columns.lengths``) and what is wrong with it; rows or lengths beyond ``rows`` /
+            ``max_new_tokens``; a ``top_k_logprobs`` that is not an integer >= 0.
         """
-        if COLUMNS in body:
-            return cls._from_columns(body, prompts, int(top_k_logprobs))
         k = top_k_logprobs
         if not _is_int(k) or k < 0:
             raise ValueError(f"top_k_logprobs: must be an integer >= 0 (the request's {LOGPROBS}), got {_show(k, 24)}")
+        if COLUMNS in body:
+            return cls._from_columns(body, prompts, int(k), rows=rows, max_new_tokens=max_new_tokens)
         raw = body[CHOICES]
         if not isinstance(raw, list) or not all(isinstance(c, Mapping) for c in raw):
             raise ValueError(f"{CHOICES}: must be a list of maps, got {_kind(raw)}")
+        _check_request_bounds(CHOICES, len(raw), None, rows, max_new_tokens)
         for r, c in enumerate(raw):
             if not _is_int(c.get(INDEX)):
                 raise ValueError(f"{CHOICES}[{r}].{INDEX}: must be an integer, got {_show(c.get(INDEX), 24)}")
@@ -839,6 +847,7 @@ class GenerateResponse:
                                  f"request's prompts), got {_show(i, 24)}")
             toks.append(_column(c, TOKEN_IDS, 1, where=f"{CHOICES}[{r}]"))
         lengths = np.array([len(x) for x in toks], np.int64)
+        _check_request_bounds(f"{CHOICES}[*].{TOKEN_IDS}", len(raw), lengths, rows, max_new_tokens)
         t_in = int(max(1, lengths.max(initial=0)))
         top_ids, top_logp, logp = [], [], []
         for r, (c, x) in enumerate(zip(choices, toks)):
@@ -880,7 +889,8 @@ class GenerateResponse:
         return cls(batch=batch, model=model, prompt_tokens=int(prompt_tokens))
 
     @classmethod
-    def _from_columns(cls, body: Mapping, prompts: Sequence[Sequence[int]], k: int) -> "GenerateResponse":
+    def _from_columns(cls, body: Mapping, prompts: Sequence[Sequence[int]], k: int, *, rows: Optional[int] = None,
+                      max_new_tokens: Optional[int] = None) -> "GenerateResponse":
         """`from_wire` of a ``columns`` body: every column's shape and range checked, rows cut as the choices are."""
         cols = body[COLUMNS]
         if CHOICES in body:
@@ -902,17 +912,10 @@ class GenerateResponse:
             lengths, shape = _column(cols, LENGTHS, 1), ids.shape
             n_rows, t_in = lengths.shape[0], int(max(lengths.max(initial=0), 1))
             if n_rows == 0 or lengths.min() < 0 or int(lengths.sum()) != shape[0]:
-                raise ValueError(f"{COLUMNS}.{LENGTHS}: must be >= 1 counts >= 0 that sum to the {shape[0]} packed "
-                                 f"{COLUMNS}.{TOKEN_IDS}, got {_show(lengths.tolist())}")
+                raise ValueError(f"{COLUMNS}.{LENGTHS}: must be one count >= 0 per row, summing to the {shape[0]} "
+                                 f"packed {COLUMNS}.{TOKEN_IDS}; got {_show(lengths.tolist())}")
+        _check_request_bounds(f"{COLUMNS}.{LENGTHS}", n_rows, lengths, rows, max_new_tokens)
         index = _column(cols, PROMPT_INDEX, 1, (n_rows,))
-        logp = _check_logprobs(_column(cols, LOGPROBS, len(shape), shape, floats=True), f"{COLUMNS}.{LOGPROBS}")
-        top = cols[TOP_LOGPROBS]
-        top_ids = _column(top, IDS, len(shape) + 1, shape + (k,), where=f"{COLUMNS}.{TOP_LOGPROBS}")
-        top_logp = _check_logprobs(_column(top, LOGPROBS, len(shape) + 1, shape + (k,), floats=True,
-                                           where=f"{COLUMNS}.{TOP_LOGPROBS}"), f"{COLUMNS}.{TOP_LOGPROBS}.{LOGPROBS}")
-        if not padded:  # back to [N, T(, K)], zeros past each row's length (build_batch masks them)
-            real = np.arange(t_in)[None, :] < lengths[:, None]
-            ids, logp, top_ids, top_logp = (_unpack(a, real) for a in (ids, logp, top_ids, top_logp))
         versions = _column(cols, WEIGHTS_VERSION, 1, (n_rows,))
         reasons = cols.get(FINISH_REASON)
         if not isinstance(reasons, list) or len(reasons) != n_rows or not all(x in FINISH_REASONS for x in reasons):
@@ -922,6 +925,14 @@ class GenerateResponse:
             raise ValueError(f"{COLUMNS}.{LENGTHS}: must lie in [0, {t_in}], got {_show(lengths.tolist())}")
         if index.min() < 0 or index.max() >= len(prompts):
             raise ValueError(f"{COLUMNS}.{PROMPT_INDEX}: must lie in [0, {len(prompts)}), got {_show(index.tolist())}")
+        logp = _check_logprobs(_column(cols, LOGPROBS, len(shape), shape, floats=True), f"{COLUMNS}.{LOGPROBS}")
+        top = cols[TOP_LOGPROBS]
+        top_ids = _column(top, IDS, len(shape) + 1, shape + (k,), where=f"{COLUMNS}.{TOP_LOGPROBS}")
+        top_logp = _check_logprobs(_column(top, LOGPROBS, len(shape) + 1, shape + (k,), floats=True,
+                                           where=f"{COLUMNS}.{TOP_LOGPROBS}"), f"{COLUMNS}.{TOP_LOGPROBS}.{LOGPROBS}")
+        if not padded:  # back to [N, T(, K)], zeros past each row's length (build_batch masks them)
+            real = np.arange(t_in)[None, :] < lengths[:, None]
+            ids, logp, top_ids, top_logp = (_unpack(a, real) for a in (ids, logp, top_ids, top_logp))
         p_out = max(len(p) for p in prompts)
         routed = None
         if ROUTED_EXPERTS in cols:
@@ -933,6 +944,21 @@ class GenerateResponse:
                             topk_ids=top_ids, topk_logprobs=top_logp, weights_version=versions,
                             finish_reason=np.array(reasons, dtype=object), routed_experts=routed)
         return cls._with_header(body, prompts, batch)
+
+
+def _check_request_bounds(where: str, n_rows: int, lengths: Optional[np.ndarray], rows: Optional[int],
+                          max_new_tokens: Optional[int]) -> None:
+    """A response's ``n_rows`` rows and their ``lengths`` ([N] tokens each) against the request's ``rows`` and
+    ``max_new_tokens`` (each checked when not None).
+
+    Raises:
+      ValueError: naming ``where``, the value and the request's bound.
+    """
+    if rows is not None and n_rows != rows:
+        raise ValueError(f"{where}: the request asked for {rows} rows (prompts x n), the response has {n_rows}")
+    if max_new_tokens is not None and lengths is not None and lengths.size and int(lengths.max()) > max_new_tokens:
+        raise ValueError(f"{where}: a row of {int(lengths.max())} tokens, beyond the request's max_new_tokens "
+                         f"{max_new_tokens}")
 
 
 def _unpack(flat: np.ndarray, real: np.ndarray) -> np.ndarray:
