@@ -170,7 +170,7 @@ def test_generate_response_columns_give_the_same_batch_as_choices(use_msgpack, k
         assert len(wire.dumps(resp.to_wire("columns"), msgpack=True)) < len(wire.dumps(resp.to_wire(), msgpack=True))
     # the per-token columns hold the 9 generated tokens, row after row, not the padded 4 x 3
     assert np.asarray(cols["token_ids"]).tolist() == batch.completion_ids[batch.completion_mask.astype(bool)].tolist()
-    assert np.shape(cols["top_logprobs"]["logprobs"]) == (9, k)
+    assert np.shape(cols["top_logprobs"]["logprobs"]) in (((9, k),) if k else ((0, 0), (0,)))  # K = 0: no table
     # a padded body (servers before the packed columns: [N, T(, K)] arrays) decodes to the same batch
     padded = dict(body, columns=dict(cols, token_ids=batch.completion_ids, logprobs=batch.behavior_logprobs,
                                      top_logprobs=dict(ids=batch.topk_ids, logprobs=batch.topk_logprobs)))
@@ -387,3 +387,26 @@ def test_wire_json_nonfinite_and_array_roundtrip():
     np.testing.assert_array_equal(m["x"], a) and np.testing.assert_array_equal(m["i"], [0, 1, 2])
     with pytest.raises(ValueError, match="malformed"):
         wire.loads(b"{", msgpack=False)
+
+
+@pytest.mark.parametrize("use_msgpack", CODECS)
+def test_columns_without_top_k_carry_no_table_whatever_the_token_count(use_msgpack):
+    """top_k_logprobs 0: the columns send no [sum T_r, 0] table (msgpack's `loads` refuses an empty array past
+    MAX_EMPTY_ARRAY_ITEMS rows, so a 300 x 256-token batch did not decode); the batch comes back with K = 0."""
+    n, t = 300, 256
+    assert n * t > wire.MAX_EMPTY_ARRAY_ITEMS
+    rng = np.random.default_rng(1)
+    batch = RolloutBatch(
+        prompt_ids=np.full((n, 1), 5, np.int32), prompt_mask=np.ones((n, 1), bool),
+        completion_ids=rng.integers(1, 30, (n, t)).astype(np.int32), completion_mask=np.ones((n, t), bool),
+        behavior_logprobs=-rng.random((n, t), np.float32), topk_ids=np.zeros((n, t, 0), np.int32),
+        topk_logprobs=np.zeros((n, t, 0), np.float32), weights_version=np.zeros((n,), np.int32),
+        group_ids=np.zeros((n,), np.int32), finish_reason=np.array(["length"] * n, dtype=object))
+    body = through(wire.GenerateResponse(batch, model="m", prompt_tokens=1).to_wire("columns"), use_msgpack)
+    assert np.shape(body["columns"]["top_logprobs"]["ids"]) in ((0, 0), (0,))
+    back = wire.GenerateResponse.from_wire(body, [[5]], top_k_logprobs=0, rows=n, max_new_tokens=t)
+    assert_batches_equal(back.batch, batch)
+    # a table where none was asked for is refused, naming it
+    bad = dict(body, columns=dict(body["columns"], top_logprobs=dict(ids=[[1]], logprobs=[[-1.0]])))
+    with pytest.raises(ValueError, match=r"columns\.top_logprobs\.ids"):
+        wire.GenerateResponse.from_wire(bad, [[5]], top_k_logprobs=0)

@@ -130,8 +130,8 @@ TOP_LOGPROBS = "top_logprobs"
 IDS = "ids"
 FINISH_REASON = "finish_reason"
 COLUMNS = "columns"  # response_format "columns": {token_ids [sum T_r], lengths [N], logprobs [sum T_r], top_logprobs
-LENGTHS = "lengths"  # {ids, logprobs} [sum T_r, K] (each row's T_r tokens, row after row; padded [N,T(,K)] read
-#                      too), prompt_index [N], finish_reason [N] strings, weights_version [N]
+LENGTHS = "lengths"  # {ids, logprobs} [sum T_r, K] or [0, 0] for K = 0 (each row's T_r tokens, row after row;
+#                      padded [N,T(,K)] read too), prompt_index [N], finish_reason [N] strings, weights_version [N]
 #                      (, routed_experts [N,P+T,L,k])}
 USAGE = "usage"
 PROMPT_TOKENS = "prompt_tokens"
@@ -761,9 +761,9 @@ class GenerateResponse:
 
         ``"choices"``: choice r carries row r of the batch cut to its completion length T_r.
         ``"columns"``: `COLUMNS` holds one array per field for all rows: the per-token fields packed, each row's
-        T_r entries after the previous row's (completion ids, log mu [sum T_r], top-K [sum T_r, K]; no padding: a
-        mixed-length batch's columns are its tokens' size, not N x T), lengths, prompt indices, versions [N],
-        finish reasons; routed experts [N, P + T, L, k] when present: a handful of arrays instead of ~4 per row.
+        T_r entries after the previous row's (completion ids, log mu [sum T_r], top-K [sum T_r, K], [0, 0] for K = 0;
+        no padding: a mixed-length batch's columns are its tokens' size, not N x T), lengths, prompt indices, versions
+        [N], finish reasons; routed experts [N, P + T, L, k] when present: a handful of arrays instead of ~4 per row.
         """
         if response_format not in RESPONSE_FORMATS:
             raise ValueError(f"{RESPONSE_FORMAT}: must be one of {RESPONSE_FORMATS}, got {_kind(response_format)}")
@@ -795,8 +795,12 @@ class GenerateResponse:
         b = self.batch
         lengths = b.completion_mask.sum(axis=1).astype(np.int32)
         real = np.arange(b.completion_ids.shape[1])[None, :] < lengths[:, None]  # each row's first T_r, row after row
+        if b.topk_ids.shape[-1]:
+            top = {IDS: b.topk_ids[real], LOGPROBS: b.topk_logprobs[real]}
+        else:  # K = 0: no table; [sum T_r, 0] would be refused by `loads` past MAX_EMPTY_ARRAY_ITEMS tokens
+            top = {IDS: np.zeros((0, 0), np.int32), LOGPROBS: np.zeros((0, 0), np.float32)}
         cols = {TOKEN_IDS: b.completion_ids[real], LENGTHS: lengths, LOGPROBS: b.behavior_logprobs[real],
-                TOP_LOGPROBS: {IDS: b.topk_ids[real], LOGPROBS: b.topk_logprobs[real]},
+                TOP_LOGPROBS: top,
                 PROMPT_INDEX: b.group_ids, FINISH_REASON: [str(x) for x in b.finish_reason],
                 WEIGHTS_VERSION: b.weights_version}
         if b.routed_experts is not None:
@@ -927,9 +931,17 @@ class GenerateResponse:
             raise ValueError(f"{COLUMNS}.{PROMPT_INDEX}: must lie in [0, {len(prompts)}), got {_show(index.tolist())}")
         logp = _check_logprobs(_column(cols, LOGPROBS, len(shape), shape, floats=True), f"{COLUMNS}.{LOGPROBS}")
         top = cols[TOP_LOGPROBS]
-        top_ids = _column(top, IDS, len(shape) + 1, shape + (k,), where=f"{COLUMNS}.{TOP_LOGPROBS}")
-        top_logp = _check_logprobs(_column(top, LOGPROBS, len(shape) + 1, shape + (k,), floats=True,
-                                           where=f"{COLUMNS}.{TOP_LOGPROBS}"), f"{COLUMNS}.{TOP_LOGPROBS}.{LOGPROBS}")
+        if k == 0 and not padded:  # no table (`_columns`: [0, 0]; [sum T_r, 0] from earlier servers)
+            for name in (IDS, LOGPROBS):
+                earlier = np.shape(top.get(name)) == shape + (0,)
+                _column(top, name, 2, shape + (0,) if earlier else (0, 0), floats=name == LOGPROBS,
+                        where=f"{COLUMNS}.{TOP_LOGPROBS}")
+            top_ids, top_logp = np.zeros(shape + (0,), np.int32), np.zeros(shape + (0,), np.float32)
+        else:
+            top_ids = _column(top, IDS, len(shape) + 1, shape + (k,), where=f"{COLUMNS}.{TOP_LOGPROBS}")
+            top_logp = _check_logprobs(_column(top, LOGPROBS, len(shape) + 1, shape + (k,), floats=True,
+                                               where=f"{COLUMNS}.{TOP_LOGPROBS}"),
+                                       f"{COLUMNS}.{TOP_LOGPROBS}.{LOGPROBS}")
         if not padded:  # back to [N, T(, K)], zeros past each row's length (build_batch masks them)
             real = np.arange(t_in)[None, :] < lengths[:, None]
             ids, logp, top_ids, top_logp = (_unpack(a, real) for a in (ids, logp, top_ids, top_logp))
