@@ -461,6 +461,14 @@ def test_between_testbed_pilot_expands_into_valid_runs():
         assert (c.sampler.quantization, c.sampler.weight_noise, c.trust_region.delta) == ("int2", 0.0, 0.05)
     wide = sweep.expand(sweep.load_sweep(path, "pilot_delta_0.15"))
     assert len(wide) == 4 and {get(r["arg"]).trust_region.delta for r in wide} == {0.15}
+    stale = sweep.expand(sweep.load_sweep(path, "pilot_stale"))  # drift instead of an offset: no noise, fp8
+    assert len(stale) == 6
+    for r in stale:
+        c = get(r["arg"])
+        validate_config(c)
+        assert (c.rl.max_staleness, c.rl.num_iterations, c.rl.learning_rate, c.sampler.weight_noise,
+                c.sampler.quantization, c.trust_region.delta) == (8, 4, 5e-4, 0.0, "fp8", 0.05)
+    assert {get(r["arg"]).rl.learning_rate for r in sweep.expand(sweep.load_sweep(path, "pilot_stale_slow"))} == {3e-4}
     assert {get(r["arg"]).trust_region.delta for r in runs} == {0.05}
     with pytest.raises(ValueError, match="'full'"):
         sweep.load_sweep(path, "full")

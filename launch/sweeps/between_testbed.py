@@ -14,27 +14,38 @@ tokens and ``none`` ends measurably below ``ratio``.
 int2 copy of the weights (``sampler.quantization=int2``, four levels per output channel; a π whose weights sit on
 the grid is its own copy), at delta = 0.05.
 
+``get_sweep("pilot_stale")`` replaces the fixed offset by drift: no weight noise (the fp8 copy), rollouts up to
+``rl.max_staleness`` = 8 versions behind the trainer (the producer runs ahead, so the lag is 8 once the run is
+under way) and 4 mini-batches x 4 iterations per batch at a learning rate of 5e-4 (30-step probes,
+reports/between_pilot), at delta = 0.05; ``get_sweep("pilot_stale_slow")`` is the same at a learning rate of 3e-4.
+
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot --out=runs/between_pilot
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_delta_0.15 \
         --out=runs/between_pilot_delta_0.15
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_int2 --out=runs/between_int2
+    python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_stale --out=runs/between_stale
+    python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_stale_slow \
+        --out=runs/between_stale_slow
 """
 
 PILOT_ARMS = ["none", "ratio", "pdm_bucket_exact"]
 #: The pilot's sampler.weight_noise (see the module docstring).
 PILOT_NOISE = 0.45
+#: The drift pilot's lever (see the module docstring).
+STALE_LEVER = "rl.max_staleness=8,rl.num_iterations=4,rl.learning_rate="
+ARGS = ("pilot", "pilot_delta_0.15", "pilot_int2", "pilot_stale", "pilot_stale_slow")
 
 
 def get_sweep(arg=None):
     """Returns the sweep dict read by launch/sweep.py (see its module docstring): arg "pilot" (the default),
-    "pilot_delta_0.15" or "pilot_int2"."""
-    if arg not in (None, "pilot", "pilot_delta_0.15", "pilot_int2"):
-        raise ValueError(f"between_testbed sweep argument {arg!r}: expected 'pilot', 'pilot_delta_0.15', "
-                         f"'pilot_int2' or none")
+    "pilot_delta_0.15", "pilot_int2", "pilot_stale" or "pilot_stale_slow"."""
+    if arg is not None and arg not in ARGS:
+        raise ValueError(f"between_testbed sweep argument {arg!r}: expected one of {ARGS} or none")
     wide = arg == "pilot_delta_0.15"
-    lever = "sampler.quantization=int2" if arg == "pilot_int2" else f"sampler.weight_noise={PILOT_NOISE}"
+    lever = {"pilot_int2": "sampler.quantization=int2", "pilot_stale": STALE_LEVER + "5e-4",
+             "pilot_stale_slow": STALE_LEVER + "3e-4"}.get(arg, f"sampler.weight_noise={PILOT_NOISE}")
     return dict(
         config="configs/tiny_between.py",
         fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,"
