@@ -407,6 +407,13 @@ def test_columns_without_top_k_carry_no_table_whatever_the_token_count(use_msgpa
     back = wire.GenerateResponse.from_wire(body, [[5]], top_k_logprobs=0, rows=n, max_new_tokens=t)
     assert_batches_equal(back.batch, batch)
     # a table where none was asked for is refused, naming it
-    bad = dict(body, columns=dict(body["columns"], top_logprobs=dict(ids=[[1]], logprobs=[[-1.0]])))
-    with pytest.raises(ValueError, match=r"columns\.top_logprobs\.ids"):
-        wire.GenerateResponse.from_wire(bad, [[5]], top_k_logprobs=0)
+    for ids in ([[1]], [[1], [1, 2]], [[]] * 3):  # a table, a ragged one, empty rows of the wrong count
+        bad = dict(body, columns=dict(body["columns"], top_logprobs=dict(ids=ids, logprobs=[])))
+        with pytest.raises(ValueError, match=r"columns\.top_logprobs\.ids"):
+            wire.GenerateResponse.from_wire(bad, [[5]], top_k_logprobs=0)
+    # an earlier server's [sum T_r, 0] table (JSON: one empty list per token) still reads
+    small = dict(body, columns=dict(body["columns"], token_ids=[3, 4], lengths=[2], logprobs=[-0.5, -0.25],
+                                    prompt_index=[0], weights_version=[0], finish_reason=["length"],
+                                    top_logprobs=dict(ids=[[], []], logprobs=[[], []])))
+    got = wire.GenerateResponse.from_wire(small, [[5]], top_k_logprobs=0).batch
+    assert got.topk_ids.shape == (1, 2, 0) and got.completion_ids.tolist() == [[3, 4]]

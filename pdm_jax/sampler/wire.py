@@ -933,7 +933,9 @@ class GenerateResponse:
         top = cols[TOP_LOGPROBS]
         if k == 0 and not padded:  # no table (`_columns`: [0, 0]; [sum T_r, 0] from earlier servers)
             for name in (IDS, LOGPROBS):
-                earlier = np.shape(top.get(name)) == shape + (0,)
+                v = top.get(name)
+                earlier = (v.shape == shape + (0,)) if isinstance(v, np.ndarray) else (
+                    isinstance(v, list) and len(v) == shape[0] > 0 and all(x == [] for x in v))
                 _column(top, name, 2, shape + (0,) if earlier else (0, 0), floats=name == LOGPROBS,
                         where=f"{COLUMNS}.{TOP_LOGPROBS}")
             top_ids, top_logp = np.zeros(shape + (0,), np.int32), np.zeros(shape + (0,), np.float32)
