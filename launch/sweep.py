@@ -96,6 +96,10 @@ GROUP_METRICS = ("final_accuracy", "accuracy_gain", "reward_area", "mean_frac_ma
                  "mean_topk_kl", "collapse_events", "collapsed")
 #: Metrics of the paired (same seed) differences against a baseline arm.
 PAIRED_METRICS = ("final_accuracy", "accuracy_gain", "reward_area")
+#: The paired table's power column: two-sided paired t-test at this level, this power.
+POWER_ALPHA, POWER_TARGET = 0.05, 0.8
+#: `seeds_for_power` searches up to this many seeds (more: reported as ``None``, "> cap").
+POWER_MAX_SEEDS = 10_000
 
 
 # ----------------------------------------------------------------------------- definitions
@@ -404,14 +408,53 @@ def mean_ci95(values: list[float]) -> tuple[float, float]:
     return m, float(stats.t.ppf(0.975, len(xs) - 1) * sd / math.sqrt(len(xs)))
 
 
+def paired_power(n: int, effect_size: float, alpha: float = POWER_ALPHA) -> float:
+    """Power of the two-sided paired t-test at level `alpha` with `n` >= 2 pairs when the true mean difference is
+    `effect_size` standard deviations (Cohen's d_z): P(|T| > t_{1-alpha/2, n-1}) for T ~ noncentral t with n - 1
+    degrees of freedom and noncentrality d_z * sqrt(n) (scipy.stats.nct). Checked against G*Power's tables
+    (tests/test_launch.py). Raises ValueError for n < 2."""
+    if n < 2:
+        raise ValueError(f"paired_power: n must be >= 2 pairs, got {n}")
+    from scipy import stats
+
+    df, nc = n - 1, abs(effect_size) * math.sqrt(n)
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+
+
+def seeds_for_power(diffs: list[float], power: float = POWER_TARGET, alpha: float = POWER_ALPHA,
+                    max_seeds: int = POWER_MAX_SEEDS) -> Optional[int]:
+    """The fewest paired seeds at which `paired_power` reaches `power`, taking the observed per-seed differences'
+    mean and standard deviation (ddof 1) as the truth: the pilot's effect-size reading of "how many seeds would a
+    comparison need". An estimate, as uncertain as the pilot's standard deviation. Returns None when it cannot be
+    read (fewer than 2 finite differences, or a zero mean) or exceeds `max_seeds`; 2 when the differences are equal
+    and non-zero (no spread: any test rejects)."""
+    xs = [float(x) for x in diffs if x is not None and math.isfinite(float(x))]
+    if len(xs) < 2:
+        return None
+    mean = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+    if mean == 0:
+        return None
+    if sd == 0:
+        return 2
+    d, lo, hi = mean / sd, 2, max_seeds
+    if paired_power(hi, d, alpha) < power:
+        return None
+    while lo < hi:  # power rises with n: bisect for the first n that reaches it
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if paired_power(mid, d, alpha) < power else (lo, mid)
+    return lo
+
+
 def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_METRICS, seed_key: str = "seed") -> list:
     """Per-seed differences of each arm against the `baseline` value of `axis` at the same other axis values.
 
     Runs that share a seed (and a warm start) see the same first rollout batch, so the paired difference
     removes the seed-to-seed spread that both arms share. Returns one dict per (arm, other axis values) that
     has a baseline partner: the keys of the point without the seed, ``n`` (paired seeds), ``wins`` (seeds
-    where the arm's final accuracy is above the baseline's) and, per metric, (mean, 95% t half-width) of
-    arm - baseline.
+    where the arm's final accuracy is above the baseline's), ``seeds_for_power`` (`seeds_for_power` of the
+    final-accuracy differences) and, per metric, (mean, 95% t half-width) of arm - baseline.
     """
     index = {tuple(sorted(r["point"].items())): r for r in rows}
     out: dict = {}
@@ -425,7 +468,10 @@ def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_MET
         out.setdefault(key, []).append((r, partner))
     result = []
     for key, pairs in out.items():
-        d = dict(key, n=len(pairs), wins=sum(a["final_accuracy"] > b["final_accuracy"] for a, b in pairs))
+        d = dict(key, n=len(pairs), wins=sum(a["final_accuracy"] > b["final_accuracy"] for a, b in pairs),
+                 seeds_for_power=seeds_for_power([a["final_accuracy"] - b["final_accuracy"] for a, b in pairs
+                                                  if a["final_accuracy"] is not None
+                                                  and b["final_accuracy"] is not None]))
         for m in metrics:
             d[m] = mean_ci95([a[m] - b[m] for a, b in pairs if a[m] is not None and b[m] is not None])
         result.append(d)
@@ -477,16 +523,25 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
 
 
 def _paired_markdown(paired: list[dict], baseline: tuple) -> str:
-    """`paired_differences` as a markdown table (mean ± 95% half-width of arm - baseline per seed)."""
-    keys = [k for k in paired[0] if k not in ("n", "wins") + PAIRED_METRICS]
-    heads = keys + ["n", "seeds above"] + [f"Δ {m}" for m in PAIRED_METRICS]
-    lines = ["", f"Paired by seed, arm − {baseline[0]}={baseline[1]} (same seed, same warm start):", "",
+    """`paired_differences` as a markdown table (mean ± 95% half-width of arm - baseline per seed), with the seeds
+    a comparison of that final-accuracy difference would need (`seeds_for_power`)."""
+    keys = [k for k in paired[0] if k not in ("n", "wins", "seeds_for_power") + PAIRED_METRICS]
+    power = f"seeds for {POWER_TARGET:.0%} power"
+    heads = keys + ["n", "seeds above"] + [f"Δ {m}" for m in PAIRED_METRICS] + [power]
+    lines = ["", f"Paired by seed, arm − {baseline[0]}={baseline[1]} (same seed, same warm start). "
+             f"'{power}': the paired seeds a two-sided t-test at {POWER_ALPHA:g} needs to detect the Δ final_accuracy "
+             "seen here, were its mean and standard deviation the truth (an estimate; – where it cannot be read, "
+             f"> {POWER_MAX_SEEDS:,} beyond the search):", "",
              "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for d in paired:
         cells = [f"{_num(m)} ± {_num(ci)}" if math.isfinite(ci) else (_num(m) if math.isfinite(m) else "–")
                  for m, ci in (d[k] for k in PAIRED_METRICS)]
-        lines.append("| " + " | ".join([str(d[k]) for k in keys] + [str(d["n"]), f"{d['wins']}/{d['n']}"] + cells)
-                     + " |")
+        need = d["seeds_for_power"]
+        need = str(need) if need is not None else ("–" if d["n"] < 2 or not d["final_accuracy"][0]
+                                                    or not math.isfinite(d["final_accuracy"][0])
+                                                    else f"> {POWER_MAX_SEEDS:,}")
+        lines.append("| " + " | ".join([str(d[k]) for k in keys] + [str(d["n"]), f"{d['wins']}/{d['n']}"] + cells
+                                       + [need]) + " |")
     return "\n".join(lines) + "\n"
 
 

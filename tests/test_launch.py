@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from pdm_jax.rl import trust_region as tr
@@ -469,9 +470,45 @@ def test_between_testbed_pilot_expands_into_valid_runs():
         assert (c.rl.max_staleness, c.rl.num_iterations, c.rl.learning_rate, c.sampler.weight_noise,
                 c.sampler.quantization, c.trust_region.delta) == (8, 4, 5e-4, 0.0, "fp8", 0.05)
     assert {get(r["arg"]).rl.learning_rate for r in sweep.expand(sweep.load_sweep(path, "pilot_stale_slow"))} == {3e-4}
+    tempered = [get(r["arg"]) for r in sweep.expand(sweep.load_sweep(path, "pilot_stale_temp"))]
+    assert len(tempered) == 6  # drift plus the sampler's own temperature; the loss's pi stays at temperature 1
+    assert {(c.rl.max_staleness, c.rl.learning_rate, c.sampler.temperature, c.rl.temperature, c.sampler.weight_noise)
+            for c in tempered} == {(8, 3e-4, 1.15, 1.0, 0.0)}
+    grid = sweep.expand(sweep.load_sweep(path, "comparison"))  # the lever of pilot_stale_temp, 34 paired seeds
+    assert len(grid) == 8 * 10 + 26 * 8  # none / clip-higher at delta 0.05 for the first 8 seeds only
+    assert [r["point"]["seed"] for r in grid] == sorted(r["point"]["seed"] for r in grid)  # seed outermost
+    first = [get(r["arg"]) for r in grid if r["point"]["seed"] == 0]
+    for c in first:
+        validate_config(c)
+    assert {(c.trust_region.mask, c.trust_region.delta) for c in first} == {
+        ("none", 0.05), ("ppo", 0.05), ("dppo", 0.05), ("dppo", 0.15), ("pdm", 0.05), ("pdm", 0.15)}
+    assert {c.trust_region.estimator for c in first if c.trust_region.mask == "pdm"} == {
+        "aggregated_tail", "uniform_tail", "bucket_exact"}
+    assert {(c.rl.max_staleness, c.rl.learning_rate, c.sampler.temperature) for c in first} == {(8, 3e-4, 1.15)}
     assert {get(r["arg"]).trust_region.delta for r in runs} == {0.05}
     with pytest.raises(ValueError, match="'full'"):
         sweep.load_sweep(path, "full")
+
+
+def test_seeds_for_power_matches_gpower_and_a_simulation():
+    """The paired table's power column against G*Power 3.1's matched-pairs t-test tables (two-tailed, alpha 0.05,
+    power 0.8: d_z 0.2 / 0.5 / 0.8 need 199 / 34 / 15 pairs, actual power 0.8078 at 34 and 0.8213 at 15) and a
+    Monte Carlo of the t-test itself; the cases it cannot read are None."""
+    from scipy import stats
+
+    unit = 1 / math.sqrt(2)  # two differences d +- unit have mean d and standard deviation 1
+    assert [sweep.seeds_for_power([d + unit, d - unit]) for d in (0.2, 0.5, 0.8)] == [199, 34, 15]
+    assert sweep.seeds_for_power([-0.5 - unit, -0.5 + unit]) == 34  # the sign of the difference does not matter
+    assert sweep.paired_power(34, 0.5) == pytest.approx(0.8078, abs=1e-4)
+    assert sweep.paired_power(15, 0.8) == pytest.approx(0.8213, abs=1e-4)
+    rng = np.random.default_rng(0)
+    rejected = np.mean([stats.ttest_1samp(rng.normal(0.5, 1.0, 34), 0.0).pvalue < 0.05 for _ in range(4000)])
+    assert rejected == pytest.approx(sweep.paired_power(34, 0.5), abs=0.02)  # 4,000 draws: sd of the share 0.006
+    assert sweep.seeds_for_power([0.3, 0.3]) == 2  # no spread
+    assert sweep.seeds_for_power([0.1]) is None and sweep.seeds_for_power([0.2, -0.2]) is None  # one pair; mean 0
+    assert sweep.seeds_for_power([1e-6 + 0.1, 1e-6 - 0.1]) is None  # beyond POWER_MAX_SEEDS
+    with pytest.raises(ValueError, match="n must be >= 2"):
+        sweep.paired_power(1, 0.5)
 
 
 def test_paired_differences_by_hand(tmp_path):
@@ -492,5 +529,8 @@ def test_paired_differences_by_hand(tmp_path):
     assert ci == pytest.approx(12.706204736174698 * math.sqrt(((-0.2 + 0.075) ** 2 + (0.05 + 0.075) ** 2)) / math.sqrt(2))
     assert p["reward_area"] == (0.0, 0.0)
     assert "arm − criterion=ratio" in table["markdown"] and "| none | 2 | 1/2 |" in table["markdown"]
+    # diffs -0.2 and +0.05: d_z = -0.075 / 0.177 = -0.42, which needs 46 pairs
+    assert p["seeds_for_power"] == sweep.seeds_for_power([-0.2, 0.05])
+    assert 40 < p["seeds_for_power"] < 50 and f"| {p['seeds_for_power']} |" in table["markdown"]
     with pytest.raises(ValueError, match="paired_baseline"):
         sweep.validate_sweep(dict(d, paired_baseline=("delta", 0.1)))

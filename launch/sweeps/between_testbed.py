@@ -18,6 +18,19 @@ the grid is its own copy), at delta = 0.05.
 ``rl.max_staleness`` = 8 versions behind the trainer (the producer runs ahead, so the lag is 8 once the run is
 under way) and 4 mini-batches x 4 iterations per batch at a learning rate of 5e-4 (30-step probes,
 reports/between_pilot), at delta = 0.05; ``get_sweep("pilot_stale_slow")`` is the same at a learning rate of 3e-4.
+``get_sweep("pilot_stale_temp")`` is ``pilot_stale_slow`` with the rollouts drawn at a sampler temperature of its
+own, ``sampler.temperature`` = 1.15 (the loss's pi stays at ``rl.temperature`` 1): drift plus a small persistent
+offset (100-step probes, reports/between_pilot). It is the first lever that meets both of the issue's rules.
+
+``get_sweep("comparison")`` is the comparison on that testbed (the ``pilot_stale_temp`` lever): no mask, GRPO
+clip-higher, DPPO-TopK-KL, and PDM with the paper's two estimators (aggregated_tail, uniform_tail) and bucket_exact,
+at delta in {0.05, 0.15}, over `COMPARISON_SEEDS` paired seeds. The seed count is the pilot's power estimate: its
+PDM - DPPO difference in final accuracy (+0.006, standard deviation 0.012 over two seeds, d_z 0.50) needs 34
+paired seeds for 80% power in a two-sided paired t-test at 5% (`launch/sweep.py:seeds_for_power`). The arms
+without a radius (none, clip-higher) run at delta 0.05 and only for the first `RADIUS_FREE_SEEDS` seeds: their
+differences from DPPO in the pilot (-0.16) are tens of standard deviations. That is 8 x 10 + 26 x 8 = 288 runs of
+~2.5 min on a 2-core CPU (12 h); seed is the outermost axis, so a sweep stopped early (and resumed later: runs with
+a ``summary.json`` are skipped) has every arm at the same seeds.
 
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
@@ -28,6 +41,10 @@ All runs share one supervised warm start (``share_warmstart_by=()``).
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_stale --out=runs/between_stale
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_stale_slow \
         --out=runs/between_stale_slow
+    python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_stale_temp \
+        --out=runs/between_stale_temp
+    python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=comparison \
+        --out=runs/between_comparison --code_dir=<git archive of a commit>
 """
 
 PILOT_ARMS = ["none", "ratio", "pdm_bucket_exact"]
@@ -35,17 +52,36 @@ PILOT_ARMS = ["none", "ratio", "pdm_bucket_exact"]
 PILOT_NOISE = 0.45
 #: The drift pilot's lever (see the module docstring).
 STALE_LEVER = "rl.max_staleness=8,rl.num_iterations=4,rl.learning_rate="
-ARGS = ("pilot", "pilot_delta_0.15", "pilot_int2", "pilot_stale", "pilot_stale_slow")
+#: The sampler's own temperature in ``pilot_stale_temp`` (see the module docstring).
+STALE_TEMPERATURE = 1.15
+ARGS = ("pilot", "pilot_delta_0.15", "pilot_int2", "pilot_stale", "pilot_stale_slow", "pilot_stale_temp",
+        "comparison")
+#: The comparison's arms (`launch/sweep.py:CRITERIA`) and seeds (see the module docstring).
+COMPARISON_ARMS = ["none", "ppo_clip_higher", "ratio", "pdm_aggregated_tail", "pdm_uniform_tail", "pdm_bucket_exact"]
+COMPARISON_SEEDS = list(range(34))
+RADIUS_FREE_SEEDS = 8
+#: Arms whose mask has no divergence radius: run at the first delta only.
+NO_RADIUS = ("none", "ppo", "ppo_clip_higher")
+
+
+def _comparison_keep(point):
+    if point["criterion"] not in NO_RADIUS:
+        return True
+    return point["delta"] == 0.05 and point["seed"] < RADIUS_FREE_SEEDS
 
 
 def get_sweep(arg=None):
     """Returns the sweep dict read by launch/sweep.py (see its module docstring): arg "pilot" (the default),
-    "pilot_delta_0.15", "pilot_int2", "pilot_stale" or "pilot_stale_slow"."""
+    "pilot_delta_0.15", "pilot_int2", "pilot_stale", "pilot_stale_slow", "pilot_stale_temp" or "comparison"."""
     if arg is not None and arg not in ARGS:
         raise ValueError(f"between_testbed sweep argument {arg!r}: expected one of {ARGS} or none")
+    if arg == "comparison":
+        return _comparison()
     wide = arg == "pilot_delta_0.15"
     lever = {"pilot_int2": "sampler.quantization=int2", "pilot_stale": STALE_LEVER + "5e-4",
-             "pilot_stale_slow": STALE_LEVER + "3e-4"}.get(arg, f"sampler.weight_noise={PILOT_NOISE}")
+             "pilot_stale_slow": STALE_LEVER + "3e-4",
+             "pilot_stale_temp": f"{STALE_LEVER}3e-4,sampler.temperature={STALE_TEMPERATURE}",
+             }.get(arg, f"sampler.weight_noise={PILOT_NOISE}")
     return dict(
         config="configs/tiny_between.py",
         fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,"
@@ -54,6 +90,25 @@ def get_sweep(arg=None):
             ("seed", [0, 1]),
             ("criterion", PILOT_ARMS[1:] if wide else PILOT_ARMS),
         ],
+        flags={"sampler.mode": "in_process"},
+        collapse_margin=0.1,
+        share_warmstart_by=(),
+        paired_baseline=("criterion", "ratio"),
+    )
+
+
+def _comparison():
+    """The ``comparison`` sweep (see the module docstring)."""
+    return dict(
+        config="configs/tiny_between.py",
+        fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,"
+              f"{STALE_LEVER}3e-4,sampler.temperature={STALE_TEMPERATURE}",
+        axes=[  # seed outermost: a sweep stopped early has every arm at the same number of seeds
+            ("seed", COMPARISON_SEEDS),
+            ("delta", [0.05, 0.15]),
+            ("criterion", COMPARISON_ARMS),
+        ],
+        keep=_comparison_keep,
         flags={"sampler.mode": "in_process"},
         collapse_margin=0.1,
         share_warmstart_by=(),
