@@ -25,10 +25,10 @@ offset (100-step probes, reports/between_pilot). It is the first lever that meet
 ``get_sweep("comparison")`` is the comparison on that testbed (the ``pilot_stale_temp`` lever): no mask, GRPO
 clip-higher, DPPO-TopK-KL, and PDM with the paper's two estimators (aggregated_tail, uniform_tail) and bucket_exact,
 at delta in {0.05, 0.15}, over `COMPARISON_SEEDS` paired seeds. The seed count is the pilot's power estimate: its
-PDM - DPPO difference in final accuracy (+0.006, standard deviation 0.012 over two seeds, d_z 0.50) needs 34
+PDM - DPPO difference in final accuracy (+0.006, standard deviation 0.012 over two seeds, d_z 0.51) needs 33
 paired seeds for 80% power in a two-sided paired t-test at 5% (`launch/sweep.py:seeds_for_power`). The arms
 without a radius (none, clip-higher) run at delta 0.05 and only for the first `RADIUS_FREE_SEEDS` seeds: their
-differences from DPPO in the pilot (-0.16) are tens of standard deviations. That is 8 x 10 + 26 x 8 = 288 runs of
+differences from DPPO in the pilot (-0.16) are tens of standard deviations. That is 8 x 10 + 25 x 8 = 280 runs of
 ~2.5 min on a 2-core CPU (12 h); seed is the outermost axis, so a sweep stopped early (and resumed later: runs with
 a ``summary.json`` are skipped) has every arm at the same seeds.
 
@@ -58,7 +58,7 @@ ARGS = ("pilot", "pilot_delta_0.15", "pilot_int2", "pilot_stale", "pilot_stale_s
         "comparison")
 #: The comparison's arms (`launch/sweep.py:CRITERIA`) and seeds (see the module docstring).
 COMPARISON_ARMS = ["none", "ppo_clip_higher", "ratio", "pdm_aggregated_tail", "pdm_uniform_tail", "pdm_bucket_exact"]
-COMPARISON_SEEDS = list(range(34))
+COMPARISON_SEEDS = list(range(33))
 RADIUS_FREE_SEEDS = 8
 #: Arms whose mask has no divergence radius: run at the first delta only.
 NO_RADIUS = ("none", "ppo", "ppo_clip_higher")
