@@ -98,7 +98,7 @@ GROUP_METRICS = ("final_accuracy", "accuracy_gain", "reward_area", "mean_frac_ma
 PAIRED_METRICS = ("final_accuracy", "accuracy_gain", "reward_area")
 #: The paired table's power column: two-sided paired t-test at this level, this power.
 POWER_ALPHA, POWER_TARGET = 0.05, 0.8
-#: `seeds_for_power` searches up to this many seeds (more: reported as ``None``, "> cap").
+#: `seeds_for_power` searches up to this many seeds (beyond: it returns this + 1, printed as "> cap").
 POWER_MAX_SEEDS = 10_000
 
 
@@ -427,8 +427,8 @@ def seeds_for_power(diffs: list[float], power: float = POWER_TARGET, alpha: floa
     """The fewest paired seeds at which `paired_power` reaches `power`, taking the observed per-seed differences'
     mean and standard deviation (ddof 1) as the truth: the pilot's effect-size reading of "how many seeds would a
     comparison need". An estimate, as uncertain as the pilot's standard deviation. Returns None when it cannot be
-    read (fewer than 2 finite differences, or a zero mean) or exceeds `max_seeds`; 2 when the differences are equal
-    and non-zero (no spread: any test rejects)."""
+    read (fewer than 2 finite differences, or a zero mean), ``max_seeds + 1`` when more than `max_seeds` are needed,
+    and 2 when the differences are equal and non-zero (no spread: any test rejects)."""
     xs = [float(x) for x in diffs if x is not None and math.isfinite(float(x))]
     if len(xs) < 2:
         return None
@@ -440,7 +440,7 @@ def seeds_for_power(diffs: list[float], power: float = POWER_TARGET, alpha: floa
         return 2
     d, lo, hi = mean / sd, 2, max_seeds
     if paired_power(hi, d, alpha) < power:
-        return None
+        return max_seeds + 1
     while lo < hi:  # power rises with n: bisect for the first n that reaches it
         mid = (lo + hi) // 2
         lo, hi = (mid + 1, hi) if paired_power(mid, d, alpha) < power else (lo, mid)
@@ -537,9 +537,7 @@ def _paired_markdown(paired: list[dict], baseline: tuple) -> str:
         cells = [f"{_num(m)} ± {_num(ci)}" if math.isfinite(ci) else (_num(m) if math.isfinite(m) else "–")
                  for m, ci in (d[k] for k in PAIRED_METRICS)]
         need = d["seeds_for_power"]
-        need = str(need) if need is not None else ("–" if d["n"] < 2 or not d["final_accuracy"][0]
-                                                    or not math.isfinite(d["final_accuracy"][0])
-                                                    else f"> {POWER_MAX_SEEDS:,}")
+        need = "–" if need is None else (f"> {POWER_MAX_SEEDS:,}" if need > POWER_MAX_SEEDS else str(need))
         lines.append("| " + " | ".join([str(d[k]) for k in keys] + [str(d["n"]), f"{d['wins']}/{d['n']}"] + cells
                                        + [need]) + " |")
     return "\n".join(lines) + "\n"

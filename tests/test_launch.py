@@ -506,9 +506,13 @@ def test_seeds_for_power_matches_gpower_and_a_simulation():
     assert rejected == pytest.approx(sweep.paired_power(34, 0.5), abs=0.02)  # 4,000 draws: sd of the share 0.006
     assert sweep.seeds_for_power([0.3, 0.3]) == 2  # no spread
     assert sweep.seeds_for_power([0.1]) is None and sweep.seeds_for_power([0.2, -0.2]) is None  # one pair; mean 0
-    assert sweep.seeds_for_power([1e-6 + 0.1, 1e-6 - 0.1]) is None  # beyond POWER_MAX_SEEDS
+    assert sweep.seeds_for_power([1e-6 + 0.1, 1e-6 - 0.1]) == sweep.POWER_MAX_SEEDS + 1  # beyond the search
     with pytest.raises(ValueError, match="n must be >= 2"):
         sweep.paired_power(1, 0.5)
+    rows = [dict(criterion=c, n=2, wins=1, seeds_for_power=need, **{m: (0.01, 0.1) for m in sweep.PAIRED_METRICS})
+            for c, need in (("a", 33), ("b", None), ("c", sweep.POWER_MAX_SEEDS + 1))]
+    md = sweep._paired_markdown(rows, ("criterion", "ratio"))
+    assert "| 33 |" in md and "| – |" in md and "| > 10,000 |" in md and "seeds for 80% power" in md
 
 
 def test_paired_differences_by_hand(tmp_path):
