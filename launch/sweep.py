@@ -468,12 +468,11 @@ def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_MET
         out.setdefault(key, []).append((r, partner))
     result = []
     for key, pairs in out.items():
+        diffs = {m: [a[m] - b[m] for a, b in pairs if a[m] is not None and b[m] is not None]
+                 for m in dict.fromkeys((*metrics, "final_accuracy"))}
         d = dict(key, n=len(pairs), wins=sum(a["final_accuracy"] > b["final_accuracy"] for a, b in pairs),
-                 seeds_for_power=seeds_for_power([a["final_accuracy"] - b["final_accuracy"] for a, b in pairs
-                                                  if a["final_accuracy"] is not None
-                                                  and b["final_accuracy"] is not None]))
-        for m in metrics:
-            d[m] = mean_ci95([a[m] - b[m] for a, b in pairs if a[m] is not None and b[m] is not None])
+                 seeds_for_power=seeds_for_power(diffs["final_accuracy"]))
+        d.update({m: mean_ci95(diffs[m]) for m in metrics})
         result.append(d)
     return result
 
