@@ -75,42 +75,22 @@ def get_sweep(arg=None):
     "pilot_delta_0.15", "pilot_int2", "pilot_stale", "pilot_stale_slow", "pilot_stale_temp" or "comparison"."""
     if arg is not None and arg not in ARGS:
         raise ValueError(f"between_testbed sweep argument {arg!r}: expected one of {ARGS} or none")
-    if arg == "comparison":
-        return _comparison()
-    wide = arg == "pilot_delta_0.15"
+    tempered = f"{STALE_LEVER}3e-4,sampler.temperature={STALE_TEMPERATURE}"
     lever = {"pilot_int2": "sampler.quantization=int2", "pilot_stale": STALE_LEVER + "5e-4",
-             "pilot_stale_slow": STALE_LEVER + "3e-4",
-             "pilot_stale_temp": f"{STALE_LEVER}3e-4,sampler.temperature={STALE_TEMPERATURE}",
+             "pilot_stale_slow": STALE_LEVER + "3e-4", "pilot_stale_temp": tempered, "comparison": tempered,
              }.get(arg, f"sampler.weight_noise={PILOT_NOISE}")
-    return dict(
+    sweep = dict(
         config="configs/tiny_between.py",
-        fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,"
-              f"{lever},delta={0.15 if wide else 0.05}",
-        axes=[  # seed outermost: a sweep stopped early has every arm at the same number of seeds
-            ("seed", [0, 1]),
-            ("criterion", PILOT_ARMS[1:] if wide else PILOT_ARMS),
-        ],
+        fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,{lever}",
         flags={"sampler.mode": "in_process"},
         collapse_margin=0.1,
         share_warmstart_by=(),
         paired_baseline=("criterion", "ratio"),
     )
-
-
-def _comparison():
-    """The ``comparison`` sweep (see the module docstring)."""
-    return dict(
-        config="configs/tiny_between.py",
-        fixed=f"log.tensorboard=False,log.progress=False,rl.steps=200,eval.every_steps=50,"
-              f"{STALE_LEVER}3e-4,sampler.temperature={STALE_TEMPERATURE}",
-        axes=[  # seed outermost: a sweep stopped early has every arm at the same number of seeds
-            ("seed", COMPARISON_SEEDS),
-            ("delta", [0.05, 0.15]),
-            ("criterion", COMPARISON_ARMS),
-        ],
-        keep=_comparison_keep,
-        flags={"sampler.mode": "in_process"},
-        collapse_margin=0.1,
-        share_warmstart_by=(),
-        paired_baseline=("criterion", "ratio"),
-    )
+    # seed outermost: a sweep stopped early has every arm at the same number of seeds
+    if arg == "comparison":
+        return dict(sweep, keep=_comparison_keep, axes=[
+            ("seed", COMPARISON_SEEDS), ("delta", [0.05, 0.15]), ("criterion", COMPARISON_ARMS)])
+    wide = arg == "pilot_delta_0.15"
+    return dict(sweep, fixed=f"{sweep['fixed']},delta={0.15 if wide else 0.05}",
+                axes=[("seed", [0, 1]), ("criterion", PILOT_ARMS[1:] if wide else PILOT_ARMS)])
