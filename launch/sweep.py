@@ -33,6 +33,11 @@ Usage::
 
 Runs are sequential and resumable: a run whose workdir holds ``summary.json``
 is skipped, an interrupted one is resumed by the trainer from its workdir.
+A sweep longer than one machine's life goes on across machines with
+``--records=DIR`` (a committed directory): each finished run's summary and
+metrics are saved there (`save_record`, tens of kB per run) and restored, not
+rerun, on the next machine (`restore_records`); ``--only`` runs a subset of the
+grid from the whole sweep's warm start.
 Child processes share a persistent XLA compilation cache (``--compile_cache``),
 so runs with the same shapes compile once.
 
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import importlib.util
 import itertools
 import json
@@ -253,7 +259,8 @@ def _run_one(cmd: list[str], workdir: str, env: dict, timeout_s: Optional[float]
 
 def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, compile_cache: Optional[str] = None,
               timeout_s: Optional[float] = None, share_warmstart_by: Optional[tuple] = None,
-              code_dir: str = REPO, log=print) -> list[dict]:
+              code_dir: str = REPO, grid: Optional[list[dict]] = None, records: Optional[str] = None,
+              log=print) -> list[dict]:
     """Runs the grid points one after another (``python -m pdm_jax.train``), skipping finished ones.
 
     Each run's stdout/stderr go to ``<out>/<name>/train.log`` and its command
@@ -274,6 +281,12 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
       valid when the other axes change nothing before the RL phase (trust
       region, RL settings). ``()``: one warm start shared by every run (the
       seed then varies only the RL phase). None: every run does its own warm start.
+    grid: the whole sweep's runs when `runs` is a subset of it (``--only``): the warm-start groups and the point
+      each group's warm start is run with (its first) come from `grid`, so a subset starts from the same warm
+      start as the whole sweep. Default: `runs`.
+    records: a directory of run records (`save_record`): once the warm starts exist, the runs recorded there are
+      restored (`restore_records`, which checks they share this sweep's warm start) and skipped, and each run
+      finished here (or found finished) is recorded there.
     """
     out = os.path.abspath(out)  # the runs execute in code_dir
     os.makedirs(out, exist_ok=True)
@@ -287,14 +300,16 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
     if code_dir != REPO:
         env["PYTHONPATH"] = code_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     runs = list(runs)
+    names = {r["name"] for r in runs}
     warm_dirs = {}
     if share_warmstart_by is not None:
-        for key, members in _warmstart_groups(runs, tuple(share_warmstart_by)).items():
+        for key, members in _warmstart_groups(runs if grid is None else list(grid),
+                                              tuple(share_warmstart_by)).items():
             tag = "_".join(f"{k}={_fmt(v)}" for k, v in key) or "all"
             wd = os.path.join(out, "_warmstart", tag)
             for r in members:
                 warm_dirs[r["name"]] = wd
-            if os.path.exists(os.path.join(wd, "summary.json")):
+            if not names.intersection(r["name"] for r in members) or os.path.exists(os.path.join(wd, "summary.json")):
                 continue
             os.makedirs(wd, exist_ok=True)
             warm_run = dict(members[0], config_arg=members[0]["config_arg"] + ",rl.steps=0")
@@ -303,10 +318,14 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
             t0 = time.time()
             rc = _run_one(cmd, wd, env, timeout_s, code_dir)
             log(f"    -> rc={rc} in {time.time() - t0:.0f}s")
+    if records:
+        restore_records(runs, out, records, warm_dirs, log=log)
     results = []
     for i, run in enumerate(runs):
         wd = os.path.join(out, run["name"])
         if os.path.exists(os.path.join(wd, "summary.json")):
+            if records:
+                save_record(wd, records)
             log(f"[{i + 1}/{len(runs)}] {run['name']}: done already, skipped")
             results.append(dict(name=run["name"], returncode=0, seconds=0.0, skipped=True))
             continue
@@ -325,8 +344,80 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
         rc = _run_one(cmd, wd, env, timeout_s, code_dir)
         dt = time.time() - t0
         log(f"    -> rc={rc} in {dt:.0f}s")
+        if records and rc == 0:
+            save_record(wd, records)
         results.append(dict(name=run["name"], returncode=rc, seconds=dt, skipped=False))
     return results
+
+
+# ----------------------------------------------------------------------------- run records
+#: The files of a finished run's workdir that its record keeps: everything the tables and curves read.
+RECORD_FILES = ("summary.json", "metrics.jsonl", "sweep_run.json")
+
+
+def save_record(workdir: str, records: str) -> Optional[str]:
+    """Writes a finished run's `RECORD_FILES` to ``<records>/<run name>.json.gz``; returns its path (None if unfinished).
+
+    A record is a gzip-compressed JSON object ``{file name: text}`` of a few tens of kB, small enough to commit:
+    a sweep longer than one machine's session (whose run directories, with their checkpoints, are not kept) goes
+    on from the committed records with ``--records`` (`restore_records`). Checkpoints and logs are not kept.
+    """
+    if not os.path.exists(os.path.join(workdir, "summary.json")):
+        return None
+    files = {}
+    for name in RECORD_FILES:
+        path = os.path.join(workdir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                files[name] = f.read()
+    os.makedirs(records, exist_ok=True)
+    dest = os.path.join(records, os.path.basename(os.path.normpath(workdir)) + ".json.gz")
+    with gzip.open(dest, "wt", compresslevel=9) as f:
+        json.dump(files, f, sort_keys=True)
+    return dest
+
+
+def restore_records(runs: Iterable[dict], out: str, records: str, warmstart: Optional[dict] = None,
+                    log=print) -> list[str]:
+    """Unpacks ``<records>/<name>.json.gz`` into ``<out>/<name>/`` for each run without a ``summary.json`` there.
+
+    The sweep then skips those runs and the tables read them like runs of this machine. warmstart:
+    ``{run name: warm-start workdir}`` (`run_local`); a record whose ``warmstart_accuracy`` differs from its
+    warm start's raises ValueError naming the run and both values, since its paired differences would mix two
+    warm starts. Returns the names restored.
+
+    Raises:
+      ValueError: a record is not a JSON object of `RECORD_FILES` texts holding a ``summary.json``, or its
+        warm-start accuracy differs from this sweep's warm start.
+    """
+    restored = []
+    for run in runs:
+        path = os.path.join(records, run["name"] + ".json.gz")
+        wd = os.path.join(out, run["name"])
+        if not os.path.exists(path) or os.path.exists(os.path.join(wd, "summary.json")):
+            continue
+        with gzip.open(path, "rt") as f:
+            files = json.load(f)
+        if (not isinstance(files, dict) or "summary.json" not in files or set(files) - set(RECORD_FILES)
+                or not all(isinstance(v, str) for v in files.values())):
+            raise ValueError(f"run record {path}: expected a JSON object of {RECORD_FILES} texts with a "
+                             f"summary.json, got keys {sorted(files) if isinstance(files, dict) else type(files)}")
+        warm = (warmstart or {}).get(run["name"])
+        if warm is not None and os.path.exists(os.path.join(warm, "summary.json")):
+            with open(os.path.join(warm, "summary.json")) as f:
+                want = json.load(f).get("warmstart_accuracy")
+            got = json.loads(files["summary.json"]).get("warmstart_accuracy")
+            if want is not None and got != want:
+                raise ValueError(f"run record {path}: warmstart_accuracy {got}, but this sweep's warm start {warm} "
+                                 f"has {want}: the record comes from another warm start and cannot be paired")
+        os.makedirs(wd, exist_ok=True)
+        for name, text in files.items():
+            with open(os.path.join(wd, name), "w") as f:
+                f.write(text)
+        restored.append(run["name"])
+    if restored:
+        log(f"restored {len(restored)} finished run(s) from the records in {records}")
+    return restored
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -677,11 +768,14 @@ def main(argv=None) -> int:
     p.add_argument("--timeout_s", type=float, default=None, help="per-run wall-clock limit")
     p.add_argument("--code_dir", default=REPO,
                    help="directory the runs execute in (a pinned copy of the code); default: this checkout")
+    p.add_argument("--records", default=None,
+                   help="directory of committed run records: finished runs found there are restored and skipped, "
+                        "and each run finished here is recorded there (save_record)")
     p.add_argument("--no_shared_warmstart", action="store_true",
                    help="every run does its own warm start even if the sweep sets share_warmstart_by")
     args = p.parse_args(argv)
     sweep = load_sweep(args.sweep, args.sweep_arg)
-    runs = expand(sweep)
+    runs = grid = expand(sweep)
     if args.only:
         pats = [s for s in args.only.split(",") if s]
         runs = [r for r in runs if any(s in r["name"] for s in pats)]
@@ -697,11 +791,15 @@ def main(argv=None) -> int:
         return 0
     if not args.aggregate_only:
         res = run_local(runs, args.out, compile_cache=args.compile_cache or os.path.join(args.out, ".xla_cache"),
-                        timeout_s=args.timeout_s, code_dir=args.code_dir,
+                        timeout_s=args.timeout_s, code_dir=args.code_dir, grid=grid, records=args.records,
                         share_warmstart_by=None if args.no_shared_warmstart else sweep["share_warmstart_by"])
         failed = [r["name"] for r in res if r["returncode"] != 0]
         if failed:
             print(f"{len(failed)} run(s) failed: {failed}", file=sys.stderr)
+    elif args.records:
+        restore_records(runs, args.out, args.records)
+        for r in runs:
+            save_record(os.path.join(args.out, r["name"]), args.records)
     table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]),
                       paired_baseline=sweep["paired_baseline"])
     if not table["rows"]:

@@ -1,5 +1,6 @@
 """launch/: sweep expansion, local runner (shared warm start), table aggregation, tpu_pod.sh --dry-run."""
 
+import gzip
 import importlib.util
 import json
 import math
@@ -538,3 +539,78 @@ def test_paired_differences_by_hand(tmp_path):
     assert 40 < p["seeds_for_power"] < 50 and f"| {p['seeds_for_power']} |" in table["markdown"]
     with pytest.raises(ValueError, match="paired_baseline"):
         sweep.validate_sweep(dict(d, paired_baseline=("delta", 0.1)))
+
+
+def _recording_fake(tmp_path, warm_accuracy=0.1):
+    fake = tmp_path / "fake_python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; --config=*) cfg=\"${a#*=}\";; esac; done\n"
+        "mkdir -p \"$wd\"; echo \"$cfg\" >> \"$wd/calls.txt\"; echo \"$cfg\" >> \"$(dirname \"$0\")/all_calls.txt\"\n"
+        "echo '{\"phase\": \"rl\", \"step\": 1, \"reward\": 0.5}' > \"$wd/metrics.jsonl\"\n"
+        f"echo '{{\"warmstart_accuracy\": {warm_accuracy}, \"final_accuracy\": 0.2, \"steps\": 1}}' "
+        "> \"$wd/summary.json\"\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_subset_of_a_sweep_starts_from_the_whole_sweeps_warm_start(tmp_path):
+    """--only: the warm start is run with the whole grid's first point (seed 0), not the subset's first (seed 1),
+    and a group none of whose runs is in the subset gets no warm start."""
+    fake = _recording_fake(tmp_path)
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1]), ("criterion", ["none", "ratio"])],
+                                  share_warmstart_by=()))
+    grid = sweep.expand(d)
+    subset = [r for r in grid if "seed=1_" in r["name"]]
+    out = str(tmp_path / "sweep")
+    sweep.run_local(subset, out, python=str(fake), share_warmstart_by=(), grid=grid, log=lambda *_: None)
+    warm_call = open(os.path.join(out, "_warmstart", "all", "calls.txt")).read()
+    assert "seed=0" in warm_call and "seed=1" not in warm_call
+    assert sorted(os.listdir(out)) == ["_warmstart"] + [r["name"] for r in subset]
+    d2 = sweep.validate_sweep(dict(d, share_warmstart_by=("seed",)))
+    out2 = str(tmp_path / "per_seed")
+    sweep.run_local(subset, out2, python=str(fake), share_warmstart_by=("seed",), grid=sweep.expand(d2),
+                    log=lambda *_: None)
+    assert os.listdir(os.path.join(out2, "_warmstart")) == ["seed=1"]
+
+
+def _write_sweep(tmp_path, d: dict) -> str:
+    path = tmp_path / "sweep_def.py"
+    path.write_text(f"def get_sweep(arg=None):\n    return dict(config={d['config']!r}, axes={d['axes']!r}, "
+                    f"share_warmstart_by={d['share_warmstart_by']!r}, paired_baseline={d['paired_baseline']!r})\n")
+    return str(path)
+
+
+def test_run_records_carry_a_sweep_across_machines(tmp_path):
+    """Records written by one machine's sweep are restored (not rerun) by another's, the tables read them, and a
+    record from another warm start or a malformed one is refused by name."""
+    fake = _recording_fake(tmp_path)
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1]), ("criterion", ["none", "ratio"])],
+                                  share_warmstart_by=(), paired_baseline=("criterion", "ratio")))
+    runs = sweep.expand(d)
+    records = str(tmp_path / "records")
+    sweep.run_local(runs[:2], str(tmp_path / "first"), python=str(fake), share_warmstart_by=(), grid=runs,
+                    records=records, log=lambda *_: None)
+    assert sorted(os.listdir(records)) == sorted(r["name"] + ".json.gz" for r in runs[:2])
+    calls = tmp_path / "all_calls.txt"
+    calls.unlink()
+    out = str(tmp_path / "second")  # a fresh machine: no run directories, only the committed records
+    res = sweep.run_local(runs, out, python=str(fake), share_warmstart_by=(), grid=runs, records=records,
+                          log=lambda *_: None)
+    assert [r["skipped"] for r in res] == [True, True, False, False]
+    assert len(calls.read_text().splitlines()) == 3  # the warm start and the two unrecorded runs
+    assert sorted(os.listdir(records)) == sorted(r["name"] + ".json.gz" for r in runs)
+    table = sweep.aggregate(runs, out, paired_baseline=("criterion", "ratio"))
+    assert len(table["rows"]) == 4 and all(r["reward_area"] == 0.5 for r in table["rows"])
+    # --aggregate_only on a third machine rebuilds the same table from the records alone
+    assert sweep.main(["--sweep", _write_sweep(tmp_path, d), "--out", str(tmp_path / "third"), "--records", records,
+                       "--aggregate_only"]) == 0
+    assert open(tmp_path / "third" / "sweep_runs.csv").read() == open(os.path.join(out, "sweep_runs.csv")).read()
+    other = _recording_fake(tmp_path, warm_accuracy=0.3)  # a different warm start
+    with pytest.raises(ValueError, match=r"seed=0_criterion=none.*warmstart_accuracy 0.1.*has 0.3"):
+        sweep.run_local(runs, str(tmp_path / "fourth"), python=str(other), share_warmstart_by=(), grid=runs,
+                        records=records, log=lambda *_: None)
+    with gzip.open(os.path.join(records, runs[0]["name"] + ".json.gz"), "wt") as f:
+        json.dump({"train.log": "x"}, f)
+    with pytest.raises(ValueError, match=r"seed=0_criterion=none.json.gz.*summary.json"):
+        sweep.restore_records(runs, str(tmp_path / "fifth"), records)

@@ -30,7 +30,9 @@ paired seeds for 80% power in a two-sided paired t-test at 5% (`launch/sweep.py:
 without a radius (none, clip-higher) run at delta 0.05 and only for the first `RADIUS_FREE_SEEDS` seeds: their
 differences from DPPO in the pilot (-0.16) are tens of standard deviations. That is 8 x 10 + 25 x 8 = 280 runs of
 ~2.5 min on a 2-core CPU (12 h); seed is the outermost axis, so a sweep stopped early (and resumed later: runs with
-a ``summary.json`` are skipped) has every arm at the same seeds.
+a ``summary.json`` are skipped) has every arm at the same seeds. The finished runs' records are committed in
+``reports/between_pilot/comparison_records`` (``--records``, `launch/sweep.py:save_record`), so the sweep goes on
+across machines and its tables are rebuilt from them with ``--aggregate_only``.
 
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
@@ -44,7 +46,7 @@ All runs share one supervised warm start (``share_warmstart_by=()``).
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=pilot_stale_temp \
         --out=runs/between_stale_temp
     python launch/sweep.py --sweep=launch/sweeps/between_testbed.py --sweep_arg=comparison \
-        --out=runs/between_comparison --code_dir=<git archive of a commit>
+        --out=runs/between_comparison --records=reports/between_pilot/comparison_records --code_dir=<git archive>
 """
 
 PILOT_ARMS = ["none", "ratio", "pdm_bucket_exact"]
