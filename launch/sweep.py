@@ -63,6 +63,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from typing import Iterable, Optional
 
@@ -257,6 +258,40 @@ def _run_one(cmd: list[str], workdir: str, env: dict, timeout_s: Optional[float]
             return -9
 
 
+def _prepare_warmstarts(runs: list[dict], grid: list[dict], keys: tuple, out: str, records: Optional[str],
+                        run_one, python: str, log) -> dict:
+    """Builds (or restores from `records`) the warm start of each group of `grid` that has a run in `runs`.
+
+    Returns ``{run name: warm-start workdir}`` for every run of `grid`. See `run_local`.
+    """
+    names = {r["name"] for r in runs}
+    warm_dirs = {}
+    for key, members in _warmstart_groups(grid, keys).items():
+        tag = "_".join(f"{k}={_fmt(v)}" for k, v in key) or "all"
+        wd = os.path.join(out, "_warmstart", tag)
+        for r in members:
+            warm_dirs[r["name"]] = wd
+        if not names.intersection(r["name"] for r in members):
+            continue
+        if os.path.exists(os.path.join(wd, "summary.json")):
+            if records and not os.path.exists(_warmstart_archive(records, tag)):
+                save_warmstart(wd, records, tag)
+            continue
+        if records and restore_warmstart(wd, records, tag):
+            log(f"[warm start {tag}] restored from {records}")
+            continue
+        os.makedirs(wd, exist_ok=True)
+        warm_run = dict(members[0], config_arg=members[0]["config_arg"] + ",rl.steps=0")
+        cmd = train_command(warm_run, wd, python=python)
+        log(f"[warm start {tag}] {shlex.join(cmd)}")
+        t0 = time.time()
+        rc = run_one(cmd, wd)
+        log(f"    -> rc={rc} in {time.time() - t0:.0f}s")
+        if records and rc == 0:
+            save_warmstart(wd, records, tag)
+    return warm_dirs
+
+
 def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, compile_cache: Optional[str] = None,
               timeout_s: Optional[float] = None, share_warmstart_by: Optional[tuple] = None,
               code_dir: str = REPO, grid: Optional[list[dict]] = None, records: Optional[str] = None,
@@ -284,7 +319,8 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
     grid: the whole sweep's runs when `runs` is a subset of it (``--only``): the warm-start groups and the point
       each group's warm start is run with (its first) come from `grid`, so a subset starts from the same warm
       start as the whole sweep. Default: `runs`.
-    records: a directory of run records (`save_record`): once the warm starts exist, the runs recorded there are
+    records: a directory of run records (`save_record`): a warm start archived there is restored instead of
+      rebuilt, and one built here is archived there (`save_warmstart`); then the runs recorded there are
       restored (`restore_records`, which checks they share this sweep's warm start) and skipped, and each run
       finished here (or found finished) is recorded there.
     """
@@ -300,24 +336,9 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
     if code_dir != REPO:
         env["PYTHONPATH"] = code_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     runs = list(runs)
-    names = {r["name"] for r in runs}
-    warm_dirs = {}
-    if share_warmstart_by is not None:
-        for key, members in _warmstart_groups(runs if grid is None else list(grid),
-                                              tuple(share_warmstart_by)).items():
-            tag = "_".join(f"{k}={_fmt(v)}" for k, v in key) or "all"
-            wd = os.path.join(out, "_warmstart", tag)
-            for r in members:
-                warm_dirs[r["name"]] = wd
-            if not names.intersection(r["name"] for r in members) or os.path.exists(os.path.join(wd, "summary.json")):
-                continue
-            os.makedirs(wd, exist_ok=True)
-            warm_run = dict(members[0], config_arg=members[0]["config_arg"] + ",rl.steps=0")
-            cmd = train_command(warm_run, wd, python=python)
-            log(f"[warm start {tag}] {shlex.join(cmd)}")
-            t0 = time.time()
-            rc = _run_one(cmd, wd, env, timeout_s, code_dir)
-            log(f"    -> rc={rc} in {time.time() - t0:.0f}s")
+    warm_dirs = {} if share_warmstart_by is None else _prepare_warmstarts(
+        runs, runs if grid is None else list(grid), tuple(share_warmstart_by), out, records,
+        lambda cmd, wd: _run_one(cmd, wd, env, timeout_s, code_dir), python, log)
     if records:
         restore_records(runs, out, records, warm_dirs, log=log)
     results = []
@@ -356,7 +377,7 @@ RECORD_FILES = ("summary.json", "metrics.jsonl", "sweep_run.json")
 
 
 def save_record(workdir: str, records: str) -> Optional[str]:
-    """Writes a finished run's `RECORD_FILES` to ``<records>/<run name>.json.gz``; returns its path (None if unfinished).
+    """Writes a finished run's `RECORD_FILES` to ``<records>/<run name>.json.gz``; its path, None if unfinished.
 
     A record is a gzip-compressed JSON object ``{file name: text}`` of a few tens of kB, small enough to commit:
     a sweep longer than one machine's session (whose run directories, with their checkpoints, are not kept) goes
@@ -375,6 +396,60 @@ def save_record(workdir: str, records: str) -> Optional[str]:
     with gzip.open(dest, "wt", compresslevel=9) as f:
         json.dump(files, f, sort_keys=True)
     return dest
+
+
+#: What a warm start's archive leaves out: logs, curves and the sampler's weight copies (``weights/``, which the
+#: trainer writes again when a run resumes from the checkpoint).
+_WARMSTART_SKIP = ("curves.png", "train.log", "tensorboard", "weights")
+
+
+def _warmstart_archive(records: str, tag: str) -> str:
+    return os.path.join(records, "_warmstart", tag + ".tar.gz")
+
+
+def save_warmstart(workdir: str, records: str, tag: str) -> str:
+    """Archives a finished warm start as ``<records>/_warmstart/<tag>.tar.gz``; returns its path.
+
+    Keeps the trainer's latest checkpoint only (the step the runs resume from), the tokenizer, the model and the
+    run's own files; leaves out `_WARMSTART_SKIP`. The runs of a sweep carried across machines must start from one
+    warm start: a second machine's supervised phase need not give the same weights (XLA:CPU compiles for the
+    host's instruction set), so the archive is committed beside the run records and restored
+    (`restore_warmstart`) instead of rebuilt. A few MB for the tiny configs.
+    """
+    ckpt = os.path.join(workdir, "checkpoints")
+    steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
+    old = {os.path.join("checkpoints", str(n)) for n in steps[:-1]}
+    dest = _warmstart_archive(records, tag)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+
+    def keep(info: tarfile.TarInfo):
+        rel = os.path.normpath(info.name)
+        parts = rel.split(os.sep)
+        if parts[0] in _WARMSTART_SKIP or os.sep.join(parts[:2]) in old:
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        info.mtime = 0
+        return info
+
+    with tarfile.open(dest, "w:gz") as tar:
+        for name in sorted(os.listdir(workdir)):
+            tar.add(os.path.join(workdir, name), arcname=name, filter=keep)
+    return dest
+
+
+def restore_warmstart(workdir: str, records: str, tag: str) -> bool:
+    """Unpacks ``<records>/_warmstart/<tag>.tar.gz`` (`save_warmstart`) into `workdir`; False if there is none.
+
+    Extraction refuses links, devices and paths outside `workdir` (tarfile's ``data`` filter).
+    """
+    src = _warmstart_archive(records, tag)
+    if not os.path.exists(src):
+        return False
+    os.makedirs(workdir, exist_ok=True)
+    with tarfile.open(src, "r:gz") as tar:
+        tar.extractall(workdir, filter="data")
+    return True
 
 
 def restore_records(runs: Iterable[dict], out: str, records: str, warmstart: Optional[dict] = None,

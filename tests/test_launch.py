@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -547,6 +548,8 @@ def _recording_fake(tmp_path, warm_accuracy=0.1):
         "#!/usr/bin/env bash\n"
         "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; --config=*) cfg=\"${a#*=}\";; esac; done\n"
         "mkdir -p \"$wd\"; echo \"$cfg\" >> \"$wd/calls.txt\"; echo \"$cfg\" >> \"$(dirname \"$0\")/all_calls.txt\"\n"
+        "mkdir -p \"$wd/checkpoints/1\" \"$wd/checkpoints/2\" \"$wd/weights/v000000\"\n"
+        "touch \"$wd/checkpoints/1/state\" \"$wd/checkpoints/2/state\" \"$wd/weights/v000000/params\"\n"
         "echo '{\"phase\": \"rl\", \"step\": 1, \"reward\": 0.5}' > \"$wd/metrics.jsonl\"\n"
         f"echo '{{\"warmstart_accuracy\": {warm_accuracy}, \"final_accuracy\": 0.2, \"steps\": 1}}' "
         "> \"$wd/summary.json\"\n")
@@ -591,22 +594,27 @@ def test_run_records_carry_a_sweep_across_machines(tmp_path):
     records = str(tmp_path / "records")
     sweep.run_local(runs[:2], str(tmp_path / "first"), python=str(fake), share_warmstart_by=(), grid=runs,
                     records=records, log=lambda *_: None)
-    assert sorted(os.listdir(records)) == sorted(r["name"] + ".json.gz" for r in runs[:2])
+    assert sorted(os.listdir(records)) == ["_warmstart"] + sorted(r["name"] + ".json.gz" for r in runs[:2])
+    with tarfile.open(os.path.join(records, "_warmstart", "all.tar.gz")) as tar:  # the latest checkpoint only
+        assert sorted(tar.getnames()) == ["calls.txt", "checkpoints", "checkpoints/2", "checkpoints/2/state",
+                                          "metrics.jsonl", "summary.json", "sweep_run.json"]
     calls = tmp_path / "all_calls.txt"
     calls.unlink()
     out = str(tmp_path / "second")  # a fresh machine: no run directories, only the committed records
     res = sweep.run_local(runs, out, python=str(fake), share_warmstart_by=(), grid=runs, records=records,
                           log=lambda *_: None)
     assert [r["skipped"] for r in res] == [True, True, False, False]
-    assert len(calls.read_text().splitlines()) == 3  # the warm start and the two unrecorded runs
-    assert sorted(os.listdir(records)) == sorted(r["name"] + ".json.gz" for r in runs)
+    assert len(calls.read_text().splitlines()) == 2  # the two unrecorded runs: the warm start was restored
+    assert open(os.path.join(out, runs[2]["name"], "calls.txt")).read().splitlines()[0].endswith("rl.steps=0")
+    assert sorted(os.listdir(records)) == ["_warmstart"] + sorted(r["name"] + ".json.gz" for r in runs)
     table = sweep.aggregate(runs, out, paired_baseline=("criterion", "ratio"))
     assert len(table["rows"]) == 4 and all(r["reward_area"] == 0.5 for r in table["rows"])
     # --aggregate_only on a third machine rebuilds the same table from the records alone
     assert sweep.main(["--sweep", _write_sweep(tmp_path, d), "--out", str(tmp_path / "third"), "--records", records,
                        "--aggregate_only"]) == 0
     assert open(tmp_path / "third" / "sweep_runs.csv").read() == open(os.path.join(out, "sweep_runs.csv")).read()
-    other = _recording_fake(tmp_path, warm_accuracy=0.3)  # a different warm start
+    other = _recording_fake(tmp_path, warm_accuracy=0.3)  # a different warm start, built without the archive
+    shutil.rmtree(os.path.join(records, "_warmstart"))
     with pytest.raises(ValueError, match=r"seed=0_criterion=none.*warmstart_accuracy 0.1.*has 0.3"):
         sweep.run_local(runs, str(tmp_path / "fourth"), python=str(other), share_warmstart_by=(), grid=runs,
                         records=records, log=lambda *_: None)
@@ -614,3 +622,17 @@ def test_run_records_carry_a_sweep_across_machines(tmp_path):
         json.dump({"train.log": "x"}, f)
     with pytest.raises(ValueError, match=r"seed=0_criterion=none.json.gz.*summary.json"):
         sweep.restore_records(runs, str(tmp_path / "fifth"), records)
+
+
+def test_a_warm_start_archive_cannot_write_outside_its_workdir(tmp_path):
+    """restore_warmstart extracts with tarfile's data filter: a member path leaving the workdir is refused."""
+    records = tmp_path / "records"
+    (records / "_warmstart").mkdir(parents=True)
+    evil = tmp_path / "evil.txt"
+    evil.write_text("x")
+    with tarfile.open(records / "_warmstart" / "all.tar.gz", "w:gz") as tar:
+        tar.add(evil, arcname="../escaped.txt")
+    with pytest.raises(tarfile.OutsideDestinationError):
+        sweep.restore_warmstart(str(tmp_path / "out" / "all"), str(records), "all")
+    assert not (tmp_path / "out" / "escaped.txt").exists()
+    assert sweep.restore_warmstart(str(tmp_path / "other"), str(records), "missing") is False
