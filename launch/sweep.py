@@ -54,11 +54,13 @@ from __future__ import annotations
 import argparse
 import csv
 import gzip
+import hashlib
 import importlib.util
 import itertools
 import json
 import math
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -246,10 +248,30 @@ def code_version(code_dir: str) -> str:
     return ""
 
 
+def machine() -> str:
+    """This host in a line: CPU model (``/proc/cpuinfo``, else `platform.processor`), core count, a digest of the
+    CPU flags and the OS.
+
+    Recorded with each run (``sweep_run.json``): XLA:CPU compiles for the host's instruction set, so runs of one
+    seed made on two kinds of machine can differ in the last bits and then in their trajectory.
+    """
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(ln.split(":", 1) for ln in f if ":" in ln)
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        model = info.get("model name", model)
+        if info.get("flags"):  # virtual machines often report a generic model name: the flags tell them apart
+            flags = ", CPU flags " + hashlib.sha1(" ".join(sorted(info["flags"].split())).encode()).hexdigest()[:8]
+    except (OSError, ValueError):
+        pass
+    return f"{model}, {os.cpu_count()} cores{flags}, {platform.system()} {platform.release()}"
+
+
 def _run_one(cmd: list[str], workdir: str, env: dict, timeout_s: Optional[float], code_dir: str) -> int:
     with open(os.path.join(workdir, "sweep_run.json"), "a") as f:
         f.write(json.dumps(dict(command=cmd, code_dir=code_dir, code_version=code_version(code_dir),
-                                started=time.strftime("%Y-%m-%d %H:%M:%S"))) + "\n")
+                                started=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine())) + "\n")
     with open(os.path.join(workdir, "train.log"), "a") as f:
         try:
             return subprocess.run(cmd, cwd=code_dir, env=env, stdout=f, stderr=subprocess.STDOUT,

@@ -201,6 +201,7 @@ def test_local_runner_shares_the_warm_start(tmp_path):
     assert all(r["skipped"] for r in res)
     meta = json.loads(open(os.path.join(out, runs[0]["name"], "sweep_run.json")).read().splitlines()[-1])
     assert meta["code_dir"] == REPO and meta["command"][0] == str(fake)
+    assert meta["machine"] == sweep.machine() and f"{os.cpu_count()} cores" in meta["machine"]
 
 
 def test_local_runner_pinned_code_dir_with_relative_out(tmp_path, monkeypatch):
