@@ -66,6 +66,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from typing import Iterable, Optional
 
@@ -149,8 +150,8 @@ def validate_sweep(sweep: dict) -> dict:
             raise ValueError(f"sweep.axes: axis {item[0]!r} appears twice")
         keys.add(item[0])
         for v in item[1]:
-            if "," in str(v) or "=" in str(v):
-                raise ValueError(f"sweep.axes {item[0]!r}: value {v!r} may not contain ',' or '='")
+            if any(c in str(v) for c in ",=/" + os.sep):  # '/': the run name is a directory name
+                raise ValueError(f"sweep.axes {item[0]!r}: value {v!r} may not contain ',', '=' or '/'")
             if item[0] == "criterion" and v not in CRITERIA:
                 raise ValueError(f"sweep.axes criterion: {v!r} is not one of {sorted(CRITERIA)}")
     out = dict(sweep)
@@ -398,25 +399,81 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
 RECORD_FILES = ("summary.json", "metrics.jsonl", "sweep_run.json")
 
 
+def _write_atomically(dest: str, write) -> None:
+    """Calls ``write(tmp_path)`` and moves the file onto `dest` only once it is complete (no half-written file)."""
+    tmp = f"{dest}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_records_dir(records: str) -> None:
+    """Raises ValueError if `records` exists and is not a directory (a mistyped ``--records``)."""
+    if os.path.exists(records) and not os.path.isdir(records):
+        raise ValueError(f"--records {records!r} is a file, not a directory of run records")
+
+
+def _read_record(path: str) -> dict:
+    """The ``{file name: text}`` of a record; ValueError naming `path` if it is not one (`save_record`)."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            files = json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"run record {path}: not a gzip-compressed JSON record ({type(e).__name__}: {e})") from e
+    if not isinstance(files, dict) or "summary.json" not in files or set(files) - set(RECORD_FILES):
+        raise ValueError(f"run record {path}: expected a JSON object of {RECORD_FILES} texts with a summary.json, "
+                         f"got {sorted(files) if isinstance(files, dict) else type(files).__name__}")
+    bad = {k: type(v).__name__ for k, v in files.items() if not isinstance(v, str)}
+    if bad:
+        raise ValueError(f"run record {path}: every file must be a text, got {bad}")
+    try:
+        summary = json.loads(files["summary.json"])
+    except json.JSONDecodeError as e:
+        raise ValueError(f"run record {path}: its summary.json is not JSON ({e})") from e
+    if not isinstance(summary, dict):
+        raise ValueError(f"run record {path}: its summary.json is a {type(summary).__name__}, not an object")
+    return files
+
+
 def save_record(workdir: str, records: str) -> Optional[str]:
     """Writes a finished run's `RECORD_FILES` to ``<records>/<run name>.json.gz``; its path, None if unfinished.
 
     A record is a gzip-compressed JSON object ``{file name: text}`` of a few tens of kB, small enough to commit:
     a sweep longer than one machine's session (whose run directories, with their checkpoints, are not kept) goes
     on from the committed records with ``--records`` (`restore_records`). Checkpoints and logs are not kept.
+    The bytes depend only on the files (no time stamp); an unchanged record is not rewritten.
+
+    Raises:
+      ValueError: `records` is a file, or a record of this run exists with other contents (a run made again, or
+        from another warm start, never replaces a committed record silently: delete the record to replace it).
     """
     if not os.path.exists(os.path.join(workdir, "summary.json")):
         return None
+    check_records_dir(records)
     files = {}
     for name in RECORD_FILES:
         path = os.path.join(workdir, name)
         if os.path.exists(path):
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 files[name] = f.read()
     os.makedirs(records, exist_ok=True)
     dest = os.path.join(records, os.path.basename(os.path.normpath(workdir)) + ".json.gz")
-    with gzip.open(dest, "wt", compresslevel=9) as f:
-        json.dump(files, f, sort_keys=True)
+    if os.path.exists(dest):
+        old = _read_record(dest)
+        if old == files:
+            return dest
+        differ = sorted(k for k in set(old) | set(files) if old.get(k) != files.get(k))
+        raise ValueError(f"run record {dest} exists and differs from the run in {workdir} in {differ}: not "
+                         f"replaced (delete the record to replace it)")
+
+    def write(tmp):
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as gz:
+            gz.write(json.dumps(files, sort_keys=True).encode("utf-8"))
+
+    _write_atomically(dest, write)
     return dest
 
 
@@ -436,41 +493,73 @@ def save_warmstart(workdir: str, records: str, tag: str) -> str:
     run's own files; leaves out `_WARMSTART_SKIP`. The runs of a sweep carried across machines must start from one
     warm start: a second machine's supervised phase need not give the same weights (XLA:CPU compiles for the
     host's instruction set), so the archive is committed beside the run records and restored
-    (`restore_warmstart`) instead of rebuilt. A few MB for the tiny configs.
+    (`restore_warmstart`) instead of rebuilt. A few MB for the tiny configs. Written atomically.
+
+    Raises:
+      ValueError: `workdir` has no summary.json (an unfinished warm start) or holds a link or special file.
     """
+    if not os.path.exists(os.path.join(workdir, "summary.json")):
+        raise ValueError(f"warm start {workdir}: no summary.json, so it is not finished; not archived")
     ckpt = os.path.join(workdir, "checkpoints")
-    steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit()) if os.path.isdir(ckpt) else []
-    old = {os.path.join("checkpoints", str(n)) for n in steps[:-1]}
+    entries = os.listdir(ckpt) if os.path.isdir(ckpt) else []
+    steps = sorted(int(n) for n in entries if n.isascii() and n.isdigit())
+    latest = str(steps[-1]) if steps else None
+    old = {os.path.join("checkpoints", n) for n in entries if n != latest and os.path.isdir(os.path.join(ckpt, n))}
     dest = _warmstart_archive(records, tag)
+    check_records_dir(records)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
 
     def keep(info: tarfile.TarInfo):
-        rel = os.path.normpath(info.name)
-        parts = rel.split(os.sep)
+        parts = os.path.normpath(info.name).split(os.sep)
         if parts[0] in _WARMSTART_SKIP or os.sep.join(parts[:2]) in old:
             return None
+        if not (info.isfile() or info.isdir()):
+            raise ValueError(f"warm start {workdir}: {info.name} is a link or special file; not archived")
         info.uid = info.gid = 0
         info.uname = info.gname = ""
         info.mtime = 0
         return info
 
-    with tarfile.open(dest, "w:gz") as tar:
-        for name in sorted(os.listdir(workdir)):
-            tar.add(os.path.join(workdir, name), arcname=name, filter=keep)
+    def write(tmp):
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w") as tar:
+            for name in sorted(os.listdir(workdir)):
+                tar.add(os.path.join(workdir, name), arcname=name, filter=keep)
+
+    _write_atomically(dest, write)
     return dest
 
 
 def restore_warmstart(workdir: str, records: str, tag: str) -> bool:
-    """Unpacks ``<records>/_warmstart/<tag>.tar.gz`` (`save_warmstart`) into `workdir`; False if there is none.
+    """Unpacks ``<records>/_warmstart/<tag>.tar.gz`` (`save_warmstart`) as `workdir`; False if there is none.
 
-    Extraction refuses links, devices and paths outside `workdir` (tarfile's ``data`` filter).
+    The archive is unpacked beside `workdir` and moved into place only once complete, so a failure leaves no
+    half warm start that a later call would take for a finished one. Extraction refuses links, devices and paths
+    outside the directory (tarfile's ``data`` filter).
+
+    Raises:
+      ValueError: the archive cannot be read or unpacked (names it), or holds no summary.json.
     """
     src = _warmstart_archive(records, tag)
     if not os.path.exists(src):
         return False
-    os.makedirs(workdir, exist_ok=True)
-    with tarfile.open(src, "r:gz") as tar:
-        tar.extractall(workdir, filter="data")
+    parent = os.path.dirname(os.path.abspath(workdir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".restoring_", dir=parent)
+    try:
+        try:
+            with tarfile.open(src, "r:gz") as tar:
+                tar.extractall(tmp, filter="data")
+        except (OSError, EOFError, tarfile.TarError) as e:
+            raise ValueError(f"warm-start archive {src}: cannot be unpacked ({type(e).__name__}: {e})") from e
+        if not os.path.exists(os.path.join(tmp, "summary.json")):
+            raise ValueError(f"warm-start archive {src}: holds no summary.json")
+        if os.path.isdir(workdir) and not os.listdir(workdir):
+            os.rmdir(workdir)
+        os.rename(tmp, workdir)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
     return True
 
 
@@ -478,42 +567,50 @@ def restore_records(runs: Iterable[dict], out: str, records: str, warmstart: Opt
                     log=print) -> list[str]:
     """Unpacks ``<records>/<name>.json.gz`` into ``<out>/<name>/`` for each run without a ``summary.json`` there.
 
-    The sweep then skips those runs and the tables read them like runs of this machine. warmstart:
+    The sweep then skips those runs and the tables read them like runs of this machine (a record's files replace
+    an interrupted run's; `RECORD_FILES` the record lacks are removed). warmstart:
     ``{run name: warm-start workdir}`` (`run_local`); a record whose ``warmstart_accuracy`` differs from its
     warm start's raises ValueError naming the run and both values, since its paired differences would mix two
-    warm starts. Returns the names restored.
+    warm starts. Logs how many records there are and how many were restored; returns the names restored.
 
     Raises:
-      ValueError: a record is not a JSON object of `RECORD_FILES` texts holding a ``summary.json``, or its
-        warm-start accuracy differs from this sweep's warm start.
+      ValueError: `records` is a file; a record is not a JSON object of `RECORD_FILES` texts holding a
+        ``summary.json`` object (`save_record`), or its warm-start accuracy differs from this sweep's warm start.
     """
-    restored = []
+    check_records_dir(records)
+    runs = list(runs)
+    restored, found = [], 0
     for run in runs:
         path = os.path.join(records, run["name"] + ".json.gz")
         wd = os.path.join(out, run["name"])
-        if not os.path.exists(path) or os.path.exists(os.path.join(wd, "summary.json")):
+        if not os.path.exists(path):
             continue
-        with gzip.open(path, "rt") as f:
-            files = json.load(f)
-        if (not isinstance(files, dict) or "summary.json" not in files or set(files) - set(RECORD_FILES)
-                or not all(isinstance(v, str) for v in files.values())):
-            raise ValueError(f"run record {path}: expected a JSON object of {RECORD_FILES} texts with a "
-                             f"summary.json, got keys {sorted(files) if isinstance(files, dict) else type(files)}")
+        found += 1
+        if os.path.exists(os.path.join(wd, "summary.json")):
+            continue
+        files = _read_record(path)
         warm = (warmstart or {}).get(run["name"])
         if warm is not None and os.path.exists(os.path.join(warm, "summary.json")):
             with open(os.path.join(warm, "summary.json")) as f:
                 want = json.load(f).get("warmstart_accuracy")
             got = json.loads(files["summary.json"]).get("warmstart_accuracy")
             if want is not None and got != want:
-                raise ValueError(f"run record {path}: warmstart_accuracy {got}, but this sweep's warm start {warm} "
-                                 f"has {want}: the record comes from another warm start and cannot be paired")
+                raise ValueError(f"run record {path}: warmstart_accuracy {got!r}, but this sweep's warm start {warm} "
+                                 f"has {want!r}: the record comes from another warm start and cannot be paired")
         os.makedirs(wd, exist_ok=True)
-        for name, text in files.items():
-            with open(os.path.join(wd, name), "w") as f:
-                f.write(text)
+        for name in RECORD_FILES:
+            target = os.path.join(wd, name)
+            if name not in files:
+                if os.path.exists(target):
+                    os.remove(target)
+                continue
+            if name != "summary.json":  # summary.json last: it marks the run finished
+                with open(target, "w", encoding="utf-8") as f:
+                    f.write(files[name])
+        with open(os.path.join(wd, "summary.json"), "w", encoding="utf-8") as f:
+            f.write(files["summary.json"])
         restored.append(run["name"])
-    if restored:
-        log(f"restored {len(restored)} finished run(s) from the records in {records}")
+    log(f"run records in {records}: {found} of the {len(runs)} runs, {len(restored)} restored")
     return restored
 
 
@@ -876,6 +973,9 @@ def main(argv=None) -> int:
     if args.only:
         pats = [s for s in args.only.split(",") if s]
         runs = [r for r in runs if any(s in r["name"] for s in pats)]
+        if not runs:
+            print(f"--only {args.only!r} matches none of the sweep's {len(grid)} runs", file=sys.stderr)
+            return 2
     if args.print_only:
         for i, r in enumerate(runs):
             wd = os.path.join(args.out, r["name"])
@@ -894,6 +994,7 @@ def main(argv=None) -> int:
         if failed:
             print(f"{len(failed)} run(s) failed: {failed}", file=sys.stderr)
     elif args.records:
+        check_records_dir(args.records)
         restore_records(runs, args.out, args.records)
         for r in runs:
             save_record(os.path.join(args.out, r["name"]), args.records)

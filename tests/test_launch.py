@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def test_keep_filter_and_one_shared_warm_start(tmp_path):
     (dict(axes=[("criterion", ["ratio", "magic"])]), "criterion"),
     (dict(axes=[("delta", [0.1]), ("delta", [0.2])]), "twice"),
     (dict(axes=[("delta", ["0.1,seed=3"])]), "may not contain"),
+    (dict(axes=[("data.path", ["a/x", "b/x"])]), "may not contain"),  # two runs named x
     (dict(axes=[("delta", [0.1])], share_warmstart_by=("seed",)), "share_warmstart_by"),
 ])
 def test_bad_sweep_definitions_name_the_field(bad, field):
@@ -626,14 +628,84 @@ def test_run_records_carry_a_sweep_across_machines(tmp_path):
 
 
 def test_a_warm_start_archive_cannot_write_outside_its_workdir(tmp_path):
-    """restore_warmstart extracts with tarfile's data filter: a member path leaving the workdir is refused."""
+    """restore_warmstart extracts with tarfile's data filter: a member path leaving the workdir is refused, naming
+    the archive, and nothing is left behind."""
     records = tmp_path / "records"
     (records / "_warmstart").mkdir(parents=True)
     evil = tmp_path / "evil.txt"
     evil.write_text("x")
     with tarfile.open(records / "_warmstart" / "all.tar.gz", "w:gz") as tar:
         tar.add(evil, arcname="../escaped.txt")
-    with pytest.raises(tarfile.OutsideDestinationError):
+    with pytest.raises(ValueError, match=r"all.tar.gz: cannot be unpacked \(OutsideDestinationError"):
         sweep.restore_warmstart(str(tmp_path / "out" / "all"), str(records), "all")
-    assert not (tmp_path / "out" / "escaped.txt").exists()
+    assert not (tmp_path / "out" / "escaped.txt").exists() and os.listdir(tmp_path / "out") == []
     assert sweep.restore_warmstart(str(tmp_path / "other"), str(records), "missing") is False
+
+
+def _two_recorded_runs(tmp_path):
+    fake = _recording_fake(tmp_path)
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1])], share_warmstart_by=()))
+    runs = sweep.expand(d)
+    records = str(tmp_path / "records")
+    sweep.run_local(runs, str(tmp_path / "first"), python=str(fake), share_warmstart_by=(), grid=runs,
+                    records=records, log=lambda *_: None)
+    return fake, runs, records
+
+
+def test_a_bad_warm_start_archive_leaves_no_half_warm_start(tmp_path):
+    """A truncated archive is refused by name, and a retry does not take a partial unpack for a finished warm
+    start; a link in the warm start is refused when archiving; a failed archive write leaves no file behind."""
+    fake, runs, records = _two_recorded_runs(tmp_path)
+    archive = os.path.join(records, "_warmstart", "all.tar.gz")
+    data = open(archive, "rb").read()
+    open(archive, "wb").write(data[: len(data) - 40])
+    out = str(tmp_path / "second")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"warm-start archive .*all.tar.gz: cannot be unpacked"):
+            sweep.run_local(runs, out, python=str(fake), share_warmstart_by=(), grid=runs, records=records,
+                            log=lambda *_: None)
+        assert not os.path.exists(os.path.join(out, "_warmstart", "all"))
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "summary.json").write_text("{}")
+    (warm / "link").symlink_to("/etc/hostname")
+    with pytest.raises(ValueError, match="link is a link or special file"):
+        sweep.save_warmstart(str(warm), str(tmp_path / "rec2"), "all")
+    assert os.listdir(tmp_path / "rec2" / "_warmstart") == []
+    with pytest.raises(ValueError, match="not finished"):
+        sweep.save_warmstart(str(tmp_path / "nowhere"), str(tmp_path / "rec2"), "all")
+
+
+def test_records_are_never_replaced_silently_and_bad_ones_are_named(tmp_path):
+    """A committed record is not overwritten by a different local run (an --aggregate_only on a stale directory,
+    here from another warm start); unchanged records keep their bytes; malformed records and a --records that is
+    a file are refused by name; an --only matching nothing is an error."""
+    fake, runs, records = _two_recorded_runs(tmp_path)
+    path = os.path.join(records, runs[0]["name"] + ".json.gz")
+    before = open(path, "rb").read()
+    sweep.save_record(os.path.join(tmp_path, "first", runs[0]["name"]), records)
+    assert open(path, "rb").read() == before  # no time stamp, no rewrite
+    stale = tmp_path / "stale" / runs[0]["name"]
+    stale.mkdir(parents=True)
+    (stale / "summary.json").write_text('{"warmstart_accuracy": 0.3, "final_accuracy": 0.2}')
+    sweep_file = tmp_path / "def.py"
+    sweep_file.write_text("def get_sweep(arg=None):\n"
+                          "    return dict(config='configs/tiny.py', axes=[('seed', [0, 1])])\n")
+    with pytest.raises(ValueError, match=r"seed=0.json.gz exists and differs .* in \['metrics.jsonl', 'summary.json'"):
+        sweep.main(["--sweep", str(sweep_file), "--out", str(tmp_path / "stale"), "--records", records,
+                    "--aggregate_only"])
+    assert open(path, "rb").read() == before
+    assert sweep.main(["--sweep", str(sweep_file), "--out", str(tmp_path / "x"), "--only", "seed=7"]) == 2
+    bad_cases = {b"not gzip": "not a gzip-compressed JSON record", gzip.compress(b"[1]"): "got list",
+                 gzip.compress(b'{"summary.json": 3}'): "every file must be a text, got {'summary.json': 'int'}",
+                 gzip.compress(b'{"summary.json": "nope"}'): "its summary.json is not JSON",
+                 gzip.compress(b'{"summary.json": "[1]"}'): "its summary.json is a list"}
+    for blob, message in bad_cases.items():
+        open(path, "wb").write(blob)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            sweep.restore_records(runs, str(tmp_path / "fresh"), records, log=lambda *_: None)
+        assert not os.path.exists(tmp_path / "fresh" / runs[0]["name"] / "summary.json")
+    not_a_dir = tmp_path / "records_file"
+    not_a_dir.write_text("")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        sweep.restore_records(runs, str(tmp_path / "fresh"), str(not_a_dir), log=lambda *_: None)
