@@ -29,10 +29,11 @@ PDM - DPPO difference in final accuracy (+0.006, standard deviation 0.012 over t
 paired seeds for 80% power in a two-sided paired t-test at 5% (`launch/sweep.py:seeds_for_power`). The arms
 without a radius (none, clip-higher) run at delta 0.05 and only for the first `RADIUS_FREE_SEEDS` seeds: their
 differences from DPPO in the pilot (-0.16) are tens of standard deviations. That is 8 x 10 + 25 x 8 = 280 runs of
-~2.5 min on a 2-core CPU (12 h); seed is the outermost axis, so a sweep stopped early (and resumed later: runs with
-a ``summary.json`` are skipped) has every arm at the same seeds. The finished runs' records are committed in
-``reports/between_pilot/comparison_records`` (``--records``, `launch/sweep.py:save_record`), so the sweep goes on
-across machines and its tables are rebuilt from them with ``--aggregate_only``.
+~2.5 min on a 2-core CPU with nothing else running (12 h); seed is the outermost axis, so a sweep stopped early (and
+resumed later: runs with a ``summary.json`` are skipped) has every arm at the same seeds. The finished runs' records
+and the warm start are committed in ``reports/between_pilot/comparison_records`` (``--records``,
+`launch/sweep.py:save_record`), so the sweep goes on across machines from the same warm start and its tables are
+rebuilt from the records with ``--aggregate_only``.
 
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
