@@ -166,8 +166,8 @@ def test_huge_delta_is_the_unmasked_step(setup):
     assert m_jvp["frac_outside"] == 0.0 and m_jvp["frac_masked"] == 0.0 and m_jvp["frac_outside_kept"] == 0.0
     for k in ("loss", "policy_loss", "grad_norm", "mean_ratio", "mean_topk_kl", "entropy"):
         # Two programs fused differently: f32 rounding in other orders (mean_topk_kl, a mean of differences of
-        # logs, differs by 7e-6 relative where XLA:CPU's fusion emitters are off).
-        np.testing.assert_allclose(m_jvp[k], m_none[k], rtol=1e-5, err_msg=k)
+        # logs, differs by 7e-6 relative where XLA:CPU's fusion emitters are off, 1.5e-5 on an AVX-512 FP16 host).
+        np.testing.assert_allclose(m_jvp[k], m_none[k], rtol=3e-5 if k == "mean_topk_kl" else 1e-5, err_msg=k)
     assert m_none["grad_norm"] > 1e-3
     _assert_params_close(p_jvp, p_none, rtol=1e-6, atol=1e-7)
 
