@@ -68,6 +68,27 @@ def test_criterion_axis_selects_the_trust_region_direction_criteria():
     assert (c.trust_region.mask, c.trust_region.direction) == ("pdm", "param_jvp")
 
 
+def _recording_fake(tmp_path, warm_accuracy=0.1):
+    """A fake `python -m pdm_jax.train --config=SPEC --workdir=DIR ...` for run_local: records each call's SPEC in
+    DIR/calls.txt (preceded by "resumed" when DIR holds a warm start) and in all_calls.txt beside the script, its
+    cwd and PYTHONPATH, and writes two checkpoints, a weights copy, metrics.jsonl and summary.json."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; --config=*) cfg=\"${a#*=}\";; esac; done\n"
+        "mkdir -p \"$wd\"; if [[ -f \"$wd/warm.txt\" ]]; then echo resumed >> \"$wd/calls.txt\"; fi\n"
+        "echo \"$cfg\" >> \"$wd/calls.txt\"; echo \"$cfg\" >> \"$(dirname \"$0\")/all_calls.txt\"\n"
+        "if [[ \"$cfg\" == *rl.steps=0 ]]; then echo warm > \"$wd/warm.txt\"; fi\n"
+        "pwd > \"$wd/cwd.txt\"; echo \"$PYTHONPATH\" > \"$wd/pp.txt\"\n"
+        "mkdir -p \"$wd/checkpoints/1\" \"$wd/checkpoints/2\" \"$wd/weights/v000000\"\n"
+        "touch \"$wd/checkpoints/1/state\" \"$wd/checkpoints/2/state\" \"$wd/weights/v000000/params\"\n"
+        "echo '{\"phase\": \"rl\", \"step\": 1, \"reward\": 0.5}' > \"$wd/metrics.jsonl\"\n"
+        f"echo '{{\"warmstart_accuracy\": {warm_accuracy}, \"final_accuracy\": 0.2, \"steps\": 1}}' "
+        "> \"$wd/summary.json\"\n")
+    fake.chmod(0o755)
+    return fake
+
+
 def test_keep_filter_and_one_shared_warm_start(tmp_path):
     """`keep` drops grid points (e.g. delta for masks without a radius); share_warmstart_by=() = one warm start."""
     d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("delta", [0.05, 0.15]),
@@ -80,13 +101,7 @@ def test_keep_filter_and_one_shared_warm_start(tmp_path):
         "delta=0.05_criterion=ratio_seed=1", "delta=0.15_criterion=ratio_seed=0", "delta=0.15_criterion=ratio_seed=1"]
     with pytest.raises(ValueError, match="keep"):
         sweep.validate_sweep(dict(d, keep=3))
-    fake = tmp_path / "fake_python"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; esac; done\n"
-        "mkdir -p \"$wd\"; echo \"$@\" >> \"$wd/calls.txt\"\n"
-        "echo '{\"warmstart_accuracy\": 0.1, \"final_accuracy\": 0.2, \"steps\": 1, \"wall_seconds\": 1}' > \"$wd/summary.json\"\n")
-    fake.chmod(0o755)
+    fake = _recording_fake(tmp_path)
     out = str(tmp_path / "sweep")
     res = sweep.run_local(runs, out, python=str(fake), share_warmstart_by=(), log=lambda *_: None)
     assert [r["returncode"] for r in res] == [0] * 6
@@ -176,17 +191,7 @@ def test_aggregate_table_by_hand(tmp_path):
 
 def test_local_runner_shares_the_warm_start(tmp_path):
     """run_local with a fake trainer: one warm start per seed, copied into each run's workdir."""
-    fake = tmp_path / "fake_python"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        "# fake 'python -m pdm_jax.train --config=SPEC --workdir=DIR ...': records its calls\n"
-        "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; --config=*) cfg=\"${a#*=}\";; esac; done\n"
-        "mkdir -p \"$wd\"\n"
-        "if [[ -f \"$wd/warm.txt\" ]]; then echo resumed >> \"$wd/calls.txt\"; fi\n"
-        "echo \"$cfg\" >> \"$wd/calls.txt\"\n"
-        "if [[ \"$cfg\" == *rl.steps=0 ]]; then echo warm > \"$wd/warm.txt\"; fi\n"
-        "echo '{\"warmstart_accuracy\": 0.1, \"final_accuracy\": 0.2, \"steps\": 1, \"wall_seconds\": 1}' > \"$wd/summary.json\"\n")
-    fake.chmod(0o755)
+    fake = _recording_fake(tmp_path)
     d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("criterion", ["ratio", "pdm_bucket_exact"]),
                                                                    ("seed", [0, 1])], share_warmstart_by=("seed",)))
     runs = sweep.expand(d)
@@ -208,12 +213,7 @@ def test_local_runner_shares_the_warm_start(tmp_path):
 
 def test_local_runner_pinned_code_dir_with_relative_out(tmp_path, monkeypatch):
     """Runs execute in code_dir, but a relative --out still means relative to where the sweep was started."""
-    fake = tmp_path / "fake_python"
-    fake.write_text("#!/usr/bin/env bash\n"
-                    "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; esac; done\n"
-                    "mkdir -p \"$wd\"; pwd > \"$wd/cwd.txt\"; echo \"$PYTHONPATH\" > \"$wd/pp.txt\"\n"
-                    "echo '{\"final_accuracy\": 0.2}' > \"$wd/summary.json\"\n")
-    fake.chmod(0o755)
+    fake = _recording_fake(tmp_path)
     code = tmp_path / "pinned"
     code.mkdir()
     (code / "COMMIT").write_text("abc1234\n")
@@ -545,21 +545,6 @@ def test_paired_differences_by_hand(tmp_path):
         sweep.validate_sweep(dict(d, paired_baseline=("delta", 0.1)))
 
 
-def _recording_fake(tmp_path, warm_accuracy=0.1):
-    fake = tmp_path / "fake_python"
-    fake.write_text(
-        "#!/usr/bin/env bash\n"
-        "for a in \"$@\"; do case \"$a\" in --workdir=*) wd=\"${a#*=}\";; --config=*) cfg=\"${a#*=}\";; esac; done\n"
-        "mkdir -p \"$wd\"; echo \"$cfg\" >> \"$wd/calls.txt\"; echo \"$cfg\" >> \"$(dirname \"$0\")/all_calls.txt\"\n"
-        "mkdir -p \"$wd/checkpoints/1\" \"$wd/checkpoints/2\" \"$wd/weights/v000000\"\n"
-        "touch \"$wd/checkpoints/1/state\" \"$wd/checkpoints/2/state\" \"$wd/weights/v000000/params\"\n"
-        "echo '{\"phase\": \"rl\", \"step\": 1, \"reward\": 0.5}' > \"$wd/metrics.jsonl\"\n"
-        f"echo '{{\"warmstart_accuracy\": {warm_accuracy}, \"final_accuracy\": 0.2, \"steps\": 1}}' "
-        "> \"$wd/summary.json\"\n")
-    fake.chmod(0o755)
-    return fake
-
-
 def test_subset_of_a_sweep_starts_from_the_whole_sweeps_warm_start(tmp_path):
     """--only: the warm start is run with the whole grid's first point (seed 0), not the subset's first (seed 1),
     and a group none of whose runs is in the subset gets no warm start."""
@@ -600,7 +585,8 @@ def test_run_records_carry_a_sweep_across_machines(tmp_path):
     assert sorted(os.listdir(records)) == ["_warmstart"] + sorted(r["name"] + ".json.gz" for r in runs[:2])
     with tarfile.open(os.path.join(records, "_warmstart", "all.tar.gz")) as tar:  # the latest checkpoint only
         assert sorted(tar.getnames()) == ["calls.txt", "checkpoints", "checkpoints/2", "checkpoints/2/state",
-                                          "metrics.jsonl", "summary.json", "sweep_run.json"]
+                                          "cwd.txt", "metrics.jsonl", "pp.txt", "summary.json", "sweep_run.json",
+                                          "warm.txt"]
     calls = tmp_path / "all_calls.txt"
     calls.unlink()
     out = str(tmp_path / "second")  # a fresh machine: no run directories, only the committed records
