@@ -1,0 +1,28 @@
+"""The interval `bench/bench_server_batching.py` prints beside its median ratio."""
+
+import os
+import sys
+
+import pytest
+from scipy import stats
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import bench_server_batching  # noqa: E402
+
+
+@pytest.mark.parametrize("n", [6, 9, 10, 31, 32, 100])
+def test_median_interval_is_the_narrowest_order_statistic_pair_with_95_coverage(n):
+    """x_(k)..x_(n+1-k) covers the median with probability 1 - 2 P(Binomial(n, 1/2) <= k - 1) (scipy's binomial
+    here, the bench's own sum of binomial coefficients there); k is the largest with coverage >= 0.95."""
+    low, high = bench_server_batching.median_ci95([float(i) for i in reversed(range(n))])  # unsorted input
+    k = int(low) + 1
+    assert high == n - k
+
+    def coverage(j):
+        return 1 - 2 * stats.binom.cdf(j - 1, n, 0.5)
+
+    assert coverage(k) >= 0.95 > coverage(k + 1)
+
+
+def test_median_interval_of_few_rounds_is_the_range():
+    assert bench_server_batching.median_ci95([0.7, 0.5, 0.6]) == (0.5, 0.7)
