@@ -6,8 +6,10 @@ figure is the best over all rounds. Per shape and batch size it prints tokens/s,
 per generated token, the first call's seconds (trace + compile + run), the compile seconds within it (JAX's
 tracing, lowering and XLA compile durations, from ``jax.monitoring``) and whether both sides sampled the same
 tokens and log-probabilities bit for bit (a SHA-256 of the outputs). With a baseline, the ratio columns are
-this tree's tokens/s over the baseline's, and this tree's first-call and compile seconds over the baseline's
-(below 1: this tree compiles faster).
+this tree's tokens/s over the baseline's (of the best rounds, and the median of the per-round ratios with a
+distribution-free 95% interval of that median, `bench_stats.median_ci95`: single rounds on a 2-core machine move
+by 30%, so a ratio near 1 needs 15 rounds or more to be read), and this tree's first-call and compile seconds over
+the baseline's (below 1: this tree compiles faster).
 
 Shapes (random f32 weights, ``quantization="none"``, the engine's default batching, prompts of
 16 tokens, 128 new tokens each, temperature 1, top-K 20 log-probs):
@@ -16,12 +18,14 @@ Shapes (random f32 weights, ``quantization="none"``, the engine's default batchi
 - ``large``: V 4096, d 512, 8 layers, 4 / 2 heads, MLP 1536.
 
     python bench/bench_decode.py --baseline HEAD~1 [--rounds 2 --repeats 3 --batches 1,8,32]
+    python bench/bench_decode.py --baseline HEAD~1 --shapes tiny --batches 32 --rounds 15   # one ratio, its interval
     python bench/bench_decode.py                 # this tree alone
 """
 import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +34,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"tiny": dict(vocab=512, hidden=128, layers=3), "large": dict(vocab=4096, hidden=512, layers=8)}
 PROMPT, NEW, TOP_K = 16, 128, 20
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_stats import median_ci95  # noqa: E402
 
 
 def worker(shapes, batches, repeats) -> dict:
@@ -140,11 +147,14 @@ def main():
     print(f"bench_decode: this tree at {rev.strip()} (+ uncommitted changes if any), CPU x{os.cpu_count()}, "
           f"{args.rounds} rounds x {args.repeats} repeats, best of all; prompts {PROMPT}, {NEW} new tokens")
     best = {name: {} for name in trees}
+    walls = {name: [] for name in trees}  # per round: {shape/batch: the round's best wall}
     try:
         for r in range(args.rounds):
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             for name in order:
-                _merge(best[name], _run_worker(trees[name], args))
+                result = _run_worker(trees[name], args)
+                _merge(best[name], result)
+                walls[name].append({k: v["wall"] for k, v in result.items() if k != "package"})
     finally:
         if tmp is not None:
             subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", tmp], capture_output=True)
@@ -153,7 +163,7 @@ def main():
     for n in names:
         head += f" | {n + ' tok/s':>22s} {'CPU us/tok':>10s} {'1st call s':>10s} {'compile s':>9s}"
     if len(names) == 2:
-        head += " | tok/s ratio  1st call ratio  compile ratio  same tokens"
+        head += " | tok/s ratio  1st call ratio  compile ratio  same tokens | median round ratio (95% interval)"
     print(head)
     for s in shapes:
         for b in batches:
@@ -168,6 +178,9 @@ def main():
                 ratio = lambda f: c[f] / a[f] if a[f] > 0 else float("nan")  # noqa: E731  this tree / baseline
                 row += (f" | {a['wall'] / c['wall']:10.2f}x  {ratio('first_call'):13.2f}x  {ratio('compile'):12.2f}x"
                         f"  {'yes' if a['digest'] == c['digest'] else 'NO'}")
+                per_round = [wa[key] / wc[key] for wa, wc in zip(walls[names[0]], walls[names[1]])]
+                low, high = median_ci95(per_round)
+                row += f" | {statistics.median(per_round):.2f}x ({low:.2f}-{high:.2f}, {len(per_round)} rounds)"
             print(row, flush=True)
 
 

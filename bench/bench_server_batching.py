@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from bench_stats import median_ci95  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 from pdm_jax.rollouts.client import SamplerClient  # noqa: E402
 
 MODEL = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=256, hidden_size=64,
@@ -76,18 +76,6 @@ def measure(client, args, rounds: int) -> list:
             got[name] = float(batch.completion_mask.sum()) / (time.perf_counter() - t0)
         out.append((got["mixed"], got["uniform"]))
     return out
-
-
-def median_ci95(values: list) -> tuple:
-    """(low, high): a distribution-free 95% interval of the median of `values`, the order statistics x_(k) and
-    x_(n+1-k) with the largest k such that P(Binomial(n, 1/2) < k) <= 0.025 (Conover, Practical Nonparametric
-    Statistics, 3rd ed., sec. 3.2); (min, max) when n < 6, where no k reaches 95%."""
-    xs, n = sorted(values), len(values)
-    below, k = 0.0, 0  # below = P(Binomial(n, 1/2) < k + 1)
-    while k < n // 2 and below + math.comb(n, k) / 2 ** n <= 0.025:
-        below += math.comb(n, k) / 2 ** n
-        k += 1
-    return (xs[k - 1], xs[n - k]) if k else (xs[0], xs[-1])
 
 
 def report(label: str, rounds: list) -> None:
