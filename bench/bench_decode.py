@@ -155,6 +155,7 @@ def main():
                 result = _run_worker(trees[name], args)
                 _merge(best[name], result)
                 walls[name].append({k: v["wall"] for k, v in result.items() if k != "package"})
+                print(f"round {r + 1} of {args.rounds}: {name} measured", file=sys.stderr, flush=True)
     finally:
         if tmp is not None:
             subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", tmp], capture_output=True)
