@@ -2,13 +2,13 @@
 # Run pdm_jax.train on a Cloud TPU VM pod: create (or reuse) -> copy code -> install -> train on
 # every worker (multi-host, jax.distributed) with streamed logs -> delete.
 #
-#   launch/tpu_pod.sh --name=pdm-v4 --project=my-proj --zone=us-central2-b --accelerator=v4-32 \
+#   launch/tpu_pod.sh --name=pdm-8b --project=my-proj --zone=us-east5-a --accelerator=v5p-128 \
 #       --config=configs/qwen3_dapo.py:size=8b,hf_path=/mnt/ckpt/Qwen3-8B-Base,data_path=/mnt/data/dapo.parquet \
 #       --bucket=gs://my-bucket/pdm_runs
 #
 #   launch/tpu_pod.sh --dry-run ...    prints every command instead of running it
 #
-# The workdir is <bucket>/<name> (gs://my-bucket/pdm_runs/pdm-v4): every host writes its own
+# The workdir is <bucket>/<name> (gs://my-bucket/pdm_runs/pdm-8b): every host writes its own
 # shards of the orbax checkpoints there and process 0 the metrics, summary and TensorBoard
 # events, so the run outlives its VMs. Re-running the same command (after a preemption, a
 # failure or the VM's deletion) resumes from the newest intact checkpoint in the bucket.
@@ -18,8 +18,11 @@
 #   --name          TPU VM name (required)
 #   --project       GCP project (required)
 #   --zone          zone, e.g. us-central2-b (required)
-#   --accelerator   accelerator type, e.g. v4-32, v5litepod-16 (required)
-#   --version       TPU VM runtime image (default tpu-ubuntu2204-base)
+#   --accelerator   accelerator type, e.g. v5p-128 (64 chips: the Qwen3 recipes' slice), v4-32, v5litepod-16
+#                   (required)
+#   --version       TPU VM runtime image (default by generation, as Cloud TPU's software-versions page lists
+#                   them: tpu-ubuntu2204-base for v2-v4, v2-alpha-tpuv5-lite for v5litepod, v2-alpha-tpuv5
+#                   for v5p, v2-alpha-tpuv6e for v6e; required for any other accelerator type)
 #   --config        config spec passed to --config= of pdm_jax.train (default configs/tiny.py)
 #   --bucket        gs://bucket[/prefix] for the run's workdir <bucket>/<name> (default: $PDM_BUCKET)
 #   --workdir       the run directory itself, instead of <bucket>/<name>: a gs:// URL, or a local
@@ -45,7 +48,7 @@
 # An existing TPU VM of that name is reused when READY, recreated otherwise (e.g. preempted).
 set -euo pipefail
 
-NAME="" PROJECT="" ZONE="" ACCEL="" VERSION="tpu-ubuntu2204-base" BUCKET="${PDM_BUCKET:-}"
+NAME="" PROJECT="" ZONE="" ACCEL="" VERSION="" BUCKET="${PDM_BUCKET:-}"
 CONFIG="configs/tiny.py" WORKDIR="" RESULTS="" REPO="" BRANCH="main" INSTALL=""
 SPOT=0 KEEP=0 DRY=0 TRAINED=0
 EXTRA=()
@@ -71,7 +74,7 @@ for arg in "$@"; do
     --spot) SPOT=1 ;;
     --keep) KEEP=1 ;;
     --dry-run|--dry_run) DRY=1 ;;
-    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) die "unknown argument '$arg' (see --help)" ;;
   esac
 done
@@ -79,7 +82,16 @@ done
 [[ -n "$NAME" ]] || die "--name is required"
 [[ -n "$PROJECT" ]] || die "--project is required"
 [[ -n "$ZONE" ]] || die "--zone is required"
-[[ -n "$ACCEL" ]] || die "--accelerator is required (e.g. v4-32)"
+[[ -n "$ACCEL" ]] || die "--accelerator is required (e.g. v5p-128)"
+if [[ -z "$VERSION" ]]; then
+  case "$ACCEL" in
+    v2-*|v3-*|v4-*) VERSION="tpu-ubuntu2204-base" ;;
+    v5litepod-*|v5e-*) VERSION="v2-alpha-tpuv5-lite" ;;
+    v5p-*) VERSION="v2-alpha-tpuv5" ;;
+    v6e-*) VERSION="v2-alpha-tpuv6e" ;;
+    *) die "--accelerator='$ACCEL': no default runtime image for it; pass --version=IMAGE (gcloud compute tpus tpu-vm versions list --zone=$ZONE)" ;;
+  esac
+fi
 [[ "$NAME" =~ ^[a-z]([-a-z0-9]*[a-z0-9])?$ ]] || die "--name='$NAME': lowercase letters, digits and hyphens, starting with a letter"
 [[ -n "$RESULTS" ]] || RESULTS="runs/$NAME"
 if [[ -z "$WORKDIR" ]]; then

@@ -230,6 +230,26 @@ def test_local_runner_pinned_code_dir_with_relative_out(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("accelerator,version", [
+    ("v4-32", "tpu-ubuntu2204-base"), ("v5p-128", "v2-alpha-tpuv5"), ("v5litepod-16", "v2-alpha-tpuv5-lite"),
+    ("v6e-8", "v2-alpha-tpuv6e"), ("tpu7x-8", None)])
+def test_tpu_pod_runtime_image_follows_the_generation(accelerator, version):
+    """Cloud TPU lists a runtime image per TPU generation: the default image follows the accelerator type's
+    generation, a type the script has no image for is refused naming --accelerator and --version, and --version
+    always wins."""
+    cmd = ["bash", "launch/tpu_pod.sh", "--dry-run", "--name=pdm-img", "--project=p", "--zone=z",
+           f"--accelerator={accelerator}", "--workdir=/tmp/run_img"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    if version is None:
+        assert p.returncode == 2 and f"--accelerator='{accelerator}'" in p.stderr and "--version=" in p.stderr
+    else:
+        assert p.returncode == 0, p.stderr
+        assert f"--accelerator-type={accelerator} --version={version}" in p.stdout
+    p = subprocess.run(cmd + ["--version=my-image"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and f"--accelerator-type={accelerator} --version=my-image" in p.stdout, p.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_tpu_pod_dry_run_prints_every_step():
     cmd = ["bash", "launch/tpu_pod.sh", "--dry-run", "--name=pdm-test", "--project=proj-1", "--zone=us-central2-b",
            "--accelerator=v4-32", "--config=configs/tiny.py:delta=0.05,seed=1", "--workdir=/tmp/run1",
