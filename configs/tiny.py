@@ -6,7 +6,7 @@ warm start on the reference answers, then GRPO with the predictive divergence
 mask (top-K KL, bucket_exact estimator) from an fp8 sampler service.
 
 Expect held-out avg@4 to rise from 0.48125 after the warm start to 0.64375 (greedy
-0.605 → 0.68) in about 3.5 minutes on a 2-core CPU; other CPUs round differently and
+0.605 → 0.68) in about 3 minutes on a 2-core CPU; other CPUs round differently and
 give other digits, with about the same gain.
 
 Argument string (big_vision style): ``configs/tiny.py:delta=0.05,estimator=uniform_tail``.
