@@ -49,7 +49,7 @@ from pdm_jax.config import (compute_options, model_config_from_fields, packed_le
                             step_configs, validate_config)
 from pdm_jax.distributed import opt_state_shardings
 from pdm_jax.models.hf_io import load_config
-from pdm_jax.models.presets import PRESETS, get_preset
+from pdm_jax.models.presets import PRESETS, count_params, get_preset
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.rollout import round_up
@@ -823,8 +823,6 @@ def model_flops(model_cfg, shape: StepShape, num_devices: int) -> dict:
 
     Returns {"tokens_per_device", "active_params", "flops", "attention_flops"}.
     """
-    from pdm_jax.models.presets import count_params
-
     c = model_cfg
     head = c.hidden_size * c.vocab_size
     body = count_params(c, non_embedding=True, active=True)  # neither the embedding nor an untied LM head

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pdm_jax import workdir as wd
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import left_pad, right_pad_rows
 
@@ -56,7 +57,8 @@ def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: 
         message names ``data.chat_template``); a workdir tokenizer built from another config (naming the
         fields); or what the builder raises, naming the field.
     """
-    from pdm_jax import workdir as wd
+    # Deferred: models.tokenizer imports transformers and tokenizers (seconds), which TextCodec's users
+    # (evaluation, the tests) do not need until a tokenizer is built or loaded.
     from pdm_jax.models.tokenizer import (RECIPE_FILE, build_bpe_tokenizer, build_char_tokenizer, load_tokenizer,
                                           shared_tokenizer)
 
@@ -125,7 +127,7 @@ def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:
     Read with transformers' ``GenerationConfig`` from the local directory (nothing is downloaded)."""
     if not hf_path:
         return ()
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # deferred, as run_tokenizer's imports
 
     ids = []
     try:

@@ -81,7 +81,7 @@ from flax import nnx
 
 from pdm_jax import workdir as wd
 from pdm_jax.models import hf_io
-from pdm_jax.models.qwen3 import Qwen3ForCausalLM
+from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch, build_batch, right_pad_rows
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import vllm_api, wire
@@ -606,8 +606,6 @@ def main(argv=None) -> None:
     """
     import argparse
     import json
-
-    from pdm_jax.models.qwen3 import Qwen3Config
 
     p = argparse.ArgumentParser(prog="python -m pdm_jax.rollouts.vllm_client", description=main.__doc__.split("\n")[0])
     p.add_argument("--model_config", required=True, help="the model's Hugging Face config.json (WORKDIR/model/config.json)")
