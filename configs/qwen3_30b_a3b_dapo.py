@@ -14,8 +14,9 @@ of 32 prompts, K = 20, top-K KL delta = 0.05, TIS C = 5, 2k + 8k tokens, fp8 sam
 the 30B-A3B checkpoint (128 experts, 8 per token; ``pdm_jax.models.presets.qwen3_30b_a3b``)
 with the pod sized for it: 64 x v5p (a v5p-128 slice), FSDP over all 64 chips, which also
 shards the experts (logical axis ``expert`` -> ``fsdp``: 2 whole experts of each layer per
-chip). The router load-balancing loss is not added (RL; ``router_aux_loss_coef`` is the
-checkpoint's pre-training value). The sampler's fp8 copy of the expert kernels, routing replay
+chip). The router load-balancing loss is not added (RL:
+``rl.router_aux_loss_coef`` = 0; the checkpoint's own ``router_aux_loss_coef`` is its pre-training value and is
+not used). The sampler's fp8 copy of the expert kernels, routing replay
 (``model.moe_routing_replay``) and the trainer's MoE metrics exist and run end to end on the
 tiny MoE (``configs/tiny_moe.py``); this config itself has been compiled by XLA:TPU for
 v5p:4x4x4 by the dry run (docs/scaling.md), never run on a device or end to end, and has no

@@ -81,7 +81,7 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     c.eval.num_prompts = 30  # AIME-24
     c.eval.samples_per_prompt = 16  # avg@16
     # Evaluation samples with the rollout engine (the fp8 copy the dry run plans), not a second f32 copy of the
-    # model on every chip (eval.engine = f32 is not in any memory plan).
+    # model on every chip (eval.engine = f32 would add one; the dry run counts it, docs/scaling.md).
     c.eval.engine = "rollout"
     c.mesh.data = 1
     c.mesh.fsdp = -1

@@ -11,7 +11,7 @@
 
 How the settings were chosen: ``reports/stress/README.md``. With them, truncated IS without a mask loses
 ≈ 0.2 of held-out accuracy within 30 steps. One run takes a few minutes on a 2-core CPU, most of it the
-warm start (docs/benchmarks.md).
+warm start (reports/stress/README.md).
 
 Argument string (big_vision style): ``configs/tiny_stress.py:mask=dppo,delta=0.05,seed=3``.
 """
