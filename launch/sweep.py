@@ -732,6 +732,30 @@ def seeds_for_power(diffs: list[float], power: float = POWER_TARGET, alpha: floa
     return lo
 
 
+def paired_t_p(diffs: list[float]) -> Optional[float]:
+    """Two-sided p-value of the paired t-test (one-sample t on the per-seed differences, mean 0 under the null;
+    scipy.stats.ttest_1samp); None with fewer than 2 differences or none of them spread (t undefined)."""
+    xs = [float(v) for v in diffs if v is not None and math.isfinite(float(v))]
+    if len(xs) < 2 or max(xs) == min(xs):
+        return None
+    from scipy import stats  # as in mean_ci95
+
+    return float(stats.ttest_1samp(xs, 0.0).pvalue)
+
+
+def holm_adjust(pvalues: list[Optional[float]]) -> list[Optional[float]]:
+    """Holm's step-down adjustment (Holm 1979) of a family of p-values, in their order: the k-th smallest of the m
+    defined ones becomes max over j <= k of min(1, (m - j + 1) p_(j)); None entries stay None and are not counted
+    in the family. Rejecting where the adjusted p < alpha controls the family-wise error rate at alpha."""
+    defined = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
+    out: list[Optional[float]] = [None] * len(pvalues)
+    running = 0.0
+    for rank, (p, i) in enumerate(defined):
+        running = max(running, min(1.0, (len(defined) - rank) * p))
+        out[i] = running
+    return out
+
+
 def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_METRICS, seed_key: str = "seed") -> list:
     """Per-seed differences of each arm against the `baseline` value of `axis` at the same other axis values.
 
@@ -739,7 +763,8 @@ def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_MET
     removes the seed-to-seed spread that both arms share. Returns one dict per (arm, other axis values) that
     has a baseline partner: the keys of the point without the seed, ``n`` (paired seeds), ``wins`` (seeds
     where the arm's final accuracy is above the baseline's), ``seeds_for_power`` (`seeds_for_power` of the
-    final-accuracy differences) and, per metric, (mean, 95% t half-width) of arm - baseline.
+    final-accuracy differences), ``p`` (`paired_t_p` of them), ``p_holm`` (`holm_adjust` over the returned rows)
+    and, per metric, (mean, 95% t half-width) of arm - baseline.
     """
     index = {tuple(sorted(r["point"].items())): r for r in rows}
     out: dict = {}
@@ -756,9 +781,11 @@ def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_MET
         diffs = {m: [a[m] - b[m] for a, b in pairs if a[m] is not None and b[m] is not None]
                  for m in dict.fromkeys((*metrics, "final_accuracy"))}
         d = dict(key, n=len(pairs), wins=sum(a["final_accuracy"] > b["final_accuracy"] for a, b in pairs),
-                 seeds_for_power=seeds_for_power(diffs["final_accuracy"]))
+                 seeds_for_power=seeds_for_power(diffs["final_accuracy"]), p=paired_t_p(diffs["final_accuracy"]))
         d.update({m: mean_ci95(diffs[m]) for m in metrics})
         result.append(d)
+    for d, adjusted in zip(result, holm_adjust([d["p"] for d in result])):
+        d["p_holm"] = adjusted
     return result
 
 
@@ -808,22 +835,26 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
 
 def _paired_markdown(paired: list[dict], baseline: tuple) -> str:
     """`paired_differences` as a markdown table (mean ± 95% half-width of arm - baseline per seed), with the seeds
-    a comparison of that final-accuracy difference would need (`seeds_for_power`)."""
-    keys = [k for k in paired[0] if k not in ("n", "wins", "seeds_for_power") + PAIRED_METRICS]
+    a comparison of that final-accuracy difference would need (`seeds_for_power`) and its paired t-test's p-value,
+    raw and Holm-adjusted over the table's rows."""
+    keys = [k for k in paired[0] if k not in ("n", "wins", "seeds_for_power", "p", "p_holm") + PAIRED_METRICS]
     power = f"seeds for {POWER_TARGET:.0%} power"
-    heads = keys + ["n", "seeds above"] + [f"Δ {m}" for m in PAIRED_METRICS] + [power]
+    heads = keys + ["n", "seeds above"] + [f"Δ {m}" for m in PAIRED_METRICS] + [power, "p", "p Holm"]
     lines = ["", f"Paired by seed, arm − {baseline[0]}={baseline[1]} (same seed, same warm start). "
              f"'{power}': the paired seeds a two-sided t-test at {POWER_ALPHA:g} needs to detect the Δ final_accuracy "
              "seen here, were its mean and standard deviation the truth (an estimate; – where it cannot be read, "
-             f"> {POWER_MAX_SEEDS:,} beyond the search):", "",
+             f"> {POWER_MAX_SEEDS:,} beyond the search). 'p': the two-sided paired t-test of Δ final_accuracy = 0; "
+             f"'p Holm': adjusted by Holm's step-down method over the {len(paired)} rows of this table, not for "
+             "looking at the data before a planned seed count:", "",
              "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for d in paired:
         cells = [f"{_num(m)} ± {_num(ci)}" if math.isfinite(ci) else (_num(m) if math.isfinite(m) else "–")
                  for m, ci in (d[k] for k in PAIRED_METRICS)]
         need = d["seeds_for_power"]
         need = "–" if need is None else (f"> {POWER_MAX_SEEDS:,}" if need > POWER_MAX_SEEDS else str(need))
+        ps = ["–" if d.get(k) is None else f"{d[k]:.2g}" for k in ("p", "p_holm")]
         lines.append("| " + " | ".join([str(d[k]) for k in keys] + [str(d["n"]), f"{d['wins']}/{d['n']}"] + cells
-                                       + [need]) + " |")
+                                       + [need] + ps) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -534,10 +534,24 @@ def test_seeds_for_power_matches_gpower_and_a_simulation():
     assert sweep.seeds_for_power([1e-6 + 0.1, 1e-6 - 0.1]) == sweep.POWER_MAX_SEEDS + 1  # beyond the search
     with pytest.raises(ValueError, match="n must be >= 2"):
         sweep.paired_power(1, 0.5)
-    rows = [dict(criterion=c, n=2, wins=1, seeds_for_power=need, **{m: (0.01, 0.1) for m in sweep.PAIRED_METRICS})
-            for c, need in (("a", 33), ("b", None), ("c", sweep.POWER_MAX_SEEDS + 1))]
+    rows = [dict(criterion=c, n=2, wins=1, seeds_for_power=need, p=p, p_holm=p,
+                 **{m: (0.01, 0.1) for m in sweep.PAIRED_METRICS})
+            for c, need, p in (("a", 33, 0.012), ("b", None, None), ("c", sweep.POWER_MAX_SEEDS + 1, 0.5))]
     md = sweep._paired_markdown(rows, ("criterion", "ratio"))
-    assert "| 33 |" in md and "| – |" in md and "| > 10,000 |" in md and "seeds for 80% power" in md
+    assert "| 33 | 0.012 | 0.012 |" in md and "| – | – | – |" in md and "| > 10,000 | 0.5 | 0.5 |" in md
+    assert "seeds for 80% power" in md and "Holm" in md
+
+
+def test_paired_t_p_and_holm_by_hand():
+    """The paired t-test's p against a hand computation (diffs 1..4: t = 2.5 / (1.291 / 2) = 3.873, 3 df, two-sided
+    p = 0.0305), and Holm's step-down adjustment against the textbook example (sorted p x 4, x 3, x 2, x 1, then
+    made monotone, capped at 1), None entries left out of the family."""
+    assert sweep.paired_t_p([1.0, 2.0, 3.0, 4.0]) == pytest.approx(0.03047, abs=5e-5)
+    assert sweep.paired_t_p([-1.0, -2.0, -3.0, -4.0]) == pytest.approx(0.03047, abs=5e-5)
+    assert sweep.paired_t_p([0.2]) is None and sweep.paired_t_p([0.1, 0.1]) is None
+    assert sweep.holm_adjust([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert sweep.holm_adjust([0.01, None, 0.04]) == [pytest.approx(0.02), None, pytest.approx(0.04)]
+    assert sweep.holm_adjust([0.6, 0.7]) == [1.0, 1.0] and sweep.holm_adjust([]) == []
 
 
 def test_paired_differences_by_hand(tmp_path):
@@ -558,6 +572,7 @@ def test_paired_differences_by_hand(tmp_path):
     assert ci == pytest.approx(12.706204736174698 * math.sqrt(((-0.2 + 0.075) ** 2 + (0.05 + 0.075) ** 2)) / math.sqrt(2))
     assert p["reward_area"] == (0.0, 0.0)
     assert "arm − criterion=ratio" in table["markdown"] and "| none | 2 | 1/2 |" in table["markdown"]
+    assert p["p"] == pytest.approx(sweep.paired_t_p([-0.2, 0.05])) and p["p_holm"] == p["p"]  # a family of one
     # diffs -0.2 and +0.05: d_z = -0.075 / 0.177 = -0.42, which needs 46 pairs
     assert p["seeds_for_power"] == sweep.seeds_for_power([-0.2, 0.05])
     assert 40 < p["seeds_for_power"] < 50 and f"| {p['seeds_for_power']} |" in table["markdown"]
