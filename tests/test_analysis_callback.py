@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from pdm_jax.analysis import alignment as al
-from pdm_jax.analysis.callback import AlignmentCallback, isolated_changes
+from pdm_jax.analysis import AlignmentCallback  # the package exports it (docs/analysis.md)
+from pdm_jax.analysis.callback import isolated_changes
 from pdm_jax.metrics import read_metrics
 from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.rl import train_step as ts
