@@ -17,6 +17,7 @@ A sweep definition is a Python file with ``get_sweep(arg=None) -> dict``
       share_warmstart_by=("seed",),      # optional; see `run_local` (() = one warm start for all runs)
       keep=lambda point: True,           # optional; grid points for which it is False are left out
       paired_baseline=("criterion", "ratio"),  # optional; per-seed differences against this arm in the table
+      paired_change=("delta", 0.05),     # optional; each arm's per-seed change from this value of another axis
     )
 
 Axis values become ``key=value`` items of the config argument string
@@ -97,13 +98,14 @@ CRITERIA = {
 
 #: Columns of the per-run table, in order.
 RUN_COLUMNS = ("name", "warmstart_accuracy", "final_accuracy", "accuracy_gain", "final_greedy_accuracy",
-               "reward_area", "mean_frac_masked", "mean_frac_outside", "mean_frac_direction_disagree", "mean_topk_kl",
-               "collapse_events",
-               "collapsed", "eval_points", "steps", "wall_seconds")
+               "reward_area", "reward_rise", "mean_frac_masked", "mean_frac_outside", "mean_frac_direction_disagree",
+               "mean_topk_kl", "collapse_events", "collapsed", "eval_points", "steps", "wall_seconds")
 #: Metrics summarised over seeds in the grouped table (``collapsed`` is 0/1 per run: its mean is the collapse rate).
-GROUP_METRICS = ("final_accuracy", "accuracy_gain", "reward_area", "mean_frac_masked", "mean_frac_outside",
-                 "mean_frac_direction_disagree",
-                 "mean_topk_kl", "collapse_events", "collapsed")
+GROUP_METRICS = ("final_accuracy", "accuracy_gain", "reward_area", "reward_rise", "mean_frac_masked",
+                 "mean_frac_outside", "mean_frac_direction_disagree", "mean_topk_kl", "collapse_events", "collapsed")
+#: ``reward_rise``: the mean training reward of a run's last this many RL steps minus that of its first (half the
+#: steps each for runs shorter than twice this).
+REWARD_WINDOW = 20
 #: Metrics of the paired (same seed) differences against a baseline arm.
 PAIRED_METRICS = ("final_accuracy", "accuracy_gain", "reward_area")
 #: The paired table's power column: two-sided paired t-test at this level, this power.
@@ -160,11 +162,16 @@ def validate_sweep(sweep: dict) -> dict:
     out.setdefault("collapse_margin", 0.1)
     out.setdefault("share_warmstart_by", None)
     out.setdefault("keep", None)
-    out.setdefault("paired_baseline", None)
-    pb = out["paired_baseline"]
-    if pb is not None and not (isinstance(pb, (list, tuple)) and len(pb) == 2 and pb[0] in keys):
-        raise ValueError(f"sweep.paired_baseline must be None or (axis, value) with an axis of {sorted(keys)}, "
-                         f"got {pb!r}")
+    for field in ("paired_baseline", "paired_change"):
+        out.setdefault(field, None)
+        pb = out[field]
+        if pb is not None and not (isinstance(pb, (list, tuple)) and len(pb) == 2 and pb[0] in keys):
+            raise ValueError(f"sweep.{field} must be None or (axis, value) with an axis of {sorted(keys)}, "
+                             f"got {pb!r}")
+    if (out["paired_change"] is not None and out["paired_baseline"] is not None
+            and out["paired_change"][0] == out["paired_baseline"][0]):
+        raise ValueError(f"sweep.paired_change must name another axis than paired_baseline's "
+                         f"{out['paired_baseline'][0]!r}, got {out['paired_change']!r}")
     if out["keep"] is not None and not callable(out["keep"]):
         raise ValueError(f"sweep.keep must be None or a function point -> bool, got {out['keep']!r}")
     if out["share_warmstart_by"] is not None:
@@ -644,11 +651,12 @@ def collapse_events(eval_accuracies: list[float], warmstart: Optional[float], ma
 def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
     """Reads ``summary.json`` and ``metrics.jsonl`` of one run into a table row (None if unfinished).
 
-    Fields: see `RUN_COLUMNS`. ``reward_area`` is the mean of the per-step
-    training reward over the RL steps; ``mean_frac_masked``/``mean_frac_outside``/
+    Fields: see `RUN_COLUMNS`. ``reward_area`` is the mean of the per-step training reward over the RL steps;
+    ``reward_rise`` the mean over the last `REWARD_WINDOW` RL steps minus the mean over the first (half the steps
+    each if fewer than twice the window; NaN below 2 steps); ``mean_frac_masked``/``mean_frac_outside``/
     ``mean_frac_direction_disagree``/``mean_topk_kl`` are means over RL steps (the disagreement: the share of
-    valid tokens whose ratio and predictive direction tests differ, whichever mask the run applies); accuracies are the trainer's
-    avg@k held-out accuracies.
+    valid tokens whose ratio and predictive direction tests differ, whichever mask the run applies); accuracies
+    are the trainer's avg@k held-out accuracies.
     """
     path = os.path.join(workdir, "summary.json")
     if not os.path.exists(path):
@@ -663,6 +671,9 @@ def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
         vals = [r[key] for r in rl if r.get(key) is not None]
         return float(sum(vals) / len(vals)) if vals else float("nan")
 
+    rewards = [r["reward"] for r in rl if r.get("reward") is not None]
+    w = min(REWARD_WINDOW, len(rewards) // 2)
+    rise = (sum(rewards[-w:]) - sum(rewards[:w])) / w if w else float("nan")
     warm = s.get("warmstart_accuracy")
     final = s.get("final_accuracy")
     events = collapse_events([r.get("eval_accuracy") for r in ev], warm, collapse_margin)
@@ -671,7 +682,7 @@ def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
         warmstart_accuracy=warm, final_accuracy=final,
         accuracy_gain=(final - warm) if (final is not None and warm is not None) else None,
         final_greedy_accuracy=s.get("final_greedy_accuracy"),
-        reward_area=mean_of("reward"), mean_frac_masked=mean_of("frac_masked"),
+        reward_area=mean_of("reward"), reward_rise=float(rise), mean_frac_masked=mean_of("frac_masked"),
         mean_frac_outside=mean_of("frac_outside"), mean_frac_direction_disagree=mean_of("frac_direction_disagree"),
         mean_topk_kl=mean_of("mean_topk_kl"),
         collapse_events=events, collapsed=int(events > 0),
@@ -756,6 +767,14 @@ def holm_adjust(pvalues: list[Optional[float]]) -> list[Optional[float]]:
     return out
 
 
+def _partners(rows: list[dict], axis: str, baseline) -> list[tuple[dict, dict]]:
+    """(row, the row at the same point but `axis` = `baseline`) for every row off the baseline that has one."""
+    index = {tuple(sorted(r["point"].items())): r for r in rows}
+    pairs = [(r, index.get(tuple(sorted(dict(r["point"], **{axis: baseline}).items()))))
+             for r in rows if r["point"].get(axis) != baseline]
+    return [(r, partner) for r, partner in pairs if partner is not None]
+
+
 def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_METRICS, seed_key: str = "seed") -> list:
     """Per-seed differences of each arm against the `baseline` value of `axis` at the same other axis values.
 
@@ -766,14 +785,8 @@ def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_MET
     final-accuracy differences), ``p`` (`paired_t_p` of them), ``p_holm`` (`holm_adjust` over the returned rows)
     and, per metric, (mean, 95% t half-width) of arm - baseline.
     """
-    index = {tuple(sorted(r["point"].items())): r for r in rows}
     out: dict = {}
-    for r in rows:
-        if r["point"].get(axis) == baseline:
-            continue
-        partner = index.get(tuple(sorted(dict(r["point"], **{axis: baseline}).items())))
-        if partner is None:
-            continue
+    for r, partner in _partners(rows, axis, baseline):
         key = tuple((k, v) for k, v in r["point"].items() if k != seed_key)
         out.setdefault(key, []).append((r, partner))
     result = []
@@ -789,13 +802,32 @@ def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_MET
     return result
 
 
+def gap_changes(rows: list[dict], baseline: tuple, change: tuple, metrics=PAIRED_METRICS,
+                seed_key: str = "seed") -> list:
+    """Difference in differences, paired by seed: how each arm's difference to `baseline` changes along `change`.
+
+    For baseline ``("criterion", "ratio")`` and change ``("delta", 0.05)``, a PDM arm's row at δ 0.15 holds, per
+    seed, (PDM − DPPO at δ 0.15) − (PDM − DPPO at δ 0.05): positive where the gap to DPPO narrows (or PDM pulls
+    ahead) at the larger radius. It is `paired_differences` along `change` of the per-seed arm − baseline
+    differences, with the same fields (``wins``: seeds where the difference grew; ``p``: the paired t-test of
+    the change = 0, the interaction test of a two-way design; ``p_holm`` over the returned rows).
+    """
+    keys = dict.fromkeys((*metrics, "final_accuracy"))
+    diffs = [dict(point=r["point"], **{m: None if r[m] is None or b[m] is None else r[m] - b[m] for m in keys})
+             for r, b in _partners(rows, *baseline)]
+    return paired_differences(diffs, *change, metrics=metrics, seed_key=seed_key)
+
+
 def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key: str = "seed",
-              paired_baseline: Optional[tuple] = None) -> dict:
+              paired_baseline: Optional[tuple] = None, paired_change: Optional[tuple] = None) -> dict:
     """Builds the per-run and per-group tables; writes ``sweep_runs.csv`` and ``sweep_table.md`` under `out`.
 
-    Returns ``{"rows": [...], "groups": [...], "paired": [...], "markdown": str}``; groups are
-    the grid points without `seed_key`, each metric as (mean, ci95 half-width, n). paired_baseline:
-    ``(axis, value)``, e.g. ``("criterion", "ratio")``: the markdown also gets `paired_differences` against it.
+    Returns ``{"rows": [...], "groups": [...], "paired": [...], "changes": [...], "gap_changes": [...],
+    "markdown": str}``; groups are the grid points without `seed_key`, each metric as (mean, ci95 half-width, n).
+    paired_baseline: ``(axis, value)``, e.g. ``("criterion", "ratio")``: the markdown also gets
+    `paired_differences` against it. paired_change: ``(axis, value)`` of another axis, e.g. ``("delta", 0.05)``:
+    the markdown also gets each arm's paired change from that value (`paired_differences` along it) and, with a
+    paired_baseline, the change of each arm's difference to the baseline (`gap_changes`).
     """
     rows = []
     for run in runs:
@@ -827,20 +859,33 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
     md = _markdown(group_keys, group_rows, axis_keys, rows)
     paired = paired_differences(rows, *paired_baseline, seed_key=seed_key) if paired_baseline else []
     if paired:
-        md += _paired_markdown(paired, paired_baseline)
+        b = paired_baseline
+        md += _paired_markdown(paired, f"arm − {b[0]}={b[1]} (same seed, same warm start)")
+    changes = paired_differences(rows, *paired_change, seed_key=seed_key) if paired_change else []
+    if changes:
+        md += _paired_markdown(changes, f"each arm's change from {paired_change[0]}={paired_change[1]}: the arm at "
+                                        f"the row's {paired_change[0]} − the same arm at {paired_change[1]}")
+    gaps = gap_changes(rows, paired_baseline, paired_change, seed_key=seed_key) if paired_change and paired_baseline \
+        else []
+    if gaps:
+        b, c = paired_baseline, paired_change
+        md += _paired_markdown(gaps, f"the change from {c[0]}={c[1]} of each arm's difference to {b[0]}={b[1]}: "
+                                     f"(arm − {b[1]}) at the row's {c[0]} − (arm − {b[1]}) at {c[0]}={c[1]}, "
+                                     "positive where the arm gains on the baseline")
     with open(os.path.join(out, "sweep_table.md"), "w") as f:
         f.write(md)
-    return dict(rows=rows, groups=group_rows, paired=paired, markdown=md)
+    return dict(rows=rows, groups=group_rows, paired=paired, changes=changes, gap_changes=gaps, markdown=md)
 
 
-def _paired_markdown(paired: list[dict], baseline: tuple) -> str:
-    """`paired_differences` as a markdown table (mean ± 95% half-width of arm - baseline per seed), with the seeds
+def _paired_markdown(paired: list[dict], what: str) -> str:
+    """`paired_differences` (or `gap_changes`) as a markdown table headed "Paired by seed, <what>." (mean ± 95%
+    half-width of the per-seed differences; "seeds above": seeds whose difference is positive), with the seeds
     a comparison of that final-accuracy difference would need (`seeds_for_power`) and its paired t-test's p-value,
     raw and Holm-adjusted over the table's rows."""
     keys = [k for k in paired[0] if k not in ("n", "wins", "seeds_for_power", "p", "p_holm") + PAIRED_METRICS]
     power = f"seeds for {POWER_TARGET:.0%} power"
     heads = keys + ["n", "seeds above"] + [f"Δ {m}" for m in PAIRED_METRICS] + [power, "p", "p Holm"]
-    lines = ["", f"Paired by seed, arm − {baseline[0]}={baseline[1]} (same seed, same warm start). "
+    lines = ["", f"Paired by seed, {what}. "
              f"'{power}': the paired seeds a two-sided t-test at {POWER_ALPHA:g} needs to detect the Δ final_accuracy "
              "seen here, were its mean and standard deviation the truth (an estimate; – where it cannot be read, "
              f"> {POWER_MAX_SEEDS:,} beyond the search). 'p': the two-sided paired t-test of Δ final_accuracy = 0; "
@@ -872,17 +917,17 @@ def _markdown(group_keys: list, group_rows: list[dict], axis_keys: list, rows: l
             return "–"
         return _num(m) if not math.isfinite(ci) else f"{_num(m)} ± {_num(ci)}"
 
-    heads = ["n", "warm start acc", "final acc", "gain", "reward area", "masked frac", "outside frac",
+    heads = ["n", "warm start acc", "final acc", "gain", "reward area", "reward rise", "masked frac", "outside frac",
              "direction disagree", "top-K KL",
              "collapse events", "collapse rate"]
     lines = ["| " + " | ".join(group_keys + heads) + " |", "|" + "---|" * (len(group_keys) + len(heads))]
     for g in group_rows:
         lines.append("| " + " | ".join([str(g[k]) for k in group_keys] + [str(g["n"]), cell(g["warmstart_accuracy"])]
                                        + [cell(g[m]) for m in GROUP_METRICS]) + " |")
-    cols = ("warmstart_accuracy", "final_accuracy", "accuracy_gain", "reward_area", "mean_frac_masked",
+    cols = ("warmstart_accuracy", "final_accuracy", "accuracy_gain", "reward_area", "reward_rise", "mean_frac_masked",
             "mean_frac_outside", "mean_frac_direction_disagree", "mean_topk_kl", "collapse_events")
-    heads = ["warm start", "final", "gain", "reward area", "masked", "outside", "disagree", "top-K KL", "collapses",
-             "wall s"]
+    heads = ["warm start", "final", "gain", "reward area", "reward rise", "masked", "outside", "disagree", "top-K KL",
+             "collapses", "wall s"]
     lines += ["", "Per run:", "", "| " + " | ".join(axis_keys + heads) + " |",
               "|" + "---|" * (len(axis_keys) + len(heads))]
     f3 = lambda v: "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else (  # noqa: E731
@@ -1030,7 +1075,7 @@ def main(argv=None) -> int:
         for r in runs:
             save_record(os.path.join(args.out, r["name"]), args.records)
     table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]),
-                      paired_baseline=sweep["paired_baseline"])
+                      paired_baseline=sweep["paired_baseline"], paired_change=sweep["paired_change"])
     if not table["rows"]:
         print(f"no finished runs under {args.out}: none of the sweep's {len(runs)} run directories has a "
               f"summary.json (run the sweep without --aggregate_only first)", file=sys.stderr)

@@ -580,6 +580,44 @@ def test_paired_differences_by_hand(tmp_path):
         sweep.validate_sweep(dict(d, paired_baseline=("delta", 0.1)))
 
 
+def test_changes_across_delta_and_gap_changes_by_hand(tmp_path):
+    """paired_change: each arm's per-seed change from delta 0.05 to 0.15; gap_changes: the change of its difference
+    to the baseline arm (difference in differences). Finals by hand: ratio 0.50 / 0.60 at delta 0.05, 0.52 / 0.58 at
+    0.15; pdm 0.40 / 0.45, then 0.50 / 0.55. pdm's change: +0.10, +0.10; ratio's: +0.02, -0.02; pdm's gap to
+    ratio: -0.10 / -0.15 at 0.05, -0.02 / -0.03 at 0.15, so it narrows by +0.08 and +0.12."""
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1]), ("delta", [0.05, 0.15]),
+                                                                  ("criterion", ["ratio", "pdm_bucket_exact"])],
+                                  paired_baseline=("criterion", "ratio"), paired_change=("delta", 0.05)))
+    runs = sweep.expand(d)
+    finals = {(0.05, "ratio"): (0.50, 0.60), (0.15, "ratio"): (0.52, 0.58),
+              (0.05, "pdm_bucket_exact"): (0.40, 0.45), (0.15, "pdm_bucket_exact"): (0.50, 0.55)}
+    rewards = [0.1] * 20 + [0.3] * 10 + [0.4] * 20  # reward_rise over 20-step windows: 0.4 - 0.1
+    for r in runs:
+        f = finals[(r["point"]["delta"], r["point"]["criterion"])][r["point"]["seed"]]
+        _fake_run(os.path.join(str(tmp_path), r["name"]), rewards, [(50, f)])
+    table = sweep.aggregate(runs, str(tmp_path), paired_baseline=d["paired_baseline"],
+                            paired_change=d["paired_change"])
+    assert table["rows"][0]["reward_rise"] == pytest.approx(0.3)
+    assert table["groups"][0]["reward_rise"][0] == pytest.approx(0.3)
+    changes = {c["criterion"]: c for c in table["changes"]}
+    assert set(changes) == {"ratio", "pdm_bucket_exact"} and all(c["delta"] == 0.15 for c in changes.values())
+    assert changes["pdm_bucket_exact"]["final_accuracy"] == pytest.approx((0.10, 0.0), abs=1e-12)
+    assert changes["ratio"]["final_accuracy"][0] == pytest.approx(0.0, abs=1e-12) and changes["ratio"]["wins"] == 1
+    (gap,) = table["gap_changes"]
+    assert gap["criterion"] == "pdm_bucket_exact" and gap["delta"] == 0.15 and gap["n"] == 2 and gap["wins"] == 2
+    m, ci = gap["final_accuracy"]
+    assert m == pytest.approx(0.10)
+    assert ci == pytest.approx(12.706204736174698 * math.sqrt(2 * 0.02 ** 2) / math.sqrt(2))
+    assert gap["p"] == pytest.approx(sweep.paired_t_p([0.08, 0.12]))
+    md = table["markdown"]
+    assert "change from delta=0.05" in md and "(arm − ratio) at the row's delta − (arm − ratio) at delta=0.05" in md
+    assert "| reward rise |" in md
+    with pytest.raises(ValueError, match="paired_change"):
+        sweep.validate_sweep(dict(d, paired_change=("criterion", "ratio")))
+    with pytest.raises(ValueError, match="paired_change"):
+        sweep.validate_sweep(dict(d, paired_change=("lr", 0.1)))
+
+
 def test_subset_of_a_sweep_starts_from_the_whole_sweeps_warm_start(tmp_path):
     """--only: the warm start is run with the whole grid's first point (seed 0), not the subset's first (seed 1),
     and a group none of whose runs is in the subset gets no warm start."""

@@ -33,7 +33,9 @@ differences from DPPO in the pilot (-0.16) are tens of standard deviations. That
 resumed later: runs with a ``summary.json`` are skipped) has every arm at the same seeds. The finished runs' records
 and the warm start are committed in ``reports/between_pilot/comparison_records`` (``--records``,
 `launch/sweep.py:save_record`), so the sweep goes on across machines from the same warm start and its tables are
-rebuilt from the records with ``--aggregate_only``.
+rebuilt from the records with ``--aggregate_only``. Besides the differences from DPPO, the table pairs each arm
+across the radii (``paired_change``): its change from delta 0.05 to 0.15, seed by seed (the paper's delta-robustness
+claim), and the change of its difference from DPPO (does PDM's gap to DPPO narrow at the larger radius).
 
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
@@ -92,7 +94,7 @@ def get_sweep(arg=None):
     )
     # seed outermost: a sweep stopped early has every arm at the same number of seeds
     if arg == "comparison":
-        return dict(sweep, keep=_comparison_keep, axes=[
+        return dict(sweep, keep=_comparison_keep, paired_change=("delta", 0.05), axes=[
             ("seed", COMPARISON_SEEDS), ("delta", [0.05, 0.15]), ("criterion", COMPARISON_ARMS)])
     wide = arg == "pilot_delta_0.15"
     return dict(sweep, fixed=f"{sweep['fixed']},delta={0.15 if wide else 0.05}",
