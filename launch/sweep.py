@@ -823,11 +823,12 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
     """Builds the per-run and per-group tables; writes ``sweep_runs.csv`` and ``sweep_table.md`` under `out`.
 
     Returns ``{"rows": [...], "groups": [...], "paired": [...], "changes": [...], "gap_changes": [...],
-    "markdown": str}``; groups are the grid points without `seed_key`, each metric as (mean, ci95 half-width, n).
-    paired_baseline: ``(axis, value)``, e.g. ``("criterion", "ratio")``: the markdown also gets
-    `paired_differences` against it. paired_change: ``(axis, value)`` of another axis, e.g. ``("delta", 0.05)``:
-    the markdown also gets each arm's paired change from that value (`paired_differences` along it) and, with a
-    paired_baseline, the change of each arm's difference to the baseline (`gap_changes`).
+    "markdown": str}``; groups are the grid points without `seed_key`, each metric as (mean, ci95 half-width),
+    with ``n`` runs, of which ``gained`` end above their warm start. paired_baseline: ``(axis, value)``, e.g.
+    ``("criterion", "ratio")``: the markdown also gets `paired_differences` against it. paired_change:
+    ``(axis, value)`` of another axis, e.g. ``("delta", 0.05)``: the markdown also gets each arm's paired change
+    from that value (`paired_differences` along it) and, with a paired_baseline, the change of each arm's
+    difference to the baseline (`gap_changes`).
     """
     rows = []
     for run in runs:
@@ -854,6 +855,7 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
         for m in GROUP_METRICS:
             g[m] = mean_ci95([r[m] for r in members])
         g["warmstart_accuracy"] = mean_ci95([r["warmstart_accuracy"] for r in members])
+        g["gained"] = sum(1 for r in members if r["accuracy_gain"] is not None and r["accuracy_gain"] > 0)
         group_rows.append(g)
 
     md = _markdown(group_keys, group_rows, axis_keys, rows)
@@ -917,13 +919,13 @@ def _markdown(group_keys: list, group_rows: list[dict], axis_keys: list, rows: l
             return "–"
         return _num(m) if not math.isfinite(ci) else f"{_num(m)} ± {_num(ci)}"
 
-    heads = ["n", "warm start acc", "final acc", "gain", "reward area", "reward rise", "masked frac", "outside frac",
-             "direction disagree", "top-K KL",
-             "collapse events", "collapse rate"]
+    heads = ["n", "warm start acc", "final acc", "gain", "seeds above warm start", "reward area", "reward rise",
+             "masked frac", "outside frac", "direction disagree", "top-K KL", "collapse events", "collapse rate"]
     lines = ["| " + " | ".join(group_keys + heads) + " |", "|" + "---|" * (len(group_keys) + len(heads))]
     for g in group_rows:
         lines.append("| " + " | ".join([str(g[k]) for k in group_keys] + [str(g["n"]), cell(g["warmstart_accuracy"])]
-                                       + [cell(g[m]) for m in GROUP_METRICS]) + " |")
+                                       + [cell(g[m]) for m in GROUP_METRICS[:2]] + [f"{g['gained']}/{g['n']}"]
+                                       + [cell(g[m]) for m in GROUP_METRICS[2:]]) + " |")
     cols = ("warmstart_accuracy", "final_accuracy", "accuracy_gain", "reward_area", "reward_rise", "mean_frac_masked",
             "mean_frac_outside", "mean_frac_direction_disagree", "mean_topk_kl", "collapse_events")
     heads = ["warm start", "final", "gain", "reward area", "reward rise", "masked", "outside", "disagree", "top-K KL",

@@ -184,6 +184,7 @@ def test_aggregate_table_by_hand(tmp_path):
     assert "| ratio | 2 |" in md and "0.300 ± " in md
     assert r0["collapsed"] == 1 and rows[runs[1]["name"]]["collapsed"] == 0
     assert g["collapsed"][0] == pytest.approx(0.5)  # collapse rate: 1 of 2 seeds
+    assert g["gained"] == 1 and "| 1/2 |" in md  # seed 1 ends 0.15 above its warm start
     assert "| 2.00e-03 ± 0.000 |" in md  # top-K KL column
     assert sweep.plot_sweep(runs, out).endswith("sweep_curves.png")
     assert sweep.collapse_events([0.1, None, 0.5], None, 0.1) == 0
