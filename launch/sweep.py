@@ -220,12 +220,23 @@ def train_command(run: dict, workdir: str, python: str = "python") -> list[str]:
     return cmd
 
 
-def pod_command(run: dict, index: int, workdir: str, *, tpu_name: str, project: str, zone: str, accelerator: str,
-                results: str) -> list[str]:
-    """argv of ``launch/tpu_pod.sh`` running grid point number `index` on its own TPU VM pod ``<tpu_name>-<index>``."""
+#: A pod run's workdir on its hosts when the sweep's --out is local (not resumable once its VMs are gone).
+POD_LOCAL_WORKDIR = "/tmp/pdm_run"
+
+
+def pod_command(run: dict, index: int, out: str, *, tpu_name: str, project: str, zone: str, accelerator: str
+                ) -> list[str]:
+    """argv of ``launch/tpu_pod.sh`` running grid point number `index` on its own TPU VM pod ``<tpu_name>-<index>``.
+
+    With a bucket `out` (``gs://...``) the run's workdir is ``<out>/<run name>`` in the bucket: every host writes
+    its checkpoint shards there, so rerunning the command after a preemption resumes it, and the sweep's
+    ``--aggregate_only`` reads a local copy of the bucket. Otherwise the workdir is local to the hosts
+    (`POD_LOCAL_WORKDIR`) and worker 0's copy goes to ``--results=<out>/<run name>`` when the run ends."""
+    where = ([f"--workdir={out.rstrip('/')}/{run['name']}"] if out.startswith("gs://")
+             else [f"--workdir={POD_LOCAL_WORKDIR}", f"--results={out}/{run['name']}"])
     cmd = ["launch/tpu_pod.sh", f"--name={tpu_name}-{index:03d}",
            f"--project={project}", f"--zone={zone}", f"--accelerator={accelerator}",
-           f"--config={run['config_arg']}", f"--workdir={workdir}", f"--results={results}/{run['name']}"]
+           f"--config={run['config_arg']}", *where]
     cmd += [f"--flag=--config.{k}={v}" for k, v in run["flags"].items()]
     return cmd
 
@@ -1028,7 +1039,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep_arg", default=None, help="argument passed to get_sweep")
     p.add_argument("--out", required=True, help="directory holding one workdir per run, and the tables")
     p.add_argument("--print_only", action="store_true", help="print the commands instead of running them")
-    p.add_argument("--pod", action="store_true", help="with --print_only: launch/tpu_pod.sh commands")
+    p.add_argument("--pod", action="store_true",
+                   help="with --print_only: launch/tpu_pod.sh commands, one pod per run (a gs:// --out: bucket "
+                        "workdirs, resumable)")
     p.add_argument("--tpu_name", default="pdm-sweep")
     p.add_argument("--project", default="my-project")
     p.add_argument("--zone", default="us-central2-b")
@@ -1058,8 +1071,8 @@ def main(argv=None) -> int:
         for i, r in enumerate(runs):
             wd = os.path.join(args.out, r["name"])
             if args.pod:
-                cmd = pod_command(r, i, "/tmp/pdm_run", tpu_name=args.tpu_name, project=args.project, zone=args.zone,
-                                  accelerator=args.accelerator, results=args.out)
+                cmd = pod_command(r, i, args.out, tpu_name=args.tpu_name, project=args.project, zone=args.zone,
+                                  accelerator=args.accelerator)
             else:
                 cmd = train_command(r, wd)
             print(shlex.join(cmd))

@@ -25,11 +25,12 @@
 #                   for v5p, v2-alpha-tpuv6e for v6e; required for any other accelerator type)
 #   --config        config spec passed to --config= of pdm_jax.train (default configs/tiny.py)
 #   --bucket        gs://bucket[/prefix] for the run's workdir <bucket>/<name> (default: $PDM_BUCKET)
-#   --workdir       the run directory itself, instead of <bucket>/<name>: a gs:// URL, or a local
-#                   path on each host (not resumable once the VMs are gone: its checkpoints hold
+#   --workdir       the run directory itself, instead of <bucket>/<name>: a gs:// URL, or an absolute
+#                   local path on each host (not resumable once the VMs are gone: its checkpoints hold
 #                   only worker 0's shards; copied back from worker 0 at the end, as --results says)
 #   --results       local directory for pod.log (default runs/<name>); with a local --workdir, where
-#                   worker 0's workdir is copied: a local directory (scp) or gs://... (gsutil)
+#                   worker 0's workdir is copied: a local directory (scp) or gs://... (gsutil; pod.log
+#                   then stays on this machine as /tmp/<name>_pod.log)
 #   --repo          git URL to clone on the workers; default: the local checkout, packed with
 #                   `git archive HEAD` and copied to every worker
 #   --branch        branch/tag for --repo (default main)
@@ -44,7 +45,8 @@
 #
 # Every worker runs the same command with --config.distributed=True, so pdm_jax.train calls
 # jax.distributed.initialize() (the TPU runtime provides the coordinator); `--worker=all`
-# streams every worker's output (prefixed by gcloud) to this terminal and to <results>/pod.log.
+# streams every worker's output (prefixed by gcloud) to this terminal and to <results>/pod.log
+# (/tmp/<name>_pod.log when --results is a gs:// URL).
 # An existing TPU VM of that name is reused when READY, recreated otherwise (e.g. preempted).
 set -euo pipefail
 
@@ -101,6 +103,8 @@ if [[ -z "$WORKDIR" ]]; then
 fi
 REMOTE_WD=0
 [[ "$WORKDIR" == gs://* ]] && REMOTE_WD=1
+# A local workdir is copied back from worker 0's home directory, not from the code directory training runs in.
+[[ $REMOTE_WD -eq 1 || "$WORKDIR" == /* ]] || die "--workdir='$WORKDIR': a local workdir must be an absolute path on the hosts (or gs://...)"
 # The sampler mode that works on a pod: colocated (if this checkout's config knows it).
 SAMPLER_FLAG=()
 if grep -q '"colocated"' "$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/pdm_jax/config.py"; then
@@ -213,4 +217,4 @@ fi
 copy_results
 
 # 6. delete (trap)
-if [[ $REMOTE_WD -eq 1 ]]; then echo "# done: results in $WORKDIR, log in $LOGFILE"; else echo "# done: results in $RESULTS"; fi
+if [[ $REMOTE_WD -eq 1 ]]; then echo "# done: results in $WORKDIR, log in $LOGFILE"; else echo "# done: results in $RESULTS, log in $LOGFILE"; fi

@@ -132,7 +132,12 @@ def test_print_only_and_pod_commands():
                           "--pod", "--tpu_name=pdm", "--only=criterion=ratio_seed=0"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(pod) == 2  # delta 0.05 and 0.15
-    assert pod[0].startswith("launch/tpu_pod.sh --name=pdm-000 ") and "--results=gs://b/s/delta=0.05" in pod[0]
+    assert pod[0].startswith("launch/tpu_pod.sh --name=pdm-000 ") and "--workdir=gs://b/s/delta=0.05" in pod[0]
+    assert "--results" not in pod[0]  # a bucket workdir: every host's shards there, resumable
+    local = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", "--out=runs/s", "--print_only",
+                            "--pod", "--only=criterion=ratio_seed=0"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "--workdir=/tmp/pdm_run --results=runs/s/delta=0.05" in local[0]
 
 
 def test_aggregate_only_without_runs_says_so(tmp_path):
@@ -286,6 +291,7 @@ def test_tpu_pod_dry_run_prints_every_step():
     (["--name=x1", "--zone=z", "--accelerator=v4-8"], "--project is required"),
     (["--name=Bad_Name", "--project=p", "--zone=z", "--accelerator=v4-8"], "--name='Bad_Name'"),
     (["--name=x1", "--project=p", "--zone=z", "--accelerator=v4-8", "--bogus=1"], "unknown argument"),
+    (["--name=x1", "--project=p", "--zone=z", "--accelerator=v4-8", "--workdir=runs/x"], "--workdir='runs/x'"),
 ])
 def test_tpu_pod_bad_flags(args, msg):
     p = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run"] + args, cwd=REPO, capture_output=True, text=True,
