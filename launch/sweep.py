@@ -701,9 +701,14 @@ def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
     )
 
 
+def _finite(values) -> list[float]:
+    """The values that are not None and finite, as floats (NaN means "not measured" in the run rows)."""
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
 def mean_ci95(values: list[float]) -> tuple[float, float]:
     """(mean, half-width of the 95% Student-t interval) of finite values; half-width NaN for < 2 values."""
-    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    xs = _finite(values)
     if not xs:
         return float("nan"), float("nan")
     m = sum(xs) / len(xs)
@@ -736,7 +741,7 @@ def seeds_for_power(diffs: list[float], power: float = POWER_TARGET, alpha: floa
     comparison need". An estimate, as uncertain as the pilot's standard deviation. Returns None when it cannot be
     read (fewer than 2 finite differences, or a zero mean), ``max_seeds + 1`` when more than `max_seeds` are needed,
     and 2 when the differences are equal and non-zero (no spread: any test rejects)."""
-    xs = [float(x) for x in diffs if x is not None and math.isfinite(float(x))]
+    xs = _finite(diffs)
     if len(xs) < 2:
         return None
     mean = sum(xs) / len(xs)
@@ -757,7 +762,7 @@ def seeds_for_power(diffs: list[float], power: float = POWER_TARGET, alpha: floa
 def paired_t_p(diffs: list[float]) -> Optional[float]:
     """Two-sided p-value of the paired t-test (one-sample t on the per-seed differences, mean 0 under the null;
     scipy.stats.ttest_1samp); None with fewer than 2 differences or none of them spread (t undefined)."""
-    xs = [float(v) for v in diffs if v is not None and math.isfinite(float(v))]
+    xs = _finite(diffs)
     if len(xs) < 2 or max(xs) == min(xs):
         return None
     from scipy import stats  # as in mean_ci95
