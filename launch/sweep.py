@@ -162,12 +162,19 @@ def validate_sweep(sweep: dict) -> dict:
     out.setdefault("collapse_margin", 0.1)
     out.setdefault("share_warmstart_by", None)
     out.setdefault("keep", None)
+    values = {item[0]: list(item[1]) for item in sweep["axes"]}
     for field in ("paired_baseline", "paired_change"):
         out.setdefault(field, None)
         pb = out[field]
-        if pb is not None and not (isinstance(pb, (list, tuple)) and len(pb) == 2 and pb[0] in keys):
-            raise ValueError(f"sweep.{field} must be None or (axis, value) with an axis of {sorted(keys)}, "
-                             f"got {pb!r}")
+        if pb is None:
+            continue
+        if not (isinstance(pb, (list, tuple)) and len(pb) == 2 and isinstance(pb[0], str) and pb[0] in keys
+                and pb[0] != "seed"):
+            raise ValueError(f"sweep.{field} must be None or (axis, value) with an axis of {sorted(keys)} other "
+                             f"than the seed, got {pb!r}")
+        if pb[1] not in values[pb[0]]:
+            raise ValueError(f"sweep.{field} {pb!r}: {pb[1]!r} is not one of the {pb[0]} axis's values "
+                             f"{values[pb[0]]}")
     if (out["paired_change"] is not None and out["paired_baseline"] is not None
             and out["paired_change"][0] == out["paired_baseline"][0]):
         raise ValueError(f"sweep.paired_change must name another axis than paired_baseline's "
@@ -232,8 +239,11 @@ def pod_command(run: dict, index: int, out: str, *, tpu_name: str, project: str,
     its checkpoint shards there, so rerunning the command after a preemption resumes it, and the sweep's
     ``--aggregate_only`` reads a local copy of the bucket. Otherwise the workdir is local to the hosts
     (`POD_LOCAL_WORKDIR`) and worker 0's copy goes to ``--results=<out>/<run name>`` when the run ends."""
-    where = ([f"--workdir={out.rstrip('/')}/{run['name']}"] if out.startswith("gs://")
-             else [f"--workdir={POD_LOCAL_WORKDIR}", f"--results={out}/{run['name']}"])
+    if out.startswith("gs://") and not out[len("gs://"):].strip("/"):
+        raise ValueError(f"--out={out!r}: a bucket --out needs a bucket name, gs://BUCKET[/PREFIX]")
+    run_dir = f"{out.rstrip('/')}/{run['name']}"
+    where = [f"--workdir={run_dir}"] if out.startswith("gs://") else [f"--workdir={POD_LOCAL_WORKDIR}",
+                                                                       f"--results={run_dir}"]
     cmd = ["launch/tpu_pod.sh", f"--name={tpu_name}-{index:03d}",
            f"--project={project}", f"--zone={zone}", f"--accelerator={accelerator}",
            f"--config={run['config_arg']}", *where]
@@ -682,9 +692,11 @@ def summarize_run(workdir: str, collapse_margin: float = 0.1) -> Optional[dict]:
         vals = [r[key] for r in rl if r.get(key) is not None]
         return float(sum(vals) / len(vals)) if vals else float("nan")
 
-    rewards = [r["reward"] for r in rl if r.get("reward") is not None]
+    rewards = [float(r["reward"]) for r in rl if r.get("reward") is not None]
     w = min(REWARD_WINDOW, len(rewards) // 2)
-    rise = (sum(rewards[-w:]) - sum(rewards[:w])) / w if w else float("nan")
+    # NaN, as reward_area, if any step's reward is not finite
+    finite = len(_finite(rewards)) == len(rewards)
+    rise = (sum(rewards[-w:]) - sum(rewards[:w])) / w if w and finite else float("nan")
     warm = s.get("warmstart_accuracy")
     final = s.get("final_accuracy")
     events = collapse_events([r.get("eval_accuracy") for r in ev], warm, collapse_margin)
@@ -796,10 +808,10 @@ def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_MET
 
     Runs that share a seed (and a warm start) see the same first rollout batch, so the paired difference
     removes the seed-to-seed spread that both arms share. Returns one dict per (arm, other axis values) that
-    has a baseline partner: the keys of the point without the seed, ``n`` (paired seeds), ``wins`` (seeds
-    where the arm's final accuracy is above the baseline's), ``seeds_for_power`` (`seeds_for_power` of the
-    final-accuracy differences), ``p`` (`paired_t_p` of them), ``p_holm`` (`holm_adjust` over the returned rows)
-    and, per metric, (mean, 95% t half-width) of arm - baseline.
+    has a baseline partner: the keys of the point without the seed, ``n`` (paired seeds, both with a final
+    accuracy), ``wins`` (seeds where the arm's final accuracy is above the baseline's), ``seeds_for_power``
+    (`seeds_for_power` of the final-accuracy differences), ``p`` (`paired_t_p` of them), ``p_holm``
+    (`holm_adjust` over the returned rows) and, per metric, (mean, 95% t half-width) of arm - baseline.
     """
     out: dict = {}
     for r, partner in _partners(rows, axis, baseline):
@@ -809,6 +821,7 @@ def paired_differences(rows: list[dict], axis: str, baseline, metrics=PAIRED_MET
     for key, pairs in out.items():
         diffs = {m: [a[m] - b[m] for a, b in pairs if a[m] is not None and b[m] is not None]
                  for m in dict.fromkeys((*metrics, "final_accuracy"))}
+        pairs = [(a, b) for a, b in pairs if a["final_accuracy"] is not None and b["final_accuracy"] is not None]
         d = dict(key, n=len(pairs), wins=sum(a["final_accuracy"] > b["final_accuracy"] for a, b in pairs),
                  seeds_for_power=seeds_for_power(diffs["final_accuracy"]), p=paired_t_p(diffs["final_accuracy"]))
         d.update({m: mean_ci95(diffs[m]) for m in metrics})
@@ -1076,8 +1089,12 @@ def main(argv=None) -> int:
         for i, r in enumerate(runs):
             wd = os.path.join(args.out, r["name"])
             if args.pod:
-                cmd = pod_command(r, i, args.out, tpu_name=args.tpu_name, project=args.project, zone=args.zone,
-                                  accelerator=args.accelerator)
+                try:
+                    cmd = pod_command(r, i, args.out, tpu_name=args.tpu_name, project=args.project, zone=args.zone,
+                                      accelerator=args.accelerator)
+                except ValueError as e:
+                    print(f"sweep.py: {e}", file=sys.stderr)
+                    return 2
             else:
                 cmd = train_command(r, wd)
             print(shlex.join(cmd))

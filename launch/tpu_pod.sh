@@ -29,8 +29,9 @@
 #                   local path on each host (not resumable once the VMs are gone: its checkpoints hold
 #                   only worker 0's shards; copied back from worker 0 at the end, as --results says)
 #   --results       local directory for pod.log (default runs/<name>); with a local --workdir, where
-#                   worker 0's workdir is copied: a local directory (scp) or gs://... (gsutil; pod.log
-#                   then stays on this machine as /tmp/<name>_pod.log)
+#                   worker 0's workdir is copied (its files land directly in it: <results>/summary.json,
+#                   and its log as <results>/<workdir name>.log): a local directory (scp) or gs://...
+#                   (gsutil; pod.log then stays on this machine as /tmp/<name>_pod.log)
 #   --repo          git URL to clone on the workers; default: the local checkout, packed with
 #                   `git archive HEAD` and copied to every worker
 #   --branch        branch/tag for --repo (default main)
@@ -143,10 +144,16 @@ COPIED=0
 copy_results() {  # local workdir: worker 0 holds metrics.jsonl, summary.json, curves.png, its checkpoint shards
   if [[ $REMOTE_WD -eq 1 ]]; then
     echo "# the run's files are in $WORKDIR"
-  elif [[ "$RESULTS" == gs://* ]]; then
-    remote 0 "gsutil -m cp -r $(sq "$WORKDIR") $(sq "$WORKDIR.log") $(sq "$RESULTS/")"
+  elif [[ "$RESULTS" == gs://* ]]; then  # the workdir's files (the worker's shell expands the *), not the folder
+    remote 0 "gsutil -m cp -r $(sq "$WORKDIR")/* $(sq "$WORKDIR.log") $(sq "$RESULTS/")"
   else
+    local base; base="$(basename "$WORKDIR")"
     run "${GC[@]}" scp --recurse "$NAME:$WORKDIR" "$NAME:$WORKDIR.log" "$RESULTS/" "${LOC[@]}" --worker=0
+    # scp puts the folder inside <results> under its own name: its files move up, so <results> is the run directory
+    if [[ $DRY -eq 1 || -d "$RESULTS/$base" ]]; then
+      run cp -r "$RESULTS/$base/." "$RESULTS/"
+      run rm -rf "${RESULTS:?}/$base"
+    fi
   fi
   COPIED=1
 }

@@ -138,6 +138,9 @@ def test_print_only_and_pod_commands():
                             "--pod", "--only=criterion=ratio_seed=0"],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
     assert "--workdir=/tmp/pdm_run --results=runs/s/delta=0.05" in local[0]
+    bare = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", "--out=gs://", "--print_only",
+                           "--pod"], cwd=REPO, capture_output=True, text=True)
+    assert bare.returncode == 2 and "--out='gs://'" in bare.stderr and "Traceback" not in bare.stderr
 
 
 def test_aggregate_only_without_runs_says_so(tmp_path):
@@ -277,7 +280,9 @@ def test_tpu_pod_dry_run_prints_every_step():
     assert ("python3 -m pdm_jax.train --config=configs/tiny.py:delta=0.05,seed=1 --workdir=/tmp/run1 "
             "--config.distributed=True --config.sampler.mode=colocated --config.rl.steps=10") in t
     assert t.endswith("| tee runs/pod1/pod.log")  # streamed here and kept
-    assert lines[-2] == gc + "scp --recurse pdm-test:/tmp/run1 pdm-test:/tmp/run1.log runs/pod1/ --project=proj-1 --zone=us-central2-b --worker=0"
+    assert lines[-4] == gc + "scp --recurse pdm-test:/tmp/run1 pdm-test:/tmp/run1.log runs/pod1/ --project=proj-1 --zone=us-central2-b --worker=0"
+    # the workdir's files move up out of the folder scp made, so runs/pod1 is the run directory (summary.json there)
+    assert lines[-3:-1] == ["+ cp -r runs/pod1/run1/. runs/pod1/", "+ rm -rf runs/pod1/run1"]
     assert lines[-1] == gc + "delete pdm-test --project=proj-1 --zone=us-central2-b --quiet"
     order = [i for i, l in enumerate(lines) if any(s in l for s in ("create", "pip install", "pdm_jax.train",
                                                                     "scp --recurse", "delete"))]
@@ -308,7 +313,7 @@ def test_tpu_pod_dry_run_gcs_results_and_git_repo():
     lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
     assert lines[0].endswith("--spot")
     assert "git clone --depth 1 --branch main https://example.com/r.git" in lines[1]
-    assert "gsutil -m cp -r /tmp/pdm_run /tmp/pdm_run.log gs://bucket/run/" in lines[-1] and "--worker=0" in lines[-1]
+    assert "gsutil -m cp -r /tmp/pdm_run/* /tmp/pdm_run.log gs://bucket/run/" in lines[-1] and "--worker=0" in lines[-1]
     assert not any(" delete " in l for l in lines) and "--keep" in p.stdout
 
 
@@ -342,7 +347,8 @@ def test_tpu_pod_failed_training_still_copies_results_and_deletes(tmp_path):
 def test_tpu_pod_remote_pipe_keeps_the_training_exit_status(tmp_path, train_rc):
     """The worker runs the training piped into `tee`: a fake gcloud runs that --command for real (through
     `sh -c`, as a login shell without pipefail would) with a fake python3 exiting `train_rc`. A failed
-    training fails the script (not "done") and deletes the VM; a good one reports done. Both keep the log."""
+    training fails the script (not "done") and deletes the VM; a good one reports done. Both keep the log, and the
+    copy-back (the fake's scp copies on this machine) leaves the workdir's files directly in --results."""
     worker_home = tmp_path / "worker"
     (worker_home / "pdm_jax_src").mkdir(parents=True)
     bin_dir = tmp_path / "bin"
@@ -354,10 +360,16 @@ def test_tpu_pod_remote_pipe_keeps_the_training_exit_status(tmp_path, train_rc):
     gcloud.write_text("#!/usr/bin/env bash\n"
                       "for a in \"$@\"; do case \"$a\" in --command=*) cmd=\"${a#--command=}\";; esac; done\n"
                       "case \"$*\" in *pdm_jax.train*) cd " + str(worker_home) + " && exec sh -c \"$cmd\";; esac\n"
+                      "case \"$*\" in *'scp --recurse'*)\n"
+                      "  for a in \"$@\"; do case \"$a\" in */) dest=\"$a\";; esac; done\n"
+                      "  for a in \"$@\"; do case \"$a\" in pdm-pipe:*) cp -r \"${a#pdm-pipe:}\" \"$dest\";; esac; done;;\n"
+                      "esac\n"
                       "exit 0\n")
     gcloud.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     results, workdir = tmp_path / "results", tmp_path / "wd"
+    (workdir / "checkpoints").mkdir(parents=True)  # what worker 0's run leaves (the same disk here)
+    (workdir / "summary.json").write_text("{}")
     p = subprocess.run(["bash", "launch/tpu_pod.sh", "--name=pdm-pipe", "--project=p", "--zone=z",
                         "--accelerator=v4-8", f"--results={results}", f"--workdir={workdir}",
                         "--flag=--config.data.instruction=it's fine"],
@@ -368,6 +380,8 @@ def test_tpu_pod_remote_pipe_keeps_the_training_exit_status(tmp_path, train_rc):
     remote_log = (tmp_path / "wd.log").read_text()  # the worker's tee copy, with stderr
     assert "Traceback: boom" in remote_log
     assert "--config.data.instruction=it's fine" in remote_log  # the quoting survives two shells
+    assert (results / "summary.json").exists() and (results / "checkpoints").is_dir() and (results / "wd.log").exists()
+    assert not (results / "wd").exists()  # the files, not a folder inside --results
     assert "Traceback: boom" in (results / "pod.log").read_text()
 
 
@@ -605,6 +619,10 @@ def test_changes_across_delta_and_gap_changes_by_hand(tmp_path):
     table = sweep.aggregate(runs, str(tmp_path), paired_baseline=d["paired_baseline"],
                             paired_change=d["paired_change"])
     assert table["rows"][0]["reward_rise"] == pytest.approx(0.3)
+    nan_run = os.path.join(str(tmp_path), "nan_reward")
+    _fake_run(nan_run, rewards[:25] + [float("nan")] + rewards[26:], [(50, 0.5)])
+    assert math.isnan(sweep.summarize_run(nan_run)["reward_rise"])  # as reward_area: a NaN step is not hidden
+    assert math.isnan(sweep.summarize_run(nan_run)["reward_area"])
     assert table["groups"][0]["reward_rise"][0] == pytest.approx(0.3)
     changes = {c["criterion"]: c for c in table["changes"]}
     assert set(changes) == {"ratio", "pdm_bucket_exact"} and all(c["delta"] == 0.15 for c in changes.values())
@@ -621,8 +639,18 @@ def test_changes_across_delta_and_gap_changes_by_hand(tmp_path):
     assert "| reward rise |" in md
     with pytest.raises(ValueError, match="paired_change"):
         sweep.validate_sweep(dict(d, paired_change=("criterion", "ratio")))
-    with pytest.raises(ValueError, match="paired_change"):
-        sweep.validate_sweep(dict(d, paired_change=("lr", 0.1)))
+    for bad in [("lr", 0.1), ("delta", 0.1), ("delta", "0.05"), ("delta", [0.05]), (["delta"], 0.05), ("seed", 0)]:
+        with pytest.raises(ValueError, match="sweep.paired_change"):  # each names the field and the value
+            sweep.validate_sweep(dict(d, paired_change=bad))
+    with pytest.raises(ValueError, match=r"sweep.paired_baseline \('criterion', 'bogus'\)"):
+        sweep.validate_sweep(dict(d, paired_baseline=("criterion", "bogus")))
+    # a run without a final accuracy is left out of the seed counts and the differences, not a crash
+    first = os.path.join(str(tmp_path), runs[0]["name"], "summary.json")
+    summary = json.load(open(first))
+    json.dump(dict(summary, final_accuracy=None), open(first, "w"))
+    table = sweep.aggregate(runs, str(tmp_path), paired_baseline=d["paired_baseline"],
+                            paired_change=d["paired_change"])
+    assert {c["criterion"]: c["n"] for c in table["changes"]} == {"ratio": 1, "pdm_bucket_exact": 2}
 
 
 def test_subset_of_a_sweep_starts_from_the_whole_sweeps_warm_start(tmp_path):

@@ -19,5 +19,5 @@ from pdm_jax.analysis.param_direction import (PARAM_CRITERION, param_directional
                                               parameter_update)
 
 __all__ = ["ALL_CRITERIA", "AlignmentCallback", "ORACLE", "PARAM_CRITERION", "alignment_counts", "alignment_rates",
-           "fidelity_analysis", "fidelity_counts", "mean_ci95", "param_directional_change", "param_jvp_topk_kl", "parameter_update",
-           "select_tokens", "token_analysis"]
+           "fidelity_analysis", "fidelity_counts", "mean_ci95", "param_directional_change", "param_jvp_topk_kl",
+           "parameter_update", "select_tokens", "token_analysis"]
