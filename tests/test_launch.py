@@ -520,7 +520,9 @@ def test_between_testbed_pilot_expands_into_valid_runs():
     assert len(tempered) == 6  # drift plus the sampler's own temperature; the loss's pi stays at temperature 1
     assert {(c.rl.max_staleness, c.rl.learning_rate, c.sampler.temperature, c.rl.temperature, c.sampler.weight_noise)
             for c in tempered} == {(8, 3e-4, 1.15, 1.0, 0.0)}
-    grid = sweep.expand(sweep.load_sweep(path, "comparison"))  # the lever of pilot_stale_temp, 33 paired seeds
+    comparison = sweep.load_sweep(path, "comparison")
+    assert comparison["paired_baseline"] == ("criterion", "ratio") and comparison["paired_change"] == ("delta", 0.05)
+    grid = sweep.expand(comparison)  # the lever of pilot_stale_temp, 33 paired seeds
     assert len(grid) == 8 * 10 + 25 * 8  # none / clip-higher at delta 0.05 for the first 8 seeds only
     assert [r["point"]["seed"] for r in grid] == sorted(r["point"]["seed"] for r in grid)  # seed outermost
     first = [get(r["arg"]) for r in grid if r["point"]["seed"] == 0]
