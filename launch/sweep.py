@@ -143,14 +143,14 @@ def validate_sweep(sweep: dict) -> dict:
     axes = sweep.get("axes")
     if not isinstance(axes, (list, tuple)) or not axes:
         raise ValueError(f"sweep.axes must be a non-empty list of (key, values), got {axes!r}")
-    keys = set()
+    values: dict = {}  # axis -> its values
     for item in axes:
         if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], (list, tuple)) and len(item[1]) > 0):
             raise ValueError(f"sweep.axes item {item!r} must be (key, non-empty list of values)")
-        if item[0] in keys:
+        if item[0] in values:
             raise ValueError(f"sweep.axes: axis {item[0]!r} appears twice")
-        keys.add(item[0])
+        values[item[0]] = list(item[1])
         for v in item[1]:
             if any(c in str(v) for c in ",=/" + os.sep):  # '/': the run name is a directory name
                 raise ValueError(f"sweep.axes {item[0]!r}: value {v!r} may not contain ',', '=' or '/'")
@@ -162,15 +162,14 @@ def validate_sweep(sweep: dict) -> dict:
     out.setdefault("collapse_margin", 0.1)
     out.setdefault("share_warmstart_by", None)
     out.setdefault("keep", None)
-    values = {item[0]: list(item[1]) for item in sweep["axes"]}
     for field in ("paired_baseline", "paired_change"):
         out.setdefault(field, None)
         pb = out[field]
         if pb is None:
             continue
-        if not (isinstance(pb, (list, tuple)) and len(pb) == 2 and isinstance(pb[0], str) and pb[0] in keys
+        if not (isinstance(pb, (list, tuple)) and len(pb) == 2 and isinstance(pb[0], str) and pb[0] in values
                 and pb[0] != "seed"):
-            raise ValueError(f"sweep.{field} must be None or (axis, value) with an axis of {sorted(keys)} other "
+            raise ValueError(f"sweep.{field} must be None or (axis, value) with an axis of {sorted(values)} other "
                              f"than the seed, got {pb!r}")
         if pb[1] not in values[pb[0]]:
             raise ValueError(f"sweep.{field} {pb!r}: {pb[1]!r} is not one of the {pb[0]} axis's values "
@@ -182,9 +181,9 @@ def validate_sweep(sweep: dict) -> dict:
     if out["keep"] is not None and not callable(out["keep"]):
         raise ValueError(f"sweep.keep must be None or a function point -> bool, got {out['keep']!r}")
     if out["share_warmstart_by"] is not None:
-        bad = [k for k in out["share_warmstart_by"] if k not in keys]
+        bad = [k for k in out["share_warmstart_by"] if k not in values]
         if bad:
-            raise ValueError(f"sweep.share_warmstart_by names {bad}, which are not axes {sorted(keys)}")
+            raise ValueError(f"sweep.share_warmstart_by names {bad}, which are not axes {sorted(values)}")
     if not isinstance(out["flags"], dict):
         raise ValueError(f"sweep.flags must be a dict of --config.<field> overrides, got {out['flags']!r}")
     return out
