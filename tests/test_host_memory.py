@@ -12,7 +12,10 @@ glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
                                 reason="mallopt is glibc's")
 
 # A jitted program with a 96 MiB temporary buffer (a cumulative sum's; above glibc's 32 MiB mmap threshold), run 20 times
-# after 10 warm-up runs (the heap reaches its peak in them, in each pool thread that ran it); prints temp bytes and the minor page faults per run in units of the temp buffer.
+# after 10 warm-up runs (the heap reaches its peak in them, in each pool thread that ran it); prints temp bytes and the
+# minor page faults per run in units of the temp buffer: the median run's, then the mean. The median is the steady
+# state: a run that reaches a new heap peak (rarer, but more likely when other processes load the cores, as beside
+# another pytest worker) faults once what it adds, which moved the mean of 20 runs to 0.30 in one CI run.
 _PROBE = textwrap.dedent("""
     import resource, sys
     if sys.argv[1] == "1":
@@ -25,10 +28,12 @@ _PROBE = textwrap.dedent("""
     temp = f.lower(x).compile().memory_analysis().temp_size_in_bytes
     for _ in range(10):
         f(x).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    per_run = []
     for _ in range(20):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         f(x).block_until_ready()
-    print(temp, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20 * 4096 / temp)
+        per_run.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 4096 / temp)
+    print(temp, sorted(per_run)[len(per_run) // 2], sum(per_run) / len(per_run))
 """)
 
 
@@ -37,20 +42,21 @@ def _faults_per_run(reuse: bool) -> tuple:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-c", _PROBE, "1" if reuse else "0"], capture_output=True, text=True,
                          check=True, env=env)
-    temp, faulted = out.stdout.strip().splitlines()[-1].split()
-    return int(temp), float(faulted)
+    temp, median, mean = out.stdout.strip().splitlines()[-1].split()
+    return int(temp), float(median), float(mean)
 
 
 @pytest.mark.slow  # two subprocesses, each starting JAX and running one program 30 times
 @glibc_only
 def test_freed_temp_buffer_is_reused_without_page_faults():
-    temp, default = _faults_per_run(False)
+    temp, default, default_mean = _faults_per_run(False)
     assert temp > 40 * 2**20  # above glibc's largest mmap threshold (32 MiB)
-    _, reused = _faults_per_run(True)
-    assert default > 0.9  # default allocator: the temp buffer is faulted in again at every run (1.000 measured)
-    # kept mapped: 0.0 and 0.05 measured idle (a pool thread can reach a new heap peak in a measured run and
-    # fault the buffer in once); the default allocator faults the whole temp buffer in again, 1.0 per run
-    assert reused < 0.25 * default
+    _, reused, reused_mean = _faults_per_run(True)
+    # default allocator: the temp buffer is faulted in again at every run (1.000 measured, median and mean)
+    assert default > 0.9, (default, default_mean)
+    # kept mapped: the median run faults nothing in (0.0 measured, also beside a training sweep on both cores);
+    # the mean was 0.0-0.05 idle and 0.30 in one CI run, from runs that reached a new heap peak
+    assert reused < 0.1 * default, (reused, reused_mean)
 
 
 @glibc_only
