@@ -31,7 +31,8 @@
 #   --results       local directory for pod.log (default runs/<name>); with a local --workdir, where
 #                   worker 0's workdir is copied (its files land directly in it: <results>/summary.json,
 #                   and its log as <results>/<workdir name>.log): a local directory (scp) or gs://...
-#                   (gsutil; pod.log then stays on this machine as /tmp/<name>_pod.log)
+#                   (gsutil; pod.log is written on this machine as /tmp/<name>_pod.log, then uploaded as
+#                   <results>/pod.log with this machine's gsutil)
 #   --repo          git URL to clone on the workers; default: the local checkout, packed with
 #                   `git archive HEAD` and copied to every worker
 #   --branch        branch/tag for --repo (default main)
@@ -47,7 +48,7 @@
 # Every worker runs the same command with --config.distributed=True, so pdm_jax.train calls
 # jax.distributed.initialize() (the TPU runtime provides the coordinator); `--worker=all`
 # streams every worker's output (prefixed by gcloud) to this terminal and to <results>/pod.log
-# (/tmp/<name>_pod.log when --results is a gs:// URL).
+# (/tmp/<name>_pod.log when --results is a gs:// URL, uploaded to <results>/pod.log at the end).
 # An existing TPU VM of that name is reused when READY, recreated otherwise (e.g. preempted).
 set -euo pipefail
 
@@ -102,6 +103,9 @@ if [[ -z "$WORKDIR" ]]; then
   [[ "$BUCKET" == gs://* ]] || die "--bucket='$BUCKET': expected gs://BUCKET[/PREFIX]"
   WORKDIR="${BUCKET%/}/$NAME"
 fi
+# trailing slashes dropped: "$WORKDIR.log" is the worker's log beside the workdir, not a file inside it
+while [[ "$WORKDIR" == */ && "$WORKDIR" != / ]]; do WORKDIR="${WORKDIR%/}"; done
+while [[ "$RESULTS" == */ && "$RESULTS" != / ]]; do RESULTS="${RESULTS%/}"; done
 REMOTE_WD=0
 [[ "$WORKDIR" == gs://* ]] && REMOTE_WD=1
 # A local workdir is copied back from worker 0's home directory, not from the code directory training runs in.
@@ -154,6 +158,9 @@ copy_results() {  # local workdir: worker 0 holds metrics.jsonl, summary.json, c
       run cp -r "$RESULTS/$base/." "$RESULTS/"
       run rm -rf "${RESULTS:?}/$base"
     fi
+  fi
+  if [[ "$RESULTS" == gs://* ]]; then  # pod.log (every worker's output) from this machine, where it was written
+    run gsutil cp "$LOGFILE" "$RESULTS/pod.log" || echo "# pod.log not uploaded (no gsutil here?): it stays in $LOGFILE"
   fi
   COPIED=1
 }

@@ -308,12 +308,16 @@ def test_tpu_pod_bad_flags(args, msg):
 def test_tpu_pod_dry_run_gcs_results_and_git_repo():
     p = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run", "--name=pdm-x", "--project=p", "--zone=z",
                         "--accelerator=v5litepod-16", "--results=gs://bucket/run", "--repo=https://example.com/r.git",
-                        "--spot", "--keep", "--workdir=/tmp/pdm_run"], cwd=REPO, capture_output=True, text=True, timeout=60)
+                        "--spot", "--keep", "--workdir=/tmp/pdm_run//"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
     assert p.returncode == 0, p.stderr
     lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
     assert lines[0].endswith("--spot")
     assert "git clone --depth 1 --branch main https://example.com/r.git" in lines[1]
-    assert "gsutil -m cp -r /tmp/pdm_run/* /tmp/pdm_run.log gs://bucket/run/" in lines[-1] and "--worker=0" in lines[-1]
+    # the trailing slashes are dropped: the worker's log is /tmp/pdm_run.log beside the workdir, not inside it
+    assert "--workdir=/tmp/pdm_run --config.distributed=True" in p.stdout and "| tee /tmp/pdm_run.log" in p.stdout
+    assert "gsutil -m cp -r /tmp/pdm_run/* /tmp/pdm_run.log gs://bucket/run/" in lines[-2] and "--worker=0" in lines[-2]
+    assert lines[-1] == "+ gsutil cp /tmp/pdm-x_pod.log gs://bucket/run/pod.log"  # every worker's output, from here
     assert not any(" delete " in l for l in lines) and "--keep" in p.stdout
 
 
