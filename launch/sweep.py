@@ -18,6 +18,7 @@ A sweep definition is a Python file with ``get_sweep(arg=None) -> dict``
       keep=lambda point: True,           # optional; grid points for which it is False are left out
       paired_baseline=("criterion", "ratio"),  # optional; per-seed differences against this arm in the table
       paired_change=("delta", 0.05),     # optional; each arm's per-seed change from this value of another axis
+      step_means=dict(metrics=["mean_topk_kl"], steps=[1, 2, 4, 8]),  # optional; `step_means` table
     )
 
 Axis values become ``key=value`` items of the config argument string
@@ -178,6 +179,16 @@ def validate_sweep(sweep: dict) -> dict:
             and out["paired_change"][0] == out["paired_baseline"][0]):
         raise ValueError(f"sweep.paired_change must name another axis than paired_baseline's "
                          f"{out['paired_baseline'][0]!r}, got {out['paired_change']!r}")
+    out.setdefault("step_means", None)
+    sm = out["step_means"]
+    if sm is not None and not (
+            isinstance(sm, dict) and set(sm) == {"metrics", "steps"}
+            and isinstance(sm["metrics"], (list, tuple)) and sm["metrics"]
+            and all(isinstance(m, str) and m for m in sm["metrics"])
+            and isinstance(sm["steps"], (list, tuple)) and sm["steps"]
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in sm["steps"])):
+        raise ValueError("sweep.step_means must be None or dict(metrics=[metric names], steps=[RL steps >= 1]), "
+                         f"got {sm!r}")
     if out["keep"] is not None and not callable(out["keep"]):
         raise ValueError(f"sweep.keep must be None or a function point -> bool, got {out['keep']!r}")
     if out["share_warmstart_by"] is not None:
@@ -846,8 +857,50 @@ def gap_changes(rows: list[dict], baseline: tuple, change: tuple, metrics=PAIRED
     return paired_differences(diffs, *change, metrics=metrics, seed_key=seed_key)
 
 
+def step_means(runs: list[dict], out: str, metrics, steps, seed_key: str = "seed") -> list[dict]:
+    """Per grid point without `seed_key`, per metric: the mean ± 95% t half-width over seeds of the metric's value
+    at each of the RL `steps` (the ``phase == "rl"`` records of each finished run's ``metrics.jsonl``; a seed
+    without that step or metric is left out of that cell, whose ``n`` says how many seeds it has).
+
+    Returns ``[{<axis>: value, ..., "metric": str, "cells": [(mean, half_width, n) per step]}]``, groups in the
+    order of `runs`. With every run's records from the same rollouts (e.g. a shared warm start and a staleness
+    ramp), early steps show where arms part; `aggregate` prints it as a markdown table.
+    """
+    groups: dict = {}
+    for run in runs:
+        if not os.path.exists(os.path.join(out, run["name"], "summary.json")):
+            continue
+        by_step = {r["step"]: r for r in _read_jsonl(os.path.join(out, run["name"], "metrics.jsonl"))
+                   if r.get("phase") == "rl" and "step" in r}
+        key = tuple((k, v) for k, v in run["point"].items() if k != seed_key)
+        groups.setdefault(key, []).append(by_step)
+    table = []
+    for key, members in groups.items():
+        for m in metrics:
+            cells = []
+            for t in steps:
+                vals = _finite([d[t][m] for d in members if t in d and isinstance(d[t].get(m), (int, float))])
+                cells.append((*mean_ci95(vals), len(vals)))
+            table.append({**dict(key), "metric": m, "cells": cells})
+    return table
+
+
+def _step_means_markdown(table: list[dict], steps) -> str:
+    """`step_means` as a markdown table: one row per grid point and metric, one column per RL step."""
+    keys = [k for k in table[0] if k not in ("metric", "cells")]
+    lines = ["", "Per-step means over seeds (RL phase; mean ± 95% t half-width, the seeds' values at that step):", "",
+             "| " + " | ".join(keys + ["metric"] + [f"step {t}" for t in steps]) + " |",
+             "|" + "---|" * (len(keys) + 1 + len(steps))]
+    for row in table:
+        cells = ["–" if not math.isfinite(m) else (_num(m) if not math.isfinite(h) else f"{_num(m)} ± {_num(h)}")
+                 for m, h, _ in row["cells"]]
+        lines.append("| " + " | ".join([str(row[k]) for k in keys] + [row["metric"]] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key: str = "seed",
-              paired_baseline: Optional[tuple] = None, paired_change: Optional[tuple] = None) -> dict:
+              paired_baseline: Optional[tuple] = None, paired_change: Optional[tuple] = None,
+              step_table: Optional[dict] = None) -> dict:
     """Builds the per-run and per-group tables; writes ``sweep_runs.csv`` and ``sweep_table.md`` under `out`.
 
     Returns ``{"rows": [...], "groups": [...], "paired": [...], "changes": [...], "gap_changes": [...],
@@ -856,7 +909,8 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
     ``("criterion", "ratio")``: the markdown also gets `paired_differences` against it. paired_change:
     ``(axis, value)`` of another axis, e.g. ``("delta", 0.05)``: the markdown also gets each arm's paired change
     from that value (`paired_differences` along it) and, with a paired_baseline, the change of each arm's
-    difference to the baseline (`gap_changes`).
+    difference to the baseline (`gap_changes`). step_table: ``dict(metrics=[...], steps=[...])``: the markdown
+    also gets `step_means` (returned as ``"step_means"``).
     """
     rows = []
     for run in runs:
@@ -902,9 +956,13 @@ def aggregate(runs: list[dict], out: str, collapse_margin: float = 0.1, seed_key
         md += _paired_markdown(gaps, f"the change from {c[0]}={c[1]} of each arm's difference to {b[0]}={b[1]}: "
                                      f"(arm − {b[1]}) at the row's {c[0]} − (arm − {b[1]}) at {c[0]}={c[1]}, "
                                      "positive where the arm gains on the baseline")
+    per_step = step_means(runs, out, step_table["metrics"], step_table["steps"], seed_key) if step_table else []
+    if per_step:
+        md += _step_means_markdown(per_step, step_table["steps"])
     with open(os.path.join(out, "sweep_table.md"), "w") as f:
         f.write(md)
-    return dict(rows=rows, groups=group_rows, paired=paired, changes=changes, gap_changes=gaps, markdown=md)
+    return dict(rows=rows, groups=group_rows, paired=paired, changes=changes, gap_changes=gaps, step_means=per_step,
+                markdown=md)
 
 
 def _paired_markdown(paired: list[dict], what: str) -> str:
@@ -1111,7 +1169,8 @@ def main(argv=None) -> int:
         for r in runs:
             save_record(os.path.join(args.out, r["name"]), args.records)
     table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]),
-                      paired_baseline=sweep["paired_baseline"], paired_change=sweep["paired_change"])
+                      paired_baseline=sweep["paired_baseline"], paired_change=sweep["paired_change"],
+                      step_table=sweep["step_means"])
     if not table["rows"]:
         print(f"no finished runs under {args.out}: none of the sweep's {len(runs)} run directories has a "
               f"summary.json (run the sweep without --aggregate_only first)", file=sys.stderr)

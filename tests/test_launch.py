@@ -607,6 +607,33 @@ def test_paired_differences_by_hand(tmp_path):
         sweep.validate_sweep(dict(d, paired_baseline=("delta", 0.1)))
 
 
+def test_step_means_by_hand(tmp_path):
+    """step_means: per arm and metric, the seed mean ± 95% t half-width at chosen RL steps; a seed without the step
+    or the metric is left out of that cell (n counts the rest). Seed 0's rewards 0.2 / 0.4 / 0.6, seed 1's 0.4 / 0.6
+    (two steps): step 1 -> 0.3 ± t(0.975, 1) * 0.1414 / sqrt(2); step 3 -> seed 0 alone; step 5 -> nobody."""
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1]), ("criterion", ["ratio"])],
+                                  step_means=dict(metrics=["reward", "frac_masked", "absent"], steps=[1, 3, 5])))
+    runs = sweep.expand(d)
+    _fake_run(os.path.join(str(tmp_path), runs[0]["name"]), [0.2, 0.4, 0.6], [(3, 0.5)])
+    _fake_run(os.path.join(str(tmp_path), runs[1]["name"]), [0.4, 0.6], [(2, 0.5)])
+    table = sweep.aggregate(runs, str(tmp_path), step_table=d["step_means"])
+    rows = {r["metric"]: r for r in table["step_means"]}
+    assert list(rows) == ["reward", "frac_masked", "absent"] and rows["reward"]["criterion"] == "ratio"
+    (m1, h1, n1), (m3, h3, n3), (m5, h5, n5) = rows["reward"]["cells"]
+    assert (m1, n1) == (pytest.approx(0.3), 2) and h1 == pytest.approx(12.706204736174698 * math.sqrt(0.02) / 2 ** 0.5)
+    assert (m3, n3) == (pytest.approx(0.6), 1) and math.isnan(h3)
+    assert n5 == 0 and math.isnan(m5)
+    assert rows["frac_masked"]["cells"][0][:2] == pytest.approx((0.1, 0.0))  # 0.1 x step in both seeds
+    assert all(n == 0 for _, _, n in rows["absent"]["cells"])
+    assert "| ratio | reward | 0.300 ± 1.271 | 0.600 | – |" in table["markdown"]
+    assert "| criterion | metric | step 1 | step 3 | step 5 |" in table["markdown"]
+    assert sweep.aggregate(runs, str(tmp_path))["step_means"] == []  # only when asked for
+    for bad in [dict(metrics=[], steps=[1]), dict(metrics=["reward"], steps=[0]), dict(metrics=["reward"]),
+                dict(metrics="reward", steps=[1]), dict(metrics=["reward"], steps=[1.5]), [("reward", 1)]]:
+        with pytest.raises(ValueError, match="sweep.step_means"):
+            sweep.validate_sweep(dict(d, step_means=bad))
+
+
 def test_changes_across_delta_and_gap_changes_by_hand(tmp_path):
     """paired_change: each arm's per-seed change from delta 0.05 to 0.15; gap_changes: the change of its difference
     to the baseline arm (difference in differences). Finals by hand: ratio 0.50 / 0.60 at delta 0.05, 0.52 / 0.58 at

@@ -35,7 +35,10 @@ and the warm start are committed in ``reports/between_pilot/comparison_records``
 `launch/sweep.py:save_record`), so the sweep goes on across machines from the same warm start and its tables are
 rebuilt from the records with ``--aggregate_only``. Besides the differences from DPPO, the table pairs each arm
 across the radii (``paired_change``): its change from delta 0.05 to 0.15, seed by seed (the paper's delta-robustness
-claim), and the change of its difference from DPPO (does PDM's gap to DPPO narrow at the larger radius).
+claim), and the change of its difference from DPPO (does PDM's gap to DPPO narrow at the larger radius). Its
+``step_means`` table gives the seed means of a few metrics at RL steps 1-9 (`EARLY_STEPS`), whose rollouts every arm
+draws from the warm start (the staleness ramps up to 8, so batch i is sampled by version 0 for i <= 9): there μ, the
+tokens and the advantages are the same in every arm at a seed, and the arms differ only by what their mask kept.
 
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
@@ -65,6 +68,9 @@ ARGS = ("pilot", "pilot_delta_0.15", "pilot_int2", "pilot_stale", "pilot_stale_s
 COMPARISON_ARMS = ["none", "ppo_clip_higher", "ratio", "pdm_aggregated_tail", "pdm_uniform_tail", "pdm_bucket_exact"]
 COMPARISON_SEEDS = list(range(33))
 RADIUS_FREE_SEEDS = 8
+#: The RL steps of the comparison's `step_means` table (rollouts from the warm start in every arm) and its metrics.
+EARLY_STEPS = [1, 2, 3, 5, 9]
+EARLY_METRICS = ["mean_topk_kl", "entropy", "frac_masked_first_minibatch", "frac_direction_disagree"]
 #: Arms whose mask has no divergence radius: run at the first delta only.
 NO_RADIUS = ("none", "ppo", "ppo_clip_higher")
 
@@ -94,7 +100,8 @@ def get_sweep(arg=None):
     )
     # seed outermost: a sweep stopped early has every arm at the same number of seeds
     if arg == "comparison":
-        return dict(sweep, keep=_comparison_keep, paired_change=("delta", 0.05), axes=[
+        return dict(sweep, keep=_comparison_keep, paired_change=("delta", 0.05),
+                    step_means=dict(metrics=EARLY_METRICS, steps=EARLY_STEPS), axes=[
             ("seed", COMPARISON_SEEDS), ("delta", [0.05, 0.15]), ("criterion", COMPARISON_ARMS)])
     wide = arg == "pilot_delta_0.15"
     return dict(sweep, fixed=f"{sweep['fixed']},delta={0.15 if wide else 0.05}",
