@@ -54,6 +54,7 @@ fractions, and collapse events (`collapse_events`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gzip
 import hashlib
@@ -653,10 +654,40 @@ def restore_records(runs: Iterable[dict], out: str, records: str, warmstart: Opt
 
 
 # ----------------------------------------------------------------------------- aggregation
+_JSONL_CACHE: Optional[dict] = None  # path -> ((mtime_ns, size), records); a dict only inside `_reading_once`
+
+
+@contextlib.contextmanager
+def _reading_once():
+    """Inside it, `_read_jsonl` parses each file once while its mtime and size stay the same (`summarize_run`,
+    `step_means` and `plot_sweep` each read every run's ``metrics.jsonl``); the parsed records are dropped on exit,
+    so a sweep process does not keep them (about 1 MB per 200-step run)."""
+    global _JSONL_CACHE
+    outer, _JSONL_CACHE = _JSONL_CACHE, ({} if _JSONL_CACHE is None else _JSONL_CACHE)
+    try:
+        yield
+    finally:
+        _JSONL_CACHE = outer
+
+
 def _read_jsonl(path: str) -> list[dict]:
-    out = []
+    """The JSON records of a ``.jsonl`` file, one per non-empty line (lines that do not parse, e.g. a line cut
+    off by a kill, are skipped); [] if the file does not exist. A new list each call; the records are shared
+    inside `_reading_once`, so callers must not modify them."""
     if not os.path.exists(path):
-        return out
+        return []
+    if _JSONL_CACHE is None:
+        return _parse_jsonl(path)
+    st = os.stat(path)
+    stamp = (st.st_mtime_ns, st.st_size)
+    hit = _JSONL_CACHE.get(path)
+    if hit is None or hit[0] != stamp:
+        hit = _JSONL_CACHE[path] = (stamp, _parse_jsonl(path))
+    return list(hit[1])
+
+
+def _parse_jsonl(path: str) -> list[dict]:
+    out = []
     with open(path) as f:
         for line in f:
             line = line.strip()
@@ -1168,14 +1199,15 @@ def main(argv=None) -> int:
         restore_records(runs, args.out, args.records)
         for r in runs:
             save_record(os.path.join(args.out, r["name"]), args.records)
-    table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]),
-                      paired_baseline=sweep["paired_baseline"], paired_change=sweep["paired_change"],
-                      step_table=sweep["step_means"])
-    if not table["rows"]:
-        print(f"no finished runs under {args.out}: none of the sweep's {len(runs)} run directories has a "
-              f"summary.json (run the sweep without --aggregate_only first)", file=sys.stderr)
-        return 1
-    plot_sweep(runs, args.out)
+    with _reading_once():
+        table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]),
+                          paired_baseline=sweep["paired_baseline"], paired_change=sweep["paired_change"],
+                          step_table=sweep["step_means"])
+        if not table["rows"]:
+            print(f"no finished runs under {args.out}: none of the sweep's {len(runs)} run directories has a "
+                  f"summary.json (run the sweep without --aggregate_only first)", file=sys.stderr)
+            return 1
+        plot_sweep(runs, args.out)
     print(table["markdown"])
     return 0
 

@@ -634,6 +634,29 @@ def test_step_means_by_hand(tmp_path):
             sweep.validate_sweep(dict(d, step_means=bad))
 
 
+def test_metrics_are_parsed_once_per_aggregation_and_reread_when_they_change(tmp_path, monkeypatch):
+    """Inside `_reading_once` a metrics.jsonl is parsed once for aggregate and plot_sweep (the same table as without
+    it); a file whose size changes is parsed again; outside it nothing is kept."""
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1])],
+                                  step_means=dict(metrics=["reward"], steps=[1, 2])))
+    runs = sweep.expand(d)
+    for i, run in enumerate(runs):
+        _fake_run(os.path.join(str(tmp_path), run["name"]), [0.2 + i, 0.4, 0.6], [(3, 0.5)])
+    plain = sweep.aggregate(runs, str(tmp_path), step_table=d["step_means"])["markdown"]
+    parsed = []
+    real = sweep._parse_jsonl
+    monkeypatch.setattr(sweep, "_parse_jsonl", lambda path: parsed.append(path) or real(path))
+    with sweep._reading_once():
+        once = sweep.aggregate(runs, str(tmp_path), step_table=d["step_means"])["markdown"]
+        sweep.plot_sweep(runs, str(tmp_path))
+        metrics = [p for p in parsed if p.endswith("metrics.jsonl")]
+        assert once == plain and len(metrics) == len(set(metrics)) == 2
+        with open(metrics[0], "a") as f:
+            f.write(json.dumps(dict(phase="rl", step=4, reward=1.0)) + "\n")
+        assert sweep._read_jsonl(metrics[0])[-1]["step"] == 4 and parsed.count(metrics[0]) == 2
+    assert sweep._JSONL_CACHE is None
+
+
 def test_changes_across_delta_and_gap_changes_by_hand(tmp_path):
     """paired_change: each arm's per-seed change from delta 0.05 to 0.15; gap_changes: the change of its difference
     to the baseline arm (difference in differences). Finals by hand: ratio 0.50 / 0.60 at delta 0.05, 0.52 / 0.58 at

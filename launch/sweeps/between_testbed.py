@@ -36,9 +36,10 @@ and the warm start are committed in ``reports/between_pilot/comparison_records``
 rebuilt from the records with ``--aggregate_only``. Besides the differences from DPPO, the table pairs each arm
 across the radii (``paired_change``): its change from delta 0.05 to 0.15, seed by seed (the paper's delta-robustness
 claim), and the change of its difference from DPPO (does PDM's gap to DPPO narrow at the larger radius). Its
-``step_means`` table gives the seed means of a few metrics at RL steps 1-9 (`EARLY_STEPS`), whose rollouts every arm
-draws from the warm start (the staleness ramps up to 8, so batch i is sampled by version 0 for i <= 9): there μ, the
-tokens and the advantages are the same in every arm at a seed, and the arms differ only by what their mask kept.
+``step_means`` table gives the seed means of a few metrics at RL steps 1, 2, 3, 5 and 9 (`EARLY_STEPS`), whose
+rollouts every arm draws from the warm start (the staleness ramps up to 8, so batch i is sampled by version 0 for
+i <= 9): there μ, the tokens and the advantages are the same in every arm at a seed, and the arms differ only by what
+their mask kept.
 
 All runs share one supervised warm start (``share_warmstart_by=()``).
 
