@@ -99,3 +99,32 @@ def test_topk_capture_pools_the_seeds_and_is_left_out_without_full_mu(tmp_path):
     text = report.write_report(seeds, str(tmp_path))
     assert f"**{100 * cap['pooled']:.1f}%** pooled" in text and "the paper reports > 99%" in text
     assert "597 analysed out-of-region tokens of 3 seeds (K = 4;" in text  # configs/tiny.py's K
+
+
+def test_disagreement_by_tail_mass_by_hand(tmp_path):
+    """Per μ_T bin, pooled over seeds: tokens, and per criterion the tokens whose keep decision differs from the
+    ratio test's and those where it is right; left out when a seed has no tail_mass."""
+    rng = np.random.default_rng(3)
+    seeds = [_synthetic_seed(s, rng) for s in range(2)]
+    assert report.disagreement_by_tail_mass(seeds) is None and "Disagreement by tail mass" not in report.write_report(
+        seeds, str(tmp_path))
+    # four tokens per seed: mu_T 0.5 (heavy) twice, 0.02 and 0 (light)
+    for s in seeds:
+        s["records"] = dict(delta_d=np.array([1.0, -1.0, 1.0, -1.0]), keep_ratio=np.array([True, False, True, True]),
+                            tail_mass=np.array([0.5, 0.5, 0.02, 0.0]))
+        s["records"].update({f"keep_{c}": np.array([False, True, True, True]) for c in tr.CLOSED_FORM_ESTIMATORS})
+        s["records"]["keep_uniform_tail"] = np.array([True, True, True, False])
+    s["records"]["keep_bucket_exact"] = np.array([True, False, True, True])  # seed 1: agrees with ratio everywhere
+    by = report.disagreement_by_tail_mass(seeds)
+    assert list(by) == ["bins", "n", "aggregated_tail", "uniform_tail", "bucket_exact"]
+    assert by["n"].tolist() == [2, 0, 0, 2, 0, 0, 4]
+    # aggregated_tail: token 0 (masked, dD > 0: right) and token 1 (kept, dD < 0: right) differ, in both seeds
+    assert by["aggregated_tail"]["disagree"].tolist() == [0, 0, 0, 0, 0, 0, 4] == by["aggregated_tail"]["right"].tolist()
+    # uniform_tail: token 1 (right) and token 3 (masked with dD < 0: wrong) differ
+    assert by["uniform_tail"]["disagree"].tolist() == [2, 0, 0, 0, 0, 0, 2]
+    assert by["uniform_tail"]["right"].tolist() == [0, 0, 0, 0, 0, 0, 2]
+    assert by["bucket_exact"]["disagree"].tolist() == [0, 0, 0, 0, 0, 0, 2]  # seed 0 only
+    text = report.write_report(seeds, str(tmp_path))
+    assert "| [3e-01, 1e+00) | 4 (50.0%) | 100.0% (100.0%) | 50.0% (100.0%) | 50.0% (100.0%) |" in text
+    assert "| [0e+00, 1e-04) | 2 (25.0%) | 0.0% | 100.0% (0.0%) | 0.0% |" in text
+    assert "| all | 8 | 50.0% (100.0%) | 50.0% (50.0%) | 25.0% (100.0%) |" in text

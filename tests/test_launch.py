@@ -537,6 +537,15 @@ def test_between_testbed_pilot_expands_into_valid_runs():
     assert {c.trust_region.estimator for c in first if c.trust_region.mask == "pdm"} == {
         "aggregated_tail", "uniform_tail", "bucket_exact"}
     assert {(c.rl.max_staleness, c.rl.learning_rate, c.sampler.temperature) for c in first} == {(8, 3e-4, 1.15)}
+    # the token-level analysis of the comparison (`--setting=between_comparison`) runs its aggregated_tail arm's
+    # first 9 RL steps: the same config but for the steps, the evaluation and the checkpoints
+    from pdm_jax.analysis.run import SETTINGS
+
+    arm = next(r for r in grid if r["point"] == dict(seed=0, delta=0.05, criterion="pdm_aggregated_tail"))
+    analysed = get(SETTINGS["between_comparison"][1] + ",seed=0")
+    for c in (analysed, ran := get(arm["arg"])):
+        c.rl.steps, c.eval, c.checkpoint, c.log, c.sampler.mode = 9, None, None, None, "in_process"
+    assert analysed.to_dict() == ran.to_dict()
     assert {get(r["arg"]).trust_region.delta for r in runs} == {0.05}
     with pytest.raises(ValueError, match="'full'"):
         sweep.load_sweep(path, "full")

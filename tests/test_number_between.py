@@ -114,3 +114,7 @@ def test_every_named_analysis_setting_validates():
         if name == "between":
             assert c.sampler.temperature is None and c.sampler.weight_noise == 0.45
             assert c.data.task == "number_between" and c.rl.steps == 12
+        if name == "between_comparison":  # the comparison's lever (launch/sweeps/between_testbed.py), 9 steps
+            assert (c.sampler.temperature, c.sampler.weight_noise, c.rl.max_staleness) == (1.15, 0.0, 8)
+            assert (c.rl.num_iterations, c.rl.learning_rate, c.rl.steps) == (4, 3e-4, 9)
+            assert (c.trust_region.delta, c.trust_region.estimator) == (0.05, "aggregated_tail")

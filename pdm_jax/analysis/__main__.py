@@ -84,7 +84,10 @@ def main(argv=None) -> int:
                         "δ = 0.05, 6 RL steps); bpe = configs/tiny_bpe.py with run.BPE_ARG (V 1,024, K 20, rollouts "
                         "at sampler.temperature 1.6, δ = 0.05, 12 RL steps); between = configs/tiny_between.py with "
                         "run.BETWEEN_ARG (number_between, many right answers, V 1,024, K 20, sampler.weight_noise "
-                        "0.45, δ = 0.05, 12 RL steps)")
+                        "0.45, δ = 0.05, 12 RL steps); between_comparison = configs/tiny_between.py with "
+                        "run.BETWEEN_COMPARISON_ARG (the PDM / DPPO comparison's lever: rollouts up to 8 versions "
+                        "stale at sampler.temperature 1.15, lr 3e-4, δ = 0.05, trained with PDM aggregated_tail; its "
+                        "9 RL steps all sample from the warm start)")
     r.add_argument("--config", default=None, help="config file (get_config(arg)); default: the --setting's")
     r.add_argument("--arg", default=None, help="config argument string; default: the --setting's")
     r.add_argument("--warmstart", default=None,

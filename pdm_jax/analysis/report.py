@@ -580,6 +580,66 @@ def _fidelity_section(fidelity) -> list:
     return md
 
 
+def disagreement_by_tail_mass(seeds: Sequence[dict], bins: Sequence[float] = al.TAIL_MASS_BINS) -> Optional[dict]:
+    """Where each direction criterion parts from the ratio test, by the behaviour tail mass μ_T of the token.
+
+    Pooled over the seeds' analysed tokens (outside the region, Â ≠ 0; real optimizer step): ``tail_mass``
+    (μ_T = 1 − Σ_E μ, the behaviour probability outside the top-K view and y_t, in [0, 1]) binned by `bins`
+    (`alignment.TAIL_MASS_BINS`, the estimator-fidelity bins); per bin the token count, and per criterion other
+    than the ratio test the tokens whose keep decision differs from the ratio test's (``disagree``) and those of
+    them where the criterion is right (kept with ΔD < 0 or masked with ΔD > 0; ``right``). The criteria are those
+    of `alignment.criteria_in` that every seed recorded.
+
+    Returns None when a seed lacks ``tail_mass`` or ``delta_d`` (records of older runs), else
+    ``{"bins": [edges], "n": [nbins] int, criterion: {"disagree": [nbins] int, "right": [nbins] int}}``.
+    """
+    recs = [s.get("records", {}) for s in seeds]
+    if not recs or any("tail_mass" not in r or "delta_d" not in r or "keep_ratio" not in r for r in recs):
+        return None
+    crits = [c for c in al.criteria_in(recs[0]) if c != "ratio" and all(c in al.criteria_in(r) for r in recs)]
+    nb = len(bins) - 1
+    out = {"bins": list(bins), "n": np.zeros(nb, np.int64), **{c: {"disagree": np.zeros(nb, np.int64),
+                                                                   "right": np.zeros(nb, np.int64)} for c in crits}}
+    for r in recs:
+        idx = np.clip(np.digitize(np.asarray(r["tail_mass"], np.float64), bins) - 1, 0, nb - 1)
+        dd = np.asarray(r["delta_d"], np.float64)
+        out["n"] += np.bincount(idx, minlength=nb)
+        for c in crits:
+            keep = np.asarray(r[f"keep_{c}"], bool)
+            disagree = keep != np.asarray(r["keep_ratio"], bool)
+            right = disagree & ((keep & (dd < 0)) | (~keep & (dd > 0)))
+            out[c]["disagree"] += np.bincount(idx, weights=disagree.astype(np.float64), minlength=nb).astype(np.int64)
+            out[c]["right"] += np.bincount(idx, weights=right.astype(np.float64), minlength=nb).astype(np.int64)
+    return out
+
+
+def _tail_mass_section(seeds: Sequence[dict]) -> list:
+    """`disagreement_by_tail_mass` as a table (empty without ``tail_mass`` in every seed's records)."""
+    by = disagreement_by_tail_mass(seeds)
+    if by is None or by["n"].sum() == 0:
+        return []
+    crits = [c for c in by if c not in ("bins", "n")]
+    n, bins = by["n"], by["bins"]
+    md = ["## Disagreement by tail mass", "",
+          "Of the analysed out-of-region tokens (real step, pooled over seeds), per behaviour tail mass μ_T bin: the "
+          "bin's share of the tokens, and for each criterion the share of the bin's tokens on which its keep decision "
+          "differs from the ratio test's (in brackets: of those, the share where the criterion is the one that is "
+          "right):", "",
+          "| μ_T bin | tokens | " + " | ".join(LABELS.get(c, c) for c in crits) + " |",
+          "|---|---|" + "---|" * len(crits)]
+
+    def cell(c, sl):
+        d, r = by[c]["disagree"][sl].sum(), by[c]["right"][sl].sum()
+        return f"{100 * d / max(n[sl].sum(), 1):.1f}% ({100 * r / d:.1f}%)" if d else "0.0%"
+
+    for i in range(len(n)):
+        if n[i]:
+            md.append(f"| [{bins[i]:.0e}, {min(bins[i + 1], 1.0):.0e}) | {int(n[i])} ({100 * n[i] / n.sum():.1f}%) | "
+                      + " | ".join(cell(c, slice(i, i + 1)) for c in crits) + " |")
+    md.append(f"| all | {int(n.sum())} | " + " | ".join(cell(c, slice(None)) for c in crits) + " |")
+    return md + [""]
+
+
 def topk_capture(seeds: Sequence[dict]) -> Optional[dict]:
     """Σ top-K KL / Σ full KL over the analysed tokens of the seeds that recorded the full KL (full μ recomputed).
 
@@ -700,6 +760,7 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
     md += _isolated_section(seeds, iso_summary, [c for c in al.ALL_CRITERIA if iso_summary and c in iso_summary])
     md += _disagreement_section(per_seed, iso_per_seed if iso_summary else None, crits)
     md += _fidelity_section(fidelity)
+    md += _tail_mass_section(seeds)
     md += _capture_section(seeds)
     md += _DEFINITIONS
     text = "\n".join(md) + "\n"

@@ -76,9 +76,23 @@ BPE_ARG = ",".join([
 BETWEEN_ARG = ",".join([item for item in BPE_ARG.split(",") if not item.startswith("sampler.temperature=")]
                        + ["sampler.weight_noise=0.45"])
 
+#: Overrides of configs/tiny_between.py for the analysis on the PDM / DPPO comparison's lever
+#: (`launch/sweeps/between_testbed.py`, reports/between_pilot): rollouts up to 8 versions stale, drawn at their own
+#: temperature tau_s = 1.15, 2 mini-batches x 4 iterations at lr 3e-4, delta 0.05, trained with PDM aggregated_tail.
+#: Its 9 RL steps are the comparison's steps 1-9, whose rollouts all come from the warm start (the staleness ramps
+#: up to 8), so every analysed token is one the comparison's arms also train on. Meant with ``--warmstart`` (the
+#: comparison's shared warm start, comparison_records/_warmstart).
+BETWEEN_COMPARISON_ARG = ",".join([
+    "steps=9", "rl.max_staleness=8", "rl.num_iterations=4", "rl.learning_rate=3e-4", "sampler.temperature=1.15",
+    "delta=0.05", "mask=pdm", "estimator=aggregated_tail",
+    "eval.num_prompts=32", "eval.samples_per_prompt=2", "eval.greedy=False", "eval.every_steps=1000",
+    "checkpoint.every_steps=1000", "log.tensorboard=False", "log.progress=False", "sampler.mode=in_process",
+])
+
 #: Named analysis settings: ``--setting=NAME`` -> (config file, argument string).
 SETTINGS = {"tiny": ("configs/tiny.py", DEFAULT_ARG), "stress": ("configs/tiny_stress.py", STRESS_ARG),
-            "bpe": ("configs/tiny_bpe.py", BPE_ARG), "between": ("configs/tiny_between.py", BETWEEN_ARG)}
+            "bpe": ("configs/tiny_bpe.py", BPE_ARG), "between": ("configs/tiny_between.py", BETWEEN_ARG),
+            "between_comparison": ("configs/tiny_between.py", BETWEEN_COMPARISON_ARG)}
 
 #: Files of a warm-start workdir not copied into a seed's workdir (the sweep runner's list).
 _WARMSTART_SKIP = ("summary.json", "curves.png", "train.log", "tensorboard", "sweep_run.json")
