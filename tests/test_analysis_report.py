@@ -116,7 +116,7 @@ def test_disagreement_by_tail_mass_by_hand(tmp_path):
         s["records"]["keep_uniform_tail"] = np.array([True, True, True, False])
     s["records"]["keep_bucket_exact"] = np.array([True, False, True, True])  # seed 1: agrees with ratio everywhere
     by = report.disagreement_by_tail_mass(seeds)
-    assert list(by) == ["bins", "n", "aggregated_tail", "uniform_tail", "bucket_exact"]
+    assert list(by) == ["bins", "n", "no_tail_mass", "aggregated_tail", "uniform_tail", "bucket_exact"]
     assert by["n"].tolist() == [2, 0, 0, 2, 0, 0, 4]
     # aggregated_tail: token 0 (masked, dD > 0: right) and token 1 (kept, dD < 0: right) differ, in both seeds
     assert by["aggregated_tail"]["disagree"].tolist() == [0, 0, 0, 0, 0, 0, 4] == by["aggregated_tail"]["right"].tolist()
@@ -128,3 +128,9 @@ def test_disagreement_by_tail_mass_by_hand(tmp_path):
     assert "| [3e-01, 1e+00) | 4 (50.0%) | 100.0% (100.0%) | 50.0% (100.0%) | 50.0% (100.0%) |" in text
     assert "| [0e+00, 1e-04) | 2 (25.0%) | 0.0% | 100.0% (0.0%) | 0.0% |" in text
     assert "| all | 8 | 50.0% (100.0%) | 50.0% (50.0%) | 25.0% (100.0%) |" in text
+    assert by["no_tail_mass"] == 0 and "without a finite" not in text
+    seeds[0]["records"]["tail_mass"] = np.array([np.nan, 0.5, 0.02, 0.0])  # in no bin (NaN would digitize last)
+    by = report.disagreement_by_tail_mass(seeds)
+    assert by["no_tail_mass"] == 1 and by["n"].tolist() == [2, 0, 0, 2, 0, 0, 3]
+    assert by["aggregated_tail"]["disagree"].tolist() == [0, 0, 0, 0, 0, 0, 3]
+    assert "1 token without a finite μ_T is left out." in report.write_report(seeds, str(tmp_path))

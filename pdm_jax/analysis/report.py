@@ -591,22 +591,26 @@ def disagreement_by_tail_mass(seeds: Sequence[dict], bins: Sequence[float] = al.
     of `alignment.criteria_in` that every seed recorded.
 
     Returns None when a seed lacks ``tail_mass`` or ``delta_d`` (records of older runs), else
-    ``{"bins": [edges], "n": [nbins] int, criterion: {"disagree": [nbins] int, "right": [nbins] int}}``.
+    ``{"bins": [edges], "n": [nbins] int, "no_tail_mass": int, criterion: {"disagree": [nbins] int, "right":
+    [nbins] int}}``; a token whose μ_T is not finite is in no bin, only counted in ``no_tail_mass``.
     """
     recs = [s.get("records", {}) for s in seeds]
     if not recs or any("tail_mass" not in r or "delta_d" not in r or "keep_ratio" not in r for r in recs):
         return None
     crits = [c for c in al.criteria_in(recs[0]) if c != "ratio" and all(c in al.criteria_in(r) for r in recs)]
     nb = len(bins) - 1
-    out = {"bins": list(bins), "n": np.zeros(nb, np.int64), **{c: {"disagree": np.zeros(nb, np.int64),
-                                                                   "right": np.zeros(nb, np.int64)} for c in crits}}
+    out = {"bins": list(bins), "n": np.zeros(nb, np.int64), "no_tail_mass": 0,
+           **{c: {"disagree": np.zeros(nb, np.int64), "right": np.zeros(nb, np.int64)} for c in crits}}
     for r in recs:
-        idx = np.clip(np.digitize(np.asarray(r["tail_mass"], np.float64), bins) - 1, 0, nb - 1)
-        dd = np.asarray(r["delta_d"], np.float64)
+        mass = np.asarray(r["tail_mass"], np.float64)
+        ok = np.isfinite(mass)
+        out["no_tail_mass"] += int((~ok).sum())
+        idx = np.clip(np.digitize(mass[ok], bins) - 1, 0, nb - 1)
+        dd = np.asarray(r["delta_d"], np.float64)[ok]
         out["n"] += np.bincount(idx, minlength=nb)
         for c in crits:
-            keep = np.asarray(r[f"keep_{c}"], bool)
-            disagree = keep != np.asarray(r["keep_ratio"], bool)
+            keep = np.asarray(r[f"keep_{c}"], bool)[ok]
+            disagree = keep != np.asarray(r["keep_ratio"], bool)[ok]
             right = disagree & ((keep & (dd < 0)) | (~keep & (dd > 0)))
             out[c]["disagree"] += np.bincount(idx, weights=disagree.astype(np.float64), minlength=nb).astype(np.int64)
             out[c]["right"] += np.bincount(idx, weights=right.astype(np.float64), minlength=nb).astype(np.int64)
@@ -618,7 +622,7 @@ def _tail_mass_section(seeds: Sequence[dict]) -> list:
     by = disagreement_by_tail_mass(seeds)
     if by is None or by["n"].sum() == 0:
         return []
-    crits = [c for c in by if c not in ("bins", "n")]
+    crits = [c for c in by if c not in ("bins", "n", "no_tail_mass")]
     n, bins = by["n"], by["bins"]
     md = ["## Disagreement by tail mass", "",
           "Of the analysed out-of-region tokens (real step, pooled over seeds), per behaviour tail mass μ_T bin: the "
@@ -637,6 +641,9 @@ def _tail_mass_section(seeds: Sequence[dict]) -> list:
             md.append(f"| [{bins[i]:.0e}, {min(bins[i + 1], 1.0):.0e}) | {int(n[i])} ({100 * n[i] / n.sum():.1f}%) | "
                       + " | ".join(cell(c, slice(i, i + 1)) for c in crits) + " |")
     md.append(f"| all | {int(n.sum())} | " + " | ".join(cell(c, slice(None)) for c in crits) + " |")
+    if by["no_tail_mass"]:
+        k = by["no_tail_mass"]
+        md += ["", f"{k} token{'s' if k != 1 else ''} without a finite μ_T {'are' if k != 1 else 'is'} left out."]
     return md + [""]
 
 
