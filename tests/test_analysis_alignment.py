@@ -184,6 +184,8 @@ def test_fidelity_bins_count_tail_mass():
     assert list(c["uniform_tail"]) == [1, 0, 0, 0, 1, 0, 0]
     total = al.add_fidelity_counts(al.add_fidelity_counts(None, c), c)
     assert list(total["n"]) == [2, 0, 0, 0, 2, 0, 2]
+    fid["tail_mass"] = np.array([5e-5, 0.05, np.nan, 0.5])  # a valid token without a finite tail mass: no bin
+    assert list(al.fidelity_counts(fid)["n"]) == [1, 0, 0, 0, 1, 0, 0]
 
 
 def test_both_readings_and_youden_j_by_hand():

@@ -316,11 +316,13 @@ def fidelity_analysis(logits, behavior_logits, tokens, valid, *, k: int) -> dict
 def fidelity_counts(fid: Mapping[str, np.ndarray], bins: Sequence[float] = TAIL_MASS_BINS) -> dict:
     """Per tail-mass bin: number of valid tokens and, per estimator, how many agree in sign with the full Ḋ.
 
-    Returns ``{"bins": [edges], "n": [nbins] int, "<estimator>": [nbins] int}``.
+    A token whose tail mass is not finite (non-finite logits) is in no bin (``np.digitize`` would put NaN in the
+    last one). Returns ``{"bins": [edges], "n": [nbins] int, "<estimator>": [nbins] int}``.
     """
     f = jax.device_get(dict(fid))
-    valid = np.asarray(f["valid"], bool)
-    mass = np.asarray(f["tail_mass"], np.float64)[valid]
+    mass = np.asarray(f["tail_mass"], np.float64)
+    valid = np.asarray(f["valid"], bool) & np.isfinite(mass)
+    mass = mass[valid]
     idx = np.clip(np.digitize(mass, bins) - 1, 0, len(bins) - 2)
     out = {"bins": list(bins), "n": np.bincount(idx, minlength=len(bins) - 1).astype(np.int64)}
     for name in tr.CLOSED_FORM_ESTIMATORS:
