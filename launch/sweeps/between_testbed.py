@@ -71,7 +71,8 @@ COMPARISON_SEEDS = list(range(33))
 RADIUS_FREE_SEEDS = 8
 #: The RL steps of the comparison's `step_means` table (rollouts from the warm start in every arm) and its metrics.
 EARLY_STEPS = [1, 2, 3, 5, 9]
-EARLY_METRICS = ["mean_topk_kl", "entropy", "frac_masked_first_minibatch", "frac_direction_disagree"]
+EARLY_METRICS = ["mean_topk_kl", "entropy", "frac_masked_first_minibatch", "frac_direction_disagree",
+                 "mean_tail_mass"]
 #: Arms whose mask has no divergence radius: run at the first delta only.
 NO_RADIUS = ("none", "ppo", "ppo_clip_higher")
 
