@@ -80,8 +80,9 @@ BETWEEN_ARG = ",".join([item for item in BPE_ARG.split(",") if not item.startswi
 #: (`launch/sweeps/between_testbed.py`, reports/between_pilot): rollouts up to 8 versions stale, drawn at their own
 #: temperature tau_s = 1.15, 2 mini-batches x 4 iterations at lr 3e-4, delta 0.05, trained with PDM aggregated_tail.
 #: Its 9 RL steps are the comparison's steps 1-9, whose rollouts all come from the warm start (the staleness ramps
-#: up to 8), so every analysed token is one the comparison's arms also train on. Meant with ``--warmstart`` (the
-#: comparison's shared warm start, comparison_records/_warmstart).
+#: up to 8): from the comparison's warm start, seed s re-runs the first 9 steps of that sweep's aggregated_tail run
+#: at delta 0.05 and seed s (seed 0's steps 1-3 give its records' token counts and top-K KL). Meant with
+#: ``--warmstart`` (the comparison's shared warm start, comparison_records/_warmstart).
 BETWEEN_COMPARISON_ARG = ",".join([
     "steps=9", "rl.max_staleness=8", "rl.num_iterations=4", "rl.learning_rate=3e-4", "sampler.temperature=1.15",
     "delta=0.05", "mask=pdm", "estimator=aggregated_tail",
