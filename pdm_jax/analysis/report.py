@@ -605,15 +605,13 @@ def disagreement_by_tail_mass(seeds: Sequence[dict], bins: Sequence[float] = al.
         mass = np.asarray(r["tail_mass"], np.float64)
         ok = np.isfinite(mass)
         out["no_tail_mass"] += int((~ok).sum())
-        idx = np.clip(np.digitize(mass[ok], bins) - 1, 0, nb - 1)
-        dd = np.asarray(r["delta_d"], np.float64)[ok]
-        out["n"] += np.bincount(idx, minlength=nb)
-        for c in crits:
-            keep = np.asarray(r[f"keep_{c}"], bool)[ok]
-            disagree = keep != np.asarray(r["keep_ratio"], bool)[ok]
-            right = disagree & ((keep & (dd < 0)) | (~keep & (dd > 0)))
-            out[c]["disagree"] += np.bincount(idx, weights=disagree.astype(np.float64), minlength=nb).astype(np.int64)
-            out[c]["right"] += np.bincount(idx, weights=right.astype(np.float64), minlength=nb).astype(np.int64)
+        idx = np.where(ok, np.clip(np.digitize(mass, bins) - 1, 0, nb - 1), -1)
+        for b in range(nb):  # the alignment counts of the bin's tokens (`alignment.alignment_counts`)
+            counts = al.alignment_counts({k: np.asarray(v)[idx == b] for k, v in r.items() if np.ndim(v) == 1})
+            out["n"][b] += counts["n"]
+            for c in crits:
+                out[c]["disagree"][b] += counts[c]["disagree_with_ratio"]
+                out[c]["right"][b] += counts[c]["right_on_disagreement"]
     return out
 
 
