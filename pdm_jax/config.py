@@ -39,7 +39,7 @@ from pdm_jax.sampler.engine import check_engine_mesh
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
 from pdm_jax.sampler.wire import MAX_SEED, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, token_problem
 from pdm_jax.sharding import MESH_AXES, MeshConfig
-from pdm_jax.rl.train_step import OptimizerConfig
+from pdm_jax.rl.train_step import LR_SCHEDULES, OptimizerConfig
 
 #: ``sampler.mode``: "auto" resolves with `resolve_sampler_mode`; pdm_jax.rollouts.supervisor runs each.
 SAMPLER_MODES = ("auto", "subprocess", "remote", "in_process", "colocated")
@@ -173,6 +173,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sft.learning_rate = 1e-3
     # Linear warm-up of the warm-start learning rate (unit: steps).
     c.sft.warmup_steps = 50
+    # The warm-start learning rate after the warm-up: "constant" | "cosine" | "linear" (both decay to 0 at the last
+    # warm-start step).
+    c.sft.lr_schedule = "constant"
 
     # ---- RL ---------------------------------------------------------------------------
     c.rl = ml_collections.ConfigDict()
@@ -196,6 +199,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.learning_rate = 1e-4
     # Linear warm-up of the RL learning rate (unit: optimizer steps).
     c.rl.warmup_steps = 0
+    # The RL learning rate after the warm-up: "constant" | "cosine" | "linear" (both decay to 0 at the last optimizer
+    # step, rl.steps x rl.num_iterations x rl.num_minibatches).
+    c.rl.lr_schedule = "constant"
     # AdamW decoupled weight decay.
     c.rl.weight_decay = 0.0
     # AdamW beta1.
@@ -756,6 +762,15 @@ def _check_rl(config) -> None:
     for field in ("rl.learning_rate", "sft.learning_rate"):
         value = _lookup(config, field)
         _need(math.isfinite(value) and value > 0, field, value, "must be finite and > 0")
+    for field in ("rl.lr_schedule", "sft.lr_schedule"):
+        _need(_lookup(config, field) in LR_SCHEDULES, field, _lookup(config, field), f"must be one of {LR_SCHEDULES}")
+    _need(config.sft.lr_schedule == "constant" or config.sft.steps > config.sft.warmup_steps, "sft.lr_schedule",
+          config.sft.lr_schedule, f"decays after the warm-up: sft.steps = {config.sft.steps} must exceed "
+          f"sft.warmup_steps = {config.sft.warmup_steps}")
+    rl_opt_steps = rl.steps * rl.num_iterations * rl.num_minibatches
+    _need(rl.lr_schedule == "constant" or rl_opt_steps > rl.warmup_steps, "rl.lr_schedule", rl.lr_schedule,
+          f"decays after the warm-up: the RL optimizer steps (rl.steps x rl.num_iterations x rl.num_minibatches = "
+          f"{rl_opt_steps}) must exceed rl.warmup_steps = {rl.warmup_steps}")
     for name in ("adam_b1", "adam_b2"):
         _need(0.0 <= rl[name] < 1.0, f"rl.{name}", rl[name], "must be in [0, 1)")
     _need(math.isfinite(rl.max_grad_norm), "rl.max_grad_norm", rl.max_grad_norm, "must be finite (<= 0: no clipping)")
@@ -1168,7 +1183,9 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
         router_aux_loss_coef=_as_float("rl.router_aux_loss_coef", rl.get("router_aux_loss_coef", 0.0)),
         pack_sequences=rl.pack_sequences)
     rl_opt = OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, b1=rl.adam_b1,
-                             b2=rl.adam_b2, max_grad_norm=rl.max_grad_norm, warmup_steps=rl.warmup_steps)
+                             b2=rl.adam_b2, max_grad_norm=rl.max_grad_norm, warmup_steps=rl.warmup_steps,
+                             lr_schedule=rl.lr_schedule,
+                             total_steps=rl.steps * rl.num_iterations * rl.num_minibatches)
     sft_opt = OptimizerConfig(learning_rate=sft.learning_rate, warmup_steps=sft.warmup_steps,
-                              max_grad_norm=rl.max_grad_norm)
+                              max_grad_norm=rl.max_grad_norm, lr_schedule=sft.lr_schedule, total_steps=sft.steps)
     return StepConfigs(tr_config, loss_config, rl_opt, sft_opt)

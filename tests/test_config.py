@@ -102,8 +102,8 @@ def test_step_configs_translate_every_field():
                                                  delta=0.05, delta_low=0.01, clip_eps_high=0.28)
     assert got.policy_loss == PolicyLossConfig(policy_loss="ppo_clip", tis_cap=5.0, clip_eps_high=0.28,
                                                max_response_length=c.rl.max_new_tokens, kl_beta=0.1)
-    assert got.rl_optimizer == OptimizerConfig(learning_rate=1e-4, b2=0.95)
-    assert got.sft_optimizer == OptimizerConfig(learning_rate=1e-3, warmup_steps=7)
+    assert got.rl_optimizer == OptimizerConfig(learning_rate=1e-4, b2=0.95, total_steps=c.rl.steps)
+    assert got.sft_optimizer == OptimizerConfig(learning_rate=1e-3, warmup_steps=7, total_steps=c.sft.steps)
     with pytest.raises(ValueError, match=r"^trust_region: TrustRegionConfig.delta must be a finite float > 0, got -1.0"):
         c.trust_region.delta = -1.0
         step_configs(c)
@@ -376,4 +376,31 @@ def test_bpe_tokenizer_fields_are_checked_naming_them():
     validate_config(c)
     c.tokenizer.kind = "bogus"
     with pytest.raises(ValueError, match=r"tokenizer.kind = 'bogus': must be one of \('char', 'bpe', 'path'\)"):
+        validate_config(c)
+
+
+def test_lr_schedules_decay_to_zero_at_the_phase_end():
+    """sft.lr_schedule / rl.lr_schedule: linear warm-up to the peak, then constant, cosine or linear decay reaching 0 at
+    the phase's last optimizer step (optax's schedules, checked at hand-computed values)."""
+    c = get_base_config()
+    c.sft.steps, c.sft.warmup_steps, c.sft.lr_schedule = 110, 10, "cosine"
+    c.rl.steps, c.rl.num_iterations, c.rl.num_minibatches, c.rl.lr_schedule = 25, 2, 2, "linear"
+    c.rl.top_k_logprobs = 4  # K < the base config's 15-id char vocabulary
+    validate_config(c)
+    got = step_configs(c)
+    assert got.sft_optimizer.total_steps == 110 and got.rl_optimizer.total_steps == 100
+    _, sft_lr = got.sft_optimizer.build()
+    _, rl_lr = got.rl_optimizer.build()
+    assert float(sft_lr(5)) == pytest.approx(1e-3 / 10 + 5 * (1e-3 - 1e-3 / 10) / 10)  # warm-up
+    assert float(sft_lr(10)) == pytest.approx(1e-3)
+    assert float(sft_lr(60)) == pytest.approx(1e-3 * 0.5 * (1 + np.cos(np.pi * 0.5)), abs=1e-9)  # half-way: peak / 2
+    assert float(sft_lr(110)) == pytest.approx(0.0, abs=1e-12)
+    assert float(rl_lr(0)) == pytest.approx(1e-4) and float(rl_lr(75)) == pytest.approx(0.25e-4)
+    assert float(rl_lr(100)) == pytest.approx(0.0, abs=1e-12)
+    c.sft.lr_schedule = "step"
+    with pytest.raises(ValueError, match=r"sft.lr_schedule = 'step': must be one of \('constant', 'cosine', 'linear'\)"):
+        validate_config(c)
+    c.sft.lr_schedule, c.sft.steps = "cosine", 10
+    with pytest.raises(ValueError, match=r"sft.lr_schedule = 'cosine': decays after the warm-up: sft.steps = 10 must "
+                                         r"exceed sft.warmup_steps = 10"):
         validate_config(c)

@@ -38,7 +38,8 @@ class OptimizerConfig:
     """AdamW settings of one phase (built from ``rl.*`` or ``sft.*`` by ``pdm_jax.config.step_configs``).
 
     ``learning_rate`` is the peak rate per optimizer step, reached after
-    ``warmup_steps`` linear warm-up steps; ``max_grad_norm`` <= 0 disables clipping.
+    ``warmup_steps`` linear warm-up steps, then held (``lr_schedule`` "constant") or decayed to 0 at optimizer step
+    ``total_steps`` ("cosine", "linear"); ``max_grad_norm`` <= 0 disables clipping.
     """
 
     learning_rate: float
@@ -47,29 +48,53 @@ class OptimizerConfig:
     b2: float = 0.999
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    total_steps: int = 0
 
     def build(self):
         """``(optax transformation, learning-rate schedule)`` (see :func:`make_optimizer`)."""
         return make_optimizer(self.learning_rate, weight_decay=self.weight_decay, b1=self.b1, b2=self.b2,
-                              max_grad_norm=self.max_grad_norm, warmup_steps=self.warmup_steps)
+                              max_grad_norm=self.max_grad_norm, warmup_steps=self.warmup_steps,
+                              lr_schedule=self.lr_schedule, total_steps=self.total_steps)
+
+
+#: Learning-rate schedules after the warm-up (`make_optimizer`).
+LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 def make_optimizer(learning_rate, *, weight_decay=0.0, b1=0.9, b2=0.999, max_grad_norm=1.0,
-                   warmup_steps=0, total_steps=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with global-norm clipping and linear warmup (then constant), from optax.
+                   warmup_steps=0, lr_schedule="constant",
+                   total_steps=0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with global-norm clipping and a linear warm-up, from optax.
 
-    `learning_rate` is the peak rate (per optimizer step). `max_grad_norm` <= 0
-    disables clipping. Returns (the optimizer, its learning-rate schedule).
-    Raises ValueError for a non-positive learning rate.
+    `learning_rate` is the peak rate (per optimizer step), reached after `warmup_steps` linear warm-up steps. Then
+    `lr_schedule` "constant" holds it; "cosine" (`optax.cosine_decay_schedule`) and "linear" decay it to 0 at
+    optimizer step `total_steps` (the phase's length; the warm-up included). `max_grad_norm` <= 0 disables clipping.
+    Returns (the optimizer, its learning-rate schedule).
+
+    Raises:
+      ValueError: a non-positive learning rate; an unknown `lr_schedule`; a decaying schedule whose `total_steps`
+        does not exceed `warmup_steps`.
     """
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
+    if lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
+    if lr_schedule == "constant":
+        after = optax.constant_schedule(learning_rate)
+    elif total_steps <= warmup_steps:
+        raise ValueError(f"lr_schedule {lr_schedule!r} decays over the phase's steps after the warm-up: total_steps "
+                         f"= {total_steps} must exceed warmup_steps = {warmup_steps}")
+    elif lr_schedule == "cosine":
+        after = optax.cosine_decay_schedule(learning_rate, total_steps - warmup_steps)
+    else:
+        after = optax.linear_schedule(learning_rate, 0.0, total_steps - warmup_steps)
     if warmup_steps > 0:
         schedule = optax.join_schedules(
-            [optax.linear_schedule(learning_rate / max(warmup_steps, 1), learning_rate, warmup_steps),
-             optax.constant_schedule(learning_rate)], [warmup_steps])
+            [optax.linear_schedule(learning_rate / max(warmup_steps, 1), learning_rate, warmup_steps), after],
+            [warmup_steps])
     else:
-        schedule = optax.constant_schedule(learning_rate)
+        schedule = after
     parts = []
     if max_grad_norm and max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(max_grad_norm))
