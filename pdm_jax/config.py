@@ -230,11 +230,13 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.packed_length = 0
     c.rl.router_aux_loss_coef = 0.0  # Qwen3-MoE: weight of the router load-balancing loss in the RL loss (0 = off)
     # DAPO's dynamic sampling (arXiv 2503.14476 §3.2; pdm_jax.rollouts.dynamic_sampling): groups whose rewards are
-    # all equal are dropped and more prompts are sampled, in rounds of rl.prompts_per_step prompts, until the step
-    # holds rl.prompts_per_step informative groups or rl.dynamic_sampling_max_rounds rounds are used; at that bound
-    # the step trains on the informative groups it has, the rest filled with all-equal groups whose loss is masked
-    # (counted: dynamic_sampling_filler_groups in metrics.jsonl). DAPO's runs use it; configs/qwen3_dapo.py keeps
-    # the PDM paper's settings (off), as does every recipe here. Not with per-host rollouts.
+    # all equal (the rewards the advantages use, the overlong penalty included when it is on; DAPO's paper speaks
+    # of accuracy 0 or 1) are dropped and more prompts are sampled, in rounds of rl.prompts_per_step prompts, until
+    # the step holds rl.prompts_per_step informative groups or rl.dynamic_sampling_max_rounds rounds are used; at
+    # that bound the step trains on the informative groups it has, the rest filled with all-equal groups whose loss
+    # is masked (counted: dynamic_sampling_filler_groups in metrics.jsonl). Rounds read the prompts in order and the
+    # checkpoint keeps the position, so a resumed run draws the same ones. DAPO's runs use it; configs/qwen3_dapo.py
+    # keeps the PDM paper's settings (off), as does every recipe here. Not with per-host rollouts.
     c.rl.dynamic_sampling = False
     # Most sampling rounds per RL step with rl.dynamic_sampling, each of rl.prompts_per_step prompts (verl's
     # max_num_gen_batches), >= 1 (unit: rounds).

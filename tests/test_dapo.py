@@ -4,6 +4,7 @@ group filter and dynamic sampling's rounds (pdm_jax.rl.dapo, pdm_jax.rollouts.dy
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -276,3 +277,13 @@ def test_a_tiny_run_with_dynamic_sampling_logs_its_dropped_groups(tmp_path, monk
     ckpts = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
     meta = json.load(open(tmp_path / "checkpoints" / str(ckpts[-1]) / "meta" / "metadata"))
     assert meta["data_position"] == c.rl.prompts_per_step * sum(r["dynamic_sampling_rounds"] for r in recs.values())
+    # Resumed after RL step 1 (its checkpoint the latest), step 2 draws the same prompts and rows again.
+    shutil.rmtree(tmp_path / "checkpoints" / str(ckpts[-1]))
+    Trainer(c, str(tmp_path)).run()
+    assert len(seen) == 3
+    np.testing.assert_array_equal(seen[2][0].completion_ids, seen[1][0].completion_ids)
+    np.testing.assert_array_equal(seen[2][0].prompt_ids, seen[1][0].prompt_ids)
+    redone = _rl_records(tmp_path)[2]
+    for k in ("dynamic_sampling_rounds", "dynamic_sampling_dropped_groups", "dynamic_sampling_filler_groups",
+              "reward", "response_length", "overlong_filtered", "num_valid"):
+        assert redone[k] == recs[2][k], k
