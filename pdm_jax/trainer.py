@@ -12,7 +12,8 @@ Phases of a run (all resumable from ``--workdir``):
 2. evaluation of the warm start (avg@k at the training temperature, greedy);
 3. ``config.rl.steps`` GRPO steps. Each step: ``prompts_per_step`` prompts x
    ``group_size`` samples from the sampler (weights version v, possibly up to
-   ``max_staleness`` versions behind), verifier rewards, group advantages,
+   ``max_staleness`` versions behind), verifier rewards, group advantages (DAPO's dynamic sampling and
+   overlong shaping / filtering when configured: `pdm_jax.rl.dapo`),
    ``num_iterations`` passes of ``num_minibatches`` jitted, mesh-sharded
    optimizer steps with the trust-region mask, then version v+1 reaches the
    sampler (saved and loaded, or handed over in memory with ``sampler.mode=colocated``);
