@@ -235,6 +235,34 @@ def get_base_config() -> ml_collections.ConfigDict:
     # Tokens per packed row; 0 = sampler.max_prompt_length + rl.max_new_tokens, the longest sequence (unit: tokens).
     c.rl.packed_length = 0
     c.rl.router_aux_loss_coef = 0.0  # Qwen3-MoE: weight of the router load-balancing loss in the RL loss (0 = off)
+    # DAPO's dynamic sampling (arXiv 2503.14476 §3.2; pdm_jax.rollouts.dynamic_sampling): groups whose rewards are
+    # all equal (the rewards the advantages use, the overlong penalty included when it is on; DAPO's paper speaks
+    # of accuracy 0 or 1) are dropped and more prompts are sampled, in rounds of rl.prompts_per_step prompts, until
+    # the step holds rl.prompts_per_step informative groups or rl.dynamic_sampling_max_rounds rounds are used; at
+    # that bound the step trains on the informative groups it has, the rest filled with all-equal groups whose loss
+    # is masked (counted: dynamic_sampling_filler_groups in metrics.jsonl). Rounds read the prompts in order and the
+    # checkpoint keeps the position, so a resumed run draws the same ones. DAPO's runs use it; configs/qwen3_dapo.py
+    # keeps the PDM paper's settings (off), as does every recipe here. Not with per-host rollouts.
+    c.rl.dynamic_sampling = False
+    # Most sampling rounds per RL step with rl.dynamic_sampling, each of rl.prompts_per_step prompts (verl's
+    # max_num_gen_batches), >= 1 (unit: rounds).
+    c.rl.dynamic_sampling_max_rounds = 3
+    # DAPO's overlong reward shaping (eq. 13, soft overlong punishment; pdm_jax.rl.dapo.length_penalty): L_cache,
+    # the buffer of tokens before L_max over which the penalty falls linearly from 0 to -1; 0 = off. A completion
+    # of |y| tokens (stop token included) gets 0 up to L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache up to
+    # L_max, -1 past it, times rl.overlong_penalty_factor, added to its reward before the advantages (the logged
+    # reward stays the task's; overlong_penalty is logged). DAPO's runs: L_max = 20480, L_cache = 4096 (verl:
+    # reward_model.overlong_buffer.len); configs/qwen3_dapo.py keeps it off (unit: tokens).
+    c.rl.overlong_buffer_len = 0
+    # L_max of the overlong shaping, <= rl.max_new_tokens; 0 = rl.max_new_tokens (verl's max response length)
+    # (unit: tokens).
+    c.rl.overlong_max_length = 0
+    # Scale of the overlong penalty: R_length x factor (eq. 13: 1; verl: overlong_buffer.penalty_factor), >= 0.
+    c.rl.overlong_penalty_factor = 1.0
+    # DAPO's overlong filtering (§3.4): a truncated completion (rl.max_new_tokens reached without a stop token)
+    # carries no gradient (its loss mask is zeroed) but still counts in its group's advantage baseline. DAPO's
+    # ablation (Table 1) applies it before the soft punishment; configs/qwen3_dapo.py keeps it off.
+    c.rl.overlong_filtering = False
 
     # ---- trust region (pdm_jax.rl.trust_region.TrustRegionConfig) ---------------------------
     c.trust_region = ml_collections.ConfigDict()
@@ -789,7 +817,25 @@ def _check_rl(config) -> None:
               "is not implemented with trust_region.direction = param_jvp (its jvp runs on padded rows)")
         _need(not config.model.moe_routing_replay, "rl.pack_sequences", True,
               "is not implemented with model.moe_routing_replay (the replayed routing is laid out padded)")
+    _check_dapo(rl)
     step_configs(config)  # trust region and policy loss: their own checks, named by field
+
+
+def _check_dapo(rl) -> None:
+    """DAPO's fields (rl.dynamic_sampling*, rl.overlong_*): 1 <= L_cache <= L_max <= rl.max_new_tokens when on."""
+    _need(rl.dynamic_sampling_max_rounds >= 1, "rl.dynamic_sampling_max_rounds", rl.dynamic_sampling_max_rounds,
+          "must be >= 1 (sampling rounds per RL step)")
+    _need(rl.overlong_buffer_len >= 0, "rl.overlong_buffer_len", rl.overlong_buffer_len, "must be >= 0 (0 = off)")
+    if _need(0 <= rl.overlong_max_length <= rl.max_new_tokens, "rl.overlong_max_length", rl.overlong_max_length,
+             f"must be in [0, rl.max_new_tokens = {rl.max_new_tokens}] (0 = rl.max_new_tokens)"):
+        l_max = rl.overlong_max_length or rl.max_new_tokens
+        _need(rl.overlong_buffer_len <= l_max, "rl.overlong_buffer_len", rl.overlong_buffer_len,
+              f"L_cache must be <= L_max = {l_max} (rl.overlong_max_length, 0 = rl.max_new_tokens)")
+    _need(rl.overlong_max_length == 0 or rl.overlong_buffer_len > 0, "rl.overlong_max_length",
+          rl.overlong_max_length, "sets L_max of the overlong shaping, which is off: set rl.overlong_buffer_len "
+          "(L_cache) > 0 too")
+    _need(math.isfinite(rl.overlong_penalty_factor) and rl.overlong_penalty_factor >= 0,
+          "rl.overlong_penalty_factor", rl.overlong_penalty_factor, "must be finite and >= 0")
 
 
 def check_context(config, model_config) -> None:

@@ -12,7 +12,8 @@ Phases of a run (all resumable from ``--workdir``):
 2. evaluation of the warm start (avg@k at the training temperature, greedy);
 3. ``config.rl.steps`` GRPO steps. Each step: ``prompts_per_step`` prompts x
    ``group_size`` samples from the sampler (weights version v, possibly up to
-   ``max_staleness`` versions behind), verifier rewards, group advantages,
+   ``max_staleness`` versions behind), verifier rewards, group advantages (DAPO's dynamic sampling and
+   overlong shaping / filtering when configured: `pdm_jax.rl.dapo`),
    ``num_iterations`` passes of ``num_minibatches`` jitted, mesh-sharded
    optimizer steps with the trust-region mask, then version v+1 reaches the
    sampler (saved and loaded, or handed over in memory with ``sampler.mode=colocated``);
@@ -48,9 +49,10 @@ from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summa
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
                                enable_compile_cache, resolve_compile_cache_dir, step_timing)
-from pdm_jax.rl import objectives, train_step as ts
+from pdm_jax.rl import dapo, objectives, train_step as ts
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import round_up
+from pdm_jax.rollouts.dynamic_sampling import DynamicSampler, refuse_per_host
 from pdm_jax.rollouts.producer import RolloutProducer
 from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
 from pdm_jax.run_spec import run_spec
@@ -163,6 +165,7 @@ class Trainer:
             self._host_prompts = per_host.host_prompt_range(rl.prompts_per_step, rl.group_size, self.mesh)
             log.info("per-host rollouts: process %d of %d samples prompts [%d, %d) of each RL step's %d",
                      jax.process_index(), jax.process_count(), *self._host_prompts, rl.prompts_per_step)
+        refuse_per_host(self.spec.dapo, self.per_host)
 
     def close(self) -> None:
         """Stops the sampler and releases the workdir lock (idempotent; `run` calls it when it ends)."""
@@ -351,14 +354,15 @@ class Trainer:
                 writer.write(step + 1, "sft", m)
         self.params = state.params
 
-    def _make_rollouts(self, base_position: int, step: int):
-        """Rollouts of RL step ``step``: its prompts (data positions base + step * P ...) and seed.
+    def _make_rollouts(self, position: int, step: int, round_: int = 0):
+        """Rollouts of RL step ``step``: its P prompts from data position ``position``, the step's seed
+        (`dapo.round_seed`: sampling round ``round_`` of dynamic sampling; round 0 the step's own).
 
         Returns ``(RolloutBatch, examples, generation seconds)``; called by the `RolloutProducer`.
         Per-host rollouts: only this process's prompts [lo, hi) (keyed as prompts lo.. of the step).
         """
         rl = self.config.rl
-        examples = self.source.train_batch(base_position + step * rl.prompts_per_step, rl.prompts_per_step)
+        examples = self.source.train_batch(position, rl.prompts_per_step)
         prompts = [self.codec.encode_prompt(e.prompt) for e in examples]
         lo, hi = self._host_prompts
         t0 = time.time()
@@ -366,18 +370,22 @@ class Trainer:
             prompts[lo:hi], n=rl.group_size, temperature=rollout_temperature(self.config),
             max_new_tokens=rl.max_new_tokens, top_k_logprobs=rl.top_k_logprobs,
             stop_token_ids=list(self.codec.stop_ids), **(dict(return_routing=True) if self._replay else {}),
-            seed=int(self.config.seed) * 1_000_003 + step, **(dict(first_prompt_index=lo) if lo else {}))
+            seed=dapo.round_seed(int(self.config.seed) * 1_000_003 + step, round_),
+            **(dict(first_prompt_index=lo) if lo else {}))
         seconds = time.time() - t0
         self.rollout_counts["prompts"] += hi - lo
         self.rollout_counts["rows"] += rb.num_sequences
         return rb, examples[lo:hi], seconds
 
-    def _step_batch(self, rb, ref) -> StepBatch:
+    def _step_batch(self, rb, ref, filler=None) -> StepBatch:
         """The host `StepBatch` of a scored rollout batch (advantages of ``rb.rewards``, checked by `RolloutBatch`:
-        a non-finite reward is named with its row; reference logprobs when kl_beta > 0)."""
+        a non-finite reward is named with its row; reference logprobs when kl_beta > 0). DAPO's pieces
+        (`pdm_jax.rl.dapo`): the overlong shaping added to the rewards, the loss of truncated rows (overlong
+        filtering) and of dynamic sampling's ``filler`` rows masked."""
         rl = self.config.rl
-        adv = np.asarray(objectives.group_advantages(jnp.asarray(rb.rewards), rl.group_size,
-                                                     normalize_std=rl.normalize_advantage_std))
+        adv = np.asarray(objectives.group_advantages(jnp.asarray(dapo.training_rewards(rb, self.spec.dapo)),
+                                                     rl.group_size, normalize_std=rl.normalize_advantage_std))
+        rb = dapo.without_loss(rb, dapo.no_loss_rows(rb, self.spec.dapo, filler))
         width = rb.prompt_ids.shape[1]  # per host: the step's longest prompt over all processes
         width = int(per_host.gather_max(width)) if self.per_host else width
         batch = StepBatch.from_rollouts(rb, adv, prompt_len=round_up(width, 8),
@@ -389,6 +397,10 @@ class Trainer:
             ref_lp = ref_fn(ref_params, batch if self.per_host else self._put_batch(batch))
             batch = batch.replace(ref_logprobs=ref_lp if self.per_host else np.asarray(ref_lp))
         return batch
+
+    def _score(self, rb, examples) -> np.ndarray:
+        """The task rewards ``[N]`` of a rollout batch (`evaluation.score_rollouts`; rows prompt-major)."""
+        return evaluation.score_rollouts(self.source, self.codec, rb, examples, self.config.rl.group_size)
 
     def _reference_policy(self, state):
         """``(logprob_fn, frozen params of weights version 0)`` for the KL penalty, or None when kl_beta = 0."""
@@ -442,8 +454,12 @@ class Trainer:
         bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
                    initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
         base_position = meta["data_position"] - meta["rl_step"] * rl.prompts_per_step
-        producer = RolloutProducer(lambda step: self._make_rollouts(base_position, step),
-                                   first_step=meta["rl_step"], last_step=rl.steps,
+        make = lambda step: self._make_rollouts(base_position + step * rl.prompts_per_step, step)  # noqa: E731
+        if self.spec.dapo.dynamic_sampling:  # scored in rounds; (rollouts, examples, seconds, Draw)
+            make = DynamicSampler(self.spec.dapo, draw=self._make_rollouts, score=self._score,
+                                  prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
+                                  first_step=meta["rl_step"], position=meta["data_position"])
+        producer = RolloutProducer(make, first_step=meta["rl_step"], last_step=rl.steps,
                                    max_staleness=rl.max_staleness, version=version)
         profiler = StepProfiler(self.workdir, cfg.profile.steps)
         run = dict(state=state, version=version, last_eval={}, base_position=base_position)
@@ -474,23 +490,27 @@ class Trainer:
         cfg, rl = self.config, self.config.rl
         timer = PhaseTimer(STEP_PHASES)
         with timer.phase("sampling"):
-            rb, examples, gen_seconds = producer.get(step)
+            rb, examples, gen_seconds, *drawn = producer.get(step)  # drawn: [dynamic sampling's Draw]
+        draw = drawn[0] if drawn else None
         with timer.phase("scoring"):
-            rb = rb.replace(rewards=evaluation.score_rollouts(self.source, self.codec, rb, examples, rl.group_size))
+            if draw is None:  # dynamic sampling scored its rounds
+                rb = rb.replace(rewards=self._score(rb, examples))
         with timer.phase("advantages"):
-            batch = self._step_batch(rb, ref)
+            batch = self._step_batch(rb, ref, draw and draw.filler)
         with timer.phase("optimizer"):  # ends with the metrics' device_get: the device work is done
             run["state"], step_metrics = self._update(step_fn, run["state"], batch, step + 1)
         run["version"] = version = run["version"] + 1
-        meta.update(sampler_version=version, rl_step=step + 1,
-                    data_position=run["base_position"] + (step + 1) * rl.prompts_per_step)
+        meta.update(sampler_version=version, rl_step=step + 1, data_position=draw.data_end if draw else
+                    run["base_position"] + (step + 1) * rl.prompts_per_step)
         with timer.phase("weight_sync"):
             self.sampler.sync(run["state"].params, version)
         producer.notify_version(version)
-        rows = dict(rewards=rb.rewards, length=rb.completion_mask.sum(1), weights_version=rb.weights_version)
+        rows = dict(rewards=rb.rewards, length=rb.completion_mask.sum(1), weights_version=rb.weights_version,
+                    **dapo.record_rows(rb, self.spec.dapo))
         if self.per_host:  # every process's rows and the slowest process's generation time (collectives)
             rows, gen_seconds = per_host.gather_rows(rows, self.mesh), per_host.gather_max(gen_seconds)
         rec = self._rl_record(step_metrics, rows, run["state"], schedule, version, gen_seconds)
+        rec.update(dapo.step_record(rows, self.spec.dapo, draw and draw.counts))
         if (step + 1) % self.spec.eval.every_steps == 0 or step + 1 == rl.steps:
             with timer.phase("eval"):
                 run["last_eval"] = self.evaluate(version, run["state"].params)

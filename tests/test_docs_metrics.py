@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pdm_jax import evaluation, metrics, profiling, trainer
-from pdm_jax.rl import loss, train_step
+from pdm_jax.rl import dapo, loss, train_step
 from pdm_jax.rl import trust_region as tr
 from pdm_jax.config import get_base_config
 from conftest import doc_section
@@ -87,7 +87,8 @@ def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
         | dict_keys_in(profiling.step_timing) | dict_keys_in(profiling.compile_record) \
         | set(profiling.PhaseTimer(profiling.STEP_PHASES).record()) - {"time_step"} \
         | dict_keys_in(train_step._with_router_aux) \
-        | dict_keys_in(train_step._with_packing_metrics)  # MoE only: router_aux_loss; packed only: packed_fill
+        | dict_keys_in(train_step._with_packing_metrics) \
+        | dict_keys_in(dapo.step_record)  # MoE only: router_aux_loss; packed only: packed_fill; DAPO's pieces
     sft_fields = dict_keys_in(train_step.make_sft_train_step) | {"loss", "grad_norm"}
     eval_fields = {k for k in dict_keys_in(evaluation.evaluate) if k.startswith("eval_")}
     assert {"reward", "staleness", "frac_masked", "mean_tail_mass", "router_aux_loss"} <= rl_fields
