@@ -220,8 +220,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.rl.loss_aggregation = "token_mean"  # | "seq_mean_token_mean" | "seq_mean_token_sum_norm"
     # True: group advantages divided by the group's reward std (GRPO); False: mean-centred only.
     c.rl.normalize_advantage_std = False  # DPPO uses none
-    c.rl.kl_beta = 0.0  # KL penalty to the frozen initial policy (DAPO/DPPO: 0)
-    # Estimator of the KL penalty (with kl_beta > 0): "k1" | "k2" | "k3" (Schulman's).
+    # Weight beta of the penalty KL(pi || pi_ref) to the frozen initial policy (DAPO/DPPO: 0), per token.
+    c.rl.kl_beta = 0.0
+    # Estimator of KL(pi || pi_ref) per sampled token (with kl_beta > 0): "k1" | "k2" | "k3" (Schulman's). It sets
+    # the penalty's value (and kl_to_ref); the gradient is always k2's, the reverse KL's in expectation (k1's own is
+    # 0, k3's the forward KL's). Each token is weighted by sg(min(pi/mu, rl.tis_cap)): tokens come from the sampler mu.
     c.rl.kl_estimator = "k3"
     # Chunked RL loss for large vocabularies (unit: tokens).
     c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.rl.chunked_loss); 0 = all [B,T,V] logits

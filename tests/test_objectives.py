@@ -248,12 +248,100 @@ def test_unbiased_kl_estimators_expectation_is_exact_kl(kind):
         assert np.all(np.asarray(per_token) >= 0)
 
 
-def test_k3_gradient_closed_form():
-    # d k3 / d log pi = 1 - pi_ref / pi  (k3 = e^d - d - 1, d = log pi_ref - log pi).
+def _kl_case(seed, v=7):
+    """Logits z of pi, log pi_ref and log mu over a small vocabulary (its own draw: independent of test order)."""
+    rng = np.random.default_rng(seed)
+    z = jnp.asarray(rng.normal(size=v), jnp.float32)
+    ref = jax.nn.log_softmax(jnp.asarray(rng.normal(size=v), jnp.float32))
+    mu = jax.nn.log_softmax(z + jnp.asarray(rng.normal(scale=0.7, size=v), jnp.float32))
+    return z, ref, mu
+
+
+def _reverse_kl(z, ref):
+    logp = jax.nn.log_softmax(z)
+    return jnp.sum(jnp.exp(logp) * (logp - ref))
+
+
+def _expected_penalty(z, ref, kind, sampler=None, **kw):
+    """Exact E_{y ~ sampler}[value] and E[grad_z] of the per-token penalty, by enumerating y (sampler: log mu, or
+    None for pi itself; its probabilities are the sampling weights, not differentiated)."""
+    v = z.shape[0]
+
+    def penalty(z, y):
+        logp = jax.nn.log_softmax(z)[y]
+        extra = {} if sampler is None else dict(behavior_logprobs=sampler[y].reshape(1, 1))
+        return obj.kl_penalty(logp.reshape(1, 1), ref[y].reshape(1, 1), kind, **extra, **kw)[0, 0]
+
+    values, grads = jax.vmap(jax.value_and_grad(penalty), in_axes=(None, 0))(z, jnp.arange(v))
+    probs = jnp.exp(jax.nn.log_softmax(z) if sampler is None else sampler)
+    return jnp.sum(probs * values), jnp.sum(probs[:, None] * grads, axis=0)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_penalty_expected_gradient_is_the_reverse_kl_gradient(kind):
+    # As a loss, every estimator's expected gradient over y ~ pi is grad_z KL(pi || pi_ref), the exact full-vocabulary
+    # gradient (jax.grad); its value keeps the estimator's mean (KL itself for the unbiased k1 and k3).
+    z, ref, _ = _kl_case(1)
+    exact_grad = jax.grad(_reverse_kl)(z, ref)
+    value, grad = _expected_penalty(z, ref, kind)
+    np.testing.assert_allclose(grad, exact_grad, rtol=1e-5, atol=1e-6)
+    if kind != "k2":
+        np.testing.assert_allclose(value, _reverse_kl(z, ref), rtol=1e-5, atol=1e-6)
+    # The estimators' own gradients are not it (the reports this fixes): E[grad k1] = 0 and E[grad k3] = pi - pi_ref,
+    # the gradient of the forward KL(pi_ref || pi); the test above tells them apart.
+    pi = jax.nn.softmax(z)
+    own = {"k1": lambda x, y: x - y, "k3": lambda x, y: jnp.expm1(y - x) - (y - x)}.get(kind)
+    if own is not None:
+        grads = jax.vmap(lambda y: jax.grad(lambda zz: own(jax.nn.log_softmax(zz)[y], ref[y]))(z))(jnp.arange(7))
+        naive = jnp.sum(pi[:, None] * grads, axis=0)
+        np.testing.assert_allclose(naive, jnp.zeros(7) if kind == "k1" else pi - jnp.exp(ref), atol=1e-6)
+        assert float(jnp.max(jnp.abs(naive - exact_grad))) > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_kl_penalty_off_policy_weight_is_exact_under_mu(kind):
+    # Tokens drawn from mu != pi: weighted by sg(min(pi/mu, C)) with C above every ratio, the penalty's expectation
+    # under mu is E_pi of the estimator (exactly KL(pi || pi_ref) for k1, k3) and its expected gradient is the exact
+    # reverse-KL gradient. Unweighted, both are biased.
+    z, ref, mu = _kl_case(2)
+    ratio = jnp.exp(jax.nn.log_softmax(z) - mu)
+    cap = float(jnp.max(ratio)) * 1.5
+    exact_grad = jax.grad(_reverse_kl)(z, ref)
+    on_policy_value, _ = _expected_penalty(z, ref, kind)
+    value, grad = _expected_penalty(z, ref, kind, sampler=mu, is_cap=cap)
+    np.testing.assert_allclose(grad, exact_grad, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(value, on_policy_value, rtol=1e-5, atol=1e-6)
+    if kind != "k2":
+        np.testing.assert_allclose(value, _reverse_kl(z, ref), rtol=1e-5, atol=1e-6)
+    biased_value = jnp.sum(jnp.exp(mu) * obj.kl_penalty(jax.nn.log_softmax(z)[None], ref[None], kind)[0])
+    assert abs(float(biased_value - value)) > 1e-3
+    # Truncation active (C = 1 < max pi/mu): token y counts min(pi(y), C mu(y)) instead of pi(y), in value and gradient.
+    cap = 1.0
+    assert float(jnp.max(ratio)) > cap
+    value, grad = _expected_penalty(z, ref, kind, sampler=mu, is_cap=cap)
+    logp = jax.nn.log_softmax(z)
+    weight = jnp.minimum(jnp.exp(logp), cap * jnp.exp(mu))
+    per_token = obj.kl_penalty(logp[None], ref[None], kind)[0]
+    np.testing.assert_allclose(value, jnp.sum(weight * per_token), rtol=1e-5, atol=1e-6)
+    k2_grads = jax.vmap(lambda y: jax.grad(lambda zz: 0.5 * (jax.nn.log_softmax(zz)[y] - ref[y]) ** 2)(z))(
+        jnp.arange(7))
+    np.testing.assert_allclose(grad, jnp.sum(weight[:, None] * k2_grads, axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_kl_penalty_in_the_policy_loss_is_weighted():
+    # per_token_policy_loss adds kl_beta * w * k3 with w = min(pi/mu, rl.tis_cap); its kl (-> kl_to_ref) is w * k3.
     logp = jnp.asarray([[-1.0, -2.0, -0.3]])
     ref = jnp.asarray([[-1.5, -1.0, -0.3]])
-    g = jax.grad(lambda x: jnp.sum(obj.kl_penalty(x, ref, "k3")))(logp)
-    np.testing.assert_allclose(g, 1.0 - np.exp(np.asarray(ref - logp)), rtol=1e-6, atol=1e-7)
+    blp = jnp.asarray([[-1.2, -0.2, -0.3]])
+    m = jnp.ones((1, 3), bool)
+    lc = pl.PolicyLossConfig(kl_beta=0.5, tis_cap=2.0)
+    per_token, kl = pl.per_token_policy_loss(logp, blp, jnp.zeros(1), m, m, lc, ref_logprobs=ref)
+    d = np.asarray(ref - logp)
+    w = np.minimum(np.exp(np.asarray(logp - blp)), 2.0)
+    np.testing.assert_allclose(kl, w * (np.exp(d) - d - 1), rtol=1e-6)
+    np.testing.assert_allclose(per_token, 0.5 * w * (np.exp(d) - d - 1), rtol=1e-6)
+    with pytest.raises(ValueError, match="is_cap"):
+        obj.kl_penalty(logp, ref, "k3", behavior_logprobs=blp)
 
 
 def test_kl_values_and_kind_validation():

@@ -14,7 +14,9 @@ Per-token loss (DESIGN.md §2): truncated IS ``-A sg(min(r, C)) M log π(y_t)``
 (DPPO arXiv 2602.04879; PDM arXiv 2607.10848), or the PPO clipped surrogate with
 clip-higher and dual clip (arXiv 1707.06347 eq. 7, DAPO arXiv 2503.14476,
 arXiv 1912.09729 eq. 5) multiplied by the mask M unless M is PPO's own clip, plus
-``kl_beta * KL(π ‖ π_ref)`` (k1/k2/k3 estimators) when ``kl_beta > 0``.
+``kl_beta * KL(π ‖ π_ref)`` when ``kl_beta > 0``: the k1/k2/k3 estimator's value with k2's gradient
+(the reverse KL's in expectation), weighted by sg(min(r, C)) for tokens sampled from μ
+(``objectives.kl_penalty``).
 
 Shapes: B sequences, T completion positions (or a chunk of them), V vocabulary,
 K top-K. All outputs are float32.
@@ -48,7 +50,8 @@ class PolicyLossConfig:
     - ``dual_clip``: 0 (off) or c > 1 (PPO dual clip for A < 0);
     - ``loss_aggregation``: one of ``objectives.AGGREGATION_MODES``;
     - ``max_response_length``: tokens, the Dr. GRPO normaliser (seq_mean_token_sum_norm);
-    - ``kl_beta`` >= 0 and ``kl_estimator`` ("k1" | "k2" | "k3"): the penalty to π_ref;
+    - ``kl_beta`` >= 0 and ``kl_estimator`` ("k1" | "k2" | "k3"): the penalty to π_ref (the estimator's
+      value, k2's gradient, each token weighted by sg(min(r, ``tis_cap``)); ``objectives.kl_penalty``);
     - ``temperature`` τ > 0: logits are divided by it before every log-softmax (DESIGN.md §1);
     - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.rl.chunked_loss``;
     - ``micro_batch_size``: 0 = the whole mini-batch in one forward/backward, m > 0 = gradients
@@ -132,7 +135,7 @@ def per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, 
     Returns:
       ``(per_token [B,T] f32, kl [B,T] f32)``: the loss per token (0 at invalid
       positions, with a 0 gradient there even for NaN inputs) and the k1/k2/k3 KL
-      estimate (zeros when ``kl_beta == 0``).
+      estimate weighted by sg(min(π/μ, tis_cap)) (``objectives.kl_penalty``; zeros when ``kl_beta == 0``).
 
     Raises:
       ValueError: ``kl_beta > 0`` without ``ref_logprobs``, or shapes that disagree.
@@ -150,7 +153,8 @@ def per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, 
     if lc.kl_beta > 0:
         if ref_logprobs is None:
             raise ValueError(f"rl.kl_beta = {lc.kl_beta} > 0 needs the batch's ref_logprobs (got None)")
-        kl = objectives.kl_penalty(logprobs, ref_logprobs, kind=lc.kl_estimator, mask=valid)
+        kl = objectives.kl_penalty(logprobs, ref_logprobs, kind=lc.kl_estimator, mask=valid,
+                                   behavior_logprobs=behavior_logprobs, is_cap=lc.tis_cap)
         per_token = per_token + lc.kl_beta * kl
     return jnp.where(valid, per_token, 0.0), kl
 

@@ -30,7 +30,8 @@ Sources: GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3 advantages); DPPO
 PPO clip (Schulman et al. 2017, arXiv 1707.06347, eq. 7); dual clip (Ye et al.
 2020, arXiv 1912.09729, eq. 5); clip-higher and token-mean (DAPO, arXiv
 2503.14476, eq. 8-10); seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783);
-KL estimators k1/k2/k3 (J. Schulman, "Approximating KL Divergence", 2020).
+KL estimators k1/k2/k3 (J. Schulman, "Approximating KL Divergence", 2020) with k2's
+gradient (verl PR #2953) and a truncated importance weight for samples of mu.
 """
 
 from __future__ import annotations
@@ -372,43 +373,78 @@ def kl_penalty(
     kind: str = "k3",
     *,
     mask: Optional[jax.Array] = None,
+    behavior_logprobs: Optional[jax.Array] = None,
+    is_cap: Optional[float] = None,
 ) -> jax.Array:
-    """Per-token estimator of KL(pi || pi_ref) at the sampled token.
+    """Per-token KL(pi || pi_ref) penalty at the sampled token, for use as a loss term.
 
-    With d = log pi_ref(y) - log pi(y) (clamped to +-:data:`LOG_RATIO_CLAMP`):
-      k1 = -d                 (unbiased, high variance, can be negative)
-      k2 = d^2 / 2            (biased, low variance, >= 0)
-      k3 = exp(d) - d - 1     (unbiased for samples of pi, low variance, >= 0;
-                               Schulman 2020, used by GRPO eq. 4)
+    With d = log pi_ref(y) - log pi(y) (clamped to +-:data:`LOG_RATIO_CLAMP`) the
+    estimators' values are (J. Schulman, "Approximating KL Divergence", 2020):
+      k1 = -d                 (unbiased for samples of pi, high variance, can be negative)
+      k2 = d^2 / 2            (biased: its mean is KL only to second order; >= 0)
+      k3 = exp(d) - d - 1     (unbiased for samples of pi, low variance, >= 0; GRPO eq. 4)
+
+    **Gradient.** Whatever ``kind``, the gradient is k2's (straight-through:
+    ``k_kind + k2 - sg(k2)``, whose value is exactly k_kind): for y ~ pi,
+    E[d k2 / d z] = sum_y pi(y) (log pi(y) - log pi_ref(y)) (e_y - pi) =
+    grad_z KL(pi || pi_ref), the reverse KL the penalty is meant to be. The
+    estimators' own gradients are not: E[grad k1] = 0 (k1 pulls toward nothing)
+    and E[grad k3] = pi - pi_ref = grad_z KL(pi_ref || pi), the *forward* KL
+    (OpenRLHF PR #1309, verl PR #2953 and its "k1+"/"k3+" kinds, which this is).
+
+    **Off-policy weight.** Tokens are sampled from mu (the sampler), not pi. With
+    ``behavior_logprobs`` = log mu(y), each token is weighted by
+    w = sg(min(pi(y)/mu(y), C)), C = ``is_cap``, the truncation of the policy
+    loss (:func:`tis_policy_loss`): where pi/mu <= C at every token,
+    E_{y~mu}[w k] = E_{y~pi}[k] (k1, k3: exactly KL(pi || pi_ref)) and
+    E_{y~mu}[grad(w k)] = grad_z KL(pi || pi_ref). Where pi/mu > C the token's
+    weight is capped at C: value and gradient are then biased low on those
+    tokens (less pull toward pi_ref), in exchange for a bounded variance. The
+    weight corrects the token's own distribution only; its prefix is still mu's.
+    Without ``behavior_logprobs`` w = 1 (on-policy samples).
+
     The coefficient beta (0 = no penalty) is applied by the caller.
 
     Args:
       logprobs: ``[B,T]`` log pi(y_t) (differentiable).
       ref_logprobs: ``[B,T]`` log pi_ref(y_t) of the frozen reference policy.
-      kind: "k1" | "k2" | "k3".
+      kind: "k1" | "k2" | "k3": the estimator whose *value* is returned.
       mask: optional ``[B,T]`` bool; masked positions give exactly 0 and a 0
         gradient even with NaN inputs.
+      behavior_logprobs: optional ``[B,T]`` log mu(y_t) of the sampler.
+      is_cap: C > 0 (finite), required with ``behavior_logprobs``.
 
     Returns:
-      ``[B,T]`` float32.
+      ``[B,T]`` float32 w * k_kind (gradient w * grad k2).
 
     Raises:
-      ValueError: unknown ``kind`` (naming it) or shape mismatch.
+      ValueError: unknown ``kind`` (naming it), shape mismatch, or
+        ``behavior_logprobs`` without a finite ``is_cap`` > 0.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"kl kind must be one of {KL_KINDS}, got {kind!r}")
-    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, behavior_logprobs=behavior_logprobs)
+    if behavior_logprobs is not None and not (
+            isinstance(is_cap, (int, float)) and not isinstance(is_cap, bool) and is_cap > 0
+            and math.isfinite(is_cap)):
+        raise ValueError(f"is_cap must be a finite float > 0 with behavior_logprobs, got {is_cap!r}")
     if mask is not None:
         mask = jnp.asarray(mask).astype(bool)
     logp = _sanitize(logprobs, mask)
     ref_logp = _sanitize(ref_logprobs, mask)
     d = safe_log_ratio(ref_logp, logp)
+    k2 = 0.5 * jnp.square(d)
     if kind == "k1":
-        kl = -d
+        value = -d
     elif kind == "k2":
-        kl = 0.5 * jnp.square(d)
+        value = k2
     else:
-        kl = jnp.expm1(d) - d
+        value = jnp.expm1(d) - d
+    kl = k2 if kind == "k2" else jax.lax.stop_gradient(value) + (k2 - jax.lax.stop_gradient(k2))
+    if behavior_logprobs is not None:
+        behavior_logp = _sanitize(behavior_logprobs, mask)
+        weight = jax.lax.stop_gradient(jnp.exp(jnp.minimum(logp - behavior_logp, math.log(is_cap))))
+        kl = weight * kl
     if mask is not None:
         kl = jnp.where(mask, kl, 0.0)
     return kl
