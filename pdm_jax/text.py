@@ -13,14 +13,18 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from typing import Optional
 
 import numpy as np
 
 from pdm_jax import workdir as wd
 from pdm_jax.rl.step_batch import StepBatch
-from pdm_jax.rollout import left_pad, right_pad_rows
+from pdm_jax.rollout import left_pad, right_pad_rows, round_up
 
 log = logging.getLogger(__name__)
+
+#: The warm start's prompt width is the batch's longest prompt rounded up to a multiple of this (tokens).
+SFT_PROMPT_MULTIPLE = 8
 
 
 #: The `DataSpec` fields that decide the training prompts' text, so a BPE trained on them.
@@ -141,6 +145,17 @@ def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
+def sft_warmstart_batch(source, codec: "TextCodec", step: int, batch_size: int, completion_len: int) -> StepBatch:
+    """Warm-start step ``step``'s batch: training examples ``step * batch_size ...`` of ``source`` with their
+    reference answers (``source.sft_target``), through :meth:`TextCodec.sft_batch`: the prompt width is this
+    batch's longest prompt rounded up to :data:`SFT_PROMPT_MULTIPLE` tokens, so no prompt is cut (the source
+    already holds only prompts within ``sampler.max_prompt_length``). Targets are cut to ``completion_len``
+    tokens (``rl.max_new_tokens``), the longest completion RL samples."""
+    exs = source.train_batch(step * batch_size, batch_size)
+    return codec.sft_batch([e.prompt for e in exs], [source.sft_target(e) for e in exs],
+                           completion_len=completion_len)
+
+
 class TextCodec:
     """Token ids of prompts and reference answers; text of completions.
 
@@ -208,10 +223,26 @@ class TextCodec:
         toks = [int(t) for t, m in zip(ids, mask) if m and int(t) not in self.stop_ids]
         return self.tokenizer.decode(toks, skip_special_tokens=True)
 
-    def sft_batch(self, prompts, targets, *, prompt_len: int, completion_len: int) -> StepBatch:
-        """A supervised batch: each prompt's ids (left-padded, cut to its last ``prompt_len``) and its
-        target's ids + eos (right-padded, cut to ``completion_len``); the RL fields are None."""
-        p_ids, p_mask = left_pad([self.encode_prompt(prompt)[-prompt_len:] for prompt in prompts], prompt_len)
+    def sft_batch(self, prompts, targets, *, completion_len: int, prompt_len: Optional[int] = None) -> StepBatch:
+        """A supervised batch: each prompt's ids, whole and left-padded, and its target's ids + eos
+        (right-padded, cut to ``completion_len``); the RL fields are None.
+
+        The prompt width is ``prompt_len`` tokens, or by default the batch's longest prompt rounded up to a
+        multiple of :data:`SFT_PROMPT_MULTIPLE` (as the RL batches are sized: one compiled step per width
+        in use, at most ``sampler.max_prompt_length`` / 8 of them). A prompt is never cut.
+
+        Raises:
+          ValueError: a prompt longer than ``prompt_len`` (naming both lengths and the row).
+        """
+        ids = [self.encode_prompt(prompt) for prompt in prompts]
+        longest = max((len(x) for x in ids), default=0)
+        if prompt_len is None:
+            prompt_len = round_up(max(longest, 1), SFT_PROMPT_MULTIPLE)
+        elif longest > prompt_len:
+            row = next(i for i, x in enumerate(ids) if len(x) == longest)
+            raise ValueError(f"SFT prompt of row {row} has {longest} tokens, more than the batch's prompt width "
+                             f"{prompt_len} (prompts are never cut)")
+        p_ids, p_mask = left_pad(ids, prompt_len)
         c = [(list(self.tokenizer(target, add_special_tokens=False)["input_ids"]) + [self.eos_id])[:completion_len]
              for target in targets]
         c_ids = right_pad_rows(c, completion_len, dtype=np.int32)

@@ -58,7 +58,7 @@ from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
 from pdm_jax.run_spec import run_spec
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
-from pdm_jax.text import TextCodec, checkpoint_stop_ids, run_tokenizer
+from pdm_jax.text import TextCodec, checkpoint_stop_ids, run_tokenizer, sft_warmstart_batch
 from pdm_jax.workdir import WorkdirLock
 
 __all__ = ["SamplerFailure", "Trainer", "TrainerCallback"]
@@ -337,15 +337,11 @@ class Trainer:
             return
         state = self._make_state(self.params, tx)
         step_fn = self._jit_step(ts.make_sft_train_step(self.graphdef, tx), state)
-        probe = self.source.train_batch(0, 64)
-        prompt_len = round_up(max(len(self.codec.encode_prompt(e.prompt)) for e in probe), 8)
         bs = cfg.sft.batch_size
         bar = tqdm(range(cfg.sft.steps), desc="warm start (SFT)", disable=not cfg.log.progress, **_tqdm_kwargs())
         m = {}
         for step in bar:
-            exs = self.source.train_batch(step * bs, bs)
-            batch = self.codec.sft_batch([e.prompt for e in exs], [self.source.sft_target(e) for e in exs],
-                                         prompt_len=prompt_len, completion_len=cfg.rl.max_new_tokens)
+            batch = sft_warmstart_batch(self.source, self.codec, step, bs, cfg.rl.max_new_tokens)
             state, m = step_fn(state, self._put_batch(batch))
             if (step + 1) % 50 == 0 or step + 1 == cfg.sft.steps:
                 m = jax.device_get(m)
