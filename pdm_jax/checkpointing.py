@@ -4,7 +4,8 @@ A checkpoint is one orbax `CheckpointManager` step (directory ``DIR/<step>``) wi
 two items: ``state`` (the `TrainState` pytree: step, params, optax state;
 StandardSave) and ``meta`` (JSON: phase, RL step, data position, sampler weights
 version, the run's seed, warm-start accuracies, wall time so far, fallbacks
-taken). The RNG state is the pair (seed, RL step): every random draw of the loop
+taken), plus any files the caller adds (`Checkpointer.save`'s ``extra_files``: the
+trainer's rollout batches sampled ahead, `pdm_jax.rollouts.queued`). The RNG state is the pair (seed, RL step): every random draw of the loop
 (rollout sampling seeds, mini-batch permutations) is derived from it, so a
 resumed run draws exactly what the uninterrupted run would have. `--workdir`
 resumes from the latest intact one.
@@ -282,8 +283,12 @@ class Checkpointer:
         self._barriers += 1
         ocp.multihost.sync_global_processes(f"pdm_jax_checkpointer_{what}_{self._barriers}")
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict, extra_files: Optional[dict] = None) -> None:
         """Saves `state` (a pytree of arrays) and `meta` (JSON-serialisable) as checkpoint `step`, synchronously.
+
+        ``extra_files``: ``{name: bytes}`` this process writes into the checkpoint's directory after orbax's
+        commit and before the manifest (so they are covered by it); None on every process, or a dict on every
+        process (a collective: the processes wait for each other's files). Read back with `read_file`.
 
         Returns once orbax has committed the checkpoint and its integrity manifest is written. Raises
         `pdm_jax.workdir.RunWriteError` naming the step's directory when a file cannot be written (a full disk:
@@ -298,9 +303,18 @@ class Checkpointer:
                 force=True,
             )
             self._manager.wait_until_finished()
+            if extra_files is not None:
+                for name, data in extra_files.items():
+                    wd.write_bytes(wd.join(self.step_path(step), name), data)
+                self._barrier("extra_files")
             if jax.process_index() == 0:
                 write_manifest(self.step_path(step))
         self._barrier("manifest")
+
+    def read_file(self, step: int, name: str) -> Optional[bytes]:
+        """The bytes of file ``name`` saved with checkpoint ``step`` (``save``'s ``extra_files``), or None."""
+        path = wd.join(self.step_path(step), name)
+        return wd.read_bytes(path) if wd.exists(path) else None
 
     def restore(self, abstract_state: Any, step: Optional[int] = None):
         """Restores (state, meta) of `step` (default: the latest on disk) into `abstract_state`'s structure/shardings.

@@ -52,6 +52,7 @@ from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProf
 from pdm_jax.rl import dapo, objectives, train_step as ts
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import round_up
+from pdm_jax.rollouts import queued
 from pdm_jax.rollouts.dynamic_sampling import DynamicSampler, refuse_per_host
 from pdm_jax.rollouts.producer import RolloutProducer
 from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
@@ -161,6 +162,8 @@ class Trainer:
         self.per_host = per_host.enabled(self.config)
         self._host_prompts = (0, rl.prompts_per_step)
         self.rollout_counts = dict(prompts=0, rows=0)  # what this process's sampler generated, over the run
+        self._queue_args = dict(max_staleness=int(rl.max_staleness), process_index=jax.process_index(),
+                                process_count=jax.process_count())  # the batches saved ahead (rollouts.queued)
         if self.per_host:
             self._host_prompts = per_host.host_prompt_range(rl.prompts_per_step, rl.group_size, self.mesh)
             log.info("per-host rollouts: process %d of %d samples prompts [%d, %d) of each RL step's %d",
@@ -276,13 +279,13 @@ class Trainer:
         rl_tx, rl_schedule = self.spec.step.rl_optimizer.build()
         meta = dict(phase="sft", sft_step=0, rl_step=0, data_position=0, sampler_version=0,
                     wall_seconds=0.0, warmstart=None, seed=int(cfg.seed))
-        state = None
+        state, self._restored_step = None, None
         resumed = self.checkpointer.latest_step() is not None
         if resumed:
             # Checkpoints: the warm start (before and after its evaluation), then during RL.
             restored = self.checkpointer.restore_latest_intact(abstract_like(self._make_state(self.params, rl_tx)))
             state, meta = restored.state, restored.meta
-            self.params = state.params
+            self.params, self._restored_step = state.params, restored.step
             log.info("resumed %s at RL step %d from %s", self.workdir, meta["rl_step"],
                      self.checkpointer.step_path(restored.step))
         self._wall_base = float(meta.get("wall_seconds", 0.0))
@@ -324,11 +327,12 @@ class Trainer:
     def _wall_seconds(self) -> float:
         return self._wall_base + (time.time() - self._t_start)
 
-    def _checkpoint(self, state, meta):
+    def _checkpoint(self, state, meta, producer=None):
         # Ids: sft.steps for the warm start before its evaluation, sft.steps + 1 + RL step after it.
         meta["wall_seconds"] = self._wall_seconds()
         done = int(meta["rl_step"]) + (meta.get("warmstart") is not None)
-        self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta))
+        extra = producer and queued.checkpoint_files(producer.snapshot(), **self._queue_args)  # sampled ahead
+        self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta), extra_files=extra)
 
     def _run_sft(self, tx, writer) -> None:
         """Supervised warm start on the task's reference answers (config.sft); updates self.params."""
@@ -450,13 +454,15 @@ class Trainer:
         bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
                    initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
         base_position = meta["data_position"] - meta["rl_step"] * rl.prompts_per_step
+        ahead = queued.read(self.checkpointer, self._restored_step, **self._queue_args)  # sampled before a resume
         make = lambda step: self._make_rollouts(base_position + step * rl.prompts_per_step, step)  # noqa: E731
         if self.spec.dapo.dynamic_sampling:  # scored in rounds; (rollouts, examples, seconds, Draw)
             make = DynamicSampler(self.spec.dapo, draw=self._make_rollouts, score=self._score,
                                   prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
-                                  first_step=meta["rl_step"], position=meta["data_position"])
+                                  first_step=meta["rl_step"] + len(ahead),
+                                  position=ahead[max(ahead)][3].data_end if ahead else meta["data_position"])
         producer = RolloutProducer(make, first_step=meta["rl_step"], last_step=rl.steps,
-                                   max_staleness=rl.max_staleness, version=version)
+                                   max_staleness=rl.max_staleness, version=version, queued=ahead)
         profiler = StepProfiler(self.workdir, cfg.profile.steps)
         run = dict(state=state, version=version, last_eval={}, base_position=base_position)
         try:
@@ -514,7 +520,7 @@ class Trainer:
             log.info("eval after RL step %d: %s", step + 1, _fmt(run["last_eval"]))
         if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == rl.steps:
             with timer.phase("checkpoint"):
-                self._checkpoint(run["state"], dict(meta, rl_record=dict(rec, step=step + 1)))
+                self._checkpoint(run["state"], dict(meta, rl_record=dict(rec, step=step + 1)), producer)
         rec.update(step_timing(timer.record(), self.sampler.last_sync_seconds, gen_seconds))
         rec.update(compile_record(self.compile_counter.snapshot(), self.sampler.sampler_compile_stats))
         writer.write(step + 1, "rl", rec)

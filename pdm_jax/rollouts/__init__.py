@@ -8,6 +8,7 @@ launcher     start_sampler_server -> SamplerProcess (a server subprocess the tra
 vllm_client  VLLMSampler: rollouts and weight pushes through a vLLM OpenAI-compatible server
 in_process   InProcessSampler: a SamplingEngine in this process (modes in_process, colocated)
 producer     RolloutProducer: rollouts sampled ahead of the step (staleness)
+queued       the batches sampled ahead, saved with each RL checkpoint and handed back on resume
 
 The service these talk to lives in ``pdm_jax.sampler``, which imports nothing from here.
 """

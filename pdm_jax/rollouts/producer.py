@@ -2,8 +2,18 @@
 
 The producer knows nothing of the trainer: it is handed ``make_batch(step)``, a
 callable that returns the rollouts of RL step ``step`` (its prompts and seed are
-a function of the step alone, so a retried or resumed batch is the same batch),
-and is told each new sampler version with :meth:`notify_version`.
+a function of the step alone, so a retried batch is the same batch), and is told
+each new sampler version with :meth:`notify_version`.
+
+Resuming with ``max_staleness`` > 0: which weights a batch is sampled with is not
+a function of its step (batch i uses the version the sampler holds when the batch
+is started, >= i - s), so a resumed run samples the batches queued ahead of its
+checkpoint the same way only if they are kept: :meth:`snapshot` returns them at
+checkpoint time (the trainer saves them with the checkpoint,
+``pdm_jax.rollouts.queued``) and ``queued=`` hands them back, so the resumed run
+trains on the very batches, weights versions and staleness of the uninterrupted
+run. Without them (``queued`` empty) the sampler starts from the checkpoint's
+version and the lag climbs again from 0 over the next s steps.
 """
 
 from __future__ import annotations
@@ -26,34 +36,55 @@ class RolloutProducer:
       first_step, last_step: the half-open range of RL steps to produce.
       max_staleness: s >= 0, versions the sampler may lag behind the trainer.
       version: the sampler's weights version now.
+      queued: ``{step: item}`` produced before a checkpoint (:meth:`snapshot` of the run that wrote it),
+        for consecutive steps from ``first_step``; they are returned as they are and sampling goes on after
+        them. Only with ``max_staleness`` > 0.
 
     An exception raised by ``make_batch`` on the thread is re-raised by :meth:`get`.
+
+    Raises:
+      ValueError: ``queued`` with ``max_staleness`` = 0, or whose steps are not ``first_step, first_step + 1, ...``.
     """
 
     def __init__(self, make_batch: Callable[[int], Any], *, first_step: int, last_step: int, max_staleness: int,
-                 version: int):
+                 version: int, queued: Optional[dict] = None):
         self._make = make_batch
         self.staleness = int(max_staleness)
         self.version = version
         self._cv = threading.Condition()
-        self._ready: dict[int, Any] = {}
+        self._ready: dict[int, Any] = dict(queued or {})
+        if self._ready and (self.staleness == 0 or sorted(self._ready) != list(
+                range(first_step, first_step + len(self._ready)))):
+            raise ValueError(f"queued batches for steps {sorted(self._ready)} need max_staleness > 0 (got "
+                             f"{self.staleness}) and consecutive steps from first_step = {first_step}")
         self._error: Optional[BaseException] = None
         self._stop = False
+        self._paused = False
+        self._making = False
         self._thread = None
         if self.staleness > 0:
-            self._thread = threading.Thread(target=self._loop, args=(first_step, last_step), daemon=True)
+            self._thread = threading.Thread(target=self._loop, args=(first_step + len(self._ready), last_step),
+                                            daemon=True)
             self._thread.start()
 
     def _loop(self, first: int, last: int) -> None:
         try:
             for step in range(first, last):
                 with self._cv:
-                    self._cv.wait_for(lambda: self._stop or self.version >= step - self.staleness)
+                    self._cv.wait_for(lambda: self._stop or (not self._paused
+                                                             and self.version >= step - self.staleness))
                     if self._stop:
                         return
-                item = self._make(step)
-                with self._cv:
+                    self._making = True
+                try:
+                    item = self._make(step)
+                except BaseException:
+                    with self._cv:
+                        self._making = False
+                    raise
+                with self._cv:  # stored and no longer in the making at once: a snapshot sees it either way
                     self._ready[step] = item
+                    self._making = False
                     self._cv.notify_all()
         except BaseException as e:  # noqa: BLE001 - surfaced in get()
             with self._cv:
@@ -69,6 +100,25 @@ class RolloutProducer:
             if step not in self._ready:
                 raise self._error
             return self._ready.pop(step)
+
+    def snapshot(self) -> dict:
+        """``{step: item}`` of the batches produced ahead and not yet taken by :meth:`get` (a copy; empty with
+        ``max_staleness`` = 0), for a checkpoint.
+
+        A batch being sampled is waited for, and none is started meanwhile, so the result is exactly the
+        batches this run has sampled, or started to sample, with the weights versions served so far. Call
+        it between :meth:`get` calls, as the trainer checkpoints (no new version arrives meanwhile).
+        """
+        if self._thread is None:
+            return {}
+        with self._cv:
+            self._paused = True
+            try:
+                self._cv.wait_for(lambda: not self._making)
+                return dict(self._ready)
+            finally:
+                self._paused = False
+                self._cv.notify_all()
 
     def notify_version(self, version: int) -> None:
         """Tells the producer that the sampler now serves weights ``version``."""

@@ -1,0 +1,130 @@
+"""Rollout batches sampled ahead of a checkpoint, saved with it, so that a resumed async run trains on them.
+
+With ``rl.max_staleness`` = s > 0 the `RolloutProducer` samples up to s batches ahead of the trainer, with
+the weights versions the sampler served at the time (batch i with a version >= i - s). Those versions are
+gone once the run stops, so a resumed run could not sample those batches again; the trainer therefore
+saves them (``RolloutProducer.snapshot``) with each RL checkpoint and hands them back to the producer on
+resume: the resumed run trains on the uninterrupted run's batches, with their weights versions and
+staleness.
+
+One file per process, ``queued_rollouts.p<process index>.npz`` in the checkpoint's directory, written
+before the checkpoint's integrity manifest (so it is covered by it). ``np.savez`` of plain arrays
+(loaded with ``allow_pickle=False``): for each queued step ``k`` the `RolloutBatch` fields
+(``s<k>.<field>``; ``finish_reason`` as a string array), its examples as JSON (``s<k>.examples``), the
+generation seconds (``s<k>.seconds``) and, with ``rl.dynamic_sampling``, its ``Draw`` (``s<k>.draw``: data
+end and counts as JSON; ``s<k>.filler``), plus ``format``, ``max_staleness``, ``process_count`` and
+``steps``. Size: the queued batches' arrays (up to s rollout batches per process).
+
+A file written under another ``rl.max_staleness`` or process count is not used (logged): the run then
+samples those steps afresh, from the checkpoint's version (the lag climbs from 0 again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+from typing import Optional
+
+import numpy as np
+
+from pdm_jax import workdir as wd
+from pdm_jax.data.tasks import Example
+from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollouts.dynamic_sampling import Draw
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_FIELDS = [f.name for f in dataclasses.fields(RolloutBatch)]
+
+
+def file_name(process_index: int) -> str:
+    """The file of process ``process_index`` in a checkpoint's directory."""
+    return f"queued_rollouts.p{int(process_index)}.npz"
+
+
+def encode(items: dict, *, max_staleness: int, process_count: int) -> bytes:
+    """``{step: (RolloutBatch, [Example], generation seconds[, Draw])}`` as the bytes of one ``.npz`` file (the
+    `pdm_jax.rollouts.dynamic_sampling.Draw` with ``rl.dynamic_sampling``).
+
+    Raises:
+      TypeError: an item that is not such a tuple (naming its step).
+    """
+    arrays = dict(format=np.int64(FORMAT), max_staleness=np.int64(max_staleness),
+                  process_count=np.int64(process_count), steps=np.asarray(sorted(items), np.int64))
+    for step, item in items.items():
+        rb, examples, seconds, *draw = item
+        if not isinstance(rb, RolloutBatch) or not (draw == [] or (len(draw) == 1 and isinstance(draw[0], Draw))):
+            raise TypeError(f"queued step {step}: expected (RolloutBatch, examples, seconds[, Draw]), got "
+                            f"({', '.join(type(x).__name__ for x in item)})")
+        if draw:
+            arrays[f"s{step}.draw"] = np.asarray(json.dumps(dict(data_end=int(draw[0].data_end),
+                                                                 counts=draw[0].counts)))
+            if draw[0].filler is not None:
+                arrays[f"s{step}.filler"] = np.asarray(draw[0].filler, bool)
+        for name in _FIELDS:
+            value = getattr(rb, name)
+            if value is not None:
+                arrays[f"s{step}.{name}"] = np.asarray(value, str) if name == "finish_reason" else value
+        arrays[f"s{step}.examples"] = np.asarray(json.dumps([dataclasses.asdict(e) for e in examples]))
+        arrays[f"s{step}.seconds"] = np.float64(seconds)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = "") -> dict:
+    """The ``{step: (RolloutBatch, [Example], seconds[, Draw])}`` of :func:`encode`, or ``{}`` (logged) when the file
+    was written under another ``max_staleness`` or process count.
+
+    Raises:
+      ValueError: an unknown format (naming ``where``, the file).
+    """
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        if int(z["format"]) != FORMAT:
+            raise ValueError(f"{where}: queued rollouts of format {int(z['format'])}, expected {FORMAT}")
+        saved = (int(z["max_staleness"]), int(z["process_count"]))
+        if saved != (int(max_staleness), int(process_count)):
+            log.warning("%s: queued rollouts written with rl.max_staleness = %d on %d process(es), this run has %d "
+                        "on %d: not used, those steps are sampled again from the checkpoint's weights version",
+                        where, *saved, max_staleness, process_count)
+            return {}
+        items = {}
+        for step in z["steps"].tolist():
+            fields = {name: z[f"s{step}.{name}"] for name in _FIELDS if f"s{step}.{name}" in z.files}
+            fields["finish_reason"] = fields["finish_reason"].astype(object)
+            examples = [Example(**e) for e in json.loads(str(z[f"s{step}.examples"]))]
+            item = (RolloutBatch(**fields), examples, float(z[f"s{step}.seconds"]))
+            if f"s{step}.draw" in z.files:
+                d = json.loads(str(z[f"s{step}.draw"]))
+                filler = z[f"s{step}.filler"] if f"s{step}.filler" in z.files else None
+                item += (Draw(data_end=d["data_end"], filler=filler, counts=d["counts"]),)
+            items[int(step)] = item
+        return items
+
+
+def checkpoint_files(snapshot: Optional[dict], *, max_staleness: int, process_index: int,
+                     process_count: int) -> Optional[dict]:
+    """``{file name: bytes}`` to save with an RL checkpoint (None with ``max_staleness`` = 0: nothing to keep)."""
+    if max_staleness <= 0 or snapshot is None:
+        return None
+    return {file_name(process_index): encode(snapshot, max_staleness=max_staleness, process_count=process_count)}
+
+
+def read(checkpointer, step: Optional[int], *, max_staleness: int, process_index: int, process_count: int) -> dict:
+    """The queued batches saved with checkpoint ``step`` of ``checkpointer`` (a
+    `pdm_jax.checkpointing.Checkpointer`) for this process: ``{}`` when there is no checkpoint, no file, or
+    ``max_staleness`` = 0."""
+    if step is None or max_staleness <= 0:
+        return {}
+    data = checkpointer.read_file(step, file_name(process_index))
+    if data is None:
+        return {}
+    items = decode(data, max_staleness=max_staleness, process_count=process_count,
+                   where=wd.join(checkpointer.step_path(step), file_name(process_index)))
+    if items:
+        log.info("resuming with the %d rollout batch(es) sampled ahead of the checkpoint (steps %s)",
+                 len(items), sorted(items))
+    return items
