@@ -5,8 +5,9 @@ two items: ``state`` (the `TrainState` pytree: step, params, optax state;
 StandardSave) and ``meta`` (JSON: phase, RL step, data position, sampler weights
 version, the run's seed, warm-start accuracies, wall time so far, fallbacks
 taken), plus any files the caller adds (`Checkpointer.save`'s ``extra_files``: the
-trainer's rollout batches sampled ahead, `pdm_jax.rollouts.queued`). The RNG state is the pair (seed, RL step): every random draw of the loop
-(rollout sampling seeds, mini-batch permutations) is derived from it, so a
+trainer's rollout batches sampled ahead, `pdm_jax.rollouts.queued`). The RNG state
+is the pair (seed, RL step): every random draw of the loop (rollout sampling
+seeds, mini-batch permutations) is derived from it, so a
 resumed run draws exactly what the uninterrupted run would have. `--workdir`
 resumes from the latest intact one.
 

@@ -162,8 +162,6 @@ class Trainer:
         self.per_host = per_host.enabled(self.config)
         self._host_prompts = (0, rl.prompts_per_step)
         self.rollout_counts = dict(prompts=0, rows=0)  # what this process's sampler generated, over the run
-        self._queue_args = dict(max_staleness=int(rl.max_staleness), process_index=jax.process_index(),
-                                process_count=jax.process_count())  # the batches saved ahead (rollouts.queued)
         if self.per_host:
             self._host_prompts = per_host.host_prompt_range(rl.prompts_per_step, rl.group_size, self.mesh)
             log.info("per-host rollouts: process %d of %d samples prompts [%d, %d) of each RL step's %d",
@@ -331,7 +329,7 @@ class Trainer:
         # Ids: sft.steps for the warm start before its evaluation, sft.steps + 1 + RL step after it.
         meta["wall_seconds"] = self._wall_seconds()
         done = int(meta["rl_step"]) + (meta.get("warmstart") is not None)
-        extra = producer and queued.checkpoint_files(producer.snapshot(), **self._queue_args)  # sampled ahead
+        extra = producer and queued.checkpoint_files(producer.snapshot(), self.config.rl.max_staleness)
         self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta), extra_files=extra)
 
     def _run_sft(self, tx, writer) -> None:
@@ -454,7 +452,7 @@ class Trainer:
         bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
                    initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
         base_position = meta["data_position"] - meta["rl_step"] * rl.prompts_per_step
-        ahead = queued.read(self.checkpointer, self._restored_step, **self._queue_args)  # sampled before a resume
+        ahead = queued.read(self.checkpointer, self._restored_step, rl.max_staleness)  # sampled before a resume
         make = lambda step: self._make_rollouts(base_position + step * rl.prompts_per_step, step)  # noqa: E731
         if self.spec.dapo.dynamic_sampling:  # scored in rounds; (rollouts, examples, seconds, Draw)
             make = DynamicSampler(self.spec.dapo, draw=self._make_rollouts, score=self._score,

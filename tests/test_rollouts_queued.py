@@ -52,7 +52,7 @@ def test_encode_decode_is_exact_and_another_staleness_is_not_used(caplog):
     with caplog.at_level(logging.WARNING):
         assert queued.decode(data, max_staleness=3, process_count=1, where="ckpt/9") == {}
     assert "ckpt/9: queued rollouts written with rl.max_staleness = 2 on 1 process(es), this run has 3" in caplog.text
-    assert queued.checkpoint_files({}, max_staleness=0, process_index=0, process_count=1) is None
+    assert queued.checkpoint_files({}, 0) is None
 
 
 def test_dynamic_sampling_items_keep_their_draw():
@@ -70,13 +70,12 @@ def test_dynamic_sampling_items_keep_their_draw():
 def test_saved_with_the_checkpoint_under_its_manifest(tmp_path):
     state = {"step": jnp.asarray(3, jnp.int32), "w": jnp.arange(8, dtype=jnp.float32)}
     c = Checkpointer(str(tmp_path / "ckpt"))
-    c.save(3, state, {"rl_step": 3}, extra_files=queued.checkpoint_files(
-        _items(), max_staleness=2, process_index=0, process_count=1))
+    c.save(3, state, {"rl_step": 3}, extra_files=queued.checkpoint_files(_items(), 2))
     c.save(4, state, {"rl_step": 4})  # no queue: nothing to read back
-    _assert_items_equal(queued.read(c, 3, max_staleness=2, process_index=0, process_count=1), _items())
-    assert queued.read(c, 4, max_staleness=2, process_index=0, process_count=1) == {}
-    assert queued.read(c, None, max_staleness=2, process_index=0, process_count=1) == {}
-    assert queued.read(c, 3, max_staleness=0, process_index=0, process_count=1) == {}
+    _assert_items_equal(queued.read(c, 3, 2), _items())
+    assert queued.read(c, 4, 2) == {}
+    assert queued.read(c, None, 2) == {}
+    assert queued.read(c, 3, 0) == {}
     c.restore(abstract_like(state), 3)  # the file is in the manifest
     path = tmp_path / "ckpt" / "3" / queued.file_name(0)
     path.write_bytes(path.read_bytes()[:-10])

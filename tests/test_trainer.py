@@ -194,23 +194,25 @@ def test_cli_end_to_end_then_resume_after_sigkill(reference_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resumed_async_run_trains_on_the_batches_sampled_ahead_of_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--config.rl.dynamic_sampling=True"]], ids=["plain", "dynamic_sampling"])
+def test_a_resumed_async_run_trains_on_the_batches_sampled_ahead_of_its_checkpoint(tmp_path, extra):
     """``rl.max_staleness`` = 2, SIGKILLed after RL step 2 and resumed: the checkpoint of step 2 holds the batches
     sampled ahead of it (at least batch 3's, sampled with a weights version <= 1 while step 2 trained), and the
     resumed run trains on them: its step-3 staleness is the saved batch's (>= 1), as uninterrupted, not the 0 of
-    a batch sampled afresh from the checkpoint's version 2."""
+    a batch sampled afresh from the checkpoint's version 2. With dynamic sampling the run goes on from the saved
+    batches' data position (their `Draw`)."""
     import numpy as np
     from pdm_jax.rollouts import queued
 
     run = tmp_path / "run"
-    args = SMALL + [f"--config.compile_cache.dir={tmp_path / 'jax_cache'}", "--config.rl.max_staleness=2"]
+    args = SMALL + [f"--config.compile_cache.dir={tmp_path / 'jax_cache'}", "--config.rl.max_staleness=2"] + extra
     r = _run_cli(run, args + ["--config.debug.kill_after_rl_step=2"])
     assert r.returncode == -9, (r.returncode, r.stderr[-3000:])
     _assert_no_sampler_left(run)
     ckpt = Checkpointer(str(run / "checkpoints"))
     step_id = ckpt.latest_step()
     assert step_id == 20 + 1 + 2  # sft.steps + the warm start's evaluation + 2 RL steps
-    saved = queued.read(ckpt, step_id, max_staleness=2, process_index=0, process_count=1)
+    saved = queued.read(ckpt, step_id, 2)
     ckpt.close()
     assert 2 in saved and set(saved) <= {2, 3}  # 0-based RL steps: the third step's batch onwards
     r = _run_cli(run, args)
@@ -218,9 +220,13 @@ def test_a_resumed_async_run_trains_on_the_batches_sampled_ahead_of_its_checkpoi
     assert f"resuming with the {len(saved)} rollout batch(es) sampled ahead of the checkpoint" in r.stderr
     got = _rl_records(run)
     assert sorted(got) == [1, 2, 3, 4]
-    for step, (rb, _, _) in saved.items():  # record step + 1 trained on batch `step`: staleness = step - its version
+    for step, (rb, *_) in saved.items():  # record step + 1 trained on batch `step`: staleness = step - its version
         assert got[step + 1]["staleness"] == pytest.approx(float(np.mean(step - rb.weights_version)))
     assert got[3]["staleness"] >= 1
+    if extra:  # the data position goes on from the saved draws' end (no prompt drawn twice or skipped)
+        meta = json.loads((run / "checkpoints" / "25" / "meta" / "metadata").read_text())
+        rounds_after = sum(int(got[s + 1]["dynamic_sampling_rounds"]) for s in range(max(saved) + 1, 4))
+        assert meta["data_position"] == saved[max(saved)][3].data_end + rounds_after * 4  # 4 prompts a round
 
 
 @pytest.mark.slow

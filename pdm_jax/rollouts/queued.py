@@ -27,6 +27,7 @@ import json
 import logging
 from typing import Optional
 
+import jax
 import numpy as np
 
 from pdm_jax import workdir as wd
@@ -105,25 +106,33 @@ def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = 
         return items
 
 
-def checkpoint_files(snapshot: Optional[dict], *, max_staleness: int, process_index: int,
-                     process_count: int) -> Optional[dict]:
-    """``{file name: bytes}`` to save with an RL checkpoint (None with ``max_staleness`` = 0: nothing to keep)."""
+def checkpoint_files(snapshot: Optional[dict], max_staleness: int, *, process_index: Optional[int] = None,
+                     process_count: Optional[int] = None) -> Optional[dict]:
+    """``{file name: bytes}`` to save with an RL checkpoint (None with ``max_staleness`` = 0: nothing to keep).
+    ``process_index`` / ``process_count`` default to JAX's."""
     if max_staleness <= 0 or snapshot is None:
         return None
-    return {file_name(process_index): encode(snapshot, max_staleness=max_staleness, process_count=process_count)}
+    index, count = _process(process_index, process_count)
+    return {file_name(index): encode(snapshot, max_staleness=max_staleness, process_count=count)}
 
 
-def read(checkpointer, step: Optional[int], *, max_staleness: int, process_index: int, process_count: int) -> dict:
+def _process(index, count):
+    return (jax.process_index() if index is None else int(index), jax.process_count() if count is None else int(count))
+
+
+def read(checkpointer, step: Optional[int], max_staleness: int, *, process_index: Optional[int] = None,
+         process_count: Optional[int] = None) -> dict:
     """The queued batches saved with checkpoint ``step`` of ``checkpointer`` (a
     `pdm_jax.checkpointing.Checkpointer`) for this process: ``{}`` when there is no checkpoint, no file, or
-    ``max_staleness`` = 0."""
+    ``max_staleness`` = 0. ``process_index`` / ``process_count`` default to JAX's."""
     if step is None or max_staleness <= 0:
         return {}
-    data = checkpointer.read_file(step, file_name(process_index))
+    index, count = _process(process_index, process_count)
+    data = checkpointer.read_file(step, file_name(index))
     if data is None:
         return {}
-    items = decode(data, max_staleness=max_staleness, process_count=process_count,
-                   where=wd.join(checkpointer.step_path(step), file_name(process_index)))
+    items = decode(data, max_staleness=max_staleness, process_count=count,
+                   where=wd.join(checkpointer.step_path(step), file_name(index)))
     if items:
         log.info("resuming with the %d rollout batch(es) sampled ahead of the checkpoint (steps %s)",
                  len(items), sorted(items))
