@@ -26,6 +26,7 @@ import numpy as np
 
 from pdm_jax import aot
 from pdm_jax import data as data_sources
+from pdm_jax import rewards as reward_functions
 from pdm_jax.rl import trust_region
 from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
@@ -138,9 +139,16 @@ def get_base_config() -> ml_collections.ConfigDict:
     # kind=bpe: how many training examples (prompt and reference answer each) make its corpus; at most 1,000,000.
     c.tokenizer.corpus_prompts = 20000
 
-    # ---- prompts and verifier (pdm_jax.data.make_source) --------------------------------
+    # ---- prompts and verifier (pdm_jax.data.make_source). ----------------------------
+    # Your own prompts: data.kind=file reads data.path (a local json / jsonl / parquet file or a datasets.save_to_disk
+    # directory) with the prompt column data.prompt_field (text, or a list of chat messages {role, content}) and any
+    # other columns, which reach reward.functions; data.answer_field (optional) is the built-in math verifier's
+    # reference answer and the warm start's target. Rows with the same prompt are kept once; data.num_eval of them
+    # are held out (or taken from data.eval_path). A missing column, an empty file or a reserved column name
+    # (prompts, completions, completion_ids, truncated) stops the run naming the field; prompts longer than
+    # sampler.max_prompt_length tokens are dropped at load and counted in the log (as for every kind).
     c.data = ml_collections.ConfigDict()
-    c.data.kind = "reasoning_gym"  # "reasoning_gym" | "gsm8k" | "dapo_math"
+    c.data.kind = "reasoning_gym"  # "reasoning_gym" | "gsm8k" | "dapo_math" | "file" (your own prompts: data.path)
     # reasoning-gym task name (kind=reasoning_gym).
     c.data.task = "chain_sum"
     # reasoning-gym config keyword arguments of the task (free-form, passed through).
@@ -154,14 +162,41 @@ def get_base_config() -> ml_collections.ConfigDict:
     # "off" (raw prompt text: a Base model without chat training)
     c.data.chat_template = "auto"
     c.data.enable_thinking = True  # passed to the chat template (Qwen3: False opens an empty <think></think>)
-    # Local json / jsonl / parquet file of the prompts (kind=gsm8k or dapo_math).
+    # Local json / jsonl / parquet file of the prompts (kind=gsm8k, dapo_math or file; kind=file also takes a
+    # datasets.save_to_disk directory).
     c.data.path = ""
+    # kind=file: the column holding each prompt: text, or a list of chat messages {role, content} (rendered by the
+    # tokenizer's chat template, so data.chat_template must not be "off"). Every other column reaches the reward
+    # functions (reward.functions) as a keyword argument.
+    c.data.prompt_field = "prompt"
+    # kind=file: the column of the reference answer: the built-in math verifier's ground truth and the warm start's
+    # target ("" = none: then reward.functions must be set and sft.steps = 0).
+    c.data.answer_field = ""
     # Optional separate held-out file in the same schema ("" = held out from data.path).
     c.data.eval_path = ""
     # Held-out prompts set aside from the training stream (unit: prompts).
     c.data.num_eval = 256
     # Seed of the prompt stream and of the held-out split.
     c.data.seed = 1234
+
+    # ---- your own reward functions (pdm_jax.rewards; TRL's reward_funcs convention). ---------
+    # Each function is called once per rollout batch (and evaluation batch) as fn(prompts, completions, **columns):
+    # one entry per completion, columns = the example's other fields as lists (a file's columns; answer for the
+    # built-in kinds) + completion_ids + truncated. It returns one float or None per completion. The reward is the
+    # weighted sum over the functions that gave a number (None adds nothing); a row to which every function gives
+    # None gets its group's scored mean (advantage 0) and is counted (reward_unscored). With functions set the data
+    # source's verifier does not add to the reward unless pdm_jax.rewards:verifier is one of them. A function that
+    # raises, hangs past timeout_s, or returns the wrong length, a non-number or NaN stops the run (exit 2) naming
+    # it and the row. Logged: reward/NAME, the mean of each function over the rows it scored.
+    c.reward = ml_collections.ConfigDict()
+    # Comma-separated FILE.py:NAME or importable module:NAME, each fn(prompts, completions, **columns) ->
+    # list[float | None] per rollout batch; the reward is their weighted sum and replaces the data source's verifier
+    # ("" = the data source's built-in verifier; pdm_jax.rewards:verifier names it among your functions).
+    c.reward.functions = ""
+    # Comma-separated weights, one per function ("" = 1 each).
+    c.reward.weights = ""
+    # Longest a function may take on one rollout batch before the run stops naming it (unit: seconds).
+    c.reward.timeout_s = 300.0
 
     # ---- supervised warm start -----------------------------------------------------------
     c.sft = ml_collections.ConfigDict()
@@ -1068,6 +1103,26 @@ def _check_seeds_and_timeouts(config) -> None:
     _need(math.isfinite(t) and t > 0, "multihost.initialization_timeout_s", t, "must be a finite number of seconds > 0")
 
 
+def _check_reward(config) -> None:
+    """``reward.functions`` / ``weights`` / ``timeout_s``, and what ``data.kind = "file"`` needs of them."""
+    rc, dc = config.reward, config.data
+    functions = reward_functions.parse_functions(rc.functions)  # a ValueError naming the field
+    reward_functions.parse_weights(rc.weights, len(functions))
+    _need(math.isfinite(rc.timeout_s) and rc.timeout_s > 0, "reward.timeout_s", rc.timeout_s,
+          "must be a finite number of seconds > 0")
+    if dc.kind != "file":
+        return
+    _need(bool(dc.prompt_field), "data.prompt_field", dc.prompt_field, "must name a column when data.kind = 'file'")
+    if not dc.answer_field:
+        _need(bool(functions), "reward.functions", rc.functions,
+              "data.kind = 'file' without data.answer_field has no built-in verifier: name your reward functions "
+              "or set data.answer_field (the built-in math verifier's reference answer)")
+        _need(reward_functions.BUILTIN_VERIFIER not in functions, "reward.functions", rc.functions,
+              f"{reward_functions.BUILTIN_VERIFIER} needs data.answer_field with data.kind = 'file'")
+        _need(config.sft.steps == 0, "sft.steps", config.sft.steps,
+              "the warm start needs a reference answer: set data.answer_field (data.kind = 'file') or sft.steps=0")
+
+
 def _check_profile(config) -> None:
     parse_steps(config.profile.steps)
 
@@ -1137,7 +1192,7 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     _run_checks(config, [(_check_paths, (not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
                          (_check_weight_noise, ()), (_check_model, (vocab_size,)), (_check_profile, ()),
                          (_check_dry_run, ()),
-                         (_check_seeds_and_timeouts, ()),
+                         (_check_seeds_and_timeouts, ()), (_check_reward, ()),
                          (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())]))
 
 

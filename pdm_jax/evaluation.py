@@ -42,8 +42,11 @@ def score_rollouts(source, codec: TextCodec, rb: RolloutBatch, examples, n: int)
 
     Rows are prompt-major: row ``i`` belongs to ``examples[i // n]`` (n samples per prompt). A row
     whose ``finish_reason`` is "length" is scored with ``truncated=True`` (``data.verifiers``).
-    A source with ``score_batch`` (math-verify workers) scores the whole batch concurrently.
+    A source with ``score_batch`` (math-verify workers) scores the whole batch concurrently; one with
+    ``score_rollout_batch`` (``reward.functions``: `pdm_jax.rewards.RewardedSource`) gives its combined reward.
     """
+    if hasattr(source, "score_rollout_batch"):  # the user's reward functions (pdm_jax.rewards.RewardedSource)
+        return source.score_rollout_batch(codec, rb, examples, n)[0]
     texts = [codec.decode_completion(rb.completion_ids[i], rb.completion_mask[i]) for i in range(rb.num_sequences)]
     exs = [examples[i // n] for i in range(rb.num_sequences)]
     # A completion cut off by max_tokens ("length") gets no credit for an answer on its unfinished last line.

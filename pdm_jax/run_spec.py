@@ -5,10 +5,10 @@ with no fallbacks (every default lives once, in the schema: `pdm_jax.config.get_
 docs/configuration.md), into the pieces the components take instead of the ConfigDict: the prompt source's
 `DataSpec` (`pdm_jax.data.make_source`), the sampler's `SamplerSpec` (`pdm_jax.rollouts.SamplerSupervisor`), the
 evaluation's `EvalSpec` (`pdm_jax.evaluation.evaluate`), the jitted steps' `StepConfigs` (trust region, policy
-loss, optimizers) and DAPO's data-side pieces' `DapoSpec` (`pdm_jax.rl.dapo`). The model's `Qwen3Config` needs
-the tokenizer's vocabulary and is built with it (`pdm_jax.config.model_config_from_fields`, a preset or a
-checkpoint's config). It sits above the config and the trainer's side of rollouts (docs/DESIGN.md §3), beside the
-trainer that calls it.
+loss, optimizers), DAPO's data-side pieces' `DapoSpec` (`pdm_jax.rl.dapo`) and the reward functions' `RewardSpec`
+(`pdm_jax.rewards.with_reward_functions`). The model's `Qwen3Config` needs the tokenizer's vocabulary and is built
+with it (`pdm_jax.config.model_config_from_fields`, a preset or a checkpoint's config). It sits above the config and
+the trainer's side of rollouts (docs/DESIGN.md §3), beside the trainer that calls it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import ml_collections
 from pdm_jax.config import StepConfigs, step_configs, validate_config
 from pdm_jax.data import DataSpec
 from pdm_jax.evaluation import EvalSpec
+from pdm_jax.rewards import RewardSpec
 from pdm_jax.rl.dapo import DapoSpec
 from pdm_jax.rollouts.spec import SamplerSpec
 
@@ -32,6 +33,7 @@ class RunSpec(NamedTuple):
     eval: EvalSpec
     step: StepConfigs
     dapo: DapoSpec
+    reward: RewardSpec
 
 
 def dapo_spec(rl: ml_collections.ConfigDict) -> DapoSpec:
@@ -52,4 +54,4 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
     validate_config(config)
     return RunSpec(data=DataSpec.from_config(config.data), sampler=SamplerSpec.from_config(config.sampler),
                    eval=EvalSpec.from_config(config.eval), step=step_configs(config),
-                   dapo=dapo_spec(config.rl))
+                   dapo=dapo_spec(config.rl), reward=RewardSpec.from_config(config.reward))

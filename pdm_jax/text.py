@@ -30,6 +30,8 @@ SFT_PROMPT_MULTIPLE = 8
 #: The `DataSpec` fields that decide the training prompts' text, so a BPE trained on them.
 CORPUS_FIELDS = ("kind", "task", "task_config", "prompt_format", "path", "num_eval", "seed", "train_size",
                  "instruction")
+#: The columns a ``data.kind = "file"`` corpus is read from (part of its recipe; the other kinds' recipes lack them).
+FILE_CORPUS_FIELDS = ("prompt_field", "answer_field")
 
 
 def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: bool = True):
@@ -78,7 +80,8 @@ def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: 
         if source.chat:
             raise ValueError("tokenizer.kind = 'bpe' trains a tokenizer without a chat template, and this data source "
                              "applies one: set data.chat_template=off or use tokenizer.kind=path")
-        corpus = None if data is None else {f: getattr(data, f) for f in CORPUS_FIELDS}
+        fields = CORPUS_FIELDS + (FILE_CORPUS_FIELDS if data is not None and data.kind == "file" else ())
+        corpus = None if data is None else {f: getattr(data, f) for f in fields}
         recipe = dict(kind="bpe", vocab_size=int(tc.vocab_size), corpus_prompts=int(tc.corpus_prompts), data=corpus)
 
         def build(d):
@@ -185,23 +188,30 @@ class TextCodec:
             raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no eos_token")
         self.stop_ids = tuple(dict.fromkeys([int(self.eos_id)] + [int(i) for i in stop_token_ids]))
 
-    def encode_prompt(self, prompt: str) -> list[int]:
+    def encode_prompt(self, prompt) -> list[int]:
         """Token ids of a prompt (with the chat template and generation prompt for a chat source).
+
+        ``prompt``: text (one user turn under the chat template), or a list of chat messages ``{role, content}``
+        (``data.kind = "file"``; rendered whole by the chat template).
 
         ``apply_chat_template`` returns a list of ids, or (transformers 5) a ``BatchEncoding``, a
         mapping whose ``input_ids`` are the ids, as lists or arrays, possibly a batch of one: all
         are read as that one sequence of ids.
 
         Raises:
-          TypeError: the template gave something other than integer ids (naming what it gave).
+          TypeError: the template gave something other than integer ids (naming what it gave); chat messages
+            without the chat template.
           ValueError: it gave more than one sequence for the one prompt.
         """
         if self.chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+            messages = list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages,
                                                      add_generation_prompt=True, tokenize=True,
                                                      **self.template_kwargs)
             if isinstance(ids, Mapping):
                 ids = ids["input_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            raise TypeError("a prompt of chat messages needs the chat template (data.chat_template 'auto' or 'on')")
         else:
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if hasattr(ids, "tolist"):  # numpy / jax arrays (return_tensors="np")

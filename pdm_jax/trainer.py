@@ -49,6 +49,7 @@ from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summa
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
                                enable_compile_cache, resolve_compile_cache_dir, step_timing)
+from pdm_jax.rewards import function_record, function_rows, score_rollouts, with_reward_functions
 from pdm_jax.rl import dapo, objectives, train_step as ts
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import round_up
@@ -132,6 +133,7 @@ class Trainer:
         log.info("rollouts stop on token ids %s", list(self.codec.stop_ids))
         # Over-long prompts are dropped (and counted) at load, never discovered mid-run.
         self.source = filter_long_prompts(self.source, self.codec.encode_prompt, config.sampler.max_prompt_length)
+        self.source = with_reward_functions(self.source, self.spec.reward)  # reward.functions, if any
         validate_against_data(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
         wd.makedirs(self.workdir)
         m = config.mesh
@@ -493,8 +495,11 @@ class Trainer:
             rb, examples, gen_seconds, *drawn = producer.get(step)  # drawn: [dynamic sampling's Draw]
         draw = drawn[0] if drawn else None
         with timer.phase("scoring"):
-            if draw is None:  # dynamic sampling scored its rounds
-                rb = rb.replace(rewards=self._score(rb, examples))
+            if draw is None:
+                scores, reward_rows = score_rollouts(self.source, self.codec, rb, examples, rl.group_size)
+                rb = rb.replace(rewards=scores)
+            else:  # dynamic sampling scored its rounds: the reward functions' values of the rows it kept
+                reward_rows = function_rows(self.source, self.codec, rb, examples, rl.group_size)
         with timer.phase("advantages"):
             batch = self._step_batch(rb, ref, draw and draw.filler)
         with timer.phase("optimizer"):  # ends with the metrics' device_get: the device work is done
@@ -506,7 +511,7 @@ class Trainer:
             self.sampler.sync(run["state"].params, version)
         producer.notify_version(version)
         rows = dict(rewards=rb.rewards, length=rb.completion_mask.sum(1), weights_version=rb.weights_version,
-                    **dapo.record_rows(rb, self.spec.dapo))
+                    **dapo.record_rows(rb, self.spec.dapo), **reward_rows)
         if self.per_host:  # every process's rows and the slowest process's generation time (collectives)
             rows, gen_seconds = per_host.gather_rows(rows, self.mesh), per_host.gather_max(gen_seconds)
         rec = self._rl_record(step_metrics, rows, run["state"], schedule, version, gen_seconds)
@@ -542,6 +547,7 @@ class Trainer:
             sampler_restarts=float(self.sampler.restarts_total),
             sampler_stalls=float(self.sampler.stalls_total),
         )
+        rec.update(function_record(rows))  # reward.functions: reward/NAME, reward_unscored
         return rec
 
     def _write_summary(self, meta, last_eval, writer) -> dict:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdm_jax import evaluation, metrics, profiling, trainer
+from pdm_jax import evaluation, metrics, profiling, rewards, trainer
 from pdm_jax.rl import dapo, loss, train_step
 from pdm_jax.rl import trust_region as tr
 from pdm_jax.config import get_base_config
@@ -88,10 +88,11 @@ def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
         | set(profiling.PhaseTimer(profiling.STEP_PHASES).record()) - {"time_step"} \
         | dict_keys_in(train_step._with_router_aux) \
         | dict_keys_in(train_step._with_packing_metrics) \
-        | dict_keys_in(dapo.step_record)  # MoE only: router_aux_loss; packed only: packed_fill; DAPO's pieces
+        | dict_keys_in(dapo.step_record) | dict_keys_in(rewards.function_record)  # MoE only: router_aux_loss; packed
+        # only: packed_fill; DAPO's pieces; reward.functions
     sft_fields = dict_keys_in(train_step.make_sft_train_step) | {"loss", "grad_norm"}
     eval_fields = {k for k in dict_keys_in(evaluation.evaluate) if k.startswith("eval_")}
-    assert {"reward", "staleness", "frac_masked", "mean_tail_mass", "router_aux_loss"} <= rl_fields
+    assert {"reward", "staleness", "frac_masked", "mean_tail_mass", "router_aux_loss", "reward_unscored"} <= rl_fields
     assert sft_fields == {"token_accuracy", "loss", "grad_norm"}
     assert eval_fields == {"eval_accuracy", "eval_reward", "eval_greedy_accuracy"}
     jsonl = section[: section.index("**`DIR/summary.json`**")]

@@ -3,11 +3,13 @@
 Entry point: `make_source(spec)` builds a `PromptSource` from a `DataSpec`, the run config's ``data`` section
 read once (`DataSpec.from_config(config.data)`; fields and units in docs/configuration.md):
 
-  kind           "reasoning_gym" | "gsm8k" | "dapo_math"
+  kind           "reasoning_gym" | "gsm8k" | "dapo_math" | "file" (the user's own prompts)
   task           reasoning-gym task name, e.g. "chain_sum"            (reasoning_gym)
   task_config    dict of reasoning-gym config kwargs                  (reasoning_gym)
   prompt_format  "compact" | "question" (the math datasets support only "question")
-  path           local json/jsonl/parquet file                        (gsm8k, dapo_math)
+  path           local json/jsonl/parquet file                        (gsm8k, dapo_math, file)
+  prompt_field   the prompt column (text or chat messages)            (file)
+  answer_field   the reference-answer column ("" = none)              (file)
   eval_path      optional separate held-out file ("" = held out from path)
   num_eval       held-out size (prompts)
   seed           seed of the prompt stream and the held-out split
@@ -36,10 +38,11 @@ from pdm_jax.data.tasks import (
     extract_tagged_answer,
 )
 from pdm_jax.data.math_data import MathSource
+from pdm_jax.data.file_data import FileSource
 from pdm_jax.data.prompt_filter import LengthFilteredSource, filter_long_prompts
 from pdm_jax.data.spec import DataSpec
 
-KINDS = ("reasoning_gym", "gsm8k", "dapo_math")
+KINDS = ("reasoning_gym", "gsm8k", "dapo_math", "file")
 #: data.chat_template: the source's own choice, the tokenizer's chat template, or raw prompt text.
 CHAT_TEMPLATES = ("auto", "on", "off")
 
@@ -48,6 +51,7 @@ __all__ = [
     "DataSpec",
     "applies_chat_template",
     "Example",
+    "FileSource",
     "KINDS",
     "LengthFilteredSource",
     "PromptSource",
@@ -63,7 +67,7 @@ def applies_chat_template(kind: str, prompt_format: str, chat_template: str, cha
     """Whether a source's prompts go through the tokenizer's chat template (`PromptSource.chat`).
 
     ``chat_template`` "on" / "off" decide; under "auto" an explicit ``chat`` (`DataSpec.chat`) does, else the
-    source's own choice: reasoning-gym tasks with ``prompt_format="question"``, gsm8k and dapo_math apply it,
+    source's own choice: reasoning-gym tasks with ``prompt_format="question"``, gsm8k, dapo_math and file apply it,
     reasoning-gym "compact" prompts do not. `make_source` and `pdm_jax.config.validate_config` both read it.
     """
     if chat_template != "auto":
@@ -80,7 +84,7 @@ def make_source(spec: DataSpec) -> PromptSource:
       spec: the run's `DataSpec` (`DataSpec.from_config(config.data)`).
 
     Returns:
-      A `ReasoningGymSource` or `pdm_jax.data.math_data.MathSource`.
+      A `ReasoningGymSource`, `pdm_jax.data.math_data.MathSource` or `pdm_jax.data.file_data.FileSource`.
 
     Raises:
       TypeError: ``spec`` is not a `DataSpec` (e.g. the ConfigDict section itself).
@@ -101,6 +105,10 @@ def make_source(spec: DataSpec) -> PromptSource:
             raise ValueError(f"data.task is required for kind='reasoning_gym', got {spec.task!r}")
         return ReasoningGymSource(spec.task, dict(spec.task_config), prompt_format=spec.prompt_format,
                                   num_eval=spec.num_eval, seed=spec.seed, train_size=spec.train_size, chat=chat)
+    if spec.kind == "file":
+        return FileSource(path=spec.path, eval_path=spec.eval_path or None, prompt_field=spec.prompt_field,
+                          answer_field=spec.answer_field, num_eval=spec.num_eval, seed=spec.seed,
+                          verify_timeout_s=spec.verify_timeout_s, chat=chat)
     return MathSource(spec.kind, path=spec.path or None, eval_path=spec.eval_path or None,
                       prompt_format=spec.prompt_format, num_eval=spec.num_eval, seed=spec.seed,
                       instruction=spec.instruction, verify_timeout_s=spec.verify_timeout_s, chat=chat)

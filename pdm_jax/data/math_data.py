@@ -212,6 +212,9 @@ class MathSource:
       num_eval, verify_timeout_s.
     """
 
+    #: The schemas this class reads (`pdm_jax.data.file_data.FileSource` reads "file" through `_load_rows`).
+    KINDS = tuple(_ROW_PARSERS)
+
     def __init__(
         self,
         kind: str,
@@ -225,8 +228,8 @@ class MathSource:
         verify_timeout_s: float = 5.0,
         chat: Optional[bool] = None,
     ):
-        if kind not in _ROW_PARSERS:
-            raise ValueError(f"data.kind must be one of {sorted(_ROW_PARSERS)}, got {kind!r}")
+        if kind not in self.KINDS:
+            raise ValueError(f"data.kind must be one of {sorted(self.KINDS)}, got {kind!r}")
         if prompt_format != "question":
             raise ValueError(f"data.prompt_format: only 'question' is supported for kind={kind!r}, "
                              f"got {prompt_format!r}")
@@ -242,9 +245,9 @@ class MathSource:
         self.instruction = instruction or ""
         self.verify_timeout_s = float(verify_timeout_s)
 
-        rows = load_math_rows(kind, path, field="data.path")
+        rows = self._load_rows(path, "data.path")
         if eval_path:
-            eval_rows = load_math_rows(kind, eval_path, field="data.eval_path")
+            eval_rows = self._load_rows(eval_path, "data.eval_path")
             if self.num_eval > len(eval_rows):
                 raise ValueError(f"data.num_eval={self.num_eval} exceeds the {len(eval_rows)} distinct "
                                  f"rows of data.eval_path {str(eval_path)!r}")
@@ -264,6 +267,10 @@ class MathSource:
         self._eval = [self._example(row, "eval") for row in eval_rows]
         self._train_rows = train_rows
         self._epoch_perms: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+
+    def _load_rows(self, path, field: str) -> list[dict]:
+        """The normalised rows {prompt, answer, row_id, meta} of one file (`load_math_rows`)."""
+        return load_math_rows(self.kind, path, field=field)
 
     @property
     def num_train(self) -> int:

@@ -20,7 +20,8 @@ class DataSpec:
     Fields of the schema: ``kind`` ("reasoning_gym" | "gsm8k" | "dapo_math"), ``task`` and ``task_config`` (a
     reasoning-gym task and its keyword arguments), ``prompt_format`` ("compact" | "question"), ``chat_template``
     ("auto" | "on" | "off"), ``enable_thinking`` (read by `pdm_jax.text.TextCodec`, not by the source), ``path``
-    / ``eval_path`` (local json / jsonl / parquet files; "" = none), ``num_eval`` (held-out prompts), ``seed``.
+    / ``eval_path`` (local json / jsonl / parquet files; "" = none), ``num_eval`` (held-out prompts), ``seed``,
+    ``prompt_field`` / ``answer_field`` (kind "file": the prompt and reference-answer columns).
 
     Not in the run config: ``train_size`` (reasoning-gym stream positions before wrapping), ``instruction``
     (math kinds: text appended to each prompt), ``verify_timeout_s`` (math kinds: math-verify's budget per
@@ -38,6 +39,8 @@ class DataSpec:
     eval_path: str
     num_eval: int
     seed: int
+    prompt_field: str
+    answer_field: str
     train_size: int = 1 << 20
     instruction: str = ""
     verify_timeout_s: float = 5.0
@@ -55,4 +58,5 @@ class DataSpec:
         return cls(kind=str(data.kind), task=str(data.task), task_config=task_config,
                    prompt_format=str(data.prompt_format), chat_template=str(data.chat_template),
                    enable_thinking=bool(data.enable_thinking), path=str(data.path), eval_path=str(data.eval_path),
-                   num_eval=int(data.num_eval), seed=int(data.seed))
+                   num_eval=int(data.num_eval), seed=int(data.seed), prompt_field=str(data.prompt_field),
+                   answer_field=str(data.answer_field))
