@@ -60,7 +60,7 @@ import numpy as np
 from pdm_jax import evaluation
 
 __all__ = ["RewardFunctionError", "RewardFunctions", "RewardSpec", "RewardedSource", "function_record", "function_rows",
-           "parse_functions", "parse_weights", "score_rollouts", "verifier", "with_reward_functions"]
+           "parse_functions", "parse_weights", "score_batch", "score_rollouts", "verifier", "with_reward_functions"]
 
 #: Prefix of the per-function means in the rl record (``reward/NAME``).
 PREFIX = "reward/"
@@ -395,6 +395,19 @@ def score_rollouts(source, codec, rb, examples, n: int) -> tuple:
     if isinstance(source, RewardedSource):
         return source.score_rollout_batch(codec, rb, examples, n)
     return evaluation.score_rollouts(source, codec, rb, examples, n), {}
+
+
+def score_batch(source, codec, rb, examples, n: int, *, scored: bool = False) -> tuple:
+    """The trainer's scoring step: ``(rb with its rewards, rows)``.
+
+    ``scored``: dynamic sampling already scored ``rb``'s rows in its rounds (`pdm_jax.rollouts.dynamic_sampling`):
+    ``rb`` is kept and ``rows`` are the values those rounds gave (`function_rows`). Otherwise the rewards are
+    `score_rollouts`' (the reward functions', or the source's verifier).
+    """
+    if scored:
+        return rb, function_rows(source, codec, rb, examples, n)
+    rewards, rows = score_rollouts(source, codec, rb, examples, n)
+    return rb.replace(rewards=rewards), rows
 
 
 def function_rows(source, codec, rb, examples, n: int) -> dict:

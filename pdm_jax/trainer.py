@@ -49,7 +49,7 @@ from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summa
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
                                enable_compile_cache, resolve_compile_cache_dir, step_timing)
-from pdm_jax.rewards import function_record, function_rows, score_rollouts, with_reward_functions
+from pdm_jax.rewards import function_record, score_batch, with_reward_functions
 from pdm_jax.rl import dapo, objectives, train_step as ts
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import round_up
@@ -399,7 +399,7 @@ class Trainer:
         return batch
 
     def _score(self, rb, examples) -> np.ndarray:
-        """The task rewards ``[N]`` of a rollout batch (`evaluation.score_rollouts`; rows prompt-major)."""
+        """The task rewards ``[N]`` of a rollout batch (`evaluation.score_rollouts`: reward.functions' if set)."""
         return evaluation.score_rollouts(self.source, self.codec, rb, examples, self.config.rl.group_size)
 
     def _reference_policy(self, state):
@@ -494,12 +494,8 @@ class Trainer:
         with timer.phase("sampling"):
             rb, examples, gen_seconds, *drawn = producer.get(step)  # drawn: [dynamic sampling's Draw]
         draw = drawn[0] if drawn else None
-        with timer.phase("scoring"):
-            if draw is None:
-                scores, reward_rows = score_rollouts(self.source, self.codec, rb, examples, rl.group_size)
-                rb = rb.replace(rewards=scores)
-            else:  # dynamic sampling scored its rounds: the reward functions' values of the rows it kept
-                reward_rows = function_rows(self.source, self.codec, rb, examples, rl.group_size)
+        with timer.phase("scoring"):  # dynamic sampling (a draw) scored its rounds
+            rb, reward_rows = score_batch(self.source, self.codec, rb, examples, rl.group_size, scored=draw is not None)
         with timer.phase("advantages"):
             batch = self._step_batch(rb, ref, draw and draw.filler)
         with timer.phase("optimizer"):  # ends with the metrics' device_get: the device work is done

@@ -174,7 +174,7 @@ def _rollouts(rows):
 def test_the_columns_and_the_rollouts_reach_the_function_and_the_evaluation_uses_them(fn_file):
     functions = _functions(fn_file, ["record"])
     seen_calls = functions.functions[0].__globals__["SEEN"]
-    exs = [types.SimpleNamespace(prompt=p, answer=a, meta=dict(columns=dict(answer=a, level=lv)))
+    exs = [types.SimpleNamespace(prompt=p, answer=a, uid=p, meta=dict(columns=dict(answer=a, level=lv)))
            for p, a, lv in (("3-1=", "2", "plain"), ("5-3=", "2", "carry"))]
     source = rewards.RewardedSource(types.SimpleNamespace(name="file"), functions)
     rb = _rollouts([("12", "stop"), ("", "stop"), ("4", "length"), ("0", "stop")])
@@ -189,6 +189,24 @@ def test_the_columns_and_the_rollouts_reach_the_function_and_the_evaluation_uses
     np.testing.assert_allclose(got, [2.0, 2.0, 1.0, 1.0])
     assert rows["reward_unscored"].tolist() == [0.0, 1.0, 0.0, 0.0]
     np.testing.assert_allclose(evaluation.score_rollouts(source, _Codec(), rb, exs, 2), got)
+
+
+def test_the_values_of_rows_kept_from_scored_rounds_are_found_again(fn_file):
+    """Dynamic sampling trains on rows it selected from the rounds it scored: `function_rows` gives them the values
+    their round gave (none recomputed), and refuses a row no round scored."""
+    functions = _functions(fn_file, ["one", "record"])
+    exs = [types.SimpleNamespace(prompt=p, answer="0", uid=f"file/train/{i}", meta={}) for i, p in enumerate("ab")]
+    source = rewards.RewardedSource(types.SimpleNamespace(name="file"), functions)
+    rb = _rollouts([("12", "stop"), ("", "stop"), ("4", "length"), ("0", "stop")])
+    _, rows = rewards.score_rollouts(source, _Codec(), rb, exs, 2)
+    kept = rb.select(np.array([2, 3]))  # the second group alone, as group 0 of the trained batch
+    got = rewards.function_rows(source, _Codec(), kept, exs[1:], 2)
+    assert sorted(got) == sorted(rows)
+    for key in rows:
+        np.testing.assert_array_equal(got[key], rows[key][2:])
+    with pytest.raises(RuntimeError, match=r"row 0 of the batch \(file/train/0\) was not scored"):
+        rewards.function_rows(source, _Codec(), rb.select(np.array([2, 3])), exs[:1], 2)
+    assert rewards.function_rows(types.SimpleNamespace(), _Codec(), rb, exs, 2) == {}
 
 
 def test_the_builtin_verifier_as_a_function(fn_file):
@@ -275,13 +293,22 @@ def test_the_own_task_example_trains_through_config_alone_and_a_raising_function
     config = load_config_file("examples/own_task/config.py")
     assert config.data.kind == "file" and config.reward.functions.endswith("reward.py:close")
 
+    # dynamic sampling trains on rows its rounds scored: their function values are logged as those rounds gave them
+    r = _run_example(tmp_path / "dynamic", cache + ["--config.sft.steps=0", "--config.rl.steps=1",
+                                                   "--config.rl.dynamic_sampling=True"])
+    assert r.returncode == 0, r.stderr[-4000:]
+    rec = next(json.loads(line) for line in open(tmp_path / "dynamic" / "metrics.jsonl") if '"rl"' in line)
+    assert 0.0 <= rec["reward/exact"] <= 1.0 and "dynamic_sampling_rounds" in rec
+
     bad = tmp_path / "bad.py"
     bad.write_text(textwrap.dedent("""
         def bad(prompts, completions, **columns):
             return [float("nan")] * len(completions)
     """))
+    # with dynamic sampling, whose rounds score the rollouts on the producer's side
     r = _run_example(tmp_path / "bad_run", cache + [f"--config.reward.functions={bad}:bad", "--config.reward.weights=",
-                                                   "--config.sft.steps=0", "--config.rl.steps=1"])
+                                                   "--config.sft.steps=0", "--config.rl.steps=1",
+                                                   "--config.rl.dynamic_sampling=True"])
     assert r.returncode == 2, r.stderr[-4000:]
     assert "reward function 'bad' returned nan for row 0 (prompt 0, sample 0:" in r.stderr
     assert "Traceback" not in r.stderr
