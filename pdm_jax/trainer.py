@@ -532,7 +532,7 @@ class Trainer:
         rec = {k: float(np.mean([float(m[k]) for m in step_metrics])) for k in step_metrics[0]}
         rewards = rows["rewards"]
         tokens = int(rows["length"].sum())
-        rec.update(
+        rec.update(function_record(rows),  # reward.functions: reward/NAME, reward_unscored
             reward=float(rewards.mean()),
             accuracy=float((rewards >= evaluation.CORRECT_SCORE).mean()),
             response_length=float(rows["length"].mean()),
@@ -543,7 +543,6 @@ class Trainer:
             sampler_restarts=float(self.sampler.restarts_total),
             sampler_stalls=float(self.sampler.stalls_total),
         )
-        rec.update(function_record(rows))  # reward.functions: reward/NAME, reward_unscored
         return rec
 
     def _write_summary(self, meta, last_eval, writer) -> dict:
