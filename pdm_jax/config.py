@@ -211,6 +211,12 @@ def get_base_config() -> ml_collections.ConfigDict:
     # The warm-start learning rate after the warm-up: "constant" | "cosine" | "linear" (both decay to 0 at the last
     # warm-start step).
     c.sft.lr_schedule = "constant"
+    # > 0: the warm start ends early, before sft.steps, once its token accuracy on its own batches, averaged over the
+    # last sft.target_window steps, reaches this; a warm start that ends on a target rather than a step count lands
+    # where seeds and machines agree (configs/tiny.py); 0 = off (unit: fraction of target tokens).
+    c.sft.target_token_accuracy = 0.0
+    # Steps averaged for sft.target_token_accuracy (unit: steps).
+    c.sft.target_window = 50
 
     # ---- RL ---------------------------------------------------------------------------
     c.rl = ml_collections.ConfigDict()
@@ -828,6 +834,9 @@ def _check_rl(config) -> None:
     for field in ("rl.learning_rate", "sft.learning_rate"):
         value = _lookup(config, field)
         _need(math.isfinite(value) and value > 0, field, value, "must be finite and > 0")
+    _need(0.0 <= config.sft.target_token_accuracy <= 1.0, "sft.target_token_accuracy",
+          config.sft.target_token_accuracy, "must be a fraction in [0, 1] (0 = off)")
+    _need(config.sft.target_window >= 1, "sft.target_window", config.sft.target_window, "must be >= 1")
     for field in ("rl.lr_schedule", "sft.lr_schedule"):
         _need(_lookup(config, field) in LR_SCHEDULES, field, _lookup(config, field), f"must be one of {LR_SCHEDULES}")
     _need(config.sft.lr_schedule == "constant" or config.sft.steps > config.sft.warmup_steps, "sft.lr_schedule",

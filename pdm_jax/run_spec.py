@@ -13,7 +13,8 @@ the trainer's side of rollouts (docs/DESIGN.md §3), beside the trainer that cal
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import NamedTuple, Sequence
 
 import ml_collections
 
@@ -25,6 +26,37 @@ from pdm_jax.rl.dapo import DapoSpec
 from pdm_jax.rollouts.spec import SamplerSpec
 
 
+@dataclasses.dataclass(frozen=True)
+class SftSpec:
+    """The supervised warm start (``sft.*``; its optimizer is ``StepConfigs.sft_optimizer``).
+
+    Attributes:
+      steps: the most warm-start optimizer steps (0 = no warm start).
+      batch_size: sequences per warm-start step.
+      target_token_accuracy: fraction in (0, 1], or 0 = off: the warm start ends early, after step n, once the mean
+        token accuracy of steps n - target_window + 1 ... n (each step's own batch, before its update) reaches it.
+      target_window: steps averaged for the target (unit: steps).
+    """
+
+    steps: int
+    batch_size: int
+    target_token_accuracy: float = 0.0
+    target_window: int = 50
+
+    @classmethod
+    def from_config(cls, sft: ml_collections.ConfigDict) -> "SftSpec":
+        """The spec of a validated config's ``sft`` section."""
+        return cls(steps=int(sft.steps), batch_size=int(sft.batch_size),
+                   target_token_accuracy=float(sft.target_token_accuracy), target_window=int(sft.target_window))
+
+    def target_reached(self, token_accuracies: Sequence[float]) -> bool:
+        """True when the target is on and the mean of the last ``target_window`` of ``token_accuracies`` (one per
+        step so far, fractions) reaches it; False before ``target_window`` steps."""
+        window = token_accuracies[-self.target_window:]
+        return (self.target_token_accuracy > 0 and len(window) == self.target_window
+                and sum(window) / len(window) >= self.target_token_accuracy)
+
+
 class RunSpec(NamedTuple):
     """The typed pieces of a validated run config (built once by :func:`run_spec`)."""
 
@@ -34,6 +66,7 @@ class RunSpec(NamedTuple):
     step: StepConfigs
     dapo: DapoSpec
     reward: RewardSpec
+    sft: SftSpec
 
 
 def dapo_spec(rl: ml_collections.ConfigDict) -> DapoSpec:
@@ -54,4 +87,5 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
     validate_config(config)
     return RunSpec(data=DataSpec.from_config(config.data), sampler=SamplerSpec.from_config(config.sampler),
                    eval=EvalSpec.from_config(config.eval), step=step_configs(config),
-                   dapo=dapo_spec(config.rl), reward=RewardSpec.from_config(config.reward))
+                   dapo=dapo_spec(config.rl), reward=RewardSpec.from_config(config.reward),
+                   sft=SftSpec.from_config(config.sft))

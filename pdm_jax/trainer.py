@@ -341,17 +341,25 @@ class Trainer:
             return
         state = self._make_state(self.params, tx)
         step_fn = self._jit_step(ts.make_sft_train_step(self.graphdef, tx), state)
-        bs = cfg.sft.batch_size
-        bar = tqdm(range(cfg.sft.steps), desc="warm start (SFT)", disable=not cfg.log.progress, **_tqdm_kwargs())
+        sft, accuracies = self.spec.sft, []
+        bar = tqdm(range(sft.steps), desc="warm start (SFT)", disable=not cfg.log.progress, **_tqdm_kwargs())
         m = {}
         for step in bar:
-            batch = sft_warmstart_batch(self.source, self.codec, step, bs, cfg.rl.max_new_tokens)
+            batch = sft_warmstart_batch(self.source, self.codec, step, sft.batch_size, cfg.rl.max_new_tokens)
             state, m = step_fn(state, self._put_batch(batch))
-            if (step + 1) % 50 == 0 or step + 1 == cfg.sft.steps:
+            if sft.target_token_accuracy > 0:
+                accuracies.append(float(m["token_accuracy"]))
+            if done := sft.target_reached(accuracies):
+                log.info("warm start: token accuracy %.4f over steps %d-%d reached sft.target_token_accuracy %.4f",
+                         np.mean(accuracies[-sft.target_window:]), step + 2 - sft.target_window, step + 1,
+                         sft.target_token_accuracy)
+            if (step + 1) % 50 == 0 or step + 1 == sft.steps or done:
                 m = jax.device_get(m)
                 bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{float(m['token_accuracy']):.3f}",
                                 refresh=False)
                 writer.write(step + 1, "sft", m)
+            if done:
+                break
         self.params = state.params
 
     def _make_rollouts(self, position: int, step: int, round_: int = 0):

@@ -9,7 +9,7 @@ from pdm_jax.config import get_base_config, step_configs, validate_against_data
 from pdm_jax.data import DataSpec
 from pdm_jax.evaluation import EvalSpec
 from pdm_jax.rollouts.spec import SamplerSpec
-from pdm_jax.run_spec import RunSpec, run_spec
+from pdm_jax.run_spec import RunSpec, SftSpec, run_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +29,21 @@ def test_run_spec_is_each_piece_read_from_the_validated_config():
     assert dataclasses.replace(got.data, seed=7).seed == 7  # frozen, changed by replace only
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.data.seed = 7
+
+
+def test_the_warm_start_target_is_the_mean_of_its_last_window():
+    spec = SftSpec(steps=100, batch_size=8, target_token_accuracy=0.9, target_window=3)
+    assert not spec.target_reached([0.95, 0.95])  # fewer steps than the window
+    assert not spec.target_reached([0.95, 0.95, 0.79])  # mean 0.8967
+    assert spec.target_reached([0.5, 0.95, 0.95, 0.8])  # the last 3: mean 0.9 exactly
+    assert not SftSpec(steps=100, batch_size=8).target_reached([1.0] * 60)  # 0 = off
+    c = _tiny()
+    c.sft.target_token_accuracy, c.sft.target_window = 0.9, 20
+    assert run_spec(c).sft == SftSpec(steps=c.sft.steps, batch_size=c.sft.batch_size, target_token_accuracy=0.9,
+                                      target_window=20)
+    c.sft.target_token_accuracy = 1.5
+    with pytest.raises(ValueError, match=r"sft.target_token_accuracy = 1.5: must be a fraction in \[0, 1\]"):
+        run_spec(c)
 
 
 def test_a_bad_config_is_named_before_any_piece_is_built():
