@@ -15,7 +15,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from pdm_jax import workdir as wd
+from pdm_jax import evaluation, workdir as wd
+from pdm_jax.rewards import function_record
 
 log = logging.getLogger(__name__)
 
@@ -398,3 +399,32 @@ def plot_curves(records: Iterable[dict], out_png: str, config=None) -> None:
     fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
     wd.write_bytes(out_png, buf.getvalue())  # whole or not at all; a full disk: RunWriteError naming the file
+
+
+def rl_step_record(step_metrics: list, rows: Mapping, *, learning_rate: float, version: int, gen_seconds: float,
+                   sampler_restarts: int, sampler_stalls: int) -> dict:
+    """The ``rl`` record of one RL step (docs/metrics.md): the optimizer steps' metrics averaged, then the rollouts'.
+
+    Args:
+      step_metrics: one dict of scalar metrics per optimizer step of the RL step (their keys all alike).
+      rows: the step's rows, all N of them: ``rewards`` [N] float, completion ``length`` [N] int (tokens),
+        ``weights_version`` [N] int, and with ``reward.functions`` the per-function values
+        (`pdm_jax.rewards.function_record`).
+      learning_rate: the learning rate of the step's last optimizer step.
+      version: the weights version the step produced (its rollouts' lag is ``version - 1 - weights_version``).
+      gen_seconds: seconds the sampler took to generate the rows.
+      sampler_restarts, sampler_stalls: the run's counts so far.
+    """
+    rec = {k: float(np.mean([float(m[k]) for m in step_metrics])) for k in step_metrics[0]}
+    rewards = rows["rewards"]
+    rec.update(function_record(rows),  # reward.functions: reward/NAME, reward_unscored
+               reward=float(rewards.mean()),
+               accuracy=float((rewards >= evaluation.CORRECT_SCORE).mean()),
+               response_length=float(rows["length"].mean()),
+               frac_masked_first_minibatch=float(step_metrics[0]["frac_masked"]),
+               learning_rate=float(learning_rate),
+               sampler_tokens_per_second=int(rows["length"].sum()) / max(gen_seconds, 1e-9),
+               staleness=float(np.mean(version - 1 - rows["weights_version"])),
+               sampler_restarts=float(sampler_restarts),
+               sampler_stalls=float(sampler_stalls))
+    return rec

@@ -45,11 +45,11 @@ from pdm_jax.config import (check_context, check_routing_replay_model, check_sam
                             rollout_temperature, validate_against_data)
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch, with_packing
-from pdm_jax.metrics import MetricsWriter, plot_curves, read_metrics, read_summary, run_summary, sampler_weights_format
+from pdm_jax.metrics import MetricsWriter, plot_curves, rl_step_record, read_metrics, read_summary, run_summary, sampler_weights_format
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
                                enable_compile_cache, resolve_compile_cache_dir, step_timing)
-from pdm_jax.rewards import function_record, score_batch, with_reward_functions
+from pdm_jax.rewards import score_batch, with_reward_functions
 from pdm_jax.rl import dapo, objectives, train_step as ts
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.rollout import round_up
@@ -61,6 +61,7 @@ from pdm_jax.run_spec import run_spec
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
 from pdm_jax.text import TextCodec, checkpoint_stop_ids, run_tokenizer, sft_warmstart_batch
+from pdm_jax.warm_start import run_warm_start
 from pdm_jax.workdir import WorkdirLock
 
 __all__ = ["SamplerFailure", "Trainer", "TrainerCallback"]
@@ -335,31 +336,16 @@ class Trainer:
         self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta), extra_files=extra)
 
     def _run_sft(self, tx, writer) -> None:
-        """Supervised warm start on the task's reference answers (config.sft); updates self.params."""
-        cfg = self.config
-        if cfg.sft.steps == 0:
+        """Supervised warm start on the task's reference answers (`pdm_jax.warm_start`); updates self.params."""
+        sft = self.spec.sft
+        if sft.steps == 0:
             return
         state = self._make_state(self.params, tx)
         step_fn = self._jit_step(ts.make_sft_train_step(self.graphdef, tx), state)
-        sft, accuracies = self.spec.sft, []
-        bar = tqdm(range(sft.steps), desc="warm start (SFT)", disable=not cfg.log.progress, **_tqdm_kwargs())
-        m = {}
-        for step in bar:
-            batch = sft_warmstart_batch(self.source, self.codec, step, sft.batch_size, cfg.rl.max_new_tokens)
-            state, m = step_fn(state, self._put_batch(batch))
-            if sft.target_token_accuracy > 0:
-                accuracies.append(float(m["token_accuracy"]))
-            if done := sft.target_reached(accuracies):
-                log.info("warm start: token accuracy %.4f over steps %d-%d reached sft.target_token_accuracy %.4f",
-                         np.mean(accuracies[-sft.target_window:]), step + 2 - sft.target_window, step + 1,
-                         sft.target_token_accuracy)
-            if (step + 1) % 50 == 0 or step + 1 == sft.steps or done:
-                m = jax.device_get(m)
-                bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{float(m['token_accuracy']):.3f}",
-                                refresh=False)
-                writer.write(step + 1, "sft", m)
-            if done:
-                break
+        batch_at = lambda step: self._put_batch(sft_warmstart_batch(  # noqa: E731
+            self.source, self.codec, step, sft.batch_size, self.config.rl.max_new_tokens))
+        state, _ = run_warm_start(sft, step_fn, state, batch_at, writer, disable=not self.config.log.progress,
+                                  **_tqdm_kwargs())
         self.params = state.params
 
     def _make_rollouts(self, position: int, step: int, round_: int = 0):
@@ -518,7 +504,9 @@ class Trainer:
                     **dapo.record_rows(rb, self.spec.dapo), **reward_rows)
         if self.per_host:  # every process's rows and the slowest process's generation time (collectives)
             rows, gen_seconds = per_host.gather_rows(rows, self.mesh), per_host.gather_max(gen_seconds)
-        rec = self._rl_record(step_metrics, rows, run["state"], schedule, version, gen_seconds)
+        rec = rl_step_record(step_metrics, rows, learning_rate=float(schedule(int(run["state"].step) - 1)),
+                             version=version, gen_seconds=gen_seconds, sampler_restarts=self.sampler.restarts_total,
+                             sampler_stalls=self.sampler.stalls_total)
         rec.update(dapo.step_record(rows, self.spec.dapo, draw and draw.counts))
         if (step + 1) % self.spec.eval.every_steps == 0 or step + 1 == rl.steps:
             with timer.phase("eval"):
@@ -531,26 +519,6 @@ class Trainer:
         rec.update(step_timing(timer.record(), self.sampler.last_sync_seconds, gen_seconds))
         rec.update(compile_record(self.compile_counter.snapshot(), self.sampler.sampler_compile_stats))
         writer.write(step + 1, "rl", rec)
-        return rec
-
-    def _rl_record(self, step_metrics, rows, state, schedule, version, gen_seconds) -> dict:
-        """The ``rl`` record of one step: metrics averaged over its optimizer steps, rewards, sampler state.
-
-        ``rows``: the step's ``rewards``, completion ``length`` and ``weights_version`` per row, all N rows."""
-        rec = {k: float(np.mean([float(m[k]) for m in step_metrics])) for k in step_metrics[0]}
-        rewards = rows["rewards"]
-        tokens = int(rows["length"].sum())
-        rec.update(function_record(rows),  # reward.functions: reward/NAME, reward_unscored
-            reward=float(rewards.mean()),
-            accuracy=float((rewards >= evaluation.CORRECT_SCORE).mean()),
-            response_length=float(rows["length"].mean()),
-            frac_masked_first_minibatch=float(step_metrics[0]["frac_masked"]),
-            learning_rate=float(schedule(int(state.step) - 1)),
-            sampler_tokens_per_second=tokens / max(gen_seconds, 1e-9),
-            staleness=float(np.mean(version - 1 - rows["weights_version"])),
-            sampler_restarts=float(self.sampler.restarts_total),
-            sampler_stalls=float(self.sampler.stalls_total),
-        )
         return rec
 
     def _write_summary(self, meta, last_eval, writer) -> dict:

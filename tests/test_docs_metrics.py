@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdm_jax import evaluation, metrics, profiling, rewards, trainer
+from pdm_jax import evaluation, metrics, profiling, rewards
 from pdm_jax.rl import dapo, loss, train_step
 from pdm_jax.rl import trust_region as tr
 from pdm_jax.config import get_base_config
@@ -83,7 +83,7 @@ def rl_step_metric_keys() -> set:
 @pytest.mark.slow
 def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
     section = glossary()
-    rl_fields = rl_step_metric_keys() | dict_keys_in(trainer.Trainer._rl_record) \
+    rl_fields = rl_step_metric_keys() | dict_keys_in(metrics.rl_step_record) \
         | dict_keys_in(profiling.step_timing) | dict_keys_in(profiling.compile_record) \
         | set(profiling.PhaseTimer(profiling.STEP_PHASES).record()) - {"time_step"} \
         | dict_keys_in(train_step._with_router_aux) \

@@ -91,7 +91,7 @@ LAYERS = (
     ("pdm_jax.rl",),
     ("pdm_jax.distributed", "pdm_jax.per_host", "pdm_jax.checkpointing", "pdm_jax.workdir", "pdm_jax.metrics",
      "pdm_jax.profiling", "pdm_jax.data", "pdm_jax.text", "pdm_jax.evaluation", "pdm_jax.host_memory", "pdm_jax.aot",
-     "pdm_jax.rewards"),
+     "pdm_jax.rewards", "pdm_jax.warm_start"),
     ("pdm_jax.sampler",),
     ("pdm_jax.config", "pdm_jax.config_reference"),
     ("pdm_jax.rollouts", "pdm_jax.callbacks"),
