@@ -23,12 +23,13 @@ tiny job (700 SFT / 300 RL steps) per grid point instead.
 def get_sweep(arg=None):
     """Returns the sweep dict read by launch/sweep.py (see its module docstring)."""
     if arg == "full":
-        fixed = "rl.num_iterations=2,staleness=1"
+        fixed = "rl.num_iterations=2,staleness=1,model.num_hidden_layers=3,sft.steps=700,sft.target_token_accuracy=0.0"
         flags = {}
     else:
         fixed = ("sft.steps=300,steps=40,rl.prompts_per_step=16,rl.num_minibatches=2,rl.num_iterations=2,"
                  "staleness=1,eval.every_steps=20,eval.num_prompts=200,checkpoint.every_steps=20,"
-                 "log.tensorboard=False,log.progress=False")
+                 "log.tensorboard=False,log.progress=False,"
+                 "model.num_hidden_layers=3,sft.target_token_accuracy=0.0")  # the sweep's tiny model (3 layers)
         flags = {"sampler.mode": "in_process"}
     return dict(
         config="configs/tiny.py",
