@@ -59,6 +59,7 @@ import csv
 import gzip
 import hashlib
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -66,11 +67,13 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from typing import Iterable, Optional
 
 import numpy as np
@@ -308,10 +311,14 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores{flags}, {platform.system()} {platform.release()}"
 
 
-def _run_one(cmd: list[str], workdir: str, env: dict, timeout_s: Optional[float], code_dir: str) -> int:
+def _run_one(cmd: list[str], workdir: str, env: dict, timeout_s: Optional[float], code_dir: str,
+             warmstart_sha256: Optional[str] = None) -> int:
+    line = dict(command=cmd, code_dir=code_dir, code_version=code_version(code_dir),
+                started=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine())
+    if warmstart_sha256:  # the shared warm start the run resumes from, by content (`warmstart_digest`)
+        line["warmstart_sha256"] = warmstart_sha256
     with open(os.path.join(workdir, "sweep_run.json"), "a") as f:
-        f.write(json.dumps(dict(command=cmd, code_dir=code_dir, code_version=code_version(code_dir),
-                                started=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine())) + "\n")
+        f.write(json.dumps(line) + "\n")
     with open(os.path.join(workdir, "train.log"), "a") as f:
         try:
             return subprocess.run(cmd, cwd=code_dir, env=env, stdout=f, stderr=subprocess.STDOUT,
@@ -403,7 +410,7 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
         lambda cmd, wd: _run_one(cmd, wd, env, timeout_s, code_dir), python, log)
     if records:
         restore_records(runs, out, records, warm_dirs, log=log)
-    results = []
+    results, digests = [], {}
     for i, run in enumerate(runs):
         wd = os.path.join(out, run["name"])
         if os.path.exists(os.path.join(wd, "summary.json")):
@@ -424,7 +431,9 @@ def run_local(runs: Iterable[dict], out: str, *, python: str = sys.executable, c
         cmd = train_command(run, wd, python=python)
         log(f"[{i + 1}/{len(runs)}] {run['name']}: {shlex.join(cmd)}")
         t0 = time.time()
-        rc = _run_one(cmd, wd, env, timeout_s, code_dir)
+        if warm is not None and warm not in digests:
+            digests[warm] = warmstart_digest(warm)
+        rc = _run_one(cmd, wd, env, timeout_s, code_dir, digests.get(warm))
         dt = time.time() - t0
         log(f"    -> rc={rc} in {dt:.0f}s")
         if records and rc == 0:
@@ -456,11 +465,19 @@ def check_records_dir(records: str) -> None:
 
 
 def _read_record(path: str) -> dict:
-    """The ``{file name: text}`` of a record; ValueError naming `path` if it is not one (`save_record`)."""
+    """The ``{file name: text}`` of a record; ValueError naming `path` if it is not one (`save_record`).
+
+    Read to gzip's trailer (its CRC-32 checks every byte: a flipped byte is refused, not read as other figures) and
+    at most `MAX_RECORD_BYTES` inflated (a gzip bomb is refused before it fills memory)."""
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            files = json.load(f)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        with gzip.open(path, "rb") as gz:
+            reader, chunks = _CappedReader(gz, MAX_RECORD_BYTES, f"run record {path}"), []
+            for block in iter(lambda: reader.read(1 << 20), b""):  # to gzip's trailer: its CRC-32 checks every byte
+                chunks.append(block)
+        files = json.loads(b"".join(chunks).decode("utf-8"))
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, RecursionError, ValueError) as e:
+        if str(e).startswith(f"run record {path}:"):  # inflates beyond MAX_RECORD_BYTES
+            raise
         raise ValueError(f"run record {path}: not a gzip-compressed JSON record ({type(e).__name__}: {e})") from e
     if not isinstance(files, dict) or "summary.json" not in files or set(files) - set(RECORD_FILES):
         raise ValueError(f"run record {path}: expected a JSON object of {RECORD_FILES} texts with a summary.json, "
@@ -519,10 +536,71 @@ def save_record(workdir: str, records: str) -> Optional[str]:
 #: What a warm start's archive leaves out: logs, curves and the sampler's weight copies (``weights/``, which the
 #: trainer writes again when a run resumes from the checkpoint).
 _WARMSTART_SKIP = ("curves.png", "train.log", "tensorboard", "weights")
+#: The first member of a warm-start archive: ``{"format", "files": {relative path: {"size", "sha256"}}}`` of every
+#: other file in it (`save_warmstart`), checked member by member when it is restored (`restore_warmstart`).
+WARMSTART_MANIFEST = ".warmstart_manifest.json"
+_MANIFEST_FORMAT = "pdm_jax.warmstart/1"
+#: A record inflates to at most this many bytes (records are tens to hundreds of kB; a gzip bomb is refused).
+MAX_RECORD_BYTES = 64 << 20
+#: A warm-start archive inflates to at most this many bytes plus `WARMSTART_INFLATION` times its own size
+#: (checkpoints hold float weights, which gzip barely shrinks; a gzip bomb inflates a thousandfold).
+MAX_WARMSTART_BASE_BYTES = 64 << 20
+WARMSTART_INFLATION = 16
 
 
 def _warmstart_archive(records: str, tag: str) -> str:
     return os.path.join(records, "_warmstart", tag + ".tar.gz")
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _warmstart_files(workdir: str) -> dict:
+    """``{relative path: {"size", "sha256"}}`` of the files of `workdir` a warm-start archive keeps (`save_warmstart`:
+    the latest checkpoint only, no `_WARMSTART_SKIP`), in sorted order.
+
+    Raises:
+      ValueError: `workdir` holds a link or special file among them (names it).
+    """
+    ckpt = os.path.join(workdir, "checkpoints")
+    entries = os.listdir(ckpt) if os.path.isdir(ckpt) and not os.path.islink(ckpt) else []
+    steps = sorted(int(n) for n in entries if n.isascii() and n.isdigit())
+    latest = str(steps[-1]) if steps else None
+    skip = {os.path.join("checkpoints", n) for n in entries if n != latest and os.path.isdir(os.path.join(ckpt, n))}
+    out = {}
+
+    def walk(rel: str) -> None:
+        for name in sorted(os.listdir(os.path.join(workdir, rel))):
+            sub = os.path.join(rel, name) if rel else name
+            if (not rel and name in _WARMSTART_SKIP) or sub in skip:
+                continue
+            st = os.lstat(os.path.join(workdir, sub))
+            if stat.S_ISDIR(st.st_mode):
+                walk(sub)
+            elif stat.S_ISREG(st.st_mode):
+                out[sub] = dict(size=st.st_size, sha256=_sha256_file(os.path.join(workdir, sub)))
+            else:
+                raise ValueError(f"warm start {workdir}: {sub} is a link or special file; not archived")
+
+    walk("")
+    return out
+
+
+def warmstart_digest(workdir: str) -> str:
+    """The identity of a warm start by content: the sha256 of the sorted ``relative path, sha256`` pairs of the files
+    its archive keeps (`_warmstart_files`). The same for the directory a warm start was run in and for the one
+    `restore_warmstart` unpacks from its archive; two warm starts of equal accuracy but other weights differ.
+
+    Raises:
+      ValueError: as `_warmstart_files`.
+    """
+    files = _warmstart_files(workdir)
+    return hashlib.sha256("".join(f"{rel}\0{v['sha256']}\n" for rel, v in files.items()).encode()).hexdigest()
 
 
 def save_warmstart(workdir: str, records: str, tag: str) -> str:
@@ -532,52 +610,128 @@ def save_warmstart(workdir: str, records: str, tag: str) -> str:
     run's own files; leaves out `_WARMSTART_SKIP`. The runs of a sweep carried across machines must start from one
     warm start: a second machine's supervised phase need not give the same weights (XLA:CPU compiles for the
     host's instruction set), so the archive is committed beside the run records and restored
-    (`restore_warmstart`) instead of rebuilt. A few MB for the tiny configs. Written atomically.
+    (`restore_warmstart`) instead of rebuilt. A few MB for the tiny configs. Written atomically. Its first
+    member, `WARMSTART_MANIFEST`, holds the size and sha256 of every other file, which `restore_warmstart` checks.
 
     Raises:
       ValueError: `workdir` has no summary.json (an unfinished warm start) or holds a link or special file.
     """
     if not os.path.exists(os.path.join(workdir, "summary.json")):
         raise ValueError(f"warm start {workdir}: no summary.json, so it is not finished; not archived")
-    ckpt = os.path.join(workdir, "checkpoints")
-    entries = os.listdir(ckpt) if os.path.isdir(ckpt) else []
-    steps = sorted(int(n) for n in entries if n.isascii() and n.isdigit())
-    latest = str(steps[-1]) if steps else None
-    old = {os.path.join("checkpoints", n) for n in entries if n != latest and os.path.isdir(os.path.join(ckpt, n))}
+    files = _warmstart_files(workdir)
     dest = _warmstart_archive(records, tag)
     check_records_dir(records)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
+    manifest = json.dumps(dict(format=_MANIFEST_FORMAT, files=files), sort_keys=True).encode()
+    dirs = sorted({os.path.dirname(rel) for rel in files} - {""})
+    dirs = sorted({os.sep.join(d.split(os.sep)[:i + 1]) for d in dirs for i in range(len(d.split(os.sep)))})
 
-    def keep(info: tarfile.TarInfo):
-        parts = os.path.normpath(info.name).split(os.sep)
-        if parts[0] in _WARMSTART_SKIP or os.sep.join(parts[:2]) in old:
-            return None
-        if not (info.isfile() or info.isdir()):
-            raise ValueError(f"warm start {workdir}: {info.name} is a link or special file; not archived")
-        info.uid = info.gid = 0
-        info.uname = info.gname = ""
-        info.mtime = 0
+    def info_of(name: str, size: int = 0, is_dir: bool = False) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.uid, info.gid, info.uname, info.gname = size, 0, 0, 0, "", ""
+        info.type, info.mode = (tarfile.DIRTYPE, 0o755) if is_dir else (tarfile.REGTYPE, 0o644)
         return info
 
     def write(tmp):
         with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, \
-                tarfile.open(fileobj=gz, mode="w") as tar:
-            for name in sorted(os.listdir(workdir)):
-                tar.add(os.path.join(workdir, name), arcname=name, filter=keep)
+                tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            tar.addfile(info_of(WARMSTART_MANIFEST, len(manifest)), io.BytesIO(manifest))
+            for d in dirs:
+                tar.addfile(info_of(d, is_dir=True))
+            for rel, meta in files.items():
+                with open(os.path.join(workdir, rel), "rb") as f:
+                    tar.addfile(info_of(rel, meta["size"]), f)
 
     _write_atomically(dest, write)
     return dest
 
 
+class _CappedReader:
+    """A binary reader over `raw` that raises ValueError naming `what` once more than `cap` bytes were read."""
+
+    def __init__(self, raw, cap: int, what: str):
+        self.raw, self.cap, self.what, self.n = raw, int(cap), what, 0
+
+    def read(self, size: int = -1) -> bytes:
+        room = self.cap + 1 - self.n  # one byte past the cap tells an over-long stream from one of exactly `cap`
+        data = self.raw.read(room if size is None or size < 0 else min(size, room))
+        self.n += len(data)
+        if self.n > self.cap:
+            raise ValueError(f"{self.what}: inflates to more than {self.cap} bytes (a gzip bomb?); refused")
+        return data
+
+
+def _member_path(root: str, name: str, src: str) -> str:
+    """Where archive member `name` goes under `root`; ValueError naming `src` for an absolute path or ``..``."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in ("..",) \
+            or "\\" in name or "\0" in name:
+        raise ValueError(f"warm-start archive {src}: member {name!r} leaves its directory; refused")
+    return os.path.join(root, *[p for p in parts if p not in ("", ".")])
+
+
+def _unpack_verified(src: str, dest: str) -> None:
+    """Unpacks the warm-start archive `src` into the empty directory `dest`, checking every byte (module docs of
+    `restore_warmstart`). Raises ValueError naming `src`."""
+    cap = MAX_WARMSTART_BASE_BYTES + WARMSTART_INFLATION * os.path.getsize(src)
+    manifest, got = None, {}
+    try:
+        with open(src, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+            reader = _CappedReader(gz, cap, f"warm-start archive {src}")
+            with tarfile.open(fileobj=reader, mode="r|") as tar:
+                for i, member in enumerate(tar):
+                    name = member.name.rstrip("/") if member.isdir() else member.name
+                    if not (member.isfile() or member.isdir()):
+                        raise ValueError(f"warm-start archive {src}: {member.name} is a link or special file; refused")
+                    if name in got or name == WARMSTART_MANIFEST and i:
+                        raise ValueError(f"warm-start archive {src}: member {name!r} appears twice; refused")
+                    if member.isdir():
+                        os.makedirs(_member_path(dest, name, src), exist_ok=True)
+                        continue
+                    f = tar.extractfile(member)
+                    if name == WARMSTART_MANIFEST:
+                        manifest = json.loads(f.read(MAX_RECORD_BYTES + 1).decode("utf-8"))
+                        continue
+                    path = _member_path(dest, name, src)
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    h = hashlib.sha256()
+                    with open(path, "xb") as out:
+                        for block in iter(lambda: f.read(1 << 20), b""):
+                            h.update(block)
+                            out.write(block)
+                    got[name] = dict(size=member.size, sha256=h.hexdigest())
+            while reader.read(1 << 20):  # to gzip's trailer: its CRC-32 and length check every byte read
+                pass
+    except ValueError as e:
+        if str(e).startswith(f"warm-start archive {src}:"):
+            raise
+        raise ValueError(f"warm-start archive {src}: cannot be unpacked ({type(e).__name__}: {e})") from e
+    except (OSError, EOFError, zlib.error, tarfile.TarError, UnicodeDecodeError) as e:
+        raise ValueError(f"warm-start archive {src}: cannot be unpacked ({type(e).__name__}: {e})") from e
+    if manifest is None:  # an archive written before manifests: gzip's CRC above is its check
+        return
+    want = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(want, dict) or manifest.get("format") != _MANIFEST_FORMAT:
+        raise ValueError(f"warm-start archive {src}: its {WARMSTART_MANIFEST} is not a {_MANIFEST_FORMAT} manifest")
+    bad = sorted(set(want) ^ set(got)) + sorted(n for n in set(want) & set(got) if want[n] != got[n])
+    if bad:
+        raise ValueError(f"warm-start archive {src}: {len(bad)} member(s) differ from its manifest (missing, extra "
+                         f"or another sha256), e.g. {bad[:3]}; refused")
+
+
 def restore_warmstart(workdir: str, records: str, tag: str) -> bool:
     """Unpacks ``<records>/_warmstart/<tag>.tar.gz`` (`save_warmstart`) as `workdir`; False if there is none.
 
-    The archive is unpacked beside `workdir` and moved into place only once complete, so a failure leaves no
-    half warm start that a later call would take for a finished one. Extraction refuses links, devices and paths
-    outside the directory (tarfile's ``data`` filter).
+    Every byte is checked before the warm start is used: each member's sha256 and size against the archive's
+    `WARMSTART_MANIFEST`, and the whole stream against gzip's CRC-32 trailer (which `tarfile` alone never reads).
+    The archive is unpacked beside `workdir` and moved into place only once complete and verified, so a failure
+    leaves nothing behind, neither a corrupted file nor a half warm start that a later call would take for a
+    finished one. Members that are links, devices or paths leaving the directory are refused, and the archive
+    inflates to at most ``MAX_WARMSTART_BASE_BYTES + WARMSTART_INFLATION x`` its size (a gzip bomb is refused).
 
     Raises:
-      ValueError: the archive cannot be read or unpacked (names it), or holds no summary.json.
+      ValueError: naming the archive: it cannot be read or unpacked, a member is corrupted (its sha256 or gzip's
+        CRC differs), a link or outside path, it inflates beyond the bound, or it holds no summary.json.
     """
     src = _warmstart_archive(records, tag)
     if not os.path.exists(src):
@@ -586,11 +740,7 @@ def restore_warmstart(workdir: str, records: str, tag: str) -> bool:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".restoring_", dir=parent)
     try:
-        try:
-            with tarfile.open(src, "r:gz") as tar:
-                tar.extractall(tmp, filter="data")
-        except (OSError, EOFError, tarfile.TarError) as e:
-            raise ValueError(f"warm-start archive {src}: cannot be unpacked ({type(e).__name__}: {e})") from e
+        _unpack_verified(src, tmp)
         if not os.path.exists(os.path.join(tmp, "summary.json")):
             raise ValueError(f"warm-start archive {src}: holds no summary.json")
         if os.path.isdir(workdir) and not os.listdir(workdir):
@@ -602,23 +752,39 @@ def restore_warmstart(workdir: str, records: str, tag: str) -> bool:
     return True
 
 
+def _record_warmstarts(files: dict) -> set:
+    """The ``warmstart_sha256`` values (`warmstart_digest`) a record's ``sweep_run.json`` lines name."""
+    out = set()
+    for line in files.get("sweep_run.json", "").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("warmstart_sha256"):
+            out.add(str(entry["warmstart_sha256"]))
+    return out
+
+
 def restore_records(runs: Iterable[dict], out: str, records: str, warmstart: Optional[dict] = None,
                     log=print) -> list[str]:
     """Unpacks ``<records>/<name>.json.gz`` into ``<out>/<name>/`` for each run without a ``summary.json`` there.
 
     The sweep then skips those runs and the tables read them like runs of this machine (a record's files replace
     an interrupted run's; `RECORD_FILES` the record lacks are removed). warmstart:
-    ``{run name: warm-start workdir}`` (`run_local`); a record whose ``warmstart_accuracy`` differs from its
-    warm start's raises ValueError naming the run and both values, since its paired differences would mix two
-    warm starts. Logs how many records there are and how many were restored; returns the names restored.
+    ``{run name: warm-start workdir}`` (`run_local`): a record must come from that warm start, since its paired
+    differences would otherwise mix two warm starts. It is identified by content: the ``warmstart_sha256``
+    (`warmstart_digest`) its ``sweep_run.json`` names must be the warm start's. A record that names none (written
+    by a sweep that did not record it) is checked by its ``warmstart_accuracy`` alone, and the log counts those.
+    Logs how many records there are and how many were restored; returns the names restored.
 
     Raises:
       ValueError: `records` is a file; a record is not a JSON object of `RECORD_FILES` texts holding a
-        ``summary.json`` object (`save_record`), or its warm-start accuracy differs from this sweep's warm start.
+        ``summary.json`` object (`save_record`), is corrupted or inflates beyond `MAX_RECORD_BYTES` (names the
+        file); it names another warm start's digest, or, naming none, its warm-start accuracy differs.
     """
     check_records_dir(records)
     runs = list(runs)
-    restored, found = [], 0
+    restored, found, by_accuracy, digests = [], 0, 0, {}
     for run in runs:
         path = os.path.join(records, run["name"] + ".json.gz")
         wd = os.path.join(out, run["name"])
@@ -630,12 +796,24 @@ def restore_records(runs: Iterable[dict], out: str, records: str, warmstart: Opt
         files = _read_record(path)
         warm = (warmstart or {}).get(run["name"])
         if warm is not None and os.path.exists(os.path.join(warm, "summary.json")):
-            with open(os.path.join(warm, "summary.json")) as f:
-                want = json.load(f).get("warmstart_accuracy")
-            got = json.loads(files["summary.json"]).get("warmstart_accuracy")
-            if want is not None and got != want:
-                raise ValueError(f"run record {path}: warmstart_accuracy {got!r}, but this sweep's warm start {warm} "
-                                 f"has {want!r}: the record comes from another warm start and cannot be paired")
+            named = _record_warmstarts(files)
+            if named:
+                if warm not in digests:
+                    digests[warm] = warmstart_digest(warm)
+                if named != {digests[warm]}:
+                    raise ValueError(f"run record {path}: made from the warm start with sha256 "
+                                     f"{', '.join(sorted(named))}, but this sweep's warm start {warm} has "
+                                     f"{digests[warm]}: the record comes from another warm start and cannot be "
+                                     f"paired")
+            else:
+                by_accuracy += 1
+                with open(os.path.join(warm, "summary.json")) as f:
+                    want = json.load(f).get("warmstart_accuracy")
+                got = json.loads(files["summary.json"]).get("warmstart_accuracy")
+                if want is not None and got != want:
+                    raise ValueError(f"run record {path}: warmstart_accuracy {got!r}, but this sweep's warm start "
+                                     f"{warm} has {want!r}: the record comes from another warm start and cannot be "
+                                     f"paired")
         os.makedirs(wd, exist_ok=True)
         for name in RECORD_FILES:
             target = os.path.join(wd, name)
@@ -649,7 +827,9 @@ def restore_records(runs: Iterable[dict], out: str, records: str, warmstart: Opt
         with open(os.path.join(wd, "summary.json"), "w", encoding="utf-8") as f:
             f.write(files["summary.json"])
         restored.append(run["name"])
-    log(f"run records in {records}: {found} of the {len(runs)} runs, {len(restored)} restored")
+    note = (f" ({by_accuracy} name no warm-start digest: checked by their warm-start accuracy only)"
+            if by_accuracy else "")
+    log(f"run records in {records}: {found} of the {len(runs)} runs, {len(restored)} restored{note}")
     return restored
 
 
@@ -1187,18 +1367,22 @@ def main(argv=None) -> int:
                 cmd = train_command(r, wd)
             print(shlex.join(cmd))
         return 0
-    if not args.aggregate_only:
-        res = run_local(runs, args.out, compile_cache=args.compile_cache or os.path.join(args.out, ".xla_cache"),
-                        timeout_s=args.timeout_s, code_dir=args.code_dir, grid=grid, records=args.records,
-                        share_warmstart_by=None if args.no_shared_warmstart else sweep["share_warmstart_by"])
-        failed = [r["name"] for r in res if r["returncode"] != 0]
-        if failed:
-            print(f"{len(failed)} run(s) failed: {failed}", file=sys.stderr)
-    elif args.records:
-        check_records_dir(args.records)
-        restore_records(runs, args.out, args.records)
-        for r in runs:
-            save_record(os.path.join(args.out, r["name"]), args.records)
+    try:  # a bad record or warm-start archive (named by its ValueError): one line and exit 2, no traceback
+        if not args.aggregate_only:
+            res = run_local(runs, args.out, compile_cache=args.compile_cache or os.path.join(args.out, ".xla_cache"),
+                            timeout_s=args.timeout_s, code_dir=args.code_dir, grid=grid, records=args.records,
+                            share_warmstart_by=None if args.no_shared_warmstart else sweep["share_warmstart_by"])
+            failed = [r["name"] for r in res if r["returncode"] != 0]
+            if failed:
+                print(f"{len(failed)} run(s) failed: {failed}", file=sys.stderr)
+        elif args.records:
+            check_records_dir(args.records)
+            restore_records(runs, args.out, args.records)
+            for r in runs:
+                save_record(os.path.join(args.out, r["name"]), args.records)
+    except ValueError as e:
+        print(f"sweep.py: {e}", file=sys.stderr)
+        return 2
     with _reading_once():
         table = aggregate(runs, args.out, collapse_margin=float(sweep["collapse_margin"]),
                           paired_baseline=sweep["paired_baseline"], paired_change=sweep["paired_change"],

@@ -1,5 +1,6 @@
 """launch/: sweep expansion, local runner (shared warm start), table aggregation, tpu_pod.sh --dry-run."""
 
+import contextlib
 import gzip
 import importlib.util
 import json
@@ -68,7 +69,7 @@ def test_criterion_axis_selects_the_trust_region_direction_criteria():
     assert (c.trust_region.mask, c.trust_region.direction) == ("pdm", "param_jvp")
 
 
-def _recording_fake(tmp_path, warm_accuracy=0.1):
+def _recording_fake(tmp_path, warm_accuracy=0.1, weights=""):
     """A fake `python -m pdm_jax.train --config=SPEC --workdir=DIR ...` for run_local: records each call's SPEC in
     DIR/calls.txt (preceded by "resumed" when DIR holds a warm start) and in all_calls.txt beside the script, its
     cwd and PYTHONPATH, and writes two checkpoints, a weights copy, metrics.jsonl and summary.json."""
@@ -82,6 +83,7 @@ def _recording_fake(tmp_path, warm_accuracy=0.1):
         "pwd > \"$wd/cwd.txt\"; echo \"$PYTHONPATH\" > \"$wd/pp.txt\"\n"
         "mkdir -p \"$wd/checkpoints/1\" \"$wd/checkpoints/2\" \"$wd/weights/v000000\"\n"
         "touch \"$wd/checkpoints/1/state\" \"$wd/checkpoints/2/state\" \"$wd/weights/v000000/params\"\n"
+        + (f"echo {weights} > \"$wd/checkpoints/2/state\"\n" if weights else "") +
         "echo '{\"phase\": \"rl\", \"step\": 1, \"reward\": 0.5}' > \"$wd/metrics.jsonl\"\n"
         f"echo '{{\"warmstart_accuracy\": {warm_accuracy}, \"final_accuracy\": 0.2, \"steps\": 1}}' "
         "> \"$wd/summary.json\"\n")
@@ -757,9 +759,9 @@ def test_run_records_carry_a_sweep_across_machines(tmp_path):
                     records=records, log=lambda *_: None)
     assert sorted(os.listdir(records)) == ["_warmstart"] + sorted(r["name"] + ".json.gz" for r in runs[:2])
     with tarfile.open(os.path.join(records, "_warmstart", "all.tar.gz")) as tar:  # the latest checkpoint only
-        assert sorted(tar.getnames()) == ["calls.txt", "checkpoints", "checkpoints/2", "checkpoints/2/state",
-                                          "cwd.txt", "metrics.jsonl", "pp.txt", "summary.json", "sweep_run.json",
-                                          "warm.txt"]
+        assert sorted(tar.getnames()) == [".warmstart_manifest.json", "calls.txt", "checkpoints", "checkpoints/2",
+                                          "checkpoints/2/state", "cwd.txt", "metrics.jsonl", "pp.txt", "summary.json",
+                                          "sweep_run.json", "warm.txt"]
     calls = tmp_path / "all_calls.txt"
     calls.unlink()
     out = str(tmp_path / "second")  # a fresh machine: no run directories, only the committed records
@@ -777,7 +779,8 @@ def test_run_records_carry_a_sweep_across_machines(tmp_path):
     assert open(tmp_path / "third" / "sweep_runs.csv").read() == open(os.path.join(out, "sweep_runs.csv")).read()
     other = _recording_fake(tmp_path, warm_accuracy=0.3)  # a different warm start, built without the archive
     shutil.rmtree(os.path.join(records, "_warmstart"))
-    with pytest.raises(ValueError, match=r"seed=0_criterion=none.*warmstart_accuracy 0.1.*has 0.3"):
+    with pytest.raises(ValueError, match=r"seed=0_criterion=none.json.gz: made from the warm start with sha256 "
+                                         r"[0-9a-f]{64}, but .* has [0-9a-f]{64}: the record comes from another"):
         sweep.run_local(runs, str(tmp_path / "fourth"), python=str(other), share_warmstart_by=(), grid=runs,
                         records=records, log=lambda *_: None)
     with gzip.open(os.path.join(records, runs[0]["name"] + ".json.gz"), "wt") as f:
@@ -795,7 +798,7 @@ def test_a_warm_start_archive_cannot_write_outside_its_workdir(tmp_path):
     evil.write_text("x")
     with tarfile.open(records / "_warmstart" / "all.tar.gz", "w:gz") as tar:
         tar.add(evil, arcname="../escaped.txt")
-    with pytest.raises(ValueError, match=r"all.tar.gz: cannot be unpacked \(OutsideDestinationError"):
+    with pytest.raises(ValueError, match=r"all.tar.gz: member '../escaped.txt' leaves its directory; refused"):
         sweep.restore_warmstart(str(tmp_path / "out" / "all"), str(records), "all")
     assert not (tmp_path / "out" / "escaped.txt").exists() and os.listdir(tmp_path / "out") == []
     assert sweep.restore_warmstart(str(tmp_path / "other"), str(records), "missing") is False
@@ -830,12 +833,143 @@ def test_a_bad_warm_start_archive_leaves_no_half_warm_start(tmp_path):
     (warm / "link").symlink_to("/etc/hostname")
     with pytest.raises(ValueError, match="link is a link or special file"):
         sweep.save_warmstart(str(warm), str(tmp_path / "rec2"), "all")
-    assert os.listdir(tmp_path / "rec2" / "_warmstart") == []
+    assert not os.path.exists(tmp_path / "rec2" / "_warmstart" / "all.tar.gz")
     with pytest.raises(ValueError, match="not finished"):
         sweep.save_warmstart(str(tmp_path / "nowhere"), str(tmp_path / "rec2"), "all")
 
 
-def test_records_are_never_replaced_silently_and_bad_ones_are_named(tmp_path):
+def _deterministic_warm_start(tmp_path, name="warm"):
+    """A finished warm start whose checkpoint holds 64 kB of random (incompressible) bytes: gzip stores them as
+    they are, so a bit flipped in the archive flips one bit of the restored file (no inflate error would tell)."""
+    warm = tmp_path / name
+    (warm / "checkpoints" / "3").mkdir(parents=True)
+    (warm / "summary.json").write_text('{"warmstart_accuracy": 0.0}')
+    (warm / "checkpoints" / "3" / "state").write_bytes(np.random.default_rng(0).bytes(64 << 10))
+    return warm
+
+
+def test_a_bit_flipped_warm_start_archive_is_refused_and_leaves_nothing(tmp_path):
+    """One bit flipped inside a stored member: refused by name (gzip's CRC and the member's sha256), with no
+    corrupted file and no temporary left in the workdir's parent; the same for an archive without a manifest
+    (gzip's CRC alone); an archive whose gzip is intact but a member differs from the manifest is refused too."""
+    warm = _deterministic_warm_start(tmp_path)
+    records = tmp_path / "records"
+    archive = sweep.save_warmstart(str(warm), str(records), "all")
+    good = open(archive, "rb").read()
+    out = tmp_path / "out"
+    assert sweep.restore_warmstart(str(out / "ok"), str(records), "all")
+    assert (out / "ok" / "checkpoints" / "3" / "state").read_bytes() == (warm / "checkpoints/3/state").read_bytes()
+    assert sweep.warmstart_digest(str(out / "ok")) == sweep.warmstart_digest(str(warm))
+    legacy = tmp_path / "legacy.tar.gz"
+    with tarfile.open(legacy, "w:gz") as tar:  # an archive written before manifests
+        for name in sorted(os.listdir(warm)):
+            tar.add(warm / name, arcname=name)
+    for blob in (good, legacy.read_bytes()):
+        flipped = bytearray(blob)
+        flipped[len(blob) // 2] ^= 0x10  # inside the stored random bytes
+        open(archive, "wb").write(bytes(flipped))
+        with pytest.raises(ValueError, match=r"warm-start archive \S*all.tar.gz: cannot be unpacked \(BadGzipFile: "
+                                             r"CRC check failed"):
+            sweep.restore_warmstart(str(out / "bad"), str(records), "all")
+        assert sorted(os.listdir(out)) == ["ok"]  # no corrupted warm start, no .restoring_ directory
+    raw = bytearray(gzip.decompress(good))  # the tar inside, one byte of the state changed, gzip made again
+    at = raw.index(b"checkpoints/3/state", 1024)  # the member's header (after the manifest's)
+    raw[at + 512 + 100] ^= 0x01
+    open(archive, "wb").write(gzip.compress(bytes(raw)))
+    with pytest.raises(ValueError, match=r"all.tar.gz: 1 member\(s\) differ from its manifest .*'checkpoints/3/state'"):
+        sweep.restore_warmstart(str(out / "bad"), str(records), "all")
+    assert sorted(os.listdir(out)) == ["ok"]
+
+
+def test_links_and_gzip_bombs_in_archives_and_records_are_refused(tmp_path, monkeypatch):
+    """A symlink member (even one pointing inside) is refused; an archive or a record that inflates beyond its
+    bound is refused by name before it is held whole; a flipped byte in a record is a ValueError naming it."""
+    records = tmp_path / "records"
+    (records / "_warmstart").mkdir(parents=True)
+    warm = _deterministic_warm_start(tmp_path)
+    with tarfile.open(records / "_warmstart" / "all.tar.gz", "w:gz") as tar:
+        tar.add(warm / "summary.json", arcname="summary.json")
+        link = tarfile.TarInfo("alias.json")
+        link.type, link.linkname = tarfile.SYMTYPE, "summary.json"
+        tar.addfile(link)
+    with pytest.raises(ValueError, match=r"all.tar.gz: alias.json is a link or special file; refused"):
+        sweep.restore_warmstart(str(tmp_path / "out" / "all"), str(records), "all")
+    assert os.listdir(tmp_path / "out") == []
+    zeros = tmp_path / "zeros"
+    (zeros / "checkpoints").mkdir(parents=True)
+    (zeros / "summary.json").write_text("{}")
+    (zeros / "checkpoints" / "blob").write_bytes(bytes(4 << 20))  # 4 MB of zeros: a 4 kB archive
+    sweep.save_warmstart(str(zeros), str(records), "bomb")
+    size = os.path.getsize(records / "_warmstart" / "bomb.tar.gz")
+    monkeypatch.setattr(sweep, "MAX_WARMSTART_BASE_BYTES", 1 << 20)
+    monkeypatch.setattr(sweep, "WARMSTART_INFLATION", 16)
+    reads = []
+    real_read = sweep._CappedReader.read
+    monkeypatch.setattr(sweep._CappedReader, "read", lambda self, n=-1: reads.append(self.n) or real_read(self, n))
+    with pytest.raises(ValueError, match=rf"bomb.tar.gz: inflates to more than {(1 << 20) + 16 * size} bytes"):
+        sweep.restore_warmstart(str(tmp_path / "out" / "bomb"), str(records), "bomb")
+    assert max(reads) <= (1 << 20) + 16 * size and os.listdir(tmp_path / "out") == []
+    monkeypatch.setattr(sweep, "MAX_RECORD_BYTES", 4096)
+    rec = tmp_path / "recs"
+    rec.mkdir()
+    run = dict(name="r")
+    (rec / "r.json.gz").write_bytes(gzip.compress(json.dumps({"summary.json": "{}", "metrics.jsonl": "x" * 5000})
+                                                  .encode()))
+    with pytest.raises(ValueError, match=r"r.json.gz: inflates to more than 4096 bytes"):
+        sweep.restore_records([run], str(tmp_path / "o"), str(rec), log=lambda *_: None)
+    body = json.dumps({"summary.json": json.dumps({"warmstart_accuracy": 0.25, "final_accuracy": 0.5})}).encode()
+    blob = gzip.compress(body, mtime=0)
+    flips = 0
+    for at in range(10, len(blob)):  # every byte of the deflate data and the trailer, one at a time
+        bad = bytearray(blob)
+        bad[at] ^= 0x04
+        with contextlib.suppress(Exception):
+            if gzip.decompress(bytes(bad)) == body:
+                continue  # the final block's padding bits: nothing of the record changes
+        flips += 1
+        (rec / "r.json.gz").write_bytes(bytes(bad))
+        with pytest.raises(ValueError, match=r"run record \S*r.json.gz: not a gzip-compressed JSON record"):
+            sweep.restore_records([run], str(tmp_path / "o"), str(rec), log=lambda *_: None)
+    assert flips >= len(blob) - 11 and not os.path.exists(tmp_path / "o" / "r" / "summary.json")
+
+
+def test_records_are_paired_with_their_warm_start_by_content(tmp_path, capsys):
+    """Two warm starts with the same accuracy but other weights: a record from one is refused by the other's sweep
+    (by digest, not warmstart_accuracy); a record naming no digest is checked by accuracy and counted; the CLI shows a
+    bad record as one line, exit 2."""
+    fake = _recording_fake(tmp_path, weights="first")
+    d = sweep.validate_sweep(dict(config="configs/tiny.py", axes=[("seed", [0, 1])], share_warmstart_by=()))
+    runs = sweep.expand(d)
+    records = str(tmp_path / "records")
+    sweep.run_local(runs[:1], str(tmp_path / "first"), python=str(fake), share_warmstart_by=(), grid=runs,
+                    records=records, log=lambda *_: None)
+    digest = sweep.warmstart_digest(str(tmp_path / "first" / "_warmstart" / "all"))
+    files = sweep._read_record(os.path.join(records, runs[0]["name"] + ".json.gz"))
+    assert json.loads(files["sweep_run.json"].splitlines()[0])["warmstart_sha256"] == digest
+    shutil.rmtree(os.path.join(records, "_warmstart"))
+    other = _recording_fake(tmp_path, weights="second")  # same warmstart_accuracy 0.1, other checkpoint bytes
+    with pytest.raises(ValueError, match=rf"made from the warm start with sha256 {digest}, but .* has (?!{digest})"):
+        sweep.run_local(runs, str(tmp_path / "second"), python=str(other), share_warmstart_by=(), grid=runs,
+                        records=records, log=lambda *_: None)
+    path = os.path.join(records, runs[0]["name"] + ".json.gz")
+    with gzip.open(path, "wt") as f:  # no digest: checked by accuracy, counted in the log
+        json.dump({k: v for k, v in files.items() if k != "sweep_run.json"}, f)
+    logged = []
+    sweep.run_local(runs, str(tmp_path / "third"), python=str(other), share_warmstart_by=(), grid=runs,
+                    records=records, log=logged.append)
+    assert any("1 name no warm-start digest: checked by their warm-start accuracy only" in m for m in logged)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    sweep_file = _write_sweep(tmp_path, dict(d, paired_baseline=None))
+    capsys.readouterr()
+    assert sweep.main(["--sweep", sweep_file, "--out", str(tmp_path / "fourth"), "--records", records,
+                       "--aggregate_only"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"sweep.py: run record \S*seed=0.json.gz: not a gzip-compressed JSON record \(.*\)\n", err)
+
+
+def test_records_are_never_replaced_silently_and_bad_ones_are_named(tmp_path, capsys):
     """A committed record is not overwritten by a different local run (an --aggregate_only on a stale directory,
     here from another warm start); unchanged records keep their bytes; malformed records and a --records that is
     a file are refused by name; an --only matching nothing is an error."""
@@ -850,9 +984,10 @@ def test_records_are_never_replaced_silently_and_bad_ones_are_named(tmp_path):
     sweep_file = tmp_path / "def.py"
     sweep_file.write_text("def get_sweep(arg=None):\n"
                           "    return dict(config='configs/tiny.py', axes=[('seed', [0, 1])])\n")
-    with pytest.raises(ValueError, match=r"seed=0.json.gz exists and differs .* in \['metrics.jsonl', 'summary.json'"):
-        sweep.main(["--sweep", str(sweep_file), "--out", str(tmp_path / "stale"), "--records", records,
-                    "--aggregate_only"])
+    assert sweep.main(["--sweep", str(sweep_file), "--out", str(tmp_path / "stale"), "--records", records,
+                       "--aggregate_only"]) == 2  # one line naming the record, no traceback
+    assert re.fullmatch(r"sweep.py: run record \S*seed=0.json.gz exists and differs .* in \['metrics.jsonl', "
+                        r"'summary.json'.*\n", capsys.readouterr().err)
     assert open(path, "rb").read() == before
     assert sweep.main(["--sweep", str(sweep_file), "--out", str(tmp_path / "x"), "--only", "seed=7"]) == 2
     bad_cases = {b"not gzip": "not a gzip-compressed JSON record", gzip.compress(b"[1]"): "got list",
