@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import Mapping, Optional, Sequence
 
@@ -111,6 +112,10 @@ def settings_from_config(config, environ: Optional[Mapping[str, str]] = None) ->
     environ = os.environ if environ is None else environ
     mh = config.get("multihost") if hasattr(config, "get") else None
     get = (lambda k, d: mh.get(k, d)) if mh is not None else (lambda k, d: d)  # noqa: E731
+    timeout = get("initialization_timeout_s", 300)  # checked here, before any use (validate_config needs devices)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ValueError(f"multihost.initialization_timeout_s = {timeout!r}: must be a finite number of seconds > 0")
     address = get("coordinator_address", "") or environ.get(ENV_COORDINATOR) or None
     num = int(get("num_processes", 0)) or _env_int(ENV_NUM_PROCESSES, environ)
     pid = int(get("process_id", -1))
@@ -123,7 +128,7 @@ def settings_from_config(config, environ: Optional[Mapping[str, str]] = None) ->
                          f"got {ids_raw!r}") from None
     return DistributedSettings(coordinator_address=address, num_processes=num, process_id=pid,
                                local_device_ids=ids, cpu_collectives=str(get("cpu_collectives", "gloo")),
-                               initialization_timeout_s=int(get("initialization_timeout_s", 300)))
+                               initialization_timeout_s=max(1, math.ceil(timeout)))
 
 
 def initialize(settings: Optional[DistributedSettings] = None) -> None:

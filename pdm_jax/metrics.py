@@ -84,7 +84,7 @@ class MetricsWriter:
             if wd.exists(remote_file):
                 with open(self.path, "wb") as f:
                     f.write(wd.read_bytes(remote_file))
-        os.makedirs(local_dir, exist_ok=True)
+        self._guarded(local_dir, lambda: os.makedirs(local_dir, exist_ok=True))
         if (fresh or resume_from_step is not None) and os.path.exists(self.path):
             kept = [] if fresh else [r for r in read_metrics(self.path)
                                      if r.get("step", -1) < resume_from_step or r.get("phase") not in ("rl", "eval")]
@@ -133,11 +133,25 @@ class MetricsWriter:
         return rec
 
     def close(self):
-        """Flushes and closes the sinks (bucket workdir: uploads them a last time, removes the staging directory)."""
-        self._upload()
-        self._file.close()
+        """Flushes and closes the sinks (bucket workdir: uploads them a last time, removes the staging directory).
+
+        Every sink is closed even when one fails; then the first failure is raised as `pdm_jax.workdir.RunWriteError`
+        naming its file (a full disk, a file made read-only).
+        """
+        tb_dir = os.path.join(os.path.dirname(self.path), "tensorboard")
+        steps = [(self.path, self._upload), (self.path, self._file.close)]
         if self._tb is not None:
-            self._tb.close()
+            steps.append((tb_dir, self._tb.close))
+        first = None
+        for path, step in steps:
+            try:
+                self._guarded(path, step)
+            except wd.RunWriteError as e:
+                first = first or e
+        if first is not None:
+            if self._remote:
+                shutil.rmtree(self._staging, ignore_errors=True)
+            raise first
         if self._remote:
             if self._tb is not None:  # the events the close flushed
                 tb_dir = os.path.join(self._staging, "tensorboard")

@@ -68,8 +68,13 @@ def main(argv):
 
     reuse_freed_from_config(config)
     if config.get("distributed", False):  # config.multihost, then JAX_* env vars, then auto-detection
-        from pdm_jax.distributed import initialize_from_config  # lazy: must run before any other JAX work
+        from pdm_jax.distributed import initialize_from_config, settings_from_config  # lazy: before other JAX work
 
+        try:
+            settings_from_config(config)  # its fields named before any use (validate_config needs the devices)
+        except ValueError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            sys.exit(2)
         initialize_from_config(config)
     try:
         validate_config(config)
@@ -82,6 +87,8 @@ def main(argv):
         summary = run(config, _WORKDIR.value)
     except (WorkdirLockedError, RunWriteError, CheckpointError, ValueError, SamplerFailure) as e:  # named: no traceback
         print(f"error: {e}", file=sys.stderr)
+        for note in getattr(e, "__notes__", ()):  # errors of the cleanup after it (`workdir.close_after`)
+            print(f"  {note}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(summary, indent=2))
     print(f"summary written to {os.path.join(run_path(_WORKDIR.value), 'summary.json')}")

@@ -173,9 +173,11 @@ class Trainer:
 
     def close(self) -> None:
         """Stops the sampler and releases the workdir lock (idempotent; `run` calls it when it ends)."""
-        self.sampler.stop()
-        if self._lock is not None:
-            self._lock.release()
+        try:
+            self.sampler.stop()
+        finally:  # released even when the sampler fails to stop
+            if self._lock is not None:
+                self._lock.release()
 
     # ---------------------------------------------------------------- setup
     def _setup_tokenizer(self):
@@ -268,10 +270,8 @@ class Trainer:
         """Runs (or resumes) the whole job; returns the summary dict also written to summary.json."""
         if self._lock is not None:
             self._lock.acquire()  # again, after a close()
-        try:
+        with wd.close_after(self, "the sampler and the workdir lock"):  # the run's own error wins over the close's
             return self._run()
-        finally:
-            self.close()
 
     def _run(self) -> dict:
         cfg = self.config
@@ -297,7 +297,7 @@ class Trainer:
                                    resume_from_step=first_redone if resumed else None, restore=meta.get("rl_record"))
         else:  # multi-host: only process 0 writes metrics (pdm_jax.distributed)
             writer = NullMetricsWriter()
-        try:
+        with wd.close_after(writer, "the metrics writer"):  # the first write error wins over the close's
             if not resumed:
                 self._run_sft(sft_tx, writer)
                 meta.update(phase="rl", sft_step=int(cfg.sft.steps))
@@ -307,8 +307,6 @@ class Trainer:
             if meta.get("warmstart") is None:
                 self._evaluate_warm_start(state, meta, writer)
             summary = self._run_rl(state, rl_tx, rl_schedule, meta, writer)
-        finally:
-            writer.close()
         return summary
 
     def _evaluate_warm_start(self, state, meta, writer) -> None:

@@ -90,6 +90,28 @@ def naming_write_errors(path: str):
         raise (RunWriteError(message) if code is None else RunWriteError(code, message)) from e
 
 
+@contextlib.contextmanager
+def close_after(resource, what: str):
+    """Closes `resource` when the body ends; the body's own error wins over one of the close.
+
+    A run that stops on a `RunWriteError` (a full disk, a read-only file) often fails to close its writers for
+    the same reason: that second error is logged and added to the first as a note (``__notes__``, which the CLI
+    prints below it), instead of replacing it. When the body succeeds, an error of the close is raised as is
+    (`MetricsWriter.close` names its file).
+    """
+    try:
+        yield resource
+    except BaseException as first:
+        try:
+            resource.close()
+        except Exception as later:  # noqa: BLE001 - reported beside the first error, never instead of it
+            note = f"also, closing {what} after it failed: {type(later).__name__}: {later}"
+            log.error("%s", note)
+            first.add_note(note)
+        raise
+    resource.close()
+
+
 def _write_new(tmp: str, data: bytes) -> None:
     """Writes `data` to the new file `tmp` (a stale one of a dead process removed first; never through a link)."""
     with contextlib.suppress(FileNotFoundError):
@@ -247,9 +269,14 @@ def filesystem(path: str):
 
 
 def makedirs(path: str) -> None:
-    """Creates a directory and its parents if missing (a no-op on object stores, which have no directories)."""
+    """Creates a directory and its parents if missing (a no-op on object stores, which have no directories).
+
+    Raises:
+      RunWriteError: it cannot be created (a read-only or full file system, a file in its place), naming it.
+    """
     if not is_remote(path):
-        os.makedirs(path, exist_ok=True)
+        with naming_write_errors(path):
+            os.makedirs(path, exist_ok=True)
         return
     fs, p = filesystem(path)
     fs.makedirs(p, exist_ok=True)

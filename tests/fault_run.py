@@ -8,6 +8,9 @@
 - ``fill_disk_after_rl_step=<N>:<ballast path>``: right after RL step ``N``'s record is written, fill the file
   system holding ``<ballast path>`` (the test's small tmpfs, which holds the workdir too) until the kernel answers
   ENOSPC, so that whatever the run writes next meets a full disk. Deleting the ballast frees the space.
+- ``sink_unwritable_after_rl_step=<N>:<sink>``: right after RL step ``N``'s record is written, one sink of the
+  metrics writer fails on every later write and at its close, as a file made read-only, immutable or full would:
+  ``metrics`` (metrics.jsonl: ENOSPC at each flush, /dev/full) or ``tensorboard`` (the events file: EACCES).
 
 Only the tests run this; the production code has no fault hook of its own for these.
 """
@@ -61,6 +64,27 @@ def _fill_disk_after(rl_step: int, ballast: str) -> None:
     metrics.MetricsWriter.write = filling_write
 
 
+def _sink_unwritable_after(rl_step: int, sink: str) -> None:
+    from pdm_jax import metrics
+
+    write = metrics.MetricsWriter.write
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    def breaking_write(self, step, phase, values):
+        rec = write(self, step, phase, values)
+        if phase == "rl" and int(step) == rl_step:
+            if sink == "metrics":
+                self._file = open("/dev/full", "a", buffering=1 << 16)
+            else:
+                self._tb.add = self._tb.close = denied
+            print(f"fault: {sink} unwritable after RL step {rl_step}", file=sys.stderr, flush=True)
+        return rec
+
+    metrics.MetricsWriter.write = breaking_write
+
+
 def install(fault: str) -> None:
     kind, _, arg = fault.partition("=")
     if kind == "kill_in_checkpoint":
@@ -68,6 +92,9 @@ def install(fault: str) -> None:
     elif kind == "fill_disk_after_rl_step":
         step, _, ballast = arg.partition(":")
         _fill_disk_after(int(step), ballast)
+    elif kind == "sink_unwritable_after_rl_step":
+        step, _, sink = arg.partition(":")
+        _sink_unwritable_after(int(step), sink)
     else:
         raise ValueError(f"PDM_FAULT: unknown fault {fault!r}")
 

@@ -100,6 +100,15 @@ def test_settings_from_config_and_env():
     with pytest.raises(ValueError, match="cpu_collectives"):
         distributed.DistributedSettings(cpu_collectives="nccl")
     assert distributed.initialize_from_config(ml_collections.ConfigDict(dict(distributed=False))) is False
+    def timeout(t):
+        return ml_collections.ConfigDict(dict(distributed=True, multihost=dict(initialization_timeout_s=t)))
+
+    for bad in (0, -5, float("inf"), float("nan"), "60", True):  # named before any use
+        with pytest.raises(ValueError, match=r"multihost.initialization_timeout_s = .*: must be a finite number of "
+                                             r"seconds > 0"):
+            distributed.settings_from_config(timeout(bad), env)
+    assert distributed.settings_from_config(timeout(0.5), env).initialization_timeout_s == 1  # whole s, never 0
+    assert distributed.settings_from_config(timeout(60), env).initialization_timeout_s == 60
 
 
 def test_single_process_batch_feeding_equals_device_put():

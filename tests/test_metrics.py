@@ -1,5 +1,9 @@
 """`pdm_jax.metrics`: what the run summary and the logs say about the run."""
 
+import re
+
+import pytest
+
 from pdm_jax import workdir as wd
 from pdm_jax.config import get_base_config
 from pdm_jax.metrics import sampler_weights_format
@@ -102,3 +106,49 @@ def test_a_summary_that_cannot_be_read_is_treated_as_missing(tmp_path):
     path.unlink()
     path.mkdir()
     assert read_summary(str(path)) is None
+
+
+def test_close_after_a_write_error_keeps_the_first_error_and_notes_the_cleanups(tmp_path):
+    """metrics.jsonl unwritable mid-run: the write's RunWriteError is the one raised; the close, which fails again
+    (its buffered line), is reported beside it as a note, named too; every sink is still closed."""
+    from pdm_jax import metrics, workdir as wd
+
+    w = metrics.MetricsWriter(str(tmp_path), tensorboard=True)
+    w.write(1, "rl", {"reward": 0.5})
+    w._file = open("/dev/full", "a", buffering=1 << 16)  # ENOSPC at every flush
+    closed = []
+    tb_close = w._tb.close
+    w._tb.close = lambda: (closed.append("tb"), tb_close())
+    with pytest.raises(wd.RunWriteError) as e:
+        with wd.close_after(w, "the metrics writer"):
+            w.write(2, "rl", {"reward": 0.6})
+    assert re.fullmatch(r"\[Errno 28\] cannot write \S*metrics.jsonl: ENOSPC: No space left on device .*", str(e.value))
+    assert e.value.__notes__ == [
+        f"also, closing the metrics writer after it failed: RunWriteError: {e.value}"]  # the same file, named
+    assert closed == ["tb"] and w._file.closed
+    w2 = metrics.MetricsWriter(str(tmp_path / "b"), tensorboard=False)
+    w2._file = open("/dev/full", "a", buffering=1 << 16)
+    w2._file.write("pending\n")
+    with pytest.raises(wd.RunWriteError, match=r"cannot write \S*b/metrics.jsonl: ENOSPC"):  # named, not OSError
+        w2.close()
+    with pytest.raises(KeyError, match="first"):  # a non-write error of the body wins too
+        with wd.close_after(metrics.MetricsWriter(str(tmp_path / "c"), tensorboard=False), "w") as w3:
+            w3._file = open("/dev/full", "a", buffering=1 << 16)
+            w3._file.write("pending\n")
+            raise KeyError("first")
+
+
+def test_directory_creation_goes_through_the_write_error_path(tmp_path):
+    """weights/ unwritable (here a file in its place, which even root cannot write through): save_weights raises
+    RunWriteError naming the version directory, not a bare FileExistsError/NotADirectoryError; so does the
+    metrics writer's directory."""
+    import numpy as np
+
+    from pdm_jax import metrics, workdir as wd
+    from pdm_jax.sampler.weights import save_weights
+
+    (tmp_path / "weights").write_text("not a directory")
+    with pytest.raises(wd.RunWriteError, match=r"cannot write \S*weights/v000001: (ENOTDIR|EEXIST)"):
+        save_weights({"w": np.zeros(2, np.float32)}, str(tmp_path / "weights" / "v000001"), version=1)
+    with pytest.raises(wd.RunWriteError, match=r"cannot write \S*weights/run: (ENOTDIR|EEXIST)"):
+        metrics.MetricsWriter(str(tmp_path / "weights" / "run"), tensorboard=False)

@@ -351,3 +351,31 @@ def test_rl_steps_with_the_vllm_backend_equal_the_in_process_engine(tmp_path, mo
             assert math.isfinite(got[s][k])
             assert got[s][k] == pytest.approx(ref[s][k], rel=1e-5, abs=1e-6), (s, k)
     assert summary["final_accuracy"] == ref_summary["final_accuracy"]
+
+
+def test_duplicate_top_logprobs_keys_and_out_of_range_ids_are_named_response_errors():
+    """A top_logprobs entry naming a token twice (a repeated JSON key, which json keeps silently as its last value,
+    or two spellings of one id) and a 10-digit id beyond int32 (numpy's OverflowError before) are the named
+    SamplerResponseError (VLLMResponseError); an error body with a repeated key stays readable text."""
+    from types import SimpleNamespace
+
+    from pdm_jax.rollouts.client import SamplerResponseError
+
+    raw = json.dumps(RECORDED).replace('{"token_id:5": -0.105, "token_id:7": -2.4}',
+                                       '{"token_id:5": -0.105, "token_id:7": -2.4, "token_id:7": -0.01}', 1)
+    assert raw.count('"token_id:7": -0.01') == 1
+    assert json.loads(raw) == json.loads(raw)  # json alone: no error, the last value wins
+    with pytest.raises(SamplerResponseError, match=r"an object names the key 'token_id:7' twice") as e:
+        VLLMSampler._decode(SimpleNamespace(is_success=True), raw.encode())
+    assert isinstance(e.value, VLLMResponseError) and e.value.field == "$"
+    assert VLLMSampler._decode(SimpleNamespace(is_success=False), b'{"error": 1, "error": 2}') == {"error": 2}
+    assert VLLMSampler._decode(SimpleNamespace(is_success=True), json.dumps(RECORDED).encode()) == RECORDED
+    spelled = _mutate(LP0 + ("top_logprobs", 0), {"token_id:5": -0.105, "token_id:7": -2.4, "token_id:07": -0.01})
+    with pytest.raises(SamplerResponseError, match=r"top_logprobs\[0\]: names token 7 twice \(key 'token_id:07'\)"):
+        parse_completions(spelled, [[10, 11, 12]], **PARSE)
+    for path, value in ((LP0 + ("top_logprobs", 0), {"token_id:5": -0.105, "token_id:9999999999": -2.4}),
+                        (LP0 + ("tokens", 0), "token_id:2147483648")):
+        with pytest.raises(SamplerResponseError, match=r"token id (9999999999|2147483648) is beyond 2147483647"):
+            parse_completions(_mutate(path, value), [[10, 11, 12]], **PARSE)
+    edge = _mutate(LP0 + ("top_logprobs", 0), {"token_id:5": -0.105, "token_id:2147483647": -2.4})
+    assert parse_completions(edge, [[10, 11, 12]], **PARSE).topk_ids[0, 0].tolist() == [5, 2147483647]

@@ -7,6 +7,8 @@ connection survives a bad request.  A hypothesis fuzz test throws random JSON
 and msgpack bodies (nesting, key types, packed-array headers, sizes) at both
 endpoints and asserts that no answer is a 5xx.
 """
+import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -23,6 +25,7 @@ from hypothesis import strategies as st
 
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import wire
+from pdm_jax.sampler.admission import BodyBudget, BudgetTimeout
 from pdm_jax.sampler.server import create_app
 
 TOKEN = "hostile-token"
@@ -213,6 +216,13 @@ def test_a_failing_engine_is_a_500_with_its_message_not_a_reset(tmp_path):
 def live_url(tmp_path_factory):
     """A real uvicorn server (the fake engine) on a free loopback port, in a thread."""
     app = create_app(FakeEngine(), checkpoint_root=str(tmp_path_factory.mktemp("live")), max_body_bytes=1 << 20)
+    with _serving(app) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _serving(app):
+    """`app` served by uvicorn on a free loopback port in a thread; yields its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
@@ -334,3 +344,106 @@ def test_health_answers_while_bodies_are_decoded(live_url, monkeypatch):
     for t in threads:
         t.join()
     assert answers == [200] * 4 and waited < 0.5, waited
+
+
+# ----------------------------------------------------------------------------- memory and deadlines
+def test_body_budget_never_admits_more_than_its_bytes_first_come_first_served():
+    """The accounting alone: 12 reservations of 3..7 bytes against a budget of 10 never hold more than 10 at once,
+    are admitted in arrival order (a large one is not overtaken), a wait past its bound is refused and leaves no
+    bytes behind, and a reservation shrinks to its body's size."""
+    async def scenario():
+        budget = BodyBudget(10)
+        order, seen = [], []
+
+        async def request(i, n):
+            async with budget.reserve(n, timeout_s=5) as r:
+                order.append(i)
+                seen.append(budget.held)
+                await asyncio.sleep(0.01 * (1 + i % 3))
+                r.shrink(n - 1)
+                seen.append(budget.held)
+
+        sizes = [3, 7, 5, 4, 6, 3, 7, 5, 4, 6, 3, 7]
+        await asyncio.gather(*(request(i, n) for i, n in enumerate(sizes)))
+        assert order == list(range(len(sizes)))  # FIFO: the 7s waited for room, nobody overtook them
+        assert max(seen) <= 10 and budget.peak <= 10 and budget.held == 0 and budget.waited >= 6
+        async with budget.reserve(10, timeout_s=5):
+            with pytest.raises(BudgetTimeout, match="1 bytes did not fit the body budget"):
+                async with budget.reserve(1, timeout_s=0.05):
+                    pass
+        assert budget.held == 0 and budget.refused == 1 and not budget._queue
+        with pytest.raises(ValueError, match="never fits"):
+            async with budget.reserve(11, timeout_s=1):
+                pass
+    asyncio.run(scenario())
+
+
+def test_concurrent_bodies_are_admitted_by_bytes_and_slow_ones_get_408(tmp_path, monkeypatch):
+    """A real server with a budget of two full bodies: 6 concurrent 48 kB bodies all get their answer, but at most
+    two are held (read or decoded) at once, and the bytes held never pass the budget; a body that does not arrive
+    whole within body_timeout_s gets 408 and its connection is closed, while other requests are served; a request
+    that cannot be admitted within the bound gets 503 with Retry-After."""
+    from pdm_jax.sampler import server as server_mod
+
+    limit, timeout = 2 * (64 << 10), 1.0
+    app = create_app(FakeEngine(), checkpoint_root=str(tmp_path), max_body_bytes=64 << 10,
+                     max_inflight_body_bytes=limit, body_timeout_s=timeout)
+    budget = app.state.service.body_budget
+    real, lock, now, most, held = wire.decode_body, threading.Lock(), [0], [0], []
+
+    def slow_decode(body, content_type):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+            held.append(budget.held)
+        time.sleep(0.15)
+        with lock:
+            now[0] -= 1
+        return real(body, content_type)
+
+    monkeypatch.setattr(server_mod.wire, "decode_body", slow_decode)
+    pad = "x" * (48 << 10)  # the model name, a field the server ignores: a 48 kB body
+    body = json.dumps({"prompt": [[1, 2]], "max_tokens": 1, "logprobs": 2, "model": pad}).encode()
+    with _serving(app) as url:
+        answers = []
+
+        def post():
+            with httpx.Client(base_url=url, timeout=30) as c:
+                answers.append(c.post("/v1/generate", content=body, headers={"content-type": JS}).status_code)
+
+        threads = [threading.Thread(target=post) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert answers == [200] * 6
+        assert most[0] == 2 and max(held) <= limit and budget.peak <= limit and budget.waited >= 1
+        assert budget.held == 0
+        port = int(url.rsplit(":", 1)[1])
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"prompt": [[1')  # then nothing more
+        t0 = time.monotonic()
+        with httpx.Client(base_url=url, timeout=30) as c:  # served meanwhile
+            assert c.post("/v1/generate", content=body, headers={"content-type": JS}).status_code == 200
+        slow.settimeout(10)
+        answer = b""
+        while chunk := slow.recv(65536):  # b"": the server closed the connection
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer.lower(), answer[:300]
+        assert b"request body not received whole within 1 s (14 bytes arrived)" in answer
+        assert timeout <= time.monotonic() - t0 < timeout + 5
+        slow.close()
+        monkeypatch.setattr(server_mod.wire, "decode_body", lambda b, c: (time.sleep(2.5), real(b, c))[1])
+        firsts = [threading.Thread(target=post) for _ in range(2)]  # 2 x 48 kB held while they decode (2.5 s)
+        for t in firsts:
+            t.start()
+        time.sleep(0.5)
+        big = json.dumps({"prompt": [[1, 2]], "max_tokens": 1, "model": "x" * ((64 << 10) - 100)}).encode()
+        with httpx.Client(base_url=url, timeout=30) as c:  # 96 + 64 kB > 128 kB: waits 1 s, then 503
+            r = c.post("/v1/generate", content=big, headers={"content-type": JS})
+        for t in firsts:
+            t.join()
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.content[:300]
+        assert error_of(r)["type"] == "busy" and budget.refused == 1 and budget.held == 0
+        assert answers[-2:] == [200, 200]

@@ -207,6 +207,8 @@ def _columns_body(mutate):
     (lambda c: c["top_logprobs"]["logprobs"].__setitem__((1, 0), 5.0), "columns.top_logprobs.logprobs"),
     (lambda c: c.update(logprobs=[10**400] + [0] * 8), "columns.logprobs"),  # beyond any float
     (lambda c: c.update(finish_reason=["stop", "length", "eos", "stop"]), "columns.finish_reason"),
+    # a negative version would make the logged staleness wrong (trainer version - row version)
+    (lambda c: c.update(weights_version=np.array([0, -1, 0, 0], np.int32)), "columns.weights_version"),
 ])
 def test_bad_columns_are_refused_naming_the_column(mutate, where):
     prompts, body = _columns_body(mutate)
@@ -316,6 +318,9 @@ def test_response_without_usage_or_model_and_out_of_order_choices():
     (lambda c: c.append([1, 2]), r"choices: must be a list of maps"),
     (lambda c: c[0].update(prompt_index=-1), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
     (lambda c: c[0].update(prompt_index=2), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
+    (lambda c: c[1].update(weights_version=-3), r"choices\[\*\]\.weights_version: must be integers in "
+                                                 r"\[0, 2147483647\] \(weights versions\), got -3"),
+    (lambda c: c[1].update(weights_version=2.5), r"choices\[\*\]\.weights_version: .* got 2\.5"),
 ])
 def test_bad_choices_are_refused_naming_the_field(mutate, words):
     """The ``choices`` form (vLLM's shape; another server may send it) is checked field by field, as the columns

@@ -36,3 +36,16 @@ def test_cli_argument_string_typo_is_a_named_config_error():
         assert out.returncode == 2, out.stderr[-2000:]
         assert out.stderr.startswith("config error: ") and message in out.stderr, out.stderr[-2000:]
         assert "FATAL" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_distributed_with_a_bad_initialization_timeout_is_a_named_config_error():
+    """``distributed=True`` reads ``multihost.initialization_timeout_s`` before validate_config (which needs the
+    devices): a bad value is still a config error, exit 2, before any use."""
+    out = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py",
+                          "--config.distributed=True", "--config.multihost.initialization_timeout_s=-1",
+                          "--workdir=/nonexistent/never-created"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("config error: multihost.initialization_timeout_s = -1: must be a finite number"), \
+        out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

@@ -352,6 +352,27 @@ def test_a_full_disk_stops_the_run_at_once_naming_it_and_the_same_command_resume
     _assert_same_records(_records(workdir), _records(full))
 
 
+@pytest.mark.slow
+def test_an_unwritable_metrics_sink_keeps_its_error_and_the_same_command_resumes(reference_run, tmp_path):
+    """metrics.jsonl, then the TensorBoard events, unwritable after RL step 2: the run exits 2 with the first
+    RunWriteError naming the file (not the close's bare OSError, which is reported below it as a note), no
+    traceback; the same command then resumes to the uninterrupted run's records, each once."""
+    full, _, cache = reference_run
+    for sink, name, why in (("metrics", "metrics.jsonl", "ENOSPC: No space left on device"),
+                            ("tensorboard", "tensorboard", "EACCES: Permission denied")):
+        workdir = tmp_path / sink
+        r = _run_fault(workdir, f"sink_unwritable_after_rl_step=2:{sink}", SMALL + cache, timeout=300)
+        assert r.returncode == 2, (sink, r.returncode, r.stderr[-3000:])
+        assert re.search(rf"\nerror: .*cannot write \S*/{sink}/{name}: {why} .*\n  also, closing the metrics writer "
+                         rf"after it failed: RunWriteError: .*cannot write \S*/{name}: {why}", r.stderr), r.stderr[-3000:]
+        assert "Traceback" not in r.stderr
+        rl_steps = [x["step"] for x in _records(workdir) if x["phase"] == "rl"]
+        assert rl_steps == ([1, 2] if sink == "metrics" else [1, 2, 3])  # step 3's line precedes its events
+        r = _run_cli(workdir, SMALL + cache)
+        assert r.returncode == 0, r.stderr[-4000:]
+        _assert_same_records(_records(workdir), _records(full))
+
+
 @pytest.mark.parametrize("sampler_temperature,expected", [(None, 0.9), (1.3, 1.3)])
 def test_rollouts_are_drawn_at_the_sampler_temperature(tmp_path, monkeypatch, sampler_temperature, expected):
     """sampler.temperature (the behaviour/trainer mismatch lever) reaches the sampler's generate call; None draws

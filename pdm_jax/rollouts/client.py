@@ -24,7 +24,12 @@ from pdm_jax.rollouts.http import SamplerError
 from pdm_jax.sampler import wire
 from pdm_jax.sampler.wire import response_to_batch  # re-exported: callers import it from here
 
-__all__ = ["SamplerClient", "SamplerError", "SamplerRequestError", "response_to_batch"]
+__all__ = ["SamplerClient", "SamplerError", "SamplerRequestError", "SamplerResponseError", "response_to_batch"]
+
+
+class SamplerResponseError(ValueError):
+    """The sampler answered, but its rollouts do not answer the request (`pdm_jax.rollout.check_answers`), or its
+    answer does not have the documented shape (`pdm_jax.rollouts.vllm_client.VLLMResponseError`)."""
 
 
 class SamplerProtocolError(ValueError):

@@ -54,7 +54,7 @@ from pdm_jax import workdir as wd
 from pdm_jax.config import SAMPLER_FILE_MODES, resolve_sampler_mode
 from pdm_jax.rollout import RolloutBatch, check_answers
 from pdm_jax.rollouts.base import Sampler
-from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError
+from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError, SamplerResponseError
 from pdm_jax.rollouts.in_process import InProcessSampler
 from pdm_jax.sampler.engine import SamplingEngine, make_sampler_mesh
 from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
@@ -72,10 +72,6 @@ class SamplerFailure(RuntimeError):
 
 class SamplerStalled(RuntimeError):
     """The sampler missed ``stall_probe_misses`` consecutive ``/health`` probes while a call was in flight."""
-
-
-class SamplerResponseError(ValueError):
-    """The sampler answered, but its rollouts do not answer the request (`pdm_jax.rollout.check_answers`)."""
 
 
 class SamplerRejected(ValueError):
@@ -216,7 +212,8 @@ class SamplerSupervisor:
                         wd.rmtree(wd.join(root, name))
             return path
         if os.path.exists(path):
-            shutil.rmtree(path)
+            with wd.naming_write_errors(path):  # an unwritable weights/: RunWriteError naming it, as every write
+                shutil.rmtree(path)
         save_weights(params, path, version=version)
         root = os.path.dirname(path)
         keep = {os.path.basename(self.weights_path(v)) for v in (version, version - 1, 0)}
@@ -356,6 +353,7 @@ class SamplerSupervisor:
         rollouts: no training batch is lost or duplicated.
 
         Raises:
+          SamplerResponseError: the sampler's answer does not have the documented shape (never retried).
           SamplerRejected: the sampler refused the request (a 4xx with the
             server's message and field, or the engine's ValueError/TypeError);
             never retried, no restart.
@@ -368,6 +366,8 @@ class SamplerSupervisor:
             generation = self._generation
             try:
                 return self._call_once(fn_name, fn)
+            except SamplerResponseError:  # an answer without the documented shape: named as such, not retried
+                raise
             except (ValueError, TypeError) as e:  # the request itself is bad (SamplerRequestError is a ValueError)
                 raise SamplerRejected.from_error(fn_name, e) from e
             except Exception as e:  # connection errors, timeouts, stalls, 5xx after the client's own retries

@@ -86,7 +86,8 @@ from pdm_jax.rollout import RolloutBatch, build_batch, right_pad_rows
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import vllm_api, wire
 from pdm_jax.rollouts import http as sampler_http
-from pdm_jax.rollouts.client import SamplerError, SamplerProtocolError, SamplerRequestError, generate_response_bytes
+from pdm_jax.rollouts.client import (SamplerError, SamplerProtocolError, SamplerRequestError, SamplerResponseError,
+                                     generate_response_bytes)
 
 log = logging.getLogger("pdm_jax.sampler")
 
@@ -97,8 +98,10 @@ __all__ = ["VLLMSampler", "VLLMResponseError", "completions_request", "parse_com
 _MISSING = object()  # `VLLMSampler._request`'s answer for a 404 when the route is optional
 
 
-class VLLMResponseError(ValueError):
-    """A vLLM answer (HTTP 200) without the documented shape; ``field`` locates it (``choices[2].finish_reason``)."""
+class VLLMResponseError(SamplerResponseError):
+    """A vLLM answer (HTTP 200) without the documented shape; ``field`` locates it (``choices[2].finish_reason``).
+
+    A `pdm_jax.rollouts.client.SamplerResponseError` (a ValueError): the supervisor raises it as it is, unretried."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"vLLM response {field}: {message}")
@@ -152,14 +155,21 @@ def completions_request(prompts: Sequence[Sequence[int]], *, n: int, temperature
     return body
 
 
+#: The largest token id a `RolloutBatch` holds (its ids are int32).
+MAX_TOKEN_ID = 2**31 - 1
+
+
 def parse_token_id(token: Any, field: str) -> int:
     """The id of a ``"token_id:<id>"`` string (`vllm_api.TOKEN_ID_PREFIX`); VLLMResponseError otherwise."""
     if not isinstance(token, str) or not token.startswith(vllm_api.TOKEN_ID_PREFIX):
         raise VLLMResponseError(field, f"is {wire._show(token)}, not a 'token_id:<id>' string: the server ignored "
                                        f"{vllm_api.RETURN_TOKENS_AS_TOKEN_IDS}=true (or is not vLLM)")
     digits = token[len(vllm_api.TOKEN_ID_PREFIX):]
-    if not digits.isdigit() or len(digits) > 10:
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 10:
         raise VLLMResponseError(field, f"is {wire._show(token)}: the id after 'token_id:' is not a non-negative integer")
+    if int(digits) > MAX_TOKEN_ID:
+        raise VLLMResponseError(field, f"is {wire._show(token)}: token id {int(digits)} is beyond {MAX_TOKEN_ID}, "
+                                       f"the largest id a batch holds (int32)")
     return int(digits)
 
 
@@ -217,8 +227,12 @@ def _parse_choice(c: Any, at: str, *, k: int, max_new_tokens: int, stops: set) -
         where = f"{at}.logprobs.top_logprobs[{t}]"
         if not isinstance(entry, Mapping):
             raise VLLMResponseError(where, f"is {wire._kind(entry)}, not an object")
-        table = {parse_token_id(key, f"{where} key {key!r}"): _logprob(v, f"{where}[{key!r}]", allow_min=True)
-                 for key, v in entry.items()}
+        table = {}
+        for key, v in entry.items():
+            tid = parse_token_id(key, f"{where} key {key!r}")
+            if tid in table:  # "token_id:7" and "token_id:07": one token, two values
+                raise VLLMResponseError(where, f"names token {tid} twice (key {key!r}); each token once expected")
+            table[tid] = _logprob(v, f"{where}[{key!r}]", allow_min=True)
         if ids[t] not in table:
             raise VLLMResponseError(where, f"lacks the sampled token {ids[t]} (vLLM always includes it)")
         if abs(table[ids[t]] - float(sampled[t])) > 1e-5:
@@ -423,11 +437,14 @@ class VLLMSampler:
     @staticmethod
     def _decode(r, content: bytes):
         """JSON with the wire codec's depth and size limits (a body nested 100,000 deep is text, not a
-        RecursionError); empty -> None; not JSON -> its text (2,000 characters at most)."""
+        RecursionError); empty -> None; not JSON -> its text (2,000 characters at most). A 2xx body in which an
+        object repeats a key (which JSON parsers resolve silently to the last value) -> VLLMResponseError."""
         if not content:
             return None
         try:
-            return wire.loads(content, msgpack=False)
+            return wire.loads(content, msgpack=False, unique_keys=r.is_success)
+        except wire.DuplicateKeyError as e:  # json would keep the last value silently (a top_logprobs entry...)
+            raise VLLMResponseError("$", f"{e}; every JSON object's keys must be distinct") from None
         except ValueError:
             return content.decode("utf-8", "replace")[:2000]
 

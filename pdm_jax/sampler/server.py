@@ -20,7 +20,11 @@ Security: binds 127.0.0.1 by default; any other host requires ``--token``
 401 otherwise; the ``Bearer`` scheme is matched case-insensitively, RFC 7235). A token no
 client could send (a space, a control or non-ASCII character: `wire.token_problem`) is
 refused at start-up.
-Bodies over ``--max_body_bytes`` get 413.  Invalid requests get 4xx with
+Bodies over ``--max_body_bytes`` get 413.  The bodies of the requests in flight reserve at most
+``--max_inflight_body_bytes`` together (admission by bytes, `pdm_jax.sampler.admission`: a request waits
+for its share, at most ``--body_timeout_s``, then gets 503 with ``Retry-After``), which bounds the memory
+concurrent decoding holds; a body that has not arrived whole ``--body_timeout_s`` after its admission
+gets 408 and its connection is closed.  Invalid requests get 4xx with
 ``{"error": {"message", "field", "type"}}`` naming the field (malformed bodies
 -- nesting deeper than ``wire.MAX_DEPTH``, non-string map keys, bad packed
 arrays -- are 400, see `wire.loads`); unexpected failures are 500 with the
@@ -40,6 +44,7 @@ With ``--port=0`` the OS picks a free port; it is printed
 
 
 import argparse
+import asyncio
 import functools
 import hmac
 import ipaddress
@@ -58,8 +63,11 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from pdm_jax.sampler import defaults, wire
+from pdm_jax.sampler.admission import BodyBudget, BudgetTimeout
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEFAULT_INFLIGHT_BODY_BYTES = 32 << 20  # four full-size (8 MB) bodies decoding at once
+DEFAULT_BODY_TIMEOUT_S = 60.0  # 8 MB at 140 kB/s
 log = logging.getLogger("pdm_jax.sampler.server")
 
 
@@ -116,6 +124,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "this process's devices (pdm_jax.sampler.engine.make_sampler_mesh); 1 x 1 = one device")
     p.add_argument("--mesh_tensor", type=int, default=1, help="the sharded engine's tensor axis (heads / MLP)")
     p.add_argument("--max_body_bytes", type=int, default=8 << 20)
+    p.add_argument("--max_inflight_body_bytes", type=int, default=DEFAULT_INFLIGHT_BODY_BYTES,
+                   help="the bodies of the requests in flight reserve at most this many bytes together (their "
+                        "Content-Length, else --max_body_bytes); others wait, then 503 (pdm_jax.sampler.admission). "
+                        "At least --max_body_bytes")
+    p.add_argument("--body_timeout_s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="a request body must arrive whole within this many seconds of its admission (else 408, "
+                        "connection closed); also the longest wait for admission (else 503)")
     p.add_argument("--init_seed", type=int, default=0, help="seed of the random init when --weights is omitted")
     p.add_argument("--log_level", default="warning")
     p.add_argument("--parent_pid", type=int, default=0,
@@ -134,6 +149,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("mesh_data", "mesh_tensor"):
         if getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    if args.max_body_bytes < 1:
+        p.error(f"--max_body_bytes={args.max_body_bytes} must be >= 1")
+    if args.max_inflight_body_bytes < args.max_body_bytes:
+        p.error(f"--max_inflight_body_bytes={args.max_inflight_body_bytes} must be >= --max_body_bytes="
+                f"{args.max_body_bytes} (else a full-size body could never be admitted)")
+    if not 0 < args.body_timeout_s < float("inf"):  # NaN fails too
+        p.error(f"--body_timeout_s={args.body_timeout_s} must be a finite number of seconds > 0")
     return args
 
 
@@ -154,24 +176,31 @@ class HTTPError(Exception):
     The message is prefixed with ``"<field>: "`` when it does not already start so.
     """
 
-    def __init__(self, status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request"):
+    def __init__(self, status: int, message: str, field: Optional[str] = None, kind: str = "invalid_request",
+                 headers: Optional[dict] = None):
         shown = field if field is None or len(field) <= 100 else field[:97] + "..."  # as wire.RequestError
         if field and not message.startswith(f"{shown}:"):
             message = f"{shown}: {message}"
         super().__init__(message)
         self.status, self.message, self.field, self.kind = status, message, field, kind
+        self.headers = dict(headers or {})  # e.g. Connection: close after a body left unread
 
 
-def respond(request: Request, payload: dict, status: int = 200) -> Response:
+def respond(request: Request, payload: dict, status: int = 200, headers: Optional[dict] = None) -> Response:
     """`payload` encoded as msgpack or JSON (`wire.response_is_msgpack` of the request's headers)."""
     use_mp = wire.response_is_msgpack(request.headers.get("accept"), request.headers.get("content-type"))
-    return Response(wire.dumps(payload, msgpack=use_mp), status_code=status,
+    return Response(wire.dumps(payload, msgpack=use_mp), status_code=status, headers=headers,
                     media_type=wire.MSGPACK if use_mp else wire.JSON)
 
 
 def error_response(request: Request, e: HTTPError) -> Response:
-    """The error body of `e` (``{"error": {"message", "field", "type"}}``) with its status."""
-    return respond(request, wire.error_body(e.message, e.field, e.kind), e.status)
+    """The error body of `e` (``{"error": {"message", "field", "type"}}``) with its status and headers."""
+    return respond(request, wire.error_body(e.message, e.field, e.kind), e.status, headers=e.headers or None)
+
+
+#: The headers of an answer sent before the request's body was read whole: the connection cannot carry another
+#: request (its unread bytes would be taken for one), so it is closed once the answer is sent.
+CLOSE = {"Connection": "close"}
 
 
 class SamplerService:
@@ -185,28 +214,55 @@ class SamplerService:
       checkpoint_root: directory `/v1/weights` may load from.
       token: if set, every request needs ``Authorization: Bearer <token>``.
       max_body_bytes: request bodies above this get 413.
+      max_inflight_body_bytes: the bodies of the requests in flight reserve at most this many bytes together
+        (`pdm_jax.sampler.admission.BodyBudget`; >= max_body_bytes); a request waits for its share.
+      body_timeout_s: a body must arrive whole within this many seconds of its admission, else 408 and the
+        connection is closed; the longest wait for admission too, else 503 (``Retry-After``, connection closed).
+
+    Raises:
+      ValueError: max_inflight_body_bytes < max_body_bytes, or body_timeout_s not a finite number > 0.
     """
 
     def __init__(self, engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20,
-                 compile_counter=None):
+                 compile_counter=None, max_inflight_body_bytes: int = DEFAULT_INFLIGHT_BODY_BYTES,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+        if int(max_inflight_body_bytes) < int(max_body_bytes):
+            raise ValueError(f"max_inflight_body_bytes {max_inflight_body_bytes} must be >= max_body_bytes "
+                             f"{max_body_bytes}: a full-size body could never be admitted")
+        if not 0 < float(body_timeout_s) < float("inf"):
+            raise ValueError(f"body_timeout_s must be a finite number of seconds > 0, got {body_timeout_s!r}")
         self.engine = engine
         self.compile_counter = compile_counter
         self.checkpoint_root = checkpoint_root
         self.token = token
         self.max_body_bytes = int(max_body_bytes)
+        self.body_budget = BodyBudget(int(max_inflight_body_bytes))
+        self.body_timeout_s = float(body_timeout_s)
         self.requests = 0
         self.generated_tokens = 0
         self.started = time.time()
 
     # ------------------------------------------------------------------ middleware
     async def guard(self, request: Request, call_next) -> Response:
-        """HTTP middleware: bearer token (401) and declared body size (400 bad / 413 too large)."""
+        """HTTP middleware: bearer token (401), declared body size (400 bad / 413 too large), then admission of a
+        request with a body by bytes (`BodyBudget`: its Content-Length, else max_body_bytes, held until the answer
+        is sent; 503 when it does not fit within body_timeout_s)."""
         try:
             self._check_token(request)
-            self._check_content_length(request)
+            declared = self._check_content_length(request)
         except HTTPError as e:
             return error_response(request, e)
-        return await call_next(request)
+        if request.method in ("GET", "HEAD") and not declared:
+            return await call_next(request)
+        want = self.max_body_bytes if declared is None else declared
+        try:
+            async with self.body_budget.reserve(want, self.body_timeout_s) as reservation:
+                request.state.body_reservation = reservation
+                return await call_next(request)
+        except BudgetTimeout as e:
+            return error_response(request, HTTPError(
+                503, f"server busy: the request's body was not admitted within {self.body_timeout_s:g} s ({e}); "
+                     f"retry", kind="busy", headers={"Retry-After": "1", **CLOSE}))
 
     def _check_token(self, request: Request) -> None:
         """401 unless ``Authorization: Bearer <token>`` (scheme case-insensitive, RFC 7235) holds the token."""
@@ -216,31 +272,45 @@ class SamplerService:
         if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.strip().encode(), self.token.encode()):
             raise HTTPError(401, "missing or wrong bearer token", kind="unauthorized")
 
-    def _check_content_length(self, request: Request) -> None:
+    def _check_content_length(self, request: Request) -> Optional[int]:
+        """The declared body size (None: none declared); HTTPError 400 unreadable, 413 over max_body_bytes."""
         cl = request.headers.get("content-length")
         if cl is None:
-            return
+            return None
         try:
             n = int(cl)
         except ValueError:
             raise HTTPError(400, f"bad Content-Length {cl!r}")
+        if n < 0:
+            raise HTTPError(400, f"bad Content-Length {cl!r}")
         if n > self.max_body_bytes:
             raise HTTPError(413, f"request body of {n} bytes exceeds the limit of {self.max_body_bytes} bytes",
                             kind="too_large")
+        return n
 
     async def read_body(self, request: Request) -> dict:
-        """The request body decoded by `wire.decode_body`; streamed, cut off at `max_body_bytes` (413).
+        """The request body decoded by `wire.decode_body`; streamed, cut off at `max_body_bytes` (413) and at
+        `body_timeout_s` (408: a body trickled in, or a client that stopped sending; the connection is closed).
+        The body's admission (`guard`) shrinks to its size once it is whole.
 
         Raises:
-          HTTPError: 413 too large, 415 unsupported content type, 400 malformed or not a map.
+          HTTPError: 408 not whole in time, 413 too large, 415 unsupported content type, 400 malformed or not a map.
         """
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
-                                kind="too_large")
-            chunks.append(chunk)
+        reservation = getattr(request.state, "body_reservation", None)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise HTTPError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                                        kind="too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HTTPError(408, f"request body not received whole within {self.body_timeout_s:g} s "
+                                 f"({size} bytes arrived)", kind="request_timeout", headers=CLOSE) from None
+        if reservation is not None:
+            reservation.shrink(size)
         try:  # parsing an 8 MB body takes a while: off the event loop, so /health keeps answering meanwhile
             return await run_in_threadpool(wire.decode_body, b"".join(chunks), request.headers.get("content-type"))
         except wire.BodyError as e:
@@ -355,7 +425,8 @@ def guarded(handler):
 
 
 def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20,
-               compile_counter=None):
+               compile_counter=None, max_inflight_body_bytes: int = DEFAULT_INFLIGHT_BODY_BYTES,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
     """The FastAPI app serving `engine` (a SamplingEngine) through a `SamplerService`.
 
     Args:
@@ -365,11 +436,14 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
       max_body_bytes: request bodies above this get 413.
       compile_counter: a `pdm_jax.profiling.CompileCounter`; its snapshot rides on every
         ``/v1/weights`` answer (``compile_stats``), or None.
+      max_inflight_body_bytes, body_timeout_s: the admission of bodies by bytes and their deadline
+        (`SamplerService`).
     Returns:
       a ``fastapi.FastAPI`` application.
     """
     service = SamplerService(engine, checkpoint_root=checkpoint_root, token=token, max_body_bytes=max_body_bytes,
-                             compile_counter=compile_counter)
+                             compile_counter=compile_counter, max_inflight_body_bytes=max_inflight_body_bytes,
+                             body_timeout_s=body_timeout_s)
     app = FastAPI(title="pdm_jax sampler", docs_url=None, redoc_url=None, openapi_url=None)
     app.middleware("http")(service.guard)
     app.get("/health")(guarded(service.health))
@@ -433,7 +507,8 @@ def main(argv=None) -> None:
                             batching=args.batching, max_slots=args.max_slots or None, park_rows=args.park_rows,
                             mesh=make_sampler_mesh(args.mesh_data, args.mesh_tensor))
     app = create_app(engine, checkpoint_root=args.checkpoint_root, token=args.token,
-                     max_body_bytes=args.max_body_bytes, compile_counter=compile_counter)
+                     max_body_bytes=args.max_body_bytes, compile_counter=compile_counter,
+                     max_inflight_body_bytes=args.max_inflight_body_bytes, body_timeout_s=args.body_timeout_s)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

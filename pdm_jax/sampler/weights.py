@@ -275,12 +275,13 @@ def save_weights(model_or_state: Any, path: str, *, version: Optional[int] = Non
 
 def _write_version(path: str, leaves: list, data: bytes, version: int, extra_meta: Optional[dict]) -> str:
     """Writes the tensor file, then the meta file (with its manifest) of a version directory; returns `path`."""
-    wd.makedirs(path)
+    wd.makedirs(path)  # RunWriteError naming it (a read-only or full weights/, a file in its place)
     meta_path = wd.join(path, META_FILE)
     if wd.is_remote(meta_path):
         wd.rmtree(meta_path)  # the directory is incomplete until the new meta is in place
     elif os.path.exists(meta_path):
-        os.remove(meta_path)  # the directory is incomplete until the new meta is in place
+        with wd.naming_write_errors(meta_path):
+            os.remove(meta_path)  # the directory is incomplete until the new meta is in place
     _write_atomic(wd.join(path, TENSORS_FILE), data)
     meta = {
         "format": FORMAT,

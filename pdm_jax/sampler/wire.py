@@ -456,8 +456,25 @@ def _refuse_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name} (JSON bodies are strict: no NaN/Infinity)")
 
 
-def loads(body: bytes, *, msgpack: bool) -> Any:
+class DuplicateKeyError(ValueError):
+    """A JSON object that names one key twice (`loads` with ``unique_keys``); the message names the key."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    """``json``'s object_pairs_hook: the object as a dict; DuplicateKeyError if a key appears twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKeyError(f"malformed JSON body: an object names the key {_show(key, 100)} twice")
+    return out
+
+
+def loads(body: bytes, *, msgpack: bool, unique_keys: bool = False) -> Any:
     """Parses a body and checks its structure (`check_tree`: depth, key types, packed arrays).
+
+    ``unique_keys`` (JSON): an object naming a key twice raises `DuplicateKeyError` instead of keeping its last
+    value (Python's json, like most parsers, keeps the last one silently).
 
     Raises:
       ValueError: malformed JSON or msgpack, the message says which, why and
@@ -470,7 +487,10 @@ def loads(body: bytes, *, msgpack: bool) -> Any:
         if msgpack:
             obj = _msgpack.unpackb(body, raw=False, strict_map_key=True)
         else:
-            obj = json.loads(body, parse_constant=_refuse_constant)
+            obj = json.loads(body, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys if unique_keys
+                             else None)
+    except DuplicateKeyError:
+        raise
     except (RecursionError, _msgpack.StackError):
         raise ValueError(f"malformed {what} body: nested deeper than {MAX_DEPTH} levels") from None
     except Exception as e:  # json/msgpack raise several types (ValueError, UnicodeDecodeError, TypeError...)
@@ -874,7 +894,8 @@ class GenerateResponse:
             prompts, group_ids=np.array([int(c[PROMPT_INDEX]) for c in choices], np.int64), lengths=lengths,
             completion_ids=right_pad_rows(toks, t_in, dtype=np.int32), behavior_logprobs=logp, topk_ids=top_ids,
             topk_logprobs=top_logp,
-            weights_version=np.array([int(c.get(WEIGHTS_VERSION, body[WEIGHTS_VERSION])) for c in choices], np.int64),
+            weights_version=_versions([c.get(WEIGHTS_VERSION, body[WEIGHTS_VERSION]) for c in choices],
+                                      f"{CHOICES}[*].{WEIGHTS_VERSION}"),
             finish_reason=np.array([c[FINISH_REASON] for c in choices], dtype=object),
             routed_experts=_routed_experts(choices, prompts, max(len(p) for p in prompts), t_in))
         return cls._with_header(body, prompts, batch)
@@ -920,7 +941,7 @@ class GenerateResponse:
                                  f"packed {COLUMNS}.{TOKEN_IDS}; got {_show(lengths.tolist())}")
         _check_request_bounds(f"{COLUMNS}.{LENGTHS}", n_rows, lengths, rows, max_new_tokens)
         index = _column(cols, PROMPT_INDEX, 1, (n_rows,))
-        versions = _column(cols, WEIGHTS_VERSION, 1, (n_rows,))
+        versions = _versions(_column(cols, WEIGHTS_VERSION, 1, (n_rows,)), f"{COLUMNS}.{WEIGHTS_VERSION}")
         reasons = cols.get(FINISH_REASON)
         if not isinstance(reasons, list) or len(reasons) != n_rows or not all(x in FINISH_REASONS for x in reasons):
             raise ValueError(f"{COLUMNS}.{FINISH_REASON}: must be a list of {n_rows} of {FINISH_REASONS}, "
@@ -958,6 +979,20 @@ class GenerateResponse:
                             topk_ids=top_ids, topk_logprobs=top_logp, weights_version=versions,
                             finish_reason=np.array(reasons, dtype=object), routed_experts=routed)
         return cls._with_header(body, prompts, batch)
+
+
+def _versions(values, where: str) -> np.ndarray:
+    """A response's per-row weights versions as int64 [N]: integers in [0, `MAX_INT32`] (versions travel as
+    int32; a negative one would make the logged staleness wrong).
+
+    Raises:
+      ValueError: naming `where` and the first bad value.
+    """
+    for v in (values.tolist() if isinstance(values, np.ndarray) else values):
+        if not _is_int(v) or not 0 <= v <= MAX_INT32:
+            raise ValueError(f"{where}: must be integers in [0, {MAX_INT32}] (weights versions), got "
+                             f"{_show(v, 24)}")
+    return np.asarray(values, np.int64)
 
 
 def _check_request_bounds(where: str, n_rows: int, lengths: Optional[np.ndarray], rows: Optional[int],
