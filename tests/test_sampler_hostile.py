@@ -7,7 +7,6 @@ connection survives a bad request.  A hypothesis fuzz test throws random JSON
 and msgpack bodies (nesting, key types, packed-array headers, sizes) at both
 endpoints and asserts that no answer is a 5xx.
 """
-import asyncio
 import contextlib
 import json
 import socket
@@ -25,7 +24,6 @@ from hypothesis import strategies as st
 
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.sampler import wire
-from pdm_jax.sampler.admission import BodyBudget, BudgetTimeout
 from pdm_jax.sampler.server import create_app
 
 TOKEN = "hostile-token"
@@ -347,37 +345,6 @@ def test_health_answers_while_bodies_are_decoded(live_url, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- memory and deadlines
-def test_body_budget_never_admits_more_than_its_bytes_first_come_first_served():
-    """The accounting alone: 12 reservations of 3..7 bytes against a budget of 10 never hold more than 10 at once,
-    are admitted in arrival order (a large one is not overtaken), a wait past its bound is refused and leaves no
-    bytes behind, and a reservation shrinks to its body's size."""
-    async def scenario():
-        budget = BodyBudget(10)
-        order, seen = [], []
-
-        async def request(i, n):
-            async with budget.reserve(n, timeout_s=5) as r:
-                order.append(i)
-                seen.append(budget.held)
-                await asyncio.sleep(0.01 * (1 + i % 3))
-                r.shrink(n - 1)
-                seen.append(budget.held)
-
-        sizes = [3, 7, 5, 4, 6, 3, 7, 5, 4, 6, 3, 7]
-        await asyncio.gather(*(request(i, n) for i, n in enumerate(sizes)))
-        assert order == list(range(len(sizes)))  # FIFO: the 7s waited for room, nobody overtook them
-        assert max(seen) <= 10 and budget.peak <= 10 and budget.held == 0 and budget.waited >= 6
-        async with budget.reserve(10, timeout_s=5):
-            with pytest.raises(BudgetTimeout, match="1 bytes did not fit the body budget"):
-                async with budget.reserve(1, timeout_s=0.05):
-                    pass
-        assert budget.held == 0 and budget.refused == 1 and not budget._queue
-        with pytest.raises(ValueError, match="never fits"):
-            async with budget.reserve(11, timeout_s=1):
-                pass
-    asyncio.run(scenario())
-
-
 def test_concurrent_bodies_are_admitted_by_bytes_and_slow_ones_get_408(tmp_path, monkeypatch):
     """A real server with a budget of two full bodies: 6 concurrent 48 kB bodies all get their answer, but at most
     two are held (read or decoded) at once, and the bytes held never pass the budget; a body that does not arrive
