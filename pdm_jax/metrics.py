@@ -177,17 +177,31 @@ def read_summary(path: str) -> dict | None:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """Reads a metrics.jsonl file into a list of dicts (skipping a torn last line)."""
-    out = []
-    with open(path) as f:
-        for line in f:
+    """Reads a metrics.jsonl file into a list of dicts, skipping a line that is not a JSON object.
+
+    A torn last line (a crash in the middle of a write) is skipped quietly; any other such line (a damaged file:
+    bytes that are not UTF-8 or not JSON) is skipped with a warning naming the file and its line numbers.
+    """
+    out, bad, last = [], [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:  # a damaged byte: a line that does not parse
+        for number, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
+            last = number
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError:
+                bad.append(number)
                 continue
+            if isinstance(rec, dict):
+                out.append(rec)
+            else:
+                bad.append(number)
+    damaged = [n for n in bad if n != last]
+    if damaged:
+        log.warning("%s: %d damaged line(s) skipped (not a JSON object), line(s) %s", path, len(damaged),
+                    ", ".join(map(str, damaged[:10])) + (" ..." if len(damaged) > 10 else ""))
     return out
 
 

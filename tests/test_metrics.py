@@ -152,3 +152,23 @@ def test_directory_creation_goes_through_the_write_error_path(tmp_path):
         save_weights({"w": np.zeros(2, np.float32)}, str(tmp_path / "weights" / "v000001"), version=1)
     with pytest.raises(wd.RunWriteError, match=r"cannot write \S*weights/run: (ENOTDIR|EEXIST)"):
         metrics.MetricsWriter(str(tmp_path / "weights" / "run"), tensorboard=False)
+
+
+def test_read_metrics_skips_a_torn_last_line_quietly_and_names_damaged_ones(tmp_path, caplog):
+    """A torn last line is a crash's mark (skipped quietly); a damaged line inside the file (a byte that is not
+    UTF-8, or JSON that is no object) is skipped with a warning naming the file and the line, never a bare
+    UnicodeDecodeError."""
+    import logging
+
+    from pdm_jax.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n{"step": 2}\n{"step": \xff3}\n[4]\n{"step": 5}\n{"step": 6, "x')
+    with caplog.at_level(logging.WARNING, logger="pdm_jax.metrics"):
+        assert read_metrics(str(path)) == [{"step": 1}, {"step": 2}, {"step": 5}]
+    assert re.search(r"metrics.jsonl: 2 damaged line\(s\) skipped \(not a JSON object\), line\(s\) 3, 4", caplog.text)
+    caplog.clear()
+    path.write_bytes(b'{"step": 1}\n{"step": 2, "x')
+    with caplog.at_level(logging.WARNING, logger="pdm_jax.metrics"):
+        assert read_metrics(str(path)) == [{"step": 1}]
+    assert "damaged" not in caplog.text

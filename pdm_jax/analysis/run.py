@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import zipfile
 from typing import Optional, Sequence
 
 import numpy as np
@@ -175,18 +176,30 @@ def save_seed(out_dir: str, seed: int, result: dict, settings: dict) -> str:
 
 
 def load_seeds(out_dir: str) -> list:
-    """Loads every saved seed of `out_dir` (sorted): list of ``{"seed", "records", "steps", "fidelity", ...}``."""
+    """Loads every saved seed of `out_dir` (sorted): list of ``{"seed", "records", "steps", "fidelity", ...}``.
+
+    Every array is read whole, so the zip's CRC-32 of each checks its bytes (a flipped bit is refused, not read as
+    other token figures); no pickled object is ever loaded.
+
+    Raises:
+      ValueError: a seed's ``.json`` or ``.npz`` is missing, unreadable or corrupted (names the file).
+    """
     out = []
     if not os.path.isdir(out_dir):
         return out
     for name in sorted(os.listdir(out_dir)):
         if not (name.startswith("seed_") and name.endswith(".json")):
             continue
-        with open(os.path.join(out_dir, name)) as f:
-            meta = json.load(f)
+        path = os.path.join(out_dir, name)
         npz = os.path.join(out_dir, name[:-5] + ".npz")
-        with np.load(npz) as z:
-            meta["records"] = {k: z[k] for k in z.files}
+        try:
+            with open(path) as f:
+                meta = json.load(f)
+            with np.load(npz, allow_pickle=False) as z:
+                meta["records"] = {k: z[k] for k in z.files}
+        except (OSError, EOFError, ValueError, zipfile.BadZipFile) as e:  # BadZipFile: "Bad CRC-32 for file ..."
+            raise ValueError(f"saved seed {path} / {os.path.basename(npz)}: unreadable or corrupted "
+                             f"({type(e).__name__}: {e})") from e
         out.append(meta)
     return out
 
