@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pdm_jax.sampler import wire
-from pdm_jax.rollouts.client import SamplerClient, SamplerError, SamplerRequestError
+from pdm_jax.rollouts.client import SamplerClient, SamplerError, SamplerRequestError, SamplerResponseError
 
 
 def _mp(obj, status=200):
@@ -107,6 +107,9 @@ def test_a_gzip_bomb_is_refused_by_its_decoded_size():
 @pytest.mark.parametrize("mutate,words", [
     (lambda cs: cs[0].update(prompt_index=-1), r"choices\[0\]\.prompt_index: must be an integer in \[0, 2\)"),
     (lambda cs: cs[1].update(logprobs=np.full(1, -0.5, np.float32)), r"choices\[1\]\.logprobs: must have shape \[3\]"),
+    # a negative version would make the logged staleness (trainer version - row version) wrong
+    (lambda cs: cs[2].update(weights_version=-1), r"choices\[\*\]\.weights_version: must be integers in \[0, "
+                                                  r"2147483647\] \(weights versions\), got -1"),
 ])
 def test_a_hostile_choices_body_is_refused_by_the_client_naming_the_field(mutate, words):
     """What `SamplerClient.generate` decodes from a server (or a proxy) that answers in the ``choices`` form with a
@@ -119,7 +122,8 @@ def test_a_hostile_choices_body_is_refused_by_the_client_naming_the_field(mutate
         return _mp({"object": "text_completion", "weights_version": 4, "choices": choices})
 
     c = SamplerClient("http://sampler", retries=0, transport=httpx.MockTransport(handler))
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(SamplerResponseError, match="POST /v1/generate: the answer does not have the documented "
+                                                   "shape: ValueError: .*" + words):
         c.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
 
 

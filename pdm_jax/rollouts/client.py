@@ -159,6 +159,8 @@ class SamplerClient:
 
         Raises:
           SamplerRequestError: the server rejected the request (names the field).
+          SamplerResponseError: the answer does not have the documented shape (`wire.GenerateResponse.from_wire`:
+            names the field, e.g. a negative per-row ``weights_version``).
           SamplerError: unreachable / 5xx after all retries.
         """
         prompts = [[int(t) for t in p] for p in prompts]
@@ -175,5 +177,9 @@ class SamplerClient:
                              max_response_bytes=generate_response_bytes(
                                  len(prompts) * int(n), int(max_new_tokens), int(top_k_logprobs),
                                  max(len(p) for p in prompts) if prompts else 0, routing=bool(return_routing)))
-        return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs),
-                                               rows=len(prompts) * int(n), max_new_tokens=int(max_new_tokens)).batch
+        try:
+            return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs),
+                                                   rows=len(prompts) * int(n), max_new_tokens=int(max_new_tokens)).batch
+        except (KeyError, ValueError) as e:  # a missing field, a bad column or value (a negative weights version...)
+            raise SamplerResponseError(f"POST /v1/generate: the answer does not have the documented shape: "
+                                       f"{type(e).__name__}: {e}") from e
