@@ -661,13 +661,13 @@ class _CappedReader:
         return data
 
 
-def _member_path(root: str, name: str, src: str) -> str:
-    """Where archive member `name` goes under `root`; ValueError naming `src` for an absolute path or ``..``."""
-    parts = name.split("/")
-    if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in ("..",) \
-            or "\\" in name or "\0" in name:
+def _member_name(name: str, src: str) -> str:
+    """Archive member `name` as a relative path (``.`` and empty parts dropped: ``./a`` is ``a``); ValueError naming
+    `src` for an absolute path, a ``..`` part or a backslash (a path that could leave the directory)."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if name.startswith("/") or ".." in parts or "\\" in name or "\0" in name:
         raise ValueError(f"warm-start archive {src}: member {name!r} leaves its directory; refused")
-    return os.path.join(root, *[p for p in parts if p not in ("", ".")])
+    return "/".join(parts)
 
 
 def _unpack_verified(src: str, dest: str) -> None:
@@ -680,19 +680,21 @@ def _unpack_verified(src: str, dest: str) -> None:
             reader = _CappedReader(gz, cap, f"warm-start archive {src}")
             with tarfile.open(fileobj=reader, mode="r|") as tar:
                 for i, member in enumerate(tar):
-                    name = member.name.rstrip("/") if member.isdir() else member.name
                     if not (member.isfile() or member.isdir()):
                         raise ValueError(f"warm-start archive {src}: {member.name} is a link or special file; refused")
+                    name = _member_name(member.name, src)
+                    if member.isfile() and not name:
+                        raise ValueError(f"warm-start archive {src}: member {member.name!r} names no file; refused")
                     if name in got or name == WARMSTART_MANIFEST and i:
-                        raise ValueError(f"warm-start archive {src}: member {name!r} appears twice; refused")
+                        raise ValueError(f"warm-start archive {src}: member {member.name!r} appears twice; refused")
                     if member.isdir():
-                        os.makedirs(_member_path(dest, name, src), exist_ok=True)
+                        os.makedirs(os.path.join(dest, *name.split("/")) if name else dest, exist_ok=True)
                         continue
                     f = tar.extractfile(member)
                     if name == WARMSTART_MANIFEST:
                         manifest = json.loads(f.read(MAX_RECORD_BYTES + 1).decode("utf-8"))
                         continue
-                    path = _member_path(dest, name, src)
+                    path = os.path.join(dest, *name.split("/"))
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     h = hashlib.sha256()
                     with open(path, "xb") as out:

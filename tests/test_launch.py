@@ -3,6 +3,7 @@
 import contextlib
 import gzip
 import importlib.util
+import io
 import json
 import math
 import os
@@ -879,6 +880,23 @@ def test_a_bit_flipped_warm_start_archive_is_refused_and_leaves_nothing(tmp_path
     with pytest.raises(ValueError, match=r"all.tar.gz: 1 member\(s\) differ from its manifest .*'checkpoints/3/state'"):
         sweep.restore_warmstart(str(out / "bad"), str(records), "all")
     assert sorted(os.listdir(out)) == ["ok"]
+    with tarfile.open(archive, "w:gz") as tar:  # `tar -czf ... -C warm .`: members named ./...
+        tar.add(warm, arcname=".")
+    assert sweep.restore_warmstart(str(out / "dotted"), str(records), "all")
+    assert sweep.warmstart_digest(str(out / "dotted")) == sweep.warmstart_digest(str(warm))
+    for name in ("a/../../x", "/abs", "a\\..\\x"):
+        with tarfile.open(archive, "w:gz") as tar:
+            info = tarfile.TarInfo(name)
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"{}"))
+        with pytest.raises(ValueError, match=rf"all.tar.gz: member {re.escape(repr(name))} leaves its directory"):
+            sweep.restore_warmstart(str(out / "bad"), str(records), "all")
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(warm / "summary.json", arcname="summary.json")
+        tar.add(warm / "summary.json", arcname="./summary.json")
+    with pytest.raises(ValueError, match=r"all.tar.gz: member './summary.json' appears twice"):
+        sweep.restore_warmstart(str(out / "bad"), str(records), "all")
+    assert sorted(os.listdir(out)) == ["dotted", "ok"]
 
 
 def test_links_and_gzip_bombs_in_archives_and_records_are_refused(tmp_path, monkeypatch):

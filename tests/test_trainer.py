@@ -361,7 +361,7 @@ def test_an_unwritable_metrics_sink_keeps_its_error_and_the_same_command_resumes
     for sink, name, why in (("metrics", "metrics.jsonl", "ENOSPC: No space left on device"),
                             ("tensorboard", "tensorboard", "EACCES: Permission denied")):
         workdir = tmp_path / sink
-        r = _run_fault(workdir, f"sink_unwritable_after_rl_step=2:{sink}", SMALL + cache, timeout=300)
+        r = _run_fault(workdir, f"sink_unwritable_after_rl_step=2:{sink}", SMALL + cache, timeout=600)
         assert r.returncode == 2, (sink, r.returncode, r.stderr[-3000:])
         assert re.search(rf"\nerror: .*cannot write \S*/{sink}/{name}: {why} .*\n  also, closing the metrics writer "
                          rf"after it failed: RunWriteError: .*cannot write \S*/{name}: {why}", r.stderr), r.stderr[-3000:]
