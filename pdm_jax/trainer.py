@@ -330,7 +330,7 @@ class Trainer:
         # Ids: sft.steps for the warm start before its evaluation, sft.steps + 1 + RL step after it.
         meta["wall_seconds"] = self._wall_seconds()
         done = int(meta["rl_step"]) + (meta.get("warmstart") is not None)
-        extra = producer and queued.checkpoint_files(producer.snapshot(), self.config.rl.max_staleness)
+        extra = producer and queued.checkpoint_files(producer.snapshot(), **self._queued)
         self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta), extra_files=extra)
 
     def _run_sft(self, tx, writer) -> None:
@@ -446,7 +446,9 @@ class Trainer:
         bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
                    initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
         base_position = meta["data_position"] - meta["rl_step"] * rl.prompts_per_step
-        ahead = queued.read(self.checkpointer, self._restored_step, rl.max_staleness)  # sampled before a resume
+        self._queued = dict(max_staleness=rl.max_staleness,  # what batches sampled before a resume must share
+                            key=queued.batch_key(rl, rollout_temperature(cfg), self.spec.dapo.dynamic_sampling))
+        ahead = queued.read(self.checkpointer, self._restored_step, **self._queued)
         make = lambda step: self._make_rollouts(base_position + step * rl.prompts_per_step, step)  # noqa: E731
         if self.spec.dapo.dynamic_sampling:  # scored in rounds; (rollouts, examples, seconds, Draw)
             make = DynamicSampler(self.spec.dapo, draw=self._make_rollouts, score=self._score,

@@ -82,3 +82,30 @@ def test_saved_with_the_checkpoint_under_its_manifest(tmp_path):
     with pytest.raises(CheckpointError, match="queued_rollouts.p0.npz"):
         c.restore(abstract_like(state), 3)
     c.close()
+
+
+def test_a_file_of_other_batch_settings_is_not_used(caplog, tmp_path):
+    """A resume may change the config: batches sampled under other rows, widths, temperature or item layout are
+    not trained on (logged, naming the fields). Without the key a plain run's file resumed with rl.dynamic_sampling
+    reached the trainer's ``ahead[max(ahead)][3]`` (IndexError), and 2 x 2 rows read as 1 x 4 were regrouped."""
+    from types import SimpleNamespace
+    rl = SimpleNamespace(prompts_per_step=2, group_size=2, max_new_tokens=2, top_k_logprobs=2)
+    key = queued.batch_key(rl, 1.0, False)
+    assert key == dict(prompts_per_step=2, group_size=2, max_new_tokens=2, top_k=2, temperature=1.0,
+                       dynamic_sampling=False)
+    data = queued.encode(_items(), max_staleness=2, process_count=1, key=key)
+    _assert_items_equal(queued.decode(data, max_staleness=2, process_count=1, key=dict(key)), _items())
+    for change, field in ((dict(dynamic_sampling=True), "dynamic_sampling"), (dict(group_size=4), "group_size"),
+                          (dict(prompts_per_step=1), "prompts_per_step"), (dict(temperature=0.7), "temperature")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert queued.decode(data, max_staleness=2, process_count=1, key=dict(key, **change), where="c/9") == {}
+        assert f"c/9: queued rollouts written with {{'{field}': {key[field]!r}}}, this run has" in caplog.text
+    unkeyed = queued.encode(_items(), max_staleness=2, process_count=1)  # a file without a key: not used
+    assert queued.decode(unkeyed, max_staleness=2, process_count=1, key=key) == {}
+    c = Checkpointer(str(tmp_path / "ckpt"))  # through the checkpoint, as the trainer saves and reads it
+    state = {"w": jnp.arange(4, dtype=jnp.float32)}
+    c.save(3, state, {"rl_step": 3}, extra_files=queued.checkpoint_files(_items(), 2, key=key))
+    _assert_items_equal(queued.read(c, 3, 2, key=key), _items())
+    assert queued.read(c, 3, 2, key=dict(key, dynamic_sampling=True)) == {}
+    c.close()

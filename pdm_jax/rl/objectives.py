@@ -398,8 +398,10 @@ def kl_penalty(
     loss (:func:`tis_policy_loss`): where pi/mu <= C at every token,
     E_{y~mu}[w k] = E_{y~pi}[k] (k1, k3: exactly KL(pi || pi_ref)) and
     E_{y~mu}[grad(w k)] = grad_z KL(pi || pi_ref). Where pi/mu > C the token's
-    weight is capped at C: value and gradient are then biased low on those
-    tokens (less pull toward pi_ref), in exchange for a bounded variance. The
+    weight is capped at C: those tokens count C mu(y) < pi(y) in value and
+    gradient, in exchange for a bounded variance. The value is then biased low
+    for k2 and k3 (per-token values >= 0), either way for k1 (its per-token
+    value -d is negative where pi(y) < pi_ref(y)). The
     weight corrects the token's own distribution only; its prefix is still mu's.
     Without ``behavior_logprobs`` w = 1 (on-policy samples).
 

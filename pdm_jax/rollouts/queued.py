@@ -12,11 +12,14 @@ before the checkpoint's integrity manifest (so it is covered by it). ``np.savez`
 (loaded with ``allow_pickle=False``): for each queued step ``k`` the `RolloutBatch` fields
 (``s<k>.<field>``; ``finish_reason`` as a string array), its examples as JSON (``s<k>.examples``), the
 generation seconds (``s<k>.seconds``) and, with ``rl.dynamic_sampling``, its ``Draw`` (``s<k>.draw``: data
-end and counts as JSON; ``s<k>.filler``), plus ``format``, ``max_staleness``, ``process_count`` and
-``steps``. Size: the queued batches' arrays (up to s rollout batches per process).
+end and counts as JSON; ``s<k>.filler``), plus ``format``, ``max_staleness``, ``process_count``, ``steps``
+and ``key`` (JSON: the run's settings that decide a batch's shape and meaning, :func:`batch_key`). Size: the
+queued batches' arrays (up to s rollout batches per process).
 
-A file written under another ``rl.max_staleness`` or process count is not used (logged): the run then
-samples those steps afresh, from the checkpoint's version (the lag climbs from 0 again).
+A file written under another ``rl.max_staleness``, process count or :func:`batch_key` (a resume with other
+``rl.prompts_per_step``, ``rl.group_size``, ``rl.max_new_tokens``, ``rl.top_k_logprobs``, sampling
+temperature or ``rl.dynamic_sampling``), or without a key, is not used (logged, naming what differs): the run
+then samples those steps afresh, from the checkpoint's version (the lag climbs from 0 again).
 """
 
 from __future__ import annotations
@@ -46,7 +49,18 @@ def file_name(process_index: int) -> str:
     return f"queued_rollouts.p{int(process_index)}.npz"
 
 
-def encode(items: dict, *, max_staleness: int, process_count: int) -> bytes:
+def batch_key(rl, temperature: float, dynamic_sampling: bool) -> dict:
+    """The settings a queued batch was sampled under that a resumed run must share to train on it: its rows
+    (``rl.prompts_per_step`` x ``rl.group_size``, grouped by G), widths (``rl.max_new_tokens``,
+    ``rl.top_k_logprobs``), distribution (the sampling ``temperature``) and item layout (``dynamic_sampling``:
+    a ``Draw`` and the data position it carries). ``rl``: the validated config's ``rl`` section (or any object
+    with those attributes). JSON values, compared after a JSON round trip."""
+    return dict(prompts_per_step=int(rl.prompts_per_step), group_size=int(rl.group_size),
+                max_new_tokens=int(rl.max_new_tokens), top_k=int(rl.top_k_logprobs), temperature=float(temperature),
+                dynamic_sampling=bool(dynamic_sampling))
+
+
+def encode(items: dict, *, max_staleness: int, process_count: int, key: Optional[dict] = None) -> bytes:
     """``{step: (RolloutBatch, [Example], generation seconds[, Draw])}`` as the bytes of one ``.npz`` file (the
     `pdm_jax.rollouts.dynamic_sampling.Draw` with ``rl.dynamic_sampling``).
 
@@ -55,6 +69,8 @@ def encode(items: dict, *, max_staleness: int, process_count: int) -> bytes:
     """
     arrays = dict(format=np.int64(FORMAT), max_staleness=np.int64(max_staleness),
                   process_count=np.int64(process_count), steps=np.asarray(sorted(items), np.int64))
+    if key is not None:
+        arrays["key"] = np.asarray(json.dumps(key, sort_keys=True))
     for step, item in items.items():
         rb, examples, seconds, *draw = item
         if not isinstance(rb, RolloutBatch) or not (draw == [] or (len(draw) == 1 and isinstance(draw[0], Draw))):
@@ -76,9 +92,11 @@ def encode(items: dict, *, max_staleness: int, process_count: int) -> bytes:
     return buf.getvalue()
 
 
-def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = "") -> dict:
+def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = "",
+           key: Optional[dict] = None) -> dict:
     """The ``{step: (RolloutBatch, [Example], seconds[, Draw])}`` of :func:`encode`, or ``{}`` (logged) when the file
-    was written under another ``max_staleness`` or process count.
+    was written under another ``max_staleness`` or process count, or, with ``key`` (:func:`batch_key`), under
+    another key or none.
 
     Raises:
       ValueError: an unknown format (naming ``where``, the file).
@@ -92,6 +110,15 @@ def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = 
                         "on %d: not used, those steps are sampled again from the checkpoint's weights version",
                         where, *saved, max_staleness, process_count)
             return {}
+        if key is not None:
+            saved_key = json.loads(str(z["key"])) if "key" in z.files else {}
+            want = json.loads(json.dumps(key, sort_keys=True))
+            if saved_key != want:
+                diff = sorted(k for k in set(saved_key) | set(want) if saved_key.get(k) != want.get(k))
+                log.warning("%s: queued rollouts written with %s, this run has %s: not used, those steps are sampled "
+                            "again from the checkpoint's weights version", where,
+                            {k: saved_key.get(k) for k in diff}, {k: want.get(k) for k in diff})
+                return {}
         items = {}
         for step in z["steps"].tolist():
             fields = {name: z[f"s{step}.{name}"] for name in _FIELDS if f"s{step}.{name}" in z.files}
@@ -106,32 +133,33 @@ def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = 
         return items
 
 
-def checkpoint_files(snapshot: Optional[dict], max_staleness: int, *, process_index: Optional[int] = None,
-                     process_count: Optional[int] = None) -> Optional[dict]:
+def checkpoint_files(snapshot: Optional[dict], max_staleness: int, *, key: Optional[dict] = None,
+                     process_index: Optional[int] = None, process_count: Optional[int] = None) -> Optional[dict]:
     """``{file name: bytes}`` to save with an RL checkpoint (None with ``max_staleness`` = 0: nothing to keep).
-    ``process_index`` / ``process_count`` default to JAX's."""
+    ``key``: the run's :func:`batch_key`. ``process_index`` / ``process_count`` default to JAX's."""
     if max_staleness <= 0 or snapshot is None:
         return None
     index, count = _process(process_index, process_count)
-    return {file_name(index): encode(snapshot, max_staleness=max_staleness, process_count=count)}
+    return {file_name(index): encode(snapshot, max_staleness=max_staleness, process_count=count, key=key)}
 
 
 def _process(index, count):
     return (jax.process_index() if index is None else int(index), jax.process_count() if count is None else int(count))
 
 
-def read(checkpointer, step: Optional[int], max_staleness: int, *, process_index: Optional[int] = None,
-         process_count: Optional[int] = None) -> dict:
+def read(checkpointer, step: Optional[int], max_staleness: int, *, key: Optional[dict] = None,
+         process_index: Optional[int] = None, process_count: Optional[int] = None) -> dict:
     """The queued batches saved with checkpoint ``step`` of ``checkpointer`` (a
-    `pdm_jax.checkpointing.Checkpointer`) for this process: ``{}`` when there is no checkpoint, no file, or
-    ``max_staleness`` = 0. ``process_index`` / ``process_count`` default to JAX's."""
+    `pdm_jax.checkpointing.Checkpointer`) for this process: ``{}`` when there is no checkpoint, no file,
+    ``max_staleness`` = 0, or a file of another :func:`batch_key` than ``key`` (:func:`decode`).
+    ``process_index`` / ``process_count`` default to JAX's."""
     if step is None or max_staleness <= 0:
         return {}
     index, count = _process(process_index, process_count)
     data = checkpointer.read_file(step, file_name(index))
     if data is None:
         return {}
-    items = decode(data, max_staleness=max_staleness, process_count=count,
+    items = decode(data, max_staleness=max_staleness, process_count=count, key=key,
                    where=wd.join(checkpointer.step_path(step), file_name(index)))
     if items:
         log.info("resuming with the %d rollout batch(es) sampled ahead of the checkpoint (steps %s)",
