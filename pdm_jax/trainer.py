@@ -330,7 +330,10 @@ class Trainer:
         # Ids: sft.steps for the warm start before its evaluation, sft.steps + 1 + RL step after it.
         meta["wall_seconds"] = self._wall_seconds()
         done = int(meta["rl_step"]) + (meta.get("warmstart") is not None)
-        extra = producer and queued.checkpoint_files(producer.snapshot(), **self._queued)
+        # Reward functions' per-row values are not in the queued file, and dynamic sampling's rows keep the values
+        # their round gave: that combination re-samples its queued steps on resume (docs/sampler.md).
+        keep = producer and not (self.spec.reward.functions and self.spec.dapo.dynamic_sampling)
+        extra = keep and queued.checkpoint_files(producer.snapshot(), **self._queued)
         self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta), extra_files=extra)
 
     def _run_sft(self, tx, writer) -> None:
