@@ -252,7 +252,11 @@ def pod_command(run: dict, index: int, out: str, *, tpu_name: str, project: str,
     With a bucket `out` (``gs://...``) the run's workdir is ``<out>/<run name>`` in the bucket: every host writes
     its checkpoint shards there, so rerunning the command after a preemption resumes it, and the sweep's
     ``--aggregate_only`` reads a local copy of the bucket. Otherwise the workdir is local to the hosts
-    (`POD_LOCAL_WORKDIR`) and worker 0's copy goes to ``--results=<out>/<run name>`` when the run ends."""
+    (`POD_LOCAL_WORKDIR`) and worker 0's copy goes to ``--results=<out>/<run name>`` when the run ends.
+
+    A sweep's ``sampler.mode`` flag (``in_process`` in the local sweeps: no sampler subprocess to start) is left out:
+    on a pod the sampler runs colocated (``launch/tpu_pod.sh``'s ``--config.sampler.mode=colocated``), the one mode
+    a bucket workdir allows."""
     if out.startswith("gs://") and not out[len("gs://"):].strip("/"):
         raise ValueError(f"--out={out!r}: a bucket --out needs a bucket name, gs://BUCKET[/PREFIX]")
     run_dir = f"{out.rstrip('/')}/{run['name']}"
@@ -261,8 +265,12 @@ def pod_command(run: dict, index: int, out: str, *, tpu_name: str, project: str,
     cmd = ["launch/tpu_pod.sh", f"--name={tpu_name}-{index:03d}",
            f"--project={project}", f"--zone={zone}", f"--accelerator={accelerator}",
            f"--config={run['config_arg']}", *where]
-    cmd += [f"--flag=--config.{k}={v}" for k, v in run["flags"].items()]
+    cmd += [f"--flag=--config.{k}={v}" for k, v in run["flags"].items() if k not in POD_DROPPED_FLAGS]
     return cmd
+
+
+#: A sweep's ``--config.<field>`` flags that `pod_command` leaves out (the pod's own setting stands).
+POD_DROPPED_FLAGS = ("sampler.mode",)
 
 
 # ----------------------------------------------------------------------------- running

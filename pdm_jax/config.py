@@ -912,6 +912,23 @@ def resolve_sampler_mode(mode: str, backend: Optional[str] = None) -> str:
     return "subprocess" if (backend or jax.default_backend()) == "cpu" else "colocated"
 
 
+def check_sampler_workdir(config, workdir: str, backend: Optional[str] = None) -> None:
+    """Refuses a sampler mode that passes weights through local files (`SAMPLER_FILE_MODES`, after resolving
+    ``auto`` for ``backend``) with a bucket ``workdir`` (``gs://...``): checked by the command line before any work
+    starts (on a pod: before the model loads), and again by the sampler's supervisor.
+
+    Raises:
+      ValueError: naming ``sampler.mode``, its value and the workdir.
+    """
+    from pdm_jax.workdir import is_remote  # no JAX, no cycle: pdm_jax.workdir imports nothing of the project
+
+    mode = config.sampler.mode
+    if workdir and is_remote(workdir) and resolve_sampler_mode(mode, backend) in SAMPLER_FILE_MODES:
+        raise ValueError(f"sampler.mode = {mode!r} (resolved: {resolve_sampler_mode(mode, backend)!r}) reads weights "
+                         f"versions from local files, but the workdir {workdir} is a bucket: use "
+                         "sampler.mode = 'colocated' with a bucket workdir")
+
+
 def _check_weight_noise(config) -> None:
     """``sampler.weight_noise`` in [0, MAX_WEIGHT_NOISE] (native backend only) and its seed in [0, 2**32)."""
     sc = config.sampler
@@ -1168,7 +1185,7 @@ def _check_paths(config, exist: bool = True) -> None:
 
 
 def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[int] = None,
-                    num_held_out: Optional[int] = None, dry_run: bool = False) -> None:
+                    num_held_out: Optional[int] = None, dry_run: bool = False, paths_exist: bool = True) -> None:
     """Checks a run config before any work starts.
 
     Checked: no unknown field (named by its dotted path); every field has the kind
@@ -1185,7 +1202,8 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
 
     ``dry_run``: the checks of ``--dry_run``, which needs no checkpoint, data or devices: paths are not
     required to exist and the mesh is resolved on ``dry_run.num_devices`` (by the dry run) instead of
-    ``jax.device_count()``.
+    ``jax.device_count()``. ``paths_exist=False``: every check but the existence of the configured paths (the
+    documentation's commands, whose checkpoint and data paths are placeholders, are checked this way).
 
     Every check runs, so that one start names every problem: a single error is raised as
     ``"<dotted.field> = <value>: <what is wrong>"``, several as ``"N config errors: <each>; <each>"``.
@@ -1198,7 +1216,7 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
         raise ValueError(f"{unknown[0]}: unknown config field (not in pdm_jax.config.get_base_config)"
                          + (f"; also unknown: {', '.join(unknown[1:])}" if len(unknown) > 1 else ""))
     _check_types(config)
-    _run_checks(config, [(_check_paths, (not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
+    _run_checks(config, [(_check_paths, (paths_exist and not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
                          (_check_weight_noise, ()), (_check_model, (vocab_size,)), (_check_profile, ()),
                          (_check_dry_run, ()),
                          (_check_seeds_and_timeouts, ()), (_check_reward, ()),

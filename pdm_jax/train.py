@@ -20,7 +20,8 @@ from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pdm_jax.checkpointing import CheckpointError  # noqa: E402
-from pdm_jax.config import check_field_path, check_override_value, load_config_file, validate_config  # noqa: E402
+from pdm_jax.config import (check_field_path, check_override_value, check_sampler_workdir, load_config_file,  # noqa: E402
+                            validate_config)
 from pdm_jax.workdir import RunWriteError, WorkdirLockedError, run_path  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:arg]).",
@@ -78,6 +79,7 @@ def main(argv):
         initialize_from_config(config)
     try:
         validate_config(config)
+        check_sampler_workdir(config, _WORKDIR.value)  # a file-mode sampler with a gs:// workdir: before any work
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
