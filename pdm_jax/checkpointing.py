@@ -433,6 +433,26 @@ class Checkpointer:
         self._manager.close()
 
 
+def last_saved(directory: str) -> Optional[Restored]:
+    """The newest complete checkpoint under `directory` (one whose integrity manifest was written) as
+    ``Restored(state=None, meta, step, fallbacks=[])``, its meta read from the JSON orbax wrote; None when there is none or its
+    meta cannot be read. Reads two small files, no arrays: the command line's note after an interrupt."""
+    try:
+        names = wd.listdir(directory)
+    except OSError:
+        return None
+    for step in sorted((int(n) for n in names if n.isdigit()), reverse=True):
+        path = wd.join(directory, str(step))
+        if not wd.exists(wd.join(path, MANIFEST_NAME)):
+            continue
+        try:
+            meta = json.loads(wd.read_bytes(wd.join(path, "meta", "metadata")))
+        except (OSError, ValueError):
+            return None
+        return Restored(state=None, meta=meta, step=step, fallbacks=[]) if isinstance(meta, dict) else None
+    return None
+
+
 def abstract_like(tree: Any) -> Any:
     """A pytree of jax.ShapeDtypeStruct (with shardings) matching `tree`, for restore targets."""
 

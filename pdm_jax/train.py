@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import sys
 
 # transformers warns on import that PyTorch is absent; it is optional here (tokenizers and configs only).
@@ -87,6 +88,9 @@ def main(argv):
 
     try:
         summary = run(config, _WORKDIR.value)
+    except KeyboardInterrupt:  # Ctrl-C: what is saved and how to go on, not a traceback
+        print(interrupted_note(_WORKDIR.value, sys.argv[1:]), file=sys.stderr)
+        sys.exit(130)
     except (WorkdirLockedError, RunWriteError, CheckpointError, ValueError, SamplerFailure) as e:  # named: no traceback
         print(f"error: {e}", file=sys.stderr)
         for note in getattr(e, "__notes__", ()):  # errors of the cleanup after it (`workdir.close_after`)
@@ -94,6 +98,29 @@ def main(argv):
         sys.exit(2)
     print(json.dumps(summary, indent=2))
     print(f"summary written to {os.path.join(run_path(_WORKDIR.value), 'summary.json')}")
+
+
+def interrupted_note(workdir: str, args) -> str:
+    """What an interrupted run (Ctrl-C) kept: its newest complete checkpoint, read from ``WORKDIR/checkpoints``
+    (`pdm_jax.checkpointing.last_saved`), and the command that resumes from it (this command again, `args` being
+    its arguments)."""
+    from pdm_jax.checkpointing import last_saved  # lazy, as the trainer: imports JAX
+
+    command = "python -m pdm_jax.train " + shlex.join(args)
+    saved = last_saved(os.path.join(run_path(workdir), "checkpoints"))
+    if saved is None:
+        return (f"interrupted: no checkpoint was saved yet in {run_path(workdir)} (the first one comes at the end of "
+                f"the warm start); running the same command starts the run over:\n  {command}")
+    meta = saved.meta
+    if int(meta.get("rl_step", 0)) > 0:
+        what = f"RL step {int(meta['rl_step'])}"
+    elif meta.get("warmstart") is not None:
+        what = "the evaluated warm start (before RL step 1)"
+    else:
+        what = f"the warm start (SFT step {int(meta.get('sft_step', 0))}), before its evaluation"
+    return (f"interrupted: the last checkpoint is {saved.step} ({what}), in "
+            f"{os.path.join(run_path(workdir), 'checkpoints', str(saved.step))}; the work after it is not kept. "
+            f"Resume from it with the same command:\n  {command}")
 
 
 def _check_overrides(argv) -> None:
