@@ -453,6 +453,14 @@ def last_saved(directory: str) -> Optional[Restored]:
     return None
 
 
+def run_finished(workdir: str, rl_steps: int) -> bool:
+    """Whether the run in `workdir` has nothing left to do for ``rl.steps`` = `rl_steps`: its ``summary.json`` is
+    written and its newest complete checkpoint (`last_saved`) is at RL step `rl_steps` or later."""
+    saved = last_saved(wd.join(wd.run_path(workdir), "checkpoints"))
+    return (saved is not None and int(saved.meta.get("rl_step", 0)) >= int(rl_steps)
+            and wd.exists(wd.join(wd.run_path(workdir), "summary.json")))
+
+
 def abstract_like(tree: Any) -> Any:
     """A pytree of jax.ShapeDtypeStruct (with shardings) matching `tree`, for restore targets."""
 

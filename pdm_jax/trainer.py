@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from pdm_jax import evaluation, host_memory, per_host, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
-from pdm_jax.checkpointing import Checkpointer, abstract_like
+from pdm_jax.checkpointing import Checkpointer, abstract_like, run_finished
 from pdm_jax.config import (check_context, check_routing_replay_model, check_sampler_mesh, compute_options,
                             model_config_from_fields, packed_length, parse_stop_token_ids, redacted,
                             rollout_temperature, validate_against_data)
@@ -122,6 +122,8 @@ class Trainer:
     def _setup(self) -> None:
         """Compile cache, data, tokenizer, model, mesh, sampler handle and checkpointer (the rest of __init__)."""
         config = self.config
+        if run_finished(self.workdir, config.rl.steps):  # another config on a finished run: refused, config.json kept
+            wd.refuse_changed_config(self.workdir, redacted(config).to_json_best_effort(indent=2))
         self.compile_cache_dir = resolve_compile_cache_dir(config.compile_cache.dir, self.workdir)
         enable_compile_cache(self.compile_cache_dir, min_compile_time_s=config.compile_cache.min_compile_time_s)
         self.compile_counter = CompileCounter()  # this run's compiles from here on (model init included)

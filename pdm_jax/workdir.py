@@ -371,6 +371,44 @@ def _flat(d, prefix: str = "") -> dict:
     return out
 
 
+def _changed_fields(earlier: bytes, config_json: str) -> dict:
+    """``{dotted path: (earlier value, new value)}`` of the fields in which two run configs differ, sorted by path
+    (``{"<unreadable config.json>": (None, None)}`` when `earlier` is not JSON)."""
+    try:
+        old, new = _flat(json.loads(earlier)), _flat(json.loads(config_json))
+    except ValueError:
+        return {"<unreadable config.json>": (None, None)}
+    return {k: (old.get(k, "<absent>"), new.get(k, "<absent>")) for k in sorted(old.keys() | new.keys())
+            if old.get(k, "<absent>") != new.get(k, "<absent>")}
+
+
+class FinishedRunError(ValueError):
+    """A command with another config on a finished run's workdir (`refuse_changed_config`)."""
+
+
+def refuse_changed_config(workdir: str, config_json: str) -> None:
+    """Refuses another config on a finished run's workdir (one that has nothing left to run), before any work.
+
+    The run would only hand back its summary, and ``config.json`` must keep the config the run ran with. The same
+    config (the same values, in any layout) passes; so does a workdir without ``config.json``.
+
+    Raises:
+      FinishedRunError: naming the workdir and each changed field with its two values, and the two ways on: a new
+        ``--workdir`` for another run, or a larger ``rl.steps`` to continue this one (`write_run_config` then keeps
+        the earlier ``config.json`` as ``config.<n>.json``).
+    """
+    path = join(workdir, "config.json")
+    if not exists(path):
+        return
+    changed = _changed_fields(read_bytes(path), config_json)
+    if changed:
+        fields = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+        raise FinishedRunError(
+            f"{workdir} holds a finished run, and this command changes {len(changed)} field(s) of the config it ran "
+            f"with ({fields}): nothing would run with them, so nothing is done and its config.json stays as it is. "
+            "For a run with this config choose a new --workdir; to continue this run, raise rl.steps")
+
+
 def write_run_config(workdir: str, config_json: str) -> list:
     """Writes the run's ``config.json``; a resumed run with another config keeps the earlier one beside it.
 
@@ -397,11 +435,7 @@ def write_run_config(workdir: str, config_json: str) -> list:
     earlier = read_bytes(path)
     if earlier == config_json.encode():
         return []
-    try:
-        old, new = _flat(json.loads(earlier)), _flat(json.loads(config_json))
-        changed = sorted(k for k in old.keys() | new.keys() if old.get(k, "<absent>") != new.get(k, "<absent>"))
-    except ValueError:
-        changed = ["<unreadable config.json>"]
+    changed = list(_changed_fields(earlier, config_json))
     if not changed:  # the same fields and values, laid out otherwise
         write_bytes(path, config_json.encode())
         return []

@@ -213,3 +213,51 @@ def test_a_resume_with_another_config_keeps_the_earlier_config_json(tmp_path, ca
     assert write_run_config(wd, second) == ["<unreadable config.json>"]
     assert open(os.path.join(wd, "config.2.json")).read() == '{"rl": {"ste'
     assert sorted(os.listdir(wd)) == ["config.1.json", "config.2.json", "config.json"]
+
+
+def _finished_run(root, rl_steps=4, config=None):
+    """A workdir as a finished run leaves it (only what `run_finished` and `refuse_changed_config` read)."""
+    ckpt = root / "checkpoints" / str(10 + 1 + rl_steps)
+    (ckpt / "meta").mkdir(parents=True)
+    (ckpt / "meta" / "metadata").write_text(json.dumps({"rl_step": rl_steps, "sft_step": 10}))
+    (ckpt / "integrity.json").write_text("{}")
+    (root / "summary.json").write_text("{}")
+    if config is not None:
+        (root / "config.json").write_text(config)
+
+
+def test_a_finished_run_refuses_another_config_and_keeps_its_config_json(tmp_path):
+    """`run_finished` + `refuse_changed_config`: on a finished workdir another config is refused naming each changed
+    field with both values, and config.json is not touched; the same values pass; a larger rl.steps is a resume."""
+    from pdm_jax.checkpointing import run_finished
+    from pdm_jax.workdir import FinishedRunError, refuse_changed_config
+
+    first = json.dumps({"rl": {"steps": 4, "temperature": 1.0}, "trust_region": {"delta": 0.05}}, indent=2)
+    assert not run_finished(str(tmp_path), 4)  # nothing there
+    _finished_run(tmp_path, rl_steps=4, config=first)
+    assert run_finished(str(tmp_path), 4) and run_finished(str(tmp_path), 3) and not run_finished(str(tmp_path), 5)
+    refuse_changed_config(str(tmp_path), json.dumps(json.loads(first)))  # the same values: passes
+    changed = json.dumps({"rl": {"steps": 4, "temperature": 1.0}, "trust_region": {"delta": 0.1}, "seed": 3})
+    with pytest.raises(FinishedRunError, match=r"changes 2 field\(s\) .*\(seed: '<absent>' -> 3; "
+                                               r"trust_region.delta: 0.05 -> 0.1\).*new --workdir.*raise rl.steps"):
+        refuse_changed_config(str(tmp_path), changed)
+    assert (tmp_path / "config.json").read_text() == first and sorted(os.listdir(tmp_path)) == [
+        "checkpoints", "config.json", "summary.json"]
+    os.remove(tmp_path / "summary.json")  # stopped after its last checkpoint, before the summary: not finished
+    assert not run_finished(str(tmp_path), 4)
+
+
+def test_the_trainer_refuses_another_config_on_a_finished_run_before_any_work(tmp_path):
+    """The trainer checks a finished workdir first (no tokenizer, model or compile): an override on it exits 2 in
+    the command line (FinishedRunError is a ValueError) and config.json keeps the value the run ran with."""
+    from pdm_jax.config import redacted
+    from pdm_jax.trainer import Trainer
+    from pdm_jax.workdir import FinishedRunError
+    from test_trainer import tiny_test_config
+
+    ran = tiny_test_config()
+    _finished_run(tmp_path, rl_steps=ran.rl.steps, config=redacted(ran).to_json_best_effort(indent=2))
+    with pytest.raises(FinishedRunError, match=r"trust_region.delta: 0.05 -> 0.2"):
+        Trainer(tiny_test_config(**{"trust_region.delta": 0.2}), str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["trust_region"]["delta"] == 0.05
+    assert not (tmp_path / "tokenizer").exists()  # refused before the tokenizer was built
