@@ -1182,6 +1182,22 @@ def _check_paths(config, exist: bool = True) -> None:
                         ("data.eval_path", dc.eval_path), ("tokenizer.path", tc.path if tc.kind == "path" else "")):
         if path and exist:
             _need(os.path.exists(path), field, path, "no such file or directory")
+    shipped = checkpoint_tokenizer_file(config.model.hf_path)
+    _need(shipped is None or tc.kind == "path", "model.hf_path", config.model.hf_path,
+          f"ships its own tokenizer ({shipped}), and tokenizer.kind = {tc.kind!r} builds another one, whose ids "
+          f"would not mean the checkpoint's tokens: set tokenizer.kind=path, tokenizer.path={config.model.hf_path}")
+
+
+#: Files whose presence in a Hugging Face checkpoint directory means it ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def checkpoint_tokenizer_file(hf_path: str) -> Optional[str]:
+    """The first of `TOKENIZER_FILES` in the local checkpoint directory `hf_path`, or None (no such file, no
+    directory, or ``hf_path`` empty)."""
+    if not hf_path or not os.path.isdir(hf_path):
+        return None
+    return next((f for f in TOKENIZER_FILES if os.path.exists(os.path.join(hf_path, f))), None)
 
 
 def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[int] = None,

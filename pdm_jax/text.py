@@ -126,6 +126,48 @@ def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: 
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_config, hf_path: str = "") -> None:
+    """Refuses a tokenizer whose ids the model cannot embed, or one other than the checkpoint's own.
+
+    * Every id of the tokenizer (``len(tokenizer)`` and its largest id, added tokens included) must be below the
+      model's ``vocab_size`` rows (a real checkpoint may have more rows than tokens: Qwen3 151,936 for 151,669).
+    * With ``model.hf_path`` a directory that ships a tokenizer (`pdm_jax.config.TOKENIZER_FILES`) and
+      ``tokenizer.path`` another directory, both tokenizers must have the same vocabulary (token -> id).
+
+    Args:
+      tokenizer: the run's Hugging Face tokenizer (`run_tokenizer`).
+      model_vocab_size: the model's ``vocab_size`` (the embedding's rows).
+      tokenizer_config: ``config.tokenizer`` (named in the error).
+      hf_path: ``model.hf_path`` ("" = a random-init model).
+
+    Raises:
+      ValueError: naming the model (``model.hf_path`` or the model fields) and the tokenizer (``tokenizer.kind`` /
+        ``tokenizer.path``) with both sizes, or the first token the two vocabularies map differently.
+    """
+    from pdm_jax.config import checkpoint_tokenizer_file  # deferred: pdm_jax.config imports JAX
+
+    tc = tokenizer_config
+    named = f"tokenizer.kind = {tc.kind!r}" + (f", tokenizer.path = {tc.path!r}" if tc.kind == "path" else "")
+    model = f"model.hf_path = {hf_path!r}" if hf_path else "the model (model.preset / model.vocab_size)"
+    vocab = tokenizer.get_vocab()
+    size = max(len(tokenizer), max(vocab.values(), default=-1) + 1)
+    if size > model_vocab_size:
+        raise ValueError(f"{named}: its {size} token ids do not fit {model} with vocab_size {model_vocab_size} (ids "
+                         f">= {model_vocab_size} have no embedding): use the tokenizer the model was trained with"
+                         + (f" (tokenizer.path={hf_path})" if checkpoint_tokenizer_file(hf_path) else ""))
+    if not (hf_path and tc.kind == "path" and checkpoint_tokenizer_file(hf_path)
+            and os.path.realpath(tc.path) != os.path.realpath(hf_path)):
+        return
+    from pdm_jax.models.tokenizer import load_tokenizer  # deferred, as run_tokenizer's
+
+    own = load_tokenizer(hf_path).get_vocab()
+    if own != vocab:
+        token = next((t for t in sorted(own.keys() | vocab.keys()) if own.get(t) != vocab.get(t)), None)
+        raise ValueError(f"{named}: its vocabulary ({len(vocab)} tokens) is not the one {model} ships ({len(own)} "
+                         f"tokens; {token!r} is id {vocab.get(token)} in tokenizer.path and {own.get(token)} in the "
+                         f"checkpoint): set tokenizer.path={hf_path}")
+
+
 def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:
     """The ids a checkpoint's own files say end a completion, for a run whose ``sampler.stop_token_ids`` is empty:
     ``generation_config.json``'s ``eos_token_id`` (an int or a list; Qwen3 instruct: 151645 and 151643), then the

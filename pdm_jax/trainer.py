@@ -60,7 +60,8 @@ from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
 from pdm_jax.run_spec import run_spec
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
-from pdm_jax.text import TextCodec, checkpoint_stop_ids, run_tokenizer, sft_warmstart_batch
+from pdm_jax.text import (TextCodec, check_tokenizer_fits_model, checkpoint_stop_ids, run_tokenizer,
+                          sft_warmstart_batch)
 from pdm_jax.warm_start import run_warm_start
 from pdm_jax.workdir import WorkdirLock
 
@@ -199,8 +200,7 @@ class Trainer:
             cfg = get_preset(mc.preset) if mc.preset else model_config_from_fields(mc, self.vocab_size)
             model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(self.config.seed), dtype=dtype, param_dtype=param_dtype,
                                      **compute_options(mc))
-        if cfg.vocab_size < self.vocab_size:
-            raise ValueError(f"model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {self.vocab_size}")
+        check_tokenizer_fits_model(self.codec.tokenizer, cfg.vocab_size, self.config.tokenizer, mc.hf_path)
         model_dir = os.path.join(self.workdir, "model")
         wd.makedirs(model_dir)
         wd.write_bytes(os.path.join(model_dir, "config.json"), json.dumps(cfg.to_hf_dict(), indent=2).encode())

@@ -50,3 +50,66 @@ def test_bf16_compute_keeps_f32_masters_that_move_at_lr_1e6(tmp_path):
     # profile.steps = "2:2": a jax.profiler trace of RL step 2 (same run, to save a compile)
     traces = [f for _, _, files in os.walk(tmp_path / "run" / "profile") for f in files]
     assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in traces), traces
+
+
+def test_a_checkpoint_that_ships_a_tokenizer_refuses_a_built_one(tmp_path):
+    """The tiny config's character tokenizer with a checkpoint that ships its own: a config error naming both
+    (exit 2 from the command line), before any work; the checkpoint's own tokenizer passes."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from pdm_jax.config import validate_config
+
+    ckpt = tmp_path / "hf"
+    _hf_checkpoint(ckpt)
+    c = tiny_test_config(**{"model.hf_path": str(ckpt)})
+    with pytest.raises(ValueError, match=rf"model.hf_path = '{ckpt}': ships its own tokenizer \(tokenizer.json\), "
+                                         r"and tokenizer.kind = 'char' builds another one.*tokenizer.kind=path"):
+        validate_config(c)
+    validate_config(tiny_test_config(**{"model.hf_path": str(ckpt), "tokenizer.kind": "path",
+                                        "tokenizer.path": str(ckpt)}))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "pdm_jax.train", "--config=configs/tiny.py",
+                        f"--config.model.hf_path={ckpt}", f"--workdir={tmp_path / 'run'}"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "config error: model.hf_path" in p.stderr and "tokenizer.kind = 'char'" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_tokenizer_must_fit_the_model_and_match_the_checkpoints_vocabulary(tmp_path):
+    """`check_tokenizer_fits_model`: more token ids than the model's rows is refused naming both sizes; fewer is
+    fine (Qwen3: 151,669 tokens, 151,936 rows); a tokenizer.path other than the checkpoint's own passes with the
+    same vocabulary and is refused with another mapping, naming a token whose ids differ."""
+    import shutil
+
+    import pytest
+
+    from pdm_jax.models.tokenizer import load_tokenizer
+    from pdm_jax.text import check_tokenizer_fits_model
+
+    ckpt = tmp_path / "hf"
+    _hf_checkpoint(ckpt)  # 13 symbols + its special tokens
+    tok = load_tokenizer(str(ckpt))
+    n = len(tok)
+    char = tiny_test_config().tokenizer
+    with pytest.raises(ValueError, match=rf"tokenizer.kind = 'char': its {n} token ids do not fit the model "
+                                         rf"\(model.preset / model.vocab_size\) with vocab_size {n - 1}"):
+        check_tokenizer_fits_model(tok, n - 1, char)
+    check_tokenizer_fits_model(tok, n, char)
+    check_tokenizer_fits_model(tok, n + 267, char)
+    path = tiny_test_config(**{"tokenizer.kind": "path", "tokenizer.path": str(ckpt)}).tokenizer
+    with pytest.raises(ValueError, match=rf"model.hf_path = '{ckpt}' with vocab_size {n - 1}.*tokenizer.path={ckpt}"):
+        check_tokenizer_fits_model(tok, n - 1, path, str(ckpt))
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt, copy)
+    same = tiny_test_config(**{"tokenizer.kind": "path", "tokenizer.path": str(copy)}).tokenizer
+    check_tokenizer_fits_model(load_tokenizer(str(copy)), n, same, str(ckpt))
+    other_dir = tmp_path / "other"
+    build_char_tokenizer("=-+9876543210", str(other_dir))  # the same symbols, other ids
+    other = tiny_test_config(**{"tokenizer.kind": "path", "tokenizer.path": str(other_dir)}).tokenizer
+    with pytest.raises(ValueError, match=rf"its vocabulary \({n} tokens\) is not the one model.hf_path = '{ckpt}' "
+                                         rf"ships \({n} tokens; '\+' is id \d+ in tokenizer.path and \d+ in the "
+                                         rf"checkpoint\): set tokenizer.path={ckpt}"):
+        check_tokenizer_fits_model(load_tokenizer(str(other_dir)), n, other, str(ckpt))
