@@ -140,6 +140,20 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.tokenizer.corpus_prompts = 20000
 
     # ---- prompts and verifier (pdm_jax.data.make_source). ----------------------------
+    # data.kind=reasoning_gym draws prompts from a reasoning-gym task; gsm8k and dapo_math read a local json, jsonl or
+    # parquet file (nothing is downloaded). gsm8k rows: {"question": text, "answer": a worked solution ending in a
+    # line "#### <number>"} (the number is the reference answer, the solution the warm start's target). dapo_math
+    # rows: {"prompt": [{"role": "user", "content": text}, ...] (or the text itself), "reward_model": {"ground_truth":
+    # answer}}, optional "extra_info": {"index": id}. A prompt that repeats is kept once; completions are checked with
+    # math-verify (the last \boxed{}, else an "Answer:" line, else a "#### N" line). Text prompts need a tokenizer
+    # that encodes text: tokenizer.kind=path (a checkpoint's own, with its chat template) or bpe (trained on the
+    # prompts; it has no chat template, so data.chat_template=off); the char tokenizer encodes tokenizer.symbols
+    # only, and a prompt with another character is refused naming them. Under data.chat_template=auto gsm8k and
+    # dapo_math format each prompt with the tokenizer's chat template: a tokenizer without one is refused, naming
+    # data.chat_template. Their held-out split: without data.eval_path, a permutation of data.path's distinct rows drawn
+    # from data.seed holds out its first data.num_eval rows, at most half of them (more is refused, naming both
+    # counts; the run logs the split), and the rest is the training pool; with data.eval_path, data.num_eval rows of
+    # that file are held out and every training row with the same prompt text is dropped.
     # Your own prompts: data.kind=file reads data.path (a local json / jsonl / parquet file or a datasets.save_to_disk
     # directory) with the prompt column data.prompt_field (text, or a list of chat messages {role, content}) and any
     # other columns, which reach reward.functions; data.answer_field (optional) is the built-in math verifier's
@@ -154,9 +168,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # reasoning-gym config keyword arguments of the task (free-form, passed through).
     c.data.task_config = ml_collections.ConfigDict(
         dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2))
-    # "compact" (e.g. "57+87=", the answer's leading integer is scored) | "question" (the source's question text; the
-    # only format of gsm8k / dapo_math).
-    c.data.prompt_format = "compact"
+    # "auto": the kind's own format (reasoning_gym "compact", gsm8k / dapo_math "question") | "compact" (e.g. "57+87=",
+    # the answer's leading integer is scored; reasoning_gym only) | "question" (the source's question text).
+    c.data.prompt_format = "auto"
     # "auto": the source's own choice (gsm8k / dapo_math and reasoning-gym "question" prompts go through the
     # tokenizer's chat template as one user turn + the generation prompt; "compact" prompts stay raw text) | "on" |
     # "off" (raw prompt text: a Base model without chat training)
@@ -1173,6 +1187,11 @@ def _check_paths(config, exist: bool = True) -> None:
               "one (question prompts, gsm8k and dapo_math do under 'auto'): set data.chat_template=off or use "
               "tokenizer.kind=path")
     _need(dc.kind in data_sources.KINDS, "data.kind", dc.kind, f"must be one of {data_sources.KINDS}")
+    if _need(dc.prompt_format in data_sources.PROMPT_FORMATS, "data.prompt_format", dc.prompt_format,
+             f"must be one of {data_sources.PROMPT_FORMATS}") and dc.kind in data_sources.KINDS:
+        _need(dc.kind not in ("gsm8k", "dapo_math") or dc.prompt_format != "compact", "data.prompt_format",
+              dc.prompt_format,
+              f"data.kind = {dc.kind!r} has question prompts only: set data.prompt_format=auto (or question)")
     _need(dc.chat_template in data_sources.CHAT_TEMPLATES, "data.chat_template", dc.chat_template,
           f"must be one of {data_sources.CHAT_TEMPLATES}")
     if dc.kind != "reasoning_gym":  # file-backed sources: the path comes first, before any format option

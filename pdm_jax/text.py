@@ -35,6 +35,38 @@ FILE_CORPUS_FIELDS = ("prompt_field", "answer_field")
 
 
 def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: bool = True):
+    """The run's tokenizer (`_run_tokenizer`, which documents the kinds), checked against the data source: a source
+    that applies a chat template needs a tokenizer that has one (`check_chat_template`).
+
+    Raises:
+      ValueError: as `_run_tokenizer`, or from `check_chat_template`, naming ``data.chat_template``.
+    """
+    tokenizer = _run_tokenizer(tokenizer_config, workdir, source, data=data, upload=upload)
+    check_chat_template(tokenizer, source, tokenizer_config, data)
+    return tokenizer
+
+
+def check_chat_template(tokenizer, source, tokenizer_config, data=None) -> None:
+    """Refuses a tokenizer without a chat template for a source whose prompts go through one (``source.chat``: the
+    file kinds and reasoning-gym "question" prompts under ``data.chat_template=auto``, or ``on``).
+
+    Raises:
+      ValueError: naming ``data.chat_template`` and ``data.kind`` with their values, the tokenizer, and the two
+        ways on (raw prompt text, or a tokenizer with a chat template).
+    """
+    if not getattr(source, "chat", False) or getattr(tokenizer, "chat_template", None):
+        return
+    tc = tokenizer_config
+    named = f"tokenizer.kind = {tc.kind!r}" + (f", tokenizer.path = {tc.path!r}" if tc.kind == "path" else "")
+    value = getattr(data, "chat_template", "auto")
+    kind = f"data.kind = {getattr(data, 'kind', '?')!r}"
+    raise ValueError(f"data.chat_template = {value!r}: {kind} formats each prompt with the tokenizer's chat "
+                     f"template, and the tokenizer ({named}) has none: set data.chat_template=off (the raw prompt "
+                     "text, as for a Base model) or use a tokenizer with a chat template (tokenizer.kind=path, e.g. "
+                     "the checkpoint's own directory)")
+
+
+def _run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: bool = True):
     """The run's tokenizer, per ``tokenizer.kind`` (``config.tokenizer``):
 
     * ``"char"``: :func:`~pdm_jax.models.tokenizer.build_char_tokenizer` over ``tokenizer.symbols``;
@@ -255,7 +287,7 @@ class TextCodec:
         elif isinstance(prompt, (list, tuple)):
             raise TypeError("a prompt of chat messages needs the chat template (data.chat_template 'auto' or 'on')")
         else:
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = self._encode(prompt, "prompt")
         if hasattr(ids, "tolist"):  # numpy / jax arrays (return_tensors="np")
             ids = ids.tolist()
         ids = ids if isinstance(ids, list) else list(ids) if isinstance(ids, tuple) else [ids]
@@ -269,6 +301,26 @@ class TextCodec:
             raise TypeError(f"tokenizer {getattr(self.tokenizer, 'name_or_path', '')!r}: prompt ids must be "
                             f"integers, got {bad!r} ({type(bad).__name__})")
         return [int(i) for i in ids]
+
+    def _encode(self, text: str, what: str) -> list:
+        """The ids of plain `text` (no special tokens).
+
+        Raises:
+          ValueError: the tokenizer cannot encode it (a character tokenizer meeting a character outside its
+            vocabulary: the library's "Missing [UNK] token"), naming `what`, the text, the characters its
+            vocabulary lacks and the ``tokenizer.`` settings that encode text.
+        """
+        try:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception; named below
+            vocab = self.tokenizer.get_vocab()
+            missing = "".join(sorted({ch for ch in text if ch not in vocab}))
+            hint = (f": its vocabulary lacks the characters {missing[:40]!r}. A character tokenizer "
+                    "(tokenizer.kind=char) encodes tokenizer.symbols only: add them there, or for text prompts use "
+                    "tokenizer.kind=bpe (trained on the prompts) or tokenizer.kind=path (a checkpoint's own)"
+                    if missing else "")
+            raise ValueError(f"tokenizer {getattr(self.tokenizer, 'name_or_path', '')!r} cannot encode the {what} "
+                             f"{text[:80]!r} ({type(e).__name__}: {e}){hint}") from None
 
     def decode_completion(self, ids: np.ndarray, mask: np.ndarray) -> str:
         """Text of a completion's valid tokens (``ids``, ``mask`` ``[T]``), without the stop and special tokens."""
@@ -295,8 +347,7 @@ class TextCodec:
             raise ValueError(f"SFT prompt of row {row} has {longest} tokens, more than the batch's prompt width "
                              f"{prompt_len} (prompts are never cut)")
         p_ids, p_mask = left_pad(ids, prompt_len)
-        c = [(list(self.tokenizer(target, add_special_tokens=False)["input_ids"]) + [self.eos_id])[:completion_len]
-             for target in targets]
+        c = [(list(self._encode(target, "reference answer")) + [self.eos_id])[:completion_len] for target in targets]
         c_ids = right_pad_rows(c, completion_len, dtype=np.int32)
         c_mask = np.arange(completion_len)[None, :] < np.array([len(x) for x in c])[:, None]
         return StepBatch(prompt_ids=p_ids, prompt_mask=p_mask, completion_ids=c_ids, completion_mask=c_mask)

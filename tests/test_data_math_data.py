@@ -92,3 +92,52 @@ def test_math_instruction_is_appended():
 def test_math_bad_config_names_field(fields, field):
     with pytest.raises(ValueError, match=field):
         make_source(math_source_config(**fields))
+
+
+def test_num_eval_holds_out_at_most_half_of_the_file(caplog):
+    """Without data.eval_path at most half of data.path's distinct rows are held out: the 6-row file takes 3 and
+    trains on 3 (logged), 4 is refused naming both counts and the two ways on (a smaller num_eval, an eval file)."""
+    path = str(FIXTURES / "gsm8k_tiny.jsonl")
+    with caplog.at_level("INFO", logger="pdm_jax.data.math_data"):
+        source = make_source(math_source_config(kind="gsm8k", path=path, num_eval=3))
+    assert len(source.eval_examples()) == 3 and source.num_train == 3
+    assert "gsm8k: 3 distinct rows of data.path for training, 3 held out (data.num_eval) from data.path" in caplog.text
+    with pytest.raises(ValueError, match=r"data.num_eval = 4 would hold out 4 of the 6 distinct rows of data.path "
+                                         r".* and leave 2 for training: at most half may be held out "
+                                         r"\(data.num_eval <= 3\), or .* data.eval_path"):
+        make_source(math_source_config(kind="gsm8k", path=path, num_eval=4))
+    with pytest.raises(ValueError, match=r"data.num_eval = 256 would hold out 6 of the 6 .* leave 0 for training"):
+        make_source(math_source_config(kind="gsm8k", path=path, num_eval=256))  # the schema's default
+    # with a separate held-out file the training file is not split: its 3 rows are held out, 4 train
+    source = make_source(math_source_config(kind="gsm8k", path=path, num_eval=3,
+                                            eval_path=str(FIXTURES / "gsm8k_tiny_eval.jsonl")))
+    assert len(source.eval_examples()) == 3 and source.num_train == 4
+
+
+def test_a_gsm8k_file_with_the_tiny_config_meets_named_errors_only(tmp_path):
+    """The tiny config pointed at a GSM8K file (data.kind, data.path, a small num_eval): the prompt format follows
+    the kind (no data.prompt_format needed), and each missing setting is an error naming the field, the value and
+    what to do, before any compile: the character tokenizer has no chat template (data.chat_template), then cannot
+    encode the text (the characters it lacks, tokenizer.kind)."""
+    from pdm_jax.config import validate_config
+    from pdm_jax.data import DataSpec
+    from pdm_jax.trainer import Trainer
+    from test_trainer import tiny_test_config
+
+    fields = {"data.kind": "gsm8k", "data.path": str(FIXTURES / "gsm8k_tiny.jsonl"), "data.num_eval": 2,
+              "eval.num_prompts": 2}
+    c = tiny_test_config(**fields)
+    assert c.data.prompt_format == "auto" and DataSpec.from_config(c.data).prompt_format == "question"
+    with pytest.raises(ValueError, match=r"^data.chat_template = 'auto': data.kind = 'gsm8k' formats each prompt "
+                                         r"with the tokenizer's chat template, and the tokenizer \(tokenizer.kind = "
+                                         r"'char'\) has none: set data.chat_template=off .*tokenizer.kind=path"):
+        Trainer(c, str(tmp_path / "a"))
+    c = tiny_test_config(**fields, **{"data.chat_template": "off"})
+    with pytest.raises(ValueError, match=r"cannot encode the prompt .*Missing \[UNK\].*lacks the characters "
+                                         r"' \.\?HTabcdehilmnorstuvwxy'.*tokenizer.kind=char.*tokenizer.kind=bpe"):
+        Trainer(c, str(tmp_path / "b"))
+    with pytest.raises(ValueError, match=r"data.prompt_format = 'compact': data.kind = 'gsm8k' has question prompts "
+                                         r"only: set data.prompt_format=auto"):
+        validate_config(tiny_test_config(**fields, **{"data.prompt_format": "compact"}))
+    base = tiny_test_config()  # the default task keeps its compact prompts
+    assert DataSpec.from_config(base.data).prompt_format == "compact"

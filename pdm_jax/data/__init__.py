@@ -6,7 +6,8 @@ read once (`DataSpec.from_config(config.data)`; fields and units in docs/configu
   kind           "reasoning_gym" | "gsm8k" | "dapo_math" | "file" (the user's own prompts)
   task           reasoning-gym task name, e.g. "chain_sum"            (reasoning_gym)
   task_config    dict of reasoning-gym config kwargs                  (reasoning_gym)
-  prompt_format  "compact" | "question" (the math datasets support only "question")
+  prompt_format  "compact" | "question" (the math datasets support only "question"); the config's "auto"
+                 is resolved by `DataSpec.from_config`
   path           local json/jsonl/parquet file                        (gsm8k, dapo_math, file)
   prompt_field   the prompt column (text or chat messages)            (file)
   answer_field   the reference-answer column ("" = none)              (file)
@@ -43,6 +44,9 @@ from pdm_jax.data.prompt_filter import LengthFilteredSource, filter_long_prompts
 from pdm_jax.data.spec import DataSpec
 
 KINDS = ("reasoning_gym", "gsm8k", "dapo_math", "file")
+#: data.prompt_format: "auto" is the kind's own (`DataSpec.from_config` resolves it: reasoning_gym "compact", the
+#: file kinds "question").
+PROMPT_FORMATS = ("auto", "compact", "question")
 #: data.chat_template: the source's own choice, the tokenizer's chat template, or raw prompt text.
 CHAT_TEMPLATES = ("auto", "on", "off")
 
@@ -53,6 +57,7 @@ __all__ = [
     "Example",
     "FileSource",
     "KINDS",
+    "PROMPT_FORMATS",
     "LengthFilteredSource",
     "PromptSource",
     "ReasoningGymSource",

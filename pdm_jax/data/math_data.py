@@ -17,7 +17,9 @@ contacted. Accepted extensions: .json, .jsonl, .parquet.
 
 Held-out split: without `eval_path`, a permutation of the de-duplicated rows
 drawn with `numpy.random.default_rng(seed)` puts the first `num_eval` rows in
-the eval set and the rest in the training pool. With `eval_path`, the eval set
+the eval set and the rest in the training pool; `num_eval` may be at most half
+of the rows (a larger one is refused, naming both counts, rather than leaving
+a training pool smaller than the held-out set). With `eval_path`, the eval set
 is `num_eval` rows of that file (same seeded permutation) and every training
 row whose prompt text equals an eval prompt is dropped. Either way train and
 eval are disjoint by prompt content.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +52,8 @@ import numpy as np
 from pdm_jax.data.tasks import Example, _check_index, _json_safe, _truncation_flags
 from pdm_jax.data import verifiers
 from pdm_jax.data.verifiers import math_reward
+
+log = logging.getLogger(__name__)
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _CALCULATOR_RE = re.compile(r"<<[^<>]*>>")
@@ -190,8 +195,8 @@ class MathSource:
         when `eval_path` is None).
       eval_path: optional separate held-out file in the same schema.
       prompt_format: only "question" (the dataset's prompt text) is supported.
-      num_eval: held-out size (>= 1; at most the available rows, and without
-        eval_path strictly fewer than the rows of `path`).
+      num_eval: held-out size (>= 1; at most the rows of `eval_path`, and
+        without eval_path at most half of the distinct rows of `path`).
       seed: int seed of the split and of the per-epoch training shuffles.
       instruction: text appended to every prompt after a blank line (e.g.
         "Please reason step by step, and put your final answer within \\boxed{}.");
@@ -256,14 +261,19 @@ class MathSource:
             eval_prompts = {row["prompt"] for row in eval_rows}
             train_rows = [row for row in rows if row["prompt"] not in eval_prompts]
         else:
-            if self.num_eval >= len(rows):
-                raise ValueError(f"data.num_eval={self.num_eval} leaves no training rows: data.path "
-                                 f"{str(path)!r} has {len(rows)} distinct rows")
+            if self.num_eval > len(rows) // 2:
+                raise ValueError(f"data.num_eval = {self.num_eval} would hold out {min(self.num_eval, len(rows))} "
+                                 f"of the {len(rows)} distinct rows of data.path {str(path)!r} and leave "
+                                 f"{max(len(rows) - self.num_eval, 0)} for training: at most half may be held "
+                                 f"out (data.num_eval <= {len(rows) // 2}), or give the held-out prompts their own "
+                                 "file in data.eval_path")
             order = np.random.default_rng(self.seed).permutation(len(rows))
             eval_rows = [rows[i] for i in order[: self.num_eval]]
             train_rows = [rows[i] for i in order[self.num_eval :]]
         if not train_rows:
             raise ValueError(f"data.path {str(path)!r}: every row is also in data.eval_path")
+        log.info("%s: %d distinct rows of data.path for training, %d held out (data.num_eval) from %s", kind,
+                 len(train_rows), len(eval_rows), "data.eval_path" if eval_path else "data.path")
         self._eval = [self._example(row, "eval") for row in eval_rows]
         self._train_rows = train_rows
         self._epoch_perms: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()

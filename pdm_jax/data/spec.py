@@ -13,12 +13,21 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 
+def resolve_prompt_format(kind: str, prompt_format: str) -> str:
+    """``data.prompt_format`` as the source takes it: ``"auto"`` is the kind's own format, ``"compact"`` for
+    reasoning_gym and ``"question"`` for the file kinds (gsm8k, dapo_math); any other value unchanged."""
+    if prompt_format != "auto":
+        return prompt_format
+    return "compact" if kind == "reasoning_gym" else "question"
+
+
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
     """The prompt source of a run (docs/configuration.md, section ``data``).
 
     Fields of the schema: ``kind`` ("reasoning_gym" | "gsm8k" | "dapo_math"), ``task`` and ``task_config`` (a
-    reasoning-gym task and its keyword arguments), ``prompt_format`` ("compact" | "question"), ``chat_template``
+    reasoning-gym task and its keyword arguments), ``prompt_format`` ("compact" | "question"; the config's "auto"
+    resolved by `resolve_prompt_format`), ``chat_template``
     ("auto" | "on" | "off"), ``enable_thinking`` (read by `pdm_jax.text.TextCodec`, not by the source), ``path``
     / ``eval_path`` (local json / jsonl / parquet files; "" = none), ``num_eval`` (held-out prompts), ``seed``,
     ``prompt_field`` / ``answer_field`` (kind "file": the prompt and reference-answer columns).
@@ -56,7 +65,8 @@ class DataSpec:
         task_config = data.task_config
         task_config = dict(task_config.to_dict() if hasattr(task_config, "to_dict") else task_config or {})
         return cls(kind=str(data.kind), task=str(data.task), task_config=task_config,
-                   prompt_format=str(data.prompt_format), chat_template=str(data.chat_template),
+                   prompt_format=resolve_prompt_format(str(data.kind), str(data.prompt_format)),
+                   chat_template=str(data.chat_template),
                    enable_thinking=bool(data.enable_thinking), path=str(data.path), eval_path=str(data.eval_path),
                    num_eval=int(data.num_eval), seed=int(data.seed), prompt_field=str(data.prompt_field),
                    answer_field=str(data.answer_field))
