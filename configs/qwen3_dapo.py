@@ -11,7 +11,16 @@ not exist. The recipe is the same for both sizes.
 
 Any field can be overridden in the argument string (delta=0.1,estimator=uniform_tail)
 or with --config.<field>=value.
+
+``smoke=True`` runs the recipe at a size one host runs in minutes, CPU included (`one_host_smoke`): one
+device's sampler, 2 RL steps of 4 prompts x 4 samples, 16-token responses, the repository's DAPO-Math fixture
+as the default data. With the stand-in checkpoint (the real architecture and tokenizer at toy size)::
+
+  python -m pdm_jax.models.stand_in --out=runs/qwen3_stand_in
+  python -m pdm_jax.train --config=configs/qwen3_dapo.py:smoke=True,hf_path=runs/qwen3_stand_in --workdir=runs/qwen3_smoke
 """
+
+import os
 
 from pdm_jax.config import apply_arg, get_base_config, parse_arg
 
@@ -91,22 +100,64 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     return c
 
 
+#: ``smoke=True``'s default data_path and eval_path: the repository's 6-problem DAPO-Math fixture.
+SMOKE_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "fixtures",
+                          "dapo_math_tiny.parquet")
+
+
+def one_host_smoke(c):
+    """The recipe `c` at a size one host runs in minutes (a CPU included), everything else kept (chat prompts,
+    bf16 compute over f32 masters, the chunked loss, micro-batches, the fp8 sampler, the PDM mask, evaluation with
+    the rollout engine): a smoke test of a checkpoint, its tokenizer and the data before a pod run, not training.
+
+    The knobs that tie the recipe to a 64-chip pod are set for one host: the sampler on one device
+    (``sampler.mesh`` 1 x 1, whatever the model's kv heads), colocated with the trainer, whose FSDP spans the
+    host's devices; 2 RL steps of 4 prompts x 4 samples in 2 mini-batches of 2 micro-batches; 16-token responses
+    and prompts up to 256 tokens; 2 held-out prompts x 2 samples, evaluated and checkpointed every step.
+    """
+    c.rl.steps = 2
+    c.rl.prompts_per_step, c.rl.group_size, c.rl.num_minibatches = 4, 4, 2  # 8 rows per optimizer step
+    c.rl.micro_batch_size = 4
+    c.rl.max_new_tokens = 16
+    c.rl.logits_chunk_size = 8
+    c.sampler.max_prompt_length = 256
+    c.sampler.max_batch_size = 16
+    c.sampler.mode = "colocated"
+    c.sampler.mesh.data = 1
+    c.sampler.mesh.tensor = 1
+    c.data.num_eval = c.eval.num_prompts = 2
+    c.eval.samples_per_prompt = 2
+    c.eval.every_steps = 1
+    c.checkpoint.every_steps = 1
+    c.dry_run.num_devices = 1
+    return c
+
+
 def get_config(arg=None):
     """Returns the Qwen3 DAPO config of ``size`` (4b | 8b); other argument items go through `apply_arg`.
 
+    ``smoke=True`` (this file's own argument, as ``size``): `one_host_smoke`, with `SMOKE_DATA` as the default
+    data_path and eval_path.
+
     Raises:
-      ValueError: ``size`` is not one of `DEFAULT_HF_PATHS`, or (from
+      ValueError: ``size`` is not one of `DEFAULT_HF_PATHS`, ``smoke`` is not a boolean, or (from
         `apply_arg`) an item names an unknown field or does not parse.
     """
     args = parse_arg(arg)
     size = args.get("size", DEFAULT_SIZE)
     if size not in DEFAULT_HF_PATHS:
         raise ValueError(f"config argument 'size' must be one of {sorted(DEFAULT_HF_PATHS)}, got {size!r}")
+    smoke = args.get("smoke", "false").strip().lower()
+    if smoke not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(f"config argument 'smoke' must be true or false, got {args['smoke']!r}")
+    smoke = smoke in ("true", "1", "yes")
     c = dapo_recipe(
         hf_path=args.get("hf_path", DEFAULT_HF_PATHS[size]),
-        data_path=args.get("data_path", "data/dapo-math-17k.parquet"),
-        eval_path=args.get("eval_path", ""),
+        data_path=args.get("data_path", SMOKE_DATA if smoke else "data/dapo-math-17k.parquet"),
+        eval_path=args.get("eval_path", SMOKE_DATA if smoke else ""),
     )
-    # `size` is this file's own argument (not a config field): every other item, unchanged and in order.
-    rest = [item for item in (arg or "").split(",") if item.split("=", 1)[0].strip() != "size"]
+    if smoke:
+        one_host_smoke(c)
+    # `size` and `smoke` are this file's own arguments (not config fields): every other item, unchanged and in order.
+    rest = [item for item in (arg or "").split(",") if item.split("=", 1)[0].strip() not in ("size", "smoke")]
     return apply_arg(c, ",".join(rest))
