@@ -162,7 +162,9 @@ def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_confi
     """Refuses a tokenizer whose ids the model cannot embed, or one other than the checkpoint's own.
 
     * Every id of the tokenizer (``len(tokenizer)`` and its largest id, added tokens included) must be below the
-      model's ``vocab_size`` rows (a real checkpoint may have more rows than tokens: Qwen3 151,936 for 151,669).
+      model's ``vocab_size`` rows (a real checkpoint may have more rows than tokens: Qwen3 151,936 for 151,669). A
+      checkpoint with over twice as many rows as the tokenizer has ids is logged as a warning (likely the tokenizer
+      of another model, in a checkpoint that ships none).
     * With ``model.hf_path`` a directory that ships a tokenizer (`pdm_jax.config.TOKENIZER_FILES`) and
       ``tokenizer.path`` another directory, both tokenizers must have the same vocabulary (token -> id).
 
@@ -187,6 +189,9 @@ def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_confi
         raise ValueError(f"{named}: its {size} token ids do not fit {model} with vocab_size {model_vocab_size} (ids "
                          f">= {model_vocab_size} have no embedding): use the tokenizer the model was trained with"
                          + (f" (tokenizer.path={hf_path})" if checkpoint_tokenizer_file(hf_path) else ""))
+    if hf_path and 2 * size < model_vocab_size:  # fits, but most rows unused: likely another model's tokenizer
+        log.warning("%s: its %d token ids use under half of the %d embedding rows of %s: is it the tokenizer the "
+                    "checkpoint was trained with?", named, size, model_vocab_size, model)
     if not (hf_path and tc.kind == "path" and checkpoint_tokenizer_file(hf_path)
             and os.path.realpath(tc.path) != os.path.realpath(hf_path)):
         return

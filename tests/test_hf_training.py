@@ -78,7 +78,7 @@ def test_a_checkpoint_that_ships_a_tokenizer_refuses_a_built_one(tmp_path):
     assert "Traceback" not in p.stderr and not (tmp_path / "run").exists()
 
 
-def test_a_tokenizer_must_fit_the_model_and_match_the_checkpoints_vocabulary(tmp_path):
+def test_a_tokenizer_must_fit_the_model_and_match_the_checkpoints_vocabulary(tmp_path, caplog):
     """`check_tokenizer_fits_model`: more token ids than the model's rows is refused naming both sizes; fewer is
     fine (Qwen3: 151,669 tokens, 151,936 rows); a tokenizer.path other than the checkpoint's own passes with the
     same vocabulary and is refused with another mapping, naming a token whose ids differ."""
@@ -99,6 +99,11 @@ def test_a_tokenizer_must_fit_the_model_and_match_the_checkpoints_vocabulary(tmp
         check_tokenizer_fits_model(tok, n - 1, char)
     check_tokenizer_fits_model(tok, n, char)
     check_tokenizer_fits_model(tok, n + 267, char)
+    with caplog.at_level("WARNING", logger="pdm_jax.text"):
+        check_tokenizer_fits_model(tok, 2 * n, char, str(tmp_path / "no_tokenizer_files"))
+        assert not caplog.records  # half the rows used: no warning
+        check_tokenizer_fits_model(tok, 151_936, char, str(tmp_path / "no_tokenizer_files"))
+    assert f"its {n} token ids use under half of the 151936 embedding rows of model.hf_path" in caplog.text
     path = tiny_test_config(**{"tokenizer.kind": "path", "tokenizer.path": str(ckpt)}).tokenizer
     with pytest.raises(ValueError, match=rf"model.hf_path = '{ckpt}' with vocab_size {n - 1}.*tokenizer.path={ckpt}"):
         check_tokenizer_fits_model(tok, n - 1, path, str(ckpt))
