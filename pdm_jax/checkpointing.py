@@ -45,12 +45,15 @@ leaves the rest in place, which fails its check again on the next resume).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from typing import Any, Optional
 
@@ -295,9 +298,10 @@ class Checkpointer:
         `pdm_jax.workdir.RunWriteError` naming the step's directory when a file cannot be written (a full disk:
         orbax raises a bare ``OSError(ENOSPC)``, or tensorstore a ValueError naming ``os_error_code='28'``, as
         the disk fills under the arrays or the metadata); what is left is orbax's temporary directory or a step
-        without its manifest, neither of which a restore takes.
+        without its manifest, neither of which a restore takes. A Ctrl-C during the save is held back until the
+        checkpoint is complete (`deferred_interrupt`), then raised.
         """
-        with wd.naming_write_errors(self.step_path(step)):
+        with deferred_interrupt(), wd.naming_write_errors(self.step_path(step)):
             self._manager.save(
                 step,
                 args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -431,6 +435,27 @@ class Checkpointer:
         """Waits for pending saves and releases the manager."""
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+@contextlib.contextmanager
+def deferred_interrupt():
+    """Holds back Ctrl-C (SIGINT) for the body, then raises the KeyboardInterrupt it held back, if any.
+
+    A checkpoint save interrupted halfway leaves orbax's background threads failing with tracebacks and no
+    checkpoint; deferred, the save completes and the run stops right after it, with that checkpoint kept.
+    Only in the main thread (the only one that can set a signal handler); elsewhere the body runs as is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
 
 
 def last_saved(directory: str) -> Optional[Restored]:

@@ -116,3 +116,21 @@ def test_ctrl_c_says_what_was_saved_and_how_to_resume(tmp_path):
     saved = last_saved(str(workdir / "checkpoints"))
     assert f"interrupted: the last checkpoint is {saved.step} (RL step {saved.meta['rl_step']})" in err, err[-3000:]
     assert ("Resume from it with the same command:\n  python -m pdm_jax.train " + " ".join(args)) in err
+
+
+def test_a_ctrl_c_during_a_checkpoint_save_is_held_back_until_it_is_written():
+    """`deferred_interrupt` (around `Checkpointer.save`): SIGINT inside the body does not interrupt it; it is raised
+    as KeyboardInterrupt when the body is done, and the previous handler is back."""
+    from pdm_jax.checkpointing import deferred_interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs between bytecodes: the body goes on
+            done.append(True)
+    assert done == [True] and signal.getsignal(signal.SIGINT) is before
+    with deferred_interrupt():  # no signal: nothing raised
+        done.append(True)
+    assert done == [True, True]
