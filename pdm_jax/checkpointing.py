@@ -443,13 +443,20 @@ def deferred_interrupt():
 
     A checkpoint save interrupted halfway leaves orbax's background threads failing with tracebacks and no
     checkpoint; deferred, the save completes and the run stops right after it, with that checkpoint kept.
-    Only in the main thread (the only one that can set a signal handler); elsewhere the body runs as is.
+    A second Ctrl-C during the body interrupts it at once. Only in the main thread (the only one that can set a
+    signal handler); elsewhere the body runs as is.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+
+    def hold(signum, frame):
+        held.append(signum)
+        if len(held) > 1:  # a second Ctrl-C: the user insists (e.g. a save stuck at a multi-host barrier)
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:

@@ -134,3 +134,11 @@ def test_a_ctrl_c_during_a_checkpoint_save_is_held_back_until_it_is_written():
     with deferred_interrupt():  # no signal: nothing raised
         done.append(True)
     assert done == [True, True]
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts the body at once
+        with deferred_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            done.append(True)
+    assert done == [True, True] and signal.getsignal(signal.SIGINT) is before
