@@ -33,7 +33,7 @@ from pdm_jax.models import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from pdm_jax.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
-from pdm_jax.models.tokenizer import MAX_BPE_VOCAB_SIZE, char_vocab_size
+from pdm_jax.models.tokenizer import MAX_BPE_VOCAB_SIZE, char_vocab_size, checkpoint_tokenizer_file
 from pdm_jax.profiling import parse_steps
 from pdm_jax.sampler import defaults as sampler_defaults
 from pdm_jax.sampler.engine import check_engine_mesh
@@ -1205,18 +1205,6 @@ def _check_paths(config, exist: bool = True) -> None:
     _need(shipped is None or tc.kind == "path", "model.hf_path", config.model.hf_path,
           f"ships its own tokenizer ({shipped}), and tokenizer.kind = {tc.kind!r} builds another one, whose ids "
           f"would not mean the checkpoint's tokens: set tokenizer.kind=path, tokenizer.path={config.model.hf_path}")
-
-
-#: Files whose presence in a Hugging Face checkpoint directory means it ships a tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-
-
-def checkpoint_tokenizer_file(hf_path: str) -> Optional[str]:
-    """The first of `TOKENIZER_FILES` in the local checkpoint directory `hf_path`, or None (no such file, no
-    directory, or ``hf_path`` empty)."""
-    if not hf_path or not os.path.isdir(hf_path):
-        return None
-    return next((f for f in TOKENIZER_FILES if os.path.exists(os.path.join(hf_path, f))), None)
 
 
 def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[int] = None,

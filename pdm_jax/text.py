@@ -165,7 +165,7 @@ def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_confi
       model's ``vocab_size`` rows (a real checkpoint may have more rows than tokens: Qwen3 151,936 for 151,669). A
       checkpoint with over twice as many rows as the tokenizer has ids is logged as a warning (likely the tokenizer
       of another model, in a checkpoint that ships none).
-    * With ``model.hf_path`` a directory that ships a tokenizer (`pdm_jax.config.TOKENIZER_FILES`) and
+    * With ``model.hf_path`` a directory that ships a tokenizer (`pdm_jax.models.tokenizer.TOKENIZER_FILES`) and
       ``tokenizer.path`` another directory, both tokenizers must have the same vocabulary (token -> id).
 
     Args:
@@ -178,7 +178,7 @@ def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_confi
       ValueError: naming the model (``model.hf_path`` or the model fields) and the tokenizer (``tokenizer.kind`` /
         ``tokenizer.path``) with both sizes, or the first token the two vocabularies map differently.
     """
-    from pdm_jax.config import checkpoint_tokenizer_file  # deferred: pdm_jax.config imports JAX
+    from pdm_jax.models.tokenizer import checkpoint_tokenizer_file  # deferred, as run_tokenizer's imports
 
     tc = tokenizer_config
     named = f"tokenizer.kind = {tc.kind!r}" + (f", tokenizer.path = {tc.path!r}" if tc.kind == "path" else "")

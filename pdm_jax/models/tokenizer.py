@@ -32,7 +32,8 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["build_bpe_tokenizer", "build_char_tokenizer", "encode_strict", "load_tokenizer", "shared_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "build_bpe_tokenizer", "build_char_tokenizer", "checkpoint_tokenizer_file", "encode_strict",
+           "load_tokenizer", "shared_tokenizer"]
 
 # Files whose presence marks a directory as a Hugging Face tokenizer directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -414,3 +415,14 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     except Exception as e:  # noqa: BLE001 - re-raised with the path named
         raise ValueError(f"could not load a tokenizer from {str(p)!r}: {type(e).__name__}: {e}") from e
 
+
+#: Files whose presence in a Hugging Face checkpoint directory means it ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def checkpoint_tokenizer_file(hf_path: str) -> str | None:
+    """The first of `TOKENIZER_FILES` in the local checkpoint directory `hf_path`, or None (no such file, no
+    directory, or ``hf_path`` empty)."""
+    if not hf_path or not os.path.isdir(hf_path):
+        return None
+    return next((f for f in TOKENIZER_FILES if os.path.exists(os.path.join(hf_path, f))), None)
