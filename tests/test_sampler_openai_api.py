@@ -61,11 +61,11 @@ def test_choice_text_stop_string_cut_and_logprobs(tok):
     top_lps = [[v, -np.inf] for v in lps]  # the second entry filtered out (top_p): never shown
     batch = one_row_batch(ids, lps, top_ids, top_lps, "stop")
     choice, used = openai_api.completion_choice(tok, batch, 0, index=7, stop_ids=(EOS,), stops=[], k=2)
-    assert choice["text"] == text and choice["finish_reason"] == "stop" and choice["index"] == 7 and used == 5
-    lp = choice["logprobs"]
-    assert lp["tokens"] == list(text) and lp["text_offset"] == [0, 1, 2, 3, 4]
-    assert lp["token_logprobs"] == pytest.approx(lps[:5])
-    assert lp["top_logprobs"] == [{c: pytest.approx(v)} for c, v in zip(text, lps)]
+    assert choice["text"] == text and choice["finish_reason"] == "stop" and choice["index"] == 7 and used == 6
+    lp = choice["logprobs"]  # the eos token: not in the text, one of the tokens (as vLLM)
+    assert lp["tokens"] == list(text) + ["<eos>"] and lp["text_offset"] == [0, 1, 2, 3, 4, 5]
+    assert lp["token_logprobs"] == pytest.approx(lps)
+    assert lp["top_logprobs"] == [{c: pytest.approx(v)} for c, v in zip(list(text) + ["<eos>"], lps)]
     # a stop string spanning two tokens: text cut before it, tokens from it on dropped
     choice, used = openai_api.completion_choice(tok, batch, 0, index=0, stop_ids=(EOS,), stops=["x", ";3"], k=None)
     assert choice == {"index": 0, "text": "12", "logprobs": None, "finish_reason": "stop"} and used == 2
@@ -149,7 +149,7 @@ def test_completions_text_logprobs_and_n_match_the_native_api(server, client, to
         t = lengths[row]
         assert c.finish_reason == ("stop" if b.finish_reason[row] == "stop" else "length")
         ids = [int(i) for i in b.completion_ids[row, :t]]
-        assert EOS not in ids and c.logprobs.tokens == [tok.decode([i]) for i in ids]  # <pad> too: its own text
+        assert c.logprobs.tokens == [tok.decode([i]) for i in ids]  # <pad>, <eos> too: their own text
         assert "".join(x for x, i in zip(c.logprobs.tokens, ids) if i >= 2) == c.text
         np.testing.assert_allclose(c.logprobs.token_logprobs, b.behavior_logprobs[row, :t], rtol=1e-6)
         for s in range(t):
@@ -161,6 +161,31 @@ def test_completions_text_logprobs_and_n_match_the_native_api(server, client, to
     assert [c.text for c in r2.choices][:2] == [c.text for c in r.choices]
     assert [c.text for c in r2.choices] == texts_of(tok, native(server, ids, n=2, k=0, seed=5))
     assert r2.choices[0].logprobs is None
+
+
+@pytest.mark.slow
+def test_echo_scores_the_prompt_as_the_sampler_samples_it(server, client, tok):
+    """echo + logprobs: position j's log-probability is the one the sampler gives id j after ids 0..j-1 (the native
+    API's full top-32 table at temperature 1), as lm-evaluation-harness's log-likelihood requests read it."""
+    ids = ids_of(tok, "12+34=")
+    c = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=2,
+                                  temperature=0).choices[0]
+    assert c.text == "12+34=" and c.finish_reason == "length" and c.logprobs.tokens == list("12+34=")
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert c.logprobs.text_offset == list(range(len(ids)))
+    for j in range(1, len(ids)):
+        b = native(server, [ids[:j]], n=1, k=TINY_DENSE.vocab_size, seed=0, max_tokens=1, temperature=1.0)
+        table = dict(zip(b.topk_ids[0, 0].tolist(), b.topk_logprobs[0, 0].tolist()))
+        assert c.logprobs.token_logprobs[j] == pytest.approx(table[ids[j]], abs=2e-5)
+        want = {tok.decode([i]): v for i, v in sorted(table.items(), key=lambda kv: -kv[1])[:2]}
+        assert c.logprobs.top_logprobs[j] == pytest.approx(want, abs=2e-5)
+    # lm-evaluation-harness's request: the prompt scored, then one generated token (kept even when it is eos)
+    r = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=1, echo=True, logprobs=1,
+                                  temperature=0, seed=1234)
+    for choice, p in zip(r.choices, [ids, ids[:3]]):
+        assert choice.text.startswith(tok.decode(p)) and len(choice.logprobs.token_logprobs) == len(p) + 1
+        assert choice.logprobs.token_logprobs[1:len(p)] == pytest.approx(c.logprobs.token_logprobs[1:len(p)],
+                                                                         abs=2e-5)
 
 
 @pytest.mark.slow
@@ -202,7 +227,7 @@ def test_chat_uses_the_tokenizers_template(server, client, tok):
     (dict(prompt="hello!"), "prompt"),  # characters outside the tokenizer
     (dict(prompt="1" * 40), "prompt"),  # longer than --max_prompt_length
     (dict(extra_body={"bogus": 1}), "bogus"),
-    (dict(echo=True), "echo"),
+    (dict(echo=1), "echo"),
     (dict(stream=True), "stream"),
 ])
 def test_bad_requests_get_400_in_openais_shape(server, client, kwargs, param):

@@ -17,13 +17,17 @@ Requests (JSON or msgpack, read with the native API's size limit and decoder, `S
   (transformers ``apply_chat_template`` with the generation prompt), ``max_tokens`` or ``max_completion_tokens``
   (default: the server's ``--max_new_tokens``), ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
   ``logprobs`` (bool) and ``top_logprobs`` (0..`MAX_LOGPROBS`, needs ``logprobs: true``).
-* ``top_k`` (vLLM's extension) is served; ``stream``, ``echo``, ``best_of`` > n, penalties, ``logit_bias``,
+* ``echo: true`` (completions) puts the prompt before the text and, with ``logprobs``, the prompt's own
+  log-probabilities before the completion's (teacher-forced on the same weights, `prompt_logprobs`; the first
+  prompt token's entry is null); with ``max_tokens: 0`` nothing is generated (lm-evaluation-harness's
+  log-likelihood requests: ``echo``, ``max_tokens: 1``, ``logprobs: 1``).
+* ``top_k`` (vLLM's extension) is served; ``stream``, ``best_of`` > n, penalties, ``logit_bias``,
   ``suffix``, tools and non-text response formats are refused with 400 naming the parameter when set to anything
   but their neutral value; any other unknown field is refused the same way. Nothing is ignored silently except
   ``user`` (an end-user label) and ``stream_options`` / ``parallel_tool_calls`` left null.
 
 Semantics: completions stop on the tokenizer's eos id (and the ids ``generation_config.json`` beside it names);
-that token is not part of the text.  Stop strings are applied after generation: the text is cut before the first
+that token is not part of the text, but is one of the tokens of ``logprobs`` and ``usage`` (as vLLM counts it).  Stop strings are applied after generation: the text is cut before the first
 occurrence of any of them (``finish_reason`` ``"stop"``), the tokens whose text starts at or after the cut are
 dropped from ``logprobs`` and from ``usage.completion_tokens``.  Log-probabilities are those of the distribution
 the tokens were drawn from (temperature and ``top_p`` / ``top_k`` applied; temperature 0: the model's own, tau 1),
@@ -66,14 +70,14 @@ ROLE = "role"
 CONTENT = "content"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 #: Fields accepted only at their neutral value (OpenAI's parameters the engine does not implement).
-NEUTRAL = {"stream": (None, False), vllm_api.ECHO: (None, False), "presence_penalty": (None, 0, 0.0),
+NEUTRAL = {"stream": (None, False), "presence_penalty": (None, 0, 0.0),
            "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
            "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
            "stream_options": (None,), "parallel_tool_calls": (None, False, True),
            "response_format": (None, {"type": "text"})}
 COMMON_FIELDS = frozenset({wire.MODEL, wire.N, wire.TEMPERATURE, wire.TOP_P, wire.TOP_K, wire.MAX_TOKENS, STOP,
                            wire.SEED, wire.LOGPROBS, "user", *NEUTRAL})
-COMPLETION_FIELDS = COMMON_FIELDS | {wire.PROMPT, "best_of"}
+COMPLETION_FIELDS = COMMON_FIELDS | {wire.PROMPT, "best_of", vllm_api.ECHO}
 CHAT_FIELDS = COMMON_FIELDS | {MESSAGES, MAX_COMPLETION_TOKENS, TOP_LOGPROBS}
 MAX_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs; also completions' logprobs here
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; lm-evaluation-harness may send a task's stops plus the eos string
@@ -191,15 +195,18 @@ def _finite(v: float) -> Optional[float]:
 def _row(tokenizer, batch, r: int, stop_ids, stops, k: int) -> dict:
     """One row of a RolloutBatch as text: ``{"text", "finish_reason", "ids", "offsets", "logprobs", "top"}``.
 
-    ``ids`` are the row's generated ids without the engine's stop token and cut at the first stop string;
-    ``top`` holds, per kept id, the top-k (id, log mu) pairs with finite log mu.
+    The text leaves out the engine's final stop token (eos); ``ids`` keep it (as vLLM's logprobs do: a scorer
+    asking for one token after its prompt always gets one), at offset ``len(text)``. Everything is cut at the first
+    stop string: the tokens whose text starts at or after the cut are dropped. ``top`` holds, per kept id, the
+    top-k (id, log mu) pairs with finite log mu.
     """
     t_r = int(batch.completion_mask[r].sum())
     ids = [int(x) for x in batch.completion_ids[r, :t_r]]
     reason = str(batch.finish_reason[r])
-    if reason == "stop" and ids and ids[-1] in stop_ids:
-        ids = ids[:-1]
-    text, offsets = token_offsets(tokenizer, ids)
+    ends_on_stop = reason == "stop" and bool(ids) and ids[-1] in stop_ids
+    text, offsets = token_offsets(tokenizer, ids[:-1] if ends_on_stop else ids)
+    if ends_on_stop:
+        offsets.append(len(text))
     cut = cut_at_stop(text, stops)
     keep = len(ids)
     if cut is not None:
@@ -222,7 +229,7 @@ def completion_choice(tokenizer, batch, r: int, *, index: int, stop_ids, stops, 
     Args:
       tokenizer: the server's Hugging Face tokenizer.
       batch: the engine's answer; ``behavior_logprobs`` [N, T] f32, ``topk_*`` [N, T, K].
-      stop_ids: the engine's stop ids (a final one is dropped from the text and the tokens).
+      stop_ids: the engine's stop ids (a final one is left out of the text, kept in ``logprobs``).
       stops: stop strings (`cut_at_stop`).
       k: the request's ``logprobs`` (None: no ``logprobs`` object).
     Returns:
@@ -265,6 +272,88 @@ def chat_choice(tokenizer, batch, r: int, *, index: int, stop_ids, stops, logpro
                         for i, v, top in zip(row["ids"], row["logprobs"], row["top"])]}
     return {wire.INDEX: index, "message": {ROLE: "assistant", CONTENT: row["text"]}, wire.LOGPROBS: lp,
             wire.FINISH_REASON: row["finish_reason"]}, len(row["ids"])
+
+
+def prompt_logprobs(engine, prompts: Sequence[Sequence[int]], *, k: int, temperature: float = 1.0) -> list:
+    """Each prompt's own log-probabilities under the engine's current weights (``echo``), teacher-forced.
+
+    One forward of the sampler's model (its quantized copy, compute dtype; logits f32 / `temperature`) over the
+    prompts right-padded to a power-of-two length (at least 8) and row count, so few programs compile.
+
+    Args:
+      engine: a `SamplingEngine` on one device.
+      prompts: token-id lists (already validated by the engine).
+      k: top entries per position (0..`MAX_LOGPROBS`).
+      temperature: tau > 0 (1 for greedy requests).
+    Returns:
+      per prompt of P ids: ``(logprobs [P-1] f32, top_ids [P-1, k] i32, top_logprobs [P-1, k] f32)``, position j
+      scoring id j + 1 given ids 0..j (the first id has no log-probability).
+    """
+    import jax  # the engine's process has JAX loaded already
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from pdm_jax.sampler.engine import next_pow2
+
+    width = next_pow2(max(8, max(len(p) for p in prompts)))
+    rows = next_pow2(len(prompts))
+    ids = np.zeros((rows, width), np.int32)
+    mask = np.zeros((rows, width), bool)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)], mask[r, :len(p)] = p, True
+    graphdef, state = nnx.split(engine.model())
+    lp, top_ids, top_lp = jax.device_get(_score_program()(graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
+                                                          jnp.float32(temperature), k=max(int(k), 1)))
+    return [(lp[r, :len(p) - 1], top_ids[r, :len(p) - 1, :k], top_lp[r, :len(p) - 1, :k])
+            for r, p in enumerate(prompts)]
+
+
+_SCORE = []
+
+
+def _score_program():
+    """The jitted teacher-forced scorer of `prompt_logprobs` (built once, on first use: JAX is imported then)."""
+    if not _SCORE:
+        import functools
+
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("k",))
+        def score(graphdef, state, ids, mask, tau, *, k):
+            logits = nnx.merge(graphdef, state)(ids, attention_mask=mask).astype(jnp.float32) / tau
+            logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+            tok = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+            top_lp, top_ids = jax.lax.top_k(logp, k)
+            return tok, top_ids.astype(jnp.int32), top_lp
+
+        _SCORE.append(score)
+    return _SCORE[0]
+
+
+def echo_prompt(tokenizer, prompt: Sequence[int], choice: dict, scores=None) -> dict:
+    """`choice` (a `completion_choice`) with the prompt echoed before its text and, with `scores` (one entry of
+    `prompt_logprobs`), before its logprobs: the prompt's first token has ``null`` log-probability and top entries
+    (nothing predicts it), ``text_offset`` counts from the start of the prompt's text."""
+    text, offsets = token_offsets(tokenizer, list(prompt))
+    out = dict(choice, **{vllm_api.TEXT: text + choice[vllm_api.TEXT]})
+    lp = choice.get(wire.LOGPROBS)
+    if lp is not None and scores is not None:
+        own, top_ids, top_lps = scores
+        tops = [None]
+        for ids_j, lps_j in zip(top_ids, top_lps):
+            entry = {}
+            for i, v in zip(ids_j, lps_j):
+                if np.isfinite(v):
+                    entry.setdefault(_token_text(tokenizer, int(i)), float(v))
+            tops.append(entry)
+        out[wire.LOGPROBS] = {
+            vllm_api.TOKENS: [_token_text(tokenizer, i) for i in prompt] + lp[vllm_api.TOKENS],
+            vllm_api.TOKEN_LOGPROBS: [None] + [_finite(v) for v in own] + lp[vllm_api.TOKEN_LOGPROBS],
+            wire.TOP_LOGPROBS: tops + lp[wire.TOP_LOGPROBS],
+            vllm_api.TEXT_OFFSET: offsets + [len(text) + o for o in lp[vllm_api.TEXT_OFFSET]]}
+    return out
 
 
 def stop_token_ids(tokenizer, tokenizer_dir: Optional[str]) -> tuple:
@@ -371,8 +460,9 @@ class OpenAIService:
                               MESSAGES) from e
         return [self._encode(text, MESSAGES)]
 
-    def _generate(self, prompts: list, body: dict, *, k: int, max_tokens, param_names: dict):
-        """engine.validate + generate; a RequestError becomes 400 naming the OpenAI parameter."""
+    def _generate(self, prompts: list, body: dict, *, k: int, max_tokens, param_names: dict, run: bool = True):
+        """engine.validate + generate (only validate when not `run`: None); a RequestError becomes 400 naming the
+        OpenAI parameter."""
         def opt(name, default):  # null = the default, as OpenAI reads it
             value = body.get(name)
             return default if value is None else value
@@ -385,7 +475,7 @@ class OpenAIService:
         engine = self.service.engine
         try:
             engine.validate(prompts, **kwargs)
-            return engine.generate(prompts, **kwargs)
+            return engine.generate(prompts, **kwargs) if run else None
         except wire.RequestError as e:
             param = param_names.get(e.field, e.field)
             raise OpenAIError(400, str(e).replace(f"{e.field}:", f"{param}:", 1), param) from e
@@ -412,18 +502,39 @@ class OpenAIService:
         stops = parse_stop(body.get(STOP))
         k = body.get(wire.LOGPROBS)
         k = None if k is None else _logprobs_k(k, wire.LOGPROBS)
+        echo = body.get(vllm_api.ECHO)
+        if echo is not None and not isinstance(echo, bool):
+            raise OpenAIError(400, f"echo must be true or false, got {_show(echo)}", vllm_api.ECHO)
+        if echo and self.service.engine.mesh is not None:
+            raise OpenAIError(400, "echo (the prompt's own log-probabilities) is not served by a sharded sampler",
+                              vllm_api.ECHO)
         prompts = self._completion_prompts(body[wire.PROMPT])
         max_tokens = body.get(wire.MAX_TOKENS)
-        batch = self._generate(prompts, body, k=k or 0,
-                               max_tokens=DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens,
-                               param_names={wire.LOGPROBS: wire.LOGPROBS})
+        max_tokens = DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens
+        score_only = bool(echo) and _is_int(max_tokens) and max_tokens == 0  # OpenAI: echo with 0 new tokens
+        batch = self._generate(prompts, body, k=k or 0, max_tokens=1 if score_only else max_tokens,
+                               param_names={wire.LOGPROBS: wire.LOGPROBS}, run=not score_only)
+        n = 1 if body.get(wire.N) is None else int(body[wire.N])
+        scores = None
+        if echo and k is not None:
+            t = body.get(wire.TEMPERATURE)
+            scores = prompt_logprobs(self.service.engine, prompts, k=k, temperature=1.0 if not t else float(t))
         choices, used = [], 0
-        for r in range(batch.num_sequences):
-            choice, tokens = completion_choice(self.tokenizer, batch, r, index=r, stop_ids=self.stop_ids,
-                                               stops=stops, k=k)
+        for r in range(len(prompts) * n):
+            i = r // n
+            if score_only:
+                choice, tokens = {wire.INDEX: r, vllm_api.TEXT: "", wire.LOGPROBS: None if k is None else {
+                    vllm_api.TOKENS: [], vllm_api.TOKEN_LOGPROBS: [], wire.TOP_LOGPROBS: [], vllm_api.TEXT_OFFSET: []},
+                    wire.FINISH_REASON: "length"}, 0
+            else:
+                choice, tokens = completion_choice(self.tokenizer, batch, r, index=r, stop_ids=self.stop_ids,
+                                                   stops=stops, k=k)
+            if echo:
+                choice = echo_prompt(self.tokenizer, prompts[i], choice, None if scores is None else scores[i])
             choices.append(choice)
             used += tokens
-        return self._answer("text", choices, sum(len(p) for p in prompts), used, int(batch.weights_version[0]))
+        version = self.service.engine.version if batch is None else int(batch.weights_version[0])
+        return self._answer("text", choices, sum(len(p) for p in prompts), used, version)
 
     def chat_body(self, body: dict) -> dict:
         """The ``/v1/chat/completions`` answer to a decoded body (runs the engine; `OpenAIError` when refused)."""
