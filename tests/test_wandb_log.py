@@ -162,7 +162,8 @@ def test_a_training_run_logs_to_wandb_offline_and_its_resume_continues_the_run(w
     rows = offline_history(str(workdir / "wandb"))
     assert {r["phase"] for r in records} == {"sft", "eval", "rl"}
     assert_same_as_metrics(rows, records)
-    assert rows[-1]["evaluations/nrows"] == len(summary["evaluations"]) == 3 and rows[-1]["curves/_type"] == "image-file"
+    assert rows[-1]["evaluations/nrows"] == len(summary["evaluations"]) == 3
+    assert rows[-1]["curves/_type"] == "image-file"
     [(run_id, _, config)] = offline_runs(str(workdir / "wandb"))
     assert config["sampler"]["token"] == "<redacted>" and config["rl"]["steps"] == 2
     # resumed for one more step, W&B failing mid-run: a warning, and training and metrics.jsonl go on

@@ -27,9 +27,10 @@ Requests (JSON or msgpack, read with the native API's size limit and decoder, `S
   ``user`` (an end-user label) and ``stream_options`` / ``parallel_tool_calls`` left null.
 
 Semantics: completions stop on the tokenizer's eos id (and the ids ``generation_config.json`` beside it names);
-that token is not part of the text, but is one of the tokens of ``logprobs`` and ``usage`` (as vLLM counts it).  Stop strings are applied after generation: the text is cut before the first
-occurrence of any of them (``finish_reason`` ``"stop"``), the tokens whose text starts at or after the cut are
-dropped from ``logprobs`` and from ``usage.completion_tokens``.  Log-probabilities are those of the distribution
+that token is not part of the text, but is one of the tokens of ``logprobs`` and ``usage`` (as vLLM counts it).
+Stop strings are applied after generation: the text is cut before the first occurrence of any of them
+(``finish_reason`` ``"stop"``), the tokens whose text starts at or after the cut are dropped from ``logprobs`` and
+from ``usage.completion_tokens``.  Log-probabilities are those of the distribution
 the tokens were drawn from (temperature and ``top_p`` / ``top_k`` applied; temperature 0: the model's own, tau 1),
 as the native API returns them; a token that filtering removed is left out of ``top_logprobs``.  ``seed`` fixes
 the draws (the engine's per-prompt, per-sample keys: the same request with the same seed gives the same text);
@@ -233,9 +234,9 @@ def completion_choice(tokenizer, batch, r: int, *, index: int, stop_ids, stops, 
       stops: stop strings (`cut_at_stop`).
       k: the request's ``logprobs`` (None: no ``logprobs`` object).
     Returns:
-      ``{"index", "text", "logprobs", "finish_reason"}``; ``logprobs`` holds ``tokens`` (each token's own text),
-      ``token_logprobs``, ``top_logprobs`` (``{token text: log mu}``, top-k) and ``text_offset`` (from the start
-      of the completion's text).
+      ``(choice, tokens)``: the choice ``{"index", "text", "logprobs", "finish_reason"}`` (``logprobs`` holds
+      ``tokens``, each token's own text, ``token_logprobs``, ``top_logprobs``, ``{token text: log mu}`` of the top
+      k, and ``text_offset``, from the start of the completion's text) and its token count (``usage``).
     """
     row = _row(tokenizer, batch, r, stop_ids, stops, k or 0)
     logprobs = None
