@@ -526,6 +526,17 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.log.tensorboard = True
     # Show tqdm progress bars of the warm start and the RL loop.
     c.log.progress = True
+    # Also log to Weights & Biases (pip install -e '.[wandb]'): the metrics.jsonl scalars under their TensorBoard
+    # names (phase/name, each phase against its own phase/step), the run config (secrets redacted, as config.json),
+    # curves.png and the evaluation table at the end. The run id is kept in WORKDIR/wandb_run_id, so a resumed run
+    # continues the same W&B run. A W&B failure is a warning: training and the other sinks go on (pdm_jax.wandb_log).
+    c.log.wandb = False
+    # The W&B project the run is logged to.
+    c.log.wandb_project = "pdm_jax"
+    # The W&B run's display name; "" = the workdir's base name.
+    c.log.wandb_run_name = ""
+    # "online" (needs `wandb login` or WANDB_API_KEY) or "offline" (files under WORKDIR/wandb; `wandb sync` later).
+    c.log.wandb_mode = "online"
 
     # ---- fault injection for the resume / sampler-failure tests (off by default) ---------
     c.debug = ml_collections.ConfigDict()
@@ -1242,7 +1253,7 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
     _run_checks(config, [(_check_paths, (paths_exist and not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
                          (_check_weight_noise, ()), (_check_model, (vocab_size,)), (_check_profile, ()),
                          (_check_dry_run, ()),
-                         (_check_seeds_and_timeouts, ()), (_check_reward, ()),
+                         (_check_seeds_and_timeouts, ()), (_check_reward, ()), (_check_log, ()),
                          (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())]))
 
 
@@ -1255,6 +1266,20 @@ def validate_against_data(config: ml_collections.ConfigDict, *, vocab_size: int,
       ValueError: as `validate_config` (``"<dotted.field> = <value>: <what is wrong>"``).
     """
     _run_checks(config, [(_check_model, (vocab_size,)), (_check_sizes, (vocab_size, num_held_out))])
+
+
+#: W&B's run modes that ``log.wandb_mode`` may name; characters W&B refuses in a project name.
+WANDB_MODES = ("online", "offline")
+_WANDB_PROJECT_BAD = set("/\\#?%:")
+
+
+def _check_log(config) -> None:
+    """``log.wandb_mode`` one of `WANDB_MODES`; ``log.wandb_project`` 1-128 characters without ``/\\#?%:``."""
+    lc = config.log
+    _need(lc.wandb_mode in WANDB_MODES, "log.wandb_mode", lc.wandb_mode, f"must be one of {WANDB_MODES}")
+    _need(0 < len(lc.wandb_project) <= 128 and not set(lc.wandb_project) & _WANDB_PROJECT_BAD, "log.wandb_project",
+          lc.wandb_project, "must be 1-128 characters, none of / \\ # ? % :")
+    _need(len(lc.wandb_run_name) <= 128, "log.wandb_run_name", lc.wandb_run_name, "must be at most 128 characters")
 
 
 def _run_checks(config, checks) -> None:

@@ -314,5 +314,8 @@ class NullMetricsWriter:
     def write(self, *args, **kwargs) -> None:
         """Ignores the record."""
 
+    def log_run_end(self, *args, **kwargs) -> None:
+        """Ignores the run's end (process 0 logs it)."""
+
     def close(self) -> None:
         """Nothing to close."""

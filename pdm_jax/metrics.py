@@ -1,4 +1,5 @@
-"""Metric sinks of the training loop: JSON lines, TensorBoard (tensorboardX), curves (matplotlib)."""
+"""Metric sinks of the training loop: JSON lines, TensorBoard (tensorboardX), curves (matplotlib), and optionally
+Weights & Biases (`pdm_jax.wandb_log`)."""
 
 from __future__ import annotations
 
@@ -71,10 +72,14 @@ class MetricsWriter:
     (one single-object upload each: the bucket's copy is always a complete file, at most
     the record being written behind). The existing metrics.jsonl is downloaded first on resume.
     Cost: one upload of the whole file per record (O(records^2) bytes over a run).
+
+    ``wandb``: a `pdm_jax.wandb_log.WandbSink` (``log.wandb``) that gets every record's finite scalars after the
+    two files (its failures are warnings: `WandbSink` never raises), and the run's end (`log_run_end`); None: none.
     """
 
     def __init__(self, workdir: str, *, tensorboard: bool = True, resume_from_step: int | None = None,
-                 fresh: bool = False, restore: Mapping | None = None):
+                 fresh: bool = False, restore: Mapping | None = None, wandb=None):
+        self._wandb = wandb
         self._remote = wd.run_path(workdir) if wd.is_remote(workdir) else None
         self._staging = tempfile.mkdtemp(prefix="pdm_jax_metrics_") if self._remote else None
         local_dir = self._staging or workdir
@@ -125,12 +130,19 @@ class MetricsWriter:
             rec[k] = None if f is None or not math.isfinite(f) else f
         line = json.dumps(rec) + "\n"
         self._guarded(self.path, lambda: (self._file.write(line), self._file.flush()))
+        scalars = {k: v for k, v in rec.items() if k not in ("step", "phase") and v is not None}
         if self._tb is not None:
-            scalars = {k: v for k, v in rec.items() if k not in ("step", "phase") and v is not None}
             self._guarded(os.path.join(os.path.dirname(self.path), "tensorboard"),
                           lambda: self._tb.add(phase, step, scalars))
         self._upload()
+        if self._wandb is not None:
+            self._wandb.log(phase, step, scalars)
         return rec
+
+    def log_run_end(self, summary: Mapping, curves_png: str | None = None) -> None:
+        """Hands the run's summary and curves.png to the W&B sink (a no-op without one)."""
+        if self._wandb is not None:
+            self._wandb.log_run_end(summary, curves_png)
 
     def close(self):
         """Flushes and closes the sinks (bucket workdir: uploads them a last time, removes the staging directory).
@@ -142,6 +154,8 @@ class MetricsWriter:
         steps = [(self.path, self._upload), (self.path, self._file.close)]
         if self._tb is not None:
             steps.append((tb_dir, self._tb.close))
+        if self._wandb is not None:  # never raises: a W&B failure is a WandbLoggingWarning
+            self._wandb.close()
         first = None
         for path, step in steps:
             try:

@@ -24,6 +24,7 @@ from pdm_jax.evaluation import EvalSpec
 from pdm_jax.rewards import RewardSpec
 from pdm_jax.rl.dapo import DapoSpec
 from pdm_jax.rollouts.spec import SamplerSpec
+from pdm_jax.wandb_log import WandbSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class RunSpec(NamedTuple):
     dapo: DapoSpec
     reward: RewardSpec
     sft: SftSpec
+    wandb: WandbSpec
 
 
 def dapo_spec(rl: ml_collections.ConfigDict) -> DapoSpec:
@@ -88,4 +90,7 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
     return RunSpec(data=DataSpec.from_config(config.data), sampler=SamplerSpec.from_config(config.sampler),
                    eval=EvalSpec.from_config(config.eval), step=step_configs(config),
                    dapo=dapo_spec(config.rl), reward=RewardSpec.from_config(config.reward),
-                   sft=SftSpec.from_config(config.sft))
+                   sft=SftSpec.from_config(config.sft),
+                   wandb=WandbSpec(enabled=config.log.wandb, project=config.log.wandb_project,
+                                   run_name=config.log.wandb_run_name, mode=config.log.wandb_mode))
+

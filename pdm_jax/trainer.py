@@ -62,6 +62,7 @@ from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
 from pdm_jax.text import (TextCodec, check_tokenizer_fits_model, checkpoint_stop_ids, run_tokenizer,
                           sft_warmstart_batch)
+from pdm_jax.wandb_log import open_wandb
 from pdm_jax.warm_start import run_warm_start
 from pdm_jax.workdir import WorkdirLock
 
@@ -296,7 +297,8 @@ class Trainer:
         if jax.process_index() == 0:  # records after the checkpoint are dropped (the warm start's eval too if redone)
             first_redone = meta["rl_step"] + (meta.get("warmstart") is not None)
             writer = MetricsWriter(self.workdir, tensorboard=cfg.log.tensorboard, fresh=not resumed,
-                                   resume_from_step=first_redone if resumed else None, restore=meta.get("rl_record"))
+                                   resume_from_step=first_redone if resumed else None, restore=meta.get("rl_record"),
+                                   wandb=open_wandb(self.spec.wandb, self.workdir, redacted(cfg).to_dict()))
         else:  # multi-host: only process 0 writes metrics (pdm_jax.distributed)
             writer = NullMetricsWriter()
         with wd.close_after(writer, "the metrics writer"):  # the first write error wins over the close's
@@ -533,6 +535,7 @@ class Trainer:
         if jax.process_index() == 0:
             wd.write_bytes(os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2).encode())
             plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"), config=self.config)
+            writer.log_run_end(summary, os.path.join(self.workdir, "curves.png"))
         return summary
 
     def _fault_injection(self, rl_step: int) -> None:

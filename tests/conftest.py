@@ -282,7 +282,8 @@ def _compiled_programs_stay_in_their_module(request):
 #: Modules not named here follow in their collection order; a stale order costs balance, never a result.
 #: `FAST_TIER_COSTLIEST_FIRST` is the same for ``-m "not slow"``, whose costs differ (no end-to-end runs).
 COSTLIEST_FIRST = (
-    "test_trainer", "test_bucket_workdir", "test_aot", "test_recipe", "test_per_host", "test_attention",
+    "test_trainer", "test_bucket_workdir", "test_quickstart_notebook", "test_aot", "test_recipe", "test_wandb_log",
+    "test_per_host", "test_attention",
     "test_trust_region", "test_colocated", "test_sampler_engine", "test_analysis_callback", "test_param_jvp_mask",
     "test_objectives", "test_routing_replay_engine", "test_sampler_sharded", "test_chunked_loss",
     "test_rollouts_vllm_client", "test_models_moe", "test_host_memory", "test_packing", "test_moe_train_step",

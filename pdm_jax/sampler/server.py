@@ -14,6 +14,10 @@ Accept, else the request's type; schema in ``pdm_jax.sampler.wire``):
   weights that fail their integrity check, hold non-finite values or do not fit
   the model (the server keeps serving its current version).
 * ``GET /health`` -- model, quantization, weight noise, version, limits.
+* With ``--tokenizer=DIR``: ``POST /v1/completions``, ``POST /v1/chat/completions`` and
+  ``GET /v1/models`` in the OpenAI schema (text in and out, the tokenizer's chat template;
+  `pdm_jax.sampler.openai_api`), under the same token, body limit and engine limits; their
+  errors take OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Security: binds 127.0.0.1 by default; any other host requires ``--token``
 (a shared bearer token, checked with ``hmac.compare_digest`` on every request,
@@ -62,7 +66,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from pdm_jax.sampler import defaults, wire
+from pdm_jax.sampler import defaults, openai_api, wire
 from pdm_jax.sampler.admission import BodyBudget, BudgetTimeout
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -132,6 +136,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a request body must arrive whole within this many seconds of its admission (else 408, "
                         "connection closed); also the longest wait for admission (else 503)")
     p.add_argument("--init_seed", type=int, default=0, help="seed of the random init when --weights is omitted")
+    p.add_argument("--tokenizer", default=None,
+                   help="Hugging Face tokenizer directory: also serve the OpenAI-compatible /v1/completions, "
+                        "/v1/chat/completions and /v1/models (pdm_jax.sampler.openai_api)")
+    p.add_argument("--served_model_name", default="pdm_jax",
+                   help="the model id of the OpenAI-compatible endpoints (requests naming another model get 404)")
     p.add_argument("--log_level", default="warning")
     p.add_argument("--parent_pid", type=int, default=0,
                    help="exit when this process (the trainer that launched us) is gone; 0 = never")
@@ -194,7 +203,12 @@ def respond(request: Request, payload: dict, status: int = 200, headers: Optiona
 
 
 def error_response(request: Request, e: HTTPError) -> Response:
-    """The error body of `e` (``{"error": {"message", "field", "type"}}``) with its status and headers."""
+    """The error body of `e` (``{"error": {"message", "field", "type"}}``) with its status and headers; on the
+    OpenAI-compatible routes OpenAI's body (``{"error": {"message", "type", "param", "code"}}``, JSON)."""
+    if openai_api.is_openai_path(request.url.path):
+        response = openai_api.error_response(openai_api.OpenAIError(e.status, e.message, e.field))
+        response.headers.update(e.headers or {})
+        return response
     return respond(request, wire.error_body(e.message, e.field, e.kind), e.status, headers=e.headers or None)
 
 
@@ -426,7 +440,8 @@ def guarded(handler):
 
 def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20,
                compile_counter=None, max_inflight_body_bytes: int = DEFAULT_INFLIGHT_BODY_BYTES,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, tokenizer=None, tokenizer_dir: Optional[str] = None,
+               served_model_name: str = "pdm_jax"):
     """The FastAPI app serving `engine` (a SamplingEngine) through a `SamplerService`.
 
     Args:
@@ -438,6 +453,9 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
         ``/v1/weights`` answer (``compile_stats``), or None.
       max_inflight_body_bytes, body_timeout_s: the admission of bodies by bytes and their deadline
         (`SamplerService`).
+      tokenizer: a Hugging Face tokenizer for the OpenAI-compatible routes (`openai_api.mount`; None: they
+        answer 404 saying that the server has no tokenizer); tokenizer_dir: its directory.
+      served_model_name: their model id.
     Returns:
       a ``fastapi.FastAPI`` application.
     """
@@ -449,6 +467,7 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
     app.get("/health")(guarded(service.health))
     app.post("/v1/generate")(guarded(service.generate))
     app.post("/v1/weights")(guarded(service.load_weights))
+    openai_api.mount(app, service, tokenizer, tokenizer_dir=tokenizer_dir, model_name=served_model_name)
     app.state.service = service
     return app
 
@@ -506,9 +525,15 @@ def main(argv=None) -> None:
                             max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size,
                             batching=args.batching, max_slots=args.max_slots or None, park_rows=args.park_rows,
                             mesh=make_sampler_mesh(args.mesh_data, args.mesh_tensor))
+    tokenizer = None
+    if args.tokenizer:
+        from pdm_jax.models.tokenizer import load_tokenizer  # transformers: only with --tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
     app = create_app(engine, checkpoint_root=args.checkpoint_root, token=args.token,
                      max_body_bytes=args.max_body_bytes, compile_counter=compile_counter,
-                     max_inflight_body_bytes=args.max_inflight_body_bytes, body_timeout_s=args.body_timeout_s)
+                     max_inflight_body_bytes=args.max_inflight_body_bytes, body_timeout_s=args.body_timeout_s,
+                     tokenizer=tokenizer, tokenizer_dir=args.tokenizer, served_model_name=args.served_model_name)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
