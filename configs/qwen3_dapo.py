@@ -20,7 +20,7 @@ Any field can be overridden in the argument string (delta=0.1,estimator=uniform_
 or with --config.<field>=value.
 """
 
-from pdm_jax.aot import slice_target
+from pdm_jax.aot import chips_per_host, slice_target
 from pdm_jax.config import apply_arg, get_base_config, parse_arg
 
 #: ``size`` argument -> default local Hugging Face checkpoint directory.
@@ -69,12 +69,14 @@ def apply_slice(c, size: str, slice_name: str):
     """Sets ``c``'s dry-run target to the slice and its memory knobs to `SLICE_KNOBS` (in place; returns ``c``).
 
     ``v5p-128`` and the cells of `DOES_NOT_FIT` keep the recipe's knobs (the latter's dry run says which
-    part does not fit).
+    part does not fit), the engine's tensor axis at most a host's chips.
 
     Raises:
       ValueError: ``slice_name`` is not a slice of `pdm_jax.aot.SLICES` (naming ``slice`` and the valid values).
     """
-    c.dry_run.chip, c.dry_run.num_devices = slice_target(slice_name)
+    chip, n = c.dry_run.chip, c.dry_run.num_devices = slice_target(slice_name)
+    # a colocated engine's mesh on one host's chips (the 1-GPU slice has 1): the dry run can then say what does not fit
+    c.sampler.mesh.tensor = min(c.sampler.mesh.tensor, chips_per_host(chip, n))
     knobs = SLICE_KNOBS.get((size, slice_name))
     if knobs is not None:
         micro, chunk, remat, tensor, slots = knobs
