@@ -1,13 +1,20 @@
-"""Qwen3-4B/8B GRPO + PDM on DAPO-Math-17k (paper-family settings).
+"""Qwen3-0.6B/1.7B/4B/8B GRPO + PDM on DAPO-Math-17k (paper-family settings), for the slice you rent.
 
 Point it at local files (nothing is downloaded at run time)::
 
   python -m pdm_jax.train --config=configs/qwen3_dapo.py:size=8b,hf_path=/ckpt/Qwen3-8B-Base,data_path=/data/dapo-math-17k.parquet,eval_path=/data/aime24.parquet --workdir=runs/qwen3_8b
 
-``size`` (``4b`` | ``8b``, default ``8b``) picks the model size: it sets the
-default ``hf_path`` (``checkpoints/Qwen3-4B-Base`` / ``checkpoints/Qwen3-8B-Base``),
-which also names the architecture for ``--dry_run`` when the directory does
-not exist. The recipe is the same for both sizes.
+``size`` (``0.6b`` | ``1.7b`` | ``4b`` | ``8b``, default ``8b``) picks the model size: it sets the
+default ``hf_path`` (``checkpoints/Qwen3-8B-Base``, ...), which also names the architecture for
+``--dry_run`` when the directory does not exist. The recipe is the same for every size.
+
+``slice`` (``v5e-8`` | ``v6e-8`` | ``v5p-8`` | ``v5p-128`` | ``8xH100`` | ``1xH100``, default ``v5p-128``;
+`pdm_jax.aot.SLICES`) sets the dry run's target (``dry_run.chip``, ``dry_run.num_devices``) and the memory
+knobs for it (`SLICE_KNOBS`: micro-batch, loss chunk, remat, the rollout engine's mesh and slots; nothing
+parked): what ``--dry_run --config.dry_run.fit=true`` proposes for that slice (tests/test_dry_run_fit.py keeps
+them in step). What a step means (128 prompts x 8 samples, 2k + 8k tokens, delta, K, lr) is the recipe's on
+every slice: no slice changes it. Where the recipe does not fit a slice at all (`DOES_NOT_FIT`) the config
+keeps the recipe's knobs and the dry run says which part does not fit; docs/scaling.md has the grid.
 
 Any field can be overridden in the argument string (delta=0.1,estimator=uniform_tail)
 or with --config.<field>=value.
@@ -22,11 +29,70 @@ as the default data. With the stand-in checkpoint (the real architecture and tok
 
 import os
 
+from pdm_jax.aot import chips_per_host, slice_target
 from pdm_jax.config import apply_arg, get_base_config, parse_arg
 
 #: ``size`` argument -> default local Hugging Face checkpoint directory.
-DEFAULT_HF_PATHS = {"4b": "checkpoints/Qwen3-4B-Base", "8b": "checkpoints/Qwen3-8B-Base"}
+DEFAULT_HF_PATHS = {"0.6b": "checkpoints/Qwen3-0.6B-Base", "1.7b": "checkpoints/Qwen3-1.7B-Base",
+                    "4b": "checkpoints/Qwen3-4B-Base", "8b": "checkpoints/Qwen3-8B-Base"}
 DEFAULT_SIZE = "8b"
+DEFAULT_SLICE = "v5p-128"  # the recipe as written: 64 x v5p, compiled by XLA:TPU (docs/scaling.md)
+
+#: (size, slice) -> (rl.micro_batch_size, rl.logits_chunk_size, model.remat, sampler.mesh.tensor,
+#: sampler.max_batch_size) with sampler.mesh.data 1, sampler.max_slots 0 and sampler.park_rows 0: the settings
+#: with the most work per step that fit the slice by the dry run's analytic plan within 90% of HBM
+#: (`pdm_jax.dry_run_fit.propose`; the per-device GiB it counts in the comments). v5p-128 is the recipe as
+#: written (micro-batches of 64, the configuration XLA:TPU compiled); there the fit proposes the whole mini-batch
+#: at once (0), which the analytic plan fits as well but no compiler has checked.
+SLICE_KNOBS = {
+    ("0.6b", "v5e-8"): (32, 512, "full", 4, 32),  # 14.28 GiB of 16
+    ("0.6b", "v6e-8"): (64, 512, "full", 4, 64),  # 27.40 of 32
+    ("0.6b", "v5p-8"): (128, 256, "full", 4, 128),  # 75.21 of 95
+    ("0.6b", "8xH100"): (0, 128, "full", 8, 256),  # 64.11 of 80
+    ("0.6b", "1xH100"): (16, 512, "full", 1, 32),  # 71.10 of 80
+    ("1.7b", "v5e-8"): (16, 512, "full", 4, 16),  # 13.70 of 16
+    ("1.7b", "v6e-8"): (32, 512, "full", 4, 32),  # 21.94 of 32
+    ("1.7b", "v5p-8"): (64, 512, "full", 4, 128),  # 75.36 of 95
+    ("1.7b", "8xH100"): (128, 512, "full", 8, 256),  # 70.99 of 80
+    ("1.7b", "1xH100"): (8, 512, "full", 1, 16),  # 68.61 of 80
+    ("4b", "v6e-8"): (16, 512, "full", 4, 32),  # 24.41 of 32
+    ("4b", "v5p-8"): (32, 512, "full", 4, 128),  # 80.70 of 95
+    ("4b", "8xH100"): (64, 512, "full", 8, 128),  # 56.75 of 80
+    ("8b", "v5p-8"): (16, 512, "full", 4, 64),  # 74.26 of 95
+    ("8b", "8xH100"): (32, 512, "full", 8, 128),  # 53.56 of 80
+}
+#: (size, slice) -> the part that does not fit (the analytic plan's, per chip; `dry_run_fit.NothingFits`).
+DOES_NOT_FIT = {
+    ("4b", "v5e-8"): "at the smallest setting the parts need 17.18 GiB of 16 (the train step's transient "
+                     "buffers 9.64); smallest slice that fits: v6e-8",
+    ("4b", "1xH100"): "weights + AdamW state + gradients need 74.92 GiB of 80 (72 with the fit's headroom); "
+                      "smallest slice that fits: v6e-8",
+    ("8b", "v5e-8"): "weights + AdamW state + gradients need 19.08 GiB of 16; smallest slice that fits: v5p-8",
+    ("8b", "v6e-8"): "at the smallest setting the parts need 31.87 GiB of 32 (28.8 with the fit's "
+                     "headroom); smallest slice that fits: v5p-8",
+    ("8b", "1xH100"): "weights + AdamW state + gradients need 152.56 GiB of 80; smallest slice that fits: v5p-8",
+}
+
+
+def apply_slice(c, size: str, slice_name: str):
+    """Sets ``c``'s dry-run target to the slice and its memory knobs to `SLICE_KNOBS` (in place; returns ``c``).
+
+    ``v5p-128`` and the cells of `DOES_NOT_FIT` keep the recipe's knobs (the latter's dry run says which
+    part does not fit), the engine's tensor axis at most a host's chips.
+
+    Raises:
+      ValueError: ``slice_name`` is not a slice of `pdm_jax.aot.SLICES` (naming ``slice`` and the valid values).
+    """
+    chip, n = c.dry_run.chip, c.dry_run.num_devices = slice_target(slice_name)
+    # a colocated engine's mesh on one host's chips (the 1-GPU slice has 1): the dry run can then say what does not fit
+    c.sampler.mesh.tensor = min(c.sampler.mesh.tensor, chips_per_host(chip, n))
+    knobs = SLICE_KNOBS.get((size, slice_name))
+    if knobs is not None:
+        micro, chunk, remat, tensor, slots = knobs
+        c.rl.micro_batch_size, c.rl.logits_chunk_size, c.model.remat = micro, chunk, remat
+        c.sampler.mesh.data, c.sampler.mesh.tensor = 1, tensor
+        c.sampler.max_batch_size, c.sampler.max_slots, c.sampler.park_rows = slots, 0, 0
+    return c
 
 
 def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
@@ -134,14 +200,15 @@ def one_host_smoke(c):
 
 
 def get_config(arg=None):
-    """Returns the Qwen3 DAPO config of ``size`` (4b | 8b); other argument items go through `apply_arg`.
+    """Returns the Qwen3 DAPO config of ``size`` (`DEFAULT_HF_PATHS`) for ``slice`` (`apply_slice`); other
+    argument items go through `apply_arg`.
 
     ``smoke=True`` (this file's own argument, as ``size``): `one_host_smoke`, with `SMOKE_DATA` as the default
     data_path and eval_path.
 
     Raises:
-      ValueError: ``size`` is not one of `DEFAULT_HF_PATHS`, ``smoke`` is not a boolean, or (from
-        `apply_arg`) an item names an unknown field or does not parse.
+      ValueError: ``size`` is not one of `DEFAULT_HF_PATHS`, ``slice`` not one of `pdm_jax.aot.SLICES`, ``smoke``
+        is not a boolean, or (from `apply_arg`) an item names an unknown field or does not parse.
     """
     args = parse_arg(arg)
     size = args.get("size", DEFAULT_SIZE)
@@ -156,8 +223,10 @@ def get_config(arg=None):
         data_path=args.get("data_path", SMOKE_DATA if smoke else "data/dapo-math-17k.parquet"),
         eval_path=args.get("eval_path", SMOKE_DATA if smoke else ""),
     )
-    if smoke:
+    apply_slice(c, size, args.get("slice", DEFAULT_SLICE))
+    if smoke:  # after the slice: one host, whatever the slice
         one_host_smoke(c)
-    # `size` and `smoke` are this file's own arguments (not config fields): every other item, unchanged and in order.
-    rest = [item for item in (arg or "").split(",") if item.split("=", 1)[0].strip() not in ("size", "smoke")]
+    # `size`, `slice` and `smoke` are this file's own arguments (not config fields): every other item, unchanged and
+    # in order.
+    rest = [item for item in (arg or "").split(",") if item.split("=", 1)[0].strip() not in ("size", "slice", "smoke")]
     return apply_arg(c, ",".join(rest))

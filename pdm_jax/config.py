@@ -497,6 +497,11 @@ def get_base_config() -> ml_collections.ConfigDict:
     # loops, with 1 and 2 layers: dry_run.counted_flops); False skips them (a faster plan; the report's
     # counted_tflops line then says "not counted").
     c.dry_run.count_flops = True
+    # True: search the memory knobs (micro-batch, loss chunk, remat, the engine's mesh and slots) for dry_run.chip x
+    # dry_run.num_devices against the analytic plan, print the settings with the most work per step as --config.
+    # overrides, then dry-run the config with them (compiled when the chip's compiler is installed and
+    # dry_run.compiler is not none); refuses, naming the part, where nothing fits (pdm_jax.dry_run_fit).
+    c.dry_run.fit = False
 
     # ---- profiling (pdm_jax.profiling) --------------------------------------------------
     c.profile = ml_collections.ConfigDict()
@@ -1143,6 +1148,7 @@ def _check_dry_run(config) -> None:
         aot.resolve_compiler(dr.compiler, dr.chip)  # tpu for an H100, gpu for a v5p: named
     _need(dr.num_devices >= 1, "dry_run.num_devices", dr.num_devices, "must be >= 1")
     _need(dr.max_compile_params >= 0, "dry_run.max_compile_params", dr.max_compile_params, "must be >= 0")
+    _need(isinstance(dr.fit, bool), "dry_run.fit", dr.fit, "must be true or false")
     if dr.topology and chip_ok:
         aot.check_topology(dr.topology, dr.chip)
 

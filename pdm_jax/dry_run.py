@@ -213,8 +213,18 @@ def _dtype(name):
     return jnp.dtype(name)
 
 
+_PARAM_BYTES: dict = {}  # (model config, mesh sizes, dtype) -> param_bytes_per_device (dry_run_fit plans many)
+
+
 def param_bytes_per_device(model_cfg, sizes: dict, param_dtype) -> tuple[int, int]:
     """(total parameter count, bytes of the parameters held by one device) under the sharding rules."""
+    key = (model_cfg, tuple(sizes.items()), str(_dtype(param_dtype)))
+    if key not in _PARAM_BYTES:
+        _PARAM_BYTES[key] = _param_bytes_per_device(model_cfg, sizes, param_dtype)
+    return _PARAM_BYTES[key]
+
+
+def _param_bytes_per_device(model_cfg, sizes: dict, param_dtype) -> tuple[int, int]:
     abstract = _abstract_model(model_cfg, _dtype(param_dtype), _dtype(param_dtype))
     mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes.keys()))
     state = nnx.state(abstract, nnx.Param)
@@ -807,6 +817,11 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
                   sampler_compiled=sampler_compiled, model_flops=model_flops(model_cfg, shape, num_devices),
                   moe_implementation=str(config.model.moe_implementation))
     report["verdict"] = verdict(report)
+    report["step"] = dict(prompts_per_step=int(config.rl.prompts_per_step), group_size=int(config.rl.group_size),
+                          num_minibatches=int(config.rl.num_minibatches),
+                          max_prompt_length=int(config.sampler.max_prompt_length),
+                          max_new_tokens=int(config.rl.max_new_tokens))
+    report["estimate"] = step_time_estimate(report, report["step"])
     return report
 
 
@@ -884,6 +899,60 @@ def verdict(report: dict) -> dict:
                 colocated=bool(sp["colocated"]))
 
 
+def step_time_estimate(report: dict, rl: dict) -> dict:
+    """A LOWER BOUND on one RL step's time at the chip's datasheet peak, per `plan`'s ``report``; ``rl``: the
+    step's ``prompts_per_step``, ``group_size``, ``num_minibatches``, ``max_prompt_length``, ``max_new_tokens``.
+
+    * training: the optimizer step's FLOPs per device (XLA's count with every iteration where it compiled,
+      ``compiled["counted"]``; else `model_flops`' ``8 N D`` / ``6 N D`` + causal attention) x
+      ``rl.num_minibatches``, at `aot.CHIP_PEAK_BF16_FLOPS`;
+    * sampling, per host's engine (its ``data x tensor`` chips, one host's request): ``ceil(rows / slots) x T``
+      decode steps (every response ``rl.max_new_tokens`` long), each reading its bytes at
+      `aot.CHIP_HBM_BYTES_PER_S`: the compiled decode step's ``bytes_accessed`` where it compiled, else the
+      floor, the engine's weights + the KV cache filled to its average length ``P + T/2`` (of ``P + T``);
+      plus the prefill, ``2 N P`` FLOPs per prompt at peak.
+
+    The colocated engine and the train step share the chips, so the step is their sum. ``tokens_per_s_per_chip``
+    counts the step's ``prompts x samples x (P + T)`` tokens over the step's time and the slice's chips.
+    Returns seconds and rates (floats) and ``source`` (which counts were used).
+    """
+    shape, mf, sp = report["shape"], report["model_flops"], report["sampler"]
+    chip, n = report["chip"], math.prod(report["mesh"].values())
+    peak, bw = aot.CHIP_PEAK_BF16_FLOPS[chip], aot.CHIP_HBM_BYTES_PER_S[chip]
+    counted = ((report.get("compiled") or {}).get("counted") or {}).get("flops")
+    opaque = shape.attention == "splash" and report["compiler"] == "tpu"  # splash declares no FLOPs
+    flops = (counted + (mf["attention_flops"] if opaque else 0)) if counted else mf["flops"] + mf["attention_flops"]
+    train = flops * rl["num_minibatches"] / peak
+    rows = sp["request_prompts"] * rl["group_size"]
+    p, t = rl["max_prompt_length"], rl["max_new_tokens"]
+    steps = math.ceil(rows / sp["slots"]) * t
+    step_bytes = ((report.get("sampler_compiled") or {}).get("decode_step") or {}).get("bytes_accessed")
+    decode_src = "compiled decode step's bytes" if step_bytes else "weights + KV cache at its average fill"
+    if not step_bytes:
+        step_bytes = sp["weights"] + sp["kv_cache"] * (p + t / 2) / (p + t)
+    active = mf["active_params"]
+    prefill = 2 * active * p * sp["request_prompts"] / math.prod(sp["mesh"]) / peak
+    sample = steps * step_bytes / bw + prefill
+    total = train + sample
+    tokens = rl["prompts_per_step"] * rl["group_size"] * (p + t)
+    return dict(train_s=train, sample_s=sample, decode_steps=steps, decode_step_bytes=float(step_bytes),
+                step_s=total, tokens_per_step=tokens, tokens_per_s_per_chip=tokens / total / n,
+                source=("compiled FLOPs" if counted else "model FLOPs (8 N D / 6 N D + attention)")
+                + f", {decode_src}")
+
+
+def estimate_lines(report: dict) -> list:
+    """The report's ESTIMATE lines (`step_time_estimate`)."""
+    e, rl = report["estimate"], report["step"]
+    return [f"ESTIMATE of one RL step at {report['chip']}'s datasheet peak (a LOWER BOUND, never measured; "
+            f"{e['source']}):",
+            f"  training  {e['train_s']:9.1f} s  ({rl['num_minibatches']} optimizer steps)",
+            f"  sampling  {e['sample_s']:9.1f} s  ({e['decode_steps']:,} decode steps of "
+            f"{e['decode_step_bytes'] / GIB:.2f} GiB per chip, every response {rl['max_new_tokens']} tokens)",
+            f"  step      {e['step_s']:9.1f} s  = {e['tokens_per_s_per_chip']:,.0f} tokens/s per chip at most "
+            f"({e['tokens_per_step']:,} prompt + completion tokens per step)"]
+
+
 def format_report(report: dict) -> str:
     """A human-readable memory table of :func:`plan`'s report (GiB per device vs the chip's HBM)."""
     s, m, hbm = report["shape"], report["mesh"], report["hbm_bytes"]
@@ -953,6 +1022,8 @@ def format_report(report: dict) -> str:
         lines.append("  total = the residents + the largest transient (the programs run one after another)")
     else:
         lines.append("  the sampler runs on chips of its own: each side must fit")
+    if "estimate" in report:
+        lines += [""] + estimate_lines(report)
     lines += ["", f"per-device total {v['total'] / GIB:.2f} GiB of {hbm / GIB:.0f} GiB HBM ({v['source']}): "
                   f"{'fits' if v['fits'] else 'does not fit'}"]
     return "\n".join(lines)
@@ -1042,7 +1113,8 @@ def _sampler_lines(sp: dict, hbm: int, g, unit: str, compiled=None, target: str 
 
 
 def main(config) -> dict:
-    """Runs :func:`plan` and prints :func:`format_report`; returns the report."""
+    """Runs :func:`plan` and prints :func:`format_report`; returns the report (``dry_run.fit``: the CLI runs
+    `dry_run_fit.main` instead)."""
     report = plan(config)
     print(format_report(report), flush=True)
     return report

@@ -49,11 +49,11 @@ def main(argv):
     if _CONFIG.value is None:
         raise app.UsageError("--config is required (e.g. --config=configs/tiny.py)")
     if _DRY_RUN.value:  # before anything starts JAX: the fake CPU devices are set up first
-        from pdm_jax import dry_run  # lazy: --dry_run sets up fake devices first
+        from pdm_jax import dry_run, dry_run_fit  # lazy: --dry_run sets up fake devices first
 
         dry_run.prepare_devices(int(_CONFIG.value.dry_run.num_devices))
         try:
-            dry_run.main(_CONFIG.value)
+            (dry_run_fit.main if _CONFIG.value.dry_run.fit else dry_run.main)(_CONFIG.value)  # fit: the knobs first
         except ValueError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(2)

@@ -154,7 +154,7 @@ def test_qwen3_dapo_size_argument():
     assert _config("qwen3_dapo", "size=8b").tokenizer.path == "checkpoints/Qwen3-8B-Base"
     c = _config("qwen3_dapo", "hf_path=/ckpt/Q,size=4b,delta=0.1,num_eval=30")
     assert (c.model.hf_path, c.tokenizer.path, c.trust_region.delta, c.data.num_eval) == ("/ckpt/Q", "/ckpt/Q", 0.1, 30)
-    with pytest.raises(ValueError, match=r"'size' must be one of \['4b', '8b'\], got '14b'"):
+    with pytest.raises(ValueError, match=r"'size' must be one of \['0.6b', '1.7b', '4b', '8b'\], got '14b'"):
         _config("qwen3_dapo", "size=14b")
     with pytest.raises(ValueError, match="unknown field"):
         _config("qwen3_dapo", "size=4b,bogus=1")
