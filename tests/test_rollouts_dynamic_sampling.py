@@ -10,21 +10,8 @@ import pytest
 
 from pdm_jax.rl import dapo
 from pdm_jax.rl.dapo import DapoSpec
-from pdm_jax.rollout import RolloutBatch
 from pdm_jax.rollouts.dynamic_sampling import DynamicSampler, refuse_per_host
-
-
-def _batch(lengths, rewards, finish=None, t=6):
-    """A RolloutBatch of rows with the given completion lengths and rewards (prompt-major, 2 rows a group)."""
-    n = len(lengths)
-    mask = np.arange(t)[None, :] < np.asarray(lengths)[:, None]
-    finish = finish or ["stop"] * n
-    return RolloutBatch(prompt_ids=np.ones((n, 2), np.int32), prompt_mask=np.ones((n, 2), bool),
-                        completion_ids=np.where(mask, 3, 0), completion_mask=mask,
-                        behavior_logprobs=np.where(mask, -0.5, 0.0), topk_ids=np.zeros((n, t, 2), np.int32),
-                        topk_logprobs=np.zeros((n, t, 2)), weights_version=np.zeros(n, np.int32),
-                        group_ids=np.arange(n) // 2, finish_reason=finish,
-                        rewards=None if rewards is None else np.asarray(rewards, np.float32))
+from test_dapo import _batch  # one RolloutBatch builder for both files
 
 
 class FakeDraws:

@@ -113,6 +113,8 @@ def is_openai_path(path: str) -> bool:
 
 
 def error_response(e: OpenAIError) -> Response:
+    """`e` as a JSON response in OpenAI's error shape (`error_body`) with its HTTP status (``code``: the status,
+    None for 400)."""
     return JSONResponse(error_body(e.message, e.param, e.kind, e.status if e.status != 400 else None),
                         status_code=e.status)
 
