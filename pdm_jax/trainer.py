@@ -337,7 +337,7 @@ class Trainer:
         # Reward functions' per-row values are not in the queued file, and dynamic sampling's rows keep the values
         # their round gave: that combination re-samples its queued steps on resume (docs/sampler.md).
         keep = producer and not (self.spec.reward.functions and self.spec.dapo.dynamic_sampling)
-        extra = keep and queued.checkpoint_files(producer.snapshot(), **self._queued)
+        extra = queued.checkpoint_files(producer.snapshot(), **self._queued) if keep else None
         self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta), extra_files=extra)
 
     def _run_sft(self, tx, writer) -> None:

@@ -97,7 +97,8 @@ def test_chat_message_prompts_are_rendered_whole_by_the_chat_template(tmp_path):
     ('{"question": "", "solution": "2"}\n', {}, r"data.prompt_field = 'question': row 0 holds '', not non-empty text"),
     ('{"question": "1+1=", "solution": "2", "completion_ids": [1]}\n', {},
      r"data.path: '.*' has the column 'completion_ids', a name the reward functions take"),
-    ('{"question": "1+1=", "solution": "2"}\n', dict(num_eval=1), r"data.num_eval=1 leaves no training rows"),
+    ('{"question": "1+1=", "solution": "2"}\n', dict(num_eval=1),
+     r"data.num_eval = 1 would hold out 1 of the 1 distinct rows of data.path '.*' and leave 0 for training"),
 ])
 def test_a_bad_file_is_a_named_error(tmp_path, content, fields, needle):
     path = tmp_path / "empty.jsonl"
