@@ -1,46 +1,34 @@
 """Training checkpoints with orbax, verified at restore: model, optimizer, step, RNG, data position, sampler version.
 
-A checkpoint is one orbax `CheckpointManager` step (directory ``DIR/<step>``) with
-two items: ``state`` (the `TrainState` pytree: step, params, optax state;
-StandardSave) and ``meta`` (JSON: phase, RL step, data position, sampler weights
-version, the run's seed, warm-start accuracies, wall time so far, fallbacks
-taken), plus any files the caller adds (`Checkpointer.save`'s ``extra_files``: the
-trainer's rollout batches sampled ahead, `pdm_jax.rollouts.queued`). The RNG state
-is the pair (seed, RL step): every random draw of the loop (rollout sampling
-seeds, mini-batch permutations) is derived from it, so a
-resumed run draws exactly what the uninterrupted run would have. `--workdir`
+A checkpoint is one orbax `CheckpointManager` step (directory ``DIR/<step>``) with two items: ``state`` (the
+`TrainState` pytree: step, params, optax state; StandardSave) and ``meta`` (JSON: phase, RL step, data position, sampler
+weights version, the run's seed, warm-start accuracies, wall time so far, fallbacks taken), plus any files the caller
+adds (`Checkpointer.save`'s ``extra_files``: the trainer's rollout batches sampled ahead, `pdm_jax.rollouts.queued`).
+The RNG state is the pair (seed, RL step): every random draw of the loop (rollout sampling seeds, mini-batch
+permutations) is derived from it, so a resumed run draws exactly what the uninterrupted run would have. `--workdir`
 resumes from the latest intact one.
 
-**Integrity.** Once orbax has finished a save, ``DIR/<step>/integrity.json``
-records the size and sha256 (hashlib) of every file of the checkpoint (written
-to a temporary name, then renamed: it exists only once complete). A restore
-first checks every file against it (missing, truncated, changed or unexpected
-files), then restores with orbax, then refuses non-finite floating-point values
-(in parameters or optimizer state). Any failure is a `CheckpointError` naming
-the checkpoint's directory and the reason. A checkpoint without a manifest
-(the run died between orbax's commit and the manifest, or the checkpoint
-predates manifests) is refused the same way: it cannot be told from a damaged one.
-`Checkpointer.restore_latest_intact` falls back to the newest intact
-checkpoint, logs each refusal and the fallback, moves the refused ones to
-``DIR.corrupt/`` (kept for inspection; the resumed run re-creates those step
-ids) and records the fallback in the restored ``meta["checkpoint_fallbacks"]``.
+**Integrity.** Once orbax has finished a save, ``DIR/<step>/integrity.json`` records the size and sha256 (hashlib) of
+every file of the checkpoint (written to a temporary name, then renamed: it exists only once complete). A restore first
+checks every file against it (missing, truncated, changed or unexpected files), then restores with orbax, then refuses
+non-finite floating-point values (in parameters or optimizer state). Any failure is a `CheckpointError` naming the
+checkpoint's directory and the reason. A checkpoint without a manifest (the run died between orbax's commit and the
+manifest, or the checkpoint predates manifests) is refused the same way: it cannot be told from a damaged one.
+`Checkpointer.restore_latest_intact` falls back to the newest intact checkpoint, logs each refusal and the fallback,
+moves the refused ones to ``DIR.corrupt/`` (kept for inspection; the resumed run re-creates those step ids) and records
+the fallback in the restored ``meta["checkpoint_fallbacks"]``.
 
-Cost: hashing reads every byte once per save and once per restore (about
-1 GB/s per core for sha256).
+Cost: hashing reads every byte once per save and once per restore (about 1 GB/s per core for sha256).
 
-**Bucket directories** (``gs://bucket/run/checkpoints``, `pdm_jax.workdir.is_remote`):
-orbax writes the arrays through TensorStore's GCS driver (every process its own
-shards) and its metadata through etils.epath; orbax marks a finished save with
-``commit_success.txt`` instead of renaming a temporary directory (there is no
-rename on GCS). The manifest then records each object's size and the CRC32C the
-object store keeps for it (``"algorithm": "crc32c"``, read from one listing):
-process 0 does not read back the other hosts' shards, and a restore compares the
-listing instead of reading every byte. It catches missing, extra, truncated and
-rewritten objects (a rewritten object gets a new CRC32C); it does not re-read
-the bytes (GCS checks them against the CRC32C itself). The manifest is one
-single-object upload (visible complete or not at all). A refused checkpoint is
-moved to ``DIR.corrupt`` by copy-then-delete (not atomic: a crash in between
-leaves the rest in place, which fails its check again on the next resume).
+**Bucket directories** (``gs://bucket/run/checkpoints``, `pdm_jax.workdir.is_remote`): orbax writes the arrays through
+TensorStore's GCS driver (every process its own shards) and its metadata through etils.epath; orbax marks a finished
+save with ``commit_success.txt`` instead of renaming a temporary directory (there is no rename on GCS). The manifest
+then records each object's size and the CRC32C the object store keeps for it (``"algorithm": "crc32c"``, read from one
+listing): process 0 does not read back the other hosts' shards, and a restore compares the listing instead of reading
+every byte. It catches missing, extra, truncated and rewritten objects (a rewritten object gets a new CRC32C); it does
+not re-read the bytes (GCS checks them against the CRC32C itself). The manifest is one single-object upload (visible
+complete or not at all). A refused checkpoint is moved to ``DIR.corrupt`` by copy-then-delete (not atomic: a crash in
+between leaves the rest in place, which fails its check again on the next resume).
 """
 
 from __future__ import annotations
@@ -74,8 +62,8 @@ _HASH_CHUNK = 8 << 20  # bytes read per hashlib update
 class CheckpointLayoutError(ValueError):
     """A checkpoint intact on disk but written with an older parameter layout (per-layer, not stacked).
 
-    Not a `CheckpointError`: the checkpoint is not moved aside or skipped by
-    `Checkpointer.restore_latest_intact`; the run stops with this message instead.
+    Not a `CheckpointError`: the checkpoint is not moved aside or skipped by `Checkpointer.restore_latest_intact`; the
+    run stops with this message instead.
     """
 
 
@@ -154,10 +142,9 @@ def _remote_files(root: str) -> dict:
 def write_manifest(root: str) -> dict:
     """Writes ``root/integrity.json``: {"format", "algorithm": "sha256", "files": {relpath: {size, sha256}}}.
 
-    Written to a temporary file, fsynced and renamed, so the manifest exists only
-    complete. Returns the manifest dict. On a bucket (`pdm_jax.workdir.is_remote`):
-    ``"algorithm": "crc32c"`` and ``{size, crc32c}`` per object from one listing,
-    written as one single-object upload.
+    Written to a temporary file, fsynced and renamed, so the manifest exists only complete. Returns the manifest dict.
+    On a bucket (`pdm_jax.workdir.is_remote`): ``"algorithm": "crc32c"`` and ``{size, crc32c}`` per object from one
+    listing, written as one single-object upload.
     """
     if wd.is_remote(root):
         manifest = dict(format=_MANIFEST_FORMAT, algorithm="crc32c", files=_remote_files(root))
@@ -245,9 +232,8 @@ class Checkpointer:
       directory: absolute or relative path; created if missing.
       max_to_keep: number of most recent checkpoints kept (older ones deleted).
 
-    Multi-host: every process calls `save` and `restore` (orbax coordinates the
-    arrays); process 0 writes the manifest and moves refused checkpoints, and
-    the others wait for it at a barrier.
+    Multi-host: every process calls `save` and `restore` (orbax coordinates the arrays); process 0 writes the manifest
+    and moves refused checkpoints, and the others wait for it at a barrier.
     """
 
     def __init__(self, directory: str, *, max_to_keep: int = 2):
@@ -290,16 +276,16 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict, extra_files: Optional[dict] = None) -> None:
         """Saves `state` (a pytree of arrays) and `meta` (JSON-serialisable) as checkpoint `step`, synchronously.
 
-        ``extra_files``: ``{name: bytes}`` this process writes into the checkpoint's directory after orbax's
-        commit and before the manifest (so they are covered by it); None on every process, or a dict on every
-        process (a collective: the processes wait for each other's files). Read back with `read_file`.
+        ``extra_files``: ``{name: bytes}`` this process writes into the checkpoint's directory after orbax's commit and
+        before the manifest (so they are covered by it); None on every process, or a dict on every process (a
+        collective: the processes wait for each other's files). Read back with `read_file`.
 
         Returns once orbax has committed the checkpoint and its integrity manifest is written. Raises
-        `pdm_jax.workdir.RunWriteError` naming the step's directory when a file cannot be written (a full disk:
-        orbax raises a bare ``OSError(ENOSPC)``, or tensorstore a ValueError naming ``os_error_code='28'``, as
-        the disk fills under the arrays or the metadata); what is left is orbax's temporary directory or a step
-        without its manifest, neither of which a restore takes. A Ctrl-C during the save is held back until the
-        checkpoint is complete (`deferred_interrupt`), then raised.
+        `pdm_jax.workdir.RunWriteError` naming the step's directory when a file cannot be written (a full disk: orbax
+        raises a bare ``OSError(ENOSPC)``, or tensorstore a ValueError naming ``os_error_code='28'``, as the disk fills
+        under the arrays or the metadata); what is left is orbax's temporary directory or a step without its manifest,
+        neither of which a restore takes. A Ctrl-C during the save is held back until the checkpoint is complete
+        (`deferred_interrupt`), then raised.
         """
         with deferred_interrupt(), wd.naming_write_errors(self.step_path(step)):
             self._manager.save(
@@ -327,8 +313,8 @@ class Checkpointer:
         Raises:
           FileNotFoundError: there is no checkpoint (of that step).
           CheckpointError: the checkpoint fails its integrity check, orbax cannot
-            restore it, or it holds a non-finite floating-point value (names the
-            checkpoint's directory and what is wrong).
+            restore it, or it holds a non-finite floating-point value (names the checkpoint's directory and what is
+            wrong).
         """
         step = self.latest_step() if step is None else int(step)
         if step is None:
@@ -358,8 +344,8 @@ class Checkpointer:
     def _check_layout(self, path: str, step: int) -> None:
         """Raises `CheckpointLayoutError` if checkpoint `step` stores decoder layers one by one.
 
-        That is a path ``.../layers/<i>/...`` (a dict key or list index ``i``); the message
-        shows the shortest such path (the parameter's rather than an optimizer moment's).
+        That is a path ``.../layers/<i>/...`` (a dict key or list index ``i``); the message shows the shortest such path
+        (the parameter's rather than an optimizer moment's).
         """
         try:
             tree = self._manager.item_metadata(step)["state"]
@@ -381,11 +367,9 @@ class Checkpointer:
     def restore_latest_intact(self, abstract_state: Any) -> Restored:
         """Restores the newest checkpoint that passes `restore`'s checks, falling back past refused ones.
 
-        Each refused checkpoint is logged (its directory and reason), moved to
-        ``DIR.corrupt/<step>`` once an older one restored, and recorded as one
-        entry ``{"refused_step", "restored_step", "reason", "moved_to", "time"}``
-        appended to ``meta["checkpoint_fallbacks"]`` of the returned meta (so
-        the resumed run's next checkpoint carries it).
+        Each refused checkpoint is logged (its directory and reason), moved to ``DIR.corrupt/<step>`` once an older one
+        restored, and recorded as one entry ``{"refused_step", "restored_step", "reason", "moved_to", "time"}`` appended
+        to ``meta["checkpoint_fallbacks"]`` of the returned meta (so the resumed run's next checkpoint carries it).
 
         Raises:
           FileNotFoundError: there is no checkpoint.
@@ -441,10 +425,10 @@ class Checkpointer:
 def deferred_interrupt():
     """Holds back Ctrl-C (SIGINT) for the body, then raises the KeyboardInterrupt it held back, if any.
 
-    A checkpoint save interrupted halfway leaves orbax's background threads failing with tracebacks and no
-    checkpoint; deferred, the save completes and the run stops right after it, with that checkpoint kept.
-    A second Ctrl-C during the body interrupts it at once. Only in the main thread (the only one that can set a
-    signal handler); elsewhere the body runs as is.
+    A checkpoint save interrupted halfway leaves orbax's background threads failing with tracebacks and no checkpoint;
+    deferred, the save completes and the run stops right after it, with that checkpoint kept. A second Ctrl-C during the
+    body interrupts it at once. Only in the main thread (the only one that can set a signal handler); elsewhere the body
+    runs as is.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -467,8 +451,8 @@ def deferred_interrupt():
 
 def last_saved(directory: str) -> Optional[Restored]:
     """The newest complete checkpoint under `directory` (one whose integrity manifest was written) as
-    ``Restored(state=None, meta, step, fallbacks=[])``, its meta read from the JSON orbax wrote; None when there is none or its
-    meta cannot be read. Reads two small files, no arrays: the command line's note after an interrupt."""
+    ``Restored(state=None, meta, step, fallbacks=[])``, its meta read from the JSON orbax wrote; None when there is none
+    or its meta cannot be read. Reads two small files, no arrays: the command line's note after an interrupt."""
     try:
         names = wd.listdir(directory)
     except OSError:

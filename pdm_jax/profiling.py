@@ -5,10 +5,10 @@
 * `CompileCounter`: XLA programs built by this process (``jax.monitoring`` listeners);
 * `enable_compile_cache`: JAX's persistent compilation cache (``--config.compile_cache.dir``).
 
-The trace goes to ``WORKDIR/profile`` (TensorBoard's profile plugin or Perfetto read
-it: ``tensorboard --logdir WORKDIR/profile``, or open the ``*.trace.json.gz`` in
-ui.perfetto.dev). Steps are 1-based RL steps, the range inclusive: ``2:4`` traces RL
-steps 2, 3 and 4 (the first RL step also compiles, so start at 2 to see the steady state).
+The trace goes to ``WORKDIR/profile`` (TensorBoard's profile plugin or Perfetto read it:
+``tensorboard --logdir WORKDIR/profile``, or open the ``*.trace.json.gz`` in ui.perfetto.dev). Steps are 1-based RL
+steps, the range inclusive: ``2:4`` traces RL steps 2, 3 and 4 (the first RL step also compiles, so start at 2 to see
+the steady state).
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def default_compile_cache_dir() -> str:
 
 
 def resolve_compile_cache_dir(spec: str, workdir: Optional[str] = None) -> str:
-    """The directory of ``compile_cache.dir``: ``"default"`` -> `default_compile_cache_dir`,
-    ``"workdir"`` -> ``WORKDIR/jax_cache``, ``""`` -> ``""`` (no cache), anything else -> that path (absolute).
+    """The directory of ``compile_cache.dir``: ``"default"`` -> `default_compile_cache_dir`, ``"workdir"`` ->
+    ``WORKDIR/jax_cache``, ``""`` -> ``""`` (no cache), anything else -> that path (absolute).
 
     Raises:
       ValueError: ``"workdir"`` without a workdir.
@@ -115,24 +115,20 @@ def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0,
                          max_size_bytes: int = COMPILE_CACHE_MAX_BYTES) -> bool:
     """Turns on JAX's persistent compilation cache in `directory` for this process (no-op for ``""``).
 
-    Every program is written, whatever its size (``jax_persistent_cache_min_entry_size_bytes
-    = -1``) and however fast it compiled (``jax_persistent_cache_min_compile_time_secs =
-    min_compile_time_s``, default 0 s): the small CPU programs of the tiny runs compile
-    in 0.1-3 s each, below JAX's 1 s default threshold for many of them. A second run
-    with the same programs then loads them instead of compiling (the ``compile_cache_hits``
-    metric). Returns whether a cache is on. JAX decides once per process, at its first
-    compile, whether (and where) the cache is used: call this before anything compiles
-    (the trainer and the sampler server do, first thing); in a process that compiled
-    already (e.g. a test session) the call has no effect until JAX resets its cache.
+    Every program is written, whatever its size (``jax_persistent_cache_min_entry_size_bytes = -1``) and however fast it
+    compiled (``jax_persistent_cache_min_compile_time_secs = min_compile_time_s``, default 0 s): the small CPU programs
+    of the tiny runs compile in 0.1-3 s each, below JAX's 1 s default threshold for many of them. A second run with the
+    same programs then loads them instead of compiling (the ``compile_cache_hits`` metric). Returns whether a cache is
+    on. JAX decides once per process, at its first compile, whether (and where) the cache is used: call this before
+    anything compiles (the trainer and the sampler server do, first thing); in a process that compiled already (e.g. a
+    test session) the call has no effect until JAX resets its cache.
 
-    A local directory is shared safely by several processes (the trainer, its sampler
-    subprocess, the processes of a multi-process run, concurrent runs): JAX writes an entry
-    in place (not through a rename) and, without a size limit, takes no lock, so a process
-    could read another's half-written entry, and XLA deserializing truncated bytes can crash
-    the process. With ``jax_compilation_cache_max_size = max_size_bytes`` (default 16 GiB)
-    JAX holds a file lock (``filelock``) around every read and write and evicts the least
-    recently used entries beyond the size. Bucket paths (``gs://``) keep JAX's defaults
-    (no lock, no limit).
+    A local directory is shared safely by several processes (the trainer, its sampler subprocess, the processes of a
+    multi-process run, concurrent runs): JAX writes an entry in place (not through a rename) and, without a size limit,
+    takes no lock, so a process could read another's half-written entry, and XLA deserializing truncated bytes can crash
+    the process. With ``jax_compilation_cache_max_size = max_size_bytes`` (default 16 GiB) JAX holds a file lock
+    (``filelock``) around every read and write and evicts the least recently used entries beyond the size. Bucket paths
+    (``gs://``) keep JAX's defaults (no lock, no limit).
 
     Raises:
       OSError: the directory cannot be created.
@@ -152,12 +148,11 @@ def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0,
 class CompileCounter:
     """Counts this process's XLA program builds through ``jax.monitoring`` listeners (one set per process).
 
-    `snapshot` returns cumulative ``{"compiles", "compile_seconds", "compile_cache_hits",
-    "compile_cache_misses"}`` since `start` (the listeners themselves are installed once
-    and never removed: jax.monitoring has no per-listener removal in every version).
-    ``compiles`` counts programs built by XLA's backend (a persistent-cache hit is
-    counted too, and its load time is in ``compile_seconds``); ``compile_cache_hits``
-    of them came from the persistent cache, ``compile_cache_misses`` were compiled and
+    `snapshot` returns cumulative ``{"compiles", "compile_seconds", "compile_cache_hits", "compile_cache_misses"}``
+    since `start` (the listeners themselves are installed once and never removed: jax.monitoring has no per-listener
+    removal in every version). ``compiles`` counts programs built by XLA's backend (a persistent-cache hit is counted
+    too, and its load time is in ``compile_seconds``); ``compile_cache_hits`` of them came from the persistent cache,
+    ``compile_cache_misses`` were compiled and
     written to it.  Thread-safe (the sampler compiles on the rollout producer's thread).
     """
 
@@ -212,8 +207,8 @@ class CompileCounter:
 class PhaseTimer:
     """Wall seconds per named phase of one RL step, as ``time_<phase>`` metrics.
 
-    Usage: ``with timer.phase("scoring"): ...``; `record` returns ``{"time_scoring": s, ...}``
-    for every phase in `phases` (0.0 for one that did not run this step) and
+    Usage: ``with timer.phase("scoring"): ...``; `record` returns ``{"time_scoring": s, ...}`` for every phase in
+    `phases` (0.0 for one that did not run this step) and
     ``time_other``: the step's wall time not inside any phase.  A phase entered
     twice adds up.
 
@@ -271,10 +266,9 @@ def step_timing(phases: dict, sync_seconds: dict, generation_seconds: float) -> 
       generation_seconds: the sampler's own seconds generating the step's rollouts
         (possibly ahead of the step, under ``rl.max_staleness`` > 0).
     Returns:
-      ``time_*`` of every phase, ``time_other``, ``time_weight_save``, ``time_weight_load``,
-      ``time_sampler_generate``, and the older names ``step_seconds`` (the step without its
-      evaluation and checkpoint), ``generate_seconds`` (= time_sampling), ``train_seconds``
-      (= time_optimizer).
+      ``time_*`` of every phase, ``time_other``, ``time_weight_save``, ``time_weight_load``, ``time_sampler_generate``,
+      and the older names ``step_seconds`` (the step without its evaluation and checkpoint), ``generate_seconds`` (=
+      time_sampling), ``train_seconds`` (= time_optimizer).
     """
     rec = {k: float(v) for k, v in phases.items() if k != "time_step"}
     rec.update(time_weight_save=float(sync_seconds.get("save", 0.0)),
@@ -287,8 +281,8 @@ def step_timing(phases: dict, sync_seconds: dict, generation_seconds: float) -> 
 
 def compile_record(trainer: dict, sampler: Optional[dict]) -> dict:
     """The compile fields of an ``rl`` record: this process's `CompileCounter` snapshot (``compiles``,
-    ``compile_seconds``, ``compile_cache_hits``) and the sampler process's (``sampler_*``; 0 when the
-    sampler runs in this process, or has not reported yet)."""
+    ``compile_seconds``, ``compile_cache_hits``) and the sampler process's (``sampler_*``; 0 when the sampler runs in
+    this process, or has not reported yet)."""
     sampler = sampler or {}
     return dict(compiles=float(trainer["compiles"]), compile_seconds=float(trainer["compile_seconds"]),
                 compile_cache_hits=float(trainer["compile_cache_hits"]),

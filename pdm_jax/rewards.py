@@ -5,41 +5,41 @@ Each entry of ``reward.functions`` (comma-separated) is ``FILE.py:NAME`` (a Pyth
 
     fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
 
-called once per rollout batch (and once per evaluation batch) with one entry per completion, prompt-major (row
-``i`` is sample ``i % n`` of prompt ``i // n``): ``prompts[i]`` is the prompt as the data source holds it (text, or
-a ``data.kind = "file"`` prompt's list of chat messages), ``completions[i]`` the decoded completion, and
-``columns`` the example's other fields as lists of the same length: every other column of a ``data.kind = "file"``
-row, ``answer`` (the reference answer) for the built-in kinds, plus ``completion_ids`` (the completion's token ids,
-stop token excluded, a list of ints per row) and ``truncated`` (True where the completion was stopped by
-``rl.max_new_tokens``). A function should take ``**kwargs`` for the columns it does not use.
+called once per rollout batch (and once per evaluation batch) with one entry per completion, prompt-major (row ``i`` is
+sample ``i % n`` of prompt ``i // n``): ``prompts[i]`` is the prompt as the data source holds it (text, or a
+``data.kind = "file"`` prompt's list of chat messages), ``completions[i]`` the decoded completion, and ``columns`` the
+example's other fields as lists of the same length: every other column of a ``data.kind = "file"`` row, ``answer`` (the
+reference answer) for the built-in kinds, plus ``completion_ids`` (the completion's token ids, stop token excluded, a
+list of ints per row) and ``truncated`` (True where the completion was stopped by ``rl.max_new_tokens``). A function
+should take ``**kwargs`` for the columns it does not use.
 
-**Combination** (as TRL's ``GRPOTrainer``): the reward of a row is ``sum_f w_f * r_f`` over the functions ``f``
-that gave it a number (``reward.weights``; 1 each by default); ``None`` means "no reward from this function for
-this row" and adds nothing. A row to which *every* function gives ``None`` carries no reward signal: it is
-counted (``reward_unscored`` in the rl record) and its reward is the mean of the scored rows of its group (its
-prompt's ``rl.group_size`` samples; 0.0 when none of them is scored), so that its group-relative advantage is
-exactly 0: it neither pulls nor pushes the policy, and leaves its group's mean unchanged. The per-function means
-over the rows each scored are logged as ``reward/NAME`` (null when it scored none).
+**Combination** (as TRL's ``GRPOTrainer``): the reward of a row is ``sum_f w_f * r_f`` over the functions ``f`` that
+gave it a number (``reward.weights``; 1 each by default); ``None`` means "no reward from this function for this row" and
+adds nothing. A row to which *every* function gives ``None`` carries no reward signal: it is counted
+(``reward_unscored`` in the rl record) and its reward is the mean of the scored rows of its group (its prompt's
+``rl.group_size`` samples; 0.0 when none of them is scored), so that its group-relative advantage is exactly 0: it
+neither pulls nor pushes the policy, and leaves its group's mean unchanged. The per-function means over the rows each
+scored are logged as ``reward/NAME`` (null when it scored none).
 
-**The built-in verifier.** With functions given, the reward is theirs alone (as TRL): the data source's verifier
-does not add to it. Name ``pdm_jax.rewards:verifier`` among the functions to include it (e.g.
-``reward.functions=pdm_jax.rewards:verifier,my_rewards.py:brevity``): it is bound at load to the run's data source
-and gives its score (1.0 / 0.0, or the task's partial credit) for every row, never None. Evaluation (``eval_reward``,
-and ``eval_accuracy``: the fraction of samples whose combined reward is >= 0.999) uses the same combined reward.
+**The built-in verifier.** With functions given, the reward is theirs alone (as TRL): the data source's verifier does
+not add to it. Name ``pdm_jax.rewards:verifier`` among the functions to include it (e.g.
+``reward.functions=pdm_jax.rewards:verifier,my_rewards.py:brevity``): it is bound at load to the run's data source and
+gives its score (1.0 / 0.0, or the task's partial credit) for every row, never None. Evaluation (``eval_reward``, and
+``eval_accuracy``: the fraction of samples whose combined reward is >= 0.999) uses the same combined reward.
 
-**Errors.** A function that raises, hangs past ``reward.timeout_s``, returns something of the wrong length, a
-non-number (a bool, a string...) or a non-finite number raises `RewardFunctionError` (a ValueError: the run stops
-with exit 2, ``pdm_jax.train``), naming the function and, for a bad value, the row, its prompt and the value.
-Nothing is replaced by 0.
+**Errors.** A function that raises, hangs past ``reward.timeout_s``, returns something of the wrong length, a non-number
+(a bool, a string...) or a non-finite number raises `RewardFunctionError` (a ValueError: the run stops with exit 2,
+``pdm_jax.train``), naming the function and, for a bad value, the row, its prompt and the value. Nothing is replaced by
+0.
 
-**Timeout: a worker thread.** Each call runs in a daemon thread joined with ``reward.timeout_s``: the function gets
-the columns as they are (no pickling, so closures, module state and loaded models work), and one thread per batch
-is cheap. A thread cannot be killed: a hung function is abandoned (the daemon thread does not keep the process
-alive) and the run stops with the error at once, which is the only safe outcome of a hang. A process pool would
-let a hang be killed but require picklable functions and columns, and restart costs on every call.
+**Timeout: a worker thread.** Each call runs in a daemon thread joined with ``reward.timeout_s``: the function gets the
+columns as they are (no pickling, so closures, module state and loaded models work), and one thread per batch is cheap.
+A thread cannot be killed: a hung function is abandoned (the daemon thread does not keep the process alive) and the run
+stops with the error at once, which is the only safe outcome of a hang. A process pool would let a hang be killed but
+require picklable functions and columns, and restart costs on every call.
 
-Source: TRL ``GRPOTrainer`` (``reward_funcs``, ``reward_weights``, None as NaN summed with ``nansum``), checked
-against its documentation; the group-mean rule for all-None rows is this module's own.
+Source: TRL ``GRPOTrainer`` (``reward_funcs``, ``reward_weights``, None as NaN summed with ``nansum``), checked against
+its documentation; the group-mean rule for all-None rows is this module's own.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import math
 import numbers
 import os
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 
@@ -247,8 +247,8 @@ def combine(scores: np.ndarray, weights, n: int) -> tuple:
       n: samples per prompt (N is a multiple of it).
 
     Returns:
-      ``(rewards float32 [N], unscored bool [N])``: ``rewards[i] = sum_f w_f * scores[f, i]`` over the scored
-      entries; a row with no score gets the mean of its group's scored rows (0.0 when there is none).
+      ``(rewards float32 [N], unscored bool [N])``: ``rewards[i] = sum_f w_f * scores[f, i]`` over the scored entries; a
+      row with no score gets the mean of its group's scored rows (0.0 when there is none).
     """
     scores = np.asarray(scores, np.float64)
     given = ~np.isnan(scores)
@@ -319,10 +319,10 @@ KEPT_ROWS = 1 << 18
 class RewardedSource:
     """A data source whose rollouts are scored by the user's `RewardFunctions` (everything else is the source's).
 
-    Built by `with_reward_functions`. `evaluation.score_rollouts` and `score_rollouts` call its
-    `score_rollout_batch`, which also keeps each row's function values (the newest `KEPT_ROWS` rows, keyed by
-    the row's example uid, completion ids and finish reason) for `function_rows`: the rows of a batch that
-    dynamic sampling assembled from the rounds it scored.
+    Built by `with_reward_functions`. `evaluation.score_rollouts` and `score_rollouts` call its `score_rollout_batch`,
+    which also keeps each row's function values (the newest `KEPT_ROWS` rows, keyed by the row's example uid, completion
+    ids and finish reason) for `function_rows`: the rows of a batch that dynamic sampling assembled from the rounds it
+    scored.
     """
 
     def __init__(self, source, functions: RewardFunctions):

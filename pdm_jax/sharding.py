@@ -3,28 +3,25 @@
 Mesh axes are ``("data", "fsdp", "tensor")``:
 
 * ``data``   pure data parallelism (params replicated across it),
-* ``fsdp``   data parallelism with parameters sharded along their ``embed`` axis
-  (ZeRO-3 style; XLA all-gathers them per layer),
+* ``fsdp``   data parallelism with parameters sharded along their ``embed`` axis (ZeRO-3 style; XLA all-gathers them per
+  layer),
 * ``tensor`` Megatron-style tensor parallelism over heads / MLP / vocab.
 
-Every model parameter carries *logical* axis names in its NNX ``out_sharding``
-metadata (e.g. q_proj kernel ``("embed", "heads", "head_dim")``); a *rules* table
-maps logical names to mesh axes (flax's logical partitioning convention: a tuple of
-``(logical_name, mesh_axis | tuple[mesh_axis, ...] | None)`` pairs, first match wins).
+Every model parameter carries *logical* axis names in its NNX ``out_sharding`` metadata (e.g. q_proj kernel
+``("embed", "heads", "head_dim")``); a *rules* table maps logical names to mesh axes (flax's logical partitioning
+convention: a tuple of ``(logical_name, mesh_axis | tuple[mesh_axis, ...] | None)`` pairs, first match wins).
 
-Resolution, in ``logical_to_spec``: a mesh axis is used at most once per array (a
-later dimension that asks for an already used axis stays replicated), and, when the
-mesh and shape are known, a mesh axis whose size does not divide the dimension (or
-that the mesh lacks) is dropped for that dimension, so e.g. 8 kv heads on a 16-way
-``tensor`` axis are replicated instead of failing.
+Resolution, in ``logical_to_spec``: a mesh axis is used at most once per array (a later dimension that asks for an
+already used axis stays replicated), and, when the mesh and shape are known, a mesh axis whose size does not divide the
+dimension (or that the mesh lacks) is dropped for that dimension, so e.g. 8 kv heads on a 16-way ``tensor`` axis are
+replicated instead of failing.
 
-Activations: the model calls ``constrain(x, logical_axes)`` at block boundaries
-(embeddings, each block output, the MLP hidden, queries, logits). It is a no-op unless a
-mesh is active *while the function is traced* (``jax.set_mesh(mesh)`` or
-``with activation_sharding(mesh, rules)`` around the first call of the jitted function),
-then it applies ``jax.lax.with_sharding_constraint`` with the spec from the active rules.
-Meshes from ``make_mesh`` have ``AxisType.Auto`` axes (``jax.make_mesh``'s default is
-Explicit, under which these constraints and the model's einsums are not designed to run).
+Activations: the model calls ``constrain(x, logical_axes)`` at block boundaries (embeddings, each block output, the MLP
+hidden, queries, logits). It is a no-op unless a mesh is active *while the function is traced* (``jax.set_mesh(mesh)``
+or ``with activation_sharding(mesh, rules)`` around the first call of the jitted function), then it applies
+``jax.lax.with_sharding_constraint`` with the spec from the active rules. Meshes from ``make_mesh`` have
+``AxisType.Auto`` axes (``jax.make_mesh``'s default is Explicit, under which these constraints and the model's einsums
+are not designed to run).
 
 Typical use::
 
@@ -52,8 +49,8 @@ MESH_AXES = ("data", "fsdp", "tensor")
 MeshAxes = Union[str, tuple[str, ...], None]
 Rules = tuple[tuple[str, MeshAxes], ...]
 
-# Logical axis -> mesh axes. Parameters: embed over fsdp; heads/kv_heads/mlp/vocab over
-# tensor; norms and head_dim replicated. Activations: batch over (data, fsdp).
+# Logical axis -> mesh axes. Parameters: embed over fsdp; heads/kv_heads/mlp/vocab over tensor; norms and head_dim
+# replicated. Activations: batch over (data, fsdp).
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("length", None),
@@ -65,8 +62,8 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
-    # Qwen3-MoE expert kernels [E, ...]: expert parallelism over fsdp (each fsdp shard holds
-    # E/fsdp whole experts; their embed axis then stays unsharded, as fsdp is taken).
+    # Qwen3-MoE expert kernels [E, ...]: expert parallelism over fsdp (each fsdp shard holds E/fsdp whole experts; their
+    # embed axis then stays unsharded, as fsdp is taken).
     ("expert", "fsdp"),
 )
 
@@ -76,8 +73,8 @@ DEFAULT_RULES: Rules = (
 class MeshConfig:
     """Mesh shape over ``("data", "fsdp", "tensor")``; exactly one entry may be -1 (= the rest).
 
-    Raises ValueError (naming the field) for sizes that are 0, < -1, more than one -1,
-    or a product that does not equal the device count.
+    Raises ValueError (naming the field) for sizes that are 0, < -1, more than one -1, or a product that does not equal
+    the device count.
     """
 
     data: int = 1
@@ -116,8 +113,8 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     Args:
       data, fsdp, tensor: axis sizes; one of them may be -1 (= all remaining devices).
       devices: defaults to ``jax.devices()``.
-    Auto axes: shardings are hints resolved by the XLA partitioner (the model's einsums
-    need no explicit ``out_sharding``).
+    Auto axes: shardings are hints resolved by the XLA partitioner (the model's einsums need no explicit
+    ``out_sharding``).
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = MeshConfig(data=data, fsdp=fsdp, tensor=tensor).axis_sizes(len(devices))
@@ -255,9 +252,8 @@ KV_CACHE_V_AXES = ("batch", "kv_heads", "length", "head_dim")
 def kv_cache_specs(cache, rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None):
     """PartitionSpecs of a ``pdm_jax.models.qwen3.KVCache``, as a pytree of the same structure.
 
-    Per layer, keys [B, K, H, S] get logical axes ``KV_CACHE_K_AXES`` and values
-    [B, K, S, H] ``KV_CACHE_V_AXES``; with ``mesh``, axes that do not divide are replicated
-    (as in ``logical_to_spec``).
+    Per layer, keys [B, K, H, S] get logical axes ``KV_CACHE_K_AXES`` and values [B, K, S, H] ``KV_CACHE_V_AXES``; with
+    ``mesh``, axes that do not divide are replicated (as in ``logical_to_spec``).
     """
     return type(cache)(
         k=tuple(logical_to_spec(KV_CACHE_K_AXES, rules, mesh, k.shape) for k in cache.k),
@@ -293,9 +289,9 @@ def target_platform() -> str:
     """The platform the program being traced is for: that of the concrete mesh set by ``jax.set_mesh``
     (`activation_sharding`), else ``jax.default_backend()``.
 
-    An ahead-of-time compile for a TPU slice on a CPU host (`pdm_jax.aot`) traces under a mesh of
-    TPU devices, so kernels chosen by platform (splash attention, megablox) see ``"tpu"`` there.
-    Returns ``"cpu"``, ``"gpu"`` (CUDA / ROCm devices) or ``"tpu"``.
+    An ahead-of-time compile for a TPU slice on a CPU host (`pdm_jax.aot`) traces under a mesh of TPU devices, so
+    kernels chosen by platform (splash attention, megablox) see ``"tpu"`` there. Returns ``"cpu"``, ``"gpu"`` (CUDA /
+    ROCm devices) or ``"tpu"``.
     """
     from jax._src import mesh as mesh_lib  # the concrete mesh of jax.set_mesh (public get_mesh refuses under jit)
 
@@ -315,8 +311,8 @@ def active_rules() -> Rules:
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """``with_sharding_constraint`` of ``x`` by logical axes when a mesh is active, else ``x``.
 
-    The mesh is the one set by ``jax.set_mesh`` (or ``activation_sharding``); rules are
-    ``active_rules()``. Non-dividing mesh axes are dropped per dimension.
+    The mesh is the one set by ``jax.set_mesh`` (or ``activation_sharding``); rules are ``active_rules()``. Non-dividing
+    mesh axes are dropped per dimension.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:

@@ -1,8 +1,7 @@
 """`TextCodec`: prompts to token ids and completions back to text, for one tokenizer and prompt source.
 
-The trainer, the evaluator and the supervised warm start all tokenize through it,
-so a chat source gets its chat template everywhere and completions are decoded
-the same way for rewards and for evaluation.
+The trainer, the evaluator and the supervised warm start all tokenize through it, so a chat source gets its chat
+template everywhere and completions are decoded the same way for rewards and for evaluation.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ FILE_CORPUS_FIELDS = ("prompt_field", "answer_field")
 
 
 def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: bool = True):
-    """The run's tokenizer (`_run_tokenizer`, which documents the kinds), checked against the data source: a source
-    that applies a chat template needs a tokenizer that has one (`check_chat_template`).
+    """The run's tokenizer (`_run_tokenizer`, which documents the kinds), checked against the data source: a source that
+    applies a chat template needs a tokenizer that has one (`check_chat_template`).
 
     Raises:
       ValueError: as `_run_tokenizer`, or from `check_chat_template`, naming ``data.chat_template``.
@@ -47,8 +46,8 @@ def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: 
 
 
 def check_chat_template(tokenizer, source, tokenizer_config, data=None) -> None:
-    """Refuses a tokenizer without a chat template for a source whose prompts go through one (``source.chat``: the
-    file kinds and reasoning-gym "question" prompts under ``data.chat_template=auto``, or ``on``).
+    """Refuses a tokenizer without a chat template for a source whose prompts go through one (``source.chat``: the file
+    kinds and reasoning-gym "question" prompts under ``data.chat_template=auto``, or ``on``).
 
     Raises:
       ValueError: naming ``data.chat_template`` and ``data.kind`` with their values, the tokenizer, and the two
@@ -70,17 +69,16 @@ def _run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload:
     """The run's tokenizer, per ``tokenizer.kind`` (``config.tokenizer``):
 
     * ``"char"``: :func:`~pdm_jax.models.tokenizer.build_char_tokenizer` over ``tokenizer.symbols``;
-    * ``"bpe"``: :func:`~pdm_jax.models.tokenizer.build_bpe_tokenizer` (byte-level, so any text encodes)
-      trained to ``tokenizer.vocab_size`` on the prompts and reference answers (``source.sft_target``) of
-      the first ``tokenizer.corpus_prompts`` training examples (no held-out text);
+    * ``"bpe"``: :func:`~pdm_jax.models.tokenizer.build_bpe_tokenizer` (byte-level, so any text encodes) trained to
+      ``tokenizer.vocab_size`` on the prompts and reference answers (``source.sft_target``) of the first
+      ``tokenizer.corpus_prompts`` training examples (no held-out text);
     * ``"path"``: the Hugging Face tokenizer directory ``tokenizer.path``.
 
-    A built tokenizer is written once into ``WORKDIR/tokenizer`` with what it was built from (the
-    tokenizer fields and, for bpe, ``data``) and loaded back from there on a resume, safely when several
-    processes share the workdir; a resume whose config would build another one is refused
-    (:func:`~pdm_jax.models.tokenizer.shared_tokenizer`). A bucket workdir's is built (or, on a resume,
-    downloaded) in a local temporary directory and uploaded to ``WORKDIR/tokenizer/`` by the process
-    with ``upload`` (process 0), so a resume never retrains it.
+    A built tokenizer is written once into ``WORKDIR/tokenizer`` with what it was built from (the tokenizer fields and,
+    for bpe, ``data``) and loaded back from there on a resume, safely when several processes share the workdir; a resume
+    whose config would build another one is refused (:func:`~pdm_jax.models.tokenizer.shared_tokenizer`). A bucket
+    workdir's is built (or, on a resume, downloaded) in a local temporary directory and uploaded to
+    ``WORKDIR/tokenizer/`` by the process with ``upload`` (process 0), so a resume never retrains it.
 
     Args:
       tokenizer_config: ``config.tokenizer``.
@@ -92,11 +90,11 @@ def _run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload:
 
     Raises:
       ValueError: ``tokenizer.kind = "bpe"`` with a chat source (a trained BPE has no chat template: the
-        message names ``data.chat_template``); a workdir tokenizer built from another config (naming the
-        fields); or what the builder raises, naming the field.
+        message names ``data.chat_template``); a workdir tokenizer built from another config (naming the fields); or
+        what the builder raises, naming the field.
     """
-    # Deferred: models.tokenizer imports transformers and tokenizers (seconds), which TextCodec's users
-    # (evaluation, the tests) do not need until a tokenizer is built or loaded.
+    # Deferred: models.tokenizer imports transformers and tokenizers (seconds), which TextCodec's users (evaluation, the
+    # tests) do not need until a tokenizer is built or loaded.
     from pdm_jax.models.tokenizer import (RECIPE_FILE, build_bpe_tokenizer, build_char_tokenizer, load_tokenizer,
                                           shared_tokenizer)
 
@@ -126,8 +124,8 @@ def _run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload:
                     tc.corpus_prompts)
     if not wd.is_remote(workdir):
         return shared_tokenizer(os.path.join(workdir, "tokenizer"), build, recipe)
-    # A bucket workdir: a local copy, from the bucket when an earlier start uploaded one, removed once the
-    # tokenizer is loaded (it is held in memory) and uploaded.
+    # A bucket workdir: a local copy, from the bucket when an earlier start uploaded one, removed once the tokenizer is
+    # loaded (it is held in memory) and uploaded.
     staging = tempfile.mkdtemp(prefix="pdm_jax_tokenizer_")
     try:
         local = os.path.join(staging, "tokenizer")
@@ -161,10 +159,10 @@ def _run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload:
 def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_config, hf_path: str = "") -> None:
     """Refuses a tokenizer whose ids the model cannot embed, or one other than the checkpoint's own.
 
-    * Every id of the tokenizer (``len(tokenizer)`` and its largest id, added tokens included) must be below the
-      model's ``vocab_size`` rows (a real checkpoint may have more rows than tokens: Qwen3 151,936 for 151,669). A
-      checkpoint with over twice as many rows as the tokenizer has ids is logged as a warning (likely the tokenizer
-      of another model, in a checkpoint that ships none).
+    * Every id of the tokenizer (``len(tokenizer)`` and its largest id, added tokens included) must be below the model's
+      ``vocab_size`` rows (a real checkpoint may have more rows than tokens: Qwen3 151,936 for 151,669). A checkpoint
+      with over twice as many rows as the tokenizer has ids is logged as a warning (likely the tokenizer of another
+      model, in a checkpoint that ships none).
     * With ``model.hf_path`` a directory that ships a tokenizer (`pdm_jax.models.tokenizer.TOKENIZER_FILES`) and
       ``tokenizer.path`` another directory, both tokenizers must have the same vocabulary (token -> id).
 
@@ -208,9 +206,9 @@ def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_confi
 def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:
     """The ids a checkpoint's own files say end a completion, for a run whose ``sampler.stop_token_ids`` is empty:
     ``generation_config.json``'s ``eos_token_id`` (an int or a list; Qwen3 instruct: 151645 and 151643), then the
-    tokenizer's pad id where it is a special token (Qwen3: <|endoftext|> 151643, where a Base model ends). ()
-    without ``hf_path`` (a random-init or char-tokenizer run: the eos id alone) or when neither names one.
-    Read with transformers' ``GenerationConfig`` from the local directory (nothing is downloaded)."""
+    tokenizer's pad id where it is a special token (Qwen3: <|endoftext|> 151643, where a Base model ends). () without
+    ``hf_path`` (a random-init or char-tokenizer run: the eos id alone) or when neither names one. Read with
+    transformers' ``GenerationConfig`` from the local directory (nothing is downloaded)."""
     if not hf_path:
         return ()
     from transformers import GenerationConfig  # deferred, as run_tokenizer's imports
@@ -228,11 +226,11 @@ def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:
 
 
 def sft_warmstart_batch(source, codec: "TextCodec", step: int, batch_size: int, completion_len: int) -> StepBatch:
-    """Warm-start step ``step``'s batch: training examples ``step * batch_size ...`` of ``source`` with their
-    reference answers (``source.sft_target``), through :meth:`TextCodec.sft_batch`: the prompt width is this
-    batch's longest prompt rounded up to :data:`SFT_PROMPT_MULTIPLE` tokens, so no prompt is cut (the source
-    already holds only prompts within ``sampler.max_prompt_length``). Targets are cut to ``completion_len``
-    tokens (``rl.max_new_tokens``), the longest completion RL samples."""
+    """Warm-start step ``step``'s batch: training examples ``step * batch_size ...`` of ``source`` with their reference
+    answers (``source.sft_target``), through :meth:`TextCodec.sft_batch`: the prompt width is this batch's longest
+    prompt rounded up to :data:`SFT_PROMPT_MULTIPLE` tokens, so no prompt is cut (the source already holds only prompts
+    within ``sampler.max_prompt_length``). Targets are cut to ``completion_len`` tokens (``rl.max_new_tokens``), the
+    longest completion RL samples."""
     exs = source.train_batch(step * batch_size, batch_size)
     return codec.sft_batch([e.prompt for e in exs], [source.sft_target(e) for e in exs],
                            completion_len=completion_len)
@@ -273,9 +271,9 @@ class TextCodec:
         ``prompt``: text (one user turn under the chat template), or a list of chat messages ``{role, content}``
         (``data.kind = "file"``; rendered whole by the chat template).
 
-        ``apply_chat_template`` returns a list of ids, or (transformers 5) a ``BatchEncoding``, a
-        mapping whose ``input_ids`` are the ids, as lists or arrays, possibly a batch of one: all
-        are read as that one sequence of ids.
+        ``apply_chat_template`` returns a list of ids, or (transformers 5) a ``BatchEncoding``, a mapping whose
+        ``input_ids`` are the ids, as lists or arrays, possibly a batch of one: all are read as that one sequence of
+        ids.
 
         Raises:
           TypeError: the template gave something other than integer ids (naming what it gave); chat messages
@@ -312,8 +310,8 @@ class TextCodec:
 
         Raises:
           ValueError: the tokenizer cannot encode it (a character tokenizer meeting a character outside its
-            vocabulary: the library's "Missing [UNK] token"), naming `what`, the text, the characters its
-            vocabulary lacks and the ``tokenizer.`` settings that encode text.
+            vocabulary: the library's "Missing [UNK] token"), naming `what`, the text, the characters its vocabulary
+            lacks and the ``tokenizer.`` settings that encode text.
         """
         try:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -333,12 +331,12 @@ class TextCodec:
         return self.tokenizer.decode(toks, skip_special_tokens=True)
 
     def sft_batch(self, prompts, targets, *, completion_len: int, prompt_len: Optional[int] = None) -> StepBatch:
-        """A supervised batch: each prompt's ids, whole and left-padded, and its target's ids + eos
-        (right-padded, cut to ``completion_len``); the RL fields are None.
+        """A supervised batch: each prompt's ids, whole and left-padded, and its target's ids + eos (right-padded, cut
+        to ``completion_len``); the RL fields are None.
 
-        The prompt width is ``prompt_len`` tokens, or by default the batch's longest prompt rounded up to a
-        multiple of :data:`SFT_PROMPT_MULTIPLE` (as the RL batches are sized: one compiled step per width
-        in use, at most ``sampler.max_prompt_length`` / 8 of them). A prompt is never cut.
+        The prompt width is ``prompt_len`` tokens, or by default the batch's longest prompt rounded up to a multiple of
+        :data:`SFT_PROMPT_MULTIPLE` (as the RL batches are sized: one compiled step per width in use, at most
+        ``sampler.max_prompt_length`` / 8 of them). A prompt is never cut.
 
         Raises:
           ValueError: a prompt longer than ``prompt_len`` (naming both lengths and the row).

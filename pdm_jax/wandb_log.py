@@ -1,27 +1,27 @@
 """Weights & Biases as one more metrics sink (``log.wandb``): the scalars, the run config, curves and evaluations.
 
-`open_wandb` starts (or, on resume, continues) the run's W&B run; `pdm_jax.metrics.MetricsWriter` hands it every
-record it writes to metrics.jsonl and TensorBoard (`WandbSink.log`) and, at the end, the summary and curves.png
+`open_wandb` starts (or, on resume, continues) the run's W&B run; `pdm_jax.metrics.MetricsWriter` hands it every record
+it writes to metrics.jsonl and TensorBoard (`WandbSink.log`) and, at the end, the summary and curves.png
 (`WandbSink.log_run_end`). What W&B receives:
 
 * every finite scalar of a record under its TensorBoard name, ``<phase>/<name>`` (``rl/reward``, ``eval/eval_accuracy``,
-  ``sft/loss``), plotted against ``<phase>/step`` (W&B's ``define_metric``: the warm start's and the RL loop's
-  step counters overlap, so each phase has its own x axis); a non-finite value (null in metrics.jsonl) is left out,
-  as in TensorBoard;
+  ``sft/loss``), plotted against ``<phase>/step`` (W&B's ``define_metric``: the warm start's and the RL loop's step
+  counters overlap, so each phase has its own x axis); a non-finite value (null in metrics.jsonl) is left out, as in
+  TensorBoard;
 * the run config as the workdir's config.json has it (`pdm_jax.config.redacted`: secrets replaced);
 * at the end: the summary's scalars in the run summary, ``curves.png`` as an image and the evaluations (one row per
   evaluation: ``rl_step``, ``eval_accuracy``, ``eval_greedy_accuracy``, ``eval_reward``) as a table.
 
-Resume: the run id is written to ``WORKDIR/wandb_run_id`` before the run starts and read back by a resumed run,
-which continues the same W&B run (``resume="allow"``). The RL steps redone after the last checkpoint are logged
-again (metrics.jsonl drops its copies of them first; W&B keeps both, the later one last).
+Resume: the run id is written to ``WORKDIR/wandb_run_id`` before the run starts and read back by a resumed run, which
+continues the same W&B run (``resume="allow"``). The RL steps redone after the last checkpoint are logged again
+(metrics.jsonl drops its copies of them first; W&B keeps both, the later one last).
 
-Failures never stop training: wandb missing, ``wandb.init`` failing (no login in online mode, no network), or a
-later call raising (a full disk) emits a `WandbLoggingWarning` naming what failed, turns W&B logging off for the
-rest of the run and leaves metrics.jsonl and TensorBoard going on. wandb is imported only when ``log.wandb`` is on.
+Failures never stop training: wandb missing, ``wandb.init`` failing (no login in online mode, no network), or a later
+call raising (a full disk) emits a `WandbLoggingWarning` naming what failed, turns W&B logging off for the rest of the
+run and leaves metrics.jsonl and TensorBoard going on. wandb is imported only when ``log.wandb`` is on.
 
-`offline_history` reads an offline run back (its ``run-<id>.wandb`` files: W&B's record log, the LevelDB log
-format of 32 KiB blocks with 7-byte record headers after a 7-byte ``:W&B`` file header, each record a
+`offline_history` reads an offline run back (its ``run-<id>.wandb`` files: W&B's record log, the LevelDB log format of
+32 KiB blocks with 7-byte record headers after a 7-byte ``:W&B`` file header, each record a
 ``wandb_internal_pb2.Record``), for tests and for checking an offline run before ``wandb sync``.
 """
 
@@ -195,9 +195,9 @@ _HEADER = 7  # ":W&B" + magic 0xBEE1 (little-endian) + version 0
 def read_records(path: str) -> list:
     """The records of one W&B run file (``run-<id>.wandb``) as ``wandb_internal_pb2.Record`` protos, in order.
 
-    The file is W&B's record log: a 7-byte header, then LevelDB's log format (32 KiB blocks; each chunk a 7-byte
-    header -- CRC-32 (4), length (2, little-endian), type (1: full, 2: first, 3: middle, 4: last) -- and its bytes;
-    a block's tail shorter than a header is padding). A torn last record is left out.
+    The file is W&B's record log: a 7-byte header, then LevelDB's log format (32 KiB blocks; each chunk a 7-byte header
+    -- CRC-32 (4), length (2, little-endian), type (1: full, 2: first, 3: middle, 4: last) -- and its bytes; a block's
+    tail shorter than a header is padding). A torn last record is left out.
 
     Raises:
       ValueError: the file does not start with W&B's header.
@@ -235,9 +235,9 @@ def read_records(path: str) -> list:
 
 
 def finished_records(wandb_dir: str, wait_s: float = 30.0) -> list:
-    """``[records of each run file]`` of the offline runs under `wandb_dir`, oldest first, once each file ends
-    with its run's ``exit`` record: W&B's service process writes the file after ``run.finish()`` returns, so
-    a file is read again until it is complete, for at most `wait_s` seconds (then as it is)."""
+    """``[records of each run file]`` of the offline runs under `wandb_dir`, oldest first, once each file ends with its
+    run's ``exit`` record: W&B's service process writes the file after ``run.finish()`` returns, so a file is read again
+    until it is complete, for at most `wait_s` seconds (then as it is)."""
     deadline = time.monotonic() + wait_s
     out = []
     for path in sorted(glob.glob(os.path.join(wandb_dir, "offline-run-*", "run-*.wandb"))):

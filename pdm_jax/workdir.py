@@ -1,29 +1,22 @@
 """An exclusive lock on a run directory, so that two trainers never write one workdir.
 
-Two trainers on one workdir interleave their checkpoints and metrics (records
-duplicated, others lost). `WorkdirLock` takes ``fcntl.flock(LOCK_EX | LOCK_NB)``
-on ``WORKDIR/.lock`` and writes the holder's pid, host and start time into it.
-The kernel releases a flock when its holder exits, however it exits (SIGKILL
-included), so a lock file left by a dead process does not block: it is only a
-file, and the next run locks it and overwrites its contents. A second run on a
-held workdir gets `WorkdirLockedError` naming the workdir and the holder.
+Two trainers on one workdir interleave their checkpoints and metrics (records duplicated, others lost). `WorkdirLock`
+takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``WORKDIR/.lock`` and writes the holder's pid, host and start time into it.
+The kernel releases a flock when its holder exits, however it exits (SIGKILL included), so a lock file left by a dead
+process does not block: it is only a file, and the next run locks it and overwrites its contents. A second run on a held
+workdir gets `WorkdirLockedError` naming the workdir and the holder.
 
-Limits: flock is advisory and per host. On a shared file system (NFS) Linux
-emulates it with POSIX byte-range locks, which NFSv4 propagates between hosts;
-some FUSE mounts (e.g. gcsfuse) do not propagate locks at all, and there two
-hosts can both "hold" the lock. Multi-host runs share one workdir, so only
-process 0 locks it (`pdm_jax.trainer.Trainer`).
+Limits: flock is advisory and per host. On a shared file system (NFS) Linux emulates it with POSIX byte-range locks,
+which NFSv4 propagates between hosts; some FUSE mounts (e.g. gcsfuse) do not propagate locks at all, and there two hosts
+can both "hold" the lock. Multi-host runs share one workdir, so only process 0 locks it (`pdm_jax.trainer.Trainer`).
 
-**Bucket workdirs.** A workdir may be a URL (``gs://bucket/run``): the run files
-go through fsspec (gcsfs for ``gs://``; the helpers below: `is_remote`,
-`run_path`, `join`, `makedirs`, `exists`, `isdir`, `listdir`, `rmtree`,
-`read_bytes`, `write_bytes`, `upload_file`), the checkpoints through orbax and
-TensorStore. Local paths take exactly the code paths they took before. An object
-store has no rename: `write_bytes` is one single-object upload there, which GCS
-makes visible only once complete (a reader sees the old object or the new one,
-never a torn one); locally it is write-to-temporary + ``os.replace``. GCS has no
-advisory locks either: `WorkdirLock` on a bucket workdir logs a warning and
-locks nothing (one launch per bucket path is the user's responsibility).
+**Bucket workdirs.** A workdir may be a URL (``gs://bucket/run``): the run files go through fsspec (gcsfs for ``gs://``;
+the helpers below: `is_remote`, `run_path`, `join`, `makedirs`, `exists`, `isdir`, `listdir`, `rmtree`, `read_bytes`,
+`write_bytes`, `upload_file`), the checkpoints through orbax and TensorStore. Local paths take exactly the code paths
+they took before. An object store has no rename: `write_bytes` is one single-object upload there, which GCS makes
+visible only once complete (a reader sees the old object or the new one, never a torn one); locally it is
+write-to-temporary + ``os.replace``. GCS has no advisory locks either: `WorkdirLock` on a bucket workdir logs a warning
+and locks nothing (one launch per bucket path is the user's responsibility).
 """
 
 from __future__ import annotations
@@ -50,15 +43,15 @@ LOCK_NAME = ".lock"
 class RunWriteError(OSError):
     """A run file could not be written: a full disk (ENOSPC), a quota, a read-only or vanished directory.
 
-    Names the file and the error (``errno`` keeps the code). The run stops at once, before it writes anything
-    else; freeing the space (or fixing the directory) and running the same command resumes it from its last
-    checkpoint. Raised by every writer of the run: metrics, TensorBoard, checkpoints, weights pushed to the
-    sampler, ``summary.json``, ``config.json``, ``curves.png``.
+    Names the file and the error (``errno`` keeps the code). The run stops at once, before it writes anything else;
+    freeing the space (or fixing the directory) and running the same command resumes it from its last checkpoint. Raised
+    by every writer of the run: metrics, TensorBoard, checkpoints, weights pushed to the sampler, ``summary.json``,
+    ``config.json``, ``curves.png``.
     """
 
 
-# The OS error a library reports inside its own exception type: tensorstore (orbax's arrays) raises ValueError
-# "... [os_error_code='28'] ...", safetensors SafetensorError "... (os error 28)".
+# The OS error a library reports inside its own exception type: tensorstore (orbax's arrays) raises ValueError "...
+# [os_error_code='28'] ...", safetensors SafetensorError "... (os error 28)".
 _WRAPPED_OS_ERROR = re.compile(r"os_error_code='(\d+)'|\(os error (\d+)\)")
 
 
@@ -94,10 +87,10 @@ def naming_write_errors(path: str):
 def close_after(resource, what: str):
     """Closes `resource` when the body ends; the body's own error wins over one of the close.
 
-    A run that stops on a `RunWriteError` (a full disk, a read-only file) often fails to close its writers for
-    the same reason: that second error is logged and added to the first as a note (``__notes__``, which the CLI
-    prints below it), instead of replacing it. When the body succeeds, an error of the close is raised as is
-    (`MetricsWriter.close` names its file).
+    A run that stops on a `RunWriteError` (a full disk, a read-only file) often fails to close its writers for the same
+    reason: that second error is logged and added to the first as a note (``__notes__``, which the CLI prints below it),
+    instead of replacing it. When the body succeeds, an error of the close is raised as is (`MetricsWriter.close` names
+    its file).
     """
     try:
         yield resource
@@ -132,8 +125,9 @@ class WorkdirLockedError(RuntimeError):
     def __init__(self, workdir: str, holder: dict):
         self.workdir = workdir
         self.holder = holder
-        who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
-               + (f", started {holder['started']}" if holder.get("started") else "")) if holder else "an unknown process"
+        started = f", started {holder['started']}" if holder and holder.get("started") else ""
+        who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{started}" if holder
+               else "an unknown process")
         super().__init__(
             f"workdir {workdir} is in use by another run ({who}; lock file {os.path.join(workdir, LOCK_NAME)}). "
             "Two trainers on one workdir would duplicate and lose records: stop the other run or choose another "
@@ -143,8 +137,8 @@ class WorkdirLockedError(RuntimeError):
 class WorkdirLock:
     """An exclusive, non-blocking flock on ``WORKDIR/.lock`` (see module docstring).
 
-    Use `acquire` (or the context manager), then `release`; the lock also goes
-    away when the process exits or the object is garbage collected.
+    Use `acquire` (or the context manager), then `release`; the lock also goes away when the process exits or the object
+    is garbage collected.
 
     Args:
       workdir: the run directory; created if missing.
@@ -331,10 +325,9 @@ def read_bytes(path: str) -> bytes:
 
 
 def write_bytes(path: str, data: bytes, *, atomic: bool = True) -> None:
-    """Writes a file whole. Local: to a temporary name, then ``os.replace`` (atomic for readers) when
-    `atomic`, else a plain overwrite. URL: one single-object upload (on GCS the object appears complete
-    or not at all; no temporary name, as object stores have no rename). Raises `RunWriteError` (local) naming
-    `path` when the file cannot be written."""
+    """Writes a file whole. Local: to a temporary name, then ``os.replace`` (atomic for readers) when `atomic`, else a
+    plain overwrite. URL: one single-object upload (on GCS the object appears complete or not at all; no temporary name,
+    as object stores have no rename). Raises `RunWriteError` (local) naming `path` when the file cannot be written."""
     if is_remote(path):
         fs, p = filesystem(path)
         fs.pipe_file(p, data)
@@ -389,13 +382,13 @@ class FinishedRunError(ValueError):
 def refuse_changed_config(workdir: str, config_json: str) -> None:
     """Refuses another config on a finished run's workdir (one that has nothing left to run), before any work.
 
-    The run would only hand back its summary, and ``config.json`` must keep the config the run ran with. The same
-    config (the same values, in any layout) passes; so does a workdir without ``config.json``.
+    The run would only hand back its summary, and ``config.json`` must keep the config the run ran with. The same config
+    (the same values, in any layout) passes; so does a workdir without ``config.json``.
 
     Raises:
       FinishedRunError: naming the workdir and each changed field with its two values, and the two ways on: a new
-        ``--workdir`` for another run, or a larger ``rl.steps`` to continue this one (`write_run_config` then keeps
-        the earlier ``config.json`` as ``config.<n>.json``).
+        ``--workdir`` for another run, or a larger ``rl.steps`` to continue this one (`write_run_config` then keeps the
+        earlier ``config.json`` as ``config.<n>.json``).
     """
     path = join(workdir, "config.json")
     if not exists(path):
@@ -412,18 +405,18 @@ def refuse_changed_config(workdir: str, config_json: str) -> None:
 def write_run_config(workdir: str, config_json: str) -> list:
     """Writes the run's ``config.json``; a resumed run with another config keeps the earlier one beside it.
 
-    When ``WORKDIR/config.json`` exists with other content (the same workdir run again with other overrides),
-    the earlier file is first kept as ``config.<n>.json`` (n = 1, 2, ...: the first free name), so that the
-    workdir records what each part of the run ran with, and a warning names the changed fields.
+    When ``WORKDIR/config.json`` exists with other content (the same workdir run again with other overrides), the
+    earlier file is first kept as ``config.<n>.json`` (n = 1, 2, ...: the first free name), so that the workdir records
+    what each part of the run ran with, and a warning names the changed fields.
 
     Args:
       workdir: the run directory (local or a bucket URL).
       config_json: the config as JSON text (the trainer's redacted config).
 
     Returns:
-      The dotted paths of the fields that differ from the earlier ``config.json`` (sorted; ``["<unreadable
-      config.json>"]`` when the earlier file is not JSON, e.g. torn by a crash); ``[]`` on a first run or the
-      same config.
+      The dotted paths of the fields that differ from the earlier ``config.json`` (sorted;
+      ``["<unreadable config.json>"]`` when the earlier file is not JSON, e.g. torn by a crash); ``[]`` on a first run
+      or the same config.
 
     Raises:
       RunWriteError: a file cannot be written (local workdir), naming it.

@@ -2,8 +2,8 @@
 
 ``run``    runs ``--seeds`` short tiny-task runs with the `AlignmentCallback` in
            one process, saves each seed under ``<out>/seeds/`` and writes the report;
-``report`` rebuilds ``<out>/README.md`` and the figures from the saved seeds;
-``disagreement_map`` maps, on synthetic logits, where the ratio and predictive direction tests
+``report`` rebuilds ``<out>/README.md`` and the figures from the saved seeds; ``disagreement_map`` maps, on synthetic
+logits, where the ratio and predictive direction tests
            can disagree (`pdm_jax.analysis.disagreement_map`; issue 29's feasibility question).
 
 Example (the committed report)::
@@ -69,8 +69,8 @@ def _disagreement_map(args, parser) -> int:
 
 
 def main(argv=None) -> int:
-    """CLI of the token-level analysis (`run` seeds, `report` from saved seeds, or the synthetic
-    `disagreement_map`); returns the exit code."""
+    """CLI of the token-level analysis (`run` seeds, `report` from saved seeds, or the synthetic `disagreement_map`);
+    returns the exit code."""
     from pdm_jax.analysis.run import SETTINGS  # lazy: --help answers without importing JAX
 
     p = argparse.ArgumentParser(prog="python -m pdm_jax.analysis", description=__doc__.split("\n\n")[0])

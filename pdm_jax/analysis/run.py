@@ -1,18 +1,15 @@
 """Run the token-level analysis over many seeds in ONE process and save per-seed results.
 
-Each seed is a short, complete run of the tiny task (`configs/tiny.py` with the
-overrides of `DEFAULT_ARG`): a short supervised warm start, then tens of GRPO
-steps where the off-policy gap is real (fp8 sampler, several mini-batches and
-two iterations per rollout batch, staleness 1), with an `AlignmentCallback`.
-All seeds run in one process with the in-process sampler (no sampler start-up
-per seed); the trainer's per-run jitted steps are recompiled per seed but hit a
-persistent XLA compilation cache (`enable_compile_cache`), and the analysis's
-own jitted functions are module-level and shared.
+Each seed is a short, complete run of the tiny task (`configs/tiny.py` with the overrides of `DEFAULT_ARG`): a short
+supervised warm start, then tens of GRPO steps where the off-policy gap is real (fp8 sampler, several mini-batches and
+two iterations per rollout batch, staleness 1), with an `AlignmentCallback`. All seeds run in one process with the
+in-process sampler (no sampler start-up per seed); the trainer's per-run jitted steps are recompiled per seed but hit a
+persistent XLA compilation cache (`enable_compile_cache`), and the analysis's own jitted functions are module-level and
+shared.
 
 Per seed, ``<out>/seeds/seed_XXX.npz`` holds the recorded tokens (see
-`AlignmentCallback.records`) and ``seed_XXX.json`` the per-step statistics,
-fidelity counts, the run's summary and timing; `pdm_jax.analysis.report`
-turns a directory of them into the report.
+`AlignmentCallback.records`) and ``seed_XXX.json`` the per-step statistics, fidelity counts, the run's summary and
+timing; `pdm_jax.analysis.report` turns a directory of them into the report.
 """
 
 from __future__ import annotations
@@ -102,8 +99,8 @@ _WARMSTART_SKIP = ("summary.json", "curves.png", "train.log", "tensorboard", "sw
 
 
 def enable_compile_cache(path: str) -> None:
-    """Turns on JAX's persistent compilation cache at `path` (`pdm_jax.profiling.enable_compile_cache`: every
-    entry cached, however fast to compile; a file lock shared with the seeds' other processes)."""
+    """Turns on JAX's persistent compilation cache at `path` (`pdm_jax.profiling.enable_compile_cache`: every entry
+    cached, however fast to compile; a file lock shared with the seeds' other processes)."""
     from pdm_jax.profiling import enable_compile_cache as enable  # lazy: this module also reads seeds without JAX
 
     enable(os.path.abspath(path))
@@ -126,10 +123,9 @@ def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: f
         after the run unless `keep_workdir`).
       isolated_tokens, isolated_step, full_mu, param_direction: see `AlignmentCallback`.
       warmstart: a finished warm-start workdir (a run of the same config with
-        ``rl.steps=0``, e.g. a sweep's ``_warmstart/<key>``), copied into
-        `workdir` first so the trainer resumes at RL step 0 with `config` (the
-        seed then varies only the RL phase), as `launch/sweep.py` shares warm
-        starts. Raises ValueError if it holds no ``summary.json``.
+        ``rl.steps=0``, e.g. a sweep's ``_warmstart/<key>``), copied into `workdir` first so the trainer resumes at RL
+        step 0 with `config` (the seed then varies only the RL phase), as `launch/sweep.py` shares warm starts. Raises
+        ValueError if it holds no ``summary.json``.
     """
     # lazy: JAX, the model and the training loop are only needed to run new seeds, not to read saved ones
     from pdm_jax.analysis.callback import AlignmentCallback
@@ -178,8 +174,8 @@ def save_seed(out_dir: str, seed: int, result: dict, settings: dict) -> str:
 def load_seeds(out_dir: str) -> list:
     """Loads every saved seed of `out_dir` (sorted): list of ``{"seed", "records", "steps", "fidelity", ...}``.
 
-    Every array is read whole, so the zip's CRC-32 of each checks its bytes (a flipped bit is refused, not read as
-    other token figures); no pickled object is ever loaded.
+    Every array is read whole, so the zip's CRC-32 of each checks its bytes (a flipped bit is refused, not read as other
+    token figures); no pickled object is ever loaded.
 
     Raises:
       ValueError: a seed's ``.json`` or ``.npz`` is missing, unreadable or corrupted (names the file).
@@ -240,9 +236,9 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
               log_fn=print) -> list:
     """Runs `run_seed` for each seed (skipping seeds already saved when `skip_done`); returns the json paths.
 
-    The config is ``<config_spec>`` loaded with ``arg`` (then ``overrides``, a
-    second argument string, then ``seed=<seed>``) via `pdm_jax.config.apply_arg`.
-    `warmstart`: one warm-start workdir shared by every seed (see `run_seed`).
+    The config is ``<config_spec>`` loaded with ``arg`` (then ``overrides``, a second argument string, then
+    ``seed=<seed>``) via `pdm_jax.config.apply_arg`. `warmstart`: one warm-start workdir shared by every seed (see
+    `run_seed`).
     """
     from pdm_jax.config import apply_arg  # lazy: only when a report re-reads the config
 

@@ -1,7 +1,7 @@
 """pdm_jax.data: prompt sources (reasoning-gym, local HF datasets) and verifiers.
 
-Entry point: `make_source(spec)` builds a `PromptSource` from a `DataSpec`, the run config's ``data`` section
-read once (`DataSpec.from_config(config.data)`; fields and units in docs/configuration.md):
+Entry point: `make_source(spec)` builds a `PromptSource` from a `DataSpec`, the run config's ``data`` section read once
+(`DataSpec.from_config(config.data)`; fields and units in docs/configuration.md):
 
   kind           "reasoning_gym" | "gsm8k" | "dapo_math" | "file" (the user's own prompts)
   task           reasoning-gym task name, e.g. "chain_sum"            (reasoning_gym)
@@ -21,9 +21,8 @@ and, outside the run config, ``train_size``, ``instruction``, ``verify_timeout_s
 
 Unknown kind, missing path, bad task etc. raise ValueError naming the field.
 
-Once the tokenizer exists, `filter_long_prompts(source, codec.encode_prompt,
-config.sampler.max_prompt_length)` drops (and counts) the prompts longer than the
-sampler accepts, from the training stream and the held-out set.
+Once the tokenizer exists, `filter_long_prompts(source, codec.encode_prompt, config.sampler.max_prompt_length)` drops
+(and counts) the prompts longer than the sampler accepts, from the training stream and the held-out set.
 """
 
 from __future__ import annotations
@@ -71,9 +70,9 @@ __all__ = [
 def applies_chat_template(kind: str, prompt_format: str, chat_template: str, chat=None) -> bool:
     """Whether a source's prompts go through the tokenizer's chat template (`PromptSource.chat`).
 
-    ``chat_template`` "on" / "off" decide; under "auto" an explicit ``chat`` (`DataSpec.chat`) does, else the
-    source's own choice: reasoning-gym tasks with ``prompt_format="question"``, gsm8k, dapo_math and file apply it,
-    reasoning-gym "compact" prompts do not. `make_source` and `pdm_jax.config.validate_config` both read it.
+    ``chat_template`` "on" / "off" decide; under "auto" an explicit ``chat`` (`DataSpec.chat`) does, else the source's
+    own choice: reasoning-gym tasks with ``prompt_format="question"``, gsm8k, dapo_math and file apply it, reasoning-gym
+    "compact" prompts do not. `make_source` and `pdm_jax.config.validate_config` both read it.
     """
     if chat_template != "auto":
         return chat_template == "on"

@@ -1,7 +1,7 @@
 """``data.kind = "file"``: prompts from the user's own local file, through Hugging Face `datasets`.
 
-``data.path`` is a local .json / .jsonl / .parquet file (read by `pdm_jax.data.math_data.load_records`, the
-loader of the gsm8k / dapo_math kinds) or a directory written by ``datasets.Dataset.save_to_disk`` (read by
+``data.path`` is a local .json / .jsonl / .parquet file (read by `pdm_jax.data.math_data.load_records`, the loader of
+the gsm8k / dapo_math kinds) or a directory written by ``datasets.Dataset.save_to_disk`` (read by
 ``datasets.load_from_disk``); the hub is never contacted. Each row needs the column ``data.prompt_field``:
 
 * text: the prompt as the model sees it (through the tokenizer's chat template as one user turn unless
@@ -10,20 +10,20 @@ loader of the gsm8k / dapo_math kinds) or a directory written by ``datasets.Data
   (`pdm_jax.text.TextCodec.encode_prompt`), so ``data.chat_template`` must not be "off".
 
 ``data.answer_field`` (optional) names the reference-answer column: the ground truth of the built-in math verifier
-(`pdm_jax.data.verifiers.math_reward`, as gsm8k / dapo_math) and the target of the supervised warm start (the
-answer text itself). Every column but the prompt's (the answer's included, under its own name) is kept per row in
+(`pdm_jax.data.verifiers.math_reward`, as gsm8k / dapo_math) and the target of the supervised warm start (the answer
+text itself). Every column but the prompt's (the answer's included, under its own name) is kept per row in
 ``Example.meta["columns"]`` and reaches the reward functions of ``reward.functions`` as a keyword argument
-(`pdm_jax.rewards`); the column names ``prompts``, ``completions``, ``completion_ids`` and ``truncated`` are the
-reward functions' own arguments and are refused.
+(`pdm_jax.rewards`); the column names ``prompts``, ``completions``, ``completion_ids`` and ``truncated`` are the reward
+functions' own arguments and are refused.
 
 Rows with the same prompt are kept once (the first). Held-out split, training stream and scoring are
 `pdm_jax.data.math_data.MathSource`'s: ``data.num_eval`` rows of a seeded permutation (or of ``data.eval_path``),
-disjoint from the training pool by prompt content. Prompts longer than ``sampler.max_prompt_length`` tokens are
-dropped and counted at load by `pdm_jax.data.prompt_filter.filter_long_prompts`, as for every kind.
+disjoint from the training pool by prompt content. Prompts longer than ``sampler.max_prompt_length`` tokens are dropped
+and counted at load by `pdm_jax.data.prompt_filter.filter_long_prompts`, as for every kind.
 
-Errors (ValueError naming the field): a missing or unreadable path, an empty file (no rows), a row without the
-prompt or answer column, a prompt that is neither non-empty text nor a list of {role, content} messages, a
-reserved column name, chat-message prompts with ``data.chat_template = "off"``.
+Errors (ValueError naming the field): a missing or unreadable path, an empty file (no rows), a row without the prompt or
+answer column, a prompt that is neither non-empty text nor a list of {role, content} messages, a reserved column name,
+chat-message prompts with ``data.chat_template = "off"``.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ class FileSource(MathSource):
       answer_field: the reference-answer column (``data.answer_field``; "" = none).
       chat: whether prompts go through the tokenizer's chat template (`pdm_jax.data.applies_chat_template`).
 
-    ``Example.prompt`` is the prompt text, or the list of message dicts of a chat-message prompt;
-    ``Example.answer`` the answer column as text ("" without ``answer_field``). `score` is the built-in math
-    verifier against ``Example.answer``; `sft_target` the answer text.
+    ``Example.prompt`` is the prompt text, or the list of message dicts of a chat-message prompt; ``Example.answer`` the
+    answer column as text ("" without ``answer_field``). `score` is the built-in math verifier against
+    ``Example.answer``; `sft_target` the answer text.
 
     Raises:
       ValueError: as `load_file_rows`; chat-message prompts without the chat template (naming

@@ -1,21 +1,16 @@
 """Over-long prompts filtered when the data is loaded, not discovered mid-run.
 
-A prompt source does not know the tokenizer, and the sampler refuses a prompt of
-more than ``sampler.max_prompt_length`` tokens. `filter_long_prompts` wraps a
-source once the tokenizer exists (``encode = TextCodec.encode_prompt``) and
-drops the examples whose encoded prompt is too long, from the training stream
-and from the held-out set, counting them, as verl (``filter_overlong_prompts``)
-and EasyR1 do at dataset load.
+A prompt source does not know the tokenizer, and the sampler refuses a prompt of more than ``sampler.max_prompt_length``
+tokens. `filter_long_prompts` wraps a source once the tokenizer exists (``encode = TextCodec.encode_prompt``) and drops
+the examples whose encoded prompt is too long, from the training stream and from the held-out set, counting them, as
+verl (``filter_overlong_prompts``) and EasyR1 do at dataset load.
 
-Training stream: position ``i`` of the filtered stream is the source's position
-``i`` when that prompt fits, else the first fitting one of positions
-``i + PROBE_STRIDE``, ``i + 2 * PROBE_STRIDE``, ... (at most MAX_PROBES). It is a
-deterministic function of ``i`` (a resumed run sees the same prompts), a draw
-from the source's stream conditioned on fitting, and the identity when no prompt
-is too long: then the wrapper hands out exactly the source's examples, in the
-same order. PROBE_STRIDE is an odd prime, so it steps through every residue of
-a wrapping pool (reasoning-gym's ``train_size`` of 2**20, a math pool of
-``num_train`` rows not a multiple of it) instead of landing on the same example.
+Training stream: position ``i`` of the filtered stream is the source's position ``i`` when that prompt fits, else the
+first fitting one of positions ``i + PROBE_STRIDE``, ``i + 2 * PROBE_STRIDE``, ... (at most MAX_PROBES). It is a
+deterministic function of ``i`` (a resumed run sees the same prompts), a draw from the source's stream conditioned on
+fitting, and the identity when no prompt is too long: then the wrapper hands out exactly the source's examples, in the
+same order. PROBE_STRIDE is an odd prime, so it steps through every residue of a wrapping pool (reasoning-gym's
+``train_size`` of 2**20, a math pool of ``num_train`` rows not a multiple of it) instead of landing on the same example.
 """
 
 from __future__ import annotations
@@ -47,9 +42,9 @@ _FIELD = "sampler.max_prompt_length"
 class LengthFilteredSource:
     """A `PromptSource` without the examples whose prompt encodes to more than `max_prompt_length` tokens.
 
-    Built by `filter_long_prompts` (see the module docstring for the training stream).
-    Everything else (`name`, `chat`, `score`, `score_batch`, `sft_target`, and any other
-    attribute of the source, e.g. `score_failures`) is the wrapped source's.
+    Built by `filter_long_prompts` (see the module docstring for the training stream). Everything else (`name`, `chat`,
+    `score`, `score_batch`, `sft_target`, and any other attribute of the source, e.g. `score_failures`) is the wrapped
+    source's.
 
     Attributes (counts, for the trainer's log and summary):
       source: the wrapped source.
@@ -173,11 +168,9 @@ def filter_long_prompts(source: PromptSource, encode: Callable[[str], Sequence[i
     """`source` without the prompts that encode to more than `max_prompt_length` tokens.
 
     Call it once the tokenizer exists, e.g.
-    ``filter_long_prompts(source, codec.encode_prompt, config.sampler.max_prompt_length)``.
-    Encodes the held-out set and the first SCAN_SIZE training positions at once
-    (logging what was dropped); later training prompts are checked as the stream
-    is read. With nothing too long, the result hands out exactly the source's
-    examples in the same order.
+    ``filter_long_prompts(source, codec.encode_prompt, config.sampler.max_prompt_length)``. Encodes the held-out set and
+    the first SCAN_SIZE training positions at once (logging what was dropped); later training prompts are checked as the
+    stream is read. With nothing too long, the result hands out exactly the source's examples in the same order.
 
     Args:
       source: a `PromptSource`.

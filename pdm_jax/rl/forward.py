@@ -1,8 +1,8 @@
 """The one forward pass of the update: the policy on prompt + completion, kept at the completion's positions.
 
-Both the whole-vocabulary step (`pdm_jax.rl.train_step`) and the chunked one (`pdm_jax.rl.chunked_loss`)
-call `completion_forward`; `completion_logits` and `completion_hidden_states` are its two outputs.
-`packed_forward` is the same model call on packed rows (`pdm_jax.rl.packing`), every position kept.
+Both the whole-vocabulary step (`pdm_jax.rl.train_step`) and the chunked one (`pdm_jax.rl.chunked_loss`) call
+`completion_forward`; `completion_logits` and `completion_hidden_states` are its two outputs. `packed_forward` is the
+same model call on packed rows (`pdm_jax.rl.packing`), every position kept.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from flax import nnx
 
 def completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                        head: bool, return_aux: bool = False, routed_experts=None):
-    """Runs the model on ``concat(prompt, completion)`` and keeps positions P-1 .. P+T-2, whose
-    next-token outputs score completion tokens 0..T-1.
+    """Runs the model on ``concat(prompt, completion)`` and keeps positions P-1 .. P+T-2, whose next-token outputs score
+    completion tokens 0..T-1.
 
     Args:
       graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
@@ -25,9 +25,9 @@ def completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids
       routed_experts: [B,P+T,L,k] int or None: routing replay (``StepBatch.routed_experts``): the experts each
         MoE layer runs per token (``Qwen3ForCausalLM``'s ``routed_experts``); None: its router's.
     Returns:
-      ``(out, model, aux)``: ``out`` the f32 logits [B,T,V] (``head``) or the hidden states [B,T,D] in the
-      compute dtype; ``model`` the merged module (``logits_from_hidden`` is the LM head); ``aux`` the
-      unscaled router load-balancing loss of a Qwen3-MoE model with ``return_aux`` (f32 scalar, transformers'
+      ``(out, model, aux)``: ``out`` the f32 logits [B,T,V] (``head``) or the hidden states [B,T,D] in the compute
+      dtype; ``model`` the merged module (``logits_from_hidden`` is the LM head); ``aux`` the unscaled router
+      load-balancing loss of a Qwen3-MoE model with ``return_aux`` (f32 scalar, transformers'
       ``load_balancing_loss_func`` over the real prompt and completion tokens), None for a dense model.
     """
     model = nnx.merge(graphdef, params)
@@ -54,8 +54,8 @@ def packed_forward(graphdef, params, rows, *, head: bool, return_aux: bool = Fal
         [N,L] int32 (a token attends only within its sequence; rotary positions restart at each one).
       head, return_aux: as `completion_forward`.
     Returns:
-      ``(out, model, aux)`` as `completion_forward`, ``out`` at all N x L positions: position l's
-      output predicts the token at l + 1 of its sequence.
+      ``(out, model, aux)`` as `completion_forward`, ``out`` at all N x L positions: position l's output predicts the
+      token at l + 1 of its sequence.
     """
     model = nnx.merge(graphdef, params)
     call = model if head else model.hidden_states
@@ -84,9 +84,9 @@ def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completi
                              return_aux: bool = False, routed_experts=None):
     """Final hidden states predicting each completion token, and the LM-head function.
 
-    Returns ``(h [B,T,D] in the compute dtype, head_fn)`` where ``head_fn(h_chunk [B,c,D])`` returns f32
-    logits ``[B,c,V]`` (``Qwen3ForCausalLM.logits_from_hidden``); with ``return_aux`` a third element, the
-    unscaled router aux loss of a MoE model (None if dense).
+    Returns ``(h [B,T,D] in the compute dtype, head_fn)`` where ``head_fn(h_chunk [B,c,D])`` returns f32 logits
+    ``[B,c,V]`` (``Qwen3ForCausalLM.logits_from_hidden``); with ``return_aux`` a third element, the unscaled router aux
+    loss of a MoE model (None if dense).
     """
     h, model, aux = completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                        head=False, return_aux=return_aux,

@@ -1,19 +1,15 @@
 """`RolloutProducer`: rollout batches in step order, with at most ``max_staleness`` versions of lag.
 
-The producer knows nothing of the trainer: it is handed ``make_batch(step)``, a
-callable that returns the rollouts of RL step ``step`` (its prompts and seed are
-a function of the step alone, so a retried batch is the same batch), and is told
+The producer knows nothing of the trainer: it is handed ``make_batch(step)``, a callable that returns the rollouts of RL
+step ``step`` (its prompts and seed are a function of the step alone, so a retried batch is the same batch), and is told
 each new sampler version with :meth:`notify_version`.
 
-Resuming with ``max_staleness`` > 0: which weights a batch is sampled with is not
-a function of its step (batch i uses the version the sampler holds when the batch
-is started, >= i - s), so a resumed run samples the batches queued ahead of its
-checkpoint the same way only if they are kept: :meth:`snapshot` returns them at
-checkpoint time (the trainer saves them with the checkpoint,
-``pdm_jax.rollouts.queued``) and ``queued=`` hands them back, so the resumed run
-trains on the very batches, weights versions and staleness of the uninterrupted
-run. Without them (``queued`` empty) the sampler starts from the checkpoint's
-version and the lag climbs again from 0 over the next s steps.
+Resuming with ``max_staleness`` > 0: which weights a batch is sampled with is not a function of its step (batch i uses
+the version the sampler holds when the batch is started, >= i - s), so a resumed run samples the batches queued ahead of
+its checkpoint the same way only if they are kept: :meth:`snapshot` returns them at checkpoint time (the trainer saves
+them with the checkpoint, ``pdm_jax.rollouts.queued``) and ``queued=`` hands them back, so the resumed run trains on the
+very batches, weights versions and staleness of the uninterrupted run. Without them (``queued`` empty) the sampler
+starts from the checkpoint's version and the lag climbs again from 0 over the next s steps.
 """
 
 from __future__ import annotations
@@ -25,20 +21,18 @@ from typing import Any, Callable, Optional
 class RolloutProducer:
     """Produces ``make_batch(step)`` for steps ``first_step .. last_step - 1`` in order.
 
-    With ``max_staleness = 0`` generation is synchronous: :meth:`get` calls
-    ``make_batch`` itself (batch i is sampled with version i, right after the
-    trainer pushed it). With ``max_staleness = s > 0`` a background thread
-    samples batch i as soon as the sampler holds a version >= i - s, overlapping
-    generation with training.
+    With ``max_staleness = 0`` generation is synchronous: :meth:`get` calls ``make_batch`` itself (batch i is sampled
+    with version i, right after the trainer pushed it). With ``max_staleness = s > 0`` a background thread samples batch
+    i as soon as the sampler holds a version >= i - s, overlapping generation with training.
 
     Args:
-      make_batch: ``step -> item`` (whatever the caller wants back from :meth:`get`).
-      first_step, last_step: the half-open range of RL steps to produce.
+      make_batch: ``step -> item`` (whatever the caller wants back from :meth:`get`). first_step, last_step: the
+      half-open range of RL steps to produce.
       max_staleness: s >= 0, versions the sampler may lag behind the trainer.
       version: the sampler's weights version now.
       queued: ``{step: item}`` produced before a checkpoint (:meth:`snapshot` of the run that wrote it),
-        for consecutive steps from ``first_step``; they are returned as they are and sampling goes on after
-        them. Only with ``max_staleness`` > 0.
+        for consecutive steps from ``first_step``; they are returned as they are and sampling goes on after them. Only
+        with ``max_staleness`` > 0.
 
     An exception raised by ``make_batch`` on the thread is re-raised by :meth:`get`.
 
@@ -105,9 +99,9 @@ class RolloutProducer:
         """``{step: item}`` of the batches produced ahead and not yet taken by :meth:`get` (a copy; empty with
         ``max_staleness`` = 0), for a checkpoint.
 
-        A batch being sampled is waited for, and none is started meanwhile, so the result is exactly the
-        batches this run has sampled, or started to sample, with the weights versions served so far. Call
-        it between :meth:`get` calls, as the trainer checkpoints (no new version arrives meanwhile).
+        A batch being sampled is waited for, and none is started meanwhile, so the result is exactly the batches this
+        run has sampled, or started to sample, with the weights versions served so far. Call it between :meth:`get`
+        calls, as the trainer checkpoints (no new version arrives meanwhile).
         """
         if self._thread is None:
             return {}

@@ -1,42 +1,32 @@
 """`SamplerSupervisor`: the trainer's one handle on the rollout sampler.
 
-It owns everything about the sampler that is not sampling itself: where weights
-versions live (``WORKDIR/weights/vNNNNNN``) and pushing them, starting the
-sampler in the configured mode (``subprocess``: a ``pdm_jax.sampler.server``
-child process on loopback; ``remote``: a running server at ``sampler.address``;
-``in_process``: an engine in this process fed through the same weights files;
-``colocated``: an engine in this process on the trainer's first local device, fed
-in memory; ``auto``: `config.resolve_sampler_mode`), health, calls with restarts of a
-dead subprocess within ``sampler.max_restarts``, and stopping it. The trainer
-and the rollout producer only call :meth:`generate` and :meth:`sync`.
+It owns everything about the sampler that is not sampling itself: where weights versions live
+(``WORKDIR/weights/vNNNNNN``) and pushing them, starting the sampler in the configured mode (``subprocess``: a
+``pdm_jax.sampler.server`` child process on loopback; ``remote``: a running server at ``sampler.address``;
+``in_process``: an engine in this process fed through the same weights files; ``colocated``: an engine in this process
+on the trainer's first local device, fed in memory; ``auto``: `config.resolve_sampler_mode`), health, calls with
+restarts of a dead subprocess within ``sampler.max_restarts``, and stopping it. The trainer and the rollout producer
+only call :meth:`generate` and :meth:`sync`.
 
-Weight sync per mode: the file modes write ``params.safetensors`` (+ manifest) of
-the new version and have the sampler load it (`weights.save_weights` /
-`SamplingEngine.load_weights`); ``colocated`` hands the engine the trainer's
-parameter tree itself (`SamplingEngine.set_params` with a ``device``): one jitted
-program gathers them from the train mesh onto the sampling device and builds the
-quantized copy there (`quantize.prepare_sampler_params`), in fresh buffers, so the
-optimizer step that donates the trainer's parameters next never touches the
-sampler's copy. No file is written for it.
+Weight sync per mode: the file modes write ``params.safetensors`` (+ manifest) of the new version and have the sampler
+load it (`weights.save_weights` / `SamplingEngine.load_weights`); ``colocated`` hands the engine the trainer's parameter
+tree itself (`SamplingEngine.set_params` with a ``device``): one jitted program gathers them from the train mesh onto
+the sampling device and builds the quantized copy there (`quantize.prepare_sampler_params`), in fresh buffers, so the
+optimizer step that donates the trainer's parameters next never touches the sampler's copy. No file is written for it.
 
 Failures, and what each costs:
 
-* the sampler *refuses* a request (HTTP 4xx, or the in-process engine's
-  ``ValueError``: a bad request, a damaged or non-finite weights version):
-  `SamplerRejected` carrying the server's message, status and field -- never
-  retried, never a restart (restarting cannot fix the request);
-* the sampler is *gone or failing* (connection errors, timeouts, 5xx after the
-  client's retries, a replacement that dies during its own start-up): the
-  subprocess is restarted, each attempt counting against
-  ``sampler.max_restarts``; then `SamplerFailure`;
-* the sampler is *stalled* (alive but making no progress, e.g. SIGSTOP): while
-  a call is in flight, ``/health`` is probed every ``stall_probe_interval_s``
-  with a ``stall_probe_timeout_s`` timeout (the server answers it while a
-  generation runs, off its event loop); ``stall_probe_misses`` consecutive
-  misses count as a stall: the subprocess is killed (SIGKILL) and restarted
-  like a dead one (a remote sampler: `SamplerFailure`).  With the defaults a
-  stall is noticed after about 3 x (10 + 10) s = 60 s instead of
-  ``retries + 1`` whole-request timeouts (4 x 300 s).
+* the sampler *refuses* a request (HTTP 4xx, or the in-process engine's ``ValueError``: a bad request, a damaged or
+  non-finite weights version): `SamplerRejected` carrying the server's message, status and field -- never retried, never
+  a restart (restarting cannot fix the request);
+* the sampler is *gone or failing* (connection errors, timeouts, 5xx after the client's retries, a replacement that dies
+  during its own start-up): the subprocess is restarted, each attempt counting against ``sampler.max_restarts``; then
+  `SamplerFailure`;
+* the sampler is *stalled* (alive but making no progress, e.g. SIGSTOP): while a call is in flight, ``/health`` is
+  probed every ``stall_probe_interval_s`` with a ``stall_probe_timeout_s`` timeout (the server answers it while a
+  generation runs, off its event loop); ``stall_probe_misses`` consecutive misses count as a stall: the subprocess is
+  killed (SIGKILL) and restarted like a dead one (a remote sampler: `SamplerFailure`).  With the defaults a stall is
+  noticed after about 3 x (10 + 10) s = 60 s instead of ``retries + 1`` whole-request timeouts (4 x 300 s).
 """
 
 from __future__ import annotations
@@ -120,8 +110,8 @@ class SamplerSupervisor:
 
     Args:
       spec: the run's sampler settings (`SamplerSpec.from_config(config.sampler)`: mode, address,
-        token, quantization, startup/request timeouts and stall probes in seconds, retries,
-        max_restarts, max_prompt_length and max_batch_size in tokens / sequences, batching, mesh).
+        token, quantization, startup/request timeouts and stall probes in seconds, retries, max_restarts,
+        max_prompt_length and max_batch_size in tokens / sequences, batching, mesh).
       workdir: the run directory; weights versions go to ``workdir/weights``, the
         model's Hugging Face config is read from ``workdir/model/config.json``.
       model_config: the ``Qwen3Config`` (for in-process engines).
@@ -137,18 +127,18 @@ class SamplerSupervisor:
       mode: the resolved ``sampler.mode`` (`config.resolve_sampler_mode`: never "auto").
       compute_dtype: the spec's ``compute_dtype`` ("auto" | "float32" | "bfloat16").
       last_sync_seconds: ``{"save": s, "load": s}`` of the last `sync` (writing the
-        version; the sampler's load, re-quantization and round trip). Colocated:
-        save 0, load the in-memory reshard + re-quantization, finished.
+        version; the sampler's load, re-quantization and round trip). Colocated: save 0, load the in-memory reshard +
+        re-quantization, finished.
       sampler_compile_stats: the subprocess/remote sampler's last reported
-        `pdm_jax.profiling.CompileCounter` snapshot (None until a `sync`, and for an
-        in-process sampler, whose compiles count in this process).
+        `pdm_jax.profiling.CompileCounter` snapshot (None until a `sync`, and for an in-process sampler, whose compiles
+        count in this process).
 
     Raises:
       TypeError: ``spec`` is not a `SamplerSpec` (e.g. the ConfigDict section itself).
       ValueError: a file sampler mode with a bucket workdir.
 
-    Thread safety: :meth:`call` may run on the rollout producer's thread while the
-    trainer pushes weights; a restart happens once per failure (a generation counter).
+    Thread safety: :meth:`call` may run on the rollout producer's thread while the trainer pushes weights; a restart
+    happens once per failure (a generation counter).
     """
 
     def __init__(self, spec: SamplerSpec, *, workdir: str, model_config, max_new_tokens: int,
@@ -244,12 +234,11 @@ class SamplerSupervisor:
 
     def memory_engine(self, params, version: int, quantization: str, compute_dtype: str = "auto", *,
                       noised: bool = True) -> InProcessSampler:
-        """An in-process engine built from the parameter tree ``params`` (weights ``version``) on this
-        process's first local device, in memory (`SamplingEngine`'s ``device``): the colocated sampler,
+        """An in-process engine built from the parameter tree ``params`` (weights ``version``) on this process's first
+        local device, in memory (`SamplingEngine`'s ``device``): the colocated sampler,
         and the trainer's f32 evaluation engine.  With ``sampler.mesh`` larger than 1 x 1: sharded over the
-        first data x tensor local devices (`make_sampler_mesh`; a sub-mesh of the trainer's or all of them).
-        ``noised``: with the spec's ``weight_noise`` (False for the evaluation engine, which measures the
-        trainer's own weights)."""
+        first data x tensor local devices (`make_sampler_mesh`; a sub-mesh of the trainer's or all of them). ``noised``:
+        with the spec's ``weight_noise`` (False for the evaluation engine, which measures the trainer's own weights)."""
         mesh = make_sampler_mesh(*self.mesh_shape, devices=jax.local_devices())
         place = dict(device=jax.local_devices()[0]) if mesh is None else dict(mesh=mesh)
         engine = SamplingEngine(self.model_config, params, quantization=quantization, version=version,
@@ -260,9 +249,8 @@ class SamplerSupervisor:
     def start(self, version: int, params=None) -> None:
         """Starts (or connects to) the sampler serving weights version ``version``.
 
-        File modes: the version is pushed from ``params`` first when given and its
-        directory is not complete (else it must be on disk already); colocated: the
-        engine is built from ``params`` (required) in memory.
+        File modes: the version is pushed from ``params`` first when given and its directory is not complete (else it
+        must be on disk already); colocated: the engine is built from ``params`` (required) in memory.
 
         Raises:
           ValueError: colocated without ``params``; a remote native server whose ``/health`` does not report
@@ -313,8 +301,8 @@ class SamplerSupervisor:
         self._generation += 1
 
     def _remote_client(self, sc):
-        """The client of the server at ``sampler.address``: ours (`SamplerClient`), or a vLLM server's
-        (`VLLMSampler`, ``sampler.backend = "vllm"``; weights go to ``sampler.vllm_weights_dir``)."""
+        """The client of the server at ``sampler.address``: ours (`SamplerClient`), or a vLLM server's (`VLLMSampler`,
+        ``sampler.backend = "vllm"``; weights go to ``sampler.vllm_weights_dir``)."""
         if sc.backend == "vllm":
             return VLLMSampler(sc.address, model_config=self.model_config, model=sc.vllm_model,
                                weights_dir=sc.vllm_weights_dir or os.path.join(self.workdir, "weights_hf"),
@@ -349,17 +337,15 @@ class SamplerSupervisor:
         ``fn`` calls one method of the `pdm_jax.rollouts.base.Sampler` protocol (e.g.
         ``lambda s: s.generate(prompts, n=4)``); ``fn_name`` names that call in messages and logs.
 
-        Generation requests carry a seed, so a retried request returns the same
-        rollouts: no training batch is lost or duplicated.
+        Generation requests carry a seed, so a retried request returns the same rollouts: no training batch is lost or
+        duplicated.
 
         Raises:
           SamplerResponseError: the sampler's answer does not have the documented shape (never retried).
           SamplerRejected: the sampler refused the request (a 4xx with the
-            server's message and field, or the engine's ValueError/TypeError);
-            never retried, no restart.
+            server's message and field, or the engine's ValueError/TypeError); never retried, no restart.
           SamplerFailure: the call still failed after ``sampler.max_restarts``
-            restarts (replacements that die during start-up count too), or the
-            sampler is not a restartable subprocess.
+            restarts (replacements that die during start-up count too), or the sampler is not a restartable subprocess.
         """
         restarts, startup_error = 0, None
         while True:
@@ -396,8 +382,8 @@ class SamplerSupervisor:
         """Runs ``fn(sampler)`` on a worker thread while probing ``sampler``'s /health from this one.
 
         Returns what ``fn`` returns or raises what it raises.  Raises `SamplerStalled`
-        after ``stall_probe_misses`` consecutive probes without an answer; the
-        worker is abandoned then (a daemon thread, ended by the kill or its timeout).
+        after ``stall_probe_misses`` consecutive probes without an answer; the worker is abandoned then (a daemon
+        thread, ended by the kill or its timeout).
         """
         box, done = {}, threading.Event()
 
@@ -430,12 +416,12 @@ class SamplerSupervisor:
     def generate(self, prompts, **kwargs) -> RolloutBatch:
         """Rollouts for ``prompts`` (lists of token ids); keyword arguments as ``SamplerClient.generate``.
 
-        Whatever the backend, its answer is checked against the request (`pdm_jax.rollout.check_answers`:
-        rows, order, prompts, lengths, ids, log mu, top-K mass) before any of it is used.
+        Whatever the backend, its answer is checked against the request (`pdm_jax.rollout.check_answers`: rows, order,
+        prompts, lengths, ids, log mu, top-K mass) before any of it is used.
 
         Raises:
-          SamplerResponseError: the sampler's rollouts do not answer the request (names the field).
-          SamplerRejected, SamplerFailure: as `call`.
+          SamplerResponseError: the sampler's rollouts do not answer the request (names the field). SamplerRejected,
+          SamplerFailure: as `call`.
         """
         batch = self.call("generate", lambda sampler: sampler.generate(prompts, **kwargs))
         max_new = kwargs.get("max_new_tokens")
