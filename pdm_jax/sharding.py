@@ -9,8 +9,9 @@ logical_axes)`` at the model's block boundaries is a no-op unless a mesh is acti
 ``activation_sharding``). Meshes from ``make_mesh`` have ``AxisType.Auto`` axes::
 
     mesh = make_mesh(data=1, fsdp=-1, tensor=4)
-    model = shard_model(model, mesh)                # or from_pretrained(path, mesh=mesh) graphdef, state =
-    nnx.split(model) with activation_sharding(mesh):
+    model = shard_model(model, mesh)                # or from_pretrained(path, mesh=mesh)
+    graphdef, state = nnx.split(model)
+    with activation_sharding(mesh):
         logits = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, ids)"""
 from __future__ import annotations
 
@@ -94,9 +95,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
-# --------------------------------------------------------------------------------------
-# Logical -> physical
-# --------------------------------------------------------------------------------------
+# ---- Logical -> physical ---------------------------------------------------------------------------------
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -218,9 +217,7 @@ def kv_cache_specs(cache, rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None
         v=tuple(logical_to_spec(KV_CACHE_V_AXES, rules, mesh, v.shape) for v in cache.v))
 
 
-# --------------------------------------------------------------------------------------
-# Activation constraints
-# --------------------------------------------------------------------------------------
+# ---- Activation constraints ------------------------------------------------------------------------------
 
 _ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar(
     "pdm_jax_sharding_rules", default=DEFAULT_RULES)

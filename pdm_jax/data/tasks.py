@@ -118,9 +118,7 @@ def _check_index(index: int, name: str = "index") -> int:
     return index
 
 
-# ---------------------------------------------------------------------------
-# Answer extraction for reasoning-gym "question" prompts.
-# ---------------------------------------------------------------------------
+# ---- Answer extraction for reasoning-gym "question" prompts. ---------------------------------------------
 
 
 
@@ -163,9 +161,7 @@ def extract_tagged_answer(completion: str, *, truncated: bool = False) -> str:
     return unwrap_answer(completion)[0]
 
 
-# ---------------------------------------------------------------------------
-# Reasoning-gym source.
-# ---------------------------------------------------------------------------
+# ---- Reasoning-gym source. -------------------------------------------------------------------------------
 
 
 class ReasoningGymSource:

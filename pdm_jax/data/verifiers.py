@@ -73,9 +73,7 @@ class MathVerdict:
     extracted: Optional[str]
 
 
-# ---------------------------------------------------------------------------
-# Extraction.
-# ---------------------------------------------------------------------------
+# ---- Extraction. -----------------------------------------------------------------------------------------
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*")
 # "Answer:", "Final answer:", "**Answer:**", "**Answer**:", "*Final Answer*:" anywhere in a line (the emphasis around
@@ -333,9 +331,7 @@ def extract_final_answer(text: str, *, truncated: bool = False) -> Optional[str]
     return find_final_answer(text, truncated=truncated).answer
 
 
-# ---------------------------------------------------------------------------
-# Verification core (runs in a main thread: the caller's or a pool worker's).
-# ---------------------------------------------------------------------------
+# ---- Verification core (runs in a main thread: the caller's or a pool worker's). -------------------------
 
 
 class _Timeout(BaseException):
@@ -683,9 +679,7 @@ import atexit  # noqa: E402
 atexit.register(shutdown_pool)
 
 
-# ---------------------------------------------------------------------------
-# Public API.
-# ---------------------------------------------------------------------------
+# ---- Public API. -----------------------------------------------------------------------------------------
 
 
 def _count(reason: str) -> None:

@@ -139,9 +139,7 @@ def self_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
                             block_kv=options.block_kv).astype(dtype)
 
 
-# --------------------------------------------------------------------------------------
-# dense (reference)
-# --------------------------------------------------------------------------------------
+# ---- dense (reference) -----------------------------------------------------------------------------------
 
 
 def dense_attention(q_BxTxKxGxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, mask_BxTxS: Array,
@@ -165,9 +163,7 @@ def dense_attention(q_BxTxKxGxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, mask
     return jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxH)
 
 
-# --------------------------------------------------------------------------------------
-# blockwise (online softmax, custom VJP)
-# --------------------------------------------------------------------------------------
+# ---- blockwise (online softmax, custom VJP) --------------------------------------------------------------
 
 
 def blockwise_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
@@ -316,9 +312,7 @@ def _flash_fwd_rule(bq, bkv, q, k, v, valid, q_seg, k_seg):
 _flash.defvjp(_flash_fwd_rule, _flash_backward)
 
 
-# --------------------------------------------------------------------------------------
-# cuDNN (GPU) and splash (TPU)
-# --------------------------------------------------------------------------------------
+# ---- cuDNN (GPU) and splash (TPU) ------------------------------------------------------------------------
 
 
 def _round_up(n: int, m: int) -> int:

@@ -1,19 +1,12 @@
-"""Qwen3 dense decoder in Flax NNX, numerically matching Hugging Face's ``Qwen3ForCausalLM``.
+"""Qwen3 dense and MoE decoder in Flax NNX, numerically matching Hugging Face's ``Qwen3ForCausalLM``.
 
-Reference checked against: ``transformers`` 5.24 ``models/qwen3/modeling_qwen3.py`` (RMSNorm in f32, per-head q/k
-RMSNorm *before* RoPE, rotate-half RoPE with the config's ``rope_theta``, grouped-query attention with scale
-``head_dim**-0.5``, SwiGLU MLP, tied or untied LM head). Parity to <= 1e-4 in f32 is tested in ``tests/test_qwen3.py``
-against logits produced by ``scripts/make_qwen3_reference.py``.
+Checked against ``transformers`` 5.24 ``models/qwen3/modeling_qwen3.py`` (f32 RMSNorm, per-head q/k RMSNorm before
+rotate-half RoPE, GQA with scale ``head_dim**-0.5``, SwiGLU, tied or untied head): parity to <= 1e-4 in f32 in
+``tests/test_qwen3.py`` (logits of ``scripts/make_qwen3_reference.py``). Axes: B batch, T query length, S key length
+(cache slots), D hidden, N query heads, K kv heads, G = N // K, H head dim, F MLP width, V vocab, L layers.
 
-Axis letters used in einsum strings and shape-suffixed names:
-
-    B batch, T query length, S key length (cache slots), D hidden size (embed), N query heads, K key/value heads, G = N
-    // K query heads per kv head, H head dim, F MLP intermediate size, V vocab, L layers.
-
-Parameter layout (einsum friendly; ``pdm_jax.models.hf_io`` maps to/from HF's ``[out, in]`` Linear weights). The decoder
-layers are *stacked*: ``layers`` is one ``DecoderLayer`` whose parameters carry a leading layer axis L (logical axis
-"layers", never sharded), so the forward runs them under ``jax.lax.scan`` and compiles one layer body whatever the
-depth:
+Parameters (``pdm_jax.models.hf_io`` maps HF's ``[out, in]`` weights; ``layers`` is one ``DecoderLayer`` stacked over
+L, row ``i`` = HF's ``model.layers.{i}``, run under ``jax.lax.scan``; logical axes in ``out_sharding``)::
 
     embed_tokens.embedding       [V, D]
     layers.input_layernorm.scale            [L, D]
@@ -30,15 +23,8 @@ depth:
     norm.scale                              [D]
     lm_head.kernel                          [D, V]   (absent when tie_word_embeddings)
 
-Row ``i`` of every ``layers.*`` parameter is HF's ``model.layers.{i}.*``. Every parameter carries logical axis names in
-its ``out_sharding`` metadata (see ``pdm_jax.sharding``); the model holds only ``nnx.Param`` state.
-
-The training forward (``__call__``/``hidden_states``) computes attention with the kernel
-``Qwen3ForCausalLM(attention=...)`` selects (``pdm_jax.models.attention``: the dense reference by default, blockwise /
-cuDNN / splash for long sequences), can rematerialise each layer (``remat=...``) and scans the layer stack
-(``scan_layers=True``, the default) or unrolls it; ``decode`` always attends densely over its KV cache and unrolls the
-layers (see ``Qwen3ForCausalLM.decode`` for why).
-"""
+The training forward uses the attention kernel ``attention=`` selects (``pdm_jax.models.attention``), optional
+per-layer remat and a scanned or unrolled stack; ``decode`` attends densely over its KV cache, layers unrolled."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,32 +49,25 @@ Array = jax.Array
 _INIT_STD = 0.02  # HF Qwen3 initializer_range default; only matters for random init.
 
 
-# --------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------
+# ---- Config ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """Qwen3 hyper-parameters, dense or MoE (names follow HF ``Qwen3Config`` / ``Qwen3MoeConfig``, transformers 5.24).
+    """Qwen3 hyper-parameters, dense or MoE (HF ``Qwen3Config`` / ``Qwen3MoeConfig`` names, transformers 5.24).
 
-    MoE fields (used when ``num_experts`` > 0; defaults are ``Qwen3MoeConfig``'s): each sparse layer's MLP is
-    ``num_experts`` SwiGLU experts of width ``moe_intermediate_size`` behind a linear router; a token goes to its
-    ``num_experts_per_tok`` most probable experts, weighted by their router probabilities (renormalised to sum to 1 when
-    ``norm_topk_prob``). Layer ``i`` is sparse iff ``i`` not in ``mlp_only_layers`` and
-    ``(i+1) % decoder_sparse_step == 0`` (``is_sparse_layer``); the others use the dense MLP of width
-    ``intermediate_size`` (a mixed model, ``is_mixed``: the model then keeps the sparse and the dense layers in two
-    stacks, see ``layer_plan``). ``router_aux_loss_coef`` is the weight HF gives the load-balancing loss
-    (``Qwen3ForCausalLM(..., return_aux=True)``); the RL trainer does not add it unless told to.
+    MoE (``num_experts`` > 0; ``Qwen3MoeConfig``'s defaults): a sparse layer's MLP is ``num_experts`` SwiGLU experts
+    of width ``moe_intermediate_size`` behind a linear router, each token to its ``num_experts_per_tok`` most
+    probable (weights renormalised when ``norm_topk_prob``). Layer ``i`` is sparse iff not in ``mlp_only_layers`` and
+    ``(i+1) % decoder_sparse_step == 0``; otherwise dense (a mixed model, ``is_mixed``, keeps two stacks:
+    ``layer_plan``). ``router_aux_loss_coef``: HF's load-balancing loss weight.
 
     Raises:
-      ValueError: naming the field and value when a size is not positive, when
-        ``num_attention_heads`` is not divisible by ``num_key_value_heads``, when ``head_dim`` is odd (RoPE rotates
-        halves), or ``rms_norm_eps``/``rope_theta`` <= 0; for a negative ``num_experts``, a non-positive
-        ``num_experts_per_tok`` / ``moe_intermediate_size`` / ``decoder_sparse_step``, ``num_experts_per_tok`` >
-        ``num_experts``, a negative or non-finite ``router_aux_loss_coef``, a non-bool ``norm_topk_prob``, or
-        ``mlp_only_layers`` that are not distinct layer indices.
-    """
+      ValueError: naming the field and value: a non-positive size, ``num_attention_heads`` not divisible by
+        ``num_key_value_heads``, an odd ``head_dim``, ``rms_norm_eps``/``rope_theta`` <= 0; a negative
+        ``num_experts``, a non-positive ``num_experts_per_tok`` / ``moe_intermediate_size`` /
+        ``decoder_sparse_step``, ``num_experts_per_tok`` > ``num_experts``, a negative or non-finite
+        ``router_aux_loss_coef``, a non-bool ``norm_topk_prob``, or ``mlp_only_layers`` not distinct layer indices."""
 
     vocab_size: int
     hidden_size: int
@@ -190,12 +169,8 @@ class Qwen3Config:
 
     @property
     def layer_plan(self) -> tuple[tuple[int, int], ...]:
-        """Where each decoder layer's parameters live: ``layer_plan[i] = (stack, row)``, stack 0 =
-        ``Qwen3ForCausalLM.layers``, 1 = ``dense_layers``; rows in layer order.
-
-        Every layer is in stack 0 unless ``is_mixed``; then stack 0 holds the sparse (MoE) layers and stack 1 the
-        dense-MLP ones (HF ``Qwen3MoeDecoderLayer`` with ``Qwen3MLP``).
-        """
+        """``layer_plan[i] = (stack, row)`` of decoder layer i: stack 0 = ``Qwen3ForCausalLM.layers`` (every layer
+        unless ``is_mixed``, then the sparse ones), 1 = ``dense_layers``."""
         plan, rows = [], [0, 0]
         for i in range(self.num_hidden_layers):
             stack = int(self.is_mixed and not self.is_sparse_layer(i))
@@ -214,18 +189,14 @@ class Qwen3Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "Qwen3Config":
-        """Builds a config from an HF ``config.json`` dict (transformers 4.x or 5.x layout).
-
-        Accepts ``rope_theta`` at top level (4.x) or in ``rope_parameters`` (5.x), and ``model_type`` "qwen3_moe"
-        (``Qwen3MoeConfig``; its MoE fields, with that class's defaults for absent ones, see ``_moe_kwargs_from_hf``).
+        """Builds a config from an HF ``config.json`` dict (transformers 4.x or 5.x layout; ``model_type`` "qwen3" or
+        "qwen3_moe", absent MoE fields at ``Qwen3MoeConfig``'s defaults).
 
         Raises:
-          ValueError: naming the field for anything this model does not implement:
-            ``model_type`` not "qwen3"/"qwen3_moe", ``hidden_act`` != "silu", ``attention_bias`` true,
-            ``use_sliding_window`` true, ``rope_scaling``/``rope_parameters`` with a ``rope_type`` other than "default",
-            a ``layer_types`` entry other than "full_attention", ``num_experts`` > 0 with model_type "qwen3", bad MoE
-            fields (see the class docstring), or a missing required field.
-        """
+          ValueError: naming the field for anything not implemented: another ``model_type``, ``hidden_act`` !=
+            "silu", ``attention_bias`` or ``use_sliding_window`` true, a ``rope_type`` other than "default", a
+            ``layer_types`` entry other than "full_attention", ``num_experts`` > 0 with "qwen3", bad MoE fields, or a
+            missing required field."""
         if not isinstance(d, dict):
             raise ValueError(f"HF config must be a dict, got {type(d).__name__}")
         model_type = d.get("model_type", "qwen3")
@@ -358,28 +329,21 @@ class Qwen3Config:
         }
 
 
-# --------------------------------------------------------------------------------------
-# KV cache
-# --------------------------------------------------------------------------------------
+# ---- KV cache --------------------------------------------------------------------------------------------
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer key/value cache, a pytree with one pair of arrays per layer.
+    """Per-layer key/value cache, a pytree with one pair of arrays per layer (model dtype unless given).
 
     Attributes:
-      k: tuple of L arrays [B, K, H, S]: rotated keys, stored head-dim-major so that a
-        decode query's scores ``q @ k`` are a plain [G, H] x [H, S] matmul per (b, kv-head).
-      v: tuple of L arrays [B, K, S, H]: values, so that ``probs @ v`` is [G, S] x [S, H].
-    (model dtype unless given). Slot ``s`` of row ``b`` is valid iff the caller's ``kv_mask[b, s]``; the cache itself
-    carries no index (the sampler owns ``cache_index`` and ``kv_mask``).
+      k: tuple of L arrays [B, K, H, S] of rotated keys (head-dim-major: a decode query's ``q @ k`` is a plain
+        matmul).
+      v: tuple of L arrays [B, K, S, H] of values.
 
-    Why this layout (measured with XLA:CPU, jax 0.10.2, B=32, K=2, H=32, 3 layers, S=272): a single stacked
-    ``[L, B, S, K, H]`` array made XLA copy the layer's slice and transpose it to the matmul layout on every decode
-    step, a cost proportional to the whole cache; separate per-layer arrays in the layouts above are updated in place
-    and read without copies (attention step 1.7 ms -> 0.23 ms; see ``bench/bench_sampler.py`` for the end-to-end
-    effect).
-    """
+    Slot ``s`` of row ``b`` is valid iff the caller's ``kv_mask[b, s]`` (the sampler owns ``cache_index`` and
+    ``kv_mask``). Separate per-layer arrays are updated in place without copies; one stacked array made XLA:CPU copy
+    and transpose a layer's slice every step (1.7 ms vs 0.23 ms per attention step; ``bench/bench_sampler.py``)."""
 
     k: tuple
     v: tuple
@@ -403,9 +367,7 @@ class KVCache:
                        v=tuple(jnp.pad(v, pad_v) for v in self.v))
 
 
-# --------------------------------------------------------------------------------------
-# Building blocks
-# --------------------------------------------------------------------------------------
+# ---- Building blocks -------------------------------------------------------------------------------------
 
 
 class KeySeq:
@@ -538,22 +500,14 @@ class Attention(nnx.Module):
                  attention: attn_lib.AttentionOptions | None = None,
                  kv_window: tuple[Array, tuple[int, ...]] | None = None,
                  ) -> tuple[Array, tuple[Array, Array] | None]:
-        """Attends the T queries to S keys.
+        """Attends the T queries to S keys; returns (out [B,T,D], updated ``(k, v)`` or None).
 
-        Without ``kv``, keys are the T current tokens (S = T) and ``mask`` is either a
-        ``pdm_jax.models.attention.SelfAttentionMask`` (causal self-attention with padding and segments, computed by the
-        kernel ``attention`` selects, default dense) or a ``[B,T,S]`` bool array (dense attention under exactly that
-        mask). With ``kv`` = this layer's cache ``(k [B,K,H,S], v [B,K,S,H])`` (see ``KVCache``), the current
-        keys/values are written at slots ``cache_index .. cache_index+T-1`` (``dynamic_update_slice``, in place under
-        buffer donation), the queries attend densely to all S slots and ``mask`` is the ``[B,T,S]`` bool array of which
-        slots each query may see. ``kv_window`` = ``(index, widths)`` (with ``kv`` only): the queries read only the
-        first ``widths[index]`` slots (``widths`` static ints <= S, ``index`` an int32 scalar, may be traced: one
-        ``lax.switch`` branch per width, which clamps a traced index into range; slots past the width must be masked for
-        every query). The write above still goes to the whole cache. Raises ValueError for a ``kv_window`` without
-        ``kv``.
-
-        Returns (out [B,T,D], updated ``(k, v)`` or None).
-        """
+        Without ``kv``, keys are the T current tokens and ``mask`` is a ``SelfAttentionMask`` (the selected kernel)
+        or a ``[B,T,S]`` bool array (dense). With ``kv`` = this layer's cache ``(k [B,K,H,S], v [B,K,S,H])``, the
+        current keys and values are written at slots ``cache_index ..`` (in place under donation), the queries attend
+        densely to all S slots under the ``[B,T,S]`` ``mask``, and ``kv_window = (index, widths)`` restricts the read
+        to the first ``widths[index]`` slots (static widths, one ``lax.switch`` branch each; later slots must be
+        masked). ValueError for ``kv_window`` without ``kv``."""
         B, T, _ = x_BxTxD.shape
         if kv_window is not None and kv is None:
             raise ValueError("Attention: kv_window needs a KV cache (kv); it selects how many cache slots are read")
@@ -648,17 +602,15 @@ class Experts(nnx.Module):
 
 
 class SparseMoeBlock(nnx.Module):
-    """Qwen3-MoE sparse MLP (HF ``Qwen3MoeSparseMoeBlock``): a linear router over E experts, each token sent to its
-    top-``num_experts_per_tok`` experts (``pdm_jax.models.moe``).
+    """Qwen3-MoE sparse MLP (HF ``Qwen3MoeSparseMoeBlock``): a linear router over E experts, each token to its
+    top-``num_experts_per_tok`` (``pdm_jax.models.moe``); router logits with f32 accumulation, softmax in f32.
 
-    Parameters (``gate`` is HF's router ``mlp.gate.weight`` [E, D]; the experts are HF's
-    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, stacked over e):
+    Parameters (HF ``mlp.gate.weight`` [E, D] and ``mlp.experts.{e}.{gate,up,down}_proj.weight`` stacked over e)::
+
         gate.kernel               [D, E]     logical ("embed", None)
         experts.gate_proj.kernel  [E, D, I]  logical ("expert", "embed", "mlp")
         experts.up_proj.kernel    [E, D, I]  logical ("expert", "embed", "mlp")
-        experts.down_proj.kernel  [E, I, D]  logical ("expert", "mlp", "embed")
-    The router logits are computed with f32 accumulation and the softmax in f32.
-    """
+        experts.down_proj.kernel  [E, I, D]  logical ("expert", "mlp", "embed")"""
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
@@ -744,9 +696,7 @@ class DecoderLayer(nnx.Module):
         return shd.constrain(x_BxTxD, ("batch", "length", "embed")), kv, stats
 
 
-# --------------------------------------------------------------------------------------
-# Model
-# --------------------------------------------------------------------------------------
+# ---- Model -----------------------------------------------------------------------------------------------
 
 
 def default_positions(input_ids_BxT: Array, attention_mask_BxT: Array | None = None,
@@ -784,13 +734,9 @@ REMAT_POLICIES = {
 
 def stacked_layers(config: Qwen3Config, keys: KeySeq, *, dtype=jnp.float32,
                    param_dtype=jnp.float32, stack: int = 0) -> DecoderLayer:
-    """The decoder layers of ``stack`` (``config.layer_plan``: all L layers unless the model is mixed) as one
-    ``DecoderLayer`` whose parameters are stacked [L, ...] (L = that stack's rows).
-
-    Layer ``i`` draws its initial values from the same keys as the i-th of L layers built one after the other from
-    ``keys`` (so the stacked and the per-layer initialisations agree exactly); ``keys`` advances past all of them. Each
-    parameter's logical axes gain a leading "layers" (unsharded in ``pdm_jax.sharding.DEFAULT_RULES``).
-    """
+    """The decoder layers of ``stack`` (``config.layer_plan``) as one ``DecoderLayer`` with parameters stacked [L, ...],
+    initialised from the same keys as L layers built one after the other (``keys`` advances past all); logical axes
+    gain a leading "layers"."""
     L = len(config.stack_layer_ids(stack))
     make = functools.partial(DecoderLayer, config, dtype=dtype, param_dtype=param_dtype,
                              sparse=config.is_moe and stack == 0)
@@ -812,41 +758,26 @@ def layer_slice(layers_state: Any, i: int) -> Any:
 
 
 class Qwen3ForCausalLM(nnx.Module):
-    """Qwen3 causal LM, dense (HF ``Qwen3ForCausalLM``) or mixture-of-experts (HF ``Qwen3MoeForCausalLM``, when
-    ``config.num_experts`` > 0: every sparse layer's MLP is a ``SparseMoeBlock``; ``Qwen3MoeForCausalLM`` is this
-    class), holding only ``nnx.Param`` state. The decoder layers are stacked in ``layers``; a mixed MoE model
-    (``config.is_mixed``: ``decoder_sparse_step`` > 1 or ``mlp_only_layers``) keeps its sparse layers in ``layers`` and
-    its dense-MLP layers in ``dense_layers`` (``config.layer_plan`` says which row of which stack is layer i) and always
-    runs them unrolled.
+    """Qwen3 causal LM, dense (HF ``Qwen3ForCausalLM``) or mixture-of-experts (HF ``Qwen3MoeForCausalLM`` when
+    ``config.num_experts`` > 0), holding only ``nnx.Param`` state; a mixed MoE model keeps its dense-MLP layers in
+    ``dense_layers`` (``config.layer_plan``) and always unrolls.
 
     Args:
       config: a validated ``Qwen3Config``.
-      rngs: used only at construction for the N(0, 0.02) init (norms start at 1);
-        not stored.
-      dtype: computation dtype (activations, matmul inputs). Attention softmax, RMSNorm
-        statistics and RoPE run in f32; logits are always f32.
+      rngs: used only at construction for the N(0, 0.02) init (norms start at 1).
+      dtype: computation dtype; softmax, RMSNorm statistics and RoPE run in f32; logits are always f32.
       param_dtype: storage dtype of the parameters.
-      attention: the training forward's attention kernel, one of
-        ``pdm_jax.models.attention.IMPLEMENTATIONS`` ("dense" the reference, "blockwise", "cudnn", "splash", "auto"; see
-        that module). ``decode`` always attends densely over its cache.
-      remat: per-layer rematerialisation of the training forward, a key of
-        ``REMAT_POLICIES`` ("none", "full", "dots_saveable",
-        "dots_with_no_batch_dims_saveable").
-      scan_layers: True (default): the training forward runs the stacked layers under
-        ``jax.lax.scan``, so its program (and compile time) does not grow with L; False: a Python loop over static
-        slices of the stack (one copy of the layer per L in the program; the same numbers up to XLA's fusion choices). A
-        mixed MoE model always unrolls (its layers are of two kinds; a note is logged when scan_layers was asked).
+      attention: the training forward's kernel, one of ``pdm_jax.models.attention.IMPLEMENTATIONS``.
+      remat: per-layer rematerialisation, a key of ``REMAT_POLICIES``.
+      scan_layers: run the stacked layers under ``jax.lax.scan`` (program size independent of L; default) or
+        unrolled.
       attention_block_q, attention_block_kv: tile lengths of "blockwise" and "splash".
-      moe_implementation: how a MoE model's experts run, one of
-        ``pdm_jax.models.moe.IMPLEMENTATIONS``: "ragged_dot" (default, grouped matmuls, every backend), "megablox"
-        (Pallas TPU grouped matmul), "auto" (megablox when compiled for TPU devices, else ragged_dot), "dense" (every
-        expert on every token: the reference for tests). Used by the training forward and ``decode``.
+      moe_implementation: one of ``pdm_jax.models.moe.IMPLEMENTATIONS``, for training and ``decode``.
     Raises:
-      ValueError: naming the option and the value for an unknown ``attention`` or ``remat``
-        or a non-positive block size.
-    The compute options are static (part of the ``nnx.split`` graph definition); change them on an existing model with
-    ``set_compute_options``.
-    """
+      ValueError: naming the option and the value for an unknown ``attention`` or ``remat`` or a non-positive block
+        size.
+
+    The compute options are static (part of the graph definition); ``set_compute_options`` changes them."""
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, attention: str = "dense", remat: str = "none",
@@ -937,21 +868,15 @@ class Qwen3ForCausalLM(nnx.Module):
         """Full causal forward.
 
         Args:
-          input_ids: [B, T] int32 token ids (ids outside [0, V) are clipped, so any pad id
-            is safe at masked positions).
-          positions: [B, T] int32 rotary positions; default ``default_positions``:
-            ``cumsum(attention_mask)-1`` clipped at 0 (restarting at each segment), or ``arange(T)`` without a mask.
-          attention_mask: [B, T] bool/int, 1 = real token. Padded keys are never attended
-            (left or right padding). Logits at padded query positions are finite but meaningless (and may differ between
-            attention kernels).
-          segment_ids: [B, T] int, optional: packed sequences; a token attends only to
-            earlier tokens with the same id. None = one sequence per row.
-          return_aux: also return the router load-balancing loss (see ``hidden_states``). routed_experts,
-          return_routing: routing replay (MoE only, see ``hidden_states``).
+          input_ids: [B, T] int32 token ids (clipped into [0, V), so any pad id is safe).
+          positions: [B, T] int32 rotary positions; default ``default_positions``.
+          attention_mask: [B, T] bool/int, 1 = real token; padded keys are never attended, padded queries' logits are
+            finite but meaningless.
+          segment_ids: [B, T] int packed sequences (attend within the same id), or None.
+          return_aux, routed_experts, return_routing: see ``hidden_states``.
         Returns:
-          logits: [B, T, V] float32; with ``return_aux`` and/or ``return_routing``, a tuple (logits, router_aux_loss?,
-          routed_experts [B, T, L, k]?) in that order.
-        """
+          logits: [B, T, V] float32; with ``return_aux`` and/or ``return_routing`` a tuple (logits, router_aux_loss?,
+          routed_experts [B, T, L, k]?)."""
         out = self.hidden_states(input_ids, positions, attention_mask, segment_ids,
                                  return_aux=return_aux, routed_experts=routed_experts,
                                  return_routing=return_routing)
@@ -964,31 +889,18 @@ class Qwen3ForCausalLM(nnx.Module):
                       segment_ids: Array | None = None, *,
                       return_aux: bool = False, routed_experts: Array | None = None,
                       return_routing: bool = False) -> Array | tuple:
-        """Final hidden states [B,T,D] (compute dtype), after the final RMSNorm, before the LM head.
+        """Final hidden states [B,T,D] (compute dtype) after the final RMSNorm: ``logits_from_hidden(hidden_states(...))
+        == self(...)``, same arguments as ``__call__``.
 
-        Same arguments as ``__call__``;
-        ``self.logits_from_hidden(self.hidden_states(...))`` equals ``self(...)``. Attention uses
-        ``self.attention_options``; each layer runs under ``self.remat``; the layers are scanned when
-        ``self.scan_layers``; MoE experts run with ``self.moe_implementation``.
-
-        With ``return_aux``, returns (hidden, router_aux_loss): the load-balancing loss of transformers'
-        ``load_balancing_loss_func`` over all MoE layers (rows weighted by ``attention_mask`` as HF does;
-        ``moe.load_balancing_loss``), a scalar f32 not yet multiplied by ``config.router_aux_loss_coef``; 0.0 for a
-        dense model.
-
-        Routing replay (MoE only): ``routed_experts`` [B, T, L, k] int (k = ``num_experts_per_tok``) makes layer l at
-        position t run experts ``routed_experts[:, t, l]`` instead of its router's top-k, weighted by its router's f32
-        softmax over them (renormalised when ``norm_topk_prob``; ``moe.route_replayed``); an entry with a negative id
-        (no recorded routing) runs the router's own top-k there. ``return_routing`` also returns the experts each layer
-        ran, [B, T, L, k] int32 (last in the returned tuple): replaying them reproduces this forward. In a mixed model
-        the dense-MLP layers' entries are -1 in the returned routing and ignored in ``routed_experts``; the aux loss
-        counts the sparse layers only (as HF's).
+        ``return_aux``: also the load-balancing loss of transformers' ``load_balancing_loss_func`` over the MoE
+        layers (rows weighted by ``attention_mask``; unscaled scalar f32, 0.0 when dense). Routing replay (MoE only):
+        ``routed_experts`` [B, T, L, k] int runs those experts at each layer and position, weighted by the router's
+        softmax over them (``moe.route_replayed``; a negative id runs the router's own top-k); ``return_routing``
+        also returns the experts each layer ran, [B, T, L, k] int32 (-1 for a mixed model's dense layers).
 
         Raises:
-          ValueError: naming the argument when a shape is not [B, T] or ``segment_ids`` is
-            not an integer array, or ``routed_experts`` / ``return_routing`` is given to a dense model or
-            ``routed_experts`` is not [B, T, L, k].
-        """
+          ValueError: naming the argument: a shape that is not [B, T], non-integer ``segment_ids``,
+            ``routed_experts`` / ``return_routing`` on a dense model, or ``routed_experts`` not [B, T, L, k]."""
         if (routed_experts is not None or return_routing) and not self.config.is_moe:
             raise ValueError("routed_experts / return_routing need a MoE model (num_experts > 0)")
         input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
@@ -1102,13 +1014,9 @@ class Qwen3ForCausalLM(nnx.Module):
                        v=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)))
 
     def decode_layers(self) -> tuple:
-        """The decoder layers in order, one module per layer (static slices of the stacked parameters).
-
-        A decode loop may build them once, before the loop, and pass them to every `decode` call (``layers=``): sliced
-        inside the loop body, XLA:CPU materialises every layer's weights again at every step (a copy of the model per
-        token); XLA:TPU does not, and there slicing first costs a second copy of the layers
-        (`pdm_jax.sampler.engine.hoist_layer_slices` decides).
-        """
+        """The decoder layers in order, one module per layer (static slices of the stacked parameters), to build once
+        outside a decode loop (sliced inside, XLA:CPU copies the weights every step; `engine.hoist_layer_slices`
+        decides)."""
         stacks = self._stack_states()
         return tuple(nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))
                      for stack, row in self.config.layer_plan)
@@ -1116,39 +1024,26 @@ class Qwen3ForCausalLM(nnx.Module):
     def decode(self, input_ids: Array, positions: Array, cache: KVCache, cache_index: Array,
                kv_mask: Array, *, return_routing: bool = False, last_logits_only: bool = False,
                layers: tuple | None = None, kv_window: tuple[Array, tuple[int, ...]] | None = None) -> tuple:
-        """Incremental forward through the KV cache (prefill or one-token decode).
+        """Incremental forward through the KV cache (prefill or one-token decode); layers unrolled (one cache array per
+        layer, updated in place).
 
         Args:
           input_ids: [B, T] int32, written into cache slots cache_index .. cache_index+T-1.
           positions: [B, T] int32 rotary positions of those tokens.
-          cache: ``KVCache`` from ``init_cache`` (per layer k [B,K,H,S], v [B,K,S,H]).
-          cache_index: int32 scalar (may be traced), first slot written; or [B] int32, row b's
-            first slot (continuous batching: every row at its own length; written with a scatter).
-          kv_mask: [B, S] bool, which slots hold real tokens, including those written now.
-          last_logits_only: static; project only the last position through the LM head: logits
-            [B, 1, V] (a prefill needs just those: [B, T, V] f32 is T x the memory and LM-head work).
-          layers: `decode_layers()` built once outside a decode loop (default: sliced here, per call).
-          kv_window: ``(index, widths)``: attention reads only the first ``widths[index]`` cache slots
-            (static ints in [T, S]; ``index`` an int32 scalar in [0, len(widths)), checked when concrete, clamped by
-            ``lax.switch`` when traced; one branch per width, so a decode loop whose rows fit a shorter cache reads less
-            without a second copy of the loop). Every slot past the width must be masked for every query (``kv_mask`` or
-            causality).
-        Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and s <= cache_index + t (cache_index[b] + t
-        per row).
+          cache: ``KVCache`` from ``init_cache``.
+          cache_index: int32 scalar (may be traced), or [B] int32 per row (continuous batching; a scatter).
+          kv_mask: [B, S] bool, slots holding real tokens, those written now included.
+          last_logits_only: static; logits of the last position only, [B, 1, V].
+          layers: `decode_layers()` built once outside a decode loop (default: sliced here).
+          kv_window: ``(index, widths)``: read only the first ``widths[index]`` slots (static ints in [T, S];
+            ``index`` checked when concrete, clamped by ``lax.switch`` when traced); later slots must be masked.
+        Query t attends to slot s iff kv_mask[b, s] and s <= cache_index + t.
         Returns:
-          (logits [B, T, V] float32 ([B, 1, V] with ``last_logits_only``), updated KVCache); with ``return_routing``
-          (MoE only) a third element, the experts each layer ran for these tokens, [B, T, L, k] int32 (the rollout
-          engine's routing for routing replay, ``hidden_states``' ``routed_experts``; -1 for a mixed model's dense-MLP
-          layers).
-        The layers run in a Python loop over static slices of the stacked parameters (not under ``lax.scan``): the cache
-        is one array per layer, which XLA updates in place and reads without copies (see ``KVCache``); a scan would
-        carry a stacked cache and copy a layer's slice on every step. Requires 0 <= cache_index and cache_index + T <= S
-        (checked when ``cache_index`` is concrete; a traced index past the end would be clamped by
-        ``dynamic_update_slice``).
+          (logits [B, T, V] float32, updated KVCache); with ``return_routing`` (MoE) also the experts each layer ran,
+          [B, T, L, k] int32.
         Raises:
-          ValueError: if the shapes of the arguments or of the cache disagree with each other
-            or with the model, or if a concrete ``cache_index`` leaves the cache.
-        """
+          ValueError: shapes of the arguments or the cache that disagree with each other or the model, or a concrete
+            ``cache_index`` leaving the cache (0 <= cache_index, cache_index + T <= S)."""
         input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
         positions_BxT = jnp.asarray(positions, jnp.int32)
         B, T = input_ids_BxT.shape
@@ -1213,15 +1108,9 @@ class Qwen3ForCausalLM(nnx.Module):
 def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,
                param_dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
                rules: shd.Rules | None = None, **compute_options) -> Qwen3ForCausalLM:
-    """Randomly initialised ``Qwen3ForCausalLM`` built by one compiled program.
-
-    Same initialisation as ``Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed), ...)`` (equal up to float rounding of the
-    fused random-normal scaling), but run as one ``jax.jit`` program, cached per (config, dtypes, mesh, rules) with the
-    seed as an argument. With ``mesh``, every parameter is created directly on its ``NamedSharding``
-    (``pdm_jax.sharding.param_shardings`` under ``rules``), so a large model never exists unsharded on one device.
-    ``compute_options`` (``attention``, ``remat``, ``attention_block_q``, ``attention_block_kv``, ``scan_layers``,
-    ``moe_implementation``) go to ``set_compute_options``.
-    """
+    """Randomly initialised ``Qwen3ForCausalLM`` from one compiled program, cached per (config, dtypes, mesh, rules)
+    with the seed as argument: ``Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed))`` up to rounding. With ``mesh`` every
+    parameter is created on its ``NamedSharding``; ``compute_options`` go to ``set_compute_options``."""
     rules = shd.DEFAULT_RULES if rules is None else tuple(rules)
     graphdef, init_fn = _compiled_init(config, jnp.dtype(dtype), jnp.dtype(param_dtype), mesh,
                                        rules)

@@ -41,32 +41,19 @@ MASK_MODES = ("none", "ppo", "dppo", "pdm")
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "topk_reverse_kl")
 CLOSED_FORM_ESTIMATORS = ("aggregated_tail", "uniform_tail", "bucket_exact")
 ESTIMATORS = CLOSED_FORM_ESTIMATORS + ("autodiff",)
-#: The direction criteria of the top-K KL mask, M_t = 0 iff D_t > delta_A and
-#: A_t * dir_t > 0 (DESIGN.md section 2): ``"ratio"`` is dir = r - 1 (DPPO,
-#: ``mask="dppo"``); each closed-form estimator name is dir = D' with that
-#: estimator (PDM, ``mask="pdm"``). :func:`criterion_settings` maps a name to
-#: its :class:`TrustRegionConfig` fields; the alignment analysis
-#: (``pdm_jax.analysis.alignment``) compares these criteria token by token and
-#: the sweep runner's ``criterion`` axis (``launch/sweep.py``) trains with them.
+#: The direction criteria of the top-K KL mask (DESIGN.md section 2): ``"ratio"`` is dir = r - 1 (DPPO), each
+#: closed-form estimator dir = D' (PDM); :func:`criterion_settings` maps a name to its config fields.
 DIRECTION_CRITERIA = ("ratio",) + CLOSED_FORM_ESTIMATORS
-#: Where the mask's direction comes from (:attr:`TrustRegionConfig.direction`). ``"per_token"``: each
-#: token's own logit-space direction (r - 1 for ppo/dppo, the estimator's D' for pdm; the default).
-#: ``"param_jvp"`` (``mask="pdm"`` only): the first-order change of each token's divergence along the
-#: optimizer's update of this mini-batch's unmasked gradient, Ḋᵖ_t = <grad_theta D_t, Δθ>, computed by
-#: the train step (``pdm_jax.rl.train_step``) with one ``jax.jvp`` and passed to the mask as
-#: ``param_direction``; an out-of-region token is kept iff Ḋᵖ_t <= 0 (DESIGN.md section 2).
+#: Where the mask's direction comes from (:attr:`TrustRegionConfig.direction`): ``"per_token"`` (each token's own
+#: logit-space direction, the default) or ``"param_jvp"`` (Ḋᵖ_t along the optimizer's update, from the train step).
 PARAM_JVP = "param_jvp"
 DIRECTIONS = ("per_token", PARAM_JVP)
 NONFINITE_POLICIES = ("mask", "error")
 
-#: Floor on mu used by :func:`topk_reverse_kl` only (KL(pi||mu) is infinite
-#: where mu = 0 < pi; the floor keeps it finite and large: log(1e-20) = -46).
+#: Floor on mu in :func:`topk_reverse_kl` (KL(pi||mu) is infinite where mu = 0 < pi; log(1e-20) = -46).
 REVERSE_KL_MIN_PROB = 1e-20
-#: |log r| = |log pi - log mu| is clipped at this value before every exp of a
-#: log-ratio (the PPO ratio test here, the PPO surrogate and k1/k2/k3 KL
-#: estimators in ``objectives``, the ratio metrics in ``loss``): r = e^20 ~ 4.9e8
-#: is outside any sensible trust region, and inf never appears (log mu = -inf).
-#: Beyond the clamp the ratio is constant (zero gradient). Defined once, here.
+#: |log pi - log mu| is clipped at this before every exp of a log-ratio (here, ``objectives``, ``loss``): r = e^20 ~
+#: 4.9e8 is outside any sensible trust region and inf never appears; beyond it the gradient is zero. Defined once.
 LOG_RATIO_CLAMP = 20.0
 
 #: ulps of 1 (f32 eps) added to the C = K + 1 of the candidates in the rounding tolerance of
@@ -76,9 +63,7 @@ TAIL_MASS_ROUNDING_SLACK = 4
 _F32 = jnp.float32
 
 
-# --------------------------------------------------------------------------- #
-# Shared per-token quantities (one log-softmax, K+1 gathers, tail reductions)  #
-# --------------------------------------------------------------------------- #
+# ---- Shared per-token quantities (one log-softmax, K+1 gathers, tail reductions) -------------------------
 
 
 def _log_softmax_f32(logits: jax.Array, max_logit: Optional[jax.Array] = None) -> jax.Array:
@@ -197,10 +182,8 @@ def token_quantities(
     log_pi_t = jnp.where(tail_has_mass, tail_shift + jnp.log(s1_safe), -jnp.inf)
     pi_t = jnp.where(tail_has_mass, jnp.exp(tail_shift + jnp.log(s1_safe)), 0.0)
 
-    # mu_T = 1 - sum_E mu carries the f32 rounding of the C exps and their sum: a behaviour tail of exactly zero mass
-    # comes out as a few ulps of 1 (e.g. 6e-8), which against a policy tail of zero (or tiny) mass would make the KL
-    # +inf (or ~1e-6 too large). A mu_T within that rounding of 0 is not evidence of more tail mass than the policy's:
-    # it is lowered to pi_T (0 for an empty policy tail), as a constant (stop_gradient: mu does not depend on z).
+    # A zero-mass behaviour tail comes out as a few ulps (e.g. 6e-8), which against a zero policy tail would make the
+    # KL +inf: within that rounding mu_T is lowered to pi_T, as a constant (tail_mass_tolerance).
     tolerance = tail_mass_tolerance(cand_ids.shape[-1])
     mu_t = jnp.where(mu_t_rounded <= tolerance,
                      jnp.minimum(mu_t_rounded, jax.lax.stop_gradient(pi_t)), mu_t_rounded)
@@ -227,9 +210,7 @@ def _quantities(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, *, w
                             behavior_logprobs, with_tail_squares=with_tail_squares)
 
 
-# --------------------------------------------------------------------------- #
-# Divergences from the shared quantities                                       #
-# --------------------------------------------------------------------------- #
+# ---- Divergences from the shared quantities --------------------------------------------------------------
 
 
 def _topk_kl_from(tq: TokenQuantities) -> jax.Array:
@@ -297,9 +278,7 @@ def _binary_kl_from(tq: TokenQuantities) -> jax.Array:
     return pos + neg
 
 
-# --------------------------------------------------------------------------- #
-# Public divergences                                                           #
-# --------------------------------------------------------------------------- #
+# ---- Public divergences ----------------------------------------------------------------------------------
 
 
 @jax.jit
@@ -384,9 +363,7 @@ def full_kl(logits, behavior_logits) -> jax.Array:
     return jnp.sum(jnp.where(mu > 0, mu * (logmu - logp), 0.0), axis=-1)
 
 
-# --------------------------------------------------------------------------- #
-# Directional derivatives along e_k - pi                                       #
-# --------------------------------------------------------------------------- #
+# ---- Directional derivatives along e_k - pi --------------------------------------------------------------
 
 
 def _kl_direction_from(tq: TokenQuantities, estimator: str) -> jax.Array:
@@ -465,9 +442,7 @@ def autodiff_directional_derivative(divergence_fn: Callable, logits, tokens, top
     return tangent.astype(_F32)
 
 
-# --------------------------------------------------------------------------- #
-# Token log-probs                                                              #
-# --------------------------------------------------------------------------- #
+# ---- Token log-probs -------------------------------------------------------------------------------------
 
 
 @jax.jit
@@ -508,9 +483,7 @@ def token_logprobs_and_ratio(logits, tokens, behavior_logprobs, valid_mask=None)
     return logp_k, jnp.exp(logp_k - behavior)
 
 
-# --------------------------------------------------------------------------- #
-# Configuration                                                                #
-# --------------------------------------------------------------------------- #
+# ---- Configuration ---------------------------------------------------------------------------------------
 
 
 def _is_real(x) -> bool:
@@ -625,9 +598,7 @@ def criterion_settings(criterion: str) -> dict:
     raise ValueError(f"direction criterion must be one of {DIRECTION_CRITERIA}, got {criterion!r}")
 
 
-# --------------------------------------------------------------------------- #
-# The mask                                                                     #
-# --------------------------------------------------------------------------- #
+# ---- The mask --------------------------------------------------------------------------------------------
 
 
 def _predictive_direction(config: TrustRegionConfig, tq: TokenQuantities, safe_inputs) -> jax.Array:
@@ -774,7 +745,6 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
     logp = _log_softmax_f32(z_safe, max_safe)  # the ONE log-softmax (differentiable)
     logprobs = jnp.where(keep_in, jnp.take_along_axis(logp, tokens_safe[..., None], axis=-1)[..., 0], 0.0)
 
-    # ---- everything below is statistics / mask: no gradient ----
     logp_sg = jax.lax.stop_gradient(logp)
     param_dir = config.uses_param_direction
     need_pred = not param_dir and (config.mask == "pdm"
@@ -891,9 +861,7 @@ def trust_region_mask(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs
     return mask, stats
 
 
-# --------------------------------------------------------------------------- #
-# Host-side validation                                                         #
-# --------------------------------------------------------------------------- #
+# ---- Host-side validation --------------------------------------------------------------------------------
 
 
 def validate_topk(topk_ids, vocab_size: Optional[int] = None, valid_mask=None) -> None:
