@@ -1,22 +1,11 @@
 """Ahead-of-time compile targets: the devices of a TPU slice or a GPU pod, on a host that has neither.
 
-The dry run (`pdm_jax.dry_run`) compiles the real jitted programs for the chips a config names, from abstract inputs,
-and reads the compiler's own memory plan (``compiled.memory_analysis()``) and cost model (``compiled.cost_analysis()``).
-Nothing runs on the target; no target is needed, only its compiler:
-
-* ``tpu``: XLA:TPU from libtpu (``pip install -e '.[tpu]'``, i.e. ``jax[tpu]`` at the project's jax pin).
-  ``jax.experimental.topologies.get_topology_desc(platform="tpu", topology_name="v5p:4x4x4")`` lists the slice's
-  devices; a mesh over them and ``jax.jit(f).lower(...).compile()`` run XLA:TPU's full pipeline (fusion, layouts,
-  memory-space assignment, Mosaic for Pallas kernels), as maxtext's ``train_compile.py`` does.
-* ``gpu``: XLA:GPU from the CUDA PJRT plugin (``pip install -e '.[gpu-aot]'``), deviceless, given a
-  ``GpuTargetConfigProto`` text of the card (`GPU_TARGET_CONFIGS`, shipped in ``pdm_jax/gpu_targets/``). Triton gemm
-  autotuning needs a device, so ``--xla_gpu_enable_triton_gemm=false`` is set for these compiles (cuBLAS gemms instead).
-* ``cpu``: the host's own fake devices (``--xla_force_host_platform_device_count``): XLA:CPU's fusion and layouts, an
-  estimate of an accelerator's.
-
-A TPU or GPU compile is an account of memory and FLOPs on that chip, never a measurement of its speed: nothing here is
-timed on a TPU or GPU.
-"""
+The dry run (`pdm_jax.dry_run`) compiles the real jitted programs for the chips a config names from abstract inputs
+and reads the compiler's memory plan and cost model; only the compiler is needed: ``tpu`` (XLA:TPU from libtpu, ``pip
+install -e '.[tpu]'``; the slice's devices from ``jax.experimental.topologies.get_topology_desc``, as maxtext's
+``train_compile.py``), ``gpu`` (XLA:GPU from the CUDA PJRT plugin, ``.[gpu-aot]``, deviceless from a
+``GpuTargetConfigProto`` in ``pdm_jax/gpu_targets/``; Triton gemm autotuning off) or ``cpu`` (fake host devices). An
+account of memory and FLOPs on that chip, never a measurement of its speed."""
 
 from __future__ import annotations
 
@@ -90,14 +79,10 @@ def _balanced_factors(n: int, dims: int) -> list[int]:
 
 def default_topology(chip: str, num_devices: int) -> str:
     """The slice name of ``num_devices`` chips of ``chip``: ``v5p`` x 64 -> ``"v5p:4x4x4"``, ``v6e`` x 16 ->
-    ``"v6e:4x4"``, ``H100`` x 64 -> ``"8x8"`` (hosts of 8 GPUs).
-
-    TPU slices are the near-cubic (v4, v5p) or near-square (v5e, v6e) power-of-two shapes; a 4-chip v4 / v5p slice is
-    ``2x2x1``.
+    ``"v6e:4x4"``, ``H100`` x 64 -> ``"8x8"`` (near-cubic v4/v5p, near-square v5e/v6e; 4 v5p chips: ``2x2x1``).
 
     Raises:
-      ValueError: ``num_devices`` is not a power of two >= 1 (naming ``dry_run.num_devices``).
-    """
+      ValueError: ``num_devices`` is not a power of two >= 1 (naming ``dry_run.num_devices``)."""
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1 \
             or num_devices & (num_devices - 1):
         raise ValueError(f"dry_run.num_devices must be a power of two >= 1 for a default dry_run.topology, "
@@ -204,18 +189,14 @@ def check_topology(topology: str, chip: str) -> None:
 
 
 def target_devices(compiler: str, chip: str, num_devices: int, topology: Optional[str] = None) -> list:
-    """The devices a dry run compiles for: ``num_devices`` of them.
-
-    * ``cpu``: the first ``num_devices`` of ``jax.devices()`` (fake CPU devices, `pdm_jax.dry_run.prepare_devices`);
-    * ``tpu``: the devices of ``topology`` (default `default_topology`), e.g. the 64 of ``v5p:4x4x4``; fewer chips than
-      one host's (a single-device sampler): the first of a one-host slice;
-    * ``gpu``: ``num_devices`` deviceless CUDA devices of ``chip`` (``topology`` ``"<hosts>x<gpus per host>"``).
+    """The ``num_devices`` devices a dry run compiles for: the first fake CPU devices (``cpu``), the devices of
+    ``topology`` (``tpu``; default `default_topology`, the first of a one-host slice for fewer chips), or deviceless
+    CUDA devices of ``chip`` (``gpu``, ``"<hosts>x<gpus per host>"``).
 
     Raises:
       CompilerUnavailable: the compiler's plugin is not installed (with the install command).
-      ValueError: a topology that is not the chip's, that libtpu refuses, or that has another number of
-        devices than ``dry_run.num_devices``, or too few CPU devices (naming the field and the value).
-    """
+      ValueError: a topology that is not the chip's, that libtpu refuses, or of another device count, or too few CPU
+        devices (naming the field and the value)."""
     import jax
 
     sub_slice = False
