@@ -1,16 +1,9 @@
 """Run the token-level analysis over many seeds in ONE process and save per-seed results.
 
-Each seed is a short, complete run of the tiny task (`configs/tiny.py` with the overrides of `DEFAULT_ARG`): a short
-supervised warm start, then tens of GRPO steps where the off-policy gap is real (fp8 sampler, several mini-batches and
-two iterations per rollout batch, staleness 1), with an `AlignmentCallback`. All seeds run in one process with the
-in-process sampler (no sampler start-up per seed); the trainer's per-run jitted steps are recompiled per seed but hit a
-persistent XLA compilation cache (`enable_compile_cache`), and the analysis's own jitted functions are module-level and
-shared.
-
-Per seed, ``<out>/seeds/seed_XXX.npz`` holds the recorded tokens (see
-`AlignmentCallback.records`) and ``seed_XXX.json`` the per-step statistics, fidelity counts, the run's summary and
-timing; `pdm_jax.analysis.report` turns a directory of them into the report.
-"""
+Each seed is a short run of the tiny task (`configs/tiny.py` with `DEFAULT_ARG`'s overrides: a warm start, then tens
+of GRPO steps with a real off-policy gap) with an `AlignmentCallback`, in-process sampler, and a persistent
+compilation cache shared across seeds. ``<out>/seeds/seed_XXX.npz`` holds the recorded tokens and ``seed_XXX.json``
+the per-step statistics, fidelity counts, summary and timing; `pdm_jax.analysis.report` turns them into the report."""
 
 from __future__ import annotations
 
@@ -119,14 +112,10 @@ def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: f
 
     Args:
       config: a full run ConfigDict (its ``seed`` selects the seed).
-      workdir: a fresh run directory (removed first if it exists, removed
-        after the run unless `keep_workdir`).
+      workdir: a fresh run directory (removed first, and after the run unless `keep_workdir`).
       isolated_tokens, isolated_step, full_mu, param_direction: see `AlignmentCallback`.
-      warmstart: a finished warm-start workdir (a run of the same config with
-        ``rl.steps=0``, e.g. a sweep's ``_warmstart/<key>``), copied into `workdir` first so the trainer resumes at RL
-        step 0 with `config` (the seed then varies only the RL phase), as `launch/sweep.py` shares warm starts. Raises
-        ValueError if it holds no ``summary.json``.
-    """
+      warmstart: a finished warm-start workdir of the same config (``rl.steps=0``) copied in first, so only the RL
+        phase varies with the seed; ValueError if it holds no ``summary.json``."""
     # lazy: JAX, the model and the training loop are only needed to run new seeds, not to read saved ones
     from pdm_jax.analysis.callback import AlignmentCallback
     from pdm_jax.train import run as run_training
@@ -172,14 +161,11 @@ def save_seed(out_dir: str, seed: int, result: dict, settings: dict) -> str:
 
 
 def load_seeds(out_dir: str) -> list:
-    """Loads every saved seed of `out_dir` (sorted): list of ``{"seed", "records", "steps", "fidelity", ...}``.
-
-    Every array is read whole, so the zip's CRC-32 of each checks its bytes (a flipped bit is refused, not read as other
-    token figures); no pickled object is ever loaded.
+    """Every saved seed of `out_dir` (sorted), ``{"seed", "records", "steps", "fidelity", ...}``; arrays are read whole
+    (the zip's CRC-32 checks them), nothing pickled is loaded.
 
     Raises:
-      ValueError: a seed's ``.json`` or ``.npz`` is missing, unreadable or corrupted (names the file).
-    """
+      ValueError: a seed's ``.json`` or ``.npz`` is missing, unreadable or corrupted (naming the file)."""
     out = []
     if not os.path.isdir(out_dir):
         return out
@@ -234,12 +220,8 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
               isolated_step: float = 1e-2, full_mu: bool = True, param_direction: bool = True,
               compile_cache: Optional[str] = None, skip_done: bool = True, warmstart: Optional[str] = None,
               log_fn=print) -> list:
-    """Runs `run_seed` for each seed (skipping seeds already saved when `skip_done`); returns the json paths.
-
-    The config is ``<config_spec>`` loaded with ``arg`` (then ``overrides``, a second argument string, then
-    ``seed=<seed>``) via `pdm_jax.config.apply_arg`. `warmstart`: one warm-start workdir shared by every seed (see
-    `run_seed`).
-    """
+    """Runs `run_seed` per seed (skipping saved ones with `skip_done`) on ``<config_spec>`` with ``arg``, ``overrides``
+    and ``seed=<seed>`` (`pdm_jax.config.apply_arg`), one shared `warmstart`; returns the json paths."""
     from pdm_jax.config import apply_arg  # lazy: only when a report re-reads the config
 
     if compile_cache:

@@ -1,13 +1,9 @@
 """`SamplerClient`: what the trainer uses to talk to the sampler service.
 
-Speaks msgpack (top-K tables travel as raw f32/int32 arrays; schema in ``pdm_jax.sampler.wire``), with a deadline per
-attempt and retries with exponential backoff on connection errors, timeouts, 429 and 5xx answers
-(`pdm_jax.rollouts.http.exchange`, which also caps what a body may grow to by what
-the request can need).  A generation request always carries a seed (drawn here
-when the caller gives none), so a retried request returns the same tokens.  4xx
-answers are not retried: they raise `SamplerRequestError` with the server's message; a 200 whose body is not a map, or
-is an error, raises `SamplerProtocolError`.
-"""
+msgpack bodies (top-K tables as raw f32/int32 arrays; schema in ``pdm_jax.sampler.wire``), a deadline per attempt and
+retries with exponential backoff on connection errors, timeouts, 429 and 5xx (`pdm_jax.rollouts.http.exchange`, which
+caps the body size). A generation request always carries a seed, so a retry returns the same tokens. 4xx raises
+`SamplerRequestError` (not retried); a 200 whose body is not a map, or is an error, raises `SamplerProtocolError`."""
 
 from __future__ import annotations
 
@@ -59,12 +55,10 @@ class SamplerClient:
 
     Args:
       base_url: e.g. ``"http://127.0.0.1:8000"``.
-      timeout_s: per-attempt deadline in seconds, from sending to the body's last byte (generation included).
-      retries: extra attempts after the first on connection errors, timeouts, 429 and 5xx.
-      backoff_s: first backoff; doubles per retry.
-      token: shared bearer token when the server was started with ``--token``.
-      transport: optional ``httpx`` transport (tests: ``httpx.MockTransport``).
-    """
+      timeout_s: per-attempt deadline in seconds, from sending to the body's last byte.
+      retries: extra attempts on connection errors, timeouts, 429 and 5xx; backoff_s: first backoff, doubling.
+      token: shared bearer token (server ``--token``).
+      transport: optional ``httpx`` transport (tests)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5,
                  token: Optional[str] = None, transport=None):
@@ -91,15 +85,12 @@ class SamplerClient:
 
     def _request(self, method: str, path: str, payload=None, *, retries: Optional[int] = None,
                  max_response_bytes: int = sampler_http.SMALL_RESPONSE_BYTES) -> dict:
-        """Sends `payload` (a dict, msgpack-encoded) and returns the decoded answer, retrying transient failures.
+        """Sends `payload` (msgpack) and returns the decoded answer, retrying transient failures.
 
         Raises:
           SamplerRequestError: a 4xx answer (not retried).
-          SamplerProtocolError: a 2xx whose body is not a map or is an error body; a redirect
-            (`sampler_http.SamplerRedirect`).
-          SamplerError: connection errors, timeouts, 429 or 5xx answers on every attempt; a body larger
-            than `max_response_bytes`.
-        """
+          SamplerProtocolError: a 2xx whose body is not a map or is an error body; a redirect.
+          SamplerError: connection errors, timeouts, 429 or 5xx on every attempt; a body over `max_response_bytes`."""
         content = None if payload is None else wire.dumps(payload, msgpack=True)
         headers = {} if payload is None else {"content-type": wire.MSGPACK}
         try:
