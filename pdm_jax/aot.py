@@ -24,10 +24,8 @@ CHIP_PEAK_BF16_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e1
 CHIP_HBM_BYTES_PER_S = {"v4": 1.2e12, "v5e": 0.819e12, "v5p": 2.765e12, "v6e": 1.64e12, "H100": 3.35e12,
                         "H200": 4.8e12}
 COMPILERS = ("auto", "none", "cpu", "tpu", "gpu")
-#: The slices people rent, by the name the clouds give them -> (``dry_run.chip``, chips): a TPU VM of 8 v5e / v6e
-#: chips, a v5p-8 (4 chips: Cloud TPU names v4 / v5p slices by TensorCores), a v5p-128 (64 chips), one 8-GPU
-#: H100 node, one H100. ``configs/qwen3_dapo.py`` and ``configs/qwen3_30b_a3b_dapo.py`` take ``slice=`` (one of
-#: these) and ``--config.dry_run.fit=true`` searches the memory knobs for the slice the config names.
+#: Rentable slices by their cloud names -> (``dry_run.chip``, chips); a v5p-8 has 4 chips (Cloud TPU counts v4 / v5p
+#: TensorCores). The recipes' ``slice=`` takes one of these.
 SLICES = {"v5e-8": ("v5e", 8), "v6e-8": ("v6e", 8), "v5p-8": ("v5p", 4), "v5p-128": ("v5p", 64),
           "8xH100": ("H100", 8), "1xH100": ("H100", 1)}
 #: Chips one host drives (one JAX process's local devices): a TPU VM host of v4 / v5p / v5e / v6e

@@ -1,18 +1,11 @@
 """Aggregate per-seed analysis results into a markdown report with matplotlib figures.
 
-Statistics: each seed's rates are computed from all of its recorded tokens (pooled over its optimizer steps); the report
-gives the mean over seeds and a 95% Student-t interval (`alignment.mean_ci95`), seeds with an empty denominator dropping
-out (n is shown). Paired differences (criterion − ratio) are computed per seed, then averaged the same way.
-
-The paper's numbers (PDM, arXiv 2607.10848, token-level analysis over 61 seeds) are shown beside ours: unsafe-keep 34.2%
-(predictive) vs 36.9% (ratio), corrective 65.1% vs 62.9%. They are the precision reading (each criterion's two rates add
-up to about 100%): of the out-of-region updates a criterion keeps, the share that increased D and the share that
-decreased it (`alignment.alignment_rates`' ``unsafe_share`` / ``corrective_share``), which is the report's headline; the
-keep-rate reading, P(kept | ΔD > 0) and P(kept | ΔD < 0), and the threshold-free Youden's J and sign agreement are
-reported beside it. Beyond the paper, the ``param_jvp`` row is the parameter-space first-order change Ḋᵖ = ⟨∇_θ D_t, Δθ⟩
-along the actual update (`pdm_jax.analysis.param_direction`): its sign agreement against the logit-space estimators'
-says how much of their misses is the logit-space approximation.
-"""
+Each seed's rates pool its recorded tokens; the report gives the mean over seeds with a 95% Student-t interval
+(`alignment.mean_ci95`; seeds with an empty denominator drop out, n shown), and paired differences (criterion −
+ratio) per seed, averaged alike. The headline is the precision reading (``unsafe_share`` / ``corrective_share``),
+beside the PDM paper's numbers (arXiv 2607.10848, 61 seeds: unsafe-keep 34.2% predictive vs 36.9% ratio, corrective
+65.1% vs 62.9%); the keep-rate reading, Youden's J, sign agreement and the ``param_jvp`` row (docs/analysis.md)
+follow."""
 
 from __future__ import annotations
 
@@ -583,17 +576,13 @@ def _fidelity_section(fidelity) -> list:
 def disagreement_by_tail_mass(seeds: Sequence[dict], bins: Sequence[float] = al.TAIL_MASS_BINS) -> Optional[dict]:
     """Where each direction criterion parts from the ratio test, by the behaviour tail mass μ_T of the token.
 
-    Pooled over the seeds' analysed tokens (outside the region, Â ≠ 0; real optimizer step): ``tail_mass`` (μ_T = 1 −
-    Σ_E μ, the behaviour probability outside the top-K view and y_t, in [0, 1]) binned by `bins`
-    (`alignment.TAIL_MASS_BINS`, the estimator-fidelity bins); per bin the token count, and per criterion other than the
-    ratio test the tokens whose keep decision differs from the ratio test's (``disagree``) and those of them where the
-    criterion is right (kept with ΔD < 0 or masked with ΔD > 0; ``right``). The criteria are those of
-    `alignment.criteria_in` that every seed recorded.
+    Pooled over the seeds' analysed tokens (real optimizer step), μ_T binned by `bins` (`alignment.TAIL_MASS_BINS`):
+    per bin the token count and, per criterion of `alignment.criteria_in` other than the ratio test, the tokens whose
+    decision differs from the ratio test's (``disagree``) and those where it is right (``right``).
 
-    Returns None when a seed lacks ``tail_mass`` or ``delta_d`` (records of older runs), else
-    ``{"bins": [edges], "n": [nbins] int, "no_tail_mass": int, criterion: {"disagree": [nbins] int, "right": [nbins]
-    int}}``; a token whose μ_T is not finite is in no bin, only counted in ``no_tail_mass``.
-    """
+    Returns None when a seed lacks ``tail_mass`` or ``delta_d``, else ``{"bins": [edges], "n": [nbins] int,
+    "no_tail_mass": int, criterion: {"disagree": [nbins] int, "right": [nbins] int}}`` (a non-finite μ_T counts only
+    in ``no_tail_mass``)."""
     recs = [s.get("records", {}) for s in seeds]
     if not recs or any("tail_mass" not in r or "delta_d" not in r or "keep_ratio" not in r for r in recs):
         return None
@@ -646,16 +635,12 @@ def _tail_mass_section(seeds: Sequence[dict]) -> list:
 
 
 def topk_capture(seeds: Sequence[dict]) -> Optional[dict]:
-    """Σ top-K KL / Σ full KL over the analysed tokens of the seeds that recorded the full KL (full μ recomputed).
+    """Σ top-K KL / Σ full KL (both KL(μ ‖ π) in nats before the step) over the analysed tokens of the seeds that
+    recorded the full KL: the share of the divergence the top-K view sees (at most 1 by data processing; the paper: >
+    99%).
 
-    Per token, ``d_before`` is the top-K KL the mask tests (the K ids of μ's view and one tail bucket) and
-    ``full_kl_before`` the KL over the whole vocabulary, both KL(μ ‖ π) in nats before the step. The top-K KL is the KL
-    of the two distributions coarsened to K + 1 outcomes, so it never exceeds the full KL (the data processing
-    inequality): the ratio is the share of the divergence the top-K view sees (the paper: > 99%).
-
-    Returns None when no seed has both fields, else ``pooled`` (Σ over every token of every seed), ``per_seed``
-    (`alignment.mean_ci95` of the seeds' own ratios), ``n`` (tokens) and ``seeds``.
-    """
+    Returns None when no seed has both fields, else ``pooled``, ``per_seed`` (`alignment.mean_ci95`), ``n`` (tokens)
+    and ``seeds``."""
     ratios, tot_topk, tot_full, n = [], 0.0, 0.0, 0
     for s in seeds:
         r = s.get("records", {})

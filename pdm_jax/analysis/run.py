@@ -21,9 +21,8 @@ import numpy as np
 
 log = logging.getLogger("pdm_jax.analysis")
 
-#: Overrides of configs/tiny.py for the default analysis (big_vision argument string).
-#: A smaller trust region than the tiny default (0.05): with fp8 rollouts and lr 1e-4 few
-#: tokens leave a 0.05 region within one rollout batch, and the analysis needs tokens outside.
+#: Overrides of configs/tiny.py for the default analysis: delta 0.005, as with fp8 rollouts and lr 1e-4 few tokens
+#: leave the default 0.05 region within one rollout batch, and the analysis needs tokens outside.
 DEFAULT_ARG = ",".join([
     "delta=0.005",
     "sft.steps=150", "sft.batch_size=64", "sft.warmup_steps=20",
@@ -37,12 +36,8 @@ DEFAULT_ARG = ",".join([
 ])
 
 
-#: Overrides of configs/tiny_stress.py for the analysis on the stress testbed (issue 16). The testbed's
-#: own levers stay (int8 rollouts, staleness 1, 4 mini-batches × 4 iterations = 16 optimizer steps per
-#: rollout batch, lr 1e-4, δ = 0.05, PDM bucket_exact); the RL phase is cut to its first 6 steps (96
-#: optimizer steps, as many as the tiny analysis) and the evaluation to 64 prompts, so 61 seeds fit in about
-#: an hour on a loaded 2-core CPU. Meant with ``--warmstart`` (the comparison's shared 500-step warm
-#: start); without it every seed trains its own (≈ 3 min each on that machine).
+#: Overrides of configs/tiny_stress.py (the stress testbed's levers kept): the first 6 RL steps (96 optimizer steps, as
+#: the tiny analysis) and 64 evaluation prompts. Meant with ``--warmstart`` (the comparison's shared warm start).
 STRESS_ARG = ",".join([
     "steps=6",
     "eval.num_prompts=64", "eval.samples_per_prompt=4", "eval.greedy=False", "eval.every_steps=1000",
@@ -50,11 +45,9 @@ STRESS_ARG = ",".join([
     "sampler.mode=in_process",
 ])
 
-#: Overrides of configs/tiny_bpe.py for the analysis on the BPE testbed (issue 29): V = 1,024, K = 20, with the
-#: rollouts sampled at their own temperature tau_s = 1.6 (the loss's pi at 1), the persistent mismatch under which
-#: the ratio and predictive direction tests disagree on 5-6% of tokens (reports/bpe_pilot). 12 RL steps of 16 x 8
-#: samples, 4 mini-batches x 2 iterations (96 optimizer steps per seed, as the tiny analysis). Meant with
-#: ``--warmstart`` (the config's 2,500-step warm start, about 4 min).
+#: Overrides of configs/tiny_bpe.py (V = 1,024, K = 20): rollouts at their own temperature tau_s = 1.6, where the two
+#: direction tests disagree on 5-6% of tokens (reports/bpe_pilot); 96 optimizer steps per seed. Meant with
+#: ``--warmstart``.
 BPE_ARG = ",".join([
     "steps=12", "rl.prompts_per_step=16", "rl.group_size=8", "rl.num_minibatches=4", "rl.num_iterations=2",
     "eval.num_prompts=32", "eval.samples_per_prompt=2", "eval.greedy=False", "eval.every_steps=1000",
@@ -62,19 +55,14 @@ BPE_ARG = ",".join([
     "sampler.mode=in_process", "sampler.temperature=1.6",
 ])
 
-#: Overrides of configs/tiny_between.py (``number_between``, many right answers, V = 1,024, K = 20) for the analysis:
-#: BPE_ARG's schedule with the rollouts at the loss's temperature from a copy perturbed by ``sampler.weight_noise``
-#: 0.45 (a fixed offset; the pilot's level, reports/between_pilot). Meant with ``--warmstart`` (about 4 min).
+#: Overrides of configs/tiny_between.py: BPE_ARG's schedule, rollouts from a copy perturbed by ``sampler.weight_noise``
+#: 0.45 (reports/between_pilot). Meant with ``--warmstart``.
 BETWEEN_ARG = ",".join([item for item in BPE_ARG.split(",") if not item.startswith("sampler.temperature=")]
                        + ["sampler.weight_noise=0.45"])
 
-#: Overrides of configs/tiny_between.py for the analysis on the PDM / DPPO comparison's lever
-#: (`launch/sweeps/between_testbed.py`, reports/between_pilot): rollouts up to 8 versions stale, drawn at their own
-#: temperature tau_s = 1.15, 2 mini-batches x 4 iterations at lr 3e-4, delta 0.05, trained with PDM aggregated_tail.
-#: Its 9 RL steps are the comparison's steps 1-9, whose rollouts all come from the warm start (the staleness ramps
-#: up to 8): from the comparison's warm start, seed s re-runs the first 9 steps of that sweep's aggregated_tail run
-#: at delta 0.05 and seed s (seed 0's steps 1-3 give its records' token counts and top-K KL). Meant with
-#: ``--warmstart`` (the comparison's shared warm start, comparison_records/_warmstart).
+#: Overrides of configs/tiny_between.py on the PDM / DPPO comparison's lever (`launch/sweeps/between_testbed.py`):
+#: the first 9 RL steps of its aggregated_tail run at delta 0.05 (rollouts up to 8 versions stale, tau_s = 1.15, lr
+#: 3e-4). Meant with ``--warmstart`` (the comparison's shared warm start).
 BETWEEN_COMPARISON_ARG = ",".join([
     "steps=9", "rl.max_staleness=8", "rl.num_iterations=4", "rl.learning_rate=3e-4", "sampler.temperature=1.15",
     "delta=0.05", "mask=pdm", "estimator=aggregated_tail",

@@ -21,9 +21,8 @@ logger = logging.getLogger(__name__)
 
 #: Stride between the source positions probed for one filtered position (an odd prime).
 PROBE_STRIDE = 1_000_003
-#: Probes per training position before giving up (RuntimeError). The load-time scan found at
-#: least one fitting prompt in its first SCAN_SIZE positions, so running out has probability
-#: below (1 - 1/SCAN_SIZE) ** MAX_PROBES ~ 3e-9 per position.
+#: Probes per training position before a RuntimeError (below (1 - 1/SCAN_SIZE) ** MAX_PROBES ~ 3e-9 per position:
+#: the load-time scan found a fitting prompt).
 MAX_PROBES = 10_000
 #: Training positions 0 .. SCAN_SIZE - 1 are encoded at load: their over-long count is logged and
 #: a stream in which none fits fails at start.

@@ -24,9 +24,8 @@ from pdm_jax.data.verifiers import TRUNCATED, find_final_answer, unwrap_answer
 # use only these.
 COMPACT_ALPHABET = "0123456789+-="
 
-# The held-out set is drawn from the same task with seed `seed + EVAL_SEED_OFFSET`. reasoning-gym seeds item i with
-# `seed + i`, so the offset must exceed any index the training stream ever probes (< train_size * MAX_PROBES) or the two
-# streams would replay each other's generator states.
+# The held-out set's seed offset: reasoning-gym seeds item i with `seed + i`, so it must exceed any index the training
+# stream probes (< train_size * MAX_PROBES).
 EVAL_SEED_OFFSET = 1 << 40
 # The train stream replaces an example whose prompt is in the held-out set by probing rg indices j, j + train_size, j +
 # 2 * train_size, ... (see `ReasoningGymSource.train_example`). This bounds the probing.

@@ -428,14 +428,9 @@ def _verdict_with_itimer(completion: str, ground_truth: str, timeout_s: float,
         signal.signal(signal.SIGALRM, previous)
 
 
-# ---------------------------------------------------------------------------
-# Worker subprocesses for calls off the main thread.
-#
-# A worker is `python -c "...; _worker_main()"` speaking JSON lines over its stdin/stdout. It runs requests in its main
-# thread, so the itimer budget applies there too; the caller also enforces a hard deadline and kills a worker that
-# misses it. Plain subprocesses (not multiprocessing) avoid re-importing the caller's __main__ module, which breaks for
-# stdin scripts and notebooks under the spawn start method.
-# ---------------------------------------------------------------------------
+# ---- Worker subprocesses for calls off the main thread ------------------------------------------------------------
+# `python -c "...; _worker_main()"` speaking JSON lines; plain subprocesses, as multiprocessing's spawn re-imports the
+# caller's __main__ (breaks stdin scripts and notebooks).
 
 _WORKER_CODE = "from pdm_jax.data.verifiers import _worker_main; _worker_main()"
 

@@ -82,11 +82,10 @@ QWEN3_EOS_TOKEN = "<|im_end|>"
 QWEN3_PAD_TOKEN = "<|endoftext|>"
 QWEN3_MODEL_MAX_LENGTH = 131072  # Qwen3-0.6B..32B tokenizer_config.json
 
-# A ChatML template in the Qwen3 style (written for this project, not Qwen's file):
-#   <|im_start|>{role}\n{content}<|im_end|>\n   per message (system, user, assistant);
-#   reasoning ("...</think>") is dropped from assistant turns that precede the last user turn, as Qwen3 does;
-#   add_generation_prompt opens "<|im_start|>assistant\n", followed by an empty "<think>\n\n</think>\n\n" block when
-#   enable_thinking=False (Qwen3's switch for non-thinking mode). Tools and tool messages are not supported.
+# A ChatML template in the Qwen3 style (written for this project, not Qwen's file): <|im_start|>{role}\n{content}
+# <|im_end|>\n per message; reasoning ("...</think>") dropped from assistant turns before the last user turn, as Qwen3;
+# add_generation_prompt opens "<|im_start|>assistant\n", then an empty "<think>\n\n</think>\n\n" block when
+# enable_thinking=False. No tools.
 QWEN3_CHAT_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for message in messages -%}"
@@ -113,9 +112,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
-# Verification corpus: ASCII, contractions, digits (Qwen splits numbers digit by digit), whitespace runs, newlines/CRLF,
-# CJK, emoji (incl. ZWJ sequences and modifiers), accented and combining text (NFC), RTL/Cyrillic/Devanagari, code,
-# special tokens inline, control characters.
+# Verification corpus: ASCII, digits, whitespace runs, CRLF, CJK, emoji (ZWJ, modifiers), combining text (NFC),
+# RTL/Cyrillic/Devanagari, code, inline special tokens, control characters.
 QWEN3_VERIFY_TEXTS: tuple[str, ...] = (
     "Hello, world! This is a test.",
     "I'm sure they'll say it's fine; we'd've known. DON'T SHOUT, it'S ok.",

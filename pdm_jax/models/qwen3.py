@@ -426,8 +426,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, ids_BxT: Array) -> Array:
-        # Under a mesh, gather from a replicated view of the table (FSDP-style: weights are all-gathered for use, like
-        # every layer's kernels) with batch-sharded ids; a gather from a vocab/embed-sharded table makes the SPMD
+        # Gather from a replicated view of the table (all-gathered like every kernel): a sharded table makes the SPMD
         # partitioner fall back to full rematerialisation.
         table_VxD = shd.constrain(self.embedding.get_value(), (None, None))
         ids_BxT = shd.constrain(ids_BxT, ("batch", "length"))

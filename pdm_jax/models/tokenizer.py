@@ -25,9 +25,7 @@ __all__ = ["TOKENIZER_FILES", "build_bpe_tokenizer", "build_char_tokenizer", "ch
 # Files whose presence marks a directory as a Hugging Face tokenizer directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
-# Never present in a char vocabulary (it is two characters long), so the WordLevel model raises instead of emitting an
-# unknown id if ``tokenizer(text)`` is called on an unrepresentable character without going through
-# :func:`encode_strict`.
+# Never in a char vocabulary, so the WordLevel model raises on an unrepresentable character instead of an unknown id.
 _ABSENT_UNK = "<unk-not-in-vocab>"
 
 

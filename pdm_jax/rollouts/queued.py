@@ -1,24 +1,12 @@
 """Rollout batches sampled ahead of a checkpoint, saved with it, so that a resumed async run trains on them.
 
-With ``rl.max_staleness`` = s > 0 the `RolloutProducer` samples up to s batches ahead of the trainer, with the weights
-versions the sampler served at the time (batch i with a version >= i - s). Those versions are gone once the run stops,
-so a resumed run could not sample those batches again; the trainer therefore saves them (``RolloutProducer.snapshot``)
-with each RL checkpoint and hands them back to the producer on resume: the resumed run trains on the uninterrupted run's
-batches, with their weights versions and staleness.
-
-One file per process, ``queued_rollouts.p<process index>.npz`` in the checkpoint's directory, written before the
-checkpoint's integrity manifest (so it is covered by it). ``np.savez`` of plain arrays (loaded with
-``allow_pickle=False``): for each queued step ``k`` the `RolloutBatch` fields (``s<k>.<field>``; ``finish_reason`` as a
-string array), its examples as JSON (``s<k>.examples``), the generation seconds (``s<k>.seconds``) and, with
-``rl.dynamic_sampling``, its ``Draw`` (``s<k>.draw``: data end and counts as JSON; ``s<k>.filler``), plus ``format``,
-``max_staleness``, ``process_count``, ``steps`` and ``key`` (JSON: the run's settings that decide a batch's shape and
-meaning, :func:`batch_key`). Size: the queued batches' arrays (up to s rollout batches per process).
-
-A file written under another ``rl.max_staleness``, process count or :func:`batch_key` (a resume with other
-``rl.prompts_per_step``, ``rl.group_size``, ``rl.max_new_tokens``, ``rl.top_k_logprobs``, sampling temperature or
-``rl.dynamic_sampling``), or without a key, is not used (logged, naming what differs): the run then samples those steps
-afresh, from the checkpoint's version (the lag climbs from 0 again).
-"""
+With ``rl.max_staleness`` = s > 0 the producer samples up to s batches ahead with weights versions gone once the run
+stops, so the trainer saves them with each RL checkpoint (``RolloutProducer.snapshot``) and hands them back on
+resume. One file per process, ``queued_rollouts.p<process index>.npz`` in the checkpoint's directory (covered by its
+manifest): ``np.savez`` of plain arrays (loaded with ``allow_pickle=False``) holding per step ``k`` the
+`RolloutBatch` fields (``s<k>.<field>``), its examples as JSON, the generation seconds and, with dynamic sampling,
+its ``Draw``, plus ``format``, ``max_staleness``, ``process_count``, ``steps`` and ``key`` (:func:`batch_key`). A
+file written under another staleness, process count or key is not used (logged): those steps are sampled afresh."""
 
 from __future__ import annotations
 
@@ -92,13 +80,8 @@ def encode(items: dict, *, max_staleness: int, process_count: int, key: Optional
 
 def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = "",
            key: Optional[dict] = None) -> dict:
-    """The ``{step: (RolloutBatch, [Example], seconds[, Draw])}`` of :func:`encode`, or ``{}`` (logged) when the file
-    was written under another ``max_staleness`` or process count, or, with ``key`` (:func:`batch_key`), under another
-    key or none.
-
-    Raises:
-      ValueError: an unknown format (naming ``where``, the file).
-    """
+    """The ``{step: (RolloutBatch, [Example], seconds[, Draw])}`` of :func:`encode`, or ``{}`` (logged) when written
+    under another ``max_staleness``, process count or ``key``; ValueError for an unknown format (naming ``where``)."""
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         if int(z["format"]) != FORMAT:
             raise ValueError(f"{where}: queued rollouts of format {int(z['format'])}, expected {FORMAT}")
