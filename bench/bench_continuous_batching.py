@@ -129,9 +129,9 @@ def stream(a):
     reqs = []
     for _ in range(a.stream):
         prompts = [list(rng.integers(8, a.vocab, int(rng.integers(3, 61)))) for _ in range(int(rng.integers(1, 9)))]
-        reqs.append((prompts, dict(n=int(rng.choice([1, 2, 4, 8])), max_new_tokens=int(rng.choice([8, 16, 32, 64, 128])),
-                                   temperature=1.0, seed=int(rng.integers(1 << 30)), top_k_logprobs=a.k,
-                                   stop_token_ids=list(range(8)))))
+        reqs.append((prompts, dict(n=int(rng.choice([1, 2, 4, 8])),
+                                   max_new_tokens=int(rng.choice([8, 16, 32, 64, 128])), temperature=1.0,
+                                   seed=int(rng.integers(1 << 30)), top_k_logprobs=a.k, stop_token_ids=list(range(8)))))
     print(f"# stream of {a.stream} requests: 1-8 prompts of 3-60 tokens, n in 1/2/4/8, max_new_tokens in "
           f"8..128, {a.slots} slots / max batch")
     print(f"{'engine':>11} {'programs':>9} {'XLA compiles':>13} {'compile s':>10} {'wall s':>8} {'compile share':>14}")

@@ -28,7 +28,7 @@ from pdm_jax import aot
 from pdm_jax.models import moe
 
 
-def programs(M: int, D: int, I: int, E: int):
+def programs(M: int, D: int, I: int, E: int):  # noqa: E741 (I: the MLP's intermediate size)
     """name -> (function, abstract args) for forward, d input and d kernels of each implementation."""
     x = jax.ShapeDtypeStruct((M, D), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((E, D, I), jnp.bfloat16)
@@ -38,10 +38,10 @@ def programs(M: int, D: int, I: int, E: int):
     for name, mm in (("ragged_dot", jax.lax.ragged_dot), ("blocked", moe.blocked_gmm)):
         out[name] = {
             "forward": (lambda x, w, gs, mm=mm: mm(x, w, gs), (x, w, gs)),
-            "d input": (lambda dy, w, gs, mm=mm: jax.vjp(lambda a: mm(a, w, gs), jnp.zeros((M, D), jnp.bfloat16))[1](dy)[0],
-                        (dy, w, gs)),
-            "d kernels": (lambda x, dy, gs, mm=mm: jax.vjp(lambda b: mm(x, b, gs), jnp.zeros((E, D, I), jnp.bfloat16))[1](dy)[0],
-                          (x, dy, gs)),
+            "d input": (lambda dy, w, gs, mm=mm:
+                        jax.vjp(lambda a: mm(a, w, gs), jnp.zeros((M, D), jnp.bfloat16))[1](dy)[0], (dy, w, gs)),
+            "d kernels": (lambda x, dy, gs, mm=mm:
+                          jax.vjp(lambda b: mm(x, b, gs), jnp.zeros((E, D, I), jnp.bfloat16))[1](dy)[0], (x, dy, gs)),
         }
     return out
 
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--top_k", type=int, default=8)
     args = ap.parse_args()
-    M, D, I, E = args.tokens * args.top_k, 2048, 768, 128
+    M, D, I, E = args.tokens * args.top_k, 2048, 768, 128  # noqa: E741 (I: the MLP's intermediate size)
     targets = [("XLA:CPU", jax.devices("cpu")[0])]
     if aot.compiler_available("gpu"):
         targets.append(("XLA:GPU H100", aot.target_devices("gpu", "H100", 1, None)[0]))

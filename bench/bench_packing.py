@@ -97,7 +97,8 @@ def main(argv=None) -> dict:
     print(f"{args.config} on {target}: mini-batch of {b} sequences, mesh {sizes}")
     print(f"length mix: prompts geometric mean {args.mean_prompt:g} (drawn mean {prompt_lens.mean():.0f}, cap "
           f"{config.sampler.max_prompt_length}), completions geometric mean {args.mean_completion:g} (drawn mean "
-          f"{completion_lens.mean():.0f}, cap {t}), seed {args.seed}: {valid:,} completion tokens, {real:,} real tokens")
+          f"{completion_lens.mean():.0f}, cap {t}), seed {args.seed}: {valid:,} completion tokens, "
+          f"{real:,} real tokens")
     print(f"packing: {plan.token_mask.shape[0]} rows of {length} tokens in {plan.num_micro_batches} micro-batch(es), "
           f"fill {plan.fill:.3f}")
     print(f"{'step':<8}{'rows x tokens':>18}{'counted TFLOP (all devices)':>30}{'GFLOP / valid token':>22}"

@@ -130,7 +130,8 @@ def main():
     ckpt_s, _ = raw_io_seconds(workdir, 3 * param_bytes, repeats=7)
     floors = dict(sampling=(decode_flops / gflops / 1e9, f"{decode_flops / 1e9:.2f} GFLOP decode matmuls"),
                   optimizer=(train_flops / gflops / 1e9, f"{train_flops / 1e9:.2f} GFLOP training matmuls"),
-                  weight_sync=(io_s, f"raw write+read of {param_bytes / 1e6:.1f} MB (write alone {1e3 * write_s:.1f} ms)"),
+                  weight_sync=(io_s,
+                               f"raw write+read of {param_bytes / 1e6:.1f} MB (write alone {1e3 * write_s:.1f} ms)"),
                   checkpoint=(ckpt_s, f"raw write of {3 * param_bytes / 1e6:.1f} MB (params + Adam moments)"))
     med = {p: float(np.median([r[f"time_{p}"] for r in steady])) for p in PHASES}
     evals = [r["time_eval"] for r in steady if r["time_eval"] > 0]

@@ -67,7 +67,8 @@ def methods(chunk: int) -> dict:
     out = {
         "ppo_clip": (trust_region.TrustRegionConfig(mask="ppo", clip_eps_low=0.2, clip_eps_high=0.28),
                      dict(policy_loss="ppo_clip", clip_eps_low=0.2, clip_eps_high=0.28)),
-        "dppo": (trust_region.TrustRegionConfig(mask="dppo", divergence="topk_kl", delta=0.05), dict(policy_loss="tis")),
+        "dppo": (trust_region.TrustRegionConfig(mask="dppo", divergence="topk_kl", delta=0.05),
+                 dict(policy_loss="tis")),
         "pdm": (trust_region.TrustRegionConfig(mask="pdm", divergence="topk_kl", estimator="bucket_exact", delta=0.05),
                 dict(policy_loss="tis")),
     }
@@ -142,13 +143,15 @@ def main():
     a = ap.parse_args()
     if not a.default_allocator:  # as the trainer does, before JAX starts its backend (pdm_jax.host_memory)
         reuse_freed_host_memory()
-    print(f"# jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}, {platform.processor() or platform.machine()}")
+    print(f"# jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}, "
+          f"{platform.processor() or platform.machine()}")
     rows = []
     for name in a.configs.split(","):
         rows += bench_config(name, CONFIGS[name], a.repeats)
     print(f"{'config':<8} {'method':<10} {'step ms':>9} {'tokens/s':>10} {'vs DPPO':>8}")
     for r in rows:
-        print(f"{r['config']:<8} {r['method']:<10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['ratio_to_dppo']:>8.3f}")
+        print(f"{r['config']:<8} {r['method']:<10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} "
+              f"{r['ratio_to_dppo']:>8.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

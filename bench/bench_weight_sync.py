@@ -40,7 +40,7 @@ MODELS = {
 
 
 def sampler_section(mode: str, quantization: str):
-    """The base config's sampler settings (`SamplerSpec`) in ``mode`` / ``quantization``, 16-token prompts, batches of 8."""
+    """The base config's sampler settings (`SamplerSpec`) in `mode` / `quantization`, 16-token prompts, batches of 8."""
     from pdm_jax.config import get_base_config
     from pdm_jax.rollouts.spec import SamplerSpec
     sc = get_base_config().sampler

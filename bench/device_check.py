@@ -94,10 +94,10 @@ def check(cfg, a, chip: str) -> dict:
     step = jax.jit(ts.make_rl_train_step(graphdef, tx, tr, loss), in_shardings=(shardings, None),
                    out_shardings=(shardings, None), donate_argnums=0)
     batch = put_global_batch(_batch(np.random.default_rng(0), b, p, t, k, cfg.vocab_size), mesh)
-    holder = [state]
+    holder = [state, batch]  # the run's state and batch, released below
 
     def run():
-        holder[0], metrics = step(holder[0], batch)
+        holder[0], metrics = step(holder[0], holder[1])
         return metrics
     with activation_sharding(mesh):
         t0 = time.perf_counter()
@@ -113,7 +113,8 @@ def check(cfg, a, chip: str) -> dict:
     train = dict(step_s=step_s, compile_s=compile_s, tokens_per_s=b * (p + t) / step_s,
                  mfu=(mf["flops"] + mf["attention_flops"]) / step_s / peak if peak else None,
                  dry_run_analytic_gib=plan["total"] / 2 ** 30)
-    del holder[0], state, batch
+    holder.clear()
+    del state, batch
 
     # One decode step, as the engine's loop runs it: bf16 weights, the cache at its longest.
     engine = init_model(cfg, seed=0, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, mesh=mesh)

@@ -24,7 +24,8 @@ device's sampler, 2 RL steps of 4 prompts x 4 samples, 16-token responses, the r
 as the default data. With the stand-in checkpoint (the real architecture and tokenizer at toy size)::
 
   python -m pdm_jax.models.stand_in --out=runs/qwen3_stand_in
-  python -m pdm_jax.train --config=configs/qwen3_dapo.py:smoke=True,hf_path=runs/qwen3_stand_in --workdir=runs/qwen3_smoke
+  python -m pdm_jax.train --config=configs/qwen3_dapo.py:smoke=True,hf_path=runs/qwen3_stand_in \\
+    --workdir=runs/qwen3_smoke
 """
 
 import os
@@ -143,7 +144,7 @@ def dapo_recipe(hf_path: str, data_path: str, eval_path: str):
     c.sampler.quantization = "fp8"
     c.sampler.stop_token_ids = "151645,151643"  # <|im_end|>, <|endoftext|>: Qwen3 ends a turn on either
     c.sampler.max_prompt_length = 2048
-    # The colocated rollout engine, per host (python -m pdm_jax.train --config=... --dry_run --config.dry_run.compiler=tpu):
+    # The colocated rollout engine, per host (`--dry_run --config.dry_run.compiler=tpu` checks it):
     # each of the slice's 16 hosts samples the groups its chips train on (sampler.per_host_rollouts: 128 prompts x 8
     # samples / 16 = 64 rows), on its own 4 chips (a host's local devices, as the trainer requires), heads and
     # the KV cache split 4 ways (tensor 4 divides Qwen3's 8 / 4 kv heads); 64 slots hold a host's whole request,

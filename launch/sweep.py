@@ -282,7 +282,7 @@ def _warmstart_groups(runs: list[dict], keys: tuple) -> dict:
 
 
 def code_version(code_dir: str) -> str:
-    """``git rev-parse --short HEAD`` (+'+dirty') of `code_dir`, else the first line of ``<code_dir>/COMMIT``, else ""."""
+    """`git rev-parse --short HEAD` (+'+dirty') of `code_dir`, else the first line of `<code_dir>/COMMIT`, else ""."""
     try:
         head = subprocess.run(["git", "-C", code_dir, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)

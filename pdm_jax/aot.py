@@ -1,25 +1,11 @@
 """Ahead-of-time compile targets: the devices of a TPU slice or a GPU pod, on a host that has neither.
 
-The dry run (`pdm_jax.dry_run`) compiles the real jitted programs for the chips a config
-names, from abstract inputs, and reads the compiler's own memory plan
-(``compiled.memory_analysis()``) and cost model (``compiled.cost_analysis()``). Nothing runs on
-the target; no target is needed, only its compiler:
-
-* ``tpu``: XLA:TPU from libtpu (``pip install -e '.[tpu]'``, i.e. ``jax[tpu]`` at the
-  project's jax pin). ``jax.experimental.topologies.get_topology_desc(platform="tpu",
-  topology_name="v5p:4x4x4")`` lists the slice's devices; a mesh over them and
-  ``jax.jit(f).lower(...).compile()`` run XLA:TPU's full pipeline (fusion, layouts,
-  memory-space assignment, Mosaic for Pallas kernels), as maxtext's ``train_compile.py`` does.
-* ``gpu``: XLA:GPU from the CUDA PJRT plugin (``pip install -e '.[gpu-aot]'``), deviceless,
-  given a ``GpuTargetConfigProto`` text of the card (`GPU_TARGET_CONFIGS`, shipped in
-  ``pdm_jax/gpu_targets/``). Triton gemm autotuning needs a device, so
-  ``--xla_gpu_enable_triton_gemm=false`` is set for these compiles (cuBLAS gemms instead).
-* ``cpu``: the host's own fake devices (``--xla_force_host_platform_device_count``): XLA:CPU's
-  fusion and layouts, an estimate of an accelerator's.
-
-A TPU or GPU compile is an account of memory and FLOPs on that chip, never a measurement of
-its speed: nothing here is timed on a TPU or GPU.
-"""
+The dry run (`pdm_jax.dry_run`) compiles the real jitted programs for the chips a config names from abstract inputs
+and reads the compiler's memory plan and cost model; only the compiler is needed: ``tpu`` (XLA:TPU from libtpu, ``pip
+install -e '.[tpu]'``; the slice's devices from ``jax.experimental.topologies.get_topology_desc``, as maxtext's
+``train_compile.py``), ``gpu`` (XLA:GPU from the CUDA PJRT plugin, ``.[gpu-aot]``, deviceless from a
+``GpuTargetConfigProto`` in ``pdm_jax/gpu_targets/``; Triton gemm autotuning off) or ``cpu`` (fake host devices). An
+account of memory and FLOPs on that chip, never a measurement of its speed."""
 
 from __future__ import annotations
 
@@ -38,10 +24,8 @@ CHIP_PEAK_BF16_FLOPS = {"v4": 275e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e1
 CHIP_HBM_BYTES_PER_S = {"v4": 1.2e12, "v5e": 0.819e12, "v5p": 2.765e12, "v6e": 1.64e12, "H100": 3.35e12,
                         "H200": 4.8e12}
 COMPILERS = ("auto", "none", "cpu", "tpu", "gpu")
-#: The slices people rent, by the name the clouds give them -> (``dry_run.chip``, chips): a TPU VM of 8 v5e / v6e
-#: chips, a v5p-8 (4 chips: Cloud TPU names v4 / v5p slices by TensorCores), a v5p-128 (64 chips), one 8-GPU
-#: H100 node, one H100. ``configs/qwen3_dapo.py`` and ``configs/qwen3_30b_a3b_dapo.py`` take ``slice=`` (one of
-#: these) and ``--config.dry_run.fit=true`` searches the memory knobs for the slice the config names.
+#: Rentable slices by their cloud names -> (``dry_run.chip``, chips); a v5p-8 has 4 chips (Cloud TPU counts v4 / v5p
+#: TensorCores). The recipes' ``slice=`` takes one of these.
 SLICES = {"v5e-8": ("v5e", 8), "v6e-8": ("v6e", 8), "v5p-8": ("v5p", 4), "v5p-128": ("v5p", 64),
           "8xH100": ("H100", 8), "1xH100": ("H100", 1)}
 #: Chips one host drives (one JAX process's local devices): a TPU VM host of v4 / v5p / v5e / v6e
@@ -92,15 +76,11 @@ def _balanced_factors(n: int, dims: int) -> list[int]:
 
 
 def default_topology(chip: str, num_devices: int) -> str:
-    """The slice name of ``num_devices`` chips of ``chip``: ``v5p`` x 64 -> ``"v5p:4x4x4"``,
-    ``v6e`` x 16 -> ``"v6e:4x4"``, ``H100`` x 64 -> ``"8x8"`` (hosts of 8 GPUs).
-
-    TPU slices are the near-cubic (v4, v5p) or near-square (v5e, v6e) power-of-two shapes;
-    a 4-chip v4 / v5p slice is ``2x2x1``.
+    """The slice name of ``num_devices`` chips of ``chip``: ``v5p`` x 64 -> ``"v5p:4x4x4"``, ``v6e`` x 16 ->
+    ``"v6e:4x4"``, ``H100`` x 64 -> ``"8x8"`` (near-cubic v4/v5p, near-square v5e/v6e; 4 v5p chips: ``2x2x1``).
 
     Raises:
-      ValueError: ``num_devices`` is not a power of two >= 1 (naming ``dry_run.num_devices``).
-    """
+      ValueError: ``num_devices`` is not a power of two >= 1 (naming ``dry_run.num_devices``)."""
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1 \
             or num_devices & (num_devices - 1):
         raise ValueError(f"dry_run.num_devices must be a power of two >= 1 for a default dry_run.topology, "
@@ -137,8 +117,8 @@ def compiler_available(compiler: str) -> bool:
 
 
 def resolve_compiler(compiler: str, chip: str) -> str:
-    """``dry_run.compiler`` with ``"auto"`` resolved: the chip's own compiler (``tpu`` / ``gpu``) when it is
-    installed, else ``cpu``.
+    """``dry_run.compiler`` with ``"auto"`` resolved: the chip's own compiler (``tpu`` / ``gpu``) when it is installed,
+    else ``cpu``.
 
     Raises:
       ValueError: an unknown compiler name, or a TPU compiler asked for a GPU chip (and vice versa).
@@ -165,8 +145,8 @@ def _require(compiler: str) -> None:
 def _tpu_devices(topology: str) -> tuple:
     from jax.experimental import topologies
 
-    # libtpu takes /tmp/libtpu_lockfile so that two processes never drive the same chips; a compile touches
-    # none, and the dry runs of several processes (a test and its subprocess, two sweeps) may compile at once.
+    # libtpu takes /tmp/libtpu_lockfile so that two processes never drive the same chips; a compile touches none, and
+    # the dry runs of several processes (a test and its subprocess, two sweeps) may compile at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
 
@@ -184,9 +164,8 @@ def _gpu_devices(topology: str, chip: str) -> tuple:
 
 
 def check_topology(topology: str, chip: str) -> None:
-    """Refuses a ``dry_run.topology`` that cannot name a slice of ``chip``: a TPU slice is
-    ``"<chip>:<x>x<y>[x<z>]"`` (e.g. ``"v5p:4x4x4"``), a GPU pod ``"<hosts>x<GPUs per host>"`` with at most 8
-    GPUs per host (e.g. ``"8x8"``).
+    """Refuses a ``dry_run.topology`` that cannot name a slice of ``chip``: a TPU slice is ``"<chip>:<x>x<y>[x<z>]"``
+    (e.g. ``"v5p:4x4x4"``), a GPU pod ``"<hosts>x<GPUs per host>"`` with at most 8 GPUs per host (e.g. ``"8x8"``).
 
     Raises:
       ValueError: naming ``dry_run.topology``, the value and the expected form.
@@ -208,19 +187,14 @@ def check_topology(topology: str, chip: str) -> None:
 
 
 def target_devices(compiler: str, chip: str, num_devices: int, topology: Optional[str] = None) -> list:
-    """The devices a dry run compiles for: ``num_devices`` of them.
-
-    * ``cpu``: the first ``num_devices`` of ``jax.devices()`` (fake CPU devices,
-      `pdm_jax.dry_run.prepare_devices`);
-    * ``tpu``: the devices of ``topology`` (default `default_topology`), e.g. the 64 of
-      ``v5p:4x4x4``; fewer chips than one host's (a single-device sampler): the first of a one-host slice;
-    * ``gpu``: ``num_devices`` deviceless CUDA devices of ``chip`` (``topology`` ``"<hosts>x<gpus per host>"``).
+    """The ``num_devices`` devices a dry run compiles for: the first fake CPU devices (``cpu``), the devices of
+    ``topology`` (``tpu``; default `default_topology`, the first of a one-host slice for fewer chips), or deviceless
+    CUDA devices of ``chip`` (``gpu``, ``"<hosts>x<gpus per host>"``).
 
     Raises:
       CompilerUnavailable: the compiler's plugin is not installed (with the install command).
-      ValueError: a topology that is not the chip's, that libtpu refuses, or that has another number of
-        devices than ``dry_run.num_devices``, or too few CPU devices (naming the field and the value).
-    """
+      ValueError: a topology that is not the chip's, that libtpu refuses, or of another device count, or too few CPU
+        devices (naming the field and the value)."""
     import jax
 
     sub_slice = False
@@ -228,8 +202,8 @@ def target_devices(compiler: str, chip: str, num_devices: int, topology: Optiona
         if topology:
             check_topology(topology, chip)
         elif compiler == "tpu" and num_devices < host_devices(chip):
-            # libtpu builds no slice smaller than one host (v5p:1x1x1 is refused): compile on the first
-            # num_devices chips of a one-host slice, as a job on part of a host would run.
+            # libtpu builds no slice smaller than one host (v5p:1x1x1 is refused): compile on the first num_devices
+            # chips of a one-host slice, as a job on part of a host would run.
             topology, sub_slice = default_topology(chip, host_devices(chip)), True
         else:
             topology = default_topology(chip, num_devices)
@@ -294,16 +268,16 @@ def label(compiler: str, chip: str, topology: Optional[str], num_devices: int) -
 
 
 def cost_bytes_accessed(compiled) -> Optional[float]:
-    """XLA's ``cost_analysis()["bytes accessed"]`` of a compiled program (per device), or None where it gives none.
-    As `cost_flops`, a while loop's body counts once."""
+    """XLA's ``cost_analysis()["bytes accessed"]`` of a compiled program (per device), or None where it gives none. As
+    `cost_flops`, a while loop's body counts once."""
     return _cost(compiled, "bytes accessed")
 
 
 def cost_flops(compiled) -> Optional[float]:
     """XLA's ``cost_analysis()["flops"]`` of a compiled program (per device), or None where it gives none.
 
-    XLA counts a while loop's body once, whatever its trip count (a ``lax.scan`` over 48 layers
-    reports the FLOPs of one); `pdm_jax.dry_run.counted_flops` adds the iterations up.
+    XLA counts a while loop's body once, whatever its trip count (a ``lax.scan`` over 48 layers reports the FLOPs of
+    one); `pdm_jax.dry_run.counted_flops` adds the iterations up.
     """
     return _cost(compiled, "flops")
 

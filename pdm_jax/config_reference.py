@@ -1,19 +1,16 @@
 """Generates ``docs/configuration.md``, the reference of every run-config field, from the schema itself.
 
-The schema is :func:`pdm_jax.config.get_base_config`. Its source is parsed (``ast`` for the
-assignments, ``tokenize`` for the comments): each ``c.<section>.<field> = value`` is paired with the
-comment lines directly above it and its trailing inline comment, which together are the field's
-description. Defaults are read from ``get_base_config()`` itself, not from the source text, so a
-default taken from another module (``sampler_defaults.BATCHING``) shows its value. The unit column
-comes from an explicit ``(unit: X)`` in the comment (removed from the description), else from the
-field's name (``*_s``: seconds), else from a known unit in parentheses or as the description's first
-words.
+The schema is :func:`pdm_jax.config.get_base_config`. Its source is parsed (``ast`` for the assignments, ``tokenize``
+for the comments): each ``c.<section>.<field> = value`` is paired with the comment lines directly above it and its
+trailing inline comment, which together are the field's description. Defaults are read from ``get_base_config()``
+itself, not from the source text, so a default taken from another module (``sampler_defaults.BATCHING``) shows its
+value. The unit column comes from an explicit ``(unit: X)`` in the comment (removed from the description), else from the
+field's name (``*_s``: seconds), else from a known unit in parentheses or as the description's first words.
 
     python -m pdm_jax.config_reference > docs/configuration.md
     python -m pdm_jax.config_reference --write          # the same, written in place
 
-``tests/test_config_reference.py`` fails when the page differs from this output or when a field
-has no description.
+``tests/test_config_reference.py`` fails when the page differs from this output or when a field has no description.
 """
 
 from __future__ import annotations
@@ -102,8 +99,8 @@ _UNIT_MARK = re.compile(r"\s*\(unit: ([^)]*)\)")
 
 
 def _unit(path: str, default: object, description: str) -> tuple[str, str]:
-    """(unit, description without its unit mark): an explicit "(unit: X)" in the comment, else a name ending in
-    ``_s`` (seconds), else a unit of `_UNITS` in parentheses or as the description's first words, else none."""
+    """(unit, description without its unit mark): an explicit "(unit: X)" in the comment, else a name ending in ``_s``
+    (seconds), else a unit of `_UNITS` in parentheses or as the description's first words, else none."""
     mark = _UNIT_MARK.search(description)
     if mark:
         text = _UNIT_MARK.sub("", description)

@@ -14,10 +14,10 @@ CORRECT_SCORE = 0.999  # a verifier score at or above this counts as a correct a
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-    """The held-out evaluation of a run (docs/configuration.md, section ``eval``): every ``every_steps`` RL steps
-    (and at the last), the first ``num_prompts`` held-out prompts, ``samples_per_prompt`` samples each (avg@k at
-    the training temperature), ``greedy`` accuracy too, on ``engine`` "f32" (an unquantized engine of the
-    trainer's) or "rollout" (the rollout sampler)."""
+    """The held-out evaluation of a run (docs/configuration.md, section ``eval``): every ``every_steps`` RL steps (and
+    at the last), the first ``num_prompts`` held-out prompts, ``samples_per_prompt`` samples each (avg@k at the training
+    temperature), ``greedy`` accuracy too, on ``engine`` "f32" (an unquantized engine of the trainer's) or "rollout"
+    (the rollout sampler)."""
 
     every_steps: int
     num_prompts: int
@@ -38,13 +38,9 @@ class EvalSpec:
 
 
 def score_rollouts(source, codec: TextCodec, rb: RolloutBatch, examples, n: int) -> np.ndarray:
-    """Verifier rewards ``[N]`` float32 of each completion against its prompt's example.
-
-    Rows are prompt-major: row ``i`` belongs to ``examples[i // n]`` (n samples per prompt). A row
-    whose ``finish_reason`` is "length" is scored with ``truncated=True`` (``data.verifiers``).
-    A source with ``score_batch`` (math-verify workers) scores the whole batch concurrently; one with
-    ``score_rollout_batch`` (``reward.functions``: `pdm_jax.rewards.RewardedSource`) gives its combined reward.
-    """
+    """Verifier rewards ``[N]`` float32, row ``i`` against ``examples[i // n]``; "length" rows are scored with
+    ``truncated=True``; a source's ``score_batch`` scores the batch concurrently, a `RewardedSource` gives its
+    combined reward."""
     if hasattr(source, "score_rollout_batch"):  # the user's reward functions (pdm_jax.rewards.RewardedSource)
         return source.score_rollout_batch(codec, rb, examples, n)[0]
     texts = [codec.decode_completion(rb.completion_ids[i], rb.completion_mask[i]) for i in range(rb.num_sequences)]
@@ -61,27 +57,21 @@ def evaluate(engine, source, codec: TextCodec, eval_spec: EvalSpec, *, temperatu
     """Accuracy on the first ``eval_spec.num_prompts`` held-out prompts.
 
     Args:
-      engine: a sampler with ``generate`` (``InProcessSampler`` or ``SamplerClient``).
-      source: the prompt source (``eval_examples()``, ``score``).
-      codec: the run's `TextCodec`.
+      engine: a sampler with ``generate``.
+      source: the prompt source; codec: the run's `TextCodec`.
       eval_spec: the run's `EvalSpec` (num_prompts, samples_per_prompt k, greedy).
-      temperature: τ of the avg@k samples (the training temperature).
-      max_new_tokens: completion budget (tokens).
-      seed: the avg@k sampling seed (10_007 + the run's seed in the trainer).
-      prompt_range: ``(lo, hi)``: sample only held-out prompts lo..hi-1 of the num_prompts (keyed as
-        those prompts: ``first_prompt_index=lo``), e.g. one process's share (`pdm_jax.per_host`);
-        None = all of them.
-      gather: with ``prompt_range``, ``gather(scores, num_prompts, samples_per_prompt)`` -> the scores of
-        all prompts in prompt order (a collective over the processes, `pdm_jax.per_host.gather_ragged`).
+      temperature: τ of the avg@k samples; max_new_tokens: completion budget (tokens); seed: the avg@k seed.
+      prompt_range: ``(lo, hi)``: sample only those held-out prompts (``first_prompt_index=lo``), e.g. one process's
+        share; None = all.
+      gather: with ``prompt_range``, ``gather(scores, num_prompts, samples_per_prompt)`` -> all prompts' scores in
+        order (a collective, `per_host.gather_ragged`).
 
     Returns:
-      ``eval_accuracy`` (avg@k: the fraction of the k samples per prompt that are
-      fully correct, averaged over prompts), ``eval_reward`` (mean verifier score)
-      and, with ``eval_spec.greedy``, ``eval_greedy_accuracy`` (τ = 0, one sample).
+      ``eval_accuracy`` (avg@k: fully correct samples per prompt, averaged), ``eval_reward`` (mean score) and with
+      ``greedy`` ``eval_greedy_accuracy`` (τ = 0, one sample).
 
     Raises:
-      ValueError: the source has fewer held-out prompts than ``eval_spec.num_prompts``.
-    """
+      ValueError: fewer held-out prompts than ``eval_spec.num_prompts``."""
     exs = source.eval_examples()[: eval_spec.num_prompts]
     if len(exs) < eval_spec.num_prompts:
         raise ValueError(f"eval.num_prompts = {eval_spec.num_prompts} but the source has only {len(exs)} "

@@ -1,30 +1,12 @@
 """Host-memory allocator setting for XLA:CPU programs: freed buffers are reused, not unmapped.
 
-XLA:CPU allocates every execution's temporary buffer with ``posix_memalign`` and frees it
-when the execution ends (``Compiled.memory_analysis().temp_size_in_bytes``: 117 MB for the
-tiny config's RL train step). glibc serves a block above its mmap threshold (32 MiB at most)
-with a fresh ``mmap`` and returns it with ``munmap``, so each execution page-faults its whole
-temporary buffer in again, zero-filled by the kernel: 28.6k minor page faults and ~80 ms of
-kernel time per tiny train step (``resource.getrusage``, measured on the 2-core CPU of
-docs/benchmarks.md), about 30% of the step's CPU time.
-
-:func:`reuse_freed_host_memory` sets glibc's ``mallopt`` so that large blocks come from the
-heap and stay mapped after ``free``: one arena (``M_ARENA_MAX = 1``: a block larger than a
-thread arena's 64 MiB heap would otherwise still be mmapped), no mmapped blocks
-(``M_MMAP_MAX = 0``) and no trimming of the heap's top (``M_TRIM_THRESHOLD`` at its maximum).
-The process then keeps its peak heap mapped; no value changes (the allocator places buffers,
-it computes nothing). Called by ``pdm_jax.train``, `pdm_jax.trainer.Trainer` (first thing; so also for
-``pdm_jax.analysis``) and the sampler subprocess when ``host_memory.reuse_freed`` is true (the default). It is process-wide (later calls
-are no-ops) and must run **before JAX starts its backend**: glibc gives each thread its malloc
-arena at the thread's first allocation and ``M_ARENA_MAX`` does not move a thread that already
-has one, and a thread arena cannot hold a block above its 64 MiB heap, so it still maps and
-unmaps such a block at every execution. Applied after ``jax.devices()`` (XLA's thread pools
-exist then), the tiny RL step kept faulting its 89 MB temporary buffer in, ~40k minor faults
-per RL step, and took 269 instead of 188 ms (docs/benchmarks.md, bench/bench_train_step.py);
-a late call is therefore logged as a warning (`applied_late`).
-
-Source: glibc ``malloc/malloc.c`` (``mallopt``, ``sysmalloc``) and ``mallopt(3)``.
-"""
+XLA:CPU allocates each execution's temporary buffer with ``posix_memalign`` (117 MB for the tiny RL step) and glibc
+maps a block that large with a fresh ``mmap`` and unmaps it on ``free``, so every execution page-faults it in again,
+zero-filled (docs/benchmarks.md). :func:`reuse_freed_host_memory` sets glibc's ``mallopt``: one arena (``M_ARENA_MAX
+= 1``), no mmapped blocks (``M_MMAP_MAX = 0``), no trimming (``M_TRIM_THRESHOLD`` at its maximum); the process keeps
+its peak heap mapped and no value changes. It is process-wide and must run **before JAX starts its backend** (a
+thread keeps the arena it has; a late call is logged, `applied_late`). Source: glibc ``malloc/malloc.c``
+(``mallopt``, ``sysmalloc``) and ``mallopt(3)``."""
 
 from __future__ import annotations
 
@@ -52,9 +34,9 @@ def _jax_backend_started() -> bool:
 
 
 def reuse_freed_from_config(config) -> bool:
-    """`reuse_freed_host_memory` when the config's ``host_memory.reuse_freed`` is true (absent: false); returns
-    whether the setting is in effect. The one call of the trainer and of ``pdm_jax.train`` (before distributed
-    initialisation, which starts JAX)."""
+    """`reuse_freed_host_memory` when the config's ``host_memory.reuse_freed`` is true (absent: false); returns whether
+    the setting is in effect. The one call of the trainer and of ``pdm_jax.train`` (before distributed initialisation,
+    which starts JAX)."""
     return bool(config.get("host_memory", {}).get("reuse_freed")) and reuse_freed_host_memory()
 
 
@@ -64,12 +46,8 @@ def applied_late() -> bool:
 
 
 def reuse_freed_host_memory() -> bool:
-    """Makes glibc keep freed large blocks for reuse (see the module docstring); returns whether it did.
-
-    Returns False, logging why, when the C library is not glibc (macOS, musl) or a ``mallopt``
-    call is refused; the run then continues with the default allocator (slower on CPU, same
-    numbers). Idempotent: the first call's result is returned again.
-    """
+    """Makes glibc keep freed large blocks for reuse; returns whether it did (False, logged, on a C library other than
+    glibc or a refused ``mallopt``: the default allocator, same numbers). Idempotent."""
     if _state["applied"] is not None:
         return _state["applied"]
     ok = False

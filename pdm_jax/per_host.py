@@ -1,30 +1,12 @@
 """Per-host rollouts: in a multi-process run each process samples only its own share of an RL step.
 
-An RL step has P prompts x G samples (``rl.prompts_per_step`` x ``rl.group_size``) = N rows,
-prompt-major (row ``i * G + j`` is sample j of prompt i). The train step's batch is split over
-the mesh's batch axes (``data`` x ``fsdp``) in contiguous blocks of N / (data x fsdp) rows, and
-each process holds the blocks of its own devices (`pdm_jax.distributed.local_batch_rows`). With
-per-host rollouts (``sampler.per_host_rollouts``, on by default when ``distributed=True`` runs
-several processes) process p samples exactly the prompts whose rows land on its devices,
-``[lo, hi) = [start / G, stop / G)`` of its row block, so:
-
-* a process's rows are whole groups of G samples (the block's start and size are multiples of
-  G), and group advantages, which only look inside a group, are computed locally
-  (`host_prompt_range` raises, naming the fields, when a block would cut a group);
-* the request carries ``first_prompt_index = lo``: the sampler keys sample j of request prompt
-  i with prompt ``lo + i`` (`pdm_jax.sampler.engine`), so the tokens do not depend on which
-  process sampled a prompt and equal a single-process run's;
-* the host `StepBatch` of the process's rows (prompts left-padded to the step's longest prompt
-  over all processes, `gather_max`) becomes the global batch with
-  ``put_global_batch(..., process_local=True)`` (`assemble`), minibatches are gathered from it
-  on the devices (`select_rows`: the same rows a single process takes from its host batch), and
-  per-row values that metrics need (rewards, lengths, versions) are gathered back to every
-  process (`gather_rows`).
-
-Evaluation is split the same way (`eval_prompt_range`: contiguous shares of the held-out
-prompts, `gather_ragged` puts the per-sample scores back in prompt order), so every process
-computes the same evaluation record; only process 0 writes it.
-"""
+An RL step's N = P x G rows (prompt-major) are split over the mesh's batch axes in contiguous blocks, each process
+holding its devices' blocks (`pdm_jax.distributed.local_batch_rows`). With ``sampler.per_host_rollouts`` process p
+samples exactly the prompts ``[lo, hi)`` whose rows land on its devices: whole groups, so advantages are computed
+locally (`host_prompt_range` refuses a block that cuts a group); ``first_prompt_index = lo`` keys the samples by
+global prompt, so the tokens equal a single-process run's; the process's host `StepBatch` becomes the global batch
+(`assemble`), minibatches are gathered on the devices (`select_rows`) and per-row metric values back to every process
+(`gather_rows`). Evaluation is split the same way (`eval_prompt_range`, `gather_ragged`); process 0 writes it."""
 
 from __future__ import annotations
 
@@ -53,14 +35,12 @@ def host_prompt_range(num_prompts: int, group_size: int, mesh, batch_axes: Seque
 
     Args:
       num_prompts: P (``rl.prompts_per_step``).
-      group_size: G (``rl.group_size``); the step has N = P x G prompt-major rows.
+      group_size: G (``rl.group_size``).
       mesh: the global train mesh; rows are split over ``batch_axes``.
 
     Raises:
-      ValueError: naming rl.prompts_per_step, rl.group_size, mesh.data / mesh.fsdp and the
-        process count, when N does not split over the batch shards, a process's rows are not
-        contiguous, or its block starts or ends inside a group of G samples.
-    """
+      ValueError: naming rl.prompts_per_step, rl.group_size, mesh.data / mesh.fsdp and the process count, when N does
+        not split over the batch shards, a process's rows are not contiguous, or its block cuts a group."""
     n = num_prompts * group_size
     shards = {a: int(mesh.shape[a]) for a in batch_axes}
     what = (f"per-host rollouts (sampler.per_host_rollouts): rl.prompts_per_step = {num_prompts} x "
@@ -103,12 +83,8 @@ def _take_program(mesh, batch_axes: tuple, split: bool):
 
 
 def select_rows(batch, rows: np.ndarray, mesh, batch_axes: Sequence[str] = BATCH_AXES):
-    """Rows ``rows`` (host ints, the same on every process) of a global device batch, gathered on the devices.
-
-    The result is split over ``batch_axes`` like `put_global_batch` splits a host batch (replicated
-    when the row count does not divide into the batch shards): a single process's
-    ``put_global_batch(host_batch.select(rows))`` holds the same values.
-    """
+    """Rows ``rows`` (host ints, the same on every process) of a global device batch, gathered on the devices and split
+    over ``batch_axes`` as `put_global_batch` would split ``host_batch.select(rows)``."""
     rows = np.asarray(rows, np.int32)
     n_shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
     program = _take_program(mesh, tuple(batch_axes), rows.shape[0] % n_shards == 0)
@@ -133,11 +109,8 @@ def eval_prompt_range(num_prompts: int) -> tuple:
 
 
 def gather_ragged(values: np.ndarray, total: int, per_item: int = 1) -> np.ndarray:
-    """All processes' ``values`` (each ``[(hi - lo) * per_item]`` of its `eval_prompt_range` of ``total``), in order.
-
-    A collective: every process passes its share (possibly empty); shares are padded to the
-    largest one for the all-gather and cut back.
-    """
+    """All processes' ``values`` (each ``[(hi - lo) * per_item]`` of its `eval_prompt_range` of ``total``), in order: a
+    collective; shares are padded to the largest for the all-gather."""
     sizes = [len(a) * per_item for a in np.array_split(np.arange(total), jax.process_count())]
     width = max(sizes)
     padded = np.zeros((width,), np.asarray(values).dtype)  # the dtype kept: means equal a single process's

@@ -1,15 +1,8 @@
-"""Where a run's time goes: profiler traces, phase timers, compile counts and the compilation cache.
+"""Where a run's time goes: profiler traces (`StepProfiler`), phase timers (`PhaseTimer`), compile counts
+(`CompileCounter`) and JAX's persistent compilation cache (`enable_compile_cache`).
 
-* `StepProfiler`: a ``jax.profiler`` trace of a range of RL steps (``--config.profile.steps=a:b``);
-* `PhaseTimer`: the ``time_*`` metrics of an RL step (sampling, scoring, ... see docs/metrics.md);
-* `CompileCounter`: XLA programs built by this process (``jax.monitoring`` listeners);
-* `enable_compile_cache`: JAX's persistent compilation cache (``--config.compile_cache.dir``).
-
-The trace goes to ``WORKDIR/profile`` (TensorBoard's profile plugin or Perfetto read
-it: ``tensorboard --logdir WORKDIR/profile``, or open the ``*.trace.json.gz`` in
-ui.perfetto.dev). Steps are 1-based RL steps, the range inclusive: ``2:4`` traces RL
-steps 2, 3 and 4 (the first RL step also compiles, so start at 2 to see the steady state).
-"""
+``--config.profile.steps=a:b`` traces RL steps a..b (1-based, inclusive; the first step also compiles) into
+``WORKDIR/profile`` for TensorBoard's profile plugin or ui.perfetto.dev."""
 
 from __future__ import annotations
 
@@ -45,12 +38,8 @@ def parse_steps(spec: str) -> Optional[tuple[int, int]]:
 
 
 class StepProfiler:
-    """Starts a ``jax.profiler`` trace before RL step ``a`` and stops it after step ``b`` (see module doc).
-
-    Args:
-      workdir: the run directory; the trace goes to ``workdir/profile``.
-      spec: ``profile.steps`` (``"a:b"`` or ``""``).
-    """
+    """A ``jax.profiler`` trace from before RL step ``a`` to after step ``b`` of ``spec`` (``profile.steps``, ``"a:b"``
+    or ``""``), written to ``workdir/profile``."""
 
     def __init__(self, workdir: str, spec: str):
         self.range = parse_steps(spec)
@@ -91,8 +80,8 @@ def default_compile_cache_dir() -> str:
 
 
 def resolve_compile_cache_dir(spec: str, workdir: Optional[str] = None) -> str:
-    """The directory of ``compile_cache.dir``: ``"default"`` -> `default_compile_cache_dir`,
-    ``"workdir"`` -> ``WORKDIR/jax_cache``, ``""`` -> ``""`` (no cache), anything else -> that path (absolute).
+    """The directory of ``compile_cache.dir``: ``"default"`` -> `default_compile_cache_dir`, ``"workdir"`` ->
+    ``WORKDIR/jax_cache``, ``""`` -> ``""`` (no cache), anything else -> that path (absolute).
 
     Raises:
       ValueError: ``"workdir"`` without a workdir.
@@ -113,30 +102,18 @@ COMPILE_CACHE_MAX_BYTES = 16 * 2 ** 30
 
 def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0,
                          max_size_bytes: int = COMPILE_CACHE_MAX_BYTES) -> bool:
-    """Turns on JAX's persistent compilation cache in `directory` for this process (no-op for ``""``).
+    """Turns on JAX's persistent compilation cache in `directory` for this process (no-op for ``""``); returns whether a
+    cache is on.
 
-    Every program is written, whatever its size (``jax_persistent_cache_min_entry_size_bytes
-    = -1``) and however fast it compiled (``jax_persistent_cache_min_compile_time_secs =
-    min_compile_time_s``, default 0 s): the small CPU programs of the tiny runs compile
-    in 0.1-3 s each, below JAX's 1 s default threshold for many of them. A second run
-    with the same programs then loads them instead of compiling (the ``compile_cache_hits``
-    metric). Returns whether a cache is on. JAX decides once per process, at its first
-    compile, whether (and where) the cache is used: call this before anything compiles
-    (the trainer and the sampler server do, first thing); in a process that compiled
-    already (e.g. a test session) the call has no effect until JAX resets its cache.
-
-    A local directory is shared safely by several processes (the trainer, its sampler
-    subprocess, the processes of a multi-process run, concurrent runs): JAX writes an entry
-    in place (not through a rename) and, without a size limit, takes no lock, so a process
-    could read another's half-written entry, and XLA deserializing truncated bytes can crash
-    the process. With ``jax_compilation_cache_max_size = max_size_bytes`` (default 16 GiB)
-    JAX holds a file lock (``filelock``) around every read and write and evicts the least
-    recently used entries beyond the size. Bucket paths (``gs://``) keep JAX's defaults
-    (no lock, no limit).
+    Every program is written (no size floor; ``min_compile_time_s``, default 0 s), so a second run loads the tiny
+    runs' programs instead of compiling them (``compile_cache_hits``). JAX decides at its first compile, so call this
+    before anything compiles. A local directory is shared safely by several processes:
+    ``jax_compilation_cache_max_size = max_size_bytes`` (default 16 GiB) makes JAX lock every read and write (without
+    it a reader may see a half-written entry and crash XLA) and evict least-recently-used entries; bucket paths keep
+    JAX's defaults.
 
     Raises:
-      OSError: the directory cannot be created.
-    """
+      OSError: the directory cannot be created."""
     if not directory:
         return False
     os.makedirs(directory, exist_ok=True)
@@ -150,16 +127,10 @@ def enable_compile_cache(directory: str, *, min_compile_time_s: float = 0.0,
 
 
 class CompileCounter:
-    """Counts this process's XLA program builds through ``jax.monitoring`` listeners (one set per process).
+    """Counts this process's XLA program builds through ``jax.monitoring`` listeners (installed once per process).
 
-    `snapshot` returns cumulative ``{"compiles", "compile_seconds", "compile_cache_hits",
-    "compile_cache_misses"}`` since `start` (the listeners themselves are installed once
-    and never removed: jax.monitoring has no per-listener removal in every version).
-    ``compiles`` counts programs built by XLA's backend (a persistent-cache hit is
-    counted too, and its load time is in ``compile_seconds``); ``compile_cache_hits``
-    of them came from the persistent cache, ``compile_cache_misses`` were compiled and
-    written to it.  Thread-safe (the sampler compiles on the rollout producer's thread).
-    """
+    `snapshot`: cumulative ``{"compiles", "compile_seconds", "compile_cache_hits", "compile_cache_misses"}`` since
+    `start`; ``compiles`` includes persistent-cache hits (their load time in ``compile_seconds``). Thread-safe."""
 
     _installed = False
     _lock = threading.Lock()
@@ -210,16 +181,9 @@ class CompileCounter:
 
 # ---------------------------------------------------------------- phase timing
 class PhaseTimer:
-    """Wall seconds per named phase of one RL step, as ``time_<phase>`` metrics.
-
-    Usage: ``with timer.phase("scoring"): ...``; `record` returns ``{"time_scoring": s, ...}``
-    for every phase in `phases` (0.0 for one that did not run this step) and
-    ``time_other``: the step's wall time not inside any phase.  A phase entered
-    twice adds up.
-
-    Args:
-      phases: the phase names every record carries.
-    """
+    """Wall seconds per named phase of one RL step: ``with timer.phase("scoring"): ...``; `record` returns
+    ``{"time_<phase>": s}`` for every name in `phases` (0.0 if it did not run; a repeated phase adds up) and
+    ``time_other``, the step's time outside any phase."""
 
     def __init__(self, phases):
         self.phases = tuple(phases)
@@ -266,16 +230,13 @@ def step_timing(phases: dict, sync_seconds: dict, generation_seconds: float) -> 
     """The timing fields of an ``rl`` record (docs/metrics.md).
 
     Args:
-      phases: `PhaseTimer.record` of the step (``time_<phase>``, ``time_other``, ``time_step``).
+      phases: `PhaseTimer.record` of the step.
       sync_seconds: `SamplerSupervisor.last_sync_seconds` (``save``, ``load``).
-      generation_seconds: the sampler's own seconds generating the step's rollouts
-        (possibly ahead of the step, under ``rl.max_staleness`` > 0).
+      generation_seconds: the sampler's own seconds generating the step's rollouts.
     Returns:
       ``time_*`` of every phase, ``time_other``, ``time_weight_save``, ``time_weight_load``,
-      ``time_sampler_generate``, and the older names ``step_seconds`` (the step without its
-      evaluation and checkpoint), ``generate_seconds`` (= time_sampling), ``train_seconds``
-      (= time_optimizer).
-    """
+      ``time_sampler_generate``, and the older ``step_seconds``, ``generate_seconds`` (= time_sampling),
+      ``train_seconds`` (= time_optimizer)."""
     rec = {k: float(v) for k, v in phases.items() if k != "time_step"}
     rec.update(time_weight_save=float(sync_seconds.get("save", 0.0)),
                time_weight_load=float(sync_seconds.get("load", 0.0)),
@@ -287,8 +248,8 @@ def step_timing(phases: dict, sync_seconds: dict, generation_seconds: float) -> 
 
 def compile_record(trainer: dict, sampler: Optional[dict]) -> dict:
     """The compile fields of an ``rl`` record: this process's `CompileCounter` snapshot (``compiles``,
-    ``compile_seconds``, ``compile_cache_hits``) and the sampler process's (``sampler_*``; 0 when the
-    sampler runs in this process, or has not reported yet)."""
+    ``compile_seconds``, ``compile_cache_hits``) and the sampler process's (``sampler_*``; 0 when the sampler runs in
+    this process, or has not reported yet)."""
     sampler = sampler or {}
     return dict(compiles=float(trainer["compiles"]), compile_seconds=float(trainer["compile_seconds"]),
                 compile_cache_hits=float(trainer["compile_cache_hits"]),

@@ -1,46 +1,21 @@
 """Your own reward functions, from the config (``reward.functions``; TRL's ``reward_funcs`` convention).
 
-Each entry of ``reward.functions`` (comma-separated) is ``FILE.py:NAME`` (a Python file, loaded by path) or
-``module:NAME`` (an importable module), naming a callable
+Each comma-separated entry is ``FILE.py:NAME`` (loaded by path) or ``module:NAME``, naming a callable
 
     fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]
 
-called once per rollout batch (and once per evaluation batch) with one entry per completion, prompt-major (row
-``i`` is sample ``i % n`` of prompt ``i // n``): ``prompts[i]`` is the prompt as the data source holds it (text, or
-a ``data.kind = "file"`` prompt's list of chat messages), ``completions[i]`` the decoded completion, and
-``columns`` the example's other fields as lists of the same length: every other column of a ``data.kind = "file"``
-row, ``answer`` (the reference answer) for the built-in kinds, plus ``completion_ids`` (the completion's token ids,
-stop token excluded, a list of ints per row) and ``truncated`` (True where the completion was stopped by
-``rl.max_new_tokens``). A function should take ``**kwargs`` for the columns it does not use.
+called once per rollout (and evaluation) batch, one entry per completion, prompt-major (row ``i`` is sample ``i % n``
+of prompt ``i // n``). ``prompts[i]`` is the prompt as the source holds it (text, or a file prompt's chat messages),
+``completions[i]`` the decoded completion; ``columns``: the example's other fields (a file's columns; ``answer`` for
+the built-in kinds), ``completion_ids`` (stop token excluded) and ``truncated``, as lists. Take ``**kwargs``.
 
-**Combination** (as TRL's ``GRPOTrainer``): the reward of a row is ``sum_f w_f * r_f`` over the functions ``f``
-that gave it a number (``reward.weights``; 1 each by default); ``None`` means "no reward from this function for
-this row" and adds nothing. A row to which *every* function gives ``None`` carries no reward signal: it is
-counted (``reward_unscored`` in the rl record) and its reward is the mean of the scored rows of its group (its
-prompt's ``rl.group_size`` samples; 0.0 when none of them is scored), so that its group-relative advantage is
-exactly 0: it neither pulls nor pushes the policy, and leaves its group's mean unchanged. The per-function means
-over the rows each scored are logged as ``reward/NAME`` (null when it scored none).
-
-**The built-in verifier.** With functions given, the reward is theirs alone (as TRL): the data source's verifier
-does not add to it. Name ``pdm_jax.rewards:verifier`` among the functions to include it (e.g.
-``reward.functions=pdm_jax.rewards:verifier,my_rewards.py:brevity``): it is bound at load to the run's data source
-and gives its score (1.0 / 0.0, or the task's partial credit) for every row, never None. Evaluation (``eval_reward``,
-and ``eval_accuracy``: the fraction of samples whose combined reward is >= 0.999) uses the same combined reward.
-
-**Errors.** A function that raises, hangs past ``reward.timeout_s``, returns something of the wrong length, a
-non-number (a bool, a string...) or a non-finite number raises `RewardFunctionError` (a ValueError: the run stops
-with exit 2, ``pdm_jax.train``), naming the function and, for a bad value, the row, its prompt and the value.
-Nothing is replaced by 0.
-
-**Timeout: a worker thread.** Each call runs in a daemon thread joined with ``reward.timeout_s``: the function gets
-the columns as they are (no pickling, so closures, module state and loaded models work), and one thread per batch
-is cheap. A thread cannot be killed: a hung function is abandoned (the daemon thread does not keep the process
-alive) and the run stops with the error at once, which is the only safe outcome of a hang. A process pool would
-let a hang be killed but require picklable functions and columns, and restart costs on every call.
-
-Source: TRL ``GRPOTrainer`` (``reward_funcs``, ``reward_weights``, None as NaN summed with ``nansum``), checked
-against its documentation; the group-mean rule for all-None rows is this module's own.
-"""
+A row's reward is ``sum_f w_f * r_f`` over the functions that gave it a number (``reward.weights``, 1 each); ``None``
+adds nothing, and a row every function left ``None`` gets its group's scored mean (advantage 0) and is counted
+(``reward_unscored``). With functions given the data source's verifier is not added unless
+``pdm_jax.rewards:verifier`` is one of them. A function that raises, hangs past ``reward.timeout_s`` (it runs in a
+daemon thread, abandoned on a hang), or returns the wrong length, a non-number or a non-finite number raises
+`RewardFunctionError` (exit 2) naming the function and the row; nothing is replaced by 0. Source: TRL ``GRPOTrainer``
+(``reward_funcs``, ``reward_weights``, None summed as NaN with ``nansum``); the all-None rule is this module's own."""
 
 from __future__ import annotations
 
@@ -53,7 +28,7 @@ import math
 import numbers
 import os
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 
@@ -72,11 +47,8 @@ class RewardFunctionError(ValueError):
 
 
 def parse_functions(text: str) -> tuple:
-    """``reward.functions`` as a tuple of ``"TARGET:NAME"`` entries ("" -> ()).
-
-    Raises:
-      ValueError: an entry without ``:NAME`` or without a target, or a NAME given twice (naming the field).
-    """
+    """``reward.functions`` as a tuple of ``"TARGET:NAME"`` entries ("" -> ()); ValueError (naming the field) for an
+    entry without ``:NAME`` or a target, or a NAME given twice."""
     text = str(text).strip()
     if not text:
         return ()
@@ -94,11 +66,8 @@ def parse_functions(text: str) -> tuple:
 
 
 def parse_weights(text: str, count: int) -> tuple:
-    """``reward.weights`` as ``count`` floats ("" -> 1.0 each).
-
-    Raises:
-      ValueError: a weight that is not a finite number, or a number of weights other than ``count``.
-    """
+    """``reward.weights`` as ``count`` floats ("" -> 1.0 each); ValueError for a non-finite weight or a count other than
+    ``count``."""
     text = str(text).strip()
     if not text:
         return (1.0,) * count
@@ -118,11 +87,8 @@ def parse_weights(text: str, count: int) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-    """The ``reward`` section of a validated config (docs/configuration.md).
-
-    Fields: ``functions`` (``"TARGET:NAME"`` entries; () = the data source's verifier), ``weights`` (one float per
-    function), ``timeout_s`` (seconds one function may take on one batch).
-    """
+    """The ``reward`` section of a validated config: ``functions`` (``"TARGET:NAME"`` entries; () = the data source's
+    verifier), ``weights`` (one float per function), ``timeout_s`` (seconds one function may take on one batch)."""
 
     functions: tuple
     weights: tuple
@@ -140,14 +106,8 @@ class RewardSpec:
 
 
 def verifier(prompts, completions, **columns):
-    """The run's built-in verifier as a reward function: name ``pdm_jax.rewards:verifier`` in ``reward.functions``.
-
-    It is bound to the run's data source when the functions are loaded (`RewardFunctions`), which passes it the
-    examples; called directly, it has no source to score with.
-
-    Raises:
-      RewardFunctionError: always, when called directly.
-    """
+    """The run's built-in verifier as a reward function (``pdm_jax.rewards:verifier`` in ``reward.functions``), bound to
+    the run's data source when loaded; called directly it raises `RewardFunctionError`."""
     raise RewardFunctionError(f"{BUILTIN_VERIFIER} scores with the run's data source: name it in reward.functions "
                               "instead of calling it")
 
@@ -239,17 +199,17 @@ def _check_values(name: str, values: Any, prompts: list, n: int) -> np.ndarray:
 
 
 def combine(scores: np.ndarray, weights, n: int) -> tuple:
-    """The rewards of a batch from its per-function scores (module docstring, "Combination").
+    """The rewards of a batch from its per-function scores.
 
     Args:
       scores: float ``[F, N]``, NaN where a function gave None; rows prompt-major, ``n`` per prompt.
       weights: ``F`` floats.
-      n: samples per prompt (N is a multiple of it).
+      n: samples per prompt.
 
     Returns:
-      ``(rewards float32 [N], unscored bool [N])``: ``rewards[i] = sum_f w_f * scores[f, i]`` over the scored
-      entries; a row with no score gets the mean of its group's scored rows (0.0 when there is none).
-    """
+      ``(rewards float32 [N], unscored bool [N])``: ``sum_f w_f * scores[f, i]`` over the scored entries; an unscored
+        row
+      gets its group's scored mean (0.0 when there is none)."""
     scores = np.asarray(scores, np.float64)
     given = ~np.isnan(scores)
     total = np.sum(np.where(given, scores, 0.0) * np.asarray(weights, np.float64)[:, None], axis=0)
@@ -263,15 +223,8 @@ def combine(scores: np.ndarray, weights, n: int) -> tuple:
 
 
 class RewardFunctions:
-    """The loaded ``reward.functions`` of a run, called on rollout batches (module docstring).
-
-    Args:
-      spec: the run's `RewardSpec` (at least one function).
-      source: the run's data source (binds `verifier`).
-
-    Raises:
-      RewardFunctionError: an entry that cannot be loaded (no such file, import error, no such name).
-    """
+    """The loaded ``reward.functions`` of a run (`spec`: the run's `RewardSpec`, at least one function; `source`: the
+    run's data source, bound to `verifier`); `RewardFunctionError` for an entry that cannot be loaded."""
 
     def __init__(self, spec: RewardSpec, source):
         if not spec.functions:
@@ -282,14 +235,8 @@ class RewardFunctions:
                                for fn in (_load(entry) for entry in spec.functions))
 
     def __call__(self, prompts: list, completions: list, columns: dict, examples: list, n: int) -> tuple:
-        """Scores one batch: ``(rewards float32 [N], rows)``.
-
-        ``rows``: ``reward/NAME`` float32 ``[N]`` (NaN where NAME gave None) per function and ``reward_unscored``
-        float32 ``[N]`` (1.0 where every function gave None); `function_record` reduces them.
-
-        Raises:
-          RewardFunctionError: see the module docstring.
-        """
+        """Scores one batch: ``(rewards float32 [N], rows)``, ``rows`` holding ``reward/NAME`` float32 ``[N]`` (NaN
+        where NAME gave None) per function and ``reward_unscored`` float32 ``[N]``; raises `RewardFunctionError`."""
         scores = []
         for name, fn in zip(self.names, self.functions):
             if isinstance(fn, _SourceVerifier):
@@ -317,13 +264,8 @@ KEPT_ROWS = 1 << 18
 
 
 class RewardedSource:
-    """A data source whose rollouts are scored by the user's `RewardFunctions` (everything else is the source's).
-
-    Built by `with_reward_functions`. `evaluation.score_rollouts` and `score_rollouts` call its
-    `score_rollout_batch`, which also keeps each row's function values (the newest `KEPT_ROWS` rows, keyed by
-    the row's example uid, completion ids and finish reason) for `function_rows`: the rows of a batch that
-    dynamic sampling assembled from the rounds it scored.
-    """
+    """A data source whose rollouts are scored by the user's `RewardFunctions` (`with_reward_functions`); its
+    `score_rollout_batch` also keeps the newest `KEPT_ROWS` rows' function values for `kept_rows`."""
 
     def __init__(self, source, functions: RewardFunctions):
         self.source = source

@@ -1,14 +1,8 @@
 """`RolloutBatch`, the one contract between the sampler and the trainer (numpy only).
 
-Everything the trainer needs from generation travels in this host-side (numpy)
-structure: prompt and completion ids, the completion mask, the behaviour
-policy's log-probabilities of the sampled tokens, its top-K view, the weights
-version each sequence was sampled with and, after the verifier, the rewards.
-The analysis, the tests and any future sampler backend (vLLM, ...) speak it.
-
-Shapes (N sequences = prompts x samples per prompt, rows prompt-major: row
-``i * n + j`` is sample ``j`` of prompt ``i``; P prompt length; T completion
-length; K top-K):
+N sequences = prompts x samples, prompt-major (row ``i * n + j`` is sample ``j`` of prompt ``i``); P prompt length; T
+completion length; K top-K. mu is softmax(z_q / tau) of the (quantized) sampler weights, the distribution the tokens
+were drawn from (DESIGN.md section 1):
 
 ====================  =================  =========  ==========================================
 field                 shape              dtype      meaning
@@ -24,19 +18,12 @@ weights_version       [N]                int32      policy version that sampled 
 group_ids             [N]                int32      index of the prompt within the batch
 finish_reason         [N]                str        "stop" (stop token) or "length"
 rewards               [N] or None        float32    verifier rewards, filled in by the trainer
-routed_experts        [N, P+T, L, k]     int8/16/32 MoE routing replay (None unless requested): the
-                      or None                       experts layer l ran for prompt token p / token
-                                                    t at column P + t; -1 (`ROUTING_PAD`) where
-                                                    the sampler fed no token (pads, last token)
+routed_experts        [N, P+T, L, k]     int8/16/32 MoE routing replay (None unless requested); -1
+                      or None                       (`ROUTING_PAD`) where the sampler fed no token
 ====================  =================  =========  ==========================================
 
-mu is softmax(z_q / tau) of the (quantized) sampler weights at temperature tau,
-i.e. the distribution the tokens were actually drawn from (DESIGN.md section 1).
-
-What a jitted train step takes is `pdm_jax.rl.step_batch.StepBatch`, built once from a
-`RolloutBatch`. This module imports numpy only, so the sampler service and the wire
-codec read it without JAX.
-"""
+A jitted train step takes `pdm_jax.rl.step_batch.StepBatch`, built from it; numpy only, so the sampler service and
+the wire codec read it without JAX."""
 
 from __future__ import annotations
 
@@ -59,13 +46,8 @@ def routing_dtype(num_experts: int) -> np.dtype:
 
 @dataclasses.dataclass
 class RolloutBatch:
-    """Host-side rollouts with behaviour log-probabilities (see module docstring).
-
-    Raises:
-      ValueError: on inconsistent shapes, wrong dtypes that cannot be cast
-        losslessly, an unknown finish reason, or non-finite rewards; the message
-        names the field and the offending value or shape.
-    """
+    """Host-side rollouts with behaviour log-probabilities (module docstring); ValueError naming the field and the value
+    or shape for inconsistent shapes, lossy dtypes, an unknown finish reason, or non-finite rewards."""
 
     prompt_ids: np.ndarray
     prompt_mask: np.ndarray
@@ -118,7 +100,8 @@ class RolloutBatch:
             nonfinite = np.flatnonzero(~np.isfinite(self.rewards))
             if nonfinite.size:
                 i = int(nonfinite[0])
-                raise ValueError(f"RolloutBatch.rewards[{i}] (sample {i}, group {int(self.group_ids[i])}) is {self.rewards[i]}")
+                raise ValueError(f"RolloutBatch.rewards[{i}] (sample {i}, group {int(self.group_ids[i])}) "
+                                 f"is {self.rewards[i]}")
         if self.routed_experts is not None:
             r = np.asarray(self.routed_experts)
             if r.dtype.kind not in "iu" or r.ndim != 4 or r.shape[:2] != (n, self.prompt_ids.shape[1] + t):
@@ -150,12 +133,8 @@ class RolloutBatch:
 
     @staticmethod
     def concatenate(batches) -> "RolloutBatch":
-        """Concatenates batches along N, right-padding T (and left-padding P) to the longest.
-
-        Pads completions with id 0, mask False, logprobs 0; prompts are left-padded.
-        `group_ids` are offset so that groups of different batches stay distinct.
-        Raises ValueError if the batches disagree on K or on whether rewards are set.
-        """
+        """Concatenates batches along N, left-padding P and right-padding T (id 0, mask False, logprobs 0); `group_ids`
+        are offset to stay distinct. ValueError if the batches disagree on K or on whether rewards are set."""
         batches = list(batches)
         if not batches:
             raise ValueError("RolloutBatch.concatenate needs at least one batch")
@@ -240,8 +219,8 @@ def left_pad(prompts, length: Optional[int] = None, *, rows: Optional[int] = Non
       length: P, the block's width (default: the longest prompt); each prompt must fit.
       rows: the block's height (default ``len(prompts)``); rows past the prompts are all pads.
     Returns:
-      ``(prompt_ids [rows, P] int32, prompt_mask [rows, P] bool)``: prompt ``i`` in the last
-      ``len(prompts[i])`` columns of row ``i``, id 0 and mask False elsewhere.
+      ``(prompt_ids [rows, P] int32, prompt_mask [rows, P] bool)``: prompt ``i`` in the last ``len(prompts[i])`` columns
+      of row ``i``, id 0 and mask False elsewhere.
     Raises:
       ValueError: a prompt longer than ``length``, or more prompts than ``rows``.
     """
@@ -284,23 +263,18 @@ def build_batch(prompts, *, group_ids, lengths, completion_ids, behavior_logprob
 
     Args:
       prompts: the request's prompts (token-id sequences).
-      group_ids: [N] int, the prompt index of each row.
-      lengths: [N] int, the tokens each row generated (stop token included), <= T_in.
-      completion_ids: [N, T_in] int; behavior_logprobs: [N, T_in] float (log mu of the sampled token);
-        topk_ids / topk_logprobs: [N, T_in, K]. Entries at or past a row's length are ignored.
-      weights_version: [N] int, or one int for every row.
-      finish_reason: [N] of "stop" / "length".
-      routed_experts: None, or [N, P + T_in, L, k] int with P = the longest prompt: prompt columns
-        right-aligned to P as the prompts are.
+      group_ids: [N] int prompt index of each row; lengths: [N] int tokens generated (stop token included), <= T_in.
+      completion_ids: [N, T_in] int; behavior_logprobs: [N, T_in] float; topk_ids / topk_logprobs: [N, T_in, K]
+        (entries past a row's length ignored).
+      weights_version: [N] int, or one int; finish_reason: [N] of "stop" / "length".
+      routed_experts: None, or [N, P + T_in, L, k] int, prompt columns right-aligned to the longest prompt P.
     Returns:
-      RolloutBatch: prompts left-padded to the longest (`left_pad`), completions cut to
-      T = max(1, longest length) with id 0, log-prob 0 and mask False past each row's length;
-      ``routed_experts`` (if given) `ROUTING_PAD` on prompt pads and past each row's length (the
-      sampler marks the last token it never fed itself).
+      RolloutBatch: prompts left-padded (`left_pad`), completions cut to T = max(1, longest) (id 0, log-prob 0, mask
+        False
+      past each length); ``routed_experts`` `ROUTING_PAD` on prompt pads and past each length.
     Raises:
-      ValueError: a group id outside ``[0, len(prompts))``, a length outside ``[0, T_in]``, or a
-        field `RolloutBatch` refuses (named).
-    """
+      ValueError: a group id outside ``[0, len(prompts))``, a length outside ``[0, T_in]``, or a field `RolloutBatch`
+        refuses (named)."""
     group_ids = np.asarray(group_ids).reshape(-1)
     lengths = np.asarray(lengths).reshape(-1)
     n_rows, t_in = np.shape(completion_ids)[:2]
@@ -310,7 +284,8 @@ def build_batch(prompts, *, group_ids, lengths, completion_ids, behavior_logprob
         raise ValueError(f"build_batch: group_ids must lie in [0, {len(prompts)}), got "
                          f"{int(group_ids.min())}..{int(group_ids.max())}")
     if n_rows and (lengths.min() < 0 or lengths.max() > t_in):
-        raise ValueError(f"build_batch: lengths must lie in [0, {t_in}], got {int(lengths.min())}..{int(lengths.max())}")
+        raise ValueError(f"build_batch: lengths must lie in [0, {t_in}], "
+                         f"got {int(lengths.min())}..{int(lengths.max())}")
     t_out = int(max(lengths.max(initial=0), 1))
     if t_in < t_out:  # rows that all generated nothing, sent as [N, 0]: one masked column
         completion_ids, behavior_logprobs, topk_ids, topk_logprobs = (
@@ -325,7 +300,8 @@ def build_batch(prompts, *, group_ids, lengths, completion_ids, behavior_logprob
     if routed_experts is not None:
         r = np.asarray(routed_experts)
         if r.ndim != 4 or r.shape[:2] != (n_rows, p_out + t_in):
-            raise ValueError(f"RolloutBatch.routed_experts must be [{n_rows}, {p_out + t_in}, L, k], got {list(r.shape)}")
+            raise ValueError(f"RolloutBatch.routed_experts must be [{n_rows}, {p_out + t_in}, L, k], "
+                             f"got {list(r.shape)}")
         routed = np.concatenate([r[:, :p_out], r[:, p_out:p_out + t_out]], axis=1)
         real = np.concatenate([prompt_mask, mask], axis=1)
         routed = np.where(real[:, :, None, None], routed, ROUTING_PAD).astype(r.dtype)
@@ -367,17 +343,12 @@ LOGPROB_TOLERANCE = 1e-5
 
 def check_answers(batch: RolloutBatch, prompts, *, n: int, max_new_tokens: int, top_k_logprobs: int,
                   vocab_size: Optional[int] = None) -> None:
-    """Checks a sampler's rollouts against the request that asked for them (any backend, any transport).
-
-    A buggy or hostile sampler (or a proxy in front of one) must not train silently on the wrong
-    data: rows must be ``len(prompts) * n`` in prompt-major order (row ``i * n + j`` has group ``i``
-    and the prompt ``prompts[i]``), completions at most ``max_new_tokens`` long, ids in ``[0, V)``,
-    the sampled tokens' log mu finite and <= 0, the top-K log mu <= 0 and not NaN with a mass of at
-    most 1 + `TOPK_MASS_TOLERANCE`, and K = ``top_k_logprobs``.
+    """Checks a sampler's rollouts against the request (any backend): ``len(prompts) * n`` rows prompt-major with the
+    right groups and prompts, completions <= ``max_new_tokens``, ids in ``[0, V)``, sampled log mu finite and <= 0,
+    top-K log mu <= 0 and not NaN with a mass <= 1 + `TOPK_MASS_TOLERANCE`, K = ``top_k_logprobs``.
 
     Raises:
-      ValueError: naming the `RolloutBatch` field, the row and what is wrong (never the whole array).
-    """
+      ValueError: naming the `RolloutBatch` field, the row and what is wrong."""
     rows = len(prompts) * int(n)
     if batch.num_sequences != rows:
         raise ValueError(f"RolloutBatch: {batch.num_sequences} rows for {len(prompts)} prompts x n = {n} "

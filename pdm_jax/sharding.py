@@ -1,39 +1,18 @@
 """Device mesh, logical-axis rules and partition specs for params and activations.
 
-Mesh axes are ``("data", "fsdp", "tensor")``:
-
-* ``data``   pure data parallelism (params replicated across it),
-* ``fsdp``   data parallelism with parameters sharded along their ``embed`` axis
-  (ZeRO-3 style; XLA all-gathers them per layer),
-* ``tensor`` Megatron-style tensor parallelism over heads / MLP / vocab.
-
-Every model parameter carries *logical* axis names in its NNX ``out_sharding``
-metadata (e.g. q_proj kernel ``("embed", "heads", "head_dim")``); a *rules* table
-maps logical names to mesh axes (flax's logical partitioning convention: a tuple of
-``(logical_name, mesh_axis | tuple[mesh_axis, ...] | None)`` pairs, first match wins).
-
-Resolution, in ``logical_to_spec``: a mesh axis is used at most once per array (a
-later dimension that asks for an already used axis stays replicated), and, when the
-mesh and shape are known, a mesh axis whose size does not divide the dimension (or
-that the mesh lacks) is dropped for that dimension, so e.g. 8 kv heads on a 16-way
-``tensor`` axis are replicated instead of failing.
-
-Activations: the model calls ``constrain(x, logical_axes)`` at block boundaries
-(embeddings, each block output, the MLP hidden, queries, logits). It is a no-op unless a
-mesh is active *while the function is traced* (``jax.set_mesh(mesh)`` or
-``with activation_sharding(mesh, rules)`` around the first call of the jitted function),
-then it applies ``jax.lax.with_sharding_constraint`` with the spec from the active rules.
-Meshes from ``make_mesh`` have ``AxisType.Auto`` axes (``jax.make_mesh``'s default is
-Explicit, under which these constraints and the model's einsums are not designed to run).
-
-Typical use::
+Mesh axes ``("data", "fsdp", "tensor")``: data parallelism, data parallelism with parameters sharded on ``embed``
+(ZeRO-3 style) and Megatron-style tensor parallelism over heads / MLP / vocab. Parameters carry *logical* axis names
+in their NNX ``out_sharding`` metadata; a *rules* table of ``(logical_name, mesh_axis | tuple | None)`` pairs (flax's
+convention, first match wins) maps them to mesh axes. ``logical_to_spec`` uses a mesh axis at most once per array and
+drops one that does not divide the dimension (8 kv heads on a 16-way ``tensor`` axis are replicated). ``constrain(x,
+logical_axes)`` at the model's block boundaries is a no-op unless a mesh is active while tracing (``jax.set_mesh`` or
+``activation_sharding``). Meshes from ``make_mesh`` have ``AxisType.Auto`` axes::
 
     mesh = make_mesh(data=1, fsdp=-1, tensor=4)
     model = shard_model(model, mesh)                # or from_pretrained(path, mesh=mesh)
     graphdef, state = nnx.split(model)
     with activation_sharding(mesh):
-        logits = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, ids)
-"""
+        logits = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, ids)"""
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +31,8 @@ MESH_AXES = ("data", "fsdp", "tensor")
 MeshAxes = Union[str, tuple[str, ...], None]
 Rules = tuple[tuple[str, MeshAxes], ...]
 
-# Logical axis -> mesh axes. Parameters: embed over fsdp; heads/kv_heads/mlp/vocab over
-# tensor; norms and head_dim replicated. Activations: batch over (data, fsdp).
+# Logical axis -> mesh axes. Parameters: embed over fsdp; heads/kv_heads/mlp/vocab over tensor; norms and head_dim
+# replicated. Activations: batch over (data, fsdp).
 DEFAULT_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("length", None),
@@ -65,8 +44,8 @@ DEFAULT_RULES: Rules = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
-    # Qwen3-MoE expert kernels [E, ...]: expert parallelism over fsdp (each fsdp shard holds
-    # E/fsdp whole experts; their embed axis then stays unsharded, as fsdp is taken).
+    # Qwen3-MoE expert kernels [E, ...]: expert parallelism over fsdp (each fsdp shard holds E/fsdp whole experts; their
+    # embed axis then stays unsharded, as fsdp is taken).
     ("expert", "fsdp"),
 )
 
@@ -74,11 +53,8 @@ DEFAULT_RULES: Rules = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Mesh shape over ``("data", "fsdp", "tensor")``; exactly one entry may be -1 (= the rest).
-
-    Raises ValueError (naming the field) for sizes that are 0, < -1, more than one -1,
-    or a product that does not equal the device count.
-    """
+    """Mesh shape over ``("data", "fsdp", "tensor")``; one entry may be -1 (= the rest). ValueError (naming the field)
+    for sizes 0 or < -1, more than one -1, or a product other than the device count."""
 
     data: int = 1
     fsdp: int = -1
@@ -111,23 +87,15 @@ class MeshConfig:
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
               devices: Sequence[Any] | None = None) -> Mesh:
-    """A ``Mesh`` with axes ``("data", "fsdp", "tensor")`` of ``AxisType.Auto``.
-
-    Args:
-      data, fsdp, tensor: axis sizes; one of them may be -1 (= all remaining devices).
-      devices: defaults to ``jax.devices()``.
-    Auto axes: shardings are hints resolved by the XLA partitioner (the model's einsums
-    need no explicit ``out_sharding``).
-    """
+    """A ``Mesh`` with ``AxisType.Auto`` axes ``("data", "fsdp", "tensor")`` of sizes ``data, fsdp, tensor`` (one may be
+    -1) over ``devices`` (default ``jax.devices()``)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = MeshConfig(data=data, fsdp=fsdp, tensor=tensor).axis_sizes(len(devices))
     auto = (jax.sharding.AxisType.Auto,) * 3
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
-# --------------------------------------------------------------------------------------
-# Logical -> physical
-# --------------------------------------------------------------------------------------
+# ---- Logical -> physical ---------------------------------------------------------------------------------
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -154,16 +122,11 @@ def _mesh_shape(mesh: Mesh | jax.sharding.AbstractMesh | None) -> Mapping[str, i
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules = DEFAULT_RULES,
                     mesh: Mesh | jax.sharding.AbstractMesh | None = None,
                     shape: Sequence[int] | None = None) -> PartitionSpec:
-    """PartitionSpec for an array whose dims have the given logical names.
+    """PartitionSpec for an array whose dims have the given logical names (None = replicated) under ``rules``; with
+    ``mesh`` and ``shape``, mesh axes missing or not dividing the dimension are dropped.
 
-    Args:
-      logical_axes: one logical name (or None = replicated) per dimension.
-      rules: logical -> mesh axes table.
-      mesh, shape: if both given, mesh axes that the mesh lacks or whose size does not
-        divide the dimension are dropped (that dim stays replicated on them).
     Raises:
-      ValueError: a logical name without a rule, or ``shape`` rank != len(logical_axes).
-    """
+      ValueError: a logical name without a rule, or ``shape`` rank != len(logical_axes)."""
     if shape is not None and len(shape) != len(logical_axes):
         raise ValueError(f"shape {tuple(shape)} has rank {len(shape)} but logical axes "
                          f"{tuple(logical_axes)} have {len(logical_axes)}")
@@ -214,14 +177,8 @@ def param_logical_axes(model_or_state) -> nnx.State:
 
 def param_partition_specs(model_or_state, rules: Rules = DEFAULT_RULES,
                           mesh: Mesh | None = None) -> nnx.State:
-    """A ``PartitionSpec`` for every parameter, as a State with the params' tree structure.
-
-    Args:
-      model_or_state: an NNX module (concrete or from ``nnx.eval_shape``) or its
-        ``nnx.state(model, nnx.Param)``.
-      rules: logical -> mesh axis rules.
-      mesh: if given, non-dividing / missing mesh axes are dropped per parameter.
-    """
+    """A ``PartitionSpec`` for every parameter of ``model_or_state`` (an NNX module, abstract or concrete, or its
+    ``nnx.Param`` state), as a State of the same structure; with ``mesh``, non-dividing axes are dropped."""
     state = _param_state(model_or_state)
 
     def spec(path, var):
@@ -253,20 +210,14 @@ KV_CACHE_V_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 def kv_cache_specs(cache, rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None):
-    """PartitionSpecs of a ``pdm_jax.models.qwen3.KVCache``, as a pytree of the same structure.
-
-    Per layer, keys [B, K, H, S] get logical axes ``KV_CACHE_K_AXES`` and values
-    [B, K, S, H] ``KV_CACHE_V_AXES``; with ``mesh``, axes that do not divide are replicated
-    (as in ``logical_to_spec``).
-    """
+    """PartitionSpecs of a ``pdm_jax.models.qwen3.KVCache`` (keys [B, K, H, S] by ``KV_CACHE_K_AXES``, values [B, K, S,
+    H] by ``KV_CACHE_V_AXES``), non-dividing axes replicated with ``mesh``."""
     return type(cache)(
         k=tuple(logical_to_spec(KV_CACHE_K_AXES, rules, mesh, k.shape) for k in cache.k),
         v=tuple(logical_to_spec(KV_CACHE_V_AXES, rules, mesh, v.shape) for v in cache.v))
 
 
-# --------------------------------------------------------------------------------------
-# Activation constraints
-# --------------------------------------------------------------------------------------
+# ---- Activation constraints ------------------------------------------------------------------------------
 
 _ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar(
     "pdm_jax_sharding_rules", default=DEFAULT_RULES)
@@ -290,13 +241,8 @@ def activation_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Me
 
 
 def target_platform() -> str:
-    """The platform the program being traced is for: that of the concrete mesh set by ``jax.set_mesh``
-    (`activation_sharding`), else ``jax.default_backend()``.
-
-    An ahead-of-time compile for a TPU slice on a CPU host (`pdm_jax.aot`) traces under a mesh of
-    TPU devices, so kernels chosen by platform (splash attention, megablox) see ``"tpu"`` there.
-    Returns ``"cpu"``, ``"gpu"`` (CUDA / ROCm devices) or ``"tpu"``.
-    """
+    """``"cpu"``, ``"gpu"`` or ``"tpu"``: the platform of the mesh set by ``jax.set_mesh`` while tracing, else
+    ``jax.default_backend()``, so an ahead-of-time compile for a TPU slice on a CPU host picks TPU kernels."""
     from jax._src import mesh as mesh_lib  # the concrete mesh of jax.set_mesh (public get_mesh refuses under jit)
 
     mesh = mesh_lib.get_concrete_mesh()
@@ -313,11 +259,8 @@ def active_rules() -> Rules:
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    """``with_sharding_constraint`` of ``x`` by logical axes when a mesh is active, else ``x``.
-
-    The mesh is the one set by ``jax.set_mesh`` (or ``activation_sharding``); rules are
-    ``active_rules()``. Non-dividing mesh axes are dropped per dimension.
-    """
+    """``with_sharding_constraint`` of ``x`` by logical axes (``active_rules()``, non-dividing axes dropped) when a mesh
+    is set, else ``x``."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
         return x

@@ -1,8 +1,7 @@
 """`TextCodec`: prompts to token ids and completions back to text, for one tokenizer and prompt source.
 
-The trainer, the evaluator and the supervised warm start all tokenize through it,
-so a chat source gets its chat template everywhere and completions are decoded
-the same way for rewards and for evaluation.
+The trainer, the evaluator and the supervised warm start all tokenize through it, so a chat source gets its chat
+template everywhere and completions are decoded the same way for rewards and for evaluation.
 """
 
 from __future__ import annotations
@@ -35,25 +34,21 @@ FILE_CORPUS_FIELDS = ("prompt_field", "answer_field")
 
 
 def run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: bool = True):
-    """The run's tokenizer (`_run_tokenizer`, which documents the kinds), checked against the data source: a source
-    that applies a chat template needs a tokenizer that has one (`check_chat_template`).
+    """The run's tokenizer (`_run_tokenizer`), checked against the data source (`check_chat_template`).
 
     Raises:
-      ValueError: as `_run_tokenizer`, or from `check_chat_template`, naming ``data.chat_template``.
-    """
+      ValueError: as `_run_tokenizer` or `check_chat_template`, naming ``data.chat_template``."""
     tokenizer = _run_tokenizer(tokenizer_config, workdir, source, data=data, upload=upload)
     check_chat_template(tokenizer, source, tokenizer_config, data)
     return tokenizer
 
 
 def check_chat_template(tokenizer, source, tokenizer_config, data=None) -> None:
-    """Refuses a tokenizer without a chat template for a source whose prompts go through one (``source.chat``: the
-    file kinds and reasoning-gym "question" prompts under ``data.chat_template=auto``, or ``on``).
+    """Refuses a tokenizer without a chat template for a source whose prompts go through one (``source.chat``).
 
     Raises:
-      ValueError: naming ``data.chat_template`` and ``data.kind`` with their values, the tokenizer, and the two
-        ways on (raw prompt text, or a tokenizer with a chat template).
-    """
+      ValueError: naming ``data.chat_template`` and ``data.kind`` with their values, the tokenizer, and the two ways
+        on (raw prompt text, or a tokenizer with a chat template)."""
     if not getattr(source, "chat", False) or getattr(tokenizer, "chat_template", None):
         return
     tc = tokenizer_config
@@ -67,36 +62,27 @@ def check_chat_template(tokenizer, source, tokenizer_config, data=None) -> None:
 
 
 def _run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload: bool = True):
-    """The run's tokenizer, per ``tokenizer.kind`` (``config.tokenizer``):
+    """The run's tokenizer, per ``tokenizer.kind``: ``"char"`` (`build_char_tokenizer` over ``tokenizer.symbols``),
+    ``"bpe"`` (`build_bpe_tokenizer` trained to ``tokenizer.vocab_size`` on the prompts and reference answers of the
+    first ``tokenizer.corpus_prompts`` training examples) or ``"path"`` (the Hugging Face directory
+    ``tokenizer.path``).
 
-    * ``"char"``: :func:`~pdm_jax.models.tokenizer.build_char_tokenizer` over ``tokenizer.symbols``;
-    * ``"bpe"``: :func:`~pdm_jax.models.tokenizer.build_bpe_tokenizer` (byte-level, so any text encodes)
-      trained to ``tokenizer.vocab_size`` on the prompts and reference answers (``source.sft_target``) of
-      the first ``tokenizer.corpus_prompts`` training examples (no held-out text);
-    * ``"path"``: the Hugging Face tokenizer directory ``tokenizer.path``.
-
-    A built tokenizer is written once into ``WORKDIR/tokenizer`` with what it was built from (the
-    tokenizer fields and, for bpe, ``data``) and loaded back from there on a resume, safely when several
-    processes share the workdir; a resume whose config would build another one is refused
-    (:func:`~pdm_jax.models.tokenizer.shared_tokenizer`). A bucket workdir's is built (or, on a resume,
-    downloaded) in a local temporary directory and uploaded to ``WORKDIR/tokenizer/`` by the process
-    with ``upload`` (process 0), so a resume never retrains it.
+    A built tokenizer is written once into ``WORKDIR/tokenizer`` with its recipe and loaded from there on a resume
+    (`shared_tokenizer`: a different recipe is refused); a bucket workdir's is built locally and uploaded by the
+    process with ``upload``.
 
     Args:
       tokenizer_config: ``config.tokenizer``.
       workdir: the run directory (local or a bucket URL).
       source: the run's `PromptSource` (bpe: its corpus).
-      data: the run's `DataSpec`: its `CORPUS_FIELDS` (what decides the training stream's text) are part of
-        a bpe tokenizer's recipe.
+      data: the run's `DataSpec`; its `CORPUS_FIELDS` are part of a bpe tokenizer's recipe.
       upload: bucket workdir: upload a newly built tokenizer.
 
     Raises:
-      ValueError: ``tokenizer.kind = "bpe"`` with a chat source (a trained BPE has no chat template: the
-        message names ``data.chat_template``); a workdir tokenizer built from another config (naming the
-        fields); or what the builder raises, naming the field.
-    """
-    # Deferred: models.tokenizer imports transformers and tokenizers (seconds), which TextCodec's users
-    # (evaluation, the tests) do not need until a tokenizer is built or loaded.
+      ValueError: ``tokenizer.kind = "bpe"`` with a chat source (naming ``data.chat_template``); a workdir tokenizer
+        built from another config (naming the fields); what the builder raises, naming the field."""
+    # Deferred: models.tokenizer imports transformers and tokenizers (seconds), which TextCodec's users (evaluation, the
+    # tests) do not need until a tokenizer is built or loaded.
     from pdm_jax.models.tokenizer import (RECIPE_FILE, build_bpe_tokenizer, build_char_tokenizer, load_tokenizer,
                                           shared_tokenizer)
 
@@ -126,8 +112,8 @@ def _run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload:
                     tc.corpus_prompts)
     if not wd.is_remote(workdir):
         return shared_tokenizer(os.path.join(workdir, "tokenizer"), build, recipe)
-    # A bucket workdir: a local copy, from the bucket when an earlier start uploaded one, removed once the
-    # tokenizer is loaded (it is held in memory) and uploaded.
+    # A bucket workdir: a local copy, from the bucket when an earlier start uploaded one, removed once the tokenizer is
+    # loaded (it is held in memory) and uploaded.
     staging = tempfile.mkdtemp(prefix="pdm_jax_tokenizer_")
     try:
         local = os.path.join(staging, "tokenizer")
@@ -161,23 +147,19 @@ def _run_tokenizer(tokenizer_config, workdir: str, source, *, data=None, upload:
 def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_config, hf_path: str = "") -> None:
     """Refuses a tokenizer whose ids the model cannot embed, or one other than the checkpoint's own.
 
-    * Every id of the tokenizer (``len(tokenizer)`` and its largest id, added tokens included) must be below the
-      model's ``vocab_size`` rows (a real checkpoint may have more rows than tokens: Qwen3 151,936 for 151,669). A
-      checkpoint with over twice as many rows as the tokenizer has ids is logged as a warning (likely the tokenizer
-      of another model, in a checkpoint that ships none).
-    * With ``model.hf_path`` a directory that ships a tokenizer (`pdm_jax.models.tokenizer.TOKENIZER_FILES`) and
-      ``tokenizer.path`` another directory, both tokenizers must have the same vocabulary (token -> id).
+    Every id (``len(tokenizer)``, added tokens included) must be below the model's ``vocab_size`` (Qwen3: 151,936
+    rows for 151,669 tokens; over twice as many rows logs a warning). With ``model.hf_path`` shipping a tokenizer and
+    ``tokenizer.path`` another directory, both must map tokens to the same ids.
 
     Args:
-      tokenizer: the run's Hugging Face tokenizer (`run_tokenizer`).
-      model_vocab_size: the model's ``vocab_size`` (the embedding's rows).
+      tokenizer: the run's Hugging Face tokenizer.
+      model_vocab_size: the embedding's rows.
       tokenizer_config: ``config.tokenizer`` (named in the error).
       hf_path: ``model.hf_path`` ("" = a random-init model).
 
     Raises:
-      ValueError: naming the model (``model.hf_path`` or the model fields) and the tokenizer (``tokenizer.kind`` /
-        ``tokenizer.path``) with both sizes, or the first token the two vocabularies map differently.
-    """
+      ValueError: naming the model and the tokenizer with both sizes, or the first token the vocabularies map
+        differently."""
     from pdm_jax.models.tokenizer import checkpoint_tokenizer_file  # deferred, as run_tokenizer's imports
 
     tc = tokenizer_config
@@ -206,11 +188,9 @@ def check_tokenizer_fits_model(tokenizer, model_vocab_size: int, tokenizer_confi
 
 
 def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:
-    """The ids a checkpoint's own files say end a completion, for a run whose ``sampler.stop_token_ids`` is empty:
-    ``generation_config.json``'s ``eos_token_id`` (an int or a list; Qwen3 instruct: 151645 and 151643), then the
-    tokenizer's pad id where it is a special token (Qwen3: <|endoftext|> 151643, where a Base model ends). ()
-    without ``hf_path`` (a random-init or char-tokenizer run: the eos id alone) or when neither names one.
-    Read with transformers' ``GenerationConfig`` from the local directory (nothing is downloaded)."""
+    """The ids a checkpoint's own files say end a completion (for an empty ``sampler.stop_token_ids``):
+    ``generation_config.json``'s ``eos_token_id`` (Qwen3 instruct: 151645 and 151643), then the tokenizer's pad id
+    where it is a special token (Qwen3 Base: 151643); () without ``hf_path`` or when neither names one. Read locally."""
     if not hf_path:
         return ()
     from transformers import GenerationConfig  # deferred, as run_tokenizer's imports
@@ -228,11 +208,9 @@ def checkpoint_stop_ids(tokenizer, hf_path: str) -> tuple:
 
 
 def sft_warmstart_batch(source, codec: "TextCodec", step: int, batch_size: int, completion_len: int) -> StepBatch:
-    """Warm-start step ``step``'s batch: training examples ``step * batch_size ...`` of ``source`` with their
-    reference answers (``source.sft_target``), through :meth:`TextCodec.sft_batch`: the prompt width is this
-    batch's longest prompt rounded up to :data:`SFT_PROMPT_MULTIPLE` tokens, so no prompt is cut (the source
-    already holds only prompts within ``sampler.max_prompt_length``). Targets are cut to ``completion_len``
-    tokens (``rl.max_new_tokens``), the longest completion RL samples."""
+    """Warm-start step ``step``'s batch: training examples ``step * batch_size ...`` with their reference answers,
+    through :meth:`TextCodec.sft_batch` (prompt width: the longest prompt rounded up to :data:`SFT_PROMPT_MULTIPLE`;
+    targets cut to ``completion_len`` tokens, ``rl.max_new_tokens``)."""
     exs = source.train_batch(step * batch_size, batch_size)
     return codec.sft_batch([e.prompt for e in exs], [source.sft_target(e) for e in exs],
                            completion_len=completion_len)
@@ -243,20 +221,17 @@ class TextCodec:
 
     Args:
       tokenizer: a Hugging Face tokenizer with an ``eos_token``.
-      chat: apply the tokenizer's chat template to prompts (a chat prompt source).
-      stop_token_ids: further ids that end a completion (``sampler.stop_token_ids``; Qwen3 stops
-        on both <|im_end|> 151645 and <|endoftext|> 151643).
-      enable_thinking: passed to the chat template (``data.enable_thinking``; Qwen3's template opens
-        an empty ``<think></think>`` block when False); None passes nothing.
+      chat: apply the tokenizer's chat template to prompts.
+      stop_token_ids: further ids that end a completion (``sampler.stop_token_ids``).
+      enable_thinking: passed to the chat template (``data.enable_thinking``); None passes nothing.
 
     Attributes:
       eos_id: the tokenizer's eos id, appended to supervised targets.
-      stop_ids: tuple of ints, the eos id first, then ``stop_token_ids`` (without repeats): the
-        ids every rollout and evaluation sample stops on, dropped when a completion is decoded.
+      stop_ids: tuple of ints, the eos id first, then ``stop_token_ids`` (no repeats): every sample stops on them,
+        and they are dropped when a completion is decoded.
 
     Raises:
-      ValueError: the tokenizer has no eos token (it is the stop token of every rollout).
-    """
+      ValueError: the tokenizer has no eos token."""
 
     def __init__(self, tokenizer, *, chat: bool, stop_token_ids=(), enable_thinking=None):
         self.tokenizer = tokenizer
@@ -268,20 +243,14 @@ class TextCodec:
         self.stop_ids = tuple(dict.fromkeys([int(self.eos_id)] + [int(i) for i in stop_token_ids]))
 
     def encode_prompt(self, prompt) -> list[int]:
-        """Token ids of a prompt (with the chat template and generation prompt for a chat source).
-
-        ``prompt``: text (one user turn under the chat template), or a list of chat messages ``{role, content}``
-        (``data.kind = "file"``; rendered whole by the chat template).
-
-        ``apply_chat_template`` returns a list of ids, or (transformers 5) a ``BatchEncoding``, a
-        mapping whose ``input_ids`` are the ids, as lists or arrays, possibly a batch of one: all
-        are read as that one sequence of ids.
+        """Token ids of a prompt: text (one user turn) or a list of chat messages ``{role, content}`` (``data.kind =
+        "file"``), with the chat template and generation prompt for a chat source. ``apply_chat_template``'s list, or
+        ``BatchEncoding`` (transformers 5), is read as one sequence of ids.
 
         Raises:
-          TypeError: the template gave something other than integer ids (naming what it gave); chat messages
-            without the chat template.
-          ValueError: it gave more than one sequence for the one prompt.
-        """
+          TypeError: the template gave something other than integer ids (naming it); chat messages without the chat
+            template.
+          ValueError: it gave more than one sequence for the one prompt."""
         if self.chat:
             messages = list(prompt) if isinstance(prompt, (list, tuple)) else [{"role": "user", "content": prompt}]
             ids = self.tokenizer.apply_chat_template(messages,
@@ -311,10 +280,8 @@ class TextCodec:
         """The ids of plain `text` (no special tokens).
 
         Raises:
-          ValueError: the tokenizer cannot encode it (a character tokenizer meeting a character outside its
-            vocabulary: the library's "Missing [UNK] token"), naming `what`, the text, the characters its
-            vocabulary lacks and the ``tokenizer.`` settings that encode text.
-        """
+          ValueError: the tokenizer cannot encode it, naming `what`, the text, the characters its vocabulary lacks
+            and the ``tokenizer.`` settings."""
         try:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception; named below
@@ -333,16 +300,12 @@ class TextCodec:
         return self.tokenizer.decode(toks, skip_special_tokens=True)
 
     def sft_batch(self, prompts, targets, *, completion_len: int, prompt_len: Optional[int] = None) -> StepBatch:
-        """A supervised batch: each prompt's ids, whole and left-padded, and its target's ids + eos
-        (right-padded, cut to ``completion_len``); the RL fields are None.
-
-        The prompt width is ``prompt_len`` tokens, or by default the batch's longest prompt rounded up to a
-        multiple of :data:`SFT_PROMPT_MULTIPLE` (as the RL batches are sized: one compiled step per width
-        in use, at most ``sampler.max_prompt_length`` / 8 of them). A prompt is never cut.
+        """A supervised batch: each prompt's ids, whole and left-padded, and its target's ids + eos (right-padded, cut
+        to ``completion_len``); the RL fields are None. The prompt width is ``prompt_len``, or the longest prompt
+        rounded up to :data:`SFT_PROMPT_MULTIPLE` (one compiled step per width); a prompt is never cut.
 
         Raises:
-          ValueError: a prompt longer than ``prompt_len`` (naming both lengths and the row).
-        """
+          ValueError: a prompt longer than ``prompt_len`` (naming both lengths and the row)."""
         ids = [self.encode_prompt(prompt) for prompt in prompts]
         longest = max((len(x) for x in ids), default=0)
         if prompt_len is None:

@@ -1,29 +1,11 @@
 """Weights & Biases as one more metrics sink (``log.wandb``): the scalars, the run config, curves and evaluations.
 
-`open_wandb` starts (or, on resume, continues) the run's W&B run; `pdm_jax.metrics.MetricsWriter` hands it every
-record it writes to metrics.jsonl and TensorBoard (`WandbSink.log`) and, at the end, the summary and curves.png
-(`WandbSink.log_run_end`). What W&B receives:
-
-* every finite scalar of a record under its TensorBoard name, ``<phase>/<name>`` (``rl/reward``, ``eval/eval_accuracy``,
-  ``sft/loss``), plotted against ``<phase>/step`` (W&B's ``define_metric``: the warm start's and the RL loop's
-  step counters overlap, so each phase has its own x axis); a non-finite value (null in metrics.jsonl) is left out,
-  as in TensorBoard;
-* the run config as the workdir's config.json has it (`pdm_jax.config.redacted`: secrets replaced);
-* at the end: the summary's scalars in the run summary, ``curves.png`` as an image and the evaluations (one row per
-  evaluation: ``rl_step``, ``eval_accuracy``, ``eval_greedy_accuracy``, ``eval_reward``) as a table.
-
-Resume: the run id is written to ``WORKDIR/wandb_run_id`` before the run starts and read back by a resumed run,
-which continues the same W&B run (``resume="allow"``). The RL steps redone after the last checkpoint are logged
-again (metrics.jsonl drops its copies of them first; W&B keeps both, the later one last).
-
-Failures never stop training: wandb missing, ``wandb.init`` failing (no login in online mode, no network), or a
-later call raising (a full disk) emits a `WandbLoggingWarning` naming what failed, turns W&B logging off for the
-rest of the run and leaves metrics.jsonl and TensorBoard going on. wandb is imported only when ``log.wandb`` is on.
-
-`offline_history` reads an offline run back (its ``run-<id>.wandb`` files: W&B's record log, the LevelDB log
-format of 32 KiB blocks with 7-byte record headers after a 7-byte ``:W&B`` file header, each record a
-``wandb_internal_pb2.Record``), for tests and for checking an offline run before ``wandb sync``.
-"""
+`open_wandb` starts (or on resume continues, by the id in ``WORKDIR/wandb_run_id``) the run's W&B run;
+`pdm_jax.metrics.MetricsWriter` hands it every record (`WandbSink.log`: each finite scalar as ``<phase>/<name>``
+against ``<phase>/step``), and at the end the summary, ``curves.png`` and the evaluations table
+(`WandbSink.log_run_end`); the config is the redacted one of config.json. Failures never stop training: a
+`WandbLoggingWarning` names what failed and W&B logging is off for the rest of the run. `offline_history` reads an
+offline run back (for tests and before ``wandb sync``)."""
 
 from __future__ import annotations
 
@@ -55,14 +37,8 @@ class WandbLoggingWarning(UserWarning):
 
 
 class WandbSpec(NamedTuple):
-    """The ``log.wandb*`` fields (read in `pdm_jax.run_spec`).
-
-    Attributes:
-      enabled: ``log.wandb``.
-      project: ``log.wandb_project``.
-      run_name: ``log.wandb_run_name`` ("" = the workdir's base name).
-      mode: ``log.wandb_mode``, "online" or "offline".
-    """
+    """The ``log.wandb*`` fields (read in `pdm_jax.run_spec`): ``enabled`` (``log.wandb``), ``project``, ``run_name``
+    ("" = the workdir's base name), ``mode`` ("online" or "offline")."""
 
     enabled: bool = False
     project: str = "pdm_jax"
@@ -96,16 +72,13 @@ def _run_id(workdir: str, make_id) -> str:
 
 
 def open_wandb(spec: WandbSpec, workdir: str, run_config: Mapping[str, Any]) -> Optional["WandbSink"]:
-    """Starts (or continues) the run's W&B run; None when ``spec.enabled`` is off or W&B cannot start.
+    """Starts (or continues) the run's W&B run: a `WandbSink`, or None when ``spec.enabled`` is off or W&B cannot start
+    (a `WandbLoggingWarning` says why).
 
     Args:
       spec: the ``log.wandb*`` fields.
-      workdir: the run's workdir (local or a bucket URL). A local one holds W&B's files under ``WORKDIR/wandb``
-        (offline runs stay there for ``wandb sync``); a bucket workdir's go to a local temporary directory.
-      run_config: the run config to record, already redacted (`pdm_jax.config.redacted`), as a plain dict.
-    Returns:
-      a `WandbSink`, or None (disabled; or wandb missing / ``wandb.init`` failed: a `WandbLoggingWarning` says so).
-    """
+      workdir: the run's workdir; W&B's files go under ``WORKDIR/wandb`` (a bucket workdir's to a local temporary).
+      run_config: the redacted run config as a plain dict."""
     if not spec.enabled:
         return None
     try:
@@ -128,13 +101,8 @@ def open_wandb(spec: WandbSpec, workdir: str, run_config: Mapping[str, Any]) -> 
 
 
 class WandbSink:
-    """One W&B run as a metrics sink; every call is guarded (a failure: `WandbLoggingWarning`, then no-ops).
-
-    Args:
-      run: the ``wandb.Run`` `open_wandb` started.
-      wandb: the wandb module (its ``Image`` / ``Table``).
-      temp_dir: a local directory of W&B's files to remove at `close` (bucket workdirs), or None.
-    """
+    """One W&B run (``run``, with the ``wandb`` module) as a metrics sink; every call is guarded (a failure:
+    `WandbLoggingWarning`, then no-ops); ``temp_dir``, if any, is removed at `close`."""
 
     def __init__(self, run, wandb, *, temp_dir: Optional[str] = None):
         self.run, self._wandb, self._temp_dir = run, wandb, temp_dir
@@ -193,15 +161,12 @@ _HEADER = 7  # ":W&B" + magic 0xBEE1 (little-endian) + version 0
 
 
 def read_records(path: str) -> list:
-    """The records of one W&B run file (``run-<id>.wandb``) as ``wandb_internal_pb2.Record`` protos, in order.
-
-    The file is W&B's record log: a 7-byte header, then LevelDB's log format (32 KiB blocks; each chunk a 7-byte
-    header -- CRC-32 (4), length (2, little-endian), type (1: full, 2: first, 3: middle, 4: last) -- and its bytes;
-    a block's tail shorter than a header is padding). A torn last record is left out.
+    """The ``wandb_internal_pb2.Record`` protos of one W&B run file (``run-<id>.wandb``), in order: a 7-byte ``:W&B``
+    header, then LevelDB's log format (32 KiB blocks of chunks with a 7-byte header: CRC-32, length, type); a torn
+    last record is left out.
 
     Raises:
-      ValueError: the file does not start with W&B's header.
-    """
+      ValueError: the file does not start with W&B's header."""
     from wandb.proto import wandb_internal_pb2 as pb  # optional, as open_wandb
 
     with open(path, "rb") as f:
@@ -235,9 +200,9 @@ def read_records(path: str) -> list:
 
 
 def finished_records(wandb_dir: str, wait_s: float = 30.0) -> list:
-    """``[records of each run file]`` of the offline runs under `wandb_dir`, oldest first, once each file ends
-    with its run's ``exit`` record: W&B's service process writes the file after ``run.finish()`` returns, so
-    a file is read again until it is complete, for at most `wait_s` seconds (then as it is)."""
+    """``[records of each run file]`` of the offline runs under `wandb_dir`, oldest first, once each file ends with its
+    run's ``exit`` record: W&B's service process writes the file after ``run.finish()`` returns, so a file is read again
+    until it is complete, for at most `wait_s` seconds (then as it is)."""
     deadline = time.monotonic() + wait_s
     out = []
     for path in sorted(glob.glob(os.path.join(wandb_dir, "offline-run-*", "run-*.wandb"))):
@@ -251,13 +216,8 @@ def finished_records(wandb_dir: str, wait_s: float = 30.0) -> list:
 
 
 def offline_history(wandb_dir: str, wait_s: float = 30.0) -> list:
-    """Every history row of the offline runs under `wandb_dir` (``WORKDIR/wandb``), oldest run first
-    (`finished_records`: waits up to `wait_s` for W&B to finish writing them).
-
-    Returns:
-      a list of dicts ``{name: value}`` (values decoded from W&B's JSON; nested keys joined with ``/``; W&B's own
-      ``_step`` / ``_runtime`` / ``_timestamp`` included), one per ``run.log`` call.
-    """
+    """Every history row of the offline runs under `wandb_dir`, oldest first (waiting up to `wait_s` for W&B to finish):
+    one dict ``{name: value}`` per ``run.log`` call (nested keys joined with ``/``; ``_step`` etc. included)."""
     rows = []
     for records in finished_records(wandb_dir, wait_s):
         for record in records:

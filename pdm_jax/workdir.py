@@ -1,30 +1,11 @@
-"""An exclusive lock on a run directory, so that two trainers never write one workdir.
+"""Run-directory helpers: an exclusive lock, bucket (``gs://``) paths, and the run's ``config.json``.
 
-Two trainers on one workdir interleave their checkpoints and metrics (records
-duplicated, others lost). `WorkdirLock` takes ``fcntl.flock(LOCK_EX | LOCK_NB)``
-on ``WORKDIR/.lock`` and writes the holder's pid, host and start time into it.
-The kernel releases a flock when its holder exits, however it exits (SIGKILL
-included), so a lock file left by a dead process does not block: it is only a
-file, and the next run locks it and overwrites its contents. A second run on a
-held workdir gets `WorkdirLockedError` naming the workdir and the holder.
-
-Limits: flock is advisory and per host. On a shared file system (NFS) Linux
-emulates it with POSIX byte-range locks, which NFSv4 propagates between hosts;
-some FUSE mounts (e.g. gcsfuse) do not propagate locks at all, and there two
-hosts can both "hold" the lock. Multi-host runs share one workdir, so only
-process 0 locks it (`pdm_jax.trainer.Trainer`).
-
-**Bucket workdirs.** A workdir may be a URL (``gs://bucket/run``): the run files
-go through fsspec (gcsfs for ``gs://``; the helpers below: `is_remote`,
-`run_path`, `join`, `makedirs`, `exists`, `isdir`, `listdir`, `rmtree`,
-`read_bytes`, `write_bytes`, `upload_file`), the checkpoints through orbax and
-TensorStore. Local paths take exactly the code paths they took before. An object
-store has no rename: `write_bytes` is one single-object upload there, which GCS
-makes visible only once complete (a reader sees the old object or the new one,
-never a torn one); locally it is write-to-temporary + ``os.replace``. GCS has no
-advisory locks either: `WorkdirLock` on a bucket workdir logs a warning and
-locks nothing (one launch per bucket path is the user's responsibility).
-"""
+`WorkdirLock` takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``WORKDIR/.lock`` and records the holder's pid, host and
+start time; the kernel releases it when the holder exits (SIGKILL included), so a stale file does not block, and a
+second run gets `WorkdirLockedError` naming the holder. flock is advisory and per host (NFSv4 propagates it, gcsfuse
+does not); multi-host runs lock from process 0 only. A workdir may be a bucket URL: run files go through fsspec
+(`is_remote`, `run_path`, `join`, `write_bytes`, ...), where `write_bytes` is one single-object upload (visible whole
+or not at all) and locally a temporary + ``os.replace``; a bucket has no locks, so `WorkdirLock` only warns there."""
 
 from __future__ import annotations
 
@@ -48,17 +29,13 @@ LOCK_NAME = ".lock"
 
 
 class RunWriteError(OSError):
-    """A run file could not be written: a full disk (ENOSPC), a quota, a read-only or vanished directory.
-
-    Names the file and the error (``errno`` keeps the code). The run stops at once, before it writes anything
-    else; freeing the space (or fixing the directory) and running the same command resumes it from its last
-    checkpoint. Raised by every writer of the run: metrics, TensorBoard, checkpoints, weights pushed to the
-    sampler, ``summary.json``, ``config.json``, ``curves.png``.
-    """
+    """A run file could not be written (a full disk, a quota, a read-only or vanished directory), naming the file and
+    the error (``errno`` kept); the run stops at once, and the same command resumes from its last checkpoint once
+    fixed. Raised by every writer of the run."""
 
 
-# The OS error a library reports inside its own exception type: tensorstore (orbax's arrays) raises ValueError
-# "... [os_error_code='28'] ...", safetensors SafetensorError "... (os error 28)".
+# The OS error a library reports inside its own exception type: tensorstore (orbax's arrays) raises ValueError "...
+# [os_error_code='28'] ...", safetensors SafetensorError "... (os error 28)".
 _WRAPPED_OS_ERROR = re.compile(r"os_error_code='(\d+)'|\(os error (\d+)\)")
 
 
@@ -92,13 +69,8 @@ def naming_write_errors(path: str):
 
 @contextlib.contextmanager
 def close_after(resource, what: str):
-    """Closes `resource` when the body ends; the body's own error wins over one of the close.
-
-    A run that stops on a `RunWriteError` (a full disk, a read-only file) often fails to close its writers for
-    the same reason: that second error is logged and added to the first as a note (``__notes__``, which the CLI
-    prints below it), instead of replacing it. When the body succeeds, an error of the close is raised as is
-    (`MetricsWriter.close` names its file).
-    """
+    """Closes `resource` when the body ends; the body's own error wins: an error of the close is logged and added to it
+    as a note (``__notes__``), and raised as is when the body succeeded."""
     try:
         yield resource
     except BaseException as first:
@@ -132,8 +104,9 @@ class WorkdirLockedError(RuntimeError):
     def __init__(self, workdir: str, holder: dict):
         self.workdir = workdir
         self.holder = holder
-        who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
-               + (f", started {holder['started']}" if holder.get("started") else "")) if holder else "an unknown process"
+        started = f", started {holder['started']}" if holder and holder.get("started") else ""
+        who = (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{started}" if holder
+               else "an unknown process")
         super().__init__(
             f"workdir {workdir} is in use by another run ({who}; lock file {os.path.join(workdir, LOCK_NAME)}). "
             "Two trainers on one workdir would duplicate and lose records: stop the other run or choose another "
@@ -141,14 +114,8 @@ class WorkdirLockedError(RuntimeError):
 
 
 class WorkdirLock:
-    """An exclusive, non-blocking flock on ``WORKDIR/.lock`` (see module docstring).
-
-    Use `acquire` (or the context manager), then `release`; the lock also goes
-    away when the process exits or the object is garbage collected.
-
-    Args:
-      workdir: the run directory; created if missing.
-    """
+    """An exclusive, non-blocking flock on ``WORKDIR/.lock`` (`workdir` created if missing): `acquire` (or the context
+    manager), then `release`; also released at process exit or garbage collection."""
 
     def __init__(self, workdir: str):
         self.workdir = run_path(workdir)
@@ -164,12 +131,10 @@ class WorkdirLock:
         """Takes the lock and records this process in the lock file; returns self.
 
         Raises:
-          WorkdirLockedError: another open file description (another process, or
-            another `WorkdirLock` in this one) holds the lock.
-          ValueError: the lock path is a symbolic link, a directory or not a regular file, or it cannot
-            be created (a read-only workdir); the message names the path.
-          OSError: the lock file cannot be locked for another reason.
-        """
+          WorkdirLockedError: another open file description holds the lock.
+          ValueError: the lock path is a symbolic link, a directory or not a regular file, or cannot be created
+            (naming it).
+          OSError: the lock file cannot be locked for another reason."""
         if self._fd is not None:
             return self
         if is_remote(self.workdir):
@@ -331,10 +296,9 @@ def read_bytes(path: str) -> bytes:
 
 
 def write_bytes(path: str, data: bytes, *, atomic: bool = True) -> None:
-    """Writes a file whole. Local: to a temporary name, then ``os.replace`` (atomic for readers) when
-    `atomic`, else a plain overwrite. URL: one single-object upload (on GCS the object appears complete
-    or not at all; no temporary name, as object stores have no rename). Raises `RunWriteError` (local) naming
-    `path` when the file cannot be written."""
+    """Writes a file whole. Local: to a temporary name, then ``os.replace`` (atomic for readers) when `atomic`, else a
+    plain overwrite. URL: one single-object upload (on GCS the object appears complete or not at all; no temporary name,
+    as object stores have no rename). Raises `RunWriteError` (local) naming `path` when the file cannot be written."""
     if is_remote(path):
         fs, p = filesystem(path)
         fs.pipe_file(p, data)
@@ -387,16 +351,12 @@ class FinishedRunError(ValueError):
 
 
 def refuse_changed_config(workdir: str, config_json: str) -> None:
-    """Refuses another config on a finished run's workdir (one that has nothing left to run), before any work.
-
-    The run would only hand back its summary, and ``config.json`` must keep the config the run ran with. The same
-    config (the same values, in any layout) passes; so does a workdir without ``config.json``.
+    """Refuses another config on a finished run's workdir before any work (the same values in any layout, or no
+    ``config.json``, pass).
 
     Raises:
-      FinishedRunError: naming the workdir and each changed field with its two values, and the two ways on: a new
-        ``--workdir`` for another run, or a larger ``rl.steps`` to continue this one (`write_run_config` then keeps
-        the earlier ``config.json`` as ``config.<n>.json``).
-    """
+      FinishedRunError: naming the workdir, each changed field with both values, and the ways on (a new
+        ``--workdir``, or a larger ``rl.steps``)."""
     path = join(workdir, "config.json")
     if not exists(path):
         return
@@ -410,24 +370,15 @@ def refuse_changed_config(workdir: str, config_json: str) -> None:
 
 
 def write_run_config(workdir: str, config_json: str) -> list:
-    """Writes the run's ``config.json``; a resumed run with another config keeps the earlier one beside it.
-
-    When ``WORKDIR/config.json`` exists with other content (the same workdir run again with other overrides),
-    the earlier file is first kept as ``config.<n>.json`` (n = 1, 2, ...: the first free name), so that the
-    workdir records what each part of the run ran with, and a warning names the changed fields.
-
-    Args:
-      workdir: the run directory (local or a bucket URL).
-      config_json: the config as JSON text (the trainer's redacted config).
+    """Writes the run's ``config.json`` (``config_json``: the redacted config as JSON text); an earlier one with other
+    content is kept as ``config.<n>.json`` (the first free n) and the changed fields are logged.
 
     Returns:
-      The dotted paths of the fields that differ from the earlier ``config.json`` (sorted; ``["<unreadable
-      config.json>"]`` when the earlier file is not JSON, e.g. torn by a crash); ``[]`` on a first run or the
-      same config.
+      The sorted dotted paths of the fields that differ from the earlier ``config.json`` (``["<unreadable
+      config.json>"]`` for a torn one; ``[]`` on a first run or the same config).
 
     Raises:
-      RunWriteError: a file cannot be written (local workdir), naming it.
-    """
+      RunWriteError: a file cannot be written (local workdir), naming it."""
     path = join(workdir, "config.json")
     if not exists(path):
         write_bytes(path, config_json.encode())

@@ -74,7 +74,8 @@ def main(out_path: str) -> None:
     for got, want in zip(jax.tree.leaves(distributed.to_host(from_host.packing)),
                          jax.tree.leaves(distributed.to_host(packed_batch.packing))):
         assert got.shape == want.shape and (got == want).all(), (got.shape, want.shape)
-    packed_step = jax.jit(lambda prm, bt: ts.packed_grads(ts.make_packed_rl_terms(graphdef, tr_config, lc), prm, bt, lc))
+    packed_terms = ts.make_packed_rl_terms(graphdef, tr_config, lc)
+    packed_step = jax.jit(lambda prm, bt: ts.packed_grads(packed_terms, prm, bt, lc))
     p_grads, p_loss, p_aux = packed_step(params, packed_batch)
     host = distributed.to_host(dict(loss=loss, aux=aux, grads=nnx.to_pure_dict(grads), packed_loss=p_loss,
                                     packed_fill=p_aux["packed_fill"], packed_grads=nnx.to_pure_dict(p_grads)))

@@ -136,7 +136,8 @@ def test_behavior_logits_at_the_sampler_temperature(tmp_path, lever):
     Trainer(tiny_test_config(**overrides), str(tmp_path), callbacks=[cb]).run()
     assert len(cb.steps) == 2  # 2 mini-batches of the one RL step
     for st in cb.steps:
-        assert st["behavior_logprob_max_err"] < 1e-3, st["behavior_logprob_max_err"]  # 0.21 nats with mu at rl.temperature
+        # 0.21 nats with mu at rl.temperature
+        assert st["behavior_logprob_max_err"] < 1e-3, st["behavior_logprob_max_err"]
         assert st["mean_d_before"] == pytest.approx(st["trainer_mean_topk_kl"], rel=1e-4, abs=1e-7)
 
 

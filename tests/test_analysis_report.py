@@ -119,7 +119,8 @@ def test_disagreement_by_tail_mass_by_hand(tmp_path):
     assert list(by) == ["bins", "n", "no_tail_mass", "aggregated_tail", "uniform_tail", "bucket_exact"]
     assert by["n"].tolist() == [2, 0, 0, 2, 0, 0, 4]
     # aggregated_tail: token 0 (masked, dD > 0: right) and token 1 (kept, dD < 0: right) differ, in both seeds
-    assert by["aggregated_tail"]["disagree"].tolist() == [0, 0, 0, 0, 0, 0, 4] == by["aggregated_tail"]["right"].tolist()
+    agg = by["aggregated_tail"]
+    assert agg["disagree"].tolist() == [0, 0, 0, 0, 0, 0, 4] == agg["right"].tolist()
     # uniform_tail: token 1 (right) and token 3 (masked with dD < 0: wrong) differ
     assert by["uniform_tail"]["disagree"].tolist() == [2, 0, 0, 0, 0, 0, 2]
     assert by["uniform_tail"]["right"].tolist() == [0, 0, 0, 0, 0, 0, 2]

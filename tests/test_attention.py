@@ -141,7 +141,10 @@ def _compare_with_dense(kernel, q, k, v, valid, mask, tol=1e-5):
     B, T = valid.shape
     ct = jnp.asarray(np.random.RandomState(9).randn(*q.shape), jnp.float32)
     ct = ct * valid[:, :, None, None, None]
-    dense = lambda q, k, v: attn_lib.dense_attention(q, k, v, mask.dense(B, T), dtype=q.dtype)
+
+    def dense(q, k, v):
+        return attn_lib.dense_attention(q, k, v, mask.dense(B, T), dtype=q.dtype)
+
     outs, grads = [], []
     for f in (kernel, dense):
         out, vjp = jax.vjp(jax.jit(f), q, k, v)
@@ -166,7 +169,10 @@ def test_blockwise_matches_dense(K, G, T, bq, bkv, pad, segments):
     rng = np.random.RandomState(T * 7 + K)
     q, k, v = _qkv(rng, 3, T, K, G, 8)
     valid, mask = _case(T, pad, segments, rng)
-    kernel = lambda q, k, v: attn_lib.blockwise_attention(q, k, v, mask, block_q=bq, block_kv=bkv)
+
+    def kernel(q, k, v):
+        return attn_lib.blockwise_attention(q, k, v, mask, block_q=bq, block_kv=bkv)
+
     _compare_with_dense(kernel, q, k, v, valid, mask)
 
 
@@ -176,7 +182,10 @@ def test_blockwise_fully_padded_row_is_finite():
     valid = np.ones((2, 9), bool)
     valid[1] = False
     mask = attn_lib.SelfAttentionMask(jnp.asarray(valid), None)
-    f = lambda q, k, v: attn_lib.blockwise_attention(q, k, v, mask, block_q=4, block_kv=2)
+
+    def f(q, k, v):
+        return attn_lib.blockwise_attention(q, k, v, mask, block_q=4, block_kv=2)
+
     out = np.asarray(jax.jit(f)(q, k, v))
     grads = jax.jit(jax.grad(lambda *a: (f(*a) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
     assert np.isfinite(out).all() and all(np.isfinite(np.asarray(g)).all() for g in grads)
@@ -200,8 +209,10 @@ def test_splash_interpret_matches_dense():
     rng = np.random.RandomState(3)
     q, k, v = _qkv(rng, 3, 130, 2, 2, 8)  # T padded to 256: two 128-tiles
     valid, mask = _case(130, 7, True, rng)
-    kernel = lambda q, k, v: attn_lib.splash_attention(q, k, v, mask, block_q=128, block_kv=128,
-                                                       interpret=True)
+
+    def kernel(q, k, v):
+        return attn_lib.splash_attention(q, k, v, mask, block_q=128, block_kv=128, interpret=True)
+
     _compare_with_dense(kernel, q, k, v, valid, mask)
 
 

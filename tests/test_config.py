@@ -104,7 +104,8 @@ def test_step_configs_translate_every_field():
                                                max_response_length=c.rl.max_new_tokens, kl_beta=0.1)
     assert got.rl_optimizer == OptimizerConfig(learning_rate=1e-4, b2=0.95, total_steps=c.rl.steps)
     assert got.sft_optimizer == OptimizerConfig(learning_rate=1e-3, warmup_steps=7, total_steps=c.sft.steps)
-    with pytest.raises(ValueError, match=r"^trust_region: TrustRegionConfig.delta must be a finite float > 0, got -1.0"):
+    with pytest.raises(ValueError,
+                       match=r"^trust_region: TrustRegionConfig.delta must be a finite float > 0, got -1.0"):
         c.trust_region.delta = -1.0
         step_configs(c)
 
@@ -398,7 +399,8 @@ def test_lr_schedules_decay_to_zero_at_the_phase_end():
     assert float(rl_lr(0)) == pytest.approx(1e-4) and float(rl_lr(75)) == pytest.approx(0.25e-4)
     assert float(rl_lr(100)) == pytest.approx(0.0, abs=1e-12)
     c.sft.lr_schedule = "step"
-    with pytest.raises(ValueError, match=r"sft.lr_schedule = 'step': must be one of \('constant', 'cosine', 'linear'\)"):
+    with pytest.raises(ValueError,
+                       match=r"sft.lr_schedule = 'step': must be one of \('constant', 'cosine', 'linear'\)"):
         validate_config(c)
     c.sft.lr_schedule, c.sft.steps = "cosine", 10
     with pytest.raises(ValueError, match=r"sft.lr_schedule = 'cosine': decays after the warm-up: sft.steps = 10 must "

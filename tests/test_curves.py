@@ -1,4 +1,4 @@
-"""curves.png: reward raw + trailing mean, avg@k beside greedy, δ on the divergence panel, the run's mask in the title."""
+"""curves.png: reward raw + trailing mean, avg@k beside greedy, δ on the divergence panel, the run's mask as title."""
 
 import numpy as np
 import pytest

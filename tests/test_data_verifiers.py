@@ -56,7 +56,8 @@ FORMS = [
     ("Answer: $1,250", False, "1,250", FOUND, "answer_line"),  # a currency sign, not math
     ("so the result is $\\boxed{12}$.", False, "12", FOUND, "boxed"),
     ("\\[\\boxed{\\frac{a}{b^{2}}}\\]", False, "\\frac{a}{b^{2}}", FOUND, "boxed"),
-    # several candidate markers: the later of the last box and the last Answer: line wins; the last Answer: line over ####
+    # several candidate markers: the later of the last box and the last Answer: line wins; the last Answer: line
+    # over ####
     ("\\boxed{3} and then\nAnswer: 4", False, "4", FOUND, "answer_line"),  # the later final answer wins (issue 31)
     ("\\boxed{1} then \\boxed{2}", False, "2", FOUND, "boxed"),
     ("#### 72\nAnswer: 73", False, "73", FOUND, "answer_line"),

@@ -101,7 +101,7 @@ def check_tpu_pod(argv: list) -> None:
     p = subprocess.run(["bash", "launch/tpu_pod.sh", "--dry-run"] + argv[1:], cwd=REPO, capture_output=True,
                        text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "PDM_BUCKET"})
     assert p.returncode == 0, p.stderr
-    train = [l for l in p.stdout.splitlines() if l.startswith("+ ") and "pdm_jax.train" in l]
+    train = [line for line in p.stdout.splitlines() if line.startswith("+ ") and "pdm_jax.train" in line]
     assert len(train) == 1, p.stdout
     remote = next(w for w in shlex.split(train[0][2:]) if w.startswith("--command="))  # gcloud ssh --command=...
     inner = shlex.split(remote[len("--command="):])[-1]  # bash -o pipefail -c '<cd ... && python3 -m ...>'

@@ -37,7 +37,8 @@ def _tiny_variants():
     micro.rl.micro_batch_size = 32
     for c in (plain, wide, micro):  # the analytic constants are calibrated on unrolled programs
         c.model.scan_layers = False
-    scanned = _config("tiny")  # layers under lax.scan (the base default; configs/tiny.py unrolls), with and without remat
+    # layers under lax.scan (the base default; configs/tiny.py unrolls), with and without remat
+    scanned = _config("tiny")
     scanned_remat = _config("tiny")
     scanned_remat.model.remat = "full"
     for c in (scanned, scanned_remat):

@@ -11,11 +11,11 @@ import pytest
 glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="mallopt is glibc's")
 
-# A jitted program with a 96 MiB temporary buffer (a cumulative sum's; above glibc's 32 MiB mmap threshold), run 20 times
-# after 10 warm-up runs (the heap reaches its peak in them, in each pool thread that ran it); prints temp bytes and the
-# minor page faults per run in units of the temp buffer: the median run's, then the mean. The median is the steady
-# state: a run that reaches a new heap peak (rarer, but more likely when other processes load the cores, as beside
-# another pytest worker) faults once what it adds, which moved the mean of 20 runs to 0.30 in one CI run.
+# A jitted program with a 96 MiB temporary buffer (a cumulative sum's; above glibc's 32 MiB mmap threshold), run 20
+# times after 10 warm-up runs (the heap reaches its peak in them, in each pool thread that ran it); prints temp bytes
+# and the minor page faults per run in units of the temp buffer: the median run's, then the mean. The median is the
+# steady state: a run that reaches a new heap peak (rarer, but more likely when other processes load the cores, as
+# beside another pytest worker) faults once what it adds, which moved the mean of 20 runs to 0.30 in one CI run.
 _PROBE = textwrap.dedent("""
     import resource, sys
     if sys.argv[1] == "1":
@@ -54,8 +54,8 @@ def test_freed_temp_buffer_is_reused_without_page_faults():
     _, reused, reused_mean = _faults_per_run(True)
     # default allocator: the temp buffer is faulted in again at every run (1.000 measured, median and mean)
     assert default > 0.9, (default, default_mean)
-    # kept mapped: the median run faults nothing in (0.0 measured, also beside a training sweep on both cores);
-    # the mean was 0.0-0.05 idle and 0.30 in one CI run, from runs that reached a new heap peak
+    # kept mapped: the median run faults nothing in (0.0 measured, also beside a training sweep on both cores); the mean
+    # was 0.0-0.05 idle and 0.30 in one CI run, from runs that reached a new heap peak
     assert reused < 0.1 * default, (reused, reused_mean)
 
 

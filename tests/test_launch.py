@@ -46,7 +46,8 @@ def test_issue_sweep_expands_to_18_config_strings():
     assert r["arg"].endswith("delta=0.15,mask=pdm,estimator=bucket_exact,seed=2")
     # Every argument string is accepted by the config's own parser and sets what it says.
     c = apply_arg(get_base_config(), r["arg"])
-    assert (c.trust_region.delta, c.trust_region.mask, c.trust_region.estimator, c.seed) == (0.15, "pdm", "bucket_exact", 2)
+    tr = c.trust_region
+    assert (tr.delta, tr.mask, tr.estimator, c.seed) == (0.15, "pdm", "bucket_exact", 2)
     assert c.rl.max_staleness == 1 and c.rl.num_iterations == 2
     cmd = sweep.train_command(r, "/tmp/wd")
     assert cmd[1:3] == ["-m", "pdm_jax.train"] and "--workdir=/tmp/wd" in cmd
@@ -130,7 +131,7 @@ def test_print_only_and_pod_commands():
     path = os.path.join(REPO, "launch", "sweeps", "tiny_delta_estimator.py")
     out = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", "--out=runs/x", "--print_only"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
-    assert len(out) == 18 and all(l.startswith("python -m pdm_jax.train --config=configs/tiny.py:") for l in out)
+    assert len(out) == 18 and all(line.startswith("python -m pdm_jax.train --config=configs/tiny.py:") for line in out)
     pod = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", "--out=gs://b/s", "--print_only",
                           "--pod", "--tpu_name=pdm", "--only=criterion=ratio_seed=0"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
@@ -148,7 +149,8 @@ def test_print_only_and_pod_commands():
 
 def test_aggregate_only_without_runs_says_so(tmp_path):
     path = os.path.join(REPO, "launch", "sweeps", "tiny_delta_estimator.py")
-    done = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", f"--out={tmp_path}", "--aggregate_only"],
+    done = subprocess.run([sys.executable, "launch/sweep.py", f"--sweep={path}", f"--out={tmp_path}",
+                           "--aggregate_only"],
                           cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 1 and done.stdout == ""
     assert f"no finished runs under {tmp_path}: none of the sweep's 18 run directories" in done.stderr
@@ -189,7 +191,8 @@ def test_aggregate_table_by_hand(tmp_path):
     (g,) = table["groups"]
     m, ci = g["final_accuracy"]
     assert m == pytest.approx(0.30)
-    assert ci == pytest.approx(12.706204736174698 * math.sqrt(((0.15 - 0.3) ** 2 + (0.45 - 0.3) ** 2) / 1) / math.sqrt(2))
+    t975 = 12.706204736174698  # Student's t, 97.5% quantile, 1 degree of freedom
+    assert ci == pytest.approx(t975 * math.sqrt(((0.15 - 0.3) ** 2 + (0.45 - 0.3) ** 2) / 1) / math.sqrt(2))
     assert os.path.exists(os.path.join(out, "sweep_runs.csv"))
     md = open(os.path.join(out, "sweep_table.md")).read()
     assert "| ratio | 2 |" in md and "0.300 ± " in md
@@ -268,7 +271,7 @@ def test_tpu_pod_dry_run_prints_every_step():
            "--results=runs/pod1", "--flag=--config.rl.steps=10"]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("+ ")]
     gc = "+ gcloud compute tpus tpu-vm "
     assert lines[0] == (gc + "create pdm-test --project=proj-1 --zone=us-central2-b --accelerator-type=v4-32 "
                         "--version=tpu-ubuntu2204-base")
@@ -276,18 +279,19 @@ def test_tpu_pod_dry_run_prints_every_step():
     assert lines[2].startswith(gc + "scp ") and lines[2].endswith("--worker=all")
     assert lines[3].startswith(gc + "ssh pdm-test") and "--worker=all" in lines[3] and "tar xzf" in lines[3]
     assert "--worker=all" in lines[4] and "pip install -q -e ." in lines[4] and "jax[tpu]==0.10.2" in lines[4]
-    train = [l for l in lines if "pdm_jax.train" in l]
+    train = [line for line in lines if "pdm_jax.train" in line]
     assert len(train) == 1
     t = train[0]
     assert t.startswith(gc + "ssh pdm-test --project=proj-1 --zone=us-central2-b --worker=all ")
     assert ("python3 -m pdm_jax.train --config=configs/tiny.py:delta=0.05,seed=1 --workdir=/tmp/run1 "
             "--config.distributed=True --config.sampler.mode=colocated --config.rl.steps=10") in t
     assert t.endswith("| tee runs/pod1/pod.log")  # streamed here and kept
-    assert lines[-4] == gc + "scp --recurse pdm-test:/tmp/run1 pdm-test:/tmp/run1.log runs/pod1/ --project=proj-1 --zone=us-central2-b --worker=0"
+    assert lines[-4] == gc + ("scp --recurse pdm-test:/tmp/run1 pdm-test:/tmp/run1.log runs/pod1/ --project=proj-1 "
+                              "--zone=us-central2-b --worker=0")
     # the workdir's files move up out of the folder scp made, so runs/pod1 is the run directory (summary.json there)
     assert lines[-3:-1] == ["+ cp -r runs/pod1/run1/. runs/pod1/", "+ rm -rf runs/pod1/run1"]
     assert lines[-1] == gc + "delete pdm-test --project=proj-1 --zone=us-central2-b --quiet"
-    order = [i for i, l in enumerate(lines) if any(s in l for s in ("create", "pip install", "pdm_jax.train",
+    order = [i for i, line in enumerate(lines) if any(s in line for s in ("create", "pip install", "pdm_jax.train",
                                                                     "scp --recurse", "delete"))]
     assert order == sorted(order) and len(order) == 5
     assert not os.path.exists(os.path.join(REPO, "runs", "pod1"))  # --dry-run ran nothing
@@ -314,14 +318,14 @@ def test_tpu_pod_dry_run_gcs_results_and_git_repo():
                         "--spot", "--keep", "--workdir=/tmp/pdm_run//"], cwd=REPO, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0, p.stderr
-    lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
+    lines = [line for line in p.stdout.splitlines() if line.startswith("+ ")]
     assert lines[0].endswith("--spot")
     assert "git clone --depth 1 --branch main https://example.com/r.git" in lines[1]
     # the trailing slashes are dropped: the worker's log is /tmp/pdm_run.log beside the workdir, not inside it
     assert "--workdir=/tmp/pdm_run --config.distributed=True" in p.stdout and "| tee /tmp/pdm_run.log" in p.stdout
     assert "gsutil -m cp -r /tmp/pdm_run/* /tmp/pdm_run.log gs://bucket/run/" in lines[-2] and "--worker=0" in lines[-2]
     assert lines[-1] == "+ gsutil cp /tmp/pdm-x_pod.log gs://bucket/run/pod.log"  # every worker's output, from here
-    assert not any(" delete " in l for l in lines) and "--keep" in p.stdout
+    assert not any(" delete " in line for line in lines) and "--keep" in p.stdout
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("git") is None, reason="needs bash and git")
@@ -342,7 +346,7 @@ def test_tpu_pod_failed_training_still_copies_results_and_deletes(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 3
     log = calls.read_text().splitlines()
-    verbs = [l.split()[3] for l in log]  # compute tpus tpu-vm <verb>
+    verbs = [line.split()[3] for line in log]  # compute tpus tpu-vm <verb>
     assert verbs == ["describe", "create", "scp", "ssh", "ssh", "ssh", "scp", "delete"]
     assert "pdm_jax.train" in log[5] and "--recurse" in log[6] and "--worker=0" in log[6]
     assert "worker 0: Traceback" in (results / "pod.log").read_text()
@@ -369,7 +373,8 @@ def test_tpu_pod_remote_pipe_keeps_the_training_exit_status(tmp_path, train_rc):
                       "case \"$*\" in *pdm_jax.train*) cd " + str(worker_home) + " && exec sh -c \"$cmd\";; esac\n"
                       "case \"$*\" in *'scp --recurse'*)\n"
                       "  for a in \"$@\"; do case \"$a\" in */) dest=\"$a\";; esac; done\n"
-                      "  for a in \"$@\"; do case \"$a\" in pdm-pipe:*) cp -r \"${a#pdm-pipe:}\" \"$dest\";; esac; done;;\n"
+                      "  for a in \"$@\"; do case \"$a\" in pdm-pipe:*) cp -r \"${a#pdm-pipe:}\" \"$dest\";; "
+                      "esac; done;;\n"
                       "esac\n"
                       "exit 0\n")
     gcloud.chmod(0o755)
@@ -400,12 +405,12 @@ def test_tpu_pod_bucket_workdir_dry_run():
         p = subprocess.run(base + args + ["--flag=--config.rl.steps=3"], cwd=REPO, capture_output=True, text=True,
                            timeout=60, env=dict(os.environ, **env))
         assert p.returncode == 0, p.stderr
-        lines = [l for l in p.stdout.splitlines() if l.startswith("+ ")]
-        train = [l for l in lines if "pdm_jax.train" in l]
+        lines = [line for line in p.stdout.splitlines() if line.startswith("+ ")]
+        train = [line for line in lines if "pdm_jax.train" in line]
         assert len(train) == 1
         assert ("--workdir=gs://bkt/runs/pdm-b --config.distributed=True --config.sampler.mode=colocated "
                 "--config.rl.steps=3 2>&1 | tee /tmp/pdm-b_train.log") in train[0]
-        assert not any("scp --recurse" in l or "gsutil" in l for l in lines)  # nothing copied back
+        assert not any("scp --recurse" in line or "gsutil" in line for line in lines)  # nothing copied back
         assert "# done: results in gs://bkt/runs/pdm-b" in p.stdout
         assert lines[-1].endswith("delete pdm-b --project=p --zone=z --quiet")
     p = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=60,
@@ -438,8 +443,8 @@ def test_tpu_pod_rerun_reuses_or_recreates_the_vm(tmp_path, state, verbs):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, (p.stdout, p.stderr)
     log = calls.read_text().splitlines()
-    assert [l.split()[3] for l in log] == verbs
-    assert any("--workdir=gs://bkt/r/pdm-re" in l for l in log)
+    assert [line.split()[3] for line in log] == verbs
+    assert any("--workdir=gs://bkt/r/pdm-re" in line for line in log)
 
 
 def test_stress_config_and_comparison_sweep():
@@ -608,7 +613,8 @@ def test_paired_differences_by_hand(tmp_path):
     assert p["criterion"] == "none" and p["n"] == 2 and p["wins"] == 1
     m, ci = p["final_accuracy"]
     assert m == pytest.approx((-0.2 + 0.05) / 2)
-    assert ci == pytest.approx(12.706204736174698 * math.sqrt(((-0.2 + 0.075) ** 2 + (0.05 + 0.075) ** 2)) / math.sqrt(2))
+    t975 = 12.706204736174698  # Student's t, 97.5% quantile, 1 degree of freedom
+    assert ci == pytest.approx(t975 * math.sqrt(((-0.2 + 0.075) ** 2 + (0.05 + 0.075) ** 2)) / math.sqrt(2))
     assert p["reward_area"] == (0.0, 0.0)
     assert "arm − criterion=ratio" in table["markdown"] and "| none | 2 | 1/2 |" in table["markdown"]
     assert p["p"] == pytest.approx(sweep.paired_t_p([-0.2, 0.05])) and p["p_holm"] == p["p"]  # a family of one

@@ -195,14 +195,14 @@ def test_blocked_gmm_equals_ragged_dot_values_and_grads(sizes, extra_rows):
 
     def run(f):  # values and both gradients, one compiled program
         @jax.jit
-        def values_and_grads(l, r):
-            return f(l, r), jax.grad(lambda l, r: jnp.sum(f(l, r) * probe), argnums=(0, 1))(l, r)
+        def values_and_grads(a, b):
+            return f(a, b), jax.grad(lambda a, b: jnp.sum(f(a, b) * probe), argnums=(0, 1))(a, b)
 
         return values_and_grads(lhs, rhs)
 
-    want, (gl_w, gr_w) = run(lambda l, r: jax.lax.ragged_dot(l, r, sizes_E))
+    want, (gl_w, gr_w) = run(lambda a, b: jax.lax.ragged_dot(a, b, sizes_E))
     for block_rows, per_step in ((8, 1), (8, 3), (128, 8)):
-        got, (gl, gr) = run(lambda l, r: moe.blocked_gmm(l, r, sizes_E, block_rows=block_rows,
+        got, (gl, gr) = run(lambda a, b: moe.blocked_gmm(a, b, sizes_E, block_rows=block_rows,
                                                          blocks_per_step=per_step))
         assert float(jnp.abs(want).max()) > 1.0
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -470,7 +470,7 @@ def test_mixed_moe_hf_io_sharding_quantization_and_counts(tmp_path):
     scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(448.0)
     want = (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
     np.testing.assert_allclose(got["dense_layers"]["mlp"]["down_proj"]["kernel"], want, rtol=1e-6)
-    D, F, I, E, k = 16, 24, 12, 4, 2
+    D, F, I, E, k = 16, 24, 12, 4, 2  # noqa: E741 (I: the MLP's intermediate size)
     sparse_cfg = Qwen3Config(**{**MIXED_MOE, "mlp_only_layers": ()})
     assert presets.count_params(cfg) == (presets.count_params(sparse_cfg)
                                          - (D * E + E * 3 * D * I) + 3 * D * F)

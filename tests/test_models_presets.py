@@ -55,7 +55,7 @@ def test_moe_preset_param_counts(name, total, active, non_emb):
     assert abs(presets.count_params(cfg, non_embedding=True) / 1e9 - non_emb) / non_emb < 0.01
     # Closed form for the 30B: per layer attention + router + 128 experts of 3 D x I kernels.
     if name == "qwen3_30b_a3b":
-        D, I, L, V = 2048, 768, 48, 151_936
+        D, I, L, V = 2048, 768, 48, 151_936  # noqa: E741 (I: the MLP's intermediate size)
         attn = D * 32 * 128 * 2 + D * 4 * 128 * 2 + 2 * 128
         per_layer = attn + D * 128 + 128 * 3 * D * I + 2 * D
         assert presets.count_params(cfg) == 2 * V * D + L * per_layer + D

@@ -207,7 +207,8 @@ def test_ppo_clip_gradient_zero_where_clipped():
     behavior = jnp.zeros((1, 4))
     logp = jnp.log(jnp.asarray([[1.5, 1.5, 0.5, 0.5]]))
     adv = jnp.asarray([[1.0, -1.0, 1.0, -1.0]])
-    g = jax.grad(lambda x: jnp.sum(obj.ppo_clip_policy_loss(x, behavior, adv, clip_eps_low=0.2, clip_eps_high=0.2)))(logp)
+    g = jax.grad(lambda x: jnp.sum(obj.ppo_clip_policy_loss(x, behavior, adv, clip_eps_low=0.2,
+                                                            clip_eps_high=0.2)))(logp)
     # d(-A r)/d log pi = -A r where unclipped; 0 where the clip is active.
     np.testing.assert_allclose(g, [[0.0, 1.5, -0.5, 0.0]], rtol=1e-6)
 
@@ -430,7 +431,7 @@ def _problem(num_rows=B, all_pad_row=None):
 
 
 def _policy_loss(logp, behavior, adv, trust, valid, loss_type, mode, max_len=None, ref=None, kl_beta=0.0):
-    """The trainer's loss (pdm_jax.rl.loss.per_token_policy_loss, then objectives.aggregate_loss): (sum, denominator)."""
+    """The trainer's loss (rl.loss.per_token_policy_loss, then objectives.aggregate_loss): (sum, denominator)."""
     valid = jnp.asarray(valid).astype(bool)
     config = pl.PolicyLossConfig(policy_loss=loss_type, loss_aggregation=mode, tis_cap=2.0, clip_eps_low=0.2,
                                  clip_eps_high=0.28, dual_clip=3.0, kl_beta=kl_beta)

@@ -165,7 +165,8 @@ def test_429_is_retried_after_its_retry_after_and_counted(monkeypatch):
     answers = iter([httpx.Response(429, headers={"retry-after": "2"}, text="slow down"),
                     httpx.Response(429, headers={"retry-after": "3600"}, text="slow down"),
                     _mp(_valid_columns_answer())])
-    c = SamplerClient("http://sampler", retries=3, backoff_s=0.01, transport=httpx.MockTransport(lambda r: next(answers)))
+    c = SamplerClient("http://sampler", retries=3, backoff_s=0.01,
+                      transport=httpx.MockTransport(lambda r: next(answers)))
     b = c.generate([[1, 2], [3]], n=2, max_new_tokens=3, top_k_logprobs=3, seed=0)
     assert b.num_sequences == 4 and c.retry_counts == {"429": 2}
     assert slept == [2.0, 30.0]  # Retry-After honoured, capped at MAX_RETRY_AFTER_S

@@ -286,7 +286,8 @@ def test_sigstopped_subprocess_is_killed_and_replaced(tmp_path):
         with pytest.raises(SamplerRejected) as e:
             s.sync(bad, 1)
         assert e.value.status == 422 and e.value.field == "path" and "non-finite" in str(e.value)
-        assert s.restarts_total == 1 and s.call("health", lambda sampler: sampler.health())["version"] == 0 and s.version == 0
+        health = s.call("health", lambda sampler: sampler.health())
+        assert s.restarts_total == 1 and health["version"] == 0 and s.version == 0
     finally:
         s.stop()
 

@@ -63,7 +63,8 @@ def test_recorded_response_parses_to_the_expected_batch():
     rb = parse_completions(RECORDED, [[10, 11, 12]], **PARSE)
     assert rb.completion_ids.tolist() == [[5, 4, 3, 0], [7, 7, 2, 8]]
     assert rb.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
-    np.testing.assert_array_equal(rb.behavior_logprobs, np.float32([[-0.105, -3.0, -0.01, 0], [-2.4, -0.5, -0.7, -1.1]]))
+    np.testing.assert_array_equal(rb.behavior_logprobs,
+                                  np.float32([[-0.105, -3.0, -0.01, 0], [-2.4, -0.5, -0.7, -1.1]]))
     # top-K: the K largest, descending; ties (-0.7, ids 2 and 8) smaller id first; -9999 -> -inf
     assert rb.topk_ids.tolist() == [[[5, 7], [1, 6], [3, 9], [0, 0]], [[5, 7], [7, 2], [2, 8], [0, 8]]]
     np.testing.assert_array_equal(rb.topk_logprobs, np.float32([
@@ -105,10 +106,13 @@ LP0 = ("choices", 0, "logprobs")
     (_mutate(LP0 + ("token_logprobs", 2), None), "choices[0].logprobs.token_logprobs[2]"),
     (_mutate(LP0 + ("token_logprobs", 0), 0.5), "choices[0].logprobs.token_logprobs[0]"),
     (_mutate(LP0 + ("token_logprobs",), [-0.1, -3.0]), "choices[0].logprobs.token_logprobs"),
-    (_mutate(LP0 + ("top_logprobs", 0), {"token_id:7": -2.4, "token_id:1": -0.1}), "choices[0].logprobs.top_logprobs[0]"),
-    (_mutate(LP0 + ("top_logprobs", 0), {"token_id:5": -0.2, "token_id:7": -2.4}), "choices[0].logprobs.top_logprobs[0]"),
+    (_mutate(LP0 + ("top_logprobs", 0), {"token_id:7": -2.4, "token_id:1": -0.1}),
+     "choices[0].logprobs.top_logprobs[0]"),
+    (_mutate(LP0 + ("top_logprobs", 0), {"token_id:5": -0.2, "token_id:7": -2.4}),
+     "choices[0].logprobs.top_logprobs[0]"),
     (_mutate(LP0 + ("top_logprobs", 2), {"token_id:3": -0.01}), "choices[0].logprobs.top_logprobs[2]"),
-    (_mutate(LP0 + ("top_logprobs", 1, "token_id:6"), float("inf")), "choices[0].logprobs.top_logprobs[1]['token_id:6']"),
+    (_mutate(LP0 + ("top_logprobs", 1, "token_id:6"), float("inf")),
+     "choices[0].logprobs.top_logprobs[1]['token_id:6']"),
     (_mutate(("choices", 0, "finish_reason"), "abort"), "choices[0].finish_reason"),
     (_mutate(("choices", 1, "finish_reason"), "stop"), "choices[1].finish_reason"),
     (_mutate(("choices", 0, "token_ids"), [5, 4, 2]), "choices[0].token_ids"),
@@ -168,7 +172,8 @@ def test_the_vllm_client_reads_a_deeply_nested_body_as_text_and_names_it():
     def handler(request):
         if request.url.path == vllm_api.VLLM_HEALTH:
             return httpx.Response(200)
-        return httpx.Response(200, content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"})
+        return httpx.Response(200, content=b"[" * 100_000 + b"]" * 100_000,
+                              headers={"content-type": "application/json"})
 
     v = VLLMSampler("http://vllm", model_config=None, weights_dir="/nonexistent", retries=0,
                     transport=httpx.MockTransport(handler))

@@ -1,4 +1,4 @@
-"""`pdm_jax.sampler.defaults`: the one set of batching defaults of the engine, the server, the launcher and the schema."""
+"""`pdm_jax.sampler.defaults`: the one set of batching defaults of engine, server, launcher and schema."""
 
 
 def test_every_batching_default_is_the_schemas():

@@ -329,7 +329,8 @@ def test_health_answers_while_bodies_are_decoded(live_url, monkeypatch):
 
     def post():
         with httpx.Client(base_url=live_url, timeout=30) as c:
-            answers.append(c.post("/v1/generate", content=body, headers={"content-type": "application/json"}).status_code)
+            answers.append(c.post("/v1/generate", content=body,
+                                  headers={"content-type": "application/json"}).status_code)
 
     threads = [threading.Thread(target=post) for _ in range(4)]
     for t in threads:

@@ -22,7 +22,8 @@ from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler.engine import SamplingEngine
 from pdm_jax.sampler.server import create_app
 
-PARAMS = {"layer": {"w": np.arange(12, dtype=np.float32).reshape(3, 4) / 7}, "norm": np.linspace(-1, 1, 5, dtype=np.float32)}
+PARAMS = {"layer": {"w": np.arange(12, dtype=np.float32).reshape(3, 4) / 7},
+          "norm": np.linspace(-1, 1, 5, dtype=np.float32)}
 ABSTRACT = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), PARAMS)
 
 

@@ -49,15 +49,15 @@ def test_quantized_experts_equal_per_expert_quantization(params, mode):
         w = np.asarray(params["layers"]["mlp"]["experts"][name]["kernel"], np.float32)
         out = np.asarray(got["layers"]["mlp"]["experts"][name]["kernel"])
         L, E = w.shape[:2]
-        for l in range(L):
+        for layer in range(L):
             for e in range(E):
-                m = w[l, e]  # [in, out]
+                m = w[layer, e]  # [in, out]
                 if mode == "fp8":
                     qv, s = fp8_reference(m, (1,))
                     want = qv.astype(np.float32) * s
-                    np.testing.assert_allclose(out[l, e], want, rtol=1e-6, atol=0, err_msg=f"{name} {l} {e}")
+                    np.testing.assert_allclose(out[layer, e], want, rtol=1e-6, atol=0, err_msg=f"{name} {layer} {e}")
                 else:
-                    assert int_matches(out[l, e], m, (1,), mode).all(), (name, l, e)
+                    assert int_matches(out[layer, e], m, (1,), mode).all(), (name, layer, e)
     router = np.asarray(params["layers"]["mlp"]["gate"]["kernel"], np.float32)  # [L, D, E]
     r_out = np.asarray(got["layers"]["mlp"]["gate"]["kernel"])
     assert r_out.shape == router.shape and not np.array_equal(r_out, router)

@@ -301,7 +301,8 @@ def test_response_without_usage_or_model_and_out_of_order_choices():
 
 
 @pytest.mark.parametrize("mutate,words", [
-    (lambda c: c[1].update(logprobs=c[1]["logprobs"][:1]), r"choices\[1\]\.logprobs: must have shape \[3\], got shape \[1\]"),
+    (lambda c: c[1].update(logprobs=c[1]["logprobs"][:1]),
+     r"choices\[1\]\.logprobs: must have shape \[3\], got shape \[1\]"),
     (lambda c: c[1]["top_logprobs"].update(ids=c[1]["top_logprobs"]["ids"][:-1]),
      r"choices\[1\]\.top_logprobs\.ids: must have shape \[3, 3\], got shape \[2, 3\]"),
     (lambda c: c[1]["top_logprobs"].update(ids=[list(r) for r in zip(*c[1]["top_logprobs"]["ids"])][:2] + [[1, 2, 3]]),

@@ -174,7 +174,7 @@ def test_bpe_tokenizer_round_trips_any_text_with_fixed_special_ids(tmp_path):
     assert np.mean(lengths) < 0.6 * np.mean([len(t) for t in BPE_CORPUS])  # merges were learnt and are used
     for text in ("7*7=", "é 😀\n\t x", "57+87=144"):  # byte level: characters the corpus never had too
         assert tok.decode(encode_strict(tok, text, add_eos=True), skip_special_tokens=True) == text
-    again = build_bpe_tokenizer(BPE_CORPUS, tmp_path / "b", vocab_size=400)
+    build_bpe_tokenizer(BPE_CORPUS, tmp_path / "b", vocab_size=400)
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
 
 
@@ -580,7 +580,6 @@ def test_a_bucket_workdir_keeps_its_tokenizer_in_the_bucket(monkeypatch, tmp_pat
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     from pdm_jax.config import get_base_config
-    from pdm_jax.models import tokenizer as tokenizer_module
     from pdm_jax.models.tokenizer import RECIPE_FILE
     from pdm_jax.text import run_tokenizer
 

@@ -364,7 +364,8 @@ def test_an_unwritable_metrics_sink_keeps_its_error_and_the_same_command_resumes
         r = _run_fault(workdir, f"sink_unwritable_after_rl_step=2:{sink}", SMALL + cache, timeout=600)
         assert r.returncode == 2, (sink, r.returncode, r.stderr[-3000:])
         assert re.search(rf"\nerror: .*cannot write \S*/{sink}/{name}: {why} .*\n  also, closing the metrics writer "
-                         rf"after it failed: RunWriteError: .*cannot write \S*/{name}: {why}", r.stderr), r.stderr[-3000:]
+                         rf"after it failed: RunWriteError: .*cannot write \S*/{name}: {why}",
+                         r.stderr), r.stderr[-3000:]
         assert "Traceback" not in r.stderr
         rl_steps = [x["step"] for x in _records(workdir) if x["phase"] == "rl"]
         assert rl_steps == ([1, 2] if sink == "metrics" else [1, 2, 3])  # step 3's line precedes its events

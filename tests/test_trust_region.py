@@ -769,7 +769,8 @@ def test_properties_over_peaked_and_flat_logits(seed, k, scale, noise, sampled):
     E = candidate_set(c["tokens"], c["topk_ids"], PROP_V)
     mu = dense_mu(c, PROP_V).astype(np.float64)
     logp = np.asarray(c["z"], np.float64)
-    logp = logp - np.log(np.exp(logp - logp.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logp.max(-1, keepdims=True)
+    top = logp.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp - top).sum(-1, keepdims=True)) - top
     pi = np.exp(logp)
     pi_t = np.where(E, 0, pi).sum(-1)
     n_t = (~E).sum(-1)

@@ -179,9 +179,10 @@ def test_every_writer_of_the_run_names_a_full_disk_and_leaves_no_temporary(small
     rng = np.random.default_rng(0)
     big = {"w": jnp.asarray(rng.standard_normal((512, 1024), np.float32))}  # 2 MiB that do not compress
     big_params = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), tiny_params)  # 82 KB
-    for path, write in {os.path.join(run, "checkpoints", "3"): lambda: ckpt.save(3, big, {"step": 3}),
-                        os.path.join(run, "vllm", "v2"):
-                            lambda: export_hf_weights(big_params, TINY_DENSE, os.path.join(run, "vllm", "v2/"))}.items():
+    writes = {os.path.join(run, "checkpoints", "3"): lambda: ckpt.save(3, big, {"step": 3}),
+              os.path.join(run, "vllm", "v2"):
+                  lambda: export_hf_weights(big_params, TINY_DENSE, os.path.join(run, "vllm", "v2/"))}
+    for path, write in writes.items():
         with pytest.raises(wd.RunWriteError, match=enospc.format(re.escape(path))) as e:
             write()
         assert e.value.errno == errno.ENOSPC

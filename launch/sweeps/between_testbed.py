@@ -16,8 +16,9 @@ the grid is its own copy), at delta = 0.05.
 
 ``get_sweep("pilot_stale")`` replaces the fixed offset by drift: no weight noise (the fp8 copy), rollouts up to
 ``rl.max_staleness`` = 8 versions behind the trainer (the producer runs ahead, so the lag is 8 once the run is
-under way) and 2 mini-batches x 4 iterations per batch (``rl.num_iterations`` = 4 over tiny's 2 mini-batches) at a learning rate of 5e-4 (30-step probes,
-reports/between_pilot), at delta = 0.05; ``get_sweep("pilot_stale_slow")`` is the same at a learning rate of 3e-4.
+under way) and 2 mini-batches x 4 iterations per batch (``rl.num_iterations`` = 4 over tiny's 2 mini-batches) at a
+learning rate of 5e-4 (30-step probes, reports/between_pilot), at delta = 0.05; ``get_sweep("pilot_stale_slow")`` is
+the same at a learning rate of 3e-4.
 ``get_sweep("pilot_stale_temp")`` is ``pilot_stale_slow`` with the rollouts drawn at a sampler temperature of its
 own, ``sampler.temperature`` = 1.15 (the loss's pi stays at ``rl.temperature`` 1): drift plus a small persistent
 offset (100-step probes, reports/between_pilot). It is the first lever that meets both of the issue's rules.

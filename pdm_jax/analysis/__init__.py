@@ -1,13 +1,12 @@
 """Token-level alignment analysis of trust-region direction criteria (PDM paper, arXiv 2607.10848).
 
-* `alignment` — pure per-token bookkeeping: keep decisions of the ratio and
-  predictive criteria (their names: `pdm_jax.rl.trust_region.DIRECTION_CRITERIA`,
-  plus the ``full`` oracle and ``param_jvp``), realized ΔD, unsafe-keep / corrective /
-  sign-agreement rates, estimator fidelity against the full-vocabulary derivative;
+* `alignment` — pure per-token bookkeeping: keep decisions of the ratio and predictive criteria (their names:
+  `pdm_jax.rl.trust_region.DIRECTION_CRITERIA`, plus the ``full`` oracle and ``param_jvp``), realized ΔD, unsafe-keep /
+  corrective / sign-agreement rates, estimator fidelity against the full-vocabulary derivative;
 * `param_direction` — Ḋᵖ_t = ⟨∇_θ D_t, Δθ⟩, every token's first-order
   divergence change under a parameter update, one ``jax.jvp`` per batch;
-* `callback` — `AlignmentCallback`, a `pdm_jax.callbacks.TrainerCallback` that
-  records them around every real optimizer step (and an isolated mode);
+* `callback` — `AlignmentCallback`, a `pdm_jax.callbacks.TrainerCallback` that records them around every real optimizer
+  step (and an isolated mode);
 * `run` — many short seeds in one process; `report` — markdown + figures;
 * ``python -m pdm_jax.analysis run --out=DIR --seeds=20``.
 """

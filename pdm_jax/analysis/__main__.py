@@ -1,21 +1,16 @@
 """CLI of the token-level analysis: ``python -m pdm_jax.analysis {run,report,disagreement_map} ...``.
 
-``run``    runs ``--seeds`` short tiny-task runs with the `AlignmentCallback` in
-           one process, saves each seed under ``<out>/seeds/`` and writes the report;
-``report`` rebuilds ``<out>/README.md`` and the figures from the saved seeds;
-``disagreement_map`` maps, on synthetic logits, where the ratio and predictive direction tests
-           can disagree (`pdm_jax.analysis.disagreement_map`; issue 29's feasibility question).
-
-Example (the committed report)::
+``run`` runs ``--seeds`` short tiny-task runs with the `AlignmentCallback` in one process, saves each seed under
+``<out>/seeds/`` and writes the report; ``report`` rebuilds ``<out>/README.md`` and the figures from saved seeds;
+``disagreement_map`` maps where the two direction tests can disagree on synthetic logits. The committed report::
 
     python -m pdm_jax.analysis run --out=reports/analysis --seeds=20
 
-On the stress testbed (``configs/tiny_stress.py``, issue 16), from one shared warm start::
+On the stress testbed (``configs/tiny_stress.py``), from one shared warm start::
 
     python -m pdm_jax.train --config=configs/tiny_stress.py:rl.steps=0 --workdir=runs/stress_warmstart
     python -m pdm_jax.analysis run --setting=stress --warmstart=runs/stress_warmstart \
-        --out=reports/analysis_stress_61seeds --seeds=61
-"""
+        --out=reports/analysis_stress_61seeds --seeds=61"""
 
 from __future__ import annotations
 
@@ -69,8 +64,8 @@ def _disagreement_map(args, parser) -> int:
 
 
 def main(argv=None) -> int:
-    """CLI of the token-level analysis (`run` seeds, `report` from saved seeds, or the synthetic
-    `disagreement_map`); returns the exit code."""
+    """CLI of the token-level analysis (`run` seeds, `report` from saved seeds, or the synthetic `disagreement_map`);
+    returns the exit code."""
     from pdm_jax.analysis.run import SETTINGS  # lazy: --help answers without importing JAX
 
     p = argparse.ArgumentParser(prog="python -m pdm_jax.analysis", description=__doc__.split("\n\n")[0])

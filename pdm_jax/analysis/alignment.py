@@ -1,46 +1,17 @@
-"""Token-level alignment of mask decisions with the *realized* change of the divergence.
+"""Token-level alignment of mask decisions with the *realized* change of the divergence (docs/analysis.md).
 
-The PDM paper (arXiv 2607.10848, token-level analysis) asks, for every token
-outside the trust region: did the mask keep it, and did the optimizer update
-actually push its divergence D_t further out or back in? A good direction
-criterion keeps the tokens whose D decreases (corrective) and masks those whose
-D increases (unsafe). This module holds the pure per-token bookkeeping; the
-callback (`pdm_jax.analysis.callback`) feeds it logits before and after each
-real optimizer step, and `pdm_jax.analysis.report` aggregates seeds.
+For every token outside the trust region (PDM paper, arXiv 2607.10848, token-level analysis): did the mask keep it,
+and did the optimizer update push its divergence D_t (`pdm_jax.rl.trust_region.topk_kl`, with the *same* μ before and
+after) further out or back in? Pure per-token bookkeeping: `pdm_jax.analysis.callback` feeds it logits before and
+after each real step, `pdm_jax.analysis.report` aggregates seeds. Criteria are those of
+`pdm_jax.rl.trust_region.DIRECTION_CRITERIA` (``ratio``, ``aggregated_tail``, ``uniform_tail``, ``bucket_exact``),
+whose keep decisions come from `trust_region_mask` itself, plus ``full`` (Ḋ of the full-vocabulary KL with the full
+μ: an oracle) and ``param_jvp`` (Ḋᵖ = ⟨∇_θ D_t, Δθ⟩ along the actual update, `pdm_jax.analysis.param_direction`;
+masked iff outside and Ḋᵖ > 0).
 
-Criteria (the "direction" half of M_t = 0 iff D_t > δ and Â_t·dir_t > 0;
-`pdm_jax.rl.trust_region.DIRECTION_CRITERIA` and `criterion_settings` name them
-and their masks, and `trust_region_radius` gives δ by the sign of Â):
-
-* ``ratio``            dir = r − 1 (DPPO; sign of log π(k) − log μ(k));
-* ``aggregated_tail``  dir = Ḋ with the paper's aggregated-tail estimator;
-* ``uniform_tail``     dir = Ḋ with the paper's uniform-tail estimator;
-* ``bucket_exact``     dir = Ḋ, the exact derivative of the top-K KL (ours);
-* ``full``             dir = Ḋ of the full-vocabulary KL with the full μ
-  (an oracle: needs the behaviour logits, recomputed from the quantized weights);
-* ``param_jvp``        Ḋᵖ = ⟨∇_θ D_t, Δθ⟩, the first-order change of D_t under the
-  actual parameter update (`pdm_jax.analysis.param_direction`); masked iff
-  outside and Ḋᵖ > 0 (no Â factor: Δθ carries it). A first-order oracle of the
-  realized ΔD (it needs the update it judges): in the isolated mode its decision
-  is the sign of the isolated step's own first-order term ``iso_first_order``.
-
-Every keep decision is taken by `pdm_jax.rl.trust_region.trust_region_mask` itself
-(so the analysis sees exactly what training would do), except ``full``, which
-the library has no mask for (same rule, written out here). D is the top-K KL
-(`pdm_jax.rl.trust_region.topk_kl`, DESIGN.md §2) with the *same* μ (the batch's
-top-K and behaviour log-probs) before and after the update.
-
-Definitions (over tokens outside the region with Â ≠ 0; tokens with Â = 0 get
-no policy gradient and are dropped; a realized change of exactly 0 counts in
-neither conditional):
-
-* unsafe-keep rate  = P(kept | ΔD > 0)        (lower is better)
-* corrective rate   = P(kept | ΔD < 0)        (higher is better)
-* sign agreement    = P(sign(Â·dir) = sign(ΔD)) (the predicted sign of the change)
-* disagreement set  = tokens where the criterion's keep decision differs from
-  the ratio criterion's; its size, and P(criterion right | disagreement) where
-  "right" = kept and ΔD < 0, or masked and ΔD > 0.
-"""
+Over out-of-region tokens with Â ≠ 0 (a realized change of exactly 0 counts in neither conditional): unsafe-keep
+P(kept | ΔD > 0), corrective P(kept | ΔD < 0), sign agreement P(sign(Â·dir) = sign(ΔD)), and the disagreement set
+with the ratio criterion, where "right" = kept and ΔD < 0, or masked and ΔD > 0."""
 
 from __future__ import annotations
 
@@ -75,28 +46,19 @@ def token_analysis(logits_before, logits_after, batch: StepBatch, *, delta: floa
     """Per-token divergences, predictions, keep decisions and realized change, all ``[B,T]``.
 
     Args:
-      logits_before: ``[B,T,V]`` temperature-scaled trainer logits at the
-        parameters *before* the optimizer step (f32 or bf16).
-      logits_after: ``[B,T,V]`` the same positions after the step (or after an
-        isolated step), same μ.
-      batch: the train-step `StepBatch` (``pdm_jax.rollout``): uses
-        ``completion_ids`` [B,T], ``completion_mask`` [B,T] bool,
-        ``behavior_logprobs`` [B,T], ``topk_ids``/``topk_logprobs`` [B,T,K],
-        ``advantages`` [B] or [B,T] f32.
-      delta, delta_low, delta_high: the trust-region radius (nats), as in
-        `pdm_jax.rl.trust_region.TrustRegionConfig` (static).
-      behavior_logits: optional ``[B,T,V]`` temperature-scaled behaviour
-        logits z_q/τ (full μ); adds the ``full`` oracle fields.
+      logits_before: ``[B,T,V]`` temperature-scaled trainer logits before the optimizer step (f32 or bf16).
+      logits_after: ``[B,T,V]`` the same positions after the step (or an isolated step), same μ.
+      batch: the train-step `StepBatch`: ``completion_ids`` [B,T], ``completion_mask`` [B,T] bool,
+        ``behavior_logprobs`` [B,T], ``topk_ids``/``topk_logprobs`` [B,T,K], ``advantages`` [B] or [B,T] f32.
+      delta, delta_low, delta_high: the trust-region radius (nats), as in `TrustRegionConfig` (static).
+      behavior_logits: optional ``[B,T,V]`` temperature-scaled behaviour logits z_q/τ (full μ); adds the ``full``
+        fields.
 
     Returns:
-      dict of ``[B,T]`` arrays: ``valid`` (bool), ``outside`` (D > δ_Â),
-      ``advantage`` f32, ``d_before``/``d_after``/``delta_d`` (nats, f32),
-      ``log_ratio`` f32, ``tail_mass`` (μ_T, f32), ``dir_<estimator>`` f32 (Ḋ),
-      ``keep_<criterion>`` bool for every name in
-      `pdm_jax.rl.trust_region.DIRECTION_CRITERIA` (True on
-      tokens inside the region), and with ``behavior_logits``: ``dir_full``,
-      ``keep_full``, ``full_kl_before``.
-    """
+      dict of ``[B,T]`` arrays: ``valid`` (bool), ``outside`` (D > δ_Â), ``advantage`` f32, ``d_before``/``d_after``/
+      ``delta_d`` (nats, f32), ``log_ratio`` f32, ``tail_mass`` (μ_T, f32), ``dir_<estimator>`` f32 (Ḋ),
+      ``keep_<criterion>`` bool for every name in `DIRECTION_CRITERIA` (True inside the region), and with
+      ``behavior_logits``: ``dir_full``, ``keep_full``, ``full_kl_before``."""
     tokens = batch.completion_ids
     valid = batch.completion_mask.astype(bool)
     topk_ids, topk_lp = batch.topk_ids, batch.topk_logprobs
@@ -134,11 +96,8 @@ def token_analysis(logits_before, logits_after, batch: StepBatch, *, delta: floa
 
 
 def select_tokens(analysis: Mapping[str, jax.Array], *, require_outside: bool = True) -> dict:
-    """Host numpy arrays ``[N]`` of the tokens to record: valid, Â ≠ 0 and (by default) outside the region.
-
-    Returns a dict with every ``[B,T]`` field of `token_analysis` flattened to
-    the N selected tokens, plus ``row``/``col`` (int32 positions in the batch).
-    """
+    """Host numpy arrays ``[N]`` of the tokens to record (valid, Â ≠ 0 and by default outside the region): every
+    ``[B,T]`` field of `token_analysis` flattened, plus ``row``/``col`` (int32 positions in the batch)."""
     a = jax.device_get(dict(analysis))
     sel = np.asarray(a["valid"]) & (np.asarray(a["advantage"]) != 0)
     if require_outside:
@@ -151,10 +110,8 @@ def select_tokens(analysis: Mapping[str, jax.Array], *, require_outside: bool = 
 
 
 def concat_records(parts: Sequence[Mapping[str, np.ndarray]]) -> dict:
-    """Concatenates per-step token records (dicts of ``[N_i]`` arrays) along the token axis.
-
-    Keys present in only some parts (e.g. the ``full`` oracle) are dropped.
-    """
+    """Concatenates per-step token records (dicts of ``[N_i]`` arrays) along the token axis; keys present in only some
+    parts (e.g. ``full``) are dropped."""
     parts = [p for p in parts if p]
     if not parts:
         return {}
@@ -165,26 +122,14 @@ def concat_records(parts: Sequence[Mapping[str, np.ndarray]]) -> dict:
 
 
 def param_keep(d_dot, outside):
-    """Keep decision of the ``param_jvp`` criterion: masked iff outside and Ḋᵖ > 0 (a NaN Ḋᵖ keeps).
-
-    Args:
-      d_dot: ``[...]`` f32 Ḋᵖ (`param_direction.param_jvp_topk_kl`, or the
-        isolated step's ``iso_first_order``).
-      outside: ``[...]`` bool, D > δ_Â.
-
-    Returns ``[...]`` bool (numpy or jax, as the inputs).
-    """
+    """Keep decision of ``param_jvp``: masked iff ``outside`` (``[...]`` bool) and ``d_dot`` (``[...]`` f32 Ḋᵖ, or the
+    isolated step's ``iso_first_order``) > 0; a NaN keeps. Returns ``[...]`` bool (numpy or jax, as the inputs)."""
     return ~(outside & (d_dot > 0))
 
 
 def _keep_of(records: Mapping[str, np.ndarray], criterion: str, change_key: str):
-    """``[N]`` bool keep decision of `criterion` against `change_key`, or None when not available.
-
-    ``param_jvp`` is the sign of the first-order term along the step whose change
-    is judged: ``keep_param_jvp`` (the real update) for ``delta_d``, the isolated
-    step's ``iso_first_order`` for ``iso_delta_d``, and nothing for
-    ``iso_first_order`` itself (it would agree with itself by construction).
-    """
+    """``[N]`` bool keep decision of `criterion` against `change_key`, or None when not available (``param_jvp`` uses
+    the first-order term of the step whose change is judged, and has none for ``iso_first_order`` itself)."""
     if criterion == PARAM_CRITERION and change_key.startswith("iso_"):
         if change_key != "iso_delta_d" or "iso_first_order" not in records:
             return None
@@ -201,22 +146,16 @@ def criteria_in(records: Mapping[str, np.ndarray], change_key: str = "delta_d") 
 
 
 def alignment_counts(records: Mapping[str, np.ndarray], *, change_key: str = "delta_d") -> dict:
-    """Counts behind the alignment rates, per criterion (pooled over the records' tokens).
+    """Counts behind the alignment rates, per criterion, pooled over the records' tokens.
 
     Args:
-      records: dict of ``[N]`` arrays from `select_tokens` (tokens outside the
-        region with Â ≠ 0): needs ``keep_<criterion>`` bool and `change_key`
-        (the realized ΔD, f32).
-      change_key: which realized change to use (``delta_d`` for the real
-        optimizer step, ``iso_delta_d`` for the isolated step, whose
-        ``param_jvp`` decision is the sign of ``iso_first_order``).
+      records: dict of ``[N]`` arrays from `select_tokens`: ``keep_<criterion>`` bool and `change_key` (ΔD, f32).
+      change_key: ``delta_d`` (the real step) or ``iso_delta_d`` (the isolated step).
 
     Returns:
-      ``{"n": N, "n_increase", "n_decrease", "n_tie", criterion: {"kept_increase",
-      "kept_decrease", "agree", "disagree_with_ratio", "right_on_disagreement"}}``
-      (ints). ``agree`` counts tokens with ΔD ≠ 0 whose predicted sign
-      (= not kept, for outside tokens) matches the sign of ΔD.
-    """
+      ``{"n": N, "n_increase", "n_decrease", "n_tie", criterion: {"kept_increase", "kept_decrease", "agree",
+      "disagree_with_ratio", "right_on_disagreement"}}`` (ints); ``agree`` counts tokens with ΔD ≠ 0 whose predicted
+      sign (= not kept) matches the sign of ΔD."""
     if not records or change_key not in records:
         return {"n": 0, "n_increase": 0, "n_decrease": 0, "n_tie": 0}
     dd = np.asarray(records[change_key], np.float64)
@@ -243,16 +182,9 @@ def _ratio(num: int, den: int) -> float:
 def alignment_rates(counts: Mapping) -> dict:
     """Rates from `alignment_counts`, per criterion; NaN where a denominator is 0.
 
-    Two readings of "unsafe" and "corrective" (both kept; they condition on different events):
-
-    * the precision reading, the paper's (its rates of a criterion add up to 1): of the out-of-region updates
-      the criterion keeps (ΔD ≠ 0), the share that increased D, ``unsafe_share`` = P(ΔD > 0 | kept), and the
-      share that decreased it, ``corrective_share`` = P(ΔD < 0 | kept);
-    * the keep-rate reading: ``unsafe_keep`` = P(kept | ΔD > 0) and ``corrective`` = P(kept | ΔD < 0) (a
-      criterion that merely masks more tokens lowers both).
-
-    Threshold-free beside them: ``youden_j`` = P(kept | ΔD < 0) − P(kept | ΔD > 0) (Youden's J of "keep" as a
-    test for "the update decreases D"; 0 = no better than chance) and ``sign_agreement``. Also
+    The precision reading (the paper's): ``unsafe_share`` = P(ΔD > 0 | kept), ``corrective_share`` = P(ΔD < 0 |
+    kept); the keep-rate reading: ``unsafe_keep`` = P(kept | ΔD > 0), ``corrective`` = P(kept | ΔD < 0).
+    Threshold-free: ``youden_j`` = P(kept | ΔD < 0) − P(kept | ΔD > 0) and ``sign_agreement``. Also
     ``disagreement_frac`` (of the N tokens), ``disagreement_n``, ``right_on_disagreement``."""
     out = {}
     n, ninc, ndec = counts.get("n", 0), counts.get("n_increase", 0), counts.get("n_decrease", 0)
@@ -281,10 +213,8 @@ TAIL_MASS_BINS = (0.0, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0 + 1e-9)
 def fidelity_analysis(logits, behavior_logits, tokens, valid, *, k: int) -> dict:
     """Sign of each closed-form Ḋ estimator vs the full-vocabulary Ḋ, with a self-consistent μ.
 
-    μ is the full behaviour distribution softmax(behavior_logits) (recomputed from
-    the quantized weights); its top-K view is *derived from the same μ* (the K
-    most likely ids, their log μ, and log μ(y_t)), so the comparison measures the
-    tail approximation of each estimator only, not recomputation noise.
+    μ = softmax(behavior_logits); its top-K view is derived from that same μ, so only each estimator's tail
+    approximation is measured.
 
     Args:
       logits: ``[B,T,V]`` temperature-scaled trainer logits (π).
@@ -293,11 +223,8 @@ def fidelity_analysis(logits, behavior_logits, tokens, valid, *, k: int) -> dict
       k: K of the top-K view (static).
 
     Returns:
-      dict of ``[B,T]`` arrays: ``valid``, ``tail_mass`` (μ_T over the
-      complement of TopK ∪ {y_t}), ``dir_full`` and ``dir_<estimator>`` (f32),
-      and ``agree_<estimator>`` (bool: same sign as ``dir_full``; exact zeros
-      agree only with exact zeros).
-    """
+      dict of ``[B,T]`` arrays: ``valid``, ``tail_mass`` (μ_T), ``dir_full`` and ``dir_<estimator>`` (f32),
+      ``agree_<estimator>`` (bool; exact zeros agree only with exact zeros)."""
     logmu = jax.nn.log_softmax(jnp.asarray(behavior_logits, jnp.float32), axis=-1)
     z = jnp.asarray(logits, jnp.float32)
     topk_lp, topk_ids = jax.lax.top_k(logmu, k)
@@ -314,11 +241,8 @@ def fidelity_analysis(logits, behavior_logits, tokens, valid, *, k: int) -> dict
 
 
 def fidelity_counts(fid: Mapping[str, np.ndarray], bins: Sequence[float] = TAIL_MASS_BINS) -> dict:
-    """Per tail-mass bin: number of valid tokens and, per estimator, how many agree in sign with the full Ḋ.
-
-    A token whose tail mass is not finite (non-finite logits) is in no bin (``np.digitize`` would put NaN in the
-    last one). Returns ``{"bins": [edges], "n": [nbins] int, "<estimator>": [nbins] int}``.
-    """
+    """Per tail-mass bin: valid tokens and, per estimator, how many agree in sign with the full Ḋ; a non-finite tail
+    mass is in no bin. Returns ``{"bins": [edges], "n": [nbins] int, "<estimator>": [nbins] int}``."""
     f = jax.device_get(dict(fid))
     mass = np.asarray(f["tail_mass"], np.float64)
     valid = np.asarray(f["valid"], bool) & np.isfinite(mass)

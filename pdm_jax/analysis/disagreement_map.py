@@ -1,30 +1,14 @@
 """Where can the ratio (DPPO) and predictive (PDM) direction tests disagree? A map on synthetic logits.
 
-Issue 29 asks for a testbed on which the two direction tests decide differently on >= 5% of valid tokens
-(``frac_direction_disagree``, which the trainer logs). They can only differ on an out-of-region token, and
-there they differ iff the sign of its log-ratio log pi(y) - log mu(y) is not the sign of its predicted
-divergence change D' (whatever the advantage's sign; `pdm_jax.rl.trust_region`). This module measures how
-often that happens as a function of what a testbed can choose: the position's entropy, the vocabulary size V,
-the top-K view K, the kind and size of the behaviour/trainer mismatch, and delta. Each cell runs the trainer's
-own functions (`trust_region.topk_kl`, `kl_directional_derivative` with ``bucket_exact``, the default mask's)
-on synthetic positions:
-
-* behaviour logits z = s * g, g ~ N(0, I_V) i.i.d. per position: the logit scale s sets the entropy;
-* the mismatch lever, one of
-  - ``offset`` sigma: trainer logits z + sigma * eps, eps ~ N(0, I_V) i.i.d., a fixed offset between two copies
-    of the weights (what a quantized sampler makes; a real quantizer's logit error is correlated across the
-    vocabulary and depends on the position, so this is a model of it, not a measurement);
-  - ``temperature`` tau_s: behaviour logits z / tau_s, trainer logits z (the ``sampler.temperature`` lever);
-* the sampled token y ~ mu, and mu's top-K view (ids and log-probs of its K largest probabilities).
-
-Per cell it reports the mean entropy and top-1 probability of mu, the mean top-K KL (nats), the share of
-tokens outside delta, the share on which the tests disagree, and, on the disagreement set, how often the
-predictive test's sign is the one of the full-vocabulary derivative (`trust_region.full_kl_directional_derivative`,
-which knows all of mu: the first-order oracle).
-
-``python -m pdm_jax.analysis disagreement_map --out=reports/disagreement_map`` writes ``cells.csv`` and
-``README.md`` (deterministic: every cell's positions come from ``seed`` and the cell's index).
-"""
+The two tests differ only on an out-of-region token whose log-ratio log pi(y) - log mu(y) and predicted divergence
+change D' have different signs (`pdm_jax.rl.trust_region`). Each cell runs the trainer's own functions (`topk_kl`,
+``bucket_exact`` `kl_directional_derivative`) on synthetic positions: behaviour logits z = s * g, g ~ N(0, I_V) (the
+scale s sets the entropy), and a mismatch lever, ``offset`` sigma (trainer logits z + sigma * eps: a model of a
+quantized sampler's error, not a measurement) or ``temperature`` tau_s (behaviour logits z / tau_s); y ~ mu and mu's
+top-K view. Per cell: mean entropy and top-1 probability of mu, mean top-K KL (nats), the share outside delta, the
+share where the tests disagree and, there, how often the predictive sign is the full-vocabulary derivative's (the
+first-order oracle). ``python -m pdm_jax.analysis disagreement_map --out=reports/disagreement_map`` writes
+``cells.csv`` and ``README.md``, deterministic in ``seed``."""
 
 from __future__ import annotations
 
@@ -65,16 +49,14 @@ def _is_int(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MapSpec:
-    """The grid. Fields: vocab_sizes (V), top_k (K), logit_scales (s), offsets (sigma, logit units),
-    temperatures (tau_s), deltas (nats of top-K KL), positions (per cell and V, same order as vocab_sizes),
-    seed. Sequences are stored as tuples.
+    """The grid: vocab_sizes (V), top_k (K), logit_scales (s), offsets (sigma, logit units), temperatures (tau_s),
+    deltas (nats of top-K KL), positions (per cell and V), seed; sequences stored as tuples.
 
     Raises:
-      ValueError: naming the field and its value: a sequence field that is not a non-empty list or tuple (offsets
-        or temperatures may be empty, not both), an integer field that is not an int (bools are refused) or is out
-        of `INT_BOUNDS`, a float that is not finite or is out of `FLOAT_BOUNDS`, positions not one count per
-        vocabulary size, or top_k not below every vocabulary size.
-    """
+      ValueError: naming the field and its value: a sequence that is not a non-empty list or tuple (offsets or
+        temperatures may be empty, not both), an int field that is not an int or out of `INT_BOUNDS`, a float not
+        finite or out of `FLOAT_BOUNDS`, positions not one count per vocabulary size, or top_k not below every
+        vocabulary size."""
 
     vocab_sizes: Sequence[int] = (1024, 151936)  # the BPE testbed's, Qwen3's
     top_k: int = 20
@@ -119,8 +101,9 @@ class MapSpec:
 
 
 def positions(key, scale, strength, *, n: int, vocab: int, top_k: int, lever: str):
-    """A cell's synthetic positions (the module docstring): ``(pi_logits [n,V] f32, mu_logits [n,V] f32,
-    tokens [n] int32, topk_ids [n,K] int32, topk_logprobs [n,K] f32, behavior_logprobs [n] f32)``."""
+    """A cell's synthetic positions (the module docstring):
+    ``(pi_logits [n,V] f32, mu_logits [n,V] f32, tokens [n] int32, topk_ids [n,K] int32, topk_logprobs [n,K] f32,
+    behavior_logprobs [n] f32)``."""
     kz, ke, ky = jax.random.split(key, 3)
     z = scale * jax.random.normal(kz, (n, vocab), jnp.float32)
     if lever == "offset":
@@ -141,8 +124,8 @@ def chunk_key(seed: int, index: int, chunk: int):
 
 @functools.partial(jax.jit, static_argnames=("n", "vocab", "top_k", "lever"))
 def _chunk(key, scale, strength, deltas, *, n: int, vocab: int, top_k: int, lever: str):
-    """Per-chunk sums: [non-finite positions, entropy, top1, topk_kl, then per delta: outside, disagree,
-    disagree & oracle agrees with the predictive sign]. f32 ``[4 + 3 * len(deltas)]``."""
+    """Per-chunk sums: [non-finite positions, entropy, top1, topk_kl, then per delta: outside, disagree, disagree &
+    oracle agrees with the predictive sign]. f32 ``[4 + 3 * len(deltas)]``."""
     pi_z, mu_z, tokens, topk_ids, topk_lp, behavior = positions(key, scale, strength, n=n, vocab=vocab,
                                                                 top_k=top_k, lever=lever)
     mu_lp = jax.nn.log_softmax(mu_z, axis=-1)
@@ -151,9 +134,9 @@ def _chunk(key, scale, strength, deltas, *, n: int, vocab: int, top_k: int, leve
     d_pred = tr.kl_directional_derivative(*args, estimator="bucket_exact")
     d_full = tr.full_kl_directional_derivative(pi_z, mu_z, tokens)
     log_ratio = jnp.take_along_axis(jax.nn.log_softmax(pi_z, axis=-1), tokens[:, None], axis=-1)[:, 0] - behavior
-    # With A = +1 (every token here) the ratio test drops an outside token iff log r > 0, the predictive one iff
-    # D' > 0 (trust_region._mask_core). With A = -1 the tests drop it iff log r < 0 / D' < 0: the same count but
-    # at an exact zero of log r or D', which no out-of-region token of the committed map has.
+    # With A = +1 (every token here) the ratio test drops an outside token iff log r > 0, the predictive one iff D' > 0
+    # (trust_region._mask_core). With A = -1 the tests drop it iff log r < 0 / D' < 0: the same count but at an exact
+    # zero of log r or D', which no out-of-region token of the committed map has.
     differ = (log_ratio > 0) != (d_pred > 0)
     oracle_agrees = (d_full > 0) == (d_pred > 0)
     entropy = -jnp.sum(jnp.exp(mu_lp) * mu_lp, axis=-1)
@@ -167,16 +150,11 @@ def _chunk(key, scale, strength, deltas, *, n: int, vocab: int, top_k: int, leve
 
 def cell(spec: MapSpec, vocab: int, num_positions: int, scale: float, lever: str, strength: float,
          index: int) -> list:
-    """One (V, s, lever, strength) cell: a list of row dicts, one per delta (see `CSV_FIELDS`).
-
-    ``index`` numbers the cell's column (V, s) (`compute` counts them from 0): its positions' behaviour logits,
-    offset noise and sampling keys come from it and ``spec.seed``, so every lever of a column reads the same
-    draws (the offset rows share their positions and tokens; sigma only scales the offset).
+    """One (V, s, lever, strength) cell: one row dict per delta (`CSV_FIELDS`); the column ``index`` and ``spec.seed``
+    key its draws, shared by every lever of the column.
 
     Raises:
-      ValueError: unknown ``lever``; a non-finite divergence, derivative or entropy at any position (naming the
-        cell), where f32 overflowed.
-    """
+      ValueError: unknown ``lever``; a non-finite divergence, derivative or entropy (naming the cell)."""
     if lever not in LEVERS:
         raise ValueError(f"lever must be one of {LEVERS}, got {lever!r}")
     chunk = max(1, min(num_positions, CHUNK_ELEMENTS // vocab))
@@ -253,14 +231,9 @@ def _ratio(r: dict) -> float:
 
 
 def summary(rows: Sequence[dict]) -> list:
-    """Reading lines computed from the rows. Per (V, delta, lever): how many cells reach the qualification rule,
-    the least out-of-region share among them, and the largest share of out-of-region tokens that disagree; then
-    that share over the whole map and the out-of-region share it implies for the rule; then how often the
-    predictive sign is the full-vocabulary derivative's where the tests part.
-
-    Shares are read only where their denominator holds at least `MIN_TOKENS` tokens: cells with fewer than
-    ``MIN_TOKENS / QUALIFYING_DISAGREEMENT`` positions are left out (and said so), a ratio needs as many outside
-    tokens, a right-sign share as many disagreeing ones."""
+    """Reading lines computed from the rows: per (V, delta, lever) the cells that reach the qualification rule, their
+    least out-of-region share and the largest disagreeing share; then over the whole map; then how often the
+    predictive sign is right where the tests part. A share is read only over at least `MIN_TOKENS` tokens."""
     min_positions = math.ceil(MIN_TOKENS / QUALIFYING_DISAGREEMENT)
     readable = [r for r in rows if r["positions"] >= min_positions]
     lines = []
@@ -306,8 +279,8 @@ def summary(rows: Sequence[dict]) -> list:
 
 
 def markdown(rows: Sequence[dict], grid: str, command: str, provenance: str) -> str:
-    """The README: how the cells are made, the summary lines, and per (V, delta) one table whose rows are the
-    levers and columns the logit scales; a cell reads ``outside % / disagree %``."""
+    """The README: how the cells are made, the summary lines, and per (V, delta) one table whose rows are the levers and
+    columns the logit scales; a cell reads ``outside % / disagree %``."""
     out = ["# Where the direction tests can disagree: a map on synthetic logits (issue 29)", "",
            "The ratio (DPPO) and predictive (PDM, bucket_exact) direction tests can only decide differently on a "
            "token outside the trust region, and there they differ iff the sign of its log-ratio is not the sign of "
@@ -368,12 +341,8 @@ def spec_line(spec: MapSpec) -> str:
 
 
 def run(out_dir: str, spec: MapSpec = MapSpec(), command: str = "", provenance: str = "") -> list:
-    """Computes the grid, writes ``cells.csv`` and ``README.md`` under ``out_dir`` (replacing an earlier map's);
-    returns the rows.
-
-    Raises:
-      ValueError: ``out_dir`` exists and is not a directory (before anything is computed); what `cell` raises.
-    """
+    """Computes the grid and writes ``cells.csv`` and ``README.md`` under ``out_dir`` (replacing an earlier map's);
+    returns the rows. ValueError: ``out_dir`` exists and is not a directory; what `cell` raises."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"out_dir {out_dir!r} exists and is not a directory")
     os.makedirs(out_dir, exist_ok=True)

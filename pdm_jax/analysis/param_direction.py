@@ -1,28 +1,13 @@
 """Parameter-space predictive direction: the first-order change of every token's divergence under Δθ.
 
-The PDM mask predicts the sign of a token's divergence change from a step of
-that token's *logits* along e_k − π (`pdm_jax.rl.trust_region.kl_directional_derivative`).
-A real optimizer step moves the parameters, and the logits move along
-J·Δθ (J = ∂z/∂θ), which couples every token of the batch. This module gives the
-first-order change of each token's top-K KL under the actual parameter step,
+A real optimizer step moves the logits along J·Δθ, coupling every token of the batch, not along each token's own e_k
+− π (`pdm_jax.rl.trust_region.kl_directional_derivative`). This module computes, with ONE ``jax.jvp`` of the
+per-token top-K KL (`pdm_jax.rl.trust_region.topk_kl`, μ fixed) through the model,
 
-    Ḋᵖ_t = ⟨∇_θ D_t(θ), Δθ⟩ = d/dε D_t(θ + ε Δθ) |_{ε=0},
+    Ḋᵖ_t = ⟨∇_θ D_t(θ), Δθ⟩ = d/dε D_t(θ + ε Δθ) |_{ε=0}
 
-for all tokens of a mini-batch with ONE forward-mode pass (``jax.jvp`` of the
-per-token top-K KL through the model along Δθ). D_t is
-`pdm_jax.rl.trust_region.topk_kl` (DESIGN.md §1-2: the behaviour top-K log-probs
-and the tail bucket, μ fixed), so Ḋᵖ is the derivative of the same divergence
-the trust region uses. With the identity map θ = z it reduces to the
-logit-space derivative along Δz (for Δz = e_k − π, the ``bucket_exact``
-closed form).
-
-The analysis (`pdm_jax.analysis.callback.AlignmentCallback`) uses it as the
-``param_jvp`` criterion: keep an out-of-region token iff Ḋᵖ_t ≤ 0 (no
-advantage factor: Δθ already carries every token's advantage and the mask the
-run trained with). It is a first-order *oracle* of the realized ΔD (it needs
-the update it judges); the gap between its sign agreement and the logit-space
-estimators' is the part of the misses due to the logit-space approximation.
-"""
+(with θ = z and Δz = e_k − π it is the ``bucket_exact`` closed form). The analysis uses it as the ``param_jvp``
+criterion (keep an out-of-region token iff Ḋᵖ_t ≤ 0): a first-order oracle of the realized ΔD (DESIGN.md §2)."""
 
 from __future__ import annotations
 
@@ -60,23 +45,11 @@ def _check_like(params, other, what: str) -> None:
 
 
 def parameter_update(params_before, params_after):
-    """Δθ = params_after − params_before, leaf by leaf, in each leaf's dtype of `params_before`.
-
-    The difference is taken in f32 (f64 for f64 leaves) and cast back, so bf16
-    parameters give a bf16 tangent (``jax.jvp`` needs tangent dtype = primal dtype).
-
-    Args:
-      params_before, params_after: pytrees of the same structure (e.g. the
-        trainer's ``nnx.State`` before and after one optimizer step) with
-        floating-point leaves of equal shapes.
-
-    Returns:
-      A pytree like `params_before`.
+    """Δθ = params_after − params_before, leaf by leaf, computed in f32 (f64 for f64 leaves) and cast to each leaf's
+    dtype of `params_before` (``jax.jvp`` needs tangent dtype = primal dtype); a pytree like `params_before`.
 
     Raises:
-      ValueError: different tree structures, a shape mismatch or a
-        non-floating leaf (named by its path).
-    """
+      ValueError: different tree structures, a shape mismatch or a non-floating leaf (named by its path)."""
     _check_like(params_before, params_after, "params_after")
 
     def diff(b, a):
@@ -88,33 +61,22 @@ def parameter_update(params_before, params_after):
 
 def param_directional_change(logits_fn: Callable, params, delta_params, tokens, topk_ids, topk_logprobs,
                              behavior_logprobs):
-    """(D_t, Ḋᵖ_t): the top-K KL at θ and its derivative along Δθ, one ``jax.jvp`` through `logits_fn`.
-
-    Ḋᵖ_t = ⟨∇_θ D_t(θ), Δθ⟩ with D_t = `pdm_jax.rl.trust_region.topk_kl` of
-    ``logits_fn(θ)`` against the behaviour top-K (μ fixed). Not jitted itself
-    (``logits_fn`` is a Python callable); call it under ``jax.jit``.
+    """(D_t, Ḋᵖ_t): the top-K KL at θ and its derivative along Δθ, one ``jax.jvp`` through `logits_fn` (call it under
+    ``jax.jit``).
 
     Args:
-      logits_fn: ``params -> [...,V]`` temperature-scaled logits (bf16/f32);
-        position t may depend on every parameter (a model), or the map may be
-        the identity (params = logits).
+      logits_fn: ``params -> [...,V]`` temperature-scaled logits (bf16/f32).
       params: pytree θ with floating-point leaves.
-      delta_params: pytree Δθ of the same structure and leaf shapes (e.g.
-        :func:`parameter_update`, or the updates optax would apply); leaves are
-        cast to the dtype of the matching `params` leaf.
+      delta_params: pytree Δθ of the same structure and shapes (cast to the `params` leaf dtypes).
       tokens: ``[...]`` int sampled ids y_t.
-      topk_ids: ``[...,K]`` int behaviour top-K ids.
-      topk_logprobs: ``[...,K]`` log μ of those ids.
+      topk_ids: ``[...,K]`` int behaviour top-K ids; topk_logprobs: ``[...,K]`` their log μ.
       behavior_logprobs: ``[...]`` log μ(y_t).
 
     Returns:
-      ``(d, d_dot)``, both ``[...]`` f32: D_t(θ) in nats and Ḋᵖ_t in nats per
-      unit of the step (the first-order change of D_t under θ → θ + Δθ).
+      ``(d, d_dot)``, both ``[...]`` f32: D_t(θ) in nats and Ḋᵖ_t in nats per unit of the step.
 
     Raises:
-      ValueError: `delta_params` does not match `params` (structure, shapes) or
-        a parameter leaf is not floating-point.
-    """
+      ValueError: `delta_params` does not match `params`, or a parameter leaf is not floating-point."""
     _check_like(params, delta_params, "delta_params")
     tangent = jax.tree.map(lambda p, d: jnp.asarray(d, jnp.result_type(p)), params, delta_params)
 
@@ -128,30 +90,19 @@ def param_directional_change(logits_fn: Callable, params, delta_params, tokens, 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature",))
 def param_jvp_topk_kl(graphdef, params, delta_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                       topk_ids, topk_logprobs, behavior_logprobs, *, temperature: float):
-    """(D, Ḋᵖ) ``[B,T]`` f32 of a train-step batch under the trainer's model, one forward-mode pass.
-
-    The logits are `pdm_jax.rl.train_step.completion_logits` / τ (the trainer's
-    own forward), so D equals the step's ``mean_topk_kl`` inputs and Ḋᵖ is
-    the first-order change of each completion token's top-K KL under θ → θ + Δθ.
+    """(D, Ḋᵖ) ``[B,T]`` f32 of a train-step batch under the trainer's model (its ``completion_logits`` / τ), one
+    forward-mode pass; padding positions are computed too (mask them with ``completion_mask``).
 
     Args:
       graphdef: the trainer's nnx graphdef (static).
-      params: the parameters θ *before* the step (nnx.State or any pytree the
-        graphdef merges with).
+      params: θ *before* the step.
       delta_params: Δθ, same structure (:func:`parameter_update`).
-      prompt_ids ``[B,P]`` int, prompt_mask ``[B,P]`` bool, completion_ids
-      ``[B,T]`` int, completion_mask ``[B,T]`` bool, topk_ids ``[B,T,K]`` int,
-      topk_logprobs ``[B,T,K]`` f32, behavior_logprobs ``[B,T]`` f32: the
-      `pdm_jax.rl.step_batch.StepBatch` fields.
+      prompt_ids, prompt_mask, completion_ids, completion_mask, topk_ids, topk_logprobs, behavior_logprobs: the
+        `StepBatch` fields (``[B,P]``, ``[B,T]``, ``[B,T,K]``).
       temperature: τ (static), > 0.
 
-    Returns:
-      ``(d, d_dot)``, ``[B,T]`` f32 (padding positions are computed too; the
-      caller masks them with ``completion_mask``).
-
     Raises:
-      ValueError: see :func:`param_directional_change`; ``temperature <= 0``.
-    """
+      ValueError: as :func:`param_directional_change`; ``temperature <= 0``."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
 

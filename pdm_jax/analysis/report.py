@@ -1,22 +1,11 @@
 """Aggregate per-seed analysis results into a markdown report with matplotlib figures.
 
-Statistics: each seed's rates are computed from all of its recorded tokens
-(pooled over its optimizer steps); the report gives the mean over seeds and a
-95% Student-t interval (`alignment.mean_ci95`), seeds with an empty
-denominator dropping out (n is shown). Paired differences (criterion − ratio)
-are computed per seed, then averaged the same way.
-
-The paper's numbers (PDM, arXiv 2607.10848, token-level analysis over 61 seeds)
-are shown beside ours: unsafe-keep 34.2% (predictive) vs 36.9% (ratio),
-corrective 65.1% vs 62.9%. They are the precision reading (each criterion's two rates add up to
-about 100%): of the out-of-region updates a criterion keeps, the share that increased D and the
-share that decreased it (`alignment.alignment_rates`' ``unsafe_share`` / ``corrective_share``),
-which is the report's headline; the keep-rate reading, P(kept | ΔD > 0) and P(kept | ΔD < 0),
-and the threshold-free Youden's J and sign agreement are reported beside it. Beyond the paper, the ``param_jvp`` row is the
-parameter-space first-order change Ḋᵖ = ⟨∇_θ D_t, Δθ⟩ along the actual update
-(`pdm_jax.analysis.param_direction`): its sign agreement against the logit-space
-estimators' says how much of their misses is the logit-space approximation.
-"""
+Each seed's rates pool its recorded tokens; the report gives the mean over seeds with a 95% Student-t interval
+(`alignment.mean_ci95`; seeds with an empty denominator drop out, n shown), and paired differences (criterion −
+ratio) per seed, averaged alike. The headline is the precision reading (``unsafe_share`` / ``corrective_share``),
+beside the PDM paper's numbers (arXiv 2607.10848, 61 seeds: unsafe-keep 34.2% predictive vs 36.9% ratio, corrective
+65.1% vs 62.9%); the keep-rate reading, Youden's J, sign agreement and the ``param_jvp`` row (docs/analysis.md)
+follow."""
 
 from __future__ import annotations
 
@@ -99,7 +88,8 @@ def _pts(mc) -> str:
     m, ci, n = mc
     if not math.isfinite(m):
         return "–"
-    return f"{100 * m:+.1f} pts" + (f" (95% CI {100 * (m - ci):+.1f} to {100 * (m + ci):+.1f})" if math.isfinite(ci) else "")
+    interval = f" (95% CI {100 * (m - ci):+.1f} to {100 * (m + ci):+.1f})" if math.isfinite(ci) else ""
+    return f"{100 * m:+.1f} pts" + interval
 
 
 def _paper_diff(metric: str) -> Optional[float]:
@@ -108,8 +98,8 @@ def _paper_diff(metric: str) -> Optional[float]:
 
 
 def verdict(summary: dict, criterion: str, reading: str = "precision") -> str:
-    """One honest sentence comparing `criterion` with the ratio direction against the paper's direction, under
-    `reading` ("precision", the paper's, or "keep_rate"; `READINGS`)."""
+    """One honest sentence comparing `criterion` with the ratio direction against the paper's direction, under `reading`
+    ("precision", the paper's, or "keep_rate"; `READINGS`)."""
     d = summary.get(criterion, {}).get("diff_vs_ratio")
     if not d:
         return f"No {criterion} results."
@@ -218,8 +208,8 @@ _COLORS = {"ratio": "#999999", "aggregated_tail": "#4c72b0", "uniform_tail": "#5
 
 
 def figure_paper_vs_ours(summary: dict, iso_summary: Optional[dict], path: str) -> None:
-    """Bars: unsafe-keep and corrective rates, paper (ratio vs predictive) beside ours (every criterion),
-    for the real optimizer step and the isolated step (mean ± 95% CI over seeds)."""
+    """Bars: unsafe-keep and corrective rates, paper (ratio vs predictive) beside ours (every criterion), for the real
+    optimizer step and the isolated step (mean ± 95% CI over seeds)."""
     plt = _plt()
     crits = [c for c in al.ALL_CRITERIA if c in summary or (iso_summary and c in iso_summary)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
@@ -413,7 +403,8 @@ def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
            f"region ({100 * n_out / max(n_valid, 1):.2f}%), {n_sel} of them with Â ≠ 0 analysed "
            f"({t['increase']} with D increased, {t['decrease']} decreased, {t['tie']} unchanged).",
            "- Realized change: ΔD_t = D_t(θ_after) − D_t(θ_before), recomputed on the same mini-batch with the same "
-           "μ (the batch's top-K and log μ(y_t)) after the actual AdamW update of the run. Training uses ONE mask (above); "
+           "μ (the batch's top-K and log μ(y_t)) after the actual AdamW update of the run. "
+           "Training uses ONE mask (above); "
            "a token that mask drops moves only through the other tokens' gradients, so the real-step rates "
            "measure each criterion's decisions against the dynamics of that run. The isolated mode below removes "
            "this coupling.",
@@ -433,7 +424,8 @@ def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
                   f"{sum(1 for x in lags if x == 1)} steps; {fallbacks} rows matched by log μ because their "
                   f"version was not kept); max |Δ log μ(y_t)| vs the sampler's = {max(errs):.1e}.")
     md.append(f"- Warm-start accuracy {_fmt_mean(warm)}, final {_fmt_mean(final)} (avg@k on the few held-out "
-              f"prompts of the short runs); wall time per seed {np.nanmean(secs):.0f} s (total {np.nansum(secs):.0f} s).")
+              f"prompts of the short runs); wall time per seed {np.nanmean(secs):.0f} s "
+              f"(total {np.nansum(secs):.0f} s).")
     by_commit = {}
     for s in seeds:
         by_commit.setdefault(s.get("settings", {}).get("git_commit") or "?", []).append(s["seed"])
@@ -564,7 +556,8 @@ def _fidelity_section(fidelity) -> list:
         n = np.asarray(fidelity["n"])
         md += ["## Estimator fidelity", "",
                "Sign agreement of each closed-form Ḋ with the full-vocabulary Ḋ (full μ recomputed from the sampler's "
-               "quantized weights; the estimators see the top-K view of that same μ), over every valid token, binned by the "
+               "quantized weights; the estimators see the top-K view of that same μ), over every valid token, "
+               "binned by the "
                "behaviour tail mass μ_T:", "",
                "| μ_T bin | tokens | aggregated tail | uniform tail | bucket exact |", "|---|---|---|---|---|"]
         bins = fidelity["bins"]
@@ -583,17 +576,13 @@ def _fidelity_section(fidelity) -> list:
 def disagreement_by_tail_mass(seeds: Sequence[dict], bins: Sequence[float] = al.TAIL_MASS_BINS) -> Optional[dict]:
     """Where each direction criterion parts from the ratio test, by the behaviour tail mass μ_T of the token.
 
-    Pooled over the seeds' analysed tokens (outside the region, Â ≠ 0; real optimizer step): ``tail_mass``
-    (μ_T = 1 − Σ_E μ, the behaviour probability outside the top-K view and y_t, in [0, 1]) binned by `bins`
-    (`alignment.TAIL_MASS_BINS`, the estimator-fidelity bins); per bin the token count, and per criterion other
-    than the ratio test the tokens whose keep decision differs from the ratio test's (``disagree``) and those of
-    them where the criterion is right (kept with ΔD < 0 or masked with ΔD > 0; ``right``). The criteria are those
-    of `alignment.criteria_in` that every seed recorded.
+    Pooled over the seeds' analysed tokens (real optimizer step), μ_T binned by `bins` (`alignment.TAIL_MASS_BINS`):
+    per bin the token count and, per criterion of `alignment.criteria_in` other than the ratio test, the tokens whose
+    decision differs from the ratio test's (``disagree``) and those where it is right (``right``).
 
-    Returns None when a seed lacks ``tail_mass`` or ``delta_d`` (records of older runs), else
-    ``{"bins": [edges], "n": [nbins] int, "no_tail_mass": int, criterion: {"disagree": [nbins] int, "right":
-    [nbins] int}}``; a token whose μ_T is not finite is in no bin, only counted in ``no_tail_mass``.
-    """
+    Returns None when a seed lacks ``tail_mass`` or ``delta_d``, else ``{"bins": [edges], "n": [nbins] int,
+    "no_tail_mass": int, criterion: {"disagree": [nbins] int, "right": [nbins] int}}`` (a non-finite μ_T counts only
+    in ``no_tail_mass``)."""
     recs = [s.get("records", {}) for s in seeds]
     if not recs or any("tail_mass" not in r or "delta_d" not in r or "keep_ratio" not in r for r in recs):
         return None
@@ -646,16 +635,12 @@ def _tail_mass_section(seeds: Sequence[dict]) -> list:
 
 
 def topk_capture(seeds: Sequence[dict]) -> Optional[dict]:
-    """Σ top-K KL / Σ full KL over the analysed tokens of the seeds that recorded the full KL (full μ recomputed).
+    """Σ top-K KL / Σ full KL (both KL(μ ‖ π) in nats before the step) over the analysed tokens of the seeds that
+    recorded the full KL: the share of the divergence the top-K view sees (at most 1 by data processing; the paper: >
+    99%).
 
-    Per token, ``d_before`` is the top-K KL the mask tests (the K ids of μ's view and one tail bucket) and
-    ``full_kl_before`` the KL over the whole vocabulary, both KL(μ ‖ π) in nats before the step. The top-K KL is
-    the KL of the two distributions coarsened to K + 1 outcomes, so it never exceeds the full KL (the data
-    processing inequality): the ratio is the share of the divergence the top-K view sees (the paper: > 99%).
-
-    Returns None when no seed has both fields, else ``pooled`` (Σ over every token of every seed), ``per_seed``
-    (`alignment.mean_ci95` of the seeds' own ratios), ``n`` (tokens) and ``seeds``.
-    """
+    Returns None when no seed has both fields, else ``pooled``, ``per_seed`` (`alignment.mean_ci95`), ``n`` (tokens)
+    and ``seeds``."""
     ratios, tot_topk, tot_full, n = [], 0.0, 0.0, 0
     for s in seeds:
         r = s.get("records", {})
@@ -754,7 +739,8 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
         md += [f"Kept fraction of the analysed out-of-region tokens (real step): ratio {_pct(kept_frac('ratio'))}, "
                + ", ".join(f"{_SHORT[c]} {_pct(kept_frac(c))}" for c in al.ALL_CRITERIA[1:] if c in summary)
                + f". On the disagreement set ({_pct(summary['bucket_exact']['disagreement_frac'])} of the tokens for "
-               f"bucket exact) the predictive decision is the right one {_pct(summary['bucket_exact']['right_on_disagreement'])} "
+               f"bucket exact) the predictive decision is the right one "
+               f"{_pct(summary['bucket_exact']['right_on_disagreement'])} "
                "of the time (50% = no better than the ratio test).", ""]
     md += ["Per criterion (real optimizer step):", ""]
     for c in ("aggregated_tail", "bucket_exact", "uniform_tail", "full", "param_jvp"):

@@ -1,19 +1,9 @@
 """Run the token-level analysis over many seeds in ONE process and save per-seed results.
 
-Each seed is a short, complete run of the tiny task (`configs/tiny.py` with the
-overrides of `DEFAULT_ARG`): a short supervised warm start, then tens of GRPO
-steps where the off-policy gap is real (fp8 sampler, several mini-batches and
-two iterations per rollout batch, staleness 1), with an `AlignmentCallback`.
-All seeds run in one process with the in-process sampler (no sampler start-up
-per seed); the trainer's per-run jitted steps are recompiled per seed but hit a
-persistent XLA compilation cache (`enable_compile_cache`), and the analysis's
-own jitted functions are module-level and shared.
-
-Per seed, ``<out>/seeds/seed_XXX.npz`` holds the recorded tokens (see
-`AlignmentCallback.records`) and ``seed_XXX.json`` the per-step statistics,
-fidelity counts, the run's summary and timing; `pdm_jax.analysis.report`
-turns a directory of them into the report.
-"""
+Each seed is a short run of the tiny task (`configs/tiny.py` with `DEFAULT_ARG`'s overrides: a warm start, then tens
+of GRPO steps with a real off-policy gap) with an `AlignmentCallback`, in-process sampler, and a persistent
+compilation cache shared across seeds. ``<out>/seeds/seed_XXX.npz`` holds the recorded tokens and ``seed_XXX.json``
+the per-step statistics, fidelity counts, summary and timing; `pdm_jax.analysis.report` turns them into the report."""
 
 from __future__ import annotations
 
@@ -31,9 +21,8 @@ import numpy as np
 
 log = logging.getLogger("pdm_jax.analysis")
 
-#: Overrides of configs/tiny.py for the default analysis (big_vision argument string).
-#: A smaller trust region than the tiny default (0.05): with fp8 rollouts and lr 1e-4 few
-#: tokens leave a 0.05 region within one rollout batch, and the analysis needs tokens outside.
+#: Overrides of configs/tiny.py for the default analysis: delta 0.005, as with fp8 rollouts and lr 1e-4 few tokens
+#: leave the default 0.05 region within one rollout batch, and the analysis needs tokens outside.
 DEFAULT_ARG = ",".join([
     "delta=0.005",
     "sft.steps=150", "sft.batch_size=64", "sft.warmup_steps=20",
@@ -47,12 +36,8 @@ DEFAULT_ARG = ",".join([
 ])
 
 
-#: Overrides of configs/tiny_stress.py for the analysis on the stress testbed (issue 16). The testbed's
-#: own levers stay (int8 rollouts, staleness 1, 4 mini-batches × 4 iterations = 16 optimizer steps per
-#: rollout batch, lr 1e-4, δ = 0.05, PDM bucket_exact); the RL phase is cut to its first 6 steps (96
-#: optimizer steps, as many as the tiny analysis) and the evaluation to 64 prompts, so 61 seeds fit in about
-#: an hour on a loaded 2-core CPU. Meant with ``--warmstart`` (the comparison's shared 500-step warm
-#: start); without it every seed trains its own (≈ 3 min each on that machine).
+#: Overrides of configs/tiny_stress.py (the stress testbed's levers kept): the first 6 RL steps (96 optimizer steps, as
+#: the tiny analysis) and 64 evaluation prompts. Meant with ``--warmstart`` (the comparison's shared warm start).
 STRESS_ARG = ",".join([
     "steps=6",
     "eval.num_prompts=64", "eval.samples_per_prompt=4", "eval.greedy=False", "eval.every_steps=1000",
@@ -60,11 +45,9 @@ STRESS_ARG = ",".join([
     "sampler.mode=in_process",
 ])
 
-#: Overrides of configs/tiny_bpe.py for the analysis on the BPE testbed (issue 29): V = 1,024, K = 20, with the
-#: rollouts sampled at their own temperature tau_s = 1.6 (the loss's pi at 1), the persistent mismatch under which
-#: the ratio and predictive direction tests disagree on 5-6% of tokens (reports/bpe_pilot). 12 RL steps of 16 x 8
-#: samples, 4 mini-batches x 2 iterations (96 optimizer steps per seed, as the tiny analysis). Meant with
-#: ``--warmstart`` (the config's 2,500-step warm start, about 4 min).
+#: Overrides of configs/tiny_bpe.py (V = 1,024, K = 20): rollouts at their own temperature tau_s = 1.6, where the two
+#: direction tests disagree on 5-6% of tokens (reports/bpe_pilot); 96 optimizer steps per seed. Meant with
+#: ``--warmstart``.
 BPE_ARG = ",".join([
     "steps=12", "rl.prompts_per_step=16", "rl.group_size=8", "rl.num_minibatches=4", "rl.num_iterations=2",
     "eval.num_prompts=32", "eval.samples_per_prompt=2", "eval.greedy=False", "eval.every_steps=1000",
@@ -72,19 +55,14 @@ BPE_ARG = ",".join([
     "sampler.mode=in_process", "sampler.temperature=1.6",
 ])
 
-#: Overrides of configs/tiny_between.py (``number_between``, many right answers, V = 1,024, K = 20) for the analysis:
-#: BPE_ARG's schedule with the rollouts at the loss's temperature from a copy perturbed by ``sampler.weight_noise``
-#: 0.45 (a fixed offset; the pilot's level, reports/between_pilot). Meant with ``--warmstart`` (about 4 min).
+#: Overrides of configs/tiny_between.py: BPE_ARG's schedule, rollouts from a copy perturbed by ``sampler.weight_noise``
+#: 0.45 (reports/between_pilot). Meant with ``--warmstart``.
 BETWEEN_ARG = ",".join([item for item in BPE_ARG.split(",") if not item.startswith("sampler.temperature=")]
                        + ["sampler.weight_noise=0.45"])
 
-#: Overrides of configs/tiny_between.py for the analysis on the PDM / DPPO comparison's lever
-#: (`launch/sweeps/between_testbed.py`, reports/between_pilot): rollouts up to 8 versions stale, drawn at their own
-#: temperature tau_s = 1.15, 2 mini-batches x 4 iterations at lr 3e-4, delta 0.05, trained with PDM aggregated_tail.
-#: Its 9 RL steps are the comparison's steps 1-9, whose rollouts all come from the warm start (the staleness ramps
-#: up to 8): from the comparison's warm start, seed s re-runs the first 9 steps of that sweep's aggregated_tail run
-#: at delta 0.05 and seed s (seed 0's steps 1-3 give its records' token counts and top-K KL). Meant with
-#: ``--warmstart`` (the comparison's shared warm start, comparison_records/_warmstart).
+#: Overrides of configs/tiny_between.py on the PDM / DPPO comparison's lever (`launch/sweeps/between_testbed.py`):
+#: the first 9 RL steps of its aggregated_tail run at delta 0.05 (rollouts up to 8 versions stale, tau_s = 1.15, lr
+#: 3e-4). Meant with ``--warmstart`` (the comparison's shared warm start).
 BETWEEN_COMPARISON_ARG = ",".join([
     "steps=9", "rl.max_staleness=8", "rl.num_iterations=4", "rl.learning_rate=3e-4", "sampler.temperature=1.15",
     "delta=0.05", "mask=pdm", "estimator=aggregated_tail",
@@ -102,8 +80,8 @@ _WARMSTART_SKIP = ("summary.json", "curves.png", "train.log", "tensorboard", "sw
 
 
 def enable_compile_cache(path: str) -> None:
-    """Turns on JAX's persistent compilation cache at `path` (`pdm_jax.profiling.enable_compile_cache`: every
-    entry cached, however fast to compile; a file lock shared with the seeds' other processes)."""
+    """Turns on JAX's persistent compilation cache at `path` (`pdm_jax.profiling.enable_compile_cache`: every entry
+    cached, however fast to compile; a file lock shared with the seeds' other processes)."""
     from pdm_jax.profiling import enable_compile_cache as enable  # lazy: this module also reads seeds without JAX
 
     enable(os.path.abspath(path))
@@ -122,15 +100,10 @@ def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: f
 
     Args:
       config: a full run ConfigDict (its ``seed`` selects the seed).
-      workdir: a fresh run directory (removed first if it exists, removed
-        after the run unless `keep_workdir`).
+      workdir: a fresh run directory (removed first, and after the run unless `keep_workdir`).
       isolated_tokens, isolated_step, full_mu, param_direction: see `AlignmentCallback`.
-      warmstart: a finished warm-start workdir (a run of the same config with
-        ``rl.steps=0``, e.g. a sweep's ``_warmstart/<key>``), copied into
-        `workdir` first so the trainer resumes at RL step 0 with `config` (the
-        seed then varies only the RL phase), as `launch/sweep.py` shares warm
-        starts. Raises ValueError if it holds no ``summary.json``.
-    """
+      warmstart: a finished warm-start workdir of the same config (``rl.steps=0``) copied in first, so only the RL
+        phase varies with the seed; ValueError if it holds no ``summary.json``."""
     # lazy: JAX, the model and the training loop are only needed to run new seeds, not to read saved ones
     from pdm_jax.analysis.callback import AlignmentCallback
     from pdm_jax.train import run as run_training
@@ -176,14 +149,11 @@ def save_seed(out_dir: str, seed: int, result: dict, settings: dict) -> str:
 
 
 def load_seeds(out_dir: str) -> list:
-    """Loads every saved seed of `out_dir` (sorted): list of ``{"seed", "records", "steps", "fidelity", ...}``.
-
-    Every array is read whole, so the zip's CRC-32 of each checks its bytes (a flipped bit is refused, not read as
-    other token figures); no pickled object is ever loaded.
+    """Every saved seed of `out_dir` (sorted), ``{"seed", "records", "steps", "fidelity", ...}``; arrays are read whole
+    (the zip's CRC-32 checks them), nothing pickled is loaded.
 
     Raises:
-      ValueError: a seed's ``.json`` or ``.npz`` is missing, unreadable or corrupted (names the file).
-    """
+      ValueError: a seed's ``.json`` or ``.npz`` is missing, unreadable or corrupted (naming the file)."""
     out = []
     if not os.path.isdir(out_dir):
         return out
@@ -238,12 +208,8 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
               isolated_step: float = 1e-2, full_mu: bool = True, param_direction: bool = True,
               compile_cache: Optional[str] = None, skip_done: bool = True, warmstart: Optional[str] = None,
               log_fn=print) -> list:
-    """Runs `run_seed` for each seed (skipping seeds already saved when `skip_done`); returns the json paths.
-
-    The config is ``<config_spec>`` loaded with ``arg`` (then ``overrides``, a
-    second argument string, then ``seed=<seed>``) via `pdm_jax.config.apply_arg`.
-    `warmstart`: one warm-start workdir shared by every seed (see `run_seed`).
-    """
+    """Runs `run_seed` per seed (skipping saved ones with `skip_done`) on ``<config_spec>`` with ``arg``, ``overrides``
+    and ``seed=<seed>`` (`pdm_jax.config.apply_arg`), one shared `warmstart`; returns the json paths."""
     from pdm_jax.config import apply_arg  # lazy: only when a report re-reads the config
 
     if compile_cache:

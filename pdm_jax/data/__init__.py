@@ -1,30 +1,10 @@
 """pdm_jax.data: prompt sources (reasoning-gym, local HF datasets) and verifiers.
 
-Entry point: `make_source(spec)` builds a `PromptSource` from a `DataSpec`, the run config's ``data`` section
-read once (`DataSpec.from_config(config.data)`; fields and units in docs/configuration.md):
-
-  kind           "reasoning_gym" | "gsm8k" | "dapo_math" | "file" (the user's own prompts)
-  task           reasoning-gym task name, e.g. "chain_sum"            (reasoning_gym)
-  task_config    dict of reasoning-gym config kwargs                  (reasoning_gym)
-  prompt_format  "compact" | "question" (the math datasets support only "question"); the config's "auto"
-                 is resolved by `DataSpec.from_config`
-  path           local json/jsonl/parquet file                        (gsm8k, dapo_math, file)
-  prompt_field   the prompt column (text or chat messages)            (file)
-  answer_field   the reference-answer column ("" = none)              (file)
-  eval_path      optional separate held-out file ("" = held out from path)
-  num_eval       held-out size (prompts)
-  seed           seed of the prompt stream and the held-out split
-  chat_template  "auto" (the source's chat flag) | "on" (the tokenizer's chat template) |
-                 "off" (raw prompt text, e.g. for a Base model)
-
-and, outside the run config, ``train_size``, ``instruction``, ``verify_timeout_s`` and ``chat`` (`DataSpec`).
-
-Unknown kind, missing path, bad task etc. raise ValueError naming the field.
-
-Once the tokenizer exists, `filter_long_prompts(source, codec.encode_prompt,
-config.sampler.max_prompt_length)` drops (and counts) the prompts longer than the
-sampler accepts, from the training stream and the held-out set.
-"""
+`make_source(spec)` builds a `PromptSource` from a `DataSpec` (``DataSpec.from_config(config.data)``; fields and
+units in docs/configuration.md): ``kind`` "reasoning_gym" | "gsm8k" | "dapo_math" | "file", with ``task`` /
+``task_config`` / ``prompt_format`` (reasoning-gym), ``path`` (the files), ``prompt_field`` / ``answer_field``
+(file), ``eval_path``, ``num_eval``, ``seed`` and ``chat_template``. A bad field raises ValueError naming it. Once
+the tokenizer exists, `filter_long_prompts` drops (and counts) prompts longer than the sampler accepts."""
 
 from __future__ import annotations
 
@@ -69,12 +49,9 @@ __all__ = [
 
 
 def applies_chat_template(kind: str, prompt_format: str, chat_template: str, chat=None) -> bool:
-    """Whether a source's prompts go through the tokenizer's chat template (`PromptSource.chat`).
-
-    ``chat_template`` "on" / "off" decide; under "auto" an explicit ``chat`` (`DataSpec.chat`) does, else the
-    source's own choice: reasoning-gym tasks with ``prompt_format="question"``, gsm8k, dapo_math and file apply it,
-    reasoning-gym "compact" prompts do not. `make_source` and `pdm_jax.config.validate_config` both read it.
-    """
+    """Whether a source's prompts go through the tokenizer's chat template: ``chat_template`` "on" / "off" decide; under
+    "auto" an explicit ``DataSpec.chat``, else the source (reasoning-gym "question", gsm8k, dapo_math and file do,
+    reasoning-gym "compact" does not)."""
     if chat_template != "auto":
         return chat_template == "on"
     if chat is not None:
@@ -83,19 +60,12 @@ def applies_chat_template(kind: str, prompt_format: str, chat_template: str, cha
 
 
 def make_source(spec: DataSpec) -> PromptSource:
-    """Build the prompt source a `DataSpec` describes (see module docstring).
-
-    Args:
-      spec: the run's `DataSpec` (`DataSpec.from_config(config.data)`).
-
-    Returns:
-      A `ReasoningGymSource`, `pdm_jax.data.math_data.MathSource` or `pdm_jax.data.file_data.FileSource`.
+    """The `ReasoningGymSource`, `MathSource` or `FileSource` a `DataSpec` describes.
 
     Raises:
-      TypeError: ``spec`` is not a `DataSpec` (e.g. the ConfigDict section itself).
-      ValueError: unknown kind, missing/non-existent path, unknown task, bad
-        task_config, prompt_format or num_eval (the message names the field).
-    """
+      TypeError: ``spec`` is not a `DataSpec`.
+      ValueError: unknown kind, missing path, unknown task, bad task_config, prompt_format or num_eval (naming the
+        field)."""
     if not isinstance(spec, DataSpec):
         raise TypeError(f"make_source takes a DataSpec (DataSpec.from_config(config.data)), got {type(spec).__name__}")
     if spec.kind not in KINDS:

@@ -1,30 +1,16 @@
 """``data.kind = "file"``: prompts from the user's own local file, through Hugging Face `datasets`.
 
-``data.path`` is a local .json / .jsonl / .parquet file (read by `pdm_jax.data.math_data.load_records`, the
-loader of the gsm8k / dapo_math kinds) or a directory written by ``datasets.Dataset.save_to_disk`` (read by
-``datasets.load_from_disk``); the hub is never contacted. Each row needs the column ``data.prompt_field``:
+``data.path``: a local .json / .jsonl / .parquet file (`pdm_jax.data.math_data.load_records`) or a
+``Dataset.save_to_disk`` directory; the hub is never contacted. The column ``data.prompt_field`` holds text (one user
+turn under the chat template unless ``data.chat_template = "off"``) or a list of chat messages ``[{"role",
+"content"}, ...]`` (rendered whole by the chat template, which must be on). ``data.answer_field`` (optional) is the
+reference answer: the built-in math verifier's ground truth and the warm-start target. Every other column is kept in
+``Example.meta["columns"]`` for ``reward.functions`` (the names ``prompts``, ``completions``, ``completion_ids`` and
+``truncated`` are refused). Duplicate prompts are kept once; the split, stream and scoring are `MathSource`'s.
 
-* text: the prompt as the model sees it (through the tokenizer's chat template as one user turn unless
-  ``data.chat_template = "off"``), or
-* a list of chat messages ``[{"role": ..., "content": ...}, ...]``: rendered whole by the tokenizer's chat template
-  (`pdm_jax.text.TextCodec.encode_prompt`), so ``data.chat_template`` must not be "off".
-
-``data.answer_field`` (optional) names the reference-answer column: the ground truth of the built-in math verifier
-(`pdm_jax.data.verifiers.math_reward`, as gsm8k / dapo_math) and the target of the supervised warm start (the
-answer text itself). Every column but the prompt's (the answer's included, under its own name) is kept per row in
-``Example.meta["columns"]`` and reaches the reward functions of ``reward.functions`` as a keyword argument
-(`pdm_jax.rewards`); the column names ``prompts``, ``completions``, ``completion_ids`` and ``truncated`` are the
-reward functions' own arguments and are refused.
-
-Rows with the same prompt are kept once (the first). Held-out split, training stream and scoring are
-`pdm_jax.data.math_data.MathSource`'s: ``data.num_eval`` rows of a seeded permutation (or of ``data.eval_path``),
-disjoint from the training pool by prompt content. Prompts longer than ``sampler.max_prompt_length`` tokens are
-dropped and counted at load by `pdm_jax.data.prompt_filter.filter_long_prompts`, as for every kind.
-
-Errors (ValueError naming the field): a missing or unreadable path, an empty file (no rows), a row without the
-prompt or answer column, a prompt that is neither non-empty text nor a list of {role, content} messages, a
-reserved column name, chat-message prompts with ``data.chat_template = "off"``.
-"""
+Errors (ValueError naming the field): a missing or unreadable path, no rows, a row without the prompt or answer
+column, a prompt that is neither non-empty text nor a list of {role, content} messages, a reserved column name,
+chat-message prompts with ``data.chat_template = "off"``."""
 
 from __future__ import annotations
 
@@ -82,16 +68,12 @@ def _prompt_value(value, row_number: int, prompt_field: str):
 
 
 def load_file_rows(path, *, prompt_field: str, answer_field: str = "", field: str = "data.path") -> list[dict]:
-    """The rows of the user's file, normalised to `MathSource`'s rows and de-duplicated by prompt.
-
-    Returns:
-      dicts ``{prompt, answer, row_id, meta}``: ``prompt`` is the text, or the JSON of the message list (then
-      ``meta["chat_messages"]`` is True); ``answer`` the ``answer_field`` column as text ("" without one);
-      ``meta["columns"]`` every column but the prompt's (JSON-safe values); ``meta["row"]`` the row number.
+    """The rows of the user's file as `MathSource` rows, de-duplicated by prompt: dicts ``{prompt, answer, row_id,
+    meta}`` (``prompt`` the text or the JSON of the messages, with ``meta["chat_messages"]``; ``answer`` as text, ""
+    without a column; ``meta["columns"]`` every other column; ``meta["row"]`` the row number).
 
     Raises:
-      ValueError: see the module docstring (naming ``field``, ``data.prompt_field`` or ``data.answer_field``).
-    """
+      ValueError: see the module docstring (naming ``field``, ``data.prompt_field`` or ``data.answer_field``)."""
     rows, seen = [], set()
     for row_number, record in enumerate(_records(path, field)):
         if prompt_field not in record or record[prompt_field] is None:
@@ -118,22 +100,17 @@ def load_file_rows(path, *, prompt_field: str, answer_field: str = "", field: st
 
 
 class FileSource(MathSource):
-    """The user's prompt file as a `PromptSource` (see the module docstring).
+    """The user's prompt file as a `PromptSource`; `score` is the built-in math verifier against ``Example.answer``,
+    `sft_target` the answer text.
 
     Args:
       path, eval_path, num_eval, seed, verify_timeout_s: as `MathSource`.
-      prompt_field: the prompt column (``data.prompt_field``).
-      answer_field: the reference-answer column (``data.answer_field``; "" = none).
-      chat: whether prompts go through the tokenizer's chat template (`pdm_jax.data.applies_chat_template`).
-
-    ``Example.prompt`` is the prompt text, or the list of message dicts of a chat-message prompt;
-    ``Example.answer`` the answer column as text ("" without ``answer_field``). `score` is the built-in math
-    verifier against ``Example.answer``; `sft_target` the answer text.
+      prompt_field: the prompt column; answer_field: the reference-answer column ("" = none).
+      chat: whether prompts go through the tokenizer's chat template.
 
     Raises:
       ValueError: as `load_file_rows`; chat-message prompts without the chat template (naming
-        ``data.chat_template``).
-    """
+        ``data.chat_template``)."""
 
     KINDS = ("file",)
 

@@ -1,40 +1,15 @@
-"""Math prompt sources from LOCAL files through Hugging Face `datasets`.
+"""Math prompt sources from LOCAL files through Hugging Face `datasets` (hub never contacted).
 
-Two schemas:
+Schemas: GSM8K (openai/gsm8k) rows `{"question", "answer"}`, the answer worked reasoning ending in `#### <number>`;
+DAPO-Math-17k (BytedTsinghua-SIA/DAPO-Math-17k) rows `{"data_source", "prompt": [{"role", "content"}, ...],
+"ability", "reward_model": {"ground_truth", "style"}, "extra_info": {"index"}}`, de-duplicated by prompt text (the
+published parquet repeats every problem). Files: .json, .jsonl, .parquet.
 
-* GSM8K (openai/gsm8k): rows `{"question": str, "answer": str}` where the
-  answer is worked reasoning (with `<<48/2=24>>` calculator annotations)
-  ending in a line `#### <number>`.
-* DAPO-Math-17k (BytedTsinghua-SIA/DAPO-Math-17k): rows `{"data_source": str,
-  "prompt": [{"role": str, "content": str}, ...], "ability": str,
-  "reward_model": {"ground_truth": str, "style": str}, "extra_info":
-  {"index": str|int}}`. The published parquet repeats every problem many
-  times; rows are de-duplicated by prompt text here (first occurrence kept).
-
-Files are read with `datasets.load_dataset("json"|"parquet", data_files=path)`
-with HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1 set: the hub is never
-contacted. Accepted extensions: .json, .jsonl, .parquet.
-
-Held-out split: without `eval_path`, a permutation of the de-duplicated rows
-drawn with `numpy.random.default_rng(seed)` puts the first `num_eval` rows in
-the eval set and the rest in the training pool; `num_eval` may be at most half
-of the rows (a larger one is refused, naming both counts, rather than leaving
-a training pool smaller than the held-out set). With `eval_path`, the eval set
-is `num_eval` rows of that file (same seeded permutation) and every training
-row whose prompt text equals an eval prompt is dropped. Either way train and
-eval are disjoint by prompt content.
-
-Training stream: position `index` is row `perm_e[index % n_train]` of the
-training pool, with `perm_e = default_rng([seed, 1, e]).permutation(n_train)`
-for epoch `e = index // n_train`: a fresh deterministic shuffle per pass.
-
-Scoring: `pdm_jax.data.verifiers.math_reward` (math-verify) on the answer found
-by `verifiers.find_final_answer` (the last `\\boxed{}`, else the last `Answer:`
-line, else the last numeric `#### N` line); safe from any thread.
-
-Cost: reading goes through the `datasets` Arrow cache (~/.cache/huggingface);
-about 3 s per 100k rows on a laptop-class CPU (the 1.8M-row DAPO parquet: ~1 min).
-"""
+Held-out split: without `eval_path`, the first `num_eval` rows of a `default_rng(seed)` permutation (at most half the
+rows); with it, `num_eval` rows of that file, training rows with an eval prompt dropped: disjoint by prompt content.
+Training position `index` is row `perm_e[index % n_train]`, `perm_e = default_rng([seed, 1, e]).permutation(n_train)`
+for epoch `e = index // n_train`. Scoring: `verifiers.math_reward` on `verifiers.find_final_answer`'s answer, safe
+from any thread. Reading: about 3 s per 100k rows (the 1.8M-row DAPO parquet: ~1 min)."""
 
 from __future__ import annotations
 
@@ -61,17 +36,12 @@ _GSM8K_FINAL_RE = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 
 
 def load_records(path: str | os.PathLike, *, field: str = "data.path") -> Iterator[dict]:
-    """The rows of a local json/jsonl/parquet file as Python dicts, via `datasets`.
-
-    Returns an iterator (rows are converted in batches of 4096, so that a large
-    file with many repeats, like the published DAPO-Math-17k parquet with ~1.8M
-    rows, is never materialised as Python objects at once). Sets
-    HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1 (no hub access ever).
+    """The rows of a local json/jsonl/parquet file as Python dicts, via `datasets`, as an iterator converted in batches
+    of 4096 (a 1.8M-row file is never materialised at once); sets HF_DATASETS_OFFLINE=1 and HF_HUB_OFFLINE=1.
 
     Raises:
-      ValueError naming `field`: missing path, file not found, unsupported
-        extension, or a file `datasets` cannot read.
-    """
+      ValueError: naming `field`: missing path, file not found, unsupported extension, or a file `datasets` cannot
+        read."""
     if path is None or str(path) == "":
         raise ValueError(f"{field} is required (a local .json/.jsonl/.parquet file), got {path!r}")
     file = Path(path).expanduser()
@@ -169,8 +139,8 @@ _ROW_PARSERS = {"gsm8k": _gsm8k_row, "dapo_math": _dapo_row}
 def load_math_rows(kind: str, path, *, field: str = "data.path") -> list[dict]:
     """Rows of a local file in the `kind` schema, normalised and de-duplicated by prompt.
 
-    Returns dicts {prompt, answer, row_id, meta}. Raises ValueError (naming
-    `field`) for unreadable files, missing columns or an empty file."""
+    Returns dicts {prompt, answer, row_id, meta}. Raises ValueError (naming `field`) for unreadable files, missing
+    columns or an empty file."""
     if kind not in _ROW_PARSERS:
         raise ValueError(f"data.kind must be one of {sorted(_ROW_PARSERS)} for math data, got {kind!r}")
     parse = _ROW_PARSERS[kind]
@@ -191,31 +161,21 @@ class MathSource:
 
     Args:
       kind: "gsm8k" or "dapo_math" (the schema).
-      path: local .json/.jsonl/.parquet file (training pool, and the eval pool
-        when `eval_path` is None).
+      path: local .json/.jsonl/.parquet file (training pool, and the eval pool without `eval_path`).
       eval_path: optional separate held-out file in the same schema.
-      prompt_format: only "question" (the dataset's prompt text) is supported.
-      num_eval: held-out size (>= 1; at most the rows of `eval_path`, and
-        without eval_path at most half of the distinct rows of `path`).
-      seed: int seed of the split and of the per-epoch training shuffles.
-      instruction: text appended to every prompt after a blank line (e.g.
-        "Please reason step by step, and put your final answer within \\boxed{}.");
-        "" (default) leaves prompts unchanged (DAPO prompts carry their own).
+      prompt_format: only "question".
+      num_eval: held-out size (>= 1; at most the rows of `eval_path`, or half the distinct rows of `path`).
+      seed: int seed of the split and the per-epoch shuffles.
+      instruction: text appended to every prompt after a blank line ("" leaves prompts unchanged).
       verify_timeout_s: math-verify budget per completion, seconds.
-      chat: override of the chat flag (default True).
+      chat: override of the chat flag.
 
-    Example.prompt is the (last) user message text; DAPO's full message list is
-    kept in `meta["messages"]`. Example.answer is the final answer ("72",
-    "\\frac{1}{2}"). `sft_target`: GSM8K "<reasoning>\\n#### <answer>" (the
-    reference reasoning without calculator annotations); DAPO "Answer: <answer>"
-    (no reference reasoning exists; this is DAPO's requested final line).
-    `score_batch(completions, examples)` verifies concurrently (one thread per
-    math-verify worker process); `score` is safe from any thread.
+    Example.prompt is the (last) user message (DAPO's messages in `meta["messages"]`), Example.answer the final
+    answer ("72", "\\frac{1}{2}"); `sft_target` is GSM8K's "<reasoning>\\n#### <answer>" or DAPO's "Answer:
+    <answer>"; `score_batch` verifies concurrently.
 
     Raises:
-      ValueError naming the field: kind, path/eval_path, prompt_format,
-      num_eval, verify_timeout_s.
-    """
+      ValueError: naming the field: kind, path/eval_path, prompt_format, num_eval, verify_timeout_s."""
 
     #: The schemas this class reads (`pdm_jax.data.file_data.FileSource` reads "file" through `_load_rows`).
     KINDS = tuple(_ROW_PARSERS)
@@ -318,8 +278,8 @@ class MathSource:
     def score(self, completion: str, example: Example, *, truncated: bool = False) -> float:
         """`math_reward(completion, example.answer, truncated=truncated)`: 1.0 / 0.0, never raises.
 
-        `truncated`: the completion was stopped by max_tokens (a final answer on its
-        unterminated last line gets no credit; see `verifiers.find_final_answer`)."""
+        `truncated`: the completion was stopped by max_tokens (a final answer on its unterminated last line gets no
+        credit; see `verifiers.find_final_answer`)."""
         try:
             return math_reward(completion, example.answer, timeout_s=self.verify_timeout_s,
                                truncated=truncated)
@@ -328,8 +288,8 @@ class MathSource:
 
     def score_batch(self, completions: Sequence[str], examples: Sequence[Example],
                     truncated: Optional[Sequence[bool]] = None) -> list[float]:
-        """`[score(c, e, truncated=t) ...]` over the three sequences, verified concurrently
-        by the math-verify worker processes (`verifiers.set_pool_workers`).
+        """`[score(c, e, truncated=t) ...]` over the three sequences, verified concurrently by the math-verify worker
+        processes (`verifiers.set_pool_workers`).
 
         Raises:
           ValueError: the sequences differ in length."""

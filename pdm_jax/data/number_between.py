@@ -1,23 +1,12 @@
-"""``number_between``: a reasoning-gym task whose prompts have many right answers (issue 29's testbed).
+"""``number_between``: a reasoning-gym task whose prompts have many right answers.
 
-A prompt names an open interval, ``3721<x<3760=``, and any integer strictly inside it is right. The reference
-answer (the supervised warm start's target) is one of them drawn uniformly, so after the warm start the model
-spreads its probability over the valid answers: the answer tokens stay uncertain, and with 4-digit numbers an
-answer spans several tokens of a BPE vocabulary. That is where the ratio (DPPO) and the predictive (PDM) direction
-tests can decide differently (reports/disagreement_map), unlike chain_sum, whose answer is one token after which the
-stop token is near-certain.
-
-It is registered as a reasoning-gym dataset (``reasoning_gym.register_dataset``, the library's own extension
-point: a `ProceduralDataset` whose `score_answer` is overridden when no single oracle answer exists), so
-`pdm_jax.data.tasks.ReasoningGymSource` serves it like any other task: ``data.task = "number_between"`` with
-``data.prompt_format = "question"`` (the prompt is the question text as it is) and the config keys below in
-``data.task_config``. Item ``i`` of seed ``s`` is drawn from ``random.Random(s + i)``, as reasoning-gym's own
-tasks are.
-
-Scoring: 1.0 if the answer, stripped of surrounding whitespace, is a plain decimal integer (an optional minus
-sign and ASCII digits only, leading zeros allowed up to one character more than the longer bound) strictly between
-the prompt's bounds, else 0.0.
-"""
+A prompt names an open interval, ``3721<x<3760=``, and any integer strictly inside it is right; the reference answer
+is one drawn uniformly, so after the warm start the answer tokens stay uncertain: where the ratio (DPPO) and
+predictive (PDM) direction tests can decide differently (reports/disagreement_map). Registered with
+``reasoning_gym.register_dataset`` (``data.task = "number_between"``, ``data.prompt_format = "question"``, the config
+below in ``data.task_config``); item ``i`` of seed ``s`` is drawn from ``random.Random(s + i)``. Scoring: 1.0 if the
+stripped answer is a plain decimal integer (optional minus, ASCII digits, leading zeros up to one character more than
+the longer bound) strictly between the bounds, else 0.0."""
 
 from __future__ import annotations
 
@@ -37,8 +26,8 @@ _REGISTER_LOCK = threading.Lock()
 
 @dataclasses.dataclass
 class NumberBetweenConfig:
-    """The task's settings (``data.task_config``): bounds in [min_value, max_value], the interval's width
-    ``hi - lo`` in [min_width, max_width] (``width - 1`` right answers), both drawn uniformly.
+    """The task's settings (``data.task_config``): bounds in [min_value, max_value], the interval's width ``hi - lo`` in
+    [min_width, max_width] (``width - 1`` right answers), both drawn uniformly.
 
     Raises (`validate`): ValueError naming the field when a width is below 2 (no integer strictly inside),
     ``min_width > max_width``, or ``max_value - min_value < max_width``."""
@@ -89,8 +78,8 @@ class NumberBetweenDataset(ProceduralDataset):
         if not isinstance(answer, str):
             return 0.0
         answer = answer.strip()
-        # longer than any integer in (lo, hi) can be (leading zeros included up to that length): wrong, and never
-        # handed to int(), which refuses strings of over 4,300 digits
+        # longer than any integer in (lo, hi) can be (leading zeros included up to that length): wrong, and never handed
+        # to int(), which refuses strings of over 4,300 digits
         if len(answer) > max(len(str(lo)), len(str(hi))) + 1 or not _INTEGER_RE.match(answer):
             return 0.0
         return 1.0 if lo < int(answer) < hi else 0.0

@@ -1,22 +1,10 @@
 """Over-long prompts filtered when the data is loaded, not discovered mid-run.
 
-A prompt source does not know the tokenizer, and the sampler refuses a prompt of
-more than ``sampler.max_prompt_length`` tokens. `filter_long_prompts` wraps a
-source once the tokenizer exists (``encode = TextCodec.encode_prompt``) and
-drops the examples whose encoded prompt is too long, from the training stream
-and from the held-out set, counting them, as verl (``filter_overlong_prompts``)
-and EasyR1 do at dataset load.
-
-Training stream: position ``i`` of the filtered stream is the source's position
-``i`` when that prompt fits, else the first fitting one of positions
-``i + PROBE_STRIDE``, ``i + 2 * PROBE_STRIDE``, ... (at most MAX_PROBES). It is a
-deterministic function of ``i`` (a resumed run sees the same prompts), a draw
-from the source's stream conditioned on fitting, and the identity when no prompt
-is too long: then the wrapper hands out exactly the source's examples, in the
-same order. PROBE_STRIDE is an odd prime, so it steps through every residue of
-a wrapping pool (reasoning-gym's ``train_size`` of 2**20, a math pool of
-``num_train`` rows not a multiple of it) instead of landing on the same example.
-"""
+The sampler refuses a prompt over ``sampler.max_prompt_length`` tokens; `filter_long_prompts` wraps a source once the
+tokenizer exists and drops such examples from the training stream and the held-out set, counting them (as verl's
+``filter_overlong_prompts`` and EasyR1 do). Training position ``i`` is the source's ``i`` when it fits, else the
+first fitting one of ``i + PROBE_STRIDE``, ``i + 2 * PROBE_STRIDE``, ... (at most MAX_PROBES; an odd prime stride
+steps through every residue of a wrapping pool): deterministic, and the identity when nothing is too long."""
 
 from __future__ import annotations
 
@@ -33,9 +21,8 @@ logger = logging.getLogger(__name__)
 
 #: Stride between the source positions probed for one filtered position (an odd prime).
 PROBE_STRIDE = 1_000_003
-#: Probes per training position before giving up (RuntimeError). The load-time scan found at
-#: least one fitting prompt in its first SCAN_SIZE positions, so running out has probability
-#: below (1 - 1/SCAN_SIZE) ** MAX_PROBES ~ 3e-9 per position.
+#: Probes per training position before a RuntimeError (below (1 - 1/SCAN_SIZE) ** MAX_PROBES ~ 3e-9 per position:
+#: the load-time scan found a fitting prompt).
 MAX_PROBES = 10_000
 #: Training positions 0 .. SCAN_SIZE - 1 are encoded at load: their over-long count is logged and
 #: a stream in which none fits fails at start.
@@ -45,23 +32,16 @@ _FIELD = "sampler.max_prompt_length"
 
 
 class LengthFilteredSource:
-    """A `PromptSource` without the examples whose prompt encodes to more than `max_prompt_length` tokens.
+    """A `PromptSource` without the examples whose prompt encodes to more than `max_prompt_length` tokens; everything
+    else is the wrapped source's.
 
-    Built by `filter_long_prompts` (see the module docstring for the training stream).
-    Everything else (`name`, `chat`, `score`, `score_batch`, `sft_target`, and any other
-    attribute of the source, e.g. `score_failures`) is the wrapped source's.
-
-    Attributes (counts, for the trainer's log and summary):
+    Attributes:
       source: the wrapped source.
-      max_prompt_length: the limit in tokens (prompts of exactly this length are kept).
-      num_eval_dropped: held-out examples dropped (the held-out set is the rest, in order).
-      num_eval_total: held-out examples of the source.
-      train_scan_size / train_scan_dropped: training positions 0 .. SCAN_SIZE - 1 encoded at
-        load, and how many of them were too long.
-      num_train_dropped: over-long training examples skipped while serving the stream so far
-        (grows as the run reads it; a thread-safe int).
-      longest_prompt: the longest prompt seen in tokens (eval set and scan, then the stream).
-    """
+      max_prompt_length: the limit in tokens (inclusive).
+      num_eval_dropped / num_eval_total: held-out examples dropped / of the source.
+      train_scan_size / train_scan_dropped: training positions encoded at load, and how many were too long.
+      num_train_dropped: over-long training examples skipped while serving the stream (thread-safe).
+      longest_prompt: the longest prompt seen in tokens."""
 
     def __init__(self, source: PromptSource, encode: Callable[[str], Sequence[int]], max_prompt_length: int):
         try:
@@ -134,11 +114,8 @@ class LengthFilteredSource:
         return getattr(self.source, name)
 
     def train_example(self, index: int) -> Example:
-        """The first fitting example of source positions index, index + PROBE_STRIDE, ...
-
-        Raises:
-          ValueError: a bad index. RuntimeError: MAX_PROBES over-long prompts in a row (naming the limit).
-        """
+        """The first fitting example of source positions index, index + PROBE_STRIDE, ...; ValueError for a bad index,
+        RuntimeError after MAX_PROBES over-long prompts in a row."""
         index = _check_index(index)
         for probe in range(MAX_PROBES):
             example = self.source.train_example(index + probe * PROBE_STRIDE)
@@ -170,25 +147,19 @@ class LengthFilteredSource:
 
 def filter_long_prompts(source: PromptSource, encode: Callable[[str], Sequence[int]],
                         max_prompt_length: int) -> LengthFilteredSource:
-    """`source` without the prompts that encode to more than `max_prompt_length` tokens.
-
-    Call it once the tokenizer exists, e.g.
-    ``filter_long_prompts(source, codec.encode_prompt, config.sampler.max_prompt_length)``.
-    Encodes the held-out set and the first SCAN_SIZE training positions at once
-    (logging what was dropped); later training prompts are checked as the stream
-    is read. With nothing too long, the result hands out exactly the source's
-    examples in the same order.
+    """`source` without the prompts that encode to more than `max_prompt_length` tokens, e.g.
+    ``filter_long_prompts(source, codec.encode_prompt, config.sampler.max_prompt_length)``; the held-out set and the
+    first SCAN_SIZE training positions are encoded at once, later ones as the stream is read.
 
     Args:
       source: a `PromptSource`.
-      encode: prompt text -> token ids (with the chat template, as the sampler will see them).
+      encode: prompt text -> token ids (as the sampler will see them).
       max_prompt_length: the longest accepted prompt, tokens (int >= 1).
 
     Returns:
-      A `LengthFilteredSource` (a `PromptSource`; its counts are attributes and `summary()`).
+      A `LengthFilteredSource`.
 
     Raises:
-      ValueError: `max_prompt_length` is not an int >= 1; every held-out prompt, or every one of
-        the first SCAN_SIZE training prompts, is too long (naming `sampler.max_prompt_length`).
-    """
+      ValueError: `max_prompt_length` not an int >= 1; every held-out prompt, or every one of the first SCAN_SIZE
+        training prompts, too long (naming `sampler.max_prompt_length`)."""
     return LengthFilteredSource(source, encode, max_prompt_length)

@@ -1,11 +1,8 @@
 """`DataSpec`: the typed ``data`` section of a run config, the one input of `pdm_jax.data.make_source`.
 
-The run config is validated once (`pdm_jax.config.validate_config`); `DataSpec.from_config` then reads its ``data``
-section field by field, with no fallbacks: every default of a run lives once, in the schema
-(`pdm_jax.config.get_base_config`, docs/configuration.md). Tools and tests that want another source build the spec
-from the base config and change fields with `dataclasses.replace`. Three fields are not in the run config (tools
-and tests set them); their defaults live here only.
-"""
+`DataSpec.from_config` reads a validated config's section field by field, no fallbacks (defaults live in the schema);
+tools and tests change fields with `dataclasses.replace`. Four fields are not in the run config; their defaults live
+here."""
 
 from __future__ import annotations
 
@@ -25,18 +22,11 @@ def resolve_prompt_format(kind: str, prompt_format: str) -> str:
 class DataSpec:
     """The prompt source of a run (docs/configuration.md, section ``data``).
 
-    Fields of the schema: ``kind`` ("reasoning_gym" | "gsm8k" | "dapo_math"), ``task`` and ``task_config`` (a
-    reasoning-gym task and its keyword arguments), ``prompt_format`` ("compact" | "question"; the config's "auto"
-    resolved by `resolve_prompt_format`), ``chat_template``
-    ("auto" | "on" | "off"), ``enable_thinking`` (read by `pdm_jax.text.TextCodec`, not by the source), ``path``
-    / ``eval_path`` (local json / jsonl / parquet files; "" = none), ``num_eval`` (held-out prompts), ``seed``,
-    ``prompt_field`` / ``answer_field`` (kind "file": the prompt and reference-answer columns).
-
-    Not in the run config: ``train_size`` (reasoning-gym stream positions before wrapping), ``instruction``
-    (math kinds: text appended to each prompt), ``verify_timeout_s`` (math kinds: math-verify's budget per
-    completion, seconds) and ``chat`` (under ``chat_template="auto"``: None = the source's own choice, or an
-    override).
-    """
+    Schema fields: ``kind``, ``task`` / ``task_config``, ``prompt_format`` (the config's "auto" resolved by
+    `resolve_prompt_format`), ``chat_template``, ``enable_thinking`` (read by `TextCodec`), ``path`` / ``eval_path``
+    ("" = none), ``num_eval``, ``seed``, ``prompt_field`` / ``answer_field``. Not in the run config: ``train_size``
+    (reasoning-gym positions before wrapping), ``instruction`` (math kinds' appended text), ``verify_timeout_s``
+    (seconds) and ``chat`` (None = the source's own choice)."""
 
     kind: str
     task: str

@@ -1,21 +1,10 @@
-"""Prompt sources: the `Example` record, the `PromptSource` protocol and the
-offline reasoning-gym source.
+"""Prompt sources: the `Example` record, the `PromptSource` protocol and the offline reasoning-gym source.
 
-A prompt source hands the trainer three things:
-
-* a deterministic, index-addressed training stream (`train_example(index)`):
-  the stream position is a plain int that the trainer checkpoints, so a
-  resumed run sees exactly the same prompts;
-* a fixed held-out evaluation set (`eval_examples()`), disjoint *by prompt
-  content* from every example the training stream can return;
-* a verifier (`score(completion, example) -> float in [0, 1]`) that never
-  raises on garbage completions, and the supervised warm-start target
-  (`sft_target(example)`).
-
-Reasoning-gym (https://github.com/open-thought/reasoning-gym, v0.1.25) tasks
-are procedural: item `i` of a dataset with seed `s` is generated from
-`random.Random(s + i)`, so any index can be produced on demand, offline.
-"""
+A prompt source gives the trainer an index-addressed training stream (`train_example(index)`, so a resumed run sees
+the same prompts), a held-out evaluation set disjoint *by prompt content* from it (`eval_examples()`), a verifier
+(`score(completion, example) -> float in [0, 1]`, never raising on garbage) and the warm-start target
+(`sft_target(example)`). Reasoning-gym (https://github.com/open-thought/reasoning-gym, v0.1.25) item `i` of seed `s`
+is generated from `random.Random(s + i)`, so any index is produced on demand, offline."""
 
 from __future__ import annotations
 
@@ -28,21 +17,18 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from pdm_jax.data.verifiers import TRUNCATED, find_final_answer, unwrap_answer
 
-# reasoning_gym is imported lazily (it takes ~3 s): the math sources and the
-# verifier worker processes import this module without needing it.
+# reasoning_gym is imported lazily (it takes ~3 s): the math sources and the verifier worker processes import this
+# module without needing it.
 
-# Characters of the tiny model's character tokenizer (besides its special
-# tokens). Compact chain-sum prompts and answers use only these.
+# Characters of the tiny model's character tokenizer (besides its special tokens). Compact chain-sum prompts and answers
+# use only these.
 COMPACT_ALPHABET = "0123456789+-="
 
-# The held-out set is drawn from the same task with seed `seed + EVAL_SEED_OFFSET`.
-# reasoning-gym seeds item i with `seed + i`, so the offset must exceed any
-# index the training stream ever probes (< train_size * MAX_PROBES) or the two
-# streams would replay each other's generator states.
+# The held-out set's seed offset: reasoning-gym seeds item i with `seed + i`, so it must exceed any index the training
+# stream probes (< train_size * MAX_PROBES).
 EVAL_SEED_OFFSET = 1 << 40
-# The train stream replaces an example whose prompt is in the held-out set by
-# probing rg indices j, j + train_size, j + 2 * train_size, ... (see
-# `ReasoningGymSource.train_example`). This bounds the probing.
+# The train stream replaces an example whose prompt is in the held-out set by probing rg indices j, j + train_size, j +
+# 2 * train_size, ... (see `ReasoningGymSource.train_example`). This bounds the probing.
 MAX_PROBES = 1000
 
 _COMPACT_PROMPT_RE = re.compile(r"^[0-9+\-]+=$")
@@ -55,14 +41,11 @@ class Example:
     """One prompt with its reference answer.
 
     Attributes:
-      prompt: text fed to the tokenizer, already formatted for the model (when
-        the source's `chat` is True the caller still applies the tokenizer's
-        chat template to it, as a single user message).
-      answer: reference answer string; used by the verifier and (through
-        `PromptSource.sft_target`) by the supervised warm start.
+      prompt: text for the tokenizer (under the source's `chat`, the caller applies the chat template as one user
+        turn).
+      answer: reference answer string, for the verifier and `PromptSource.sft_target`.
       uid: stable id, e.g. "chain_sum/train/123" or "gsm8k/eval/7".
-      meta: JSON-serialisable source metadata.
-    """
+      meta: JSON-serialisable source metadata."""
 
     prompt: str
     answer: str
@@ -80,8 +63,8 @@ class PromptSource(Protocol):
     def train_example(self, index: int) -> Example:
         """The training example at stream position `index` (int >= 0).
 
-        Deterministic in (config seed, index); wraps around the training pool;
-        never returns a held-out example (disjoint by prompt content)."""
+        Deterministic in (config seed, index); wraps around the training pool; never returns a held-out example
+        (disjoint by prompt content)."""
         ...
 
     def train_batch(self, start: int, count: int) -> list[Example]:
@@ -95,8 +78,8 @@ class PromptSource(Protocol):
     def score(self, completion: str, example: Example, *, truncated: bool = False) -> float:
         """Reward in [0, 1] for `completion`; returns 0.0 (never raises) on garbage.
 
-        `truncated`: the completion was stopped by max_tokens (the rollout's finish_reason
-        "length"); free-form sources then give no credit to a final answer that may be cut off."""
+        `truncated`: the completion was stopped by max_tokens (the rollout's finish_reason "length"); free-form sources
+        then give no credit to a final answer that may be cut off."""
         ...
 
     def sft_target(self, example: Example) -> str:
@@ -134,17 +117,15 @@ def _check_index(index: int, name: str = "index") -> int:
     return index
 
 
-# ---------------------------------------------------------------------------
-# Answer extraction for reasoning-gym "question" prompts.
-# ---------------------------------------------------------------------------
+# ---- Answer extraction for reasoning-gym "question" prompts. ---------------------------------------------
 
 
 
 def extract_compact_answer(completion: str) -> str:
     """Leading integer of a compact completion ("144=..." -> "144", "x" -> "").
 
-    The completion is stripped of leading whitespace and read up to the first
-    character that cannot belong to an integer answer ([-]digits)."""
+    The completion is stripped of leading whitespace and read up to the first character that cannot belong to an integer
+    answer ([-]digits)."""
     if not isinstance(completion, str):
         return ""
     match = _COMPACT_EXTRACT_RE.match(completion)
@@ -152,21 +133,15 @@ def extract_compact_answer(completion: str) -> str:
 
 
 def extract_tagged_answer(completion: str, *, truncated: bool = False) -> str:
-    """Final answer of a free-form completion, for reasoning-gym question prompts.
+    """Final answer of a free-form completion, for reasoning-gym question prompts ("" for non-strings).
 
-    Precedence: the last complete `<answer>x</answer>` (the last `</answer>` and the
-    `<answer>` before it, any case; the content unwrapped of markdown emphasis and
-    math delimiters, see `verifiers.unwrap_answer`); an opening `<answer>` after the
-    last `</answer>` (cut off) gives "". Otherwise
-    `verifiers.find_final_answer` (the last `\\boxed{x}`, else the last `Answer:`
-    line, else the last numeric `#### N` line, with its truncation rules: "" when
-    the final answer was cut off). Otherwise the whole stripped completion (short
-    direct answers), unwrapped. Returns "" for non-strings.
+    The last complete `<answer>x</answer>` (any case; unwrapped by `verifiers.unwrap_answer`), "" when an `<answer>`
+    after the last `</answer>` was cut off; else `verifiers.find_final_answer` (with its truncation rules); else the
+    whole stripped completion, unwrapped.
 
     Args:
       completion: the completion text.
-      truncated: the completion was stopped by max_tokens (see `find_final_answer`).
-    """
+      truncated: the completion was stopped by max_tokens."""
     if not isinstance(completion, str):
         return ""
     lowered = completion.lower()  # str.rfind: linear time on any input
@@ -185,66 +160,37 @@ def extract_tagged_answer(completion: str, *, truncated: bool = False) -> str:
     return unwrap_answer(completion)[0]
 
 
-# ---------------------------------------------------------------------------
-# Reasoning-gym source.
-# ---------------------------------------------------------------------------
+# ---- Reasoning-gym source. -------------------------------------------------------------------------------
 
 
 class ReasoningGymSource:
     """A reasoning-gym task as a `PromptSource`, fully offline.
 
-    Streams:
-      * train: rg dataset `task` with seed `seed`; stream position `index`
-        maps to rg index `j = index % train_size` (wrap-around pool of
-        `train_size` positions). If that item's prompt is in the held-out set,
-        rg indices `j + train_size`, `j + 2 * train_size`, ... are probed until
-        one is not (at most MAX_PROBES, else RuntimeError). The result is a
-        deterministic function of (seed, index) drawn from the task
-        distribution conditioned on "prompt not held out".
-      * eval: rg dataset with seed `seed + EVAL_SEED_OFFSET`, items 0, 1, ...
-        keeping the first `num_eval` distinct prompts (duplicates dropped).
-        Disjointness check: every train example is checked against the set of
-        held-out prompt strings before it is returned (see `train_example`),
-        so no held-out prompt can appear in training, whatever the task.
+    Train: stream position `index` maps to rg index `j = index % train_size` of seed `seed`; a held-out prompt is
+    skipped by probing `j + train_size`, `j + 2 * train_size`, ... (at most MAX_PROBES, else RuntimeError). Eval:
+    seed `seed + EVAL_SEED_OFFSET`, the first `num_eval` distinct prompts. Every train example is checked against the
+    held-out prompts.
 
-    Prompt formats:
-      * "compact": `expression-without-spaces + "="` (e.g. "57+87="), answer
-        the integer string ("144"). Requires a task whose rg metadata carries
-        an `expression` of integers, + and - only (chain_sum; basic_arithmetic
-        with only +/-), so prompts and answers use only COMPACT_ALPHABET;
-        anything else raises ValueError (field `prompt_format`). `chat` False.
-      * "question": reasoning-gym's own question text, answer rg's answer.
-        `chat` True.
-
-    Scoring: the answer is extracted from the completion (compact: the leading
-    integer, `extract_compact_answer`; question: `extract_tagged_answer`) and
-    scored by the task's own `score_answer(answer, entry)` on the original rg
-    entry (regenerated from the example's rg index). For chain_sum that is
-    `reasoning_gym.utils.compute_decimal_reward`: 1.0 if numerically equal;
-    partial credit len(oracle)/len(answer) if the oracle is a substring of the
-    answer (e.g. "1445" for "144" gives 0.75); 0 otherwise. Accuracy should be
-    computed as `score == 1.0`. Exceptions inside the rg scorer are counted in
-    `score_failures` and give 0.0.
+    Formats: "compact" (`expression-without-spaces + "="`, e.g. "57+87=", answer "144"; only for tasks whose metadata
+    has an integer +/- `expression`, within COMPACT_ALPHABET; `chat` False) or "question" (rg's question text; `chat`
+    True). Scoring: the extracted answer (`extract_compact_answer` / `extract_tagged_answer`) by the task's own
+    `score_answer` on the regenerated rg entry (chain_sum: 1.0 if equal, partial credit len(oracle)/len(answer) when
+    the oracle is a substring); accuracy is `score == 1.0`; exceptions in the rg scorer count in `score_failures` and
+    give 0.0.
 
     Args:
-      task: registered reasoning-gym dataset name (e.g. "chain_sum"), or this project's
-        "number_between" (`pdm_jax.data.number_between`, registered with reasoning-gym here).
-      task_config: kwargs of the task's rg config (e.g. {"min_terms": 2,
-        "max_terms": 2, "min_digits": 1, "max_digits": 2}); must not contain
-        `seed` or `size` (they are set by this class).
+      task: reasoning-gym dataset name (e.g. "chain_sum") or "number_between" (`pdm_jax.data.number_between`).
+      task_config: kwargs of the task's rg config, without `seed` or `size`.
       prompt_format: "compact" or "question".
-      num_eval: number of held-out examples (>= 1).
+      num_eval: held-out examples (>= 1).
       seed: int, base seed of both streams.
-      train_size: number of stream positions before the train stream wraps.
-      chat: override of the `chat` flag (default: False for compact, True for
-        question).
+      train_size: stream positions before the train stream wraps.
+      chat: override of the `chat` flag.
 
     Raises:
-      ValueError naming the field and value for an unknown task, bad
-      task_config kwargs, an unknown prompt_format, a task that has no
-      compact form, num_eval / train_size < 1, or a task too small to yield
-      num_eval distinct held-out prompts.
-    """
+      ValueError: naming the field and value: an unknown task, bad task_config, an unknown prompt_format, a task
+        without a compact form, num_eval / train_size < 1, or a task too small for num_eval distinct held-out
+        prompts."""
 
     def __init__(
         self,
@@ -290,8 +236,8 @@ class ReasoningGymSource:
         self.score_failures = 0
         self._lock = threading.Lock()
 
-        # The rg dataset `size` only bounds its own iteration; __getitem__
-        # accepts any index. Set it to the largest index we may touch.
+        # The rg dataset `size` only bounds its own iteration; __getitem__ accepts any index. Set it to the largest
+        # index we may touch.
         train_span = self.train_size * MAX_PROBES
         self._train_ds = self._create(self.seed, train_span)
         eval_attempts = max(20 * self.num_eval, 2_000)
@@ -384,8 +330,8 @@ class ReasoningGymSource:
         return list(self._eval)
 
     def extract_answer(self, completion: str, *, truncated: bool = False) -> str:
-        """The answer string the verifier scores (see class docstring). The compact format ignores
-        `truncated` (its leading-integer rule is what the default run is scored by)."""
+        """The answer string the verifier scores (see class docstring). The compact format ignores `truncated` (its
+        leading-integer rule is what the default run is scored by)."""
         if self.prompt_format == "compact":
             return extract_compact_answer(completion)
         return extract_tagged_answer(completion, truncated=truncated)

@@ -1,38 +1,13 @@
-"""Math answer verification with `math-verify`, safe from any thread.
+"""Math answer verification with `math-verify` (Hugging Face, v0.9), safe from any thread.
 
-`math_verify.parse` / `math_verify.verify` (Hugging Face, v0.9) enforce their
-timeouts with `signal.alarm`, which only works in the main thread of the main
-interpreter: called from another thread they raise ValueError. Moreover a
-signal only interrupts Python bytecode, not a long C-level computation (e.g.
-the integer power in `\\boxed{9^{9^{9^{9}}}}`), so even a main-thread alarm
-can hang forever. This module never uses math-verify's internal timeouts:
-
-* default (`in_process=False`, any thread): the verification runs in one of a
-  few lazily started worker subprocesses (plain `python -c`, JSON lines over
-  pipes). The worker runs it in *its* main thread under a `signal.setitimer`
-  budget of `timeout_s` (soft limit); the caller waits at most
-  `timeout_s + HARD_TIMEOUT_GRACE_S` and kills a worker that misses that hard
-  deadline (a fresh one replaces it on demand). First call: ~1-3 s start-up.
-* `in_process=True`: runs in the calling thread; in the main thread under the
-  same itimer soft budget, off the main thread without any timeout (only for
-  trusted inputs).
-
-A timeout, a parse failure or any exception gives reward 0.0 and is counted
-per reason (`verifier_counts()`); `math_verdict` also returns the reason.
-
-Answer extraction (`find_final_answer`, which states the full precedence): only
-what follows the reasoning (`</think>`; nothing when a `<think>` never closes);
-there, the later of the last `\\boxed{...}` (or `\\fbox{...}`) and the last
-`Answer:` line (DAPO-Math-17k's requested format; markdown emphasis, headings and
-math delimiters allowed), else the last GSM8K `#### N` line whose content is a
-number. Exact numbers (rationals, factorials, powers) are compared exactly before
-math-verify's own comparison, whose float check equates values below ~1e-16. Completions with none of
-these score 0 (reason "no_answer"); a final answer cut off (an unclosed last box
-or math delimiter, or, for a completion stopped by max_tokens, an unterminated
-final answer line) scores 0 (reason "truncated"). math-verify's own free-text
-extraction is deliberately not used on the whole completion, so that listing many
-numbers cannot match.
-"""
+math-verify's own timeouts use `signal.alarm` (main thread only, and no help against a long C-level computation such
+as `\\boxed{9^{9^{9^{9}}}}`), so they are never used: by default (`in_process=False`) the verification runs in a
+lazily started worker subprocess (JSON lines over pipes) under a `signal.setitimer` budget of `timeout_s`, and the
+caller kills a worker that misses `timeout_s + HARD_TIMEOUT_GRACE_S`; `in_process=True` runs in the calling thread
+(soft budget in the main thread only; trusted inputs). A timeout, a parse failure or any exception scores 0.0,
+counted per reason (`verifier_counts()`). The final answer is found by `find_final_answer` (after `</think>`; the
+later of the last `\\boxed{}` and the last `Answer:` line, else a numeric `#### N` line; a cut-off answer scores 0,
+reason "truncated"); exact numbers are compared exactly before math-verify's own comparison."""
 
 from __future__ import annotations
 
@@ -69,26 +44,19 @@ _pool_workers = max(1, min(4, os.cpu_count() or 1))
 
 @dataclasses.dataclass(frozen=True)
 class MathVerdict:
-    """Result of one math verification.
-
-    Attributes:
-      reward: 1.0 if the extracted answer is equivalent to the ground truth, else 0.0.
-      reason: one of REASONS.
-      extracted: the extracted answer string (None when nothing was extracted).
-    """
+    """Result of one math verification: ``reward`` (1.0 if the extracted answer is equivalent to the ground truth, else
+    0.0), ``reason`` (one of REASONS), ``extracted`` (the extracted answer, or None)."""
 
     reward: float
     reason: str
     extracted: Optional[str]
 
 
-# ---------------------------------------------------------------------------
-# Extraction.
-# ---------------------------------------------------------------------------
+# ---- Extraction. -----------------------------------------------------------------------------------------
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*")
-# "Answer:", "Final answer:", "**Answer:**", "**Answer**:", "*Final Answer*:" anywhere in a line
-# (the emphasis around the marker is part of it).
+# "Answer:", "Final answer:", "**Answer:**", "**Answer**:", "*Final Answer*:" anywhere in a line (the emphasis around
+# the marker is part of it).
 _ANSWER_MARKER_RE = re.compile(
     r"(?P<o1>\*\*|__|\*|_)(?:final[ \t]+)?answer[ \t]*:[ \t]*(?P=o1)"
     r"|(?P<o2>\*\*|__|\*|_)(?:final[ \t]+)?answer[ \t]*(?P=o2)[ \t]*:"
@@ -107,15 +75,9 @@ FOUND, ABSENT, TRUNCATED = "found", "absent", "truncated"
 
 @dataclasses.dataclass(frozen=True)
 class Extraction:
-    """What `find_final_answer` found in a completion.
-
-    Attributes:
-      answer: the final answer string (None unless status is FOUND).
-      status: FOUND; ABSENT (no answer marker); TRUNCATED (the final answer was cut off:
-        an unclosed last `\\boxed{`, an unclosed math delimiter or brace in the answer, or,
-        for a completion stopped by max_tokens, a final answer line that never ended).
-      marker: which rule produced it: "boxed", "answer_line", "hash_line" (or None).
-    """
+    """What `find_final_answer` found: ``answer`` (None unless FOUND), ``status`` (FOUND, ABSENT, or TRUNCATED: an
+    unclosed last box, math delimiter or brace, or an unended final line of a max_tokens completion) and ``marker``
+    ("boxed", "answer_line", "hash_line" or None)."""
 
     answer: Optional[str]
     status: str
@@ -123,8 +85,8 @@ class Extraction:
 
 
 def _answer_headings(text: str) -> list[tuple[int, int]]:
-    """(start, end) of the lines that are only an answer heading: optional `>` and `#`s, emphasis,
-    one of _HEADING_WORDS (any case, any spacing), an optional colon. Linear time (no regex backtracking)."""
+    """(start, end) of the lines that are only an answer heading: optional `>` and `#`s, emphasis, one of _HEADING_WORDS
+    (any case, any spacing), an optional colon. Linear time (no regex backtracking)."""
     found, start = [], 0
     for line in text.split("\n"):
         end = start + len(line)
@@ -161,23 +123,16 @@ def _last_box(text: str, truncated: bool) -> Extraction:
 
 
 def last_boxed_content(text: str) -> Optional[str]:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` with balanced braces.
-
-    Also accepts the brace-less `\\boxed 3` form (one whitespace-free token).
-    Returns None when there is no box, or when the last box never closes (the
-    text was cut off inside it: an earlier box is an intermediate value, not
-    the final answer)."""
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` (balanced braces, or the brace-less `\\boxed 3`); None without
+    a box or when the last box never closes."""
     if not isinstance(text, str):
         return None
     return _last_box(text, truncated=False).answer
 
 
 def unwrap_answer(answer: str) -> tuple[str, bool]:
-    """`answer` stripped of balanced wrappers: `$x$`, `$$x$$`, `\\(x\\)`, `\\[x\\]`, `**x**`, `__x__`,
-    `*x*`, `_x_`, `` `x` `` (repeatedly, outermost first), and surrounding whitespace.
-
-    Returns (text, closed): closed is True if a wrapper was removed, i.e. the answer
-    ends with a closing delimiter (it cannot have been cut off in the middle)."""
+    """`(text, closed)`: `answer` stripped of balanced wrappers (`$x$`, `$$x$$`, `\\(x\\)`, `\\[x\\]`, `**x**`, `__x__`,
+    `*x*`, `_x_`, `` `x` ``, outermost first) and whitespace; closed is True if a wrapper was removed."""
     closed = False
     answer = answer.strip()
     changed = True
@@ -193,8 +148,8 @@ def unwrap_answer(answer: str) -> tuple[str, bool]:
 
 
 def _math_spans(text: str) -> list[tuple[int, int, str]]:
-    """(start, end, inner text) of the math spans `$$x$$`, `\\[x\\]`, `\\(x\\)`, `$x$` of `text`, left
-    to right; stops at the first span that does not close (linear time: str.find only)."""
+    """(start, end, inner text) of the math spans `$$x$$`, `\\[x\\]`, `\\(x\\)`, `$x$` of `text`, left to right; stops
+    at the first span that does not close (linear time: str.find only)."""
     spans, pos = [], 0
     next_open = dict.fromkeys(left for left, _ in _MATH_DELIMITERS)  # each opener's next index (-1: none left)
     while True:
@@ -221,7 +176,9 @@ def _is_cut(answer: str) -> bool:
 
 
 def _clean_line(raw: str) -> tuple[str, bool]:
-    """A marker line's answer: a trailing full stop, balanced wrappers, a currency `$` and, when the answer is prose around inline math, the prose removed; the closer of a math block the marker sat in (`\\[Answer: 5\\]`) and the `}` of a `\\text{Answer:}` dropped. Returns (answer, closed)."""
+    """A marker line's answer: a trailing full stop, balanced wrappers, a currency `$` and, when the answer is prose
+    around inline math, the prose removed; the closer of a math block the marker sat in (`\\[Answer: 5\\]`) and the `}`
+    of a `\\text{Answer:}` dropped. Returns (answer, closed)."""
     answer = raw.strip()
     if answer.startswith("}"):  # the marker was inside \text{Answer: }
         answer = answer[1:].strip()
@@ -244,8 +201,8 @@ def _clean_line(raw: str) -> tuple[str, bool]:
 
 
 def _marker_answer(text: str, start: int, truncated: bool, marker: str) -> Extraction:
-    """The answer after a marker ending at `start`: the rest of its line, or, when that is empty, the
-    next non-empty line; a display block (`$$`, `\\[`) opened there extends to its closing delimiter."""
+    """The answer after a marker ending at `start`: the rest of its line, or, when that is empty, the next non-empty
+    line; a display block (`$$`, `\\[`) opened there extends to its closing delimiter."""
     rest = text[start:]
     first_line = rest.split("\n", 1)[0]
     if not _clean_line(first_line)[0]:
@@ -283,39 +240,27 @@ def _hash_answer(text: str, truncated: bool) -> Extraction:
 def find_final_answer(text: str, *, truncated: bool = False) -> Extraction:
     """The final answer of a free-form completion, with how it was found.
 
-    Reasoning first: with a `</think>`, only the text after the last one is graded (a box tried inside
-    the reasoning is not the answer); a `<think>` that never closes leaves nothing to grade (ABSENT, or
-    TRUNCATED for a completion stopped by max_tokens, marker "think").
+    With a `</think>` only the text after the last one is graded; a `<think>` that never closes leaves nothing
+    (ABSENT, or TRUNCATED for a max_tokens completion, marker "think"). Then, "last" by position:
 
-    Precedence (the first rule that applies decides; "last" is by position):
-
-    1. the last `\\boxed{...}` / `\\fbox{...}` (balanced braces; also `\\boxed 3`), also inside
-       `$...$`/`\\[...\\]`, unless an answer marker (rule 2) comes after it: then that line is the final
-       answer (a scratch `\\boxed{3}` before `Answer: 5` gives 5; `Answer: \\boxed{5}` gives 5); if that
-       last box never closes, the answer was cut off: TRUNCATED (an earlier box is not taken);
-    2. else the last answer marker: `Answer:` anywhere in a line (any case, `Final answer:`,
-       markdown emphasis around the word or the colon: `**Answer:**`, `**Answer**:`), or a line that
-       is only an answer heading (`## Final Answer`, `**Answer**`). The answer is the rest of that
-       line or, if empty, the next non-empty line; a display block (`$$...$$`, `\\[...\\]`) opened
-       there runs to its closing delimiter;
-    3. else the last line `#### N` (four or more `#`) whose content is a number (GSM8K's final
-       line: `-3`, `1,234`, `0.5`, `3/4`, `$1,250`); other `####` lines are markdown headings;
+    1. the last `\\boxed{...}` / `\\fbox{...}` (also `\\boxed 3`, also inside math delimiters), unless an answer
+      marker comes after it; a last box that never closes is TRUNCATED;
+    2. else the last answer marker: `Answer:` anywhere in a line (any case, `Final answer:`, markdown emphasis around
+      the word or colon) or an answer heading line (`## Final Answer`, `**Answer**`); the answer is the rest of the
+      line or the next non-empty line, a display block opened there running to its close;
+    3. else the last `#### N` line (four or more `#`) whose content is a number (`-3`, `1,234`, `3/4`, `$1,250`);
     4. else ABSENT.
 
-    The answer of rules 2-3 is cleaned: balanced wrappers removed (`**x**`, `*x*`, `__x__`, `` `x` ``,
-    `$x$`, `$$x$$`, `\\(x\\)`, `\\[x\\]`), a trailing full stop, a currency `$`, and prose around
-    inline math ("the total is $42$." -> "42"). Truncation (no credit for a cut-off answer): an
-    answer with an unclosed brace, `\\(`, `\\[` or `$$` is TRUNCATED; with `truncated=True` (the
-    completion was stopped by max_tokens, not by its stop token) an answer on the completion's
-    last, unterminated line is TRUNCATED unless a closing delimiter ends it.
+    Rules 2-3 drop balanced wrappers, a trailing full stop, a currency `$` and prose around inline math. An answer
+    with an unclosed brace, `\\(`, `\\[` or `$$` is TRUNCATED, and with `truncated=True` so is one on the
+    unterminated last line.
 
     Args:
-      text: the completion (a str; anything else is ABSENT).
-      truncated: True when the completion hit the token budget (finish_reason "length").
+      text: the completion (anything but a str is ABSENT).
+      truncated: the completion hit the token budget (finish_reason "length").
 
     Returns:
-      `Extraction(answer, status, marker)`.
-    """
+      `Extraction(answer, status, marker)`."""
     if not isinstance(text, str):
         return Extraction(None, ABSENT)
     closed = text.rfind("</think>")
@@ -335,23 +280,18 @@ def find_final_answer(text: str, *, truncated: bool = False) -> Extraction:
 
 
 def extract_final_answer(text: str, *, truncated: bool = False) -> Optional[str]:
-    """Final answer string of a completion (`find_final_answer` gives the precedence); None if absent
-    or cut off.
-
-    Examples: "so \\boxed{\\frac{1}{2}}." -> "\\frac{1}{2}"; "...\\n#### 1,234" -> "1,234";
-    "Answer: $7$" -> "7"; "Answer: **73**" -> "73"; "#### Step 1: add\\n2+3=5\\n\\nAnswer: 5" -> "5";
-    "I think 7" -> None; "so \\boxed{12" -> None."""
+    """Final answer string of a completion (`find_final_answer`); None if absent or cut off. "so \\boxed{\\frac{1}{2}}."
+    -> "\\frac{1}{2}"; "...\\n#### 1,234" -> "1,234"; "Answer: **73**" -> "73"; "I think 7" -> None; "so \\boxed{12"
+    -> None."""
     return find_final_answer(text, truncated=truncated).answer
 
 
-# ---------------------------------------------------------------------------
-# Verification core (runs in a main thread: the caller's or a pool worker's).
-# ---------------------------------------------------------------------------
+# ---- Verification core (runs in a main thread: the caller's or a pool worker's). -------------------------
 
 
 class _Timeout(BaseException):
-    """Raised by our SIGALRM handler. A BaseException so that math-verify's
-    `except Exception` blocks cannot swallow it and report "wrong"."""
+    """Raised by our SIGALRM handler. A BaseException so that math-verify's `except Exception` blocks cannot swallow it
+    and report "wrong"."""
 
 
 def _raise_timeout(signum, frame):  # signal handler
@@ -392,9 +332,9 @@ MAX_EXACT_DIGITS = 100_000
 
 
 def _exact_value(expr):
-    """`expr` (a sympy expression) evaluated exactly to a Rational: integers and fractions combined by +, x,
-    integer powers and factorials; None when it holds anything else (symbols, floats, roots, functions) or
-    would grow past `MAX_EXACT_DIGITS` decimal digits (checked before each power or factorial is taken)."""
+    """`expr` (a sympy expression) evaluated exactly to a Rational: integers and fractions combined by +, x, integer
+    powers and factorials; None when it holds anything else (symbols, floats, roots, functions) or would grow past
+    `MAX_EXACT_DIGITS` decimal digits (checked before each power or factorial is taken)."""
     import sympy
 
     def digits(q) -> float:
@@ -427,10 +367,10 @@ def _exact_value(expr):
 
 
 def _exact_equal(gold, pred, gold_text: str, pred_text: str) -> Optional[bool]:
-    """Both answers exact numbers (integers, fractions, integer powers and factorials; no decimals, no
-    symbols): their exact equality; else None (math-verify decides). math-verify's numeric check rounds to
-    ~1e-16 and equates 1/2006! with 1/2004!, or 1/2^98 with 1/2^99. Decimals stay with math-verify (its
-    rounding is how a decimal answer is judged)."""
+    """Both answers exact numbers (integers, fractions, integer powers and factorials; no decimals, no symbols): their
+    exact equality; else None (math-verify decides). math-verify's numeric check rounds to ~1e-16 and equates 1/2006!
+    with 1/2004!, or 1/2^98 with 1/2^99. Decimals stay with math-verify (its rounding is how a decimal answer is
+    judged)."""
     import sympy
 
     if "." in gold_text or "." in pred_text:
@@ -471,8 +411,8 @@ def _verdict_unbounded(completion: str, ground_truth: str, truncated: bool = Fal
 
 def _verdict_with_itimer(completion: str, ground_truth: str, timeout_s: float,
                          truncated: bool = False) -> MathVerdict:
-    """Main-thread only: the whole verification under one ITIMER_REAL budget (soft:
-    the signal interrupts Python bytecode only)."""
+    """Main-thread only: the whole verification under one ITIMER_REAL budget (soft: the signal interrupts Python
+    bytecode only)."""
     previous = signal.signal(signal.SIGALRM, _raise_timeout)
     try:
         try:
@@ -488,16 +428,9 @@ def _verdict_with_itimer(completion: str, ground_truth: str, timeout_s: float,
         signal.signal(signal.SIGALRM, previous)
 
 
-# ---------------------------------------------------------------------------
-# Worker subprocesses for calls off the main thread.
-#
-# A worker is `python -c "...; _worker_main()"` speaking JSON lines over its
-# stdin/stdout. It runs requests in its main thread, so the itimer budget
-# applies there too; the caller also enforces a hard deadline and kills a
-# worker that misses it. Plain subprocesses (not multiprocessing) avoid
-# re-importing the caller's __main__ module, which breaks for stdin scripts
-# and notebooks under the spawn start method.
-# ---------------------------------------------------------------------------
+# ---- Worker subprocesses for calls off the main thread ------------------------------------------------------------
+# `python -c "...; _worker_main()"` speaking JSON lines; plain subprocesses, as multiprocessing's spawn re-imports the
+# caller's __main__ (breaks stdin scripts and notebooks).
 
 _WORKER_CODE = "from pdm_jax.data.verifiers import _worker_main; _worker_main()"
 
@@ -696,9 +629,7 @@ import atexit  # noqa: E402
 atexit.register(shutdown_pool)
 
 
-# ---------------------------------------------------------------------------
-# Public API.
-# ---------------------------------------------------------------------------
+# ---- Public API. -----------------------------------------------------------------------------------------
 
 
 def _count(reason: str) -> None:
@@ -725,26 +656,19 @@ def math_verdict(
     """Verify a math completion against a ground-truth answer; never raises on bad input.
 
     Args:
-      completion: model output text; the final answer is found by `find_final_answer`
-        (the last `\\boxed{}`, else the last `Answer:` line, else the last numeric `#### N` line).
-      ground_truth: reference answer, e.g. "72", "\\frac{1}{2}" (a "#### x" or
-        boxed ground truth is unwrapped the same way).
-      timeout_s: wall-clock budget in seconds for parsing and comparing
-        (> 0); the hard limit is timeout_s + HARD_TIMEOUT_GRACE_S (plus the
-        one-off worker start-up).
-      in_process: run in the calling thread instead of a worker subprocess
-        (see module docstring: soft timeout in the main thread, none elsewhere).
-      truncated: the completion was stopped by max_tokens (finish_reason "length"); a final
-        answer on its unterminated last line then gets no credit (reason "truncated").
+      completion: model output text (final answer by `find_final_answer`).
+      ground_truth: reference answer, e.g. "72", "\\frac{1}{2}" ("#### x" or boxed is unwrapped alike).
+      timeout_s: budget in seconds (> 0); the hard limit is timeout_s + HARD_TIMEOUT_GRACE_S (plus a worker's
+        start-up).
+      in_process: run in the calling thread instead of a worker subprocess.
+      truncated: stopped by max_tokens: an answer on its unterminated last line gets no credit.
 
     Returns:
-      MathVerdict(reward in {0.0, 1.0}, reason in REASONS, extracted answer).
-      Equivalence is math-verify's (`verify(parse(gold), parse(pred))`, float
-      rounding 6 digits): 1/2 == 0.5 == \\frac{1}{2}, "1,000" == 1000.
+      MathVerdict(reward in {0.0, 1.0}, reason in REASONS, extracted answer); equivalence is math-verify's
+      (`verify(parse(gold), parse(pred))`): 1/2 == 0.5 == \\frac{1}{2}, "1,000" == 1000.
 
     Raises:
-      ValueError: timeout_s is not a positive number.
-    """
+      ValueError: timeout_s is not a positive number."""
     try:
         timeout_s = float(timeout_s)
     except (TypeError, ValueError):
@@ -781,8 +705,7 @@ def math_reward(
     completion: str, ground_truth: str, *, timeout_s: float = 5.0, in_process: bool = False,
     truncated: bool = False,
 ) -> float:
-    """`math_verdict(...).reward`: 1.0 if equivalent, 0.0 otherwise (incl. timeout/parse failure,
-    a cut-off answer).
+    """`math_verdict(...).reward`: 1.0 if equivalent, 0.0 otherwise (incl. timeout/parse failure, a cut-off answer).
 
     Safe to call from any thread; outcomes are counted in `verifier_counts()`."""
     return math_verdict(completion, ground_truth, timeout_s=timeout_s, in_process=in_process,

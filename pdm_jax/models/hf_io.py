@@ -1,38 +1,14 @@
 """Hugging Face checkpoint I/O for the NNX Qwen3: local ``config.json`` + safetensors.
 
-Layout read and written (the one ``transformers.Qwen3ForCausalLM.save_pretrained`` uses):
-
-* ``config.json``;
-* ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` plus
-  ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
-  "weight_map": {tensor_name: file}}``).
-
-Tensor names map to NNX parameter paths with the regex table ``KEY_MAP``. HF ``nn.Linear``
-weights are ``[out, in]``; our kernels are ``[in..., out...]`` with heads split out
-(e.g. q_proj ``[N*H, D]`` <-> ``[D, N, H]``, o_proj ``[D, N*H]`` <-> ``[N, H, D]``).
-The model stacks its decoder layers (``layers.self_attn.q_proj.kernel`` is [L, D, N, H]);
-row ``i`` of a stacked parameter is the per-layer path ``layers.{i}.…`` of ``KEY_MAP`` and
-so HF's ``model.layers.{i}.…`` tensor (``tensor_entries``). Files stay in the HF layout.
-A mixed Qwen3-MoE model (``decoder_sparse_step`` > 1 or ``mlp_only_layers``) has two
-stacks: row j of ``layers`` / ``dense_layers`` is HF layer ``config.stack_layer_ids(0 / 1)[j]``
-(the dense-MLP layers' tensors are ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``).
-
-Qwen3-MoE (``config.num_experts`` > 0): the router ``gate.kernel`` [D, E] is HF's
-``model.layers.{i}.mlp.gate.weight`` [E, D], and each stacked expert kernel
-(``layers.mlp.experts.gate_proj.kernel`` [L, E, D, I]) holds HF's per-expert tensors
-``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (the hub layout, which
-transformers 5's ``save_pretrained`` also writes by default). Checkpoints written with
-``save_pretrained(..., save_original_format=False)`` hold transformers 5's fused tensors
-``model.layers.{i}.mlp.experts.gate_up_proj`` [E, 2I, D] (gate rows first) and
-``...experts.down_proj`` [E, D, I]; they are read too (as views of the per-expert
-tensors, ``_FUSED``); ``save_pretrained`` here writes the hub layout.
-
-Loading never materialises the whole model on the host: the model structure comes from
-``nnx.eval_shape`` (no allocation), then each parameter is read on its own, either whole
-(no mesh) or slice by slice for each device through ``jax.make_array_from_callback``
-with the parameter's ``NamedSharding`` (each device reads only the rows/columns it holds
-from the memory-mapped safetensors file).
-"""
+The layout ``transformers`` ``save_pretrained`` uses: ``config.json`` and ``model.safetensors`` or shards plus
+``model.safetensors.index.json``. ``KEY_MAP`` maps tensor names to NNX paths; HF ``[out, in]`` Linear weights become
+our ``[in..., out...]`` kernels with heads split out (q_proj ``[N*H, D]`` <-> ``[D, N, H]``). Row ``i`` of a stacked
+``layers.*`` parameter is HF's ``model.layers.{i}`` (a mixed MoE model: row j of ``layers`` / ``dense_layers`` is
+layer ``config.stack_layer_ids(0 / 1)[j]``). Qwen3-MoE: the router ``gate.kernel`` [D, E] is ``mlp.gate.weight`` [E,
+D]; a stacked expert kernel [L, E, D, I] holds the hub's per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+(written here), and transformers 5's fused ``gate_up_proj`` [E, 2I, D] / ``down_proj`` [E, D, I] are read too.
+Loading never materialises the model on the host: the structure comes from ``nnx.eval_shape`` and each device reads
+only its block of each parameter from the memory-mapped file (``jax.make_array_from_callback``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,14 +37,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 @dataclasses.dataclass(frozen=True)
 class KeyRule:
-    """One row of the key map.
-
-    hf: regex over HF tensor names (groups are substituted into ``nnx``).
-    nnx: NNX path template, dot separated, ``{0}`` = first regex group (an int index),
-      ``{1}`` the second (the expert of a per-expert tensor).
-    num_in_axes: for Linear kernels, how many leading kernel axes are HF's ``in`` axis
-      (kernel.reshape(prod(in), prod(out)).T is the HF weight); None = same layout.
-    """
+    """One row of the key map: ``hf`` a regex over HF tensor names; ``nnx`` the NNX path template (``{0}`` the first
+    group, a layer index; ``{1}`` the expert); ``num_in_axes`` how many leading kernel axes are HF's ``in`` axis
+    (``kernel.reshape(prod(in), prod(out)).T`` is the HF weight), None = same layout."""
 
     hf: str
     nnx: str
@@ -134,13 +105,9 @@ def nnx_to_hf(path: str) -> tuple[str, int | None]:
 
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
-    """One HF tensor held by a parameter of ours.
-
-    name: HF tensor name; layer: the row of a stacked ``layers.*`` parameter that holds it
-    (None for an unstacked parameter); num_in_axes: as in ``KeyRule``; shape: the shape of
-    that row (or of the whole parameter) in our layout; expert: for a stacked expert kernel
-    ([L, E, ...]), the index on its expert axis (``shape`` is then that of one expert).
-    """
+    """One HF tensor held by a parameter of ours: ``name``; ``layer`` its row of a stacked parameter (None if
+    unstacked); ``num_in_axes`` as ``KeyRule``; ``shape`` of that row in our layout; ``expert`` its index on a
+    stacked expert kernel."""
 
     name: str
     layer: int | None
@@ -153,23 +120,17 @@ _STACKS = ("layers", "dense_layers")  # the model's layer stacks (``Qwen3Config.
 
 
 def is_stacked(path: str) -> bool:
-    """Whether a dotted NNX path is a stacked decoder-layer parameter (``layers.<name>…`` or a
-    mixed MoE model's ``dense_layers.<name>…``)."""
+    """Whether a dotted NNX path is a stacked decoder-layer parameter (``layers.<name>…`` or a mixed MoE model's
+    ``dense_layers.<name>…``)."""
     parts = path.split(".")
     return len(parts) > 1 and parts[0] in _STACKS and not parts[1].isdigit()
 
 
 def tensor_entries(path: str, shape: tuple[int, ...],
                    config: Qwen3Config | None = None) -> list[TensorEntry]:
-    """The HF tensors a parameter (dotted NNX ``path``, our ``shape``) holds, in layer order.
-
-    Row j of a stacked parameter is HF layer ``config.stack_layer_ids(stack)[j]`` (a mixed
-    MoE model: ``layers`` holds the sparse layers, ``dense_layers`` the dense-MLP ones);
-    without ``config``, row j of ``layers`` is layer j.
-
-    Raises ValueError naming the path when no rule covers it, or for a ``dense_layers``
-    path without ``config``.
-    """
+    """The HF tensors a parameter (dotted NNX ``path``, our ``shape``) holds, in layer order (row j of a stack is HF
+    layer ``config.stack_layer_ids(stack)[j]``; without ``config``, layer j). ValueError naming the path when no rule
+    covers it, or for a ``dense_layers`` path without ``config``."""
     shape = tuple(shape)
     if not is_stacked(path):
         name, num_in = nnx_to_hf(path)
@@ -209,9 +170,7 @@ def to_hf_layout(value: np.ndarray, num_in_axes: int | None) -> np.ndarray:
         value.reshape(math.prod(shape[:num_in_axes]), math.prod(shape[num_in_axes:])).T)
 
 
-# --------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------
+# ---- Reading ---------------------------------------------------------------------------------------------
 
 
 def _safe_open(path: str):
@@ -281,9 +240,9 @@ _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_pro
 
 
 def _fused_views(name: str, shape) -> dict[str, tuple[str, int, int, int]]:
-    """The per-expert HF tensors a fused tensor holds: {name: (fused name, expert, first row,
-    rows)}. ``gate_up_proj`` [E, 2I, D]: gate_proj = rows [0, I), up_proj = rows [I, 2I)
-    (``chunk(2)`` in ``Qwen3MoeExperts``); ``down_proj`` [E, D, I] is expert e's down_proj."""
+    """The per-expert HF tensors a fused tensor holds: {name: (fused name, expert, first row, rows)}. ``gate_up_proj``
+    [E, 2I, D]: gate_proj = rows [0, I), up_proj = rows [I, 2I) (``chunk(2)`` in ``Qwen3MoeExperts``); ``down_proj`` [E,
+    D, I] is expert e's down_proj."""
     prefix, kind = _FUSED.fullmatch(name).groups()
     shape = tuple(shape)
     if len(shape) != 3 or (kind == "gate_up_proj" and shape[1] % 2):
@@ -301,8 +260,8 @@ def _fused_views(name: str, shape) -> dict[str, tuple[str, int, int, int]]:
 
 
 class _ExpertView:
-    """Expert ``e``'s rows [start, start+rows) of a fused [E, R, C] lazy slice, as a 2-D lazy
-    slice (``get_shape``, ``[rows, cols]`` reads only that block)."""
+    """Expert ``e``'s rows [start, start+rows) of a fused [E, R, C] lazy slice, as a 2-D lazy slice (``get_shape``,
+    ``[rows, cols]`` reads only that block)."""
 
     def __init__(self, fused, e: int, start: int, rows: int):
         self.fused, self.e, self.start, self.rows = fused, e, start, rows
@@ -334,8 +293,8 @@ def _read_block(hf_slice, kernel_shape: tuple[int, ...], num_in_axes: int | None
                 index: tuple[slice, ...]) -> np.ndarray:
     """Reads the block ``kernel[index]`` of our layout from an HF-layout lazy slice.
 
-    For each HF axis (a group of our axes flattened), the contiguous row range covering
-    the group's *first* axis slice is read, then the remaining axes are sliced in memory.
+    For each HF axis (a group of our axes flattened), the contiguous row range covering the group's *first* axis slice
+    is read, then the remaining axes are sliced in memory.
     """
     index = tuple(slice(*s.indices(n)) for s, n in zip(index, kernel_shape))
     if num_in_axes is None:
@@ -363,8 +322,8 @@ def _read_param(source, entries: list[TensorEntry], shape: tuple[int, ...], targ
                 index: tuple[slice, ...]) -> np.ndarray:
     """The block ``param[index]`` (our layout, dtype ``target``) of one parameter.
 
-    ``source`` is a ``_Checkpoint`` (lazy slices) or a dict of HF-named arrays. A stacked
-    parameter reads the layer rows ``index[0]`` covers, each from its own HF tensor.
+    ``source`` is a ``_Checkpoint`` (lazy slices) or a dict of HF-named arrays. A stacked parameter reads the layer rows
+    ``index[0]`` covers, each from its own HF tensor.
     """
     def hf(name):
         return source.slice(name) if isinstance(source, _Checkpoint) else source[name]
@@ -401,32 +360,22 @@ def load_config(path: str) -> Qwen3Config:
 
 def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
                     rules: shd.Rules | None = None, param_dtype=None) -> Qwen3ForCausalLM:
-    """Loads a local HF Qwen3 or Qwen3-MoE directory into a ``Qwen3ForCausalLM``.
-
-    Qwen3-MoE checkpoints may hold the hub's per-expert tensors or transformers 5's fused
-    ones (see the module docstring); with a mesh, each device reads only the experts (and
-    the rows/columns of them) its shard of a stacked expert kernel holds.
+    """Loads a local HF Qwen3 or Qwen3-MoE directory into a ``Qwen3ForCausalLM`` (per-expert or fused MoE tensors).
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or shards + index).
-      dtype: computation dtype, and parameter dtype unless ``param_dtype`` is given;
-        tensors are cast from their stored dtype.
-      mesh: if given, every parameter is created directly with its ``NamedSharding``
-        (``pdm_jax.sharding.param_shardings`` under ``rules``); each device reads only
-        its own block. Without a mesh, parameters go to the default device.
+      dtype: computation dtype, and parameter dtype unless ``param_dtype`` is given (tensors cast from their stored
+        one).
+      mesh: if given, each parameter is created with its ``NamedSharding`` and each device reads only its block.
       rules: logical-axis rules (default ``pdm_jax.sharding.DEFAULT_RULES``).
       param_dtype: storage dtype of the parameters (default: ``dtype``).
     Returns:
       The model (only ``nnx.Param`` state).
     Raises:
       FileNotFoundError: missing config or weights.
-      ValueError: unsupported config (names the field); missing tensors, unexpected
-        tensors, or tensors with the wrong shape (names each tensor, with expected and
-        found HF shapes; 12 of each kind, then "and N more"); when the layers the tensors
-        hold (``model.layers.{i}``) are not 0 .. num_hidden_layers-1, it also says which
-        they are. With ``tie_word_embeddings`` an ``lm_head.weight`` in the file
-        is tolerated and ignored (some exports keep the alias).
-    """
+      ValueError: unsupported config (naming the field); missing, unexpected or mis-shaped tensors (naming each with
+        expected and found HF shapes, 12 of each kind, then "and N more"; and which ``model.layers.{i}`` the file
+        holds when they are not 0 .. L-1). With ``tie_word_embeddings`` an ``lm_head.weight`` in the file is ignored."""
     config = load_config(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     rules = shd.DEFAULT_RULES if rules is None else rules
@@ -493,9 +442,7 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
     return nnx.merge(graphdef, state)
 
 
-# --------------------------------------------------------------------------------------
-# Writing
-# --------------------------------------------------------------------------------------
+# ---- Writing ---------------------------------------------------------------------------------------------
 
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
                "B": 1}
@@ -524,16 +471,10 @@ def _host_value(value: jax.Array) -> np.ndarray:
 
 def save_pretrained(model: Qwen3ForCausalLM, path: str, *,
                     max_shard_size: int | str = "5GB") -> list[str]:
-    """Writes ``config.json`` and safetensors in the HF layout (round trip bit-exact).
-
-    Tensors keep the parameters' stored dtype. One ``model.safetensors`` if everything
-    fits in ``max_shard_size`` bytes, else ``model-XXXXX-of-YYYYY.safetensors`` shards
-    plus ``model.safetensors.index.json``. Only one shard's worth of tensors is on the
-    host at a time. Multi-host: every process gathers, only process 0 writes.
-
-    Returns the list of weight files written (names relative to ``path``).
-    Raises ValueError for a bad ``max_shard_size``.
-    """
+    """Writes ``config.json`` and safetensors in the HF layout, stored dtypes kept (round trip bit-exact): one
+    ``model.safetensors`` within ``max_shard_size`` bytes, else shards plus the index, one shard on the host at a
+    time; multi-host, only process 0 writes. Returns the weight files written (relative to ``path``); ValueError for
+    a bad ``max_shard_size``."""
     limit = parse_size(max_shard_size)
     config: Qwen3Config = model.config
     entries = [(e.name, value, e, math.prod(e.shape) * np.dtype(value.dtype).itemsize)
@@ -585,8 +526,8 @@ def _name_list(names: list[str]) -> str:
 def _layer_count_problem(num_layers: int, names, where: str) -> str | None:
     """Says how the layer indices of HF tensor ``names`` differ from ``range(num_layers)``.
 
-    ``where`` names the config's source in the message. None when the tensors hold exactly
-    layers 0 .. num_layers-1 (each tensor of them is checked separately).
+    ``where`` names the config's source in the message. None when the tensors hold exactly layers 0 .. num_layers-1
+    (each tensor of them is checked separately).
     """
     found = sorted({int(m.group(1)) for n in names if (m := _LAYER_NAME.match(n))})
     if found == list(range(num_layers)):
@@ -634,8 +575,8 @@ def hf_state_dict(model: Qwen3ForCausalLM) -> dict[str, np.ndarray]:
 def load_hf_state_dict(model: Qwen3ForCausalLM, tensors: dict[str, Any]) -> Qwen3ForCausalLM:
     """Sets ``model``'s params in place from an HF-named dict of arrays (small models / tests).
 
-    Raises ValueError naming missing/unexpected tensors or wrong shapes (and the layers the
-    tensors hold when they are not the model's 0 .. L-1); the model is then left unchanged.
+    Raises ValueError naming missing/unexpected tensors or wrong shapes (and the layers the tensors hold when they are
+    not the model's 0 .. L-1); the model is then left unchanged.
     """
     tensors = _unfuse(tensors)
     state = nnx.state(model, nnx.Param)

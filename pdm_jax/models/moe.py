@@ -1,51 +1,16 @@
 """Qwen3-MoE sparse MLP math: top-k routing, grouped expert matmuls, load-balancing loss.
 
-Pure functions on arrays (the NNX block holding the parameters is
-``pdm_jax.models.qwen3.SparseMoeBlock``). Reference checked against: ``transformers`` 5.24
-``models/qwen3_moe/modeling_qwen3_moe.py`` (``Qwen3MoeTopKRouter``, ``Qwen3MoeExperts``,
-``load_balancing_loss_func``); parity in ``tests/test_models_moe.py``.
+Pure functions on arrays (the NNX block is ``pdm_jax.models.qwen3.SparseMoeBlock``), checked against ``transformers``
+5.24 ``models/qwen3_moe/modeling_qwen3_moe.py`` (``Qwen3MoeTopKRouter``, ``Qwen3MoeExperts``,
+``load_balancing_loss_func``) in tests/test_models_moe.py. Axes: N tokens, D hidden, E experts, I expert width, K
+experts per token, M = N*K assignments; expert kernels are stacked: gate/up ``[E, D, I]``, down ``[E, I, D]``.
 
-Axis letters: N tokens (B*T flattened), D hidden size, E experts, I expert (moe
-intermediate) width, K experts per token (top-k), M = N*K (token, expert) assignments.
-
-Expert kernels are stacked over experts: gate/up ``[E, D, I]``, down ``[E, I, D]``.
-
-Implementations of the expert computation (``IMPLEMENTATIONS``):
-
-* ``"ragged_dot"`` (default, every backend): the M assignments are sorted by expert and
-  each expert's contiguous group is multiplied by its own kernel with
-  ``jax.lax.ragged_dot`` (group sizes = tokens per expert): K/E of the dense FLOPs.
-* ``"megablox"``: the same grouped matmuls with the Pallas TPU kernel
-  ``jax.experimental.pallas.ops.tpu.megablox.gmm`` (rows padded to its 128-row tile; on TPU
-  D and I must be multiples of 128); on other backends it runs in Pallas interpret mode
-  (slow; used by the tests only). Checked in interpret mode on CPU (== the dense reference)
-  and compiled by XLA:TPU ahead of time (tests/test_aot.py); never run on a TPU here.
-* ``"blocked"``: the same grouped matmuls as dense batched matmuls over fixed-size row
-  blocks (`blocked_gmm`, the block-sparse layout of MegaBlocks, Gale et al. 2022, arXiv
-  2211.15841): each expert's group is padded to a multiple of the block, every block
-  belongs to one expert, and a scan multiplies a few blocks at a time by their experts'
-  kernels. Dropless, in plain XLA ops, and its memory and FLOPs scale with the M
-  assignments plus at most E blocks of padding. Made for XLA:GPU, which lowers
-  ``ragged_dot`` as a dense dot over an E-fold expanded input (jax 0.10.2 deviceless for
-  H100: M 8192, D 2048, E 128, I 768 takes 4.0 GiB of temporaries forward, 1.9 GiB for the
-  input's gradient and 5.5 GiB for the kernels'; ``blocked`` 0.11 / 0.19 / 0.12 GiB). How fast
-  it runs on a GPU is not measured here.
-* ``"auto"``: ``megablox`` when the program is compiled for TPU devices
-  (`pdm_jax.sharding.target_platform`) and D and I are multiples of 128, ``blocked`` when it
-  is compiled for GPUs, else ``ragged_dot``.
-  XLA:TPU's cost model counts ``ragged_dot`` above the dense reference (the tiny MoE with
-  E 16, K 2, I 128 on 4 v5p: 0.0675 against 0.0364 TFLOP per step; megablox, whose gmm
-  declares its FLOPs to XLA, 0.0118), so on TPU the kernel whose work is K/E of dense by
-  construction is the default; how fast either runs on a chip is not measured here.
-* ``"dense"``: the reference: every expert on every token, outputs weighted by the
-  (zero outside the top-k) routing weights. E/K times the FLOPs; for tests.
-
-On XLA:CPU ``ragged_dot`` is lowered as one dense dot over an E-fold expanded input
-(measured with jax 0.10.2: temp 16.75 MiB for M=4096, D=128, E=8, I=192, whose output is
-3 MiB), so on CPU it costs about what ``"dense"`` does.
-
-Under a mesh the grouped implementations run per shard (`experts_grouped`).
-"""
+``IMPLEMENTATIONS`` of the expert computation (docs/models.md; memory in docs/benchmarks.md): ``"ragged_dot"``
+(default; assignments sorted by expert, ``jax.lax.ragged_dot``; XLA:CPU and XLA:GPU lower it over an E-fold expanded
+input), ``"megablox"`` (the Pallas TPU ``gmm`` kernel; interpret mode elsewhere; D and I multiples of 128 on TPU),
+``"blocked"`` (`blocked_gmm`: MegaBlocks' row blocks, arXiv 2211.15841, in plain XLA ops, for XLA:GPU), ``"auto"``
+(megablox for TPU devices with D, I multiples of 128, blocked for GPUs, else ragged_dot) and ``"dense"`` (every
+expert on every token: the reference). Under a mesh the grouped implementations run per shard (`experts_grouped`)."""
 from __future__ import annotations
 
 import jax
@@ -60,11 +25,8 @@ GROUPED = ("ragged_dot", "megablox", "blocked")
 
 
 def resolve_implementation(implementation: str, *, hidden_size: int, moe_intermediate_size: int) -> str:
-    """``implementation`` with ``"auto"`` resolved for the devices being compiled for (module docstring).
-
-    Raises:
-      ValueError: naming ``moe_implementation`` for an unknown name.
-    """
+    """``implementation`` with ``"auto"`` resolved for the devices being compiled for; ValueError naming
+    ``moe_implementation`` for an unknown name."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"moe_implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation != "auto":
@@ -78,17 +40,16 @@ def resolve_implementation(implementation: str, *, hidden_size: int, moe_interme
 
 def route(router_logits_NxE: Array, top_k: int, norm_topk_prob: bool
           ) -> tuple[Array, Array, Array]:
-    """Top-k routing as HF ``Qwen3MoeTopKRouter``: softmax over experts in f32, the k most
-    probable experts, their probabilities (renormalised to sum 1 when ``norm_topk_prob``).
+    """Top-k routing as HF ``Qwen3MoeTopKRouter``: f32 softmax over experts, the k most probable, their probabilities
+    (renormalised to sum 1 when ``norm_topk_prob``).
 
     Args:
-      router_logits_NxE: [N, E] router logits (any float dtype; softmax runs in f32).
+      router_logits_NxE: [N, E] router logits (any float dtype).
       top_k: K, experts per token.
       norm_topk_prob: divide the K weights by their sum.
     Returns:
-      (weights [N, K] f32, experts [N, K] int32 in descending probability order (ties: the
-      lower index first, as ``torch.topk`` on CPU), probs [N, E] f32 (the full softmax)).
-    """
+      (weights [N, K] f32, experts [N, K] int32 in descending probability order (ties: lower index first, as
+      ``torch.topk`` on CPU), probs [N, E] f32)."""
     probs_NxE = jax.nn.softmax(router_logits_NxE.astype(jnp.float32), axis=-1)
     weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, top_k)
     if norm_topk_prob:
@@ -98,23 +59,16 @@ def route(router_logits_NxE: Array, top_k: int, norm_topk_prob: bool
 
 def route_replayed(router_logits_NxE: Array, experts_NxK: Array, norm_topk_prob: bool
                    ) -> tuple[Array, Array, Array]:
-    """Routing replay: the given experts (e.g. those the rollout engine routed to), weighted by
-    this router's f32 softmax probabilities over them (renormalised to sum 1 when
-    ``norm_topk_prob``), as ``route`` would weight its own top-k. Gradients reach the router
-    through the weights; the expert choice is not differentiable either way.
-
-    A row holding a negative id (no recorded routing: the rollout engine's padding and the
-    last completion token, which it never feeds through the model) gets this router's own
-    top-k instead, i.e. exactly ``route``'s experts and weights.
+    """Routing replay: the given experts weighted by this router's f32 softmax over them (renormalised when
+    ``norm_topk_prob``), as ``route`` weights its own; gradients reach the router through the weights. A row with a
+    negative id (no recorded routing: padding, the last completion token) gets ``route``'s own experts and weights.
 
     Args:
       router_logits_NxE: [N, E] router logits.
-      experts_NxK: [N, K] int expert ids in [0, E) (ids >= E are clipped), or a row with a
-        negative id: the router's own top-k.
+      experts_NxK: [N, K] int expert ids in [0, E) (ids >= E clipped; a negative id: the router's own top-k).
       norm_topk_prob: divide the K weights by their sum.
     Returns:
-      (weights [N, K] f32, experts [N, K] int32, probs [N, E] f32), as ``route``.
-    """
+      (weights [N, K] f32, experts [N, K] int32, probs [N, E] f32), as ``route``."""
     probs_NxE = jax.nn.softmax(router_logits_NxE.astype(jnp.float32), axis=-1)
     experts_NxK = experts_NxK.astype(jnp.int32)
     own_NxK = jax.lax.top_k(probs_NxE, experts_NxK.shape[-1])[1].astype(jnp.int32)
@@ -132,12 +86,8 @@ def _swiglu(gate: Array, up: Array) -> Array:
 
 def experts_dense(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_ExDxI: Array,
                   up_ExDxI: Array, down_ExIxD: Array, *, dtype) -> Array:
-    """Reference: every expert on every token, combined with the routing weights.
-
-    y[n] = sum_e c[n, e] * down_e(silu(gate_e(x[n])) * up_e(x[n])), c[n, e] = the routing
-    weight of expert e for token n (0 unless e is among its K experts). Matmuls in
-    ``dtype``, the weighted sum in f32; returns [N, D] in ``dtype``.
-    """
+    """Reference: every expert on every token, y[n] = sum_e c[n, e] * down_e(silu(gate_e(x[n])) * up_e(x[n])), c the
+    routing weights (0 outside the top-k). Matmuls in ``dtype``, the sum in f32; returns [N, D] in ``dtype``."""
     E = gate_ExDxI.shape[0]
     x = x_NxD.astype(dtype)
     h_NxExI = _swiglu(jnp.einsum("nd,edi->nei", x, gate_ExDxI.astype(dtype)),
@@ -172,28 +122,19 @@ def _megablox_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, dtype)
 
 def blocked_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, *, block_rows: int = 128,
                 blocks_per_step: int = 8) -> Array:
-    """Grouped matmul over row blocks: ``jax.lax.ragged_dot(lhs_MxA, rhs_ExAxC, group_sizes_E)``.
+    """Grouped matmul over row blocks, equal to ``jax.lax.ragged_dot(lhs_MxA, rhs_ExAxC, group_sizes_E)``.
 
     Args:
-      lhs_MxA: [M, A] rows sorted by group (group e's rows follow group e-1's).
+      lhs_MxA: [M, A] rows sorted by group.
       rhs_ExAxC: [E, A, C] one kernel per group, in the dtype of ``lhs_MxA``.
-      group_sizes_E: [E] int32 rows per group; rows past ``sum(group_sizes_E)`` are in no
-        group and give zeros (as in ``ragged_dot``).
-      block_rows: rows per block (at most 128; smaller for small M so tiny shapes stay tiny).
-      blocks_per_step: blocks multiplied per scan step (their kernels gathered together).
+      group_sizes_E: [E] int32 rows per group; rows past their sum give zeros (as in ``ragged_dot``).
+      block_rows: rows per block (at most 128).
+      blocks_per_step: blocks multiplied per scan step.
 
-    Returns [M, C] in the dtype of ``lhs_MxA``.
-
-    Each group is padded to whole blocks of ``b`` rows, so there are at most ``ceil(M / b) + E``
-    blocks (a static bound); the rows are scattered into that padded layout, a
-    ``lax.scan`` multiplies ``blocks_per_step`` blocks per step by their groups' kernels
-    (one batched matmul, kernels gathered per step and recomputed in the backward rather
-    than saved), and the rows are gathered back. Memory: the padded rows plus
-    ``blocks_per_step`` kernels; FLOPs: those of the padded rows (the M rows and at most
-    E * (b - 1) padding rows), never E-fold. The layout is MegaBlocks' (Gale et al. 2022,
-    arXiv 2211.15841), written here in XLA ops. Checked against ``ragged_dot`` (values and
-    gradients) in tests/test_models_moe.py.
-    """
+    Returns [M, C] in the dtype of ``lhs_MxA``. Each group is padded to whole blocks (at most ``ceil(M / b) + E``), a
+    ``lax.scan`` multiplies ``blocks_per_step`` blocks per step by their gathered kernels (recomputed in the
+    backward), and the rows are gathered back: memory and FLOPs of the padded rows, never E-fold (MegaBlocks, Gale et
+    al. 2022, arXiv 2211.15841). Checked against ``ragged_dot`` (values and gradients) in tests/test_models_moe.py."""
     M, A = lhs_MxA.shape
     E, _, C = rhs_ExAxC.shape
     b = int(min(block_rows, max(8, 1 << max(0, -(-M // max(E, 1)) - 1).bit_length())))
@@ -224,25 +165,14 @@ def blocked_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, *, block
 def experts_grouped(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_ExDxI: Array,
                     up_ExDxI: Array, down_ExIxD: Array, *, dtype,
                     implementation: str = "ragged_dot") -> Array:
-    """The routed experts as grouped matmuls over the N*K (token, expert) assignments.
+    """The routed experts as grouped matmuls over the N*K assignments, [N, D] in ``dtype``.
 
-    The assignments are sorted by expert (stable: token order within an expert), the
-    token rows gathered in that order, each expert's group multiplied by its kernels
-    (``jax.lax.ragged_dot``, megablox ``gmm`` or `blocked_gmm`, see the module docstring), and the
-    outputs weighted and summed back per token in f32. Same result as ``experts_dense``
-    up to float rounding (tested to 1e-5 in f32, values and gradients). Returns [N, D] in
-    ``dtype``.
-
-    Under an active mesh (``jax.set_mesh`` / ``pdm_jax.sharding.activation_sharding``) the
-    whole dispatch runs under ``jax.shard_map`` with the tokens sharded as the logical
-    ``batch`` axis and the expert kernels gathered whole (cast to ``dtype`` first, so the
-    all-gather moves compute-dtype bytes; their gradients are reduced back): each shard
-    sorts, multiplies and combines only its own ``N/shards * K`` assignments. With one sort
-    over the globally sharded assignments instead, XLA:TPU needed 175.7 GiB of temporaries
-    for the 30B-A3B step on 64 v5p (16.1 GiB with the shard_map; docs/scaling.md), and a
-    Pallas kernel (megablox) cannot be partitioned automatically at all. Tokens are replicated over mesh axes outside
-    ``batch`` (``tensor``), which then compute the same rows.
-    """
+    Assignments are sorted by expert (stable), each expert's rows multiplied by its kernels (``ragged_dot``, megablox
+    ``gmm`` or `blocked_gmm`) and the outputs weighted and summed per token in f32: ``experts_dense`` up to rounding
+    (1e-5 in f32, values and gradients). Under an active mesh the dispatch runs under ``jax.shard_map``, tokens
+    sharded as ``batch`` and the kernels gathered whole in ``dtype``: each shard handles its own ``N/shards * K``
+    assignments (one global sort needed 175.7 GiB of temporaries for the 30B-A3B step on 64 v5p, 16.1 GiB sharded;
+    docs/scaling.md)."""
     if implementation not in GROUPED:
         raise ValueError(f"moe implementation must be one of {GROUPED} here, "
                          f"got {implementation!r}")
@@ -292,10 +222,7 @@ def _experts_grouped_local(x_NxD: Array, weights_NxK: Array, experts_NxK: Array,
 def experts(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_ExDxI: Array,
             up_ExDxI: Array, down_ExIxD: Array, *, dtype, implementation: str) -> Array:
     """Dispatches to ``experts_dense`` or ``experts_grouped`` by ``implementation`` (``"auto"`` resolved by
-    `resolve_implementation`).
-
-    Raises ValueError naming ``implementation`` when it is not in ``IMPLEMENTATIONS``.
-    """
+    `resolve_implementation`); ValueError naming ``implementation`` when it is not in ``IMPLEMENTATIONS``."""
     implementation = resolve_implementation(implementation, hidden_size=x_NxD.shape[-1],
                                             moe_intermediate_size=gate_ExDxI.shape[-1])
     args = (x_NxD, weights_NxK, experts_NxK, gate_ExDxI, up_ExDxI, down_ExIxD)
@@ -306,18 +233,15 @@ def experts(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_ExDxI: Ar
 
 def load_balancing_stats(probs_NxE: Array, experts_NxK: Array,
                          token_weight_N: Array | None = None) -> tuple[Array, Array, Array]:
-    """One layer's sums for the load-balancing loss (see ``load_balancing_loss``).
+    """One layer's sums for ``load_balancing_loss``.
 
     Args:
       probs_NxE: [N, E] f32 router softmax.
       experts_NxK: [N, K] int selected experts.
-      token_weight_N: [N] weights of the rows (HF: the attention mask; padding = 0), or
-        None (every row counts 1).
+      token_weight_N: [N] row weights (HF: the attention mask), or None (every row counts 1).
     Returns:
-      (assignments [E] f32: weighted count of top-k selections per expert,
-       prob_sum [E] f32: weighted sum of router probabilities per expert,
-       rows: scalar f32, the weighted row count).
-    """
+      (assignments [E] f32 weighted top-k selections per expert, prob_sum [E] f32 weighted router probabilities per
+      expert, rows: scalar f32 weighted row count)."""
     N, E = probs_NxE.shape
     w_N = jnp.ones((N,), jnp.float32) if token_weight_N is None else \
         jnp.asarray(token_weight_N, jnp.float32).reshape(N)
@@ -328,15 +252,12 @@ def load_balancing_stats(probs_NxE: Array, experts_NxK: Array,
 
 
 def load_balancing_loss(assignments_E: Array, prob_sum_E: Array, rows: Array) -> Array:
-    """Switch-Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6) exactly as
-    transformers' ``load_balancing_loss_func`` (Qwen3-MoE) computes it.
+    """Switch-Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6) as transformers'
+    ``load_balancing_loss_func`` (Qwen3-MoE), a scalar f32 (unscaled; the loss adds ``router_aux_loss_coef`` times
+    it).
 
-    With the per-layer sums of ``load_balancing_stats`` added over the MoE layers (and
-    ``rows`` added too, so it counts rows times layers):
-    ``E * sum_e (assignments[e] / rows) * (prob_sum[e] / rows)``. The assignment fraction
-    is not divided by K (HF's convention), so a perfectly balanced router gives K.
-    Returns a scalar f32 (unscaled: the training loss adds ``router_aux_loss_coef`` times it).
-    """
+    With ``load_balancing_stats`` summed over the MoE layers: ``E * sum_e (assignments[e] / rows) * (prob_sum[e] /
+    rows)``; not divided by K (HF's convention), so a balanced router gives K."""
     E = assignments_E.shape[-1]
     rows = jnp.maximum(rows, 1e-9)  # all-padding batch: 0 instead of NaN
     return E * jnp.sum((assignments_E / rows) * (prob_sum_E / rows))

@@ -1,19 +1,16 @@
 """Published Qwen3 dense configurations (tunix-style names) and an allocation-free parameter count.
 
-Values are those of the ``config.json`` files of the post-trained checkpoints
-``Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}`` on the Hugging Face Hub (transformers 4.51
-layout; all use ``vocab_size`` 151936, ``head_dim`` 128, 8 KV heads, ``rope_theta`` 1e6,
-``rms_norm_eps`` 1e-6, ``max_position_embeddings`` 40960; embeddings tied for
-0.6B/1.7B/4B only), cross-checked with Table 1 of the Qwen3 Technical Report
-(arXiv 2505.09388). The published totals on the model cards (0.6B, 1.7B, 4.0B, 8.2B,
-14.8B, 32.8B; non-embedding 0.44B, 1.4B, 3.6B, 6.95B, 13.2B, 31.2B) are checked by
+Values are those of the ``config.json`` files of the post-trained checkpoints ``Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}``
+on the Hugging Face Hub (transformers 4.51 layout; all use ``vocab_size`` 151936, ``head_dim`` 128, 8 KV heads,
+``rope_theta`` 1e6, ``rms_norm_eps`` 1e-6, ``max_position_embeddings`` 40960; embeddings tied for 0.6B/1.7B/4B only),
+cross-checked with Table 1 of the Qwen3 Technical Report (arXiv 2505.09388). The published totals on the model cards
+(0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B; non-embedding 0.44B, 1.4B, 3.6B, 6.95B, 13.2B, 31.2B) are checked by
 ``tests/test_models_presets.py`` against ``count_params``.
 
-Mixture-of-experts (Qwen3-MoE) presets, from the ``config.json`` of ``Qwen/Qwen3-30B-A3B``
-and ``Qwen/Qwen3-235B-A22B`` (128 experts, 8 per token, ``norm_topk_prob`` true, every
-layer sparse, 4 KV heads, head_dim 128, untied): the model cards' totals (30.5B total /
-3.3B activated / 29.9B non-embedding; 235B / 22B) are checked by ``tests/test_models_presets.py``
-against ``count_params`` (``active=True`` for the activated count). The 235B preset is
+Mixture-of-experts (Qwen3-MoE) presets, from the ``config.json`` of ``Qwen/Qwen3-30B-A3B`` and ``Qwen/Qwen3-235B-A22B``
+(128 experts, 8 per token, ``norm_topk_prob`` true, every layer sparse, 4 KV heads, head_dim 128, untied): the model
+cards' totals (30.5B total / 3.3B activated / 29.9B non-embedding; 235B / 22B) are checked by
+``tests/test_models_presets.py`` against ``count_params`` (``active=True`` for the activated count). The 235B preset is
 for shapes (dry runs, parameter counts) only: nothing here was run at that size.
 """
 from __future__ import annotations
@@ -78,8 +75,7 @@ def qwen3_30b_a3b() -> Qwen3Config:
 
 
 def qwen3_235b_a22b() -> Qwen3Config:
-    """Qwen/Qwen3-235B-A22B (shapes only): 94 layers, d=4096, 64 q heads, 128 experts of
-    width 1536, top-8."""
+    """Qwen/Qwen3-235B-A22B (shapes only): 94 layers, d=4096, 64 q heads, 128 experts of width 1536, top-8."""
     return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
                        num_attention_heads=64, moe_intermediate_size=1536, **_MOE_COMMON)
 
@@ -107,11 +103,10 @@ def count_params(config: Qwen3Config, *, non_embedding: bool = False,
                  active: bool = False) -> int:
     """Number of parameters of ``Qwen3ForCausalLM(config)`` from abstract shapes.
 
-    Uses ``nnx.eval_shape`` (no allocation). ``non_embedding=True`` excludes the input
-    embedding table and the (untied) LM head, the convention of the Qwen3 model cards.
-    ``active=True`` counts, of a MoE model's experts, only the ``num_experts_per_tok`` a
-    token uses (the "activated" parameters of the Qwen3-MoE cards); same as the total for
-    a dense model.
+    Uses ``nnx.eval_shape`` (no allocation). ``non_embedding=True`` excludes the input embedding table and the (untied)
+    LM head, the convention of the Qwen3 model cards. ``active=True`` counts, of a MoE model's experts, only the
+    ``num_experts_per_tok`` a token uses (the "activated" parameters of the Qwen3-MoE cards); same as the total for a
+    dense model.
     """
     abstract = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0),
                                                        dtype=jnp.bfloat16,

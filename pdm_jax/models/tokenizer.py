@@ -1,22 +1,9 @@
 """Tokenizers in Hugging Face format: character-level and task-trained BPE tokenizers for tiny tasks, local loading.
 
-Everything here goes through the `tokenizers` library (the Rust backend) and
-`transformers` (``PreTrainedTokenizerFast`` / ``AutoTokenizer``), so a directory
-written by :func:`build_char_tokenizer` is an ordinary Hugging Face tokenizer
-directory (``tokenizer.json`` + ``tokenizer_config.json``) that any
-``AutoTokenizer.from_pretrained(dir)`` loads offline.
-
-The real Qwen3 tokenizer is built by :mod:`pdm_jax.models.build_qwen3_tokenizer`.
-
-Public API:
-  * :func:`build_char_tokenizer` -- character-level tokenizer (one token per symbol).
-  * :func:`build_bpe_tokenizer` -- byte-pair encoding trained on a corpus (e.g. a task's text).
-  * :func:`shared_tokenizer` -- a built tokenizer in a directory several processes share
-    (built once, published whole).
-  * :func:`encode_strict` -- encode text, raising ``ValueError`` on characters the
-    tokenizer cannot represent (never a silent unknown token).
-  * :func:`load_tokenizer` -- ``AutoTokenizer`` from a local directory only.
-"""
+Built with the `tokenizers` library and saved as ordinary Hugging Face tokenizer directories (``tokenizer.json`` +
+``tokenizer_config.json``) that ``AutoTokenizer.from_pretrained(dir)`` loads offline; :func:`encode_strict` refuses
+what a tokenizer cannot represent (never a silent unknown token). The real Qwen3 tokenizer is built by
+:mod:`pdm_jax.models.build_qwen3_tokenizer`."""
 
 from __future__ import annotations
 
@@ -32,15 +19,13 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-__all__ = ["TOKENIZER_FILES", "build_bpe_tokenizer", "build_char_tokenizer", "checkpoint_tokenizer_file", "encode_strict",
-           "load_tokenizer", "shared_tokenizer"]
+__all__ = ["TOKENIZER_FILES", "build_bpe_tokenizer", "build_char_tokenizer", "checkpoint_tokenizer_file",
+           "encode_strict", "load_tokenizer", "shared_tokenizer"]
 
 # Files whose presence marks a directory as a Hugging Face tokenizer directory.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
-# Never present in a char vocabulary (it is two characters long), so the WordLevel
-# model raises instead of emitting an unknown id if ``tokenizer(text)`` is called
-# on an unrepresentable character without going through :func:`encode_strict`.
+# Never in a char vocabulary, so the WordLevel model raises on an unrepresentable character instead of an unknown id.
 _ABSENT_UNK = "<unk-not-in-vocab>"
 
 
@@ -53,11 +38,8 @@ CHAR_SPECIAL_TOKENS = 2  # <pad> = 0, <eos> = 1 (build_char_tokenizer's defaults
 
 
 def char_vocab_size(symbols: str) -> int:
-    """The vocabulary size ``build_char_tokenizer(symbols, ...)`` gives with its default special tokens.
-
-    Raises:
-      ValueError: ``symbols`` empty, not a string, or with a repeated character (field ``tokenizer.symbols``).
-    """
+    """The vocabulary size ``build_char_tokenizer(symbols, ...)`` gives with its default special tokens; ValueError
+    (field ``tokenizer.symbols``) for ``symbols`` empty, not a string, or with a repeated character."""
     if not isinstance(symbols, str) or not symbols or len(set(symbols)) != len(symbols):
         raise ValueError(f"tokenizer.symbols = {symbols!r}: must be a non-empty string of distinct characters")
     return len(symbols) + CHAR_SPECIAL_TOKENS
@@ -73,39 +55,23 @@ def build_char_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Builds and saves a character-level tokenizer in Hugging Face format.
 
-    Vocabulary layout (ids are ``int32``-safe small integers):
-      * ``pad_token`` -> 0, ``eos_token`` -> 1, ``bos_token`` -> 2 when given,
-      * then ``symbols[i]`` -> ``num_special + i`` in the order given.
-
-    Each symbol is exactly one token: the backend is a ``tokenizers`` ``WordLevel``
-    model over single characters behind a ``Split`` pre-tokenizer that isolates every
-    character (``[\\s\\S]``, so spaces and newlines are symbols like any other), and
-    a ``Fuse`` decoder that concatenates tokens with no separator, so
-    ``decode(encode(x)) == x`` for every string over ``symbols``. No special token is
-    added automatically (no post-processor); callers append ``eos`` explicitly, e.g.
-    with :func:`encode_strict` ``(add_eos=True)``. There is no chat template.
-
-    The directory gets ``tokenizer.json`` and ``tokenizer_config.json``
-    (``tokenizer_class: PreTrainedTokenizerFast``), loadable offline with
-    ``transformers.AutoTokenizer.from_pretrained(out_dir)`` or :func:`load_tokenizer`.
+    Ids: ``pad_token`` 0, ``eos_token`` 1, ``bos_token`` 2 when given, then ``symbols[i]`` -> ``num_special + i``.
+    Each symbol (spaces and newlines included) is one token of a ``WordLevel`` model behind a per-character
+    ``Split``, decoded by ``Fuse``, so ``decode(encode(x)) == x`` over ``symbols``. No special token is added
+    automatically (append ``eos`` with :func:`encode_strict` ``(add_eos=True)``); no chat template.
 
     Args:
-      symbols: the characters of the vocabulary, each exactly once, e.g.
-        ``"0123456789+-= "``.
-      out_dir: directory to write (created if missing; existing tokenizer files
-        are overwritten).
-      pad_token, eos_token: special tokens with ids 0 and 1 (multi-character strings
-        are recommended, so they can never collide with a symbol).
+      symbols: the characters of the vocabulary, each once, e.g. ``"0123456789+-= "``.
+      out_dir: directory to write (created if missing; tokenizer files overwritten).
+      pad_token, eos_token: special tokens with ids 0 and 1 (multi-character strings never collide with a symbol).
       bos_token: optional special token with id 2.
 
     Returns:
-      The tokenizer, as reloaded from ``out_dir`` (so the caller holds exactly what
-      a later ``from_pretrained`` returns).
+      The tokenizer as reloaded from ``out_dir``.
 
     Raises:
-      ValueError: ``symbols`` empty or with a repeated character; a special token
-        empty, repeated, or equal to one of the symbols.
-    """
+      ValueError: ``symbols`` empty or with a repeated character; a special token empty, repeated, or equal to a
+        symbol."""
     if not isinstance(symbols, str) or not symbols:
         raise ValueError(f"symbols must be a non-empty string, got {symbols!r}")
     seen: set[str] = set()
@@ -159,36 +125,25 @@ RECIPE_FILE = "pdm_jax_tokenizer.json"
 
 def shared_tokenizer(out_dir: str | os.PathLike[str], build: Callable[[Path], object],
                      recipe: dict | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer in ``out_dir``, written there by ``build`` first when absent; safe for processes sharing it.
+    """The tokenizer in ``out_dir``, built there by ``build`` first when absent; safe for processes sharing it.
 
-    The processes of a multi-process run (one per host, or several on one host) share the workdir and
-    each may find ``out_dir`` missing. Each one that does calls ``build`` on a private sibling directory
-    and renames it onto ``out_dir``; a directory rename is atomic, so a reader sees either no
-    ``out_dir`` or a complete one (building straight into ``out_dir`` let another process read a
-    half-written ``tokenizer.json``). The first rename wins; a loser discards its copy, so ``build``
-    must be deterministic (the char and BPE builders are: same inputs, same files).
-
-    ``recipe`` (JSON-able: what the tokenizer is built from, e.g. ``{"kind": "bpe", "vocab_size": 1024,
-    ...}``) is saved beside it as ``RECIPE_FILE`` with the list of its ``files``. A run that finds
-    ``out_dir`` built from another recipe (a resume with another ``tokenizer.vocab_size``, or a workdir an
-    earlier run with another config left) is refused: a run's tokenizer cannot change under its
-    checkpoints. A directory without the file (built before it existed) is checked for its kind only
-    (a ``WordLevel`` model is ``char``, a ``BPE`` one ``bpe``).
+    A process that finds ``out_dir`` missing builds into a private sibling and renames it onto ``out_dir`` (atomic: a
+    reader sees no directory or a complete one); the first rename wins, so ``build`` must be deterministic.
+    ``recipe`` (JSON-able, e.g. ``{"kind": "bpe", "vocab_size": 1024, ...}``) is saved beside it as ``RECIPE_FILE``;
+    a directory built from another recipe is refused (a run's tokenizer cannot change under its checkpoints), one
+    without the file is checked for its kind only.
 
     Args:
       out_dir: a local directory, e.g. ``WORKDIR/tokenizer``; its parent is created if missing.
-      build: writes a tokenizer into the directory it is given, e.g.
-        ``lambda d: build_char_tokenizer(symbols, d)``.
+      build: writes a tokenizer into the directory it is given, e.g. ``lambda d: build_char_tokenizer(symbols, d)``.
       recipe: what ``build`` builds from; None checks nothing.
 
     Returns:
       The tokenizer loaded from ``out_dir`` (:func:`load_tokenizer`).
 
     Raises:
-      ValueError: what ``build`` raises (bad symbols, an empty corpus); ``out_dir`` built from another
-        recipe (naming each differing field, both values and the directory); ``out_dir`` exists, is not
-        empty and holds no ``tokenizer.json`` (left by something else: the message names it).
-    """
+      ValueError: what ``build`` raises; ``out_dir`` built from another recipe (naming each differing field, both
+        values and the directory); ``out_dir`` not empty and without ``tokenizer.json``."""
     out = Path(out_dir).expanduser()
     recipe = None if recipe is None else json.loads(json.dumps(recipe, default=str))  # as it is read back
     if not (out / "tokenizer.json").is_file():
@@ -249,30 +204,23 @@ def build_bpe_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Trains a byte-level byte-pair-encoding tokenizer on ``texts`` and saves it in Hugging Face format.
 
-    As GPT-2's and Qwen's tokenizers, it works on the UTF-8 bytes of the text (``tokenizers``'
-    ``ByteLevel`` pre-tokenizer and decoder): each of the 256 bytes has a token, so every string
-    encodes and ``decode(encode(x)) == x`` for any ``x``; there is no unknown token. Unlike theirs,
-    no regex splits the text into words first (``use_regex=False``), so merges may span any
-    character, and each text stays apart from the others (e.g. a prompt and its answer: no token
-    crosses between them). The ``tokenizers`` library's ``BpeTrainer`` learns merges of pairs that
-    occur at least twice until the vocabulary has ``vocab_size`` entries. Ids: ``<pad>`` 0,
-    ``<eos>`` 1, then the 256 bytes, then the merges in the order learnt. No chat template.
-    Training is deterministic: the same texts give the same files.
+    As GPT-2's and Qwen's, it works on UTF-8 bytes (``ByteLevel``), so ``decode(encode(x)) == x`` for any ``x`` and
+    there is no unknown token; unlike theirs no regex pre-splits words (``use_regex=False``) and texts stay apart
+    from each other. ``BpeTrainer`` learns merges of pairs seen at least twice. Ids: ``<pad>`` 0, ``<eos>`` 1, the
+    256 bytes, then the merges in order. Deterministic: the same texts give the same files. No chat template.
 
     Args:
-      texts: the corpus, e.g. a task's training prompts and reference answers (each a string).
+      texts: the corpus (strings), e.g. a task's prompts and reference answers.
       out_dir: directory to write (created if missing).
-      vocab_size: the most entries, the 2 special tokens and the 256 bytes included (field
-        ``tokenizer.vocab_size``), at most ``MAX_BPE_VOCAB_SIZE``.
+      vocab_size: the most entries, specials and bytes included (field ``tokenizer.vocab_size``), at most
+        ``MAX_BPE_VOCAB_SIZE``.
 
     Returns:
-      The tokenizer, as reloaded from ``out_dir``; ``len(tokenizer)`` may be below ``vocab_size``
-      when the corpus has too few repeated pairs.
+      The tokenizer as reloaded from ``out_dir``; ``len(tokenizer)`` may be below ``vocab_size`` for a small corpus.
 
     Raises:
-      ValueError: ``vocab_size`` not an int in (258, ``MAX_BPE_VOCAB_SIZE``]; ``texts`` empty or
-        holding a non-string.
-    """
+      ValueError: ``vocab_size`` not an int in (258, ``MAX_BPE_VOCAB_SIZE``]; ``texts`` empty or holding a
+        non-string."""
     texts = list(texts)
     if not texts or not all(isinstance(t, str) for t in texts):
         bad = next((t for t in texts if not isinstance(t, str)), None)
@@ -304,8 +252,8 @@ def build_bpe_tokenizer(
 
 
 def _public_tokenizer_class(out_path: Path) -> None:
-    """transformers 5 writes its internal class name "TokenizersBackend"; the public alias also loads in
-    transformers 4 and in other consumers of the HF layout."""
+    """transformers 5 writes its internal class name "TokenizersBackend"; the public alias also loads in transformers 4
+    and in other consumers of the HF layout."""
     config_path = out_path / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -330,29 +278,21 @@ def encode_strict(
 ) -> list[int]:
     """Encodes ``text`` exactly, refusing characters the tokenizer cannot represent.
 
-    For a char-level tokenizer (from :func:`build_char_tokenizer`) every character of
-    ``text`` must be one of its symbols and maps to that symbol's id; special-token
-    strings inside ``text`` are NOT interpreted (``"<eos>"`` is five characters, all
-    of which must be symbols). For any other tokenizer the text is encoded without
-    automatic special tokens (a special-token string inside the text, e.g. ``"<eos>"`` for a
-    :func:`build_bpe_tokenizer` one, is read as that token, as Hugging Face tokenizers do) and an
-    output containing the unknown-token id is refused.
+    Char-level tokenizer: every character must be a symbol (special-token strings in ``text`` are plain characters).
+    Any other tokenizer: encoded without automatic special tokens (a special-token string in the text is that token,
+    as in Hugging Face) and an output holding the unknown-token id is refused.
 
     Args:
       tokenizer: a Hugging Face tokenizer.
       text: the string to encode.
-      add_bos: prepend ``tokenizer.bos_token_id`` (error if the tokenizer has none).
-      add_eos: append ``tokenizer.eos_token_id`` (error if the tokenizer has none).
+      add_bos / add_eos: prepend ``bos_token_id`` / append ``eos_token_id``.
 
     Returns:
-      Token ids, a ``list[int]`` of length ``len(text) + add_bos + add_eos`` for a
-      char-level tokenizer.
+      ``list[int]`` token ids (``len(text) + add_bos + add_eos`` of them for a char-level tokenizer).
 
     Raises:
-      ValueError: a character not in the vocabulary (the message names the
-        character, its code point and its position), an unknown-token id in the
-        output, or ``add_bos``/``add_eos`` on a tokenizer without that token.
-    """
+      ValueError: a character not in the vocabulary (naming it, its code point and position), an unknown-token id in
+        the output, or ``add_bos``/``add_eos`` on a tokenizer without that token."""
     if not isinstance(text, str):
         raise ValueError(f"text must be a str, got {type(text).__name__}")
     char_vocab = _char_vocab(tokenizer)
@@ -384,23 +324,11 @@ def encode_strict(
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """Loads a Hugging Face tokenizer from a LOCAL directory (never the Hub).
-
-    Args:
-      path: a directory holding ``tokenizer.json`` and/or ``tokenizer_config.json``
-        (e.g. one written by :func:`build_char_tokenizer`,
-        :func:`pdm_jax.models.build_qwen3_tokenizer.build_qwen3_tokenizer`, or a
-        downloaded checkpoint directory).
-
-    Returns:
-      ``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+    """``transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)``: a tokenizer from a LOCAL directory.
 
     Raises:
-      FileNotFoundError: ``path`` does not exist, is not a directory, or holds no
-        tokenizer file; the message names the path.
-      ValueError: transformers failed to load the directory (wraps its error and
-        names the path).
-    """
+      FileNotFoundError: ``path`` missing, not a directory, or without a tokenizer file (naming the path).
+      ValueError: transformers failed to load it (wrapping its error, naming the path)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"tokenizer path {str(p)!r} does not exist")
@@ -421,8 +349,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def checkpoint_tokenizer_file(hf_path: str) -> str | None:
-    """The first of `TOKENIZER_FILES` in the local checkpoint directory `hf_path`, or None (no such file, no
-    directory, or ``hf_path`` empty)."""
+    """The first of `TOKENIZER_FILES` in the local checkpoint directory `hf_path`, or None (no such file, no directory,
+    or ``hf_path`` empty)."""
     if not hf_path or not os.path.isdir(hf_path):
         return None
     return next((f for f in TOKENIZER_FILES if os.path.exists(os.path.join(hf_path, f))), None)

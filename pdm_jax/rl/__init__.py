@@ -10,6 +10,5 @@ step_batch    StepBatch, the train step's input pytree
 train_step    make_rl_train_step / make_sft_train_step: jitted, sharded, functional
 
 These modules import jax, optax, flax, the models and each other, and
-``pdm_jax.rollout`` (the numpy contract) only: no I/O, HTTP, orbax or config module
-(tests/test_structure.py).
+``pdm_jax.rollout`` (the numpy contract) only: no I/O, HTTP, orbax or config module (tests/test_structure.py).
 """

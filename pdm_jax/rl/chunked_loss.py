@@ -1,37 +1,12 @@
-"""Sequence-chunked RL loss: the trust-region mask and the policy loss without [B,T,V] logits.
+"""Sequence-chunked RL loss: the trust-region mask and the policy loss without ``[B,T,V]`` logits.
 
-For Qwen3 (V = 151,936) a micro-batch of 8 sequences x 8k response tokens has
-f32 logits of 8 * 8192 * 151936 * 4 B = 40 GB, and the log-softmax, the tail
-reductions of the top-K divergence and their gradients need several buffers of
-that size. This module computes exactly the same loss, gradient and statistics
-as the unchunked ``pdm_jax.rl.train_step.make_rl_loss`` while holding only ``[B, c, V]`` logits
-at a time (c = ``chunk_size`` sequence positions):
-
-1. the model runs once up to its final hidden states ``h [B,T,D]``
-   (``Qwen3ForCausalLM.hidden_states``; D << V);
-2. ``jax.lax.scan`` walks over the T axis in chunks of c positions; each step
-   projects its chunk to logits ``[B,c,V]`` (``logits_from_hidden``), divides by
-   the temperature and calls ``pdm_jax.rl.loss.token_terms`` -- the same function the
-   unchunked path calls on all positions: ONE log-softmax, the gathers at the K+1
-   candidates, the tail log-sum-exp and (for ``bucket_exact``) the tail sum of
-   squares Σ_T π_i², the mask, the per-token loss (truncated IS or PPO clip,
-   optional KL penalty), the entropy and the top-K KL of the chunk;
-3. the step body is wrapped in ``jax.checkpoint``: the backward pass recomputes
-   each chunk's logits from its hidden states instead of storing them, so the
-   peak memory of the loss grows with c, not with T.
-
-Only ``[B,T]`` per-token arrays leave the scan; ``pdm_jax.rl.loss.loss_and_metrics``
-(called by ``train_step.make_rl_loss``) aggregates them over the whole batch, so every aggregation mode is exact (no
-mean of chunk means). The statistics of the trust-region mask are
-recombined from the chunks' counts: ``num_*`` are summed, ``frac_*`` are
-fractions of all valid tokens and ``mean_*`` means over all valid tokens with
-finite inputs (``n_good = num_valid - num_nonfinite - num_bad_ids``), as in
-``trust_region.trust_region_mask_and_logprobs``.
-
-T is padded up to a multiple of c with invalid positions (masked, zero loss).
-With ``nonfinite="error"`` the first bad position named in the error is relative
-to its chunk.
-"""
+Exactly the loss, gradient and statistics of the unchunked ``pdm_jax.rl.train_step.make_rl_loss`` (f32 logits of 8
+sequences x 8k tokens of Qwen3's V = 151,936 are 40 GB) while holding ``[B, c, V]`` logits at a time: the model runs
+to its final hidden states ``h [B,T,D]``, a ``jax.lax.scan`` over chunks of c positions projects each to logits and
+calls ``pdm_jax.rl.loss.token_terms`` (the unchunked path's function), and ``jax.checkpoint`` recomputes each chunk's
+logits in the backward. Only ``[B,T]`` per-token arrays leave the scan, so every aggregation mode is exact; the
+mask's statistics are recombined from the chunks' counts (``pdm_jax.rl.loss.combine_stats``). T is padded to a
+multiple of c with invalid positions; with ``nonfinite="error"`` the position named is relative to its chunk."""
 
 from __future__ import annotations
 
@@ -72,12 +47,9 @@ def chunked_token_divergence(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_co
                              temperature: float, chunk_size: int):
     """``[B,T]`` f32: the configured divergence D_t of every position, ``[B,c,V]`` logits at a time.
 
-    The per-token divergence ``trust_region.DIVERGENCE_FNS[tr_config.divergence]`` of the
-    tempered logits against the behaviour top-K, with padding positions replaced by benign
-    inputs first (``trust_region.sanitize_inputs``; their D is meaningless). Forward-mode
-    differentiable (``jax.jvp`` through the ``lax.scan`` over chunks): the train step's
-    ``param_jvp`` direction (``pdm_jax.rl.train_step``) takes its jvp along Δθ.
-    """
+    ``trust_region.DIVERGENCE_FNS[tr_config.divergence]`` of the tempered logits, padding positions sanitised first
+    (their D is meaningless). Forward-mode differentiable: the train step's ``param_jvp`` direction takes its jvp
+    along Δθ."""
     t = batch.completion_ids.shape[1]
     to_chunks, from_chunks, n = _chunking(t, chunk_size)
     xs = dict(h=to_chunks(h_BxTxD), tokens=to_chunks(batch.completion_ids),
@@ -100,23 +72,18 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: tr
 
     Args:
       h_BxTxD: ``[B,T,D]`` final hidden states (after the final norm), differentiable.
-      head_fn: ``[B,c,D] -> [B,c,V]`` f32 logits (the LM head; may close over params).
-      batch: the train-step batch (completion_ids, completion_mask,
-        behavior_logprobs, topk_ids, topk_logprobs, advantages ``[B]`` or ``[B,T]``,
-        and ref_logprobs when ``loss_config.kl_beta > 0``).
-      tr_config: the trust-region mask configuration (static).
-      loss_config: the static loss settings.
-      chunk_size: c >= 1 sequence positions per chunk (T is padded to a multiple of c).
-      param_direction: ``[B,T]`` f32 Ḋᵖ when ``tr_config.direction == "param_jvp"`` (chunked with the rest).
+      head_fn: ``[B,c,D] -> [B,c,V]`` f32 logits (the LM head).
+      batch: the train-step batch (completion_ids, completion_mask, behavior_logprobs, topk_ids, topk_logprobs,
+        advantages ``[B]`` or ``[B,T]``, ref_logprobs when ``kl_beta > 0``).
+      tr_config, loss_config: static settings.
+      chunk_size: c >= 1 positions per chunk.
+      param_direction: ``[B,T]`` f32 Ḋᵖ when ``tr_config.direction == "param_jvp"``.
 
     Returns:
-      the dict of ``token_terms`` over all ``[B,T]`` positions (``per_token``,
-      ``logprobs``, ``mask``, ``kl``, ``entropy``, ``topk_kl`` when computed) with
-      ``stats`` recombined from the chunks' counts (see the module doc).
+      ``token_terms``' dict over all ``[B,T]`` positions with ``stats`` recombined from the chunks.
 
     Raises:
-      ValueError: chunk_size < 1 or shapes that disagree.
-    """
+      ValueError: chunk_size < 1 or shapes that disagree."""
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
     b, t, d = h_BxTxD.shape
@@ -150,16 +117,11 @@ def chunked_rl_terms(h_BxTxD, head_fn: Callable, batch: StepBatch, tr_config: tr
 
 def make_chunked_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
                           loss_config: policy_loss.PolicyLossConfig, chunk_size: int):
-    """``terms_fn(params, batch) -> token_terms`` of all positions without [B,T,V] logits.
-
-    The same per-token terms (``pdm_jax.rl.loss.token_terms``) and recombined statistics as
-    the unchunked path (checked to 1e-5 by tests/test_chunked_loss.py for PDM with every
-    estimator, DPPO and PPO-clip); the logits exist only ``chunk_size`` positions at a
-    time (see the module docstring). ``pdm_jax.rl.train_step.make_rl_loss`` aggregates them.
+    """``terms_fn(params, batch) -> token_terms`` of all positions without ``[B,T,V]`` logits: the unchunked path's
+    terms and statistics (to 1e-5, tests/test_chunked_loss.py) with logits ``chunk_size`` positions at a time.
 
     Raises:
-      ValueError: chunk_size < 1.
-    """
+      ValueError: chunk_size < 1."""
     if not (isinstance(chunk_size, int) and chunk_size >= 1):
         raise ValueError(f"rl.logits_chunk_size must be an int >= 1 for the chunked loss, got {chunk_size!r}")
 

@@ -1,30 +1,22 @@
 """DAPO's data-side pieces (arXiv 2503.14476): overlong reward shaping, overlong filtering, group filtering.
 
-Pure numpy functions of a scored rollout batch; the sampling rounds of dynamic sampling that use them
-live in `pdm_jax.rollouts.dynamic_sampling`. Each piece is off in a `DapoSpec()` (the schema's defaults:
-``rl.dynamic_sampling``, ``rl.overlong_buffer_len``, ``rl.overlong_filtering``), and then every function
-here returns its input unchanged, so a run without them computes exactly what it did before.
+Pure numpy functions of a scored rollout batch (dynamic sampling's rounds live in
+`pdm_jax.rollouts.dynamic_sampling`). Each piece is off in a `DapoSpec()` (the schema's defaults), and then every
+function returns its input unchanged.
 
-* **Overlong reward shaping** (DAPO §3.4, eq. 13, "soft overlong punishment"): with L_max =
-  ``rl.overlong_max_length`` (0: ``rl.max_new_tokens``) and L_cache = ``rl.overlong_buffer_len``,
-  a completion of |y| tokens (its stop token included) gets
+* **Overlong reward shaping** (§3.4, eq. 13): with L_max = ``rl.overlong_max_length`` (0: ``rl.max_new_tokens``) and
+  L_cache = ``rl.overlong_buffer_len``, a completion of |y| tokens (stop token included) adds to its task reward
+  ``rl.overlong_penalty_factor`` times
 
       R_length(y) = 0                                  if |y| <= L_max - L_cache
                   = ((L_max - L_cache) - |y|) / L_cache if L_max - L_cache < |y| <= L_max
                   = -1                                 if |y| > L_max
 
-  times ``rl.overlong_penalty_factor`` (eq. 13 is factor 1; verl's ``overlong_buffer.penalty_factor``),
-  added to the task reward before the group advantages (:func:`training_rewards`). verl's DAPO recipe
-  (``reward_model.overlong_buffer``) is the same with L_max = its max response length.
-* **Overlong filtering** (DAPO §3.4): a truncated completion (``finish_reason == "length"``: it hit
-  ``rl.max_new_tokens`` without a stop token) carries no gradient: its loss mask is zeroed
-  (:func:`without_loss`). It still counts in its group's advantage baseline (mean and std), as DAPO
-  masks the loss only.
-* **Dynamic sampling** (DAPO §3.2, eq. 11): a group whose training rewards are all equal has all-zero
-  advantages (`pdm_jax.rl.objectives.group_advantages`) and only dilutes the token-mean loss;
-  :func:`informative_groups` finds the others and :func:`choose_groups` picks a step's groups from
-  several sampling rounds.
-"""
+  (verl's ``reward_model.overlong_buffer``).
+* **Overlong filtering** (§3.4): a truncated completion (``finish_reason == "length"``) gets a zeroed loss mask but
+  still counts in its group's advantage baseline.
+* **Dynamic sampling** (§3.2, eq. 11): groups whose training rewards are all equal (all-zero advantages) are dropped:
+  :func:`informative_groups`, :func:`choose_groups`."""
 
 from __future__ import annotations
 
@@ -39,17 +31,15 @@ TRUNCATED = "length"
 
 
 class DapoSpec(NamedTuple):
-    """The DAPO pieces of a run (read from ``config.rl`` by `pdm_jax.run_spec`); the defaults turn all off.
+    """The DAPO pieces of a run (built by `pdm_jax.run_spec` from ``config.rl``); the defaults turn all off.
 
     Fields:
       dynamic_sampling: ``rl.dynamic_sampling``.
       max_rounds: ``rl.dynamic_sampling_max_rounds``, sampling rounds per RL step (>= 1).
-      overlong_max_length: L_max of eq. 13 in tokens, resolved (``rl.overlong_max_length`` or, when that is
-        0, ``rl.max_new_tokens``).
-      overlong_buffer_len: L_cache of eq. 13 in tokens (``rl.overlong_buffer_len``); 0 = no shaping.
-      overlong_penalty_factor: ``rl.overlong_penalty_factor``, the penalty's scale (eq. 13: 1).
-      overlong_filtering: ``rl.overlong_filtering``.
-    """
+      overlong_max_length: L_max of eq. 13 in tokens (``rl.overlong_max_length``, or ``rl.max_new_tokens`` when 0).
+      overlong_buffer_len: L_cache of eq. 13 in tokens; 0 = no shaping.
+      overlong_penalty_factor: the penalty's scale (eq. 13: 1).
+      overlong_filtering: ``rl.overlong_filtering``."""
 
     dynamic_sampling: bool = False
     max_rounds: int = 1
@@ -68,16 +58,14 @@ def length_penalty(lengths, *, max_length: int, buffer_len: int, factor: float =
     """DAPO's soft overlong punishment R_length (arXiv 2503.14476 eq. 13) times ``factor``.
 
     Args:
-      lengths: ``[N]`` int, completion lengths |y| in tokens (stop token included: ``completion_mask.sum(1)``).
+      lengths: ``[N]`` int completion lengths |y| in tokens (``completion_mask.sum(1)``).
       max_length: L_max (tokens), >= ``buffer_len``.
       buffer_len: L_cache (tokens), >= 1.
-      factor: the penalty's scale, finite and >= 0 (eq. 13: 1).
+      factor: finite and >= 0.
     Returns:
-      ``[N]`` float32 in [-factor, 0]: 0 up to L_max - L_cache, then falling linearly by 1 / L_cache per
-      token to -1 at |y| = L_max, and -1 past it (each times ``factor``).
+      ``[N]`` float32 in [-factor, 0].
     Raises:
-      ValueError: ``buffer_len < 1``, ``max_length < buffer_len``, a bad ``factor`` or a negative length.
-    """
+      ValueError: ``buffer_len < 1``, ``max_length < buffer_len``, a bad ``factor`` or a negative length."""
     lengths = np.asarray(lengths)
     if not (isinstance(buffer_len, (int, np.integer)) and buffer_len >= 1):
         raise ValueError(f"rl.overlong_buffer_len (L_cache) = {buffer_len!r}: must be an integer >= 1 here")
@@ -95,16 +83,8 @@ def length_penalty(lengths, *, max_length: int, buffer_len: int, factor: float =
 
 
 def training_rewards(rb: RolloutBatch, spec: DapoSpec) -> np.ndarray:
-    """The rewards the group advantages use: ``rb.rewards`` plus eq. 13's penalty when the shaping is on.
-
-    Args:
-      rb: a scored rollout batch (``rewards`` set by the verifier or the reward functions).
-      spec: the run's `DapoSpec`.
-    Returns:
-      ``[N]`` float32; ``rb.rewards`` itself (the same array) when ``spec.overlong_buffer_len`` is 0.
-    Raises:
-      ValueError: ``rb`` has no rewards.
-    """
+    """``[N]`` float32 rewards for the group advantages: ``rb.rewards`` plus eq. 13's penalty (the same array when
+    ``spec.overlong_buffer_len`` is 0); ValueError when ``rb`` has no rewards."""
     if rb.rewards is None:
         raise ValueError("training_rewards needs a scored RolloutBatch (rewards is None)")
     if not spec.shaping:
@@ -120,11 +100,8 @@ def truncated_rows(rb: RolloutBatch) -> np.ndarray:
 
 
 def no_loss_rows(rb: RolloutBatch, spec: DapoSpec, filler: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
-    """``[N]`` bool, the rows whose loss mask is zeroed, or None when there is none to zero.
-
-    The truncated rows with ``spec.overlong_filtering``, and the ``filler`` rows (dynamic sampling's
-    all-equal groups that fill a step at its bound, `pdm_jax.rollouts.dynamic_sampling`).
-    """
+    """``[N]`` bool rows whose loss mask is zeroed (truncated rows with ``spec.overlong_filtering``, and dynamic
+    sampling's ``filler`` rows), or None when there is none."""
     rows = np.zeros(rb.num_sequences, bool)
     if spec.overlong_filtering:
         rows |= truncated_rows(rb)
@@ -134,11 +111,8 @@ def no_loss_rows(rb: RolloutBatch, spec: DapoSpec, filler: Optional[np.ndarray] 
 
 
 def without_loss(rb: RolloutBatch, rows: Optional[np.ndarray]) -> RolloutBatch:
-    """``rb`` with the completion mask of ``rows`` (``[N]`` bool, or None: none) all False: no loss, no gradient.
-
-    Such a row is left out of the loss and of its denominator (every ``rl.loss_aggregation``), of the
-    packed rows (`pdm_jax.rl.packing`) and of the per-token metrics; its reward and advantage are kept.
-    """
+    """``rb`` with the completion mask of ``rows`` (``[N]`` bool, or None) all False: out of the loss, its denominator,
+    the packed rows and the per-token metrics; reward and advantage kept."""
     if rows is None:
         return rb
     rows = np.asarray(rows, bool)
@@ -148,14 +122,11 @@ def without_loss(rb: RolloutBatch, rows: Optional[np.ndarray]) -> RolloutBatch:
 
 
 def informative_groups(rewards, group_size: int) -> np.ndarray:
-    """``[N / G]`` bool: True for each group whose rewards are not all equal (exactly), prompt-major rows.
-
-    An all-equal group has all-zero advantages with or without std normalisation
-    (`pdm_jax.rl.objectives.group_advantages`): DAPO's eq. 11 keeps 0 < |correct| < G, the same for 0/1 rewards.
+    """``[N / G]`` bool: True for each group (prompt-major rows) whose rewards are not all equal (DAPO eq. 11: 0 <
+    |correct| < G for 0/1 rewards).
 
     Raises:
-      ValueError: rewards not 1-D or N not a multiple of ``group_size``.
-    """
+      ValueError: rewards not 1-D or N not a multiple of ``group_size``."""
     r = np.asarray(rewards)
     if r.ndim != 1 or group_size < 1 or r.shape[0] % group_size:
         raise ValueError(f"rewards of shape {r.shape} are not whole groups of group_size = {group_size}")
@@ -168,11 +139,9 @@ class GroupChoice(NamedTuple):
 
     Fields:
       kept: ``[(round, group)]``, the informative groups trained on, in draw order.
-      filler: ``[(round, group)]``, all-equal groups that fill the step's remaining places at the bound
-        (their loss is masked: `without_loss`), in draw order; empty when ``kept`` is full.
+      filler: ``[(round, group)]``, all-equal groups filling the remaining places at the bound (loss masked).
       dropped: all-equal groups drawn over the rounds (the filler included).
-      surplus: informative groups drawn beyond ``prompts_per_step`` (not trained on).
-    """
+      surplus: informative groups drawn beyond ``prompts_per_step``."""
 
     kept: list
     filler: list
@@ -181,17 +150,12 @@ class GroupChoice(NamedTuple):
 
 
 def choose_groups(informative: Sequence[np.ndarray], prompts_per_step: int) -> GroupChoice:
-    """A step's groups from its rounds' informative flags (:func:`informative_groups` of each round).
-
-    The first ``prompts_per_step`` informative groups in draw order (round by round, group by group); when
-    the rounds hold fewer, the first all-equal groups fill the rest (filler: trained with a zeroed loss
-    mask, so the step keeps its static ``prompts_per_step x group_size`` rows and the token mean counts only
-    the informative groups). verl's DAPO recipe (``algorithm.filter_groups``) raises at its bound
-    (``max_num_gen_batches``) instead.
+    """A step's groups from its rounds' informative flags: the first ``prompts_per_step`` informative groups in draw
+    order, then all-equal filler groups (zeroed loss mask) so the step keeps its static row count; verl's recipe
+    (``algorithm.filter_groups``) raises at its bound instead.
 
     Raises:
-      ValueError: fewer groups drawn than ``prompts_per_step``.
-    """
+      ValueError: fewer groups drawn than ``prompts_per_step``."""
     flags = [(r, g, bool(f)) for r, round_flags in enumerate(informative) for g, f in enumerate(round_flags)]
     if len(flags) < prompts_per_step:
         raise ValueError(f"choose_groups: {len(flags)} groups drawn, fewer than prompts_per_step = {prompts_per_step}")
@@ -203,12 +167,8 @@ def choose_groups(informative: Sequence[np.ndarray], prompts_per_step: int) -> G
 
 
 def round_seed(step_seed: int, round_: int) -> int:
-    """The sampler seed of sampling round ``round_`` of a step whose round 0 uses ``step_seed``.
-
-    Round 0 keeps ``step_seed`` (a run without dynamic sampling draws exactly as before); round r >= 1 a
-    seed in [0, 2**63) derived from both (`numpy.random.SeedSequence`), distinct from every step's round 0
-    in practice, the same on a resumed run.
-    """
+    """The sampler seed of round ``round_`` of a step: ``step_seed`` for round 0 (a run without dynamic sampling draws
+    as before), else a seed in [0, 2**63) derived from both (`numpy.random.SeedSequence`), the same on resume."""
     if round_ == 0:
         return int(step_seed)
     state = np.random.SeedSequence([int(step_seed), int(round_)]).generate_state(2, np.uint32)
@@ -216,19 +176,14 @@ def round_seed(step_seed: int, round_: int) -> int:
 
 
 def record_rows(rb: RolloutBatch, spec: DapoSpec) -> dict:
-    """Per-row fields the step's record needs besides rewards and lengths: ``truncated`` with overlong
-    filtering (gathered over the processes with the others), else nothing."""
+    """Per-row fields the step's record needs besides rewards and lengths: ``truncated`` with overlong filtering
+    (gathered over the processes with the others), else nothing."""
     return dict(truncated=truncated_rows(rb)) if spec.overlong_filtering else {}
 
 
 def step_record(rows: dict, spec: DapoSpec, sampled: Optional[dict] = None) -> dict:
-    """The ``rl`` record's DAPO fields (docs/metrics.md): none when every piece is off.
-
-    Args:
-      rows: the step's per-row ``length`` (and ``truncated``, :func:`record_rows`) over all processes.
-      spec: the run's `DapoSpec`.
-      sampled: dynamic sampling's counts of the step (`pdm_jax.rollouts.dynamic_sampling.Draw.counts`).
-    """
+    """The ``rl`` record's DAPO fields (docs/metrics.md), none when every piece is off, from the step's per-row ``rows``
+    (all processes), the run's `DapoSpec` and dynamic sampling's ``sampled`` counts."""
     out = {}
     if spec.shaping:
         out["overlong_penalty"] = float(np.mean(length_penalty(

@@ -1,8 +1,8 @@
 """The one forward pass of the update: the policy on prompt + completion, kept at the completion's positions.
 
-Both the whole-vocabulary step (`pdm_jax.rl.train_step`) and the chunked one (`pdm_jax.rl.chunked_loss`)
-call `completion_forward`; `completion_logits` and `completion_hidden_states` are its two outputs.
-`packed_forward` is the same model call on packed rows (`pdm_jax.rl.packing`), every position kept.
+Both the whole-vocabulary step (`pdm_jax.rl.train_step`) and the chunked one (`pdm_jax.rl.chunked_loss`) call
+`completion_forward`; `completion_logits` and `completion_hidden_states` are its two outputs. `packed_forward` is the
+same model call on packed rows (`pdm_jax.rl.packing`), every position kept.
 """
 
 from __future__ import annotations
@@ -13,23 +13,20 @@ from flax import nnx
 
 def completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                        head: bool, return_aux: bool = False, routed_experts=None):
-    """Runs the model on ``concat(prompt, completion)`` and keeps positions P-1 .. P+T-2, whose
-    next-token outputs score completion tokens 0..T-1.
+    """Runs the model on ``concat(prompt, completion)`` and keeps positions P-1 .. P+T-2, which score completion tokens
+    0..T-1.
 
     Args:
       graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
-      prompt_ids [B,P] int32, prompt_mask [B,P] bool (left-padded), completion_ids [B,T] int32,
-        completion_mask [B,T] bool.
-      head: True: the logits (the model's own call); False: the final hidden states.
-      return_aux: compute the router aux loss (MoE only; otherwise ``aux`` is None).
-      routed_experts: [B,P+T,L,k] int or None: routing replay (``StepBatch.routed_experts``): the experts each
-        MoE layer runs per token (``Qwen3ForCausalLM``'s ``routed_experts``); None: its router's.
+      prompt_ids [B,P] int32, prompt_mask [B,P] bool (left-padded), completion_ids [B,T] int32, completion_mask [B,T]
+      bool.
+      head: True: the logits; False: the final hidden states.
+      return_aux: compute the router aux loss (MoE only).
+      routed_experts: [B,P+T,L,k] int (routing replay) or None.
     Returns:
-      ``(out, model, aux)``: ``out`` the f32 logits [B,T,V] (``head``) or the hidden states [B,T,D] in the
-      compute dtype; ``model`` the merged module (``logits_from_hidden`` is the LM head); ``aux`` the
-      unscaled router load-balancing loss of a Qwen3-MoE model with ``return_aux`` (f32 scalar, transformers'
-      ``load_balancing_loss_func`` over the real prompt and completion tokens), None for a dense model.
-    """
+      ``(out, model, aux)``: f32 logits [B,T,V] (``head``) or hidden states [B,T,D] (compute dtype); the merged
+        module;
+      the unscaled load-balancing loss (f32 scalar) of a MoE model with ``return_aux``, else None."""
     model = nnx.merge(graphdef, params)
     input_ids = jnp.concatenate([prompt_ids, completion_ids], axis=1)
     attn = jnp.concatenate([prompt_mask, completion_mask], axis=1)
@@ -46,17 +43,9 @@ def completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids
 
 
 def packed_forward(graphdef, params, rows, *, head: bool, return_aux: bool = False):
-    """Runs the model on packed rows (``pdm_jax.rl.packing.PackedRows``): every position, segments apart.
-
-    Args:
-      graphdef, params: ``nnx.split`` of a ``Qwen3ForCausalLM``.
-      rows: ``input_ids`` [N,L] int32, ``token_mask`` [N,L] bool (the attention mask) and ``segment_ids``
-        [N,L] int32 (a token attends only within its sequence; rotary positions restart at each one).
-      head, return_aux: as `completion_forward`.
-    Returns:
-      ``(out, model, aux)`` as `completion_forward`, ``out`` at all N x L positions: position l's
-      output predicts the token at l + 1 of its sequence.
-    """
+    """Runs the model on packed rows (``PackedRows``: ``input_ids`` [N,L] int32, ``token_mask`` [N,L] bool,
+    ``segment_ids`` [N,L] int32; positions restart per sequence). Returns ``(out, model, aux)`` as
+    `completion_forward` at all N x L positions (position l predicts l + 1 of its sequence)."""
     model = nnx.merge(graphdef, params)
     call = model if head else model.hidden_states
     kw = dict(attention_mask=rows.token_mask, segment_ids=rows.segment_ids)
@@ -70,10 +59,7 @@ def packed_forward(graphdef, params, rows, *, head: bool, return_aux: bool = Fal
 
 def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                       return_aux: bool = False, routed_experts=None):
-    """Logits predicting each completion token: [B,T,V] float32 (`completion_forward` with ``head``).
-
-    With ``return_aux``, returns ``(logits, router_aux_loss)`` (None for a dense model).
-    """
+    """Logits predicting each completion token, [B,T,V] float32; with ``return_aux`` ``(logits, router_aux_loss)``."""
     logits, _, aux = completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                         head=True, return_aux=return_aux,
                                         routed_experts=routed_experts)
@@ -82,12 +68,8 @@ def completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids,
 
 def completion_hidden_states(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                              return_aux: bool = False, routed_experts=None):
-    """Final hidden states predicting each completion token, and the LM-head function.
-
-    Returns ``(h [B,T,D] in the compute dtype, head_fn)`` where ``head_fn(h_chunk [B,c,D])`` returns f32
-    logits ``[B,c,V]`` (``Qwen3ForCausalLM.logits_from_hidden``); with ``return_aux`` a third element, the
-    unscaled router aux loss of a MoE model (None if dense).
-    """
+    """``(h [B,T,D] in the compute dtype, head_fn)``, ``head_fn(h_chunk [B,c,D])`` giving f32 logits ``[B,c,V]``; with
+    ``return_aux`` also the unscaled router aux loss (None if dense)."""
     h, model, aux = completion_forward(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                        head=False, return_aux=return_aux,
                                        routed_experts=routed_experts)

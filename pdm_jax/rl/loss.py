@@ -1,26 +1,13 @@
 """The RL policy loss in one place: per-token loss, its aggregation and the RL metrics.
 
-Both loss paths call this module: ``pdm_jax.rl.train_step.make_rl_loss`` on the whole
-``[B,T,V]`` logits, and ``pdm_jax.rl.chunked_loss`` on ``[B,c,V]`` chunks of them.
-Given tempered logits (z/τ) of a block of positions, :func:`token_terms` computes
-the trust-region mask and log π(y_t) with ONE log-softmax
-(``trust_region.trust_region_mask_and_logprobs``), the per-token policy loss
-(:func:`per_token_policy_loss`), the entropy and the top-K KL. The whole batch's
-per-token terms are then reduced by :func:`loss_and_metrics`
-(``objectives.aggregate_loss`` sum / denominator, exact under any split of the
-positions) to the loss and the step's metrics.
-
-Per-token loss (DESIGN.md §2): truncated IS ``-A sg(min(r, C)) M log π(y_t)``
-(DPPO arXiv 2602.04879; PDM arXiv 2607.10848), or the PPO clipped surrogate with
-clip-higher and dual clip (arXiv 1707.06347 eq. 7, DAPO arXiv 2503.14476,
-arXiv 1912.09729 eq. 5) multiplied by the mask M unless M is PPO's own clip, plus
-``kl_beta * KL(π ‖ π_ref)`` when ``kl_beta > 0``: the k1/k2/k3 estimator's value with k2's gradient
-(the reverse KL's in expectation), weighted by sg(min(r, C)) for tokens sampled from μ
-(``objectives.kl_penalty``).
-
-Shapes: B sequences, T completion positions (or a chunk of them), V vocabulary,
-K top-K. All outputs are float32.
-"""
+:func:`token_terms` turns tempered logits (z/τ) of a block of positions (all ``[B,T,V]``, from
+``pdm_jax.rl.train_step.make_rl_loss``, or a ``[B,c,V]`` chunk, from ``pdm_jax.rl.chunked_loss``) into the mask and
+log π(y_t) (ONE log-softmax), the per-token loss, entropy and top-K KL; :func:`loss_and_metrics` reduces the whole
+batch's terms (``objectives.aggregate_loss``, exact under any split of the positions) to the loss and the step's
+metrics. Per-token loss (DESIGN.md §2): truncated IS ``-A sg(min(r, C)) M log π(y_t)`` (DPPO arXiv 2602.04879; PDM
+arXiv 2607.10848) or the PPO clipped surrogate (arXiv 1707.06347 eq. 7, DAPO clip-higher, dual clip arXiv 1912.09729
+eq. 5) times M unless M is PPO's own clip, plus ``kl_beta`` times ``objectives.kl_penalty``. Shapes: B sequences, T
+positions, V vocabulary, K top-K; all outputs float32."""
 
 from __future__ import annotations
 
@@ -39,33 +26,23 @@ POLICY_LOSSES = objectives.LOSS_TYPES
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
-    """Static settings of the RL loss (hashable, closed over by the jitted step).
+    """Static settings of the RL loss (hashable, closed over by the jitted step), built by
+    ``pdm_jax.config.step_configs`` from ``rl.*`` and ``trust_region.clip_eps_*``.
 
-    Built from the run config by ``pdm_jax.config.step_configs`` (``rl.*`` and the
-    PPO clip of ``trust_region.clip_eps_*``):
-
-    - ``policy_loss``: "tis" (truncated IS) | "ppo_clip";
-    - ``tis_cap``: C > 0 (finite), the truncation of the importance ratio;
-    - ``clip_eps_low`` in [0, 1), ``clip_eps_high`` >= 0: the PPO clip range;
-    - ``dual_clip``: 0 (off) or c > 1 (PPO dual clip for A < 0);
-    - ``loss_aggregation``: one of ``objectives.AGGREGATION_MODES``;
-    - ``max_response_length``: tokens, the Dr. GRPO normaliser (seq_mean_token_sum_norm);
-    - ``kl_beta`` >= 0 and ``kl_estimator`` ("k1" | "k2" | "k3"): the penalty to π_ref (the estimator's
-      value, k2's gradient, each token weighted by sg(min(r, ``tis_cap``)); ``objectives.kl_penalty``);
+    - ``policy_loss``: "tis" (truncated IS) | "ppo_clip"; ``tis_cap``: C > 0 (finite), the IS truncation;
+    - ``clip_eps_low`` in [0, 1), ``clip_eps_high`` >= 0: the PPO clip; ``dual_clip``: 0 (off) or c > 1;
+    - ``loss_aggregation``: one of ``objectives.AGGREGATION_MODES``; ``max_response_length``: tokens, Dr. GRPO's
+      normaliser;
+    - ``kl_beta`` >= 0, ``kl_estimator`` ("k1" | "k2" | "k3"): the penalty to π_ref (``objectives.kl_penalty``);
     - ``temperature`` τ > 0: logits are divided by it before every log-softmax (DESIGN.md §1);
     - ``logits_chunk_size``: 0 = all ``[B,T,V]`` logits at once, c > 0 = ``pdm_jax.rl.chunked_loss``;
-    - ``micro_batch_size``: 0 = the whole mini-batch in one forward/backward, m > 0 = gradients
-      accumulated exactly over micro-batches of m sequences (``pdm_jax.rl.train_step``);
-    - ``pack_sequences``: the mini-batch's sequences packed into rows of ``rl.packed_length`` tokens
-      (``pdm_jax.rl.packing``; the step batch then carries a ``PackingPlan``), ``micro_batch_size``
-      then counting packed rows;
-    - ``router_aux_loss_coef`` >= 0 (finite): Qwen3-MoE only, the weight of the router
-      load-balancing loss added to the RL loss (HF ``router_aux_loss_coef``; 0 = off, the RL
-      default; the unscaled loss is logged as ``router_aux_loss``).
+    - ``micro_batch_size``: 0 = one forward/backward, m > 0 = exact accumulation over micro-batches of m sequences
+      (of m packed rows with ``pack_sequences``, ``pdm_jax.rl.packing``);
+    - ``router_aux_loss_coef`` >= 0 (finite): Qwen3-MoE's load-balancing loss weight (0 = off; logged unscaled as
+      ``router_aux_loss``).
 
     Raises:
-      ValueError: a field out of range, named as the run config names it (``rl.<field>``).
-    """
+      ValueError: a field out of range, named as the run config names it (``rl.<field>``)."""
 
     policy_loss: str = "tis"
     tis_cap: float = 5.0
@@ -123,23 +100,20 @@ def per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, 
 
     Args:
       logprobs: ``[B,T]`` log π(y_t) at temperature τ (differentiable).
-      behavior_logprobs: ``[B,T]`` log μ(y_t) from the sampler.
+      behavior_logprobs: ``[B,T]`` log μ(y_t).
       advantages: ``[B]`` or ``[B,T]`` Â.
-      mask: ``[B,T]`` bool, the trust-region mask M (already AND-ed with ``valid``).
+      mask: ``[B,T]`` bool trust-region mask M (AND-ed with ``valid``).
       valid: ``[B,T]`` bool, real completion tokens.
       loss_config: the static loss settings.
       ref_logprobs: ``[B,T]`` log π_ref(y_t); read only when ``kl_beta > 0``.
-      mask_is_ppo_clip: M is PPO's ratio test (``trust_region.mask == "ppo"``): the
-        clipped surrogate already is that trust region, so its value is kept.
+      mask_is_ppo_clip: M is PPO's ratio test, which the clipped surrogate already is.
 
     Returns:
-      ``(per_token [B,T] f32, kl [B,T] f32)``: the loss per token (0 at invalid
-      positions, with a 0 gradient there even for NaN inputs) and the k1/k2/k3 KL
-      estimate weighted by sg(min(π/μ, tis_cap)) (``objectives.kl_penalty``; zeros when ``kl_beta == 0``).
+      ``(per_token [B,T] f32, kl [B,T] f32)``: 0 (with 0 gradient) at invalid positions; kl is
+      ``objectives.kl_penalty`` (zeros when ``kl_beta == 0``).
 
     Raises:
-      ValueError: ``kl_beta > 0`` without ``ref_logprobs``, or shapes that disagree.
-    """
+      ValueError: ``kl_beta > 0`` without ``ref_logprobs``, or shapes that disagree."""
     lc = loss_config
     if lc.policy_loss == "tis":
         per_token = objectives.tis_policy_loss(logprobs, behavior_logprobs, advantages, mask, tis_cap=lc.tis_cap)
@@ -161,8 +135,8 @@ def per_token_policy_loss(logprobs, behavior_logprobs, advantages, mask, valid, 
 
 @flax.struct.dataclass
 class TokenInputs:
-    """The per-token inputs of the mask and the loss for one block of positions, one pytree (a JAX dataclass), so
-    that chunking (`pdm_jax.rl.chunked_loss`) and micro-batching map over it whole.
+    """The per-token inputs of the mask and the loss for one block of positions, one pytree (a JAX dataclass), so that
+    chunking (`pdm_jax.rl.chunked_loss`) and micro-batching map over it whole.
 
     ==================  ==========  =======  ===================================================================
     field               shape       dtype    meaning
@@ -190,9 +164,8 @@ class TokenInputs:
 
     @classmethod
     def of(cls, batch, *, param_direction=None) -> "TokenInputs":
-        """The per-token fields of a ``pdm_jax.rl.step_batch.StepBatch`` (or ``pdm_jax.rl.packing.PackedRows``,
-        which lays out the same fields on packed rows): ``completion_ids`` are the tokens, ``completion_mask``
-        the valid positions."""
+        """The per-token fields of a ``StepBatch`` (or ``pdm_jax.rl.packing.PackedRows``): ``completion_ids`` are the
+        tokens, ``completion_mask`` the valid positions."""
         return cls(tokens=batch.completion_ids, valid=batch.completion_mask, topk_ids=batch.topk_ids,
                    topk_logprobs=batch.topk_logprobs, behavior_logprobs=batch.behavior_logprobs,
                    advantages=batch.advantages, ref_logprobs=batch.ref_logprobs, param_direction=param_direction)
@@ -203,20 +176,16 @@ def token_terms(logits_tau, x: TokenInputs, tr_config: trust_region.TrustRegionC
     """Everything per token of one block of positions (the whole completion or one chunk).
 
     Args:
-      logits_tau: ``[B,T,V]`` f32 trainer logits already divided by τ (differentiable).
-      x: the block's `TokenInputs` (tokens, valid, the sampler's top-K view and log μ(y_t), advantages;
-        ref_logprobs when ``kl_beta > 0``; param_direction Ḋᵖ iff ``tr_config.direction == "param_jvp"``,
-        computed by ``pdm_jax.rl.train_step``, see ``trust_region.trust_region_mask_and_logprobs``).
+      logits_tau: ``[B,T,V]`` f32 trainer logits divided by τ (differentiable).
+      x: the block's `TokenInputs`.
       tr_config, loss_config: static settings.
 
     Returns:
-      dict of ``[B,T]`` f32 arrays ``per_token`` (loss), ``logprobs`` (log π(y_t), 0
-      where invalid), ``kl``, ``entropy`` (nats, of softmax(z/τ)), ``topk_kl`` (only
-      when :func:`needs_separate_topk_kl`), ``mask`` (bool M_t) and ``stats`` (the
-      trust-region statistics of ``trust_region_mask_and_logprobs``).
-    """
-    # One log-softmax gives the mask (under stop_gradient) and the differentiable log π(y_t),
-    # with padded / non-finite positions replaced before the math (no NaN in loss or gradient).
+      dict of ``[B,T]`` f32 arrays ``per_token`` (loss), ``logprobs`` (log π(y_t), 0 where invalid), ``kl``,
+      ``entropy`` (nats, of softmax(z/τ)), ``topk_kl`` (only when :func:`needs_separate_topk_kl`), ``mask`` (bool
+      M_t) and ``stats`` (of ``trust_region_mask_and_logprobs``)."""
+    # One log-softmax gives the mask (under stop_gradient) and the differentiable log π(y_t), with padded / non-finite
+    # positions replaced before the math (no NaN in loss or gradient).
     mask, logprobs, stats = trust_region.trust_region_mask_and_logprobs(
         logits_tau, x.tokens, x.topk_ids, x.topk_logprobs, x.behavior_logprobs, x.advantages, x.valid, tr_config,
         param_direction=x.param_direction)
@@ -232,16 +201,12 @@ def token_terms(logits_tau, x: TokenInputs, tr_config: trust_region.TrustRegionC
 
 
 def combine_stats(stats_N: dict) -> dict:
-    """Whole-batch trust-region statistics from those of N disjoint parts (``[N]`` arrays per key).
-
-    ``num_*`` are summed; ``frac_*`` (fractions of valid tokens) are weighted by each
-    part's ``num_valid``; ``mean_*`` (means over tokens with finite inputs) by
-    ``num_valid - num_nonfinite - num_bad_ids``, as ``trust_region.trust_region_mask_and_logprobs``
-    computes them on the whole batch. Used by the chunked loss and by micro-batching.
+    """Whole-batch trust-region statistics from those of N disjoint parts (``[N]`` arrays per key), as
+    ``trust_region_mask_and_logprobs`` computes them on the whole batch: ``num_*`` summed, ``frac_*`` weighted by
+    ``num_valid``, ``mean_*`` by ``num_valid - num_nonfinite - num_bad_ids``.
 
     Raises:
-      ValueError: a statistic without a num_/frac_/mean_ prefix (it could not be recombined).
-    """
+      ValueError: a statistic without a num_/frac_/mean_ prefix."""
     n_valid_N = stats_N["num_valid"]
     n_good_N = n_valid_N - stats_N["num_nonfinite"] - stats_N["num_bad_ids"]
     total_valid = jnp.sum(n_valid_N)
@@ -264,21 +229,16 @@ def loss_and_metrics(terms: dict, valid, behavior_logprobs, advantages, loss_con
     """The aggregated loss and the RL metrics from the whole batch's :func:`token_terms`.
 
     Args:
-      terms: :func:`token_terms` output over all ``[B,T]`` positions (``stats``
-        already recombined across chunks when chunked).
+      terms: :func:`token_terms` over all ``[B,T]`` positions (``stats`` recombined when chunked).
       valid: ``[B,T]`` bool; behavior_logprobs ``[B,T]``; advantages ``[B]`` or ``[B,T]``.
       loss_config: aggregation mode and its normaliser.
 
     Returns:
-      ``(loss, metrics)``: ``loss`` = loss_sum / denominator of
-      ``objectives.aggregate_loss`` (0, not NaN, for an all-padding batch); metrics
-      are f32 scalars, means over valid tokens: the trust-region statistics,
-      ``mean_topk_kl`` (nats), ``entropy`` (nats), ``mean_ratio`` and
-      ``mean_abs_log_ratio`` of π/μ, ``frac_tis_capped`` (r > C), ``frac_clipped``
-      (PPO clip active in the direction of Â), ``kl_to_ref`` and ``policy_loss``; with
-      ``trust_region.direction = "param_jvp"`` also ``frac_outside_kept`` (kept / all
-      out-of-region tokens with finite inputs, 0 when none is out of region).
-    """
+      ``(loss, metrics)``: loss = loss_sum / denominator (0, not NaN, for an all-padding batch); f32 scalar metrics,
+        means
+      over valid tokens: the trust-region statistics, ``mean_topk_kl`` and ``entropy`` (nats), ``mean_ratio``,
+      ``mean_abs_log_ratio``, ``frac_tis_capped`` (r > C), ``frac_clipped``, ``kl_to_ref``, ``policy_loss``; with
+      ``param_jvp`` also ``frac_outside_kept``."""
     lc = loss_config
     loss_sum, denom = objectives.aggregate_loss(terms["per_token"], valid, lc.loss_aggregation,
                                                 max_response_length=lc.max_response_length)

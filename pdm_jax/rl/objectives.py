@@ -1,38 +1,20 @@
 """GRPO-family objective: group advantages, per-token policy losses, exact aggregation.
 
-Pure ``jnp`` functions (jit-, grad- and vmap-friendly) plus one host-side
-validator. Notation follows ``DESIGN.md`` section 1-2: ``logprobs`` = log pi(y_t)
-of the trainer policy, ``behavior_logprobs`` = log mu(y_t) of the sampler,
-``advantages`` = A_t, ``mask`` = the trust-region mask M_t (already AND-ed with
-the completion/valid mask), ``valid_mask`` = real (non-pad) completion tokens.
+Pure ``jnp`` functions (jit-, grad- and vmap-friendly) plus one host-side validator; notation is ``DESIGN.md``
+sections 1-2: ``logprobs`` = log pi(y_t), ``behavior_logprobs`` = log mu(y_t), ``advantages`` = A_t, ``mask`` = the
+trust-region mask M_t AND the valid mask, ``valid_mask`` = real completion tokens. Per-token arrays are ``[B, T]``;
+advantages ``[B]`` (broadcast over T) or ``[B, T]``; inputs bf16 or f32, all math and outputs f32.
 
-Shapes: B sequences, T completion positions. Per-token arrays are ``[B, T]``;
-advantages may be ``[B]`` (one value per sequence, broadcast over T) or
-``[B, T]``. Inputs may be bf16 or f32; all math runs in f32 and outputs are f32.
+Padding: a function that takes a mask returns exactly 0 loss AND 0 gradient at masked positions, even over NaN/inf
+inputs there (inputs are replaced before any arithmetic); NaN *logits* must be sanitised by the caller before the
+log-softmax. Micro-batching: :func:`aggregate_loss` returns ``(loss_sum, denominator)`` and the global loss is ``sum
+loss_sum / sum denominator`` (:func:`combine`), never a mean of means; the denominator depends only on masks
+(:func:`loss_denominator`).
 
-Padding contract: every per-token function that takes a mask returns exactly
-0 loss AND exactly 0 gradient at masked positions, even when the inputs there
-are NaN/inf (the "double where": the inputs are replaced before any arithmetic,
-so no NaN enters the backward pass either). Positions whose *logits* are NaN are
-the caller's job (sanitise logits before the log-softmax: a NaN in the logits
-of one row poisons that row's softmax Jacobian regardless of any mask).
-
-Micro-batching contract: :func:`aggregate_loss` returns ``(loss_sum,
-denominator)``; the loss of a global batch split into micro-batches is
-``sum_mb loss_sum / sum_mb denominator`` (:func:`combine`), never a mean of
-per-micro-batch means, and its gradient is ``sum_mb grad(loss_sum) /
-sum_mb denominator``. The denominator depends only on masks, so a trainer can
-also compute the global denominator first (:func:`loss_denominator`) and
-accumulate ``grad(loss_sum / global_denominator)`` directly.
-
-Sources: GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3 advantages); DPPO
-(arXiv 2602.04879: unnormalised group advantages, truncated-IS surrogate);
-PPO clip (Schulman et al. 2017, arXiv 1707.06347, eq. 7); dual clip (Ye et al.
-2020, arXiv 1912.09729, eq. 5); clip-higher and token-mean (DAPO, arXiv
-2503.14476, eq. 8-10); seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783);
-KL estimators k1/k2/k3 (J. Schulman, "Approximating KL Divergence", 2020) with k2's
-gradient (verl PR #2953) and a truncated importance weight for samples of mu.
-"""
+Sources: GRPO (arXiv 2402.03300, eq. 3); DPPO (arXiv 2602.04879: unnormalised group advantages, truncated IS); PPO
+clip (arXiv 1707.06347, eq. 7); dual clip (arXiv 1912.09729, eq. 5); clip-higher and token-mean (DAPO, arXiv
+2503.14476, eq. 8-10); seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783); KL estimators k1/k2/k3 (J. Schulman,
+"Approximating KL Divergence", 2020) with k2's gradient (verl PR #2953)."""
 
 from __future__ import annotations
 
@@ -70,9 +52,7 @@ LOSS_TYPES = ("tis", "ppo_clip")
 
 
 
-# --------------------------------------------------------------------------- #
-# Advantages
-# --------------------------------------------------------------------------- #
+# ---- Advantages ------------------------------------------------------------------------------------------
 
 
 def _check_group_size(num_samples: int, group_size) -> int:
@@ -97,21 +77,15 @@ def validate_rewards(rewards, group_size: Optional[int] = None) -> np.ndarray:
     """Host-side check of verifier rewards before they enter a jitted step.
 
     Args:
-      rewards: array-like ``[N]`` of float rewards (numpy, list, or a concrete
-        jax array), rows prompt-major: row ``i * G + j`` is sample ``j`` of
-        prompt ``i``.
-      group_size: G, samples per prompt; when given, N must be divisible by it
-        and error messages name the group (prompt index) of a bad sample.
+      rewards: array-like ``[N]`` float rewards, prompt-major (row ``i * G + j`` is sample ``j`` of prompt ``i``).
+      group_size: G; when given, N must be divisible by it and errors name the group of a bad sample.
 
     Returns:
       The rewards as a float32 numpy array ``[N]``.
 
     Raises:
-      ValueError: if ``rewards`` is not 1-D, if N is not divisible by
-        ``group_size`` (naming both), or if any reward is NaN, +-inf or larger
-        in magnitude than ``MAX_ABS_REWARD`` (naming the first offending sample
-        index, its group and value, and the count).
-    """
+      ValueError: not 1-D; N not divisible by ``group_size`` (naming both); a NaN, +-inf or |r| >
+        ``MAX_ABS_REWARD`` reward (naming the first sample index, its group and value, and the count)."""
     arr = np.asarray(rewards, dtype=np.float64)  # checked before the float32 cast (1e39 is finite here)
     if arr.ndim != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {arr.shape}")
@@ -146,32 +120,24 @@ def group_advantages(
     normalize_std: bool = False,
     eps: float = 1e-6,
 ) -> jax.Array:
-    """Group-relative advantages with a per-prompt mean baseline.
+    """Group-relative advantages A_ij = r_ij - mean_j r_ij, optionally / (std_j r_ij + eps) (population std).
 
-    A_ij = r_ij - mean_j r_ij, optionally divided by (std_j r_ij + eps)
-    (population std, ddof=0). DPPO uses no std normalisation (the default);
-    GRPO (arXiv 2402.03300, section 4.1.2) divides by the std.
-
-    A group whose rewards are all equal gets exactly 0 (no 0/0 NaN, and no
-    rounding residue of the mean amplified by 1/eps).
+    DPPO uses no std normalisation (the default); GRPO (arXiv 2402.03300, section 4.1.2) divides by the std. A group
+    of equal rewards gets exactly 0.
 
     Args:
-      rewards: ``[N]`` float rewards, prompt-major (row ``i * G + j`` is sample
-        ``j`` of prompt ``i``). When concrete (not traced) they are checked by
-        :func:`validate_rewards`; inside ``jit`` call that on the host first.
+      rewards: ``[N]`` float, prompt-major; checked by :func:`validate_rewards` when concrete (call it on the host
+        before ``jit``).
       group_size: G (static Python int).
-      normalize_std: divide the centred rewards by the group std + ``eps``.
-      eps: added to the std, > 0.
+      normalize_std: divide by the group std + ``eps``.
+      eps: > 0.
 
     Returns:
       ``[N]`` float32 advantages.
 
     Raises:
-      ValueError: rewards not 1-D; N not divisible by ``group_size`` (naming
-        both); bad ``group_size`` or ``eps``; a NaN/inf reward or one with
-        |r| > ``MAX_ABS_REWARD`` when the rewards are concrete (naming the sample
-        index and group).
-    """
+      ValueError: rewards not 1-D; N not divisible by ``group_size``; bad ``group_size`` or ``eps``; with concrete
+        rewards a NaN/inf reward or |r| > ``MAX_ABS_REWARD`` (naming the sample index and group)."""
     if not isinstance(rewards, jax.core.Tracer):
         validate_rewards(rewards, group_size)
     rewards = jnp.asarray(rewards, jnp.float32)
@@ -181,13 +147,8 @@ def group_advantages(
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
     r_PxG = rewards.reshape(-1, group_size)
-    # Groups with max |r| > 1e15 are computed on rewards scaled down (the same value in
-    # real arithmetic), so the mean's sum and the variance's squares cannot overflow
-    # float32 for any finite rewards; the unnormalised result is finite for
-    # |r| <= MAX_ABS_REWARD. Other groups use scale 1 (bit-identical to the plain formula).
-    # The scale is a power of two <= 2**100: dividing by it is exact, and its reciprocal (which
-    # XLA may multiply by instead) stays a normal float32 (1/max|r| itself would be subnormal,
-    # flushed to zero, for |r| > 8.5e37).
+    # Groups with max |r| > 1e15 are scaled down by a power of two <= 2**100 (exact, and its reciprocal stays a normal
+    # float32), so the mean's sum and the variance's squares cannot overflow; other groups use scale 1 (bit-identical).
     max_abs_Px1 = jnp.max(jnp.abs(r_PxG), axis=1, keepdims=True)
     scale_Px1 = jnp.where(max_abs_Px1 > 1e15,
                           jnp.exp2(jnp.minimum(jnp.ceil(jnp.log2(max_abs_Px1)), 100.0)), 1.0)
@@ -203,17 +164,11 @@ def group_advantages(
     return adv_PxG.reshape(-1)
 
 
-# --------------------------------------------------------------------------- #
-# Per-token policy losses
-# --------------------------------------------------------------------------- #
+# ---- Per-token policy losses -----------------------------------------------------------------------------
 
 
 def broadcast_advantages(advantages, shape) -> jax.Array:
-    """Advantages ``[B]`` (one per sequence) or ``[B,T]`` as an f32 ``[B,T]`` array.
-
-    Raises:
-      ValueError: a shape that is neither ``[B]`` nor ``shape``.
-    """
+    """Advantages ``[B]`` or ``[B,T]`` as an f32 ``[B,T]`` array; ValueError for any other shape."""
     adv = jnp.asarray(advantages, jnp.float32)
     if adv.ndim == 1:
         if adv.shape[0] != shape[0]:
@@ -244,16 +199,9 @@ def _sanitize(x, mask, fill=0.0):
 
 
 def safe_log_ratio(logprobs, behavior_logprobs, clamp: float = LOG_RATIO_CLAMP) -> jax.Array:
-    """log r = log pi - log mu clamped to [-clamp, clamp] so ``exp`` stays finite.
+    """log pi - log mu clamped to [-clamp, clamp] (default :data:`LOG_RATIO_CLAMP`), f32 of the input shape.
 
-    Args:
-      logprobs, behavior_logprobs: ``[...]`` same shape, any float dtype.
-      clamp: positive float (default :data:`LOG_RATIO_CLAMP`).
-
-    Returns:
-      f32 array of the same shape. NaN inputs stay NaN (mask them first).
-      ``log mu = -inf`` (zero behaviour probability) gives ``+clamp``.
-    """
+    NaN stays NaN (mask it first); ``log mu = -inf`` gives ``+clamp``."""
     lr = jnp.asarray(logprobs, jnp.float32) - jnp.asarray(behavior_logprobs, jnp.float32)
     return jnp.clip(lr, -clamp, clamp)
 
@@ -268,30 +216,22 @@ def tis_policy_loss(
 ) -> jax.Array:
     """Truncated-importance-sampling policy-gradient loss per token.
 
-    loss_t = -A_t * sg(min(r_t, C)) * M_t * log pi(y_t),  r_t = pi(y_t)/mu(y_t)
-
-    (DESIGN.md section 2; DPPO arXiv 2602.04879; the PDM paper arXiv 2607.10848).
-    Its gradient w.r.t. the logits z_t is -A_t * min(r_t, C) * M_t * (e_k - pi_t).
-
-    The truncated ratio is computed as ``exp(min(log pi - log mu, log C))``: the
-    log-ratio is clipped *before* the exponential, so ``inf`` never appears
-    (also not for ``log mu = -inf``) and the value is exactly min(r, C).
+    loss_t = -A_t * sg(min(r_t, C)) * M_t * log pi(y_t), r_t = pi(y_t)/mu(y_t) (DESIGN.md section 2; DPPO arXiv
+    2602.04879; PDM arXiv 2607.10848); its logit gradient is -A_t * min(r_t, C) * M_t * (e_k - pi_t). The ratio is
+    ``exp(min(log pi - log mu, log C))``, so no ``inf`` appears, also for ``log mu = -inf``.
 
     Args:
-      logprobs: ``[B,T]`` log pi(y_t) of the trainer policy (differentiable).
-      behavior_logprobs: ``[B,T]`` log mu(y_t) of the sampler.
-      advantages: ``[B]`` or ``[B,T]`` A_t.
-      mask: ``[B,T]`` bool (or 0/1) M_t: trust-region mask AND valid mask.
-        Masked positions give exactly 0 loss and 0 gradient even if any input
-        there is NaN/inf.
-      tis_cap: C > 0, the truncation of the IS ratio (typically 2-10).
+      logprobs: ``[B,T]`` log pi(y_t) (differentiable).
+      behavior_logprobs: ``[B,T]`` log mu(y_t).
+      advantages: ``[B]`` or ``[B,T]``.
+      mask: ``[B,T]`` bool M_t; masked positions give exactly 0 loss and gradient.
+      tis_cap: C > 0, the truncation (typically 2-10).
 
     Returns:
-      ``[B,T]`` float32 per-token loss (not aggregated; see :func:`aggregate_loss`).
+      ``[B,T]`` float32 per-token loss (aggregate with :func:`aggregate_loss`).
 
     Raises:
-      ValueError: on shape mismatch or ``tis_cap`` not > 0 (naming the field).
-    """
+      ValueError: shape mismatch or ``tis_cap`` not a finite float > 0."""
     if not (isinstance(tis_cap, (int, float)) and tis_cap > 0 and math.isfinite(tis_cap)):
         raise ValueError(f"tis_cap must be a finite float > 0, got {tis_cap!r}")
     shape = _check_same_shape(logprobs=logprobs, behavior_logprobs=behavior_logprobs, mask=mask)
@@ -319,32 +259,24 @@ def ppo_clip_policy_loss(
 ) -> jax.Array:
     """PPO clipped surrogate per token, with clip-higher and optional dual clip.
 
-    loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
-    (PPO eq. 7 with DAPO's decoupled eps_low/eps_high). With ``dual_clip = c``
-    (c > 1), tokens with A_t < 0 use min(loss_t, -c A_t) (Ye et al. 2020, eq. 5):
-    the loss of a negative-advantage token is bounded by c|A_t| however large r
-    gets. Tokens with A_t >= 0 are never dual-clipped.
-
-    r_t = exp(clip(log pi - log mu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) (see
-    :data:`LOG_RATIO_CLAMP`: beyond e^+-20 the ratio stops moving).
+    loss_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) (PPO eq. 7, DAPO's decoupled eps); with
+    ``dual_clip`` c > 1 a token with A_t < 0 uses min(loss_t, -c A_t) (Ye et al. 2020, eq. 5). r_t =
+    exp(:func:`safe_log_ratio`).
 
     Args:
       logprobs: ``[B,T]`` log pi(y_t) (differentiable).
-      behavior_logprobs: ``[B,T]`` log mu(y_t) (the "old" policy of PPO).
+      behavior_logprobs: ``[B,T]`` log mu(y_t) (PPO's "old" policy).
       advantages: ``[B]`` or ``[B,T]``.
-      clip_eps_low: eps_low in [0, 1).
-      clip_eps_high: eps_high >= 0 (clip-higher: eps_high > eps_low).
+      clip_eps_low: in [0, 1). clip_eps_high: >= 0.
       dual_clip: None or c > 1.
-      mask: optional ``[B,T]`` bool; masked positions give exactly 0 loss and
-        gradient even with NaN inputs there. Without it, pads must be finite
-        (``aggregate_loss`` zeroes their *value* but cannot stop a NaN gradient).
+      mask: optional ``[B,T]`` bool; masked positions give exactly 0 loss and gradient. Without it pads must be
+        finite.
 
     Returns:
       ``[B,T]`` float32 per-token loss.
 
     Raises:
-      ValueError: bad eps/dual_clip (naming the field and value) or shapes.
-    """
+      ValueError: bad eps/dual_clip (naming the field and value) or shapes."""
     if not (0.0 <= clip_eps_low < 1.0):
         raise ValueError(f"clip_eps_low must be in [0, 1), got {clip_eps_low!r}")
     if not (clip_eps_high >= 0.0 and math.isfinite(clip_eps_high)):
@@ -376,53 +308,29 @@ def kl_penalty(
     behavior_logprobs: Optional[jax.Array] = None,
     is_cap: Optional[float] = None,
 ) -> jax.Array:
-    """Per-token KL(pi || pi_ref) penalty at the sampled token, for use as a loss term.
+    """Per-token KL(pi || pi_ref) penalty at the sampled token (the caller applies beta).
 
-    With d = log pi_ref(y) - log pi(y) (clamped to +-:data:`LOG_RATIO_CLAMP`) the
-    estimators' values are (J. Schulman, "Approximating KL Divergence", 2020):
-      k1 = -d                 (unbiased for samples of pi, high variance, can be negative)
-      k2 = d^2 / 2            (biased: its mean is KL only to second order; >= 0)
-      k3 = exp(d) - d - 1     (unbiased for samples of pi, low variance, >= 0; GRPO eq. 4)
-
-    **Gradient.** Whatever ``kind``, the gradient is k2's (straight-through:
-    ``k_kind + k2 - sg(k2)``, whose value is exactly k_kind): for y ~ pi,
-    E[d k2 / d z] = sum_y pi(y) (log pi(y) - log pi_ref(y)) (e_y - pi) =
-    grad_z KL(pi || pi_ref), the reverse KL the penalty is meant to be. The
-    estimators' own gradients are not: E[grad k1] = 0 (k1 pulls toward nothing)
-    and E[grad k3] = pi - pi_ref = grad_z KL(pi_ref || pi), the *forward* KL
-    (OpenRLHF PR #1309, verl PR #2953 and its "k1+"/"k3+" kinds, which this is).
-
-    **Off-policy weight.** Tokens are sampled from mu (the sampler), not pi. With
-    ``behavior_logprobs`` = log mu(y), each token is weighted by
-    w = sg(min(pi(y)/mu(y), C)), C = ``is_cap``, the truncation of the policy
-    loss (:func:`tis_policy_loss`): where pi/mu <= C at every token,
-    E_{y~mu}[w k] = E_{y~pi}[k] (k1, k3: exactly KL(pi || pi_ref)) and
-    E_{y~mu}[grad(w k)] = grad_z KL(pi || pi_ref). Where pi/mu > C the token's
-    weight is capped at C: those tokens count C mu(y) < pi(y) in value and
-    gradient, in exchange for a bounded variance. The value is then biased low
-    for k2 and k3 (per-token values >= 0), either way for k1 (its per-token
-    value -d is negative where pi(y) < pi_ref(y)). The
-    weight corrects the token's own distribution only; its prefix is still mu's.
-    Without ``behavior_logprobs`` w = 1 (on-policy samples).
-
-    The coefficient beta (0 = no penalty) is applied by the caller.
+    With d = log pi_ref(y) - log pi(y) (clamped to +-:data:`LOG_RATIO_CLAMP`) the values are (J. Schulman, 2020) k1 =
+    -d (unbiased, can be negative), k2 = d^2 / 2 (>= 0, second-order), k3 = exp(d) - d - 1 (unbiased, >= 0; GRPO eq.
+    4). Whatever ``kind``, the gradient is k2's (``k + k2 - sg(k2)``), whose expectation under pi is grad_z KL(pi ||
+    pi_ref); k1's has expectation 0 and k3's is the forward KL's (verl PR #2953 "k1+"/"k3+"). With
+    ``behavior_logprobs`` each token is weighted by w = sg(min(pi/mu, C)), C = ``is_cap``, making the expectation
+    over y ~ mu the one over pi while pi/mu <= C (capped tokens count C mu(y) < pi(y)); without, w = 1. DESIGN.md
+    section 2.
 
     Args:
       logprobs: ``[B,T]`` log pi(y_t) (differentiable).
-      ref_logprobs: ``[B,T]`` log pi_ref(y_t) of the frozen reference policy.
-      kind: "k1" | "k2" | "k3": the estimator whose *value* is returned.
-      mask: optional ``[B,T]`` bool; masked positions give exactly 0 and a 0
-        gradient even with NaN inputs.
-      behavior_logprobs: optional ``[B,T]`` log mu(y_t) of the sampler.
+      ref_logprobs: ``[B,T]`` log pi_ref(y_t).
+      kind: "k1" | "k2" | "k3", the estimator whose *value* is returned.
+      mask: optional ``[B,T]`` bool; masked positions give exactly 0 and a 0 gradient.
+      behavior_logprobs: optional ``[B,T]`` log mu(y_t).
       is_cap: C > 0 (finite), required with ``behavior_logprobs``.
 
     Returns:
       ``[B,T]`` float32 w * k_kind (gradient w * grad k2).
 
     Raises:
-      ValueError: unknown ``kind`` (naming it), shape mismatch, or
-        ``behavior_logprobs`` without a finite ``is_cap`` > 0.
-    """
+      ValueError: unknown ``kind``, shape mismatch, or ``behavior_logprobs`` without a finite ``is_cap`` > 0."""
     if kind not in KL_KINDS:
         raise ValueError(f"kl kind must be one of {KL_KINDS}, got {kind!r}")
     _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, behavior_logprobs=behavior_logprobs)
@@ -452,9 +360,7 @@ def kl_penalty(
     return kl
 
 
-# --------------------------------------------------------------------------- #
-# Aggregation (exact under micro-batching)
-# --------------------------------------------------------------------------- #
+# ---- Aggregation (exact under micro-batching) ------------------------------------------------------------
 
 
 def _check_mode(mode: str, max_response_length):
@@ -471,24 +377,13 @@ def _check_mode(mode: str, max_response_length):
 def loss_denominator(
     valid_mask: jax.Array, mode: str, *, max_response_length: Optional[int] = None
 ) -> jax.Array:
-    """The denominator of :func:`aggregate_loss` alone (depends only on the mask).
+    """The denominator of :func:`aggregate_loss` alone, a float32 scalar (depends only on the mask).
 
-    token_mean: number of valid tokens; seq_mean_token_mean: number of
-    sequences with >= 1 valid token; seq_mean_token_sum_norm: that number times
-    ``max_response_length`` (default: T of ``valid_mask``; pass the generation
-    budget explicitly when micro-batches may have different T).
-
-    Args:
-      valid_mask: ``[B,T]`` bool.
-      mode: one of :data:`AGGREGATION_MODES`.
-      max_response_length: int >= 1 or None.
-
-    Returns:
-      scalar float32.
+    token_mean: valid tokens; seq_mean_token_mean: sequences with >= 1 valid token; seq_mean_token_sum_norm: that
+    times ``max_response_length`` (default T; pass the generation budget when micro-batches differ in T).
 
     Raises:
-      ValueError: unknown ``mode`` or bad ``max_response_length`` (naming it).
-    """
+      ValueError: unknown ``mode`` or bad ``max_response_length``."""
     _check_mode(mode, max_response_length)
     valid_mask = jnp.asarray(valid_mask).astype(bool)
     if valid_mask.ndim != 2:
@@ -509,24 +404,13 @@ def aggregate_loss(
     *,
     max_response_length: Optional[int] = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Reduce a per-token loss to ``(loss_sum, denominator)``; loss = sum/denominator.
+    """Reduce a ``[B,T]`` per-token loss to ``(loss_sum, denominator)``, two float32 scalars.
 
-    ``mode``:
-      * ``"token_mean"`` (DAPO eq. 10): sum_{b,t} l * v  /  sum_{b,t} v.
-      * ``"seq_mean_token_mean"`` (GRPO eq. 3): sum_b [sum_t l v / sum_t v]  /
-        #sequences, counting only sequences with >= 1 valid token (all-pad rows,
-        e.g. sharding fill, contribute 0 to both).
-      * ``"seq_mean_token_sum_norm"`` (Dr. GRPO): sum_{b,t} l * v  /
-        (#sequences * max_response_length).
-
-    The global loss over micro-batches is ``combine(sums, denominators)``; this
-    is exact for token_mean with ANY split of the tokens (rows, chunks of a
-    flattened batch) and for the sequence modes with sequence-aligned splits.
-
-    Masked positions contribute exactly 0 even if ``per_token_loss`` is NaN
-    there (``where``, not a product) -- but only in value: make the per-token
-    loss itself NaN-free at pads (pass ``mask`` to the loss functions) for a
-    NaN-free gradient.
+    ``mode``: ``"token_mean"`` (DAPO eq. 10) sum l v / sum v; ``"seq_mean_token_mean"`` (GRPO eq. 3) sum_b [sum_t l v
+    / sum_t v] / #sequences with a valid token; ``"seq_mean_token_sum_norm"`` (Dr. GRPO) sum l v / (#sequences *
+    max_response_length). :func:`combine` is exact for token_mean under any split of the tokens and for the sequence
+    modes under sequence-aligned splits. Masked positions add exactly 0 in value even over NaN (not in gradient: pass
+    ``mask`` to the loss functions).
 
     Args:
       per_token_loss: ``[B,T]`` float.
@@ -534,12 +418,8 @@ def aggregate_loss(
       mode: one of :data:`AGGREGATION_MODES`.
       max_response_length: for ``seq_mean_token_sum_norm`` (default T).
 
-    Returns:
-      ``(loss_sum, denominator)``: two float32 scalars.
-
     Raises:
-      ValueError: unknown ``mode``, bad ``max_response_length`` or shapes.
-    """
+      ValueError: unknown ``mode``, bad ``max_response_length`` or shapes."""
     _check_mode(mode, max_response_length)
     _check_same_shape(per_token_loss=per_token_loss, valid_mask=valid_mask)
     valid_mask = jnp.asarray(valid_mask).astype(bool)
@@ -555,15 +435,12 @@ def aggregate_loss(
 def token_loss_weights(valid_mask: jax.Array, mode: str, *, max_response_length: Optional[int] = None) -> jax.Array:
     """``[B,T]`` f32 weights w with ``sum(w * l)`` = :func:`aggregate_loss`'s ``loss_sum / denominator``.
 
-    For any per-token loss l finite where ``valid_mask``: token_mean ``v / #valid``;
-    seq_mean_token_mean ``v / (#tokens of the row x #sequences)``; seq_mean_token_sum_norm
-    ``v / (#sequences x max_response_length)``; all 0 when the denominator is 0. The packed step
-    (``pdm_jax.rl.packing``) weights each packed position by its token's w, so any split of the
-    tokens, not only a sequence-aligned one, gives the padded loss and gradient.
+    token_mean ``v / #valid``; seq_mean_token_mean ``v / (#tokens of the row x #sequences)``; seq_mean_token_sum_norm
+    ``v / (#sequences x max_response_length)``; 0 when the denominator is 0. The packed step (``pdm_jax.rl.packing``)
+    weights each position by its token's w, so any split of the tokens gives the padded loss and gradient.
 
     Raises:
-      ValueError: as :func:`loss_denominator`.
-    """
+      ValueError: as :func:`loss_denominator`."""
     valid_mask = jnp.asarray(valid_mask).astype(bool)
     denominator = loss_denominator(valid_mask, mode, max_response_length=max_response_length)
     per_token = jnp.ones(valid_mask.shape, jnp.float32)
@@ -573,15 +450,8 @@ def token_loss_weights(valid_mask: jax.Array, mode: str, *, max_response_length:
 
 
 def combine(loss_sums, denominators) -> jax.Array:
-    """Global loss from per-micro-batch ``(loss_sum, denominator)`` pairs.
-
-    ``sum(loss_sums) / sum(denominators)``, and 0 (not NaN) when the total
-    denominator is 0 (everything masked). Works on a sequence of scalars or on
-    stacked ``[num_micro_batches]`` arrays, inside or outside ``jit``.
-
-    Returns:
-      scalar float32.
-    """
+    """Global loss ``sum(loss_sums) / sum(denominators)`` from per-micro-batch pairs, a float32 scalar; 0 (not NaN) when
+    the total denominator is 0. Takes scalars or stacked ``[num_micro_batches]`` arrays, inside or outside ``jit``."""
     total = jnp.sum(jnp.stack([jnp.asarray(s, jnp.float32) for s in loss_sums]))
     denom = jnp.sum(jnp.stack([jnp.asarray(d, jnp.float32) for d in denominators]))
     return jnp.where(denom > 0, total / jnp.where(denom > 0, denom, 1.0), 0.0)

@@ -1,32 +1,14 @@
 """Sequence packing for the RL update: a mini-batch's sequences laid end to end in rows of L tokens.
 
-A padded step runs the model on ``[B, P + T]``: every sequence pays for the longest prompt and
-the whole generation budget. With responses whose lengths vary by orders of magnitude (8k-token
-budgets, most answers far shorter) most of that is padding. With ``rl.pack_sequences`` the host
-plans (:func:`plan_packing`, numpy, first-fit decreasing) where each sequence's real tokens go
-in packed rows of ``L = rl.packed_length`` tokens; the step (``pdm_jax.rl.train_step``) gathers
-them on the devices (:func:`packed_rows`), runs the model on the packed rows with segment ids
-(a token attends only within its sequence; rotary positions restart at each sequence, so every
-token sees what it sees alone) and computes the per-token terms (``pdm_jax.rl.loss.token_terms``,
-chunked or not) at the packed positions. The terms are gathered back to ``[B, T]``
-(``PackingPlan.unpack_index``) before the aggregation and the metrics, so the loss, the mask,
-the gradient and every metric are those of the padded step (tests/test_packing.py: to 1e-5 in
-f32, gradients too). The loss is a sum over packed positions of each token's weight in the
-padded aggregation (`pdm_jax.rl.objectives.token_loss_weights`), exact for every aggregation mode.
-
-Packed rows are grouped into micro-batches of ``R = rl.micro_batch_size`` rows (0: one
-micro-batch, the row count rounded up to a power of two so that a run compiles at most
-log2(B) + 1 programs); the number of micro-batches is what the mini-batch needs, so a run
-compiles one step per distinct count. Packed row ``r = i n + j`` belongs to micro-batch ``j``
-of ``n`` (the layout ``train_step``'s micro-batching splits), so every data shard holds rows of
-every micro-batch.
-
-Not packed: the SFT phase, the reference-policy logprobs (computed padded, then gathered like
-the other per-token inputs), routing replay and ``trust_region.direction = "param_jvp"``
-(``pdm_jax.config`` refuses those combinations). A Qwen3-MoE model's router aux loss is a
-statistic of each micro-batch's tokens, as with micro-batching, so it differs from the padded
-step's when the rows are grouped differently.
-"""
+A padded step pays ``[B, P + T]`` per sequence. With ``rl.pack_sequences`` the host plans (:func:`plan_packing`,
+first-fit decreasing) where each sequence's real tokens go in rows of ``L = rl.packed_length``; the step gathers them
+(:func:`packed_rows`), runs the model with segment ids (attention within a sequence, positions restarting) and
+computes the per-token terms at the packed positions, gathered back to ``[B, T]`` before aggregation: loss, mask,
+gradient and metrics are the padded step's (tests/test_packing.py, 1e-5 in f32), the loss weighting each token as the
+padded aggregation does (`objectives.token_loss_weights`). Rows form micro-batches of ``R = rl.micro_batch_size`` (0:
+one, rounded up to a power of two), row ``r`` in micro-batch ``r % n``. Not packed: SFT, routing replay and
+``param_jvp`` (refused by ``pdm_jax.config``); a MoE router aux loss is per micro-batch, so it differs from the
+padded step's."""
 
 from __future__ import annotations
 
@@ -41,8 +23,8 @@ from pdm_jax.rollout import round_up
 class PackingPlan:
     """Where each real token of a mini-batch goes in the packed rows (host numpy or device arrays).
 
-    N = ``num_micro_batches`` x R packed rows of L tokens; B sequences of the padded batch with
-    P prompt and T completion columns. Columns index ``concat(prompt, completion)`` ``[B, P + T]``.
+    N = ``num_micro_batches`` x R packed rows of L tokens; B sequences of the padded batch with P prompt and T
+    completion columns. Columns index ``concat(prompt, completion)`` ``[B, P + T]``.
 
     ================  ========  =======  ==================================================
     field             shape     dtype    meaning
@@ -77,13 +59,9 @@ class PackingPlan:
 
 @flax.struct.dataclass
 class PackedRows:
-    """The packed model input and the per-token inputs at the positions that predict them, ``[N, L]``.
-
-    Has the per-token fields of ``pdm_jax.rl.step_batch.StepBatch`` that ``pdm_jax.rl.loss.TokenInputs.of``
-    reads (for ``token_terms`` and ``pdm_jax.rl.chunked_loss.chunked_rl_terms``), laid out as packed rows: ``completion_ids`` is the token position (r, l) predicts,
-    ``completion_mask`` whether it is a valid completion token, ``advantages`` its sequence's
-    advantage; ``loss_weights`` its weight in the padded step's aggregated loss.
-    """
+    """The packed model input and, ``[N, L]``, the per-token fields ``TokenInputs.of`` reads at the positions that
+    predict them: ``completion_ids`` the token (r, l) predicts, ``completion_mask`` whether it is valid,
+    ``advantages`` its sequence's, ``loss_weights`` its weight in the padded step's aggregated loss."""
 
     input_ids: object
     token_mask: object
@@ -99,8 +77,8 @@ class PackedRows:
 
 
 def _lengths(mask: np.ndarray, name: str, *, left: bool) -> np.ndarray:
-    """Per-row count of True in a left- (``left``) or right-padded bool (or 0 / 1) mask; ValueError if it has
-    holes, another shape than [B, width] or other values."""
+    """Per-row count of True in a left- (``left``) or right-padded bool (or 0 / 1) mask; ValueError if it has holes,
+    another shape than [B, width] or other values."""
     mask = np.asarray(mask)
     if mask.ndim != 2:
         raise ValueError(f"{name} must be [B, width], got shape {mask.shape}")
@@ -142,28 +120,22 @@ def plan_packing(prompt_mask, completion_mask, *, row_length: int, rows_per_micr
                  row_multiple: int = 1) -> PackingPlan:
     """The packing of one mini-batch's sequences into rows of ``row_length`` tokens (numpy).
 
-    Sequence b's real prompt tokens and its valid completion tokens go, in order, into one packed
-    row (first-fit decreasing over the sequences' lengths); a sequence without a valid completion
-    token carries no loss and is left out. Rows go fullest first, and row r belongs to micro-batch
-    ``r % n``, so the micro-batches share the full rows.
+    Each sequence's real prompt and valid completion tokens go in order into one row (first-fit decreasing); one
+    without a valid completion token is left out. Rows go fullest first, row r in micro-batch ``r % n``.
 
     Args:
-      prompt_mask: ``[B, P]`` bool, left-padded (``StepBatch.prompt_mask``).
-      completion_mask: ``[B, T]`` bool, right-padded (``StepBatch.completion_mask``).
+      prompt_mask: ``[B, P]`` bool, left-padded; completion_mask: ``[B, T]`` bool, right-padded.
       row_length: L, tokens per packed row (``rl.packed_length``).
-      rows_per_micro_batch: R > 0, packed rows per micro-batch (``rl.micro_batch_size``); 0: one
-        micro-batch whose row count is the next power of two (then a multiple of ``row_multiple``).
+      rows_per_micro_batch: R > 0 (``rl.micro_batch_size``); 0: one micro-batch of the next power of two rows.
       row_multiple: the row count per micro-batch must divide into this many batch shards.
 
     Returns:
       a host `PackingPlan` of ``n x R`` rows, n the fewest micro-batches that hold every sequence.
 
     Raises:
-      ValueError: a mask that is not [B, width] bool padded on its side, masks with different B,
-        a sequence with completion tokens but no prompt token, a sequence longer than
-        ``row_length`` (naming ``rl.packed_length``), or ``rows_per_micro_batch`` not a multiple
-        of ``row_multiple``.
-    """
+      ValueError: a mask not [B, width] bool padded on its side, masks with different B, completion tokens without a
+        prompt token, a sequence longer than ``row_length`` (naming ``rl.packed_length``), or
+        ``rows_per_micro_batch`` not a multiple of ``row_multiple``."""
     p_len = _lengths(prompt_mask, "prompt_mask", left=True)
     c_len = _lengths(completion_mask, "completion_mask", left=False)
     if p_len.shape != c_len.shape:
@@ -230,13 +202,8 @@ def plan_packing(prompt_mask, completion_mask, *, row_length: int, rows_per_micr
 
 
 def check_plan(batch, plan: PackingPlan) -> None:
-    """Raises ValueError (at trace time) unless ``plan`` was made for ``batch``'s shapes.
-
-    Checks B, P and T (`PackingPlan.planned_for`) and the per-token fields the step gathers
-    (``[B, T]``, top-K ``[B, T, K]``, advantages ``[B]`` or ``[B, T]``), naming the field. A plan made
-    from other masks of the same shapes is not detected: plan each batch from its own masks
-    (``pdm_jax.distributed.with_packing`` does).
-    """
+    """ValueError (at trace time) unless ``plan`` was made for ``batch``'s shapes: B, P, T and the gathered per-token
+    fields, naming the field (a plan from other masks of the same shapes is not detected)."""
     b, p = np.shape(batch.prompt_ids)
     t = np.shape(batch.completion_ids)[1]
     if plan.planned_for and tuple(plan.planned_for) != (b, p, t):
@@ -257,19 +224,9 @@ def check_plan(batch, plan: PackingPlan) -> None:
 
 
 def packed_rows(batch, plan: PackingPlan, loss_weights) -> PackedRows:
-    """The packed rows of a device batch (gathers inside the jitted step).
-
-    Args:
-      batch: the padded ``StepBatch`` (prompt ``[B, P]``, completion and per-token fields ``[B, T]``,
-        top-K ``[B, T, K]``, advantages ``[B]``).
-      plan: its `PackingPlan` (``[N, L]`` index arrays).
-      loss_weights: ``[B, T]`` f32, each token's weight in the aggregated loss
-        (``objectives.token_loss_weights``).
-
-    Returns:
-      `PackedRows` ``[N, L]`` (top-K ``[N, L, K]``); every per-token field is 0 / False where
-      ``plan.target_mask`` is False.
-    """
+    """The `PackedRows` ``[N, L]`` (top-K ``[N, L, K]``) of a device batch (``batch`` the padded ``StepBatch``, ``plan``
+    its `PackingPlan`, ``loss_weights`` ``[B, T]`` f32), gathered inside the jitted step; 0 / False where
+    ``plan.target_mask`` is False."""
     ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
     b, t = plan.src_row, plan.target_col
     tm = plan.target_mask

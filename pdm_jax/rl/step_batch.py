@@ -1,9 +1,8 @@
 """`StepBatch`: the input of a jitted train step, a JAX pytree of named, shaped fields.
 
-The same per-token fields as `pdm_jax.rollout.RolloutBatch` padded to static lengths, plus
-advantages (and reference logprobs for a KL penalty), built once from a `RolloutBatch` by
-:meth:`StepBatch.from_rollouts`. A ``flax.struct`` dataclass, so it is jitted, sharded and
-``device_get`` as a whole, and chunking and micro-batching map over one pytree.
+The same per-token fields as `pdm_jax.rollout.RolloutBatch` padded to static lengths, plus advantages (and reference
+logprobs for a KL penalty), built once from a `RolloutBatch` by :meth:`StepBatch.from_rollouts`. A ``flax.struct``
+dataclass, so it is jitted, sharded and ``device_get`` as a whole, and chunking and micro-batching map over one pytree.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from pdm_jax.rollout import ROUTING_PAD, RolloutBatch, pad_axis
 class StepBatch:
     """The input of a jitted train step (``pdm_jax.rl.train_step``): named, shaped fields, a JAX pytree.
 
-    B sequences, P prompt length, T completion length, K top-K. Host (numpy) or
-    device (``jax.Array``) leaves; RL-only fields are None in a supervised (SFT) batch.
+    B sequences, P prompt length, T completion length, K top-K. Host (numpy) or device (``jax.Array``) leaves; RL-only
+    fields are None in a supervised (SFT) batch.
 
     =================  ============  ========  ==========================================
     field              shape         dtype     meaning

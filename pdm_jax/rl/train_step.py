@@ -1,11 +1,9 @@
 """Pure train steps: the GRPO policy update with a trust-region mask, and SFT.
 
-`train_step(state, batch) -> (state, metrics)` is a pure function (DESIGN.md §3):
-no I/O, no services; the loop in `pdm_jax.trainer` owns side effects and jits
-it with explicit in/out shardings on the mesh. ``batch`` is a
-`pdm_jax.rl.step_batch.StepBatch` (its docstring gives every field's shape and dtype).
-The RL loss itself (per-token loss, aggregation, metrics) is `pdm_jax.rl.loss`;
-this module runs the model and the optimizer around it.
+`train_step(state, batch) -> (state, metrics)` is a pure function (DESIGN.md §3): no I/O, no services; the loop in
+`pdm_jax.trainer` owns side effects and jits it with explicit in/out shardings on the mesh. ``batch`` is a
+`pdm_jax.rl.step_batch.StepBatch` (its docstring gives every field's shape and dtype). The RL loss itself (per-token
+loss, aggregation, metrics) is `pdm_jax.rl.loss`; this module runs the model and the optimizer around it.
 """
 
 from __future__ import annotations
@@ -35,12 +33,8 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW settings of one phase (built from ``rl.*`` or ``sft.*`` by ``pdm_jax.config.step_configs``).
-
-    ``learning_rate`` is the peak rate per optimizer step, reached after
-    ``warmup_steps`` linear warm-up steps, then held (``lr_schedule`` "constant") or decayed to 0 at optimizer step
-    ``total_steps`` ("cosine", "linear"); ``max_grad_norm`` <= 0 disables clipping.
-    """
+    """AdamW settings of one phase (``pdm_jax.config.step_configs`` from ``rl.*`` or ``sft.*``); see
+    :func:`make_optimizer`."""
 
     learning_rate: float
     weight_decay: float = 0.0
@@ -65,17 +59,16 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 def make_optimizer(learning_rate, *, weight_decay=0.0, b1=0.9, b2=0.999, max_grad_norm=1.0,
                    warmup_steps=0, lr_schedule="constant",
                    total_steps=0) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with global-norm clipping and a linear warm-up, from optax.
+    """AdamW with global-norm clipping and a linear warm-up, from optax; returns (the optimizer, its learning-rate
+    schedule).
 
-    `learning_rate` is the peak rate (per optimizer step), reached after `warmup_steps` linear warm-up steps. Then
-    `lr_schedule` "constant" holds it; "cosine" (`optax.cosine_decay_schedule`) and "linear" decay it to 0 at
-    optimizer step `total_steps` (the phase's length; the warm-up included). `max_grad_norm` <= 0 disables clipping.
-    Returns (the optimizer, its learning-rate schedule).
+    `learning_rate` is the peak rate per optimizer step, reached after `warmup_steps`; `lr_schedule` "constant" holds
+    it, "cosine" (`optax.cosine_decay_schedule`) and "linear" decay it to 0 at step `total_steps` (the warm-up
+    included). `max_grad_norm` <= 0 disables clipping.
 
     Raises:
       ValueError: a non-positive learning rate; an unknown `lr_schedule`; a decaying schedule whose `total_steps`
-        does not exceed `warmup_steps`.
-    """
+        does not exceed `warmup_steps`."""
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
     if lr_schedule not in LR_SCHEDULES:
@@ -103,21 +96,18 @@ def make_optimizer(learning_rate, *, weight_decay=0.0, b1=0.9, b2=0.999, max_gra
 
 
 def _with_router_aux(loss, metrics: dict, aux, loss_config) -> tuple:
-    """Adds ``rl.router_aux_loss_coef`` x the router aux loss to `loss` and logs it as
-    ``router_aux_loss`` (unscaled) when the model is MoE (`aux` not None)."""
+    """Adds ``rl.router_aux_loss_coef`` x the router aux loss to `loss` and logs it as ``router_aux_loss`` (unscaled)
+    when the model is MoE (`aux` not None)."""
     if aux is None:
         return loss, metrics
     return loss + loss_config.router_aux_loss_coef * aux, dict(metrics, router_aux_loss=aux)
 
 
 def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: policy_loss.PolicyLossConfig):
-    """Returns ``terms_fn(params, batch: StepBatch, param_direction=None) -> dict``: `pdm_jax.rl.loss.token_terms`
-    of every position.
-
-    On all ``[B,T,V]`` logits at once, or with ``loss_config.logits_chunk_size`` = c > 0
-    ``pdm_jax.rl.chunked_loss`` c sequence positions at a time (the same terms). ``param_direction``
-    ``[B,T]`` (Ḋᵖ) is passed to the mask when ``tr_config.direction == "param_jvp"``.
-    """
+    """``terms_fn(params, batch: StepBatch, param_direction=None) -> dict``: `pdm_jax.rl.loss.token_terms` of every
+    position, on all ``[B,T,V]`` logits or, with ``logits_chunk_size`` = c > 0, c positions at a time
+    (``pdm_jax.rl.chunked_loss``); ``param_direction`` ``[B,T]`` (Ḋᵖ) goes to the mask with ``direction ==
+    "param_jvp"``."""
     if loss_config.logits_chunk_size > 0:  # same values, never all [B,T,V] logits at once
         return chunked_loss.make_chunked_rl_terms(graphdef, tr_config, loss_config, loss_config.logits_chunk_size)
 
@@ -135,12 +125,8 @@ def make_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig, loss_conf
 
 
 def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_config: policy_loss.PolicyLossConfig):
-    """Returns ``loss_fn(params, batch: StepBatch, param_direction=None) -> (loss, metrics)`` for the GRPO
-    policy update.
-
-    The per-token loss, its aggregation and the metrics are `pdm_jax.rl.loss`
-    (``token_terms`` via :func:`make_rl_terms`, then ``loss_and_metrics``).
-    """
+    """``loss_fn(params, batch: StepBatch, param_direction=None) -> (loss, metrics)`` of the GRPO policy update
+    (:func:`make_rl_terms`, then ``loss.loss_and_metrics``)."""
     terms_fn = make_rl_terms(graphdef, tr_config, loss_config)
 
     def loss_fn(params, batch: StepBatch, param_direction=None):
@@ -154,15 +140,12 @@ def make_rl_loss(graphdef, tr_config: trust_region.TrustRegionConfig, loss_confi
 
 
 def make_rl_train_step(graphdef, tx, tr_config, loss_config) -> Callable:
-    """Returns the pure `train_step(state, batch) -> (state, metrics)` for RL (not yet jitted).
+    """The pure `train_step(state, batch) -> (state, metrics)` for RL (not yet jitted).
 
-    With ``loss_config.micro_batch_size`` = m > 0 the mini-batch's gradient is accumulated
-    over micro-batches of m sequences (:func:`_micro_batched_grads`); the loss, gradient
-    and metrics equal the one-shot step's. With ``tr_config.direction == "param_jvp"`` the
-    mask's direction is Ḋᵖ along the unmasked update (:func:`_param_jvp_rl_step`). With
-    ``loss_config.pack_sequences`` the batch carries a ``PackingPlan`` and the model runs on packed
-    rows (:func:`_packed_rl_step`), the same loss, gradient and metrics plus ``packed_fill``.
-    """
+    ``micro_batch_size`` = m > 0 accumulates the gradient over micro-batches of m sequences
+    (:func:`_micro_batched_grads`); ``direction == "param_jvp"`` takes the mask's direction along the unmasked update
+    (:func:`_param_jvp_rl_step`); ``pack_sequences`` runs the model on packed rows (:func:`_packed_rl_step`, plus
+    ``packed_fill``). Each gives the one-shot padded step's loss, gradient and metrics."""
     if loss_config.pack_sequences:
         if tr_config.uses_param_direction:
             raise ValueError("rl.pack_sequences is not implemented with trust_region.direction = param_jvp")
@@ -218,19 +201,14 @@ def _micro_batched_grads(terms_fn, params, batch: StepBatch, loss_config: policy
                          param_direction=None):
     """``(grads, loss, metrics)`` of one mini-batch, the gradient accumulated over micro-batches under ``lax.scan``.
 
-    The loss is ``sum / denominator`` (``objectives.aggregate_loss``) with the
-    denominator of the WHOLE mini-batch computed first (it depends only on the masks),
-    so the sum over micro-batches of ``grad(loss_sum_mb) / denominator`` is the exact
-    gradient for every aggregation mode (micro-batches are whole sequences). Micro-batch
-    j takes rows j, j + n, j + 2n, ... (n = B / m micro-batches), so every data shard
-    contributes to every micro-batch. The per-token terms of all micro-batches are
-    reassembled to ``[B,T]`` and the metrics computed once by ``loss.loss_and_metrics``,
-    as in the one-shot step; only one micro-batch's activations are alive at a time.
-    ``param_direction`` ``[B,T]`` (Ḋᵖ, param_jvp only) is split with the batch.
+    The denominator of the WHOLE mini-batch is computed first (masks only), so summing ``grad(loss_sum_mb) /
+    denominator`` is exact for every aggregation mode. Micro-batch j takes rows j, j + n, ... (n = B / m), so every
+    data shard feeds every micro-batch; the per-token terms are reassembled to ``[B,T]`` for
+    ``loss.loss_and_metrics``; only one micro-batch's activations are alive at a time. ``param_direction`` ``[B,T]``
+    is split with the batch.
 
     Raises:
-      ValueError: the mini-batch's B is not a multiple of ``micro_batch_size`` (at trace time).
-    """
+      ValueError: B is not a multiple of ``micro_batch_size`` (at trace time)."""
     lc = loss_config
     m = lc.micro_batch_size
     n = _micro_count(batch, m)
@@ -265,8 +243,8 @@ def _accumulated_grads(micro_loss, params, micro):
 
 
 def _metrics_of_parts(terms_N: dict, join, valid, batch: StepBatch, loss_config) -> tuple:
-    """``(loss, metrics)`` of the whole mini-batch from its parts' stacked terms: ``join`` maps each ``[n, ...]``
-    term back to ``[B,T]``, the trust-region stats are recombined, the router aux loss (MoE) averaged."""
+    """``(loss, metrics)`` of the whole mini-batch from its parts' stacked terms: ``join`` maps each ``[n, ...]`` term
+    back to ``[B,T]``, the trust-region stats are recombined, the router aux loss (MoE) averaged."""
     router_aux_N = terms_N.pop("router_aux_loss", None)
     terms = {k: join(v) for k, v in terms_N.items() if k != "stats"}
     terms["stats"] = policy_loss.combine_stats(terms_N["stats"])
@@ -276,8 +254,8 @@ def _metrics_of_parts(terms_N: dict, join, valid, batch: StepBatch, loss_config)
 
 def make_packed_rl_terms(graphdef, tr_config: trust_region.TrustRegionConfig,
                          loss_config: policy_loss.PolicyLossConfig):
-    """Returns ``terms_fn(params, rows: packing.PackedRows) -> dict``: `pdm_jax.rl.loss.token_terms` of every
-    packed position ``[N,L]`` (all logits at once, or ``logits_chunk_size`` positions at a time)."""
+    """Returns ``terms_fn(params, rows: packing.PackedRows) -> dict``: `pdm_jax.rl.loss.token_terms` of every packed
+    position ``[N,L]`` (all logits at once, or ``logits_chunk_size`` positions at a time)."""
     lc = loss_config
 
     def terms_fn(params, rows: packing.PackedRows):
@@ -306,19 +284,14 @@ def _with_packing_metrics(metrics: dict, plan: packing.PackingPlan) -> dict:
 
 
 def packed_grads(terms_fn, params, batch: StepBatch, loss_config: policy_loss.PolicyLossConfig):
-    """``(grads, loss, metrics)`` of one mini-batch whose sequences are packed (``batch.packing``).
-
-    The per-token inputs are gathered into the packed rows (`packing.packed_rows`), the rows split into
-    the plan's micro-batches (row r in micro-batch r % n) and the gradient of each micro-batch's
-    ``sum(per_token x loss_weights)`` accumulated under ``lax.scan``, the weights those of the whole
-    padded mini-batch's aggregation (``objectives.token_loss_weights``): the padded step's loss and
-    gradient. The per-token terms are gathered back to ``[B,T]`` (`packing.unpack`) and the metrics
-    computed by ``loss.loss_and_metrics`` as in the padded step.
+    """``(grads, loss, metrics)`` of one mini-batch whose sequences are packed (``batch.packing``): per-token inputs
+    gathered into the packed rows, row r in micro-batch r % n, each micro-batch's ``sum(per_token x loss_weights)``
+    (``objectives.token_loss_weights`` of the padded batch) accumulated under ``lax.scan``, terms gathered back to
+    ``[B,T]`` for the metrics: the padded step's loss and gradient.
 
     Raises:
-      ValueError: ``batch.packing`` is None or made for other shapes, or a per-token field of the wrong
-        shape (at trace time, `packing.check_plan`).
-    """
+      ValueError: ``batch.packing`` is None or made for other shapes, or a per-token field of the wrong shape (at
+        trace time, `packing.check_plan`)."""
     lc, plan = loss_config, batch.packing
     if plan is None:
         raise ValueError("rl.pack_sequences: the step batch carries no packing plan (StepBatch.packing)")
@@ -353,13 +326,8 @@ def _packed_rl_step(graphdef, tx, tr_config, loss_config) -> Callable:
 
 def make_token_divergence(graphdef, tr_config: trust_region.TrustRegionConfig,
                           loss_config: policy_loss.PolicyLossConfig) -> Callable:
-    """Returns ``divergence_fn(params, batch) -> [B,T] f32``: the mask's divergence D_t of every position.
-
-    ``trust_region.DIVERGENCE_FNS[tr_config.divergence]`` of the tempered logits against the
-    behaviour top-K (padding positions sanitised first: their value is meaningless), on all
-    logits at once or, with ``loss_config.logits_chunk_size`` > 0, chunk by chunk
-    (``chunked_loss.chunked_token_divergence``). Forward-mode differentiable in ``params``.
-    """
+    """``divergence_fn(params, batch) -> [B,T] f32``: the mask's divergence D_t of every position (padding sanitised,
+    its value meaningless), all logits at once or chunk by chunk; forward-mode differentiable in ``params``."""
     tau, chunk = loss_config.temperature, loss_config.logits_chunk_size
 
     def divergence_fn(params, batch: StepBatch):
@@ -380,8 +348,8 @@ def make_token_divergence(graphdef, tr_config: trust_region.TrustRegionConfig,
 def param_direction_along(divergence_fn: Callable, params, delta_params, batch: StepBatch) -> jax.Array:
     """Ḋᵖ_t = <grad_theta D_t, Δθ> ``[B,T]`` f32: one ``jax.jvp`` of ``divergence_fn(params, batch)`` along Δθ.
 
-    ``delta_params`` (e.g. optax updates) is cast leaf by leaf to the dtype of ``params``
-    (jvp needs tangent dtype = primal dtype). Units: nats (the divergence's) per update.
+    ``delta_params`` (e.g. optax updates) is cast leaf by leaf to the dtype of ``params`` (jvp needs tangent dtype =
+    primal dtype). Units: nats (the divergence's) per update.
     """
     tangent = jax.tree.map(lambda p, d: jnp.asarray(d, jnp.result_type(p)), params, delta_params)
     _, d_dot = jax.jvp(lambda prm: divergence_fn(prm, batch), (params,), (tangent,))
@@ -390,17 +358,11 @@ def param_direction_along(divergence_fn: Callable, params, delta_params, batch: 
 
 def _param_jvp_rl_step(graphdef, tx, tr_config: trust_region.TrustRegionConfig,
                        loss_config: policy_loss.PolicyLossConfig) -> Callable:
-    """The RL step whose mask direction is Ḋᵖ along the optimizer's update of the unmasked gradient.
-
-    Per mini-batch (DESIGN.md section 2, ``trust_region.direction = "param_jvp"``): (1) the
-    gradient of the same loss with the proximity test off (``mask="none"``); (2) its optax
-    update Δθ = ``tx.update(grads, opt_state, params)``, not applied (the optimizer state
-    is a value: the real state is untouched); (3) Ḋᵖ_t of every token by one jvp of the
-    configured divergence along Δθ (:func:`param_direction_along`); (4) the masked loss
-    and gradient as usual, an out-of-region token kept iff Ḋᵖ_t <= 0, and the real
-    optimizer step. With micro-batches, (1), (3) and (4) each run micro-batch by micro-batch.
-    Cost: about one extra forward + backward and one jvp per step (bench/bench_param_direction.py).
-    """
+    """The RL step whose mask direction is Ḋᵖ along the optimizer's update of the unmasked gradient (DESIGN.md section
+    2): (1) the gradient with the proximity test off; (2) its optax update Δθ, not applied; (3) Ḋᵖ_t by one jvp of
+    the divergence along Δθ (:func:`param_direction_along`); (4) the masked step as usual, an out-of-region token
+    kept iff Ḋᵖ_t <= 0. With micro-batches (1), (3) and (4) run per micro-batch. About one extra forward + backward
+    and one jvp per step (bench/bench_param_direction.py)."""
     unmasked = dataclasses.replace(tr_config, mask="none", direction="per_token", direction_stats=False)
     divergence_fn = make_token_divergence(graphdef, tr_config, loss_config)
     m = loss_config.micro_batch_size
@@ -427,12 +389,9 @@ def _param_jvp_rl_step(graphdef, tx, tr_config: trust_region.TrustRegionConfig,
 
 
 def make_sft_train_step(graphdef, tx) -> Callable:
-    """Returns `sft_step(state, batch) -> (state, metrics)`: next-token cross-entropy on completions.
-
-    batch: a `StepBatch` with prompt_ids [B,P], prompt_mask [B,P], completion_ids [B,T],
-    completion_mask [B,T] (the reference answer and the stop token); RL fields None. The loss
-    is the token-mean negative log-likelihood of the completion tokens (nats).
-    """
+    """`sft_step(state, batch) -> (state, metrics)`: the token-mean next-token negative log-likelihood (nats) of the
+    completion tokens of a `StepBatch` (prompt_ids [B,P], prompt_mask [B,P], completion_ids [B,T], completion_mask
+    [B,T]; RL fields None)."""
 
     def loss_fn(params, batch: StepBatch):
         logits = completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,

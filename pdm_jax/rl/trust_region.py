@@ -1,62 +1,20 @@
 """Trust-region core: top-K divergences, predictive directional derivatives, masks.
 
-Pure ``jnp`` functions (jit-, grad-, jvp- and vmap-friendly) plus two host-side
-validators. Notation follows ``DESIGN.md`` sections 1-2 and the PDM paper
-(arXiv 2607.10848) / DPPO (arXiv 2602.04879):
+Pure ``jnp`` functions (jit-, grad-, jvp- and vmap-friendly) plus two host-side validators; notation and math are
+``DESIGN.md`` sections 1-2, the PDM paper (arXiv 2607.10848) and DPPO (arXiv 2602.04879):
 
-* ``logits``            ``[B,T,V]`` trainer logits **already divided by the
-  sampling temperature** tau; pi = softmax(logits).
+* ``logits``            ``[B,T,V]`` trainer logits **already divided by the sampling temperature** tau.
 * ``tokens``            ``[B,T]`` int, the sampled ids y_t = k.
-* ``topk_ids``          ``[B,T,K]`` int, the sampler's K most likely ids.
-* ``topk_logprobs``     ``[B,T,K]`` log mu of those ids.
+* ``topk_ids``          ``[B,T,K]`` int, the sampler's K most likely ids; ``topk_logprobs`` ``[B,T,K]`` their log mu.
 * ``behavior_logprobs`` ``[B,T]`` log mu(y_t).
 
-Inputs may be bf16 or f32; every computation runs in f32 and outputs are f32.
-Leading dimensions are arbitrary (``[..., V]``); ``[B,T]`` is the usual case.
-
-Candidate set and tail (DESIGN.md section 1). E = TopK ∪ {k}; the sampled token
-is added as an extra candidate slot only when it is not already among the top-K.
-**Duplicate ids inside ``topk_ids``**: the jitted math keeps the *first*
-occurrence of an id and ignores later copies (their log mu is dropped), so E is
-always a set; :func:`validate_topk` is the host-side check that rejects such
-input with an error naming the position. Out-of-range ids are clipped into
-``[0, V)`` by the pure functions; :func:`trust_region_mask` counts them
-(``num_bad_ids``) and masks their positions.
-
-Tail masses. mu_T = max(0, 1 - sum_E mu_i) (clamped: rounding can make the
-top-K sum exceed 1), and a mu_T within f32 rounding of 0
-(:func:`tail_mass_tolerance`, (K+5) eps) is lowered to min(mu_T, pi_T): a
-behaviour tail of zero mass against a policy tail of zero mass (all tail
-logits -inf: a truncated or masked vocabulary) gives a zero tail term, not
-the +inf of a rounding residue of ~6e-8. pi_T = sum over the complement of
-E, computed as a log-sum-exp over the complement (the candidates are masked
-to -inf by K+1 elementwise compares; the log-sum-exp is shifted by the
-maximal tail logit; an all -inf tail gives exactly 0), so pi_T keeps full
-relative precision even when it is 1e-30 and log pi_T is finite whenever the logits are. An empty tail (E covers the whole
-vocabulary) gives mu_T = pi_T = 0 and zero tail terms. 0 log 0 = 0 throughout;
-``-inf`` behaviour log-probs are zero probabilities.
-
-Directional derivatives. The per-token policy-gradient step moves the logits z
-along A·c·(e_k - pi) (c > 0); the first-order change of a divergence D along
-e_k - pi is D' ("Ddot"). With S = sum_E mu_i + mu_T (= 1 unless the top-K mass
-rounds above 1) the exact derivative of :func:`topk_kl` is
-
-    D' = S (pi_k - sum_E pi_i^2) - mu_k + sum_E mu_i pi_i + q (mu_T - S pi_T)
-
-with q = (sum_{i in T} pi_i^2) / pi_T ("bucket_exact"). The paper's estimators
-replace q by pi_T ("aggregated_tail": exact derivative of the (|E|+1)-bucket KL
-under a bucket-softmax step) or by pi_T/|T| ("uniform_tail": exact derivative
-of the full KL of the uniformly completed distributions). For S = 1 this is
-DESIGN.md's (pi_k - mu_k) + sum_E pi_i (mu_i - pi_i) + tail term. Since
-pi_T/|T| <= q <= pi_T, bucket_exact lies between the two paper estimators.
-
-Efficiency. :func:`trust_region_mask_and_logprobs` runs ONE log-softmax over
-the vocabulary, gathers it at the K+1 candidates, writes log pi with the
-candidates masked out (one extra ``[B,T,V]`` f32 buffer) and reduces it two or
-three times (the tail max, the tail sum and, for bucket_exact only, the tail
-sum of squares). The same log-softmax also yields the differentiable
-log pi(y_t) of the loss.
-"""
+Inputs may be bf16 or f32; all math runs in f32 and outputs are f32; leading dimensions are arbitrary (``[..., V]``).
+Candidates E = TopK ∪ {k}: a duplicate id in ``topk_ids`` counts once (its first occurrence; :func:`validate_topk`
+rejects it on the host); out-of-range ids are clipped, counted (``num_bad_ids``) and masked by
+:func:`trust_region_mask`. Tail masses: mu_T = max(0, 1 - sum_E mu_i), lowered to min(mu_T, pi_T) within f32 rounding
+of 0 (:func:`tail_mass_tolerance`); pi_T is a log-sum-exp over the complement of E, so it keeps full relative
+precision; 0 log 0 = 0 and ``-inf`` log-probs are zero probabilities. :func:`trust_region_mask_and_logprobs` needs
+ONE log-softmax over V, which also gives the differentiable log pi(y_t) of the loss."""
 
 from __future__ import annotations
 
@@ -83,32 +41,19 @@ MASK_MODES = ("none", "ppo", "dppo", "pdm")
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl", "topk_reverse_kl")
 CLOSED_FORM_ESTIMATORS = ("aggregated_tail", "uniform_tail", "bucket_exact")
 ESTIMATORS = CLOSED_FORM_ESTIMATORS + ("autodiff",)
-#: The direction criteria of the top-K KL mask, M_t = 0 iff D_t > delta_A and
-#: A_t * dir_t > 0 (DESIGN.md section 2): ``"ratio"`` is dir = r - 1 (DPPO,
-#: ``mask="dppo"``); each closed-form estimator name is dir = D' with that
-#: estimator (PDM, ``mask="pdm"``). :func:`criterion_settings` maps a name to
-#: its :class:`TrustRegionConfig` fields; the alignment analysis
-#: (``pdm_jax.analysis.alignment``) compares these criteria token by token and
-#: the sweep runner's ``criterion`` axis (``launch/sweep.py``) trains with them.
+#: The direction criteria of the top-K KL mask (DESIGN.md section 2): ``"ratio"`` is dir = r - 1 (DPPO), each
+#: closed-form estimator dir = D' (PDM); :func:`criterion_settings` maps a name to its config fields.
 DIRECTION_CRITERIA = ("ratio",) + CLOSED_FORM_ESTIMATORS
-#: Where the mask's direction comes from (:attr:`TrustRegionConfig.direction`). ``"per_token"``: each
-#: token's own logit-space direction (r - 1 for ppo/dppo, the estimator's D' for pdm; the default).
-#: ``"param_jvp"`` (``mask="pdm"`` only): the first-order change of each token's divergence along the
-#: optimizer's update of this mini-batch's unmasked gradient, Ḋᵖ_t = <grad_theta D_t, Δθ>, computed by
-#: the train step (``pdm_jax.rl.train_step``) with one ``jax.jvp`` and passed to the mask as
-#: ``param_direction``; an out-of-region token is kept iff Ḋᵖ_t <= 0 (DESIGN.md section 2).
+#: Where the mask's direction comes from (:attr:`TrustRegionConfig.direction`): ``"per_token"`` (each token's own
+#: logit-space direction, the default) or ``"param_jvp"`` (Ḋᵖ_t along the optimizer's update, from the train step).
 PARAM_JVP = "param_jvp"
 DIRECTIONS = ("per_token", PARAM_JVP)
 NONFINITE_POLICIES = ("mask", "error")
 
-#: Floor on mu used by :func:`topk_reverse_kl` only (KL(pi||mu) is infinite
-#: where mu = 0 < pi; the floor keeps it finite and large: log(1e-20) = -46).
+#: Floor on mu in :func:`topk_reverse_kl` (KL(pi||mu) is infinite where mu = 0 < pi; log(1e-20) = -46).
 REVERSE_KL_MIN_PROB = 1e-20
-#: |log r| = |log pi - log mu| is clipped at this value before every exp of a
-#: log-ratio (the PPO ratio test here, the PPO surrogate and k1/k2/k3 KL
-#: estimators in ``objectives``, the ratio metrics in ``loss``): r = e^20 ~ 4.9e8
-#: is outside any sensible trust region, and inf never appears (log mu = -inf).
-#: Beyond the clamp the ratio is constant (zero gradient). Defined once, here.
+#: |log pi - log mu| is clipped at this before every exp of a log-ratio (here, ``objectives``, ``loss``): r = e^20 ~
+#: 4.9e8 is outside any sensible trust region and inf never appears; beyond it the gradient is zero. Defined once.
 LOG_RATIO_CLAMP = 20.0
 
 #: ulps of 1 (f32 eps) added to the C = K + 1 of the candidates in the rounding tolerance of
@@ -118,9 +63,7 @@ TAIL_MASS_ROUNDING_SLACK = 4
 _F32 = jnp.float32
 
 
-# --------------------------------------------------------------------------- #
-# Shared per-token quantities (one log-softmax, K+1 gathers, tail reductions)  #
-# --------------------------------------------------------------------------- #
+# ---- Shared per-token quantities (one log-softmax, K+1 gathers, tail reductions) -------------------------
 
 
 def _log_softmax_f32(logits: jax.Array, max_logit: Optional[jax.Array] = None) -> jax.Array:
@@ -133,11 +76,8 @@ def _log_softmax_f32(logits: jax.Array, max_logit: Optional[jax.Array] = None) -
 
 
 class TokenQuantities(NamedTuple):
-    """Per-token quantities shared by every divergence and direction.
-
-    Shapes: ``C = K + 1`` candidate slots (the K top-K ids, then the sampled id).
-    All float fields are f32.
-    """
+    """Per-token quantities shared by every divergence and direction: ``C = K + 1`` candidate slots (the K top-K ids,
+    then the sampled id); all float fields f32."""
 
     logp_k: jax.Array  # [...] log pi(k)
     logmu_k: jax.Array  # [...] behavior_logprobs (log mu(k) as reported by the sampler)
@@ -158,28 +98,15 @@ class TokenQuantities(NamedTuple):
 
 
 def tail_mass_tolerance(num_candidates: int) -> float:
-    """The rounding tolerance of the f32 behaviour tail mass mu_T = 1 - sum_E mu, a python float.
+    """The rounding tolerance (C + 4) eps of the f32 behaviour tail mass mu_T = 1 - sum_E mu, a python float.
 
-    mu_T is computed from C = ``num_candidates`` (= K + 1) f32 log-probs, so a
-    behaviour tail of exactly zero mass comes out as a small residue instead of
-    0: the f32 sum of C terms of total ~1 rounds by at most (C - 1)/2 ulps of 1
-    (f32 eps = 2**-23 ~ 1.19e-7), the C exps by about 1 ulp in all, and log-probs
-    from an f32 log-softmax are normalised to about 1.5 ulps (the rounding of
-    the log-sum-exp shifts every log mu alike). The tolerance is twice that
-    bound, (C + 4) eps: 7.2e-7 for K = 1, 1.1e-6 for K = 4, 2.9e-6 for K = 20
-    (measured residues on random logits: at most 2 eps for K <= 20).
-
-    :func:`token_quantities` lowers a mu_T at or below it to min(mu_T, pi_T): a
-    behaviour tail that f32 cannot tell from zero is not taken as evidence of
-    more tail mass than the policy's. This leaves every tail above the
-    tolerance bit for bit as before and changes the top-K KL by at most the
-    unresolvable tail term mu_T log(mu_T / pi_T) <= tol · log(tol / pi_T).
-    bf16 log-probs are rounded far more coarsely (eps 2**-7); the sampler
-    returns f32 log-probs.
+    C = ``num_candidates`` (= K + 1) f32 log-probs leave a zero-mass tail as a residue of at most (C - 1)/2 ulps (the
+    sum), 1 ulp (the exps) and 1.5 ulps (the log-softmax's normalisation); the tolerance is twice that (7.2e-7 for K
+    = 1, 2.9e-6 for K = 20; eps = 2**-23). :func:`token_quantities` lowers a mu_T at or below it to min(mu_T, pi_T),
+    which changes the top-K KL by at most tol · log(tol / pi_T) and leaves every larger tail bit for bit.
 
     Raises:
-      ValueError: ``num_candidates`` < 1.
-    """
+      ValueError: ``num_candidates`` < 1."""
     if int(num_candidates) < 1:
         raise ValueError(f"num_candidates must be >= 1, got {num_candidates!r}")
     return float((int(num_candidates) + TAIL_MASS_ROUNDING_SLACK) * np.finfo(np.float32).eps)
@@ -194,13 +121,8 @@ def _first_occurrence(topk_ids: jax.Array) -> jax.Array:
 
 
 def _tail_logp(logp: jax.Array, cand_ids: jax.Array) -> jax.Array:
-    """[...,V] log pi with -inf at the candidate ids: log pi restricted to the tail.
-
-    Built from C = K+1 elementwise compares against a vocabulary iota (no
-    scatter: XLA's CPU scatter is a slow serial loop) and materialised once
-    (optimization barrier), so the compares are not repeated inside each of
-    the tail reductions that read it.
-    """
+    """[...,V] log pi with -inf at the candidate ids, from C elementwise compares against an iota (no scatter: XLA's CPU
+    scatter is serial), materialised once (optimization barrier) for the tail reductions that read it."""
     iota = jax.lax.broadcasted_iota(jnp.int32, logp.shape, logp.ndim - 1)
     tail = logp
     for j in range(cand_ids.shape[-1]):
@@ -221,16 +143,12 @@ def token_quantities(
     """Everything the divergences and directions need, from one log-softmax.
 
     Args:
-      logp: ``[...,V]`` f32 log pi (the output of a log-softmax of the
-        temperature-scaled logits; differentiable).
-      tokens, topk_ids, topk_logprobs, behavior_logprobs: as in the module
-        docstring (ids are clipped into ``[0, V)``).
-      with_tail_squares: also compute q = sum_T pi_i^2 / pi_T (one extra fused
-        reduction over V; only bucket_exact needs it).
+      logp: ``[...,V]`` f32 log pi of the temperature-scaled logits (differentiable).
+      tokens, topk_ids, topk_logprobs, behavior_logprobs: as in the module docstring (ids clipped into ``[0, V)``).
+      with_tail_squares: also q = sum_T pi_i^2 / pi_T (one more reduction over V; only bucket_exact needs it).
 
     Returns:
-      :class:`TokenQuantities`.
-    """
+      :class:`TokenQuantities`."""
     vocab = logp.shape[-1]
     tokens = jnp.clip(jnp.asarray(tokens).astype(jnp.int32), 0, vocab - 1)
     topk_ids = jnp.clip(jnp.asarray(topk_ids).astype(jnp.int32), 0, vocab - 1)
@@ -264,19 +182,16 @@ def token_quantities(
     log_pi_t = jnp.where(tail_has_mass, tail_shift + jnp.log(s1_safe), -jnp.inf)
     pi_t = jnp.where(tail_has_mass, jnp.exp(tail_shift + jnp.log(s1_safe)), 0.0)
 
-    # mu_T = 1 - sum_E mu carries the f32 rounding of the C exps and their sum: a behaviour
-    # tail of exactly zero mass comes out as a few ulps of 1 (e.g. 6e-8), which against a policy
-    # tail of zero (or tiny) mass would make the KL +inf (or ~1e-6 too large). A mu_T within
-    # that rounding of 0 is not evidence of more tail mass than the policy's: it is lowered to
-    # pi_T (0 for an empty policy tail), as a constant (stop_gradient: mu does not depend on z).
+    # A zero-mass behaviour tail comes out as a few ulps (e.g. 6e-8), which against a zero policy tail would make the
+    # KL +inf: within that rounding mu_T is lowered to pi_T, as a constant (tail_mass_tolerance).
     tolerance = tail_mass_tolerance(cand_ids.shape[-1])
     mu_t = jnp.where(mu_t_rounded <= tolerance,
                      jnp.minimum(mu_t_rounded, jax.lax.stop_gradient(pi_t)), mu_t_rounded)
 
     q = None
     if with_tail_squares:
-        # exp(2x - 2 shift) rather than scaled**2: no shared [...,V] subexpression with s1, so
-        # XLA fuses each reduction with its own exp instead of materialising `x - shift`.
+        # exp(2x - 2 shift) rather than scaled**2: no shared [...,V] subexpression with s1, so XLA fuses each reduction
+        # with its own exp instead of materialising `x - shift`.
         s2 = jnp.sum(jnp.exp(2.0 * tail_logp - (2.0 * tail_shift)[..., None]), axis=-1)
         # sum_T pi^2 / pi_T = pi_T * s2 / s1^2; clamp to its exact bounds [pi_T/|T|, pi_T].
         q = pi_t * (s2 / (s1_safe * s1_safe))
@@ -295,9 +210,7 @@ def _quantities(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, *, w
                             behavior_logprobs, with_tail_squares=with_tail_squares)
 
 
-# --------------------------------------------------------------------------- #
-# Divergences from the shared quantities                                       #
-# --------------------------------------------------------------------------- #
+# ---- Divergences from the shared quantities --------------------------------------------------------------
 
 
 def _topk_kl_from(tq: TokenQuantities) -> jax.Array:
@@ -338,8 +251,8 @@ def _log1mexp(x: jax.Array) -> jax.Array:
 
 
 def _binary_kl_from(tq: TokenQuantities) -> jax.Array:
-    # Bernoulli(mu_k) vs Bernoulli(pi_k); log(1 - pi_k) is the exact log-sum-exp over the
-    # complement of {k} (other members of E and the tail), finite for finite logits.
+    # Bernoulli(mu_k) vs Bernoulli(pi_k); log(1 - pi_k) is the exact log-sum-exp over the complement of {k} (other
+    # members of E and the tail), finite for finite logits.
     others = tq.member & ~tq.is_k
     logpi_others = jnp.where(others, tq.logpi_e, -jnp.inf)
     log_pi_t_or = jnp.where(tq.tail_has_mass, tq.log_pi_t, -jnp.inf)
@@ -365,44 +278,33 @@ def _binary_kl_from(tq: TokenQuantities) -> jax.Array:
     return pos + neg
 
 
-# --------------------------------------------------------------------------- #
-# Public divergences                                                           #
-# --------------------------------------------------------------------------- #
+# ---- Public divergences ----------------------------------------------------------------------------------
 
 
 @jax.jit
 def topk_kl(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> jax.Array:
     """Top-K KL(mu || pi) over E = TopK ∪ {k} plus one tail bucket (DPPO's proximity).
 
-    D = sum_{i in E} mu_i log(mu_i / pi_i) + mu_T log(mu_T / pi_T)
-    (DESIGN.md section 2; DPPO arXiv 2602.04879 top-K KL; PDM arXiv 2607.10848).
+    D = sum_{i in E} mu_i log(mu_i / pi_i) + mu_T log(mu_T / pi_T) (DESIGN.md section 2; DPPO arXiv 2602.04879).
 
     Args:
       logits: ``[...,V]`` temperature-scaled trainer logits (bf16/f32).
       tokens: ``[...]`` int sampled ids.
-      topk_ids: ``[...,K]`` int sampler top-K ids (duplicates: first occurrence
-        counts; see the module docstring).
+      topk_ids: ``[...,K]`` int sampler top-K ids (a duplicate counts once).
       topk_logprobs: ``[...,K]`` log mu of ``topk_ids`` (``-inf`` allowed).
-      behavior_logprobs: ``[...]`` log mu(k) (used as mu_k when k is not in the top-K).
+      behavior_logprobs: ``[...]`` log mu(k) (mu_k when k is not in the top-K).
 
     Returns:
-      ``[...]`` f32 divergence in nats, >= 0 up to rounding; ``+inf`` only if
-      mu_T exceeds its rounding tolerance (:func:`tail_mass_tolerance`) while
-      every tail logit is ``-inf``; 0 (to f32 precision) when mu = pi on E,
-      also when both tails have zero mass. NaN inputs give NaN at that
-      position only (use :func:`trust_region_mask` for masking).
-    """
+      ``[...]`` f32 nats, >= 0 up to rounding; ``+inf`` only if mu_T exceeds :func:`tail_mass_tolerance` while every
+      tail logit is ``-inf``; 0 when mu = pi on E. NaN inputs give NaN at that position only."""
     return _topk_kl_from(_quantities(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs,
                                      with_tail_squares=False))
 
 
 @jax.jit
 def topk_tv(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> jax.Array:
-    """Top-K total variation ½(sum_E |mu_i - pi_i| + |mu_T - pi_T|), ``[...]`` f32 in [0, 1].
-
-    Same arguments and candidate set as :func:`topk_kl` (DESIGN.md section 2;
-    DPPO arXiv 2602.04879 top-K TV).
-    """
+    """Top-K total variation ½(sum_E |mu_i - pi_i| + |mu_T - pi_T|), ``[...]`` f32 in [0, 1]; arguments as
+    :func:`topk_kl` (DPPO arXiv 2602.04879 top-K TV)."""
     return _topk_tv_from(_quantities(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs,
                                      with_tail_squares=False))
 
@@ -411,21 +313,16 @@ def topk_tv(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> jax.A
 def topk_reverse_kl(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> jax.Array:
     """Top-K reverse KL(pi || mu) = sum_E pi_i log(pi_i/mu_i) + pi_T log(pi_T/mu_T), ``[...]`` f32.
 
-    mu is floored at :data:`REVERSE_KL_MIN_PROB` inside the logs (the reverse KL
-    is infinite where mu = 0 < pi; the floor keeps it finite and large).
-    Same arguments as :func:`topk_kl`.
-    """
+    mu is floored at :data:`REVERSE_KL_MIN_PROB` inside the logs (finite and large where mu = 0 < pi). Arguments as
+    :func:`topk_kl`."""
     return _topk_reverse_kl_from(_quantities(logits, tokens, topk_ids, topk_logprobs,
                                              behavior_logprobs, with_tail_squares=False))
 
 
 @jax.jit
 def binary_tv(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> jax.Array:
-    """Binary TV of the sampled token |mu_k - pi_k|, ``[...]`` f32 in [0, 1].
-
-    mu_k = exp(behavior_logprobs). ``topk_ids``/``topk_logprobs`` are accepted
-    (and unused) so every divergence shares one argument list (DPPO binary TV).
-    """
+    """Binary TV |mu_k - pi_k| of the sampled token, ``[...]`` f32 in [0, 1] (DPPO); mu_k = exp(behavior_logprobs). The
+    top-K arguments are unused, so every divergence shares one argument list."""
     del topk_ids, topk_logprobs
     logp_k, _ = token_logprobs_and_ratio(logits, tokens, behavior_logprobs)
     return jnp.abs(jnp.exp(jnp.asarray(behavior_logprobs).astype(_F32)) - jnp.exp(logp_k))
@@ -433,12 +330,10 @@ def binary_tv(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> jax
 
 @jax.jit
 def binary_kl(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> jax.Array:
-    """Binary KL of the sampled token: KL(Bernoulli(mu_k) || Bernoulli(pi_k)), ``[...]`` f32.
+    """Binary KL(Bernoulli(mu_k) || Bernoulli(pi_k)) of the sampled token, ``[...]`` f32 (DPPO).
 
-    mu_k log(mu_k/pi_k) + (1-mu_k) log((1-mu_k)/(1-pi_k)) with 0 log 0 = 0;
-    log(1 - pi_k) is the exact log-sum-exp over the complement of {k}, so it
-    stays finite as pi_k -> 1 (DPPO binary KL). Same arguments as :func:`topk_kl`.
-    """
+    0 log 0 = 0; log(1 - pi_k) is the log-sum-exp over the complement of {k}, finite as pi_k -> 1. Arguments as
+    :func:`topk_kl`."""
     return _binary_kl_from(_quantities(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs,
                                        with_tail_squares=False))
 
@@ -468,9 +363,7 @@ def full_kl(logits, behavior_logits) -> jax.Array:
     return jnp.sum(jnp.where(mu > 0, mu * (logmu - logp), 0.0), axis=-1)
 
 
-# --------------------------------------------------------------------------- #
-# Directional derivatives along e_k - pi                                       #
-# --------------------------------------------------------------------------- #
+# ---- Directional derivatives along e_k - pi --------------------------------------------------------------
 
 
 def _kl_direction_from(tq: TokenQuantities, estimator: str) -> jax.Array:
@@ -496,22 +389,13 @@ def kl_directional_derivative(logits, tokens, topk_ids, topk_logprobs, behavior_
                               estimator: str) -> jax.Array:
     """Closed-form predictive direction D' of the top-K KL along e_k - pi, ``[...]`` f32.
 
-    D' = S(pi_k - sum_E pi_i^2) - mu_k + sum_E mu_i pi_i + q (mu_T - S pi_T),
-    S = sum_E mu_i + mu_T (= 1 unless the top-K mass rounds above 1), with
-
-    * ``"aggregated_tail"`` (PDM paper): q = pi_T; the exact derivative of the
-      (|E|+1)-bucket KL when the bucket logits move along e_k - p_bucket;
-    * ``"uniform_tail"`` (PDM paper): q = pi_T / |T|; the exact derivative of the
-      full KL of mu and pi spread uniformly over the tail;
-    * ``"bucket_exact"`` (ours): q = sum_{i in T} pi_i^2 / pi_T; the exact
-      derivative of :func:`topk_kl` itself along the full-vocabulary e_k - pi.
-
-    (DESIGN.md section 2 table; arXiv 2607.10848.) The sign convention: a
-    policy-gradient step with advantage A changes D by A·c·D' (c > 0).
+    D' = S(pi_k - sum_E pi_i^2) - mu_k + sum_E mu_i pi_i + q (mu_T - S pi_T), S = sum_E mu_i + mu_T, with
+    ``"aggregated_tail"`` q = pi_T and ``"uniform_tail"`` q = pi_T / |T| (PDM paper, arXiv 2607.10848), or
+    ``"bucket_exact"`` q = sum_{i in T} pi_i^2 / pi_T (the exact derivative of :func:`topk_kl` itself; DESIGN.md
+    section 2 table). A policy-gradient step with advantage A changes D by A·c·D' (c > 0).
 
     Raises:
-      ValueError: unknown ``estimator``.
-    """
+      ValueError: unknown ``estimator``."""
     if estimator not in CLOSED_FORM_ESTIMATORS:
         raise ValueError(f"estimator must be one of {CLOSED_FORM_ESTIMATORS}, got {estimator!r}")
     tq = _quantities(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs,
@@ -521,12 +405,8 @@ def kl_directional_derivative(logits, tokens, topk_ids, topk_logprobs, behavior_
 
 @jax.jit
 def full_kl_directional_derivative(logits, behavior_logits, tokens) -> jax.Array:
-    """D' of the full-vocabulary KL(mu || pi) along e_k - pi, ``[...]`` f32.
-
-    D' = (pi_k - mu_k) + sum_i pi_i (mu_i - pi_i) (DESIGN.md section 2; uses
-    grad_z KL(mu || softmax z) = pi - mu). For tests and analysis, where the
-    whole behaviour distribution mu = softmax(behavior_logits) is known.
-    """
+    """D' = (pi_k - mu_k) + sum_i pi_i (mu_i - pi_i) of the full-vocabulary KL(mu || pi) along e_k - pi, ``[...]`` f32
+    (DESIGN.md section 2), for tests and analysis where mu = softmax(behavior_logits) is known."""
     logp = _log_softmax_f32(logits)
     logmu = _log_softmax_f32(behavior_logits)
     pi, mu = jnp.exp(logp), jnp.exp(logmu)
@@ -547,14 +427,11 @@ def policy_gradient_direction(logits, tokens) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(0,))
 def autodiff_directional_derivative(divergence_fn: Callable, logits, tokens, topk_ids, topk_logprobs,
                                     behavior_logprobs) -> jax.Array:
-    """D' of any divergence by ``jax.jvp`` w.r.t. the logits along e_k - pi, ``[...]`` f32.
+    """D' of any per-token divergence by ``jax.jvp`` w.r.t. the logits along e_k - pi, ``[...]`` f32.
 
-    ``divergence_fn(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> [...]``
-    must be per-token (position t depends only on logits[t]), e.g. :func:`topk_kl`,
-    :func:`topk_tv`, :func:`binary_tv`, :func:`binary_kl`, :func:`topk_reverse_kl`.
-    Costs one forward-mode pass (a ``[...,V]`` tangent). Non-smooth divergences
-    (TV) use JAX's convention d|x| = sign(x) dx (0 at x = 0).
-    """
+    ``divergence_fn(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs) -> [...]``, position t depending only
+    on logits[t] (:func:`topk_kl`, :func:`topk_tv`, :func:`binary_tv`, ...). One forward-mode pass (a ``[...,V]``
+    tangent); TV uses JAX's d|x| = sign(x) dx."""
     z = jnp.asarray(logits).astype(_F32)
     direction = policy_gradient_direction(z, tokens)
 
@@ -565,9 +442,7 @@ def autodiff_directional_derivative(divergence_fn: Callable, logits, tokens, top
     return tangent.astype(_F32)
 
 
-# --------------------------------------------------------------------------- #
-# Token log-probs                                                              #
-# --------------------------------------------------------------------------- #
+# ---- Token log-probs -------------------------------------------------------------------------------------
 
 
 @jax.jit
@@ -577,10 +452,8 @@ def token_logprobs(logits, tokens, valid_mask=None) -> jax.Array:
     Args:
       logits: ``[...,V]`` temperature-scaled logits (bf16/f32).
       tokens: ``[...]`` int ids (clipped into ``[0, V)``).
-      valid_mask: optional ``[...]`` bool. Where False the logits are replaced
-        by 0 *before* the log-softmax (double where), the output is 0 and its
-        gradient is exactly 0 even if the logits there are NaN/inf.
-    """
+      valid_mask: optional ``[...]`` bool; where False the logits are zeroed *before* the log-softmax, so the output
+        and its gradient are exactly 0 even over NaN/inf logits."""
     z = jnp.asarray(logits).astype(_F32)
     vocab = z.shape[-1]
     if valid_mask is not None:
@@ -598,13 +471,10 @@ def token_logprobs(logits, tokens, valid_mask=None) -> jax.Array:
 
 @jax.jit
 def token_logprobs_and_ratio(logits, tokens, behavior_logprobs, valid_mask=None):
-    """(log pi(y_t), r_t = pi(y_t)/mu(y_t)) from one log-softmax; both ``[...]`` f32.
+    """(log pi(y_t), r_t = pi(y_t)/mu(y_t)) from one log-softmax, both ``[...]`` f32.
 
-    The ratio is ``exp(log pi - log mu)`` under ``stop_gradient``-free autodiff;
-    it is ``+inf`` for ``log mu = -inf`` (never NaN for finite logits). With
-    ``valid_mask`` (see :func:`token_logprobs`), invalid positions give
-    log-prob 0 and ratio 1 with zero gradient.
-    """
+    r is ``+inf`` for ``log mu = -inf`` (never NaN for finite logits); with ``valid_mask`` (:func:`token_logprobs`)
+    invalid positions give log-prob 0 and ratio 1 with zero gradient."""
     logp_k = token_logprobs(logits, tokens, valid_mask)
     behavior = jnp.asarray(behavior_logprobs).astype(_F32)
     if valid_mask is not None:
@@ -613,9 +483,7 @@ def token_logprobs_and_ratio(logits, tokens, behavior_logprobs, valid_mask=None)
     return logp_k, jnp.exp(logp_k - behavior)
 
 
-# --------------------------------------------------------------------------- #
-# Configuration                                                                #
-# --------------------------------------------------------------------------- #
+# ---- Configuration ---------------------------------------------------------------------------------------
 
 
 def _is_real(x) -> bool:
@@ -627,45 +495,26 @@ class TrustRegionConfig:
     """Static, hashable configuration of the per-token trust-region mask.
 
     Fields:
-      mask: ``"none"`` (keep every valid token), ``"ppo"`` (ratio clip, ratio
-        direction), ``"dppo"`` (divergence > delta, ratio direction; DPPO arXiv
-        2602.04879) or ``"pdm"`` (divergence > delta, predictive direction D';
-        arXiv 2607.10848).
-      divergence: proximity for dppo/pdm: ``"binary_tv" | "binary_kl" |
-        "topk_tv" | "topk_kl" | "topk_reverse_kl"``.
-      estimator: D' for pdm: ``"aggregated_tail" | "uniform_tail" |
-        "bucket_exact"`` (closed forms, only for ``divergence="topk_kl"``) or
-        ``"autodiff"`` (``jax.jvp`` of the configured divergence; required for
-        any other divergence with ``mask="pdm"``).
-      delta: radius in the divergence's units (nats for KL, probability for TV).
-      delta_low / delta_high: radius used when A < 0 / A > 0 (None: ``delta``).
-      clip_eps_low / clip_eps_high: ppo keeps r in [1 - eps_low, 1 + eps_high]
-        (clip-higher: eps_high > eps_low).
-      nonfinite: ``"mask"``: NaN/inf inputs at a valid position are counted
-        (``num_nonfinite``) and the position is masked; ``"error"``: the same
-        masking AND a host-side ``ValueError`` naming the first bad position —
-        raised directly when called eagerly, and through ``jax.debug.callback``
-        under ``jit`` (where it surfaces as a ``JaxRuntimeError`` carrying the
-        message when the result is computed).
-      direction_stats: compute ``frac_direction_disagree`` also for the masks
-        that do not need the predictive direction (none/ppo/dppo), when the
-        (divergence, estimator) pair defines one (``divergence="topk_kl"`` or
-        ``estimator="autodiff"``; see :attr:`defines_predictive_direction`).
-        pdm always reports it. Otherwise the key is absent and D' is not
-        computed (the closed forms cost a few [B,T,K] ops and, for
-        bucket_exact, one more reduction over V; autodiff costs a jvp).
-      direction: ``"per_token"`` (default: the mask's own logit-space
-        direction, A_t * dir_t > 0 as above) or ``"param_jvp"`` (``mask="pdm"``
-        only; the estimator is then unused): the direction is Ḋᵖ_t, the
-        first-order change of the configured divergence along the optimizer's
-        update Δθ of the mini-batch's unmasked gradient, supplied to the mask
-        as ``param_direction`` by the train step; an out-of-region token is
-        masked iff Ḋᵖ_t > 0 (no advantage factor: Δθ already carries every
-        token's advantage). See :data:`DIRECTIONS`.
+      mask: ``"none"`` (keep every valid token), ``"ppo"`` (ratio clip, ratio direction), ``"dppo"`` (divergence >
+        delta, ratio direction; arXiv 2602.04879) or ``"pdm"`` (divergence > delta, predictive direction D'; arXiv
+        2607.10848).
+      divergence: ``"binary_tv" | "binary_kl" | "topk_tv" | "topk_kl" | "topk_reverse_kl"``.
+      estimator: D' for pdm: ``"aggregated_tail" | "uniform_tail" | "bucket_exact"`` (closed forms, ``topk_kl`` only)
+        or ``"autodiff"`` (``jax.jvp``; required for any other divergence with ``mask="pdm"``).
+      delta: radius in the divergence's units (nats for KL, probability for TV); delta_low / delta_high: the radius
+        where A < 0 / A > 0 (None: ``delta``). clip_eps_low / clip_eps_high: ppo keeps r in [1 - eps_low, 1 +
+        eps_high].
+      nonfinite: ``"mask"`` (NaN/inf inputs at a valid position are counted in ``num_nonfinite`` and masked) or
+        ``"error"`` (also a ``ValueError`` naming the first bad position: directly when eager, as a
+        ``JaxRuntimeError`` under ``jit``).
+      direction_stats: also report ``frac_direction_disagree`` for none/ppo/dppo where the pair defines a predictive
+        direction (:attr:`defines_predictive_direction`); pdm always reports it.
+      direction: ``"per_token"`` (the logit-space direction above) or ``"param_jvp"`` (``mask="pdm"`` only): masked
+        iff outside and Ḋᵖ_t > 0, the change of the divergence along the optimizer's update of the unmasked
+        mini-batch, supplied as ``param_direction`` by the train step (:data:`DIRECTIONS`).
 
     Raises:
-      ValueError: naming the field and the value, for any invalid field.
-    """
+      ValueError: naming the field and the value, for any invalid field."""
 
     mask: str = "pdm"
     divergence: str = "topk_kl"
@@ -732,22 +581,14 @@ class TrustRegionConfig:
 
 
 def criterion_settings(criterion: str) -> dict:
-    """The :class:`TrustRegionConfig` fields that select a direction criterion.
+    """The :class:`TrustRegionConfig` fields that select a direction criterion, a new dict.
 
-    Args:
-      criterion: a name in :data:`DIRECTION_CRITERIA`.
-
-    Returns:
-      A new dict of config fields, in this order: ``{"mask": "dppo"}`` for
-      ``"ratio"``; ``{"mask": "pdm", "estimator": criterion}`` for a closed-form
-      estimator. Every other field (divergence, delta, ...) is left to the caller.
-      ``"param_jvp"`` (a training criterion, not a per-token one, so not in
-      :data:`DIRECTION_CRITERIA`) is also accepted: ``{"mask": "pdm", "direction":
-      "param_jvp"}``.
+    ``{"mask": "dppo"}`` for ``"ratio"``, ``{"mask": "pdm", "estimator": criterion}`` for a closed-form estimator of
+    :data:`DIRECTION_CRITERIA`, ``{"mask": "pdm", "direction": "param_jvp"}`` for ``"param_jvp"``; other fields are
+    the caller's.
 
     Raises:
-      ValueError: naming the criterion and the allowed names.
-    """
+      ValueError: naming the criterion and the allowed names."""
     if criterion == "ratio":
         return {"mask": "dppo"}
     if criterion in CLOSED_FORM_ESTIMATORS:
@@ -757,9 +598,7 @@ def criterion_settings(criterion: str) -> dict:
     raise ValueError(f"direction criterion must be one of {DIRECTION_CRITERIA}, got {criterion!r}")
 
 
-# --------------------------------------------------------------------------- #
-# The mask                                                                     #
-# --------------------------------------------------------------------------- #
+# ---- The mask --------------------------------------------------------------------------------------------
 
 
 def _predictive_direction(config: TrustRegionConfig, tq: TokenQuantities, safe_inputs) -> jax.Array:
@@ -781,23 +620,17 @@ def _raise_nonfinite(count, flat_index, shape):
 
 @jax.jit
 def sanitize_inputs(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, keep_mask):
-    """Replace every input at positions where ``keep_mask`` is False by benign values (double where).
-
-    Use it BEFORE any divergence/direction math whose gradient is taken: a NaN
-    in one position's logits poisons that position's softmax Jacobian even
-    under a zero cotangent, so masking only the output is not enough.
+    """Replace every input where ``keep_mask`` is False by benign values (double where), BEFORE any math whose gradient
+    is taken: a NaN logit poisons its position's softmax Jacobian even under a zero cotangent.
 
     Args:
-      logits ``[...,V]``, tokens ``[...]``, topk_ids ``[...,K]``, topk_logprobs
-      ``[...,K]``, behavior_logprobs ``[...]``: as in the module docstring.
+      logits, tokens, topk_ids, topk_logprobs, behavior_logprobs: ``[...,V]``, ``[...]``, ``[...,K]``, ``[...,K]``,
+        ``[...]``.
       keep_mask: ``[...]`` bool, True where the inputs are real.
 
     Returns:
-      The five inputs (logits and log-probs f32, ids int32) where not-kept
-      positions hold zero logits (uniform pi), token 0, top-K ids
-      ``0..K-1 (mod V)``, and log-probs ``-log V`` (uniform mu); kept positions
-      are unchanged (ids clipped into ``[0, V)``).
-    """
+      The five inputs (floats f32, ids int32); not-kept positions hold zero logits, token 0, ids ``0..K-1 (mod V)``
+      and log-probs ``-log V``; kept positions are unchanged (ids clipped into ``[0, V)``)."""
     z = jnp.asarray(logits).astype(_F32)
     vocab = z.shape[-1]
     keep = jnp.asarray(keep_mask).astype(bool)
@@ -814,23 +647,17 @@ def sanitize_inputs(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, 
 
 def trust_region_radius(advantages, delta: float, delta_low: Optional[float] = None,
                         delta_high: Optional[float] = None) -> jax.Array:
-    """The per-token radius delta_A: delta_low where A < 0, delta_high where A > 0, delta where A = 0.
+    """The per-token radius delta_A: delta_low where A < 0, delta_high where A > 0, delta elsewhere (NaN included).
 
-    DESIGN.md section 1 (``delta``, optionally ``delta_low``/``delta_high`` by
-    the sign of the advantage). Every per-token radius is computed here: by the
-    mask (:func:`trust_region_mask_and_logprobs`) and by the alignment analysis
-    (``pdm_jax.analysis.alignment.token_analysis``).
+    The one place the radius is computed (DESIGN.md section 1), for the mask and for ``pdm_jax.analysis.alignment``.
 
     Args:
-      advantages: ``[...]`` (usually ``[B,T]``) advantages A, any float dtype;
-        NaN gets ``delta`` (neither < 0 nor > 0).
+      advantages: ``[...]`` advantages A, any float dtype.
       delta: radius in the divergence's units (python float).
-      delta_low / delta_high: radius where A < 0 / A > 0; None means ``delta``
-        (as in :class:`TrustRegionConfig`).
+      delta_low / delta_high: None means ``delta``.
 
     Returns:
-      ``[...]`` f32, the shape of ``advantages``.
-    """
+      ``[...]`` f32, the shape of ``advantages``."""
     adv = jnp.asarray(advantages)
     low = delta if delta_low is None else delta_low
     high = delta if delta_high is None else delta_high
@@ -870,11 +697,8 @@ def _checked_inputs(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, 
 
 def _mask_stats(valid, good, nonfinite, bad_ids, outside, mask, divergence, tail_mass, keep_ratio, keep_pred,
                 count_outside_kept=False):
-    """The mask's statistics (f32 scalars, no gradient): counts, fractions of valid tokens, means over good ones.
-
-    ``count_outside_kept`` adds ``num_outside`` and ``num_outside_kept`` (good out-of-region tokens, and
-    those the mask keeps), whose ratio ``pdm_jax.rl.loss.loss_and_metrics`` logs as ``frac_outside_kept``.
-    """
+    """The mask's statistics (f32 scalars, no gradient): counts, fractions of valid tokens, means over good ones;
+    ``count_outside_kept`` adds ``num_outside`` and ``num_outside_kept`` (their ratio is ``frac_outside_kept``)."""
     n_valid = jnp.sum(valid.astype(_F32))
     n_good = jnp.sum(good.astype(_F32))
     frac = lambda b: jnp.sum((b & valid).astype(_F32)) / jnp.maximum(n_valid, 1.0)  # noqa: E731
@@ -921,7 +745,6 @@ def _mask_core(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advan
     logp = _log_softmax_f32(z_safe, max_safe)  # the ONE log-softmax (differentiable)
     logprobs = jnp.where(keep_in, jnp.take_along_axis(logp, tokens_safe[..., None], axis=-1)[..., 0], 0.0)
 
-    # ---- everything below is statistics / mask: no gradient ----
     logp_sg = jax.lax.stop_gradient(logp)
     param_dir = config.uses_param_direction
     need_pred = not param_dir and (config.mask == "pdm"
@@ -975,55 +798,37 @@ def trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs, beha
                                    advantages, valid_mask, config: TrustRegionConfig, param_direction=None):
     """The trust-region mask, the differentiable log pi(y_t) and statistics, from one log-softmax.
 
-    Semantics (DESIGN.md section 2): M_t = 0 iff outside_t and A_t · dir_t > 0:
+    M_t = 0 iff outside_t and A_t · dir_t > 0 (DESIGN.md section 2), with delta_A = :func:`trust_region_radius`:
 
     * ``ppo``:  outside iff r not in [1 - eps_low, 1 + eps_high], dir = r - 1;
     * ``dppo``: outside iff D > delta_A, dir = r - 1;
-    * ``pdm``:  outside iff D > delta_A, dir = D' (configured estimator);
-    * ``pdm`` with ``config.direction="param_jvp"``: outside iff D > delta_A,
-      masked iff also ``param_direction`` Ḋᵖ_t > 0 (no advantage factor);
-    * ``none``: every valid position is kept (``outside`` for the statistics is
-      D > delta_A).
+    * ``pdm``:  outside iff D > delta_A, dir = D' (configured estimator); with ``direction="param_jvp"`` masked iff
+      outside and ``param_direction`` > 0 (no advantage factor);
+    * ``none``: every valid position kept (``outside`` for the statistics is D > delta_A).
 
-    delta_A = delta_low if A < 0, delta_high if A > 0, else delta. The sign of
-    r - 1 is taken as the sign of log pi(k) - log mu(k). M is False on invalid
-    positions and on valid positions with non-finite inputs. Invalid positions
-    may hold anything (NaN, garbage ids): every input is replaced by a benign
-    value *before* the math (double where), so no NaN reaches the outputs or
-    the gradient.
+    sign(r - 1) is taken as sign(log pi(k) - log mu(k)). M is False on invalid positions and on valid ones with
+    non-finite inputs; invalid positions may hold anything (inputs are replaced before the math), no NaN reaches
+    outputs or gradient.
 
     Args:
       logits: ``[B,T,V]`` temperature-scaled trainer logits (bf16/f32).
-      tokens: ``[B,T]`` int; topk_ids ``[B,T,K]`` int; topk_logprobs ``[B,T,K]``;
-        behavior_logprobs ``[B,T]``.
+      tokens: ``[B,T]`` int; topk_ids ``[B,T,K]`` int; topk_logprobs ``[B,T,K]``; behavior_logprobs ``[B,T]``.
       advantages: ``[B,T]`` or ``[B]``.
       valid_mask: ``[B,T]`` bool (False on padding).
       config: :class:`TrustRegionConfig` (static).
-      param_direction: ``[B,T]`` f32 Ḋᵖ_t (nats per update), required iff
-        ``config.direction == "param_jvp"`` (``pdm_jax.rl.train_step`` computes it);
-        a non-finite value at a valid position counts as non-finite (masked).
+      param_direction: ``[B,T]`` f32 Ḋᵖ_t (nats per update), required iff ``config.direction == "param_jvp"``;
+        non-finite at a valid position counts as non-finite (masked).
 
     Returns:
-      ``(mask [B,T] bool, logprobs [B,T] f32, stats)``. ``mask`` and ``stats``
-      are under ``stop_gradient``; ``logprobs`` = log pi(y_t) where the
-      position is valid with finite inputs, 0 elsewhere (zero gradient there),
-      differentiable w.r.t. ``logits``. ``stats`` (f32 scalars): ``num_valid``;
-      ``num_nonfinite`` (valid positions with non-finite inputs or a
-      non-finite divergence/direction; masked); ``num_bad_ids`` (valid
-      positions with an id outside [0, V); masked); fractions of the valid
-      positions ``frac_outside``, ``frac_masked`` (includes the non-finite
-      ones), ``frac_direction_disagree`` (ratio-direction vs predictive
-      keep decision under the configured proximity; see
-      ``config.direction_stats``); means over the valid finite positions
-      ``mean_divergence`` (configured divergence) and ``mean_tail_mass`` (mu_T);
-      with ``param_jvp`` also ``num_outside`` / ``num_outside_kept`` (good
-      out-of-region tokens / those kept).
+      ``(mask [B,T] bool, logprobs [B,T] f32, stats)``; mask and stats under ``stop_gradient``; logprobs = log
+      pi(y_t) where valid with finite inputs, else 0 (zero gradient). ``stats`` (f32 scalars): ``num_valid``,
+      ``num_nonfinite``, ``num_bad_ids``; fractions of valid positions ``frac_outside``, ``frac_masked``,
+      ``frac_direction_disagree``; means over valid finite positions ``mean_divergence``, ``mean_tail_mass`` (mu_T);
+      with ``param_jvp`` also ``num_outside`` / ``num_outside_kept``.
 
     Raises:
-      ValueError: bad shapes, ``param_direction`` missing (param_jvp), given
-      otherwise, or not of the token shape, or (``nonfinite="error"``, eager
-      call) a non-finite valid input, naming the position.
-    """
+      ValueError: bad shapes; ``param_direction`` missing (param_jvp), given otherwise, or of another shape; with
+        ``nonfinite="error"`` (eager) a non-finite valid input, naming the position."""
     if not isinstance(config, TrustRegionConfig):
         raise ValueError(f"config must be a TrustRegionConfig, got {type(config).__name__}")
     if (param_direction is None) == config.uses_param_direction:
@@ -1048,25 +853,19 @@ def trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs, beha
 
 def trust_region_mask(logits, tokens, topk_ids, topk_logprobs, behavior_logprobs, advantages,
                       valid_mask, config: TrustRegionConfig, param_direction=None):
-    """Per-token trust-region mask and statistics: ``(mask [B,T] bool, stats)``.
-
-    See :func:`trust_region_mask_and_logprobs` (same arguments, semantics and
-    errors; this drops the log-probs). ``config`` is a frozen, hashable
-    dataclass: close over it or pass it as a static argument under ``jit``.
-    """
+    """Per-token trust-region mask and statistics ``(mask [B,T] bool, stats)``: as
+    :func:`trust_region_mask_and_logprobs` without the log-probs. ``config`` is static under ``jit``."""
     mask, _, stats = trust_region_mask_and_logprobs(logits, tokens, topk_ids, topk_logprobs,
                                                     behavior_logprobs, advantages, valid_mask, config,
                                                     param_direction=param_direction)
     return mask, stats
 
 
-# --------------------------------------------------------------------------- #
-# Host-side validation                                                         #
-# --------------------------------------------------------------------------- #
+# ---- Host-side validation --------------------------------------------------------------------------------
 
 
 def validate_topk(topk_ids, vocab_size: Optional[int] = None, valid_mask=None) -> None:
-    """Host-side check of sampler top-K ids (call outside ``jit``, e.g. on a fresh rollout).
+    """Host-side check of sampler top-K ids (outside ``jit``, e.g. on a fresh rollout).
 
     Args:
       topk_ids: ``[...,K]`` int array (numpy or jax).
@@ -1074,10 +873,7 @@ def validate_topk(topk_ids, vocab_size: Optional[int] = None, valid_mask=None) -
       valid_mask: optional ``[...]`` bool; padded positions are not checked.
 
     Raises:
-      ValueError: naming the first position (index tuple) with a duplicate id
-        (and the id) or with an out-of-range id. The jitted math itself keeps
-        the first occurrence of a duplicate and clips out-of-range ids.
-    """
+      ValueError: naming the first position (index tuple) with a duplicate id (and the id) or an out-of-range id."""
     ids = np.asarray(topk_ids)
     if ids.ndim < 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"topk_ids must be an integer array [..., K], got dtype {ids.dtype} shape {ids.shape}")

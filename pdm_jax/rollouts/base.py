@@ -1,11 +1,10 @@
 """The `Sampler` protocol: what the trainer's side asks of any rollout backend.
 
-Every backend implements it: `pdm_jax.rollouts.client.SamplerClient` (the native server over
-HTTP), `pdm_jax.rollouts.vllm_client.VLLMSampler` (a vLLM OpenAI-compatible server) and
-`pdm_jax.rollouts.in_process.InProcessSampler` (an engine in this process; it also implements
-`InMemorySampler`). `pdm_jax.rollouts.supervisor.SamplerSupervisor` holds one and calls these
-methods (tests/test_rollouts_base.py checks each class against the protocol). tunix's
-``BaseRollout`` is the same idea.
+Every backend implements it: `pdm_jax.rollouts.client.SamplerClient` (the native server over HTTP),
+`pdm_jax.rollouts.vllm_client.VLLMSampler` (a vLLM OpenAI-compatible server) and
+`pdm_jax.rollouts.in_process.InProcessSampler` (an engine in this process; it also implements `InMemorySampler`).
+`pdm_jax.rollouts.supervisor.SamplerSupervisor` holds one and calls these methods (tests/test_rollouts_base.py checks
+each class against the protocol). tunix's ``BaseRollout`` is the same idea.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """`SamplerClient`: what the trainer uses to talk to the sampler service.
 
-Speaks msgpack (top-K tables travel as raw f32/int32 arrays; schema in
-``pdm_jax.sampler.wire``), with a deadline per attempt and retries with
-exponential backoff on connection errors, timeouts, 429 and 5xx answers
-(`pdm_jax.rollouts.http.exchange`, which also caps what a body may grow to by what
-the request can need).  A generation request always carries a seed (drawn here
-when the caller gives none), so a retried request returns the same tokens.  4xx
-answers are not retried: they raise `SamplerRequestError` with the server's
-message; a 200 whose body is not a map, or is an error, raises `SamplerProtocolError`.
-"""
+msgpack bodies (top-K tables as raw f32/int32 arrays; schema in ``pdm_jax.sampler.wire``), a deadline per attempt and
+retries with exponential backoff on connection errors, timeouts, 429 and 5xx (`pdm_jax.rollouts.http.exchange`, which
+caps the body size). A generation request always carries a seed, so a retry returns the same tokens. 4xx raises
+`SamplerRequestError` (not retried); a 200 whose body is not a map, or is an error, raises `SamplerProtocolError`."""
 
 from __future__ import annotations
 
@@ -28,8 +23,8 @@ __all__ = ["SamplerClient", "SamplerError", "SamplerRequestError", "SamplerRespo
 
 
 class SamplerResponseError(ValueError):
-    """The sampler answered, but its rollouts do not answer the request (`pdm_jax.rollout.check_answers`), or its
-    answer does not have the documented shape (`pdm_jax.rollouts.vllm_client.VLLMResponseError`)."""
+    """The sampler answered, but its rollouts do not answer the request (`pdm_jax.rollout.check_answers`), or its answer
+    does not have the documented shape (`pdm_jax.rollouts.vllm_client.VLLMResponseError`)."""
 
 
 class SamplerProtocolError(ValueError):
@@ -46,10 +41,10 @@ class SamplerRequestError(ValueError):
 
 def generate_response_bytes(rows: int, max_new_tokens: int, k: int, prompt_len: int, *, routing: bool = False,
                             per_value: int = 16) -> int:
-    """The most a generation answer for this request can need (bytes), with room to spare: ``per_value``
-    bytes (msgpack columns: 4-9; JSON: up to ~40) per generated id, log mu and top-K entry, 8 KiB per token
-    of routed experts when ``routing``, plus 1 MiB of framing. The clients refuse a larger body
-    (`pdm_jax.rollouts.http.exchange`): 0.5 MB of gzip on the wire can inflate to gigabytes."""
+    """The most a generation answer for this request can need (bytes), with room to spare: ``per_value`` bytes (msgpack
+    columns: 4-9; JSON: up to ~40) per generated id, log mu and top-K entry, 8 KiB per token of routed experts when
+    ``routing``, plus 1 MiB of framing. The clients refuse a larger body (`pdm_jax.rollouts.http.exchange`): 0.5 MB of
+    gzip on the wire can inflate to gigabytes."""
     per_token = (2 + 2 * k) * per_value + (8192 if routing else 0)  # routing: L x k entries (94 x 8 as JSON fits)
     tokens = rows * (max_new_tokens + (prompt_len if routing else 0))
     return (1 << 20) + tokens * per_token
@@ -60,12 +55,10 @@ class SamplerClient:
 
     Args:
       base_url: e.g. ``"http://127.0.0.1:8000"``.
-      timeout_s: per-attempt deadline in seconds, from sending to the body's last byte (generation included).
-      retries: extra attempts after the first on connection errors, timeouts, 429 and 5xx.
-      backoff_s: first backoff; doubles per retry.
-      token: shared bearer token when the server was started with ``--token``.
-      transport: optional ``httpx`` transport (tests: ``httpx.MockTransport``).
-    """
+      timeout_s: per-attempt deadline in seconds, from sending to the body's last byte.
+      retries: extra attempts on connection errors, timeouts, 429 and 5xx; backoff_s: first backoff, doubling.
+      token: shared bearer token (server ``--token``).
+      transport: optional ``httpx`` transport (tests)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5,
                  token: Optional[str] = None, transport=None):
@@ -92,15 +85,12 @@ class SamplerClient:
 
     def _request(self, method: str, path: str, payload=None, *, retries: Optional[int] = None,
                  max_response_bytes: int = sampler_http.SMALL_RESPONSE_BYTES) -> dict:
-        """Sends `payload` (a dict, msgpack-encoded) and returns the decoded answer, retrying transient failures.
+        """Sends `payload` (msgpack) and returns the decoded answer, retrying transient failures.
 
         Raises:
           SamplerRequestError: a 4xx answer (not retried).
-          SamplerProtocolError: a 2xx whose body is not a map or is an error body; a redirect
-            (`sampler_http.SamplerRedirect`).
-          SamplerError: connection errors, timeouts, 429 or 5xx answers on every attempt; a body larger
-            than `max_response_bytes`.
-        """
+          SamplerProtocolError: a 2xx whose body is not a map or is an error body; a redirect.
+          SamplerError: connection errors, timeouts, 429 or 5xx on every attempt; a body over `max_response_bytes`."""
         content = None if payload is None else wire.dumps(payload, msgpack=True)
         headers = {} if payload is None else {"content-type": wire.MSGPACK}
         try:
@@ -138,8 +128,8 @@ class SamplerClient:
     def probe(self, timeout_s: float) -> bool:
         """One ``GET /health`` with its own timeout and no retry: True iff it answered HTTP 200 in time.
 
-        The stall probe of `SamplerSupervisor`: safe to call from another thread
-        while a long request (a generation) is in flight on this client.
+        The stall probe of `SamplerSupervisor`: safe to call from another thread while a long request (a generation) is
+        in flight on this client.
         """
         try:
             return self._http.get("/health", timeout=timeout_s).status_code == 200

@@ -1,28 +1,13 @@
 """`DynamicSampler`: DAPO's dynamic sampling (arXiv 2503.14476 §3.2) as the `RolloutProducer`'s ``make_batch``.
 
-With ``rl.dynamic_sampling``, an RL step's rollouts are gathered in sampling rounds. Each round samples
-the next ``rl.prompts_per_step`` prompts of the data stream (``rl.group_size`` samples each), scores them
-and keeps the groups whose training rewards (`pdm_jax.rl.dapo.training_rewards`: the task reward plus the
-overlong shaping when it is on) are not all equal. Rounds go on until the step holds
-``rl.prompts_per_step`` informative groups or ``rl.dynamic_sampling_max_rounds`` rounds are used.
-
-* Enough groups: the first ``prompts_per_step`` informative ones in draw order are trained on; the
-  informative groups drawn beyond them (the last round's surplus) are not (counted).
-* At the bound with fewer: the step trains on the informative groups it has, and the remaining places
-  are filled with the first all-equal groups drawn, their loss mask zeroed (`pdm_jax.rl.dapo.without_loss`:
-  no gradient, not in the token mean), so the jitted step keeps its static ``prompts_per_step x
-  group_size`` rows. Counted in the ``rl`` record (``dynamic_sampling_filler_groups``) and logged. A step
-  whose rounds held no informative group trains on filler only: its loss and gradient are 0 (the
-  optimizer still steps: AdamW's moments and weight decay move).
-
-The data stream stays deterministic and resumable: rounds consume the prompts in order from the data
-position (the step's first round starts where the previous step's last round ended), round r of step s
-samples with the seed `pdm_jax.rl.dapo.round_seed` of (s, r) (round 0: the seed a run without dynamic
-sampling uses), and the position after a step (:attr:`Draw.data_end`) goes into the checkpoint, so a
-resumed run draws the same prompts with the same seeds. Steps are gathered strictly in order (the
-producer asks for them so, also ahead of the trainer with ``rl.max_staleness`` > 0). Scoring happens
-here, in the producer's ``sampling`` phase (on its thread with ``rl.max_staleness`` > 0).
-"""
+An RL step's rollouts are gathered in rounds of ``rl.prompts_per_step`` prompts x ``rl.group_size`` samples, keeping
+groups whose training rewards (`pdm_jax.rl.dapo.training_rewards`) are not all equal, until the step holds
+``prompts_per_step`` informative groups (the surplus is counted, not trained on) or
+``rl.dynamic_sampling_max_rounds`` rounds are used; then the places left are filled with the first all-equal groups,
+loss mask zeroed, so the step keeps its static shape (``dynamic_sampling_filler_groups``). Rounds consume the data
+stream in order, round r of step s uses `pdm_jax.rl.dapo.round_seed` of (s, r) and the position after a step
+(:attr:`Draw.data_end`) is checkpointed, so a resumed run draws the same prompts with the same seeds. Steps are
+gathered strictly in order."""
 
 from __future__ import annotations
 
@@ -38,13 +23,12 @@ log = logging.getLogger("pdm_jax.dynamic_sampling")
 
 
 class Draw(NamedTuple):
-    """What dynamic sampling adds to a step's ``(rollouts, examples, seconds)`` (see module docstring).
+    """What dynamic sampling adds to a step's ``(rollouts, examples, seconds)``.
 
     Fields:
-      data_end: the data position after the step's last round (the next step's first prompt).
-      filler: ``[N]`` bool, the rows of filler groups (their loss mask is zeroed), or None when there is none.
-      counts: ``rounds`` used, all-equal groups ``dropped``, ``filler`` groups, informative ``surplus`` groups.
-    """
+      data_end: the data position after the step's last round.
+      filler: ``[N]`` bool rows of filler groups (loss mask zeroed), or None.
+      counts: ``rounds`` used, all-equal groups ``dropped``, ``filler`` groups, informative ``surplus`` groups."""
 
     data_end: int
     filler: Optional[np.ndarray]
@@ -52,29 +36,24 @@ class Draw(NamedTuple):
 
 
 def refuse_per_host(spec: dapo.DapoSpec, per_host: bool) -> None:
-    """Raises ValueError naming ``rl.dynamic_sampling`` when it is on with per-host rollouts: each process
-    samples only its own prompts, and the choice of groups would need every process's rewards."""
+    """Raises ValueError naming ``rl.dynamic_sampling`` when it is on with per-host rollouts: each process samples only
+    its own prompts, and the choice of groups would need every process's rewards."""
     if spec.dynamic_sampling and per_host:
         raise ValueError("rl.dynamic_sampling = True: not implemented with per-host rollouts (several processes "
                          "and sampler.per_host_rollouts); set sampler.per_host_rollouts = False")
 
 
 class DynamicSampler:
-    """``step -> (RolloutBatch, examples, generation seconds, Draw)`` in sampling rounds (module docstring).
+    """``step -> (RolloutBatch, examples, generation seconds, Draw)`` in sampling rounds.
 
     Args:
-      spec: the run's `pdm_jax.rl.dapo.DapoSpec` (``dynamic_sampling`` on, ``max_rounds`` >= 1).
-      draw: ``(data position, step, round) -> (RolloutBatch [P x G rows], examples [P], seconds)``: the
-        sampler's rollouts of the ``prompts_per_step`` prompts from that position, with the round's seed.
-      score: ``(RolloutBatch, examples) -> [P x G]`` task rewards (the verifier or the reward functions).
+      spec: the run's `DapoSpec` (``dynamic_sampling`` on, ``max_rounds`` >= 1).
+      draw: ``(data position, step, round) -> (RolloutBatch [P x G rows], examples [P], seconds)``.
+      score: ``(RolloutBatch, examples) -> [P x G]`` task rewards.
       prompts_per_step: P; group_size: G.
       first_step: the first RL step to gather; position: its first prompt's data position.
-    Returns (call): the step's P x G scored rows (``rewards`` = the task rewards; `pdm_jax.rl.dapo.training_rewards`
-      adds the shaping), group ids 0..P-1 prompt-major, the P examples, the rounds' generation seconds
-      summed, and its `Draw`.
-    Raises (call):
-      RuntimeError: a step asked for out of order.
-    """
+    Returns (call): the step's P x G scored rows (group ids 0..P-1), the P examples, the rounds' generation seconds
+    and its `Draw`; RuntimeError for a step asked for out of order."""
 
     def __init__(self, spec: dapo.DapoSpec, *, draw: Callable, score: Callable, prompts_per_step: int,
                  group_size: int, first_step: int, position: int):

@@ -1,13 +1,9 @@
-"""One HTTP exchange with a sampler, for both clients (ours, `client.SamplerClient`, and vLLM's,
-`vllm_client.VLLMSampler`): retries, a deadline per attempt, a cap on what a body may grow to.
+"""One HTTP exchange with a sampler, for both clients (`client.SamplerClient`, `vllm_client.VLLMSampler`): retries, a
+deadline per attempt, a cap on what a body may grow to.
 
-What a client may trust of a server is little: a response is read as a stream and refused once its
-decoded (gzip-inflated) bytes pass ``max_response_bytes`` or its attempt passes ``deadline_s`` (a body
-trickled a byte at a time holds a client no longer than that, whatever the per-read timeout); a redirect
-is refused, not followed nor taken for success; HTTP 429 (overload) is retried with backoff, honouring a
-``Retry-After`` of up to `MAX_RETRY_AFTER_S`, as are connection errors, timeouts and 5xx answers; each
-retry is counted by cause in ``counts``.
-"""
+A response is read as a stream and refused once its decoded bytes pass ``max_response_bytes`` or its attempt passes
+``deadline_s``; a redirect is refused; 429 (honouring a ``Retry-After`` up to `MAX_RETRY_AFTER_S`), connection
+errors, timeouts and 5xx are retried with backoff, each retry counted by cause in ``counts``."""
 
 from __future__ import annotations
 
@@ -23,8 +19,8 @@ SMALL_RESPONSE_BYTES = 1 << 20
 
 
 class SamplerError(RuntimeError):
-    """The sampler could not be reached or kept failing (after all retries). Re-exported by
-    `pdm_jax.rollouts.client`, where callers import it from."""
+    """The sampler could not be reached or kept failing (after all retries). Re-exported by `pdm_jax.rollouts.client`,
+    where callers import it from."""
 
 
 class ResponseTooLarge(Exception):
@@ -73,8 +69,8 @@ def exchange(http: httpx.Client, method: str, path: str, *, retries: int, backof
       base_url: named in the messages.
     Raises:
       SamplerError: connection errors, timeouts, an attempt past its deadline,
-        5xx or 429 answers on every attempt, or a body past ``max_response_bytes`` (not retried: it would be
-        as large again).
+        5xx or 429 answers on every attempt, or a body past ``max_response_bytes`` (not retried: it would be as large
+        again).
       SamplerRedirect: a 3xx answer.
     """
     counts = counts if counts is not None else {}

@@ -1,8 +1,8 @@
 """`InProcessSampler`: the `pdm_jax.rollouts.base.Sampler` interface over a `SamplingEngine` in this process.
 
-The ``in_process`` and ``colocated`` sampler modes (`pdm_jax.rollouts.supervisor`) and the tests
-use it: the same calls as `pdm_jax.rollouts.client.SamplerClient`, answered by the engine directly,
-with the server's weights-path rule (`pdm_jax.sampler.engine.check_weights_path`).
+The ``in_process`` and ``colocated`` sampler modes (`pdm_jax.rollouts.supervisor`) and the tests use it: the same calls
+as `pdm_jax.rollouts.client.SamplerClient`, answered by the engine directly, with the server's weights-path rule
+(`pdm_jax.sampler.engine.check_weights_path`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from pdm_jax.sampler.engine import SamplingEngine, StaleWeightsError, check_weig
 class InProcessSampler:
     """The `SamplerClient` interface over an in-process `SamplingEngine` (tests, in-process trainer).
 
-    ``load_weights`` applies the server's path rule when `checkpoint_root` is
-    given (see `check_weights_path`).
+    ``load_weights`` applies the server's path rule when `checkpoint_root` is given (see `check_weights_path`).
     """
 
     def __init__(self, engine: SamplingEngine, *, checkpoint_root: Optional[str] = None):

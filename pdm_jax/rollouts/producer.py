@@ -1,20 +1,9 @@
 """`RolloutProducer`: rollout batches in step order, with at most ``max_staleness`` versions of lag.
 
-The producer knows nothing of the trainer: it is handed ``make_batch(step)``, a
-callable that returns the rollouts of RL step ``step`` (its prompts and seed are
-a function of the step alone, so a retried batch is the same batch), and is told
-each new sampler version with :meth:`notify_version`.
-
-Resuming with ``max_staleness`` > 0: which weights a batch is sampled with is not
-a function of its step (batch i uses the version the sampler holds when the batch
-is started, >= i - s), so a resumed run samples the batches queued ahead of its
-checkpoint the same way only if they are kept: :meth:`snapshot` returns them at
-checkpoint time (the trainer saves them with the checkpoint,
-``pdm_jax.rollouts.queued``) and ``queued=`` hands them back, so the resumed run
-trains on the very batches, weights versions and staleness of the uninterrupted
-run. Without them (``queued`` empty) the sampler starts from the checkpoint's
-version and the lag climbs again from 0 over the next s steps.
-"""
+It is handed ``make_batch(step)`` (a batch is a function of its step, so a retried batch is the same) and told each
+new sampler version (:meth:`notify_version`). With ``max_staleness`` > 0 a batch's weights version is not a function
+of its step, so :meth:`snapshot` returns the batches queued ahead for the checkpoint (``pdm_jax.rollouts.queued``)
+and ``queued=`` hands them back on resume: the resumed run trains on the uninterrupted run's very batches."""
 
 from __future__ import annotations
 
@@ -23,28 +12,21 @@ from typing import Any, Callable, Optional
 
 
 class RolloutProducer:
-    """Produces ``make_batch(step)`` for steps ``first_step .. last_step - 1`` in order.
-
-    With ``max_staleness = 0`` generation is synchronous: :meth:`get` calls
-    ``make_batch`` itself (batch i is sampled with version i, right after the
-    trainer pushed it). With ``max_staleness = s > 0`` a background thread
-    samples batch i as soon as the sampler holds a version >= i - s, overlapping
-    generation with training.
+    """Produces ``make_batch(step)`` for steps ``first_step .. last_step - 1`` in order: synchronously in :meth:`get`
+    with ``max_staleness = 0``, else on a background thread as soon as the sampler holds a version >= i - s.
 
     Args:
-      make_batch: ``step -> item`` (whatever the caller wants back from :meth:`get`).
-      first_step, last_step: the half-open range of RL steps to produce.
+      make_batch: ``step -> item``.
+      first_step, last_step: the half-open range of RL steps.
       max_staleness: s >= 0, versions the sampler may lag behind the trainer.
       version: the sampler's weights version now.
-      queued: ``{step: item}`` produced before a checkpoint (:meth:`snapshot` of the run that wrote it),
-        for consecutive steps from ``first_step``; they are returned as they are and sampling goes on after
-        them. Only with ``max_staleness`` > 0.
+      queued: ``{step: item}`` of consecutive steps from ``first_step`` produced before a checkpoint (only with s >
+        0).
 
-    An exception raised by ``make_batch`` on the thread is re-raised by :meth:`get`.
+    An exception of ``make_batch`` on the thread is re-raised by :meth:`get`.
 
     Raises:
-      ValueError: ``queued`` with ``max_staleness`` = 0, or whose steps are not ``first_step, first_step + 1, ...``.
-    """
+      ValueError: ``queued`` with ``max_staleness`` = 0, or not ``first_step, first_step + 1, ...``."""
 
     def __init__(self, make_batch: Callable[[int], Any], *, first_step: int, last_step: int, max_staleness: int,
                  version: int, queued: Optional[dict] = None):
@@ -102,13 +84,8 @@ class RolloutProducer:
             return self._ready.pop(step)
 
     def snapshot(self) -> dict:
-        """``{step: item}`` of the batches produced ahead and not yet taken by :meth:`get` (a copy; empty with
-        ``max_staleness`` = 0), for a checkpoint.
-
-        A batch being sampled is waited for, and none is started meanwhile, so the result is exactly the
-        batches this run has sampled, or started to sample, with the weights versions served so far. Call
-        it between :meth:`get` calls, as the trainer checkpoints (no new version arrives meanwhile).
-        """
+        """A copy of ``{step: item}`` produced ahead and not yet taken (empty with s = 0), for a checkpoint; waits for a
+        batch being sampled. Call it between :meth:`get` calls."""
         if self._thread is None:
             return {}
         with self._cv:

@@ -1,26 +1,12 @@
 """Rollout batches sampled ahead of a checkpoint, saved with it, so that a resumed async run trains on them.
 
-With ``rl.max_staleness`` = s > 0 the `RolloutProducer` samples up to s batches ahead of the trainer, with
-the weights versions the sampler served at the time (batch i with a version >= i - s). Those versions are
-gone once the run stops, so a resumed run could not sample those batches again; the trainer therefore
-saves them (``RolloutProducer.snapshot``) with each RL checkpoint and hands them back to the producer on
-resume: the resumed run trains on the uninterrupted run's batches, with their weights versions and
-staleness.
-
-One file per process, ``queued_rollouts.p<process index>.npz`` in the checkpoint's directory, written
-before the checkpoint's integrity manifest (so it is covered by it). ``np.savez`` of plain arrays
-(loaded with ``allow_pickle=False``): for each queued step ``k`` the `RolloutBatch` fields
-(``s<k>.<field>``; ``finish_reason`` as a string array), its examples as JSON (``s<k>.examples``), the
-generation seconds (``s<k>.seconds``) and, with ``rl.dynamic_sampling``, its ``Draw`` (``s<k>.draw``: data
-end and counts as JSON; ``s<k>.filler``), plus ``format``, ``max_staleness``, ``process_count``, ``steps``
-and ``key`` (JSON: the run's settings that decide a batch's shape and meaning, :func:`batch_key`). Size: the
-queued batches' arrays (up to s rollout batches per process).
-
-A file written under another ``rl.max_staleness``, process count or :func:`batch_key` (a resume with other
-``rl.prompts_per_step``, ``rl.group_size``, ``rl.max_new_tokens``, ``rl.top_k_logprobs``, sampling
-temperature or ``rl.dynamic_sampling``), or without a key, is not used (logged, naming what differs): the run
-then samples those steps afresh, from the checkpoint's version (the lag climbs from 0 again).
-"""
+With ``rl.max_staleness`` = s > 0 the producer samples up to s batches ahead with weights versions gone once the run
+stops, so the trainer saves them with each RL checkpoint (``RolloutProducer.snapshot``) and hands them back on
+resume. One file per process, ``queued_rollouts.p<process index>.npz`` in the checkpoint's directory (covered by its
+manifest): ``np.savez`` of plain arrays (loaded with ``allow_pickle=False``) holding per step ``k`` the
+`RolloutBatch` fields (``s<k>.<field>``), its examples as JSON, the generation seconds and, with dynamic sampling,
+its ``Draw``, plus ``format``, ``max_staleness``, ``process_count``, ``steps`` and ``key`` (:func:`batch_key`). A
+file written under another staleness, process count or key is not used (logged): those steps are sampled afresh."""
 
 from __future__ import annotations
 
@@ -51,10 +37,10 @@ def file_name(process_index: int) -> str:
 
 def batch_key(rl, temperature: float, dynamic_sampling: bool) -> dict:
     """The settings a queued batch was sampled under that a resumed run must share to train on it: its rows
-    (``rl.prompts_per_step`` x ``rl.group_size``, grouped by G), widths (``rl.max_new_tokens``,
-    ``rl.top_k_logprobs``), distribution (the sampling ``temperature``) and item layout (``dynamic_sampling``:
-    a ``Draw`` and the data position it carries). ``rl``: the validated config's ``rl`` section (or any object
-    with those attributes). JSON values, compared after a JSON round trip."""
+    (``rl.prompts_per_step`` x ``rl.group_size``, grouped by G), widths (``rl.max_new_tokens``, ``rl.top_k_logprobs``),
+    distribution (the sampling ``temperature``) and item layout (``dynamic_sampling``: a ``Draw`` and the data position
+    it carries). ``rl``: the validated config's ``rl`` section (or any object with those attributes). JSON values,
+    compared after a JSON round trip."""
     return dict(prompts_per_step=int(rl.prompts_per_step), group_size=int(rl.group_size),
                 max_new_tokens=int(rl.max_new_tokens), top_k=int(rl.top_k_logprobs), temperature=float(temperature),
                 dynamic_sampling=bool(dynamic_sampling))
@@ -94,13 +80,8 @@ def encode(items: dict, *, max_staleness: int, process_count: int, key: Optional
 
 def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = "",
            key: Optional[dict] = None) -> dict:
-    """The ``{step: (RolloutBatch, [Example], seconds[, Draw])}`` of :func:`encode`, or ``{}`` (logged) when the file
-    was written under another ``max_staleness`` or process count, or, with ``key`` (:func:`batch_key`), under
-    another key or none.
-
-    Raises:
-      ValueError: an unknown format (naming ``where``, the file).
-    """
+    """The ``{step: (RolloutBatch, [Example], seconds[, Draw])}`` of :func:`encode`, or ``{}`` (logged) when written
+    under another ``max_staleness``, process count or ``key``; ValueError for an unknown format (naming ``where``)."""
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         if int(z["format"]) != FORMAT:
             raise ValueError(f"{where}: queued rollouts of format {int(z['format'])}, expected {FORMAT}")
@@ -135,8 +116,8 @@ def decode(data: bytes, *, max_staleness: int, process_count: int, where: str = 
 
 def checkpoint_files(snapshot: Optional[dict], max_staleness: int, *, key: Optional[dict] = None,
                      process_index: Optional[int] = None, process_count: Optional[int] = None) -> Optional[dict]:
-    """``{file name: bytes}`` to save with an RL checkpoint (None with ``max_staleness`` = 0: nothing to keep).
-    ``key``: the run's :func:`batch_key`. ``process_index`` / ``process_count`` default to JAX's."""
+    """``{file name: bytes}`` to save with an RL checkpoint (None with ``max_staleness`` = 0: nothing to keep). ``key``:
+    the run's :func:`batch_key`. ``process_index`` / ``process_count`` default to JAX's."""
     if max_staleness <= 0 or snapshot is None:
         return None
     index, count = _process(process_index, process_count)
@@ -149,10 +130,9 @@ def _process(index, count):
 
 def read(checkpointer, step: Optional[int], max_staleness: int, *, key: Optional[dict] = None,
          process_index: Optional[int] = None, process_count: Optional[int] = None) -> dict:
-    """The queued batches saved with checkpoint ``step`` of ``checkpointer`` (a
-    `pdm_jax.checkpointing.Checkpointer`) for this process: ``{}`` when there is no checkpoint, no file,
-    ``max_staleness`` = 0, or a file of another :func:`batch_key` than ``key`` (:func:`decode`).
-    ``process_index`` / ``process_count`` default to JAX's."""
+    """The queued batches saved with checkpoint ``step`` of ``checkpointer`` (a `pdm_jax.checkpointing.Checkpointer`)
+    for this process: ``{}`` when there is no checkpoint, no file, ``max_staleness`` = 0, or a file of another
+    :func:`batch_key` than ``key`` (:func:`decode`). ``process_index`` / ``process_count`` default to JAX's."""
     if step is None or max_staleness <= 0:
         return {}
     index, count = _process(process_index, process_count)

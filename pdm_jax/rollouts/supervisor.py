@@ -1,43 +1,17 @@
 """`SamplerSupervisor`: the trainer's one handle on the rollout sampler.
 
-It owns everything about the sampler that is not sampling itself: where weights
-versions live (``WORKDIR/weights/vNNNNNN``) and pushing them, starting the
-sampler in the configured mode (``subprocess``: a ``pdm_jax.sampler.server``
-child process on loopback; ``remote``: a running server at ``sampler.address``;
-``in_process``: an engine in this process fed through the same weights files;
-``colocated``: an engine in this process on the trainer's first local device, fed
-in memory; ``auto``: `config.resolve_sampler_mode`), health, calls with restarts of a
-dead subprocess within ``sampler.max_restarts``, and stopping it. The trainer
-and the rollout producer only call :meth:`generate` and :meth:`sync`.
+It owns everything about the sampler that is not sampling: the weights versions (``WORKDIR/weights/vNNNNNN``) and
+pushing them, starting it in the configured mode (``subprocess``: a ``pdm_jax.sampler.server`` child on loopback;
+``remote``: a server at ``sampler.address``; ``in_process``: an engine here fed through the weights files;
+``colocated``: an engine on the trainer's first local device fed in memory by `SamplingEngine.set_params`, fresh
+buffers the next donated optimizer step cannot touch; ``auto``: `config.resolve_sampler_mode`), health, restarts and
+stopping it. The trainer and the rollout producer only call :meth:`generate` and :meth:`sync`.
 
-Weight sync per mode: the file modes write ``params.safetensors`` (+ manifest) of
-the new version and have the sampler load it (`weights.save_weights` /
-`SamplingEngine.load_weights`); ``colocated`` hands the engine the trainer's
-parameter tree itself (`SamplingEngine.set_params` with a ``device``): one jitted
-program gathers them from the train mesh onto the sampling device and builds the
-quantized copy there (`quantize.prepare_sampler_params`), in fresh buffers, so the
-optimizer step that donates the trainer's parameters next never touches the
-sampler's copy. No file is written for it.
-
-Failures, and what each costs:
-
-* the sampler *refuses* a request (HTTP 4xx, or the in-process engine's
-  ``ValueError``: a bad request, a damaged or non-finite weights version):
-  `SamplerRejected` carrying the server's message, status and field -- never
-  retried, never a restart (restarting cannot fix the request);
-* the sampler is *gone or failing* (connection errors, timeouts, 5xx after the
-  client's retries, a replacement that dies during its own start-up): the
-  subprocess is restarted, each attempt counting against
-  ``sampler.max_restarts``; then `SamplerFailure`;
-* the sampler is *stalled* (alive but making no progress, e.g. SIGSTOP): while
-  a call is in flight, ``/health`` is probed every ``stall_probe_interval_s``
-  with a ``stall_probe_timeout_s`` timeout (the server answers it while a
-  generation runs, off its event loop); ``stall_probe_misses`` consecutive
-  misses count as a stall: the subprocess is killed (SIGKILL) and restarted
-  like a dead one (a remote sampler: `SamplerFailure`).  With the defaults a
-  stall is noticed after about 3 x (10 + 10) s = 60 s instead of
-  ``retries + 1`` whole-request timeouts (4 x 300 s).
-"""
+Failures: a *refused* request (HTTP 4xx, the engine's ``ValueError``) raises `SamplerRejected`, never retried or
+restarted; a *gone or failing* sampler (connection errors, timeouts, 5xx after the client's retries, a replacement
+dying at start-up) is restarted within ``sampler.max_restarts``, then `SamplerFailure`; a *stalled* one (alive, no
+progress, e.g. SIGSTOP) misses ``stall_probe_misses`` consecutive ``/health`` probes during a call and is killed and
+restarted like a dead one (about 60 s with the defaults instead of 4 x 300 s of request timeouts)."""
 
 from __future__ import annotations
 
@@ -75,16 +49,14 @@ class SamplerStalled(RuntimeError):
 
 
 class SamplerRejected(ValueError):
-    """The sampler refused a request; restarting would not help, so it is neither retried nor restarted.
-
-    ``str(e)`` reads ``"sampler refused <call> (HTTP <status>, field <field>): <server message>"``.
+    """The sampler refused a request; restarting would not help, so it is neither retried nor restarted. ``str(e)``:
+    ``"sampler refused <call> (HTTP <status>, field <field>): <server message>"``.
 
     Attributes:
       call: the supervisor call (``"generate"``, ``"load_weights"``, ...).
       status: the HTTP status (4xx), or None for an in-process engine.
-      field: the offending wire field named by the server (``"path"``, ``"prompt"``...), or None.
-      message: the server's (or engine's) message.
-    """
+      field: the offending wire field named by the server, or None.
+      message: the server's (or engine's) message."""
 
     def __init__(self, call: str, message: str, *, status: Optional[int] = None, field: Optional[str] = None):
         where = ", ".join(x for x in (f"HTTP {status}" if status else "", f"field {field!r}" if field else "") if x)
@@ -119,37 +91,27 @@ class SamplerSupervisor:
     """Starts, calls, restarts, feeds weights to and stops the rollout sampler.
 
     Args:
-      spec: the run's sampler settings (`SamplerSpec.from_config(config.sampler)`: mode, address,
-        token, quantization, startup/request timeouts and stall probes in seconds, retries,
-        max_restarts, max_prompt_length and max_batch_size in tokens / sequences, batching, mesh).
-      workdir: the run directory; weights versions go to ``workdir/weights``, the
-        model's Hugging Face config is read from ``workdir/model/config.json``.
-      model_config: the ``Qwen3Config`` (for in-process engines).
+      spec: the run's `SamplerSpec` (mode, address, token, quantization, timeouts and stall probes in seconds,
+        retries, max_restarts, prompt and batch limits, batching, mesh).
+      workdir: the run directory (``weights/`` versions; the model's ``model/config.json``).
+      model_config: the ``Qwen3Config`` (in-process engines).
       max_new_tokens: the longest completion the engine must serve (tokens).
-      compile_cache_dir: the JAX persistent compilation cache a subprocess sampler
-        uses ("" = none; `pdm_jax.profiling.enable_compile_cache`).
-      compile_cache_min_compile_time_s: its minimum compile time (s).
-      reuse_freed_host_memory: a subprocess sampler keeps freed large blocks mapped
-        (``pdm_jax.host_memory``; config ``host_memory.reuse_freed``).
+      compile_cache_dir: the JAX compilation cache of a subprocess sampler ("" = none);
+        compile_cache_min_compile_time_s: its minimum compile time (s).
+      reuse_freed_host_memory: a subprocess sampler keeps freed blocks mapped (``host_memory.reuse_freed``).
 
     Attributes:
-      spec: the `SamplerSpec` it was built with.
-      mode: the resolved ``sampler.mode`` (`config.resolve_sampler_mode`: never "auto").
-      compute_dtype: the spec's ``compute_dtype`` ("auto" | "float32" | "bfloat16").
-      last_sync_seconds: ``{"save": s, "load": s}`` of the last `sync` (writing the
-        version; the sampler's load, re-quantization and round trip). Colocated:
-        save 0, load the in-memory reshard + re-quantization, finished.
-      sampler_compile_stats: the subprocess/remote sampler's last reported
-        `pdm_jax.profiling.CompileCounter` snapshot (None until a `sync`, and for an
-        in-process sampler, whose compiles count in this process).
+      spec: the `SamplerSpec`; mode: the resolved ``sampler.mode`` (never "auto"); compute_dtype: "auto" | "float32"
+        | "bfloat16".
+      last_sync_seconds: ``{"save": s, "load": s}`` of the last `sync` (colocated: save 0).
+      sampler_compile_stats: a subprocess/remote sampler's last `CompileCounter` snapshot (None before a `sync`).
 
     Raises:
-      TypeError: ``spec`` is not a `SamplerSpec` (e.g. the ConfigDict section itself).
+      TypeError: ``spec`` is not a `SamplerSpec`.
       ValueError: a file sampler mode with a bucket workdir.
 
-    Thread safety: :meth:`call` may run on the rollout producer's thread while the
-    trainer pushes weights; a restart happens once per failure (a generation counter).
-    """
+    :meth:`call` may run on the rollout producer's thread while the trainer pushes weights; a restart happens once
+    per failure."""
 
     def __init__(self, spec: SamplerSpec, *, workdir: str, model_config, max_new_tokens: int,
                  compile_cache_dir: str = "", compile_cache_min_compile_time_s: float = 0.0,
@@ -244,12 +206,9 @@ class SamplerSupervisor:
 
     def memory_engine(self, params, version: int, quantization: str, compute_dtype: str = "auto", *,
                       noised: bool = True) -> InProcessSampler:
-        """An in-process engine built from the parameter tree ``params`` (weights ``version``) on this
-        process's first local device, in memory (`SamplingEngine`'s ``device``): the colocated sampler,
-        and the trainer's f32 evaluation engine.  With ``sampler.mesh`` larger than 1 x 1: sharded over the
-        first data x tensor local devices (`make_sampler_mesh`; a sub-mesh of the trainer's or all of them).
-        ``noised``: with the spec's ``weight_noise`` (False for the evaluation engine, which measures the
-        trainer's own weights)."""
+        """An in-process engine built in memory from ``params`` (weights ``version``) on this process's first local
+        device, or sharded over ``sampler.mesh`` (`make_sampler_mesh`): the colocated sampler and the trainer's f32
+        evaluation engine. ``noised``: apply the spec's ``weight_noise`` (False for evaluation)."""
         mesh = make_sampler_mesh(*self.mesh_shape, devices=jax.local_devices())
         place = dict(device=jax.local_devices()[0]) if mesh is None else dict(mesh=mesh)
         engine = SamplingEngine(self.model_config, params, quantization=quantization, version=version,
@@ -258,19 +217,15 @@ class SamplerSupervisor:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, version: int, params=None) -> None:
-        """Starts (or connects to) the sampler serving weights version ``version``.
-
-        File modes: the version is pushed from ``params`` first when given and its
-        directory is not complete (else it must be on disk already); colocated: the
-        engine is built from ``params`` (required) in memory.
+        """Starts (or connects to) the sampler serving weights version ``version``: file modes push it from ``params``
+        first when its directory is not complete; colocated builds the engine from ``params`` (required).
 
         Raises:
-          ValueError: colocated without ``params``; a remote native server whose ``/health`` does not report
+          ValueError: colocated without ``params``; a remote native server whose ``/health`` lacks
             ``sampler.weight_noise`` and ``sampler.weight_noise_seed``.
           SamplerFailure: a remote sampler that does not answer ``/health``.
           SamplerRejected: a remote sampler that refuses the weights version.
-          SamplerStartupError: a subprocess that died or did not come up in time.
-        """
+          SamplerStartupError: a subprocess that died or did not come up in time."""
         sc = self.spec
         path = self.weights_path(version)
         self._restartable = self.mode == "subprocess"
@@ -313,8 +268,8 @@ class SamplerSupervisor:
         self._generation += 1
 
     def _remote_client(self, sc):
-        """The client of the server at ``sampler.address``: ours (`SamplerClient`), or a vLLM server's
-        (`VLLMSampler`, ``sampler.backend = "vllm"``; weights go to ``sampler.vllm_weights_dir``)."""
+        """The client of the server at ``sampler.address``: ours (`SamplerClient`), or a vLLM server's (`VLLMSampler`,
+        ``sampler.backend = "vllm"``; weights go to ``sampler.vllm_weights_dir``)."""
         if sc.backend == "vllm":
             return VLLMSampler(sc.address, model_config=self.model_config, model=sc.vllm_model,
                                weights_dir=sc.vllm_weights_dir or os.path.join(self.workdir, "weights_hf"),
@@ -322,12 +277,8 @@ class SamplerSupervisor:
         return SamplerClient(sc.address, timeout_s=sc.request_timeout_s, retries=sc.retries, token=sc.token or None)
 
     def _restart(self, generation: int, fn_name: str, error: Exception, restarts: int) -> None:
-        """Replaces a failed subprocess (unless another thread already did); start-up failures use the budget too.
-
-        A stalled process is SIGKILLed (it would never act on SIGTERM); others get
-        SIGTERM first.  If the replacement fails to start, no sampler is left and
-        the next call fails at once, so `call` tries again while budget remains.
-        """
+        """Replaces a failed subprocess (unless another thread already did), SIGKILLing a stalled one; start-up failures
+        use the budget too and leave no sampler, so `call` tries again while budget remains."""
         with self._lock:
             if generation != self._generation:
                 return  # another thread already restarted it
@@ -344,23 +295,14 @@ class SamplerSupervisor:
             self.start(self.version)
 
     def call(self, fn_name: str, fn: Callable[[Sampler], Any]):
-        """``fn(sampler)`` on the live `Sampler`; restarts a dead or stalled subprocess (same weights) and retries.
-
-        ``fn`` calls one method of the `pdm_jax.rollouts.base.Sampler` protocol (e.g.
-        ``lambda s: s.generate(prompts, n=4)``); ``fn_name`` names that call in messages and logs.
-
-        Generation requests carry a seed, so a retried request returns the same
-        rollouts: no training batch is lost or duplicated.
+        """``fn(sampler)`` on the live `Sampler` (one protocol method, e.g. ``lambda s: s.generate(prompts, n=4)``;
+        ``fn_name`` names it); restarts a dead or stalled subprocess (same weights) and retries. Requests carry a
+        seed, so a retry returns the same rollouts.
 
         Raises:
-          SamplerResponseError: the sampler's answer does not have the documented shape (never retried).
-          SamplerRejected: the sampler refused the request (a 4xx with the
-            server's message and field, or the engine's ValueError/TypeError);
-            never retried, no restart.
-          SamplerFailure: the call still failed after ``sampler.max_restarts``
-            restarts (replacements that die during start-up count too), or the
-            sampler is not a restartable subprocess.
-        """
+          SamplerResponseError: the answer does not have the documented shape (never retried).
+          SamplerRejected: the sampler refused the request; never retried, no restart.
+          SamplerFailure: still failing after ``sampler.max_restarts`` restarts, or not a restartable subprocess."""
         restarts, startup_error = 0, None
         while True:
             generation = self._generation
@@ -393,12 +335,8 @@ class SamplerSupervisor:
         return fn(sampler)
 
     def _watched(self, sampler, fn_name: str, fn: Callable[[Sampler], Any]):
-        """Runs ``fn(sampler)`` on a worker thread while probing ``sampler``'s /health from this one.
-
-        Returns what ``fn`` returns or raises what it raises.  Raises `SamplerStalled`
-        after ``stall_probe_misses`` consecutive probes without an answer; the
-        worker is abandoned then (a daemon thread, ended by the kill or its timeout).
-        """
+        """Runs ``fn(sampler)`` on a worker thread while probing /health from this one; returns or raises what ``fn``
+        does, or raises `SamplerStalled` after ``stall_probe_misses`` missed probes (the daemon worker is abandoned)."""
         box, done = {}, threading.Event()
 
         def work():
@@ -428,15 +366,12 @@ class SamplerSupervisor:
         return box["value"]
 
     def generate(self, prompts, **kwargs) -> RolloutBatch:
-        """Rollouts for ``prompts`` (lists of token ids); keyword arguments as ``SamplerClient.generate``.
-
-        Whatever the backend, its answer is checked against the request (`pdm_jax.rollout.check_answers`:
-        rows, order, prompts, lengths, ids, log mu, top-K mass) before any of it is used.
+        """Rollouts for ``prompts`` (token-id lists), keywords as ``SamplerClient.generate``; the answer is checked
+        against the request (`pdm_jax.rollout.check_answers`) before use.
 
         Raises:
-          SamplerResponseError: the sampler's rollouts do not answer the request (names the field).
-          SamplerRejected, SamplerFailure: as `call`.
-        """
+          SamplerResponseError: the rollouts do not answer the request (naming the field).
+          SamplerRejected, SamplerFailure: as `call`."""
         batch = self.call("generate", lambda sampler: sampler.generate(prompts, **kwargs))
         max_new = kwargs.get("max_new_tokens")
         try:
@@ -452,11 +387,9 @@ class SamplerSupervisor:
         """Pushes ``params`` as weights version ``version`` and has the sampler load it.
 
         Raises:
-          SamplerRejected: the sampler refused the version (e.g. non-finite or
-            damaged weights); its message names the version, path and the
-            server's reason.  The sampler keeps serving its previous version.
-          SamplerFailure: as `call`.
-        """
+          SamplerRejected: the sampler refused the version (non-finite or damaged weights), naming the version, path
+            and reason; it keeps serving the previous one.
+          SamplerFailure: as `call`."""
         t0 = time.perf_counter()
         if self.mode == "colocated":
             try:

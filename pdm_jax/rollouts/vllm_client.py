@@ -1,64 +1,26 @@
 """`VLLMSampler`: rollouts from a vLLM / vLLM-TPU OpenAI-compatible server (``sampler.backend = "vllm"``).
 
-The trainer's `SamplerSupervisor` uses it like its own `SamplerClient`: ``generate(...)`` returns a
-`RolloutBatch` with the same meaning as `SamplingEngine.generate`'s, ``load_weights(path, version)``
-makes the server sample from weights version ``version``.
+The trainer's `SamplerSupervisor` uses it like `SamplerClient`: ``generate(...)`` returns a `RolloutBatch` meaning
+what `SamplingEngine.generate`'s does, ``load_weights(path, version)`` makes the server sample from that version
+(docs/sampler.md, "vLLM backend", has the server's flags).
 
-Generation: one ``POST /v1/completions`` (JSON) per prompt, sent concurrently (the server batches
-them), each with its own seed (`prompt_seed`: vLLM gives the n samples of a request the seeds
-``seed + j`` and every prompt of a request the same ones), with the token-id prompt
-(``"prompt": [[ids]]``), ``n``, ``seed``, ``temperature``, ``top_p``, ``top_k`` (-1 = off),
-``max_tokens``, ``stop_token_ids`` with ``ignore_eos: true`` (the rollout stops on our stop ids
-only, the eos id among them, as our engine does), ``logprobs: K``,
-``return_tokens_as_token_ids: true`` (tokens and top-K keys come back as ``"token_id:<id>"``
-strings, not text that different ids can share), ``echo: false``, and the penalties / min_p /
-min_tokens at their neutral values (`vllm_api.VLLM_NEUTRAL_SAMPLING`) so that no server-side default
-(the served model's generation_config.json) changes the sampling distribution.  Response shape
-(vLLM's ``CompletionResponse``; choice ``index = i * n + j`` is sample j of prompt i)::
+Generation: one ``POST /v1/completions`` per prompt, sent concurrently, each with its own seed (`prompt_seed`), the
+token-id prompt, ``stop_token_ids`` with ``ignore_eos: true``, ``logprobs: K``, ``return_tokens_as_token_ids: true``
+(``"token_id:<id>"`` strings) and the penalties at their neutral values (`vllm_api.VLLM_NEUTRAL_SAMPLING`). Choice
+``index = i * n + j`` is sample j of prompt i; each ``top_logprobs[t]`` holds the sampled token plus the K most
+likely (its K largest, descending, are the top-K table); -inf comes as -9999.0 (`vllm_api.VLLM_MIN_LOGPROB`). The
+server must run with ``--logprobs-mode processed_logprobs`` (log mu after temperature and top-k/top-p, as our
+engine's): the default raw mode is the temperature-1 distribution (`VLLMSampler.check_logprobs_mode` refuses it).
 
-    {"object": "text_completion", "model": str, "choices": [
-        {"index": r, "text": str, "finish_reason": "stop" | "length", "stop_reason": int | str | null,
-         "logprobs": {"tokens": ["token_id:<id>", ... T_r], "token_logprobs": [T_r floats],
-                      "top_logprobs": [{"token_id:<id>": float, ...} x T_r], "text_offset": [...]},
-         "token_ids": [T_r ints] (optional, vLLM's return_token_ids)}, ...],
-     "usage": {...}}
+Weights travel as files: `load_weights` writes a Hugging Face safetensors directory (``weights_dir/vNNNNNN``, renamed
+into place) that the server must see under the same path, then ``POST /pause``, ``/collective_rpc`` (the workers'
+``reload_weights``), ``/reset_prefix_cache`` and ``/resume`` (dev-mode routes, ``VLLM_SERVER_DEV_MODE=1``). Rows are
+tagged with the version this client last loaded; `generate` and `load_weights` share one lock.
 
-Each ``top_logprobs[t]`` holds the sampled token plus the K most likely ones (K or K + 1 entries);
-the K largest, in descending order, are the top-K table.  -inf is written as -9999.0
-(`vllm_api.VLLM_MIN_LOGPROB`) and read back as -inf in the top-K table; a sampled token at -9999.0 is
-an error.
-
-**Which distribution the log-probabilities are of.**  Our engine's behaviour log-probabilities are
-of mu, the distribution the tokens were drawn from: softmax(z / tau) after top-k / top-p filtering,
-renormalised (`pdm_jax.sampler.engine`).  vLLM's ``--logprobs-mode`` (engine argument; default
-``raw_logprobs``) decides what it returns: "raw" is log_softmax of the model's logits *before* any
-processing (no temperature), "processed" is *after* all processors, "including temperature and
-top_k/top_p" (vLLM engine-argument docs).  So the server must run with
-``--logprobs-mode processed_logprobs``; with the default the trainer's ratio pi/mu would compare the
-policy at temperature tau with the raw distribution at temperature 1.  The response does not say
-which mode produced it, so the client cannot check it (docs/sampler.md, "vLLM backend").
-
-Weights: vLLM documents no way to send JAX arrays to a running OpenAI server (its ``/update_weights``
-weight-transfer routes move torch tensors over NCCL or CUDA IPC, docs "Weight Transfer"), so each
-version travels as a file: `load_weights` reads our `save_weights` directory, writes it as a Hugging
-Face safetensors directory (`pdm_jax.models.hf_io.save_pretrained`, renamed into place when complete)
-under ``weights_dir/vNNNNNN``, and asks the server to reload it in place through the dev-mode routes
-(``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait`` (older servers: ``wait_for_inflight_requests``;
-skipped when the route is missing), ``POST /collective_rpc`` with
-``{"method": "reload_weights", "kwargs": {"weights_path": dir}}`` (the worker's in-place reload),
-``POST /reset_prefix_cache`` (KV blocks computed with the old weights must not be reused), then
-``POST /resume``.  The server must see ``weights_dir`` under the same path (shared disk).  vLLM does not
-report a weights version per request; rows are tagged with the version this client last loaded, and
-`generate` and `load_weights` hold one lock, so a generation never straddles a reload.
-
-Errors: HTTP 4xx -> `SamplerRequestError` (vLLM's message and its ``param`` as the field; not
-retried); connection errors, timeouts and 5xx are retried ``retries`` times with exponential
-backoff, then `SamplerError`.  A 200 answer that does not have the documented shape -> `VLLMResponseError`
-naming the field (``choices[3].logprobs.token_logprobs[5]``) and the value.
-
-Not tested against a real vLLM here (no GPU/TPU); tested against `pdm_jax.sampler.vllm_fake`, a fake
-server with vLLM's response shapes backed by our `SamplingEngine`, and a recorded response.
-"""
+Errors: HTTP 4xx -> `SamplerRequestError` (not retried); connection errors, timeouts and 5xx are retried with
+exponential backoff, then `SamplerError`; a 200 answer of another shape -> `VLLMResponseError` naming the field
+(``choices[3].logprobs.token_logprobs[5]``) and the value. Tested against `pdm_jax.sampler.vllm_fake` (vLLM's
+response shapes over our engine) and a recorded response, not a real vLLM."""
 
 from __future__ import annotations
 
@@ -120,12 +82,9 @@ class StaleVLLMWeightsError(ValueError):
 def prompt_seed(seed: int, index: int, n: int) -> int:
     """The vLLM request seed for prompt `index` of a generation with seed `seed` and `n` samples per prompt.
 
-    vLLM seeds sample j of a request with ``seed + j`` (its parallel-sampling children) and every prompt
-    of a multi-prompt request with the same seeds, so prompts sharing one request would share their
-    random draws (and consecutive RL steps, whose seeds differ by 1, would reuse each other's).  Each
-    prompt therefore gets its own request, seeded by a hash of ``(seed, index)`` (blake2b, 8 bytes) in
-    [0, 2**63 - n) so that ``seed + j`` stays an int64.  Deterministic: a retried call sends the same seeds.
-    """
+    vLLM seeds sample j of a request with ``seed + j`` and every prompt of a request alike, so each prompt gets its
+    own request seeded by a blake2b hash of ``(seed, index)`` in [0, 2**63 - n) (``seed + j`` stays an int64);
+    deterministic."""
     digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (2**63 - int(n))
 
@@ -133,17 +92,13 @@ def prompt_seed(seed: int, index: int, n: int) -> int:
 def completions_request(prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_new_tokens: int,
                         top_k_logprobs: int, stop_token_ids: Sequence[int], seed: int, top_p: float = 1.0,
                         top_k: int = 0, model: str = "") -> dict:
-    """The ``POST /v1/completions`` body for a rollout request (see the module docstring).
+    """The ``POST /v1/completions`` body (a JSON-serialisable dict) for a rollout request.
 
     Args:
       prompts: token-id lists (one per prompt).
-      n: samples per prompt; temperature: tau >= 0; max_new_tokens: ``max_tokens``;
-      top_k_logprobs: K (``logprobs``); stop_token_ids: ids that end a completion (kept in it);
-      seed: the request's seed; top_p / top_k: filters (top_k 0 is sent as -1, vLLM's "off");
-      model: the served model name ("" = omitted).
-    Returns:
-      a JSON-serialisable dict.
-    """
+      n: samples per prompt; temperature: tau >= 0; max_new_tokens: ``max_tokens``; top_k_logprobs: K (``logprobs``).
+      stop_token_ids: ids that end a completion (kept in it); seed: the request's seed.
+      top_p / top_k: filters (top_k 0 is sent as -1, vLLM's "off"); model: the served model name ("" = omitted)."""
     body = {wire.PROMPT: [[int(t) for t in p] for p in prompts], wire.N: int(n),
             wire.TEMPERATURE: float(temperature), wire.TOP_P: float(top_p),
             wire.TOP_K: int(top_k) if int(top_k) > 0 else -1, wire.MAX_TOKENS: int(max_new_tokens),
@@ -166,7 +121,8 @@ def parse_token_id(token: Any, field: str) -> int:
                                        f"{vllm_api.RETURN_TOKENS_AS_TOKEN_IDS}=true (or is not vLLM)")
     digits = token[len(vllm_api.TOKEN_ID_PREFIX):]
     if not (digits.isascii() and digits.isdigit()) or len(digits) > 10:
-        raise VLLMResponseError(field, f"is {wire._show(token)}: the id after 'token_id:' is not a non-negative integer")
+        raise VLLMResponseError(field,
+                                f"is {wire._show(token)}: the id after 'token_id:' is not a non-negative integer")
     if int(digits) > MAX_TOKEN_ID:
         raise VLLMResponseError(field, f"is {wire._show(token)}: token id {int(digits)} is beyond {MAX_TOKEN_ID}, "
                                        f"the largest id a batch holds (int32)")
@@ -202,8 +158,8 @@ def _get(obj: Any, key: str, field: str, kind: type, what: str):
 
 
 def _parse_choice(c: Any, at: str, *, k: int, max_new_tokens: int, stops: set) -> tuple:
-    """``(ids, sampled log-probs [T], top-K ids [T, K], top-K log-probs [T, K], finish reason)`` of one
-    choice (`parse_completions`; `at` is its location, ``choices[r]``)."""
+    """``(ids, sampled log-probs [T], top-K ids [T, K], top-K log-probs [T, K], finish reason)`` of one choice
+    (`parse_completions`; `at` is its location, ``choices[r]``)."""
     lp = _get(c, wire.LOGPROBS, f"{at}.logprobs", Mapping, "an object (the request asked for logprobs)")
     tokens = _get(lp, vllm_api.TOKENS, f"{at}.logprobs.tokens", list, "a list")
     token_lp = _get(lp, vllm_api.TOKEN_LOGPROBS, f"{at}.logprobs.token_logprobs", list, "a list")
@@ -260,28 +216,24 @@ def _parse_choice(c: Any, at: str, *, k: int, max_new_tokens: int, stops: set) -
 
 def parse_completions(body: Any, prompts: Sequence[Sequence[int]], *, n: int, top_k_logprobs: int,
                       max_new_tokens: int, stop_token_ids: Sequence[int], version: int) -> RolloutBatch:
-    """The `RolloutBatch` of a ``/v1/completions`` answer to `completions_request` (module docstring).
+    """The `RolloutBatch` of a ``/v1/completions`` answer to `completions_request`.
 
     Args:
       body: the decoded JSON body.
       prompts, n, top_k_logprobs (K), max_new_tokens, stop_token_ids: those of the request.
       version: the weights version the server held (every row's ``weights_version``).
     Returns:
-      RolloutBatch: N = len(prompts) * n rows, prompt-major (row i * n + j = choice index i * n + j,
-      ``group_ids`` = i); prompts left-padded to the longest; completions [N, T] right-padded to
-      T = max(1, longest) with id 0, mask False, log-prob 0; behavior_logprobs = token_logprobs;
-      topk_ids / topk_logprobs [N, T, K] the K largest entries of ``top_logprobs[t]``, descending
-      (ties: smaller id first), -9999.0 read as -inf; finish_reason "stop" | "length".
+      N = len(prompts) * n rows, prompt-major (``group_ids`` = i); prompts left-padded; completions [N, T]
+      right-padded to T = max(1, longest) (id 0, mask False, log-prob 0); behavior_logprobs = token_logprobs;
+      topk_ids / topk_logprobs [N, T, K] the K largest of ``top_logprobs[t]``, descending (ties: smaller id first),
+      -9999.0 as -inf.
     Raises:
-      VLLMResponseError: naming the field, for: a body that is not an object or carries ``error``;
-        ``choices`` not a list of N objects with indices 0..N-1; a missing ``logprobs`` object or
-        ``tokens`` / ``token_logprobs`` / ``top_logprobs`` lists of different lengths, empty or longer
-        than max_new_tokens; a token that is not ``"token_id:<id>"``; ``token_ids`` (when present)
-        disagreeing with ``tokens``; a log-probability that is not a finite number <= 0 (a sampled
-        token at -9999.0 included); a top-K entry without the sampled token, with a different value
-        for it, or with fewer than K entries; ``finish_reason`` not "stop"/"length"; "stop" whose last
-        token is not a stop id, or a stop id before the last token.
-    """
+      VLLMResponseError: naming the field: a body that is not an object or carries ``error``; ``choices`` not N
+        objects with indices 0..N-1; missing or inconsistent ``logprobs`` lists (empty, of different lengths, over
+        max_new_tokens); a token not ``"token_id:<id>"``; ``token_ids`` disagreeing with ``tokens``; a
+        log-probability not finite and <= 0; a top-K entry without the sampled token, disagreeing with it, or with
+        fewer than K entries; ``finish_reason`` not "stop"/"length"; "stop" not ending on a stop id, or a stop id
+        before the last token."""
     n_prompts, n, k = len(prompts), int(n), int(top_k_logprobs)
     stops = {int(s) for s in stop_token_ids}
     if not isinstance(body, Mapping):
@@ -316,19 +268,14 @@ def parse_completions(body: Any, prompts: Sequence[Sequence[int]], *, n: int, to
 
 # ============================================================================= weights
 def export_hf_weights(params: Mapping, model_config, path: str, *, template=None) -> str:
-    """Writes pure-dict `params` of a ``Qwen3Config`` model as a Hugging Face directory at `path`.
-
-    `template`: an abstract model (``nnx.eval_shape`` of ``Qwen3ForCausalLM(model_config)``) to fill
-    and write; reused across calls it saves building one per version (~0.1 s on the tiny model).
-
-    ``config.json`` + ``model.safetensors`` (`hf_io.save_pretrained`, the stored dtype kept, round
-    trip bit-exact), written under ``path + ".tmp"`` and renamed into place when complete, so the
-    server never sees a half-written version.  An existing `path` is replaced.
+    """Writes pure-dict `params` of a ``Qwen3Config`` model as a Hugging Face directory at `path` (``config.json`` +
+    ``model.safetensors``, `hf_io.save_pretrained`, bit-exact), under ``path + ".tmp"`` renamed into place; an
+    existing `path` is replaced. `template`: an abstract model (``nnx.eval_shape`` of ``Qwen3ForCausalLM``) reused
+    across calls.
 
     Raises:
       ValueError: `params` do not fit the model's structure.
-      pdm_jax.workdir.RunWriteError: a file cannot be written (ENOSPC...), naming `path`; no temporary is left.
-    """
+      pdm_jax.workdir.RunWriteError: a file cannot be written (ENOSPC...), naming `path`; no temporary is left."""
     abstract = template if template is not None else nnx.eval_shape(
         lambda: Qwen3ForCausalLM(model_config, rngs=nnx.Rngs(0)))
     params_state = nnx.state(abstract, nnx.Param)
@@ -361,24 +308,21 @@ def export_hf_weights(params: Mapping, model_config, path: str, *, template=None
 
 # ============================================================================= the client
 class VLLMSampler:
-    """Rollouts and weight pushes through a vLLM OpenAI-compatible server (see the module docstring).
+    """Rollouts and weight pushes through a vLLM OpenAI-compatible server.
 
     Args:
       base_url: the server, e.g. ``"http://10.0.0.5:8000"``.
       model_config: the ``Qwen3Config`` of the trained model (weights export).
-      weights_dir: directory for the Hugging Face weight versions (``vNNNNNN``); the server must
-        see it under the same path.
-      model: served model name sent with each request ("" = the first id of ``GET /v1/models``).
-      timeout_s: per-request timeout in seconds; retries: extra attempts on connection errors,
-        timeouts and 5xx; backoff_s: first backoff in seconds (doubles per retry).
+      weights_dir: directory for the weight versions (``vNNNNNN``), seen by the server under the same path.
+      model: served model name ("" = the first id of ``GET /v1/models``).
+      timeout_s: per-request timeout (s); retries: extra attempts on connection errors, timeouts and 5xx; backoff_s:
+        first backoff (s), doubling.
       token: bearer token (``vllm serve --api-key``), or None.
       transport: optional ``httpx`` transport (tests).
-      max_concurrent_requests: most requests in flight at once (one per prompt, `prompt_seed`); the
-        server batches them.
+      max_concurrent_requests: most requests in flight at once (one per prompt).
 
     Raises:
-      ValueError: retries < 0, timeout_s <= 0 or backoff_s < 0.
-    """
+      ValueError: retries < 0, timeout_s <= 0 or backoff_s < 0."""
 
     def __init__(self, base_url: str, *, model_config, weights_dir: str, model: str = "", timeout_s: float = 600.0,
                  retries: int = 3, backoff_s: float = 0.5, token: Optional[str] = None, transport=None,
@@ -407,15 +351,13 @@ class VLLMSampler:
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, *, json_body=None, params=None, retries: Optional[int] = None,
                  missing_ok: bool = False, max_response_bytes: int = sampler_http.SMALL_RESPONSE_BYTES):
-        """One JSON request with retries (`sampler_http.exchange`: a deadline per attempt, 429/5xx retried, the
-        body capped at `max_response_bytes`); the decoded body (None for an empty one).
+        """One JSON request with retries (`sampler_http.exchange`); the decoded body (None for an empty one).
 
         Raises:
-          SamplerRequestError: a 4xx answer (vLLM's message and ``param``), not retried; a 404 returns
-            `_MISSING` instead when `missing_ok`.
+          SamplerRequestError: a 4xx answer (vLLM's message and ``param``), not retried; a 404 returns `_MISSING`
+            instead when `missing_ok`.
           SamplerProtocolError: a redirect, or a 2xx carrying an ``error`` object.
-          SamplerError: connection errors, timeouts, 429 or 5xx answers on every attempt; a body too large.
-        """
+          SamplerError: connection errors, timeouts, 429 or 5xx on every attempt; a body over `max_response_bytes`."""
         try:
             status, body = sampler_http.exchange(
                 self._http, method, path, retries=self.retries if retries is None else retries,
@@ -436,9 +378,9 @@ class VLLMSampler:
 
     @staticmethod
     def _decode(r, content: bytes):
-        """JSON with the wire codec's depth and size limits (a body nested 100,000 deep is text, not a
-        RecursionError); empty -> None; not JSON -> its text (2,000 characters at most). A 2xx body in which an
-        object repeats a key (which JSON parsers resolve silently to the last value) -> VLLMResponseError."""
+        """JSON with the wire codec's depth and size limits (a body nested 100,000 deep is text, not a RecursionError);
+        empty -> None; not JSON -> its text (2,000 characters at most). A 2xx body in which an object repeats a key
+        (which JSON parsers resolve silently to the last value) -> VLLMResponseError."""
         if not content:
             return None
         try:
@@ -450,7 +392,8 @@ class VLLMSampler:
 
     @staticmethod
     def _message(body) -> tuple:
-        """``(message, field)`` of a vLLM / FastAPI error body (``{"error": {...}}``, ``{"message"}``, ``{"detail"}``)."""
+        """``(message, field)`` of a vLLM / FastAPI error body (``{"error": {...}}``, ``{"message"}``,
+        ``{"detail"}``)."""
         if isinstance(body, Mapping):
             err = body.get(wire.ERROR) if isinstance(body.get(wire.ERROR), Mapping) else body
             message = err.get(wire.MESSAGE) or err.get("detail") or body.get(wire.ERROR) or body
@@ -459,11 +402,8 @@ class VLLMSampler:
 
     # ------------------------------------------------------------------ the sampler interface
     def health(self, *, retries: Optional[int] = None) -> dict:
-        """``GET /health`` (200) and ``GET /v1/models``: ``{"status": "ok", "model", "version", "models"}``.
-
-        Raises:
-          SamplerError / SamplerRequestError: the server does not answer, or lists no model.
-        """
+        """``GET /health`` and ``GET /v1/models``: ``{"status": "ok", "model", "version", "models"}``; SamplerError /
+        SamplerRequestError when the server does not answer or lists no model."""
         self._request("GET", vllm_api.VLLM_HEALTH, retries=retries)
         listed = self._request("GET", vllm_api.VLLM_MODELS, retries=retries)
         if not isinstance(listed, Mapping) or not isinstance(listed.get(vllm_api.DATA, []), list):
@@ -472,7 +412,8 @@ class VLLMSampler:
         ids = [m.get(vllm_api.ID) for m in listed.get(vllm_api.DATA, []) if isinstance(m, Mapping)]
         if not self.model:
             if not ids:
-                raise SamplerError(f"GET {self.base_url}{vllm_api.VLLM_MODELS} lists no model: {wire._show(listed, 300)}")
+                raise SamplerError(f"GET {self.base_url}{vllm_api.VLLM_MODELS} lists no model: "
+                                   f"{wire._show(listed, 300)}")
             self.model = str(ids[0])
         return {wire.STATUS: wire.OK, wire.MODEL: self.model, wire.VERSION: self._version, "models": ids}
 
@@ -494,23 +435,22 @@ class VLLMSampler:
                  first_prompt_index: int = 0) -> RolloutBatch:
         """Rollouts for `prompts`; same arguments and result as `SamplingEngine.generate`.
 
-        One ``/v1/completions`` request per prompt (seeded by `prompt_seed` of its index
-        ``first_prompt_index + i``: per-host rollouts draw what the whole batch would), sent concurrently; their
-        batches are concatenated in prompt order (`RolloutBatch.concatenate`: group i = prompt i).
+        One request per prompt (seeded by `prompt_seed` of ``first_prompt_index + i``: per-host rollouts draw what
+        the whole batch would), concatenated in prompt order.
 
         Raises:
           SamplerRequestError: the server refused the request (4xx).
           SamplerError: unreachable / 5xx after all retries.
-          VLLMResponseError: the answer does not have the documented shape (names the field).
-          ValueError: no weights version loaded yet.
-        """
+          VLLMResponseError: the answer does not have the documented shape (naming the field).
+          ValueError: no weights version loaded yet."""
         max_new = wire.DEFAULT_MAX_TOKENS if max_new_tokens is None else int(max_new_tokens)
         seed = secrets.randbelow(wire.MAX_SEED + 1) if seed is None else int(seed)
         prompts = [[int(t) for t in p] for p in prompts]
         stops = [int(s) for s in stop_token_ids or ()]
         bodies = [completions_request([p], n=n, temperature=temperature, max_new_tokens=max_new,
                                       top_k_logprobs=top_k_logprobs, stop_token_ids=stops,
-                                      seed=prompt_seed(seed, int(first_prompt_index) + i, n), top_p=top_p, top_k=top_k, model=self.model)
+                                      seed=prompt_seed(seed, int(first_prompt_index) + i, n), top_p=top_p, top_k=top_k,
+                                      model=self.model)
                   for i, p in enumerate(prompts)]
         cap = generate_response_bytes(int(n), max_new, int(top_k_logprobs), max((len(p) for p in prompts), default=0),
                                       per_value=64)  # JSON text: "token_id:123": -1.234..., per entry
@@ -535,20 +475,17 @@ class VLLMSampler:
         return os.path.join(self.weights_dir, f"v{int(version):06d}")
 
     def load_weights(self, path: str, version: int) -> dict:
-        """Has the server reload weights version `version` (our `save_weights` directory `path`).
-
-        Exports it as a Hugging Face directory (`export_hf_weights`), then pause / reload /
-        reset the prefix cache / resume (module docstring); keeps only this version's and the
-        previous one's directories.  Returns ``{"version", "path", "seconds", "reloaded"}`` with
-        ``path`` the exported directory; `last_load_seconds` holds ``{"export", "reload"}``.
+        """Has the server reload weights version `version` (our `save_weights` directory `path`): export
+        (`export_hf_weights`), pause, reload, reset the prefix cache, resume; keeps this and the previous version's
+        directories. Returns ``{"version", "path", "seconds", "reloaded"}``; `last_load_seconds` holds ``{"export",
+        "reload"}``.
 
         Raises:
           StaleVLLMWeightsError: `version` is older than the loaded one.
-          WeightsError: `path` is missing, damaged or holds another version (`weights.load_weights`).
-          SamplerRequestError: the server refused a route (e.g. 404 for ``/collective_rpc``: start it
-            with ``VLLM_SERVER_DEV_MODE=1``), or the reload failed with 4xx.
-          SamplerError: unreachable / 5xx after all retries.
-        """
+          WeightsError: `path` is missing, damaged or holds another version.
+          SamplerRequestError: the server refused a route (404 for ``/collective_rpc``: start it with
+            ``VLLM_SERVER_DEV_MODE=1``) or the reload (4xx).
+          SamplerError: unreachable / 5xx after all retries."""
         with self._lock:
             if self._version is not None and int(version) < self._version:
                 raise StaleVLLMWeightsError(f"stale weights version {version}: the vLLM server holds version "
@@ -560,8 +497,8 @@ class VLLMSampler:
             pure = wts.load_weights(path, abstract=self._abstract, version=int(version))
             target = export_hf_weights(pure, self.model_config, self.hf_path(version), template=self._template)
             t1 = time.perf_counter()
-            paused = self._request("POST", vllm_api.VLLM_PAUSE, params={"mode": "wait", "wait_for_inflight_requests": "true",
-                                                                     "clear_cache": "true"}, missing_ok=True)
+            pause = {"mode": "wait", "wait_for_inflight_requests": "true", "clear_cache": "true"}
+            paused = self._request("POST", vllm_api.VLLM_PAUSE, params=pause, missing_ok=True)
             try:
                 self._request("POST", vllm_api.VLLM_COLLECTIVE_RPC, json_body={
                     "method": vllm_api.VLLM_RELOAD_METHOD, "kwargs": {vllm_api.VLLM_WEIGHTS_PATH: target}})
@@ -581,16 +518,12 @@ class VLLMSampler:
                                        reloaded=previous == int(version))
 
     def check_logprobs_mode(self, prompt: Sequence[int] = (0,)) -> None:
-        """Refuses a server started without ``--logprobs-mode processed_logprobs`` (vLLM's default is raw).
-
-        One token of `prompt` is sampled at temperatures 0.5 and 1.0 with its top-1 log-probability: processed
-        log-probabilities (log mu, after temperature) differ between the two, raw ones (the model's
-        log-softmax before temperature) are the same. The check is skipped, with a warning, when the top-1
-        token is near-certain (log-probability above -1e-3: both modes give ~0).
+        """Refuses a server started without ``--logprobs-mode processed_logprobs``: one token of `prompt` at
+        temperatures 0.5 and 1.0 has different processed top-1 log-probabilities but equal raw ones. Skipped with a
+        warning when the token is near-certain (log-probability above -1e-3).
 
         Raises:
-          VLLMLogprobsModeError: the server returns raw log-probabilities.
-        """
+          VLLMLogprobsModeError: the server returns raw log-probabilities."""
         top = []
         for tau in (0.5, 1.0):
             body = completions_request([list(prompt)], n=1, temperature=tau, max_new_tokens=1, top_k_logprobs=1,
@@ -617,15 +550,14 @@ class VLLMSampler:
 def main(argv=None) -> None:
     """``python -m pdm_jax.rollouts.vllm_client --model_config CONFIG_JSON --out DIR [--weights WEIGHTS_DIR]``.
 
-    Writes a Hugging Face directory for a vLLM server to start from: the `save_weights` directory
-    ``--weights`` (e.g. ``WORKDIR/weights/v000000``), or a random initialisation of the model (seed 0)
-    when it is omitted -- the trainer replaces the weights with version 0 before the first rollout.
-    """
+    Writes a Hugging Face directory for a vLLM server to start from: the `save_weights` directory ``--weights``, or a
+    random initialisation (seed 0), which the trainer replaces with version 0 before the first rollout."""
     import argparse
     import json
 
     p = argparse.ArgumentParser(prog="python -m pdm_jax.rollouts.vllm_client", description=main.__doc__.split("\n")[0])
-    p.add_argument("--model_config", required=True, help="the model's Hugging Face config.json (WORKDIR/model/config.json)")
+    p.add_argument("--model_config", required=True,
+                   help="the model's Hugging Face config.json (WORKDIR/model/config.json)")
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
     p.add_argument("--weights", default=None, help="a save_weights directory; omit for a random init")
     args = p.parse_args(argv)
