@@ -4,6 +4,7 @@ Every closed form is checked against ``jax.jvp`` of an independent dense
 reference divergence written here (DESIGN.md section 2); numbers that could be
 wrong are compared with float64 numpy references.
 """
+import functools
 import math
 
 import jax
@@ -499,6 +500,16 @@ def reference_mask(c, adv_bt, valid, cfg):
 MASK_CONFIGS = [CFG[k] for k in ("none", "ppo", "dppo_kl", "dppo_bkl", "pdm_agg", "pdm_unif", "pdm_exact", "pdm_tv")]
 
 
+@functools.partial(jax.jit, static_argnames="configs")
+def _masks_of_every_config(z, tokens, topk_ids, topk_lp, behavior_lp, adv_b, adv_bt, valid, configs):
+    """[(mask and stats with [B] advantages, mask with [B,T] advantages) for each config]: the mask test's calls for
+    every config in one compiled program, which its parametrizations share (the same inputs), instead of two
+    programs per config."""
+    a = (tokens, topk_ids, topk_lp, behavior_lp)
+    return [(tr.trust_region_mask(z, *a, adv_b, valid, cfg), tr.trust_region_mask(z, *a, adv_bt, valid, cfg)[0])
+            for cfg in configs]
+
+
 @pytest.mark.parametrize("cfg", MASK_CONFIGS, ids=lambda c: f"{c.mask}-{c.divergence}-{c.estimator}")
 def test_mask_matches_reference_semantics(cfg):
     c = make_case(seed=30, scale=1.5, noise=0.8, **STD)
@@ -509,8 +520,8 @@ def test_mask_matches_reference_semantics(cfg):
     valid = np.ones((4, 6), bool)
     valid[1, 4:] = False
     valid[3, 2:] = False
-    mask, stats = jax.jit(tr.trust_region_mask, static_argnames="config")(
-        c["z"], *args_of(c), adv_b, valid, config=cfg)
+    (mask, stats), mask2 = _masks_of_every_config(c["z"], *args_of(c), adv_b, adv_bt, valid,
+                                                  configs=tuple(MASK_CONFIGS))[MASK_CONFIGS.index(cfg)]
     exp_mask, exp_stats = reference_mask(c, adv_bt, valid, cfg)
     np.testing.assert_array_equal(np.asarray(mask), exp_mask)
     if not (cfg.mask == "pdm" or cfg.defines_predictive_direction):
@@ -520,7 +531,6 @@ def test_mask_matches_reference_semantics(cfg):
         np.testing.assert_allclose(float(stats[k]), v, rtol=1e-5, atol=1e-6, err_msg=k)
     assert all(v.dtype == jnp.float32 and v.shape == () for v in stats.values())
     # [B,T] advantages give the same result
-    mask2, _ = tr.trust_region_mask(c["z"], *args_of(c), adv_bt, valid, cfg)
     np.testing.assert_array_equal(np.asarray(mask2), exp_mask)
     if cfg.mask != "none":
         assert 0 < float(stats["frac_masked"]) < 1
