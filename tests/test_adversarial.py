@@ -9,6 +9,7 @@ others pin behaviours verified to hold under the same attacks.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -48,15 +49,22 @@ def _tr_inputs(seed=0, vocab=V, k=K):
                 behavior_logprobs=behavior, advantages=np.array([1.0, -1.0], np.float32), valid_mask=valid)
 
 
-def _mask_loss_grad(d, config):
-    """(mask, logprobs, stats, grad of sum(mask * logprobs) w.r.t. the logits)."""
+@functools.partial(jax.jit, static_argnames="config")
+def _mask_loss_grad_compiled(d, config):
+    # One program per config, shared by every test's inputs (all of one shape), instead of the gradient's
+    # operations compiled one by one (the trainer runs the mask under jit too).
     def loss(z):
         m, lp, st = tr.trust_region_mask_and_logprobs(
             z, d["tokens"], d["topk_ids"], d["topk_logprobs"], d["behavior_logprobs"], d["advantages"],
             d["valid_mask"], config)
         return jnp.sum(jnp.where(m, lp, 0.0)), (m, lp, st)
 
-    grad, (mask, logprobs, stats) = jax.grad(loss, has_aux=True)(jnp.asarray(d["logits"]))
+    return jax.grad(loss, has_aux=True)(jnp.asarray(d["logits"]))
+
+
+def _mask_loss_grad(d, config):
+    """(mask, logprobs, stats, grad of sum(mask * logprobs) w.r.t. the logits)."""
+    grad, (mask, logprobs, stats) = _mask_loss_grad_compiled(d, config)
     return np.asarray(mask), np.asarray(logprobs), {k: float(v) for k, v in stats.items()}, np.asarray(grad)
 
 
@@ -256,9 +264,15 @@ def test_mask_logprobs_zero_at_nonfinite_position():
 
 
 def test_group_advantages_degenerate_groups():
-    np.testing.assert_array_equal(objectives.group_advantages(np.full(4, 0.3), 2, normalize_std=True), 0.0)
-    np.testing.assert_array_equal(objectives.group_advantages(np.arange(3.0), 1, normalize_std=True), 0.0)
-    assert objectives.group_advantages(np.zeros(0), 2).shape == (0,)
+    # The host check group_advantages makes on concrete rewards, then the advantages as one compiled program per
+    # shape (group_advantages under jit skips that check), instead of ~20 operations compiled one by one per shape.
+    def advantages(rewards, group_size, **kw):
+        objectives.validate_rewards(rewards, group_size)
+        return jax.jit(lambda r: objectives.group_advantages(r, group_size, **kw))(rewards)
+
+    np.testing.assert_array_equal(advantages(np.full(4, 0.3), 2, normalize_std=True), 0.0)
+    np.testing.assert_array_equal(advantages(np.arange(3.0), 1, normalize_std=True), 0.0)
+    assert advantages(np.zeros(0), 2).shape == (0,)
     with pytest.raises(ValueError, match="N=5.*group_size=2"):
         objectives.group_advantages(np.arange(5.0), 2)
     with pytest.raises(ValueError, match="group_size"):
@@ -267,17 +281,25 @@ def test_group_advantages_degenerate_groups():
         objectives.group_advantages(np.array([1.0, np.nan, 0.0, 0.0]), 2)
 
 
+@jax.jit
+def _all_masked_value_and_grad(lp):
+    """{mode: (loss, gradient)} of an all-masked batch for every aggregation mode: one program, which the modes'
+    tests share (same input), instead of each mode's gradient compiled op by op."""
+    none = jnp.zeros((B, T), bool)
+    out = {}
+    for mode in objectives.AGGREGATION_MODES:
+        def loss(logprobs):
+            per_tok = objectives.tis_policy_loss(logprobs, lp + 0.1, jnp.ones(B), none, tis_cap=5.0)
+            s, den = objectives.aggregate_loss(per_tok, none, mode)
+            return objectives.combine([s], [den])
+
+        out[mode] = jax.value_and_grad(loss)(lp)
+    return out
+
+
 @pytest.mark.parametrize("mode", objectives.AGGREGATION_MODES)
 def test_all_masked_batch_gives_zero_loss_not_nan(mode):
-    lp = jnp.full((B, T), -1.0)
-    none = jnp.zeros((B, T), bool)
-
-    def loss(logprobs):
-        per_tok = objectives.tis_policy_loss(logprobs, lp + 0.1, jnp.ones(B), none, tis_cap=5.0)
-        s, den = objectives.aggregate_loss(per_tok, none, mode)
-        return objectives.combine([s], [den])
-
-    value, grad = jax.value_and_grad(loss)(lp)
+    value, grad = _all_masked_value_and_grad(jnp.full((B, T), -1.0))[mode]
     assert float(value) == 0.0 and np.all(np.asarray(grad) == 0.0)
 
 
@@ -285,10 +307,12 @@ def test_losses_zero_grad_at_masked_nan_positions():
     lp = jnp.full((B, T), -1.0).at[1, 2].set(jnp.nan)
     beh = jnp.full((B, T), -1.2).at[1, 1].set(jnp.nan)
     m = jnp.array([[1, 1, 0], [0, 0, 0]], bool)
-    g = jax.grad(lambda x: objectives.tis_policy_loss(x, beh, jnp.array([1.0, jnp.nan]), m, tis_cap=5.0).sum())(lp)
+    # Each gradient compiled as one program (as in the train step), not operation by operation.
+    g = jax.jit(jax.grad(lambda x: objectives.tis_policy_loss(x, beh, jnp.array([1.0, jnp.nan]), m,
+                                                              tis_cap=5.0).sum()))(lp)
     assert np.isfinite(np.asarray(g)).all() and np.all(np.asarray(g)[~np.asarray(m)] == 0)
-    g = jax.grad(lambda x: objectives.ppo_clip_policy_loss(x, beh, jnp.ones(B), clip_eps_low=0.2,
-                                                           clip_eps_high=0.2, mask=m).sum())(lp)
+    g = jax.jit(jax.grad(lambda x: objectives.ppo_clip_policy_loss(x, beh, jnp.ones(B), clip_eps_low=0.2,
+                                                                   clip_eps_high=0.2, mask=m).sum()))(lp)
     assert np.isfinite(np.asarray(g)).all()
 
 
@@ -433,7 +457,7 @@ def test_validate_config_rejects_zero_every_steps():
 def test_validate_config_rejects_infinite_learning_rate():
     tx, _ = ts.make_optimizer(math.inf)
     params = {"w": jnp.ones(3)}
-    updates, _ = tx.update({"w": jnp.array([0.1, 0.0, -0.2])}, tx.init(params), params)
+    updates, _ = jax.jit(tx.update)({"w": jnp.array([0.1, 0.0, -0.2])}, tx.init(params), params)  # one program
     assert not np.isfinite(np.asarray(params["w"] + updates["w"])).all()  # the consequence
     with pytest.raises(ValueError, match="rl.learning_rate"):
         validate_config(_config(**{"rl.learning_rate": math.inf}))
@@ -442,7 +466,7 @@ def test_validate_config_rejects_infinite_learning_rate():
 def test_validate_config_rejects_adam_b2_one():
     tx, _ = ts.make_optimizer(1e-3, b2=1.0)
     params = {"w": jnp.ones(3)}
-    updates, _ = tx.update({"w": jnp.array([0.1, 0.0, -0.2])}, tx.init(params), params)
+    updates, _ = jax.jit(tx.update)({"w": jnp.array([0.1, 0.0, -0.2])}, tx.init(params), params)  # one program
     assert np.isnan(np.asarray(params["w"] + updates["w"])).any()  # the consequence
     with pytest.raises(ValueError, match="rl.adam_b2"):
         validate_config(_config(**{"rl.adam_b2": 1.0}))

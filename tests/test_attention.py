@@ -28,6 +28,12 @@ REF_MASK[0, :4] = False
 REF_MASK[1, :1] = False
 
 
+def _abstract_model(config, **kwargs):
+    """``Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), **kwargs)`` with abstract weights (shapes and dtypes only;
+    `_ref_params` gives every weight its value): no initialiser is compiled."""
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), **kwargs))
+
+
 def _ref_params(model, dtype):
     """The model's (graphdef, state) with O(1) random weights (a fixed function of the shapes).
 
@@ -44,15 +50,24 @@ def _ref_params(model, dtype):
         else:
             per_layer.append((p, x.shape))
     per_layer.sort(key=lambda e: [(0, k) if isinstance(k, int) else (1, k) for k in e[0]])
+    layout = tuple((p, x.shape[0] if p[0] == "layers" else None) for p, x in flat)
+    new = _ref_values(tuple(per_layer), layout, dtype)
+    leaves, treedef = jax.tree.flatten(state)
+    assert len(leaves) == len(new)
+    return graphdef, jax.tree.unflatten(treedef, new)
+
+
+@functools.partial(jax.jit, static_argnames=("per_layer", "layout", "dtype"))
+def _ref_values(per_layer, layout, dtype):
+    """`_ref_params`'s values, drawn and stacked in one compiled program per (layout, dtype) instead of each draw,
+    scaling and stack compiled op by op (the same random bits and arithmetic: a function of the shapes).
+    per_layer: ((per-layer path, shape), ...) in drawing order; layout: ((model path, L or None), ...)."""
     keys = jax.random.split(jax.random.key(11), len(per_layer))
     values = {p: (jax.random.normal(k, shape) * (1.0 if len(shape) == 1 else 1.0 / np.sqrt(shape[0]))
                   + (1.0 if len(shape) == 1 else 0.0)).astype(dtype)
               for k, (p, shape) in zip(keys, per_layer)}
-    new = [jnp.stack([values[("layers", i) + p[1:]] for i in range(x.shape[0])])
-           if p[0] == "layers" else values[p] for p, x in flat]
-    leaves, treedef = jax.tree.flatten(state)
-    assert len(leaves) == len(new)
-    return graphdef, jax.tree.unflatten(treedef, new)
+    return [jnp.stack([values[("layers", i) + p[1:]] for i in range(n)]) if n is not None else values[p]
+            for p, n in layout]
 
 
 def dense_reference_case(dtype, **model_kwargs):
@@ -63,8 +78,7 @@ def dense_reference_case(dtype, **model_kwargs):
     with the model code of commit 23eb6c8 (before attention moved to
     ``pdm_jax/models/attention.py``) on XLA:CPU, jax 0.10.2.
     """
-    model = Qwen3ForCausalLM(REF_CONFIG, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype,
-                             **model_kwargs)
+    model = _abstract_model(REF_CONFIG, dtype=dtype, param_dtype=dtype, **model_kwargs)
     graphdef, state = _ref_params(model, dtype)
     ids = np.random.RandomState(0).randint(0, REF_CONFIG.vocab_size, (3, 10)).astype(np.int32)
 
@@ -189,16 +203,18 @@ def test_blockwise_fully_padded_row_is_finite():
     out = np.asarray(jax.jit(f)(q, k, v))
     grads = jax.jit(jax.grad(lambda *a: (f(*a) ** 2).sum(), argnums=(0, 1, 2)))(q, k, v)
     assert np.isfinite(out).all() and all(np.isfinite(np.asarray(g)).all() for g in grads)
-    dense = attn_lib.dense_attention(q, k, v, mask.dense(2, 9), dtype=jnp.float32)
+    dense = jax.jit(lambda q, k, v: attn_lib.dense_attention(q, k, v, mask.dense(2, 9), dtype=jnp.float32))(q, k, v)
     np.testing.assert_allclose(out[0], np.asarray(dense)[0], atol=1e-5)  # the real row is exact
 
 
 def test_blockwise_bf16_close_to_f32():
     q, k, v = _qkv(np.random.RandomState(1), 2, 20, 2, 2, 16)
     mask = attn_lib.SelfAttentionMask()
-    want = attn_lib.blockwise_attention(q, k, v, mask, block_q=8, block_kv=8)
+    # One program per dtype, not the kernel's operations compiled one by one.
+    kernel = jax.jit(lambda q, k, v: attn_lib.blockwise_attention(q, k, v, mask, block_q=8, block_kv=8))
+    want = kernel(q, k, v)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    got = attn_lib.blockwise_attention(*bf, mask, block_q=8, block_kv=8)
+    got = kernel(*bf)
     assert got.dtype == jnp.bfloat16
     assert np.abs(np.asarray(got, np.float32) - np.asarray(want)).max() < 0.05
 
@@ -245,9 +261,9 @@ def test_auto_resolution(monkeypatch):
 ])
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        Qwen3ForCausalLM(REF_CONFIG, rngs=nnx.Rngs(0), **kwargs)
+        _abstract_model(REF_CONFIG, **kwargs)
     with pytest.raises(ValueError, match=match):
-        Qwen3ForCausalLM(REF_CONFIG, rngs=nnx.Rngs(0)).set_compute_options(**kwargs)
+        _abstract_model(REF_CONFIG).set_compute_options(**kwargs)
 
 
 # ----------------------------------------------------------------------------- whole model
@@ -259,7 +275,7 @@ def _model_loss_and_grads(segments=True, dtype=jnp.float32, **options):
     ``_packed_case`` (cached: several tests share the dense baseline)."""
     mask, seg = _packed_case()
     segment_ids = seg if segments else None
-    model = Qwen3ForCausalLM(REF_CONFIG, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype, **options)
+    model = _abstract_model(REF_CONFIG, dtype=dtype, param_dtype=dtype, **options)
     graphdef, state = _ref_params(model, dtype)
     B, T = mask.shape
     ids = np.random.RandomState(4).randint(0, REF_CONFIG.vocab_size, (B, T)).astype(np.int32)
@@ -334,7 +350,8 @@ def test_scanned_program_has_one_layer_body():
 
     def dots(scan, layers):
         config = dataclasses.replace(REF_CONFIG, num_hidden_layers=layers)
-        model = Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), scan_layers=scan)
+        # Abstract weights (shapes only): the jaxpr is the same, and no initialiser is compiled.
+        model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0), scan_layers=scan))
         graphdef, state = nnx.split(model)
         return str(jax.make_jaxpr(lambda st: nnx.merge(graphdef, st)(ids))(state)).count("dot_general")
 
@@ -344,7 +361,7 @@ def test_scanned_program_has_one_layer_body():
 
 def test_remat_recomputes_in_the_backward():
     """Full remat: the backward program re-runs the layers' matmuls (more dot ops)."""
-    model = Qwen3ForCausalLM(REF_CONFIG, rngs=nnx.Rngs(0))
+    model = _abstract_model(REF_CONFIG)  # the jaxpr needs shapes only
     ids = np.zeros((1, 6), np.int32)
 
     def dots(remat):
@@ -370,8 +387,8 @@ def test_packed_rows_equal_separate_rows(attention):
     for i, s in enumerate(seqs):
         alone[i, T - len(s):] = s
         alone_mask[i, T - len(s):] = True
-    model = Qwen3ForCausalLM(REF_CONFIG, rngs=nnx.Rngs(0), attention=attention,
-                             attention_block_q=4, attention_block_kv=4)
+    model = _abstract_model(REF_CONFIG, attention=attention,
+                            attention_block_q=4, attention_block_kv=4)
     graphdef, state = _ref_params(model, jnp.float32)
     run = jax.jit(lambda st, ids, m, s: nnx.merge(graphdef, st)(ids, attention_mask=m, segment_ids=s))
     got = np.asarray(run(state, packed, np.ones_like(packed, bool), seg))[0]
@@ -390,7 +407,7 @@ def test_default_positions_restart_per_segment():
 
 
 def test_segment_ids_validation():
-    model = Qwen3ForCausalLM(REF_CONFIG, rngs=nnx.Rngs(0))
+    model = _abstract_model(REF_CONFIG)  # the checks come before any use of the weights
     with pytest.raises(ValueError, match="segment_ids"):
         model(np.zeros((2, 3), np.int32), segment_ids=np.zeros((2, 4), np.int32))
     with pytest.raises(ValueError, match="segment_ids"):
@@ -399,8 +416,8 @@ def test_segment_ids_validation():
 
 def test_decode_unaffected_by_training_options():
     """A blockwise + remat model decodes (dense over the cache) to its own full forward."""
-    model = Qwen3ForCausalLM(REF_CONFIG, rngs=nnx.Rngs(0), attention="blockwise", remat="full",
-                             attention_block_q=2, attention_block_kv=3)
+    model = _abstract_model(REF_CONFIG, attention="blockwise", remat="full",
+                            attention_block_q=2, attention_block_kv=3)
     graphdef, state = _ref_params(model, jnp.float32)
     model = nnx.merge(graphdef, state)
     ids = np.random.RandomState(6).randint(0, REF_CONFIG.vocab_size, (2, 7)).astype(np.int32)

@@ -20,7 +20,9 @@ VOCAB, P, T, K, B = 61, 3, 7, 4, 4
 def _setup():
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    # Built in one compiled program (its initialisers not compiled one by one): the same random draws, the weights
+    # equal to float rounding; every test compares two computations on these same weights.
+    model = nnx.jit(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))()
     graphdef, params = nnx.split(model)
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(0, VOCAB, (B, P)).astype(np.int32)
@@ -32,7 +34,8 @@ def _setup():
     # Behaviour = the model's own (tempered) distribution plus noise of a per-token scale, so
     # that some tokens are inside the trust region and some are far outside.
     tau = 0.9
-    logits = ts.completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask) / tau
+    logits = jax.jit(ts.completion_logits, static_argnums=0)(  # one program, not the forward op by op
+        graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask) / tau
     scale = rng.choice([0.0, 0.05, 0.3, 2.0], size=(B, T, 1))
     mu_logits = np.asarray(logits) * 20.0 + scale * rng.standard_normal((B, T, VOCAB))  # sharpened: tail matters
     logmu = np.asarray(jax.nn.log_softmax(jnp.asarray(mu_logits), axis=-1))

@@ -5,6 +5,7 @@ numpy reference, and aggregation against a full-batch computation under
 micro-batching (1-token and 99-token chunks; sequence-aligned splits).
 """
 
+import functools
 import math
 
 import jax
@@ -95,30 +96,31 @@ def test_tis_gradient_equals_closed_form_on_softmax_logits():
     logits = jnp.asarray(RNG.normal(size=(b, t, v)) * 1.5, jnp.float32)
     behavior_logits = logits + jnp.asarray(RNG.normal(size=(b, t, v)), jnp.float32)
     tokens = jnp.asarray(RNG.integers(0, v, size=(b, t)), jnp.int32)
-    behavior_logprobs = _token_logprobs(behavior_logits, tokens)
     advantages = jnp.asarray([1.3, -0.7, 0.4], jnp.float32)
     mask = jnp.asarray(RNG.random((b, t)) > 0.3)
 
-    def loss_fn(z):
-        lp = _token_logprobs(z, tokens)
-        return jnp.sum(obj.tis_policy_loss(lp, behavior_logprobs, advantages, mask, tis_cap=cap))
+    @jax.jit  # the gradient, the closed form's pieces and the loss's value as one program (not ~40 op by op)
+    def parts(logits, behavior_logits):
+        behavior_logprobs = _token_logprobs(behavior_logits, tokens)
 
-    grad = jax.grad(loss_fn)(logits)
+        def loss_fn(z):
+            lp = _token_logprobs(z, tokens)
+            return jnp.sum(obj.tis_policy_loss(lp, behavior_logprobs, advantages, mask, tis_cap=cap))
 
-    pi = jax.nn.softmax(logits, axis=-1)
-    ratio = np.exp(np.asarray(_token_logprobs(logits, tokens) - behavior_logprobs))
+        lp = _token_logprobs(logits, tokens)
+        return (jax.grad(loss_fn)(logits), jax.nn.softmax(logits, axis=-1), lp, behavior_logprobs,
+                jax.nn.one_hot(tokens, v), obj.tis_policy_loss(lp, behavior_logprobs, advantages, mask, tis_cap=cap))
+
+    grad, pi, lp, behavior_logprobs, onehot, value = parts(logits, behavior_logits)
+    ratio = np.exp(np.asarray(lp - behavior_logprobs))
     c = np.minimum(ratio, cap)
     assert np.any(ratio > cap) and np.any(ratio < cap), "test should exercise the truncation"
-    onehot = jax.nn.one_hot(tokens, v)
     expected = -(np.asarray(advantages)[:, None] * c * np.asarray(mask))[..., None] * (onehot - pi)
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
 
     # Value: -A * min(r, C) * M * log pi(k).
-    lp = np.asarray(_token_logprobs(logits, tokens))
-    expected_value = -np.asarray(advantages)[:, None] * c * np.asarray(mask) * lp
-    np.testing.assert_allclose(
-        obj.tis_policy_loss(lp, behavior_logprobs, advantages, mask, tis_cap=cap), expected_value, rtol=1e-5, atol=1e-6
-    )
+    expected_value = -np.asarray(advantages)[:, None] * c * np.asarray(mask) * np.asarray(lp)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5, atol=1e-6)
 
 
 def test_tis_ratio_is_finite_for_zero_behaviour_probability():
@@ -129,7 +131,7 @@ def test_tis_ratio_is_finite_for_zero_behaviour_probability():
     loss = obj.tis_policy_loss(lp, blp, adv, mask, tis_cap=4.0)
     # r = inf -> C; r = e^98 -> C; r = 1 -> 1.
     np.testing.assert_allclose(loss, [[4.0 * 0.5, -4.0 * 2.0, 2.0]], rtol=1e-6)
-    g = jax.grad(lambda x: jnp.sum(obj.tis_policy_loss(x, blp, adv, mask, tis_cap=4.0)))(lp)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(obj.tis_policy_loss(x, blp, adv, mask, tis_cap=4.0))))(lp)
     np.testing.assert_allclose(g, [[-4.0, 4.0, -2.0]], rtol=1e-6)
 
 
@@ -207,8 +209,8 @@ def test_ppo_clip_gradient_zero_where_clipped():
     behavior = jnp.zeros((1, 4))
     logp = jnp.log(jnp.asarray([[1.5, 1.5, 0.5, 0.5]]))
     adv = jnp.asarray([[1.0, -1.0, 1.0, -1.0]])
-    g = jax.grad(lambda x: jnp.sum(obj.ppo_clip_policy_loss(x, behavior, adv, clip_eps_low=0.2,
-                                                            clip_eps_high=0.2)))(logp)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(obj.ppo_clip_policy_loss(x, behavior, adv, clip_eps_low=0.2,
+                                                                    clip_eps_high=0.2))))(logp)
     # d(-A r)/d log pi = -A r where unclipped; 0 where the clip is active.
     np.testing.assert_allclose(g, [[0.0, 1.5, -0.5, 0.0]], rtol=1e-6)
 
@@ -263,19 +265,41 @@ def _reverse_kl(z, ref):
     return jnp.sum(jnp.exp(logp) * (logp - ref))
 
 
-def _expected_penalty(z, ref, kind, sampler=None, **kw):
-    """Exact E_{y ~ sampler}[value] and E[grad_z] of the per-token penalty, by enumerating y (sampler: log mu, or
-    None for pi itself; its probabilities are the sampling weights, not differentiated)."""
+_reverse_kl_grad = jax.jit(jax.grad(_reverse_kl))
+
+
+@functools.partial(jax.jit, static_argnames="is_cap")
+def _expected_penalties(z, ref, sampler, is_cap):
+    """`_expected_penalty` of every kind, one compiled program (the kinds' tests share it: the same z, ref, sampler
+    and cap give a cached program, instead of each kind's vmapped gradients built op by op)."""
     v = z.shape[0]
+    out = {}
+    for kind in obj.KL_KINDS:
+        def penalty(z, y):
+            logp = jax.nn.log_softmax(z)[y]
+            extra = {} if sampler is None else dict(behavior_logprobs=sampler[y].reshape(1, 1), is_cap=is_cap)
+            return obj.kl_penalty(logp.reshape(1, 1), ref[y].reshape(1, 1), kind, **extra)[0, 0]
 
-    def penalty(z, y):
-        logp = jax.nn.log_softmax(z)[y]
-        extra = {} if sampler is None else dict(behavior_logprobs=sampler[y].reshape(1, 1))
-        return obj.kl_penalty(logp.reshape(1, 1), ref[y].reshape(1, 1), kind, **extra, **kw)[0, 0]
+        values, grads = jax.vmap(jax.value_and_grad(penalty), in_axes=(None, 0))(z, jnp.arange(v))
+        probs = jnp.exp(jax.nn.log_softmax(z) if sampler is None else sampler)
+        out[kind] = (jnp.sum(probs * values), jnp.sum(probs[:, None] * grads, axis=0))
+    return out
 
-    values, grads = jax.vmap(jax.value_and_grad(penalty), in_axes=(None, 0))(z, jnp.arange(v))
-    probs = jnp.exp(jax.nn.log_softmax(z) if sampler is None else sampler)
-    return jnp.sum(probs * values), jnp.sum(probs[:, None] * grads, axis=0)
+
+def _expected_penalty(z, ref, kind, sampler=None, is_cap=None):
+    """Exact E_{y ~ sampler}[value] and E[grad_z] of the per-token penalty, by enumerating y (sampler: log mu, or
+    None for pi itself; its probabilities are the sampling weights, not differentiated; is_cap: kl_penalty's)."""
+    return _expected_penalties(z, ref, sampler, is_cap)[kind]
+
+
+@jax.jit
+def _per_token_grads(z, ref):
+    """grad_z, for each token y of the vocabulary, of k1 = log pi(y) - log ref(y) and k3 = exp(-d) - 1 + d (the
+    estimators' own values, d = log pi(y) - log ref(y)) and of k2 = d^2 / 2: {name: [V, V]} (one program)."""
+    own = {"k1": lambda x, y: x - y, "k3": lambda x, y: jnp.expm1(y - x) - (y - x),
+           "k2": lambda x, y: 0.5 * (x - y) ** 2}
+    return {name: jax.vmap(lambda y: jax.grad(lambda zz: f(jax.nn.log_softmax(zz)[y], ref[y]))(z))(
+        jnp.arange(z.shape[0])) for name, f in own.items()}
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
@@ -283,7 +307,7 @@ def test_kl_penalty_expected_gradient_is_the_reverse_kl_gradient(kind):
     # As a loss, every estimator's expected gradient over y ~ pi is grad_z KL(pi || pi_ref), the exact full-vocabulary
     # gradient (jax.grad); its value keeps the estimator's mean (KL itself for the unbiased k1 and k3).
     z, ref, _ = _kl_case(1)
-    exact_grad = jax.grad(_reverse_kl)(z, ref)
+    exact_grad = _reverse_kl_grad(z, ref)
     value, grad = _expected_penalty(z, ref, kind)
     np.testing.assert_allclose(grad, exact_grad, rtol=1e-5, atol=1e-6)
     if kind != "k2":
@@ -291,9 +315,8 @@ def test_kl_penalty_expected_gradient_is_the_reverse_kl_gradient(kind):
     # The estimators' own gradients are not it (the reports this fixes): E[grad k1] = 0 and E[grad k3] = pi - pi_ref,
     # the gradient of the forward KL(pi_ref || pi); the test above tells them apart.
     pi = jax.nn.softmax(z)
-    own = {"k1": lambda x, y: x - y, "k3": lambda x, y: jnp.expm1(y - x) - (y - x)}.get(kind)
-    if own is not None:
-        grads = jax.vmap(lambda y: jax.grad(lambda zz: own(jax.nn.log_softmax(zz)[y], ref[y]))(z))(jnp.arange(7))
+    if kind != "k2":
+        grads = _per_token_grads(z, ref)[kind]
         naive = jnp.sum(pi[:, None] * grads, axis=0)
         np.testing.assert_allclose(naive, jnp.zeros(7) if kind == "k1" else pi - jnp.exp(ref), atol=1e-6)
         assert float(jnp.max(jnp.abs(naive - exact_grad))) > 1e-2
@@ -307,7 +330,7 @@ def test_kl_penalty_off_policy_weight_is_exact_under_mu(kind):
     z, ref, mu = _kl_case(2)
     ratio = jnp.exp(jax.nn.log_softmax(z) - mu)
     cap = float(jnp.max(ratio)) * 1.5
-    exact_grad = jax.grad(_reverse_kl)(z, ref)
+    exact_grad = _reverse_kl_grad(z, ref)
     on_policy_value, _ = _expected_penalty(z, ref, kind)
     value, grad = _expected_penalty(z, ref, kind, sampler=mu, is_cap=cap)
     np.testing.assert_allclose(grad, exact_grad, rtol=1e-5, atol=1e-6)
@@ -324,8 +347,7 @@ def test_kl_penalty_off_policy_weight_is_exact_under_mu(kind):
     weight = jnp.minimum(jnp.exp(logp), cap * jnp.exp(mu))
     per_token = obj.kl_penalty(logp[None], ref[None], kind)[0]
     np.testing.assert_allclose(value, jnp.sum(weight * per_token), rtol=1e-5, atol=1e-6)
-    k2_grads = jax.vmap(lambda y: jax.grad(lambda zz: 0.5 * (jax.nn.log_softmax(zz)[y] - ref[y]) ** 2)(z))(
-        jnp.arange(7))
+    k2_grads = _per_token_grads(z, ref)["k2"]
     np.testing.assert_allclose(grad, jnp.sum(weight[:, None] * k2_grads, axis=0), rtol=1e-5, atol=1e-6)
 
 
@@ -411,6 +433,11 @@ def test_aggregation_and_loss_validation_names_the_field():
 B, T, D, V = 4, 50, 6, 9
 
 
+@jax.jit  # one program per batch shape, not the log-softmax's operations one by one
+def _linear_policy_logprobs(x, w, tokens):
+    return _token_logprobs(jnp.einsum("btd,dv->btv", x, w), tokens)
+
+
 def _problem(num_rows=B, all_pad_row=None):
     """A tiny linear 'policy' logits = x @ W with padding (NaN behaviour logprobs on pads)."""
     rng = np.random.default_rng(1)
@@ -421,7 +448,7 @@ def _problem(num_rows=B, all_pad_row=None):
     if all_pad_row is not None:
         lengths[all_pad_row] = 0
     valid = np.arange(T)[None, :] < lengths[:, None]
-    logp = np.asarray(_token_logprobs(jnp.einsum("btd,dv->btv", x, w), tokens))
+    logp = np.asarray(_linear_policy_logprobs(x, w, tokens))
     behavior = logp + rng.normal(size=(num_rows, T)).astype(np.float32) * 0.5
     behavior = np.where(valid, behavior, np.nan).astype(np.float32)
     adv = np.broadcast_to(rng.normal(size=(num_rows, 1)), (num_rows, T)).astype(np.float32)
@@ -450,6 +477,9 @@ def _loss_parts(w, batch, loss_type, mode, max_len):
 _value_and_grad_sum = jax.jit(
     jax.value_and_grad(_loss_parts, has_aux=True), static_argnames=("loss_type", "mode", "max_len")
 )
+
+
+_loss_parts_jit = jax.jit(_loss_parts, static_argnames=("loss_type", "mode", "max_len"))
 
 
 def _full(w, batch, loss_type, mode, max_len=None):
@@ -497,7 +527,7 @@ def test_token_mean_exact_under_token_micro_batches(loss_type):
         np.testing.assert_allclose(grad, full_grad, rtol=1e-6, atol=1e-6)
     # A mean of per-micro-batch means would be wrong (sanity check that the test can fail).
     chunks = _token_chunks(batch, 99)
-    means = [float(obj.combine(*[[p] for p in _loss_parts(w, c, loss_type, "token_mean", None)])) for c in chunks]
+    means = [float(obj.combine(*[[p] for p in _loss_parts_jit(w, c, loss_type, "token_mean", None)])) for c in chunks]
     assert abs(np.mean(means) - float(full_loss)) > 1e-4
 
 
@@ -532,17 +562,25 @@ def test_nan_pads_never_reach_loss_or_gradient():
         s, d = _policy_loss(lp, blp, adv, valid, valid, loss_type, mode, ref=ref, kl_beta=0.1)
         return obj.combine([s], [d]), d
 
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    logits = jnp.asarray(RNG.normal(size=(2, 4, 5)), jnp.float32)
+
+    @jax.jit  # every loss type x mode, and the gradient through the log-softmax, as one program (not op by op)
+    def all_cases(logp, logits):
+        cases = {f"{loss_type}/{mode}": jax.value_and_grad(total, has_aux=True)(logp, loss_type, mode)
+                 for loss_type in obj.LOSS_TYPES for mode in obj.AGGREGATION_MODES}
+        return cases, jax.grad(lambda z: total(_token_logprobs(z, tokens), "tis", "token_mean")[0])(logits)
+
+    cases, logit_grad = all_cases(logp, logits)
     for loss_type in obj.LOSS_TYPES:
         for mode in obj.AGGREGATION_MODES:
-            (value, denom), g = jax.value_and_grad(total, has_aux=True)(logp, loss_type, mode)
+            (value, denom), g = cases[f"{loss_type}/{mode}"]
             assert np.isfinite(value) and np.isfinite(denom), (loss_type, mode)
             assert np.all(np.isfinite(g)), (loss_type, mode, g)
             np.testing.assert_array_equal(np.asarray(g)[~np.asarray(valid)], 0.0)
             assert np.all(np.asarray(g)[np.asarray(valid)] != 0.0)
 
     # Through the log-softmax: finite logits everywhere, NaN behaviour data on pads.
-    tokens = jnp.zeros((2, 4), jnp.int32)
-    logits = jnp.asarray(RNG.normal(size=(2, 4, 5)), jnp.float32)
-    g = jax.grad(lambda z: total(_token_logprobs(z, tokens), "tis", "token_mean")[0])(logits)
+    g = logit_grad
     assert np.all(np.isfinite(g))
     np.testing.assert_array_equal(np.asarray(g)[~np.asarray(valid)], 0.0)

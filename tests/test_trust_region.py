@@ -4,6 +4,7 @@ Every closed form is checked against ``jax.jvp`` of an independent dense
 reference divergence written here (DESIGN.md section 2); numbers that could be
 wrong are compared with float64 numpy references.
 """
+import functools
 import math
 
 import jax
@@ -74,6 +75,14 @@ def ref_topk_kl(z, E, mu):
     safe = lambda x: jnp.where(mu_t > 0, x, 1.0)  # noqa: E731
     tail = jnp.where(mu_t > 0, mu_t * (jnp.log(safe(mu_t)) - jnp.log(safe(pi_t))), 0.0)
     return head + tail
+
+
+@jax.jit
+def ref_topk_kl_and_jvp(z, tokens, E, mu):
+    """`ref_topk_kl` at z and its jvp along e_k - pi, [B,T] each: one compiled program for every test with the
+    standard shape (E and mu are arguments, not constants of the program)."""
+    v = onehot_minus(jax.nn.softmax(z, -1), tokens)
+    return jax.jvp(lambda zz: ref_topk_kl(zz, E, mu), (z,), (v,))
 
 
 def full_kl_ref(zeta, mu):
@@ -153,9 +162,9 @@ def test_bucket_exact_is_jvp_of_topk_kl(sampled):
     close(o["bucket_exact"], o["ad_topk_kl"])
     # jvp of the independent dense reference; and the divergences agree
     E, mu = candidate_set(c["tokens"], c["topk_ids"], V), dense_mu(c, V)
-    v = onehot_minus(jax.nn.softmax(c["z"], -1), c["tokens"])
-    close(o["bucket_exact"], jvp(lambda zz: ref_topk_kl(zz, E, mu), c["z"], v))
-    close(o["D_topk_kl"], ref_topk_kl(jnp.asarray(c["z"]), E, mu))
+    ref_d, ref_jvp = ref_topk_kl_and_jvp(c["z"], c["tokens"], E, mu)
+    close(o["bucket_exact"], ref_jvp)
+    close(o["D_topk_kl"], ref_d)
     inside = (c["topk_ids"] == c["tokens"][..., None]).any(-1)
     assert {"inside": inside.all(), "outside": (~inside).all(), "any": True}[sampled]
 
@@ -347,10 +356,9 @@ def test_duplicate_topk_ids_validate_and_first_occurrence_semantics():
     mu = dense_mu(c, V)
     mu[1, 0] = np.where(E[1, 0], mu[1, 0], 0.0)  # slot 3's original id left E at (1, 0)
     o = run(d)
-    z = jnp.asarray(c["z"])
-    close(o["D_topk_kl"], ref_topk_kl(z, E, mu))
-    v = onehot_minus(jax.nn.softmax(z, -1), c["tokens"])
-    close(o["bucket_exact"], jvp(lambda zz: ref_topk_kl(zz, E, mu), z, v))
+    ref_d, ref_jvp = ref_topk_kl_and_jvp(c["z"], c["tokens"], E, mu)
+    close(o["D_topk_kl"], ref_d)
+    close(o["bucket_exact"], ref_jvp)
     close(o["bucket_exact"], o["jvp_topk_kl"])
     assert o["tq_member"][1, 0].sum() == len(set(d["topk_ids"][1, 0].tolist()) | {int(d["tokens"][1, 0])})
 
@@ -428,10 +436,9 @@ def test_minus_inf_behaviour_logprobs_are_zero_probabilities():
             assert np.all(np.isfinite(o[prefix + name])), prefix + name
     V = STD["V"]
     E, mu = candidate_set(c["tokens"], c["topk_ids"], V), dense_mu(d, V)
-    z = jnp.asarray(c["z"])
-    close(o["D_topk_kl"], ref_topk_kl(z, E, mu))
-    v = onehot_minus(jax.nn.softmax(z, -1), c["tokens"])
-    close(o["bucket_exact"], jvp(lambda zz: ref_topk_kl(zz, E, mu), z, v))
+    ref_d, ref_jvp = ref_topk_kl_and_jvp(c["z"], c["tokens"], E, mu)
+    close(o["D_topk_kl"], ref_d)
+    close(o["bucket_exact"], ref_jvp)
 
 
 def test_bf16_inputs_compute_in_f32():
@@ -499,6 +506,16 @@ def reference_mask(c, adv_bt, valid, cfg):
 MASK_CONFIGS = [CFG[k] for k in ("none", "ppo", "dppo_kl", "dppo_bkl", "pdm_agg", "pdm_unif", "pdm_exact", "pdm_tv")]
 
 
+@functools.partial(jax.jit, static_argnames="configs")
+def _masks_of_every_config(z, tokens, topk_ids, topk_lp, behavior_lp, adv_b, adv_bt, valid, configs):
+    """[(mask and stats with [B] advantages, mask with [B,T] advantages) for each config]: the mask test's calls for
+    every config in one compiled program, which its parametrizations share (the same inputs), instead of two
+    programs per config."""
+    a = (tokens, topk_ids, topk_lp, behavior_lp)
+    return [(tr.trust_region_mask(z, *a, adv_b, valid, cfg), tr.trust_region_mask(z, *a, adv_bt, valid, cfg)[0])
+            for cfg in configs]
+
+
 @pytest.mark.parametrize("cfg", MASK_CONFIGS, ids=lambda c: f"{c.mask}-{c.divergence}-{c.estimator}")
 def test_mask_matches_reference_semantics(cfg):
     c = make_case(seed=30, scale=1.5, noise=0.8, **STD)
@@ -509,8 +526,8 @@ def test_mask_matches_reference_semantics(cfg):
     valid = np.ones((4, 6), bool)
     valid[1, 4:] = False
     valid[3, 2:] = False
-    mask, stats = jax.jit(tr.trust_region_mask, static_argnames="config")(
-        c["z"], *args_of(c), adv_b, valid, config=cfg)
+    (mask, stats), mask2 = _masks_of_every_config(c["z"], *args_of(c), adv_b, adv_bt, valid,
+                                                  configs=tuple(MASK_CONFIGS))[MASK_CONFIGS.index(cfg)]
     exp_mask, exp_stats = reference_mask(c, adv_bt, valid, cfg)
     np.testing.assert_array_equal(np.asarray(mask), exp_mask)
     if not (cfg.mask == "pdm" or cfg.defines_predictive_direction):
@@ -520,7 +537,6 @@ def test_mask_matches_reference_semantics(cfg):
         np.testing.assert_allclose(float(stats[k]), v, rtol=1e-5, atol=1e-6, err_msg=k)
     assert all(v.dtype == jnp.float32 and v.shape == () for v in stats.values())
     # [B,T] advantages give the same result
-    mask2, _ = tr.trust_region_mask(c["z"], *args_of(c), adv_bt, valid, cfg)
     np.testing.assert_array_equal(np.asarray(mask2), exp_mask)
     if cfg.mask != "none":
         assert 0 < float(stats["frac_masked"]) < 1
