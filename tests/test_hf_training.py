@@ -10,27 +10,31 @@ import os
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
-from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM, save_pretrained
+from pdm_jax.models import Qwen3Config, save_pretrained
+from pdm_jax.models.qwen3 import init_model
 from pdm_jax.models.tokenizer import build_char_tokenizer
 from pdm_jax.trainer import Trainer
 from test_trainer import tiny_test_config
 
 
-def _hf_checkpoint(path) -> dict:
-    """A tiny random Qwen3 in HF format plus a char tokenizer in the same directory; returns its f32 params."""
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3 in HF format plus a char tokenizer in the same directory (one for the module: the tests
+    only read it); returns its path and f32 params."""
+    path = tmp_path_factory.mktemp("hf_checkpoint") / "hf"
     tok = build_char_tokenizer("0123456789+-=", str(path))
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
-    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(3))
+    model = init_model(cfg, seed=3)  # one compiled init (an eager one builds dozens of small programs)
     save_pretrained(model, str(path))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return path, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def test_bf16_compute_keeps_f32_masters_that_move_at_lr_1e6(tmp_path):
-    ckpt = tmp_path / "hf"
-    initial = _hf_checkpoint(ckpt)
+def test_bf16_compute_keeps_f32_masters_that_move_at_lr_1e6(tmp_path, hf_checkpoint):
+    ckpt, initial = hf_checkpoint
     c = tiny_test_config(**{
         "model.hf_path": str(ckpt), "model.dtype": "bfloat16", "model.param_dtype": "float32",
         "tokenizer.kind": "path", "tokenizer.path": str(ckpt), "sft.steps": 0, "rl.steps": 2,
@@ -52,18 +56,16 @@ def test_bf16_compute_keeps_f32_masters_that_move_at_lr_1e6(tmp_path):
     assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in traces), traces
 
 
-def test_a_checkpoint_that_ships_a_tokenizer_refuses_a_built_one(tmp_path):
+def test_a_checkpoint_that_ships_a_tokenizer_refuses_a_built_one(tmp_path, hf_checkpoint):
     """The tiny config's character tokenizer with a checkpoint that ships its own: a config error naming both
     (exit 2 from the command line), before any work; the checkpoint's own tokenizer passes."""
     import subprocess
     import sys
 
-    import pytest
 
     from pdm_jax.config import validate_config
 
-    ckpt = tmp_path / "hf"
-    _hf_checkpoint(ckpt)
+    ckpt, _ = hf_checkpoint
     c = tiny_test_config(**{"model.hf_path": str(ckpt)})
     with pytest.raises(ValueError, match=rf"model.hf_path = '{ckpt}': ships its own tokenizer \(tokenizer.json\), "
                                          r"and tokenizer.kind = 'char' builds another one.*tokenizer.kind=path"):
@@ -78,19 +80,17 @@ def test_a_checkpoint_that_ships_a_tokenizer_refuses_a_built_one(tmp_path):
     assert "Traceback" not in p.stderr and not (tmp_path / "run").exists()
 
 
-def test_a_tokenizer_must_fit_the_model_and_match_the_checkpoints_vocabulary(tmp_path, caplog):
+def test_a_tokenizer_must_fit_the_model_and_match_the_checkpoints_vocabulary(tmp_path, caplog, hf_checkpoint):
     """`check_tokenizer_fits_model`: more token ids than the model's rows is refused naming both sizes; fewer is
     fine (Qwen3: 151,669 tokens, 151,936 rows); a tokenizer.path other than the checkpoint's own passes with the
     same vocabulary and is refused with another mapping, naming a token whose ids differ."""
     import shutil
 
-    import pytest
 
     from pdm_jax.models.tokenizer import load_tokenizer
     from pdm_jax.text import check_tokenizer_fits_model
 
-    ckpt = tmp_path / "hf"
-    _hf_checkpoint(ckpt)  # 13 symbols + its special tokens
+    ckpt, _ = hf_checkpoint  # 13 symbols + its special tokens
     tok = load_tokenizer(str(ckpt))
     n = len(tok)
     char = tiny_test_config().tokenizer

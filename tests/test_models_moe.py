@@ -3,6 +3,7 @@ router load-balancing loss (vs a numpy re-implementation of transformers'
 ``load_balancing_loss_func`` and, with torch, that function itself), HF I/O and parity
 with the committed transformers reference (``scripts/make_qwen3_moe_reference.py``)."""
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -106,21 +107,30 @@ from pdm_jax.models import moe as moe_lib  # noqa: E402
 from pdm_jax.models.qwen3 import Qwen3MoeForCausalLM, init_model  # noqa: E402
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _o1_draw(paths, seed, values):
+    keys = jax.random.split(jax.random.key(seed), len(values))
+    out = []
+    for k, path, v in zip(keys, paths, values):
+        if path[-1] == "scale":
+            out.append(1.0 + 0.2 * jax.random.normal(k, v.shape, v.dtype))
+            continue
+        fan_in = v.shape[-3] if "experts" in path else v.shape[-2] if v.ndim >= 2 else 1
+        if path[-2] in ("o_proj",):
+            fan_in = v.shape[-3] * v.shape[-2]
+        out.append(jax.random.normal(k, v.shape, v.dtype) / np.sqrt(fan_in))
+    return out
+
+
 def _o1_weights(model, seed=3):
     """Re-draws every parameter at O(1) scale (init's N(0, 0.02) routes almost uniformly,
-    a weak test); norms near 1."""
+    a weak test); norms near 1. One compiled program per model shape for all the draws
+    (drawn op by op, they built a few dozen small programs)."""
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
-    keys = jax.random.split(jax.random.key(seed), len(flat))
-    for k, (path, var) in zip(keys, flat):
-        v = var.get_value()
-        if path[-1] == "scale":
-            var.set_value(1.0 + 0.2 * jax.random.normal(k, v.shape, v.dtype))
-        else:
-            fan_in = v.shape[-3] if "experts" in path else v.shape[-2] if v.ndim >= 2 else 1
-            if path[-2] in ("o_proj",):
-                fan_in = v.shape[-3] * v.shape[-2]
-            var.set_value(jax.random.normal(k, v.shape, v.dtype) / np.sqrt(fan_in))
+    values = _o1_draw(tuple(path for path, _ in flat), seed, [var.get_value() for _, var in flat])
+    for (_, var), value in zip(flat, values):
+        var.set_value(value)
     nnx.update(model, state)
     return model
 
@@ -132,8 +142,13 @@ def _inputs(B=3, T=7, V=64, seed=1):
 
 
 @pytest.mark.slow
+# Each implementation costs a forward + backward program. norm_topk_prob on an all-sparse model is left out: the
+# mixed model's sparse layers run the same routing with norm_topk_prob (it only rescales the top-k weights, whatever
+# the other layers are), and the all-sparse stack is the first case's. The blocked implementation is checked on the
+# all-sparse model only: it replaces the grouped matmul inside the MoE block, which is the same block in a mixed
+# model (the dense-MLP layers never reach it), and test_blocked_gmm_equals_ragged_dot checks the matmul alone.
 @pytest.mark.parametrize("norm_topk_prob,fields", [
-    (False, {}), (True, {}), (True, dict(num_hidden_layers=3, mlp_only_layers=(1,)))])
+    (False, {}), (True, dict(num_hidden_layers=3, mlp_only_layers=(1,)))])
 def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob, fields):
     cfg = Qwen3Config(**{**TINY_MOE, **fields}, norm_topk_prob=norm_topk_prob)
     model = _o1_weights(init_model(cfg, seed=0))
@@ -148,20 +163,23 @@ def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob, fie
         logits, aux = m(ids, attention_mask=mask, return_aux=True)
         return jnp.sum(logits * probe) + 10.0 * aux, (logits, aux)
 
-    got = {}
-    for impl in ("dense", "ragged_dot", "blocked"):
-        (val, (logits, aux)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True),
-                                              static_argnums=1)(state, impl)
-        got[impl] = (logits, aux, grads)
+    impls = ("dense", "ragged_dot") + (() if cfg.is_mixed else ("blocked",))
+
+    @jax.jit  # every implementation in one program (they share the embedding and the first attention)
+    def values_and_grads(state):
+        return {impl: jax.value_and_grad(loss, has_aux=True)(state, impl) for impl in impls}
+
+    got = {impl: (logits, aux, grads) for impl, ((_, (logits, aux)), grads) in values_and_grads(state).items()}
     (l_d, a_d, g_d), (l_r, a_r, g_r) = got["dense"], got["ragged_dot"]
-    l_b, a_b, g_b = got["blocked"]
-    np.testing.assert_allclose(l_b, l_r, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(a_b, a_r, atol=1e-6)
-    flat_r = dict(nnx.to_flat_state(g_r))
-    for path, g in nnx.to_flat_state(g_b):
-        want_g = np.asarray(flat_r[path].get_value())
-        np.testing.assert_allclose(g.get_value(), want_g, rtol=0, atol=1e-5 * max(1.0, np.abs(want_g).max()),
-                                   err_msg="blocked " + "/".join(map(str, path)))
+    if "blocked" in got:
+        l_b, a_b, g_b = got["blocked"]
+        np.testing.assert_allclose(l_b, l_r, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(a_b, a_r, atol=1e-6)
+        flat_r = dict(nnx.to_flat_state(g_r))
+        for path, g in nnx.to_flat_state(g_b):
+            want_g = np.asarray(flat_r[path].get_value())
+            np.testing.assert_allclose(g.get_value(), want_g, rtol=0, atol=1e-5 * max(1.0, np.abs(want_g).max()),
+                                       err_msg="blocked " + "/".join(map(str, path)))
     assert float(jnp.abs(l_d).max()) > 1.0  # O(1) logits: not a flat, trivially equal output
     np.testing.assert_allclose(l_r, l_d, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(a_r, a_d, atol=1e-6)
@@ -178,38 +196,49 @@ def test_ragged_dot_equals_dense_reference_forward_and_grads(norm_topk_prob, fie
         assert float(jnp.abs(flat_d[("dense_layers", "mlp", "up_proj", "kernel")].get_value()).max()) > 1e-3
 
 
+# Every case has M = 36 rows (the groups plus the extra rows) and takes its sizes as an argument: the four
+# programs (ragged_dot and three blockings, values and gradients) are built once for the three cases.
 @pytest.mark.parametrize("sizes,extra_rows", [
-    ((5, 0, 17, 1, 0, 9), 0),       # empty groups, a group spanning blocks
-    ((0, 0, 40, 0, 0, 0), 3),       # one group; rows past the groups give zeros
-    ((3, 3, 3, 3, 3, 3), 0)])
+    ((5, 0, 17, 1, 0, 13), 0),      # empty groups, a group spanning blocks
+    ((0, 0, 33, 0, 0, 0), 3),       # one group; rows past the groups give zeros
+    ((6, 6, 6, 6, 6, 6), 0)])
 @pytest.mark.slow
 def test_blocked_gmm_equals_ragged_dot_values_and_grads(sizes, extra_rows):
     """`moe.blocked_gmm` == ``jax.lax.ragged_dot`` (the XLA reference), forward and both gradients."""
-    from pdm_jax.models import moe
-
     sizes_E = jnp.asarray(sizes, jnp.int32)
     M, E, A, C = sum(sizes) + extra_rows, len(sizes), 12, 10
+    assert M == _GMM_ROWS
     lhs = jax.random.normal(jax.random.key(0), (M, A))
     rhs = jax.random.normal(jax.random.key(1), (E, A, C))
     probe = jax.random.normal(jax.random.key(2), (M, C))
-
-    def run(f):  # values and both gradients, one compiled program
-        @jax.jit
-        def values_and_grads(a, b):
-            return f(a, b), jax.grad(lambda a, b: jnp.sum(f(a, b) * probe), argnums=(0, 1))(a, b)
-
-        return values_and_grads(lhs, rhs)
-
-    want, (gl_w, gr_w) = run(lambda a, b: jax.lax.ragged_dot(a, b, sizes_E))
+    want, (gl_w, gr_w) = _gmm_values_and_grads(None, None)(lhs, rhs, sizes_E, probe)
     for block_rows, per_step in ((8, 1), (8, 3), (128, 8)):
-        got, (gl, gr) = run(lambda a, b: moe.blocked_gmm(a, b, sizes_E, block_rows=block_rows,
-                                                         blocks_per_step=per_step))
+        got, (gl, gr) = _gmm_values_and_grads(block_rows, per_step)(lhs, rhs, sizes_E, probe)
         assert float(jnp.abs(want).max()) > 1.0
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(gl, gl_w, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(gr, gr_w, atol=1e-5, rtol=1e-5)
     if extra_rows:
         np.testing.assert_array_equal(np.asarray(got[-extra_rows:]), 0.0)
+
+
+_GMM_ROWS = 36
+
+
+@functools.lru_cache(maxsize=None)
+def _gmm_values_and_grads(block_rows, per_step):
+    """Values and both gradients (against a probe) of ``jax.lax.ragged_dot`` (block_rows None) or
+    `moe.blocked_gmm`, one compiled program taking (lhs, rhs, group sizes, probe)."""
+    def f(a, b, sizes):
+        if block_rows is None:
+            return jax.lax.ragged_dot(a, b, sizes)
+        return moe_lib.blocked_gmm(a, b, sizes, block_rows=block_rows, blocks_per_step=per_step)
+
+    @jax.jit
+    def values_and_grads(a, b, sizes, probe):
+        return f(a, b, sizes), jax.grad(lambda a, b: jnp.sum(f(a, b, sizes) * probe), argnums=(0, 1))(a, b)
+
+    return values_and_grads
 
 
 def test_moe_auto_resolves_by_target_platform(monkeypatch):
@@ -227,8 +256,8 @@ def test_megablox_interpret_equals_dense():
     """megablox gmm (Pallas; interpret mode off TPU) gives the dense reference's logits."""
     model = _o1_weights(init_model(Qwen3Config(**TINY_MOE), seed=0))
     ids, mask = _inputs()
-    want = model.set_compute_options(moe_implementation="dense")(ids, attention_mask=mask)
-    got = model.set_compute_options(moe_implementation="megablox")(ids, attention_mask=mask)
+    want = jit_method(model.set_compute_options(moe_implementation="dense"))(ids, attention_mask=mask)
+    got = jit_method(model.set_compute_options(moe_implementation="megablox"))(ids, attention_mask=mask)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -236,7 +265,8 @@ def test_megablox_interpret_equals_dense():
 def test_scan_unrolled_remat_and_decode_agree():
     model = _o1_weights(init_model(Qwen3Config(**TINY_MOE), seed=0))
     ids, mask = _inputs()
-    ref, aux = jit_method(model, return_aux=True)(ids, attention_mask=mask)
+    forward = jit_method(model, return_aux=True)  # (the default options: scan, no remat)
+    ref, aux = forward(ids, attention_mask=mask)
     for opts in (dict(scan_layers=False), dict(scan_layers=True, remat="full")):
         model.set_compute_options(**opts)
         got, got_aux = jit_method(model, return_aux=True)(ids, attention_mask=mask)
@@ -245,7 +275,7 @@ def test_scan_unrolled_remat_and_decode_agree():
     model.set_compute_options(scan_layers=True, remat="none")
     # Prefill through the KV cache = the training forward (right-padded rows only).
     full = jnp.ones_like(mask)
-    want = jit_method(model)(ids, attention_mask=full)
+    want, _ = forward(ids, attention_mask=full)  # the first program again (same shapes)
     cache = model.init_cache(3, 7)
     positions = jnp.broadcast_to(jnp.arange(7), (3, 7))
     got, _ = jit_method(model, "decode")(ids, positions, cache, 0, full.astype(bool))
@@ -297,9 +327,9 @@ def test_dense_model_aux_is_zero_and_unchanged():
     cfg = Qwen3Config(**{**TINY_MOE, "num_experts": 0})
     model = init_model(cfg, seed=0)
     ids, mask = _inputs()
-    logits, aux = model(ids, attention_mask=mask, return_aux=True)
+    logits, aux = jit_method(model, return_aux=True)(ids, attention_mask=mask)
     assert float(aux) == 0.0
-    np.testing.assert_array_equal(logits, model(ids, attention_mask=mask))
+    np.testing.assert_array_equal(logits, jit_method(model)(ids, attention_mask=mask))
 
 
 # ------------------------------------------------------------------------------ aux loss
@@ -324,13 +354,18 @@ def _np_load_balancing_loss(gate_logits, num_experts, top_k, attention_mask=None
 
 
 def _moe_lib_loss(gate_logits, top_k, mask=None):
+    return float(_moe_lib_loss_program(gate_logits, top_k, mask))
+
+
+@functools.partial(jax.jit, static_argnums=1)  # one program (op by op, some twenty small ones)
+def _moe_lib_loss_program(gate_logits, top_k, mask):
     sums = None
     for layer in gate_logits:
         _, experts, probs = moe_lib.route(jnp.asarray(layer), top_k, False)
         s = moe_lib.load_balancing_stats(probs, experts, None if mask is None
                                          else jnp.asarray(mask).reshape(-1))
         sums = s if sums is None else tuple(a + b for a, b in zip(sums, s))
-    return float(moe_lib.load_balancing_loss(*sums))
+    return moe_lib.load_balancing_loss(*sums)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -527,7 +562,7 @@ def test_moe_sharded_load_and_expert_parallel_forward():
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None, "tensor")
     assert {tuple(s.data.shape) for s in kernel.addressable_shards} == {(2, 2, 16, 6)}
     args = (ref["input_ids"], ref["position_ids"], ref["attention_mask"])
-    want, want_aux = plain(*args, return_aux=True)
+    want, want_aux = jit_method(plain, return_aux=True)(*args)
     graphdef, state = nnx.split(sharded)
 
     @jax.jit

@@ -11,7 +11,7 @@ from flax import nnx
 
 from pdm_jax.rl import train_step as ts, trust_region
 from pdm_jax.rl.loss import PolicyLossConfig
-from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.models.qwen3 import Qwen3Config, init_model
 from pdm_jax.rl.step_batch import StepBatch
 
 V, P, T, K, B = 37, 3, 5, 4, 4
@@ -22,7 +22,7 @@ TR = trust_region.TrustRegionConfig(mask="pdm", estimator="bucket_exact")
 
 
 def _setup(cfg=CFG):
-    graphdef, params = nnx.split(Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(init_model(cfg, seed=0))  # one compiled init, not dozens of eager programs
     rng = np.random.default_rng(0)
     pm = np.ones((B, P), bool)
     pm[0, 0] = False
@@ -60,10 +60,17 @@ MIXED = Qwen3Config(**{**CFG.__dict__, "mlp_only_layers": (0,)})
 @pytest.mark.slow
 def test_router_aux_loss_enters_the_loss(chunk, cfg):
     graphdef, params, batch = _setup(cfg)
-    aux, aux_grad = jax.jit(jax.value_and_grad(lambda p: _model_aux(graphdef, p, batch)))(params)
-    l0, m0, g0 = _vg(graphdef, params, batch, logits_chunk_size=chunk)
     c = 0.3
-    l1, m1, g1 = _vg(graphdef, params, batch, logits_chunk_size=chunk, router_aux_loss_coef=c)
+    fns = [ts.make_rl_loss(graphdef, TR, PolicyLossConfig(logits_chunk_size=chunk, router_aux_loss_coef=coef))
+           for coef in (0.0, c)]
+
+    @jax.jit  # the model's aux loss and the two losses (without and with the coefficient): one program
+    def values_and_grads(params, batch):
+        return (jax.value_and_grad(lambda p: _model_aux(graphdef, p, batch))(params),
+                [jax.value_and_grad(fn, has_aux=True)(params, batch) for fn in fns])
+
+    (aux, aux_grad), (((l0, m0), g0), ((l1, m1), g1)) = jax.device_get(values_and_grads(params, batch))
+    l0, l1 = float(l0), float(l1)
     assert float(aux) > 0.5  # ~1 for balanced routing (HF's normalisation: E * sum f_e P_e)
     np.testing.assert_allclose(m0["router_aux_loss"], float(aux), rtol=1e-6)
     np.testing.assert_allclose(l1 - l0, c * float(aux), rtol=1e-5)
@@ -78,13 +85,17 @@ def test_micro_batched_step_logs_mean_of_micro_batch_aux():
     tx = optax.sgd(0.0)
     state = ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     lc = PolicyLossConfig(micro_batch_size=2, router_aux_loss_coef=0.1)
-    _, m = jax.jit(ts.make_rl_train_step(graphdef, tx, TR, lc))(state, batch)
+    steps = [ts.make_rl_train_step(graphdef, tx, TR, c) for c in (lc, PolicyLossConfig(micro_batch_size=2))]
     n = B // 2  # micro-batch j holds rows j, j + n
-    model_aux = jax.jit(lambda p, b: _model_aux(graphdef, p, b))
-    want = np.mean([float(model_aux(params, jax.tree.map(lambda x: None if x is None else x[j::n], batch)))
-                    for j in range(n)])
+
+    @jax.jit  # both steps' metrics and the model's aux loss on each micro-batch: one program
+    def metrics_and_micro_aux(state, batch):
+        micro_aux = [_model_aux(graphdef, state.params, jax.tree.map(lambda x: x[j::n], batch)) for j in range(n)]
+        return [step(state, batch)[1] for step in steps], micro_aux
+
+    (m, m0), micro_aux = jax.device_get(metrics_and_micro_aux(state, batch))
+    want = np.mean([float(a) for a in micro_aux])
     np.testing.assert_allclose(m["router_aux_loss"], want, rtol=1e-5)
-    _, m0 = jax.jit(ts.make_rl_train_step(graphdef, tx, TR, PolicyLossConfig(micro_batch_size=2)))(state, batch)
     np.testing.assert_allclose(m["loss"] - m0["loss"], 0.1 * want, rtol=1e-4)
 
 

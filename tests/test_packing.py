@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from conftest import assert_same_step
-from pdm_jax.models import Qwen3Config, Qwen3ForCausalLM
+from pdm_jax.models import Qwen3Config
+from pdm_jax.models.qwen3 import init_model
 from pdm_jax.rl import objectives, packing, train_step as ts, trust_region
 from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.rl.step_batch import StepBatch
@@ -32,7 +33,7 @@ def _masks():
 
 @pytest.fixture(scope="module")
 def setup():
-    graphdef, params = nnx.split(Qwen3ForCausalLM(CFG, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(init_model(CFG, seed=0))  # one compiled init, not dozens of eager programs
     rng = np.random.default_rng(0)
     B = len(PROMPT_LENS)
     prompt_mask, completion_mask = _masks()
@@ -43,11 +44,17 @@ def setup():
         completion_mask=completion_mask,
         advantages=np.array([1.0, -0.5, 0.25, -1.0, 0.5, 0.75], np.float32),
     )
-    logits = ts.completion_logits(graphdef, params, batch.prompt_ids, batch.prompt_mask,
-                                  batch.completion_ids, batch.completion_mask) / TAU
-    logp = jax.nn.log_softmax(logits, -1)
-    top_lp, top_ids = jax.lax.top_k(logp, K)
-    behavior = np.asarray(jnp.take_along_axis(logp, batch.completion_ids[..., None], -1)[..., 0])
+
+    @jax.jit  # one program (op by op, the forward built a hundred)
+    def behavior_and_top_k(params, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        logits = ts.completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask) / TAU
+        logp = jax.nn.log_softmax(logits, -1)
+        top_lp, top_ids = jax.lax.top_k(logp, K)
+        return jnp.take_along_axis(logp, completion_ids[..., None], -1)[..., 0], top_lp, top_ids
+
+    behavior, top_lp, top_ids = behavior_and_top_k(params, batch.prompt_ids, batch.prompt_mask,
+                                                   batch.completion_ids, batch.completion_mask)
+    behavior = np.asarray(behavior)
     # Off-policy (some tokens out of the region, so the mask matters) and a reference policy for the KL term.
     batch = batch.replace(behavior_logprobs=behavior - 0.7, topk_ids=np.asarray(top_ids),
                           topk_logprobs=np.asarray(top_lp) - 0.7, ref_logprobs=behavior - 0.3)

@@ -1,6 +1,7 @@
 """Qwen3 NNX model: parity with transformers' PyTorch Qwen3, KV-cache decode, config (the presets:
 tests/test_models_presets.py)."""
 import dataclasses
+import functools
 import json
 import os
 
@@ -24,21 +25,20 @@ TINY = Qwen3Config(vocab_size=48, hidden_size=32, intermediate_size=40, num_hidd
 
 
 def _scaled_model(config: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
-    """Random model with O(1) logits (the 0.02 init gives near-uniform attention)."""
-    model = Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed))
-    state = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    shapes = [x.shape for x in leaves]
+    """Random model with O(1) logits (the 0.02 init gives near-uniform attention). The structure comes from an
+    abstract init (an eager one builds a few dozen small programs, and the draws replace its values anyway); the
+    draws are one program per config."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(seed))))
+    leaves, treedef = jax.tree.flatten(abstract)
+    new = _draw(tuple(x.shape for x in leaves), jax.random.key(seed + 1))
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
 
-    @jax.jit  # one program for all the draws
-    def draw(key):
-        keys = jax.random.split(key, len(shapes))
-        return [jax.random.normal(k, shape) * (1.0 if len(shape) == 1 else 1.0 / np.sqrt(shape[0]))
-                + (1.0 if len(shape) == 1 else 0.0) for k, shape in zip(keys, shapes)]
 
-    new = draw(jax.random.key(seed + 1))
-    nnx.update(model, jax.tree.unflatten(treedef, new))
-    return model
+@functools.partial(jax.jit, static_argnums=0)
+def _draw(shapes, key):  # one program for all the draws
+    keys = jax.random.split(key, len(shapes))
+    return [jax.random.normal(k, shape) * (1.0 if len(shape) == 1 else 1.0 / np.sqrt(shape[0]))
+            + (1.0 if len(shape) == 1 else 0.0) for k, shape in zip(keys, shapes)]
 
 
 def forward(model, ids, positions=None, attention_mask=None):
@@ -205,9 +205,10 @@ def test_out_of_range_pad_ids_do_not_leak():
     mask = np.ones((2, 6), bool)
     mask[0, :2] = False
     mask[1, -1] = False
-    want = np.asarray(forward(model, ids, attention_mask=mask))
+    fwd = jit_method(model)  # one program for the three calls
+    want = np.asarray(fwd(ids, attention_mask=mask))
     for pad in (-1, TINY.vocab_size + 5):
-        got = np.asarray(forward(model, np.where(mask, ids, pad), attention_mask=mask))
+        got = np.asarray(fwd(np.where(mask, ids, pad), attention_mask=mask))
         assert np.isfinite(got).all()
         np.testing.assert_array_equal(got[mask], want[mask])
 
@@ -217,8 +218,10 @@ def test_bf16_forward_close_to_f32():
     ids = np.random.RandomState(0).randint(0, TINY.vocab_size, (2, 6))
     want = np.asarray(forward(model, ids))
     state = nnx.state(model, nnx.Param)
-    bf = Qwen3ForCausalLM(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    nnx.update(bf, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
+    bf_graphdef, _ = nnx.split(nnx.eval_shape(  # the structure only (the values come from the f32 model)
+        lambda: Qwen3ForCausalLM(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)))
+    bf = nnx.merge(bf_graphdef, jax.jit(lambda s: jax.tree.map(lambda x: x.astype(jnp.bfloat16), s))(state))
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(bf, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
     got = forward(bf, ids)
     assert got.dtype == jnp.float32
     assert np.abs(np.asarray(got) - want).max() < 0.1 * np.abs(want).max()
@@ -240,7 +243,7 @@ def test_model_holds_only_params_and_grads_are_finite():
 
 
 def test_bad_inputs():
-    model = Qwen3ForCausalLM(TINY, rngs=nnx.Rngs(0))
+    model = _scaled_model(TINY)
     with pytest.raises(ValueError, match="positions"):
         model(np.zeros((2, 3), np.int32), positions=np.zeros((2, 4), np.int32))
     with pytest.raises(ValueError, match="attention_mask"):
@@ -367,30 +370,36 @@ def test_decode_kv_window_reads_only_the_window():
     kv_mask = np.zeros((B, S), bool)
     kv_mask[:, :P] = mask
     kv_mask[:, P:] = True  # generated slots: hidden past each row's own index by causality
-    _, cache = model.decode(ids, positions, model.init_cache(B, S), 0, kv_mask)
+    _, cache = jit_method(model, "decode")(ids, positions, model.init_cache(B, S), 0, kv_mask)
     index = np.array([P, P + 2, P + 3], np.int32)  # each row at its own slot (continuous batching)
     tok = rng.randint(0, TINY.vocab_size, size=(B, 1)).astype(np.int32)
     pos = (positions[:, -1:] + 1 + index[:, None] - P).astype(np.int32)
-    nan_tail = lambda c, w: KVCache(k=tuple(k.at[..., w:].set(jnp.nan) for k in c.k),  # noqa: E731
-                                    v=tuple(v.at[:, :, w:].set(jnp.nan) for v in c.v))
-    cut = lambda c, w: KVCache(k=tuple(k[..., :w] for k in c.k), v=tuple(v[:, :, :w] for v in c.v))  # noqa: E731
+
+    @jax.jit  # one program for every width (the width is an argument)
+    def nan_tail(c, w):
+        return KVCache(k=tuple(jnp.where(jnp.arange(S) >= w, jnp.nan, k) for k in c.k),  # k: [B, K, H, S]
+                       v=tuple(jnp.where(jnp.arange(S)[:, None] >= w, jnp.nan, v) for v in c.v))  # v: [B, K, S, H]
+
+    def cut(c, w):
+        return KVCache(k=tuple(k[..., :w] for k in c.k), v=tuple(v[:, :, :w] for v in c.v))
 
     @jax.jit
     def windowed(state, cache, phase):
         return nnx.merge(graphdef, state).decode(tok, pos, cache, index, kv_mask, kv_window=(phase, (10, 16, S)))
 
-    @jax.jit
-    def plain(state, cache, kv_mask):
-        return nnx.merge(graphdef, state).decode(tok, pos, cache, index, kv_mask)
+    @functools.partial(jax.jit, static_argnums=2)
+    def plain(state, cache, width):  # a decode over the cache physically cut to width slots
+        return nnx.merge(graphdef, state).decode(tok, pos, cut(cache, width), index, kv_mask[:, :width])
 
     for phase, width in enumerate((10, 16, S)):
         got, got_cache = windowed(state, nan_tail(cache, width), jnp.int32(phase))
-        want, want_cache = plain(state, cut(cache, width), kv_mask[:, :width])
+        want, want_cache = plain(state, cache, width)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        got_cache = jax.device_get(got_cache)
         for a, b in zip(cut(got_cache, width).k + cut(got_cache, width).v, want_cache.k + want_cache.v):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         if width < S:
-            assert np.isnan(np.asarray(plain(state, nan_tail(cache, width), kv_mask)[0])).any()
+            assert np.isnan(np.asarray(plain(state, nan_tail(cache, width), S)[0])).any()
     for widths in ((), (0,), (10, S + 1), (10.0,), (True,)):
         with pytest.raises(ValueError, match="kv_window widths must be static ints in"):
             model.decode(tok, pos, cache, index, kv_mask, kv_window=(0, widths))

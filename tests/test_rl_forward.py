@@ -11,11 +11,16 @@ from pdm_jax.rl import forward
 from conftest import TINY_DENSE, jit_method
 
 
-def test_completion_positions_are_the_ones_that_score_the_completion_tokens():
-    # random weights drawn on the host (an eager model init compiles dozens of small programs)
+def _host_drawn_model(rng):
+    """The tiny dense model's graphdef and weights drawn on the host (an eager model init compiles dozens of small
+    programs; a compiled one, a program as costly as the test's forward)."""
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3ForCausalLM(TINY_DENSE, rngs=nnx.Rngs(0))))
+    return graphdef, jax.tree.map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), abstract)
+
+
+def test_completion_positions_are_the_ones_that_score_the_completion_tokens():
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), abstract)
+    graphdef, params = _host_drawn_model(rng)
     prompt_ids = rng.integers(1, 32, (2, 3)).astype(np.int32)
     prompt_mask = np.array([[True, True, True], [False, True, True]])  # row 1 left-padded
     completion_ids = rng.integers(1, 32, (2, 4)).astype(np.int32)
@@ -26,6 +31,7 @@ def test_completion_positions_are_the_ones_that_score_the_completion_tokens():
                    )(params)
     logits = jax.jit(lambda p: forward.completion_logits(graphdef, p, *batch))(params)
     assert logits.shape == (2, 4, TINY_DENSE.vocab_size) and logits.dtype == jnp.float32
+    full = np.asarray(full)  # sliced on the host (a device array's slices are programs of their own)
     np.testing.assert_allclose(logits, full[:, 2:6], rtol=0, atol=1e-6)  # position 2 predicts completion token 0
     assert not np.allclose(logits, full[:, 3:7], atol=1e-3)  # one position later is another distribution
 
@@ -45,17 +51,19 @@ def test_packed_rows_give_each_sequence_its_own_logits():
     it alone (segments apart, positions restarting)."""
     import types
 
-    model = Qwen3ForCausalLM(TINY_DENSE, rngs=nnx.Rngs(3))
+    graphdef, params = _host_drawn_model(np.random.default_rng(3))
+    model = nnx.merge(graphdef, params)
     a, b = [4, 5, 6, 7, 8], [9, 10, 11]
     segments = np.array([[1] * len(a) + [2] * len(b) + [0, 0]], np.int32)
     rows = types.SimpleNamespace(input_ids=jnp.asarray([a + b + [0, 0]], jnp.int32),
                                  token_mask=jnp.asarray(segments > 0), segment_ids=jnp.asarray(segments))
-    graphdef, params = nnx.split(model)
     out, _, aux = jax.jit(lambda p: forward.packed_forward(graphdef, p, rows, head=True))(params)
     assert out.shape == (1, 10, TINY_DENSE.vocab_size) and aux is None
 
+    forward_alone = jit_method(model)
+
     def alone(ids):
-        return np.asarray(jit_method(model)(jnp.asarray([ids], jnp.int32),
-                                            attention_mask=jnp.ones((1, len(ids)), bool))[0])
-    np.testing.assert_allclose(np.asarray(out[0, :len(a)]), alone(a), atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(out[0, len(a):len(a) + len(b)]), alone(b), atol=1e-5, rtol=1e-5)
+        return np.asarray(forward_alone(jnp.asarray([ids], jnp.int32), attention_mask=jnp.ones((1, len(ids)), bool))[0])
+    out = np.asarray(out)
+    np.testing.assert_allclose(out[0, :len(a)], alone(a), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out[0, len(a):len(a) + len(b)], alone(b), atol=1e-5, rtol=1e-5)
