@@ -140,7 +140,9 @@ def test_tiny_train_step_compiles_for_tpu(attention):
     attention, compiled by XLA:TPU; FLOPs from XLA:TPU's cost model within 2x of 6 N D."""
     # The splash plan skips the FLOP-count compiles (dry_run.count_flops; the blockwise plan's count is
     # test_counted_flops_add_up_every_loop_iteration's).
-    report = _tpu_plan(attention, dry_run__count_flops=attention == "blockwise")
+    # The splash plan has one layer (XLA:TPU compiles it in half the time; the layers are alike).
+    layers = {"model__num_hidden_layers": 1} if attention == "splash" else {}
+    report = _tpu_plan(attention, dry_run__count_flops=attention == "blockwise", **layers)
     c = report["compiled"]
     assert report["target"] == "XLA:TPU v5p:2x2x1" and report["shape"].attention == attention
     assert c["attention_note"] == "" and 0 < c["total"] < 2 ** 30
@@ -198,14 +200,18 @@ def test_tiny_moe_megablox_compiles_for_tpu():
 @needs_libtpu
 @pytest.mark.slow
 def test_cli_dry_run_on_tpu_ends_with_the_verdict():
-    """The CLI's XLA:TPU dry run of the tiny config (one layer: XLA:TPU compiles the step in half the time)."""
+    """The CLI's XLA:TPU dry run of the tiny config (one layer: XLA:TPU compiles the step in half the time) with a
+    subprocess sampler on 1 chip: libtpu has no 1-chip v5p slice, so its program compiles on the first chip of a
+    one-host slice, and the verdict checks each side on its own chips (the colocated verdict:
+    test_tiny_train_step_compiles_for_tpu)."""
     out = _cli_dry_run("--config.dry_run.compiler=tpu", "--config.dry_run.num_devices=4",
-                       "--config.model.num_hidden_layers=1", "--config.dry_run.count_flops=false")
+                       "--config.model.num_hidden_layers=1", "--config.dry_run.count_flops=false",
+                       "--config.sampler.mode=subprocess")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert "COMPILED by XLA:TPU v5p:2x2x1" in out.stdout and "COMPILED sampler program by XLA:TPU" in out.stdout
     assert "counted_tflops: not counted: dry_run.count_flops = False" in out.stdout  # the flag reaches the plan
-    assert lines[-1].endswith("(XLA:TPU v5p:2x2x1, train step + colocated sampler (compiled)): fits"), lines[-1]
+    assert lines[-1].endswith("sampler on its own chips (compiled)): fits"), lines[-1]
 
 
 def test_cpu_platform_outside_a_mesh():
@@ -313,15 +319,8 @@ def test_per_host_rollouts_need_prompts_dividing_the_hosts():
 
 
 @needs_libtpu
-@pytest.mark.slow
-def test_a_sampler_on_chips_of_its_own_compiles_on_part_of_a_host():
-    """A subprocess sampler on 1 chip: libtpu has no 1-chip v5p slice, so its program compiles on the first
-    chip of a one-host slice, and the verdict checks each side on its own chips."""
-    # One layer (the compiles take half the time), no FLOP-count compiles: this test is about the sampler's chips.
-    c = _tiny_tpu("blockwise", model__num_hidden_layers=1, dry_run__count_flops=False)
-    c.sampler.mode = "subprocess"
-    report = dry_run.plan(c, compiler="tpu", chip="v5p", num_devices=4)
-    assert not report["sampler"]["colocated"] and report["sampler_compiled"]["total"] > 0
-    assert dry_run.format_report(report).splitlines()[-1].endswith("sampler on its own chips (compiled)): fits")
+def test_a_sampler_on_chips_of_its_own_is_placed_on_part_of_a_host():
+    """A subprocess sampler's chips: the first of a one-host slice (its compile and verdict:
+    test_cli_dry_run_on_tpu_ends_with_the_verdict)."""
     assert len(aot.target_devices("tpu", "v5p", 1)) == 1
     assert aot.label("tpu", "v5p", None, 2) == "XLA:TPU v5p:2x2x1 (its first 2)"

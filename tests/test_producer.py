@@ -55,7 +55,9 @@ def _drive(producer, sampler, steps, last, log):
         sampler.version = step + 1
         producer.notify_version(step + 1)
         want = set(range(step + 1, min(step + 2 + producer.staleness, last)))
+        deadline = time.monotonic() + 60
         while set(producer.snapshot()) != want:
+            assert time.monotonic() < deadline, (step, sorted(producer.snapshot()), sorted(want))
             time.sleep(0.001)
 
 

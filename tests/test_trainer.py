@@ -195,7 +195,7 @@ def test_cli_end_to_end_then_resume_after_sigkill(reference_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--config.rl.dynamic_sampling=True"]], ids=["plain", "dynamic_sampling"])
-def test_a_resumed_async_run_trains_on_the_batches_sampled_ahead_of_its_checkpoint(tmp_path, extra):
+def test_a_resumed_async_run_trains_on_the_batches_sampled_ahead_of_its_checkpoint(reference_run, tmp_path, extra):
     """``rl.max_staleness`` = 2, SIGKILLed after RL step 2 and resumed: the checkpoint of step 2 holds the batches
     sampled ahead of it (at least batch 3's, sampled with a weights version <= 1 while step 2 trained), and the
     resumed run trains on them: its step-3 staleness is the saved batch's (>= 1), as uninterrupted, not the 0 of
@@ -205,7 +205,7 @@ def test_a_resumed_async_run_trains_on_the_batches_sampled_ahead_of_its_checkpoi
     from pdm_jax.rollouts import queued
 
     run = tmp_path / "run"
-    args = SMALL + [f"--config.compile_cache.dir={tmp_path / 'jax_cache'}", "--config.rl.max_staleness=2"] + extra
+    args = SMALL + reference_run[2] + ["--config.rl.max_staleness=2"] + extra  # the reference run's programs
     r = _run_cli(run, args + ["--config.debug.kill_after_rl_step=2"])
     assert r.returncode == -9, (r.returncode, r.stderr[-3000:])
     _assert_no_sampler_left(run)
