@@ -30,16 +30,16 @@ for its share, at most ``--body_timeout_s``, then gets 503 with ``Retry-After``)
 concurrent decoding holds; a body that has not arrived whole ``--body_timeout_s`` after its admission
 gets 408 and its connection is closed.  Invalid requests get 4xx with
 ``{"error": {"message", "field", "type"}}`` naming the field (malformed bodies
--- nesting deeper than ``wire.MAX_DEPTH``, non-string map keys, bad packed
-arrays -- are 400, see `wire.loads`); unexpected failures are 500 with the
+-- nesting deeper than ``wire_codec.MAX_DEPTH``, non-string map keys, bad packed
+arrays -- are 400, see `wire_codec.loads`); unexpected failures are 500 with the
 exception in the message (the client retries those; each one is a bug).
 Generation requests are serialised by the engine's lock (one jitted batch at a
 time), so concurrent requests are answered correctly, each as if alone; they
 run off the event loop, so ``/health`` answers during a generation.
 
 Layout: `SamplerService` holds one small handler per endpoint; each decodes
-the body with ``wire`` (`wire.GenerateRequest`, `wire.LoadWeightsRequest`),
-calls the engine and encodes the answer with ``wire`` (`wire.GenerateResponse`,
+the body with ``wire`` (`wire_request.GenerateRequest`, `wire_request.LoadWeightsRequest`),
+calls the engine and encodes the answer with ``wire`` (`wire_response.GenerateResponse`,
 `wire.error_body`); `create_app` only wires them into a FastAPI app.
 
 With ``--port=0`` the OS picks a free port; it is printed
@@ -66,7 +66,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from pdm_jax.sampler import defaults, openai_api, wire
+from pdm_jax.sampler import defaults, openai_api, wire, wire_codec, wire_request, wire_response
 from pdm_jax.sampler.admission import BodyBudget, BudgetTimeout
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -196,10 +196,10 @@ class HTTPError(Exception):
 
 
 def respond(request: Request, payload: dict, status: int = 200, headers: Optional[dict] = None) -> Response:
-    """`payload` encoded as msgpack or JSON (`wire.response_is_msgpack` of the request's headers)."""
-    use_mp = wire.response_is_msgpack(request.headers.get("accept"), request.headers.get("content-type"))
-    return Response(wire.dumps(payload, msgpack=use_mp), status_code=status, headers=headers,
-                    media_type=wire.MSGPACK if use_mp else wire.JSON)
+    """`payload` encoded as msgpack or JSON (`wire_codec.response_is_msgpack` of the request's headers)."""
+    use_mp = wire_codec.response_is_msgpack(request.headers.get("accept"), request.headers.get("content-type"))
+    return Response(wire_codec.dumps(payload, msgpack=use_mp), status_code=status, headers=headers,
+                    media_type=wire_codec.MSGPACK if use_mp else wire_codec.JSON)
 
 
 def error_response(request: Request, e: HTTPError) -> Response:
@@ -303,7 +303,7 @@ class SamplerService:
         return n
 
     async def read_body(self, request: Request) -> dict:
-        """The request body decoded by `wire.decode_body`; streamed, cut off at `max_body_bytes` (413) and at
+        """The request body decoded by `wire_codec.decode_body`; streamed, cut off at `max_body_bytes` (413) and at
         `body_timeout_s` (408: a body trickled in, or a client that stopped sending; the connection is closed).
         The body's admission (`guard`) shrinks to its size once it is whole.
 
@@ -326,19 +326,19 @@ class SamplerService:
         if reservation is not None:
             reservation.shrink(size)
         try:  # parsing an 8 MB body takes a while: off the event loop, so /health keeps answering meanwhile
-            return await run_in_threadpool(wire.decode_body, b"".join(chunks), request.headers.get("content-type"))
-        except wire.BodyError as e:
+            return await run_in_threadpool(wire_codec.decode_body, b"".join(chunks), request.headers.get("content-type"))
+        except wire_codec.BodyError as e:
             raise HTTPError(e.status, str(e), field=e.field, kind=e.kind) from e
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: Request) -> Response:
         """``GET /health``: the engine's health plus request counters and uptime."""
-        return respond(request, wire.health_with_stats(
+        return respond(request, wire_response.health_with_stats(
             self.engine.health(), requests=self.requests, generated_tokens=self.generated_tokens,
             uptime_s=time.time() - self.started))
 
     async def generate(self, request: Request) -> Response:
-        """``POST /v1/generate``: decode (`wire.GenerateRequest`), validate, generate, encode (422 names the field).
+        """``POST /v1/generate``: decode (`wire_request.GenerateRequest`), validate, generate, encode (422 names the field).
 
         Decoding, validation, generation and encoding all run in a worker thread, off the event loop, so
         ``/health`` answers while they run (the trainer's stall probe relies on that).
@@ -346,10 +346,10 @@ class SamplerService:
         body = await self.read_body(request)
 
         def work():
-            req = wire.GenerateRequest.from_wire(body)
+            req = wire_request.GenerateRequest.from_wire(body)
             self.engine.validate(req.prompts, **req.engine_kwargs())
             batch = self.engine.generate(req.prompts, **req.engine_kwargs())
-            resp = wire.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
+            resp = wire_response.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
             return resp, respond(request, resp.to_wire(req.response_format))
 
         resp, answer = await run_in_threadpool(work)
@@ -360,7 +360,7 @@ class SamplerService:
     async def load_weights(self, request: Request) -> Response:
         """``POST /v1/weights``: 403 outside the root, 404 missing/incomplete, 409 stale or other version,
         422 unusable weights (corrupt files, non-finite values, wrong shapes; the current version stays)."""
-        req = wire.LoadWeightsRequest.from_wire(await self.read_body(request))
+        req = wire_request.LoadWeightsRequest.from_wire(await self.read_body(request))
         try:
             full = self._weights_dir(req.path)
             info = await run_in_threadpool(self._load, full, req.version)
@@ -368,7 +368,7 @@ class SamplerService:
             e.message = self._scrub(e.message)
             raise
         stats = None if self.compile_counter is None else self.compile_counter.snapshot()
-        return respond(request, wire.weights_response(info, stats))
+        return respond(request, wire_response.weights_response(info, stats))
 
     def _scrub(self, message: str) -> str:
         """`message` with the checkpoint root's absolute path (as given and resolved) replaced by
