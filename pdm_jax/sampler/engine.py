@@ -38,6 +38,7 @@ from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler.continuous_batching import (_CONTINUOUS_COMPACT_JIT, _CONTINUOUS_JIT,  # noqa: F401
                                                  _CONTINUOUS_TAIL_JIT, _MIN_PHASE, cache_phases, tail_levels)
 from pdm_jax.sampler.defaults import BATCHING_MODES
+from pdm_jax.sampler.limits import check_engine_mesh
 from pdm_jax.sampler.sampling import hoist_layer_slices, laid_out, next_pow2, sampling_distribution  # noqa: F401
 from pdm_jax.sampler.static_batching import cache_segments  # noqa: F401
 # Request validation lives with the wire schema (its errors name wire fields); re-exported here.
@@ -107,34 +108,6 @@ def make_sampler_mesh(data: int = 1, tensor: int = 1, devices=None):
         raise ValueError(f"sampler mesh: data x tensor = {data} x {tensor} = {data * tensor} devices, "
                          f"but only {len(devices)} are available")
     return shd.make_mesh(data=int(data), fsdp=1, tensor=int(tensor), devices=devices[:data * tensor])
-
-
-def check_engine_mesh(config, mesh, *, max_batch_size: int, max_slots: int) -> int:
-    """Refuses a mesh the engine cannot split evenly; returns the row shards (data x fsdp).
-
-    The tensor axis must divide the attention heads, the kv heads (the KV cache's sharded axis)
-    and the MLP widths (``intermediate_size``; MoE also ``moe_intermediate_size``); the row shards must divide
-    ``max_batch_size`` and ``max_slots`` (rows are split over them).  ``pdm_jax.sharding`` would
-    silently replicate a non-dividing axis; a sampler that was asked to shard says so instead.
-    Raises:
-      ValueError: naming the model field or limit, its value and the axis size.
-    """
-    sizes = dict(mesh.shape)
-    missing = [a for a in shd.MESH_AXES if a not in sizes]
-    if missing:
-        raise ValueError(f"SamplingEngine: mesh axes {tuple(sizes)} lack {missing} (use make_sampler_mesh)")
-    t, rows = sizes["tensor"], sizes["data"] * sizes["fsdp"]
-    fields = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
-    fields += ["moe_intermediate_size"] if getattr(config, "num_experts", 0) else []
-    for field, v in ((f, getattr(config, f)) for f in fields):
-        if v % t:
-            raise ValueError(f"SamplingEngine: model {field} = {v} is not divisible by the mesh's tensor axis "
-                             f"({t}); pick sampler.mesh.tensor dividing it")
-    for field, v in (("max_batch_size", max_batch_size), ("max_slots", max_slots)):
-        if v % rows:
-            raise ValueError(f"SamplingEngine: {field} = {v} is not divisible by the mesh's row shards "
-                             f"(data x fsdp = {rows}); rows are split over them")
-    return rows
 
 
 class SamplingEngine:

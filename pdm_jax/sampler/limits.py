@@ -34,3 +34,33 @@ def token_problem(token: str) -> Optional[str]:
         return (f"holds {len(bad)} character(s) outside RFC 6750's token set (ASCII letters, digits and -._~+/=), "
                 f"e.g. {ascii(bad[0])}: no client could send it, every request would be refused")
     return None
+
+
+def check_engine_mesh(config, mesh, *, max_batch_size: int, max_slots: int) -> int:
+    """Refuses a mesh the engine cannot split evenly; returns the row shards (data x fsdp).
+
+    The tensor axis must divide the attention heads, the kv heads (the KV cache's sharded axis)
+    and the MLP widths (``intermediate_size``; MoE also ``moe_intermediate_size``); the row shards must divide
+    ``max_batch_size`` and ``max_slots`` (rows are split over them).  ``pdm_jax.sharding`` would
+    silently replicate a non-dividing axis; a sampler that was asked to shard says so instead.
+    Raises:
+      ValueError: naming the model field or limit, its value and the axis size.
+    """
+    from pdm_jax.sharding import MESH_AXES  # imports JAX: only when a mesh is checked (the server's --help)
+
+    sizes = dict(mesh.shape)
+    missing = [a for a in MESH_AXES if a not in sizes]
+    if missing:
+        raise ValueError(f"SamplingEngine: mesh axes {tuple(sizes)} lack {missing} (use make_sampler_mesh)")
+    t, rows = sizes["tensor"], sizes["data"] * sizes["fsdp"]
+    fields = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    fields += ["moe_intermediate_size"] if getattr(config, "num_experts", 0) else []
+    for field, v in ((f, getattr(config, f)) for f in fields):
+        if v % t:
+            raise ValueError(f"SamplingEngine: model {field} = {v} is not divisible by the mesh's tensor axis "
+                             f"({t}); pick sampler.mesh.tensor dividing it")
+    for field, v in (("max_batch_size", max_batch_size), ("max_slots", max_slots)):
+        if v % rows:
+            raise ValueError(f"SamplingEngine: {field} = {v} is not divisible by the mesh's row shards "
+                             f"(data x fsdp = {rows}); rows are split over them")
+    return rows
