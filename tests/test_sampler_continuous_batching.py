@@ -6,6 +6,7 @@ import pytest
 
 from pdm_jax.sampler import continuous_batching as cb
 from pdm_jax.sampler.continuous_batching import cache_phases, tail_levels
+from pdm_jax.sampler.sampling import Draw
 from tests.test_sampler_engine import CFG, K, PROMPTS, TAU, _assert_same_rollouts, make_engine, make_params
 
 
@@ -30,8 +31,8 @@ def test_continuous_rows_with_different_max_lengths(continuous_pair):
     full = static.generate(PROMPTS, stop_token_ids=[stop], **gen)
     rows = [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
     row_max = [12, 1, 5, 3]
-    part = cb.run(cont, cont._state, PROMPTS, rows, temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
-                  stops=[stop], seed=5, row_max_new=row_max)
+    part = cb.run(cont, cont._state, PROMPTS, rows, Draw(temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
+                               stops=[stop], seed=5), row_max_new=row_max)
     for r, m in enumerate(row_max):
         want = min(m, int(full.completion_mask[r].sum()))
         assert part["length"][r] == want
@@ -89,8 +90,8 @@ def test_tail_program_runs_only_when_rows_are_left(params, continuous_pair, monk
     gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=TAU, seed=5)
     full = static.generate(PROMPTS, **gen)
     rows = [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
-    part = cb.run(cont, cont._state, PROMPTS, rows, temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
-                  stops=[], seed=5, row_max_new=[12, 1, 5, 3])  # rows 0 and 2 (2 slots), then 0 (1)
+    part = cb.run(cont, cont._state, PROMPTS, rows, Draw(temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
+                               stops=[], seed=5), row_max_new=[12, 1, 5, 3])  # rows 0 and 2 (2 slots), then 0 (1)
     assert tails == [2 if halving else 1, 4], tails
     for r, m in enumerate([12, 1, 5, 3]):
         np.testing.assert_array_equal(part["tokens"][r, :m], full.completion_ids[r, :m])

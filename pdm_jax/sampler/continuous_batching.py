@@ -30,7 +30,7 @@ from flax import nnx
 
 from pdm_jax.rollout import ROUTING_PAD, left_pad, routing_dtype
 from pdm_jax.sampler import defaults
-from pdm_jax.sampler.sampling import bucket, laid_out, next_pow2, sample_step
+from pdm_jax.sampler.sampling import Draw, bucket, laid_out, next_pow2, sample_step
 
 
 def copy_row(dst, i, src, j):
@@ -468,12 +468,11 @@ _CONTINUOUS_COMPACT_JIT = jax.jit(_continuous_compact, static_argnames=("slots",
 _CONTINUOUS_TAIL_JIT = jax.jit(_continuous_tail, static_argnums=(0,), static_argnames=("slots", "slice_layers_once"))
 
 
-def run(engine, state, prompts, rows, *, temperature, top_p, top_k, max_new, k, stops, seed, routing=False,
-                    row_max_new=None, key_offset=0):
-    """The whole request through `_continuous_program`; returns `_run_chunk`'s dict for all rows.
+def run(engine, state, prompts, rows, draw: Draw, row_max_new=None) -> dict:
+    """The whole request through `_continuous_program` with `draw`'s sampling; returns `static_batching.run`'s dict
+    for all rows.
 
-    ``row_max_new``: per-row limits (each <= max_new) instead of max_new for all (tests);
-    ``key_offset``: added to each row's prompt index in its key (``first_prompt_index``).
+    ``row_max_new``: per-row limits (each <= ``draw.max_new``) instead of max_new for all (tests).
 
     Static shapes (few, to bound compiles): ``max_slots`` slots, or max_slots / 4 with no tail for a request
     of at most that many rows (a smaller request leaves slots empty), the row queue next_pow2(N) (at least the
@@ -481,6 +480,7 @@ def run(engine, state, prompts, rows, *, temperature, top_p, top_k, max_new, k, 
     `_run_chunk`. The tail (`_continuous_compact`, then `_continuous_tail`) runs, and compiles, only when rows are
     left after the main loop.
     """
+    temperature, top_p, top_k, max_new, k, stops, seed, _, routing, key_offset = draw
     n_rows = len(rows)
     slots = engine.max_slots
     # A request of at most slots / 4 rows runs in a cache of that many slots, with no tail and one cache phase
@@ -515,7 +515,7 @@ def run(engine, state, prompts, rows, *, temperature, top_p, top_k, max_new, k, 
     phases = () if min_phase == _MIN_PHASE else (("min_phase", min_phase),)
     may_filter = top_p < 1.0 or top_k > 0  # else the program has no top-p / top-k filter (`sampling_distribution`)
     engine._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(engine.compute_dtype)) + ("routing",) * routing
-                       + phases + ((("park", engine.park_rows),) if engine.park_rows != defaults.PARK_ROWS else ())
+                       + phases + ((("park", engine.spec.park_rows),) if engine.spec.park_rows != defaults.PARK_ROWS else ())
                        + (("top_p/top_k filter",) if may_filter else ()))
     with engine._layout():
         carry, req = _CONTINUOUS_JIT(
@@ -524,7 +524,7 @@ def run(engine, state, prompts, rows, *, temperature, top_p, top_k, max_new, k, 
             jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
             jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
             jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
-            cache_dtype=engine.compute_dtype, min_phase=min_phase, park=engine.park_rows,
+            cache_dtype=engine.compute_dtype, min_phase=min_phase, park=engine.spec.park_rows,
             slice_layers_once=engine.slice_layers_once, may_filter=may_filter, tail=not small)
         rows_left = not small and len(tail_levels(slots, t)) > 1 and np.any(jax.device_get(carry.slots.live))
         if rows_left:  # the tail; the full cache is dropped before its program runs

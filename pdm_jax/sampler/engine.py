@@ -16,6 +16,7 @@ completion and in the mask), ``"length"`` when ``max_new_tokens`` was reached.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -31,15 +32,15 @@ from flax import nnx
 from pdm_jax import sharding as shd
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollout import ROUTING_PAD, RolloutBatch, build_batch, pad_axis
-from pdm_jax.sampler import continuous_batching, defaults, static_batching, wire, wire_response
+from pdm_jax.sampler import continuous_batching, static_batching, wire, wire_response
 from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
 # The batching programs' names the dry run and older callers import from here.
 from pdm_jax.sampler.continuous_batching import (_CONTINUOUS_COMPACT_JIT, _CONTINUOUS_JIT,  # noqa: F401
                                                  _CONTINUOUS_TAIL_JIT, _MIN_PHASE, cache_phases, tail_levels)
-from pdm_jax.sampler.defaults import BATCHING_MODES
 from pdm_jax.sampler.limits import check_engine_mesh
-from pdm_jax.sampler.sampling import hoist_layer_slices, laid_out, next_pow2, sampling_distribution  # noqa: F401
+from pdm_jax.sampler.spec import EngineSpec
+from pdm_jax.sampler.sampling import Draw, hoist_layer_slices, laid_out, next_pow2, sampling_distribution  # noqa: F401
 from pdm_jax.sampler.static_batching import cache_segments  # noqa: F401
 # Request validation lives with the wire schema (its errors name wire fields); re-exported here.
 from pdm_jax.sampler.wire import MAX_SEED, MIN_TEMPERATURE, RequestError  # noqa: F401
@@ -117,44 +118,12 @@ class SamplingEngine:
       config: ``pdm_jax.models.qwen3.Qwen3Config``.
       params: trainer weights: an ``nnx.Module``, ``nnx.State`` or nested pure
         dict of arrays (any float dtype; f32 expected).
-      quantization: ``"none"`` (f32, bit-compatible with the trainer), ``"bf16"``,
-        ``"fp8"`` (e4m3 weight-only, per-output-channel) or ``"int8"`` / ``"int4"`` / ``"int2"`` (weight-only, per
-        channel; int2 a stress lever only; see quantize.py).
+      spec: the engine's settings (`pdm_jax.sampler.spec.EngineSpec`: quantization, compute dtype, limits,
+        buckets, batching, slots, parking, weight noise); default ``EngineSpec()``.
+      settings: `EngineSpec` fields that replace the spec's (``SamplingEngine(cfg, params, batching="static")``);
+        an unknown name is a TypeError.
       version: weights version of `params`, reported per sequence.
-      weight_noise: relative std of the fixed Gaussian perturbation of the sampler's copy
-        (`quant.prepare_sampler_params`' ``weight_noise``; ``sampler.weight_noise``, the dialable
-        behaviour/trainer mismatch lever), in [0, 1]; 0 = none.
-      weight_noise_seed: its seed, an integer in [0, 2**32); the same draws for every version.
       weights_path: where `params` came from (for idempotent reloads), or None.
-      compute_dtype: activations/weights/KV-cache dtype of the sampler forward:
-        ``None``/``"auto"`` (`resolve_compute_dtype`: f32 for none, and for bf16/fp8/int8/int4
-        f32 on the CPU backend, bf16 on TPU/GPU), ``"float32"`` or ``"bfloat16"``.
-        The bf16/fp8/int8/int4 weights are rounded / quantized-dequantized once per version
-        and then held in this dtype, so f32 keeps their values exactly; logits are
-        always f32.
-      max_prompt_length: longest accepted prompt (tokens); also the largest prompt bucket.
-      max_new_tokens: largest accepted ``max_new_tokens``; the largest decode bucket.
-      max_batch_size: largest batch bucket; bigger requests run in chunks.
-      min_prompt_bucket: smallest prompt bucket (fewer compiles for short prompts).
-      min_new_tokens_bucket: smallest decode bucket (the loop still stops at the
-        requested max_new_tokens; a larger bucket costs cache memory and attention
-        over masked slots).
-      first_cache_segment: the KV cache starts with ``P + first_cache_segment``
-        slots and doubles while decoding (`cache_segments`); each extra segment
-        adds one copy of the decode loop to the compiled program.
-      max_stop_tokens: capacity of the per-row stop-id table.
-      max_sequences: most sequences (prompts x n) one request may ask for.
-      batching: ``"static"`` (chunks of up to ``max_batch_size`` rows, each run until its longest
-        row stops, `_generate_program`) or ``"continuous"`` (the default, `pdm_jax.sampler.defaults`; `_continuous_program`:
-        the whole request queued into ``max_slots`` slots of one static cache; a slot whose row
-        stops takes the next pending row; same tokens and log mu as static, tests).
-      max_slots: slots of the continuous cache (None: ``max_batch_size``; rounded up to a power
-        of two); every continuous request runs in this many slots, or max_slots / 4 for a request of at most
-        that many rows (when the row shards divide it; few shapes: bounded compiles).
-      share_prefill: prefill each prompt once for its n samples and repeat its KV cache
-        (`_generate_program`'s ``group``) when a batch chunk holds whole groups of n rows
-        and its bucket is a multiple of n (n a power of two, ``max_batch_size`` a multiple
-        of n); otherwise every row is prefilled. Same numbers either way (tests).
       device: a ``jax.Device`` that holds the sampler's weights and runs generation (a colocated
         engine: one of the trainer's devices). `set_params` then builds the copy there from
         parameters sharded anywhere (`quantize.prepare_sampler_params`' ``device``), never
@@ -168,55 +137,38 @@ class SamplingEngine:
         ``_V_AXES`` (rows over data, kv heads over tensor).  Batch buckets start at the row-shard
         count.  Same tokens as the single-device engine; log mu within float32 reduction-order
         rounding (tests/test_sampler_sharded.py).  Excludes `device`.  None: one device.
-      park_rows: continuous batching parks up to ``park_rows x max_slots`` rows that outgrow the first
-        cache phase while rows are pending (`_continuous_program`; 0: never), so the short first-phase
-        cache serves the queue; the same tokens either way (tests), fewer attention reads with mixed
-        lengths (bench/bench_continuous_batching.py), ``park_rows x slots x (P + T/4)`` more cache entries.
     Raises:
-      ValueError: bad quantization or limits (prompt + new tokens beyond the
-        model's ``max_position_embeddings``, non-positive sizes); with `mesh`, attention heads,
+      ValueError: bad settings (`EngineSpec`), prompt + new tokens beyond the
+        model's ``max_position_embeddings``; with `mesh`, attention heads,
         kv heads or the MLP width not divisible by the ``tensor`` axis, or ``max_batch_size`` /
         ``max_slots`` not divisible by the row shards (`check_engine_mesh`).
     """
 
-    def __init__(self, config, params, *, quantization: str = "none", version: int = 0,
-                 weights_path: Optional[str] = None, compute_dtype=None, max_prompt_length: int = 512,
-                 max_new_tokens: int = 256, max_batch_size: int = defaults.MAX_BATCH_SIZE, min_prompt_bucket: int = 8,
-                 min_new_tokens_bucket: int = 16, first_cache_segment: int = 64, max_stop_tokens: int = wire.MAX_STOP_TOKEN_IDS,
-                 max_sequences: int = 4096, share_prefill: bool = True,
-                 output_axes_fn=quant.default_output_axes, device=None, batching: str = defaults.BATCHING,
-                 max_slots: Optional[int] = None, mesh=None, park_rows: int = defaults.PARK_ROWS,
-                 weight_noise: float = 0.0, weight_noise_seed: int = 0):
-        quant.check_quantization(quantization)
-        self.weight_noise = quant.check_weight_noise(weight_noise)
-        self.weight_noise_seed = quant.check_noise_seed(weight_noise_seed)
-        if batching not in BATCHING_MODES:
-            raise ValueError(f"SamplingEngine: batching must be one of {BATCHING_MODES}, got {batching!r}")
-        max_slots = max_batch_size if max_slots is None else max_slots
-        for name, v in (("max_prompt_length", max_prompt_length), ("max_new_tokens", max_new_tokens),
-                        ("max_batch_size", max_batch_size), ("min_prompt_bucket", min_prompt_bucket),
-                        ("min_new_tokens_bucket", min_new_tokens_bucket), ("max_sequences", max_sequences),
-                        ("first_cache_segment", first_cache_segment),
-                        ("max_stop_tokens", max_stop_tokens), ("max_slots", max_slots)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"SamplingEngine: {name} must be an integer >= 1, got {v!r}")
-        if max_prompt_length + max_new_tokens > config.max_position_embeddings:
-            raise ValueError(f"SamplingEngine: max_prompt_length + max_new_tokens = {max_prompt_length + max_new_tokens} "
-                             f"exceeds max_position_embeddings = {config.max_position_embeddings}")
+    def __init__(self, config, params, spec: Optional[EngineSpec] = None, *, version: int = 0,
+                 weights_path: Optional[str] = None, device=None, mesh=None,
+                 output_axes_fn=quant.default_output_axes, **settings):
+        spec = dataclasses.replace(spec or EngineSpec(), **settings)  # validated there (EngineSpec.__post_init__)
+        if spec.max_prompt_length + spec.max_new_tokens > config.max_position_embeddings:
+            raise ValueError(f"SamplingEngine: max_prompt_length + max_new_tokens = "
+                             f"{spec.max_prompt_length + spec.max_new_tokens} exceeds max_position_embeddings = "
+                             f"{config.max_position_embeddings}")
+        self.spec = spec
         self.config = config
-        self.quantization = quantization
-        self.compute_dtype = resolve_compute_dtype(compute_dtype, quantization)
-        self.max_prompt_length = int(max_prompt_length)
-        self.max_new_tokens = int(max_new_tokens)
-        self.max_batch_size = next_pow2(int(max_batch_size))
-        self.min_prompt_bucket = int(min_prompt_bucket)
-        self.min_new_tokens_bucket = int(min_new_tokens_bucket)
-        self.max_stop_tokens = int(max_stop_tokens)
-        self.max_sequences = int(max_sequences)
-        self.first_cache_segment = int(first_cache_segment)
-        self.share_prefill = bool(share_prefill)
-        self.batching = batching
-        self.max_slots = next_pow2(int(max_slots))
+        self.quantization = spec.quantization
+        self.weight_noise = float(spec.weight_noise)
+        self.weight_noise_seed = int(spec.weight_noise_seed)
+        self.compute_dtype = resolve_compute_dtype(spec.compute_dtype, spec.quantization)
+        self.max_prompt_length = int(spec.max_prompt_length)
+        self.max_new_tokens = int(spec.max_new_tokens)
+        self.max_batch_size = next_pow2(int(spec.max_batch_size))
+        self.min_prompt_bucket = int(spec.min_prompt_bucket)
+        self.min_new_tokens_bucket = int(spec.min_new_tokens_bucket)
+        self.max_stop_tokens = int(spec.max_stop_tokens)
+        self.max_sequences = int(spec.max_sequences)
+        self.first_cache_segment = int(spec.first_cache_segment)
+        self.share_prefill = bool(spec.share_prefill)
+        self.batching = spec.batching
+        self.max_slots = next_pow2(int(spec.max_batch_size if spec.max_slots is None else spec.max_slots))
         if mesh is not None and device is not None:
             raise ValueError("SamplingEngine: give either device (one device) or mesh (sharded), not both")
         self.mesh = mesh
@@ -225,10 +177,7 @@ class SamplingEngine:
         self.program_shapes = set()  # distinct (program, static shapes) run: each one compiled once (logged)
         self.min_cache_phase = _MIN_PHASE  # continuous batching: shortest cache phase (`cache_phases`; tests lower it)
         self.last_decode_steps = 0  # decode steps of the last program run (bench)
-        if not isinstance(park_rows, (int, np.integer)) or isinstance(park_rows, bool) or park_rows < 0:
-            raise ValueError(f"SamplingEngine: park_rows must be an integer >= 0, got {park_rows!r}")
-        self.park_rows = int(park_rows)
-        self.parked_rows = 0  # rows parked so far by continuous programs (`park_rows`)
+        self.parked_rows = 0  # rows parked so far by continuous programs (the spec's parking)
         self._output_axes_fn = output_axes_fn
         self.device = device
         self.slice_layers_once = hoist_layer_slices(device.platform if device is not None else
@@ -412,21 +361,18 @@ class SamplingEngine:
         max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         seed = secrets.randbelow(MAX_SEED + 1) if seed is None else int(seed)
         rows = [(i, j) for i in range(len(prompts)) for j in range(int(n))]
-        key_offset = int(first_prompt_index)
+        draw = Draw(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), max_new=max_new,
+                    k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed, n=int(n), routing=routing,
+                    key_offset=int(first_prompt_index))
         with self._lock:
             version, state = self._version, self._state
             if self.batching == "continuous":
-                part = continuous_batching.run(self, state, prompts, rows, temperature=float(temperature), top_p=float(top_p),
-                                            top_k=int(top_k), max_new=max_new, k=int(top_k_logprobs),
-                                            stops=list(stop_token_ids or ()), seed=seed, routing=routing, key_offset=key_offset)
+                part = continuous_batching.run(self, state, prompts, rows, draw)
                 return self._to_batch(prompts, rows, [part], version)
             parts = []
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start:start + self.max_batch_size]
-                parts.append(static_batching.run(self, state, prompts, chunk, temperature=float(temperature),
-                                             top_p=float(top_p), top_k=int(top_k), max_new=max_new,
-                                             k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed,
-                                             n=int(n), routing=routing, key_offset=key_offset))
+                parts.append(static_batching.run(self, state, prompts, chunk, draw))
         return self._to_batch(prompts, rows, parts, version)
 
     def _layout(self):

@@ -27,6 +27,8 @@ Sampling (per row, per token):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -118,3 +120,21 @@ def hoist_layer_slices(platform: str) -> bool:
     """
     return platform == "cpu"
 
+
+class Draw(NamedTuple):
+    """One request's sampling as the batching runners take it (`SamplingEngine.generate` builds it once, after
+    `validate_request`): temperature tau >= 0, top-p in (0, 1], top-k (0 = off), ``max_new`` new tokens at most,
+    ``k`` top-K log-probabilities per token, ``stops`` the stop ids, ``seed`` in [0, 2**63), ``n`` samples per
+    prompt, ``routing`` (MoE routing replay) and ``key_offset`` (``first_prompt_index``: added to each row's prompt
+    index in its key)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new: int
+    k: int
+    stops: list
+    seed: int
+    n: int = 1
+    routing: bool = False
+    key_offset: int = 0

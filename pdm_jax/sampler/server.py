@@ -66,8 +66,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from pdm_jax.sampler import defaults, openai_api, wire, wire_codec, wire_request, wire_response
+from pdm_jax.sampler import openai_api, wire, wire_codec, wire_request, wire_response
 from pdm_jax.sampler.admission import BodyBudget, BudgetTimeout
+from pdm_jax.sampler.spec import EngineSpec
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_INFLIGHT_BODY_BYTES = 32 << 20  # four full-size (8 MB) bodies decoding at once
@@ -93,40 +94,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--version", type=int, default=None,
                    help="weights version of --weights, checked against the one the directory records "
                         "(default: that recorded version; 0 for a random init)")
-    p.add_argument("--quantization", default="fp8", choices=defaults.QUANTIZATIONS)
-    p.add_argument("--weight_noise", type=float, default=0.0,
-                   help="relative std of a fixed Gaussian perturbation of the sampler's weights, the same draws "
-                        f"for every version (in [0, {defaults.MAX_WEIGHT_NOISE}]; 0 = none; pdm_jax.sampler.quantize)")
-    p.add_argument("--weight_noise_seed", type=int, default=0, help="seed of --weight_noise's draws, in [0, 2**32)")
-    p.add_argument("--compute_dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="dtype the engine computes in (auto: f32 for none and on CPU, bf16 for the quantized copies "
-                        "on TPU/GPU)")
     p.add_argument("--compile_cache_dir", default="",
                    help="JAX persistent compilation cache directory ('' = none); see pdm_jax.profiling")
     p.add_argument("--compile_cache_min_compile_time_s", type=float, default=0.0,
                    help="programs compiling faster than this are not written to the cache (s)")
     p.add_argument("--reuse_freed_host_memory", action="store_true",
                    help="glibc keeps freed large blocks mapped for reuse (pdm_jax.host_memory)")
+    EngineSpec.add_flags(p, defaults_=dict(quantization="fp8"))  # the engine's settings: one flag per field
     p.add_argument("--checkpoint_root", required=True, help="/v1/weights only loads from under this directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = pick a free port")
     p.add_argument("--port_file", default=None, help="write the bound port here (atomically)")
     p.add_argument("--token", default=os.environ.get("PDM_SAMPLER_TOKEN"),
                    help="shared bearer token (required for a non-loopback host); env PDM_SAMPLER_TOKEN")
-    p.add_argument("--max_prompt_length", type=int, default=512)
-    p.add_argument("--max_new_tokens", type=int, default=256)
-    p.add_argument("--max_batch_size", type=int, default=defaults.MAX_BATCH_SIZE)
-    p.add_argument("--batching", default=defaults.BATCHING, choices=defaults.BATCHING_MODES,
-                   help="static: chunks of --max_batch_size rows run to their longest row; continuous: "
-                        "--max_slots slots refilled as rows stop (pdm_jax.sampler.engine)")
-    p.add_argument("--max_slots", type=int, default=defaults.MAX_SLOTS, help="continuous batching's slots (0 = --max_batch_size)")
-    p.add_argument("--park_rows", type=int, default=defaults.PARK_ROWS,
-                   help="continuous batching: park up to this many x max_slots rows that outgrow the first cache "
-                        "phase (0 = never; SamplingEngine.park_rows)")
-    p.add_argument("--mesh_data", type=int, default=1,
-                   help="the sharded engine's data axis (rows); with --mesh_tensor, the first data x tensor of "
-                        "this process's devices (pdm_jax.sampler.engine.make_sampler_mesh); 1 x 1 = one device")
-    p.add_argument("--mesh_tensor", type=int, default=1, help="the sharded engine's tensor axis (heads / MLP)")
     p.add_argument("--max_body_bytes", type=int, default=8 << 20)
     p.add_argument("--max_inflight_body_bytes", type=int, default=DEFAULT_INFLIGHT_BODY_BYTES,
                    help="the bodies of the requests in flight reserve at most this many bytes together (their "
@@ -151,13 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--token (or PDM_SAMPLER_TOKEN) {wire.token_problem(args.token)}")
     if args.port < 0 or args.port > 65535:
         p.error(f"--port={args.port} out of range")
-    if not 0.0 <= args.weight_noise <= defaults.MAX_WEIGHT_NOISE:  # NaN fails too
-        p.error(f"--weight_noise={args.weight_noise} must be in [0, {defaults.MAX_WEIGHT_NOISE}]")
-    if not 0 <= args.weight_noise_seed < 2**32:
-        p.error(f"--weight_noise_seed={args.weight_noise_seed} must be in [0, 2**32)")
-    for name in ("mesh_data", "mesh_tensor"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    try:
+        args.engine_spec = EngineSpec.from_flags(args)  # built and validated once, passed to the engine
+    except ValueError as e:
+        p.error(str(e))
     if args.max_body_bytes < 1:
         p.error(f"--max_body_bytes={args.max_body_bytes} must be >= 1")
     if args.max_inflight_body_bytes < args.max_body_bytes:
@@ -518,13 +495,9 @@ def main(argv=None) -> None:
     else:
         version = 0 if version is None else version
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(args.init_seed)), nnx.Param))
-    engine = SamplingEngine(config, params, quantization=args.quantization, weight_noise=args.weight_noise,
-                            weight_noise_seed=args.weight_noise_seed, version=version,
-                            weights_path=args.weights, compute_dtype=args.compute_dtype,
-                            max_prompt_length=args.max_prompt_length,
-                            max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size,
-                            batching=args.batching, max_slots=args.max_slots or None, park_rows=args.park_rows,
-                            mesh=make_sampler_mesh(args.mesh_data, args.mesh_tensor))
+    spec = args.engine_spec
+    engine = SamplingEngine(config, params, spec, version=version, weights_path=args.weights,
+                            mesh=make_sampler_mesh(spec.mesh_data, spec.mesh_tensor))
     tokenizer = None
     if args.tokenizer:
         from pdm_jax.models.tokenizer import load_tokenizer  # transformers: only with --tokenizer

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from pdm_jax.rollout import ROUTING_PAD, left_pad, routing_dtype
-from pdm_jax.sampler.sampling import bucket, laid_out, sample_step
+from pdm_jax.sampler.sampling import Draw, bucket, laid_out, sample_step
 
 
 def _routing_buffer(model, prefill_routed: list, rows: int, width: int):
@@ -179,8 +179,11 @@ _GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
                                          "slice_layers_once"))
 
 
-def run(engine, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k, stops, seed, routing=False, n=1,
-               key_offset=0):
+def run(engine, state, prompts, chunk, draw: Draw) -> dict:
+    """One chunk of rows ``[(prompt i, sample j), ...]`` through `_generate_program` with `draw`'s sampling; returns
+    its outputs cut to the chunk's rows (``tokens`` / ``logp`` [rows, T], ``topk_ids`` / ``topk_logp`` [rows, T, K],
+    ``length`` / ``stopped`` [rows], ``routed`` with routing). Buckets: `bucket` of the engine's limits."""
+    temperature, top_p, top_k, max_new, k, stops, seed, n, routing, key_offset = draw
     n_rows = len(chunk)
     b = bucket(n_rows, engine.row_shards, engine.max_batch_size)
     # Rows come in groups of n samples of one prompt (rows = [(i, 0..n-1) for each prompt i]).
@@ -205,7 +208,8 @@ def run(engine, state, prompts, chunk, *, temperature, top_p, top_k, max_new, k,
     max_new_b[:n_rows] = max_new
     stop_arr = np.full((b, engine.max_stop_tokens), -1, np.int32)
     stop_arr[:, :len(stops)] = stops
-    engine._note_program(("static", b, p, t, k, group, engine.first_cache_segment, str(engine.compute_dtype)) + ("routing",) * routing)
+    engine._note_program(("static", b, p, t, k, group, engine.first_cache_segment, str(engine.compute_dtype))
+                         + ("routing",) * routing)
     with engine._layout():
         out = _GENERATE_JIT(
             engine._graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
