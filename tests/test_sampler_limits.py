@@ -35,7 +35,7 @@ def test_engine_mesh_check_names_the_field_that_does_not_divide():
     assert limits.check_engine_mesh(cfg, _Mesh(data=2, fsdp=1, tensor=2), max_batch_size=8, max_slots=4) == 2
     with pytest.raises(ValueError, match=r"num_key_value_heads = 2 is not divisible by the mesh's tensor axis \(4\)"):
         limits.check_engine_mesh(cfg, _Mesh(data=1, fsdp=1, tensor=4), max_batch_size=8, max_slots=4)
-    with pytest.raises(ValueError, match=r"max_slots = 6 is not divisible by the mesh's row shards \(data x fsdp = 4\)"):
+    with pytest.raises(ValueError, match=r"max_slots = 6 is not divisible by the mesh's row shards \(data x fsdp"):
         limits.check_engine_mesh(cfg, _Mesh(data=2, fsdp=2, tensor=1), max_batch_size=8, max_slots=6)
     with pytest.raises(ValueError, match=r"lack \['tensor'\]"):
         limits.check_engine_mesh(cfg, _Mesh(data=1, fsdp=1), max_batch_size=8, max_slots=4)

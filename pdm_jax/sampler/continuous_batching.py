@@ -298,10 +298,11 @@ def _runs(req: _Request, c: _DecodeState, nxt: int):
     return jnp.any(live) & (_pending(req, c) | many) & fits
 
 
-def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N, seed_2,
-                        temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int, num_new: int,
-                        k_logprobs: int, cache_dtype, routing: bool = False, min_phase: Optional[int] = None,
-                        park: int = 0, slice_layers_once: bool = False, may_filter: bool = True, tail: bool = True):
+def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N,
+                        seed_2, temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int,
+                        num_new: int, k_logprobs: int, cache_dtype, routing: bool = False,
+                        min_phase: Optional[int] = None, park: int = 0, slice_layers_once: bool = False,
+                        may_filter: bool = True, tail: bool = True):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
 
     Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
@@ -351,8 +352,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     n_pad = row_entry_N.shape[0]
     positions_UxP = jnp.maximum(jnp.cumsum(prompt_mask_UxP, axis=-1) - 1, 0).astype(jnp.int32)
     store = model.init_cache(u, p, dtype=cache_dtype)
-    logits_Ux1xV, store, *store_routed = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0), prompt_mask_UxP,
-                                                      last_logits_only=True, **(dict(return_routing=True) if routing else {}))
+    logits_Ux1xV, store, *store_routed = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0),
+                                                      prompt_mask_UxP, last_logits_only=True,
+                                                      **(dict(return_routing=True) if routing else {}))
     base_key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
     caps = cache_phases(num_new, min_phase)  # the cache holds P + caps[i] slots in main phase i (the last: P + num_new)
     park_n = int(park) * slots if len(caps) > 1 else 0
@@ -514,17 +516,21 @@ def run(engine, state, prompts, rows, draw: Draw, row_max_new=None) -> dict:
     min_phase = t if small else engine.min_cache_phase
     phases = () if min_phase == _MIN_PHASE else (("min_phase", min_phase),)
     may_filter = top_p < 1.0 or top_k > 0  # else the program has no top-p / top-k filter (`sampling_distribution`)
-    engine._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(engine.compute_dtype)) + ("routing",) * routing
-                       + phases + ((("park", engine.spec.park_rows),) if engine.spec.park_rows != defaults.PARK_ROWS else ())
-                       + (("top_p/top_k filter",) if may_filter else ()))
+    park = engine.spec.park_rows
+    engine._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(engine.compute_dtype))
+                         + ("routing",) * routing + phases
+                         + ((("park", park),) if park != defaults.PARK_ROWS else ())
+                         + (("top_p/top_k filter",) if may_filter else ()))
     with engine._layout():
         carry, req = _CONTINUOUS_JIT(
             engine._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
-            jnp.asarray(per_row([key_offset + i for i, _ in rows], np.uint32)), jnp.asarray(per_row([j for _, j in rows], np.uint32)),
+            jnp.asarray(per_row([key_offset + i for i, _ in rows], np.uint32)),
+            jnp.asarray(per_row([j for _, j in rows], np.uint32)),
             jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
-            jnp.float32(top_p), jnp.int32(top_k), jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
+            jnp.float32(top_p), jnp.int32(top_k),
+            jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
             jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
-            cache_dtype=engine.compute_dtype, min_phase=min_phase, park=engine.spec.park_rows,
+            cache_dtype=engine.compute_dtype, min_phase=min_phase, park=park,
             slice_layers_once=engine.slice_layers_once, may_filter=may_filter, tail=not small)
         rows_left = not small and len(tail_levels(slots, t)) > 1 and np.any(jax.device_get(carry.slots.live))
         if rows_left:  # the tail; the full cache is dropped before its program runs

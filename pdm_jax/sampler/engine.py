@@ -234,7 +234,8 @@ class SamplingEngine:
             nnx.replace_by_pure_dict(state, prepared)
         except Exception as e:
             raise wts.WeightsError(f"parameters do not match the model structure: {type(e).__name__}: {e}") from e
-        bad = [(str(a.shape), str(b.shape)) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(self._abstract_state))
+        bad = [(str(a.shape), str(b.shape)) for a, b in zip(jax.tree.leaves(state),
+                                                            jax.tree.leaves(self._abstract_state))
                if tuple(a.shape) != tuple(b.shape)]
         if bad:
             raise wts.WeightsError(f"parameter shapes do not match the model: got {bad[0][0]}, expected {bad[0][1]}")
@@ -273,7 +274,8 @@ class SamplingEngine:
                                         root=root)
                 with self._lock:
                     same = self._check_not_stale(version, real)
-                    self.set_params(pure, version=int(version), weights_path=real, finite_checked=True)  # load refused NaN/inf
+                    self.set_params(pure, version=int(version), weights_path=real,
+                                    finite_checked=True)  # load refused NaN/inf
             finally:
                 self.loading = None
             return wire_response.weights_loaded(version=int(version), path=real, seconds=time.perf_counter() - t0,
@@ -356,7 +358,8 @@ class SamplingEngine:
         """
         prompts = self.validate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
                                 top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed,
-                                top_p=top_p, top_k=top_k, first_prompt_index=first_prompt_index, return_routing=return_routing)
+                                top_p=top_p, top_k=top_k, first_prompt_index=first_prompt_index,
+                                return_routing=return_routing)
         routing = bool(return_routing)
         max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         seed = secrets.randbelow(MAX_SEED + 1) if seed is None else int(seed)

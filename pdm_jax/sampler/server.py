@@ -303,7 +303,8 @@ class SamplerService:
         if reservation is not None:
             reservation.shrink(size)
         try:  # parsing an 8 MB body takes a while: off the event loop, so /health keeps answering meanwhile
-            return await run_in_threadpool(wire_codec.decode_body, b"".join(chunks), request.headers.get("content-type"))
+            return await run_in_threadpool(wire_codec.decode_body, b"".join(chunks),
+                                           request.headers.get("content-type"))
         except wire_codec.BodyError as e:
             raise HTTPError(e.status, str(e), field=e.field, kind=e.kind) from e
 
@@ -315,7 +316,8 @@ class SamplerService:
             uptime_s=time.time() - self.started))
 
     async def generate(self, request: Request) -> Response:
-        """``POST /v1/generate``: decode (`wire_request.GenerateRequest`), validate, generate, encode (422 names the field).
+        """``POST /v1/generate``: decode (`wire_request.GenerateRequest`), validate, generate, encode (422 names
+        the field).
 
         Decoding, validation, generation and encoding all run in a worker thread, off the event loop, so
         ``/health`` answers while they run (the trainer's stall probe relies on that).
@@ -326,7 +328,8 @@ class SamplerService:
             req = wire_request.GenerateRequest.from_wire(body)
             self.engine.validate(req.prompts, **req.engine_kwargs())
             batch = self.engine.generate(req.prompts, **req.engine_kwargs())
-            resp = wire_response.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
+            resp = wire_response.GenerateResponse(batch, model=self.engine.health()[wire.MODEL],
+                                                  prompt_tokens=req.prompt_tokens)
             return resp, respond(request, resp.to_wire(req.response_format))
 
         resp, answer = await run_in_threadpool(work)

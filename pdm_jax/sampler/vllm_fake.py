@@ -108,7 +108,8 @@ class FakeVLLM:
         from pdm_jax.sampler.engine import SamplingEngine
 
         if not isinstance(weights_path, str) or not weights_path:
-            raise FakeVLLMError(400, f"kwargs.weights_path must be a non-empty string, got {wire_codec._kind(weights_path)}",
+            raise FakeVLLMError(400,
+                                f"kwargs.weights_path must be a non-empty string, got {wire_codec._kind(weights_path)}",
                                 "kwargs")
         real = os.path.realpath(weights_path)
         if os.path.commonpath([real, self.weights_root]) != self.weights_root:

@@ -1,9 +1,7 @@
-"""The sampler service's wire schema: field names, request/response encode/decode, body codecs.
+"""The sampler service's wire schema: the field names of its HTTP bodies, and its error bodies.
 
-This module is the one place that knows the HTTP bodies.  The server decodes a
-request with it, calls the engine and encodes the answer with it; the client
-encodes with it, posts, and decodes with it.  Python-side names differ from the
-wire names in three places (the wire follows vLLM's completions API)::
+The server and the clients build and read every body with these names (`wire_request`, `wire_response`,
+`wire_codec`). The wire follows vLLM's completions API, so three Python names differ::
 
     Python (SamplingEngine / SamplerClient / RolloutBatch)   wire
     max_new_tokens                                           max_tokens
@@ -11,61 +9,9 @@ wire names in three places (the wire follows vLLM's completions API)::
     RolloutBatch.group_ids                                   prompt_index (per choice)
 
 Validation errors (`RequestError`) name fields by their *wire* names, e.g.
-``"max_tokens: must be an integer in [1, 256], got 300"``.
-
-Request (``POST /v1/generate``, shaped after vLLM's completions API with token ids)::
-
-    {"prompt": [[int, ...], ...] | [int, ...], "n": 1, "temperature": 1.0, "top_p": 1.0,
-     "top_k": 0 (-1 also means off), "max_tokens": 16, "stop_token_ids": [int, ...],
-     "logprobs": K, "seed": int | null, "first_prompt_index": int (optional, default 0)}
-    ("model" is accepted and ignored; "stream": true is refused; ``first_prompt_index`` f: prompt i
-    of the request is prompt f + i of a larger batch, whose index keys its samples' random draws, so
-    a process sampling its share of an RL step's prompts gets the tokens the whole batch would)
-
-    ``"return_routing": true`` (optional; MoE models only, else 422 naming it) asks for each
-    choice's ``"routed_experts"`` (routing replay).
-
-Response::
-
-    {"object": "text_completion", "model": str, "weights_version": int,
-     "choices": [{"index": r, "prompt_index": i, "token_ids": [T_r ints],
-                  "logprobs": [T_r floats]                      (log mu of the sampled ids),
-                  "top_logprobs": {"ids": [T_r x K ints], "logprobs": [T_r x K floats]},
-                  "finish_reason": "stop" | "length", "weights_version": int,
-                  "routed_experts": [P_i + T_r x L x k ints]    (only with return_routing: the
-                      experts each layer ran for prompt i's P_i tokens and the choice's T_r tokens,
-                      -1 on its last token, which the sampler never fed)}, ...],
-     "usage": {"prompt_tokens": int, "completion_tokens": int}}
-    (prompt_tokens counts each prompt once, as vLLM does, whatever n is)
-
-``POST /v1/weights``: request ``{"path": str, "version": int}``, response
-``{"status": "ok", "version", "path", "seconds", "reloaded"}``.
-
-``GET /health``: ``{"status", "model", "quantization", "version", "compute_dtype",
-"vocab_size", "max_prompt_length", "max_new_tokens", "weights_path", "loading"}`` (the
-engine's `health_body`), plus ``requests``, ``generated_tokens``, ``uptime_s``
-from the server.
-
-Errors (any status >= 400): ``{"error": {"message": str, "field": str | null, "type": str}}``.
-
-In msgpack bodies every numeric array is an ``{"__nd__": 1, "dtype", "shape",
-"data": bytes}`` map (little-endian), so top-K tables travel as raw f32/int32.
-In JSON bodies arrays are nested lists, and non-finite log-probabilities
-(-inf: ids removed by top-k/top-p filtering) are written as ``null``.
-
-Decoding (`loads`) trusts nothing: at most `MAX_DEPTH` levels of lists/maps
-(checked without Python recursion), string map keys only, valid UTF-8, no
-msgpack extension types, no JSON NaN/Infinity, and packed arrays whose header
-is exactly the four fields with a known dtype, a shape of at most `MAX_NDIM`
-non-negative ints, bytes of the matching size (empty arrays: at most
-`MAX_EMPTY_ARRAY_ITEMS` rows).  Anything else is a `ValueError` naming the
-location (``$.prompt.shape``), which the server answers with 400.  Field values
-are then checked by type and range (`GenerateRequest.from_wire`,
-`validate_request`, `LoadWeightsRequest.from_wire`; 422 naming the field):
-bools are never numbers, integers travelling as int32 are bounded.
+``"max_tokens: must be an integer in [1, 256], got 300"``. docs/sampler.md ("The wire schema") lays out the
+bodies.
 """
-
-from __future__ import annotations
 
 from __future__ import annotations
 

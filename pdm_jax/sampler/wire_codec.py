@@ -17,7 +17,8 @@ JSON = "application/json"
 MSGPACK = "application/msgpack"
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 ND_KEY = "__nd__"
-_DTYPES = {"float32": "<f4", "int32": "<i4", "int8": "|i1", "int16": "<i2", "bool": "|b1", "float64": "<f8", "int64": "<i8"}
+_DTYPES = {"float32": "<f4", "int32": "<i4", "int8": "|i1", "int16": "<i2", "bool": "|b1", "float64": "<f8",
+           "int64": "<i8"}
 ND_FIELDS = frozenset({ND_KEY, "dtype", "shape", "data"})
 _DTYPE_NAMES = {np.dtype(name): name for name in _DTYPES}  # numpy dtype -> wire name (str(dtype) is slow)
 _WIRE_DTYPES = {name: np.dtype(code) for name, code in _DTYPES.items()}
@@ -77,7 +78,8 @@ def encode_array(a: np.ndarray) -> dict:
     if name is None:
         raise ValueError(f"cannot encode array dtype {a.dtype}")
     # tobytes() writes C order whatever the strides; astype copies only for a byte-order change
-    return {ND_KEY: 1, "dtype": name, "shape": list(a.shape), "data": a.astype(_WIRE_DTYPES[name], copy=False).tobytes()}
+    return {ND_KEY: 1, "dtype": name, "shape": list(a.shape), "data": a.astype(_WIRE_DTYPES[name],
+                                                                               copy=False).tobytes()}
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -167,7 +169,9 @@ def to_plain(obj: Any, *, msgpack: bool) -> Any:
         if msgpack:
             return encode_array(obj)
         if obj.dtype.kind == "f":
-            return [_finite_or_none(x) for x in obj.tolist()] if obj.ndim == 1 else [to_plain(r, msgpack=False) for r in obj]
+            if obj.ndim == 1:
+                return [_finite_or_none(x) for x in obj.tolist()]
+            return [to_plain(r, msgpack=False) for r in obj]
         return obj.tolist()
     if isinstance(obj, np.generic):
         obj = obj.item()
@@ -344,5 +348,6 @@ def float_list(x) -> np.ndarray:
     """A JSON list of floats/None (None = -inf) or a decoded array -> float32 array."""
     if isinstance(x, np.ndarray):
         return x.astype(np.float32)
-    return np.array([[(-np.inf if v is None else v) for v in r] if isinstance(r, list) else (-np.inf if r is None else r)
+    return np.array([[(-np.inf if v is None else v) for v in r] if isinstance(r,
+                                                                              list) else (-np.inf if r is None else r)
                      for r in x], dtype=np.float32)

@@ -10,7 +10,10 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from pdm_jax.sampler.limits import MAX_INT32, MAX_PATH_LENGTH, MAX_SEED, MIN_TEMPERATURE
-from pdm_jax.sampler.wire import CHOICES, DEFAULT_MAX_TOKENS, FIRST_PROMPT_INDEX, GENERATE_FIELDS, LOGPROBS, MAX_TOKENS, MODEL, N, PATH, PROMPT, RequestError, RESPONSE_FORMAT, RESPONSE_FORMATS, RETURN_ROUTING, SEED, STOP_TOKEN_IDS, STREAM, TEMPERATURE, TOP_K, TOP_P, VERSION
+from pdm_jax.sampler.wire import (CHOICES, DEFAULT_MAX_TOKENS, FIRST_PROMPT_INDEX, GENERATE_FIELDS, LOGPROBS,
+                                  MAX_TOKENS, MODEL, N, PATH, PROMPT, RequestError, RESPONSE_FORMAT,
+                                  RESPONSE_FORMATS, RETURN_ROUTING, SEED, STOP_TOKEN_IDS, STREAM, TEMPERATURE, TOP_K,
+                                  TOP_P, VERSION)
 from pdm_jax.sampler.wire_codec import _kind, _show
 
 
@@ -84,7 +87,8 @@ class GenerateRequest:
         return cls(prompts=_normalise_prompts(body[PROMPT]), n=body.get(N, 1),
                    temperature=body.get(TEMPERATURE, 1.0), max_new_tokens=body.get(MAX_TOKENS, DEFAULT_MAX_TOKENS),
                    top_k_logprobs=0 if logprobs is None else logprobs, stop_token_ids=stops, seed=body.get(SEED),
-                   top_p=body.get(TOP_P, 1.0), top_k=0 if _is_int(top_k) and top_k == -1 else top_k, return_routing=body.get(RETURN_ROUTING, False),
+                   top_p=body.get(TOP_P, 1.0), top_k=0 if _is_int(top_k) and top_k == -1 else top_k,
+                   return_routing=body.get(RETURN_ROUTING, False),
                    first_prompt_index=body.get(FIRST_PROMPT_INDEX, 0), response_format=layout)
 
     def to_wire(self) -> dict:
@@ -168,7 +172,8 @@ def _validate_prompts(prompts, *, vocab_size: int, max_prompt_length: int) -> li
             if not _is_int(t):
                 raise RequestError(PROMPT, f"prompt[{i}][{j}] is {_kind(t)}; token ids must be integers")
             if not 0 <= int(t) < vocab_size:
-                raise RequestError(PROMPT, f"prompt[{i}] holds token id {int(t)} outside the vocabulary [0, {vocab_size})")
+                raise RequestError(PROMPT,
+                                   f"prompt[{i}] holds token id {int(t)} outside the vocabulary [0, {vocab_size})")
         out.append([int(t) for t in p])
     return out
 
@@ -217,7 +222,8 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
     if not _is_int(top_k) or not 0 <= top_k <= MAX_INT32:
         raise RequestError(TOP_K, f"must be an integer in [0, 2**31) (0 = off), got {_kind(top_k)}")
     if not _is_int(max_new_tokens) or not 1 <= max_new_tokens <= max_new_tokens_limit:
-        raise RequestError(MAX_TOKENS, f"must be an integer in [1, {max_new_tokens_limit}], got {_kind(max_new_tokens)}")
+        raise RequestError(MAX_TOKENS,
+                           f"must be an integer in [1, {max_new_tokens_limit}], got {_kind(max_new_tokens)}")
     if not _is_int(top_k_logprobs) or not 0 <= top_k_logprobs <= vocab_size:
         raise RequestError(LOGPROBS, f"K must be an integer in [0, vocab_size={vocab_size}], "
                                      f"got {_kind(top_k_logprobs)}")

@@ -12,7 +12,10 @@ import numpy as np
 from pdm_jax.rollout import FINISH_REASONS, RolloutBatch, build_batch, right_pad_rows  # numpy only: stays JAX-free
 
 from pdm_jax.sampler.limits import MAX_INT32
-from pdm_jax.sampler.wire import CHOICES, COLUMNS, COMPILE_STATS, COMPLETION_TOKENS, FINISH_REASON, IDS, INDEX, LENGTHS, LOGPROBS, MAX_NEW_TOKENS, MODEL, OBJECT, OK, PATH, PROMPT_INDEX, PROMPT_TOKENS, RESPONSE_FORMAT, RESPONSE_FORMATS, ROUTED_EXPERTS, STATUS, TEXT_COMPLETION, TOKEN_IDS, TOP_LOGPROBS, USAGE, VERSION, WEIGHTS_VERSION
+from pdm_jax.sampler.wire import (CHOICES, COLUMNS, COMPILE_STATS, COMPLETION_TOKENS, FINISH_REASON, IDS, INDEX,
+                                  LENGTHS, LOGPROBS, MAX_NEW_TOKENS, MODEL, OBJECT, OK, PATH, PROMPT_INDEX,
+                                  PROMPT_TOKENS, RESPONSE_FORMAT, RESPONSE_FORMATS, ROUTED_EXPERTS, STATUS,
+                                  TEXT_COMPLETION, TOKEN_IDS, TOP_LOGPROBS, USAGE, VERSION, WEIGHTS_VERSION)
 from pdm_jax.sampler.wire_codec import _kind, _show
 from pdm_jax.sampler.wire_request import _is_int
 
