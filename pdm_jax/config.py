@@ -36,9 +36,8 @@ from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import MAX_BPE_VOCAB_SIZE, char_vocab_size, checkpoint_tokenizer_file
 from pdm_jax.profiling import parse_steps
 from pdm_jax.sampler import defaults as sampler_defaults
-from pdm_jax.sampler.engine import check_engine_mesh
+from pdm_jax.sampler.limits import MAX_SEED, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, check_engine_mesh, token_problem
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
-from pdm_jax.sampler.wire import MAX_SEED, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, token_problem
 from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.rl.train_step import LR_SCHEDULES, OptimizerConfig
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pdm_jax import distributed, per_host
-from pdm_jax.sampler import wire
+from pdm_jax.sampler import wire, wire_request
 from pdm_jax.sampler.engine import RequestError, SamplingEngine
 from pdm_jax.rollouts.vllm_client import VLLMSampler, prompt_seed
 from pdm_jax.sampler.vllm_fake import FakeVLLM, create_app, serve_in_thread
@@ -86,13 +86,13 @@ def test_vllm_backend_seeds_a_share_by_its_prompt_indices(tmp_path):
 
 
 def test_wire_carries_first_prompt_index():
-    req = wire.GenerateRequest(prompts=[[1, 2]], n=2, seed=3, first_prompt_index=5)
+    req = wire_request.GenerateRequest(prompts=[[1, 2]], n=2, seed=3, first_prompt_index=5)
     body = req.to_wire()
     assert body[wire.FIRST_PROMPT_INDEX] == 5
-    assert wire.GenerateRequest.from_wire(body).engine_kwargs()["first_prompt_index"] == 5
-    plain = wire.GenerateRequest(prompts=[[1, 2]], n=2, seed=3).to_wire()
+    assert wire_request.GenerateRequest.from_wire(body).engine_kwargs()["first_prompt_index"] == 5
+    plain = wire_request.GenerateRequest(prompts=[[1, 2]], n=2, seed=3).to_wire()
     assert wire.FIRST_PROMPT_INDEX not in plain  # a whole-batch request's body is unchanged
-    assert wire.GenerateRequest.from_wire(plain).first_prompt_index == 0
+    assert wire_request.GenerateRequest.from_wire(plain).first_prompt_index == 0
 
 
 def test_host_prompt_range_and_eval_split(monkeypatch):

@@ -6,12 +6,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from pdm_jax.sampler import wire
+from pdm_jax.sampler import wire_codec, wire_response
 from pdm_jax.rollouts.client import SamplerClient, SamplerError, SamplerRequestError, SamplerResponseError
 
 
 def _mp(obj, status=200):
-    return httpx.Response(status, content=wire.dumps(obj, msgpack=True), headers={"content-type": wire.MSGPACK})
+    return httpx.Response(status, content=wire_codec.dumps(obj, msgpack=True),
+                          headers={"content-type": wire_codec.MSGPACK})
 
 
 def _choice(i, toks, k):
@@ -86,7 +87,7 @@ def _valid_columns_answer():
                      completion_ids=np.full((4, 3), 5), behavior_logprobs=np.full((4, 3), -0.5),
                      topk_ids=np.tile(np.arange(3), (4, 3, 1)), topk_logprobs=np.full((4, 3, 3), -1.5),
                      weights_version=4, finish_reason=["stop", "length"] * 2)
-    return wire.GenerateResponse(rb, model="m", prompt_tokens=3).to_wire("columns")
+    return wire_response.GenerateResponse(rb, model="m", prompt_tokens=3).to_wire("columns")
 
 
 def test_a_gzip_bomb_is_refused_by_its_decoded_size():
@@ -96,7 +97,8 @@ def test_a_gzip_bomb_is_refused_by_its_decoded_size():
     assert len(bomb) < 100_000
 
     def handler(request):
-        return httpx.Response(200, content=bomb, headers={"content-type": wire.MSGPACK, "content-encoding": "gzip"})
+        return httpx.Response(200, content=bomb, headers={"content-type": wire_codec.MSGPACK,
+                                                          "content-encoding": "gzip"})
 
     c = SamplerClient("http://sampler", retries=2, backoff_s=0.0, transport=httpx.MockTransport(handler))
     with pytest.raises(SamplerError, match=r"larger than \d+ bytes \(decoded\); refused"):
@@ -135,7 +137,7 @@ def test_a_trickled_body_is_cut_at_the_deadline_and_retried():
             yield b" "
 
     def handler(request):
-        return httpx.Response(200, content=slow(), headers={"content-type": wire.MSGPACK})
+        return httpx.Response(200, content=slow(), headers={"content-type": wire_codec.MSGPACK})
 
     c = SamplerClient("http://sampler", retries=1, backoff_s=0.0, timeout_s=0.5, transport=httpx.MockTransport(handler))
     t0 = time.monotonic()

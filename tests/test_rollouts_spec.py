@@ -33,3 +33,20 @@ def test_probe_settings_are_checked_on_a_replaced_spec():
         with pytest.raises(ValueError, match="SamplerSpec: need stall_probe_interval_s > 0"):
             dataclasses.replace(spec, **{field: value})
     assert dataclasses.replace(spec, stall_probe_misses=0).stall_probe_misses == 0
+
+
+def test_the_engine_spec_takes_the_sampler_sections_engine_fields_by_name():
+    """`SamplerSpec.engine_spec`: every `EngineSpec` flag field the sampler section names, by name (max_slots 0 ->
+    None: as max_batch_size), the run's max_new_tokens, and changes."""
+    from pdm_jax.sampler.spec import EngineSpec
+
+    spec = dataclasses.replace(SamplerSpec.from_config(get_base_config().sampler), park_rows=0, max_slots=0,
+                               quantization="int8", mesh_tensor=2)
+    engine = spec.engine_spec(max_new_tokens=48)
+    shared = [f.name for f in EngineSpec.flag_fields() if hasattr(spec, f.name)]
+    assert len(shared) >= 10 and "park_rows" in shared
+    assert all(getattr(engine, name) == getattr(spec, name) for name in shared if name != "max_slots")
+    assert (engine.max_slots, engine.max_new_tokens, engine.quantization) == (None, 48, "int8")
+    assert spec.engine_spec(max_new_tokens=8, weight_noise=0.0).weight_noise == 0.0
+    with pytest.raises(ValueError, match="EngineSpec: park_rows must be an integer >= 0, got -1"):
+        dataclasses.replace(spec, park_rows=-1).engine_spec(max_new_tokens=8)

@@ -11,7 +11,7 @@ from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.rollout import ROUTING_PAD, RolloutBatch
 from pdm_jax.rl.step_batch import StepBatch
-from pdm_jax.sampler import wire
+from pdm_jax.sampler import wire, wire_codec, wire_request, wire_response
 from pdm_jax.sampler.engine import SamplingEngine
 from pdm_jax.sampler.wire import RequestError
 from conftest import TINY_MOE
@@ -95,24 +95,26 @@ def _hand_batch():
 def test_wire_round_trip_of_routed_experts():
     rb = _hand_batch()
     prompts = [[5, 5], [5, 5, 5]]
-    resp = wire.GenerateResponse(rb, model="m", prompt_tokens=5).to_wire()
+    resp = wire_response.GenerateResponse(rb, model="m", prompt_tokens=5).to_wire()
     assert resp[wire.CHOICES][0][wire.ROUTED_EXPERTS].shape == (2 + 2, 2, 2)  # the row's real tokens only
     for msgpack in (False, True):
-        body = wire.loads(wire.dumps(resp, msgpack=msgpack), msgpack=msgpack)
-        back = wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=1).batch
+        body = wire_codec.loads(wire_codec.dumps(resp, msgpack=msgpack), msgpack=msgpack)
+        back = wire_response.GenerateResponse.from_wire(body, prompts, top_k_logprobs=1).batch
         np.testing.assert_array_equal(back.routed_experts, rb.routed_experts)
-        columns = wire.loads(wire.dumps(wire.GenerateResponse(rb).to_wire("columns"), msgpack=msgpack), msgpack=msgpack)
-        by_columns = wire.GenerateResponse.from_wire(columns, prompts, top_k_logprobs=1).batch
+        columns = wire_codec.loads(wire_codec.dumps(wire_response.GenerateResponse(rb).to_wire("columns"),
+                                                    msgpack=msgpack), msgpack=msgpack)
+        by_columns = wire_response.GenerateResponse.from_wire(columns, prompts, top_k_logprobs=1).batch
         np.testing.assert_array_equal(by_columns.routed_experts, rb.routed_experts)
         assert by_columns.routed_experts.dtype == back.routed_experts.dtype
-    no_routing = wire.GenerateResponse(rb.replace(routed_experts=None)).to_wire()
+    no_routing = wire_response.GenerateResponse(rb.replace(routed_experts=None)).to_wire()
     assert wire.ROUTED_EXPERTS not in no_routing[wire.CHOICES][0]
-    assert wire.GenerateResponse.from_wire(no_routing, prompts, top_k_logprobs=1).batch.routed_experts is None
-    req = wire.GenerateRequest(prompts=prompts, return_routing=True)
-    assert wire.GenerateRequest.from_wire(req.to_wire()).engine_kwargs()["return_routing"] is True
-    assert wire.RETURN_ROUTING not in wire.GenerateRequest(prompts=prompts).to_wire()
+    assert wire_response.GenerateResponse.from_wire(no_routing, prompts, top_k_logprobs=1).batch.routed_experts is None
+    req = wire_request.GenerateRequest(prompts=prompts, return_routing=True)
+    assert wire_request.GenerateRequest.from_wire(req.to_wire()).engine_kwargs()["return_routing"] is True
+    assert wire.RETURN_ROUTING not in wire_request.GenerateRequest(prompts=prompts).to_wire()
     with pytest.raises(RequestError, match="return_routing"):
-        wire.validate_request(prompts, n=1, temperature=1.0, max_new_tokens=4, top_k_logprobs=0, stop_token_ids=(),
+        wire_request.validate_request(prompts, n=1, temperature=1.0, max_new_tokens=4, top_k_logprobs=0,
+                                      stop_token_ids=(),
                               seed=0, top_p=1.0, top_k=0, vocab_size=32, max_prompt_length=16,
                               max_new_tokens_limit=8, max_stop_tokens=8, return_routing="yes")
 

@@ -12,8 +12,8 @@ from flax import nnx
 
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.rollouts.in_process import InProcessSampler
-from pdm_jax.sampler.engine import (RequestError, SamplingEngine, resolve_compute_dtype,
-                                    sampling_distribution)
+from pdm_jax.sampler.engine import RequestError, SamplingEngine, resolve_compute_dtype
+from pdm_jax.sampler.sampling import sampling_distribution
 from conftest import TINY_DENSE, jit_method
 
 CFG = TINY_DENSE
@@ -136,9 +136,9 @@ def test_layers_sliced_before_the_loop_give_the_same_tokens_bit_for_bit(params, 
     """On XLA:CPU the engine slices the layers out of the stacks once, before its decode loops
     (`engine.hoist_layer_slices`); inside each step (TPU's way) the same program gives the same tokens, log mu and
     top-K to the last bit."""
-    from pdm_jax.sampler import engine as engine_mod
+    from pdm_jax.sampler import sampling
 
-    assert engine_mod.hoist_layer_slices("cpu") and not engine_mod.hoist_layer_slices("tpu")
+    assert sampling.hoist_layer_slices("cpu") and not sampling.hoist_layer_slices("tpu")
     hoisted, per_step = make_engine(params, batching=batching), make_engine(params, batching=batching)
     assert hoisted.slice_layers_once
     per_step.slice_layers_once = False
@@ -228,16 +228,6 @@ def test_topk_topp_logprobs_are_of_the_sampled_distribution(params, engine, top_
     np.testing.assert_allclose(mass, 1.0, atol=1e-5)
 
 
-def test_sampling_distribution_matches_empirical_frequencies():
-    """jax.random.categorical on log mu draws with frequencies mu (chi-square-free bound on 4000 draws)."""
-    logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
-    lmu = sampling_distribution(logits, jnp.array([0.7]), jnp.array([1.0]), jnp.array([0]))
-    keys = jax.random.split(jax.random.PRNGKey(0), 4000)
-    draws = np.asarray(jax.vmap(lambda k: jax.random.categorical(k, lmu[0]))(keys))
-    freq = np.bincount(draws, minlength=4) / draws.size
-    np.testing.assert_allclose(freq, np.exp(np.asarray(lmu[0])), atol=0.03)
-
-
 @pytest.mark.parametrize("kwargs,field", [
     (dict(prompts=[list(range(17))]), "prompt"),
     (dict(prompts=[[1, 32]]), "prompt"),
@@ -272,24 +262,6 @@ def test_in_process_sampler_interface(engine, batch):
     assert h["version"] == 3 and h["quantization"] == "none" and h["vocab_size"] == 32
     b = s.generate(PROMPTS, temperature=TAU, seed=11, **GEN)
     np.testing.assert_array_equal(b.completion_ids, batch.completion_ids)
-
-
-def test_growing_cache_segments_match_single_segment(params, batch):
-    """Cache grown in segments (P+4, P+8, P+16 slots) == one P+16 cache: same tokens, logprobs to f32 rounding."""
-    from pdm_jax.sampler.engine import cache_segments
-
-    assert cache_segments(16, 4) == [4, 8, 16] and cache_segments(12, 64) == [12]
-    assert cache_segments(128, 64) == [64, 128]
-    eng = make_engine(params, version=3, first_cache_segment=4)
-    b = eng.generate(PROMPTS, temperature=TAU, seed=11, **GEN)
-    np.testing.assert_array_equal(b.completion_ids, batch.completion_ids)
-    np.testing.assert_allclose(b.behavior_logprobs, batch.behavior_logprobs, atol=1e-5)
-    np.testing.assert_allclose(b.topk_logprobs, batch.topk_logprobs, atol=1e-5, rtol=2e-6)
-    # and a stop inside the second segment ends the row there
-    stop = int(batch.completion_ids[0, 5])
-    s = eng.generate(PROMPTS, temperature=TAU, seed=11, stop_token_ids=[stop], **GEN)
-    t = int(np.flatnonzero(batch.completion_ids[0] == stop)[0]) + 1
-    assert s.finish_reason[0] == "stop" and s.completion_mask[0].sum() == t
 
 
 def test_compute_dtype_choice():
@@ -413,95 +385,6 @@ def test_continuous_batching_equals_static(continuous_pair, temperature):
     assert cont.last_decode_steps < 3 * 11
 
 
-@pytest.mark.slow
-def test_continuous_rows_with_different_max_lengths(continuous_pair):
-    """Per-row max_new_tokens (1 .. 12) in the continuous program: each row is the static row cut at its
-    own max (same keys per (prompt, sample, token)); rows that stop earlier keep their stop."""
-    static, cont = continuous_pair
-    gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=TAU, seed=5)
-    stop = 7
-    full = static.generate(PROMPTS, stop_token_ids=[stop], **gen)
-    rows = [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
-    row_max = [12, 1, 5, 3]
-    part = cont._run_continuous(cont._state, PROMPTS, rows, temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
-                                stops=[stop], seed=5, row_max_new=row_max)
-    for r, m in enumerate(row_max):
-        want = min(m, int(full.completion_mask[r].sum()))
-        assert part["length"][r] == want
-        np.testing.assert_array_equal(part["tokens"][r, :want], full.completion_ids[r, :want])
-        np.testing.assert_allclose(part["logp"][r, :want], full.behavior_logprobs[r, :want], atol=1e-5, rtol=1e-5)
-        assert part["stopped"][r] == (full.finish_reason[r] == "stop" and want == full.completion_mask[r].sum())
-
-
-def test_cache_phases_share_one_decode_loop(params, monkeypatch):
-    """The cache phases add no decode loop to the continuous program: with 3 phases (min_cache_phase 4, T = 16) it
-    holds as many while-loops as with 1 (min_cache_phase 16; parking off in both, a single phase has none), and
-    only 2 dots per layer more for each extra phase's attention (the einsums of `_cached_attention`); the phased
-    program's rollouts equal the single-phase one's."""
-    import pdm_jax.sampler.engine as engine_mod
-
-    texts = []
-    real = engine_mod._CONTINUOUS_JIT
-
-    def spy(*args, **kwargs):
-        texts.append(real.lower(*args, **kwargs).as_text())
-        return real(*args, **kwargs)
-    monkeypatch.setattr(engine_mod, "_CONTINUOUS_JIT", spy)
-    gen = dict(n=2, max_new_tokens=16, top_k_logprobs=K, temperature=TAU, seed=3)
-    out = []
-    for phase in (4, 16):
-        cont = make_engine(params, max_batch_size=4, batching="continuous", park_rows=0)  # 1 phase: no park
-        cont.min_cache_phase = phase
-        out.append(cont.generate(PROMPTS, **gen))
-    _assert_same_rollouts(*out)
-    phased, single = texts
-    assert phased.count("stablehlo.while") == single.count("stablehlo.while"), "a decode loop per cache phase"
-    extra_dots = phased.count("stablehlo.dot_general") - single.count("stablehlo.dot_general")
-    assert extra_dots == 2 * 2 * CFG.num_hidden_layers, extra_dots  # 2 more phases x 2 einsums x L layers
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("halving", [True, False])
-def test_tail_program_runs_only_when_rows_are_left(params, continuous_pair, monkeypatch, request, halving):
-    """The tail (`_continuous_compact` then `_continuous_tail`, rows left once the queue is empty and few slots are
-    live) is a program of its own, run only when rows are left; with halving levels (T >= `_HALVING_MIN_NEW`, lowered
-    to 16 here) the rows run in 2 slots, then 1, else in 1 (slots / 4); a request of at most slots / 4 rows runs in a
-    cache of that many slots with one cache phase and no tail. All equal the static engine's rollouts."""
-    import pdm_jax.sampler.engine as engine_mod
-
-    static, _ = continuous_pair
-    programs = (engine_mod._CONTINUOUS_JIT, engine_mod._CONTINUOUS_COMPACT_JIT, engine_mod._CONTINUOUS_TAIL_JIT)
-    if halving:  # the levels are traced into the programs: none may come from a cache traced with other levels
-        monkeypatch.setattr(engine_mod, "_HALVING_MIN_NEW", 16)
-        for program in programs:
-            program.clear_cache()
-        request.addfinalizer(lambda: [program.clear_cache() for program in programs])
-    assert engine_mod.tail_levels(4, 16) == ([4, 2, 1] if halving else [4, 1])
-    tails = []
-    real, compact = engine_mod._CONTINUOUS_TAIL_JIT, engine_mod._CONTINUOUS_COMPACT_JIT
-    monkeypatch.setattr(engine_mod, "_CONTINUOUS_TAIL_JIT", lambda *a, **k: tails.append(k["slots"]) or real(*a, **k))
-    monkeypatch.setattr(engine_mod, "_CONTINUOUS_COMPACT_JIT",  # the carry it hands the tail: the first tail level
-                        lambda c, **k: tails.append(compact(c, **k).slots.live.shape[0]) or compact(c, **k))
-    cont = make_engine(params, max_batch_size=4, batching="continuous")
-    gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=TAU, seed=5)
-    full = static.generate(PROMPTS, **gen)
-    rows = [(i, j) for i in range(len(PROMPTS)) for j in range(2)]
-    part = cont._run_continuous(cont._state, PROMPTS, rows, temperature=TAU, top_p=1.0, top_k=0, max_new=12, k=K,
-                                stops=[], seed=5, row_max_new=[12, 1, 5, 3])  # rows 0 and 2 (2 slots), then 0 (1)
-    assert tails == [2 if halving else 1, 4], tails
-    for r, m in enumerate([12, 1, 5, 3]):
-        np.testing.assert_array_equal(part["tokens"][r, :m], full.completion_ids[r, :m])
-        np.testing.assert_allclose(part["logp"][r, :m], full.behavior_logprobs[r, :m], atol=1e-5, rtol=1e-5)
-    n_tails = len(tails)
-    _assert_same_rollouts(static.generate(PROMPTS, **gen), cont.generate(PROMPTS, **gen))  # 4 rows in 4 slots
-    assert len(tails) == n_tails  # every row ended in the main loop: no tail
-    one = dict(gen, n=1)
-    _assert_same_rollouts(static.generate(PROMPTS[:1], **one), cont.generate(PROMPTS[:1], **one))
-    assert len(tails) == n_tails
-    small = [key for key in cont.program_shapes if key[1] == 1]  # 1 row: 1 slot (4 / 4), one phase (T = 16)
-    assert len(small) == 1 and small[0][1:4] == (1, 1, 1) and small[0][-1] == ("min_phase", 16), cont.program_shapes
-
-
 def test_unfiltered_requests_compile_no_filter(params):
     """Without top-p / top-k the program has no filter (``may_filter=False``): the same log mu bit for bit as the
     filter's no-op branch; a filtering request runs its own program (a distinct shape key) and filters."""
@@ -518,23 +401,6 @@ def test_unfiltered_requests_compile_no_filter(params):
     ids = filtered.topk_ids[filtered.completion_mask.astype(bool)]
     lps = filtered.topk_logprobs[filtered.completion_mask.astype(bool)]
     assert np.isfinite(lps[:, :2]).all() and np.isneginf(lps[:, 2:]).all(), (ids, lps)  # 2 ids kept per step
-
-
-def test_tail_levels():
-    """Continuous batching's slot counts: the main loop's, then the tail's halving levels (at most 4 in all) for
-    requests of 64 new tokens or more, one level of slots / 4 for shorter ones."""
-    from pdm_jax.sampler.engine import tail_levels
-
-    assert tail_levels(64, 256) == [64, 32, 16, 8] and tail_levels(4, 64) == [4, 2, 1] and tail_levels(2, 64) == [2, 1]
-    assert tail_levels(1, 64) == [1] and tail_levels(64, 32) == [64, 16] and tail_levels(2, 8) == [2]
-
-
-def test_cache_phases():
-    """Continuous batching's cache-length phases (new-token capacities), by hand."""
-    from pdm_jax.sampler.engine import cache_phases
-
-    assert cache_phases(256) == [64, 128, 256] and cache_phases(64) == [32, 64] and cache_phases(32) == [32]
-    assert cache_phases(8) == [8] and cache_phases(16, min_phase=4) == [4, 8, 16] and cache_phases(100) == [50, 100]
 
 
 @pytest.mark.slow

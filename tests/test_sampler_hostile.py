@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdm_jax.rollout import RolloutBatch
-from pdm_jax.sampler import wire
+from pdm_jax.sampler import wire, wire_codec, wire_request, wire_response
 from pdm_jax.sampler.server import create_app
 
 TOKEN = "hostile-token"
@@ -31,17 +31,19 @@ VOCAB = 32
 
 
 class FakeEngine:
-    """The engine interface the server uses, with the real `wire.validate_request`; one token per completion."""
+    """The engine interface the server uses, with the real `wire_request.validate_request`; one token per completion."""
 
     def __init__(self):
         self.version, self.loads = 0, []
 
     def health(self):
-        return wire.health_body(model="fake", quantization="none", version=self.version, compute_dtype="float32",
+        return wire_response.health_body(model="fake", quantization="none", version=self.version,
+                                         compute_dtype="float32",
                                 vocab_size=VOCAB, max_prompt_length=16, max_new_tokens=16, weights_path=None)
 
     def validate(self, prompts, **kw):
-        return wire.validate_request(prompts, **kw, vocab_size=VOCAB, max_prompt_length=16, max_new_tokens_limit=16,
+        return wire_request.validate_request(prompts, **kw, vocab_size=VOCAB, max_prompt_length=16,
+                                             max_new_tokens_limit=16,
                                      max_stop_tokens=4, max_sequences=64)
 
     def generate(self, prompts, *, n, top_k_logprobs, **kw):
@@ -73,7 +75,7 @@ def post(client, path, content, ctype):
 
 
 def error_of(r):
-    body = msgpack.unpackb(r.content) if wire.is_msgpack(r.headers["content-type"]) else r.json()
+    body = msgpack.unpackb(r.content) if wire_codec.is_msgpack(r.headers["content-type"]) else r.json()
     return body["error"]
 
 
@@ -253,7 +255,8 @@ def test_keep_alive_connection_survives_every_bad_request(live_url):
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**64, max_value=2**64),
                      st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8), st.binary(max_size=8))
 _nd_maps = st.fixed_dictionaries({}, optional={
-    "__nd__": st.one_of(st.just(1), _scalars), "dtype": st.one_of(st.sampled_from(sorted(wire._DTYPES)), _scalars),
+    "__nd__": st.one_of(st.just(1), _scalars), "dtype": st.one_of(st.sampled_from(sorted(wire_codec._DTYPES)),
+                                                                  _scalars),
     "shape": st.one_of(st.lists(st.integers(-3, 2**40), max_size=4), _scalars),
     "data": st.one_of(st.binary(max_size=64), _scalars)})
 _keys = st.one_of(st.sampled_from(sorted(wire.GENERATE_FIELDS | {"path", "version"})), st.text(max_size=6),
@@ -309,7 +312,7 @@ def test_fuzzed_bodies_never_get_a_5xx(client, body, use_msgpack, endpoint):
         assert isinstance(err["message"], str) and err["message"]
         assert err["field"] is None or isinstance(err["field"], str)
     if depth is not None and endpoint == "/v1/generate":  # depth 0: model 1 (not a string) -> 422
-        assert r.status_code == (400 if depth >= wire.MAX_DEPTH else 422)
+        assert r.status_code == (400 if depth >= wire_codec.MAX_DEPTH else 422)
 
 
 def test_health_answers_while_bodies_are_decoded(live_url, monkeypatch):
@@ -317,13 +320,13 @@ def test_health_answers_while_bodies_are_decoded(live_url, monkeypatch):
     /health still answers at once (on the loop it waited for all of them: 4 s, past a stall probe's budget)."""
     from pdm_jax.sampler import server as server_mod
 
-    real = wire.decode_body
+    real = wire_codec.decode_body
 
     def slow_decode(body, content_type):
         time.sleep(1.0)  # an 8 MB body's parse, without holding the GIL the loop needs
         return real(body, content_type)
 
-    monkeypatch.setattr(server_mod.wire, "decode_body", slow_decode)
+    monkeypatch.setattr(server_mod.wire_codec, "decode_body", slow_decode)
     body = json.dumps({"prompt": [[1, 2]], "max_tokens": 1, "logprobs": 2}).encode()
     answers = []
 
@@ -357,7 +360,7 @@ def test_concurrent_bodies_are_admitted_by_bytes_and_slow_ones_get_408(tmp_path,
     app = create_app(FakeEngine(), checkpoint_root=str(tmp_path), max_body_bytes=64 << 10,
                      max_inflight_body_bytes=limit, body_timeout_s=timeout)
     budget = app.state.service.body_budget
-    real, lock, now, most, held = wire.decode_body, threading.Lock(), [0], [0], []
+    real, lock, now, most, held = wire_codec.decode_body, threading.Lock(), [0], [0], []
 
     def slow_decode(body, content_type):
         with lock:
@@ -369,7 +372,7 @@ def test_concurrent_bodies_are_admitted_by_bytes_and_slow_ones_get_408(tmp_path,
             now[0] -= 1
         return real(body, content_type)
 
-    monkeypatch.setattr(server_mod.wire, "decode_body", slow_decode)
+    monkeypatch.setattr(server_mod.wire_codec, "decode_body", slow_decode)
     pad = "x" * (48 << 10)  # the model name, a field the server ignores: a 48 kB body
     body = json.dumps({"prompt": [[1, 2]], "max_tokens": 1, "logprobs": 2, "model": pad}).encode()
     with _serving(app) as url:
@@ -402,7 +405,7 @@ def test_concurrent_bodies_are_admitted_by_bytes_and_slow_ones_get_408(tmp_path,
         assert b"request body not received whole within 1 s (14 bytes arrived)" in answer
         assert timeout <= time.monotonic() - t0 < timeout + 5
         slow.close()
-        monkeypatch.setattr(server_mod.wire, "decode_body", lambda b, c: (time.sleep(2.5), real(b, c))[1])
+        monkeypatch.setattr(server_mod.wire_codec, "decode_body", lambda b, c: (time.sleep(2.5), real(b, c))[1])
         firsts = [threading.Thread(target=post) for _ in range(2)]  # 2 x 48 kB held while they decode (2.5 s)
         for t in firsts:
             t.start()

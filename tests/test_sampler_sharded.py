@@ -71,7 +71,7 @@ def test_sharded_engine_equals_single_device(params, mesh, batching):
 
 def test_sharded_kv_cache_layout(params, mesh):
     """The decode program's KV cache is [B/data, kv_heads/tensor, head_dim, S] per device (keys)."""
-    from pdm_jax.sampler.engine import _GENERATE_JIT
+    from pdm_jax.sampler.static_batching import _GENERATE_JIT
 
     eng = SamplingEngine(CFG, params, mesh=mesh, **LIMITS)
     b, p = 4, 8

@@ -16,8 +16,8 @@ import httpx
 from pdm_jax.rollout import RolloutBatch
 from pdm_jax.rollouts import http as sampler_http
 from pdm_jax.rollouts.http import SamplerError
-from pdm_jax.sampler import wire
-from pdm_jax.sampler.wire import response_to_batch  # re-exported: callers import it from here
+from pdm_jax.sampler import wire, wire_codec, wire_request, wire_response
+from pdm_jax.sampler.wire_response import response_to_batch  # re-exported: callers import it from here
 
 __all__ = ["SamplerClient", "SamplerError", "SamplerRequestError", "SamplerResponseError", "response_to_batch"]
 
@@ -67,7 +67,7 @@ class SamplerClient:
                              f"retries={retries}, timeout_s={timeout_s}, backoff_s={backoff_s}")
         self.base_url = base_url.rstrip("/")
         self.retries, self.backoff_s, self.timeout_s = int(retries), float(backoff_s), float(timeout_s)
-        headers = {"accept": wire.MSGPACK}
+        headers = {"accept": wire_codec.MSGPACK}
         if token:
             headers["authorization"] = f"Bearer {token}"
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers, transport=transport)
@@ -91,8 +91,8 @@ class SamplerClient:
           SamplerRequestError: a 4xx answer (not retried).
           SamplerProtocolError: a 2xx whose body is not a map or is an error body; a redirect.
           SamplerError: connection errors, timeouts, 429 or 5xx on every attempt; a body over `max_response_bytes`."""
-        content = None if payload is None else wire.dumps(payload, msgpack=True)
-        headers = {} if payload is None else {"content-type": wire.MSGPACK}
+        content = None if payload is None else wire_codec.dumps(payload, msgpack=True)
+        headers = {} if payload is None else {"content-type": wire_codec.MSGPACK}
         try:
             status, body = sampler_http.exchange(
                 self._http, method, path, retries=self.retries if retries is None else retries,
@@ -113,7 +113,7 @@ class SamplerClient:
     @staticmethod
     def _decode(r, content: bytes):
         try:
-            return wire.loads(content, msgpack=wire.is_msgpack(r.headers.get("content-type")))
+            return wire_codec.loads(content, msgpack=wire_codec.is_msgpack(r.headers.get("content-type")))
         except ValueError:
             return content.decode("utf-8", "replace")[:2000]
 
@@ -123,7 +123,7 @@ class SamplerClient:
 
     def load_weights(self, path: str, version: int) -> dict:
         """``POST /v1/weights``; raises SamplerRequestError (403 outside root, 404 missing, 409 stale)."""
-        return self._request("POST", "/v1/weights", wire.LoadWeightsRequest(str(path), int(version)).to_wire())
+        return self._request("POST", "/v1/weights", wire_request.LoadWeightsRequest(str(path), int(version)).to_wire())
 
     def probe(self, timeout_s: float) -> bool:
         """One ``GET /health`` with its own timeout and no retry: True iff it answered HTTP 200 in time.
@@ -149,8 +149,8 @@ class SamplerClient:
 
         Raises:
           SamplerRequestError: the server rejected the request (names the field).
-          SamplerResponseError: the answer does not have the documented shape (`wire.GenerateResponse.from_wire`:
-            names the field, e.g. a negative per-row ``weights_version``).
+          SamplerResponseError: the answer does not have the documented shape
+            (`wire_response.GenerateResponse.from_wire`: names the field, e.g. a negative per-row ``weights_version``).
           SamplerError: unreachable / 5xx after all retries.
         """
         prompts = [[int(t) for t in p] for p in prompts]
@@ -160,15 +160,15 @@ class SamplerClient:
                       first_prompt_index=int(first_prompt_index))
         if max_new_tokens is None:
             max_new_tokens = self.health().get(wire.MAX_NEW_TOKENS, wire.DEFAULT_MAX_TOKENS)
-        # "columns": one packed array per field, not ~4 per row (wire.GenerateResponse.to_wire; the same batch)
-        request = wire.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens),
+        # "columns": one packed array per field, not ~4 per row (wire_response.GenerateResponse.to_wire; the same batch)
+        request = wire_request.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens),
                                        return_routing=bool(return_routing), response_format="columns", **fields)
         body = self._request("POST", "/v1/generate", request.to_wire(),
                              max_response_bytes=generate_response_bytes(
                                  len(prompts) * int(n), int(max_new_tokens), int(top_k_logprobs),
                                  max(len(p) for p in prompts) if prompts else 0, routing=bool(return_routing)))
         try:
-            return wire.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs),
+            return wire_response.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs),
                                                    rows=len(prompts) * int(n), max_new_tokens=int(max_new_tokens)).batch
         except (KeyError, ValueError) as e:  # a missing field, a bad column or value (a negative weights version...)
             raise SamplerResponseError(f"POST /v1/generate: the answer does not have the documented shape: "

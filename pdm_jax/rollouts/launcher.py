@@ -10,6 +10,7 @@ stderr.  The returned `SamplerProcess` has ``.url``, ``.client``, ``.alive()``,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from pdm_jax.sampler import defaults
+from pdm_jax.sampler.spec import EngineSpec
 from pdm_jax.rollouts.client import SamplerClient, SamplerError
 
 
@@ -158,47 +159,91 @@ class SamplerProcess:
         self.stop()
 
 
-def start_sampler_server(*, model_config: str, weights: Optional[str], version: int = 0, quantization: str = "fp8",
-                         compute_dtype: str = "auto", weight_noise: float = 0.0, weight_noise_seed: int = 0,
-                         compile_cache_dir: str = "",
-                         compile_cache_min_compile_time_s: float = 0.0, reuse_freed_host_memory: bool = False,
-                         checkpoint_root: str, host: str = "127.0.0.1", port: int = 0,
-                         token: Optional[str] = None, startup_timeout_s: float = 120.0,
-                         max_prompt_length: int = 512, max_new_tokens: int = 256, max_batch_size: int = 64,
-                         batching: str = defaults.BATCHING, max_slots: Optional[int] = None, park_rows: int = defaults.PARK_ROWS,
-                         max_body_bytes: Optional[int] = None, extra_args: Sequence[str] = (),
-                         mesh_data: int = 1, mesh_tensor: int = 1,
-                         client_kwargs: Optional[dict] = None, env: Optional[dict] = None) -> SamplerProcess:
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """How the server process runs, beside what its engine does (`EngineSpec`).
+
+    Attributes:
+      host, port: where it binds (loopback by default; port 0 lets the OS pick one).
+      startup_timeout_s: seconds to wait for its port file and ``/health``.
+      compile_cache_dir: JAX persistent compilation cache directory ("" = none);
+        compile_cache_min_compile_time_s: programs compiling faster than this (s) are not cached.
+      reuse_freed_host_memory: passes ``--reuse_freed_host_memory`` (`pdm_jax.host_memory`).
+      max_body_bytes: the server's ``--max_body_bytes`` (None: its default).
+      extra_args: more server flags, appended as given.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    startup_timeout_s: float = 120.0
+    compile_cache_dir: str = ""
+    compile_cache_min_compile_time_s: float = 0.0
+    reuse_freed_host_memory: bool = False
+    max_body_bytes: Optional[int] = None
+    extra_args: Sequence[str] = ()
+
+    def to_argv(self) -> list:
+        """The server flags of these options (the port file and the parent's pid are the launcher's own)."""
+        argv = [f"--compile_cache_dir={self.compile_cache_dir}",
+                f"--compile_cache_min_compile_time_s={float(self.compile_cache_min_compile_time_s)}",
+                f"--host={self.host}", f"--port={int(self.port)}"]
+        argv += ["--reuse_freed_host_memory"] if self.reuse_freed_host_memory else []
+        argv += [] if self.max_body_bytes is None else [f"--max_body_bytes={int(self.max_body_bytes)}"]
+        return argv + list(self.extra_args)
+
+
+def _split_settings(spec: Optional[EngineSpec], options: Optional[ServerOptions], settings: dict):
+    """``(spec, options)`` with `settings` (names of `EngineSpec` or `ServerOptions` fields) replacing theirs.
+
+    Raises:
+      TypeError: a name of neither.
+      ValueError: an engine-only `EngineSpec` field off its default (the server has no flag for it), or a bad
+        value (`EngineSpec`).
+    """
+    engine_names = {f.name for f in dataclasses.fields(EngineSpec)}
+    option_names = {f.name for f in dataclasses.fields(ServerOptions)}
+    unknown = sorted(set(settings) - engine_names - option_names)
+    if unknown:
+        raise TypeError(f"start_sampler_server: unknown setting(s) {unknown}")
+    spec = dataclasses.replace(spec or EngineSpec(quantization="fp8"),
+                               **{k: v for k, v in settings.items() if k in engine_names})
+    options = dataclasses.replace(options or ServerOptions(),
+                                  **{k: v for k, v in settings.items() if k in option_names})
+    off = {k: v for k, v in spec.engine_only().items() if v != getattr(EngineSpec(), k)}
+    if off:
+        raise ValueError(f"start_sampler_server: the server has no flag for {sorted(off)}; got {off}")
+    return spec, options
+
+
+def start_sampler_server(spec: Optional[EngineSpec] = None, *, model_config: str, weights: Optional[str],
+                         checkpoint_root: str, version: int = 0, token: Optional[str] = None,
+                         options: Optional[ServerOptions] = None, client_kwargs: Optional[dict] = None,
+                         env: Optional[dict] = None, **settings) -> SamplerProcess:
     """Starts ``python -m pdm_jax.sampler.server`` and waits for ``/health``.
 
-    Args mirror the server's flags; `weights` None starts from a random init;
-    `compile_cache_dir` "" runs without a persistent compilation cache.
-    `reuse_freed_host_memory` passes ``--reuse_freed_host_memory`` (`pdm_jax.host_memory`).
-    `client_kwargs` go to `SamplerClient` (timeout_s, retries, backoff_s);
-    `env` replaces the subprocess environment (default: inherit).
+    Args:
+      spec: the engine's settings (`EngineSpec`; default: its defaults with fp8 weights, as the server's flags);
+        its flag fields become the server's flags (`EngineSpec.to_argv`).
+      model_config: the HF config.json (or its directory); `weights` None starts from a random init.
+      checkpoint_root: the only directory ``/v1/weights`` loads from; `version`: the weights' version.
+      token: the shared bearer token, passed through the environment (never argv).
+      options: how the process runs (`ServerOptions`: host, port, start-up timeout, compile cache, ...).
+      client_kwargs: go to `SamplerClient` (timeout_s, retries, backoff_s);
+        `env` replaces the subprocess environment (default: inherit).
+      settings: `EngineSpec` or `ServerOptions` fields replacing those of `spec` / `options`.
     Returns:
       SamplerProcess (``.url``, ``.client``, ``.stop()``, ``.alive()``, ``.restart()``).
     Raises:
       SamplerStartupError: the process exited or did not answer within
-        `startup_timeout_s`; the message holds its output tail.
+        the start-up timeout; the message holds its output tail.
+      TypeError / ValueError: a setting of neither record, or a bad value (`_split_settings`).
     """
+    spec, options = _split_settings(spec, options, settings)
     argv = [sys.executable, "-m", "pdm_jax.sampler.server", f"--model_config={model_config}",
-            f"--version={int(version)}", f"--quantization={quantization}", f"--compute_dtype={compute_dtype}",
-            f"--weight_noise={float(weight_noise)!r}", f"--weight_noise_seed={int(weight_noise_seed)}",
-            f"--compile_cache_dir={compile_cache_dir}",
-            f"--compile_cache_min_compile_time_s={float(compile_cache_min_compile_time_s)}",
-            f"--checkpoint_root={checkpoint_root}",
-            f"--host={host}", f"--port={int(port)}", f"--max_prompt_length={int(max_prompt_length)}",
-            f"--max_new_tokens={int(max_new_tokens)}", f"--max_batch_size={int(max_batch_size)}",
-            f"--batching={batching}", f"--max_slots={int(max_slots or 0)}", f"--park_rows={int(park_rows)}",
-            f"--mesh_data={int(mesh_data)}", f"--mesh_tensor={int(mesh_tensor)}",
+            f"--version={int(version)}", *spec.to_argv(), f"--checkpoint_root={checkpoint_root}",
             f"--parent_pid={os.getpid()}"]  # the server exits if this process dies (even by SIGKILL)
     if weights:
         argv.append(f"--weights={weights}")
-    if reuse_freed_host_memory:
-        argv.append("--reuse_freed_host_memory")
-    if max_body_bytes is not None:
-        argv.append(f"--max_body_bytes={int(max_body_bytes)}")
-    argv += list(extra_args)
-    return SamplerProcess(argv, host=host, token=token, startup_timeout_s=startup_timeout_s,
+    argv += options.to_argv()
+    return SamplerProcess(argv, host=options.host, token=token, startup_timeout_s=options.startup_timeout_s,
                           client_kwargs=client_kwargs, env=env)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdm_jax.sampler.spec import EngineSpec
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerSpec:
@@ -55,6 +57,21 @@ class SamplerSpec:
             raise ValueError(f"SamplerSpec: need stall_probe_interval_s > 0, stall_probe_timeout_s > 0 and an "
                              f"integer stall_probe_misses >= 0; got {self.stall_probe_interval_s}, "
                              f"{self.stall_probe_timeout_s}, {misses!r}")
+
+    def engine_spec(self, *, max_new_tokens: int, **changes) -> EngineSpec:
+        """The rollout engine's settings (`EngineSpec`): every engine field this spec names, taken by name (a new
+        engine setting that is also a ``sampler`` field needs no line here), ``max_new_tokens`` (the run's longest
+        completion, tokens), and ``changes`` (EngineSpec fields, e.g. ``weight_noise=0.0``).
+
+        Raises:
+          ValueError: a value `EngineSpec` refuses (naming the field).
+        """
+        values = {}
+        for f in EngineSpec.flag_fields():
+            if hasattr(self, f.name):
+                v = getattr(self, f.name)
+                values[f.name] = None if v == f.metadata.get("none_as", object()) else v
+        return EngineSpec(**{**values, "max_new_tokens": int(max_new_tokens), **changes})
 
     @classmethod
     def from_config(cls, sampler) -> "SamplerSpec":

@@ -15,6 +15,7 @@ restarted like a dead one (about 60 s with the defaults instead of 4 x 300 s of 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -133,12 +134,9 @@ class SamplerSupervisor:
                              f"versions from local files, but the workdir {workdir} is a bucket: use "
                              "sampler.mode = 'colocated' with a bucket workdir")
         self.model_config = model_config
-        self.limits = dict(max_prompt_length=spec.max_prompt_length, max_new_tokens=int(max_new_tokens),
-                           max_batch_size=spec.max_batch_size, batching=spec.batching,
-                           max_slots=spec.max_slots or None, park_rows=spec.park_rows)
-        # sampler.weight_noise: the rollout engine's fixed perturbation (every mode but remote, whose server has its own
-        # --weight_noise flag, and vllm, refused by the config)
-        self.noise = dict(weight_noise=spec.weight_noise, weight_noise_seed=spec.weight_noise_seed)
+        # The engine's settings, built once (sampler.weight_noise: the rollout engine's fixed perturbation in every
+        # mode but remote, whose server has its own --weight_noise flag, and vllm, refused by the config)
+        self.engine_spec = spec.engine_spec(max_new_tokens=max_new_tokens)
         self.mesh_shape = (spec.mesh_data, spec.mesh_tensor)  # sampler.mesh: the sharded engine's data x tensor
         self.stall_probe_interval_s = spec.stall_probe_interval_s
         self.stall_probe_timeout_s = spec.stall_probe_timeout_s
@@ -199,9 +197,9 @@ class SamplerSupervisor:
         `pdm_jax.sampler.defaults.QUANTIZATIONS`) computing in ``compute_dtype`` ("auto" | "float32" | "bfloat16",
         `engine.resolve_compute_dtype`)."""
         path = self.weights_path(version)
-        engine = SamplingEngine(self.model_config, load_weights(path, self.model_config), quantization=quantization,
-                                version=version, weights_path=path, compute_dtype=compute_dtype,
-                                mesh=make_sampler_mesh(*self.mesh_shape), **self.noise, **self.limits)
+        engine = SamplingEngine(self.model_config, load_weights(path, self.model_config), self.engine_spec,
+                                version=version, weights_path=path, mesh=make_sampler_mesh(*self.mesh_shape),
+                                quantization=quantization, compute_dtype=compute_dtype)
         return InProcessSampler(engine, checkpoint_root=self.workdir)
 
     def memory_engine(self, params, version: int, quantization: str, compute_dtype: str = "auto", *,
@@ -211,8 +209,9 @@ class SamplerSupervisor:
         evaluation engine. ``noised``: apply the spec's ``weight_noise`` (False for evaluation)."""
         mesh = make_sampler_mesh(*self.mesh_shape, devices=jax.local_devices())
         place = dict(device=jax.local_devices()[0]) if mesh is None else dict(mesh=mesh)
-        engine = SamplingEngine(self.model_config, params, quantization=quantization, version=version,
-                                compute_dtype=compute_dtype, **(self.noise if noised else {}), **place, **self.limits)
+        spec = dataclasses.replace(self.engine_spec, quantization=quantization, compute_dtype=compute_dtype,
+                                   **({} if noised else dict(weight_noise=0.0, weight_noise_seed=0)))
+        engine = SamplingEngine(self.model_config, params, spec, version=version, **place)
         return InProcessSampler(engine)
 
     # ---------------------------------------------------------------- lifecycle
@@ -241,12 +240,9 @@ class SamplerSupervisor:
             self.push_weights(params, version)
         if self.mode == "subprocess":
             self._proc = start_sampler_server(
-                model_config=os.path.join(self.workdir, "model", "config.json"), weights=path, version=version,
-                quantization=sc.quantization, compute_dtype=self.compute_dtype, checkpoint_root=self.workdir,
-                **self.noise,
-                startup_timeout_s=sc.startup_timeout_s, client_kwargs=dict(timeout_s=sc.request_timeout_s,
-                                                                           retries=sc.retries),
-                mesh_data=self.mesh_shape[0], mesh_tensor=self.mesh_shape[1], **self.compile_cache, **self.limits)
+                spec=self.engine_spec, model_config=os.path.join(self.workdir, "model", "config.json"), weights=path,
+                version=version, checkpoint_root=self.workdir, startup_timeout_s=sc.startup_timeout_s,
+                client_kwargs=dict(timeout_s=sc.request_timeout_s, retries=sc.retries), **self.compile_cache)
             self._sampler = self._proc.client
         elif self.mode == "remote":
             client = self._remote_client(sc)
@@ -376,7 +372,7 @@ class SamplerSupervisor:
         max_new = kwargs.get("max_new_tokens")
         try:
             check_answers(batch, prompts, n=int(kwargs.get("n", 1)),
-                          max_new_tokens=int(self.limits["max_new_tokens"] if max_new is None else max_new),
+                          max_new_tokens=int(self.engine_spec.max_new_tokens if max_new is None else max_new),
                           top_k_logprobs=int(kwargs.get("top_k_logprobs", 20)),
                           vocab_size=getattr(self.model_config, "vocab_size", None))
         except ValueError as e:

@@ -46,7 +46,7 @@ from pdm_jax.models import hf_io
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.rollout import RolloutBatch, build_batch, right_pad_rows
 from pdm_jax.sampler import weights as wts
-from pdm_jax.sampler import vllm_api, wire
+from pdm_jax.sampler import vllm_api, wire, wire_codec, wire_response
 from pdm_jax.rollouts import http as sampler_http
 from pdm_jax.rollouts.client import (SamplerError, SamplerProtocolError, SamplerRequestError, SamplerResponseError,
                                      generate_response_bytes)
@@ -117,14 +117,16 @@ MAX_TOKEN_ID = 2**31 - 1
 def parse_token_id(token: Any, field: str) -> int:
     """The id of a ``"token_id:<id>"`` string (`vllm_api.TOKEN_ID_PREFIX`); VLLMResponseError otherwise."""
     if not isinstance(token, str) or not token.startswith(vllm_api.TOKEN_ID_PREFIX):
-        raise VLLMResponseError(field, f"is {wire._show(token)}, not a 'token_id:<id>' string: the server ignored "
+        raise VLLMResponseError(field,
+                                f"is {wire_codec._show(token)}, not a 'token_id:<id>' string: the server ignored "
                                        f"{vllm_api.RETURN_TOKENS_AS_TOKEN_IDS}=true (or is not vLLM)")
     digits = token[len(vllm_api.TOKEN_ID_PREFIX):]
     if not (digits.isascii() and digits.isdigit()) or len(digits) > 10:
         raise VLLMResponseError(field,
-                                f"is {wire._show(token)}: the id after 'token_id:' is not a non-negative integer")
+                                f"is {wire_codec._show(token)}: the id after 'token_id:' is not a non-negative integer")
     if int(digits) > MAX_TOKEN_ID:
-        raise VLLMResponseError(field, f"is {wire._show(token)}: token id {int(digits)} is beyond {MAX_TOKEN_ID}, "
+        raise VLLMResponseError(field,
+                                f"is {wire_codec._show(token)}: token id {int(digits)} is beyond {MAX_TOKEN_ID}, "
                                        f"the largest id a batch holds (int32)")
     return int(digits)
 
@@ -132,7 +134,7 @@ def parse_token_id(token: Any, field: str) -> int:
 def _logprob(value: Any, field: str, *, allow_min: bool) -> float:
     """A log-probability from JSON: a finite number <= 0 (1e-4 rounding allowed); -9999 -> -inf if `allow_min`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise VLLMResponseError(field, f"is {wire._kind(value)}, not a number")
+        raise VLLMResponseError(field, f"is {wire_codec._kind(value)}, not a number")
     v = float(value)
     if not math.isfinite(v):
         raise VLLMResponseError(field, f"is {v}, not a finite log-probability")
@@ -148,12 +150,12 @@ def _logprob(value: Any, field: str, *, allow_min: bool) -> float:
 
 def _get(obj: Any, key: str, field: str, kind: type, what: str):
     if not isinstance(obj, Mapping):
-        raise VLLMResponseError(field.rsplit(".", 1)[0] or "$", f"is {wire._kind(obj)}, not an object")
+        raise VLLMResponseError(field.rsplit(".", 1)[0] or "$", f"is {wire_codec._kind(obj)}, not an object")
     if key not in obj or obj[key] is None:
         raise VLLMResponseError(field, f"is missing ({what})")
     value = obj[key]
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise VLLMResponseError(field, f"is {wire._kind(value)}, not {what}")
+        raise VLLMResponseError(field, f"is {wire_codec._kind(value)}, not {what}")
     return value
 
 
@@ -173,8 +175,8 @@ def _parse_choice(c: Any, at: str, *, k: int, max_new_tokens: int, stops: set) -
             raise VLLMResponseError(f"{at}.logprobs.{name}", f"has {len(lst)} entries for {t_r} tokens")
     ids = [parse_token_id(tok, f"{at}.logprobs.tokens[{t}]") for t, tok in enumerate(tokens)]
     if c.get(wire.TOKEN_IDS) is not None and list(c[wire.TOKEN_IDS]) != ids:
-        raise VLLMResponseError(f"{at}.token_ids", f"{wire._show(c[wire.TOKEN_IDS])} disagrees with "
-                                                   f"logprobs.tokens {wire._show(ids)}")
+        raise VLLMResponseError(f"{at}.token_ids", f"{wire_codec._show(c[wire.TOKEN_IDS])} disagrees with "
+                                                   f"logprobs.tokens {wire_codec._show(ids)}")
     sampled = np.array([_logprob(v, f"{at}.logprobs.token_logprobs[{t}]", allow_min=False)
                         for t, v in enumerate(token_lp)], np.float32)
     tk_ids = np.zeros((t_r, k), np.int32)
@@ -182,7 +184,7 @@ def _parse_choice(c: Any, at: str, *, k: int, max_new_tokens: int, stops: set) -
     for t, entry in enumerate(top):
         where = f"{at}.logprobs.top_logprobs[{t}]"
         if not isinstance(entry, Mapping):
-            raise VLLMResponseError(where, f"is {wire._kind(entry)}, not an object")
+            raise VLLMResponseError(where, f"is {wire_codec._kind(entry)}, not an object")
         table = {}
         for key, v in entry.items():
             tid = parse_token_id(key, f"{where} key {key!r}")
@@ -202,7 +204,7 @@ def _parse_choice(c: Any, at: str, *, k: int, max_new_tokens: int, stops: set) -
         tk_lp[t] = [v for _, v in best]
     reason = c.get(wire.FINISH_REASON)
     if reason not in ("stop", "length"):
-        raise VLLMResponseError(f"{at}.finish_reason", f"is {wire._show(reason)}, not 'stop' or 'length'")
+        raise VLLMResponseError(f"{at}.finish_reason", f"is {wire_codec._show(reason)}, not 'stop' or 'length'")
     early = [t for t in range(t_r - 1) if ids[t] in stops]
     if early:
         raise VLLMResponseError(f"{at}.logprobs.tokens[{early[0]}]", f"is stop id {ids[early[0]]} before the "
@@ -237,12 +239,12 @@ def parse_completions(body: Any, prompts: Sequence[Sequence[int]], *, n: int, to
     n_prompts, n, k = len(prompts), int(n), int(top_k_logprobs)
     stops = {int(s) for s in stop_token_ids}
     if not isinstance(body, Mapping):
-        raise VLLMResponseError("$", f"is {wire._kind(body)}, not a JSON object")
+        raise VLLMResponseError("$", f"is {wire_codec._kind(body)}, not a JSON object")
     if body.get(wire.ERROR) is not None:
-        raise VLLMResponseError(wire.ERROR, f"the server answered an error: {wire._show(body[wire.ERROR], 500)}")
+        raise VLLMResponseError(wire.ERROR, f"the server answered an error: {wire_codec._show(body[wire.ERROR], 500)}")
     obj = body.get(wire.OBJECT)
     if obj is not None and obj != wire.TEXT_COMPLETION:
-        raise VLLMResponseError(wire.OBJECT, f"is {wire._show(obj)}, not {wire.TEXT_COMPLETION!r}")
+        raise VLLMResponseError(wire.OBJECT, f"is {wire_codec._show(obj)}, not {wire.TEXT_COMPLETION!r}")
     choices = _get(body, wire.CHOICES, wire.CHOICES, list, "a list")
     n_rows = n_prompts * n
     if len(choices) != n_rows:
@@ -384,8 +386,8 @@ class VLLMSampler:
         if not content:
             return None
         try:
-            return wire.loads(content, msgpack=False, unique_keys=r.is_success)
-        except wire.DuplicateKeyError as e:  # json would keep the last value silently (a top_logprobs entry...)
+            return wire_codec.loads(content, msgpack=False, unique_keys=r.is_success)
+        except wire_codec.DuplicateKeyError as e:  # json would keep the last value silently (a top_logprobs entry...)
             raise VLLMResponseError("$", f"{e}; every JSON object's keys must be distinct") from None
         except ValueError:
             return content.decode("utf-8", "replace")[:2000]
@@ -408,12 +410,12 @@ class VLLMSampler:
         listed = self._request("GET", vllm_api.VLLM_MODELS, retries=retries)
         if not isinstance(listed, Mapping) or not isinstance(listed.get(vllm_api.DATA, []), list):
             raise SamplerProtocolError(f"GET {self.base_url}{vllm_api.VLLM_MODELS}: not a model list: "
-                                       f"{wire._show(listed, 300)}")
+                                       f"{wire_codec._show(listed, 300)}")
         ids = [m.get(vllm_api.ID) for m in listed.get(vllm_api.DATA, []) if isinstance(m, Mapping)]
         if not self.model:
             if not ids:
                 raise SamplerError(f"GET {self.base_url}{vllm_api.VLLM_MODELS} lists no model: "
-                                   f"{wire._show(listed, 300)}")
+                                   f"{wire_codec._show(listed, 300)}")
             self.model = str(ids[0])
         return {wire.STATUS: wire.OK, wire.MODEL: self.model, wire.VERSION: self._version, "models": ids}
 
@@ -514,7 +516,7 @@ class VLLMSampler:
                     shutil.rmtree(os.path.join(self.weights_dir, name), ignore_errors=True)
             if previous is None:  # the first version on this server: is it returning what the ratios need?
                 self.check_logprobs_mode()
-            return wire.weights_loaded(version=int(version), path=target, seconds=time.perf_counter() - t0,
+            return wire_response.weights_loaded(version=int(version), path=target, seconds=time.perf_counter() - t0,
                                        reloaded=previous == int(version))
 
     def check_logprobs_mode(self, prompt: Sequence[int] = (0,)) -> None:

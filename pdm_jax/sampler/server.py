@@ -30,16 +30,16 @@ for its share, at most ``--body_timeout_s``, then gets 503 with ``Retry-After``)
 concurrent decoding holds; a body that has not arrived whole ``--body_timeout_s`` after its admission
 gets 408 and its connection is closed.  Invalid requests get 4xx with
 ``{"error": {"message", "field", "type"}}`` naming the field (malformed bodies
--- nesting deeper than ``wire.MAX_DEPTH``, non-string map keys, bad packed
-arrays -- are 400, see `wire.loads`); unexpected failures are 500 with the
+-- nesting deeper than ``wire_codec.MAX_DEPTH``, non-string map keys, bad packed
+arrays -- are 400, see `wire_codec.loads`); unexpected failures are 500 with the
 exception in the message (the client retries those; each one is a bug).
 Generation requests are serialised by the engine's lock (one jitted batch at a
 time), so concurrent requests are answered correctly, each as if alone; they
 run off the event loop, so ``/health`` answers during a generation.
 
 Layout: `SamplerService` holds one small handler per endpoint; each decodes
-the body with ``wire`` (`wire.GenerateRequest`, `wire.LoadWeightsRequest`),
-calls the engine and encodes the answer with ``wire`` (`wire.GenerateResponse`,
+the body with ``wire`` (`wire_request.GenerateRequest`, `wire_request.LoadWeightsRequest`),
+calls the engine and encodes the answer with ``wire`` (`wire_response.GenerateResponse`,
 `wire.error_body`); `create_app` only wires them into a FastAPI app.
 
 With ``--port=0`` the OS picks a free port; it is printed
@@ -66,8 +66,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from pdm_jax.sampler import defaults, openai_api, wire
+from pdm_jax.sampler import openai_api, wire, wire_codec, wire_request, wire_response
 from pdm_jax.sampler.admission import BodyBudget, BudgetTimeout
+from pdm_jax.sampler.spec import EngineSpec
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_INFLIGHT_BODY_BYTES = 32 << 20  # four full-size (8 MB) bodies decoding at once
@@ -93,40 +94,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--version", type=int, default=None,
                    help="weights version of --weights, checked against the one the directory records "
                         "(default: that recorded version; 0 for a random init)")
-    p.add_argument("--quantization", default="fp8", choices=defaults.QUANTIZATIONS)
-    p.add_argument("--weight_noise", type=float, default=0.0,
-                   help="relative std of a fixed Gaussian perturbation of the sampler's weights, the same draws "
-                        f"for every version (in [0, {defaults.MAX_WEIGHT_NOISE}]; 0 = none; pdm_jax.sampler.quantize)")
-    p.add_argument("--weight_noise_seed", type=int, default=0, help="seed of --weight_noise's draws, in [0, 2**32)")
-    p.add_argument("--compute_dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="dtype the engine computes in (auto: f32 for none and on CPU, bf16 for the quantized copies "
-                        "on TPU/GPU)")
     p.add_argument("--compile_cache_dir", default="",
                    help="JAX persistent compilation cache directory ('' = none); see pdm_jax.profiling")
     p.add_argument("--compile_cache_min_compile_time_s", type=float, default=0.0,
                    help="programs compiling faster than this are not written to the cache (s)")
     p.add_argument("--reuse_freed_host_memory", action="store_true",
                    help="glibc keeps freed large blocks mapped for reuse (pdm_jax.host_memory)")
+    EngineSpec.add_flags(p, defaults_=dict(quantization="fp8"))  # the engine's settings: one flag per field
     p.add_argument("--checkpoint_root", required=True, help="/v1/weights only loads from under this directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = pick a free port")
     p.add_argument("--port_file", default=None, help="write the bound port here (atomically)")
     p.add_argument("--token", default=os.environ.get("PDM_SAMPLER_TOKEN"),
                    help="shared bearer token (required for a non-loopback host); env PDM_SAMPLER_TOKEN")
-    p.add_argument("--max_prompt_length", type=int, default=512)
-    p.add_argument("--max_new_tokens", type=int, default=256)
-    p.add_argument("--max_batch_size", type=int, default=defaults.MAX_BATCH_SIZE)
-    p.add_argument("--batching", default=defaults.BATCHING, choices=defaults.BATCHING_MODES,
-                   help="static: chunks of --max_batch_size rows run to their longest row; continuous: "
-                        "--max_slots slots refilled as rows stop (pdm_jax.sampler.engine)")
-    p.add_argument("--max_slots", type=int, default=defaults.MAX_SLOTS, help="continuous batching's slots (0 = --max_batch_size)")
-    p.add_argument("--park_rows", type=int, default=defaults.PARK_ROWS,
-                   help="continuous batching: park up to this many x max_slots rows that outgrow the first cache "
-                        "phase (0 = never; SamplingEngine.park_rows)")
-    p.add_argument("--mesh_data", type=int, default=1,
-                   help="the sharded engine's data axis (rows); with --mesh_tensor, the first data x tensor of "
-                        "this process's devices (pdm_jax.sampler.engine.make_sampler_mesh); 1 x 1 = one device")
-    p.add_argument("--mesh_tensor", type=int, default=1, help="the sharded engine's tensor axis (heads / MLP)")
     p.add_argument("--max_body_bytes", type=int, default=8 << 20)
     p.add_argument("--max_inflight_body_bytes", type=int, default=DEFAULT_INFLIGHT_BODY_BYTES,
                    help="the bodies of the requests in flight reserve at most this many bytes together (their "
@@ -151,13 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--token (or PDM_SAMPLER_TOKEN) {wire.token_problem(args.token)}")
     if args.port < 0 or args.port > 65535:
         p.error(f"--port={args.port} out of range")
-    if not 0.0 <= args.weight_noise <= defaults.MAX_WEIGHT_NOISE:  # NaN fails too
-        p.error(f"--weight_noise={args.weight_noise} must be in [0, {defaults.MAX_WEIGHT_NOISE}]")
-    if not 0 <= args.weight_noise_seed < 2**32:
-        p.error(f"--weight_noise_seed={args.weight_noise_seed} must be in [0, 2**32)")
-    for name in ("mesh_data", "mesh_tensor"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name}={getattr(args, name)} must be >= 1")
+    try:
+        args.engine_spec = EngineSpec.from_flags(args)  # built and validated once, passed to the engine
+    except ValueError as e:
+        p.error(str(e))
     if args.max_body_bytes < 1:
         p.error(f"--max_body_bytes={args.max_body_bytes} must be >= 1")
     if args.max_inflight_body_bytes < args.max_body_bytes:
@@ -196,10 +173,10 @@ class HTTPError(Exception):
 
 
 def respond(request: Request, payload: dict, status: int = 200, headers: Optional[dict] = None) -> Response:
-    """`payload` encoded as msgpack or JSON (`wire.response_is_msgpack` of the request's headers)."""
-    use_mp = wire.response_is_msgpack(request.headers.get("accept"), request.headers.get("content-type"))
-    return Response(wire.dumps(payload, msgpack=use_mp), status_code=status, headers=headers,
-                    media_type=wire.MSGPACK if use_mp else wire.JSON)
+    """`payload` encoded as msgpack or JSON (`wire_codec.response_is_msgpack` of the request's headers)."""
+    use_mp = wire_codec.response_is_msgpack(request.headers.get("accept"), request.headers.get("content-type"))
+    return Response(wire_codec.dumps(payload, msgpack=use_mp), status_code=status, headers=headers,
+                    media_type=wire_codec.MSGPACK if use_mp else wire_codec.JSON)
 
 
 def error_response(request: Request, e: HTTPError) -> Response:
@@ -303,7 +280,7 @@ class SamplerService:
         return n
 
     async def read_body(self, request: Request) -> dict:
-        """The request body decoded by `wire.decode_body`; streamed, cut off at `max_body_bytes` (413) and at
+        """The request body decoded by `wire_codec.decode_body`; streamed, cut off at `max_body_bytes` (413) and at
         `body_timeout_s` (408: a body trickled in, or a client that stopped sending; the connection is closed).
         The body's admission (`guard`) shrinks to its size once it is whole.
 
@@ -326,19 +303,21 @@ class SamplerService:
         if reservation is not None:
             reservation.shrink(size)
         try:  # parsing an 8 MB body takes a while: off the event loop, so /health keeps answering meanwhile
-            return await run_in_threadpool(wire.decode_body, b"".join(chunks), request.headers.get("content-type"))
-        except wire.BodyError as e:
+            return await run_in_threadpool(wire_codec.decode_body, b"".join(chunks),
+                                           request.headers.get("content-type"))
+        except wire_codec.BodyError as e:
             raise HTTPError(e.status, str(e), field=e.field, kind=e.kind) from e
 
     # ------------------------------------------------------------------ endpoints
     async def health(self, request: Request) -> Response:
         """``GET /health``: the engine's health plus request counters and uptime."""
-        return respond(request, wire.health_with_stats(
+        return respond(request, wire_response.health_with_stats(
             self.engine.health(), requests=self.requests, generated_tokens=self.generated_tokens,
             uptime_s=time.time() - self.started))
 
     async def generate(self, request: Request) -> Response:
-        """``POST /v1/generate``: decode (`wire.GenerateRequest`), validate, generate, encode (422 names the field).
+        """``POST /v1/generate``: decode (`wire_request.GenerateRequest`), validate, generate, encode (422 names
+        the field).
 
         Decoding, validation, generation and encoding all run in a worker thread, off the event loop, so
         ``/health`` answers while they run (the trainer's stall probe relies on that).
@@ -346,10 +325,11 @@ class SamplerService:
         body = await self.read_body(request)
 
         def work():
-            req = wire.GenerateRequest.from_wire(body)
+            req = wire_request.GenerateRequest.from_wire(body)
             self.engine.validate(req.prompts, **req.engine_kwargs())
             batch = self.engine.generate(req.prompts, **req.engine_kwargs())
-            resp = wire.GenerateResponse(batch, model=self.engine.health()[wire.MODEL], prompt_tokens=req.prompt_tokens)
+            resp = wire_response.GenerateResponse(batch, model=self.engine.health()[wire.MODEL],
+                                                  prompt_tokens=req.prompt_tokens)
             return resp, respond(request, resp.to_wire(req.response_format))
 
         resp, answer = await run_in_threadpool(work)
@@ -360,7 +340,7 @@ class SamplerService:
     async def load_weights(self, request: Request) -> Response:
         """``POST /v1/weights``: 403 outside the root, 404 missing/incomplete, 409 stale or other version,
         422 unusable weights (corrupt files, non-finite values, wrong shapes; the current version stays)."""
-        req = wire.LoadWeightsRequest.from_wire(await self.read_body(request))
+        req = wire_request.LoadWeightsRequest.from_wire(await self.read_body(request))
         try:
             full = self._weights_dir(req.path)
             info = await run_in_threadpool(self._load, full, req.version)
@@ -368,7 +348,7 @@ class SamplerService:
             e.message = self._scrub(e.message)
             raise
         stats = None if self.compile_counter is None else self.compile_counter.snapshot()
-        return respond(request, wire.weights_response(info, stats))
+        return respond(request, wire_response.weights_response(info, stats))
 
     def _scrub(self, message: str) -> str:
         """`message` with the checkpoint root's absolute path (as given and resolved) replaced by
@@ -518,13 +498,9 @@ def main(argv=None) -> None:
     else:
         version = 0 if version is None else version
         params = nnx.to_pure_dict(nnx.state(Qwen3ForCausalLM(config, rngs=nnx.Rngs(args.init_seed)), nnx.Param))
-    engine = SamplingEngine(config, params, quantization=args.quantization, weight_noise=args.weight_noise,
-                            weight_noise_seed=args.weight_noise_seed, version=version,
-                            weights_path=args.weights, compute_dtype=args.compute_dtype,
-                            max_prompt_length=args.max_prompt_length,
-                            max_new_tokens=args.max_new_tokens, max_batch_size=args.max_batch_size,
-                            batching=args.batching, max_slots=args.max_slots or None, park_rows=args.park_rows,
-                            mesh=make_sampler_mesh(args.mesh_data, args.mesh_tensor))
+    spec = args.engine_spec
+    engine = SamplingEngine(config, params, spec, version=version, weights_path=args.weights,
+                            mesh=make_sampler_mesh(spec.mesh_data, spec.mesh_tensor))
     tokenizer = None
     if args.tokenizer:
         from pdm_jax.models.tokenizer import load_tokenizer  # transformers: only with --tokenizer

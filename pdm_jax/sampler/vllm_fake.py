@@ -19,7 +19,7 @@ routes `pdm_jax.rollouts.vllm_client.VLLMSampler` uses, in the shapes vLLM docum
   (read with `pdm_jax.models.hf_io.from_pretrained`; other methods: 400).
 
 Until the first reload (or ``--model`` at start) there are no weights and completions get 503.  Bodies
-are parsed as JSON only (`wire.loads`: strict, depth-limited); nothing is unpickled.  It binds to
+are parsed as JSON only (`wire_codec.loads`: strict, depth-limited); nothing is unpickled.  It binds to
 loopback unless ``--host`` says otherwise.  Not a vLLM: no text prompts, no streaming, no penalties
 (a non-neutral value is refused with 400).
 """
@@ -40,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from pdm_jax.sampler import vllm_api, wire
+from pdm_jax.sampler import vllm_api, wire, wire_codec
 from pdm_jax.sampler.server import is_loopback
 
 log = logging.getLogger("pdm_jax.sampler.vllm_fake")
@@ -108,7 +108,8 @@ class FakeVLLM:
         from pdm_jax.sampler.engine import SamplingEngine
 
         if not isinstance(weights_path, str) or not weights_path:
-            raise FakeVLLMError(400, f"kwargs.weights_path must be a non-empty string, got {wire._kind(weights_path)}",
+            raise FakeVLLMError(400,
+                                f"kwargs.weights_path must be a non-empty string, got {wire_codec._kind(weights_path)}",
                                 "kwargs")
         real = os.path.realpath(weights_path)
         if os.path.commonpath([real, self.weights_root]) != self.weights_root:
@@ -237,7 +238,7 @@ def _clamp(v) -> float:
 
 
 def create_app(fake: FakeVLLM, *, api_key: Optional[str] = None):
-    """The FastAPI app serving `fake` (JSON bodies only, `wire.loads`; bearer `api_key` if given)."""
+    """The FastAPI app serving `fake` (JSON bodies only, `wire_codec.loads`; bearer `api_key` if given)."""
     app = FastAPI(title="fake vLLM", docs_url=None, redoc_url=None, openapi_url=None)
 
     def answer(fn, *, dev: bool = False, body: bool = True):
@@ -254,7 +255,7 @@ def create_app(fake: FakeVLLM, *, api_key: Optional[str] = None):
                 if body:
                     raw = await request.body()
                     try:
-                        args = (wire.loads(raw, msgpack=False) if raw else {},)
+                        args = (wire_codec.loads(raw, msgpack=False) if raw else {},)
                     except ValueError as e:
                         raise FakeVLLMError(400, f"JSON decode error: {e}") from e
                 result = await run_in_threadpool(fn, *args)

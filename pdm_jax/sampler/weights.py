@@ -27,8 +27,8 @@ Cost (measured on the 2-core CPU at load average 6-9, 2.4 MB of tiny-model
 weights, medians): serialising 0.8 ms, writing 0.9 ms, CRC-32C 0.12 ms (sha256,
 format /3: 1.6 ms); reading 0.3 ms.  The writer checksums the bytes it has in
 memory (no second read of the file) and the reader checksums the bytes it read
-once, before safetensors parses them from the same buffer: one pass each.  orbax is not involved: it stays for the resumable training
-checkpoints (`pdm_jax.checkpointing`), whose save and load cost ~10x more.
+once, before safetensors parses them from the same buffer: one pass each.  orbax is not involved: it stays
+for the resumable training checkpoints (`pdm_jax.checkpointing`), whose save and load cost ~10x more.
 
 `load_weights` verifies all of it before a tensor is parsed, and refuses
 parameters holding NaN or inf: a truncated, extended or bit-flipped file, a
@@ -745,6 +745,7 @@ def load_weights(path: str, config=None, *, version: Optional[int] = None, abstr
         if tensors is not None:
             restored = _match_target(path, tensors, target)
         else:
-            restored = jax.tree.map(np.asarray, _restore_orbax(path, target, source=orbax_dir))  # read before the copy goes
+            restored = jax.tree.map(np.asarray, _restore_orbax(path, target,
+                                                               source=orbax_dir))  # read before the copy goes
         _check_finite(path, restored)
         return restored
