@@ -675,18 +675,19 @@ def rollout_temperature(config) -> float:
     return float(config.rl.temperature if tau is None else tau)
 
 
-def compute_options(model_fields: ml_collections.ConfigDict) -> dict:
+def compute_options(model_fields) -> dict:
     """The training forward's options of ``model.*`` (attention kernel, its tiles, remat, layer scan, MoE experts), as
-    keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
+    keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``. ``model_fields``: the ``model`` section or
+    its record (`pdm_jax.run_spec.ModelSpec`)."""
     return dict(attention=model_fields.attention, remat=model_fields.remat,
                 attention_block_q=int(model_fields.attention_block_q),
                 attention_block_kv=int(model_fields.attention_block_kv),
-                scan_layers=bool(model_fields.get("scan_layers", True)),
-                moe_implementation=model_fields.get("moe_implementation", "ragged_dot"))
+                scan_layers=bool(model_fields.scan_layers), moe_implementation=model_fields.moe_implementation)
 
 
-def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size: int):
-    """The ``Qwen3Config`` of a randomly initialised model described by the run config's ``model.*``.
+def model_config_from_fields(model_fields, vocab_size: int):
+    """The ``Qwen3Config`` of a randomly initialised model described by the run config's ``model.*`` (the section or
+    its record, `pdm_jax.run_spec.ModelSpec`).
 
     Raises:
       ValueError: from ``Qwen3Config`` (naming the field) for bad sizes or head counts.
@@ -701,12 +702,11 @@ def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size
 
 
 def _moe_fields(mc) -> dict:
-    """The Qwen3-MoE fields of ``model.*`` (none when ``model.num_experts`` is 0 or absent: dense)."""
-    if not mc.get("num_experts", 0):
+    """The Qwen3-MoE fields of ``model.*`` (none when ``model.num_experts`` is 0: dense)."""
+    if not mc.num_experts:
         return {}
-    return dict(num_experts=mc.num_experts, num_experts_per_tok=mc.get("num_experts_per_tok", 2),
-                moe_intermediate_size=mc.get("moe_intermediate_size", 64),
-                norm_topk_prob=mc.get("norm_topk_prob", True))
+    return dict(num_experts=mc.num_experts, num_experts_per_tok=mc.num_experts_per_tok,
+                moe_intermediate_size=mc.moe_intermediate_size, norm_topk_prob=mc.norm_topk_prob)
 
 
 # ---- validation --------------------------------------------------------------------------
@@ -916,7 +916,8 @@ def _check_dapo(rl) -> None:
 
 def check_context(config, model_config) -> None:
     """Raises ValueError naming ``rl.max_new_tokens`` when ``sampler.max_prompt_length + rl.max_new_tokens``
-    exceeds the resolved model's ``max_position_embeddings`` (a preset's or a checkpoint's)."""
+    exceeds the resolved model's ``max_position_embeddings`` (a preset's or a checkpoint's). ``config``: the run
+    config or its `pdm_jax.run_spec.RunSpec`."""
     context = config.sampler.max_prompt_length + config.rl.max_new_tokens
     _need(context <= model_config.max_position_embeddings, "rl.max_new_tokens", config.rl.max_new_tokens,
           f"sampler.max_prompt_length + rl.max_new_tokens = {context} exceeds the model's "
@@ -1050,27 +1051,28 @@ def _check_routing_replay(config) -> None:
     preset; an ``hf_path`` checkpoint is checked once loaded, `check_routing_replay_model`) and the
     pdm_jax sampler (the vLLM backend returns no routing)."""
     mc = config.model
-    replay = mc.get("moe_routing_replay", False)
+    replay = mc.moe_routing_replay
     _need(isinstance(replay, bool), "model.moe_routing_replay", replay, "must be true or false")
     if not replay:
         return
     _need(config.sampler.backend != "vllm", "model.moe_routing_replay", replay,
-          "needs the pdm_jax sampler: the vLLM backend (sampler.backend = 'vllm') cannot return the experts it routed to")
+          "needs the pdm_jax sampler: the vLLM backend (sampler.backend = 'vllm') cannot return the experts it "
+          "routed to")
     if not mc.hf_path:
-        moe = PRESETS[mc.preset]().is_moe if mc.preset in PRESETS else mc.get("num_experts", 0) > 0
+        moe = PRESETS[mc.preset]().is_moe if mc.preset in PRESETS else mc.num_experts > 0
         _need(moe, "model.moe_routing_replay", replay,
               "needs a mixture-of-experts model (model.num_experts > 0 or a MoE preset); this model is dense")
 
 
 def check_routing_replay_model(config, model_config) -> None:
     """Raises ValueError naming ``model.moe_routing_replay`` when it is on for a dense ``model_config``
-    (e.g. a dense ``model.hf_path`` checkpoint)."""
-    if config.model.get("moe_routing_replay", False):
+    (e.g. a dense ``model.hf_path`` checkpoint). ``config``: the run config or its `pdm_jax.run_spec.RunSpec`."""
+    if config.model.moe_routing_replay:
         _need(model_config.is_moe, "model.moe_routing_replay", True,
               "needs a mixture-of-experts model; the loaded model is dense (num_experts = 0)")
 
 
-def check_sampler_mesh(config, model_config) -> None:
+def check_sampler_mesh(sampler, model_config) -> None:
     """Refuses at start-up (before the warm start) a ``sampler.mesh`` the rollout engine could not split.
 
     The engine's own check (`pdm_jax.sampler.engine.check_engine_mesh`) runs on an abstract
@@ -1080,11 +1082,15 @@ def check_sampler_mesh(config, model_config) -> None:
     A colocated engine also needs that many devices in this process. Not checked for a remote or
     vLLM sampler (its server owns its mesh).
 
+    Args:
+      sampler: the run's `pdm_jax.rollouts.spec.SamplerSpec`.
+      model_config: the resolved ``Qwen3Config``.
+
     Raises:
       ValueError: ``"sampler.mesh = <data> x <tensor>: <what is wrong>"``.
     """
-    sc = config.sampler
-    data, tensor = sc.mesh.data, sc.mesh.tensor
+    sc = sampler
+    data, tensor = sc.mesh_data, sc.mesh_tensor
     mode = resolve_sampler_mode(sc.mode)
     if data * tensor == 1 or mode == "remote" or sc.backend == "vllm":
         return
@@ -1112,8 +1118,8 @@ def _check_model(config, vocab_size: Optional[int]) -> None:
           f"must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}")
     _need(mc.remat in REMAT_POLICIES, "model.remat", mc.remat, f"must be one of {tuple(REMAT_POLICIES)}")
     _need(isinstance(mc.scan_layers, bool), "model.scan_layers", mc.scan_layers, "must be true or false")
-    _need(mc.get("moe_implementation", "ragged_dot") in MOE_IMPLEMENTATIONS, "model.moe_implementation",
-          mc.get("moe_implementation"), f"must be one of {MOE_IMPLEMENTATIONS}")
+    _need(mc.moe_implementation in MOE_IMPLEMENTATIONS, "model.moe_implementation", mc.moe_implementation,
+          f"must be one of {MOE_IMPLEMENTATIONS}")
     _check_routing_replay(config)
     for name in ("attention_block_q", "attention_block_kv"):
         _need(mc[name] >= 1, f"model.{name}", mc[name], "must be >= 1 (tokens)")
@@ -1262,17 +1268,6 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
                          (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())]))
 
 
-def validate_against_data(config: ml_collections.ConfigDict, *, vocab_size: int, num_held_out: int) -> None:
-    """The checks of a validated config that need the tokenizer and the prompt source, run once they exist:
-    K = ``rl.top_k_logprobs`` and ``sampler.stop_token_ids`` within the ``vocab_size`` tokens, an explicit
-    model shape with that vocabulary, ``eval.num_prompts`` <= the source's ``num_held_out`` prompts.
-
-    Raises:
-      ValueError: as `validate_config` (``"<dotted.field> = <value>: <what is wrong>"``).
-    """
-    _run_checks(config, [(_check_model, (vocab_size,)), (_check_sizes, (vocab_size, num_held_out))])
-
-
 #: W&B's run modes that ``log.wandb_mode`` may name; characters W&B refuses in a project name.
 WANDB_MODES = ("online", "offline")
 _WANDB_PROJECT_BAD = set("/\\#?%:")
@@ -1353,7 +1348,7 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
     try:
         tr_config = trust_region.TrustRegionConfig(mask=tr.mask, divergence=tr.divergence, estimator=tr.estimator,
                                                    nonfinite=tr.nonfinite,
-                                                   direction=tr.get("direction", "per_token"), **floats)
+                                                   direction=tr.direction, **floats)
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if msg.startswith("trust_region.") else f"trust_region: {msg}") from None
@@ -1364,7 +1359,7 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
         max_response_length=int(max_response_length or rl.max_new_tokens), kl_beta=_as_float("rl.kl_beta", rl.kl_beta),
         kl_estimator=rl.kl_estimator, temperature=_as_float("rl.temperature", rl.temperature),
         logits_chunk_size=rl.logits_chunk_size, micro_batch_size=rl.micro_batch_size,
-        router_aux_loss_coef=_as_float("rl.router_aux_loss_coef", rl.get("router_aux_loss_coef", 0.0)),
+        router_aux_loss_coef=_as_float("rl.router_aux_loss_coef", rl.router_aux_loss_coef),
         pack_sequences=rl.pack_sequences)
     rl_opt = OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, b1=rl.adam_b1,
                              b2=rl.adam_b2, max_grad_norm=rl.max_grad_norm, warmup_steps=rl.warmup_steps,

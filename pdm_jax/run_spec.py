@@ -1,30 +1,232 @@
-"""`RunSpec`: a validated run config as the typed pieces its components take, read once.
+"""`RunSpec`: a validated run config as the typed, frozen records its components take, read once.
 
-`run_spec(config)` validates the ConfigDict (`pdm_jax.config.validate_config`) and reads it, field by field and
-with no fallbacks (every default lives once, in the schema: `pdm_jax.config.get_base_config`,
-docs/configuration.md), into the pieces the components take instead of the ConfigDict: the prompt source's
-`DataSpec` (`pdm_jax.data.make_source`), the sampler's `SamplerSpec` (`pdm_jax.rollouts.SamplerSupervisor`), the
-evaluation's `EvalSpec` (`pdm_jax.evaluation.evaluate`), the jitted steps' `StepConfigs` (trust region, policy
-loss, optimizers), DAPO's data-side pieces' `DapoSpec` (`pdm_jax.rl.dapo`) and the reward functions' `RewardSpec`
-(`pdm_jax.rewards.with_reward_functions`). The model's `Qwen3Config` needs the tokenizer's vocabulary and is built
-with it (`pdm_jax.config.model_config_from_fields`, a preset or a checkpoint's config). It sits above the config and
-the trainer's side of rollouts (docs/DESIGN.md §3), beside the trainer that calls it.
+`run_spec(config)` validates the ConfigDict (`pdm_jax.config.validate_config`) and reads it, field by field and with
+no fallbacks (every default lives once, in the schema: `pdm_jax.config.get_base_config`, docs/configuration.md), into
+one record per section. It is the only reader of the ConfigDict besides the command line, the schema's parser and the
+reference generator (tests/test_structure.py holds that); the trainer, metrics, the analysis callback and the per-host
+code take these records. Sections with a typed form of their own keep it (`DataSpec`, `SamplerSpec`, `EvalSpec`,
+`RewardSpec`, `MeshConfig`, the steps' `StepConfigs`, `DapoSpec`, `WandbSpec`); the others are mirrored field for
+field by the records below (same names and units as the schema). The model's `Qwen3Config` needs the tokenizer's
+vocabulary and is built with it (`ModelSpec.qwen3_config`, a preset or a checkpoint's config).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import ml_collections
 
-from pdm_jax.config import StepConfigs, step_configs, validate_config
+from pdm_jax import distributed, host_memory
+from pdm_jax.config import (StepConfigs, check_context, check_routing_replay_model, compute_options,
+                            model_config_from_fields, parse_stop_token_ids, redacted, rollout_temperature,
+                            step_configs, validate_config)
 from pdm_jax.data import DataSpec
 from pdm_jax.evaluation import EvalSpec
 from pdm_jax.rewards import RewardSpec
 from pdm_jax.rl.dapo import DapoSpec
 from pdm_jax.rollouts.spec import SamplerSpec
+from pdm_jax.sharding import MeshConfig
 from pdm_jax.wandb_log import WandbSpec
+
+_CASTS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _read(cls, section):
+    """``cls`` (a frozen dataclass mirroring a schema section) with each field read from ``section`` by name and cast to
+    its annotated type (``Optional[float]`` keeps None). Raises AttributeError naming a field the section lacks."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(section, f.name)
+        cast = _CASTS.get(f.type)
+        values[f.name] = value if cast is None or value is None else cast(value)
+    return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """``model.*``: where the weights come from (``hf_path``, ``preset``, or the explicit shape below with the
+    tokenizer's vocabulary), the trainer's dtypes and the training forward's options (docs/configuration.md)."""
+
+    hf_path: str
+    preset: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    param_dtype: str
+    dtype: str
+    attention: str
+    attention_block_q: int
+    attention_block_kv: int
+    remat: str
+    scan_layers: bool
+    moe_implementation: str
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    moe_routing_replay: bool
+
+    def compute_options(self) -> dict:
+        """The training forward's options, as keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
+        return compute_options(self)
+
+    def qwen3_config(self, vocab_size: int):
+        """The ``Qwen3Config`` of the explicit shape with ``vocab_size`` tokens (a random init without a preset).
+
+        Raises:
+          ValueError: from ``Qwen3Config``, naming the field.
+        """
+        return model_config_from_fields(self, vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """``tokenizer.*``: ``kind`` ("char" | "bpe" | "path"), ``path`` (kind=path), the char tokenizer's ``symbols``,
+    the BPE tokenizer's ``vocab_size`` (tokens) and ``corpus_prompts`` (examples); read by `pdm_jax.text`."""
+
+    path: str
+    kind: str
+    symbols: str
+    vocab_size: int
+    corpus_prompts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RlSpec:
+    """``rl.*``: the RL phase's sizes (prompts, group size G, mini-batches, passes, staleness in weights versions),
+    lengths (tokens), the loss's settings and DAPO's (docs/configuration.md, section ``rl``). The jitted steps take
+    their typed part, `StepConfigs`; DAPO's data-side pieces `DapoSpec`."""
+
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    num_minibatches: int
+    num_iterations: int
+    max_staleness: int
+    temperature: float
+    max_new_tokens: int
+    top_k_logprobs: int
+    learning_rate: float
+    warmup_steps: int
+    lr_schedule: str
+    weight_decay: float
+    adam_b1: float
+    adam_b2: float
+    max_grad_norm: float
+    policy_loss: str
+    tis_cap: float
+    dual_clip: float
+    loss_aggregation: str
+    normalize_advantage_std: bool
+    kl_beta: float
+    kl_estimator: str
+    logits_chunk_size: int
+    micro_batch_size: int
+    pack_sequences: bool
+    packed_length: int
+    router_aux_loss_coef: float
+    dynamic_sampling: bool
+    dynamic_sampling_max_rounds: int
+    overlong_buffer_len: int
+    overlong_max_length: int
+    overlong_penalty_factor: float
+    overlong_filtering: bool
+
+
+class RolloutSpec(NamedTuple):
+    """The ``sampler.*`` fields the trainer's side of rollouts reads beyond `SamplerSpec`, resolved.
+
+    Attributes:
+      temperature: tau_s, the rollouts' sampling temperature (``sampler.temperature``, None = ``rl.temperature``).
+      stop_token_ids: ``sampler.stop_token_ids`` parsed (() = the checkpoint's own, or the eos id alone).
+      per_host_rollouts: ``sampler.per_host_rollouts`` (multi-process runs: each process samples its prompts).
+    """
+
+    temperature: float
+    stop_token_ids: tuple
+    per_host_rollouts: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MultihostSpec:
+    """``multihost.*`` as configured ("" / 0 / -1 = from the environment or auto-detected; resolved by
+    `pdm_jax.distributed.settings_from`)."""
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    local_device_ids: str
+    cpu_collectives: str
+    initialization_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRunSpec:
+    """``dry_run.*``: the target chip and device count, the compiler and its limits (`pdm_jax.dry_run`)."""
+
+    chip: str
+    num_devices: int
+    compiler: str
+    topology: str
+    max_compile_params: int
+    compile_sampler: bool
+    count_flops: bool
+    fit: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSpec:
+    """``profile.steps``: "a:b", the RL steps traced by ``jax.profiler`` ("" = none; `pdm_jax.profiling`)."""
+
+    steps: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCacheSpec:
+    """``compile_cache.*``: the persistent compilation cache's directory ("default" | "workdir" | a path | "" = none)
+    and the shortest compile it keeps (seconds)."""
+
+    dir: str
+    min_compile_time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemorySpec:
+    """``host_memory.reuse_freed``: glibc keeps freed large blocks mapped (`pdm_jax.host_memory`)."""
+
+    reuse_freed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    """``checkpoint.*``: a checkpoint every ``every_steps`` RL steps (and at the last); ``max_to_keep`` kept."""
+
+    every_steps: int
+    max_to_keep: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSpec:
+    """``log.tensorboard`` and ``log.progress`` (the W&B fields are `WandbSpec`)."""
+
+    tensorboard: bool
+    progress: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugSpec:
+    """``debug.*``: fault injection after an RL step (-1 = off) for the resume and sampler-failure tests."""
+
+    kill_after_rl_step: int
+    kill_sampler_after_rl_step: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +247,7 @@ class SftSpec:
     target_window: int = 50
 
     @classmethod
-    def from_config(cls, sft: ml_collections.ConfigDict) -> "SftSpec":
+    def from_config(cls, sft) -> "SftSpec":
         """The spec of a validated config's ``sft`` section."""
         return cls(steps=int(sft.steps), batch_size=int(sft.batch_size),
                    target_token_accuracy=float(sft.target_token_accuracy), target_window=int(sft.target_window))
@@ -58,26 +260,105 @@ class SftSpec:
                 and sum(window) / len(window) >= self.target_token_accuracy)
 
 
-class RunSpec(NamedTuple):
-    """The typed pieces of a validated run config (built once by :func:`run_spec`)."""
+class ConfigRecord(NamedTuple):
+    """The run config as written down (secrets redacted, `pdm_jax.config.redacted`): ``json``, the text of the
+    workdir's ``config.json`` (a ConfigDict dump, the format a resume compares), and ``tree``, the same as plain
+    nested dicts (W&B's run config, summary.json's ``trust_region``). A record of the run, never read for behaviour."""
 
+    json: str
+    tree: Mapping[str, Any]
+
+
+class RunSpec(NamedTuple):
+    """The typed records of a validated run config (built once by :func:`run_spec`), one per schema section."""
+
+    seed: int
+    distributed: bool
+    model: ModelSpec
+    tokenizer: TokenizerSpec
     data: DataSpec
-    sampler: SamplerSpec
-    eval: EvalSpec
-    step: StepConfigs
-    dapo: DapoSpec
     reward: RewardSpec
     sft: SftSpec
+    rl: RlSpec
+    step: StepConfigs
+    dapo: DapoSpec
+    sampler: SamplerSpec
+    rollout: RolloutSpec
+    eval: EvalSpec
+    mesh: MeshConfig
+    multihost: MultihostSpec
+    dry_run: DryRunSpec
+    profile: ProfileSpec
+    compile_cache: CompileCacheSpec
+    host_memory: HostMemorySpec
+    checkpoint: CheckpointSpec
+    log: LogSpec
     wandb: WandbSpec
+    debug: DebugSpec
+    record: ConfigRecord
+
+    @property
+    def trust_region(self):
+        """The trust region's typed config (``StepConfigs.trust_region``: ``trust_region.*``)."""
+        return self.step.trust_region
+
+    @property
+    def packed_length(self) -> int:
+        """L, tokens per packed row (``rl.packed_length``, or 0: ``sampler.max_prompt_length + rl.max_new_tokens``)."""
+        return self.rl.packed_length or self.sampler.max_prompt_length + self.rl.max_new_tokens
+
+    def check_model(self, model_config) -> None:
+        """The checks of the resolved ``Qwen3Config`` (a preset's or a checkpoint's): routing replay needs a MoE
+        model, and ``sampler.max_prompt_length + rl.max_new_tokens`` fits its context.
+
+        Raises:
+          ValueError: naming ``model.moe_routing_replay`` or ``rl.max_new_tokens``.
+        """
+        check_routing_replay_model(self, model_config)
+        check_context(self, model_config)
+
+    def check_against_data(self, *, vocab_size: int, num_held_out: int) -> None:
+        """The checks that need the tokenizer and the prompt source, run once they exist: the explicit model shape
+        with ``vocab_size`` tokens, K = ``rl.top_k_logprobs`` and ``sampler.stop_token_ids`` within the vocabulary,
+        ``eval.num_prompts`` <= the source's ``num_held_out`` prompts.
+
+        Raises:
+          ValueError: ``"<dotted.field> = <value>: <what is wrong>"`` (several: ``"N config errors: ..."``).
+        """
+        errors = []
+        if not self.model.hf_path and not self.model.preset:
+            try:
+                self.model.qwen3_config(vocab_size)
+            except ValueError as e:  # names Qwen3Config.<field>: the same names under model.
+                errors.append(f"model: {e} (set as model.<field> in the run config)")
+        k = self.rl.top_k_logprobs
+        if k > vocab_size:
+            errors.append(f"rl.top_k_logprobs = {k}: K is larger than the vocabulary size {vocab_size}")
+        bad = [i for i in self.rollout.stop_token_ids if i >= vocab_size]
+        if bad:
+            text = ",".join(map(str, self.rollout.stop_token_ids))
+            errors.append(f"sampler.stop_token_ids = {text!r}: ids {bad} are outside the vocabulary of {vocab_size} "
+                          "tokens")
+        if self.eval.num_prompts > num_held_out:
+            errors.append(f"eval.num_prompts = {self.eval.num_prompts}: the data source has only {num_held_out} "
+                          "held-out prompts (data.num_eval / data.eval_path)")
+        if errors:
+            raise ValueError(errors[0] if len(errors) == 1 else f"{len(errors)} config errors: " + "; ".join(errors))
 
 
-def dapo_spec(rl: ml_collections.ConfigDict) -> DapoSpec:
+def dapo_spec(rl) -> DapoSpec:
     """The `DapoSpec` of a validated config's ``rl`` section (L_max resolved: 0 -> ``rl.max_new_tokens``)."""
     return DapoSpec(dynamic_sampling=bool(rl.dynamic_sampling), max_rounds=int(rl.dynamic_sampling_max_rounds),
                     overlong_max_length=int(rl.overlong_max_length or rl.max_new_tokens),
                     overlong_buffer_len=int(rl.overlong_buffer_len),
                     overlong_penalty_factor=float(rl.overlong_penalty_factor),
                     overlong_filtering=bool(rl.overlong_filtering))
+
+
+def config_record(config: ml_collections.ConfigDict) -> ConfigRecord:
+    """The `ConfigRecord` of ``config`` (secrets redacted)."""
+    shown = redacted(config)
+    return ConfigRecord(json=shown.to_json_best_effort(indent=2), tree=shown.to_dict())
 
 
 def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
@@ -87,10 +368,53 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
       ValueError: a bad config, naming the field (`validate_config`).
     """
     validate_config(config)
-    return RunSpec(data=DataSpec.from_config(config.data), sampler=SamplerSpec.from_config(config.sampler),
-                   eval=EvalSpec.from_config(config.eval), step=step_configs(config),
-                   dapo=dapo_spec(config.rl), reward=RewardSpec.from_config(config.reward),
-                   sft=SftSpec.from_config(config.sft),
-                   wandb=WandbSpec(enabled=config.log.wandb, project=config.log.wandb_project,
-                                   run_name=config.log.wandb_run_name, mode=config.log.wandb_mode))
+    sc, lc = config.sampler, config.log
+    return RunSpec(
+        seed=int(config.seed), distributed=bool(config.distributed), model=_read(ModelSpec, config.model),
+        tokenizer=_read(TokenizerSpec, config.tokenizer), data=DataSpec.from_config(config.data),
+        reward=RewardSpec.from_config(config.reward), sft=SftSpec.from_config(config.sft),
+        rl=_read(RlSpec, config.rl), step=step_configs(config), dapo=dapo_spec(config.rl),
+        sampler=SamplerSpec.from_config(sc),
+        rollout=RolloutSpec(temperature=rollout_temperature(config), stop_token_ids=parse_stop_token_ids(
+            sc.stop_token_ids), per_host_rollouts=bool(sc.per_host_rollouts)),
+        eval=EvalSpec.from_config(config.eval), mesh=_read(MeshConfig, config.mesh),
+        multihost=_read(MultihostSpec, config.multihost), dry_run=_read(DryRunSpec, config.dry_run),
+        profile=_read(ProfileSpec, config.profile), compile_cache=_read(CompileCacheSpec, config.compile_cache),
+        host_memory=_read(HostMemorySpec, config.host_memory), checkpoint=_read(CheckpointSpec, config.checkpoint),
+        log=_read(LogSpec, config.log),
+        wandb=WandbSpec(enabled=lc.wandb, project=lc.wandb_project, run_name=lc.wandb_run_name, mode=lc.wandb_mode),
+        debug=_read(DebugSpec, config.debug), record=config_record(config))
 
+
+
+def as_run_spec(spec_or_config) -> RunSpec:
+    """``spec_or_config`` if it is a `RunSpec`; a run ConfigDict read by :func:`run_spec`, its
+    ``host_memory.reuse_freed`` applied first (`pdm_jax.host_memory`: before validation starts JAX's backend).
+
+    Raises:
+      ValueError: a bad config, naming the field.
+    """
+    if isinstance(spec_or_config, RunSpec):
+        return spec_or_config
+    if spec_or_config.host_memory.reuse_freed:
+        host_memory.reuse_freed_host_memory()
+    return run_spec(spec_or_config)
+
+
+def multihost_spec(config: ml_collections.ConfigDict) -> MultihostSpec:
+    """The ``multihost`` section as it stands, before validation (JAX's distributed runtime starts before
+    `validate_config` can count the devices); `pdm_jax.distributed.settings_from` checks its timeout."""
+    return MultihostSpec(**{f.name: getattr(config.multihost, f.name) for f in dataclasses.fields(MultihostSpec)})
+
+
+def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
+    """Starts JAX's distributed runtime when ``distributed`` is true (``multihost.*``, then the ``JAX_*`` environment,
+    then JAX's cluster auto-detection: `pdm_jax.distributed.settings_from`); returns whether it did.
+
+    Raises:
+      ValueError: a bad ``multihost`` field or environment variable, named.
+    """
+    if not config.distributed:
+        return False
+    distributed.initialize(distributed.settings_from(multihost_spec(config)))
+    return True
