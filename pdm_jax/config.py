@@ -14,32 +14,27 @@
 
 from __future__ import annotations
 
-import contextvars
 import math
 import os
 from typing import NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from pdm_jax import aot
 from pdm_jax import data as data_sources
 from pdm_jax import rewards as reward_functions
 from pdm_jax.rl import trust_region
 from pdm_jax.rl.loss import PolicyLossConfig
-from pdm_jax.models import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
-from pdm_jax.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from pdm_jax.models.presets import PRESETS
-from pdm_jax.models.qwen3 import Qwen3Config
-from pdm_jax.models.tokenizer import MAX_BPE_VOCAB_SIZE, char_vocab_size, checkpoint_tokenizer_file
-from pdm_jax.profiling import parse_steps
+from pdm_jax.models.tokenizer import char_vocab_size, checkpoint_tokenizer_file
 from pdm_jax.sampler import defaults as sampler_defaults
 from pdm_jax.sampler.limits import MAX_SEED, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, check_engine_mesh, token_problem
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
 from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.rl.train_step import LR_SCHEDULES, OptimizerConfig
+from pdm_jax.sections import COLLECTED as _COLLECTED, SECTION_RECORDS, model_config_from_fields, need as _need, \
+    read as _read_section
 
 #: ``sampler.mode``: "auto" resolves with `resolve_sampler_mode`; pdm_jax.rollouts.supervisor runs each.
 SAMPLER_MODES = ("auto", "subprocess", "remote", "in_process", "colocated")
@@ -48,9 +43,6 @@ SAMPLER_FILE_MODES = ("subprocess", "remote", "in_process")
 #: ``eval.engine``: a separate unquantized f32 engine on the trainer's weights, or the rollout sampler itself.
 EVAL_ENGINES = ("f32", "rollout")
 SAMPLER_BACKENDS = ("native", "vllm")  # who serves rollouts: pdm_jax.sampler.server/engine, or a vLLM server
-TOKENIZER_KINDS = ("char", "bpe", "path")
-#: tokenizer.corpus_prompts' limit (1M examples: about 40 s and 3 GB of host memory to train on).
-MAX_CORPUS_PROMPTS = 1_000_000
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
 OPEN_FIELDS = ("data.task_config",)
 
@@ -675,40 +667,6 @@ def rollout_temperature(config) -> float:
     return float(config.rl.temperature if tau is None else tau)
 
 
-def compute_options(model_fields) -> dict:
-    """The training forward's options of ``model.*`` (attention kernel, its tiles, remat, layer scan, MoE experts), as
-    keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``. ``model_fields``: the ``model`` section or
-    its record (`pdm_jax.run_spec.ModelSpec`)."""
-    return dict(attention=model_fields.attention, remat=model_fields.remat,
-                attention_block_q=int(model_fields.attention_block_q),
-                attention_block_kv=int(model_fields.attention_block_kv),
-                scan_layers=bool(model_fields.scan_layers), moe_implementation=model_fields.moe_implementation)
-
-
-def model_config_from_fields(model_fields, vocab_size: int):
-    """The ``Qwen3Config`` of a randomly initialised model described by the run config's ``model.*`` (the section or
-    its record, `pdm_jax.run_spec.ModelSpec`).
-
-    Raises:
-      ValueError: from ``Qwen3Config`` (naming the field) for bad sizes or head counts.
-    """
-    mc = model_fields
-    return Qwen3Config(
-        vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
-        num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
-        max_position_embeddings=mc.max_position_embeddings, **_moe_fields(mc))
-
-
-def _moe_fields(mc) -> dict:
-    """The Qwen3-MoE fields of ``model.*`` (none when ``model.num_experts`` is 0: dense)."""
-    if not mc.num_experts:
-        return {}
-    return dict(num_experts=mc.num_experts, num_experts_per_tok=mc.num_experts_per_tok,
-                moe_intermediate_size=mc.moe_intermediate_size, norm_topk_prob=mc.norm_topk_prob)
-
-
 # ---- validation --------------------------------------------------------------------------
 
 def _leaves(node, prefix=""):
@@ -799,10 +757,6 @@ def _check_types(config) -> None:
             raise ValueError(f"{path} = {value!r}: must be {what}")
 
 
-#: While `validate_config` runs: the errors found so far (every check runs; one ValueError names them all).
-_COLLECTED: contextvars.ContextVar = contextvars.ContextVar("pdm_jax_config_errors", default=None)
-
-
 #: Config fields holding secrets: `redacted` replaces them wherever the config is written or logged.
 SECRET_FIELDS = ("sampler.token",)
 REDACTED = "<redacted>"
@@ -820,19 +774,6 @@ def redacted(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         if node is not None and node.get(leaf):
             node[leaf] = REDACTED  # an existing field: allowed on a locked ConfigDict
     return out
-
-
-def _need(cond, field, value, what) -> bool:
-    """Refuses ``field = value`` unless ``cond``: raises, or inside `validate_config` records the error and
-    returns False (so that a check depending on the value can skip itself); True when it holds."""
-    if not cond:
-        message = f"{field} = {value!r}: {what}"
-        errors = _COLLECTED.get()
-        if errors is None:
-            raise ValueError(message)
-        errors.append(message)
-        return False
-    return True
 
 
 def _collect(errors: list, check, *args) -> None:
@@ -999,9 +940,6 @@ def _check_sampler_and_eval(config) -> None:
         size = sc.mesh[axis]
         _need(isinstance(size, int) and not isinstance(size, bool) and size >= 1, f"sampler.mesh.{axis}", size,
               "must be an integer >= 1 (sampler.mesh 1 x 1 = a single-device engine)")
-    cc = config.compile_cache
-    _need(math.isfinite(cc.min_compile_time_s) and cc.min_compile_time_s >= 0, "compile_cache.min_compile_time_s",
-          cc.min_compile_time_s, "must be a finite number of seconds >= 0")
     if sc.mode == "remote":
         _need(bool(sc.address), "sampler.address", sc.address, "required when sampler.mode = 'remote'")
     if sc.token:  # the value itself is a secret: never in a message
@@ -1015,8 +953,8 @@ def _check_sampler_and_eval(config) -> None:
     for name in ("retries", "max_restarts", "stall_probe_misses"):
         _need(sc[name] >= 0, f"sampler.{name}", sc[name], "must be >= 0")
     parse_stop_token_ids(sc.stop_token_ids)
-    for field in ("eval.every_steps", "eval.samples_per_prompt", "eval.num_prompts", "checkpoint.every_steps",
-                  "checkpoint.max_to_keep", "sft.batch_size", "sampler.max_prompt_length", "sampler.max_batch_size"):
+    for field in ("eval.every_steps", "eval.samples_per_prompt", "eval.num_prompts", "sft.batch_size",
+                  "sampler.max_prompt_length", "sampler.max_batch_size"):
         _need(_lookup(config, field) >= 1, field, _lookup(config, field), "must be >= 1")
 
 
@@ -1107,24 +1045,10 @@ def check_sampler_mesh(sampler, model_config) -> None:
 
 
 def _check_model(config, vocab_size: Optional[int]) -> None:
+    """The model's checks that span sections (its own: `pdm_jax.sections.ModelSpec`): routing replay, the explicit
+    shape with the vocabulary and its context against the prompt and completion lengths."""
     mc = config.model
-    for name in ("dtype", "param_dtype"):
-        try:
-            ok = jnp.issubdtype(jnp.dtype(mc[name]), jnp.floating)
-        except TypeError:
-            ok = False
-        _need(ok, f"model.{name}", mc[name], "must be a floating dtype name (float32, bfloat16, ...)")
-    _need(mc.attention in ATTENTION_IMPLEMENTATIONS, "model.attention", mc.attention,
-          f"must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}")
-    _need(mc.remat in REMAT_POLICIES, "model.remat", mc.remat, f"must be one of {tuple(REMAT_POLICIES)}")
-    _need(isinstance(mc.scan_layers, bool), "model.scan_layers", mc.scan_layers, "must be true or false")
-    _need(mc.moe_implementation in MOE_IMPLEMENTATIONS, "model.moe_implementation", mc.moe_implementation,
-          f"must be one of {MOE_IMPLEMENTATIONS}")
     _check_routing_replay(config)
-    for name in ("attention_block_q", "attention_block_kv"):
-        _need(mc[name] >= 1, f"model.{name}", mc[name], "must be >= 1 (tokens)")
-    if mc.preset and not mc.hf_path:
-        _need(mc.preset in PRESETS, "model.preset", mc.preset, f"must be one of {sorted(PRESETS)}")
     if not mc.hf_path and not mc.preset:
         try:
             model_config_from_fields(mc, vocab_size or 1)
@@ -1145,24 +1069,9 @@ def _check_mesh(config) -> None:
                          f"{jax.device_count()} device(s): {e}") from None
 
 
-def _check_dry_run(config) -> None:
-    dr = config.dry_run
-    chip_ok = _need(dr.chip in aot.CHIP_HBM_GIB, "dry_run.chip", dr.chip, f"must be one of {sorted(aot.CHIP_HBM_GIB)}")
-    if _need(dr.compiler in aot.COMPILERS, "dry_run.compiler", dr.compiler, f"must be one of {aot.COMPILERS}") \
-            and chip_ok:
-        aot.resolve_compiler(dr.compiler, dr.chip)  # tpu for an H100, gpu for a v5p: named
-    _need(dr.num_devices >= 1, "dry_run.num_devices", dr.num_devices, "must be >= 1")
-    _need(dr.max_compile_params >= 0, "dry_run.max_compile_params", dr.max_compile_params, "must be >= 0")
-    _need(isinstance(dr.fit, bool), "dry_run.fit", dr.fit, "must be true or false")
-    if dr.topology and chip_ok:
-        aot.check_topology(dr.topology, dr.chip)
-
-
 def _check_seeds_and_timeouts(config) -> None:
     for name, value in (("seed", config.seed), ("data.seed", config.data.seed)):
         _need(0 <= value <= MAX_SEED, name, value, "must be an integer in [0, 2**63 - 1] (the sampler's seed range)")
-    t = config.multihost.initialization_timeout_s
-    _need(math.isfinite(t) and t > 0, "multihost.initialization_timeout_s", t, "must be a finite number of seconds > 0")
 
 
 def _check_reward(config) -> None:
@@ -1185,23 +1094,10 @@ def _check_reward(config) -> None:
               "the warm start needs a reference answer: set data.answer_field (data.kind = 'file') or sft.steps=0")
 
 
-def _check_profile(config) -> None:
-    parse_steps(config.profile.steps)
-
-
 def _check_paths(config, exist: bool = True) -> None:
+    """The data source's and the paths' checks (the tokenizer's own: `pdm_jax.sections.TokenizerSpec`)."""
     tc, dc = config.tokenizer, config.data
-    _need(tc.kind in TOKENIZER_KINDS, "tokenizer.kind", tc.kind, f"must be one of {TOKENIZER_KINDS}")
-    if tc.kind == "path":
-        _need(bool(tc.path), "tokenizer.path", tc.path, "required when tokenizer.kind = 'path'")
-    else:
-        _need(not tc.path, "tokenizer.path", tc.path,
-              f"is ignored when tokenizer.kind = {tc.kind!r} (which builds its own); set tokenizer.kind=path to use it")
-    if tc.kind == "bpe":  # byte level: 2 special tokens + 256 bytes, then the merges
-        for field, low, high in (("vocab_size", 259, MAX_BPE_VOCAB_SIZE), ("corpus_prompts", 1, MAX_CORPUS_PROMPTS)):
-            value = tc[field]
-            _need(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
-                  f"tokenizer.{field}", value, f"must be an int in [{low}, {high}]")
+    if tc.kind == "bpe":
         chat = (dc.kind in data_sources.KINDS and dc.chat_template in data_sources.CHAT_TEMPLATES  # else named below
                 and data_sources.applies_chat_template(dc.kind, dc.prompt_format, dc.chat_template))
         _need(not chat, "data.chat_template", dc.chat_template,
@@ -1261,25 +1157,17 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
         raise ValueError(f"{unknown[0]}: unknown config field (not in pdm_jax.config.get_base_config)"
                          + (f"; also unknown: {', '.join(unknown[1:])}" if len(unknown) > 1 else ""))
     _check_types(config)
-    _run_checks(config, [(_check_paths, (paths_exist and not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
-                         (_check_weight_noise, ()), (_check_model, (vocab_size,)), (_check_profile, ()),
-                         (_check_dry_run, ()),
-                         (_check_seeds_and_timeouts, ()), (_check_reward, ()), (_check_log, ()),
-                         (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())]))
+    sections = [(_check_section, (name,)) for name in SECTION_RECORDS]  # each record's own checks
+    _run_checks(config, sections[:2] + [(_check_paths, (paths_exist and not dry_run,)), (_check_rl, ()),
+                                        (_check_sampler_and_eval, ()), (_check_weight_noise, ()),
+                                        (_check_model, (vocab_size,))] + sections[2:]
+                + [(_check_seeds_and_timeouts, ()), (_check_reward, ()), (_check_sizes, (vocab_size, num_held_out))]
+                + ([] if dry_run else [(_check_mesh, ())]))
 
 
-#: W&B's run modes that ``log.wandb_mode`` may name; characters W&B refuses in a project name.
-WANDB_MODES = ("online", "offline")
-_WANDB_PROJECT_BAD = set("/\\#?%:")
-
-
-def _check_log(config) -> None:
-    """``log.wandb_mode`` one of `WANDB_MODES`; ``log.wandb_project`` 1-128 characters without ``/\\#?%:``."""
-    lc = config.log
-    _need(lc.wandb_mode in WANDB_MODES, "log.wandb_mode", lc.wandb_mode, f"must be one of {WANDB_MODES}")
-    _need(0 < len(lc.wandb_project) <= 128 and not set(lc.wandb_project) & _WANDB_PROJECT_BAD, "log.wandb_project",
-          lc.wandb_project, "must be 1-128 characters, none of / \\ # ? % :")
-    _need(len(lc.wandb_run_name) <= 128, "log.wandb_run_name", lc.wandb_run_name, "must be at most 128 characters")
+def _check_section(config, name: str) -> None:
+    """The checks of section ``name``'s record (`pdm_jax.sections.SECTION_RECORDS`), built once from it."""
+    _read_section(SECTION_RECORDS[name], config[name])
 
 
 def _run_checks(config, checks) -> None:

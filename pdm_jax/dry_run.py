@@ -45,8 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdm_jax import aot
 from pdm_jax.rl import train_step as ts
-from pdm_jax.config import (compute_options, model_config_from_fields, packed_length, resolve_sampler_mode,
-                            step_configs, validate_config)
+from pdm_jax.config import packed_length, resolve_sampler_mode, step_configs, validate_config
 from pdm_jax.distributed import opt_state_shardings
 from pdm_jax.models.hf_io import load_config
 from pdm_jax.models.presets import PRESETS, count_params, get_preset
@@ -58,6 +57,7 @@ from pdm_jax.sampler.engine import abstract_engine_model, next_pow2
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.rl.packing import PackingPlan
 from pdm_jax.rl.step_batch import StepBatch
+from pdm_jax.sections import compute_options, model_config_from_fields
 from pdm_jax.sharding import (MeshConfig, activation_sharding, kv_cache_specs, make_mesh, param_partition_specs,
                               param_shardings)
 

@@ -6,7 +6,8 @@ one record per section. It is the only reader of the ConfigDict besides the comm
 reference generator (tests/test_structure.py holds that); the trainer, metrics, the analysis callback and the per-host
 code take these records. Sections with a typed form of their own keep it (`DataSpec`, `SamplerSpec`, `EvalSpec`,
 `RewardSpec`, `MeshConfig`, the steps' `StepConfigs`, `DapoSpec`, `WandbSpec`); the others are mirrored field for
-field by the records below (same names and units as the schema). The model's `Qwen3Config` needs the tokenizer's
+field by the records of `pdm_jax.sections` (same names and units as the schema; each checks itself and names the
+bad field). The model's `Qwen3Config` needs the tokenizer's
 vocabulary and is built with it (`ModelSpec.qwen3_config`, a preset or a checkpoint's config).
 """
 
@@ -18,128 +19,21 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import ml_collections
 
 from pdm_jax import distributed, host_memory
-from pdm_jax.config import (StepConfigs, check_context, check_routing_replay_model, compute_options,
-                            model_config_from_fields, parse_stop_token_ids, redacted, rollout_temperature,
-                            step_configs, validate_config)
+from pdm_jax.config import (StepConfigs, check_context, check_routing_replay_model, parse_stop_token_ids, redacted,
+                            rollout_temperature, step_configs, validate_config)
 from pdm_jax.data import DataSpec
 from pdm_jax.evaluation import EvalSpec
 from pdm_jax.rewards import RewardSpec
 from pdm_jax.rl.dapo import DapoSpec
 from pdm_jax.rollouts.spec import SamplerSpec
+from pdm_jax.sections import (CheckpointSpec, CompileCacheSpec, DebugSpec, DryRunSpec, HostMemorySpec, LogSpec,
+                              ModelSpec, MultihostSpec, ProfileSpec, RlSpec, TokenizerSpec, read)
 from pdm_jax.sharding import MeshConfig
 from pdm_jax.wandb_log import WandbSpec
 
-_CASTS = {"int": int, "float": float, "bool": bool, "str": str}
-
-
-def _read(cls, section):
-    """``cls`` (a frozen dataclass mirroring a schema section) with each field read from ``section`` by name and cast to
-    its annotated type (``Optional[float]`` keeps None). Raises AttributeError naming a field the section lacks."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        value = getattr(section, f.name)
-        cast = _CASTS.get(f.type)
-        values[f.name] = value if cast is None or value is None else cast(value)
-    return cls(**values)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """``model.*``: where the weights come from (``hf_path``, ``preset``, or the explicit shape below with the
-    tokenizer's vocabulary), the trainer's dtypes and the training forward's options (docs/configuration.md)."""
-
-    hf_path: str
-    preset: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    param_dtype: str
-    dtype: str
-    attention: str
-    attention_block_q: int
-    attention_block_kv: int
-    remat: str
-    scan_layers: bool
-    moe_implementation: str
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    moe_routing_replay: bool
-
-    def compute_options(self) -> dict:
-        """The training forward's options, as keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
-        return compute_options(self)
-
-    def qwen3_config(self, vocab_size: int):
-        """The ``Qwen3Config`` of the explicit shape with ``vocab_size`` tokens (a random init without a preset).
-
-        Raises:
-          ValueError: from ``Qwen3Config``, naming the field.
-        """
-        return model_config_from_fields(self, vocab_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerSpec:
-    """``tokenizer.*``: ``kind`` ("char" | "bpe" | "path"), ``path`` (kind=path), the char tokenizer's ``symbols``,
-    the BPE tokenizer's ``vocab_size`` (tokens) and ``corpus_prompts`` (examples); read by `pdm_jax.text`."""
-
-    path: str
-    kind: str
-    symbols: str
-    vocab_size: int
-    corpus_prompts: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RlSpec:
-    """``rl.*``: the RL phase's sizes (prompts, group size G, mini-batches, passes, staleness in weights versions),
-    lengths (tokens), the loss's settings and DAPO's (docs/configuration.md, section ``rl``). The jitted steps take
-    their typed part, `StepConfigs`; DAPO's data-side pieces `DapoSpec`."""
-
-    steps: int
-    prompts_per_step: int
-    group_size: int
-    num_minibatches: int
-    num_iterations: int
-    max_staleness: int
-    temperature: float
-    max_new_tokens: int
-    top_k_logprobs: int
-    learning_rate: float
-    warmup_steps: int
-    lr_schedule: str
-    weight_decay: float
-    adam_b1: float
-    adam_b2: float
-    max_grad_norm: float
-    policy_loss: str
-    tis_cap: float
-    dual_clip: float
-    loss_aggregation: str
-    normalize_advantage_std: bool
-    kl_beta: float
-    kl_estimator: str
-    logits_chunk_size: int
-    micro_batch_size: int
-    pack_sequences: bool
-    packed_length: int
-    router_aux_loss_coef: float
-    dynamic_sampling: bool
-    dynamic_sampling_max_rounds: int
-    overlong_buffer_len: int
-    overlong_max_length: int
-    overlong_penalty_factor: float
-    overlong_filtering: bool
-
+__all__ = ["CheckpointSpec", "CompileCacheSpec", "ConfigRecord", "DebugSpec", "DryRunSpec", "HostMemorySpec",
+           "LogSpec", "ModelSpec", "MultihostSpec", "ProfileSpec", "RlSpec", "RolloutSpec", "RunSpec", "SftSpec",
+           "TokenizerSpec", "as_run_spec", "dapo_spec", "initialize_distributed", "multihost_spec", "run_spec"]
 
 class RolloutSpec(NamedTuple):
     """The ``sampler.*`` fields the trainer's side of rollouts reads beyond `SamplerSpec`, resolved.
@@ -153,80 +47,6 @@ class RolloutSpec(NamedTuple):
     temperature: float
     stop_token_ids: tuple
     per_host_rollouts: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class MultihostSpec:
-    """``multihost.*`` as configured ("" / 0 / -1 = from the environment or auto-detected; resolved by
-    `pdm_jax.distributed.settings_from`)."""
-
-    coordinator_address: str
-    num_processes: int
-    process_id: int
-    local_device_ids: str
-    cpu_collectives: str
-    initialization_timeout_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class DryRunSpec:
-    """``dry_run.*``: the target chip and device count, the compiler and its limits (`pdm_jax.dry_run`)."""
-
-    chip: str
-    num_devices: int
-    compiler: str
-    topology: str
-    max_compile_params: int
-    compile_sampler: bool
-    count_flops: bool
-    fit: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileSpec:
-    """``profile.steps``: "a:b", the RL steps traced by ``jax.profiler`` ("" = none; `pdm_jax.profiling`)."""
-
-    steps: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileCacheSpec:
-    """``compile_cache.*``: the persistent compilation cache's directory ("default" | "workdir" | a path | "" = none)
-    and the shortest compile it keeps (seconds)."""
-
-    dir: str
-    min_compile_time_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class HostMemorySpec:
-    """``host_memory.reuse_freed``: glibc keeps freed large blocks mapped (`pdm_jax.host_memory`)."""
-
-    reuse_freed: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointSpec:
-    """``checkpoint.*``: a checkpoint every ``every_steps`` RL steps (and at the last); ``max_to_keep`` kept."""
-
-    every_steps: int
-    max_to_keep: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LogSpec:
-    """``log.tensorboard`` and ``log.progress`` (the W&B fields are `WandbSpec`)."""
-
-    tensorboard: bool
-    progress: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class DebugSpec:
-    """``debug.*``: fault injection after an RL step (-1 = off) for the resume and sampler-failure tests."""
-
-    kill_after_rl_step: int
-    kill_sampler_after_rl_step: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,22 +188,21 @@ def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
       ValueError: a bad config, naming the field (`validate_config`).
     """
     validate_config(config)
-    sc, lc = config.sampler, config.log
+    sc, log = config.sampler, read(LogSpec, config.log)
     return RunSpec(
-        seed=int(config.seed), distributed=bool(config.distributed), model=_read(ModelSpec, config.model),
-        tokenizer=_read(TokenizerSpec, config.tokenizer), data=DataSpec.from_config(config.data),
+        seed=int(config.seed), distributed=bool(config.distributed), model=read(ModelSpec, config.model),
+        tokenizer=read(TokenizerSpec, config.tokenizer), data=DataSpec.from_config(config.data),
         reward=RewardSpec.from_config(config.reward), sft=SftSpec.from_config(config.sft),
-        rl=_read(RlSpec, config.rl), step=step_configs(config), dapo=dapo_spec(config.rl),
+        rl=read(RlSpec, config.rl), step=step_configs(config), dapo=dapo_spec(config.rl),
         sampler=SamplerSpec.from_config(sc),
         rollout=RolloutSpec(temperature=rollout_temperature(config), stop_token_ids=parse_stop_token_ids(
             sc.stop_token_ids), per_host_rollouts=bool(sc.per_host_rollouts)),
-        eval=EvalSpec.from_config(config.eval), mesh=_read(MeshConfig, config.mesh),
-        multihost=_read(MultihostSpec, config.multihost), dry_run=_read(DryRunSpec, config.dry_run),
-        profile=_read(ProfileSpec, config.profile), compile_cache=_read(CompileCacheSpec, config.compile_cache),
-        host_memory=_read(HostMemorySpec, config.host_memory), checkpoint=_read(CheckpointSpec, config.checkpoint),
-        log=_read(LogSpec, config.log),
-        wandb=WandbSpec(enabled=lc.wandb, project=lc.wandb_project, run_name=lc.wandb_run_name, mode=lc.wandb_mode),
-        debug=_read(DebugSpec, config.debug), record=config_record(config))
+        eval=EvalSpec.from_config(config.eval), mesh=read(MeshConfig, config.mesh),
+        multihost=read(MultihostSpec, config.multihost), dry_run=read(DryRunSpec, config.dry_run),
+        profile=read(ProfileSpec, config.profile), compile_cache=read(CompileCacheSpec, config.compile_cache),
+        host_memory=read(HostMemorySpec, config.host_memory), checkpoint=read(CheckpointSpec, config.checkpoint),
+        log=log, wandb=log.wandb_spec(),
+        debug=read(DebugSpec, config.debug), record=config_record(config))
 
 
 

@@ -94,7 +94,7 @@ LAYERS = (
      "pdm_jax.rewards", "pdm_jax.warm_start",
      "pdm_jax.wandb_log"),
     ("pdm_jax.sampler",),
-    ("pdm_jax.config", "pdm_jax.config_reference"),
+    ("pdm_jax.config", "pdm_jax.config_reference", "pdm_jax.sections"),
     ("pdm_jax.rollouts", "pdm_jax.callbacks"),
     ("pdm_jax.trainer", "pdm_jax.run_spec", "pdm_jax.dry_run", "pdm_jax.analysis"),
     ("pdm_jax.train", "pdm_jax.dry_run_fit", "pdm_jax.analysis.run", "pdm_jax.analysis.report",
