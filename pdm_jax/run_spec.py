@@ -181,13 +181,16 @@ def config_record(config: ml_collections.ConfigDict) -> ConfigRecord:
     return ConfigRecord(json=shown.to_json_best_effort(indent=2), tree=shown.to_dict())
 
 
-def run_spec(config: ml_collections.ConfigDict) -> RunSpec:
+def run_spec(config: ml_collections.ConfigDict, *, dry_run: bool = False) -> RunSpec:
     """Validates ``config`` (`validate_config`, once) and reads it into a `RunSpec`.
+
+    ``dry_run``: validated as ``--dry_run`` does (`validate_config`'s ``dry_run``: no path needs to exist, the mesh is
+    resolved on ``dry_run.num_devices`` by the dry run).
 
     Raises:
       ValueError: a bad config, naming the field (`validate_config`).
     """
-    validate_config(config)
+    validate_config(config, dry_run=dry_run)
     sc, log = config.sampler, read(LogSpec, config.log)
     return RunSpec(
         seed=int(config.seed), distributed=bool(config.distributed), model=read(ModelSpec, config.model),
@@ -237,3 +240,16 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
         return False
     distributed.initialize(distributed.settings_from(multihost_spec(config)))
     return True
+
+
+def with_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with ``{"section.field": value}`` set (e.g. `pdm_jax.dry_run_fit`'s proposal, which it
+    prints as ``--config.`` flags); validated when read by :func:`run_spec`."""
+    c = config.copy_and_resolve_references()
+    for field, value in overrides.items():
+        section, _, name = field.rpartition(".")
+        node = c
+        for part in section.split("."):
+            node = node[part]
+        node[name] = value
+    return c

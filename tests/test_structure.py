@@ -201,15 +201,12 @@ CONFIG_EDGES = {
     # The analysis command line's report (python -m pdm_jax.analysis) loads the --setting presets' config files to
     # describe the runs: a command-line edge too.
     "pdm_jax.analysis.report",
-    # Not converted yet, the one remaining exception: the dry run plans from the ConfigDict and dry_run.fit searches
-    # over copies of it (pdm_jax.dry_run_fit); both are to take the RunSpec's records next.
-    "pdm_jax.dry_run", "pdm_jax.dry_run_fit",
 }
 
 
 def test_only_the_edges_read_the_config():
     """Outside `CONFIG_EDGES` no module imports ml_collections or reads a section of the run config (the trainer,
-    metrics, the analysis callback and the per-host code take `pdm_jax.run_spec.RunSpec`'s records)."""
+    metrics, the analysis callback, the per-host code and the dry run take `pdm_jax.run_spec.RunSpec`'s records)."""
     sections = _config_sections()
     assert {"rl", "sampler", "model", "trust_region", "multihost"} <= sections, sections
     readers = {name: hits for name, tree in MODULES.items() if (hits := _reads_the_config(tree, sections))}
