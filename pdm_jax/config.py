@@ -92,7 +92,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.attention_block_q = 512  # query / key tile sizes of blockwise and splash attention (tokens)
     # Key / value tile size of blockwise and splash attention (tokens).
     c.model.attention_block_kv = 512
-    c.model.remat = "none"  # per-layer jax.checkpoint: "none" | "full" | "dots_saveable" | "dots_with_no_batch_dims_saveable"
+    # Per-layer jax.checkpoint: "none" | "full" | "dots_saveable" | "dots_with_no_batch_dims_saveable".
+    c.model.remat = "none"
     # Training forward over the stacked layers: True = jax.lax.scan (one compiled layer body, compile time flat
     # in depth); False = unrolled Python loop (same numbers up to XLA fusion rounding).
     c.model.scan_layers = True
@@ -272,8 +273,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # the penalty's value (and kl_to_ref); the gradient is always k2's, the reverse KL's in expectation (k1's own is
     # 0, k3's the forward KL's). Each token is weighted by sg(min(pi/mu, rl.tis_cap)): tokens come from the sampler mu.
     c.rl.kl_estimator = "k3"
-    # Chunked RL loss for large vocabularies (unit: tokens).
-    c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.rl.chunked_loss); 0 = all [B,T,V] logits
+    # Chunked RL loss for large vocabularies (unit: tokens): > 0 = the loss over chunks of this many positions
+    # (pdm_jax.rl.chunked_loss); 0 = all [B,T,V] logits.
+    c.rl.logits_chunk_size = 0
     # Sequences per micro-batch (packed rows per micro-batch with rl.pack_sequences); > 0: gradients accumulated
     # exactly over micro-batches; 0 = off (unit: sequences).
     c.rl.micro_batch_size = 0
@@ -409,8 +411,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     # (chunks of max_batch_size rows, each run until its longest row stops). One default for the engine, the server
     # and the trainer: pdm_jax.sampler.defaults.
     c.sampler.batching = sampler_defaults.BATCHING
-    # Continuous batching's KV-cache slots (unit: slots).
-    c.sampler.max_slots = sampler_defaults.MAX_SLOTS  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
+    # Continuous batching's KV-cache slots, rounded up to a power of two; 0 = max_batch_size (unit: slots).
+    c.sampler.max_slots = sampler_defaults.MAX_SLOTS
     # Continuous batching parks up to park_rows x slots rows that outgrow the first cache phase (P + T/4 slots)
     # while rows are pending and refills their slots, so the queue runs in the short cache: same tokens, 1.11-1.24x
     # useful tokens/s on mixed lengths, park_rows x slots x (P + T/4) more cache entries (the dry run counts

@@ -104,8 +104,8 @@ def resolve_model_config(spec: RunSpec):
 
     Order: ``model.preset``; ``model.hf_path/config.json`` if it exists; a
     preset named like the checkpoint directory (``.../Qwen3-8B-Base`` ->
-    ``qwen3_8b``, ``.../Qwen3-30B-A3B-Base`` -> ``qwen3_30b_a3b``); the explicit ``model.*`` fields with the vocabulary of the
-    tokenizer (char tokenizer: ``len(symbols)`` + pad + eos; BPE: ``tokenizer.vocab_size``; or
+    ``qwen3_8b``, ``.../Qwen3-30B-A3B-Base`` -> ``qwen3_30b_a3b``); the explicit ``model.*`` fields with the
+    vocabulary of the tokenizer (char tokenizer: ``len(symbols)`` + pad + eos; BPE: ``tokenizer.vocab_size``; or
     ``tokenizer.path/tokenizer.json``).
 
     Raises:
@@ -287,7 +287,8 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     dp = sizes["data"] * sizes["fsdp"]
     div = lambda n: n // tp if n % tp == 0 else n  # noqa: E731  (non-dividing axes stay replicated)
     c = model_cfg
-    n_heads, n_kv, f, v = div(c.num_attention_heads), div(c.num_key_value_heads), div(c.intermediate_size), div(c.vocab_size)
+    n_heads, n_kv = div(c.num_attention_heads), div(c.num_key_value_heads)
+    f, v = div(c.intermediate_size), div(c.vocab_size)
     b_loc = -(-shape.batch // dp)
     # Activations and the loss's buffers live for one micro-batch at a time (its rows spread over all shards).
     m_loc = -(-shape.micro_batch_size // dp) if shape.micro_batch_size else b_loc
@@ -731,9 +732,9 @@ def _resolve_target(spec: RunSpec, compiler: str, chip: str, num_devices: int, t
     if resolved == "cpu":
         limit = dr.max_compile_params
         if compiler == "auto" and n_params > limit:
+            hint = aot.TPU_INSTALL_HINT if aot.chip_platform(chip) == "tpu" else aot.GPU_INSTALL_HINT
             return "none", None, (f"not compiled: {n_params / 1e9:.1f}B parameters > dry_run.max_compile_params for "
-                                  f"XLA:CPU, and XLA:{aot.chip_platform(chip).upper()} is not installed "
-                                  f"({aot.TPU_INSTALL_HINT if aot.chip_platform(chip) == 'tpu' else aot.GPU_INSTALL_HINT})")
+                                  f"XLA:CPU, and XLA:{aot.chip_platform(chip).upper()} is not installed ({hint})")
         if len(jax.devices()) < num_devices:
             return "none", None, (f"not compiled: {len(jax.devices())} JAX devices < {num_devices} "
                                   "(run the CLI with --dry_run)")
@@ -1051,12 +1052,13 @@ def _flops_lines(report: dict) -> list:
         flops = counted["flops"]
         expected = mf["flops"] + (0 if opaque_attention else mf["attention_flops"])
         peak = aot.CHIP_PEAK_BF16_FLOPS[report["chip"]]
+        roofline = (flops + (mf["attention_flops"] if opaque_attention else 0)) / peak
         lines += [f"  {'counted_tflops':<30}{flops / 1e12:10.4g}  (every layer, micro-batch and loss chunk: "
                   f"loop-free 1- and 2-layer compiles, {counted['compile_seconds']:.0f} s)",
                   f"  {'counted / expected':<30}{flops / expected:10.3f}  (expected: model"
                   + ("" if opaque_attention else " + attention") + " FLOPs; the rest is the loss head's softmax, "
                   "the mask, norms, padding)",
-                  f"  {'roofline_seconds':<30}{(flops + (mf['attention_flops'] if opaque_attention else 0)) / peak:10.4g}"
+                  f"  {'roofline_seconds':<30}{roofline:10.4g}"
                   f"  ESTIMATE: counted{' + attention' if opaque_attention else ''} FLOPs at {peak / 1e12:.0f} "
                   "TFLOP/s peak bf16, never measured on a chip"]
     elif counted.get("note"):

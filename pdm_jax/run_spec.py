@@ -1,16 +1,9 @@
-"""`RunSpec`: a validated run config as the typed, frozen records its components take, read once.
+"""`RunSpec`: a validated run config read once into typed, frozen records, one per section.
 
-`run_spec(config)` validates the ConfigDict (`pdm_jax.config.validate_config`) and reads it, field by field and with
-no fallbacks (every default lives once, in the schema: `pdm_jax.config.get_base_config`, docs/configuration.md), into
-one record per section. It is the only reader of the ConfigDict besides the command line, the schema's parser and the
-reference generator (tests/test_structure.py holds that); the trainer, metrics, the analysis callback and the per-host
-code take these records. Sections with a typed form of their own keep it (`DataSpec`, `SamplerSpec`, `EvalSpec`,
-`RewardSpec`, `MeshConfig`, the steps' `StepConfigs`, `DapoSpec`, `WandbSpec`); the others are mirrored field for
-field by the records of `pdm_jax.sections` (same names and units as the schema; each checks itself and names the
-bad field). The model's `Qwen3Config` needs the tokenizer's
-vocabulary and is built with it (`ModelSpec.qwen3_config`, a preset or a checkpoint's config).
+`run_spec(config)` validates the ConfigDict and reads it with no fallbacks (defaults live in the schema,
+`pdm_jax.config.get_base_config`); it is the only reader of the ConfigDict besides the command line, the schema and
+the reference generator (tests/test_structure.py). The components take its records (`pdm_jax.sections` and theirs).
 """
-
 from __future__ import annotations
 
 import dataclasses

@@ -1,14 +1,8 @@
-"""Typed, frozen records of the run config's sections, each checking itself and naming the bad field.
+"""Typed, frozen records of the run config's sections, field for field as in the schema, each checking itself.
 
-Each record mirrors one section of the schema (`pdm_jax.config.get_base_config`), field for field with the same names
-and units; `read` builds one from its section, casting each value to the field's type, and the record's checks run
-on construction (also for a record changed with `dataclasses.replace`). A failed check raises ``ValueError``
-``"<section>.<field> = <value>: <what is wrong>"``, or, while `pdm_jax.config.validate_config` runs, is collected
-with the others (`need`) so that one start names every problem. Checks that span sections (the rollout batch against
-the mini-batches, the model's context against the prompt and completion lengths, ...) stay in `validate_config`.
-`pdm_jax.run_spec` assembles the records into a `RunSpec`.
+A failed check raises ``ValueError`` ``"<section>.<field> = <value>: <what is wrong>"``, or, while
+`pdm_jax.config.validate_config` runs, is collected with the others (`need`); checks that span sections stay there.
 """
-
 from __future__ import annotations
 
 import contextvars
@@ -105,13 +99,8 @@ def _moe_fields(mc) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """``model.*``: where the weights come from (``hf_path``, ``preset``, or the explicit shape below with the
-    tokenizer's vocabulary), the trainer's dtypes and the training forward's options (docs/configuration.md).
-
-    Checks: floating dtypes, a known attention kernel, remat policy and MoE implementation, tiles >= 1 token, a known
-    preset. The explicit shape (with the vocabulary), routing replay and the context are checked by
-    `pdm_jax.config.validate_config` and `pdm_jax.run_spec.RunSpec`.
-    """
+    """``model.*``: the weights' source (``hf_path``, ``preset`` or the shape below), dtypes and forward options.
+    Checks: floating dtypes, known kernel / remat / MoE implementation / preset, tiles >= 1 token."""
 
     hf_path: str
     preset: str
@@ -172,13 +161,8 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
-    """``tokenizer.*``: ``kind`` ("char" | "bpe" | "path"), ``path`` (kind=path), the char tokenizer's ``symbols``,
-    the BPE tokenizer's ``vocab_size`` (tokens) and ``corpus_prompts`` (examples); read by `pdm_jax.text`.
-
-    Checks: a known kind; ``path`` set exactly for kind=path; for kind=bpe, ``vocab_size`` in [259, 2**20] and
-    ``corpus_prompts`` in [1, `MAX_CORPUS_PROMPTS`]. The path's existence and the data's chat template are checked
-    by `pdm_jax.config.validate_config`.
-    """
+    """``tokenizer.*`` (read by `pdm_jax.text`). Checks: a known kind; ``path`` set exactly for kind=path; for
+    kind=bpe, ``vocab_size`` in [259, 2**20] tokens and ``corpus_prompts`` in [1, `MAX_CORPUS_PROMPTS`]."""
 
     path: str
     kind: str
@@ -265,11 +249,8 @@ class MultihostSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DryRunSpec:
-    """``dry_run.*``: the target chip and device count, the compiler and its limits (`pdm_jax.dry_run`).
-
-    Checks: a known chip and compiler (and one that compiles for that chip), >= 1 device, a limit >= 0 parameters, a
-    topology of the chip's kind.
-    """
+    """``dry_run.*`` (`pdm_jax.dry_run`). Checks: a known chip and a compiler for it, >= 1 device, a limit >= 0
+    parameters, a topology of the chip's kind."""
 
     chip: str
     num_devices: int
