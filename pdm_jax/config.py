@@ -792,41 +792,20 @@ def _collect(errors: list, check, *args) -> None:
 
 
 def _check_rl(config) -> None:
+    """The warm start's checks and the RL phase's that span sections (its own: `pdm_jax.sections.RlSpec`)."""
     rl = config.rl
-    _need(rl.group_size >= 2, "rl.group_size", rl.group_size, "GRPO needs at least 2 samples per prompt")
-    _need(rl.prompts_per_step >= 1, "rl.prompts_per_step", rl.prompts_per_step, "must be >= 1")
-    n = rl.prompts_per_step * rl.group_size
-    _need(rl.num_minibatches >= 1 and n % rl.num_minibatches == 0, "rl.num_minibatches", rl.num_minibatches,
-          f"must divide the rollout batch of prompts_per_step x group_size = {n} sequences")
-    for field in ("rl.num_iterations", "rl.max_new_tokens", "rl.top_k_logprobs"):
-        _need(_lookup(config, field) >= 1, field, _lookup(config, field), "must be >= 1")
-    for field in ("rl.max_staleness", "rl.steps", "sft.steps", "rl.weight_decay", "rl.warmup_steps",
-                  "sft.warmup_steps"):
+    for field in ("sft.steps", "sft.warmup_steps"):
         _need(_lookup(config, field) >= 0, field, _lookup(config, field), "must be >= 0")
-    for field in ("rl.learning_rate", "sft.learning_rate"):
-        value = _lookup(config, field)
-        _need(math.isfinite(value) and value > 0, field, value, "must be finite and > 0")
+    value = config.sft.learning_rate
+    _need(math.isfinite(value) and value > 0, "sft.learning_rate", value, "must be finite and > 0")
     _need(0.0 <= config.sft.target_token_accuracy <= 1.0, "sft.target_token_accuracy",
           config.sft.target_token_accuracy, "must be a fraction in [0, 1] (0 = off)")
     _need(config.sft.target_window >= 1, "sft.target_window", config.sft.target_window, "must be >= 1")
-    for field in ("rl.lr_schedule", "sft.lr_schedule"):
-        _need(_lookup(config, field) in LR_SCHEDULES, field, _lookup(config, field), f"must be one of {LR_SCHEDULES}")
+    _need(config.sft.lr_schedule in LR_SCHEDULES, "sft.lr_schedule", config.sft.lr_schedule,
+          f"must be one of {LR_SCHEDULES}")
     _need(config.sft.lr_schedule == "constant" or config.sft.steps > config.sft.warmup_steps, "sft.lr_schedule",
           config.sft.lr_schedule, f"decays after the warm-up: sft.steps = {config.sft.steps} must exceed "
           f"sft.warmup_steps = {config.sft.warmup_steps}")
-    rl_opt_steps = rl.steps * rl.num_iterations * rl.num_minibatches
-    _need(rl.lr_schedule == "constant" or rl_opt_steps > rl.warmup_steps, "rl.lr_schedule", rl.lr_schedule,
-          f"decays after the warm-up: the RL optimizer steps (rl.steps x rl.num_iterations x rl.num_minibatches = "
-          f"{rl_opt_steps}) must exceed rl.warmup_steps = {rl.warmup_steps}")
-    for name in ("adam_b1", "adam_b2"):
-        _need(0.0 <= rl[name] < 1.0, f"rl.{name}", rl[name], "must be in [0, 1)")
-    _need(math.isfinite(rl.max_grad_norm), "rl.max_grad_norm", rl.max_grad_norm, "must be finite (<= 0: no clipping)")
-    mb_rows = n // max(rl.num_minibatches, 1)
-    _need(isinstance(rl.pack_sequences, bool), "rl.pack_sequences", rl.pack_sequences, "must be true or false")
-    if not rl.pack_sequences:  # packed: micro_batch_size counts packed rows, whatever the mini-batch
-        _need(rl.micro_batch_size == 0 or (rl.micro_batch_size > 0 and mb_rows % rl.micro_batch_size == 0),
-              "rl.micro_batch_size", rl.micro_batch_size,
-              f"must be 0 (off) or divide the optimizer mini-batch of {mb_rows} sequences")
     longest = config.sampler.max_prompt_length + rl.max_new_tokens
     _need(isinstance(rl.packed_length, int) and (rl.packed_length == 0 or rl.packed_length >= longest),
           "rl.packed_length", rl.packed_length, f"must be 0 (the longest sequence) or at least "
@@ -836,25 +815,7 @@ def _check_rl(config) -> None:
               "is not implemented with trust_region.direction = param_jvp (its jvp runs on padded rows)")
         _need(not config.model.moe_routing_replay, "rl.pack_sequences", True,
               "is not implemented with model.moe_routing_replay (the replayed routing is laid out padded)")
-    _check_dapo(rl)
     step_configs(config)  # trust region and policy loss: their own checks, named by field
-
-
-def _check_dapo(rl) -> None:
-    """DAPO's fields (rl.dynamic_sampling*, rl.overlong_*): 1 <= L_cache <= L_max <= rl.max_new_tokens when on."""
-    _need(rl.dynamic_sampling_max_rounds >= 1, "rl.dynamic_sampling_max_rounds", rl.dynamic_sampling_max_rounds,
-          "must be >= 1 (sampling rounds per RL step)")
-    _need(rl.overlong_buffer_len >= 0, "rl.overlong_buffer_len", rl.overlong_buffer_len, "must be >= 0 (0 = off)")
-    if _need(0 <= rl.overlong_max_length <= rl.max_new_tokens, "rl.overlong_max_length", rl.overlong_max_length,
-             f"must be in [0, rl.max_new_tokens = {rl.max_new_tokens}] (0 = rl.max_new_tokens)"):
-        l_max = rl.overlong_max_length or rl.max_new_tokens
-        _need(rl.overlong_buffer_len <= l_max, "rl.overlong_buffer_len", rl.overlong_buffer_len,
-              f"L_cache must be <= L_max = {l_max} (rl.overlong_max_length, 0 = rl.max_new_tokens)")
-    _need(rl.overlong_max_length == 0 or rl.overlong_buffer_len > 0, "rl.overlong_max_length",
-          rl.overlong_max_length, "sets L_max of the overlong shaping, which is off: set rl.overlong_buffer_len "
-          "(L_cache) > 0 too")
-    _need(math.isfinite(rl.overlong_penalty_factor) and rl.overlong_penalty_factor >= 0,
-          "rl.overlong_penalty_factor", rl.overlong_penalty_factor, "must be finite and >= 0")
 
 
 def check_context(config, model_config) -> None:

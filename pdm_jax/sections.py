@@ -18,6 +18,7 @@ from pdm_jax.models.presets import PRESETS
 from pdm_jax.models.qwen3 import Qwen3Config
 from pdm_jax.models.tokenizer import MAX_BPE_VOCAB_SIZE
 from pdm_jax.profiling import parse_steps
+from pdm_jax.rl.train_step import LR_SCHEDULES
 from pdm_jax.wandb_log import WandbSpec
 
 TOKENIZER_KINDS = ("char", "bpe", "path")
@@ -189,8 +190,9 @@ class TokenizerSpec:
 class RlSpec:
     """``rl.*``: the RL phase's sizes (prompts, group size G, mini-batches, passes, staleness in weights versions),
     lengths (tokens), the loss's settings and DAPO's (docs/configuration.md, section ``rl``). The jitted steps take
-    their typed part, `pdm_jax.config.StepConfigs`; DAPO's data-side pieces `pdm_jax.rl.dapo.DapoSpec`. Its checks
-    span other sections and run in `pdm_jax.config.validate_config`."""
+    their typed part, `pdm_jax.config.StepConfigs`; DAPO's data-side pieces `pdm_jax.rl.dapo.DapoSpec`. Checks here:
+    sizes, counts, the learning rate and its schedule, Adam, clipping, micro-batches, DAPO's fields (1 <= L_cache <=
+    L_max <= max_new_tokens when on); those spanning sections run in `pdm_jax.config.validate_config`."""
 
     steps: int
     prompts_per_step: int
@@ -226,6 +228,49 @@ class RlSpec:
     overlong_max_length: int
     overlong_penalty_factor: float
     overlong_filtering: bool
+
+    def __post_init__(self):
+        need(self.group_size >= 2, "rl.group_size", self.group_size, "GRPO needs at least 2 samples per prompt")
+        need(self.prompts_per_step >= 1, "rl.prompts_per_step", self.prompts_per_step, "must be >= 1")
+        n = self.prompts_per_step * self.group_size
+        need(self.num_minibatches >= 1 and n % self.num_minibatches == 0, "rl.num_minibatches",
+             self.num_minibatches, f"must divide the rollout batch of prompts_per_step x group_size = {n} sequences")
+        for name in ("num_iterations", "max_new_tokens", "top_k_logprobs"):
+            need(getattr(self, name) >= 1, f"rl.{name}", getattr(self, name), "must be >= 1")
+        for name in ("max_staleness", "steps", "weight_decay", "warmup_steps"):
+            need(getattr(self, name) >= 0, f"rl.{name}", getattr(self, name), "must be >= 0")
+        lr = self.learning_rate
+        need(math.isfinite(lr) and lr > 0, "rl.learning_rate", lr, "must be finite and > 0")
+        need(self.lr_schedule in LR_SCHEDULES, "rl.lr_schedule", self.lr_schedule, f"must be one of {LR_SCHEDULES}")
+        opt_steps = self.steps * self.num_iterations * self.num_minibatches
+        need(self.lr_schedule == "constant" or opt_steps > self.warmup_steps, "rl.lr_schedule", self.lr_schedule,
+             f"decays after the warm-up: the RL optimizer steps (rl.steps x rl.num_iterations x rl.num_minibatches "
+             f"= {opt_steps}) must exceed rl.warmup_steps = {self.warmup_steps}")
+        for name in ("adam_b1", "adam_b2"):
+            need(0.0 <= getattr(self, name) < 1.0, f"rl.{name}", getattr(self, name), "must be in [0, 1)")
+        need(math.isfinite(self.max_grad_norm), "rl.max_grad_norm", self.max_grad_norm,
+             "must be finite (<= 0: no clipping)")
+        mb_rows = n // max(self.num_minibatches, 1)
+        if not self.pack_sequences:  # packed: micro_batch_size counts packed rows, whatever the mini-batch
+            m = self.micro_batch_size
+            need(m == 0 or (m > 0 and mb_rows % m == 0), "rl.micro_batch_size", m,
+                 f"must be 0 (off) or divide the optimizer mini-batch of {mb_rows} sequences")
+        self._check_dapo()
+
+    def _check_dapo(self):
+        """DAPO's fields (dynamic_sampling*, overlong_*): 1 <= L_cache <= L_max <= max_new_tokens when on."""
+        need(self.dynamic_sampling_max_rounds >= 1, "rl.dynamic_sampling_max_rounds",
+             self.dynamic_sampling_max_rounds, "must be >= 1 (sampling rounds per RL step)")
+        buffer, l_max, new = self.overlong_buffer_len, self.overlong_max_length, self.max_new_tokens
+        need(buffer >= 0, "rl.overlong_buffer_len", buffer, "must be >= 0 (0 = off)")
+        if need(0 <= l_max <= new, "rl.overlong_max_length", l_max,
+                f"must be in [0, rl.max_new_tokens = {new}] (0 = rl.max_new_tokens)"):
+            need(buffer <= (l_max or new), "rl.overlong_buffer_len", buffer,
+                 f"L_cache must be <= L_max = {l_max or new} (rl.overlong_max_length, 0 = rl.max_new_tokens)")
+        need(l_max == 0 or buffer > 0, "rl.overlong_max_length", l_max, "sets L_max of the overlong shaping, which "
+             "is off: set rl.overlong_buffer_len (L_cache) > 0 too")
+        factor = self.overlong_penalty_factor
+        need(math.isfinite(factor) and factor >= 0, "rl.overlong_penalty_factor", factor, "must be finite and >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ import pytest
 
 from pdm_jax.config import get_base_config, validate_config
 from pdm_jax.sections import (SECTION_RECORDS, CheckpointSpec, DryRunSpec, LogSpec, ModelSpec, MultihostSpec,
-                              ProfileSpec, TokenizerSpec, read)
+                              ProfileSpec, RlSpec, TokenizerSpec, read)
 
 
 @pytest.mark.parametrize("name", sorted(SECTION_RECORDS))
@@ -35,6 +35,8 @@ def test_the_sections_are_read_with_their_types():
     (ModelSpec, "dtype", "int8", "model.dtype = 'int8': must be a floating dtype name"),
     (TokenizerSpec, "path", "/tok", "tokenizer.path = '/tok': is ignored when tokenizer.kind = 'char'"),
     (DryRunSpec, "num_devices", 0, "dry_run.num_devices = 0: must be >= 1"),
+    (RlSpec, "group_size", 1, "rl.group_size = 1: GRPO needs at least 2 samples per prompt"),
+    (RlSpec, "overlong_max_length", 4, "rl.overlong_max_length = 4: sets L_max of the overlong shaping, which is off"),
     (MultihostSpec, "initialization_timeout_s", float("inf"),
      "multihost.initialization_timeout_s = inf: must be a finite number of seconds > 0"),
 ])
