@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from pdm_jax import aot, dry_run
-    from pdm_jax.config import packed_length
+    from pdm_jax.run_spec import run_spec
     from pdm_jax.rl.packing import plan_packing
 
     path, _, arg = args.config.partition(":")
@@ -63,8 +63,9 @@ def main(argv=None) -> dict:
     packed_config = config.copy_and_resolve_references()
     with packed_config.unlocked():
         packed_config.rl.pack_sequences = True
+    config, packed_config = run_spec(config, dry_run=True), run_spec(packed_config, dry_run=True)
     chip = config.dry_run.chip
-    n_dev = args.num_devices or int(config.dry_run.num_devices)
+    n_dev = args.num_devices or config.dry_run.num_devices
     model_cfg = dry_run.resolve_model_config(config)
     sizes = dry_run.mesh_sizes(config, n_dev)
     shards = sizes["data"] * sizes["fsdp"]
@@ -73,13 +74,13 @@ def main(argv=None) -> dict:
     shape = dry_run.step_shape(config, chip)
     b, p, t = shape.batch, shape.prompt_len, shape.completion_len
     rng = np.random.default_rng(args.seed)
-    prompt_lens = length_mix(rng, b, args.mean_prompt, int(config.sampler.max_prompt_length))
+    prompt_lens = length_mix(rng, b, args.mean_prompt, config.sampler.max_prompt_length)
     completion_lens = length_mix(rng, b, args.mean_completion, t)
     prompt_mask = np.arange(p)[None, :] >= (p - prompt_lens)[:, None]
     completion_mask = np.arange(t)[None, :] < completion_lens[:, None]
-    length = packed_length(packed_config)
+    length = packed_config.packed_length
     plan = plan_packing(prompt_mask, completion_mask, row_length=length,
-                        rows_per_micro_batch=int(config.rl.micro_batch_size), row_multiple=shards)
+                        rows_per_micro_batch=config.rl.micro_batch_size, row_multiple=shards)
     packed_shape = dataclasses.replace(dry_run.step_shape(packed_config, chip), packed_rows=plan.token_mask.shape[0])
     valid = int(completion_lens.sum())
     real = int((prompt_lens + completion_lens).sum())

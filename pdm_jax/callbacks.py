@@ -14,10 +14,10 @@ from pdm_jax.rl.step_batch import StepBatch
 class TrainerCallback:
     """Base class of RL-phase hooks passed to ``Trainer(..., callbacks=[...])``; both methods do nothing.
 
-    ``trainer`` exposes ``config`` (the run ConfigDict), ``graphdef`` (the model's ``nnx.GraphDef``), ``model_config``
-    (``Qwen3Config``) and ``step_configs`` (``pdm_jax.config.StepConfigs``: the trust-region and loss configs of the
-    step). ``state`` is the ``pdm_jax.rl.train_step.TrainState``; the step donates it, so read what you need in
-    ``before_update``. Hooks must not change training.
+    ``trainer`` exposes ``spec`` (the run's ``pdm_jax.run_spec.RunSpec``: a typed record per config section;
+    ``spec.step`` holds the trust-region and loss configs of the step), ``graphdef`` (the model's ``nnx.GraphDef``)
+    and ``model_config`` (``Qwen3Config``). ``state`` is the ``pdm_jax.rl.train_step.TrainState``; the step donates
+    it, so read what you need in ``before_update``. Hooks must not change training.
     """
 
     def before_update(self, trainer: Any, rl_step: int, batch: StepBatch, state: Any) -> None:

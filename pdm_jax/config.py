@@ -14,32 +14,27 @@
 
 from __future__ import annotations
 
-import contextvars
 import math
 import os
 from typing import NamedTuple, Optional
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from pdm_jax import aot
 from pdm_jax import data as data_sources
 from pdm_jax import rewards as reward_functions
 from pdm_jax.rl import trust_region
 from pdm_jax.rl.loss import PolicyLossConfig
-from pdm_jax.models import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
-from pdm_jax.models.moe import IMPLEMENTATIONS as MOE_IMPLEMENTATIONS
 from pdm_jax.models.presets import PRESETS
-from pdm_jax.models.qwen3 import Qwen3Config
-from pdm_jax.models.tokenizer import MAX_BPE_VOCAB_SIZE, char_vocab_size, checkpoint_tokenizer_file
-from pdm_jax.profiling import parse_steps
+from pdm_jax.models.tokenizer import char_vocab_size, checkpoint_tokenizer_file
 from pdm_jax.sampler import defaults as sampler_defaults
 from pdm_jax.sampler.limits import MAX_SEED, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, check_engine_mesh, token_problem
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
 from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.rl.train_step import LR_SCHEDULES, OptimizerConfig
+from pdm_jax.sections import COLLECTED as _COLLECTED, SECTION_RECORDS, model_config_from_fields, need as _need, \
+    read as _read_section
 
 #: ``sampler.mode``: "auto" resolves with `resolve_sampler_mode`; pdm_jax.rollouts.supervisor runs each.
 SAMPLER_MODES = ("auto", "subprocess", "remote", "in_process", "colocated")
@@ -48,9 +43,6 @@ SAMPLER_FILE_MODES = ("subprocess", "remote", "in_process")
 #: ``eval.engine``: a separate unquantized f32 engine on the trainer's weights, or the rollout sampler itself.
 EVAL_ENGINES = ("f32", "rollout")
 SAMPLER_BACKENDS = ("native", "vllm")  # who serves rollouts: pdm_jax.sampler.server/engine, or a vLLM server
-TOKENIZER_KINDS = ("char", "bpe", "path")
-#: tokenizer.corpus_prompts' limit (1M examples: about 40 s and 3 GB of host memory to train on).
-MAX_CORPUS_PROMPTS = 1_000_000
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
 OPEN_FIELDS = ("data.task_config",)
 
@@ -100,7 +92,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.model.attention_block_q = 512  # query / key tile sizes of blockwise and splash attention (tokens)
     # Key / value tile size of blockwise and splash attention (tokens).
     c.model.attention_block_kv = 512
-    c.model.remat = "none"  # per-layer jax.checkpoint: "none" | "full" | "dots_saveable" | "dots_with_no_batch_dims_saveable"
+    # Per-layer jax.checkpoint: "none" | "full" | "dots_saveable" | "dots_with_no_batch_dims_saveable".
+    c.model.remat = "none"
     # Training forward over the stacked layers: True = jax.lax.scan (one compiled layer body, compile time flat
     # in depth); False = unrolled Python loop (same numbers up to XLA fusion rounding).
     c.model.scan_layers = True
@@ -280,8 +273,9 @@ def get_base_config() -> ml_collections.ConfigDict:
     # the penalty's value (and kl_to_ref); the gradient is always k2's, the reverse KL's in expectation (k1's own is
     # 0, k3's the forward KL's). Each token is weighted by sg(min(pi/mu, rl.tis_cap)): tokens come from the sampler mu.
     c.rl.kl_estimator = "k3"
-    # Chunked RL loss for large vocabularies (unit: tokens).
-    c.rl.logits_chunk_size = 0  # > 0: loss over chunks of this many positions (pdm_jax.rl.chunked_loss); 0 = all [B,T,V] logits
+    # Chunked RL loss for large vocabularies (unit: tokens): > 0 = the loss over chunks of this many positions
+    # (pdm_jax.rl.chunked_loss); 0 = all [B,T,V] logits.
+    c.rl.logits_chunk_size = 0
     # Sequences per micro-batch (packed rows per micro-batch with rl.pack_sequences); > 0: gradients accumulated
     # exactly over micro-batches; 0 = off (unit: sequences).
     c.rl.micro_batch_size = 0
@@ -417,8 +411,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     # (chunks of max_batch_size rows, each run until its longest row stops). One default for the engine, the server
     # and the trainer: pdm_jax.sampler.defaults.
     c.sampler.batching = sampler_defaults.BATCHING
-    # Continuous batching's KV-cache slots (unit: slots).
-    c.sampler.max_slots = sampler_defaults.MAX_SLOTS  # continuous batching's slots (rounded up to a power of two); 0 = max_batch_size
+    # Continuous batching's KV-cache slots, rounded up to a power of two; 0 = max_batch_size (unit: slots).
+    c.sampler.max_slots = sampler_defaults.MAX_SLOTS
     # Continuous batching parks up to park_rows x slots rows that outgrow the first cache phase (P + T/4 slots)
     # while rows are pending and refills their slots, so the queue runs in the short cache: same tokens, 1.11-1.24x
     # useful tokens/s on mixed lengths, park_rows x slots x (P + T/4) more cache entries (the dry run counts
@@ -675,40 +669,6 @@ def rollout_temperature(config) -> float:
     return float(config.rl.temperature if tau is None else tau)
 
 
-def compute_options(model_fields: ml_collections.ConfigDict) -> dict:
-    """The training forward's options of ``model.*`` (attention kernel, its tiles, remat, layer scan, MoE experts), as
-    keyword arguments of ``Qwen3ForCausalLM`` / ``set_compute_options``."""
-    return dict(attention=model_fields.attention, remat=model_fields.remat,
-                attention_block_q=int(model_fields.attention_block_q),
-                attention_block_kv=int(model_fields.attention_block_kv),
-                scan_layers=bool(model_fields.get("scan_layers", True)),
-                moe_implementation=model_fields.get("moe_implementation", "ragged_dot"))
-
-
-def model_config_from_fields(model_fields: ml_collections.ConfigDict, vocab_size: int):
-    """The ``Qwen3Config`` of a randomly initialised model described by the run config's ``model.*``.
-
-    Raises:
-      ValueError: from ``Qwen3Config`` (naming the field) for bad sizes or head counts.
-    """
-    mc = model_fields
-    return Qwen3Config(
-        vocab_size=vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_hidden_layers, num_attention_heads=mc.num_attention_heads,
-        num_key_value_heads=mc.num_key_value_heads, head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
-        max_position_embeddings=mc.max_position_embeddings, **_moe_fields(mc))
-
-
-def _moe_fields(mc) -> dict:
-    """The Qwen3-MoE fields of ``model.*`` (none when ``model.num_experts`` is 0 or absent: dense)."""
-    if not mc.get("num_experts", 0):
-        return {}
-    return dict(num_experts=mc.num_experts, num_experts_per_tok=mc.get("num_experts_per_tok", 2),
-                moe_intermediate_size=mc.get("moe_intermediate_size", 64),
-                norm_topk_prob=mc.get("norm_topk_prob", True))
-
-
 # ---- validation --------------------------------------------------------------------------
 
 def _leaves(node, prefix=""):
@@ -799,10 +759,6 @@ def _check_types(config) -> None:
             raise ValueError(f"{path} = {value!r}: must be {what}")
 
 
-#: While `validate_config` runs: the errors found so far (every check runs; one ValueError names them all).
-_COLLECTED: contextvars.ContextVar = contextvars.ContextVar("pdm_jax_config_errors", default=None)
-
-
 #: Config fields holding secrets: `redacted` replaces them wherever the config is written or logged.
 SECRET_FIELDS = ("sampler.token",)
 REDACTED = "<redacted>"
@@ -822,19 +778,6 @@ def redacted(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return out
 
 
-def _need(cond, field, value, what) -> bool:
-    """Refuses ``field = value`` unless ``cond``: raises, or inside `validate_config` records the error and
-    returns False (so that a check depending on the value can skip itself); True when it holds."""
-    if not cond:
-        message = f"{field} = {value!r}: {what}"
-        errors = _COLLECTED.get()
-        if errors is None:
-            raise ValueError(message)
-        errors.append(message)
-        return False
-    return True
-
-
 def _collect(errors: list, check, *args) -> None:
     """Runs one group of checks, keeping its errors in ``errors``. A check that breaks on a value already
     named there (e.g. a comparison on a refused field) adds nothing; any other failure propagates."""
@@ -849,41 +792,20 @@ def _collect(errors: list, check, *args) -> None:
 
 
 def _check_rl(config) -> None:
+    """The warm start's checks and the RL phase's that span sections (its own: `pdm_jax.sections.RlSpec`)."""
     rl = config.rl
-    _need(rl.group_size >= 2, "rl.group_size", rl.group_size, "GRPO needs at least 2 samples per prompt")
-    _need(rl.prompts_per_step >= 1, "rl.prompts_per_step", rl.prompts_per_step, "must be >= 1")
-    n = rl.prompts_per_step * rl.group_size
-    _need(rl.num_minibatches >= 1 and n % rl.num_minibatches == 0, "rl.num_minibatches", rl.num_minibatches,
-          f"must divide the rollout batch of prompts_per_step x group_size = {n} sequences")
-    for field in ("rl.num_iterations", "rl.max_new_tokens", "rl.top_k_logprobs"):
-        _need(_lookup(config, field) >= 1, field, _lookup(config, field), "must be >= 1")
-    for field in ("rl.max_staleness", "rl.steps", "sft.steps", "rl.weight_decay", "rl.warmup_steps",
-                  "sft.warmup_steps"):
+    for field in ("sft.steps", "sft.warmup_steps"):
         _need(_lookup(config, field) >= 0, field, _lookup(config, field), "must be >= 0")
-    for field in ("rl.learning_rate", "sft.learning_rate"):
-        value = _lookup(config, field)
-        _need(math.isfinite(value) and value > 0, field, value, "must be finite and > 0")
+    value = config.sft.learning_rate
+    _need(math.isfinite(value) and value > 0, "sft.learning_rate", value, "must be finite and > 0")
     _need(0.0 <= config.sft.target_token_accuracy <= 1.0, "sft.target_token_accuracy",
           config.sft.target_token_accuracy, "must be a fraction in [0, 1] (0 = off)")
     _need(config.sft.target_window >= 1, "sft.target_window", config.sft.target_window, "must be >= 1")
-    for field in ("rl.lr_schedule", "sft.lr_schedule"):
-        _need(_lookup(config, field) in LR_SCHEDULES, field, _lookup(config, field), f"must be one of {LR_SCHEDULES}")
+    _need(config.sft.lr_schedule in LR_SCHEDULES, "sft.lr_schedule", config.sft.lr_schedule,
+          f"must be one of {LR_SCHEDULES}")
     _need(config.sft.lr_schedule == "constant" or config.sft.steps > config.sft.warmup_steps, "sft.lr_schedule",
           config.sft.lr_schedule, f"decays after the warm-up: sft.steps = {config.sft.steps} must exceed "
           f"sft.warmup_steps = {config.sft.warmup_steps}")
-    rl_opt_steps = rl.steps * rl.num_iterations * rl.num_minibatches
-    _need(rl.lr_schedule == "constant" or rl_opt_steps > rl.warmup_steps, "rl.lr_schedule", rl.lr_schedule,
-          f"decays after the warm-up: the RL optimizer steps (rl.steps x rl.num_iterations x rl.num_minibatches = "
-          f"{rl_opt_steps}) must exceed rl.warmup_steps = {rl.warmup_steps}")
-    for name in ("adam_b1", "adam_b2"):
-        _need(0.0 <= rl[name] < 1.0, f"rl.{name}", rl[name], "must be in [0, 1)")
-    _need(math.isfinite(rl.max_grad_norm), "rl.max_grad_norm", rl.max_grad_norm, "must be finite (<= 0: no clipping)")
-    mb_rows = n // max(rl.num_minibatches, 1)
-    _need(isinstance(rl.pack_sequences, bool), "rl.pack_sequences", rl.pack_sequences, "must be true or false")
-    if not rl.pack_sequences:  # packed: micro_batch_size counts packed rows, whatever the mini-batch
-        _need(rl.micro_batch_size == 0 or (rl.micro_batch_size > 0 and mb_rows % rl.micro_batch_size == 0),
-              "rl.micro_batch_size", rl.micro_batch_size,
-              f"must be 0 (off) or divide the optimizer mini-batch of {mb_rows} sequences")
     longest = config.sampler.max_prompt_length + rl.max_new_tokens
     _need(isinstance(rl.packed_length, int) and (rl.packed_length == 0 or rl.packed_length >= longest),
           "rl.packed_length", rl.packed_length, f"must be 0 (the longest sequence) or at least "
@@ -893,30 +815,13 @@ def _check_rl(config) -> None:
               "is not implemented with trust_region.direction = param_jvp (its jvp runs on padded rows)")
         _need(not config.model.moe_routing_replay, "rl.pack_sequences", True,
               "is not implemented with model.moe_routing_replay (the replayed routing is laid out padded)")
-    _check_dapo(rl)
     step_configs(config)  # trust region and policy loss: their own checks, named by field
-
-
-def _check_dapo(rl) -> None:
-    """DAPO's fields (rl.dynamic_sampling*, rl.overlong_*): 1 <= L_cache <= L_max <= rl.max_new_tokens when on."""
-    _need(rl.dynamic_sampling_max_rounds >= 1, "rl.dynamic_sampling_max_rounds", rl.dynamic_sampling_max_rounds,
-          "must be >= 1 (sampling rounds per RL step)")
-    _need(rl.overlong_buffer_len >= 0, "rl.overlong_buffer_len", rl.overlong_buffer_len, "must be >= 0 (0 = off)")
-    if _need(0 <= rl.overlong_max_length <= rl.max_new_tokens, "rl.overlong_max_length", rl.overlong_max_length,
-             f"must be in [0, rl.max_new_tokens = {rl.max_new_tokens}] (0 = rl.max_new_tokens)"):
-        l_max = rl.overlong_max_length or rl.max_new_tokens
-        _need(rl.overlong_buffer_len <= l_max, "rl.overlong_buffer_len", rl.overlong_buffer_len,
-              f"L_cache must be <= L_max = {l_max} (rl.overlong_max_length, 0 = rl.max_new_tokens)")
-    _need(rl.overlong_max_length == 0 or rl.overlong_buffer_len > 0, "rl.overlong_max_length",
-          rl.overlong_max_length, "sets L_max of the overlong shaping, which is off: set rl.overlong_buffer_len "
-          "(L_cache) > 0 too")
-    _need(math.isfinite(rl.overlong_penalty_factor) and rl.overlong_penalty_factor >= 0,
-          "rl.overlong_penalty_factor", rl.overlong_penalty_factor, "must be finite and >= 0")
 
 
 def check_context(config, model_config) -> None:
     """Raises ValueError naming ``rl.max_new_tokens`` when ``sampler.max_prompt_length + rl.max_new_tokens``
-    exceeds the resolved model's ``max_position_embeddings`` (a preset's or a checkpoint's)."""
+    exceeds the resolved model's ``max_position_embeddings`` (a preset's or a checkpoint's). ``config``: the run
+    config or its `pdm_jax.run_spec.RunSpec`."""
     context = config.sampler.max_prompt_length + config.rl.max_new_tokens
     _need(context <= model_config.max_position_embeddings, "rl.max_new_tokens", config.rl.max_new_tokens,
           f"sampler.max_prompt_length + rl.max_new_tokens = {context} exceeds the model's "
@@ -998,9 +903,6 @@ def _check_sampler_and_eval(config) -> None:
         size = sc.mesh[axis]
         _need(isinstance(size, int) and not isinstance(size, bool) and size >= 1, f"sampler.mesh.{axis}", size,
               "must be an integer >= 1 (sampler.mesh 1 x 1 = a single-device engine)")
-    cc = config.compile_cache
-    _need(math.isfinite(cc.min_compile_time_s) and cc.min_compile_time_s >= 0, "compile_cache.min_compile_time_s",
-          cc.min_compile_time_s, "must be a finite number of seconds >= 0")
     if sc.mode == "remote":
         _need(bool(sc.address), "sampler.address", sc.address, "required when sampler.mode = 'remote'")
     if sc.token:  # the value itself is a secret: never in a message
@@ -1014,8 +916,8 @@ def _check_sampler_and_eval(config) -> None:
     for name in ("retries", "max_restarts", "stall_probe_misses"):
         _need(sc[name] >= 0, f"sampler.{name}", sc[name], "must be >= 0")
     parse_stop_token_ids(sc.stop_token_ids)
-    for field in ("eval.every_steps", "eval.samples_per_prompt", "eval.num_prompts", "checkpoint.every_steps",
-                  "checkpoint.max_to_keep", "sft.batch_size", "sampler.max_prompt_length", "sampler.max_batch_size"):
+    for field in ("eval.every_steps", "eval.samples_per_prompt", "eval.num_prompts", "sft.batch_size",
+                  "sampler.max_prompt_length", "sampler.max_batch_size"):
         _need(_lookup(config, field) >= 1, field, _lookup(config, field), "must be >= 1")
 
 
@@ -1050,27 +952,28 @@ def _check_routing_replay(config) -> None:
     preset; an ``hf_path`` checkpoint is checked once loaded, `check_routing_replay_model`) and the
     pdm_jax sampler (the vLLM backend returns no routing)."""
     mc = config.model
-    replay = mc.get("moe_routing_replay", False)
+    replay = mc.moe_routing_replay
     _need(isinstance(replay, bool), "model.moe_routing_replay", replay, "must be true or false")
     if not replay:
         return
     _need(config.sampler.backend != "vllm", "model.moe_routing_replay", replay,
-          "needs the pdm_jax sampler: the vLLM backend (sampler.backend = 'vllm') cannot return the experts it routed to")
+          "needs the pdm_jax sampler: the vLLM backend (sampler.backend = 'vllm') cannot return the experts it "
+          "routed to")
     if not mc.hf_path:
-        moe = PRESETS[mc.preset]().is_moe if mc.preset in PRESETS else mc.get("num_experts", 0) > 0
+        moe = PRESETS[mc.preset]().is_moe if mc.preset in PRESETS else mc.num_experts > 0
         _need(moe, "model.moe_routing_replay", replay,
               "needs a mixture-of-experts model (model.num_experts > 0 or a MoE preset); this model is dense")
 
 
 def check_routing_replay_model(config, model_config) -> None:
     """Raises ValueError naming ``model.moe_routing_replay`` when it is on for a dense ``model_config``
-    (e.g. a dense ``model.hf_path`` checkpoint)."""
-    if config.model.get("moe_routing_replay", False):
+    (e.g. a dense ``model.hf_path`` checkpoint). ``config``: the run config or its `pdm_jax.run_spec.RunSpec`."""
+    if config.model.moe_routing_replay:
         _need(model_config.is_moe, "model.moe_routing_replay", True,
               "needs a mixture-of-experts model; the loaded model is dense (num_experts = 0)")
 
 
-def check_sampler_mesh(config, model_config) -> None:
+def check_sampler_mesh(sampler, model_config) -> None:
     """Refuses at start-up (before the warm start) a ``sampler.mesh`` the rollout engine could not split.
 
     The engine's own check (`pdm_jax.sampler.engine.check_engine_mesh`) runs on an abstract
@@ -1080,11 +983,15 @@ def check_sampler_mesh(config, model_config) -> None:
     A colocated engine also needs that many devices in this process. Not checked for a remote or
     vLLM sampler (its server owns its mesh).
 
+    Args:
+      sampler: the run's `pdm_jax.rollouts.spec.SamplerSpec`.
+      model_config: the resolved ``Qwen3Config``.
+
     Raises:
       ValueError: ``"sampler.mesh = <data> x <tensor>: <what is wrong>"``.
     """
-    sc = config.sampler
-    data, tensor = sc.mesh.data, sc.mesh.tensor
+    sc = sampler
+    data, tensor = sc.mesh_data, sc.mesh_tensor
     mode = resolve_sampler_mode(sc.mode)
     if data * tensor == 1 or mode == "remote" or sc.backend == "vllm":
         return
@@ -1101,24 +1008,10 @@ def check_sampler_mesh(config, model_config) -> None:
 
 
 def _check_model(config, vocab_size: Optional[int]) -> None:
+    """The model's checks that span sections (its own: `pdm_jax.sections.ModelSpec`): routing replay, the explicit
+    shape with the vocabulary and its context against the prompt and completion lengths."""
     mc = config.model
-    for name in ("dtype", "param_dtype"):
-        try:
-            ok = jnp.issubdtype(jnp.dtype(mc[name]), jnp.floating)
-        except TypeError:
-            ok = False
-        _need(ok, f"model.{name}", mc[name], "must be a floating dtype name (float32, bfloat16, ...)")
-    _need(mc.attention in ATTENTION_IMPLEMENTATIONS, "model.attention", mc.attention,
-          f"must be one of {tuple(ATTENTION_IMPLEMENTATIONS)}")
-    _need(mc.remat in REMAT_POLICIES, "model.remat", mc.remat, f"must be one of {tuple(REMAT_POLICIES)}")
-    _need(isinstance(mc.scan_layers, bool), "model.scan_layers", mc.scan_layers, "must be true or false")
-    _need(mc.get("moe_implementation", "ragged_dot") in MOE_IMPLEMENTATIONS, "model.moe_implementation",
-          mc.get("moe_implementation"), f"must be one of {MOE_IMPLEMENTATIONS}")
     _check_routing_replay(config)
-    for name in ("attention_block_q", "attention_block_kv"):
-        _need(mc[name] >= 1, f"model.{name}", mc[name], "must be >= 1 (tokens)")
-    if mc.preset and not mc.hf_path:
-        _need(mc.preset in PRESETS, "model.preset", mc.preset, f"must be one of {sorted(PRESETS)}")
     if not mc.hf_path and not mc.preset:
         try:
             model_config_from_fields(mc, vocab_size or 1)
@@ -1139,24 +1032,9 @@ def _check_mesh(config) -> None:
                          f"{jax.device_count()} device(s): {e}") from None
 
 
-def _check_dry_run(config) -> None:
-    dr = config.dry_run
-    chip_ok = _need(dr.chip in aot.CHIP_HBM_GIB, "dry_run.chip", dr.chip, f"must be one of {sorted(aot.CHIP_HBM_GIB)}")
-    if _need(dr.compiler in aot.COMPILERS, "dry_run.compiler", dr.compiler, f"must be one of {aot.COMPILERS}") \
-            and chip_ok:
-        aot.resolve_compiler(dr.compiler, dr.chip)  # tpu for an H100, gpu for a v5p: named
-    _need(dr.num_devices >= 1, "dry_run.num_devices", dr.num_devices, "must be >= 1")
-    _need(dr.max_compile_params >= 0, "dry_run.max_compile_params", dr.max_compile_params, "must be >= 0")
-    _need(isinstance(dr.fit, bool), "dry_run.fit", dr.fit, "must be true or false")
-    if dr.topology and chip_ok:
-        aot.check_topology(dr.topology, dr.chip)
-
-
 def _check_seeds_and_timeouts(config) -> None:
     for name, value in (("seed", config.seed), ("data.seed", config.data.seed)):
         _need(0 <= value <= MAX_SEED, name, value, "must be an integer in [0, 2**63 - 1] (the sampler's seed range)")
-    t = config.multihost.initialization_timeout_s
-    _need(math.isfinite(t) and t > 0, "multihost.initialization_timeout_s", t, "must be a finite number of seconds > 0")
 
 
 def _check_reward(config) -> None:
@@ -1179,23 +1057,10 @@ def _check_reward(config) -> None:
               "the warm start needs a reference answer: set data.answer_field (data.kind = 'file') or sft.steps=0")
 
 
-def _check_profile(config) -> None:
-    parse_steps(config.profile.steps)
-
-
 def _check_paths(config, exist: bool = True) -> None:
+    """The data source's and the paths' checks (the tokenizer's own: `pdm_jax.sections.TokenizerSpec`)."""
     tc, dc = config.tokenizer, config.data
-    _need(tc.kind in TOKENIZER_KINDS, "tokenizer.kind", tc.kind, f"must be one of {TOKENIZER_KINDS}")
-    if tc.kind == "path":
-        _need(bool(tc.path), "tokenizer.path", tc.path, "required when tokenizer.kind = 'path'")
-    else:
-        _need(not tc.path, "tokenizer.path", tc.path,
-              f"is ignored when tokenizer.kind = {tc.kind!r} (which builds its own); set tokenizer.kind=path to use it")
-    if tc.kind == "bpe":  # byte level: 2 special tokens + 256 bytes, then the merges
-        for field, low, high in (("vocab_size", 259, MAX_BPE_VOCAB_SIZE), ("corpus_prompts", 1, MAX_CORPUS_PROMPTS)):
-            value = tc[field]
-            _need(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
-                  f"tokenizer.{field}", value, f"must be an int in [{low}, {high}]")
+    if tc.kind == "bpe":
         chat = (dc.kind in data_sources.KINDS and dc.chat_template in data_sources.CHAT_TEMPLATES  # else named below
                 and data_sources.applies_chat_template(dc.kind, dc.prompt_format, dc.chat_template))
         _need(not chat, "data.chat_template", dc.chat_template,
@@ -1255,36 +1120,17 @@ def validate_config(config: ml_collections.ConfigDict, *, vocab_size: Optional[i
         raise ValueError(f"{unknown[0]}: unknown config field (not in pdm_jax.config.get_base_config)"
                          + (f"; also unknown: {', '.join(unknown[1:])}" if len(unknown) > 1 else ""))
     _check_types(config)
-    _run_checks(config, [(_check_paths, (paths_exist and not dry_run,)), (_check_rl, ()), (_check_sampler_and_eval, ()),
-                         (_check_weight_noise, ()), (_check_model, (vocab_size,)), (_check_profile, ()),
-                         (_check_dry_run, ()),
-                         (_check_seeds_and_timeouts, ()), (_check_reward, ()), (_check_log, ()),
-                         (_check_sizes, (vocab_size, num_held_out))] + ([] if dry_run else [(_check_mesh, ())]))
+    sections = [(_check_section, (name,)) for name in SECTION_RECORDS]  # each record's own checks
+    _run_checks(config, sections[:2] + [(_check_paths, (paths_exist and not dry_run,)), (_check_rl, ()),
+                                        (_check_sampler_and_eval, ()), (_check_weight_noise, ()),
+                                        (_check_model, (vocab_size,))] + sections[2:]
+                + [(_check_seeds_and_timeouts, ()), (_check_reward, ()), (_check_sizes, (vocab_size, num_held_out))]
+                + ([] if dry_run else [(_check_mesh, ())]))
 
 
-def validate_against_data(config: ml_collections.ConfigDict, *, vocab_size: int, num_held_out: int) -> None:
-    """The checks of a validated config that need the tokenizer and the prompt source, run once they exist:
-    K = ``rl.top_k_logprobs`` and ``sampler.stop_token_ids`` within the ``vocab_size`` tokens, an explicit
-    model shape with that vocabulary, ``eval.num_prompts`` <= the source's ``num_held_out`` prompts.
-
-    Raises:
-      ValueError: as `validate_config` (``"<dotted.field> = <value>: <what is wrong>"``).
-    """
-    _run_checks(config, [(_check_model, (vocab_size,)), (_check_sizes, (vocab_size, num_held_out))])
-
-
-#: W&B's run modes that ``log.wandb_mode`` may name; characters W&B refuses in a project name.
-WANDB_MODES = ("online", "offline")
-_WANDB_PROJECT_BAD = set("/\\#?%:")
-
-
-def _check_log(config) -> None:
-    """``log.wandb_mode`` one of `WANDB_MODES`; ``log.wandb_project`` 1-128 characters without ``/\\#?%:``."""
-    lc = config.log
-    _need(lc.wandb_mode in WANDB_MODES, "log.wandb_mode", lc.wandb_mode, f"must be one of {WANDB_MODES}")
-    _need(0 < len(lc.wandb_project) <= 128 and not set(lc.wandb_project) & _WANDB_PROJECT_BAD, "log.wandb_project",
-          lc.wandb_project, "must be 1-128 characters, none of / \\ # ? % :")
-    _need(len(lc.wandb_run_name) <= 128, "log.wandb_run_name", lc.wandb_run_name, "must be at most 128 characters")
+def _check_section(config, name: str) -> None:
+    """The checks of section ``name``'s record (`pdm_jax.sections.SECTION_RECORDS`), built once from it."""
+    _read_section(SECTION_RECORDS[name], config[name])
 
 
 def _run_checks(config, checks) -> None:
@@ -1353,7 +1199,7 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
     try:
         tr_config = trust_region.TrustRegionConfig(mask=tr.mask, divergence=tr.divergence, estimator=tr.estimator,
                                                    nonfinite=tr.nonfinite,
-                                                   direction=tr.get("direction", "per_token"), **floats)
+                                                   direction=tr.direction, **floats)
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if msg.startswith("trust_region.") else f"trust_region: {msg}") from None
@@ -1364,7 +1210,7 @@ def step_configs(config: ml_collections.ConfigDict, *, max_response_length: Opti
         max_response_length=int(max_response_length or rl.max_new_tokens), kl_beta=_as_float("rl.kl_beta", rl.kl_beta),
         kl_estimator=rl.kl_estimator, temperature=_as_float("rl.temperature", rl.temperature),
         logits_chunk_size=rl.logits_chunk_size, micro_batch_size=rl.micro_batch_size,
-        router_aux_loss_coef=_as_float("rl.router_aux_loss_coef", rl.get("router_aux_loss_coef", 0.0)),
+        router_aux_loss_coef=_as_float("rl.router_aux_loss_coef", rl.router_aux_loss_coef),
         pack_sequences=rl.pack_sequences)
     rl_opt = OptimizerConfig(learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, b1=rl.adam_b1,
                              b2=rl.adam_b2, max_grad_norm=rl.max_grad_norm, warmup_steps=rl.warmup_steps,

@@ -6,8 +6,8 @@ on the same global mesh; ``jax.devices()`` lists the devices of ALL processes
 once ``jax.distributed.initialize`` has run, ``jax.local_devices()`` this
 process's.
 
-* :func:`initialize` / :func:`initialize_from_config` start the runtime from
-  explicit arguments, from ``config.multihost``, from the environment
+* :func:`initialize` starts the runtime from explicit arguments, from the
+  ``multihost`` record (:func:`settings_from`), from the environment
   (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``,
   ``JAX_LOCAL_DEVICE_IDS``) or, when those are absent, from JAX's cluster
   auto-detection (Cloud TPU, SLURM, Open MPI, ...). On CPU the cross-process
@@ -82,7 +82,8 @@ class DistributedSettings:
                 raise ValueError(f"multihost.process_id = {self.process_id} must be < num_processes = "
                                  f"{self.num_processes}")
         if self.cpu_collectives not in CPU_COLLECTIVES:
-            raise ValueError(f"multihost.cpu_collectives must be one of {CPU_COLLECTIVES}, got {self.cpu_collectives!r}")
+            raise ValueError(f"multihost.cpu_collectives must be one of {CPU_COLLECTIVES}, "
+                             f"got {self.cpu_collectives!r}")
         if not (isinstance(self.initialization_timeout_s, int) and self.initialization_timeout_s > 0):
             raise ValueError(f"multihost.initialization_timeout_s must be an int > 0, "
                              f"got {self.initialization_timeout_s!r}")
@@ -98,8 +99,9 @@ def _env_int(name: str, environ: Mapping[str, str]) -> Optional[int]:
         raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
 
 
-def settings_from_config(config, environ: Optional[Mapping[str, str]] = None) -> DistributedSettings:
-    """Resolves :class:`DistributedSettings` from ``config.multihost`` then the environment.
+def settings_from(multihost, environ: Optional[Mapping[str, str]] = None) -> DistributedSettings:
+    """Resolves :class:`DistributedSettings` from the ``multihost`` section's record (`pdm_jax.run_spec.MultihostSpec`,
+    read before validation: its timeout is checked here) then the environment.
 
     Config fields win; empty / sentinel values (``""``, ``0`` processes, ``-1``
     process id) fall back to ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
@@ -110,24 +112,23 @@ def settings_from_config(config, environ: Optional[Mapping[str, str]] = None) ->
       ValueError: naming the field (or environment variable) and the bad value.
     """
     environ = os.environ if environ is None else environ
-    mh = config.get("multihost") if hasattr(config, "get") else None
-    get = (lambda k, d: mh.get(k, d)) if mh is not None else (lambda k, d: d)  # noqa: E731
-    timeout = get("initialization_timeout_s", 300)  # checked here, before any use (validate_config needs devices)
+    mh = multihost
+    timeout = mh.initialization_timeout_s  # checked here, before any use (validate_config needs devices)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
             or timeout <= 0:
         raise ValueError(f"multihost.initialization_timeout_s = {timeout!r}: must be a finite number of seconds > 0")
-    address = get("coordinator_address", "") or environ.get(ENV_COORDINATOR) or None
-    num = int(get("num_processes", 0)) or _env_int(ENV_NUM_PROCESSES, environ)
-    pid = int(get("process_id", -1))
+    address = mh.coordinator_address or environ.get(ENV_COORDINATOR) or None
+    num = int(mh.num_processes) or _env_int(ENV_NUM_PROCESSES, environ)
+    pid = int(mh.process_id)
     pid = pid if pid >= 0 else _env_int(ENV_PROCESS_ID, environ)
-    ids_raw = get("local_device_ids", "") or environ.get(ENV_LOCAL_DEVICE_IDS, "")
+    ids_raw = mh.local_device_ids or environ.get(ENV_LOCAL_DEVICE_IDS, "")
     try:
         ids = tuple(int(x) for x in str(ids_raw).split(",") if x.strip()) or None
     except ValueError:
         raise ValueError(f"multihost.local_device_ids / {ENV_LOCAL_DEVICE_IDS} must be comma-separated ints, "
                          f"got {ids_raw!r}") from None
     return DistributedSettings(coordinator_address=address, num_processes=num, process_id=pid,
-                               local_device_ids=ids, cpu_collectives=str(get("cpu_collectives", "gloo")),
+                               local_device_ids=ids, cpu_collectives=str(mh.cpu_collectives),
                                initialization_timeout_s=max(1, math.ceil(timeout)))
 
 
@@ -160,18 +161,6 @@ def initialize(settings: Optional[DistributedSettings] = None) -> None:
         initialization_timeout=settings.initialization_timeout_s)
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
-
-
-def initialize_from_config(config) -> bool:
-    """Initialises the runtime when ``config.distributed`` is true; returns whether it did.
-
-    Settings come from :func:`settings_from_config` (config.multihost, then the
-    environment, then cluster auto-detection).
-    """
-    if not bool(config.get("distributed", False)):
-        return False
-    initialize(settings_from_config(config))
-    return True
 
 
 def is_primary() -> bool:

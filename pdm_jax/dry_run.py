@@ -45,8 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdm_jax import aot
 from pdm_jax.rl import train_step as ts
-from pdm_jax.config import (compute_options, model_config_from_fields, packed_length, resolve_sampler_mode,
-                            step_configs, validate_config)
+from pdm_jax.config import resolve_sampler_mode
 from pdm_jax.distributed import opt_state_shardings
 from pdm_jax.models.hf_io import load_config
 from pdm_jax.models.presets import PRESETS, count_params, get_preset
@@ -58,7 +57,9 @@ from pdm_jax.sampler.engine import abstract_engine_model, next_pow2
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
 from pdm_jax.rl.packing import PackingPlan
 from pdm_jax.rl.step_batch import StepBatch
-from pdm_jax.sharding import (MeshConfig, activation_sharding, kv_cache_specs, make_mesh, param_partition_specs,
+from pdm_jax.run_spec import RunSpec, run_spec
+from pdm_jax.sections import compute_options, model_config_from_fields
+from pdm_jax.sharding import (activation_sharding, kv_cache_specs, make_mesh, param_partition_specs,
                               param_shardings)
 
 
@@ -98,19 +99,19 @@ def prepare_devices(num_devices: int) -> bool:
     return True
 
 
-def resolve_model_config(config):
-    """The ``Qwen3Config`` a run config trains, without loading weights.
+def resolve_model_config(spec: RunSpec):
+    """The ``Qwen3Config`` a run (its `pdm_jax.run_spec.RunSpec`) trains, without loading weights.
 
     Order: ``model.preset``; ``model.hf_path/config.json`` if it exists; a
     preset named like the checkpoint directory (``.../Qwen3-8B-Base`` ->
-    ``qwen3_8b``, ``.../Qwen3-30B-A3B-Base`` -> ``qwen3_30b_a3b``); the explicit ``model.*`` fields with the vocabulary of the
-    tokenizer (char tokenizer: ``len(symbols)`` + pad + eos; BPE: ``tokenizer.vocab_size``; or
+    ``qwen3_8b``, ``.../Qwen3-30B-A3B-Base`` -> ``qwen3_30b_a3b``); the explicit ``model.*`` fields with the
+    vocabulary of the tokenizer (char tokenizer: ``len(symbols)`` + pad + eos; BPE: ``tokenizer.vocab_size``; or
     ``tokenizer.path/tokenizer.json``).
 
     Raises:
       ValueError: naming ``model.hf_path`` when none of these applies.
     """
-    mc = config.model
+    mc = spec.model
     if mc.preset:
         return get_preset(mc.preset)
     if mc.hf_path:
@@ -124,11 +125,11 @@ def resolve_model_config(config):
             return get_preset(name)
         raise ValueError(f"model.hf_path = {mc.hf_path!r}: no config.json there and the name matches no preset "
                          f"{sorted(PRESETS)}; set model.preset for a dry run")
-    tc = config.tokenizer
+    tc = spec.tokenizer
     if tc.kind == "char":
         vocab = char_vocab_size(tc.symbols)
     elif tc.kind == "bpe":  # the most it trains to
-        vocab = int(tc.vocab_size)
+        vocab = tc.vocab_size
     else:
         with open(os.path.join(tc.path, "tokenizer.json")) as f:
             tok = json.load(f)
@@ -173,21 +174,21 @@ def resolve_attention(attention: str, chip: str, seq: int) -> str:
     return "cudnn" if chip.startswith("H") else "splash"
 
 
-def step_shape(config, chip: Optional[str] = None) -> StepShape:
+def step_shape(spec: RunSpec, chip: Optional[str] = None) -> StepShape:
     """The mini-batch the trainer feeds one jitted step (sequences, padded lengths, K, chunk, attention, remat)."""
-    rl = config.rl
+    rl = spec.rl
     n = rl.prompts_per_step * rl.group_size
     if rl.num_minibatches < 1 or n % rl.num_minibatches:
         raise ValueError(f"rl.num_minibatches = {rl.num_minibatches} must divide prompts_per_step x group_size = {n}")
-    p = round_up(int(config.sampler.max_prompt_length), 8)
+    p = round_up(spec.sampler.max_prompt_length, 8)
     b = n // rl.num_minibatches
-    packed = packed_length(config) if rl.pack_sequences else 0
+    packed = spec.packed_length if rl.pack_sequences else 0
     return StepShape(batch=b, prompt_len=p, completion_len=int(rl.max_new_tokens),
                      top_k=int(rl.top_k_logprobs), logits_chunk_size=int(rl.logits_chunk_size),
                      micro_batch_size=int(rl.micro_batch_size),
-                     attention=resolve_attention(config.model.attention, chip or config.dry_run.chip,
+                     attention=resolve_attention(spec.model.attention, chip or spec.dry_run.chip,
                                                  packed or p + int(rl.max_new_tokens)),
-                     remat=config.model.remat, scan_layers=bool(config.model.scan_layers),
+                     remat=spec.model.remat, scan_layers=spec.model.scan_layers,
                      packed_length=packed, packed_rows=packed_rows_bound(b, int(rl.micro_batch_size)) if packed else 0)
 
 
@@ -197,10 +198,9 @@ def packed_rows_bound(batch: int, rows_per_micro_batch: int) -> int:
     return round_up(batch, rows_per_micro_batch) if rows_per_micro_batch > 0 else next_pow2(batch)
 
 
-def mesh_sizes(config, num_devices: int) -> dict:
-    """{"data", "fsdp", "tensor"} sizes of ``config.mesh`` on ``num_devices`` (-1 resolved)."""
-    m = config.mesh
-    d, f, t = MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor).axis_sizes(num_devices)
+def mesh_sizes(spec: RunSpec, num_devices: int) -> dict:
+    """{"data", "fsdp", "tensor"} sizes of the run's ``mesh`` on ``num_devices`` (-1 resolved)."""
+    d, f, t = spec.mesh.axis_sizes(num_devices)
     return {"data": d, "fsdp": f, "tensor": t}
 
 
@@ -287,7 +287,8 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     dp = sizes["data"] * sizes["fsdp"]
     div = lambda n: n // tp if n % tp == 0 else n  # noqa: E731  (non-dividing axes stay replicated)
     c = model_cfg
-    n_heads, n_kv, f, v = div(c.num_attention_heads), div(c.num_key_value_heads), div(c.intermediate_size), div(c.vocab_size)
+    n_heads, n_kv = div(c.num_attention_heads), div(c.num_key_value_heads)
+    f, v = div(c.intermediate_size), div(c.vocab_size)
     b_loc = -(-shape.batch // dp)
     # Activations and the loss's buffers live for one micro-batch at a time (its rows spread over all shards).
     m_loc = -(-shape.micro_batch_size // dp) if shape.micro_batch_size else b_loc
@@ -344,8 +345,8 @@ def analytic_plan(model_cfg, shape: StepShape, sizes: dict, *, dtype="float32", 
     return out
 
 
-def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Optional[int] = None) -> dict:
-    """ANALYTIC per-device bytes of the rollout engine (pdm_jax.sampler.engine) for this config on ``chip``.
+def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_host: Optional[int] = None) -> dict:
+    """ANALYTIC per-device bytes of the rollout engine (pdm_jax.sampler.engine) for this run on ``chip``.
 
     * ``weights``: the sampler's copy, sharded on its mesh (``sampler.mesh`` data x tensor, fsdp 1;
       `param_bytes_per_device` with the model's rules), in its compute dtype: ``sampler.compute_dtype``,
@@ -377,27 +378,27 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
     from pdm_jax.sampler.engine import (cache_phases, check_engine_mesh,  # lazy: the dry run's imports stay light
                                         resolve_compute_dtype)
 
-    sc = config.sampler
-    d, t = int(sc.mesh.data), int(sc.mesh.tensor)
+    sc = spec.sampler
+    d, t = sc.mesh_data, sc.mesh_tensor
     backend = aot.chip_platform(chip)
-    colocated = resolve_sampler_mode(str(sc.mode), backend=backend) == "colocated"
+    colocated = resolve_sampler_mode(sc.mode, backend=backend) == "colocated"
     per_host = per_host or aot.chips_per_host(chip, num_devices)
     if colocated and d * t > per_host:
         raise ValueError(f"sampler.mesh = data {d} x tensor {t} needs {d * t} devices; a colocated sampler runs on "
                          f"one host's own chips ({per_host} of {chip} per host; sampler.mode = colocated)")
-    dtype = resolve_compute_dtype(str(sc.compute_dtype), str(sc.quantization), backend=backend)
+    dtype = resolve_compute_dtype(sc.compute_dtype, sc.quantization, backend=backend)
     _, weights = param_bytes_per_device(model_cfg, {"data": d, "fsdp": 1, "tensor": t}, dtype)
     pow2 = next_pow2
-    continuous = str(sc.batching) == "continuous"
-    slots = pow2((int(sc.max_slots) if continuous else 0) or int(sc.max_batch_size))
+    continuous = sc.batching == "continuous"
+    slots = pow2((sc.max_slots if continuous else 0) or sc.max_batch_size)
     try:
         check_engine_mesh(model_cfg, jax.sharding.AbstractMesh((d, 1, t), ("data", "fsdp", "tensor")),
-                          max_batch_size=int(sc.max_batch_size), max_slots=slots)
+                          max_batch_size=sc.max_batch_size, max_slots=slots)
     except ValueError as e:
         raise ValueError(f"sampler.mesh = {d} x {t}: {e}") from None
     hosts = max(1, -(-num_devices // per_host))
-    prompts = int(config.rl.prompts_per_step)
-    if hosts > 1 and sc.per_host_rollouts:  # each process samples the groups its devices hold
+    prompts = spec.rl.prompts_per_step
+    if hosts > 1 and spec.rollout.per_host_rollouts:  # each process samples the groups its devices hold
         if prompts % hosts:  # the trainer refuses it at start-up too (pdm_jax.per_host)
             raise ValueError(f"rl.prompts_per_step = {prompts}: with sampler.per_host_rollouts each of the {hosts} "
                              f"hosts ({num_devices} x {chip}, {per_host} per host) samples whole groups, so the "
@@ -406,20 +407,20 @@ def sampler_plan(config, model_cfg, num_devices: int, chip: str, *, per_host: Op
     c = model_cfg
     kv_t = t if c.num_key_value_heads % t == 0 else 1
     per_entry = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * dtype.itemsize  # one token, one row
-    p, new = int(sc.max_prompt_length), int(config.rl.max_new_tokens)
+    p, new = sc.max_prompt_length, spec.rl.max_new_tokens
     kv_cache = slots * (p + new) * per_entry // (d * kv_t)
     store_rows = max(pow2(prompts), slots // 4) if continuous else 0
     prompt_store = store_rows * p * per_entry // (d * kv_t)
     caps = cache_phases(new)
-    park_rows = int(sc.park_rows) if continuous and len(caps) > 1 else 0
+    park_rows = sc.park_rows if continuous and len(caps) > 1 else 0
     park = park_rows * slots * (p + caps[0]) * per_entry // (d * kv_t)
     out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
     out["total"] = sum(out.values())
-    return dict(out, mesh=(d, t), slots=slots, dtype=str(dtype), quantization=str(sc.quantization),
+    return dict(out, mesh=(d, t), slots=slots, dtype=str(dtype), quantization=sc.quantization,
                 colocated=colocated, hosts=hosts, request_prompts=prompts)
 
 
-def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
+def compiled_sampler_plan(spec: RunSpec, model_cfg, sp: dict, *, devices=None) -> dict:
     """``memory_analysis`` of the sharded continuous-batching programs (`engine._continuous_program`:
     prefill of one request's prompt store + the slots' decode loop; `engine._continuous_compact` and
     `engine._continuous_tail`) compiled for ``devices`` (default: the
@@ -435,9 +436,9 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
     """
 
     mesh, dtype, graphdef, state = _engine_on_mesh(model_cfg, sp, devices)
-    sc, rl = config.sampler, config.rl
+    sc, rl = spec.sampler, spec.rl
     pow2 = next_pow2
-    slots, p, new = sp["slots"], int(sc.max_prompt_length), int(rl.max_new_tokens)
+    slots, p, new = sp["slots"], sc.max_prompt_length, rl.max_new_tokens
     prompts = int(sp.get("request_prompts", rl.prompts_per_step))
     n_pad, u_pad = max(pow2(prompts * rl.group_size), slots), max(pow2(prompts), slots // 4)
     replicated = NamedSharding(mesh, P())
@@ -452,9 +453,9 @@ def compiled_sampler_plan(config, model_cfg, sp: dict, *, devices=None) -> dict:
         with activation_sharding(mesh):
             if program == "main":
                 return eng._CONTINUOUS_JIT.lower(  # the trainer's requests: no top-p / top-k, its park and routing
-                    *args, slots=slots, num_new=new, k_logprobs=int(rl.top_k_logprobs), cache_dtype=dtype,
-                    slice_layers_once=slice_once, park=int(sc.park_rows), may_filter=False,
-                    routing=bool(config.model.moe_routing_replay) and model_cfg.is_moe)
+                    *args, slots=slots, num_new=new, k_logprobs=rl.top_k_logprobs, cache_dtype=dtype,
+                    slice_layers_once=slice_once, park=sc.park_rows, may_filter=False,
+                    routing=spec.model.moe_routing_replay and model_cfg.is_moe)
             outs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), prev.out_info)
             if program == "compact":
                 return eng._CONTINUOUS_COMPACT_JIT.lower(outs[0], slots=slots), outs[1]
@@ -501,7 +502,7 @@ def _bytes_per_device(tree) -> int:
     return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
 
-def compiled_decode_step(config, model_cfg, sp: dict, *, devices=None) -> dict:
+def compiled_decode_step(spec: RunSpec, model_cfg, sp: dict, *, devices=None) -> dict:
     """XLA's bytes accessed by one decode step of the rollout engine, beside its floor, per device.
 
     The step is `Qwen3ForCausalLM.decode` of one token per slot (``sp["slots"]`` rows) through every layer
@@ -515,7 +516,7 @@ def compiled_decode_step(config, model_cfg, sp: dict, *, devices=None) -> dict:
     memory (then ``exhausted`` holds its message).
     """
     mesh, dtype, graphdef, state = _engine_on_mesh(model_cfg, sp, devices)
-    slots, s = int(sp["slots"]), int(config.sampler.max_prompt_length) + int(config.rl.max_new_tokens)
+    slots, s = int(sp["slots"]), spec.sampler.max_prompt_length + spec.rl.max_new_tokens
     cache = jax.eval_shape(lambda: abstract_engine_model(model_cfg, dtype).init_cache(slots, s, dtype=dtype))
     cache = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
                          cache, kv_cache_specs(cache, mesh=mesh))
@@ -591,7 +592,7 @@ def training_attention(attention: str, platform: str) -> tuple[str, str]:
     return attention, ""
 
 
-def lowered_train_step(config, model_cfg, shape: StepShape, sizes: dict, *, devices=None, platform: str = "cpu",
+def lowered_train_step(spec: RunSpec, model_cfg, shape: StepShape, sizes: dict, *, devices=None, platform: str = "cpu",
                        activation_constraints: bool = True):
     """The trainer's sharded RL train step lowered on abstract inputs for ``devices`` (a ``jax.stages.Lowered``).
 
@@ -608,14 +609,14 @@ def lowered_train_step(config, model_cfg, shape: StepShape, sizes: dict, *, devi
     if len(devices) < n_dev:
         raise RuntimeError(f"the mesh {sizes} needs {n_dev} devices, have {len(devices)}")
     mesh = make_mesh(devices=devices[:n_dev], **sizes)
-    mc = config.model
+    mc = spec.model
     compute = compute_options(mc)
     compute["attention"], _ = training_attention(shape.attention, platform)
     abstract = _abstract_model(model_cfg, _dtype(mc.dtype), _dtype(mc.param_dtype), **compute)
     graphdef, abs_params = nnx.split(abstract)
     abs_params = _with_shardings(abs_params, param_shardings(abs_params, mesh))
-    configs = step_configs(config, max_response_length=shape.completion_len)
-    tx, _ = configs.rl_optimizer.build()
+    steps = spec.step
+    tx, _ = steps.rl_optimizer.build()
     abs_opt = _with_shardings(jax.eval_shape(tx.init, abs_params), opt_state_shardings(tx, abs_params, mesh))
     replicated = NamedSharding(mesh, P())
     abs_state = ts.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params=abs_params,
@@ -637,11 +638,11 @@ def lowered_train_step(config, model_cfg, shape: StepShape, sizes: dict, *, devi
                       completion_ids=arg((b, t), jnp.int32), completion_mask=arg((b, t), jnp.bool_),
                       behavior_logprobs=arg((b, t), jnp.float32), topk_ids=arg((b, t, k), jnp.int32),
                       topk_logprobs=arg((b, t, k), jnp.float32), advantages=arg((b,), jnp.float32),
-                      ref_logprobs=arg((b, t), jnp.float32) if configs.policy_loss.kl_beta > 0 else None,
+                      ref_logprobs=arg((b, t), jnp.float32) if steps.policy_loss.kl_beta > 0 else None,
                       packing=plan)
-    loss_cfg = dataclasses.replace(configs.policy_loss, logits_chunk_size=shape.logits_chunk_size,
-                                   micro_batch_size=shape.micro_batch_size)
-    step = ts.make_rl_train_step(graphdef, tx, configs.trust_region, loss_cfg)
+    loss_cfg = dataclasses.replace(steps.policy_loss, logits_chunk_size=shape.logits_chunk_size,
+                                   micro_batch_size=shape.micro_batch_size, max_response_length=shape.completion_len)
+    step = ts.make_rl_train_step(graphdef, tx, steps.trust_region, loss_cfg)
     state_sharding = jax.tree.map(lambda x: x.sharding, abs_state)
     jitted = jax.jit(step, in_shardings=(state_sharding, jax.tree.map(lambda x: x.sharding, batch)),
                      out_shardings=(state_sharding, None), donate_argnums=0)
@@ -651,7 +652,7 @@ def lowered_train_step(config, model_cfg, shape: StepShape, sizes: dict, *, devi
     return jitted.lower(abs_state, batch)
 
 
-def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, devices=None, platform: str = "cpu",
+def compiled_plan(spec: RunSpec, model_cfg, shape: StepShape, sizes: dict, *, devices=None, platform: str = "cpu",
                   activation_constraints: bool = True) -> dict:
     """Compiles `lowered_train_step`; per-device bytes from its memory_analysis.
 
@@ -668,7 +669,7 @@ def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, devices=N
     """
     t0 = time.time()
     compiled, exhausted = _compile_or_exhausted(lowered_train_step(
-        config, model_cfg, shape, sizes, devices=devices, platform=platform,
+        spec, model_cfg, shape, sizes, devices=devices, platform=platform,
         activation_constraints=activation_constraints))
     if exhausted is not None:  # the compiler's refusal: its temporaries alone exceed the chip
         return dict(exhausted, argument=0, output=0, alias=0, total=exhausted["temp"],
@@ -684,7 +685,8 @@ def compiled_plan(config, model_cfg, shape: StepShape, sizes: dict, *, devices=N
     return out
 
 
-def counted_flops(config, model_cfg, shape: StepShape, sizes: dict, *, devices=None, platform: str = "cpu") -> dict:
+def counted_flops(spec: RunSpec, model_cfg, shape: StepShape, sizes: dict, *, devices=None,
+                  platform: str = "cpu") -> dict:
     """FLOPs per device of one optimizer step as the compiler counts them, every loop iteration included.
 
     XLA's ``cost_analysis`` counts a while loop's body once (checked: the 30B-A3B step scanned over 4 and
@@ -700,11 +702,8 @@ def counted_flops(config, model_cfg, shape: StepShape, sizes: dict, *, devices=N
     if model_cfg.is_mixed:
         return dict(flops=None, note="not counted: a mixed sparse / dense MoE model's layers differ")
     shards = sizes["data"] * sizes["fsdp"]
-    flat = config.copy_and_resolve_references()
-    with flat.unlocked():
-        flat.model.scan_layers = False
-        flat.rl.micro_batch_size = 0
-        flat.rl.logits_chunk_size = 0
+    flat = spec._replace(model=dataclasses.replace(spec.model, scan_layers=False),
+                         rl=dataclasses.replace(spec.rl, micro_batch_size=0, logits_chunk_size=0))
     one = dataclasses.replace(shape, batch=shards, micro_batch_size=0, logits_chunk_size=0, scan_layers=False,
                               packed_rows=shards if shape.packed_length else 0)
     t0, counts = time.time(), []
@@ -724,29 +723,31 @@ def counted_flops(config, model_cfg, shape: StepShape, sizes: dict, *, devices=N
                 per_layer=per_layer * rows, compile_seconds=time.time() - t0)
 
 
-def _resolve_target(config, compiler: str, chip: str, num_devices: int, topology: Optional[str], n_params: int):
+def _resolve_target(spec: RunSpec, compiler: str, chip: str, num_devices: int, topology: Optional[str], n_params: int):
     """(resolved compiler, its devices or None, a note when nothing is compiled)."""
-    dr = config.dry_run
+    dr = spec.dry_run
     resolved = aot.resolve_compiler(compiler, chip)
     if resolved == "none":
         return resolved, None, "not compiled: dry_run.compiler=none"
     if resolved == "cpu":
-        limit = int(dr.max_compile_params)
+        limit = dr.max_compile_params
         if compiler == "auto" and n_params > limit:
+            hint = aot.TPU_INSTALL_HINT if aot.chip_platform(chip) == "tpu" else aot.GPU_INSTALL_HINT
             return "none", None, (f"not compiled: {n_params / 1e9:.1f}B parameters > dry_run.max_compile_params for "
-                                  f"XLA:CPU, and XLA:{aot.chip_platform(chip).upper()} is not installed "
-                                  f"({aot.TPU_INSTALL_HINT if aot.chip_platform(chip) == 'tpu' else aot.GPU_INSTALL_HINT})")
+                                  f"XLA:CPU, and XLA:{aot.chip_platform(chip).upper()} is not installed ({hint})")
         if len(jax.devices()) < num_devices:
             return "none", None, (f"not compiled: {len(jax.devices())} JAX devices < {num_devices} "
                                   "(run the CLI with --dry_run)")
     return resolved, aot.target_devices(resolved, chip, num_devices, topology), ""
 
 
-def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
+def plan(spec, *, compiler: Optional[str] = None, chip: Optional[str] = None,
          num_devices: Optional[int] = None, topology: Optional[str] = None) -> dict:
-    """The dry-run report for ``config``: the analytic plan always, the compiled ones per ``dry_run.compiler``.
+    """The dry-run report for ``spec``: the analytic plan always, the compiled ones per ``dry_run.compiler``.
 
-    Args override ``config.dry_run.{compiler,chip,num_devices,topology}``. ``compiler``:
+    ``spec``: the run's `pdm_jax.run_spec.RunSpec`, or a run ConfigDict, read by ``run_spec(config, dry_run=True)``
+    (every config error before any work; no file or device needed). Args override
+    ``dry_run.{compiler,chip,num_devices,topology}``. ``compiler``:
 
     * ``"tpu"`` / ``"gpu"``: XLA:TPU / XLA:GPU compile the train step and the rollout engine's
       program ahead of time for the slice (`pdm_jax.aot`), with the kernels, mesh and dtypes the
@@ -768,7 +769,8 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
         error naming the field.
       aot.CompilerUnavailable: ``tpu`` / ``gpu`` asked for and not installed (the message says how).
     """
-    dr = config.dry_run
+    spec = spec if isinstance(spec, RunSpec) else run_spec(spec, dry_run=True)
+    dr = spec.dry_run
     compiler = compiler or dr.compiler
     chip = chip or dr.chip
     num_devices = int(dr.num_devices if num_devices is None else num_devices)
@@ -778,26 +780,24 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
         raise ValueError(f"dry_run.compiler must be one of {aot.COMPILERS}, got {compiler!r}")
     if num_devices < 1:
         raise ValueError(f"dry_run.num_devices must be >= 1, got {num_devices}")
-    validate_config(config, dry_run=True)  # every config error before any work (no file or device needed)
-    model_cfg = resolve_model_config(config)
-    shape = step_shape(config, chip)
-    sizes = mesh_sizes(config, num_devices)
-    analytic = analytic_plan(model_cfg, shape, sizes, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+    model_cfg = resolve_model_config(spec)
+    shape = step_shape(spec, chip)
+    sizes = mesh_sizes(spec, num_devices)
+    analytic = analytic_plan(model_cfg, shape, sizes, dtype=spec.model.dtype, param_dtype=spec.model.param_dtype)
     n_params = analytic.pop("num_params")
-    resolved, devices, note = _resolve_target(config, compiler, chip, num_devices, topology, n_params)
+    resolved, devices, note = _resolve_target(spec, compiler, chip, num_devices, topology, n_params)
     per_host = aot.devices_per_process(devices) if devices is not None and resolved != "cpu" \
         else aot.chips_per_host(chip, num_devices)
-    sp = sampler_plan(config, model_cfg, num_devices, chip, per_host=per_host)
+    sp = sampler_plan(spec, model_cfg, num_devices, chip, per_host=per_host)
     eval_plan = None
-    if str(config.eval.engine) == "f32":  # a second, unquantized f32 engine on the trainer's chips
-        ec = config.copy_and_resolve_references()
-        ec.sampler.quantization, ec.sampler.compute_dtype = "none", "auto"
+    if spec.eval.engine == "f32":  # a second, unquantized f32 engine on the trainer's chips
+        ec = spec._replace(sampler=dataclasses.replace(spec.sampler, quantization="none", compute_dtype="auto"))
         eval_plan = sampler_plan(ec, model_cfg, num_devices, chip, per_host=per_host)
     compiled = sampler_compiled = None
     if devices is not None:
-        compiled = compiled_plan(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
+        compiled = compiled_plan(spec, model_cfg, shape, sizes, devices=devices, platform=resolved)
         if resolved != "cpu" and not compiled.get("exhausted"):
-            compiled["counted"] = (counted_flops(config, model_cfg, shape, sizes, devices=devices, platform=resolved)
+            compiled["counted"] = (counted_flops(spec, model_cfg, shape, sizes, devices=devices, platform=resolved)
                                    if dr.count_flops else dict(flops=None, note="not counted: dry_run.count_flops "
                                                                                  "= False"))
         if resolved != "cpu" or dr.compile_sampler:
@@ -808,19 +808,18 @@ def plan(config, *, compiler: Optional[str] = None, chip: Optional[str] = None,
                 sampler_devices = (aot.target_devices(resolved, chip, n) if resolved != "cpu"
                                    else (jax.devices()[:n] if len(jax.devices()) >= n else None))
             if sampler_devices is not None:
-                sampler_compiled = compiled_sampler_plan(config, model_cfg, sp, devices=sampler_devices)
-                sampler_compiled["decode_step"] = compiled_decode_step(config, model_cfg, sp, devices=sampler_devices)
+                sampler_compiled = compiled_sampler_plan(spec, model_cfg, sp, devices=sampler_devices)
+                sampler_compiled["decode_step"] = compiled_decode_step(spec, model_cfg, sp, devices=sampler_devices)
     report = dict(model=model_cfg, num_params=n_params, shape=shape, mesh=sizes, chip=chip,
                   hbm_bytes=aot.CHIP_HBM_GIB[chip] * GIB, compiler=resolved,
                   target=aot.label(resolved, chip, topology, num_devices) if devices is not None else "analytic plan",
                   analytic=analytic, compiled=compiled, compiled_note=note, sampler=sp, eval_engine=eval_plan,
                   sampler_compiled=sampler_compiled, model_flops=model_flops(model_cfg, shape, num_devices),
-                  moe_implementation=str(config.model.moe_implementation))
+                  moe_implementation=spec.model.moe_implementation)
     report["verdict"] = verdict(report)
-    report["step"] = dict(prompts_per_step=int(config.rl.prompts_per_step), group_size=int(config.rl.group_size),
-                          num_minibatches=int(config.rl.num_minibatches),
-                          max_prompt_length=int(config.sampler.max_prompt_length),
-                          max_new_tokens=int(config.rl.max_new_tokens))
+    report["step"] = dict(prompts_per_step=spec.rl.prompts_per_step, group_size=spec.rl.group_size,
+                          num_minibatches=spec.rl.num_minibatches, max_prompt_length=spec.sampler.max_prompt_length,
+                          max_new_tokens=spec.rl.max_new_tokens)
     report["estimate"] = step_time_estimate(report, report["step"])
     return report
 
@@ -1053,12 +1052,13 @@ def _flops_lines(report: dict) -> list:
         flops = counted["flops"]
         expected = mf["flops"] + (0 if opaque_attention else mf["attention_flops"])
         peak = aot.CHIP_PEAK_BF16_FLOPS[report["chip"]]
+        roofline = (flops + (mf["attention_flops"] if opaque_attention else 0)) / peak
         lines += [f"  {'counted_tflops':<30}{flops / 1e12:10.4g}  (every layer, micro-batch and loss chunk: "
                   f"loop-free 1- and 2-layer compiles, {counted['compile_seconds']:.0f} s)",
                   f"  {'counted / expected':<30}{flops / expected:10.3f}  (expected: model"
                   + ("" if opaque_attention else " + attention") + " FLOPs; the rest is the loss head's softmax, "
                   "the mask, norms, padding)",
-                  f"  {'roofline_seconds':<30}{(flops + (mf['attention_flops'] if opaque_attention else 0)) / peak:10.4g}"
+                  f"  {'roofline_seconds':<30}{roofline:10.4g}"
                   f"  ESTIMATE: counted{' + attention' if opaque_attention else ''} FLOPs at {peak / 1e12:.0f} "
                   "TFLOP/s peak bf16, never measured on a chip"]
     elif counted.get("note"):
@@ -1112,9 +1112,9 @@ def _sampler_lines(sp: dict, hbm: int, g, unit: str, compiled=None, target: str 
     return lines
 
 
-def main(config) -> dict:
-    """Runs :func:`plan` and prints :func:`format_report`; returns the report (``dry_run.fit``: the CLI runs
-    `dry_run_fit.main` instead)."""
-    report = plan(config)
+def main(spec) -> dict:
+    """Runs :func:`plan` (``spec``: a `RunSpec` or a run ConfigDict) and prints :func:`format_report`; returns the
+    report (``dry_run.fit``: the CLI runs `dry_run_fit.main` instead)."""
+    report = plan(spec)
     print(format_report(report), flush=True)
     return report

@@ -19,6 +19,7 @@ import dataclasses
 
 from pdm_jax import aot
 from pdm_jax import dry_run as dr
+from pdm_jax.run_spec import RunSpec, run_spec, with_overrides
 
 GIB = dr.GIB
 #: The share of HBM a proposal may fill by the analytic plan: the plan is within 11% of XLA:TPU on the
@@ -64,9 +65,9 @@ class Proposal:
         return " ".join(f"--config.{k}={v}" for k, v in self.overrides.items())
 
 
-def _train_candidates(config, model_cfg, chip: str, sizes: dict):
+def _train_candidates(spec: RunSpec, model_cfg, chip: str, sizes: dict):
     """(knobs, resident bytes, transient bytes) of every micro-batch x loss chunk x remat setting."""
-    base = dr.step_shape(config, chip)
+    base = dr.step_shape(spec, chip)
     b, dp = base.batch, sizes["data"] * sizes["fsdp"]
     micro = [0] + [m for m in (b >> i for i in range(1, 12)) if m >= 1 and b % m == 0 and m % dp == 0]
     out = []
@@ -74,15 +75,15 @@ def _train_candidates(config, model_cfg, chip: str, sizes: dict):
         for m in micro:
             for chunk in _CHUNKS:
                 shape = dataclasses.replace(base, remat=remat, micro_batch_size=m, logits_chunk_size=chunk)
-                a = dr.analytic_plan(model_cfg, shape, sizes, dtype=config.model.dtype,
-                                     param_dtype=config.model.param_dtype)
+                a = dr.analytic_plan(model_cfg, shape, sizes, dtype=spec.model.dtype,
+                                     param_dtype=spec.model.param_dtype)
                 resident = a["params"] + a["optimizer"] + a["batch"]
                 out.append(({"rl.micro_batch_size": m, "rl.logits_chunk_size": chunk, "model.remat": remat},
                             resident, a["total"] - resident, a))
     return out
 
 
-def _sampler_candidates(config, model_cfg, chip: str, num_devices: int):
+def _sampler_candidates(spec: RunSpec, model_cfg, chip: str, num_devices: int):
     """(knobs, resident bytes, transient bytes, sampler plan) of every engine mesh x slots setting that the
     engine accepts (`dry_run.sampler_plan` refuses the others)."""
     per_host = aot.chips_per_host(chip, num_devices)
@@ -93,14 +94,13 @@ def _sampler_candidates(config, model_cfg, chip: str, num_devices: int):
             continue
         slots = 1 << 12
         while slots >= _MIN_SLOTS:
-            c = config.copy_and_resolve_references()
-            c.sampler.mesh.data, c.sampler.mesh.tensor = 1, t
-            c.sampler.max_batch_size, c.sampler.max_slots, c.sampler.park_rows = slots, 0, 0
+            c = spec._replace(sampler=dataclasses.replace(spec.sampler, mesh_data=1, mesh_tensor=t,
+                                                          max_batch_size=slots, max_slots=0, park_rows=0))
             try:
                 sp = dr.sampler_plan(c, model_cfg, num_devices, chip, per_host=per_host)
             except ValueError:
                 break
-            rows = sp["request_prompts"] * int(config.rl.group_size)
+            rows = sp["request_prompts"] * spec.rl.group_size
             if slots <= max(rows, _MIN_SLOTS):  # more slots than a request's rows would sit empty
                 out.append(({"sampler.mesh.data": 1, "sampler.mesh.tensor": t, "sampler.max_batch_size": slots,
                              "sampler.max_slots": 0, "sampler.park_rows": 0}, sp["weights"], engine_transient(sp), sp))
@@ -115,23 +115,25 @@ def _parts_line(parts: dict) -> str:
     return ", ".join(f"{names[k]} {v / GIB:.2f}" for k, v in parts.items())
 
 
-def propose(config, *, chip: str | None = None, num_devices: int | None = None) -> Proposal:
+def propose(spec, *, chip: str | None = None, num_devices: int | None = None) -> Proposal:
     """The setting of `KNOBS` with the most work per step that fits ``chip`` x ``num_devices`` (default the
-    config's ``dry_run.chip`` / ``num_devices``) by the analytic plan within `HEADROOM` of HBM.
+    run's ``dry_run.chip`` / ``num_devices``) by the analytic plan within `HEADROOM` of HBM. ``spec``: the run's
+    `pdm_jax.run_spec.RunSpec`, or a run ConfigDict (read by ``run_spec(config, dry_run=True)``).
 
     Raises:
       NothingFits: no setting fits; the message names the part (e.g. "weights + AdamW state + gradients
         need 141.2 of 72.0 GiB") and the figures of the smallest setting.
       ValueError: a config error (naming the field).
     """
-    chip = chip or config.dry_run.chip
-    num_devices = int(num_devices or config.dry_run.num_devices)
+    spec = spec if isinstance(spec, RunSpec) else run_spec(spec, dry_run=True)
+    chip = chip or spec.dry_run.chip
+    num_devices = int(num_devices or spec.dry_run.num_devices)
     hbm = aot.CHIP_HBM_GIB[chip] * GIB
     room = int(HEADROOM * hbm)
-    model_cfg = dr.resolve_model_config(config)
-    sizes = dr.mesh_sizes(config, num_devices)
-    trains = _train_candidates(config, model_cfg, chip, sizes)
-    samplers = _sampler_candidates(config, model_cfg, chip, num_devices)
+    model_cfg = dr.resolve_model_config(spec)
+    sizes = dr.mesh_sizes(spec, num_devices)
+    trains = _train_candidates(spec, model_cfg, chip, sizes)
+    samplers = _sampler_candidates(spec, model_cfg, chip, num_devices)
     where = f"{num_devices} x {chip} ({room / GIB:.1f} of {hbm / GIB:.0f} GiB per chip: HEADROOM {HEADROOM})"
     smallest = min(trains, key=lambda x: x[1] + x[2])
     a = smallest[3]
@@ -152,7 +154,7 @@ def propose(config, *, chip: str | None = None, num_devices: int | None = None) 
                 least = (total, parts)
             if total > room:
                 continue
-            m = tk["rl.micro_batch_size"] or dr.step_shape(config, chip).batch
+            m = tk["rl.micro_batch_size"] or dr.step_shape(spec, chip).batch
             key = (sk["sampler.max_batch_size"], m, -_REMATS.index(tk["model.remat"]), tk["rl.logits_chunk_size"],
                    sk["sampler.mesh.tensor"])
             if best_key is None or key > best_key:
@@ -166,28 +168,17 @@ def propose(config, *, chip: str | None = None, num_devices: int | None = None) 
     return best
 
 
-def smallest_fitting_slice(config):
+def smallest_fitting_slice(spec):
     """The slice of `aot.SLICES` with the least HBM in all (chips x HBM per chip) on which `propose` finds a
-    setting for ``config``, or None."""
+    setting for ``spec`` (a `RunSpec` or a run ConfigDict), or None."""
+    spec = spec if isinstance(spec, RunSpec) else run_spec(spec, dry_run=True)
     for name, (chip, n) in sorted(aot.SLICES.items(), key=lambda kv: kv[1][1] * aot.CHIP_HBM_GIB[kv[1][0]]):
         try:
-            propose(config, chip=chip, num_devices=n)
+            propose(spec, chip=chip, num_devices=n)
             return name
         except ValueError:  # NothingFits, or a layout the slice refuses (e.g. prompts per host)
             continue
     return None
-
-
-def apply(config, proposal: Proposal):
-    """A copy of ``config`` with the proposal's overrides."""
-    c = config.copy_and_resolve_references()
-    for field, value in proposal.overrides.items():
-        section, _, name = field.rpartition(".")
-        node = c
-        for part in section.split("."):
-            node = node[part]
-        node[name] = value
-    return c
 
 
 def main(config) -> dict:
@@ -197,21 +188,23 @@ def main(config) -> dict:
     Raises:
       NothingFits: nothing fits (the message names the part).
     """
+    spec = run_spec(config, dry_run=True)
     try:
-        proposal = propose(config)
+        proposal = propose(spec)
     except NothingFits as e:
-        raise NothingFits(f"{e}; smallest slice that fits: {smallest_fitting_slice(config) or 'none of ' + str(list(aot.SLICES))}") from None
-    c = apply(config, proposal)
-    chip = c.dry_run.chip
-    print(f"FIT for {c.dry_run.num_devices} x {chip} (analytic, within {HEADROOM:.0%} of HBM): "
+        fits = smallest_fitting_slice(spec) or "none of " + str(list(aot.SLICES))
+        raise NothingFits(f"{e}; smallest slice that fits: {fits}") from None
+    fitted = run_spec(with_overrides(config, proposal.overrides), dry_run=True)
+    chip = fitted.dry_run.chip
+    print(f"FIT for {fitted.dry_run.num_devices} x {chip} (analytic, within {HEADROOM:.0%} of HBM): "
           f"{proposal.total / GIB:.2f} of {proposal.hbm / GIB:.0f} GiB per chip; most engine slots, then micro-batch",
           flush=True)
     print(f"  {proposal.flags()}", flush=True)
-    compiler = str(c.dry_run.compiler)
+    compiler = fitted.dry_run.compiler
     confirm = compiler != "none" and aot.resolve_compiler(compiler, chip) == aot.chip_platform(chip)
     print("  confirming with the chip's compiler ..." if confirm else
           "  (not compiled: the chip's compiler is not installed or dry_run.compiler = none; the figures below are "
           "the analytic plan's)", flush=True)
-    report = dr.plan(c, compiler=compiler if confirm else "none")
+    report = dr.plan(fitted, compiler=compiler if confirm else "none")
     print(dr.format_report(report), flush=True)
     return report

@@ -33,13 +33,6 @@ def _jax_backend_started() -> bool:
     return bool(started()) if started is not None else False
 
 
-def reuse_freed_from_config(config) -> bool:
-    """`reuse_freed_host_memory` when the config's ``host_memory.reuse_freed`` is true (absent: false); returns whether
-    the setting is in effect. The one call of the trainer and of ``pdm_jax.train`` (before distributed initialisation,
-    which starts JAX)."""
-    return bool(config.get("host_memory", {}).get("reuse_freed")) and reuse_freed_host_memory()
-
-
 def applied_late() -> bool:
     """True when `reuse_freed_host_memory` took effect after JAX had started its backend (see the module docstring)."""
     return bool(_state["late"])

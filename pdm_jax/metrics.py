@@ -48,7 +48,8 @@ class _TensorBoardScalars:
     def add(self, phase: str, step: int, scalars: Mapping[str, float]) -> None:
         now = time.time()
         for k, v in scalars.items():
-            self._writer.write_event(self._event(wall_time=now, step=int(step), summary=self._scalar(f"{phase}/{k}", v)))
+            summary = self._scalar(f"{phase}/{k}", v)
+            self._writer.write_event(self._event(wall_time=now, step=int(step), summary=summary))
         self._writer.flush()
 
     def close(self) -> None:
@@ -224,21 +225,23 @@ def _mean(values) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
-def sampler_weights_format(config) -> str:
+def sampler_weights_format(sampler) -> str:
     """The rollout weights' format as logs and ``summary.json`` name it: ``sampler.quantization`` for the native
     sampler; for ``sampler.backend = "vllm"`` the vLLM server's own (it loads the exported bf16 checkpoint and
-    applies its own quantization flags: ``sampler.quantization`` does not apply)."""
-    if str(config.sampler.backend) == "vllm":
+    applies its own quantization flags: ``sampler.quantization`` does not apply). ``sampler``: the run's
+    `pdm_jax.rollouts.spec.SamplerSpec`."""
+    if sampler.backend == "vllm":
         return "vllm-managed"
-    return str(config.sampler.quantization)
+    return sampler.quantization
 
 
-def run_summary(records: Iterable[dict], *, config, meta: Mapping, last_eval: Mapping, wall_seconds: float) -> dict:
+def run_summary(records: Iterable[dict], *, spec, meta: Mapping, last_eval: Mapping, wall_seconds: float) -> dict:
     """The dict written to ``WORKDIR/summary.json`` at the end of a run.
 
     Args:
       records: the run's metrics.jsonl records (`read_metrics`; each step once, resumes included).
-      config: the run's ConfigDict.
+      spec: the run's `pdm_jax.run_spec.RunSpec` (reads ``sft``, ``eval``, ``sampler`` and the written config's
+        ``trust_region`` section, ``record.tree``).
       meta: the final checkpoint meta (``warmstart``, ``rl_step``, ``checkpoint_fallbacks``).
       last_eval: the final evaluation (``eval_accuracy``, ``eval_greedy_accuracy``, ``eval_reward``).
       wall_seconds: wall time of the run, resumes included (s).
@@ -291,13 +294,13 @@ def run_summary(records: Iterable[dict], *, config, meta: Mapping, last_eval: Ma
         frac_masked_last=last.get("frac_masked"),
         frac_outside_last=last.get("frac_outside"),
         steps=int(meta["rl_step"]),
-        sft_steps=int(config.sft.steps),
+        sft_steps=spec.sft.steps,
         wall_seconds=float(wall_seconds),
-        eval_prompts=int(config.eval.num_prompts),
-        eval_samples_per_prompt=int(config.eval.samples_per_prompt),
-        trust_region=dict(config.trust_region.to_dict()),
-        sampler_quantization=sampler_weights_format(config),
-        sampler_weight_noise=float(config.sampler.weight_noise),
+        eval_prompts=spec.eval.num_prompts,
+        eval_samples_per_prompt=spec.eval.samples_per_prompt,
+        trust_region=dict(spec.record.tree["trust_region"]),
+        sampler_quantization=sampler_weights_format(spec.sampler),
+        sampler_weight_noise=spec.sampler.weight_noise,
         checkpoint_fallbacks=len(meta.get("checkpoint_fallbacks", [])),
     )
 
@@ -311,14 +314,14 @@ def _trailing_mean(values, window: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def curves_title(config) -> str:
+def curves_title(trust_region) -> str:
     """The run's trust region in words for the curves' title: mask, divergence, δ (by sign of Â) and estimator.
 
-    `config` is the run ConfigDict (reads ``trust_region.*``); e.g.
+    `trust_region` is the run's `pdm_jax.rl.trust_region.TrustRegionConfig` (``RunSpec.trust_region``); e.g.
     ``"mask pdm (top-K KL, δ = 0.05, estimator bucket_exact)"``, ``"mask pdm (top-K KL, δ = 0.05,
     direction param_jvp)"``, ``"mask ppo (ε = 0.2/0.28)"``, ``"mask none"``.
     """
-    t = config.trust_region
+    t = trust_region
     if t.mask == "none":
         return "mask none"
     if t.mask == "ppo":
@@ -331,22 +334,22 @@ def curves_title(config) -> str:
         hi = t.delta if t.delta_high is None else t.delta_high
         delta = f"δ = {lo:g} (Â < 0) / {hi:g} (Â > 0)"
     est = f", estimator {t.estimator}" if t.mask == "pdm" else ""
-    if t.get("direction", "per_token") != "per_token":  # param_jvp: the estimator is unused
+    if t.direction != "per_token":  # param_jvp: the estimator is unused
         est = f", direction {t.direction}"
     return f"mask {t.mask} ({div}, {delta}{est})"
 
 
-def _delta_lines(config) -> list:
+def _delta_lines(spec) -> list:
     """[(radius, label)] of the trust region on the divergence panel; [] for masks without a radius."""
-    if config is None or config.trust_region.mask not in ("dppo", "pdm"):
+    if spec is None or spec.trust_region.mask not in ("dppo", "pdm"):
         return []
-    t = config.trust_region
+    t = spec.trust_region
     lo = t.delta if t.delta_low is None else t.delta_low
     hi = t.delta if t.delta_high is None else t.delta_high
     return [(lo, f"δ = {lo:g}")] if lo == hi else [(lo, f"δ (Â < 0) = {lo:g}"), (hi, f"δ (Â > 0) = {hi:g}")]
 
 
-def curves_figure(records: Iterable[dict], config=None):
+def curves_figure(records: Iterable[dict], spec=None):
     """The ``curves.png`` figure of a run: a matplotlib Figure with four panels against RL step.
 
     Panels: (1) mean reward per RL step, raw (faint) and a trailing mean;
@@ -359,7 +362,8 @@ def curves_figure(records: Iterable[dict], config=None):
 
     Args:
       records: metrics.jsonl records (`read_metrics`); only ``phase`` rl/eval are used.
-      config: the run ConfigDict, or None (no δ line, k unnamed, no title).
+      spec: the run's `pdm_jax.run_spec.RunSpec` (reads ``eval.samples_per_prompt`` and ``trust_region``), or None
+        (no δ line, k unnamed, no title).
 
     Returns:
       The Figure (the caller saves and closes it).
@@ -385,7 +389,7 @@ def curves_figure(records: Iterable[dict], config=None):
         ax.legend(fontsize=7)
     ax.set_title("mean reward (training rollouts)")
     ax = axes[1]
-    k = int(config.eval.samples_per_prompt) if config is not None else None
+    k = spec.eval.samples_per_prompt if spec is not None else None
     for key, label, style in (("eval_accuracy", f"avg@{k}" if k else "avg@k", "o-"),
                               ("eval_greedy_accuracy", "greedy (τ = 0)", "s--")):
         xs, ys = series(key, "eval")
@@ -400,7 +404,7 @@ def curves_figure(records: Iterable[dict], config=None):
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, lw=1)
     ax.set_title("fraction of tokens masked")
     ax = axes[3]
-    div = config.trust_region.divergence if config is not None else "topk_kl"
+    div = spec.trust_region.divergence if spec is not None else "topk_kl"
     curves = [("mean_topk_kl", "mean top-K KL(μ‖π)")]
     if div != "topk_kl":
         curves.append(("mean_divergence", f"mean {div}"))
@@ -408,7 +412,7 @@ def curves_figure(records: Iterable[dict], config=None):
         xs, ys = series(key, "rl")
         if xs:
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, lw=1, label=label)
-    lines = _delta_lines(config)
+    lines = _delta_lines(spec)
     for i, (radius, label) in enumerate(lines):
         ax.axhline(radius, color="C3", ls="--" if i == 0 else ":", lw=1.2,
                    label=label + ("" if div == "topk_kl" else f" ({div})"))
@@ -421,20 +425,20 @@ def curves_figure(records: Iterable[dict], config=None):
     for ax in axes:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-    if config is not None:
-        fig.suptitle(curves_title(config), fontsize=10)
+    if spec is not None:
+        fig.suptitle(curves_title(spec.trust_region), fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def plot_curves(records: Iterable[dict], out_png: str, config=None) -> None:
+def plot_curves(records: Iterable[dict], out_png: str, spec=None) -> None:
     """Writes `curves_figure` (reward, accuracy avg@k and greedy, masked fraction, divergence with δ) to `out_png`.
 
     Args:
-      records: metrics.jsonl records; config: the run ConfigDict (or None: no δ line or title).
+      records: metrics.jsonl records; spec: the run's `pdm_jax.run_spec.RunSpec` (or None: no δ line or title).
       out_png: a local path or a URL (``gs://...``: one single-object upload).
     """
-    fig = curves_figure(records, config)
+    fig = curves_figure(records, spec)
     import matplotlib.pyplot as plt  # heavy (~1 s); after curves_figure has selected the Agg backend
 
     buf = io.BytesIO()

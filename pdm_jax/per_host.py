@@ -24,10 +24,10 @@ from pdm_jax.distributed import batch_sharding, local_batch_rows, put_global_bat
 BATCH_AXES = ("data", "fsdp")
 
 
-def enabled(config) -> bool:
-    """Whether this run samples per host: ``sampler.per_host_rollouts`` and more than one process."""
-    return bool(config.get("distributed", False)) and bool(config.sampler.get("per_host_rollouts", True)) \
-        and jax.process_count() > 1
+def enabled(distributed: bool, per_host_rollouts: bool) -> bool:
+    """Whether this run samples per host: a ``distributed`` run with ``sampler.per_host_rollouts`` and more than one
+    process."""
+    return bool(distributed) and bool(per_host_rollouts) and jax.process_count() > 1
 
 
 def host_prompt_range(num_prompts: int, group_size: int, mesh, batch_axes: Sequence[str] = BATCH_AXES) -> tuple:

@@ -66,18 +66,20 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
     logging.getLogger("pdm_jax").setLevel(logging.INFO)
     config = _CONFIG.value
-    from pdm_jax.host_memory import reuse_freed_from_config  # first: before any thread of JAX's backend allocates
+    from pdm_jax.host_memory import reuse_freed_host_memory  # first: before any thread of JAX's backend allocates
 
-    reuse_freed_from_config(config)
-    if config.get("distributed", False):  # config.multihost, then JAX_* env vars, then auto-detection
-        from pdm_jax.distributed import initialize_from_config, settings_from_config  # lazy: before other JAX work
+    if config.host_memory.reuse_freed:
+        reuse_freed_host_memory()
+    if config.distributed:  # config.multihost, then JAX_* env vars, then auto-detection
+        from pdm_jax.distributed import settings_from  # lazy: before other JAX work
+        from pdm_jax.run_spec import initialize_distributed, multihost_spec
 
         try:
-            settings_from_config(config)  # its fields named before any use (validate_config needs the devices)
+            settings_from(multihost_spec(config))  # its fields named before any use (validate_config needs devices)
         except ValueError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(2)
-        initialize_from_config(config)
+        initialize_distributed(config)
     try:
         validate_config(config)
         check_sampler_workdir(config, _WORKDIR.value)  # a file-mode sampler with a gs:// workdir: before any work

@@ -4,13 +4,13 @@ One `Trainer` owns the side effects of a run (DESIGN.md §3): the orbax
 checkpoints, metrics files, the warm start and evaluation, and a
 `SamplerSupervisor` that owns the sampler (process, restarts, weights versions).
 The math lives in the pure functions of `pdm_jax.rl` (the step, the loss, the masks);
-the run config is checked and translated into their typed configs by `pdm_jax.config`.
+the run config is checked and read into the typed records the trainer takes by `pdm_jax.run_spec`.
 
 Phases of a run (all resumable from ``--workdir``):
 
-1. optional supervised warm start on the task's reference answers (``config.sft``);
+1. optional supervised warm start on the task's reference answers (``sft.*``);
 2. evaluation of the warm start (avg@k at the training temperature, greedy);
-3. ``config.rl.steps`` GRPO steps. Each step: ``prompts_per_step`` prompts x
+3. ``rl.steps`` GRPO steps. Each step: ``prompts_per_step`` prompts x
    ``group_size`` samples from the sampler (weights version v, possibly up to
    ``max_staleness`` versions behind), verifier rewards, group advantages (DAPO's dynamic sampling and
    overlong shaping / filtering when configured: `pdm_jax.rl.dapo`),
@@ -31,7 +31,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -40,12 +39,11 @@ from tqdm.auto import tqdm
 from pdm_jax import evaluation, host_memory, per_host, workdir as wd
 from pdm_jax.callbacks import TrainerCallback
 from pdm_jax.checkpointing import Checkpointer, abstract_like, run_finished
-from pdm_jax.config import (check_context, check_routing_replay_model, check_sampler_mesh, compute_options,
-                            model_config_from_fields, packed_length, parse_stop_token_ids, redacted,
-                            rollout_temperature, validate_against_data)
+from pdm_jax.config import check_sampler_mesh
 from pdm_jax.data import filter_long_prompts, make_source
 from pdm_jax.distributed import NullMetricsWriter, opt_state_shardings, put_global_batch, with_packing
-from pdm_jax.metrics import MetricsWriter, plot_curves, rl_step_record, read_metrics, read_summary, run_summary, sampler_weights_format
+from pdm_jax.metrics import (MetricsWriter, plot_curves, read_metrics, read_summary, rl_step_record, run_summary,
+                             sampler_weights_format)
 from pdm_jax.models import Qwen3ForCausalLM, from_pretrained, get_preset
 from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProfiler, compile_record,
                                enable_compile_cache, resolve_compile_cache_dir, step_timing)
@@ -57,7 +55,7 @@ from pdm_jax.rollouts import queued
 from pdm_jax.rollouts.dynamic_sampling import DynamicSampler, refuse_per_host
 from pdm_jax.rollouts.producer import RolloutProducer
 from pdm_jax.rollouts.supervisor import SamplerFailure, SamplerSupervisor
-from pdm_jax.run_spec import run_spec
+from pdm_jax.run_spec import RunSpec, as_run_spec
 from pdm_jax.sampler.weights import load_weights
 from pdm_jax.sharding import activation_sharding, make_mesh, param_shardings
 from pdm_jax.text import (TextCodec, check_tokenizer_fits_model, checkpoint_stop_ids, run_tokenizer,
@@ -84,8 +82,8 @@ class Trainer:
     """A resumable GRPO run with trust-region masks (see module docstring).
 
     Args:
-      config: a ConfigDict following pdm_jax/config.py, validated once at start and read into ``self.spec``
-        (`pdm_jax.run_spec.RunSpec`: the typed data, sampler, eval and step pieces the components take).
+      spec: the run's `pdm_jax.run_spec.RunSpec` (one typed record per config section), or a run ConfigDict,
+        which `pdm_jax.run_spec.as_run_spec` validates and reads into one (``self.spec``).
       workdir: run directory; checkpoints, weights pushed to the sampler,
         metrics.jsonl, TensorBoard events, summary.json and curves.png go here.
         An existing workdir is resumed from its latest intact checkpoint
@@ -105,11 +103,9 @@ class Trainer:
       SamplerFailure: the sampler never came up, or died more than ``sampler.max_restarts`` times.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *, callbacks=()):
-        # First, before jax.process_index() starts JAX's backend and its threads (pdm_jax.host_memory).
-        self._reuse = host_memory.reuse_freed_from_config(config)
-        self.spec = run_spec(config)  # validated once; the typed pieces the components take
-        self.config = config
+    def __init__(self, spec: RunSpec, workdir: str, *, callbacks=()):
+        self.spec = as_run_spec(spec)  # a config: host memory set before JAX starts, validated once, read
+        self._reuse = self.spec.host_memory.reuse_freed and host_memory.reuse_freed_host_memory()  # the first call's
         self.callbacks = list(callbacks)
         self.workdir = wd.run_path(workdir)  # a local path or a bucket URL (gs://...: pdm_jax.workdir)
         # One run per workdir; multi-host processes share it, so process 0 locks it for all.
@@ -123,50 +119,48 @@ class Trainer:
 
     def _setup(self) -> None:
         """Compile cache, data, tokenizer, model, mesh, sampler handle and checkpointer (the rest of __init__)."""
-        config = self.config
-        if run_finished(self.workdir, config.rl.steps):  # another config on a finished run: refused, config.json kept
-            wd.refuse_changed_config(self.workdir, redacted(config).to_json_best_effort(indent=2))
-        self.compile_cache_dir = resolve_compile_cache_dir(config.compile_cache.dir, self.workdir)
-        enable_compile_cache(self.compile_cache_dir, min_compile_time_s=config.compile_cache.min_compile_time_s)
+        spec = self.spec
+        if run_finished(self.workdir, spec.rl.steps):  # another config on a finished run: refused, config.json kept
+            wd.refuse_changed_config(self.workdir, spec.record.json)
+        self.compile_cache_dir = resolve_compile_cache_dir(spec.compile_cache.dir, self.workdir)
+        enable_compile_cache(self.compile_cache_dir, min_compile_time_s=spec.compile_cache.min_compile_time_s)
         self.compile_counter = CompileCounter()  # this run's compiles from here on (model init included)
         self.source = make_source(self.spec.data)
         tokenizer = self._setup_tokenizer()
         self.vocab_size = len(tokenizer)
         self.codec = TextCodec(tokenizer, chat=self.source.chat, enable_thinking=self.spec.data.enable_thinking,
-                               stop_token_ids=parse_stop_token_ids(config.sampler.stop_token_ids)
-                               or checkpoint_stop_ids(tokenizer, config.model.hf_path))
+                               stop_token_ids=spec.rollout.stop_token_ids
+                               or checkpoint_stop_ids(tokenizer, spec.model.hf_path))
         log.info("rollouts stop on token ids %s", list(self.codec.stop_ids))
         # Over-long prompts are dropped (and counted) at load, never discovered mid-run.
-        self.source = filter_long_prompts(self.source, self.codec.encode_prompt, config.sampler.max_prompt_length)
-        self.source = with_reward_functions(self.source, self.spec.reward)  # reward.functions, if any
-        validate_against_data(config, vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
+        self.source = filter_long_prompts(self.source, self.codec.encode_prompt, spec.sampler.max_prompt_length)
+        self.source = with_reward_functions(self.source, spec.reward)  # reward.functions, if any
+        spec.check_against_data(vocab_size=self.vocab_size, num_held_out=len(self.source.eval_examples()))
         wd.makedirs(self.workdir)
-        m = config.mesh
-        self.mesh = make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor)
+        self.mesh = make_mesh(data=spec.mesh.data, fsdp=spec.mesh.fsdp, tensor=spec.mesh.tensor)
         self._setup_per_host()
         self.model_config, model = self._setup_model()
-        check_routing_replay_model(config, self.model_config)  # a dense hf_path checkpoint
-        check_sampler_mesh(config, self.model_config)  # before the warm start, not when the engine is built
-        self._replay = bool(config.model.moe_routing_replay)  # rollouts carry routed_experts
-        check_context(config, self.model_config)  # a preset's or checkpoint's max_position_embeddings
+        spec.check_model(self.model_config)  # a dense hf_path checkpoint's replay, a preset's or checkpoint's context
+        check_sampler_mesh(spec.sampler, self.model_config)  # before the warm start, not when the engine is built
+        self._replay = spec.model.moe_routing_replay  # rollouts carry routed_experts
         self.graphdef, params = nnx.split(model)
         self._params_sharding = param_shardings(params, self.mesh)
         self.params = jax.device_put(params, self._params_sharding)
         self.sampler = SamplerSupervisor(self.spec.sampler, workdir=self.workdir, model_config=self.model_config,
-                                         max_new_tokens=config.rl.max_new_tokens, reuse_freed_host_memory=self._reuse,
+                                         max_new_tokens=spec.rl.max_new_tokens, reuse_freed_host_memory=self._reuse,
                                          compile_cache_dir=self.compile_cache_dir,
-                                         compile_cache_min_compile_time_s=config.compile_cache.min_compile_time_s)
+                                         compile_cache_min_compile_time_s=spec.compile_cache.min_compile_time_s)
         self._eval_engine = None
         self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                                         max_to_keep=config.checkpoint.max_to_keep)
+                                         max_to_keep=spec.checkpoint.max_to_keep)
         if jax.process_index() == 0:  # multi-host: one process writes run files
             # A resume with other overrides keeps the earlier config.json as config.<n>.json and logs the fields.
-            wd.write_run_config(self.workdir, redacted(config).to_json_best_effort(indent=2))
+            wd.write_run_config(self.workdir, spec.record.json)
 
     def _setup_per_host(self) -> None:
         """Per-host rollouts (`pdm_jax.per_host`): this process's prompts of every RL step, checked now."""
-        rl = self.config.rl
-        self.per_host = per_host.enabled(self.config)
+        rl = self.spec.rl
+        self.per_host = per_host.enabled(self.spec.distributed, self.spec.rollout.per_host_rollouts)
         self._host_prompts = (0, rl.prompts_per_step)
         self.rollout_counts = dict(prompts=0, rows=0)  # what this process's sampler generated, over the run
         if self.per_host:
@@ -186,22 +180,22 @@ class Trainer:
     # ---------------------------------------------------------------- setup
     def _setup_tokenizer(self):
         """The run's tokenizer (`text.run_tokenizer`); a char / BPE one is built into ``workdir/tokenizer`` once."""
-        return run_tokenizer(self.config.tokenizer, self.workdir, self.source, data=self.spec.data,
+        return run_tokenizer(self.spec.tokenizer, self.workdir, self.source, data=self.spec.data,
                              upload=jax.process_index() == 0)
 
     def _setup_model(self):
-        mc = self.config.model
+        mc = self.spec.model
         dtype = jnp.dtype(mc.dtype)
         param_dtype = jnp.dtype(mc.param_dtype)
         if mc.hf_path:  # model.param_dtype masters (f32) under model.dtype compute, read straight into their shards
             model = from_pretrained(mc.hf_path, dtype=dtype, param_dtype=param_dtype, mesh=self.mesh)
-            model.set_compute_options(**compute_options(mc))
+            model.set_compute_options(**mc.compute_options())
             cfg = model.config
         else:
-            cfg = get_preset(mc.preset) if mc.preset else model_config_from_fields(mc, self.vocab_size)
-            model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(self.config.seed), dtype=dtype, param_dtype=param_dtype,
-                                     **compute_options(mc))
-        check_tokenizer_fits_model(self.codec.tokenizer, cfg.vocab_size, self.config.tokenizer, mc.hf_path)
+            cfg = get_preset(mc.preset) if mc.preset else mc.qwen3_config(self.vocab_size)
+            model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(self.spec.seed), dtype=dtype, param_dtype=param_dtype,
+                                     **mc.compute_options())
+        check_tokenizer_fits_model(self.codec.tokenizer, cfg.vocab_size, self.spec.tokenizer, mc.hf_path)
         model_dir = os.path.join(self.workdir, "model")
         wd.makedirs(model_dir)
         wd.write_bytes(os.path.join(model_dir, "config.json"), json.dumps(cfg.to_hf_dict(), indent=2).encode())
@@ -264,9 +258,8 @@ class Trainer:
             split = dict(prompt_range=per_host.eval_prompt_range(self.spec.eval.num_prompts),
                          gather=per_host.gather_ragged)
         return evaluation.evaluate(engine, self.source, self.codec, self.spec.eval,
-                                   temperature=self.config.rl.temperature,
-                                   max_new_tokens=self.config.rl.max_new_tokens, seed=10_007 + self.config.seed,
-                                   **split)
+                                   temperature=self.spec.rl.temperature, max_new_tokens=self.spec.rl.max_new_tokens,
+                                   seed=10_007 + self.spec.seed, **split)
 
     # ---------------------------------------------------------------- the run
     def run(self) -> dict:
@@ -277,12 +270,12 @@ class Trainer:
             return self._run()
 
     def _run(self) -> dict:
-        cfg = self.config
+        spec = self.spec
         t_start = time.time()
         sft_tx, _ = self.spec.step.sft_optimizer.build()
         rl_tx, rl_schedule = self.spec.step.rl_optimizer.build()
         meta = dict(phase="sft", sft_step=0, rl_step=0, data_position=0, sampler_version=0,
-                    wall_seconds=0.0, warmstart=None, seed=int(cfg.seed))
+                    wall_seconds=0.0, warmstart=None, seed=spec.seed)
         state, self._restored_step = None, None
         resumed = self.checkpointer.latest_step() is not None
         if resumed:
@@ -296,17 +289,17 @@ class Trainer:
         self._t_start = t_start
         if jax.process_index() == 0:  # records after the checkpoint are dropped (the warm start's eval too if redone)
             first_redone = meta["rl_step"] + (meta.get("warmstart") is not None)
-            writer = MetricsWriter(self.workdir, tensorboard=cfg.log.tensorboard, fresh=not resumed,
+            writer = MetricsWriter(self.workdir, tensorboard=spec.log.tensorboard, fresh=not resumed,
                                    resume_from_step=first_redone if resumed else None, restore=meta.get("rl_record"),
-                                   wandb=open_wandb(self.spec.wandb, self.workdir, redacted(cfg).to_dict()))
+                                   wandb=open_wandb(spec.wandb, self.workdir, spec.record.tree))
         else:  # multi-host: only process 0 writes metrics (pdm_jax.distributed)
             writer = NullMetricsWriter()
         with wd.close_after(writer, "the metrics writer"):  # the first write error wins over the close's
             if not resumed:
                 self._run_sft(sft_tx, writer)
-                meta.update(phase="rl", sft_step=int(cfg.sft.steps))
+                meta.update(phase="rl", sft_step=spec.sft.steps)
                 state = self._make_state(self.params, rl_tx)
-                if cfg.sft.steps > 0:  # kept even if its evaluation fails
+                if spec.sft.steps > 0:  # kept even if its evaluation fails
                     self._checkpoint(state, meta)
             if meta.get("warmstart") is None:
                 self._evaluate_warm_start(state, meta, writer)
@@ -319,7 +312,7 @@ class Trainer:
         Version 0 is written in the file modes (the sampler's first version) and, with
         ``rl.kl_beta`` > 0, in every mode (the KL reference policy, read back on resume).
         """
-        if self.sampler.writes_files or self.config.rl.kl_beta > 0:
+        if self.sampler.writes_files or self.spec.rl.kl_beta > 0:
             self.sampler.push_weights(state.params, 0)
         self.params = state.params
         meta["warmstart"] = self.evaluate(0)
@@ -338,7 +331,7 @@ class Trainer:
         # their round gave: that combination re-samples its queued steps on resume (docs/sampler.md).
         keep = producer and not (self.spec.reward.functions and self.spec.dapo.dynamic_sampling)
         extra = queued.checkpoint_files(producer.snapshot(), **self._queued) if keep else None
-        self.checkpointer.save(int(self.config.sft.steps) + done, state, dict(meta), extra_files=extra)
+        self.checkpointer.save(self.spec.sft.steps + done, state, dict(meta), extra_files=extra)
 
     def _run_sft(self, tx, writer) -> None:
         """Supervised warm start on the task's reference answers (`pdm_jax.warm_start`); updates self.params."""
@@ -348,8 +341,8 @@ class Trainer:
         state = self._make_state(self.params, tx)
         step_fn = self._jit_step(ts.make_sft_train_step(self.graphdef, tx), state)
         batch_at = lambda step: self._put_batch(sft_warmstart_batch(  # noqa: E731
-            self.source, self.codec, step, sft.batch_size, self.config.rl.max_new_tokens))
-        state, _ = run_warm_start(sft, step_fn, state, batch_at, writer, disable=not self.config.log.progress,
+            self.source, self.codec, step, sft.batch_size, self.spec.rl.max_new_tokens))
+        state, _ = run_warm_start(sft, step_fn, state, batch_at, writer, disable=not self.spec.log.progress,
                                   **_tqdm_kwargs())
         self.params = state.params
 
@@ -360,16 +353,16 @@ class Trainer:
         Returns ``(RolloutBatch, examples, generation seconds)``; called by the `RolloutProducer`.
         Per-host rollouts: only this process's prompts [lo, hi) (keyed as prompts lo.. of the step).
         """
-        rl = self.config.rl
+        rl = self.spec.rl
         examples = self.source.train_batch(position, rl.prompts_per_step)
         prompts = [self.codec.encode_prompt(e.prompt) for e in examples]
         lo, hi = self._host_prompts
         t0 = time.time()
         rb = self.sampler.generate(
-            prompts[lo:hi], n=rl.group_size, temperature=rollout_temperature(self.config),
+            prompts[lo:hi], n=rl.group_size, temperature=self.spec.rollout.temperature,
             max_new_tokens=rl.max_new_tokens, top_k_logprobs=rl.top_k_logprobs,
             stop_token_ids=list(self.codec.stop_ids), **(dict(return_routing=True) if self._replay else {}),
-            seed=dapo.round_seed(int(self.config.seed) * 1_000_003 + step, round_),
+            seed=dapo.round_seed(self.spec.seed * 1_000_003 + step, round_),
             **(dict(first_prompt_index=lo) if lo else {}))
         seconds = time.time() - t0
         self.rollout_counts["prompts"] += hi - lo
@@ -381,7 +374,7 @@ class Trainer:
         a non-finite reward is named with its row; reference logprobs when kl_beta > 0). DAPO's pieces
         (`pdm_jax.rl.dapo`): the overlong shaping added to the rewards, the loss of truncated rows (overlong
         filtering) and of dynamic sampling's ``filler`` rows masked."""
-        rl = self.config.rl
+        rl = self.spec.rl
         adv = np.asarray(objectives.group_advantages(jnp.asarray(dapo.training_rewards(rb, self.spec.dapo)),
                                                      rl.group_size, normalize_std=rl.normalize_advantage_std))
         rb = dapo.without_loss(rb, dapo.no_loss_rows(rb, self.spec.dapo, filler))
@@ -399,24 +392,24 @@ class Trainer:
 
     def _score(self, rb, examples) -> np.ndarray:
         """The task rewards ``[N]`` of a rollout batch (`evaluation.score_rollouts`: reward.functions' if set)."""
-        return evaluation.score_rollouts(self.source, self.codec, rb, examples, self.config.rl.group_size)
+        return evaluation.score_rollouts(self.source, self.codec, rb, examples, self.spec.rl.group_size)
 
     def _reference_policy(self, state):
         """``(logprob_fn, frozen params of weights version 0)`` for the KL penalty, or None when kl_beta = 0."""
-        if self.config.rl.kl_beta <= 0:
+        if self.spec.rl.kl_beta <= 0:
             return None
         ref_params = jax.tree.map(lambda x: x, state.params)
         ref_params.replace_by_pure_dict(load_weights(self.sampler.weights_path(0), self.model_config))
         ref_params = jax.device_put(ref_params, self._params_sharding)
-        return jax.jit(ts.make_logprob_fn(self.graphdef, self.config.rl.temperature)), ref_params
+        return jax.jit(ts.make_logprob_fn(self.graphdef, self.spec.rl.temperature)), ref_params
 
     def _update(self, step_fn, state, batch: StepBatch, rl_step: int):
         """``num_iterations`` passes of ``num_minibatches`` optimizer steps over one rollout batch."""
-        rl = self.config.rl
+        rl = self.spec.rl
         n_seq = batch.num_sequences
         mb = n_seq // rl.num_minibatches
         step_metrics = []
-        rng = np.random.default_rng([self.config.seed, rl_step - 1])
+        rng = np.random.default_rng([self.spec.seed, rl_step - 1])
         for _ in range(rl.num_iterations):
             perm = rng.permutation(n_seq)
             for j in range(rl.num_minibatches):
@@ -424,7 +417,7 @@ class Trainer:
                 host = None if self.per_host else batch.select(rows)
                 sub = per_host.select_rows(batch, rows, self.mesh) if self.per_host else self._put_batch(host)
                 if rl.pack_sequences:  # the packing plan of these rows travels with them (pdm_jax.rl.packing)
-                    sub = with_packing(sub, self.mesh, host_batch=host, row_length=packed_length(self.config),
+                    sub = with_packing(sub, self.mesh, host_batch=host, row_length=self.spec.packed_length,
                                        rows_per_micro_batch=rl.micro_batch_size)
                 for cb in self.callbacks:
                     cb.before_update(self, rl_step, sub, state)
@@ -435,9 +428,8 @@ class Trainer:
         return state, jax.device_get(step_metrics)
 
     def _run_rl(self, state, tx, schedule, meta, writer) -> dict:
-        cfg = self.config
-        rl = cfg.rl
-        sc = self.spec.step
+        spec = self.spec
+        rl, sc = spec.rl, spec.step
         step_fn = self._jit_step(ts.make_rl_train_step(self.graphdef, tx, sc.trust_region, sc.policy_loss), state)
         ref = self._reference_policy(state)
         version = meta["sampler_version"]
@@ -447,24 +439,24 @@ class Trainer:
             return done
         if not self.sampler.started:  # file modes: the version is pushed first if it is not on disk
             self.sampler.start(version, params=state.params)
-        noise = f" + weight noise {cfg.sampler.weight_noise:g}" if cfg.sampler.weight_noise else ""
+        noise = f" + weight noise {spec.sampler.weight_noise:g}" if spec.sampler.weight_noise else ""
         log.info("sampler ready (%s, %s weights%s, version %d); %d GRPO steps to go", self.sampler.mode,
-                 sampler_weights_format(cfg), noise, version, rl.steps - meta["rl_step"])
-        bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not cfg.log.progress,
+                 sampler_weights_format(spec.sampler), noise, version, rl.steps - meta["rl_step"])
+        bar = tqdm(range(meta["rl_step"], rl.steps), desc="GRPO", disable=not spec.log.progress,
                    initial=meta["rl_step"], total=rl.steps, **_tqdm_kwargs())
         base_position = meta["data_position"] - meta["rl_step"] * rl.prompts_per_step
         self._queued = dict(max_staleness=rl.max_staleness,  # what batches sampled before a resume must share
-                            key=queued.batch_key(rl, rollout_temperature(cfg), self.spec.dapo.dynamic_sampling))
+                            key=queued.batch_key(rl, spec.rollout.temperature, spec.dapo.dynamic_sampling))
         ahead = queued.read(self.checkpointer, self._restored_step, **self._queued)
         make = lambda step: self._make_rollouts(base_position + step * rl.prompts_per_step, step)  # noqa: E731
-        if self.spec.dapo.dynamic_sampling:  # scored in rounds; (rollouts, examples, seconds, Draw)
-            make = DynamicSampler(self.spec.dapo, draw=self._make_rollouts, score=self._score,
+        if spec.dapo.dynamic_sampling:  # scored in rounds; (rollouts, examples, seconds, Draw)
+            make = DynamicSampler(spec.dapo, draw=self._make_rollouts, score=self._score,
                                   prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
                                   first_step=meta["rl_step"] + len(ahead),
                                   position=ahead[max(ahead)][3].data_end if ahead else meta["data_position"])
         producer = RolloutProducer(make, first_step=meta["rl_step"], last_step=rl.steps,
                                    max_staleness=rl.max_staleness, version=version, queued=ahead)
-        profiler = StepProfiler(self.workdir, cfg.profile.steps)
+        profiler = StepProfiler(self.workdir, spec.profile.steps)
         run = dict(state=state, version=version, last_eval={}, base_position=base_position)
         try:
             for step in bar:
@@ -490,7 +482,7 @@ class Trainer:
         The ``rl`` record is written after the step's evaluation and checkpoint, so that it carries their times;
         the checkpoint's meta keeps it without them (``rl_record``), for a resume after a crash in between.
         """
-        cfg, rl = self.config, self.config.rl
+        rl = self.spec.rl
         timer = PhaseTimer(STEP_PHASES)
         with timer.phase("sampling"):
             rb, examples, gen_seconds, *drawn = producer.get(step)  # drawn: [dynamic sampling's Draw]
@@ -520,7 +512,7 @@ class Trainer:
                 run["last_eval"] = self.evaluate(version, run["state"].params)
             writer.write(step + 1, "eval", run["last_eval"])
             log.info("eval after RL step %d: %s", step + 1, _fmt(run["last_eval"]))
-        if (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == rl.steps:
+        if (step + 1) % self.spec.checkpoint.every_steps == 0 or step + 1 == rl.steps:
             with timer.phase("checkpoint"):
                 self._checkpoint(run["state"], dict(meta, rl_record=dict(rec, step=step + 1)), producer)
         rec.update(step_timing(timer.record(), self.sampler.last_sync_seconds, gen_seconds))
@@ -530,17 +522,17 @@ class Trainer:
 
     def _write_summary(self, meta, last_eval, writer) -> dict:
         """summary.json (fields: `pdm_jax.metrics.run_summary`) from the metrics file and the final meta."""
-        summary = run_summary(read_metrics(writer.path), config=self.config, meta=meta, last_eval=last_eval,
+        summary = run_summary(read_metrics(writer.path), spec=self.spec, meta=meta, last_eval=last_eval,
                               wall_seconds=self._wall_seconds())
         if jax.process_index() == 0:
             wd.write_bytes(os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2).encode())
-            plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"), config=self.config)
+            plot_curves(read_metrics(writer.path), os.path.join(self.workdir, "curves.png"), spec=self.spec)
             writer.log_run_end(summary, os.path.join(self.workdir, "curves.png"))
         return summary
 
     def _fault_injection(self, rl_step: int) -> None:
-        """Test hooks (config.debug): kill the sampler or this process after an RL step."""
-        dbg = self.config.debug
+        """Test hooks (``debug.*``): kill the sampler or this process after an RL step."""
+        dbg = self.spec.debug
         if dbg.kill_sampler_after_rl_step == rl_step:
             log.warning("debug: killing the sampler process after RL step %d", rl_step)
             self.sampler.kill_process()

@@ -18,13 +18,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def main(out_path: str) -> None:
-    import ml_collections
-
     from pdm_jax import distributed
+    from pdm_jax.config import get_base_config
+    from pdm_jax.run_spec import initialize_distributed
 
-    num = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
-    config = ml_collections.ConfigDict(dict(distributed=num > 1))
-    distributed.initialize_from_config(config)
+    config = get_base_config()
+    config.distributed = int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1
+    initialize_distributed(config)
 
     import jax
     import numpy as np

@@ -22,6 +22,7 @@ def main(workdir: str, out_path: str, overrides) -> None:
     sys.path.insert(0, ROOT)
     from configs.tiny import get_config
     from pdm_jax import distributed
+    from pdm_jax.run_spec import initialize_distributed
 
     config = get_config()
     for arg in overrides:  # --config.a.b=value, typed like the default
@@ -33,7 +34,7 @@ def main(workdir: str, out_path: str, overrides) -> None:
         old = node[leaf]
         node[leaf] = (value == "True") if isinstance(old, bool) else type(old)(value)
     config.distributed = int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1
-    distributed.initialize_from_config(config)
+    initialize_distributed(config)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("pdm_jax").setLevel(logging.INFO)
 

@@ -156,7 +156,7 @@ def test_behavior_logits_follow_weights_version_with_counted_fallback():
                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)
     trainer = types.SimpleNamespace(
         model_config=cfg,
-        config=types.SimpleNamespace(
+        spec=types.SimpleNamespace(
             sampler=types.SimpleNamespace(quantization="none", weight_noise=0.0, weight_noise_seed=0),
             rl=types.SimpleNamespace(max_staleness=1)))
     cb = AlignmentCallback(full_mu=True)

@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from pdm_jax import aot, dry_run
+from pdm_jax.run_spec import run_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_libtpu = pytest.mark.skipif(not aot.compiler_available("tpu"),
@@ -171,10 +172,10 @@ def test_splash_lowers_to_a_mosaic_kernel():
     with activation_sharding(mesh):
         assert target_platform() == "tpu"
     assert target_platform() == "cpu"
-    config = _tiny_tpu("splash")
-    model_cfg = dry_run.resolve_model_config(config)
-    shape = dry_run.step_shape(config, "v5p")
-    text = dry_run.lowered_train_step(config, model_cfg, shape, dry_run.mesh_sizes(config, 4), devices=devices,
+    spec = run_spec(_tiny_tpu("splash"), dry_run=True)
+    model_cfg = dry_run.resolve_model_config(spec)
+    shape = dry_run.step_shape(spec, "v5p")
+    text = dry_run.lowered_train_step(spec, model_cfg, shape, dry_run.mesh_sizes(spec, 4), devices=devices,
                                       platform="tpu").as_text()
     assert "tpu_custom_call" in text and "splash" in text
 
@@ -191,8 +192,9 @@ def test_tiny_moe_megablox_compiles_for_tpu():
         c.model.moe_intermediate_size = 128  # Mosaic's lane width
         c.model.num_hidden_layers = 1  # the unrolled layers are alike: one compiles in a third of the time
         # The train step alone, as `dry_run.plan` compiles it (without the plan's sampler and FLOP-count compiles).
-        temps[impl] = dry_run.compiled_plan(c, dry_run.resolve_model_config(c), dry_run.step_shape(c, "v5p"),
-                                            dry_run.mesh_sizes(c, 4), platform="tpu",
+        s = run_spec(c, dry_run=True)
+        temps[impl] = dry_run.compiled_plan(s, dry_run.resolve_model_config(s), dry_run.step_shape(s, "v5p"),
+                                            dry_run.mesh_sizes(s, 4), platform="tpu",
                                             devices=aot.target_devices("tpu", "v5p", 4))["temp"]
     assert 0.5 < temps["megablox"] / temps["ragged_dot"] < 2.0, temps
 
@@ -280,7 +282,7 @@ def test_a_dry_run_on_zero_devices_exits_2_naming_the_field():
                         "--config.dry_run.num_devices=0"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "config error: dry_run.num_devices must be >= 1, got 0" in r.stderr and "Traceback" not in r.stderr
+    assert "config error: dry_run.num_devices = 0: must be >= 1" in r.stderr and "Traceback" not in r.stderr
 
 
 class _Refused:

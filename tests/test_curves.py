@@ -25,16 +25,16 @@ def test_trailing_mean_by_hand():
 def test_title_names_the_mask_delta_and_estimator():
     c = get_base_config()
     c.trust_region.mask, c.trust_region.delta, c.trust_region.estimator = "pdm", 0.05, "aggregated_tail"
-    assert curves_title(c) == "mask pdm (top-K KL, δ = 0.05, estimator aggregated_tail)"
+    assert curves_title(c.trust_region) == "mask pdm (top-K KL, δ = 0.05, estimator aggregated_tail)"
     c.trust_region.direction = "param_jvp"
-    assert curves_title(c) == "mask pdm (top-K KL, δ = 0.05, direction param_jvp)"
+    assert curves_title(c.trust_region) == "mask pdm (top-K KL, δ = 0.05, direction param_jvp)"
     c.trust_region.direction = "per_token"
     c.trust_region.mask, c.trust_region.delta_high = "dppo", 0.15
-    assert curves_title(c) == "mask dppo (top-K KL, δ = 0.05 (Â < 0) / 0.15 (Â > 0))"
+    assert curves_title(c.trust_region) == "mask dppo (top-K KL, δ = 0.05 (Â < 0) / 0.15 (Â > 0))"
     c.trust_region.mask, c.trust_region.clip_eps_high = "ppo", 0.28
-    assert curves_title(c) == "mask ppo (ε = 0.2/0.28)"
+    assert curves_title(c.trust_region) == "mask ppo (ε = 0.2/0.28)"
     c.trust_region.mask = "none"
-    assert curves_title(c) == "mask none"
+    assert curves_title(c.trust_region) == "mask none"
 
 
 def test_figure_has_delta_line_named_k_greedy_and_smoothed_reward(tmp_path):
@@ -58,8 +58,8 @@ def test_figure_has_delta_line_named_k_greedy_and_smoothed_reward(tmp_path):
         import matplotlib.pyplot as plt
 
         plt.close(fig)
-    plot_curves(_records(), str(tmp_path / "curves.png"), config=c)
+    plot_curves(_records(), str(tmp_path / "curves.png"), spec=c)
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    # no config: still drawn (no δ line, no title)
+    # no spec: still drawn (no δ line, no title)
     plot_curves(_records(), str(tmp_path / "bare.png"))
     assert (tmp_path / "bare.png").stat().st_size > 10_000

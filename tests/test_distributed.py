@@ -5,17 +5,19 @@ two processes of one jax.distributed run (gloo CPU collectives, 4 fake CPU
 devices each) and one single-process reference with 8 fake devices.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
 from pdm_jax import distributed
+from pdm_jax.config import get_base_config
+from pdm_jax.run_spec import initialize_distributed, multihost_spec
 from pdm_jax.sharding import make_mesh
 from conftest import free_port, xla_flags
 
@@ -78,37 +80,34 @@ def test_two_processes_match_one_process(tmp_path):
 
 
 def test_settings_from_config_and_env():
-    c = ml_collections.ConfigDict(dict(distributed=True, multihost=dict(
-        coordinator_address="", num_processes=0, process_id=-1, local_device_ids="",
-        cpu_collectives="gloo", initialization_timeout_s=60)))
+    mh = multihost_spec(get_base_config())  # the schema's defaults: "", 0, -1, "": all from the environment
     env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
-    s = distributed.settings_from_config(c, env)
+    s = distributed.settings_from(mh, env)
     assert (s.coordinator_address, s.num_processes, s.process_id, s.local_device_ids) == ("10.0.0.1:1234", 4, 3, None)
-    c.multihost.coordinator_address = "host:99"
-    c.multihost.process_id = 1
-    c.multihost.local_device_ids = "0,1"
-    s = distributed.settings_from_config(c, env)
+    mh = dataclasses.replace(mh, coordinator_address="host:99", process_id=1, local_device_ids="0,1")
+    s = distributed.settings_from(mh, env)
     assert (s.coordinator_address, s.num_processes, s.process_id, s.local_device_ids) == ("host:99", 4, 1, (0, 1))
-    empty = distributed.settings_from_config(c.multihost.__class__(dict(distributed=True)), {})
+    empty = distributed.settings_from(multihost_spec(get_base_config()), {})
     assert empty.coordinator_address is None and empty.num_processes is None  # left to auto-detection
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
-        distributed.settings_from_config(ml_collections.ConfigDict(dict(distributed=True)), {"JAX_NUM_PROCESSES": "x"})
+        distributed.settings_from(multihost_spec(get_base_config()), {"JAX_NUM_PROCESSES": "x"})
     with pytest.raises(ValueError, match="process_id"):
         distributed.DistributedSettings(num_processes=2, process_id=2)
     with pytest.raises(ValueError, match="coordinator_address"):
         distributed.DistributedSettings(coordinator_address="nohostport")
     with pytest.raises(ValueError, match="cpu_collectives"):
         distributed.DistributedSettings(cpu_collectives="nccl")
-    assert distributed.initialize_from_config(ml_collections.ConfigDict(dict(distributed=False))) is False
+    assert initialize_distributed(get_base_config()) is False  # distributed = False: nothing started
+
     def timeout(t):
-        return ml_collections.ConfigDict(dict(distributed=True, multihost=dict(initialization_timeout_s=t)))
+        return dataclasses.replace(multihost_spec(get_base_config()), initialization_timeout_s=t)
 
     for bad in (0, -5, float("inf"), float("nan"), "60", True):  # named before any use
         with pytest.raises(ValueError, match=r"multihost.initialization_timeout_s = .*: must be a finite number of "
                                              r"seconds > 0"):
-            distributed.settings_from_config(timeout(bad), env)
-    assert distributed.settings_from_config(timeout(0.5), env).initialization_timeout_s == 1  # whole s, never 0
-    assert distributed.settings_from_config(timeout(60), env).initialization_timeout_s == 60
+            distributed.settings_from(timeout(bad), env)
+    assert distributed.settings_from(timeout(0.5), env).initialization_timeout_s == 1  # whole s, never 0
+    assert distributed.settings_from(timeout(60), env).initialization_timeout_s == 60
 
 
 def test_single_process_batch_feeding_equals_device_put():

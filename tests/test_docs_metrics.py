@@ -19,7 +19,8 @@ import pytest
 from pdm_jax import evaluation, metrics, profiling, rewards
 from pdm_jax.rl import dapo, loss, train_step
 from pdm_jax.rl import trust_region as tr
-from pdm_jax.config import get_base_config
+from pdm_jax.config import load_config_file
+from pdm_jax.run_spec import run_spec
 from conftest import doc_section
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +104,7 @@ def test_every_metrics_jsonl_field_is_in_the_glossary_and_nothing_else():
 
 def test_every_summary_json_field_is_in_the_glossary():
     section = glossary()
-    summary = metrics.run_summary([], config=get_base_config(), meta=dict(rl_step=0), last_eval={},
-                                  wall_seconds=1.0)
+    spec = run_spec(load_config_file(str(REPO / "configs" / "tiny.py")))
+    summary = metrics.run_summary([], spec=spec, meta=dict(rl_step=0), last_eval={}, wall_seconds=1.0)
     part = section[section.index("**`DIR/summary.json`**"):]
     assert set(summary) == documented(part)

@@ -13,6 +13,7 @@ import pytest
 from pdm_jax import dry_run
 from pdm_jax.models import presets
 from pdm_jax.models.presets import count_params, get_preset
+from pdm_jax.run_spec import run_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,7 +102,7 @@ def test_qwen3_4b_and_8b_analytic_plans():
         config = _without_memory_savers(_config("qwen3_dapo", f"size={size}"))
         report = dry_run.plan(config, compiler="none", chip="v5p", num_devices=16)
         a = report["analytic"]
-        n = count_params(dry_run.resolve_model_config(config))
+        n = count_params(dry_run.resolve_model_config(run_spec(config, dry_run=True)))
         assert report["num_params"] == n
         assert report["model"] == get_preset(preset)
         # fp32 params over fsdp = 16: all matrices split 16 ways, only the tiny norm vectors replicated.
@@ -175,7 +176,7 @@ def test_bad_chip_and_unknown_checkpoint_name():
         dry_run.plan(config, compiler="fast")
     config.model.hf_path = "/nonexistent/MyModel"
     with pytest.raises(ValueError, match="model.hf_path"):
-        dry_run.resolve_model_config(config)
+        dry_run.resolve_model_config(run_spec(config, dry_run=True))
 
 
 def test_qwen3_30b_a3b_dapo_dry_run_fits_64_v5p():
@@ -189,7 +190,7 @@ def test_qwen3_30b_a3b_dapo_dry_run_fits_64_v5p():
     spec.loader.exec_module(mod)
     config = mod.get_config()
     # No checkpoint on disk: the directory name Qwen3-30B-A3B-Base names the preset.
-    assert dry_run.resolve_model_config(config) == presets.qwen3_30b_a3b()
+    assert dry_run.resolve_model_config(run_spec(config, dry_run=True)) == presets.qwen3_30b_a3b()
     report = dry_run.plan(config, compiler="none")
     a, n = report["analytic"], report["num_params"]
     assert report["mesh"] == {"data": 1, "fsdp": 64, "tensor": 1} and report["chip"] == "v5p"
@@ -204,7 +205,7 @@ def test_qwen3_30b_a3b_dapo_dry_run_fits_64_v5p():
     # dense MLP of width 768 would.
     dense_like = dataclasses.replace(presets.qwen3_30b_a3b(), num_experts=0,
                                      intermediate_size=768)
-    shape = dry_run.step_shape(config)
+    shape = dry_run.step_shape(run_spec(config, dry_run=True))
     moe_act = dry_run.analytic_plan(presets.qwen3_30b_a3b(), shape, report["mesh"])["activations"]
     dense_act = dry_run.analytic_plan(dense_like, shape, report["mesh"])["activations"]
     assert moe_act > dense_act

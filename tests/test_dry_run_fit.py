@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from pdm_jax import aot, dry_run, dry_run_fit
+from pdm_jax.run_spec import run_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1024 ** 3
@@ -84,7 +85,8 @@ def test_bad_slice_names_the_argument_and_values():
 def test_engine_transient_counts_the_compaction():
     """weights + 1.5 x cache: the 8B engine on v5p:4x4x4 (docs/scaling.md: XLA:TPU's gather 37.97 GiB)."""
     c = DAPO.get_config("size=8b")
-    sp = dry_run.sampler_plan(c, dry_run.resolve_model_config(c), 64, "v5p")
+    spec = run_spec(c, dry_run=True)
+    sp = dry_run.sampler_plan(spec, dry_run.resolve_model_config(spec), 64, "v5p")
     assert sp["kv_cache"] == 64 * 10240 * 36 * 2 * 8 * 128 * 2 // 4  # 22.50 GiB
     got = (sp["weights"] + dry_run_fit.engine_transient(sp)) / GIB
     assert abs(got - 37.97) / 37.97 < 0.02, got

@@ -11,9 +11,9 @@ from pdm_jax.metrics import sampler_weights_format
 
 def test_the_weights_format_names_vllm_where_our_quantization_does_not_apply():
     c = get_base_config()
-    assert sampler_weights_format(c) == c.sampler.quantization == "fp8"
+    assert sampler_weights_format(c.sampler) == c.sampler.quantization == "fp8"
     c.sampler.backend = "vllm"
-    assert sampler_weights_format(c) == "vllm-managed"  # the vLLM server quantizes (or not) by its own flags
+    assert sampler_weights_format(c.sampler) == "vllm-managed"  # the vLLM server quantizes (or not) by its own flags
 
 
 def test_a_full_disk_fails_the_write_at_once_naming_enospc_and_the_file(tmp_path, monkeypatch):

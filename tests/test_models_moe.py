@@ -638,7 +638,8 @@ def test_live_torch_moe_parity(tmp_path, norm_topk_prob, layers):
 
 
 def test_run_config_moe_implementation_reaches_the_model():
-    from pdm_jax.config import compute_options, get_base_config, validate_config
+    from pdm_jax.config import get_base_config, validate_config
+    from pdm_jax.sections import compute_options
     c = get_base_config()
     assert compute_options(c.model)["moe_implementation"] == "ragged_dot"
     c.model.moe_implementation = "dense"

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from pdm_jax.analysis.run import load_config
-from pdm_jax.config import get_base_config, step_configs, validate_against_data
+from pdm_jax.config import step_configs
 from pdm_jax.data import DataSpec
 from pdm_jax.evaluation import EvalSpec
 from pdm_jax.rollouts.spec import SamplerSpec
@@ -54,12 +54,13 @@ def test_a_bad_config_is_named_before_any_piece_is_built():
 
 
 def test_the_checks_that_need_the_tokenizer_and_the_source():
-    c = get_base_config()
-    c.eval.num_prompts = 50
+    c = _tiny()
+    c.eval.num_prompts, c.sampler.stop_token_ids = 50, "3, 12"
+    spec = run_spec(c)
     with pytest.raises(ValueError, match=r"eval\.num_prompts = 50: the data source has only 10 held-out"):
-        validate_against_data(c, vocab_size=10_000, num_held_out=10)
-    c.eval.num_prompts = 10
-    c.rl.top_k_logprobs = 20
-    with pytest.raises(ValueError, match=r"rl\.top_k_logprobs = 20: K is larger than the vocabulary size 16"):
-        validate_against_data(c, vocab_size=16, num_held_out=10)
-    validate_against_data(c, vocab_size=10_000, num_held_out=10)
+        spec.check_against_data(vocab_size=10_000, num_held_out=10)
+    with pytest.raises(ValueError, match=r"^3 config errors: rl\.top_k_logprobs = 4: K is larger than the vocabulary "
+                                         r"size 3; sampler\.stop_token_ids = '3,12': ids \[3, 12\] are outside the "
+                                         r"vocabulary of 3 tokens; eval\.num_prompts = 50"):
+        spec.check_against_data(vocab_size=3, num_held_out=10)
+    spec.check_against_data(vocab_size=10_000, num_held_out=50)

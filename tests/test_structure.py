@@ -94,7 +94,7 @@ LAYERS = (
      "pdm_jax.rewards", "pdm_jax.warm_start",
      "pdm_jax.wandb_log"),
     ("pdm_jax.sampler",),
-    ("pdm_jax.config", "pdm_jax.config_reference"),
+    ("pdm_jax.config", "pdm_jax.config_reference", "pdm_jax.sections"),
     ("pdm_jax.rollouts", "pdm_jax.callbacks"),
     ("pdm_jax.trainer", "pdm_jax.run_spec", "pdm_jax.dry_run", "pdm_jax.analysis"),
     ("pdm_jax.train", "pdm_jax.dry_run_fit", "pdm_jax.analysis.run", "pdm_jax.analysis.report",
@@ -163,6 +163,57 @@ def test_wire_field_names_only_in_wire_py():
             if isinstance(node, ast.Constant) and node.value in wire_names:
                 offenders.append(f"{name}:{node.lineno} {node.value!r}")
     assert not offenders, offenders
+
+
+def _config_sections() -> set:
+    """The schema's sections: every ``c.<name> = ml_collections.ConfigDict()`` of `pdm_jax.config.get_base_config`."""
+    fn = next(n for n in MODULES["pdm_jax.config"].body if getattr(n, "name", None) == "get_base_config")
+    return {t.attr for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+            and getattr(n.value.func, "attr", None) == "ConfigDict" for t in n.targets
+            if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "c"}
+
+
+def _reads_the_config(tree, sections: set) -> list:
+    """Where a module imports ml_collections or reads a run config: ``<config-like name>.<section>`` (``config.rl``,
+    ``cfg.sampler``, ``self.config.model``, ``c.trust_region``) or ``.get("<section>")``."""
+    def config_like(v) -> str:
+        name = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else ""
+        return name if "config" in name.lower() or name in ("cfg", "c") else ""
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{node.lineno}: import {n}" for n in names if n.split(".")[0] == "ml_collections"]
+        elif isinstance(node, ast.Attribute) and node.attr in sections and config_like(node.value):
+            found.append(f"{node.lineno}: {config_like(node.value)}.{node.attr}")
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and node.args \
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value in sections \
+                and config_like(node.func.value):
+            found.append(f"{node.lineno}: {config_like(node.func.value)}.get({node.args[0].value!r})")
+    return found
+
+
+#: The modules that may import ml_collections or read the run ConfigDict (issue 60): the command line, the schema and
+#: its parser, `run_spec` (the one reader: everything else takes its typed records) and the reference generator.
+CONFIG_EDGES = {
+    "pdm_jax.train", "pdm_jax.config", "pdm_jax.run_spec", "pdm_jax.config_reference",
+    # The analysis command line's report (python -m pdm_jax.analysis) loads the --setting presets' config files to
+    # describe the runs: a command-line edge too.
+    "pdm_jax.analysis.report",
+}
+
+
+def test_only_the_edges_read_the_config():
+    """Outside `CONFIG_EDGES` no module imports ml_collections or reads a section of the run config (the trainer,
+    metrics, the analysis callback, the per-host code and the dry run take `pdm_jax.run_spec.RunSpec`'s records)."""
+    sections = _config_sections()
+    assert {"rl", "sampler", "model", "trust_region", "multihost"} <= sections, sections
+    readers = {name: hits for name, tree in MODULES.items() if (hits := _reads_the_config(tree, sections))}
+    outside = {name: hits[:3] for name, hits in readers.items() if name not in CONFIG_EDGES}
+    assert not outside, f"modules reading the run config outside the edges: {outside}"
+    unused = CONFIG_EDGES - set(readers)
+    assert not unused, f"edges that no longer read the config (drop them): {unused}"
 
 
 def test_trainer_is_small():

@@ -15,6 +15,7 @@ from pdm_jax import trainer as trainer_mod
 from pdm_jax.checkpointing import Checkpointer
 from pdm_jax.config import apply_arg, get_base_config, validate_config
 from pdm_jax.metrics import run_summary
+from pdm_jax.run_spec import run_spec
 from pdm_jax.rollouts.launcher import SamplerStartupError, start_sampler_server
 from pdm_jax.rollouts.supervisor import SamplerFailure
 from pdm_jax.trainer import Trainer
@@ -463,7 +464,7 @@ def test_run_summary_fields_against_hand_computed_values():
     ]
     meta = {"rl_step": 3, "warmstart": {"eval_accuracy": 0.25, "eval_greedy_accuracy": 0.5},
             "checkpoint_fallbacks": [{"refused_step": 14}]}
-    s = run_summary(records[::-1], config=c, meta=meta, last_eval={"eval_accuracy": 0.75}, wall_seconds=12.5)
+    s = run_summary(records[::-1], spec=run_spec(c), meta=meta, last_eval={"eval_accuracy": 0.75}, wall_seconds=12.5)
     assert s["frac_masked_mean"] == pytest.approx(0.3) and s["frac_outside_mean"] == pytest.approx(0.3)
     assert (s["frac_masked_last"], s["frac_outside_last"]) == (0.5, 0.4)
     assert s["evaluations"] == [
@@ -471,7 +472,7 @@ def test_run_summary_fields_against_hand_computed_values():
         {"rl_step": 2, "eval_accuracy": 0.75, "eval_greedy_accuracy": None, "eval_reward": 0.8}]
     assert (s["warmstart_accuracy"], s["final_accuracy"], s["final_greedy_accuracy"]) == (0.25, 0.75, None)
     assert (s["steps"], s["sft_steps"], s["checkpoint_fallbacks"], s["wall_seconds"]) == (3, 10, 1, 12.5)
-    empty = run_summary([], config=c, meta={"rl_step": 0}, last_eval={}, wall_seconds=0.0)
+    empty = run_summary([], spec=run_spec(c), meta={"rl_step": 0}, last_eval={}, wall_seconds=0.0)
     assert empty["frac_masked_mean"] is None and empty["evaluations"] == [] and empty["checkpoint_fallbacks"] == 0
 
 

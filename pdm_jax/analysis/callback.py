@@ -45,7 +45,6 @@ from pdm_jax.rl import trust_region as tr
 from pdm_jax.analysis import alignment as al
 from pdm_jax.analysis import param_direction as pd
 from pdm_jax.callbacks import TrainerCallback
-from pdm_jax.config import rollout_temperature
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sampler.engine import SamplingEngine
 
@@ -54,7 +53,8 @@ from pdm_jax.sampler.engine import SamplingEngine
 def completion_logits_tau(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
                           temperature: float):
     """``[B,T,V]`` f32 logits of the completion tokens divided by τ (`train_step.completion_logits` / τ)."""
-    return ts.completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask) / temperature
+    logits = ts.completion_logits(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return logits / temperature
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature", "tis_cap", "step_size"))
@@ -175,7 +175,7 @@ class AlignmentCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ behaviour policy
     def _snapshot_version(self, trainer, version: int, params) -> None:
-        sc = trainer.config.sampler
+        sc = trainer.spec.sampler
         if self._engine is None:  # the rollout engine's copy: its quantization and its weight noise
             self._engine = SamplingEngine(trainer.model_config, params, quantization=sc.quantization, version=version,
                                           weight_noise=sc.weight_noise, weight_noise_seed=sc.weight_noise_seed,
@@ -184,7 +184,7 @@ class AlignmentCallback(TrainerCallback):
             self._engine.set_params(params, version=version)
         graphdef, state = nnx.split(self._engine.model())
         self._behavior_params[version] = (graphdef, state)
-        keep = int(trainer.config.rl.max_staleness) + 1
+        keep = trainer.spec.rl.max_staleness + 1
         for v in sorted(self._behavior_params)[:-keep]:
             del self._behavior_params[v]
 
@@ -239,7 +239,7 @@ class AlignmentCallback(TrainerCallback):
         if jax.process_count() > 1:
             raise RuntimeError("AlignmentCallback reads whole batches on the host: single-process runs only "
                                f"(jax.process_count() = {jax.process_count()})")
-        tau = float(trainer.config.rl.temperature)
+        tau = trainer.spec.rl.temperature
         if rl_step != self._last_rl_step:
             # The parameters at the first optimizer step of RL step s are weights version s - 1.
             if self.full_mu:
@@ -253,8 +253,8 @@ class AlignmentCallback(TrainerCallback):
         behavior_logits, lag, err, fallbacks = None, None, None, None
         if self.full_mu and self._behavior_params:
             # mu at the rollouts' temperature (sampler.temperature; rl.temperature unless set), pi at rl.temperature.
-            behavior_logits, lag, err, fallbacks = self._behavior_logits(trainer, host, rollout_temperature(
-                trainer.config), rl_step)
+            behavior_logits, lag, err, fallbacks = self._behavior_logits(
+                trainer, host, trainer.spec.rollout.temperature, rl_step)
             fid = al.fidelity_analysis(logits_before, behavior_logits, host.completion_ids,
                                        host.completion_mask, k=int(host.topk_ids.shape[-1]))
             self.fidelity = al.add_fidelity_counts(self.fidelity, al.fidelity_counts(fid))
@@ -276,7 +276,7 @@ class AlignmentCallback(TrainerCallback):
                     trainer.graphdef, state.params, host.prompt_ids[rows], host.prompt_mask[rows],
                     host.completion_ids[rows], host.completion_mask[rows], host.behavior_logprobs[rows],
                     host.topk_ids[rows], host.topk_logprobs[rows], adv_rows, cols.astype(np.int32),
-                    temperature=tau, tis_cap=float(trainer.config.rl.tis_cap), step_size=self.isolated_step))
+                    temperature=tau, tis_cap=trainer.spec.rl.tis_cap, step_size=self.isolated_step))
                 m = len(pick)
                 iso_d[rows[:m], cols[:m]] = np.asarray(d)[:m]
                 iso_f[rows[:m], cols[:m]] = np.asarray(f)[:m]
@@ -295,7 +295,7 @@ class AlignmentCallback(TrainerCallback):
         host, analysis = p["host"], p["analysis"]
         logits_after = completion_logits_tau(
             trainer.graphdef, state.params, host.prompt_ids, host.prompt_mask, host.completion_ids,
-            host.completion_mask, temperature=float(trainer.config.rl.temperature))
+            host.completion_mask, temperature=trainer.spec.rl.temperature)
         d_after = np.asarray(tr.topk_kl(logits_after, host.completion_ids, host.topk_ids,
                                         host.topk_logprobs, host.behavior_logprobs))
         analysis["d_after"] = d_after
@@ -306,7 +306,7 @@ class AlignmentCallback(TrainerCallback):
             d_jvp, d_dot = jax.device_get(pd.param_jvp_topk_kl(
                 trainer.graphdef, before, pd.parameter_update(before, state.params), host.prompt_ids,
                 host.prompt_mask, host.completion_ids, host.completion_mask, host.topk_ids, host.topk_logprobs,
-                host.behavior_logprobs, temperature=float(trainer.config.rl.temperature)))
+                host.behavior_logprobs, temperature=trainer.spec.rl.temperature))
             d_dot = np.asarray(d_dot)
             analysis[f"dir_{pd.PARAM_CRITERION}"] = d_dot
             analysis[f"keep_{pd.PARAM_CRITERION}"] = np.asarray(al.param_keep(d_dot, analysis["outside"]))
