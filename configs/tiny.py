@@ -7,9 +7,9 @@ warm start on the reference answers that ends once its token accuracy reaches
 estimator) from an fp8 sampler service.
 
 Expect held-out avg@4 to start RL at 0.49-0.60 and to gain at least 0.10 by
-its end (+0.12 to +0.23 over 5 seeds on one and on eight devices), in 5-9
-minutes on a 2-core CPU; the digits depend on the seed, the device count and
-the CPU (docs/benchmarks.md, "The default run's range";
+its end (+0.12 to +0.23 over 5 seeds on one and on eight devices), in about
+5 1/2 minutes on an idle 2-core CPU (about 3 with the compile cache warm); the
+digits depend on the seed, the device count and the CPU (docs/benchmarks.md, "The default run's range";
 ``bench/default_run_range.py`` measures it).
 
 Argument string (big_vision style): ``configs/tiny.py:delta=0.05,estimator=uniform_tail``.

@@ -33,6 +33,7 @@ def hf_checkpoint(tmp_path_factory):
     return path, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
+@pytest.mark.slow  # a trainer run (2 RL steps), as every end-to-end run is
 def test_bf16_compute_keeps_f32_masters_that_move_at_lr_1e6(tmp_path, hf_checkpoint):
     ckpt, initial = hf_checkpoint
     c = tiny_test_config(**{
