@@ -30,7 +30,7 @@ from flax import nnx
 
 from pdm_jax.rollout import ROUTING_PAD, left_pad, routing_dtype
 from pdm_jax.sampler import defaults
-from pdm_jax.sampler.sampling import Draw, bucket, laid_out, next_pow2, sample_step
+from pdm_jax.sampler.sampling import Draw, laid_out, next_pow2, sample_step, shape_buckets
 
 
 def copy_row(dst, i, src, j):
@@ -502,12 +502,7 @@ def run(engine, state, prompts, rows, draw: Draw, row_max_new=None) -> dict:
     engine.prefill_rows += u_pad
     engine.prefill_rows_unshared += n_pad
     longest = max(len(prompts[i]) for i in uniq)
-    p = bucket(longest, engine.min_prompt_bucket, engine.max_prompt_length)
-    if p < longest:  # max_prompt_length not a power of two
-        p = engine.max_prompt_length
-    t = bucket(max_new, engine.min_new_tokens_bucket, engine.max_new_tokens)
-    if t < max_new:
-        t = engine.max_new_tokens
+    p, t = shape_buckets(engine, longest, max_new)
     ids, mask = left_pad([prompts[i] for i in uniq], p, rows=u_pad)
     mask[len(uniq):, -1] = True  # padding entries: one dummy token, never a fully masked row
     per_row = lambda values, dtype: np.pad(np.asarray(values, dtype), (0, n_pad - n_rows))  # noqa: E731

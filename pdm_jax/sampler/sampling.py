@@ -45,6 +45,19 @@ def bucket(x: int, lo: int, hi: int) -> int:
     return int(min(max(next_pow2(x), lo), hi))
 
 
+def shape_buckets(engine, longest_prompt: int, max_new: int) -> tuple:
+    """The (prompt, new-token) lengths a batch compiles for: each the power-of-two bucket of the batch's longest
+    prompt / ``max_new`` within the engine's bounds, or the bound itself where the bound is not a power of two
+    (tokens, ints). Shared by the static and the continuous engine, so both compile the same shapes."""
+    p = bucket(longest_prompt, engine.min_prompt_bucket, engine.max_prompt_length)
+    if p < longest_prompt:  # max_prompt_length not a power of two
+        p = engine.max_prompt_length
+    t = bucket(max_new, engine.min_new_tokens_bucket, engine.max_new_tokens)
+    if t < max_new:
+        t = engine.max_new_tokens
+    return p, t
+
+
 def sampling_distribution(logits_BxV: jax.Array, temperature_B: jax.Array, top_p_B: jax.Array,
                           top_k_B: jax.Array, may_filter: bool = True) -> jax.Array:
     """log mu [B, V] f32: the distribution tokens are drawn from (see module docstring).

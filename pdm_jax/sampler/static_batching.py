@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from pdm_jax.rollout import ROUTING_PAD, left_pad, routing_dtype
-from pdm_jax.sampler.sampling import Draw, bucket, laid_out, sample_step
+from pdm_jax.sampler.sampling import Draw, bucket, laid_out, sample_step, shape_buckets
 
 
 def _routing_buffer(model, prefill_routed: list, rows: int, width: int):
@@ -192,12 +192,7 @@ def run(engine, state, prompts, chunk, draw: Draw) -> dict:
     engine.prefill_rows += b // group
     engine.prefill_rows_unshared += b
     longest = max(len(prompts[i]) for i, _ in chunk)
-    p = bucket(longest, engine.min_prompt_bucket, engine.max_prompt_length)
-    if p < longest:  # max_prompt_length not a power of two
-        p = engine.max_prompt_length
-    t = bucket(max_new, engine.min_new_tokens_bucket, engine.max_new_tokens)
-    if t < max_new:
-        t = engine.max_new_tokens
+    p, t = shape_buckets(engine, longest, max_new)
     ids, mask = left_pad([prompts[i] for i, _ in chunk], p, rows=b)
     mask[n_rows:, -1] = True  # padding rows: one dummy token, never a fully masked row
     prompt_idx = np.zeros((b,), np.uint32)
