@@ -236,6 +236,44 @@ def test_no_long_function_without_a_reason():
     assert not long, long
 
 
+MAX_PARAMS = 8
+#: Engine-path functions allowed more than `MAX_PARAMS` parameters, each with its reason.
+MANY_PARAMS = {
+    "pdm_jax.sampler.wire_request.validate_request": "the request's fields and the engine's limits",
+    "pdm_jax.rollouts.http.exchange": "one HTTP exchange's settings",
+    "pdm_jax.sampler.wire_response.health_body": "the wire's health fields, by name",
+    "pdm_jax.sampler.engine.validate": "the generate request's fields",
+    "pdm_jax.sampler.engine.generate": "the generate request's fields",
+    "pdm_jax.rollouts.client.generate": "the generate request's fields",
+    "pdm_jax.rollouts.base.generate": "the generate request's fields",
+    "pdm_jax.rollouts.vllm_client.generate": "the generate request's fields",
+    "pdm_jax.rollouts.vllm_client.completions_request": "the generate request's fields",
+    "pdm_jax.rollouts.vllm_client.__init__": "the client's settings",
+    "pdm_jax.sampler.vllm_fake.__init__": "a test double's settings",
+    "pdm_jax.sampler.server.create_app": "the app's settings",
+    "pdm_jax.sampler.quantize.prepare_sampler_params": "the quantization settings",
+    "pdm_jax.rollouts.launcher.start_sampler_server": "the launcher's settings",
+}
+
+
+def test_engine_path_functions_take_few_parameters():
+    """No function of the sampler or the rollouts takes more than `MAX_PARAMS` parameters (positional and
+    keyword-only, ``self`` / ``cls`` not counted) outside `MANY_PARAMS`: settings travel as records (`EngineSpec`,
+    the batching programs' `ContinuousShape` / `StaticShape` and their array records)."""
+    many = set()
+    for name, tree in MODULES.items():
+        if not _in(name, "pdm_jax.sampler") and not _in(name, "pdm_jax.rollouts"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+                if len(params) > MAX_PARAMS:
+                    many.add(f"{name}.{node.name}")
+    assert many <= set(MANY_PARAMS), sorted(many - set(MANY_PARAMS))
+    assert set(MANY_PARAMS) <= many, f"allowed but no longer long (drop them): {sorted(set(MANY_PARAMS) - many)}"
+
+
 def test_one_log_ratio_clamp():
     """LOG_RATIO_CLAMP is assigned once (trust_region) and 20.0 is not hard-coded as a clamp elsewhere."""
     assigned = [name for name, tree in MODULES.items() for node in ast.walk(tree)

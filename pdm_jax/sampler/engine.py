@@ -35,9 +35,7 @@ from pdm_jax.rollout import ROUTING_PAD, RolloutBatch, build_batch, pad_axis
 from pdm_jax.sampler import continuous_batching, static_batching, wire, wire_response
 from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
-# The batching programs' names the dry run and older callers import from here.
-from pdm_jax.sampler.continuous_batching import (_CONTINUOUS_COMPACT_JIT, _CONTINUOUS_JIT,  # noqa: F401
-                                                 _CONTINUOUS_TAIL_JIT, _MIN_PHASE, cache_phases, tail_levels)
+from pdm_jax.sampler.continuous_batching import _MIN_PHASE, cache_phases, tail_levels  # noqa: F401
 from pdm_jax.sampler.limits import check_engine_mesh
 from pdm_jax.sampler.spec import EngineSpec
 from pdm_jax.sampler.sampling import Draw, hoist_layer_slices, laid_out, next_pow2, sampling_distribution  # noqa: F401
