@@ -239,15 +239,8 @@ def test_no_long_function_without_a_reason():
 MAX_PARAMS = 8
 #: Engine-path functions allowed more than `MAX_PARAMS` parameters, each with its reason.
 MANY_PARAMS = {
-    "pdm_jax.sampler.wire_request.validate_request": "the request's fields and the engine's limits",
     "pdm_jax.rollouts.http.exchange": "one HTTP exchange's settings",
     "pdm_jax.sampler.wire_response.health_body": "the wire's health fields, by name",
-    "pdm_jax.sampler.engine.validate": "the generate request's fields",
-    "pdm_jax.sampler.engine.generate": "the generate request's fields",
-    "pdm_jax.rollouts.client.generate": "the generate request's fields",
-    "pdm_jax.rollouts.base.generate": "the generate request's fields",
-    "pdm_jax.rollouts.vllm_client.generate": "the generate request's fields",
-    "pdm_jax.rollouts.vllm_client.completions_request": "the generate request's fields",
     "pdm_jax.rollouts.vllm_client.__init__": "the client's settings",
     "pdm_jax.sampler.vllm_fake.__init__": "a test double's settings",
     "pdm_jax.sampler.server.create_app": "the app's settings",

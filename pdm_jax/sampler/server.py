@@ -326,8 +326,8 @@ class SamplerService:
 
         def work():
             req = wire_request.GenerateRequest.from_wire(body)
-            self.engine.validate(req.prompts, **req.engine_kwargs())
-            batch = self.engine.generate(req.prompts, **req.engine_kwargs())
+            self.engine.validate(req.prompts, req.params())
+            batch = self.engine.generate(req.prompts, req.params())
             resp = wire_response.GenerateResponse(batch, model=self.engine.health()[wire.MODEL],
                                                   prompt_tokens=req.prompt_tokens)
             return resp, respond(request, resp.to_wire(req.response_format))
