@@ -361,8 +361,8 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
       ``max(next_pow2(prompts), slots / 4) x P`` more cache entries, split the same way (prompts:
       ``rl.prompts_per_step``, or its share per host with ``sampler.per_host_rollouts`` on a slice of
       more than one host: each process samples the groups its devices train on);
-    * ``park`` (continuous batching with ``sampler.park_rows`` > 0 and more than one cache phase): the
-      parked rows' first-phase slots, ``park_rows x slots x (P + T/4)`` (P + T/2 where T/4 is under 32
+    * ``park`` (continuous batching with parking on and more than one cache phase): the parked rows'
+      first-phase slots, `continuous_batching.park_entries` x (P + T/4) (P + T/2 where T/4 is under 32
       tokens; `engine.cache_phases`) more cache entries, split the same way.
 
     Activations of the decode step (per-slot logits, attention scores) are not counted.  ``colocated``:
@@ -376,6 +376,7 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
       ValueError: ``sampler.mesh`` larger than a host's chips in colocated mode, or not splitting the model
         (naming the field).
     """
+    from pdm_jax.sampler.continuous_batching import park_entries
     from pdm_jax.sampler.engine import (cache_phases, check_engine_mesh,  # lazy: the dry run's imports stay light
                                         resolve_compute_dtype)
 
@@ -413,8 +414,7 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
     store_rows = max(pow2(prompts), slots // 4) if continuous else 0
     prompt_store = store_rows * p * per_entry // (d * kv_t)
     caps = cache_phases(new)
-    park_rows = sc.park_rows if continuous and len(caps) > 1 else 0
-    park = park_rows * slots * (p + caps[0]) * per_entry // (d * kv_t)
+    park = (park_entries(sc.engine, slots, caps) if continuous else 0) * (p + caps[0]) * per_entry // (d * kv_t)
     out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
     out["total"] = sum(out.values())
     return dict(out, mesh=(d, t), slots=slots, dtype=str(dtype), quantization=sc.quantization,
@@ -455,9 +455,9 @@ def compiled_sampler_plan(spec: RunSpec, model_cfg, sp: dict, *, devices=None) -
     def lower(program, prev):  # the main program, then (``prev``: the one before) the compaction and the tail
         with activation_sharding(mesh):
             if program == "main":
-                shape = cb.ContinuousShape(  # the trainer's requests: no top-p / top-k, its park and routing
-                    slots=slots, num_new=new, k_logprobs=rl.top_k_logprobs, cache_dtype=dtype,
-                    slice_layers_once=slice_once, park=sc.park_rows, may_filter=False,
+                shape = cb.ContinuousShape.for_engine(  # the trainer's requests: no top-p / top-k, its park, routing
+                    sc.engine, slots=slots, num_new=new, k_logprobs=rl.top_k_logprobs, cache_dtype=dtype,
+                    slice_layers_once=slice_once, may_filter=False,
                     routing=spec.model.moe_routing_replay and model_cfg.is_moe)
                 return cb._CONTINUOUS_JIT.lower(graphdef, state, queue, shape)
             outs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), prev.out_info)

@@ -340,6 +340,17 @@ class ContinuousShape:
     may_filter: bool = True
     tail: bool = True
 
+    @classmethod
+    def for_engine(cls, spec, **settings) -> "ContinuousShape":
+        """The shape of ``settings`` with the park of `EngineSpec` ``spec``."""
+        return cls(park=spec.park_rows, **settings)
+
+
+def park_entries(spec, slots: int, caps) -> int:
+    """Park entries of a continuous program with ``slots`` slots and cache phases ``caps`` (`cache_phases`) for
+    `EngineSpec` ``spec``: ``park_rows x slots`` with more than one phase, else 0 (`_continuous_program`)."""
+    return int(spec.park_rows) * int(slots) if len(caps) > 1 else 0
+
 
 def _continuous_program(graphdef, state, q: ContinuousQueue, shape: ContinuousShape):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
