@@ -196,12 +196,7 @@ def _reads_the_config(tree, sections: set) -> list:
 
 #: The modules that may import ml_collections or read the run ConfigDict (issue 60): the command line, the schema and
 #: its parser, `run_spec` (the one reader: everything else takes its typed records) and the reference generator.
-CONFIG_EDGES = {
-    "pdm_jax.train", "pdm_jax.config", "pdm_jax.run_spec", "pdm_jax.config_reference",
-    # The analysis command line's report (python -m pdm_jax.analysis) loads the --setting presets' config files to
-    # describe the runs: a command-line edge too.
-    "pdm_jax.analysis.report",
-}
+CONFIG_EDGES = {"pdm_jax.train", "pdm_jax.config", "pdm_jax.run_spec", "pdm_jax.config_reference"}
 
 
 def test_only_the_edges_read_the_config():
