@@ -37,9 +37,9 @@ class FakeEngine:
         self.version, self.loads = 0, []
 
     def health(self):
-        return wire_response.health_body(model="fake", quantization="none", version=self.version,
-                                         compute_dtype="float32",
-                                vocab_size=VOCAB, max_prompt_length=16, max_new_tokens=16, weights_path=None)
+        return wire_response.health_body(wire_response.EngineHealth(
+            model="fake", quantization="none", version=self.version, compute_dtype="float32", vocab_size=VOCAB,
+            max_prompt_length=16, max_new_tokens=16, weights_path=None))
 
     def validate(self, prompts, params=None, **kw):
         return wire_request.validate_request(prompts, GenerateParams.of(params, **kw), vocab_size=VOCAB,

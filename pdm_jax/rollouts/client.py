@@ -95,11 +95,12 @@ class SamplerClient:
         content = None if payload is None else wire_codec.dumps(payload, msgpack=True)
         headers = {} if payload is None else {"content-type": wire_codec.MSGPACK}
         try:
-            status, body = sampler_http.exchange(
-                self._http, method, path, retries=self.retries if retries is None else retries,
-                backoff_s=self.backoff_s, deadline_s=self.timeout_s, max_response_bytes=max_response_bytes,
-                decode=self._decode, error_text=wire.error_detail, counts=self.retry_counts, sleep=time.sleep,
-                base_url=self.base_url, content=content, headers=headers)
+            how = sampler_http.Exchanges(
+                retries=self.retries if retries is None else retries, backoff_s=self.backoff_s,
+                deadline_s=self.timeout_s, decode=self._decode, error_text=wire.error_detail,
+                counts=self.retry_counts, sleep=time.sleep, base_url=self.base_url)
+            status, body = sampler_http.exchange(self._http, method, path, how, max_response_bytes=max_response_bytes,
+                                                 content=content, headers=headers)
         except sampler_http.SamplerRedirect as e:
             raise SamplerProtocolError(str(e)) from None
         if status >= 400:

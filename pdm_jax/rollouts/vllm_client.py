@@ -357,11 +357,12 @@ class VLLMSampler:
           SamplerProtocolError: a redirect, or a 2xx carrying an ``error`` object.
           SamplerError: connection errors, timeouts, 429 or 5xx on every attempt; a body over `max_response_bytes`."""
         try:
-            status, body = sampler_http.exchange(
-                self._http, method, path, retries=self.retries if retries is None else retries,
-                backoff_s=self.backoff_s, deadline_s=self.timeout_s, max_response_bytes=max_response_bytes,
-                decode=self._decode, error_text=lambda b: self._message(b)[0], counts=self.retry_counts,
-                sleep=time.sleep, base_url=self.base_url, json=json_body, params=params)
+            how = sampler_http.Exchanges(
+                retries=self.retries if retries is None else retries, backoff_s=self.backoff_s,
+                deadline_s=self.timeout_s, decode=self._decode, error_text=lambda b: self._message(b)[0],
+                counts=self.retry_counts, sleep=time.sleep, base_url=self.base_url)
+            status, body = sampler_http.exchange(self._http, method, path, how, max_response_bytes=max_response_bytes,
+                                                 json=json_body, params=params)
         except sampler_http.SamplerRedirect as e:
             raise SamplerProtocolError(str(e)) from None
         if status == 404 and missing_ok:

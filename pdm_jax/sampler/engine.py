@@ -306,12 +306,12 @@ class SamplingEngine:
         """``{"status", "model", "quantization", "weight_noise", "weight_noise_seed", "version", "compute_dtype",
         limits...}``."""
         c = self.config
-        return wire_response.health_body(
+        return wire_response.health_body(wire_response.EngineHealth(
             model=f"qwen3(L={c.num_hidden_layers},H={c.hidden_size},V={c.vocab_size})",
             quantization=self.quantization, weight_noise=self.weight_noise, weight_noise_seed=self.weight_noise_seed,
             version=self._version, compute_dtype=str(self.compute_dtype),
             vocab_size=c.vocab_size, max_prompt_length=self.max_prompt_length, max_new_tokens=self.max_new_tokens,
-            weights_path=self._weights_path, loading=self.loading)
+            weights_path=self._weights_path, loading=self.loading))
 
     # -------------------------------------------------------------- generation
     def validate(self, prompts, params: Optional[GenerateParams] = None, **fields) -> list:
