@@ -235,7 +235,6 @@ MAX_PARAMS = 8
 #: Engine-path functions allowed more than `MAX_PARAMS` parameters, each with its reason.
 MANY_PARAMS = {
     # Entry points whose keywords are the settings a caller changes one at a time (each documented in its docstring):
-    "pdm_jax.sampler.server.create_app": "the HTTP app's service limits, token and OpenAI-route tokenizer",
     "pdm_jax.sampler.quantize.prepare_sampler_params": "the quantization, dtype, sharding, checks and weight noise",
     "pdm_jax.rollouts.vllm_client.__init__": "the vLLM client's address, model, paths and retry settings",
     "pdm_jax.sampler.vllm_fake.__init__": "a test double of a vLLM server: its served limits",
