@@ -31,6 +31,7 @@ from pdm_jax.models.tokenizer import char_vocab_size, checkpoint_tokenizer_file
 from pdm_jax.sampler import defaults as sampler_defaults
 from pdm_jax.sampler.limits import MAX_SEED, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE, check_engine_mesh, token_problem
 from pdm_jax.sampler.quantize import COMPUTE_DTYPES, QUANTIZATIONS
+from pdm_jax.sampler.spec import EngineSpec
 from pdm_jax.sharding import MESH_AXES, MeshConfig
 from pdm_jax.rl.train_step import LR_SCHEDULES, OptimizerConfig
 from pdm_jax.sections import COLLECTED as _COLLECTED, SECTION_RECORDS, model_config_from_fields, need as _need, \
@@ -45,6 +46,13 @@ EVAL_ENGINES = ("f32", "rollout")
 SAMPLER_BACKENDS = ("native", "vllm")  # who serves rollouts: pdm_jax.sampler.server/engine, or a vLLM server
 #: Subtrees whose keys are free-form (passed through to a library), not part of the schema.
 OPEN_FIELDS = ("data.task_config",)
+
+
+def engine_config_fields(section: ml_collections.ConfigDict) -> None:
+    """Adds `EngineSpec.config_fields` to the schema's ``sampler`` ``section`` at their EngineSpec defaults (a new
+    engine setting that is a run-config field is declared once, in `pdm_jax.sampler.spec`)."""
+    for f in EngineSpec.config_fields():
+        section[f.name] = f.default
 
 
 def get_base_config() -> ml_collections.ConfigDict:
@@ -413,12 +421,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.sampler.batching = sampler_defaults.BATCHING
     # Continuous batching's KV-cache slots, rounded up to a power of two; 0 = max_batch_size (unit: slots).
     c.sampler.max_slots = sampler_defaults.MAX_SLOTS
-    # Continuous batching parks up to park_rows x slots rows that outgrow the first cache phase (P + T/4 slots)
-    # while rows are pending and refills their slots, so the queue runs in the short cache: same tokens, 1.11-1.24x
-    # useful tokens/s on mixed lengths, park_rows x slots x (P + T/4) more cache entries (the dry run counts
-    # them); 0 = never (docs/benchmarks.md, bench/bench_continuous_batching.py --modes continuous_nopark,continuous).
-    # park_rows counts rows per slot (unit: x slots).
-    c.sampler.park_rows = sampler_defaults.PARK_ROWS
+    engine_config_fields(c.sampler)  # EngineSpec's run-config fields: defaults and descriptions in sampler/spec.py
     # Multi-process runs (distributed=True): each process samples only the prompts whose rows its devices hold
     # (whole groups; keyed by their index in the step, so the rollouts equal a single process's) and evaluates
     # its share of the held-out prompts (pdm_jax.per_host). False: every process samples every prompt (old).
@@ -897,8 +900,11 @@ def _check_sampler_and_eval(config) -> None:
           f"must be one of {sampler_defaults.BATCHING_MODES}")
     _need(isinstance(sc.max_slots, int) and not isinstance(sc.max_slots, bool) and sc.max_slots >= 0,
           "sampler.max_slots", sc.max_slots, "must be an integer >= 0 (0 = sampler.max_batch_size)")
-    _need(isinstance(sc.park_rows, int) and not isinstance(sc.park_rows, bool) and sc.park_rows >= 0,
-          "sampler.park_rows", sc.park_rows, "must be an integer >= 0 (0 = never park)")
+    for f in EngineSpec.config_fields():  # each checked by EngineSpec, the error named by its config path
+        try:
+            EngineSpec(**{f.name: sc[f.name]})
+        except ValueError as e:
+            _need(False, f"sampler.{f.name}", sc[f.name], str(e).replace(f"EngineSpec: {f.name} ", ""))
     for axis in ("data", "tensor"):
         size = sc.mesh[axis]
         _need(isinstance(size, int) and not isinstance(size, bool) and size >= 1, f"sampler.mesh.{axis}", size,

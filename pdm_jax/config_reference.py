@@ -28,6 +28,7 @@ from typing import NamedTuple
 import ml_collections
 
 from pdm_jax import config as config_module
+from pdm_jax.sampler.spec import EngineSpec
 
 #: Where ``--write`` puts the page, relative to the repository root.
 DOC_PATH = os.path.join("docs", "configuration.md")
@@ -125,6 +126,12 @@ def _lookup(config: ml_collections.ConfigDict, path: str):
     return node
 
 
+def _engine_fields_call(stmt: ast.AST) -> bool:
+    """``engine_config_fields(c.<section>)``: the schema's `EngineSpec.config_fields`."""
+    call = stmt.value if isinstance(stmt, ast.Expr) else None
+    return isinstance(call, ast.Call) and getattr(call.func, "id", None) == "engine_config_fields"
+
+
 def schema() -> list[Section]:
     """Every field of ``get_base_config`` with its default, unit and description, grouped by section."""
     source = inspect.getsource(config_module.get_base_config)
@@ -134,6 +141,13 @@ def schema() -> list[Section]:
 
     sections: dict[str, Section] = {}
     for stmt in function.body:
+        if _engine_fields_call(stmt):  # `config.engine_config_fields(c.sampler)`: EngineSpec's descriptions
+            section = _dotted(stmt.value.args[0])
+            for f in EngineSpec.config_fields():
+                path = f"{section}.{f.name}"
+                default = _lookup(config, path)
+                sections[section].fields.append(Field(path, default, *_unit(path, default, f.metadata["config"])))
+            continue
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
             continue
         path = _dotted(stmt.targets[0])

@@ -52,6 +52,7 @@ from pdm_jax.models.presets import PRESETS, count_params, get_preset
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.models.tokenizer import char_vocab_size
 from pdm_jax.rollout import round_up
+from pdm_jax.sampler import continuous_batching as cb
 from pdm_jax.sampler import engine as eng
 from pdm_jax.sampler.engine import abstract_engine_model, next_pow2
 from pdm_jax.sampler.wire import MAX_STOP_TOKEN_IDS
@@ -360,8 +361,8 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
       ``max(next_pow2(prompts), slots / 4) x P`` more cache entries, split the same way (prompts:
       ``rl.prompts_per_step``, or its share per host with ``sampler.per_host_rollouts`` on a slice of
       more than one host: each process samples the groups its devices train on);
-    * ``park`` (continuous batching with ``sampler.park_rows`` > 0 and more than one cache phase): the
-      parked rows' first-phase slots, ``park_rows x slots x (P + T/4)`` (P + T/2 where T/4 is under 32
+    * ``park`` (continuous batching with parking on and more than one cache phase): the parked rows'
+      first-phase slots, `continuous_batching.park_entries` x (P + T/4) (P + T/2 where T/4 is under 32
       tokens; `engine.cache_phases`) more cache entries, split the same way.
 
     Activations of the decode step (per-slot logits, attention scores) are not counted.  ``colocated``:
@@ -375,6 +376,7 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
       ValueError: ``sampler.mesh`` larger than a host's chips in colocated mode, or not splitting the model
         (naming the field).
     """
+    from pdm_jax.sampler.continuous_batching import park_entries
     from pdm_jax.sampler.engine import (cache_phases, check_engine_mesh,  # lazy: the dry run's imports stay light
                                         resolve_compute_dtype)
 
@@ -412,8 +414,7 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
     store_rows = max(pow2(prompts), slots // 4) if continuous else 0
     prompt_store = store_rows * p * per_entry // (d * kv_t)
     caps = cache_phases(new)
-    park_rows = sc.park_rows if continuous and len(caps) > 1 else 0
-    park = park_rows * slots * (p + caps[0]) * per_entry // (d * kv_t)
+    park = (park_entries(sc.engine, slots, caps) if continuous else 0) * (p + caps[0]) * per_entry // (d * kv_t)
     out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
     out["total"] = sum(out.values())
     return dict(out, mesh=(d, t), slots=slots, dtype=str(dtype), quantization=sc.quantization,
@@ -421,16 +422,16 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
 
 
 def compiled_sampler_plan(spec: RunSpec, model_cfg, sp: dict, *, devices=None) -> dict:
-    """``memory_analysis`` of the sharded continuous-batching programs (`engine._continuous_program`:
-    prefill of one request's prompt store + the slots' decode loop; `engine._continuous_compact` and
-    `engine._continuous_tail`) compiled for ``devices`` (default: the
+    """``memory_analysis`` of the sharded continuous-batching programs (`cb._continuous_program`:
+    prefill of one request's prompt store + the slots' decode loop; `cb._continuous_compact` and
+    `cb._continuous_tail`) compiled for ``devices`` (default: the
     first ``data x tensor`` fake CPU devices; a TPU slice's or deviceless GPUs from `pdm_jax.aot`), from
     abstract inputs (weights as ``ShapeDtypeStruct`` with the engine's ``NamedSharding``s; one request of
     ``sp["request_prompts"]`` prompts x ``rl.group_size`` samples, a host's share with per-host rollouts).
     Per device: ``argument`` (weights and the request), ``output`` (the main loop's carry: KV cache and the
     rollouts), ``temp`` (prompt store, park, activations), ``total`` (their sum, or the larger of ``compact_total``
-    and ``tail_total``: the programs run after it, `engine._continuous_compact` (the weights, the carry and the
-    carry gathered into half the slots) and `engine._continuous_tail` (the weights, the half carry, its smaller
+    and ``tail_total``: the programs run after it, `cb._continuous_compact` (the weights, the carry and the
+    carry gathered into half the slots) and `cb._continuous_tail` (the weights, the half carry, its smaller
     levels, outputs and temporaries)), ``compile_seconds`` and ``flops`` (`aot.cost_flops`, all programs).
     XLA:CPU's figures are an estimate of an accelerator's (CPU fusion and layouts).
     """
@@ -443,26 +444,29 @@ def compiled_sampler_plan(spec: RunSpec, model_cfg, sp: dict, *, devices=None) -
     n_pad, u_pad = max(pow2(prompts * rl.group_size), slots), max(pow2(prompts), slots // 4)
     replicated = NamedSharding(mesh, P())
     arg = functools.partial(jax.ShapeDtypeStruct, sharding=replicated)
-    args = (graphdef, state, arg((u_pad, p), jnp.int32), arg((u_pad, p), jnp.bool_), arg((n_pad,), jnp.int32),
-            arg((n_pad,), jnp.uint32), arg((n_pad,), jnp.uint32), arg((2,), jnp.uint32), arg((), jnp.float32),
-            arg((), jnp.float32), arg((), jnp.int32), arg((n_pad,), jnp.int32), arg((MAX_STOP_TOKEN_IDS,), jnp.int32),
-            arg((), jnp.int32))
+    queue = cb.ContinuousQueue(
+        prompt_ids_UxP=arg((u_pad, p), jnp.int32), prompt_mask_UxP=arg((u_pad, p), jnp.bool_),
+        row_entry_N=arg((n_pad,), jnp.int32), row_prompt_N=arg((n_pad,), jnp.uint32),
+        row_sample_N=arg((n_pad,), jnp.uint32), seed_2=arg((2,), jnp.uint32), temperature=arg((), jnp.float32),
+        top_p=arg((), jnp.float32), top_k=arg((), jnp.int32), max_new_N=arg((n_pad,), jnp.int32),
+        stop_ids_S=arg((MAX_STOP_TOKEN_IDS,), jnp.int32), num_rows=arg((), jnp.int32))
     slice_once = eng.hoist_layer_slices(mesh.devices.flat[0].platform)  # as the engine on that platform runs it
 
     def lower(program, prev):  # the main program, then (``prev``: the one before) the compaction and the tail
         with activation_sharding(mesh):
             if program == "main":
-                return eng._CONTINUOUS_JIT.lower(  # the trainer's requests: no top-p / top-k, its park and routing
-                    *args, slots=slots, num_new=new, k_logprobs=rl.top_k_logprobs, cache_dtype=dtype,
-                    slice_layers_once=slice_once, park=sc.park_rows, may_filter=False,
+                shape = cb.ContinuousShape.for_engine(  # the trainer's requests: no top-p / top-k, its park, routing
+                    sc.engine, slots=slots, num_new=new, k_logprobs=rl.top_k_logprobs, cache_dtype=dtype,
+                    slice_layers_once=slice_once, may_filter=False,
                     routing=spec.model.moe_routing_replay and model_cfg.is_moe)
+                return cb._CONTINUOUS_JIT.lower(graphdef, state, queue, shape)
             outs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), prev.out_info)
             if program == "compact":
-                return eng._CONTINUOUS_COMPACT_JIT.lower(outs[0], slots=slots), outs[1]
-            return eng._CONTINUOUS_TAIL_JIT.lower(graphdef, state, outs, req, slots=slots,
+                return cb._CONTINUOUS_COMPACT_JIT.lower(outs[0], slots=slots), outs[1]
+            return cb._CONTINUOUS_TAIL_JIT.lower(graphdef, state, outs, req, slots=slots,
                                                   slice_layers_once=slice_once)
     t0, out, compiled, req = time.perf_counter(), {}, None, None
-    for program in ("main", "compact", "tail")[:1 + 2 * (len(eng.tail_levels(slots, new)) > 1)]:
+    for program in ("main", "compact", "tail")[:1 + 2 * (len(cb.tail_levels(slots, new)) > 1)]:
         lowered = lower(program, compiled)
         if program == "compact":
             lowered, req = lowered

@@ -94,8 +94,9 @@ def _sampler_candidates(spec: RunSpec, model_cfg, chip: str, num_devices: int):
             continue
         slots = 1 << 12
         while slots >= _MIN_SLOTS:
-            c = spec._replace(sampler=dataclasses.replace(spec.sampler, mesh_data=1, mesh_tensor=t,
-                                                          max_batch_size=slots, max_slots=0, park_rows=0))
+            c = spec._replace(sampler=dataclasses.replace(
+                spec.sampler, mesh_data=1, mesh_tensor=t, max_batch_size=slots, max_slots=0,
+                engine=dataclasses.replace(spec.sampler.engine, park_rows=0)))
             try:
                 sp = dr.sampler_plan(c, model_cfg, num_devices, chip, per_host=per_host)
             except ValueError:

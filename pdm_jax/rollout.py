@@ -28,7 +28,7 @@ the wire codec read it without JAX."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -42,6 +42,34 @@ def routing_dtype(num_experts: int) -> np.dtype:
         if num_experts <= np.iinfo(dt).max:
             return np.dtype(dt)
     return np.dtype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateParams:
+    """What a generate request asks besides its prompts: the one record every `Sampler.generate` (the engine, the
+    HTTP and vLLM clients, the supervisor) takes, so a new request field touches this record and its consumer.
+
+    ``n`` samples per prompt; ``temperature`` tau >= 0 (0: greedy); ``max_new_tokens`` (None: the backend's limit);
+    ``top_k_logprobs`` K; ``stop_token_ids``; ``seed`` in [0, 2**63) (None: a fresh one); ``top_p`` / ``top_k``
+    filters (off: 1.0 / 0); ``first_prompt_index`` (prompt i draws with the key of prompt f + i: per-host rollouts);
+    ``return_routing`` (MoE routing replay). Values are carried as given: the engine's `validate_request` checks
+    them (naming the wire field)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    max_new_tokens: Optional[int] = None
+    top_k_logprobs: int = 20
+    stop_token_ids: Sequence[int] = ()
+    seed: Optional[int] = None
+    top_p: float = 1.0
+    top_k: int = 0
+    first_prompt_index: int = 0
+    return_routing: bool = False
+
+    @classmethod
+    def of(cls, params: Optional["GenerateParams"] = None, **fields) -> "GenerateParams":
+        """``params`` (None: the defaults) with ``fields`` replaced. Raises TypeError naming an unknown field."""
+        return dataclasses.replace(params if params is not None else cls(), **fields)
 
 
 @dataclasses.dataclass

@@ -50,7 +50,7 @@ from pdm_jax.profiling import (STEP_PHASES, CompileCounter, PhaseTimer, StepProf
 from pdm_jax.rewards import score_batch, with_reward_functions
 from pdm_jax.rl import dapo, objectives, train_step as ts
 from pdm_jax.rl.step_batch import StepBatch
-from pdm_jax.rollout import round_up
+from pdm_jax.rollout import GenerateParams, round_up
 from pdm_jax.rollouts import queued
 from pdm_jax.rollouts.dynamic_sampling import DynamicSampler, refuse_per_host
 from pdm_jax.rollouts.producer import RolloutProducer
@@ -358,12 +358,11 @@ class Trainer:
         prompts = [self.codec.encode_prompt(e.prompt) for e in examples]
         lo, hi = self._host_prompts
         t0 = time.time()
-        rb = self.sampler.generate(
-            prompts[lo:hi], n=rl.group_size, temperature=self.spec.rollout.temperature,
-            max_new_tokens=rl.max_new_tokens, top_k_logprobs=rl.top_k_logprobs,
-            stop_token_ids=list(self.codec.stop_ids), **(dict(return_routing=True) if self._replay else {}),
-            seed=dapo.round_seed(self.spec.seed * 1_000_003 + step, round_),
-            **(dict(first_prompt_index=lo) if lo else {}))
+        rb = self.sampler.generate(prompts[lo:hi], GenerateParams(
+            n=rl.group_size, temperature=self.spec.rollout.temperature, max_new_tokens=rl.max_new_tokens,
+            top_k_logprobs=rl.top_k_logprobs, stop_token_ids=list(self.codec.stop_ids),
+            return_routing=bool(self._replay), seed=dapo.round_seed(self.spec.seed * 1_000_003 + step, round_),
+            first_prompt_index=lo))
         seconds = time.time() - t0
         self.rollout_counts["prompts"] += hi - lo
         self.rollout_counts["rows"] += rb.num_sequences

@@ -96,9 +96,12 @@ def test_topk_capture_pools_the_seeds_and_is_left_out_without_full_mu(tmp_path):
     assert cap["n"] == 3 * 199 and cap["seeds"] == 3
     assert abs(cap["pooled"] - sum(a for a, _ in sums) / sum(b for _, b in sums)) < 1e-12
     assert abs(cap["per_seed"][0] - np.mean([a / b for a, b in sums])) < 1e-12
-    text = report.write_report(seeds, str(tmp_path))
+    from pdm_jax.analysis.__main__ import report_spec
+
+    text = report.write_report(seeds, str(tmp_path), spec=report_spec(seeds))  # the command line's RunSpec
     assert f"**{100 * cap['pooled']:.1f}%** pooled" in text and "the paper reports > 99%" in text
     assert "597 analysed out-of-region tokens of 3 seeds (K = 4;" in text  # configs/tiny.py's K
+    assert "(K = 4; the full KL" not in report.write_report(seeds, str(tmp_path))  # no spec: "the run's K"
 
 
 def test_disagreement_by_tail_mass_by_hand(tmp_path):

@@ -105,11 +105,11 @@ def test_the_testbed_config_validates_and_sets_the_task():
 def test_every_named_analysis_setting_validates():
     """`python -m pdm_jax.analysis run --setting=NAME`: each setting's config and argument string validate; the
     between setting samples at the loss's temperature from the noised copy."""
-    from pdm_jax.analysis.run import SETTINGS, load_config
-    from pdm_jax.config import validate_config
+    from pdm_jax.analysis.run import SETTINGS
+    from pdm_jax.config import load_config_file, validate_config
 
     for name, (path, arg) in SETTINGS.items():
-        c = load_config(f"{os.path.join(REPO, path)}:{arg}")
+        c = load_config_file(f"{os.path.join(REPO, path)}:{arg}")
         validate_config(c)
         if name == "between":
             assert c.sampler.temperature is None and c.sampler.weight_noise == 0.45

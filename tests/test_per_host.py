@@ -88,7 +88,7 @@ def test_wire_carries_first_prompt_index():
     req = wire_request.GenerateRequest(prompts=[[1, 2]], n=2, seed=3, first_prompt_index=5)
     body = req.to_wire()
     assert body[wire.FIRST_PROMPT_INDEX] == 5
-    assert wire_request.GenerateRequest.from_wire(body).engine_kwargs()["first_prompt_index"] == 5
+    assert wire_request.GenerateRequest.from_wire(body).params().first_prompt_index == 5
     plain = wire_request.GenerateRequest(prompts=[[1, 2]], n=2, seed=3).to_wire()
     assert wire.FIRST_PROMPT_INDEX not in plain  # a whole-batch request's body is unchanged
     assert wire_request.GenerateRequest.from_wire(plain).first_prompt_index == 0

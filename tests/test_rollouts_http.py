@@ -21,9 +21,9 @@ def _exchange(answers, retries=4, max_response_bytes=1024):
         return a
 
     with httpx.Client(base_url="http://sampler", transport=httpx.MockTransport(handler)) as client:
-        out = http.exchange(client, "GET", "/health", retries=retries, backoff_s=0.5, deadline_s=5.0,
-                            max_response_bytes=max_response_bytes, decode=lambda r, body: body.decode(),
-                            error_text=str, counts=counts, sleep=slept.append, base_url="http://sampler")
+        how = http.Exchanges(retries=retries, backoff_s=0.5, deadline_s=5.0, decode=lambda r, body: body.decode(),
+                             error_text=str, counts=counts, sleep=slept.append, base_url="http://sampler")
+        out = http.exchange(client, "GET", "/health", how, max_response_bytes=max_response_bytes)
     return out, counts, slept
 
 

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from pdm_jax.rollout import GenerateParams
 from pdm_jax.rollouts.in_process import InProcessSampler
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler.engine import StaleWeightsError
@@ -20,8 +21,8 @@ class _Engine:
     def health(self):
         return {"status": "ok", "version": self.version}
 
-    def generate(self, prompts, **kw):
-        self.calls.append(("generate", prompts, kw))
+    def generate(self, prompts, params):
+        self.calls.append(("generate", prompts, params))
         return "rollouts"
 
     def load_weights(self, path, version, root=None):
@@ -39,7 +40,8 @@ def test_calls_reach_the_engine_and_weights_paths_are_resolved_under_the_root(tm
     assert s.health() == {"status": "ok", "version": 3} and s.version == 3
     assert s.generate([[1, 2]], n=2, seed=7) == "rollouts"
     assert s.load_weights("anywhere/v4", 4) == {"version": 4}  # no root: the engine's own checks only
-    assert engine.calls == [("generate", [[1, 2]], dict(n=2, seed=7)), ("load_weights", "anywhere/v4", 4, None)]
+    assert engine.calls == [("generate", [[1, 2]], GenerateParams(n=2, seed=7)),
+                            ("load_weights", "anywhere/v4", 4, None)]
     root = tmp_path / "ckpt"
     root.mkdir()
     engine.calls.clear()

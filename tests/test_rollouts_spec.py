@@ -15,10 +15,12 @@ def test_the_supervisor_takes_the_typed_spec_read_once_from_the_schema(tmp_path)
     without one is an AttributeError naming it); the supervisor refuses the ConfigDict itself."""
     c = get_base_config().sampler
     spec = SamplerSpec.from_config(c)
-    assert (spec.batching, spec.max_slots, spec.park_rows, spec.mesh_data, spec.mesh_tensor, spec.backend) == (
+    assert (spec.batching, spec.max_slots, spec.engine.park_rows, spec.mesh_data, spec.mesh_tensor, spec.backend) == (
         c.batching, c.max_slots, c.park_rows, c.mesh.data, c.mesh.tensor, c.backend)
     # Not the supervisor's: stop_token_ids and temperature go with each generate call (the trainer's rollouts).
-    assert {f.name for f in dataclasses.fields(SamplerSpec)} >= {
+    from pdm_jax.sampler.spec import EngineSpec
+
+    assert {f.name for f in dataclasses.fields(SamplerSpec)} | {f.name for f in EngineSpec.config_fields()} >= {
         k for k in c.keys() if k not in ("mesh", "per_host_rollouts", "stop_token_ids", "temperature")}
     with pytest.raises(AttributeError, match="park_rows"):
         SamplerSpec.from_config(types.SimpleNamespace(**{k: v for k, v in c.items() if k != "park_rows"}))
@@ -40,13 +42,14 @@ def test_the_engine_spec_takes_the_sampler_sections_engine_fields_by_name():
     None: as max_batch_size), the run's max_new_tokens, and changes."""
     from pdm_jax.sampler.spec import EngineSpec
 
-    spec = dataclasses.replace(SamplerSpec.from_config(get_base_config().sampler), park_rows=0, max_slots=0,
-                               quantization="int8", mesh_tensor=2)
+    base = SamplerSpec.from_config(get_base_config().sampler)
+    spec = dataclasses.replace(base, max_slots=0, quantization="int8", mesh_tensor=2,
+                               engine=dataclasses.replace(base.engine, park_rows=0))
     engine = spec.engine_spec(max_new_tokens=48)
     shared = [f.name for f in EngineSpec.flag_fields() if hasattr(spec, f.name)]
-    assert len(shared) >= 10 and "park_rows" in shared
+    assert len(shared) >= 10 and "park_rows" not in shared and engine.park_rows == 0
     assert all(getattr(engine, name) == getattr(spec, name) for name in shared if name != "max_slots")
     assert (engine.max_slots, engine.max_new_tokens, engine.quantization) == (None, 48, "int8")
     assert spec.engine_spec(max_new_tokens=8, weight_noise=0.0).weight_noise == 0.0
     with pytest.raises(ValueError, match="EngineSpec: park_rows must be an integer >= 0, got -1"):
-        dataclasses.replace(spec, park_rows=-1).engine_spec(max_new_tokens=8)
+        spec.engine_spec(max_new_tokens=8, park_rows=-1)

@@ -72,7 +72,7 @@ class FakeClient:
                                            "non-finite value(s) (NaN/inf) of 4; refused", "path")
         return result
 
-    def generate(self, prompts, **kw):
+    def generate(self, prompts, params=None, **kw):
         return self._go(answer(prompts))
 
     def load_weights(self, path, version):
@@ -209,7 +209,7 @@ def test_stall_is_detected_from_missed_probes_within_seconds(tmp_path, script, c
 
 def test_a_slow_but_answering_sampler_is_not_a_stall(tmp_path, script):
     class Slow(FakeClient):
-        def generate(self, prompts, **kw):
+        def generate(self, prompts, params=None, **kw):
             time.sleep(1.0)
             return answer(prompts, tag=7)
     script(FakeProcess(Slow("ok")))
@@ -338,7 +338,7 @@ def test_rollouts_that_do_not_answer_the_request_are_refused_naming_the_field(tm
     prompts = [[5, 6], [7]]
 
     class Hostile(FakeClient):
-        def generate(self, prompts, **kw):
+        def generate(self, prompts, params=None, **kw):
             return _corrupt(answer(prompts, n=2, top_k_logprobs=4), **changes)
     script(FakeProcess(Hostile("ok")))
     s = SamplerSupervisor(sampler_config(), workdir=str(tmp_path), model_config=types.SimpleNamespace(vocab_size=64),
@@ -357,7 +357,7 @@ def test_more_rows_longer_completions_or_another_k_are_refused(tmp_path, script)
              (dict(n=2, top_k_logprobs=3), "K = 4, the request asked for 3")]
     for kw, want in cases:
         class Fixed(FakeClient):
-            def generate(self, prompts, **k):
+            def generate(self, prompts, params=None, **k):
                 return answer(prompts, n=2, top_k_logprobs=4)
         script(FakeProcess(Fixed("ok")))
         s = supervisor(tmp_path)

@@ -15,7 +15,7 @@ from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from pdm_jax.sampler import vllm_api, wire
 from pdm_jax.rollouts.client import SamplerError, SamplerRequestError
 from pdm_jax.sampler.engine import SamplingEngine
-from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import GenerateParams, RolloutBatch
 from pdm_jax.rollouts.vllm_client import (StaleVLLMWeightsError, VLLMResponseError, VLLMSampler, completions_request,
                                          export_hf_weights, parse_completions, prompt_seed)
 from pdm_jax.sampler.vllm_fake import FakeVLLM, create_app, serve_in_thread
@@ -48,15 +48,15 @@ PARSE = dict(n=2, top_k_logprobs=2, max_new_tokens=4, stop_token_ids=[3], versio
 
 
 def test_request_carries_the_options_that_fix_the_sampling_distribution():
-    body = completions_request([[1, 2], [3]], n=4, temperature=0.7, max_new_tokens=5, top_k_logprobs=3,
-                               stop_token_ids=[11, 12], seed=99, model="m")
+    body = completions_request([[1, 2], [3]], GenerateParams(n=4, temperature=0.7, max_new_tokens=5, top_k_logprobs=3,
+                                                             stop_token_ids=[11, 12], seed=99), model="m")
     assert body == {"prompt": [[1, 2], [3]], "n": 4, "temperature": 0.7, "top_p": 1.0, "top_k": -1,
                     wire.MAX_TOKENS: 5, "stop_token_ids": [11, 12], "ignore_eos": True, "logprobs": 3,
                     "return_tokens_as_token_ids": True, "seed": 99, "echo": False, "stream": False,
                     "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
                     "min_tokens": 0, "model": "m"}
-    assert completions_request([[1]], n=1, temperature=1.0, max_new_tokens=1, top_k_logprobs=0, stop_token_ids=[],
-                               seed=0, top_k=5)["top_k"] == 5
+    assert completions_request([[1]], GenerateParams(max_new_tokens=1, top_k_logprobs=0, seed=0,
+                                                     top_k=5))["top_k"] == 5
 
 
 def test_recorded_response_parses_to_the_expected_batch():
@@ -343,8 +343,9 @@ def test_rl_steps_with_the_vllm_backend_equal_the_in_process_engine(tmp_path, mo
     from pdm_jax.rollouts.supervisor import SamplerSupervisor
     plain = SamplerSupervisor.generate
 
-    def per_prompt(self, prompts, *, n, seed, **kw):
-        return RolloutBatch.concatenate([plain(self, [p], n=n, seed=prompt_seed(seed, i, n), **kw)
+    def per_prompt(self, prompts, params=None, **kw):
+        q = GenerateParams.of(params, **kw)
+        return RolloutBatch.concatenate([plain(self, [p], q, seed=prompt_seed(q.seed, i, q.n))
                                          for i, p in enumerate(prompts)])
 
     monkeypatch.setattr(SamplerSupervisor, "generate", per_prompt)

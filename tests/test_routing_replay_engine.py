@@ -9,7 +9,7 @@ from flax import nnx
 from pdm_jax.rl import train_step as ts, trust_region
 from pdm_jax.rl.loss import PolicyLossConfig
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import ROUTING_PAD, RolloutBatch
+from pdm_jax.rollout import ROUTING_PAD, GenerateParams, RolloutBatch
 from pdm_jax.rl.step_batch import StepBatch
 from pdm_jax.sampler import wire, wire_codec, wire_request, wire_response
 from pdm_jax.sampler.engine import SamplingEngine
@@ -110,13 +110,12 @@ def test_wire_round_trip_of_routed_experts():
     assert wire.ROUTED_EXPERTS not in no_routing[wire.CHOICES][0]
     assert wire_response.GenerateResponse.from_wire(no_routing, prompts, top_k_logprobs=1).batch.routed_experts is None
     req = wire_request.GenerateRequest(prompts=prompts, return_routing=True)
-    assert wire_request.GenerateRequest.from_wire(req.to_wire()).engine_kwargs()["return_routing"] is True
+    assert wire_request.GenerateRequest.from_wire(req.to_wire()).params().return_routing is True
     assert wire.RETURN_ROUTING not in wire_request.GenerateRequest(prompts=prompts).to_wire()
     with pytest.raises(RequestError, match="return_routing"):
-        wire_request.validate_request(prompts, n=1, temperature=1.0, max_new_tokens=4, top_k_logprobs=0,
-                                      stop_token_ids=(),
-                              seed=0, top_p=1.0, top_k=0, vocab_size=32, max_prompt_length=16,
-                              max_new_tokens_limit=8, max_stop_tokens=8, return_routing="yes")
+        wire_request.validate_request(prompts, GenerateParams(max_new_tokens=4, top_k_logprobs=0, seed=0,
+                                                              return_routing="yes"),
+                                      vocab_size=32, max_prompt_length=16, max_new_tokens_limit=8, max_stop_tokens=8)
 
 
 def test_concatenate_and_step_batch_pad_routing():

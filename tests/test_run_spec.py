@@ -4,8 +4,7 @@ import os
 
 import pytest
 
-from pdm_jax.analysis.run import load_config
-from pdm_jax.config import step_configs
+from pdm_jax.config import load_config_file, step_configs
 from pdm_jax.data import DataSpec
 from pdm_jax.evaluation import EvalSpec
 from pdm_jax.rollouts.spec import SamplerSpec
@@ -15,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny():
-    return load_config(os.path.join(REPO, "configs", "tiny.py"))
+    return load_config_file(os.path.join(REPO, "configs", "tiny.py"))
 
 
 def test_run_spec_is_each_piece_read_from_the_validated_config():

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import GenerateParams, RolloutBatch
 from pdm_jax.sampler import wire, wire_codec, wire_request, wire_response
 from pdm_jax.sampler.server import create_app
 
@@ -37,17 +37,19 @@ class FakeEngine:
         self.version, self.loads = 0, []
 
     def health(self):
-        return wire_response.health_body(model="fake", quantization="none", version=self.version,
-                                         compute_dtype="float32",
-                                vocab_size=VOCAB, max_prompt_length=16, max_new_tokens=16, weights_path=None)
+        return wire_response.health_body(wire_response.EngineHealth(
+            model="fake", quantization="none", version=self.version, compute_dtype="float32", vocab_size=VOCAB,
+            max_prompt_length=16, max_new_tokens=16, weights_path=None))
 
-    def validate(self, prompts, **kw):
-        return wire_request.validate_request(prompts, **kw, vocab_size=VOCAB, max_prompt_length=16,
-                                             max_new_tokens_limit=16,
-                                     max_stop_tokens=4, max_sequences=64)
+    def validate(self, prompts, params=None, **kw):
+        return wire_request.validate_request(prompts, GenerateParams.of(params, **kw), vocab_size=VOCAB,
+                                             max_prompt_length=16, max_new_tokens_limit=16, max_stop_tokens=4,
+                                             max_sequences=64)
 
-    def generate(self, prompts, *, n, top_k_logprobs, **kw):
-        prompts = self.validate(prompts, n=n, top_k_logprobs=top_k_logprobs, **kw)
+    def generate(self, prompts, params=None, **kw):
+        params = GenerateParams.of(params, **kw)
+        prompts = self.validate(prompts, params)
+        n, top_k_logprobs = params.n, params.top_k_logprobs
         rows, p, k = len(prompts) * n, max(len(x) for x in prompts), top_k_logprobs
         return RolloutBatch(
             prompt_ids=np.ones((rows, p), np.int32), prompt_mask=np.ones((rows, p), bool),

@@ -71,17 +71,16 @@ def test_sharded_engine_equals_single_device(params, mesh, batching):
 
 def test_sharded_kv_cache_layout(params, mesh):
     """The decode program's KV cache is [B/data, kv_heads/tensor, head_dim, S] per device (keys)."""
-    from pdm_jax.sampler.static_batching import _GENERATE_JIT
+    from pdm_jax.sampler.static_batching import _GENERATE_JIT, StaticBatch, StaticShape
 
     eng = SamplingEngine(CFG, params, mesh=mesh, **LIMITS)
     b, p = 4, 8
-    args = (eng._graphdef, eng._state, jnp.zeros((b, p), jnp.int32), jnp.ones((b, p), bool),
-            jnp.zeros((b, 2), jnp.uint32), jnp.zeros((b,), jnp.uint32), jnp.zeros((b,), jnp.uint32),
-            jnp.ones((b,)), jnp.ones((b,)), jnp.zeros((b,), jnp.int32), jnp.full((b,), 16, jnp.int32),
-            jnp.full((b, 4), -1, jnp.int32))
+    batch = StaticBatch(jnp.zeros((b, p), jnp.int32), jnp.ones((b, p), bool), jnp.zeros((b, 2), jnp.uint32),
+                        jnp.zeros((b,), jnp.uint32), jnp.zeros((b,), jnp.uint32), jnp.ones((b,)), jnp.ones((b,)),
+                        jnp.zeros((b,), jnp.int32), jnp.full((b,), 16, jnp.int32), jnp.full((b, 4), -1, jnp.int32))
+    shape = StaticShape(num_new=16, k_logprobs=5, cache_dtype=jnp.float32, first_segment=64)
     with eng._layout():
-        text = _GENERATE_JIT.lower(*args, num_new=16, k_logprobs=5, cache_dtype=jnp.float32, first_segment=64,
-                                   group=1).compile().as_text()
+        text = _GENERATE_JIT.lower(eng._graphdef, eng._state, batch, shape).compile().as_text()
     s = p + 16
     assert f"f32[{b // 2},{CFG.num_key_value_heads // 4},{CFG.head_dim},{s}]" in text  # keys, sharded
     assert f"f32[{b},{CFG.num_key_value_heads},{CFG.head_dim},{s}]" not in text  # never a whole cache

@@ -57,10 +57,9 @@ def test_error_and_health_bodies(use_msgpack):
     assert body == {"error": {"message": "max_tokens: too many", "field": "max_tokens", "type": "invalid_request"}}
     assert wire.decode_error(body) == ("max_tokens: too many", "max_tokens")
     assert wire.decode_error("busy") == ("busy", None) and wire.error_detail("busy") == "busy"
-    h = wire_response.health_with_stats(wire_response.health_body(model="m", quantization="fp8", version=3,
-                                                                  compute_dtype="bfloat16",
-                                                vocab_size=32, max_prompt_length=8, max_new_tokens=16,
-                                                weights_path=None, weight_noise=0.05, weight_noise_seed=3),
+    h = wire_response.health_with_stats(wire_response.health_body(wire_response.EngineHealth(
+        model="m", quantization="fp8", version=3, compute_dtype="bfloat16", vocab_size=32, max_prompt_length=8,
+        max_new_tokens=16, weights_path=None, weight_noise=0.05, weight_noise_seed=3)),
                                requests=1, generated_tokens=5, uptime_s=0.5)
     assert (h["weight_noise"], h["weight_noise_seed"]) == (0.05, 3)
     assert list(h) == ["status", "model", "quantization", "weight_noise", "weight_noise_seed", "version",
@@ -68,9 +67,9 @@ def test_error_and_health_bodies(use_msgpack):
                        "max_prompt_length", "max_new_tokens", "weights_path", "loading", "requests",
                        "generated_tokens", "uptime_s"]
     assert h["loading"] is None
-    busy = wire_response.health_body(model="m", quantization="fp8", version=3, compute_dtype="bfloat16", vocab_size=32,
-                            max_prompt_length=8, max_new_tokens=16, weights_path=None,
-                            loading={"version": 4, "since": time.monotonic() - 2.0})["loading"]
+    busy = wire_response.health_body(wire_response.EngineHealth(
+        model="m", quantization="fp8", version=3, compute_dtype="bfloat16", vocab_size=32, max_prompt_length=8,
+        max_new_tokens=16, weights_path=None, loading={"version": 4, "since": time.monotonic() - 2.0}))["loading"]
     assert busy["version"] == 4 and 2.0 <= busy["seconds"] < 60
     assert wire_response.weights_response(wire_response.weights_loaded(version=3, path="/w", seconds=0.1,
                                                                        reloaded=False)) == {

@@ -3,6 +3,7 @@ name fields by their wire names."""
 import numpy as np
 import pytest
 
+from pdm_jax.rollout import GenerateParams
 from pdm_jax.sampler import wire, wire_request
 from tests.test_sampler_wire import CODECS, through
 
@@ -15,8 +16,9 @@ def test_generate_request_round_trip(use_msgpack):
     body = through(req.to_wire(), use_msgpack)
     assert body["max_tokens"] == 12 and body["logprobs"] == 5 and "max_new_tokens" not in body
     assert wire_request.GenerateRequest.from_wire(body) == req
-    assert req.engine_kwargs() == dict(n=2, temperature=0.7, max_new_tokens=12, top_k_logprobs=5,
-                                       stop_token_ids=[3, 9], seed=2**63 - 1, top_p=0.9, top_k=4)
+    assert req.params() == GenerateParams(n=2, temperature=0.7, max_new_tokens=12, top_k_logprobs=5,
+                                          stop_token_ids=[3, 9], seed=2**63 - 1, top_p=0.9, top_k=4)
+    assert wire_request.GenerateRequest.of(req.prompts, req.params()) == req
     assert req.prompt_tokens == 4
 
 
@@ -68,9 +70,9 @@ OK_KW = dict(n=1, temperature=1.0, max_new_tokens=4, top_k_logprobs=2, stop_toke
 ])
 def test_validation_errors_name_the_wire_field(prompts, kw, field):
     with pytest.raises(wire.RequestError) as e:
-        wire_request.validate_request(prompts, **{**OK_KW, **kw}, **LIMITS)
+        wire_request.validate_request(prompts, GenerateParams(**{**OK_KW, **kw}), **LIMITS)
     assert e.value.field == field and str(e.value).startswith(f"{field}: ")
-    assert wire_request.validate_request([(1, 2), np.array([3])], **OK_KW, **LIMITS) == [[1, 2], [3]]
+    assert wire_request.validate_request([(1, 2), np.array([3])], GenerateParams(**OK_KW), **LIMITS) == [[1, 2], [3]]
 
 
 @pytest.mark.parametrize("use_msgpack", CODECS)
@@ -92,7 +94,7 @@ def test_response_format_request_field():
     req = wire_request.GenerateRequest(prompts=[[1, 2]], response_format="columns")
     body = through(req.to_wire(), True)
     assert body["response_format"] == "columns" and wire_request.GenerateRequest.from_wire(body) == req
-    assert "response_format" not in req.engine_kwargs() and "response_format" not in wire_request.GenerateRequest(
+    assert not hasattr(req.params(), "response_format") and "response_format" not in wire_request.GenerateRequest(
         prompts=[[1]]).to_wire()  # the default: the vLLM-shaped choices, bodies unchanged
     with pytest.raises(wire.RequestError) as e:
         wire_request.GenerateRequest.from_wire({"prompt": [[1]], "response_format": "rows"})
@@ -102,5 +104,5 @@ def test_response_format_request_field():
 def test_a_huge_number_is_never_echoed_whole():
     """A 4,000-digit ``n`` is refused with a message that shows it cut, not an 8 KB echo."""
     with pytest.raises(wire.RequestError) as e:
-        wire_request.validate_request([[1]], **{**OK_KW, "n": 10 ** 4000}, **LIMITS)
+        wire_request.validate_request([[1]], GenerateParams(**{**OK_KW, "n": 10 ** 4000}), **LIMITS)
     assert e.value.field == "n" and len(str(e.value)) < 200, str(e.value)

@@ -196,12 +196,7 @@ def _reads_the_config(tree, sections: set) -> list:
 
 #: The modules that may import ml_collections or read the run ConfigDict (issue 60): the command line, the schema and
 #: its parser, `run_spec` (the one reader: everything else takes its typed records) and the reference generator.
-CONFIG_EDGES = {
-    "pdm_jax.train", "pdm_jax.config", "pdm_jax.run_spec", "pdm_jax.config_reference",
-    # The analysis command line's report (python -m pdm_jax.analysis) loads the --setting presets' config files to
-    # describe the runs: a command-line edge too.
-    "pdm_jax.analysis.report",
-}
+CONFIG_EDGES = {"pdm_jax.train", "pdm_jax.config", "pdm_jax.run_spec", "pdm_jax.config_reference"}
 
 
 def test_only_the_edges_read_the_config():
@@ -234,6 +229,34 @@ def test_no_long_function_without_a_reason():
                 if n > 80 and "long on purpose" not in doc.lower():
                     long.append(f"{name}.{node.name}: {n} lines")
     assert not long, long
+
+
+MAX_PARAMS = 8
+#: Engine-path functions allowed more than `MAX_PARAMS` parameters, each with its reason.
+MANY_PARAMS = {
+    # Entry points whose keywords are the settings a caller changes one at a time (each documented in its docstring):
+    "pdm_jax.sampler.quantize.prepare_sampler_params": "the quantization, dtype, sharding, checks and weight noise",
+    "pdm_jax.rollouts.vllm_client.__init__": "the vLLM client's address, model, paths and retry settings",
+    "pdm_jax.sampler.vllm_fake.__init__": "a test double of a vLLM server: its served limits",
+}
+
+
+def test_engine_path_functions_take_few_parameters():
+    """No function of the sampler or the rollouts takes more than `MAX_PARAMS` parameters (positional and
+    keyword-only, ``self`` / ``cls`` not counted) outside `MANY_PARAMS`: settings travel as records (`EngineSpec`,
+    the batching programs' `ContinuousShape` / `StaticShape` and their array records)."""
+    many = set()
+    for name, tree in MODULES.items():
+        if not _in(name, "pdm_jax.sampler") and not _in(name, "pdm_jax.rollouts"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+                if len(params) > MAX_PARAMS:
+                    many.add(f"{name}.{node.name}")
+    assert many <= set(MANY_PARAMS), sorted(many - set(MANY_PARAMS))
+    assert set(MANY_PARAMS) <= many, f"allowed but no longer long (drop them): {sorted(set(MANY_PARAMS) - many)}"
 
 
 def test_one_log_ratio_clamp():

@@ -1,5 +1,6 @@
 """The main job: config validation, a short end-to-end run, resume after SIGKILL, sampler failure."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -383,8 +384,8 @@ def test_rollouts_are_drawn_at_the_sampler_temperature(tmp_path, monkeypatch, sa
                                     "sampler.temperature": sampler_temperature}), str(tmp_path))
     asked = {}
 
-    def generate(prompts, **kwargs):
-        asked.update(kwargs)
+    def generate(prompts, params):
+        asked.update(dataclasses.asdict(params))
         raise InterruptedError("captured")
     try:
         monkeypatch.setattr(t.sampler, "generate", generate)

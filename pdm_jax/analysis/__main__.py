@@ -15,11 +15,13 @@ On the stress testbed (``configs/tiny_stress.py``), from one shared warm start::
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 
 def _parse_seeds(text: str) -> list:
@@ -61,6 +63,31 @@ def _disagreement_map(args, parser) -> int:
     print("\n".join(dm.summary(dm.read_csv(os.path.join(args.out, "cells.csv")))))
     print(f"map written to {os.path.join(args.out, 'README.md')}")
     return 0
+
+
+def config_spec_of(config_file: str, arg: str = "", overrides: str = "", seed: Optional[int] = None):
+    """The `RunSpec` of ``config_file`` with ``arg``, ``overrides`` and ``seed=<seed>`` (`pdm_jax.config.apply_arg`):
+    the analysis reads its config files here, at the command line, and hands records down. Raises ValueError naming a
+    bad field."""
+    from pdm_jax.config import apply_arg, load_config_file  # lazy: --help answers without importing JAX
+    from pdm_jax.run_spec import as_run_spec
+
+    config = load_config_file(config_file + (":" + arg if arg else ""))
+    if overrides:
+        apply_arg(config, overrides)
+    if seed is not None:
+        apply_arg(config, f"seed={seed}")
+    return as_run_spec(config)
+
+
+def report_spec(seeds: list):
+    """The `RunSpec` the saved ``seeds`` ran with (their settings' config file, argument string and overrides), or
+    None when it is not readable here (a missing or changed config file): the report is written without it."""
+    settings = seeds[0].get("settings", {}) if seeds else {}
+    try:
+        return config_spec_of(settings["config"], settings.get("arg", ""), settings.get("overrides", ""))
+    except Exception:  # noqa: BLE001 - a report must still be written without the config file
+        return None
 
 
 def main(argv=None) -> int:
@@ -120,8 +147,9 @@ def main(argv=None) -> int:
             r.error(str(e))
         t0 = time.time()
         config_spec, arg = SETTINGS[args.setting]
-        run.run_seeds(seeds, args.out, config_spec=args.config or config_spec,
-                      arg=arg if args.arg is None else args.arg, overrides=args.overrides or None,
+        config_spec, arg = args.config or config_spec, arg if args.arg is None else args.arg
+        run.run_seeds(seeds, args.out, functools.partial(config_spec_of, config_spec, arg, args.overrides or ""),
+                      config_spec=config_spec, arg=arg, overrides=args.overrides or None,
                       warmstart=args.warmstart,
                       isolated_tokens=args.isolated_tokens, isolated_step=args.isolated_step,
                       full_mu=not args.no_full_mu, param_direction=not args.no_param_direction,
@@ -133,7 +161,7 @@ def main(argv=None) -> int:
     if not loaded:
         print(f"no saved seeds under {os.path.join(args.out, 'seeds')}", file=sys.stderr)
         return 1
-    report.write_report(loaded, args.out)
+    report.write_report(loaded, args.out, spec=report_spec(loaded))
     print("\n".join(report.readings(loaded)))
     print(f"report written to {os.path.join(args.out, 'README.md')}")
     return 0

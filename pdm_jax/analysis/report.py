@@ -17,8 +17,6 @@ import numpy as np
 
 from pdm_jax.rl import trust_region as tr
 from pdm_jax.analysis import alignment as al
-from pdm_jax.analysis.run import load_config
-from pdm_jax.config import apply_arg
 
 #: The paper's disagreement set (tokens where the predictive and the ratio criterion decide differently) has
 #: about 82 tokens per seed (as quoted in issue 16).
@@ -378,7 +376,7 @@ _DEFINITIONS = ["## Definitions", "",
            "denominator is empty drops out of that mean.", ""]
 
 
-def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
+def _setup_section(seeds, settings, iso_summary, t, extra_notes, spec) -> list:
     """The report's "Setup" section: config, tokens seen, δ, behaviour-μ provenance, timing."""
     steps = [st for s in seeds for st in s.get("steps", [])]
     n_valid = sum(st["num_valid"] for st in steps)
@@ -394,8 +392,8 @@ def _setup_section(seeds, settings, iso_summary, t, extra_notes) -> list:
            f"- Config: `{settings.get('config', '?')}:{settings.get('arg', '')}`"
            + (f" + `{settings['overrides']}`" if settings.get("overrides") else "")
            + (f" (code at commit `{settings['git_commit']}`)" if settings.get("git_commit") else "") + ".",
-           _seed_sentence(settings) + _describe_config(settings),
-           f"- Trust region δ = {_delta_of(settings)} nats (top-K KL)"
+           _seed_sentence(settings) + _describe_config(spec),
+           f"- Trust region δ = {_delta_of(settings, spec)} nats (top-K KL)"
            + (", smaller than the tiny default δ = 0.05: with fp8 rollouts and lr 1e-4 almost no token leaves a "
               "0.05 region within one rollout batch (the tiny default run reports frac_outside ≈ 0 after the first "
               "steps)." if str(settings.get("config", "")).endswith("tiny.py") else "."),
@@ -658,16 +656,13 @@ def topk_capture(seeds: Sequence[dict]) -> Optional[dict]:
     return dict(pooled=tot_topk / tot_full, per_seed=al.mean_ci95(ratios), n=n, seeds=len(ratios))
 
 
-def _capture_section(seeds: Sequence[dict]) -> list:
+def _capture_section(seeds: Sequence[dict], spec=None) -> list:
     """The top-K KL capture beside the paper's > 99% (empty without full μ)."""
     cap = topk_capture(seeds)
     if cap is None:
         return []
     m, ci, _ = cap["per_seed"]
-    try:
-        k = f"K = {_run_config(seeds[0].get('settings', {})).rl.top_k_logprobs}"
-    except Exception:  # noqa: BLE001 - a report must still be written without the config file
-        k = "the run's K"
+    k = "the run's K" if spec is None else f"K = {spec.rl.top_k_logprobs}"
     return ["## Top-K KL capture", "",
             f"Σ top-K KL / Σ full KL over the {cap['n']} analysed out-of-region tokens of {cap['seeds']} seeds ({k}; "
             "the full KL from μ recomputed over the whole vocabulary): "
@@ -690,9 +685,10 @@ def readings(seeds: list) -> list:
     return lines + ([tf] if tf else [])
 
 
-def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysis of the direction criteria",
+def write_report(seeds: list, out_dir: str, *, spec=None, title: str = "Token-level analysis of the direction criteria",
                  extra_notes: Sequence[str] = ()) -> str:
-    """Writes ``<out_dir>/README.md`` and figures from loaded seeds (`run.load_seeds`); returns the markdown."""
+    """Writes ``<out_dir>/README.md`` and figures from loaded seeds (`run.load_seeds`); returns the markdown.
+    ``spec``: the `RunSpec` the seeds ran with (the command line's `report_spec`; None: not readable here)."""
     os.makedirs(out_dir, exist_ok=True)
     per_seed = seed_rates(seeds)
     summary = summarize(per_seed)
@@ -746,13 +742,13 @@ def write_report(seeds: list, out_dir: str, *, title: str = "Token-level analysi
     for c in ("aggregated_tail", "bucket_exact", "uniform_tail", "full", "param_jvp"):
         if c in summary:
             md.append(f"- {verdict(summary, c)}")
-    md += _setup_section(seeds, settings, iso_summary, summary["_totals"], extra_notes)
+    md += _setup_section(seeds, settings, iso_summary, summary["_totals"], extra_notes, spec)
     md += _paper_section(summary, crits)
     md += _isolated_section(seeds, iso_summary, [c for c in al.ALL_CRITERIA if iso_summary and c in iso_summary])
     md += _disagreement_section(per_seed, iso_per_seed if iso_summary else None, crits)
     md += _fidelity_section(fidelity)
     md += _tail_mass_section(seeds)
-    md += _capture_section(seeds)
+    md += _capture_section(seeds, spec)
     md += _DEFINITIONS
     text = "\n".join(md) + "\n"
     with open(os.path.join(out_dir, "README.md"), "w") as f:
@@ -769,46 +765,33 @@ def _field_of(settings: dict, key: str, default: str = "?") -> str:
     return val
 
 
-def _run_config(settings: dict):
-    """The config the seeds ran with (file, argument string, overrides); raises what loading it raises."""
-    c = load_config(f"{settings['config']}:{settings.get('arg', '')}")
-    if settings.get("overrides"):
-        apply_arg(c, settings["overrides"])
-    return c
-
-
-def _describe_config(settings: dict) -> str:
-    """A sentence with the run settings that matter here, read from the config the seeds ran with."""
-    try:
-        c = _run_config(settings)
-    except Exception as e:  # noqa: BLE001 - a report must still be written without the config file
-        return f"(config not readable here: {type(e).__name__})."
-    m, rl = c.model, c.rl
+def _describe_config(spec) -> str:
+    """A sentence with the run settings that matter here, from the `RunSpec` the seeds ran with (None: unreadable)."""
+    if spec is None:
+        return "(config not readable here)."
+    m, rl, tr_ = spec.model, spec.rl, spec.trust_region
     model = (f"Qwen3 from `{m.hf_path}`" if m.hf_path else
              f"Qwen3 d {m.hidden_size}, {m.num_hidden_layers} layers (random init)")
     ups = rl.num_minibatches * rl.num_iterations
-    return (f"{model}; data `{c.data.kind}`/`{c.data.task}`; {c.sft.steps} SFT steps × {c.sft.batch_size}; "
-            f"{rl.steps} GRPO steps of {rl.prompts_per_step} prompts × {rl.group_size} samples, lr "
-            f"{rl.learning_rate:g}; {c.sampler.quantization} sampler ({c.sampler.mode}); {rl.num_minibatches} "
-            f"mini-batches × {rl.num_iterations} iterations per rollout batch ({ups} optimizer steps, {ups - 1} of "
-            f"them off-policy); staleness {rl.max_staleness}; K = {rl.top_k_logprobs}"
-            + (f"; a `{c.tokenizer.kind}` tokenizer of up to {c.tokenizer.vocab_size} tokens"
-               if c.tokenizer.kind == "bpe" else "")
-            + (f"; rollouts at temperature τ_s = {c.sampler.temperature:g} (the loss's π at {rl.temperature:g})"
-               if c.sampler.temperature is not None else "")
-            + "; trained with mask "
-            f"`{c.trust_region.mask}`"
-            + (f" (estimator `{c.trust_region.estimator}`)" if c.trust_region.mask == "pdm" else "") + ".")
+    tau_s = spec.rollout.temperature
+    return (f"{model}; data `{spec.data.kind}`/`{spec.data.task}`; {spec.sft.steps} SFT steps × "
+            f"{spec.sft.batch_size}; {rl.steps} GRPO steps of {rl.prompts_per_step} prompts × {rl.group_size} "
+            f"samples, lr {rl.learning_rate:g}; {spec.sampler.quantization} sampler ({spec.sampler.mode}); "
+            f"{rl.num_minibatches} mini-batches × {rl.num_iterations} iterations per rollout batch ({ups} optimizer "
+            f"steps, {ups - 1} of them off-policy); staleness {rl.max_staleness}; K = {rl.top_k_logprobs}"
+            + (f"; a `{spec.tokenizer.kind}` tokenizer of up to {spec.tokenizer.vocab_size} tokens"
+               if spec.tokenizer.kind == "bpe" else "")
+            + (f"; rollouts at temperature τ_s = {tau_s:g} (the loss's π at {rl.temperature:g})"
+               if tau_s != rl.temperature else "")
+            + f"; trained with mask `{tr_.mask}`" + (f" (estimator `{tr_.estimator}`)" if tr_.mask == "pdm" else "")
+            + ".")
 
 
-def _delta_of(settings: dict) -> str:
-    """δ of the run: the last ``delta=`` of its argument strings, else the config file's own."""
+def _delta_of(settings: dict, spec=None) -> str:
+    """δ of the run: the last ``delta=`` of its argument strings, else the `RunSpec`'s."""
     val = _field_of(settings, "delta")
-    if val == "?":
-        try:
-            val = f"{float(load_config(settings['config'] + ':' + settings.get('arg', '')).trust_region.delta):g}"
-        except Exception:  # noqa: BLE001 - a report must still be written without the config file
-            pass
+    if val == "?" and spec is not None:
+        val = f"{float(spec.trust_region.delta):g}"
     return val
 
 

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 import zipfile
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -87,19 +87,12 @@ def enable_compile_cache(path: str) -> None:
     enable(os.path.abspath(path))
 
 
-def load_config(config_spec: str):
-    """Loads ``path.py[:arg]`` like ``--config`` does (`pdm_jax.config.load_config_file`)."""
-    from pdm_jax.config import load_config_file  # lazy: this module also reads seeds without JAX
-
-    return load_config_file(config_spec)
-
-
-def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: float = 1e-2, full_mu: bool = True,
+def run_seed(spec, workdir: str, *, isolated_tokens: int = 8, isolated_step: float = 1e-2, full_mu: bool = True,
              param_direction: bool = True, keep_workdir: bool = False, warmstart: Optional[str] = None) -> dict:
     """One run with an `AlignmentCallback`; returns ``{"records", "steps", "fidelity", "summary", "seconds"}``.
 
     Args:
-      config: a full run ConfigDict (its ``seed`` selects the seed).
+      spec: the run's `pdm_jax.run_spec.RunSpec` (its ``seed`` selects the seed).
       workdir: a fresh run directory (removed first, and after the run unless `keep_workdir`).
       isolated_tokens, isolated_step, full_mu, param_direction: see `AlignmentCallback`.
       warmstart: a finished warm-start workdir of the same config (``rl.steps=0``) copied in first, so only the RL
@@ -114,9 +107,9 @@ def run_seed(config, workdir: str, *, isolated_tokens: int = 8, isolated_step: f
             raise ValueError(f"warmstart={warmstart!r}: not a finished warm-start workdir (no summary.json)")
         shutil.copytree(warmstart, workdir, ignore=shutil.ignore_patterns(*_WARMSTART_SKIP))
     cb = AlignmentCallback(full_mu=full_mu, isolated_tokens=isolated_tokens, isolated_step=isolated_step,
-                           seed=int(config.seed), param_direction=param_direction)
+                           seed=int(spec.seed), param_direction=param_direction)
     t0 = time.time()
-    summary = run_training(config, workdir, callbacks=[cb])
+    summary = run_training(spec, workdir, callbacks=[cb])
     seconds = time.time() - t0
     if not keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -203,15 +196,15 @@ def _warmstart_note(warmstart: Optional[str]) -> Optional[dict]:
     return note
 
 
-def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs/tiny.py", arg: str = DEFAULT_ARG,
+def run_seeds(seeds: Sequence[int], out_dir: str, spec_of: Callable, *, config_spec: str = "configs/tiny.py",
+              arg: str = DEFAULT_ARG,
               overrides: Optional[str] = None, workdir_root: Optional[str] = None, isolated_tokens: int = 8,
               isolated_step: float = 1e-2, full_mu: bool = True, param_direction: bool = True,
               compile_cache: Optional[str] = None, skip_done: bool = True, warmstart: Optional[str] = None,
               log_fn=print) -> list:
-    """Runs `run_seed` per seed (skipping saved ones with `skip_done`) on ``<config_spec>`` with ``arg``, ``overrides``
-    and ``seed=<seed>`` (`pdm_jax.config.apply_arg`), one shared `warmstart`; returns the json paths."""
-    from pdm_jax.config import apply_arg  # lazy: only when a report re-reads the config
-
+    """Runs `run_seed` per seed (skipping saved ones with `skip_done`) on ``spec_of(seed)`` (the `RunSpec` of
+    ``<config_spec>`` with ``arg``, ``overrides`` and ``seed=<seed>``, built by the command line; the strings are
+    saved with each seed), one shared `warmstart`; returns the json paths."""
     if compile_cache:
         enable_compile_cache(compile_cache)
     seeds_dir = os.path.join(out_dir, "seeds")
@@ -227,13 +220,9 @@ def run_seeds(seeds: Sequence[int], out_dir: str, *, config_spec: str = "configs
             log_fn(f"seed {seed}: saved already, skipped")
             paths.append(path)
             continue
-        config = load_config(config_spec + (":" + arg if arg else ""))
-        if overrides:
-            apply_arg(config, overrides)
-        apply_arg(config, f"seed={seed}")
-        result = run_seed(config, os.path.join(workdir_root, f"seed_{seed:03d}"), isolated_tokens=isolated_tokens,
-                          isolated_step=isolated_step, full_mu=full_mu, param_direction=param_direction,
-                          warmstart=warmstart)
+        result = run_seed(spec_of(seed), os.path.join(workdir_root, f"seed_{seed:03d}"),
+                          isolated_tokens=isolated_tokens, isolated_step=isolated_step, full_mu=full_mu,
+                          param_direction=param_direction, warmstart=warmstart)
         paths.append(save_seed(seeds_dir, seed, result, settings))
         n = len(result["records"].get("delta_d", []))
         log_fn(f"seed {seed} ({i + 1}/{len(seeds)}): {result['seconds']:.0f}s, {n} tokens outside the region "

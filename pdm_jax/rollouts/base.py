@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
-from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import GenerateParams, RolloutBatch
 
 
 @runtime_checkable
 class Sampler(Protocol):
     """A rollout backend: generates rollouts with the weights version it holds, loads new versions."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
-                 max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
-                 stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
-                 top_k: int = 0, first_prompt_index: int = 0) -> RolloutBatch:
-        """``n`` samples of each prompt (token-id lists), rows prompt-major, with behaviour log μ and the top-K.
+    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[GenerateParams] = None,
+                 **fields) -> RolloutBatch:
+        """``n`` samples of each prompt (token-id lists), rows prompt-major, with behaviour log μ and the top-K;
+        the request is ``params`` with ``fields`` replaced (`GenerateParams.of`).
 
         Raises ValueError (a refused request, naming the field) or another error for a failed call.
         """

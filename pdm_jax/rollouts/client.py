@@ -7,13 +7,14 @@ caps the body size). A generation request always carries a seed, so a retry retu
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from typing import Optional, Sequence
 
 import httpx
 
-from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import GenerateParams, RolloutBatch
 from pdm_jax.rollouts import http as sampler_http
 from pdm_jax.rollouts.http import SamplerError
 from pdm_jax.sampler import wire, wire_codec, wire_request, wire_response
@@ -94,11 +95,12 @@ class SamplerClient:
         content = None if payload is None else wire_codec.dumps(payload, msgpack=True)
         headers = {} if payload is None else {"content-type": wire_codec.MSGPACK}
         try:
-            status, body = sampler_http.exchange(
-                self._http, method, path, retries=self.retries if retries is None else retries,
-                backoff_s=self.backoff_s, deadline_s=self.timeout_s, max_response_bytes=max_response_bytes,
-                decode=self._decode, error_text=wire.error_detail, counts=self.retry_counts, sleep=time.sleep,
-                base_url=self.base_url, content=content, headers=headers)
+            how = sampler_http.Exchanges(
+                retries=self.retries if retries is None else retries, backoff_s=self.backoff_s,
+                deadline_s=self.timeout_s, decode=self._decode, error_text=wire.error_detail,
+                counts=self.retry_counts, sleep=time.sleep, base_url=self.base_url)
+            status, body = sampler_http.exchange(self._http, method, path, how, max_response_bytes=max_response_bytes,
+                                                 content=content, headers=headers)
         except sampler_http.SamplerRedirect as e:
             raise SamplerProtocolError(str(e)) from None
         if status >= 400:
@@ -141,10 +143,8 @@ class SamplerClient:
         """The server's current weights version (one /health call)."""
         return int(self.health()[wire.VERSION])
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
-                 max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
-                 stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
-                 top_k: int = 0, first_prompt_index: int = 0, return_routing: bool = False) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[GenerateParams] = None,
+                 **fields) -> RolloutBatch:
         """``POST /v1/generate``; same arguments and result as `SamplingEngine.generate`.
 
         Raises:
@@ -153,23 +153,26 @@ class SamplerClient:
             (`wire_response.GenerateResponse.from_wire`: names the field, e.g. a negative per-row ``weights_version``).
           SamplerError: unreachable / 5xx after all retries.
         """
-        prompts = [[int(t) for t in p] for p in prompts]
-        fields = dict(n=int(n), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                      top_k_logprobs=int(top_k_logprobs), stop_token_ids=[int(s) for s in stop_token_ids or ()],
-                      seed=int(seed) if seed is not None else secrets.randbelow(wire.MAX_SEED + 1),
-                      first_prompt_index=int(first_prompt_index))
+        p = GenerateParams.of(params, **fields)
+        prompts = [[int(t) for t in q] for q in prompts]
+        n, k, routing = int(p.n), int(p.top_k_logprobs), bool(p.return_routing)
+        max_new_tokens = p.max_new_tokens
         if max_new_tokens is None:
             max_new_tokens = self.health().get(wire.MAX_NEW_TOKENS, wire.DEFAULT_MAX_TOKENS)
+        p = dataclasses.replace(
+            p, n=n, temperature=float(p.temperature), top_p=float(p.top_p), top_k=int(p.top_k), top_k_logprobs=k,
+            stop_token_ids=[int(s) for s in p.stop_token_ids or ()], max_new_tokens=int(max_new_tokens),
+            seed=int(p.seed) if p.seed is not None else secrets.randbelow(wire.MAX_SEED + 1),
+            first_prompt_index=int(p.first_prompt_index), return_routing=routing)
         # "columns": one packed array per field, not ~4 per row (wire_response.GenerateResponse.to_wire; the same batch)
-        request = wire_request.GenerateRequest(prompts=prompts, max_new_tokens=int(max_new_tokens),
-                                       return_routing=bool(return_routing), response_format="columns", **fields)
+        request = wire_request.GenerateRequest.of(prompts, p, response_format="columns")
         body = self._request("POST", "/v1/generate", request.to_wire(),
                              max_response_bytes=generate_response_bytes(
-                                 len(prompts) * int(n), int(max_new_tokens), int(top_k_logprobs),
-                                 max(len(p) for p in prompts) if prompts else 0, routing=bool(return_routing)))
+                                 len(prompts) * n, p.max_new_tokens, k,
+                                 max(len(q) for q in prompts) if prompts else 0, routing=routing))
         try:
-            return wire_response.GenerateResponse.from_wire(body, prompts, top_k_logprobs=int(top_k_logprobs),
-                                                   rows=len(prompts) * int(n), max_new_tokens=int(max_new_tokens)).batch
+            return wire_response.GenerateResponse.from_wire(body, prompts, top_k_logprobs=k, rows=len(prompts) * n,
+                                                            max_new_tokens=p.max_new_tokens).batch
         except (KeyError, ValueError) as e:  # a missing field, a bad column or value (a negative weights version...)
             raise SamplerResponseError(f"POST /v1/generate: the answer does not have the documented shape: "
                                        f"{type(e).__name__}: {e}") from e

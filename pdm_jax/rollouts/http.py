@@ -7,6 +7,7 @@ errors, timeouts and 5xx are retried with backoff, each retry counted by cause i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -52,32 +53,42 @@ def _read(r: httpx.Response, *, max_bytes: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def exchange(http: httpx.Client, method: str, path: str, *, retries: int, backoff_s: float, deadline_s: float,
-             max_response_bytes: int, decode: Callable[[httpx.Response, bytes], object],
-             error_text: Callable[[object], str], counts: Optional[dict] = None, sleep=time.sleep,
-             base_url: str = "", **request_kw) -> tuple:
-    """Sends one request, retrying transient failures; returns ``(status, decoded body)`` of a 2xx or 4xx.
+@dataclasses.dataclass(frozen=True)
+class Exchanges:
+    """How a client exchanges requests (`exchange`): ``retries`` extra attempts after the first; ``backoff_s`` the
+    first wait, doubling per retry; ``deadline_s`` the most one attempt may take, from sending to the body's last byte
+    (seconds); ``decode``: ``(response, body bytes) -> body`` (a map, a string, ...); ``error_text``: a decoded error
+    body -> its message; ``counts``: a dict whose ``"429"``, ``"5xx"`` and ``"transport"`` entries count the retries
+    by cause; ``sleep`` (tests record it); ``base_url``: named in the messages."""
 
-    Args:
-      http: the client's connection pool. method, path, request_kw: as ``httpx.Client.stream``.
-      retries: extra attempts after the first; backoff_s: the first wait, doubling per retry.
-      deadline_s: the most one attempt may take, from sending to the body's last byte (seconds).
-      max_response_bytes: the most a decoded body may hold.
-      decode: ``(response, body bytes) -> body`` (a map, a string, ...).
-      error_text: a decoded error body -> its message (for the failure's text).
-      counts: a dict whose ``"429"``, ``"5xx"`` and ``"transport"`` entries count the retries by cause.
-      base_url: named in the messages.
+    retries: int
+    backoff_s: float
+    deadline_s: float
+    decode: Callable[[httpx.Response, bytes], object]
+    error_text: Callable[[object], str]
+    counts: Optional[dict] = None
+    sleep: Callable[[float], None] = time.sleep
+    base_url: str = ""
+
+
+def exchange(http: httpx.Client, method: str, path: str, how: Exchanges, *, max_response_bytes: int,
+             **request_kw) -> tuple:
+    """Sends one request, retrying transient failures as ``how`` says (`Exchanges`); returns ``(status, decoded
+    body)`` of a 2xx or 4xx. ``http``: the client's connection pool; ``method``, ``path``, ``request_kw``: as
+    ``httpx.Client.stream``; ``max_response_bytes``: the most a decoded body may hold.
+
     Raises:
       SamplerError: connection errors, timeouts, an attempt past its deadline,
         5xx or 429 answers on every attempt, or a body past ``max_response_bytes`` (not retried: it would be as large
         again).
       SamplerRedirect: a 3xx answer.
     """
-    counts = counts if counts is not None else {}
+    retries, backoff_s, deadline_s, base_url = how.retries, how.backoff_s, how.deadline_s, how.base_url
+    counts = how.counts if how.counts is not None else {}
     last, wait = None, None
     for attempt in range(retries + 1):
         if attempt:
-            sleep(wait if wait is not None else backoff_s * 2 ** (attempt - 1))
+            how.sleep(wait if wait is not None else backoff_s * 2 ** (attempt - 1))
         wait = None
         deadline = time.monotonic() + deadline_s
         try:
@@ -89,7 +100,7 @@ def exchange(http: httpx.Client, method: str, path: str, *, retries: int, backof
             counts["transport"] = counts.get("transport", 0) + 1
             last = f"{type(e).__name__}: {e}"
             continue
-        body = decode(r, content)
+        body = how.decode(r, content)
         if 300 <= r.status_code < 400:
             raise SamplerRedirect(f"{method} {base_url}{path}: HTTP {r.status_code} redirect to "
                                   f"{str(r.headers.get('location', '?'))[:200]!r}; a sampler is never reached "
@@ -98,7 +109,7 @@ def exchange(http: httpx.Client, method: str, path: str, *, retries: int, backof
             key = "429" if r.status_code == 429 else "5xx"
             counts[key] = counts.get(key, 0) + 1
             wait = _retry_after(r) if r.status_code == 429 else None
-            last = f"HTTP {r.status_code}: {error_text(body)}"
+            last = f"HTTP {r.status_code}: {how.error_text(body)}"
             continue
         return r.status_code, body
     raise SamplerError(f"{method} {base_url}{path} failed after {retries + 1} attempt(s): {last}")

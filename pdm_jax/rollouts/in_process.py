@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from pdm_jax.rollout import RolloutBatch
+from pdm_jax.rollout import GenerateParams, RolloutBatch
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler.engine import SamplingEngine, StaleWeightsError, check_weights_path
 
@@ -31,9 +31,9 @@ class InProcessSampler:
         """Same fields as the server's ``GET /health``."""
         return self.engine.health()
 
-    def generate(self, prompts, **kwargs) -> RolloutBatch:
+    def generate(self, prompts, params=None, **fields) -> RolloutBatch:
         """See `SamplingEngine.generate`."""
-        return self.engine.generate(prompts, **kwargs)
+        return self.engine.generate(prompts, GenerateParams.of(params, **fields))
 
     def load_weights(self, path: str, version: int) -> dict:
         """See `SamplingEngine.load_weights` (plus the checkpoint-root rule)."""

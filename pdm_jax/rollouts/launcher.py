@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from pdm_jax.sampler.spec import EngineSpec
 from pdm_jax.rollouts.client import SamplerClient, SamplerError
@@ -171,6 +171,7 @@ class ServerOptions:
       reuse_freed_host_memory: passes ``--reuse_freed_host_memory`` (`pdm_jax.host_memory`).
       max_body_bytes: the server's ``--max_body_bytes`` (None: its default).
       extra_args: more server flags, appended as given.
+      env: the process's environment (None: this process's, inherited).
     """
 
     host: str = "127.0.0.1"
@@ -181,6 +182,7 @@ class ServerOptions:
     reuse_freed_host_memory: bool = False
     max_body_bytes: Optional[int] = None
     extra_args: Sequence[str] = ()
+    env: Optional[Mapping[str, str]] = None
 
     def to_argv(self) -> list:
         """The server flags of these options (the port file and the parent's pid are the launcher's own)."""
@@ -218,7 +220,7 @@ def _split_settings(spec: Optional[EngineSpec], options: Optional[ServerOptions]
 def start_sampler_server(spec: Optional[EngineSpec] = None, *, model_config: str, weights: Optional[str],
                          checkpoint_root: str, version: int = 0, token: Optional[str] = None,
                          options: Optional[ServerOptions] = None, client_kwargs: Optional[dict] = None,
-                         env: Optional[dict] = None, **settings) -> SamplerProcess:
+                         **settings) -> SamplerProcess:
     """Starts ``python -m pdm_jax.sampler.server`` and waits for ``/health``.
 
     Args:
@@ -227,9 +229,8 @@ def start_sampler_server(spec: Optional[EngineSpec] = None, *, model_config: str
       model_config: the HF config.json (or its directory); `weights` None starts from a random init.
       checkpoint_root: the only directory ``/v1/weights`` loads from; `version`: the weights' version.
       token: the shared bearer token, passed through the environment (never argv).
-      options: how the process runs (`ServerOptions`: host, port, start-up timeout, compile cache, ...).
-      client_kwargs: go to `SamplerClient` (timeout_s, retries, backoff_s);
-        `env` replaces the subprocess environment (default: inherit).
+      options: how the process runs (`ServerOptions`: host, port, start-up timeout, compile cache, environment, ...).
+      client_kwargs: go to `SamplerClient` (timeout_s, retries, backoff_s).
       settings: `EngineSpec` or `ServerOptions` fields replacing those of `spec` / `options`.
     Returns:
       SamplerProcess (``.url``, ``.client``, ``.stop()``, ``.alive()``, ``.restart()``).
@@ -246,4 +247,4 @@ def start_sampler_server(spec: Optional[EngineSpec] = None, *, model_config: str
         argv.append(f"--weights={weights}")
     argv += options.to_argv()
     return SamplerProcess(argv, host=options.host, token=token, startup_timeout_s=options.startup_timeout_s,
-                          client_kwargs=client_kwargs, env=env)
+                          client_kwargs=client_kwargs, env=None if options.env is None else dict(options.env))

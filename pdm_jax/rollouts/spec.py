@@ -20,7 +20,8 @@ class SamplerSpec:
 
     Fields keep the schema's names and units: ``mode`` as configured ("auto" is resolved by the supervisor,
     `config.resolve_sampler_mode`), lengths in tokens, batch sizes in sequences, timeouts and probe intervals in
-    seconds, ``mesh_data`` x ``mesh_tensor`` the sampler engine's device mesh (``sampler.mesh``).
+    seconds, ``mesh_data`` x ``mesh_tensor`` the sampler engine's device mesh (``sampler.mesh``); ``engine`` carries
+    the engine settings that `EngineSpec` declares as run-config fields, unnamed here.
     """
 
     mode: str
@@ -35,7 +36,6 @@ class SamplerSpec:
     max_batch_size: int
     batching: str
     max_slots: int
-    park_rows: int
     mesh_data: int
     mesh_tensor: int
     startup_timeout_s: float
@@ -47,6 +47,7 @@ class SamplerSpec:
     stall_probe_misses: int
     vllm_model: str
     vllm_weights_dir: str
+    engine: EngineSpec = EngineSpec()  # the run-config fields EngineSpec declares (`EngineSpec.config_fields`)
 
     def __post_init__(self):
         """Raises ValueError for a non-positive probe interval or timeout, or a probe miss count that is not an
@@ -59,9 +60,9 @@ class SamplerSpec:
                              f"{self.stall_probe_timeout_s}, {misses!r}")
 
     def engine_spec(self, *, max_new_tokens: int, **changes) -> EngineSpec:
-        """The rollout engine's settings (`EngineSpec`): every engine field this spec names, taken by name (a new
-        engine setting that is also a ``sampler`` field needs no line here), ``max_new_tokens`` (the run's longest
-        completion, tokens), and ``changes`` (EngineSpec fields, e.g. ``weight_noise=0.0``).
+        """The rollout engine's settings (`EngineSpec`): ``engine`` with every engine field this spec names, taken
+        by name, ``max_new_tokens`` (the run's longest completion, tokens), and ``changes`` (EngineSpec fields, e.g.
+        ``weight_noise=0.0``).
 
         Raises:
           ValueError: a value `EngineSpec` refuses (naming the field).
@@ -71,7 +72,7 @@ class SamplerSpec:
             if hasattr(self, f.name):
                 v = getattr(self, f.name)
                 values[f.name] = None if v == f.metadata.get("none_as", object()) else v
-        return EngineSpec(**{**values, "max_new_tokens": int(max_new_tokens), **changes})
+        return dataclasses.replace(self.engine, **{**values, "max_new_tokens": int(max_new_tokens), **changes})
 
     @classmethod
     def from_config(cls, sampler) -> "SamplerSpec":
@@ -86,10 +87,10 @@ class SamplerSpec:
             weight_noise=float(sampler.weight_noise), weight_noise_seed=int(sampler.weight_noise_seed),
             compute_dtype=str(sampler.compute_dtype), max_prompt_length=int(sampler.max_prompt_length),
             max_batch_size=int(sampler.max_batch_size), batching=str(sampler.batching),
-            max_slots=int(sampler.max_slots), park_rows=int(sampler.park_rows), mesh_data=int(sampler.mesh.data),
+            max_slots=int(sampler.max_slots), mesh_data=int(sampler.mesh.data),
             mesh_tensor=int(sampler.mesh.tensor), startup_timeout_s=float(sampler.startup_timeout_s),
             request_timeout_s=float(sampler.request_timeout_s), retries=int(sampler.retries),
             max_restarts=int(sampler.max_restarts), stall_probe_interval_s=float(sampler.stall_probe_interval_s),
             stall_probe_timeout_s=float(sampler.stall_probe_timeout_s),
             stall_probe_misses=sampler.stall_probe_misses, vllm_model=str(sampler.vllm_model),
-            vllm_weights_dir=str(sampler.vllm_weights_dir))
+            vllm_weights_dir=str(sampler.vllm_weights_dir), engine=EngineSpec.of_config_fields(sampler))

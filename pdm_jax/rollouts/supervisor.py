@@ -27,7 +27,7 @@ import jax
 
 from pdm_jax import workdir as wd
 from pdm_jax.config import SAMPLER_FILE_MODES, resolve_sampler_mode
-from pdm_jax.rollout import RolloutBatch, check_answers
+from pdm_jax.rollout import GenerateParams, RolloutBatch, check_answers
 from pdm_jax.rollouts.base import Sampler
 from pdm_jax.rollouts.client import SamplerClient, SamplerRequestError, SamplerResponseError
 from pdm_jax.rollouts.in_process import InProcessSampler
@@ -361,19 +361,20 @@ class SamplerSupervisor:
             raise box["error"]
         return box["value"]
 
-    def generate(self, prompts, **kwargs) -> RolloutBatch:
-        """Rollouts for ``prompts`` (token-id lists), keywords as ``SamplerClient.generate``; the answer is checked
-        against the request (`pdm_jax.rollout.check_answers`) before use.
+    def generate(self, prompts, params: Optional[GenerateParams] = None, **fields) -> RolloutBatch:
+        """Rollouts for ``prompts`` (token-id lists) of the request ``params`` with ``fields`` replaced
+        (`GenerateParams.of`); the answer is checked against the request (`pdm_jax.rollout.check_answers`) before use.
 
         Raises:
           SamplerResponseError: the rollouts do not answer the request (naming the field).
           SamplerRejected, SamplerFailure: as `call`."""
-        batch = self.call("generate", lambda sampler: sampler.generate(prompts, **kwargs))
-        max_new = kwargs.get("max_new_tokens")
+        params = GenerateParams.of(params, **fields)
+        batch = self.call("generate", lambda sampler: sampler.generate(prompts, params))
+        max_new = params.max_new_tokens
         try:
-            check_answers(batch, prompts, n=int(kwargs.get("n", 1)),
+            check_answers(batch, prompts, n=int(params.n),
                           max_new_tokens=int(self.engine_spec.max_new_tokens if max_new is None else max_new),
-                          top_k_logprobs=int(kwargs.get("top_k_logprobs", 20)),
+                          top_k_logprobs=int(params.top_k_logprobs),
                           vocab_size=getattr(self.model_config, "vocab_size", None))
         except ValueError as e:
             raise SamplerResponseError(f"the sampler's rollouts do not answer the request: {e}") from None

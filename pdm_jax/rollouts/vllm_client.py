@@ -24,6 +24,7 @@ response shapes over our engine) and a recorded response, not a real vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -44,7 +45,7 @@ from flax import nnx
 from pdm_jax import workdir as wd
 from pdm_jax.models import hf_io
 from pdm_jax.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from pdm_jax.rollout import RolloutBatch, build_batch, right_pad_rows
+from pdm_jax.rollout import GenerateParams, RolloutBatch, build_batch, right_pad_rows
 from pdm_jax.sampler import weights as wts
 from pdm_jax.sampler import vllm_api, wire, wire_codec, wire_response
 from pdm_jax.rollouts import http as sampler_http
@@ -89,22 +90,17 @@ def prompt_seed(seed: int, index: int, n: int) -> int:
     return int.from_bytes(digest, "little") % (2**63 - int(n))
 
 
-def completions_request(prompts: Sequence[Sequence[int]], *, n: int, temperature: float, max_new_tokens: int,
-                        top_k_logprobs: int, stop_token_ids: Sequence[int], seed: int, top_p: float = 1.0,
-                        top_k: int = 0, model: str = "") -> dict:
-    """The ``POST /v1/completions`` body (a JSON-serialisable dict) for a rollout request.
-
-    Args:
-      prompts: token-id lists (one per prompt).
-      n: samples per prompt; temperature: tau >= 0; max_new_tokens: ``max_tokens``; top_k_logprobs: K (``logprobs``).
-      stop_token_ids: ids that end a completion (kept in it); seed: the request's seed.
-      top_p / top_k: filters (top_k 0 is sent as -1, vLLM's "off"); model: the served model name ("" = omitted)."""
-    body = {wire.PROMPT: [[int(t) for t in p] for p in prompts], wire.N: int(n),
-            wire.TEMPERATURE: float(temperature), wire.TOP_P: float(top_p),
-            wire.TOP_K: int(top_k) if int(top_k) > 0 else -1, wire.MAX_TOKENS: int(max_new_tokens),
-            wire.STOP_TOKEN_IDS: [int(s) for s in stop_token_ids], vllm_api.IGNORE_EOS: True,
-            wire.LOGPROBS: int(top_k_logprobs), vllm_api.RETURN_TOKENS_AS_TOKEN_IDS: True, wire.SEED: int(seed),
-            vllm_api.ECHO: False, wire.STREAM: False, **vllm_api.VLLM_NEUTRAL_SAMPLING}
+def completions_request(prompts: Sequence[Sequence[int]], params: GenerateParams, *, model: str = "") -> dict:
+    """The ``POST /v1/completions`` body (a JSON-serialisable dict) for a rollout request: ``prompts`` (token-id
+    lists) and `GenerateParams` (``max_new_tokens`` and ``seed`` set; ``max_tokens``, ``logprobs`` = K; top_k 0 is
+    sent as -1, vLLM's "off"); ``model``: the served model name ("" = omitted)."""
+    top_k = int(params.top_k)
+    body = {wire.PROMPT: [[int(t) for t in p] for p in prompts], wire.N: int(params.n),
+            wire.TEMPERATURE: float(params.temperature), wire.TOP_P: float(params.top_p),
+            wire.TOP_K: top_k if top_k > 0 else -1, wire.MAX_TOKENS: int(params.max_new_tokens),
+            wire.STOP_TOKEN_IDS: [int(s) for s in params.stop_token_ids], vllm_api.IGNORE_EOS: True,
+            wire.LOGPROBS: int(params.top_k_logprobs), vllm_api.RETURN_TOKENS_AS_TOKEN_IDS: True,
+            wire.SEED: int(params.seed), vllm_api.ECHO: False, wire.STREAM: False, **vllm_api.VLLM_NEUTRAL_SAMPLING}
     if model:
         body[wire.MODEL] = model
     return body
@@ -361,11 +357,12 @@ class VLLMSampler:
           SamplerProtocolError: a redirect, or a 2xx carrying an ``error`` object.
           SamplerError: connection errors, timeouts, 429 or 5xx on every attempt; a body over `max_response_bytes`."""
         try:
-            status, body = sampler_http.exchange(
-                self._http, method, path, retries=self.retries if retries is None else retries,
-                backoff_s=self.backoff_s, deadline_s=self.timeout_s, max_response_bytes=max_response_bytes,
-                decode=self._decode, error_text=lambda b: self._message(b)[0], counts=self.retry_counts,
-                sleep=time.sleep, base_url=self.base_url, json=json_body, params=params)
+            how = sampler_http.Exchanges(
+                retries=self.retries if retries is None else retries, backoff_s=self.backoff_s,
+                deadline_s=self.timeout_s, decode=self._decode, error_text=lambda b: self._message(b)[0],
+                counts=self.retry_counts, sleep=time.sleep, base_url=self.base_url)
+            status, body = sampler_http.exchange(self._http, method, path, how, max_response_bytes=max_response_bytes,
+                                                 json=json_body, params=params)
         except sampler_http.SamplerRedirect as e:
             raise SamplerProtocolError(str(e)) from None
         if status == 404 and missing_ok:
@@ -431,10 +428,8 @@ class VLLMSampler:
         """The weights version this client last had the server load (None before the first)."""
         return self._version
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
-                 max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20, stop_token_ids: Sequence[int] = (),
-                 seed: Optional[int] = None, top_p: float = 1.0, top_k: int = 0,
-                 first_prompt_index: int = 0) -> RolloutBatch:
+    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[GenerateParams] = None,
+                 **fields) -> RolloutBatch:
         """Rollouts for `prompts`; same arguments and result as `SamplingEngine.generate`.
 
         One request per prompt (seeded by `prompt_seed` of ``first_prompt_index + i``: per-host rollouts draw what
@@ -444,15 +439,18 @@ class VLLMSampler:
           SamplerRequestError: the server refused the request (4xx).
           SamplerError: unreachable / 5xx after all retries.
           VLLMResponseError: the answer does not have the documented shape (naming the field).
-          ValueError: no weights version loaded yet."""
-        max_new = wire.DEFAULT_MAX_TOKENS if max_new_tokens is None else int(max_new_tokens)
-        seed = secrets.randbelow(wire.MAX_SEED + 1) if seed is None else int(seed)
+          ValueError: no weights version loaded yet, or ``return_routing`` (vLLM returns no routing)."""
+        params = GenerateParams.of(params, **fields)
+        if params.return_routing:
+            raise ValueError("VLLMSampler.generate: return_routing=True: vLLM returns no expert routing")
+        n, top_k_logprobs = int(params.n), int(params.top_k_logprobs)
+        max_new = wire.DEFAULT_MAX_TOKENS if params.max_new_tokens is None else int(params.max_new_tokens)
+        seed = secrets.randbelow(wire.MAX_SEED + 1) if params.seed is None else int(params.seed)
         prompts = [[int(t) for t in p] for p in prompts]
-        stops = [int(s) for s in stop_token_ids or ()]
-        bodies = [completions_request([p], n=n, temperature=temperature, max_new_tokens=max_new,
-                                      top_k_logprobs=top_k_logprobs, stop_token_ids=stops,
-                                      seed=prompt_seed(seed, int(first_prompt_index) + i, n), top_p=top_p, top_k=top_k,
-                                      model=self.model)
+        stops = [int(s) for s in params.stop_token_ids or ()]
+        base = dataclasses.replace(params, max_new_tokens=max_new, stop_token_ids=stops)
+        bodies = [completions_request([p], dataclasses.replace(
+                      base, seed=prompt_seed(seed, int(params.first_prompt_index) + i, n)), model=self.model)
                   for i, p in enumerate(prompts)]
         cap = generate_response_bytes(int(n), max_new, int(top_k_logprobs), max((len(p) for p in prompts), default=0),
                                       per_value=64)  # JSON text: "token_id:123": -1.234..., per entry
@@ -528,8 +526,8 @@ class VLLMSampler:
           VLLMLogprobsModeError: the server returns raw log-probabilities."""
         top = []
         for tau in (0.5, 1.0):
-            body = completions_request([list(prompt)], n=1, temperature=tau, max_new_tokens=1, top_k_logprobs=1,
-                                       stop_token_ids=[], seed=0, top_p=1.0, top_k=0, model=self.model)
+            body = completions_request([list(prompt)], GenerateParams(n=1, temperature=tau, max_new_tokens=1,
+                                                                      top_k_logprobs=1, seed=0), model=self.model)
             answer = self._request("POST", vllm_api.VLLM_COMPLETIONS, json_body=body)
             try:
                 entry = answer[wire.CHOICES][0][wire.LOGPROBS][wire.TOP_LOGPROBS][0]

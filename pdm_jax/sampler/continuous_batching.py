@@ -19,8 +19,9 @@ its tail's two, compiled when a request first needs them); the shapes an engine 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import flax.struct
 import jax
@@ -298,18 +299,64 @@ def _runs(req: _Request, c: _DecodeState, nxt: int):
     return jnp.any(live) & (_pending(req, c) | many) & fits
 
 
-def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_entry_N, row_prompt_N, row_sample_N,
-                        seed_2, temperature, top_p, top_k, max_new_N, stop_ids_S, num_rows, *, slots: int,
-                        num_new: int, k_logprobs: int, cache_dtype, routing: bool = False,
-                        min_phase: Optional[int] = None, park: int = 0, slice_layers_once: bool = False,
-                        may_filter: bool = True, tail: bool = True):
+class ContinuousQueue(NamedTuple):
+    """`_continuous_program`'s arrays: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded int32 / bool
+    [U, P]); the queue of N rows (int32 / uint32 [N]: row r reads prompt-store entry ``row_entry_N[r]``, keys sample
+    j = ``row_sample_N[r]`` of prompt i = ``row_prompt_N[r]``, makes ``max_new_N[r]`` new tokens at most; rows
+    ``>= num_rows`` are padding, never run); ``seed_2`` uint32 [2] (the seed's low and high words); the sampling
+    parameters ``temperature`` / ``top_p`` (f32 scalars), ``top_k`` (int32 scalar); ``stop_ids_S`` int32 [S]
+    (-1 = unused); ``num_rows`` int32 scalar."""
+
+    prompt_ids_UxP: jax.Array
+    prompt_mask_UxP: jax.Array
+    row_entry_N: jax.Array
+    row_prompt_N: jax.Array
+    row_sample_N: jax.Array
+    seed_2: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    max_new_N: jax.Array
+    stop_ids_S: jax.Array
+    num_rows: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ContinuousShape:
+    """`_continuous_program`'s static settings (hashable: the jit's static argument; one compile each): ``slots``
+    cache slots, ``num_new`` the new-token bucket T, ``k_logprobs`` K, ``cache_dtype`` the KV cache's dtype,
+    ``routing`` (MoE routing replay), ``min_phase`` (`cache_phases`; None: `_MIN_PHASE`), ``park`` (park entries
+    per slot; 0: off), ``slice_layers_once`` (`hoist_layer_slices`), ``may_filter`` (top-p / top-k filter traced)
+    and ``tail`` (stop the main loop for the tail; False: run every row to its end)."""
+
+    slots: int
+    num_new: int
+    k_logprobs: int
+    cache_dtype: Any
+    routing: bool = False
+    min_phase: Optional[int] = None
+    park: int = 0
+    slice_layers_once: bool = False
+    may_filter: bool = True
+    tail: bool = True
+
+    @classmethod
+    def for_engine(cls, spec, **settings) -> "ContinuousShape":
+        """The shape of ``settings`` with the park of `EngineSpec` ``spec``."""
+        return cls(park=spec.park_rows, **settings)
+
+
+def park_entries(spec, slots: int, caps) -> int:
+    """Park entries of a continuous program with ``slots`` slots and cache phases ``caps`` (`cache_phases`) for
+    `EngineSpec` ``spec``: ``park_rows x slots`` with more than one phase, else 0 (`_continuous_program`)."""
+    return int(spec.park_rows) * int(slots) if len(caps) > 1 else 0
+
+
+def _continuous_program(graphdef, state, q: ContinuousQueue, shape: ContinuousShape):
     """Continuous batching: N queued rows decoded in ``slots`` slots of one static KV cache.
 
-    Inputs: U prompts ``prompt_ids_UxP`` / ``prompt_mask_UxP`` (left-padded, [U, P]); the
-    queue of N rows (row r: prompt-store entry ``row_entry_N[r]``, sample j = ``row_sample_N[r]``
-    of prompt i = ``row_prompt_N[r]`` (its key), ``max_new_N[r]`` new tokens at most; rows ``>= num_rows``
-    are padding, never run); the request's sampling parameters (scalars) and stop ids ``stop_ids_S``
-    (-1 = unused).
+    Inputs: the prompts, the row queue and the sampling parameters (`ContinuousQueue`); the bucket's static
+    settings (`ContinuousShape`).
 
     1. Prefill: every prompt once ([U, P] through ``model.decode`` into a prompt store of
        P slots; shared prefill: a prompt's n rows all read its entry): the `_Request`.
@@ -346,8 +393,11 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     ``parked``: rows parked; with ``routing`` ``routed`` [N, P + num_new, L, k]: a row's prompt routing copied from
     its prompt's prefill at admission, token t's written by the step that feeds it).
     """
+    slots, num_new, k_logprobs, cache_dtype, routing = (shape.slots, shape.num_new, shape.k_logprobs,
+                                                        shape.cache_dtype, shape.routing)
+    prompt_ids_UxP, prompt_mask_UxP, row_entry_N = q.prompt_ids_UxP, q.prompt_mask_UxP, q.row_entry_N
     model = nnx.merge(graphdef, state)
-    layers = model.decode_layers() if slice_layers_once else None  # `hoist_layer_slices`
+    layers = model.decode_layers() if shape.slice_layers_once else None  # `hoist_layer_slices`
     u, p = prompt_ids_UxP.shape
     n_pad = row_entry_N.shape[0]
     positions_UxP = jnp.maximum(jnp.cumsum(prompt_mask_UxP, axis=-1) - 1, 0).astype(jnp.int32)
@@ -355,9 +405,9 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     logits_Ux1xV, store, *store_routed = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0),
                                                       prompt_mask_UxP, last_logits_only=True,
                                                       **(dict(return_routing=True) if routing else {}))
-    base_key = jax.random.fold_in(jax.random.PRNGKey(seed_2[0]), seed_2[1])
-    caps = cache_phases(num_new, min_phase)  # the cache holds P + caps[i] slots in main phase i (the last: P + num_new)
-    park_n = int(park) * slots if len(caps) > 1 else 0
+    base_key = jax.random.fold_in(jax.random.PRNGKey(q.seed_2[0]), q.seed_2[1])
+    caps = cache_phases(num_new, shape.min_phase)  # P + caps[i] cache slots in phase i
+    park_n = int(shape.park) * slots if len(caps) > 1 else 0
     outs = _Outputs(tokens=jnp.zeros((n_pad, num_new), jnp.int32), logp=jnp.zeros((n_pad, num_new), jnp.float32),
                     topk_ids=jnp.zeros((n_pad, num_new, k_logprobs), jnp.int32),
                     topk_logp=jnp.zeros((n_pad, num_new, k_logprobs), jnp.float32),
@@ -369,10 +419,10 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     req = _Request(store=store, last_UxV=logits_Ux1xV[:, -1, :],  # the LM head on the last prompt position only
                    store_routed=store_routed if routing else None, prompt_mask_UxP=prompt_mask_UxP,
                    prompt_len_U=jnp.sum(prompt_mask_UxP, axis=-1).astype(jnp.int32), row_entry_N=row_entry_N,
-                   row_prompt_N=row_prompt_N, row_sample_N=row_sample_N, max_new_N=max_new_N,
-                   stop_ids_S=jnp.asarray(stop_ids_S, jnp.int32), num_rows=num_rows, base_key=base_key,
-                   temperature=temperature, top_p=top_p, top_k=top_k, p=p, num_new=num_new, k_logprobs=k_logprobs,
-                   n_pad=n_pad, caps=tuple(caps), park_n=park_n, may_filter=may_filter)
+                   row_prompt_N=q.row_prompt_N, row_sample_N=q.row_sample_N, max_new_N=q.max_new_N,
+                   stop_ids_S=jnp.asarray(q.stop_ids_S, jnp.int32), num_rows=q.num_rows, base_key=base_key,
+                   temperature=q.temperature, top_p=q.top_p, top_k=q.top_k, p=p, num_new=num_new,
+                   k_logprobs=k_logprobs, n_pad=n_pad, caps=tuple(caps), park_n=park_n, may_filter=shape.may_filter)
     carry = _DecodeState(cache=laid_out(model.init_cache(slots, p + num_new, dtype=cache_dtype)),
                          kv_mask=jnp.zeros((slots, p + num_new), bool), slots=_Slots.empty(slots, base_key),
                          outs=outs, queue=jnp.int32(0), steps=jnp.int32(0), parked=jnp.int32(0), phase=jnp.int32(0))
@@ -384,7 +434,7 @@ def _continuous_program(graphdef, state, prompt_ids_UxP, prompt_mask_UxP, row_en
     # current phase (attention reads its P + caps[i] slots), then `_settle` refills free slots and moves to the next
     # phase while the current one cannot run (`_runs`). Once the queue is empty and at most half the slots are
     # live, the loop ends; `_continuous_compact` and `_continuous_tail` run what is left.
-    levels = tail_levels(slots, num_new) if tail else [slots]  # without a tail the loop runs every row to its end
+    levels = tail_levels(slots, num_new) if shape.tail else [slots]  # without a tail the loop runs every row to its end
     nxt = levels[1] if len(levels) > 1 else 0
     settle = functools.partial(_settle, req, nxt=nxt)
     step = functools.partial(_decode_step, model, layers, req, windowed=True, parking=park_n > 0)
@@ -463,9 +513,7 @@ _TAIL_LEVELS = 4  # ... into at most this many slot counts (slots, slots/2, slot
 #                   request cheap)
 _HALVING_MIN_NEW = 64  # ... for requests of at least this many new tokens (shorter ones: one level, slots / 4)
 _SMALL_REQUEST = 4  # a request of at most max_slots / this many rows runs in a cache of that many slots, one phase
-_CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0,),
-                          static_argnames=("slots", "num_new", "k_logprobs", "cache_dtype", "routing", "min_phase",
-                                           "park", "slice_layers_once", "may_filter", "tail"))
+_CONTINUOUS_JIT = jax.jit(_continuous_program, static_argnums=(0, 3))
 _CONTINUOUS_COMPACT_JIT = jax.jit(_continuous_compact, static_argnames=("slots",))
 _CONTINUOUS_TAIL_JIT = jax.jit(_continuous_tail, static_argnums=(0,), static_argnames=("slots", "slice_layers_once"))
 
@@ -517,16 +565,19 @@ def run(engine, state, prompts, rows, draw: Draw, row_max_new=None) -> dict:
                          + ((("park", park),) if park != defaults.PARK_ROWS else ())
                          + (("top_p/top_k filter",) if may_filter else ()))
     with engine._layout():
-        carry, req = _CONTINUOUS_JIT(
-            engine._graphdef, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(per_row(entries, np.int32)),
-            jnp.asarray(per_row([key_offset + i for i, _ in rows], np.uint32)),
-            jnp.asarray(per_row([j for _, j in rows], np.uint32)),
-            jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)), jnp.float32(temperature),
-            jnp.float32(top_p), jnp.int32(top_k),
-            jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
-            jnp.asarray(stop_arr), jnp.int32(n_rows), slots=slots, num_new=t, k_logprobs=k, routing=routing,
-            cache_dtype=engine.compute_dtype, min_phase=min_phase, park=park,
-            slice_layers_once=engine.slice_layers_once, may_filter=may_filter, tail=not small)
+        queue = ContinuousQueue(
+            prompt_ids_UxP=jnp.asarray(ids), prompt_mask_UxP=jnp.asarray(mask),
+            row_entry_N=jnp.asarray(per_row(entries, np.int32)),
+            row_prompt_N=jnp.asarray(per_row([key_offset + i for i, _ in rows], np.uint32)),
+            row_sample_N=jnp.asarray(per_row([j for _, j in rows], np.uint32)),
+            seed_2=jnp.asarray(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)),
+            temperature=jnp.float32(temperature), top_p=jnp.float32(top_p), top_k=jnp.int32(top_k),
+            max_new_N=jnp.asarray(per_row([max_new] * n_rows if row_max_new is None else row_max_new, np.int32)),
+            stop_ids_S=jnp.asarray(stop_arr), num_rows=jnp.int32(n_rows))
+        shape = ContinuousShape(slots=slots, num_new=t, k_logprobs=k, cache_dtype=engine.compute_dtype,
+                                routing=routing, min_phase=min_phase, park=park,
+                                slice_layers_once=engine.slice_layers_once, may_filter=may_filter, tail=not small)
+        carry, req = _CONTINUOUS_JIT(engine._graphdef, state, queue, shape)
         rows_left = not small and len(tail_levels(slots, t)) > 1 and np.any(jax.device_get(carry.slots.live))
         if rows_left:  # the tail; the full cache is dropped before its program runs
             carry = _CONTINUOUS_COMPACT_JIT(carry, slots=slots)

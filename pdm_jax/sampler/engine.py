@@ -31,13 +31,11 @@ from flax import nnx
 
 from pdm_jax import sharding as shd
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
-from pdm_jax.rollout import ROUTING_PAD, RolloutBatch, build_batch, pad_axis
+from pdm_jax.rollout import ROUTING_PAD, GenerateParams, RolloutBatch, build_batch, pad_axis
 from pdm_jax.sampler import continuous_batching, static_batching, wire, wire_response
 from pdm_jax.sampler import quantize as quant
 from pdm_jax.sampler import weights as wts
-# The batching programs' names the dry run and older callers import from here.
-from pdm_jax.sampler.continuous_batching import (_CONTINUOUS_COMPACT_JIT, _CONTINUOUS_JIT,  # noqa: F401
-                                                 _CONTINUOUS_TAIL_JIT, _MIN_PHASE, cache_phases, tail_levels)
+from pdm_jax.sampler.continuous_batching import _MIN_PHASE, cache_phases, tail_levels  # noqa: F401
 from pdm_jax.sampler.limits import check_engine_mesh
 from pdm_jax.sampler.spec import EngineSpec
 from pdm_jax.sampler.sampling import Draw, hoist_layer_slices, laid_out, next_pow2, sampling_distribution  # noqa: F401
@@ -308,65 +306,62 @@ class SamplingEngine:
         """``{"status", "model", "quantization", "weight_noise", "weight_noise_seed", "version", "compute_dtype",
         limits...}``."""
         c = self.config
-        return wire_response.health_body(
+        return wire_response.health_body(wire_response.EngineHealth(
             model=f"qwen3(L={c.num_hidden_layers},H={c.hidden_size},V={c.vocab_size})",
             quantization=self.quantization, weight_noise=self.weight_noise, weight_noise_seed=self.weight_noise_seed,
             version=self._version, compute_dtype=str(self.compute_dtype),
             vocab_size=c.vocab_size, max_prompt_length=self.max_prompt_length, max_new_tokens=self.max_new_tokens,
-            weights_path=self._weights_path, loading=self.loading)
+            weights_path=self._weights_path, loading=self.loading))
 
     # -------------------------------------------------------------- generation
-    def validate(self, prompts, *, n=1, temperature=1.0, max_new_tokens=None, top_k_logprobs=20,
-                 stop_token_ids=(), seed=None, top_p=1.0, top_k=0, first_prompt_index=0, return_routing=False) -> list:
-        """`validate_request` against this engine's limits (raises RequestError; ``return_routing``
-        from a dense model is refused naming ``return_routing``)."""
-        if return_routing and not self.config.is_moe:
+    def validate(self, prompts, params: Optional[GenerateParams] = None, **fields) -> list:
+        """`validate_request` of ``params`` with ``fields`` replaced (`GenerateParams.of`) against this engine's limits
+        (raises RequestError; ``return_routing`` from a dense model is refused naming ``return_routing``)."""
+        params = GenerateParams.of(params, **fields)
+        if params.return_routing and not self.config.is_moe:
             raise RequestError(wire.RETURN_ROUTING, "the served model is dense (num_experts = 0): it has no "
                                                     "expert routing to return")
-        return validate_request(
-            prompts, n=n, temperature=temperature,
-            max_new_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed, top_p=top_p, top_k=top_k,
-            vocab_size=self.config.vocab_size, max_prompt_length=self.max_prompt_length,
-            max_new_tokens_limit=self.max_new_tokens, max_stop_tokens=self.max_stop_tokens,
-            max_sequences=self.max_sequences, first_prompt_index=first_prompt_index, return_routing=return_routing)
+        if params.max_new_tokens is None:
+            params = dataclasses.replace(params, max_new_tokens=self.max_new_tokens)
+        return validate_request(prompts, params, vocab_size=self.config.vocab_size,
+                                max_prompt_length=self.max_prompt_length, max_new_tokens_limit=self.max_new_tokens,
+                                max_stop_tokens=self.max_stop_tokens, max_sequences=self.max_sequences)
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1, temperature: float = 1.0,
-                 max_new_tokens: Optional[int] = None, top_k_logprobs: int = 20,
-                 stop_token_ids: Sequence[int] = (), seed: Optional[int] = None, top_p: float = 1.0,
-                 top_k: int = 0, first_prompt_index: int = 0, return_routing: bool = False) -> RolloutBatch:
-        """Samples `n` completions per prompt; returns a RolloutBatch (rows prompt-major).
+    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[GenerateParams] = None,
+                 **fields) -> RolloutBatch:
+        """Samples ``params.n`` completions per prompt; returns a RolloutBatch (rows prompt-major).
 
         Args:
           prompts: token-id lists, each 1..max_prompt_length long, ids in [0, V).
-          n: samples per prompt (>= 1); row i*n+j is sample j of prompt i, group_ids = i.
-          temperature: tau >= 0 (0 = greedy, logprobs then at tau = 1).
-          max_new_tokens: 1..engine.max_new_tokens (default: the engine's).
-          top_k_logprobs: K in [0, V]; topk_* arrays are [N, T, K] f32/int32.
-          stop_token_ids: ids that end a sequence (kept, finish_reason "stop").
-          seed: in [0, 2**63); None draws a fresh random seed.
-          top_p, top_k: nucleus / top-k filters (off: 1.0 / 0).
-          first_prompt_index: f >= 0: prompt i draws with the key of prompt f + i (module docstring);
-            group_ids stay 0..len(prompts)-1.
-          return_routing: MoE models only: also return ``routed_experts`` [N, P + T, L, k]
-            (`rollout.routing_dtype`), the experts each layer ran for every prompt and completion
-            token (routing replay, `RolloutBatch`); the tokens are the same either way.
+          params: the request (`GenerateParams`; None: its defaults), with ``fields`` replaced:
+            n: samples per prompt (>= 1); row i*n+j is sample j of prompt i, group_ids = i.
+            temperature: tau >= 0 (0 = greedy, logprobs then at tau = 1).
+            max_new_tokens: 1..engine.max_new_tokens (default: the engine's).
+            top_k_logprobs: K in [0, V]; topk_* arrays are [N, T, K] f32/int32.
+            stop_token_ids: ids that end a sequence (kept, finish_reason "stop").
+            seed: in [0, 2**63); None draws a fresh random seed.
+            top_p, top_k: nucleus / top-k filters (off: 1.0 / 0).
+            first_prompt_index: f >= 0: prompt i draws with the key of prompt f + i (module docstring);
+              group_ids stay 0..len(prompts)-1.
+            return_routing: MoE models only: also return ``routed_experts`` [N, P + T, L, k]
+              (`rollout.routing_dtype`), the experts each layer ran for every prompt and completion
+              token (routing replay, `RolloutBatch`); the tokens are the same either way.
         Returns:
           RolloutBatch with T = the longest completion; pads are id 0, logprob 0.
         Raises:
           RequestError: invalid request (names the field).
+          TypeError: an unknown field.
         """
-        prompts = self.validate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-                                top_k_logprobs=top_k_logprobs, stop_token_ids=stop_token_ids, seed=seed,
-                                top_p=top_p, top_k=top_k, first_prompt_index=first_prompt_index,
-                                return_routing=return_routing)
-        routing = bool(return_routing)
+        params = GenerateParams.of(params, **fields)
+        prompts = self.validate(prompts, params)
+        n, seed, max_new_tokens = params.n, params.seed, params.max_new_tokens
+        routing = bool(params.return_routing)
         max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         seed = secrets.randbelow(MAX_SEED + 1) if seed is None else int(seed)
         rows = [(i, j) for i in range(len(prompts)) for j in range(int(n))]
-        draw = Draw(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), max_new=max_new,
-                    k=int(top_k_logprobs), stops=list(stop_token_ids or ()), seed=seed, n=int(n), routing=routing,
-                    key_offset=int(first_prompt_index))
+        draw = Draw(temperature=float(params.temperature), top_p=float(params.top_p), top_k=int(params.top_k),
+                    max_new=max_new, k=int(params.top_k_logprobs), stops=list(params.stop_token_ids or ()), seed=seed,
+                    n=int(n), routing=routing, key_offset=int(params.first_prompt_index))
         with self._lock:
             version, state = self._version, self._state
             if self.batching == "continuous":

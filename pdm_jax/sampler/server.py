@@ -49,6 +49,7 @@ With ``--port=0`` the OS picks a free port; it is printed
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -59,7 +60,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -326,8 +327,8 @@ class SamplerService:
 
         def work():
             req = wire_request.GenerateRequest.from_wire(body)
-            self.engine.validate(req.prompts, **req.engine_kwargs())
-            batch = self.engine.generate(req.prompts, **req.engine_kwargs())
+            self.engine.validate(req.prompts, req.params())
+            batch = self.engine.generate(req.prompts, req.params())
             resp = wire_response.GenerateResponse(batch, model=self.engine.health()[wire.MODEL],
                                                   prompt_tokens=req.prompt_tokens)
             return resp, respond(request, resp.to_wire(req.response_format))
@@ -418,10 +419,20 @@ def guarded(handler):
     return endpoint
 
 
+@dataclasses.dataclass(frozen=True)
+class OpenAIRoutes:
+    """The OpenAI-compatible routes' settings (`openai_api.mount`): a Hugging Face ``tokenizer`` (None: the routes
+    answer 404 saying that the server has no tokenizer), its directory ``tokenizer_dir``, and the model id they
+    report, ``served_model_name``."""
+
+    tokenizer: Any = None
+    tokenizer_dir: Optional[str] = None
+    served_model_name: str = "pdm_jax"
+
+
 def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max_body_bytes: int = 8 << 20,
                compile_counter=None, max_inflight_body_bytes: int = DEFAULT_INFLIGHT_BODY_BYTES,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, tokenizer=None, tokenizer_dir: Optional[str] = None,
-               served_model_name: str = "pdm_jax"):
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, openai: OpenAIRoutes = OpenAIRoutes()):
     """The FastAPI app serving `engine` (a SamplingEngine) through a `SamplerService`.
 
     Args:
@@ -433,9 +444,7 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
         ``/v1/weights`` answer (``compile_stats``), or None.
       max_inflight_body_bytes, body_timeout_s: the admission of bodies by bytes and their deadline
         (`SamplerService`).
-      tokenizer: a Hugging Face tokenizer for the OpenAI-compatible routes (`openai_api.mount`; None: they
-        answer 404 saying that the server has no tokenizer); tokenizer_dir: its directory.
-      served_model_name: their model id.
+      openai: the OpenAI-compatible routes' tokenizer and model id (`OpenAIRoutes`).
     Returns:
       a ``fastapi.FastAPI`` application.
     """
@@ -447,7 +456,8 @@ def create_app(engine, *, checkpoint_root: str, token: Optional[str] = None, max
     app.get("/health")(guarded(service.health))
     app.post("/v1/generate")(guarded(service.generate))
     app.post("/v1/weights")(guarded(service.load_weights))
-    openai_api.mount(app, service, tokenizer, tokenizer_dir=tokenizer_dir, model_name=served_model_name)
+    openai_api.mount(app, service, openai.tokenizer, tokenizer_dir=openai.tokenizer_dir,
+                     model_name=openai.served_model_name)
     app.state.service = service
     return app
 
@@ -509,7 +519,8 @@ def main(argv=None) -> None:
     app = create_app(engine, checkpoint_root=args.checkpoint_root, token=args.token,
                      max_body_bytes=args.max_body_bytes, compile_counter=compile_counter,
                      max_inflight_body_bytes=args.max_inflight_body_bytes, body_timeout_s=args.body_timeout_s,
-                     tokenizer=tokenizer, tokenizer_dir=args.tokenizer, served_model_name=args.served_model_name)
+                     openai=OpenAIRoutes(tokenizer=tokenizer, tokenizer_dir=args.tokenizer,
+                                         served_model_name=args.served_model_name))
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -96,7 +96,12 @@ class EngineSpec:
     max_slots: Optional[int] = _flag(None, "continuous batching's slots (0 = --max_batch_size)", type=int,
                                      none_as=defaults.MAX_SLOTS)
     park_rows: int = _flag(defaults.PARK_ROWS, "continuous batching: park up to this many x max_slots rows that "
-                                               "outgrow the first cache phase (0 = never)")
+                                               "outgrow the first cache phase (0 = never)", config=(
+        "Continuous batching parks up to park_rows x slots rows that outgrow the first cache phase (P + T/4 slots) "
+        "while rows are pending and refills their slots, so the queue runs in the short cache: same tokens, "
+        "1.11-1.24x useful tokens/s on mixed lengths, park_rows x slots x (P + T/4) more cache entries (the dry run "
+        "counts them); 0 = never (docs/benchmarks.md, bench/bench_continuous_batching.py --modes "
+        "continuous_nopark,continuous). park_rows counts rows per slot (unit: x slots)."))
     mesh_data: int = _flag(1, "the sharded engine's data axis (rows); with --mesh_tensor, the first data x tensor "
                               "of this process's devices (make_sampler_mesh); 1 x 1 = one device")
     mesh_tensor: int = _flag(1, "the sharded engine's tensor axis (heads / MLP)")
@@ -129,6 +134,18 @@ class EngineSpec:
                 continue
             if not _is_int(v) or v < lo:
                 raise ValueError(f"EngineSpec: {name} must be an integer >= {lo}, got {v!r}")
+
+    @classmethod
+    def config_fields(cls) -> tuple:
+        """The fields that are also run-config fields ``sampler.<name>`` (``metadata["config"]``: their description
+        in docs/configuration.md): the schema, its validation and `SamplerSpec` take them from here by name."""
+        return tuple(f for f in dataclasses.fields(cls) if "config" in f.metadata)
+
+    @classmethod
+    def of_config_fields(cls, section) -> "EngineSpec":
+        """The spec (other fields at their defaults) of the `config_fields` values in ``section`` (a run config's
+        ``sampler`` section, or anything with those fields). Raises ValueError naming a refused field."""
+        return cls(**{f.name: getattr(section, f.name) for f in cls.config_fields()})
 
     @classmethod
     def flag_fields(cls) -> tuple:

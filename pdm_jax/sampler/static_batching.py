@@ -18,7 +18,9 @@ it: the cost per token stays near constant (``bench/bench_sampler.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,14 +58,41 @@ def cache_segments(num_new: int, first_segment: int) -> list:
     return ends + [int(num_new)]
 
 
-def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx2, prompt_idx_B, sample_idx_B,
-                      temperature_B, top_p_B, top_k_B, max_new_B, stop_ids_BxS, *, num_new: int, k_logprobs: int,
-                      cache_dtype, first_segment: int, group: int = 1, routing: bool = False,
-                      slice_layers_once: bool = False):
-    """The jitted prefill + while-loop decode for one (B, P, T=num_new, K) bucket.
+class StaticBatch(NamedTuple):
+    """`_generate_program`'s arrays for B rows: ``prompt_ids_BxP`` / ``prompt_mask_BxP`` (left-padded int32 / bool
+    [B, P]), ``seeds_Bx2`` uint32 [B, 2] (each row's seed, low and high words), ``prompt_idx_B`` / ``sample_idx_B``
+    uint32 [B] (a row's key indices), ``temperature_B`` / ``top_p_B`` f32 [B], ``top_k_B`` / ``max_new_B`` int32 [B]
+    (``max_new_B`` 0: a padding row), ``stop_ids_BxS`` int32 [B, S] (-1 = unused)."""
 
-    ``slice_layers_once`` (static): slice every layer's weights out of the stacks once, before the loops
-    (`hoist_layer_slices`).
+    prompt_ids_BxP: jax.Array
+    prompt_mask_BxP: jax.Array
+    seeds_Bx2: jax.Array
+    prompt_idx_B: jax.Array
+    sample_idx_B: jax.Array
+    temperature_B: jax.Array
+    top_p_B: jax.Array
+    top_k_B: jax.Array
+    max_new_B: jax.Array
+    stop_ids_BxS: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticShape:
+    """`_generate_program`'s static settings (hashable: the jit's static argument): ``num_new`` the new-token bucket
+    T, ``k_logprobs`` K, ``cache_dtype``, ``first_segment`` (`cache_segments`), ``group`` (shared prefill: rows per
+    prompt), ``routing`` (MoE routing replay), ``slice_layers_once`` (`hoist_layer_slices`)."""
+
+    num_new: int
+    k_logprobs: int
+    cache_dtype: Any
+    first_segment: int
+    group: int = 1
+    routing: bool = False
+    slice_layers_once: bool = False
+
+
+def _generate_program(graphdef, state, batch: StaticBatch, shape: StaticShape):
+    """The jitted prefill + while-loop decode for one (B, P, T=num_new, K) bucket.
 
     ``routing`` (MoE models, routing replay): also return ``routed`` [B, P + num_new, L, k]
     (`rollout.routing_dtype`): the experts every layer ran for prompt slot s < P (from the
@@ -85,15 +114,18 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
     the live context instead of always over ``P + num_new`` slots, keeping the
     per-token cost close to constant; rows stop early in any segment.
     """
+    (prompt_ids_BxP, prompt_mask_BxP, seeds_Bx2, prompt_idx_B, sample_idx_B, temperature_B, top_p_B, top_k_B,
+     max_new_B, stop_ids_BxS) = batch
+    num_new, k_logprobs, cache_dtype, group = shape.num_new, shape.k_logprobs, shape.cache_dtype, shape.group
     model = nnx.merge(graphdef, state)
-    layers = model.decode_layers() if slice_layers_once else None
+    layers = model.decode_layers() if shape.slice_layers_once else None
     b, p = prompt_ids_BxP.shape
-    ends = cache_segments(num_new, first_segment)
+    ends = cache_segments(num_new, shape.first_segment)
     cache = laid_out(model.init_cache(b, p + ends[0], dtype=cache_dtype))
     prompt_len_B = jnp.sum(prompt_mask_BxP, axis=-1).astype(jnp.int32)
     positions_BxP = jnp.maximum(jnp.cumsum(prompt_mask_BxP, axis=-1) - 1, 0).astype(jnp.int32)
     kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.ones((b, num_new), bool)], axis=-1)
-    rkw = dict(return_routing=True) if routing else {}
+    rkw = dict(return_routing=True) if shape.routing else {}
     if group > 1:
         cache_u = model.init_cache(b // group, p + ends[0], dtype=cache_dtype)
         logits_Ux1xV, cache_u, *routed_u = model.decode(prompt_ids_BxP[::group], positions_BxP[::group], cache_u,
@@ -174,9 +206,7 @@ def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, seeds_Bx
 
 
 # One module-level jit: engines with equal configs (equal graphdefs) share compiled buckets.
-_GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0,),
-                        static_argnames=("num_new", "k_logprobs", "cache_dtype", "first_segment", "group", "routing",
-                                         "slice_layers_once"))
+_GENERATE_JIT = jax.jit(_generate_program, static_argnums=(0, 3))
 
 
 def run(engine, state, prompts, chunk, draw: Draw) -> dict:
@@ -206,14 +236,17 @@ def run(engine, state, prompts, chunk, draw: Draw) -> dict:
     engine._note_program(("static", b, p, t, k, group, engine.first_cache_segment, str(engine.compute_dtype))
                          + ("routing",) * routing)
     with engine._layout():
-        out = _GENERATE_JIT(
-            engine._graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
-            jnp.asarray(np.tile(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32), (b, 1))),
-            jnp.asarray(prompt_idx), jnp.asarray(sample_idx), jnp.full((b,), temperature, jnp.float32),
-            jnp.full((b,), top_p, jnp.float32), jnp.full((b,), top_k, jnp.int32), jnp.asarray(max_new_b),
-            jnp.asarray(stop_arr), num_new=t, k_logprobs=k, cache_dtype=engine.compute_dtype,
-            first_segment=engine.first_cache_segment, group=group, routing=routing,
-            slice_layers_once=engine.slice_layers_once)
+        batch = StaticBatch(
+            prompt_ids_BxP=jnp.asarray(ids), prompt_mask_BxP=jnp.asarray(mask),
+            seeds_Bx2=jnp.asarray(np.tile(np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32), (b, 1))),
+            prompt_idx_B=jnp.asarray(prompt_idx), sample_idx_B=jnp.asarray(sample_idx),
+            temperature_B=jnp.full((b,), temperature, jnp.float32), top_p_B=jnp.full((b,), top_p, jnp.float32),
+            top_k_B=jnp.full((b,), top_k, jnp.int32), max_new_B=jnp.asarray(max_new_b),
+            stop_ids_BxS=jnp.asarray(stop_arr))
+        shape = StaticShape(num_new=t, k_logprobs=k, cache_dtype=engine.compute_dtype,
+                            first_segment=engine.first_cache_segment, group=group, routing=routing,
+                            slice_layers_once=engine.slice_layers_once)
+        out = _GENERATE_JIT(engine._graphdef, state, batch, shape)
     out = jax.device_get(out)
     engine.last_decode_steps = int(out["steps"])
     return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key != "steps"}

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from pdm_jax.rollout import GenerateParams
 from pdm_jax.sampler.limits import MAX_INT32, MAX_PATH_LENGTH, MAX_SEED, MIN_TEMPERATURE
 from pdm_jax.sampler.wire import (CHOICES, DEFAULT_MAX_TOKENS, FIRST_PROMPT_INDEX, GENERATE_FIELDS, LOGPROBS,
                                   MAX_TOKENS, MODEL, N, PATH, PROMPT, RequestError, RESPONSE_FORMAT,
@@ -105,14 +106,15 @@ class GenerateRequest:
             body[RESPONSE_FORMAT] = self.response_format
         return body
 
-    def engine_kwargs(self) -> dict:
-        """The keyword arguments of `SamplingEngine.generate` / `.validate` (everything but the prompts;
-        ``first_prompt_index`` only when it is not 0)."""
-        offset = {} if self.first_prompt_index == 0 else dict(first_prompt_index=self.first_prompt_index)
-        return dict(n=self.n, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                    top_k_logprobs=self.top_k_logprobs, stop_token_ids=self.stop_token_ids, seed=self.seed,
-                    top_p=self.top_p, top_k=self.top_k, **offset,
-                    **({} if self.return_routing is False else dict(return_routing=self.return_routing)))
+    @classmethod
+    def of(cls, prompts: list, params: GenerateParams, response_format: str = CHOICES) -> "GenerateRequest":
+        """The wire request of ``prompts`` and `GenerateParams` (``max_new_tokens`` set)."""
+        return cls(prompts=prompts, response_format=response_format, **dataclasses.asdict(params))
+
+    def params(self) -> GenerateParams:
+        """The request as `SamplingEngine.generate` / ``.validate`` take it (everything but the prompts and the
+        response layout)."""
+        return GenerateParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GenerateParams)})
 
     @property
     def prompt_tokens(self) -> int:
@@ -178,11 +180,10 @@ def _validate_prompts(prompts, *, vocab_size: int, max_prompt_length: int) -> li
     return out
 
 
-def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs, stop_token_ids, seed,
-                     top_p, top_k, vocab_size: int, max_prompt_length: int, max_new_tokens_limit: int,
-                     max_stop_tokens: int, max_sequences: int = 4096, first_prompt_index=0,
-                     return_routing=False) -> list:
-    """Checks a generation request (Python argument names); returns the prompts as a list of int lists.
+def validate_request(prompts, params: GenerateParams, *, vocab_size: int, max_prompt_length: int,
+                     max_new_tokens_limit: int, max_stop_tokens: int, max_sequences: int = 4096) -> list:
+    """Checks a generation request (``prompts`` and `GenerateParams`, whose ``max_new_tokens`` must be set: the engine
+    resolves None to its limit); returns the prompts as a list of int lists.
 
     Raises:
       RequestError: naming the field by its wire name, for an empty prompt list or
@@ -201,6 +202,10 @@ def validate_request(prompts, *, n, temperature, max_new_tokens, top_k_logprobs,
         (``first_prompt_index``: the engine keys draws by a uint32 prompt index).
     """
     out = _validate_prompts(prompts, vocab_size=vocab_size, max_prompt_length=max_prompt_length)
+    n, temperature, max_new_tokens, top_k_logprobs = (params.n, params.temperature, params.max_new_tokens,
+                                                      params.top_k_logprobs)
+    stop_token_ids, seed, top_p, top_k = params.stop_token_ids, params.seed, params.top_p, params.top_k
+    first_prompt_index, return_routing = params.first_prompt_index, params.return_routing
     if not isinstance(return_routing, (bool, np.bool_)):
         raise RequestError(RETURN_ROUTING, f"must be true or false, got {_kind(return_routing)}")
     if not _is_int(n) or n <= 0:

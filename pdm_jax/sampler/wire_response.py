@@ -389,23 +389,37 @@ def weights_response(info: Mapping, compile_stats: Optional[Mapping] = None) -> 
     return body
 
 
-def health_body(*, model: str, quantization: str, version: int, compute_dtype: str, vocab_size: int,
-                max_prompt_length: int, max_new_tokens: int, weights_path: Optional[str],
-                loading: Optional[Mapping] = None, weight_noise: float = 0.0, weight_noise_seed: int = 0) -> dict:
-    """An engine's ``/health`` fields (`SamplingEngine.health`), status "ok".
+@dataclasses.dataclass(frozen=True)
+class EngineHealth:
+    """An engine's ``/health`` fields (`SamplingEngine.health`); `health_body` writes them, status "ok".
 
     ``weight_noise`` / ``weight_noise_seed`` are the relative std and the seed of the copy's fixed perturbation
-    (``--weight_noise``, 0 = none; ``--weight_noise_seed``).
-
-    ``loading`` is null, or ``{"version", "seconds"}`` while a weights load reads its files (a load stuck on a
-    slow mount shows here, while generation goes on with the current version).
+    (``--weight_noise``, 0 = none; ``--weight_noise_seed``). ``loading`` is None, or ``{"version", "since"}``
+    (time.monotonic) while a weights load reads its files: the body shows ``{"version", "seconds"}`` (a load stuck
+    on a slow mount shows there, while generation goes on with the current version).
     """
-    busy = None if loading is None else {VERSION: int(loading["version"]),
-                                          "seconds": round(time.monotonic() - float(loading["since"]), 3)}
-    return {STATUS: OK, MODEL: model, "quantization": quantization, "weight_noise": weight_noise,
-            "weight_noise_seed": weight_noise_seed, VERSION: version,
-            "compute_dtype": compute_dtype, "vocab_size": vocab_size, "max_prompt_length": max_prompt_length,
-            MAX_NEW_TOKENS: max_new_tokens, "weights_path": weights_path, "loading": busy}
+
+    model: str
+    quantization: str
+    version: int
+    compute_dtype: str
+    vocab_size: int
+    max_prompt_length: int
+    max_new_tokens: int
+    weights_path: Optional[str]
+    loading: Optional[Mapping] = None
+    weight_noise: float = 0.0
+    weight_noise_seed: int = 0
+
+
+def health_body(h: EngineHealth) -> dict:
+    """The ``/health`` body of `EngineHealth` ``h``."""
+    busy = None if h.loading is None else {VERSION: int(h.loading["version"]),
+                                            "seconds": round(time.monotonic() - float(h.loading["since"]), 3)}
+    return {STATUS: OK, MODEL: h.model, "quantization": h.quantization, "weight_noise": h.weight_noise,
+            "weight_noise_seed": h.weight_noise_seed, VERSION: h.version,
+            "compute_dtype": h.compute_dtype, "vocab_size": h.vocab_size, "max_prompt_length": h.max_prompt_length,
+            MAX_NEW_TOKENS: h.max_new_tokens, "weights_path": h.weights_path, "loading": busy}
 
 
 def health_with_stats(health: Mapping, *, requests: int, generated_tokens: int, uptime_s: float) -> dict:
