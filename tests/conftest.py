@@ -307,6 +307,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::")[0]).stem, len(rank)))
 
 
+def pytest_collection_finish(session):
+    """Freezes what the imports and the collection made (`gc.freeze`): the cyclic GC's full collections (automatic,
+    and each module's last) then walk only what the tests make, which is never frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_sessionfinish(session):
     """A pytest-xdist worker hands its module costs and mapping counts to the controller (`pytest_testnodedown`)."""
     workeroutput = getattr(session.config, "workeroutput", None)

@@ -51,6 +51,7 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import gc
 import hmac
 import ipaddress
 import json
@@ -535,6 +536,7 @@ def main(argv=None) -> None:
     print(f"SAMPLER_LISTENING port={port}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                            timeout_keep_alive=30))
+    gc.freeze()  # the imports, weights and engine: the cyclic GC's full collections stop walking them (as train.run)
     server.run(sockets=[sock])
 
 
