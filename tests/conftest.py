@@ -6,10 +6,10 @@ into its own memory mappings (~3 per program), and the whole suite compiles enou
 compiling or loading a program, in test_rollouts_vllm_client's trainer runs or test_trust_region, never when those ran
 alone) were out of mappings. A module ending with more than half the limit in use fails with the count instead.
 
-The test run has a persistent compilation cache of its own (a fresh directory, shared by pytest-xdist's
-workers, removed at the end): a program another module (or the other worker) compiled is loaded from it instead of
-compiled again. Its key is the program, the devices and the XLA flags, so a loaded program is the one this test
-would have compiled; no test reads what another run or a user's run wrote. In-process trainers may point the cache
+The test run has a persistent compilation cache of its own (fresh directories, one per pytest-xdist worker, removed
+at the end): a program an earlier module of the worker compiled is loaded from it instead of compiled again. Its key
+is the program, the devices and the XLA flags, so a loaded program is the one this test would have compiled; no test
+reads what another run or a user's run wrote. In-process trainers may point the cache
 elsewhere for a test (`_compile_cache_stays_in_its_test` puts it back); subprocess runs keep their own caches.
 Programs are built for compile speed, not run speed (`TEST_XLA_FLAGS`; ``XLA_FLAGS`` naming a flag overrides it).
 """
@@ -33,7 +33,13 @@ os.environ["XDG_CACHE_HOME"] = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], 
 os.environ["TMPDIR"] = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], "tmp")
 os.makedirs(os.environ["TMPDIR"], exist_ok=True)
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-TEST_RUN_COMPILE_CACHE = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], "jax_cache")
+#: This process's persistent compilation cache: one directory per pytest-xdist worker, which only that worker writes,
+#: so it needs none of JAX's LRU bookkeeping (`TEST_RUN_COMPILE_CACHE_MAX_BYTES`).
+TEST_RUN_COMPILE_CACHE = os.path.join(os.environ["PDM_JAX_TEST_RUN_DIR"], "jax_cache",
+                                      os.environ.get("PYTEST_XDIST_WORKER", "main"))
+#: No size bound (JAX's default): with one (``jax_compilation_cache_max_size``) JAX locks the directory and scans every
+#: entry on each write (0.2 CPU-s a write at 2,400 entries, measured here), which cost the fast tier a third of its CPU.
+TEST_RUN_COMPILE_CACHE_MAX_BYTES = -1
 #: XLA:CPU flags for the test run, each unless ``XLA_FLAGS`` names it already: 8 fake devices, and programs built for
 #: compile speed (the tests' programs are tiny and run briefly; building them was two thirds of the suite's time).
 #: Without the fusion emitters XLA:CPU emits its fusions with the older LLVM IR emitters, which LLVM at optimisation
@@ -60,7 +66,7 @@ from hypothesis import settings  # noqa: E402
 
 from pdm_jax.profiling import enable_compile_cache  # noqa: E402
 
-enable_compile_cache(TEST_RUN_COMPILE_CACHE)
+enable_compile_cache(TEST_RUN_COMPILE_CACHE, max_size_bytes=TEST_RUN_COMPILE_CACHE_MAX_BYTES)
 
 # Property tests draw the same examples on every run (a seed per test): a CI run cannot fail on an example no
 # earlier run drew. A test's own @settings still override the other fields.

@@ -92,7 +92,7 @@ def test_the_compile_cache_of_the_previous_test_is_the_runs_again():
 
     assert jax.config.jax_compilation_cache_dir == conftest.TEST_RUN_COMPILE_CACHE
     assert jax.config.jax_persistent_cache_min_entry_size_bytes == -1
-    assert jax.config.jax_compilation_cache_max_size == profiling.COMPILE_CACHE_MAX_BYTES
+    assert jax.config.jax_compilation_cache_max_size == conftest.TEST_RUN_COMPILE_CACHE_MAX_BYTES
 
 
 def test_compile_counter_counts_new_programs_only():

@@ -196,7 +196,7 @@ def test_run_tokenizer_trains_a_bpe_on_the_task_text_and_refuses_another_recipe(
     source is refused naming data.chat_template; the directory is readable by others (not mkdtemp's 0700)."""
     import types
 
-    from pdm_jax.analysis.run import load_config
+    from pdm_jax.config import load_config_file as load_config
     from pdm_jax.data import make_source
     from pdm_jax.data.spec import DataSpec
     from pdm_jax.models.tokenizer import RECIPE_FILE
