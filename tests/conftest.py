@@ -288,20 +288,21 @@ def _compiled_programs_stay_in_their_module(request):
 #: Modules not named here follow in their collection order; a stale order costs balance, never a result.
 #: `FAST_TIER_COSTLIEST_FIRST` is the same for ``-m "not slow"``, whose costs differ (no end-to-end runs).
 COSTLIEST_FIRST = (
-    "test_trainer", "test_bucket_workdir", "test_quickstart_notebook", "test_aot", "test_recipe", "test_wandb_log",
-    "test_per_host", "test_attention",
-    "test_trust_region", "test_colocated", "test_sampler_engine", "test_analysis_callback", "test_param_jvp_mask",
-    "test_objectives", "test_routing_replay_engine", "test_sampler_sharded", "test_chunked_loss",
-    "test_rollouts_vllm_client", "test_models_moe", "test_host_memory", "test_packing", "test_moe_train_step",
-    "test_sampler_quantize", "test_qwen3", "test_adversarial", "test_routing_replay", "test_dry_run",
-    "test_distributed", "test_rollouts_supervisor", "test_docs_sampler", "test_hf_training", "test_rl_forward",
+    "test_trainer", "test_aot", "test_bucket_workdir", "test_recipe", "test_docs_models", "test_per_host",
+    "test_sampler_engine", "test_wandb_log", "test_analysis_callback", "test_param_jvp_mask", "test_colocated",
+    "test_models_moe", "test_sampler_sharded", "test_dry_run", "test_rewards", "test_quickstart_notebook",
+    "test_attention", "test_trust_region", "test_objectives", "test_routing_replay_engine", "test_chunked_loss",
+    "test_rollouts_vllm_client", "test_host_memory", "test_packing", "test_moe_train_step", "test_sampler_quantize",
+    "test_qwen3", "test_adversarial", "test_routing_replay", "test_distributed", "test_rollouts_supervisor",
+    "test_docs_sampler", "test_hf_training", "test_rl_forward",
 )
 
 
 FAST_TIER_COSTLIEST_FIRST = (
-    "test_hf_training", "test_trust_region", "test_adversarial", "test_sampler_quantize", "test_objectives",
-    "test_routing_replay", "test_attention", "test_models_moe", "test_aot", "test_qwen3", "test_hf_io",
-    "test_sampler_engine", "test_dry_run", "test_launch", "test_packing",
+    "test_launch", "test_train", "test_trust_region", "test_aot", "test_sampler_quantize", "test_sampler_sharded",
+    "test_models_moe", "test_docs_commands", "test_analysis_report", "test_tokenizer", "test_qwen3", "test_adversarial",
+    "test_sampler_engine", "test_dry_run", "test_attention", "test_objectives", "test_routing_replay", "test_hf_io",
+    "test_packing",
 )
 
 
