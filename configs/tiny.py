@@ -8,7 +8,7 @@ estimator) from an fp8 sampler service.
 
 Expect held-out avg@4 to start RL at 0.49-0.60 and to gain at least 0.10 by
 its end (+0.12 to +0.23 over 5 seeds on one and on eight devices), in about
-5 1/2 minutes on an idle 2-core CPU (about 3 with the compile cache warm); the
+4 1/2 minutes on an idle 2-core CPU (about 3 with the compile cache warm); the
 digits depend on the seed, the device count and the CPU (docs/benchmarks.md, "The default run's range";
 ``bench/default_run_range.py`` measures it).
 
