@@ -59,7 +59,7 @@ SLICE_KNOBS = {
     ("4b", "v6e-8"): (16, 512, "full", 4, 32),  # 24.41 of 32; XLA:TPU: 33.60, does not fit (docs/scaling.md)
     ("4b", "v5p-8"): (32, 512, "full", 4, 128),  # 80.70 of 95
     ("4b", "8xH100"): (64, 512, "full", 8, 128),  # 56.75 of 80
-    ("8b", "v5p-8"): (16, 512, "full", 4, 64),  # 74.26 of 95
+    ("8b", "v5p-8"): (16, 512, "full", 4, 64),  # 74.26 of 95; XLA:TPU: 105.27, does not fit (docs/scaling.md)
     ("8b", "8xH100"): (32, 512, "full", 8, 128),  # 53.56 of 80
 }
 #: (size, slice) -> the part that does not fit (the analytic plan's, per chip; `dry_run_fit.NothingFits`).
