@@ -35,10 +35,10 @@ def static_rollouts(model):
     return _engine(model, "static").generate(PROMPTS, return_routing=True, **GEN)
 
 
-def _engine(model, batching):
+def _engine(model, batching, **kw):
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     return SamplingEngine(CFG, params, quantization="none", max_prompt_length=16, max_new_tokens=16,
-                          max_batch_size=4, batching=batching, max_slots=4, min_new_tokens_bucket=8)
+                          max_batch_size=4, batching=batching, max_slots=4, min_new_tokens_bucket=8, **kw)
 
 
 def _model_routing(model, rb: RolloutBatch):
@@ -49,9 +49,12 @@ def _model_routing(model, rb: RolloutBatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batching", ["static", "continuous"])
+@pytest.mark.parametrize("batching", ["static", "continuous", "continuous, prefill_chunk 1"])
 def test_engine_routing_equals_model_routing(model, static_rollouts, batching):
-    engine = _engine(model, batching)
+    """The engine's routing == the model's; continuous batching's prompt store prefilled whole or a prompt at a
+    time (the prefill's routing written chunk by chunk)."""
+    chunk = int(batching.split("prefill_chunk ")[1]) if "prefill_chunk" in batching else 0
+    engine = _engine(model, batching.split(",")[0], prefill_chunk=chunk)
     rb = static_rollouts if batching == "static" else engine.generate(PROMPTS, return_routing=True, **GEN)
     plain = engine.generate(PROMPTS, **GEN)
     assert plain.routed_experts is None

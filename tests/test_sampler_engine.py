@@ -385,6 +385,22 @@ def test_continuous_batching_equals_static(continuous_pair, temperature):
     assert cont.last_decode_steps < 3 * 11
 
 
+@pytest.mark.slow
+def test_continuous_prefill_in_chunks_equals_whole(params, continuous_pair):
+    """The prompt store prefilled 2 or 3 prompts at a time (5 prompts in a store of 8 entries: 4 chunks of 2; 3 does
+    not divide 8, so 2 again) == prefilled at once: the same rollouts (tokens, log mu, top-K), one program each."""
+    _, whole = continuous_pair
+    gen = dict(n=2, max_new_tokens=12, top_k_logprobs=K, temperature=TAU, seed=5)
+    prompts = PROMPTS + [[9, 10], [3] * 10, [5]]
+    want = whole.generate(prompts, **gen)
+    for chunk in (2, 3):
+        chunked = make_engine(params, max_batch_size=4, batching="continuous", prefill_chunk=chunk)
+        _assert_same_rollouts(want, chunked.generate(prompts, **gen))
+        assert chunked.program_shapes == {("continuous", 4, 16, 8, 16, 16, K, "float32", ("prefill chunk", 2))}
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 0, got -1"):
+        make_engine(params, batching="continuous", prefill_chunk=-1)
+
+
 def test_unfiltered_requests_compile_no_filter(params):
     """Without top-p / top-k the program has no filter (``may_filter=False``): the same log mu bit for bit as the
     filter's no-op branch; a filtering request runs its own program (a distinct shape key) and filters."""

@@ -73,13 +73,15 @@ class _Slots:
 
 @flax.struct.dataclass
 class _Outputs:
-    """The program's outputs per queue row: tokens / log mu [N, T], top-K ids / log mu [N, T, K], ``length`` and
-    ``stopped`` [N]; ``routed`` [N, P + T, L, k] with routing replay, else None."""
+    """The program's outputs per queue row: tokens / log mu [N, T], top-K ids / log mu [N, T x K] (flat: XLA:TPU
+    lays a [N, T, K] buffer out with K = 20 as the minor dimension, padded to 128 lanes, 6.4x the bytes; `run`
+    hands out [N, T, K]), ``length``
+    and ``stopped`` [N]; ``routed`` [N, P + T, L, k] with routing replay, else None."""
 
     tokens: jax.Array
     logp: jax.Array
-    topk_ids: jax.Array
-    topk_logp: jax.Array
+    topk_ids_NxTK: jax.Array
+    topk_logp_NxTK: jax.Array
     length: jax.Array
     stopped: jax.Array
     routed: Optional[jax.Array] = None
@@ -87,10 +89,12 @@ class _Outputs:
     def record(self, rows_B, t_B, tok_B, lp_B, ids_BxK, lps_BxK, stop_B) -> "_Outputs":
         """Token ``t_B[b]`` of row ``rows_B[b]`` written (a row index >= N is dropped)."""
         at = dict(mode="drop")
+        k = ids_BxK.shape[1]
+        top = (rows_B[:, None], t_B[:, None] * k + jnp.arange(k, dtype=t_B.dtype))  # [B, K] entries of [N, T x K]
         return self.replace(tokens=self.tokens.at[rows_B, t_B].set(tok_B, **at),
                             logp=self.logp.at[rows_B, t_B].set(lp_B, **at),
-                            topk_ids=self.topk_ids.at[rows_B, t_B].set(ids_BxK, **at),
-                            topk_logp=self.topk_logp.at[rows_B, t_B].set(lps_BxK, **at),
+                            topk_ids_NxTK=self.topk_ids_NxTK.at[top].set(ids_BxK, **at),
+                            topk_logp_NxTK=self.topk_logp_NxTK.at[top].set(lps_BxK, **at),
                             length=self.length.at[rows_B].set(t_B + 1, **at),
                             stopped=self.stopped.at[rows_B].set(stop_B, **at))
 
@@ -326,8 +330,9 @@ class ContinuousShape:
     """`_continuous_program`'s static settings (hashable: the jit's static argument; one compile each): ``slots``
     cache slots, ``num_new`` the new-token bucket T, ``k_logprobs`` K, ``cache_dtype`` the KV cache's dtype,
     ``routing`` (MoE routing replay), ``min_phase`` (`cache_phases`; None: `_MIN_PHASE`), ``park`` (park entries
-    per slot; 0: off), ``slice_layers_once`` (`hoist_layer_slices`), ``may_filter`` (top-p / top-k filter traced)
-    and ``tail`` (stop the main loop for the tail; False: run every row to its end)."""
+    per slot; 0: off), ``slice_layers_once`` (`hoist_layer_slices`), ``may_filter`` (top-p / top-k filter traced),
+    ``tail`` (stop the main loop for the tail; False: run every row to its end) and ``prefill_chunk`` (prompts
+    prefilled at once, `prefill_rows_at_once`; 0: all)."""
 
     slots: int
     num_new: int
@@ -339,17 +344,54 @@ class ContinuousShape:
     slice_layers_once: bool = False
     may_filter: bool = True
     tail: bool = True
+    prefill_chunk: int = 0
 
     @classmethod
     def for_engine(cls, spec, **settings) -> "ContinuousShape":
-        """The shape of ``settings`` with the park of `EngineSpec` ``spec``."""
-        return cls(park=spec.park_rows, **settings)
+        """The shape of ``settings`` with the park and prefill chunk of `EngineSpec` ``spec``."""
+        return cls(park=spec.park_rows, prefill_chunk=spec.prefill_chunk, **settings)
 
 
 def park_entries(spec, slots: int, caps) -> int:
     """Park entries of a continuous program with ``slots`` slots and cache phases ``caps`` (`cache_phases`) for
     `EngineSpec` ``spec``: ``park_rows x slots`` with more than one phase, else 0 (`_continuous_program`)."""
     return int(spec.park_rows) * int(slots) if len(caps) > 1 else 0
+
+
+def prefill_rows_at_once(u: int, chunk: int) -> int:
+    """Prompts a prefill of ``u`` prompts runs at once for `EngineSpec.prefill_chunk` ``chunk``: the largest divisor
+    of ``u`` that is at most ``chunk`` (0: ``u``, the whole store at once)."""
+    if not chunk or chunk >= u:
+        return int(u)
+    return max(d for d in range(1, int(chunk) + 1) if u % d == 0)
+
+
+def _prefill(model, ids_UxP, positions_UxP, mask_UxP, *, cache_dtype, routing: bool, chunk: int):
+    """The prompt store: U prompts ([U, P] int32 ids, int32 rotary positions, bool mask; left-padded) through
+    ``model.decode`` into a KV cache of P slots, ``chunk`` prompts at a time (`prefill_rows_at_once`: a
+    ``fori_loop`` over the U / chunk chunks, each prefilled into a cache of its own and written into the store;
+    ``chunk`` = U: one call). A prompt's entries do not depend on the other prompts of its chunk, so the chunks only
+    bound the attention's f32 ``[chunk, heads, P, P]`` scores. Returns (last position's logits [U, V] f32, the
+    store, the prefill's routing [U, P, L, k] int32 with ``routing``, else None)."""
+    u, p = ids_UxP.shape
+    kw = dict(return_routing=True) if routing else {}
+
+    def run(ids, positions, mask):
+        cache = model.init_cache(ids.shape[0], p, dtype=cache_dtype)
+        logits, cache, *routed = model.decode(ids, positions, cache, jnp.int32(0), mask, last_logits_only=True, **kw)
+        return logits[:, -1, :], cache, (routed[0] if routing else None)
+    if chunk >= u:
+        return run(ids_UxP, positions_UxP, mask_UxP)
+    part = jax.eval_shape(run, ids_UxP[:chunk], positions_UxP[:chunk], mask_UxP[:chunk])
+    last, store, routed = jax.tree.map(lambda a: jnp.zeros((u,) + a.shape[1:], a.dtype), part)
+    full = (last, laid_out(store), routed)
+
+    def body(i, acc):
+        start = i * chunk
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=0)  # noqa: E731
+        out = run(take(ids_UxP), take(positions_UxP), take(mask_UxP))
+        return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, start, axis=0), acc, out)
+    return jax.lax.fori_loop(0, u // chunk, body, full)
 
 
 def _continuous_program(graphdef, state, q: ContinuousQueue, shape: ContinuousShape):
@@ -359,7 +401,8 @@ def _continuous_program(graphdef, state, q: ContinuousQueue, shape: ContinuousSh
     settings (`ContinuousShape`).
 
     1. Prefill: every prompt once ([U, P] through ``model.decode`` into a prompt store of
-       P slots; shared prefill: a prompt's n rows all read its entry): the `_Request`.
+       P slots, ``shape.prefill_chunk`` prompts at a time: `_prefill`; shared prefill: a prompt's n rows all read
+       its entry): the `_Request`.
     2. One KV cache [slots, P + T] (per layer, `KVCache` layouts) and per-slot state
        (`_Slots`: row, tokens so far, last token, prompt length, key), carried with the outputs in a
        `_DecodeState`.  Row b keeps the static engine's layout: the prompt in slots 0..P-1, token t's
@@ -401,22 +444,21 @@ def _continuous_program(graphdef, state, q: ContinuousQueue, shape: ContinuousSh
     u, p = prompt_ids_UxP.shape
     n_pad = row_entry_N.shape[0]
     positions_UxP = jnp.maximum(jnp.cumsum(prompt_mask_UxP, axis=-1) - 1, 0).astype(jnp.int32)
-    store = model.init_cache(u, p, dtype=cache_dtype)
-    logits_Ux1xV, store, *store_routed = model.decode(prompt_ids_UxP, positions_UxP, store, jnp.int32(0),
-                                                      prompt_mask_UxP, last_logits_only=True,
-                                                      **(dict(return_routing=True) if routing else {}))
+    last_UxV, store, store_routed = _prefill(model, prompt_ids_UxP, positions_UxP, prompt_mask_UxP,
+                                             cache_dtype=cache_dtype, routing=routing,
+                                             chunk=prefill_rows_at_once(u, shape.prefill_chunk))
     base_key = jax.random.fold_in(jax.random.PRNGKey(q.seed_2[0]), q.seed_2[1])
     caps = cache_phases(num_new, shape.min_phase)  # P + caps[i] cache slots in phase i
     park_n = int(shape.park) * slots if len(caps) > 1 else 0
     outs = _Outputs(tokens=jnp.zeros((n_pad, num_new), jnp.int32), logp=jnp.zeros((n_pad, num_new), jnp.float32),
-                    topk_ids=jnp.zeros((n_pad, num_new, k_logprobs), jnp.int32),
-                    topk_logp=jnp.zeros((n_pad, num_new, k_logprobs), jnp.float32),
+                    topk_ids_NxTK=jnp.zeros((n_pad, num_new * k_logprobs), jnp.int32),
+                    topk_logp_NxTK=jnp.zeros((n_pad, num_new * k_logprobs), jnp.float32),
                     length=jnp.zeros((n_pad,), jnp.int32), stopped=jnp.zeros((n_pad,), bool))
     if routing:  # [N, P + num_new, L, k] (see `_generate_program`)
-        store_routed = store_routed[0].astype(routing_dtype(model.config.num_experts))
+        store_routed = store_routed.astype(routing_dtype(model.config.num_experts))
         outs = outs.replace(routed=jnp.full((n_pad, p + num_new) + store_routed.shape[2:], ROUTING_PAD,
                                             store_routed.dtype))
-    req = _Request(store=store, last_UxV=logits_Ux1xV[:, -1, :],  # the LM head on the last prompt position only
+    req = _Request(store=store, last_UxV=last_UxV,  # the LM head on the last prompt position only
                    store_routed=store_routed if routing else None, prompt_mask_UxP=prompt_mask_UxP,
                    prompt_len_U=jnp.sum(prompt_mask_UxP, axis=-1).astype(jnp.int32), row_entry_N=row_entry_N,
                    row_prompt_N=q.row_prompt_N, row_sample_N=q.row_sample_N, max_new_N=q.max_new_N,
@@ -474,9 +516,9 @@ def _continuous_tail(graphdef, state, carry: _DecodeState, req: _Request, *, slo
 
 def _outputs(carry: _DecodeState) -> dict:
     """The continuous program's result: the rows' outputs, decode steps run and rows parked (`_generate_program`'s
-    dict; ``routed`` with routing replay)."""
+    dict, but top-K [N, T x K]: `run` reshapes them on the host; ``routed`` with routing replay)."""
     outs = carry.outs
-    return dict(tokens=outs.tokens, logp=outs.logp, topk_ids=outs.topk_ids, topk_logp=outs.topk_logp,
+    return dict(tokens=outs.tokens, logp=outs.logp, topk_ids=outs.topk_ids_NxTK, topk_logp=outs.topk_logp_NxTK,
                 length=outs.length, stopped=outs.stopped, steps=carry.steps, parked=carry.parked,
                 **({} if outs.routed is None else dict(routed=outs.routed)))
 
@@ -559,10 +601,11 @@ def run(engine, state, prompts, rows, draw: Draw, row_max_new=None) -> dict:
     min_phase = t if small else engine.min_cache_phase
     phases = () if min_phase == _MIN_PHASE else (("min_phase", min_phase),)
     may_filter = top_p < 1.0 or top_k > 0  # else the program has no top-p / top-k filter (`sampling_distribution`)
-    park = engine.spec.park_rows
+    park, chunk = engine.spec.park_rows, prefill_rows_at_once(u_pad, engine.spec.prefill_chunk)
     engine._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(engine.compute_dtype))
                          + ("routing",) * routing + phases
                          + ((("park", park),) if park != defaults.PARK_ROWS else ())
+                         + ((("prefill chunk", chunk),) if chunk < u_pad else ())
                          + (("top_p/top_k filter",) if may_filter else ()))
     with engine._layout():
         queue = ContinuousQueue(
@@ -576,7 +619,8 @@ def run(engine, state, prompts, rows, draw: Draw, row_max_new=None) -> dict:
             stop_ids_S=jnp.asarray(stop_arr), num_rows=jnp.int32(n_rows))
         shape = ContinuousShape(slots=slots, num_new=t, k_logprobs=k, cache_dtype=engine.compute_dtype,
                                 routing=routing, min_phase=min_phase, park=park,
-                                slice_layers_once=engine.slice_layers_once, may_filter=may_filter, tail=not small)
+                                slice_layers_once=engine.slice_layers_once, may_filter=may_filter, tail=not small,
+                                prefill_chunk=chunk)
         carry, req = _CONTINUOUS_JIT(engine._graphdef, state, queue, shape)
         rows_left = not small and len(tail_levels(slots, t)) > 1 and np.any(jax.device_get(carry.slots.live))
         if rows_left:  # the tail; the full cache is dropped before its program runs
@@ -588,4 +632,7 @@ def run(engine, state, prompts, rows, draw: Draw, row_max_new=None) -> dict:
     out = jax.device_get(out)
     engine.last_decode_steps = int(out["steps"])
     engine.parked_rows += int(out["parked"])
-    return {key: np.asarray(v)[:n_rows] for key, v in out.items() if key not in ("steps", "parked")}
+    out = {key: np.asarray(v)[:n_rows] for key, v in out.items() if key not in ("steps", "parked")}
+    for key in ("topk_ids", "topk_logp"):  # [N, T x K] on the device (`_Outputs`) -> [N, T, K]
+        out[key] = out[key].reshape(n_rows, t, k)
+    return out

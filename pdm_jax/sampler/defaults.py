@@ -23,3 +23,5 @@ MAX_BATCH_SIZE = 64
 MAX_SLOTS = 0
 #: Continuous batching parks up to ``PARK_ROWS x slots`` rows that outgrow the first cache phase (0 = never).
 PARK_ROWS = 2
+#: Continuous batching prefills its prompt store this many prompts at a time (0 = the whole request at once).
+PREFILL_CHUNK = 0

@@ -71,11 +71,14 @@ class EngineSpec:
         cache phase while rows are pending (`_continuous_program`; 0: never), so the short first-phase
         cache serves the queue; the same tokens either way (tests), fewer attention reads with mixed
         lengths (bench/bench_continuous_batching.py), ``park_rows x slots x (P + T/4)`` more cache entries.
+      prefill_chunk: continuous batching prefills its prompt store this many prompts at a time (a loop over
+        chunks; 0: the whole request at once), which bounds the prefill's attention scores, f32
+        ``[prompts, heads, P, P]`` per layer (12 GiB per device for 64 prompts of 2,048 tokens, 4 heads a device).
 
     Raises:
       ValueError: naming the field and its value: an unknown quantization or batching mode, a
         weight noise outside [0, ``defaults.MAX_WEIGHT_NOISE``] or seed outside [0, 2**32), a size that is not an
-        integer >= 1 (``park_rows``: >= 0; ``max_slots`` None: as ``max_batch_size``).
+        integer >= 1 (``park_rows``, ``prefill_chunk``: >= 0; ``max_slots`` None: as ``max_batch_size``).
     """
 
     quantization: str = _flag("none", "weight precision of the sampler's copy (pdm_jax.sampler.quantize)",
@@ -102,6 +105,11 @@ class EngineSpec:
         "1.11-1.24x useful tokens/s on mixed lengths, park_rows x slots x (P + T/4) more cache entries (the dry run "
         "counts them); 0 = never (docs/benchmarks.md, bench/bench_continuous_batching.py --modes "
         "continuous_nopark,continuous). park_rows counts rows per slot (unit: x slots)."))
+    prefill_chunk: int = _flag(defaults.PREFILL_CHUNK, "continuous batching: prompts prefilled at once into the "
+                                                       "prompt store (0 = the whole request)", config=(
+        "Continuous batching prefills the prompt store this many prompts at a time (0 = the whole request at once): "
+        "the prefill's attention scores are f32 [prompts, heads, P, P] per layer, so this bounds the engine's "
+        "largest temporary (the dry run counts it); the same prompt store either way (tests). Unit: prompts."))
     mesh_data: int = _flag(1, "the sharded engine's data axis (rows); with --mesh_tensor, the first data x tensor "
                               "of this process's devices (make_sampler_mesh); 1 x 1 = one device")
     mesh_tensor: int = _flag(1, "the sharded engine's tensor axis (heads / MLP)")
@@ -128,8 +136,8 @@ class EngineSpec:
                              f"got {self.weight_noise_seed!r}")
         for name in ("max_prompt_length", "max_new_tokens", "max_batch_size", "mesh_data", "mesh_tensor",
                      "min_prompt_bucket", "min_new_tokens_bucket", "first_cache_segment", "max_stop_tokens",
-                     "max_sequences", "max_slots", "park_rows"):
-            v, lo = getattr(self, name), 0 if name == "park_rows" else 1
+                     "max_sequences", "max_slots", "park_rows", "prefill_chunk"):
+            v, lo = getattr(self, name), 0 if name in ("park_rows", "prefill_chunk") else 1
             if name == "max_slots" and v is None:  # as max_batch_size
                 continue
             if not _is_int(v) or v < lo:
