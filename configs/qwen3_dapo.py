@@ -10,8 +10,8 @@ default ``hf_path`` (``checkpoints/Qwen3-8B-Base``, ...), which also names the a
 
 ``slice`` (``v5e-8`` | ``v6e-8`` | ``v5p-8`` | ``v5p-128`` | ``8xH100`` | ``1xH100``, default ``v5p-128``;
 `pdm_jax.aot.SLICES`) sets the dry run's target (``dry_run.chip``, ``dry_run.num_devices``) and the memory
-knobs for it (`SLICE_KNOBS`: micro-batch, loss chunk, remat, the rollout engine's mesh and slots; nothing
-parked): what ``--dry_run --config.dry_run.fit=true`` proposes for that slice (tests/test_dry_run_fit.py keeps
+knobs for it (`SLICE_KNOBS`: micro-batch, loss chunk, remat, the rollout engine's mesh, slots and prefill chunk;
+nothing parked): what ``--dry_run --config.dry_run.fit=true`` proposes for that slice (tests/test_dry_run_fit.py keeps
 them in step). What a step means (128 prompts x 8 samples, 2k + 8k tokens, delta, K, lr) is the recipe's on
 every slice: no slice changes it. Where the recipe does not fit a slice at all (`DOES_NOT_FIT`) the config
 keeps the recipe's knobs and the dry run says which part does not fit; docs/scaling.md has the grid.
@@ -40,27 +40,27 @@ DEFAULT_SIZE = "8b"
 DEFAULT_SLICE = "v5p-128"  # the recipe as written: 64 x v5p, compiled by XLA:TPU (docs/scaling.md)
 
 #: (size, slice) -> (rl.micro_batch_size, rl.logits_chunk_size, model.remat, sampler.mesh.tensor,
-#: sampler.max_batch_size) with sampler.mesh.data 1, sampler.max_slots 0 and sampler.park_rows 0: the settings
-#: with the most work per step that fit the slice by the dry run's analytic plan within 90% of HBM
+#: sampler.max_batch_size, sampler.prefill_chunk) with sampler.mesh.data 1, sampler.max_slots 0 and sampler.park_rows 0:
+#: the settings with the most work per step that fit the slice by the dry run's analytic plan within 90% of HBM
 #: (`pdm_jax.dry_run_fit.propose`; the per-device GiB it counts in the comments). v5p-128 is the recipe as
 #: written (micro-batches of 64, the configuration XLA:TPU compiled); there the fit proposes the whole mini-batch
 #: at once (0), which the analytic plan fits as well but no compiler has checked.
 SLICE_KNOBS = {
-    ("0.6b", "v5e-8"): (32, 512, "full", 4, 32),  # 14.28 GiB of 16
-    ("0.6b", "v6e-8"): (64, 512, "full", 4, 64),  # 27.40 of 32
-    ("0.6b", "v5p-8"): (128, 256, "full", 4, 128),  # 75.21 of 95
-    ("0.6b", "8xH100"): (0, 128, "full", 8, 256),  # 64.11 of 80
-    ("0.6b", "1xH100"): (16, 512, "full", 1, 32),  # 71.10 of 80
-    ("1.7b", "v5e-8"): (16, 512, "full", 4, 16),  # 13.70 of 16; XLA:TPU: the engine does not fit (docs/scaling.md)
-    ("1.7b", "v6e-8"): (32, 512, "full", 4, 32),  # 21.94 of 32
-    ("1.7b", "v5p-8"): (64, 512, "full", 4, 128),  # 75.36 of 95
-    ("1.7b", "8xH100"): (128, 512, "full", 8, 256),  # 70.99 of 80
-    ("1.7b", "1xH100"): (8, 512, "full", 1, 16),  # 68.61 of 80
-    ("4b", "v6e-8"): (16, 512, "full", 4, 32),  # 24.41 of 32; XLA:TPU: 33.60, does not fit (docs/scaling.md)
-    ("4b", "v5p-8"): (32, 512, "full", 4, 128),  # 80.70 of 95
-    ("4b", "8xH100"): (64, 512, "full", 8, 128),  # 56.75 of 80
-    ("8b", "v5p-8"): (16, 512, "full", 4, 64),  # 74.26 of 95; XLA:TPU: 105.27, does not fit (docs/scaling.md)
-    ("8b", "8xH100"): (32, 512, "full", 8, 128),  # 53.56 of 80
+    ("0.6b", "v5e-8"): (32, 512, "full", 4, 16, 16),  # 13.23 GiB of 16
+    ("0.6b", "v6e-8"): (64, 512, "full", 4, 64, 16),  # 28.72 of 32
+    ("0.6b", "v5p-8"): (128, 256, "full", 4, 128, 0),  # 75.21 of 95
+    ("0.6b", "8xH100"): (0, 128, "full", 8, 256, 0),  # 64.11 of 80
+    ("0.6b", "1xH100"): (16, 512, "full", 1, 16, 16),  # 66.92 of 80
+    ("1.7b", "v5e-8"): (16, 512, "full", 4, 16, 8),  # 13.70 of 16
+    ("1.7b", "v6e-8"): (32, 512, "full", 4, 32, 0),  # 28.15 of 32
+    ("1.7b", "v5p-8"): (64, 512, "full", 4, 128, 0),  # 75.36 of 95
+    ("1.7b", "8xH100"): (128, 512, "full", 8, 256, 0),  # 70.99 of 80
+    ("1.7b", "1xH100"): (8, 512, "full", 1, 16, 2),  # 71.08 of 80
+    ("4b", "v6e-8"): (16, 512, "full", 4, 32, 8),  # 26.94 of 32
+    ("4b", "v5p-8"): (32, 512, "full", 4, 128, 32),  # 83.32 of 95
+    ("4b", "8xH100"): (64, 512, "full", 8, 128, 0),  # 58.91 of 80
+    ("8b", "v5p-8"): (16, 512, "full", 4, 64, 64),  # 83.60 of 95
+    ("8b", "8xH100"): (32, 512, "full", 8, 128, 0),  # 65.71 of 80
 }
 #: (size, slice) -> the part that does not fit (the analytic plan's, per chip; `dry_run_fit.NothingFits`).
 DOES_NOT_FIT = {
@@ -89,10 +89,11 @@ def apply_slice(c, size: str, slice_name: str):
     c.sampler.mesh.tensor = min(c.sampler.mesh.tensor, chips_per_host(chip, n))
     knobs = SLICE_KNOBS.get((size, slice_name))
     if knobs is not None:
-        micro, chunk, remat, tensor, slots = knobs
+        micro, chunk, remat, tensor, slots, prefill = knobs
         c.rl.micro_batch_size, c.rl.logits_chunk_size, c.model.remat = micro, chunk, remat
         c.sampler.mesh.data, c.sampler.mesh.tensor = 1, tensor
         c.sampler.max_batch_size, c.sampler.max_slots, c.sampler.park_rows = slots, 0, 0
+        c.sampler.prefill_chunk = prefill
     return c
 
 

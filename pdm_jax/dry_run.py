@@ -81,6 +81,9 @@ _MOE_D_BUFFERS = 2
 # (compiled temp per token and layer, scanned / unrolled, attention buffers aside): 1.74.
 _SCAN_RESIDUAL_FACTOR = 1.7
 _LOSS_V_BUFFERS = 4  # logits, log-softmax, tail log pi (trust region), softmax for the backward
+#: Bytes per [query, key] pair of the rollout engine's prefill attention: the f32 scores, their exponentials and
+#: probabilities (XLA:TPU, the 1.7B engine on v5e:2x4, 64 prompts x 4 heads x 2,048^2: 11.7 GiB of temporaries).
+_PREFILL_SCORE_BYTES = 12
 
 
 def prepare_devices(num_devices: int) -> bool:
@@ -365,18 +368,31 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
       first-phase slots, `continuous_batching.park_entries` x (P + T/4) (P + T/2 where T/4 is under 32
       tokens; `engine.cache_phases`) more cache entries, split the same way.
 
-    Activations of the decode step (per-slot logits, attention scores) are not counted.  ``colocated``:
+    * ``outputs``: the rollouts the engine carries, [rows, T] tokens and log mu and [rows, T x K] top-K ids and
+      log mu (4 bytes each; rows: the request's, at least the slots), on every device; with MoE routing replay
+      also [rows, P + T, layers, k] int8;
+    * ``prefill``: the attention scores of one prefill chunk (`EngineSpec.prefill_chunk` prompts;
+      ``_PREFILL_SCORE_BYTES`` per query-key pair, heads split over the tensor axis);
+    * ``lm_head``: the LM head gathered whole, V x D in the compute dtype, where the tensor axis splits the
+      vocabulary (XLA:TPU gathers it for the last position's logits);
+    * ``transient``: the largest of the decode loop (KV cache + prompt store + park + outputs + LM head), the
+      prefill (KV cache + prompt store + outputs + prefill) and the compaction (`continuous_batching._compact`:
+      1.5 x the KV cache + 2 x the outputs), calibrated on XLA:TPU's compiles (docs/scaling.md);
+    * ``total``: weights + transient.
+
+    The decode step's own activations (per-slot logits, attention scores) are not counted.  ``colocated``:
     the engine shares the trainer's chips (``sampler.mode`` colocated, or auto, which resolves to it on
     TPU / GPU); otherwise it runs on devices of its own. ``per_host``: a host's local chips (default
     `aot.chips_per_host`); a colocated engine's mesh must fit in them, as the trainer checks
     (`config.check_sampler_mesh`), and must split the model as the engine checks (`engine.check_engine_mesh`).
-    Returns a dict of ints (bytes, plus ``total``) and the descriptive fields ``mesh``, ``slots``, ``dtype``,
-    ``quantization``, ``colocated``, ``hosts``, ``request_prompts`` (prompts in one host's request).
+    Returns a dict of ints (bytes) and the descriptive fields ``mesh``, ``slots``, ``dtype``,
+    ``quantization``, ``colocated``, ``hosts``, ``request_prompts`` (prompts in one host's request) and
+    ``prefill_chunk`` (prompts prefilled at once).
     Raises:
       ValueError: ``sampler.mesh`` larger than a host's chips in colocated mode, or not splitting the model
         (naming the field).
     """
-    from pdm_jax.sampler.continuous_batching import park_entries
+    from pdm_jax.sampler.continuous_batching import park_entries, prefill_rows_at_once
     from pdm_jax.sampler.engine import (cache_phases, check_engine_mesh,  # lazy: the dry run's imports stay light
                                         resolve_compute_dtype)
 
@@ -415,10 +431,23 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
     prompt_store = store_rows * p * per_entry // (d * kv_t)
     caps = cache_phases(new)
     park = (park_entries(sc.engine, slots, caps) if continuous else 0) * (p + caps[0]) * per_entry // (d * kv_t)
-    out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park)
-    out["total"] = sum(out.values())
+    k = spec.rl.top_k_logprobs
+    rows = max(pow2(prompts * spec.rl.group_size), slots) if continuous else slots
+    outputs = rows * new * (2 + 2 * k) * 4  # tokens, log mu, top-K ids and log mu: int32 / f32, every device
+    if spec.model.moe_routing_replay and c.is_moe:
+        outputs += rows * (p + new) * c.num_hidden_layers * c.num_experts_per_tok  # int8 routing
+    heads = c.num_attention_heads // t if c.num_attention_heads % t == 0 else c.num_attention_heads
+    chunk = prefill_rows_at_once(store_rows, sc.engine.prefill_chunk) if continuous else slots
+    prefill = _PREFILL_SCORE_BYTES * chunk * heads * p * p // d
+    lm_head = c.vocab_size * c.hidden_size * dtype.itemsize if t > 1 else 0
+    out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park, outputs=outputs,
+               prefill=prefill, lm_head=lm_head)
+    out["transient"] = max(kv_cache + prompt_store + park + outputs + lm_head,  # the decode loop
+                           kv_cache + prompt_store + outputs + prefill,  # the prefill of one chunk
+                           kv_cache * 3 // 2 + 2 * outputs)  # the compaction: the carry and its half, both live
+    out["total"] = weights + out["transient"]
     return dict(out, mesh=(d, t), slots=slots, dtype=str(dtype), quantization=sc.quantization,
-                colocated=colocated, hosts=hosts, request_prompts=prompts)
+                colocated=colocated, hosts=hosts, request_prompts=prompts, prefill_chunk=chunk)
 
 
 def compiled_sampler_plan(spec: RunSpec, model_cfg, sp: dict, *, devices=None) -> dict:
@@ -1078,8 +1107,9 @@ def _sampler_lines(sp: dict, hbm: int, g, unit: str, compiled=None, target: str 
              f"  ({sp['quantization']} weights held in {sp['dtype']}, {sp['slots']} slots, requests of "
              f"{sp.get('request_prompts', '?')} prompts"
              + (f": one host's share of {sp['hosts']} hosts)" if sp.get("hosts", 1) > 1 else ")")]
-    for k in ("weights", "kv_cache", "prompt_store", "park", "total"):
-        lines.append(f"  {'sampler_' + k:<30}{g(sp[k])}")
+    for k in ("weights", "kv_cache", "prompt_store", "park", "outputs", "prefill", "lm_head", "total"):
+        lines.append(f"  {'sampler_' + k:<30}{g(sp[k])}" + (f"  ({sp['prefill_chunk']} prompts at once)"
+                                                             if k == "prefill" else ""))
     if sp["colocated"]:
         lines += ["  colocated: the sampler lives on the same chips as the train step (sampler.mode); both are "
                   "added up below"]

@@ -27,10 +27,11 @@ GIB = dr.GIB
 HEADROOM = 0.9
 #: The fields `propose` sets, in the order its overrides are printed.
 KNOBS = ("rl.micro_batch_size", "rl.logits_chunk_size", "model.remat", "sampler.mesh.data", "sampler.mesh.tensor",
-         "sampler.max_batch_size", "sampler.max_slots", "sampler.park_rows")
+         "sampler.max_batch_size", "sampler.max_slots", "sampler.park_rows", "sampler.prefill_chunk")
 _REMATS = ("none", "dots_saveable", "full")  # least recomputation first
 _CHUNKS = (512, 256, 128)
 _MIN_SLOTS = 8
+_PREFILL_CHUNKS = (0, 64, 32, 16, 8, 4, 2, 1)  # sampler.prefill_chunk: prompts prefilled at once (0: all)
 
 
 class NothingFits(ValueError):
@@ -38,13 +39,9 @@ class NothingFits(ValueError):
 
 
 def engine_transient(sp: dict) -> int:
-    """The rollout engine's transient bytes per device (beyond its weights) by the analytic plan, with the
-    compaction: `engine._continuous_compact` holds the KV cache and its gather into half the slots at once,
-    1.5 x the cache. Calibrated against XLA:TPU's compiles for v5p:4x4x4 (docs/scaling.md): weights + 1.5 x
-    cache is 35.62 / 37.57 / 36.74 GiB for the 4B / 8B / 30B-A3B engines, their compiled gathers 36.03 / 37.97 /
-    36.98. The main program's decode buffers (per-slot logits, attention scores, the MoE dispatch) stay
-    uncounted: `HEADROOM` is for them."""
-    return max(sp["kv_cache"] + sp["prompt_store"] + sp["park"], sp["kv_cache"] * 3 // 2)
+    """The rollout engine's transient bytes per device (beyond its weights) by the analytic plan: `dry_run.sampler_plan`'s
+    ``transient``, the largest of its decode loop, its prefill and its compaction."""
+    return sp["transient"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +91,26 @@ def _sampler_candidates(spec: RunSpec, model_cfg, chip: str, num_devices: int):
             continue
         slots = 1 << 12
         while slots >= _MIN_SLOTS:
-            c = spec._replace(sampler=dataclasses.replace(
-                spec.sampler, mesh_data=1, mesh_tensor=t, max_batch_size=slots, max_slots=0,
-                engine=dataclasses.replace(spec.sampler.engine, park_rows=0)))
-            try:
-                sp = dr.sampler_plan(c, model_cfg, num_devices, chip, per_host=per_host)
-            except ValueError:
-                break
-            rows = sp["request_prompts"] * spec.rl.group_size
-            if slots <= max(rows, _MIN_SLOTS):  # more slots than a request's rows would sit empty
+            refused, seen = False, set()
+            for chunk in _PREFILL_CHUNKS:  # the whole store at once first
+                c = spec._replace(sampler=dataclasses.replace(
+                    spec.sampler, mesh_data=1, mesh_tensor=t, max_batch_size=slots, max_slots=0,
+                    engine=dataclasses.replace(spec.sampler.engine, park_rows=0, prefill_chunk=chunk)))
+                try:
+                    sp = dr.sampler_plan(c, model_cfg, num_devices, chip, per_host=per_host)
+                except ValueError:
+                    refused = True
+                    break
+                if slots > max(sp["request_prompts"] * spec.rl.group_size, _MIN_SLOTS):  # slots no row fills
+                    break
+                if sp["prefill_chunk"] in seen:  # the chunk a larger setting already gave (the whole store)
+                    continue
+                seen.add(sp["prefill_chunk"])
                 out.append(({"sampler.mesh.data": 1, "sampler.mesh.tensor": t, "sampler.max_batch_size": slots,
-                             "sampler.max_slots": 0, "sampler.park_rows": 0}, sp["weights"], engine_transient(sp), sp))
+                             "sampler.max_slots": 0, "sampler.park_rows": 0, "sampler.prefill_chunk": chunk},
+                            sp["weights"], engine_transient(sp), sp))
+            if refused:
+                break
             slots //= 2
     return out
 
@@ -112,7 +118,7 @@ def _sampler_candidates(spec: RunSpec, model_cfg, chip: str, num_devices: int):
 def _parts_line(parts: dict) -> str:
     names = dict(train_resident="weights + AdamW state + batch", train_transient="the train step's transient "
                  "buffers (gradients, gathered weights, activations, loss)", sampler_resident="the rollout engine's "
-                 "weights", sampler_transient="the engine's KV cache, prompt store and compaction")
+                 "weights", sampler_transient="the engine's KV cache, prompt store, rollouts and prefill or compaction")
     return ", ".join(f"{names[k]} {v / GIB:.2f}" for k, v in parts.items())
 
 
@@ -148,7 +154,7 @@ def propose(spec, *, chip: str | None = None, num_devices: int | None = None) ->
     colocated = samplers[0][3]["colocated"]
     best, best_key, least = None, None, None
     for tk, tr, tt, _ in trains:
-        for sk, sr, st, _ in samplers:
+        for sk, sr, st, sp in samplers:
             total = tr + sr + max(tt, st) if colocated else max(tr + tt, sr + st)
             parts = dict(train_resident=tr, train_transient=tt, sampler_resident=sr, sampler_transient=st)
             if least is None or total < least[0]:
@@ -157,7 +163,7 @@ def propose(spec, *, chip: str | None = None, num_devices: int | None = None) ->
                 continue
             m = tk["rl.micro_batch_size"] or dr.step_shape(spec, chip).batch
             key = (sk["sampler.max_batch_size"], m, -_REMATS.index(tk["model.remat"]), tk["rl.logits_chunk_size"],
-                   sk["sampler.mesh.tensor"])
+                   sp["prefill_chunk"], sk["sampler.mesh.tensor"])
             if best_key is None or key > best_key:
                 best_key, best = key, Proposal(overrides={k: {**tk, **sk}[k] for k in KNOBS}, total=int(total),
                                                hbm=hbm, parts=parts)

@@ -52,10 +52,11 @@ def test_slice_presets_are_the_fits_proposals(size):
             assert p.overrides["rl.micro_batch_size"] in (0, 128, 256)  # >= the recipe's 64
             assert dry_run.plan(c, compiler="none")["verdict"]["fits"]
             continue
-        micro, chunk, remat, tensor, slots = DAPO.SLICE_KNOBS[(size, name)]
+        micro, chunk, remat, tensor, slots, prefill = DAPO.SLICE_KNOBS[(size, name)]
         assert p.overrides == {"rl.micro_batch_size": micro, "rl.logits_chunk_size": chunk, "model.remat": remat,
                                "sampler.mesh.data": 1, "sampler.mesh.tensor": tensor,
-                               "sampler.max_batch_size": slots, "sampler.max_slots": 0, "sampler.park_rows": 0}
+                               "sampler.max_batch_size": slots, "sampler.max_slots": 0, "sampler.park_rows": 0,
+                               "sampler.prefill_chunk": prefill}
         report = dry_run.plan(c, compiler="none")  # the preset, dry-run as a user would: fits
         assert report["verdict"]["fits"] and report["verdict"]["total"] <= p.total + 1
 

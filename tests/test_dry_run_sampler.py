@@ -50,12 +50,26 @@ def _hand(mesh=(1, 1), slots=256, store_rows=128, dtype_bytes=2):
     return weights, kv, store, park
 
 
+def _hand_transient(mesh, kv, store, park, rows=1024, chunk=128):
+    """The engine's transient by hand: outputs (rows x 8,192 x (2 + 2 x 20) x 4 bytes, every device), the prefill's
+    f32 scores (12 bytes x chunk prompts x 32 / tensor heads x 2,048^2 / data) and the LM head gathered whole
+    (151,936 x 4,096 bf16 where tensor > 1); the largest of decode loop, prefill and compaction."""
+    d, t = mesh
+    outputs = rows * 8192 * 42 * 4
+    prefill = 12 * chunk * (32 // t) * 2048 ** 2 // d
+    lm_head = 151936 * 4096 * 2 if t > 1 else 0
+    return max(kv + store + park + outputs + lm_head, kv + store + outputs + prefill, kv * 3 // 2 + 2 * outputs)
+
+
 @pytest.mark.parametrize("mesh", [(1, 1), (8, 8), (4, 2), (1, 4)])
 def test_sampler_plan_equals_hand_computation(mesh):
     sp = dry_run.plan(_config(mesh), compiler="none")["sampler"]
     weights, kv, store, park = _hand(mesh)
     assert (sp["weights"], sp["kv_cache"], sp["prompt_store"], sp["park"]) == (weights, kv, store, park)
-    assert sp["total"] == weights + kv + store + park and sp["dtype"] == "bfloat16"
+    assert sp["transient"] == _hand_transient(mesh, kv, store, park) and sp["dtype"] == "bfloat16"
+    assert sp["total"] == weights + sp["transient"]
+    chunked = dry_run.plan(_config(mesh, prefill_chunk=8), compiler="none")["sampler"]
+    assert chunked["prefill"] * 16 == sp["prefill"] and chunked["prefill_chunk"] == 8
     assert sp["colocated"] == (mesh[0] * mesh[1] <= 4)  # auto: colocated on TPU
     if mesh == (1, 1):  # the issue: 144 KiB per token, 256 slots x 10,240 tokens = 360 GiB on one chip
         assert 36 * 2 * 8 * 128 * 2 == 144 * 1024 and kv == 360 * GIB
