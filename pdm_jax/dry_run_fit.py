@@ -39,8 +39,8 @@ class NothingFits(ValueError):
 
 
 def engine_transient(sp: dict) -> int:
-    """The rollout engine's transient bytes per device (beyond its weights) by the analytic plan: `dry_run.sampler_plan`'s
-    ``transient``, the largest of its decode loop, its prefill and its compaction."""
+    """The rollout engine's transient bytes per device (beyond its weights) by the analytic plan:
+    `dry_run.sampler_plan`'s ``transient``, the largest of its decode loop, its prefill and its compaction."""
     return sp["transient"]
 
 
@@ -84,7 +84,6 @@ def _sampler_candidates(spec: RunSpec, model_cfg, chip: str, num_devices: int):
     """(knobs, resident bytes, transient bytes, sampler plan) of every engine mesh x slots setting that the
     engine accepts (`dry_run.sampler_plan` refuses the others)."""
     per_host = aot.chips_per_host(chip, num_devices)
-    rows = None
     out = []
     for t in (8, 4, 2, 1):
         if t > per_host:
