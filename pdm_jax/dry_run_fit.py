@@ -1,13 +1,14 @@
 """``--dry_run --config.dry_run.fit=true``: the memory knobs that fit a slice, and a step-time estimate.
 
-`propose` searches the memory knobs of a config (micro-batch, loss chunk, remat, the rollout engine's mesh
-and slots; `KNOBS`) for its target (``dry_run.chip`` x ``dry_run.num_devices``) against the dry run's
-ANALYTIC plan (`dry_run.analytic_plan`, `dry_run.sampler_plan`, added up as `dry_run.verdict` does), with
-the engine's compaction calibrated against XLA:TPU (`engine_transient`) and `HEADROOM` left for what the
-formulas miss. What a step means (prompts x samples, lengths, delta, K, learning rate) is never searched.
+`propose` searches the memory knobs of a config (micro-batch, loss chunk, remat, the rollout engine's mesh,
+slots and prefill chunk; `KNOBS`) for its target (``dry_run.chip`` x ``dry_run.num_devices``) against the dry
+run's ANALYTIC plan (`dry_run.analytic_plan`, `dry_run.sampler_plan`, added up as `dry_run.verdict` does; the
+engine's part calibrated on XLA:TPU's compiles, `engine_transient`) with `HEADROOM` left for what the formulas
+miss. What a step means (prompts x samples, lengths, delta, K, learning rate) is never searched.
 Among the settings that fit it prefers the most work per step: the most engine slots (rows decoded at
 once), then the largest micro-batch, then the least recomputation (remat), then the largest loss chunk,
-then the widest engine mesh. Where nothing fits it raises `NothingFits`, naming the part.
+then the most prompts prefilled at once, then the widest engine mesh. Where nothing fits it raises
+`NothingFits`, naming the part.
 
 The report it prints carries `dry_run.step_time_estimate`: a LOWER BOUND on one RL step's time at the
 chip's datasheet peak, never a measurement.
@@ -22,8 +23,8 @@ from pdm_jax import dry_run as dr
 from pdm_jax.run_spec import RunSpec, run_spec, with_overrides
 
 GIB = dr.GIB
-#: The share of HBM a proposal may fill by the analytic plan: the plan is within 11% of XLA:TPU on the
-#: recipes' train steps and leaves out the engine's decode buffers (docs/scaling.md).
+#: The share of HBM a proposal may fill by the analytic plan: the plan is within 11% of XLA:TPU on the v5p-128
+#: recipes' train steps (8-21% under it on the small slices) and within 5% on the engine (docs/scaling.md).
 HEADROOM = 0.9
 #: The fields `propose` sets, in the order its overrides are printed.
 KNOBS = ("rl.micro_batch_size", "rl.logits_chunk_size", "model.remat", "sampler.mesh.data", "sampler.mesh.tensor",
