@@ -81,9 +81,10 @@ _MOE_D_BUFFERS = 2
 # (compiled temp per token and layer, scanned / unrolled, attention buffers aside): 1.74.
 _SCAN_RESIDUAL_FACTOR = 1.7
 _LOSS_V_BUFFERS = 4  # logits, log-softmax, tail log pi (trust region), softmax for the backward
-#: Bytes per [query, key] pair of the rollout engine's prefill attention: the f32 scores, their exponentials and
-#: probabilities (XLA:TPU, the 1.7B engine on v5e:2x4, 64 prompts x 4 heads x 2,048^2: 11.7 GiB of temporaries).
-_PREFILL_SCORE_BYTES = 12
+#: Bytes per [query, key] pair of the rollout engine's prefill attention: four f32 buffers (scores, masked scores,
+#: exponentials, probabilities), as XLA:TPU allocates them (the 8B engine on v5p:2x2x1 prefilling 64 prompts of
+#: 2,048 tokens, 8 heads a chip: 31.5 GiB of temporaries beside its prompt store; docs/scaling.md).
+_PREFILL_SCORE_BYTES = 16
 
 
 def prepare_devices(num_devices: int) -> bool:

@@ -52,11 +52,11 @@ def _hand(mesh=(1, 1), slots=256, store_rows=128, dtype_bytes=2):
 
 def _hand_transient(mesh, kv, store, park, rows=1024, chunk=128):
     """The engine's transient by hand: outputs (rows x 8,192 x (2 + 2 x 20) x 4 bytes, every device), the prefill's
-    f32 scores (12 bytes x chunk prompts x 32 / tensor heads x 2,048^2 / data) and the LM head gathered whole
+    f32 scores (16 bytes x chunk prompts x 32 / tensor heads x 2,048^2 / data) and the LM head gathered whole
     (151,936 x 4,096 bf16 where tensor > 1); the largest of decode loop, prefill and compaction."""
     d, t = mesh
     outputs = rows * 8192 * 42 * 4
-    prefill = 12 * chunk * (32 // t) * 2048 ** 2 // d
+    prefill = 16 * chunk * (32 // t) * 2048 ** 2 // d
     lm_head = 151936 * 4096 * 2 if t > 1 else 0
     return max(kv + store + park + outputs + lm_head, kv + store + outputs + prefill, kv * 3 // 2 + 2 * outputs)
 

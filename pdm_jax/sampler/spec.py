@@ -73,7 +73,7 @@ class EngineSpec:
         lengths (bench/bench_continuous_batching.py), ``park_rows x slots x (P + T/4)`` more cache entries.
       prefill_chunk: continuous batching prefills its prompt store this many prompts at a time (a loop over
         chunks; 0: the whole request at once), which bounds the prefill's attention scores, f32
-        ``[prompts, heads, P, P]`` per layer (12 GiB per device for 64 prompts of 2,048 tokens, 4 heads a device).
+        ``[prompts, heads, P, P]`` per layer (16 GiB per device for 64 prompts of 2,048 tokens, 4 heads a device).
 
     Raises:
       ValueError: naming the field and its value: an unknown quantization or batching mode, a
