@@ -197,29 +197,50 @@ def experts_grouped(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_E
     (1e-5 in f32, values and gradients). Under an active mesh the dispatch runs under ``jax.shard_map``, tokens
     sharded as ``batch`` and the kernels gathered whole in ``dtype``: each shard handles its own ``N/shards * K``
     assignments (one global sort needed 175.7 GiB of temporaries for the 30B-A3B step on 64 v5p, 16.1 GiB sharded;
-    docs/scaling.md)."""
+    docs/scaling.md). ``blocked`` keeps the kernels' split of the expert width I over mesh axes that do not split the
+    tokens (the rollout engine's ``tensor`` axis; `_split_width_axes`): each device multiplies its slice of I and the
+    partial outputs are summed (``psum``, f32), as Megatron-LM splits an MLP (Shoeybi et al. 2019, arXiv 1909.08053):
+    no device gathers the kernels whole or repeats another's work. Each partial output is rounded to ``dtype``
+    before the sum."""
     if implementation not in GROUPED:
         raise ValueError(f"moe implementation must be one of {GROUPED} here, "
                          f"got {implementation!r}")
     kernels = tuple(w.astype(dtype) for w in (gate_ExDxI, up_ExDxI, down_ExIxD))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return _experts_grouped_local(x_NxD, weights_NxK, experts_NxK, *kernels, dtype=dtype,
+                                      implementation=implementation)
+    rules = shd.active_rules()
+    rows = shd.logical_to_spec(("batch", None), rules, mesh, x_NxD.shape)
+    width = _split_width_axes(rows, rules, mesh, gate_ExDxI.shape) if implementation == "blocked" else ()
 
     def local(x_NxD, weights_NxK, experts_NxK, gate_ExDxI, up_ExDxI, down_ExIxD):
         return _experts_grouped_local(x_NxD, weights_NxK, experts_NxK, gate_ExDxI, up_ExDxI,
-                                      down_ExIxD, dtype=dtype, implementation=implementation)
+                                      down_ExIxD, dtype=dtype, implementation=implementation, sum_axes=width)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return local(x_NxD, weights_NxK, experts_NxK, *kernels)
-    rows = shd.logical_to_spec(("batch", None), shd.active_rules(), mesh, x_NxD.shape)
-    replicated = jax.sharding.PartitionSpec()
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows) + (replicated,) * 3,
+    P = jax.sharding.PartitionSpec
+    axis = width if len(width) != 1 else width[0]
+    kernel_specs = (P(None, None, axis),) * 2 + (P(None, axis, None),) if width else (P(),) * 3
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows) + kernel_specs,
                             out_specs=rows, check_vma=False)
     return sharded(x_NxD, weights_NxK, experts_NxK, *kernels)
 
 
+def _split_width_axes(rows, rules, mesh, gate_shape) -> tuple:
+    """The mesh axes (of size > 1) that split the experts' width ``I`` (logical ``mlp``) and not the tokens (``rows``):
+    the rollout engine's ``tensor`` axis. Empty where there are none (the trainer's FSDP mesh)."""
+    used = {a for part in rows if part is not None for a in ((part,) if isinstance(part, str) else part)}
+    spec = shd.logical_to_spec(("expert", "embed", "mlp"), rules, mesh, gate_shape)[2]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+
+
 def _experts_grouped_local(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_ExDxI: Array,
-                           up_ExDxI: Array, down_ExIxD: Array, *, dtype, implementation: str) -> Array:
-    """`experts_grouped` on the rows at hand (one shard's, or all of them without a mesh)."""
+                           up_ExDxI: Array, down_ExIxD: Array, *, dtype, implementation: str,
+                           sum_axes: tuple = ()) -> Array:
+    """`experts_grouped` on the rows at hand (one shard's, or all of them without a mesh); with ``sum_axes`` (mesh
+    axes inside ``shard_map``) the kernels hold a slice of the expert width I, and the partial outputs are summed
+    over those axes in f32."""
     N, D = x_NxD.shape
     E = gate_ExDxI.shape[0]
     K = experts_NxK.shape[1]
@@ -244,6 +265,8 @@ def _experts_grouped_local(x_NxD: Array, weights_NxK: Array, experts_NxK: Array,
     zeros_NxD = (fresh_zeros((N, D), jnp.float32, x_NxD) if implementation == "blocked"
                  else jnp.zeros((N, D), jnp.float32))
     y_NxD = zeros_NxD.at[token_M].add(weighted_MxD)
+    if sum_axes:
+        y_NxD = jax.lax.psum(y_NxD, sum_axes)
     return y_NxD.astype(dtype)
 
 
