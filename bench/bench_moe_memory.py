@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pdm_jax import aot
+from pdm_jax import aot, dry_run
 from pdm_jax.models import moe
 
 
@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--top_k", type=int, default=8)
     args = ap.parse_args()
     M, D, I, E = args.tokens * args.top_k, 2048, 768, 128  # noqa: E741 (I: the MLP's intermediate size)
+    dry_run.prepare_devices(1)  # JAX on CPU, as the dry run: the CUDA plugin then compiles deviceless for H100
     targets = [("XLA:CPU", jax.devices("cpu")[0])]
     if aot.compiler_available("gpu"):
         targets.append(("XLA:GPU H100", aot.target_devices("gpu", "H100", 1, None)[0]))

@@ -431,6 +431,7 @@ def test_model_aux_loss_is_the_formula_on_its_router_logits(fields):
 # ------------------------------------------------------------------------------ HF I/O
 
 import os  # noqa: E402
+import re  # noqa: E402
 
 from pdm_jax import sharding as shd  # noqa: E402
 from pdm_jax.models import from_pretrained, hf_io, save_pretrained  # noqa: E402
@@ -582,6 +583,41 @@ def test_moe_sharded_load_and_expert_parallel_forward():
     for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a, nnx.Param)),
                               nnx.to_flat_state(nnx.state(b, nnx.Param))):
         np.testing.assert_array_equal(x.get_value(), y.get_value(), err_msg=str(p))
+
+
+def test_blocked_experts_split_width_over_tensor_axis():
+    """``blocked`` under a mesh whose ``tensor`` axis splits the expert width (the rollout engine's): each device
+    multiplies its slice of I and the partial outputs are summed; values and gradients equal the unsharded dense
+    reference, and the compiled program all-gathers no expert kernel (it reduces [N, D] outputs instead)."""
+    N, D, E, I, K = 16, 8, 4, 12, 2  # noqa: E741
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(keys[0], (N, D))
+    gate, up = (jax.random.normal(k, (E, D, I)) for k in keys[1:3])
+    down = jax.random.normal(keys[3], (E, I, D))
+    weights, experts = moe_lib.route(jax.random.normal(keys[4], (N, E)), K, True)[:2]
+    probe = jax.random.normal(jax.random.key(4), (N, D))
+
+    def loss(impl, x, gate, up, down):
+        y = moe_lib.experts(x, weights, experts, gate, up, down, dtype=jnp.float32, implementation=impl)
+        return jnp.sum(y * probe), y
+
+    want_grads, want = jax.grad(functools.partial(loss, "dense"), argnums=(0, 1, 2, 3), has_aux=True)(
+        x, gate, up, down)
+    mesh = shd.make_mesh(data=2, fsdp=1, tensor=4)
+    assert moe_lib._split_width_axes(shd.logical_to_spec(("batch", None), shd.DEFAULT_RULES, mesh, (N, D)),
+                                     shd.DEFAULT_RULES, mesh, gate.shape) == ("tensor",)
+    step = jax.jit(jax.grad(functools.partial(loss, "blocked"), argnums=(0, 1, 2, 3), has_aux=True))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "tensor"))  # as the engine's
+    gate, up = jax.device_put(gate, split), jax.device_put(up, split)
+    down = jax.device_put(down, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "tensor", None)))
+    with shd.activation_sharding(mesh):
+        grads, got = step(x, gate, up, down)
+        hlo = step.lower(x, gate, up, down).compile().as_text()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    assert "all-reduce" in hlo
+    assert not re.search(r"f32\[4,(8,12|12,8)\][^\n]*all-gather", hlo)  # no kernel gathered whole
 
 
 @pytest.mark.slow

@@ -120,6 +120,19 @@ def _megablox_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, dtype)
     return out[:M]
 
 
+def fresh_zeros(shape, dtype, anchor) -> Array:
+    """Zeros of ``shape`` / ``dtype`` that XLA neither shares between call sites nor creates before ``anchor``.
+
+    ``jnp.zeros`` is a broadcast of a constant: XLA merges equal ones (CSE), so the zero-initialised buffers of every
+    unrolled layer (`Qwen3ForCausalLM.decode`) become copies of one broadcast, which XLA:GPU fuses into one
+    multi-output fusion: all of them live at once, before the first layer runs (the rollout engine's prefill
+    temporaries grew by 3.3 GiB per layer for the 30B-A3B on H100, docs/scaling.md). Broadcasting a scalar zero that
+    passes through ``jax.lax.optimization_barrier`` beside ``anchor`` (any array of this call site, e.g. its input)
+    makes each site's buffer its own, created where ``anchor`` is. Values: exactly zero."""
+    zero, _ = jax.lax.optimization_barrier((jnp.zeros((), dtype), anchor))
+    return jnp.broadcast_to(zero, shape)
+
+
 def blocked_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, *, block_rows: int = 128,
                 blocks_per_step: int = 8) -> Array:
     """Grouped matmul over row blocks, equal to ``jax.lax.ragged_dot(lhs_MxA, rhs_ExAxC, group_sizes_E)``.
@@ -129,12 +142,14 @@ def blocked_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, *, block
       rhs_ExAxC: [E, A, C] one kernel per group, in the dtype of ``lhs_MxA``.
       group_sizes_E: [E] int32 rows per group; rows past their sum give zeros (as in ``ragged_dot``).
       block_rows: rows per block (at most 128).
-      blocks_per_step: blocks multiplied per scan step.
+      blocks_per_step: blocks multiplied per loop step.
 
-    Returns [M, C] in the dtype of ``lhs_MxA``. Each group is padded to whole blocks (at most ``ceil(M / b) + E``), a
-    ``lax.scan`` multiplies ``blocks_per_step`` blocks per step by their gathered kernels (recomputed in the
-    backward), and the rows are gathered back: memory and FLOPs of the padded rows, never E-fold (MegaBlocks, Gale et
-    al. 2022, arXiv 2211.15841). Checked against ``ragged_dot`` (values and gradients) in tests/test_models_moe.py."""
+    Returns [M, C] in the dtype of ``lhs_MxA``. Each group is padded to whole blocks (at most ``ceil(M / b) + E``;
+    the padded rows gathered from ``lhs``, zeros past a group's rows), a loop multiplies ``blocks_per_step`` blocks
+    per step by their gathered kernels (recomputed in the backward) into an output buffer of the padded rows, and the
+    rows are gathered back: memory and FLOPs of the padded rows, never E-fold (MegaBlocks, Gale et al. 2022, arXiv
+    2211.15841). The output buffer is `fresh_zeros`: with unrolled layers XLA:GPU would otherwise create every
+    layer's at once. Checked against ``ragged_dot`` (values and gradients) in tests/test_models_moe.py."""
     M, A = lhs_MxA.shape
     E, _, C = rhs_ExAxC.shape
     b = int(min(block_rows, max(8, 1 << max(0, -(-M // max(E, 1)) - 1).bit_length())))
@@ -149,16 +164,26 @@ def blocked_gmm(lhs_MxA: Array, rhs_ExAxC: Array, group_sizes_E: Array, *, block
     g = jnp.minimum(group_M, E - 1)
     dest_M = (block_end_E[g] - blocks_E[g]) * b + rows_M - (row_end_E[g] - sizes_E[g])
     dest_M = jnp.where(group_M < E, dest_M, num_blocks * b)  # out of range: dropped / zero
-    padded = jnp.zeros((num_blocks * b, A), lhs_MxA.dtype).at[dest_M].set(lhs_MxA, mode="drop")
     block_group = jnp.minimum(jnp.searchsorted(block_end_E, jnp.arange(num_blocks, dtype=jnp.int32),
                                                side="right"), E - 1).astype(jnp.int32)
+    # the source row of each padded row (M, out of range, for padding and for blocks past the last group's)
+    padded_R = jnp.arange(num_blocks * b, dtype=jnp.int32)
+    group_R = jnp.repeat(block_group, b, total_repeat_length=num_blocks * b)
+    offset_R = padded_R - (block_end_E[group_R] - blocks_E[group_R]) * b
+    source_R = jnp.where((offset_R < sizes_E[group_R]) & (padded_R < block_end_E[-1] * b),
+                         row_end_E[group_R] - sizes_E[group_R] + offset_R, M)
+    blocks_SxGxbxA = lhs_MxA.at[source_R].get(mode="fill", fill_value=0).reshape(num_blocks // G, G, b, A)
+    groups_SxG = block_group.reshape(-1, G)
 
     @jax.checkpoint
     def step(rhs, blocks_GxbxA, groups_G):
         return jnp.einsum("gba,gac->gbc", blocks_GxbxA, rhs[groups_G])
 
-    _, out = jax.lax.scan(lambda carry, xs: (carry, step(rhs_ExAxC, *xs)), None,
-                          (padded.reshape(num_blocks // G, G, b, A), block_group.reshape(-1, G)))
+    def body(i, out_SxGxbxC):
+        return jax.lax.dynamic_update_index_in_dim(out_SxGxbxC, step(rhs_ExAxC, blocks_SxGxbxA[i], groups_SxG[i]), i, 0)
+
+    out = jax.lax.fori_loop(0, num_blocks // G, body,
+                            fresh_zeros((num_blocks // G, G, b, C), lhs_MxA.dtype, lhs_MxA))
     return out.reshape(num_blocks * b, C).at[dest_M].get(mode="fill", fill_value=0)
 
 
@@ -172,29 +197,50 @@ def experts_grouped(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_E
     (1e-5 in f32, values and gradients). Under an active mesh the dispatch runs under ``jax.shard_map``, tokens
     sharded as ``batch`` and the kernels gathered whole in ``dtype``: each shard handles its own ``N/shards * K``
     assignments (one global sort needed 175.7 GiB of temporaries for the 30B-A3B step on 64 v5p, 16.1 GiB sharded;
-    docs/scaling.md)."""
+    docs/scaling.md). ``blocked`` keeps the kernels' split of the expert width I over mesh axes that do not split the
+    tokens (the rollout engine's ``tensor`` axis; `_split_width_axes`): each device multiplies its slice of I and the
+    partial outputs are summed (``psum``, f32), as Megatron-LM splits an MLP (Shoeybi et al. 2019, arXiv 1909.08053):
+    no device gathers the kernels whole or repeats another's work. Each partial output is rounded to ``dtype``
+    before the sum."""
     if implementation not in GROUPED:
         raise ValueError(f"moe implementation must be one of {GROUPED} here, "
                          f"got {implementation!r}")
     kernels = tuple(w.astype(dtype) for w in (gate_ExDxI, up_ExDxI, down_ExIxD))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return _experts_grouped_local(x_NxD, weights_NxK, experts_NxK, *kernels, dtype=dtype,
+                                      implementation=implementation)
+    rules = shd.active_rules()
+    rows = shd.logical_to_spec(("batch", None), rules, mesh, x_NxD.shape)
+    width = _split_width_axes(rows, rules, mesh, gate_ExDxI.shape) if implementation == "blocked" else ()
 
     def local(x_NxD, weights_NxK, experts_NxK, gate_ExDxI, up_ExDxI, down_ExIxD):
         return _experts_grouped_local(x_NxD, weights_NxK, experts_NxK, gate_ExDxI, up_ExDxI,
-                                      down_ExIxD, dtype=dtype, implementation=implementation)
+                                      down_ExIxD, dtype=dtype, implementation=implementation, sum_axes=width)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return local(x_NxD, weights_NxK, experts_NxK, *kernels)
-    rows = shd.logical_to_spec(("batch", None), shd.active_rules(), mesh, x_NxD.shape)
-    replicated = jax.sharding.PartitionSpec()
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows) + (replicated,) * 3,
+    P = jax.sharding.PartitionSpec
+    axis = width if len(width) != 1 else width[0]
+    kernel_specs = (P(None, None, axis),) * 2 + (P(None, axis, None),) if width else (P(),) * 3
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows) + kernel_specs,
                             out_specs=rows, check_vma=False)
     return sharded(x_NxD, weights_NxK, experts_NxK, *kernels)
 
 
+def _split_width_axes(rows, rules, mesh, gate_shape) -> tuple:
+    """The mesh axes (of size > 1) that split the experts' width ``I`` (logical ``mlp``) and not the tokens (``rows``):
+    the rollout engine's ``tensor`` axis. Empty where there are none (the trainer's FSDP mesh)."""
+    used = {a for part in rows if part is not None for a in ((part,) if isinstance(part, str) else part)}
+    spec = shd.logical_to_spec(("expert", "embed", "mlp"), rules, mesh, gate_shape)[2]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+
+
 def _experts_grouped_local(x_NxD: Array, weights_NxK: Array, experts_NxK: Array, gate_ExDxI: Array,
-                           up_ExDxI: Array, down_ExIxD: Array, *, dtype, implementation: str) -> Array:
-    """`experts_grouped` on the rows at hand (one shard's, or all of them without a mesh)."""
+                           up_ExDxI: Array, down_ExIxD: Array, *, dtype, implementation: str,
+                           sum_axes: tuple = ()) -> Array:
+    """`experts_grouped` on the rows at hand (one shard's, or all of them without a mesh); with ``sum_axes`` (mesh
+    axes inside ``shard_map``) the kernels hold a slice of the expert width I, and the partial outputs are summed
+    over those axes in f32."""
     N, D = x_NxD.shape
     E = gate_ExDxI.shape[0]
     K = experts_NxK.shape[1]
@@ -215,7 +261,12 @@ def _experts_grouped_local(x_NxD: Array, weights_NxK: Array, experts_NxK: Array,
     h_MxI = _swiglu(gmm(x_MxD, gate_ExDxI), gmm(x_MxD, up_ExDxI))
     out_MxD = gmm(h_MxI, down_ExIxD).astype(jnp.float32)
     weighted_MxD = out_MxD * weights_NxK.reshape(-1)[order_M][:, None]
-    y_NxD = jnp.zeros((N, D), jnp.float32).at[token_M].add(weighted_MxD)
+    # blocked (XLA:GPU, unrolled decode layers): its own zeros per layer (`fresh_zeros`); the sum is the same
+    zeros_NxD = (fresh_zeros((N, D), jnp.float32, x_NxD) if implementation == "blocked"
+                 else jnp.zeros((N, D), jnp.float32))
+    y_NxD = zeros_NxD.at[token_M].add(weighted_MxD)
+    if sum_axes:
+        y_NxD = jax.lax.psum(y_NxD, sum_axes)
     return y_NxD.astype(dtype)
 
 
