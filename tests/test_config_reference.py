@@ -36,3 +36,13 @@ def test_the_page_shows_the_defaults_of_get_base_config():
     assert '| `trust_region.delta` | `0.05` | nats for KL, probability for TV |' in page
     assert '| `sampler.batching` | `"continuous"` |' in page  # read from sampler.defaults, not the source text
     assert '| `sampler.startup_timeout_s` | `180.0` | s |' in page
+
+
+def test_engine_fields_carry_their_unit_column():
+    """`EngineSpec`'s run-config fields state their unit the way the generator reads it, ``(unit: X)``: the unit
+    column shows it and the meaning drops it. ``sampler.prefill_chunk``'s description ends "Unit: prompts." (capital,
+    no parentheses), so the page shows "—" in its unit column and keeps "Unit: prompts." in the meaning."""
+    fields = {f.path: f for section in config_reference.schema() for f in section.fields}
+    assert fields["sampler.park_rows"].unit == "x slots"
+    assert fields["sampler.prefill_chunk"].unit == "prompts", fields["sampler.prefill_chunk"]
+    assert "Unit:" not in fields["sampler.prefill_chunk"].description

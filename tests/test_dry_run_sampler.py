@@ -143,3 +143,18 @@ def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the
     assert step["floor"] == step["weights"] + step["kv_cache"]
     assert step["bytes_accessed"] >= step["weights"]  # every weight read at least once per step
     assert "x the floor: weights + KV cache, each read once" in text
+
+
+@pytest.mark.parametrize("mesh,chunk", [((8, 8), 4), ((2, 1), 1)])
+def test_prefill_chunk_below_data_axis_is_whole_on_every_device(mesh, chunk):
+    """A prefill chunk of fewer prompts than the engine's data axis cannot be split over it: the engine slices the
+    chunk out of the data-sharded prompt ids (``dynamic_slice``), and XLA replicates a chunk the data axis does not
+    divide, so every data device computes the WHOLE chunk's scores (XLA:CPU on fake devices, the continuous
+    program's compiled text: mesh 8 x 1 with a chunk of 4 holds f32[4, 4, 64, 32] scores per device; mesh 2 x 1
+    with a chunk of 1 holds [4, 64, 32], one whole prompt; chunks the data axis divides are split, [chunk / data,
+    ...]). So the per-device prefill is chunk x heads/tensor x P^2 x 16 bytes, not 1 / data of it (the plan
+    counted half a prompt per device for 4 prompts over 8 data devices)."""
+    d, t = mesh
+    sp = dry_run.plan(_config(mesh, prefill_chunk=chunk), compiler="none")["sampler"]
+    assert sp["prefill_chunk"] == chunk
+    assert sp["prefill"] >= 16 * chunk * (32 // t) * 2048 ** 2  # the whole chunk on each data device
