@@ -158,3 +158,23 @@ def test_prefill_chunk_below_data_axis_is_whole_on_every_device(mesh, chunk):
     sp = dry_run.plan(_config(mesh, prefill_chunk=chunk), compiler="none")["sampler"]
     assert sp["prefill_chunk"] == chunk
     assert sp["prefill"] >= 16 * chunk * (32 // t) * 2048 ** 2  # the whole chunk on each data device
+
+
+def test_routing_outputs_counted_in_their_dtype():
+    """With MoE routing replay the engine carries [rows, P + T, layers, k] routing in `rollout.routing_dtype`
+    (continuous_batching: ``store_routed.astype(routing_dtype(num_experts))``): int16 for Qwen3-30B-A3B's 128
+    experts (int8 holds ids up to 127 only). The plan counted one byte per entry (int8) whatever the experts."""
+    from pdm_jax.rollout import routing_dtype
+
+    spec = importlib.util.spec_from_file_location("qwen3_30b", os.path.join(ROOT, "configs", "qwen3_30b_a3b_dapo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config()
+    plain = dry_run.plan(c, compiler="none")["sampler"]
+    c.model.moe_routing_replay = True
+    replay = dry_run.plan(c, compiler="none")["sampler"]
+    cfg = get_preset("qwen3_30b_a3b")
+    assert cfg.num_experts == 128 and routing_dtype(cfg.num_experts).itemsize == 2
+    rows = max(dry_run.next_pow2(plain["request_prompts"] * c.rl.group_size), plain["slots"])
+    entries = rows * (c.sampler.max_prompt_length + c.rl.max_new_tokens) * cfg.num_hidden_layers * 8
+    assert replay["outputs"] - plain["outputs"] == 2 * entries
