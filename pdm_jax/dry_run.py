@@ -51,7 +51,7 @@ from pdm_jax.models.hf_io import load_config
 from pdm_jax.models.presets import PRESETS, count_params, get_preset
 from pdm_jax.models.qwen3 import Qwen3ForCausalLM
 from pdm_jax.models.tokenizer import char_vocab_size
-from pdm_jax.rollout import round_up
+from pdm_jax.rollout import round_up, routing_dtype
 from pdm_jax.sampler import continuous_batching as cb
 from pdm_jax.sampler import engine as eng
 from pdm_jax.sampler.engine import abstract_engine_model, next_pow2
@@ -371,8 +371,9 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
 
     * ``outputs``: the rollouts the engine carries, [rows, T] tokens and log mu and [rows, T x K] top-K ids and
       log mu (4 bytes each; rows: the request's, at least the slots), on every device; with MoE routing replay
-      also [rows, P + T, layers, k] int8;
-    * ``prefill``: the attention scores of one prefill chunk (`EngineSpec.prefill_chunk` prompts;
+      also [rows, P + T, layers, k] in `rollout.routing_dtype` (int8, int16 past 127 experts);
+    * ``prefill``: the attention scores of one prefill chunk (`EngineSpec.prefill_chunk` prompts, a multiple of
+      the data axis: `continuous_batching.prefill_rows_at_once`;
       ``_PREFILL_SCORE_BYTES`` per query-key pair, heads split over the tensor axis);
     * ``lm_head``: the LM head gathered whole, V x D in the compute dtype, where the tensor axis splits the
       vocabulary (XLA:TPU gathers it for the last position's logits);
@@ -436,9 +437,10 @@ def sampler_plan(spec: RunSpec, model_cfg, num_devices: int, chip: str, *, per_h
     rows = max(pow2(prompts * spec.rl.group_size), slots) if continuous else slots
     outputs = rows * new * (2 + 2 * k) * 4  # tokens, log mu, top-K ids and log mu: int32 / f32, every device
     if spec.model.moe_routing_replay and c.is_moe:
-        outputs += rows * (p + new) * c.num_hidden_layers * c.num_experts_per_tok  # int8 routing
+        outputs += rows * (p + new) * c.num_hidden_layers * c.num_experts_per_tok * jnp.dtype(
+            routing_dtype(c.num_experts)).itemsize  # `rollout.routing_dtype`: int16 for 128 experts
     heads = c.num_attention_heads // t if c.num_attention_heads % t == 0 else c.num_attention_heads
-    chunk = prefill_rows_at_once(store_rows, sc.engine.prefill_chunk) if continuous else slots
+    chunk = prefill_rows_at_once(store_rows, sc.engine.prefill_chunk, d) if continuous else slots
     prefill = _PREFILL_SCORE_BYTES * chunk * heads * p * p // d
     lm_head = c.vocab_size * c.hidden_size * dtype.itemsize if t > 1 else 0
     out = dict(weights=weights, kv_cache=kv_cache, prompt_store=prompt_store, park=park, outputs=outputs,
@@ -487,7 +489,7 @@ def compiled_sampler_plan(spec: RunSpec, model_cfg, sp: dict, *, devices=None) -
             if program == "main":
                 shape = cb.ContinuousShape.for_engine(  # the trainer's requests: no top-p / top-k, its park, routing
                     sc.engine, slots=slots, num_new=new, k_logprobs=rl.top_k_logprobs, cache_dtype=dtype,
-                    slice_layers_once=slice_once, may_filter=False,
+                    slice_layers_once=slice_once, may_filter=False, prefill_chunk=sp["prefill_chunk"] if sc.batching == "continuous" else 0,
                     routing=spec.model.moe_routing_replay and model_cfg.is_moe)
                 return cb._CONTINUOUS_JIT.lower(graphdef, state, queue, shape)
             outs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), prev.out_info)

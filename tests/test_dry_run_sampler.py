@@ -147,17 +147,18 @@ def test_compiled_sampler_program_agrees_with_the_analytic_weights_and_holds_the
 
 @pytest.mark.parametrize("mesh,chunk", [((8, 8), 4), ((2, 1), 1)])
 def test_prefill_chunk_below_data_axis_is_whole_on_every_device(mesh, chunk):
-    """A prefill chunk of fewer prompts than the engine's data axis cannot be split over it: the engine slices the
-    chunk out of the data-sharded prompt ids (``dynamic_slice``), and XLA replicates a chunk the data axis does not
-    divide, so every data device computes the WHOLE chunk's scores (XLA:CPU on fake devices, the continuous
-    program's compiled text: mesh 8 x 1 with a chunk of 4 holds f32[4, 4, 64, 32] scores per device; mesh 2 x 1
-    with a chunk of 1 holds [4, 64, 32], one whole prompt; chunks the data axis divides are split, [chunk / data,
-    ...]). So the per-device prefill is chunk x heads/tensor x P^2 x 16 bytes, not 1 / data of it (the plan
-    counted half a prompt per device for 4 prompts over 8 data devices)."""
+    """A prefill chunk of fewer prompts than the engine's data axis could not be split over it: XLA replicates a
+    chunk the data axis does not divide (XLA:CPU on fake devices: mesh 8 x 1 with a chunk of 4 held f32[4, 4, 64, 32]
+    scores per device), so every data device would compute the whole chunk. The engine and the plan round the chunk
+    up to a multiple of the data axis (`prefill_rows_at_once`), which splits it: 1 / data of it per device."""
+    from pdm_jax.sampler.continuous_batching import prefill_rows_at_once
+
     d, t = mesh
     sp = dry_run.plan(_config(mesh, prefill_chunk=chunk), compiler="none")["sampler"]
-    assert sp["prefill_chunk"] == chunk
-    assert sp["prefill"] >= 16 * chunk * (32 // t) * 2048 ** 2  # the whole chunk on each data device
+    assert sp["prefill_chunk"] == d  # 8 for 4 prompts over 8 data devices, 2 for 1 over 2
+    assert sp["prefill"] == 16 * (d // d) * (32 // t) * 2048 ** 2
+    assert [prefill_rows_at_once(128, c, 8) for c in (0, 1, 8, 12, 64, 200)] == [128, 8, 8, 8, 64, 128]
+    assert [prefill_rows_at_once(8, c) for c in (3, 5, 8)] == [2, 4, 8] and prefill_rows_at_once(4, 1, 8) == 4
 
 
 def test_routing_outputs_counted_in_their_dtype():

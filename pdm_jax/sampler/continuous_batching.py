@@ -348,8 +348,8 @@ class ContinuousShape:
 
     @classmethod
     def for_engine(cls, spec, **settings) -> "ContinuousShape":
-        """The shape of ``settings`` with the park and prefill chunk of `EngineSpec` ``spec``."""
-        return cls(park=spec.park_rows, prefill_chunk=spec.prefill_chunk, **settings)
+        """The shape of ``settings`` with the park and prefill chunk of `EngineSpec` ``spec`` (``settings`` win)."""
+        return cls(**{"park": spec.park_rows, "prefill_chunk": spec.prefill_chunk, **settings})
 
 
 def park_entries(spec, slots: int, caps) -> int:
@@ -358,12 +358,15 @@ def park_entries(spec, slots: int, caps) -> int:
     return int(spec.park_rows) * int(slots) if len(caps) > 1 else 0
 
 
-def prefill_rows_at_once(u: int, chunk: int) -> int:
-    """Prompts a prefill of ``u`` prompts runs at once for `EngineSpec.prefill_chunk` ``chunk``: the largest divisor
-    of ``u`` that is at most ``chunk`` (0: ``u``, the whole store at once)."""
+def prefill_rows_at_once(u: int, chunk: int, shards: int = 1) -> int:
+    """Prompts a prefill of ``u`` prompts runs at once for `EngineSpec.prefill_chunk` ``chunk`` on an engine whose
+    rows split ``shards`` ways (its data axis): the largest multiple of ``shards`` that divides ``u`` and is at most
+    ``max(chunk, shards)`` (a chunk the data axis does not divide would be computed whole on every data device);
+    ``u`` for ``chunk`` 0 or at least ``u``, or where no multiple of ``shards`` divides ``u``."""
     if not chunk or chunk >= u:
         return int(u)
-    return max(d for d in range(1, int(chunk) + 1) if u % d == 0)
+    fits = [x for x in range(shards, max(int(chunk), shards) + 1, shards) if u % x == 0]
+    return max(fits) if fits else int(u)
 
 
 def _prefill(model, ids_UxP, positions_UxP, mask_UxP, *, cache_dtype, routing: bool, chunk: int):
@@ -601,7 +604,7 @@ def run(engine, state, prompts, rows, draw: Draw, row_max_new=None) -> dict:
     min_phase = t if small else engine.min_cache_phase
     phases = () if min_phase == _MIN_PHASE else (("min_phase", min_phase),)
     may_filter = top_p < 1.0 or top_k > 0  # else the program has no top-p / top-k filter (`sampling_distribution`)
-    park, chunk = engine.spec.park_rows, prefill_rows_at_once(u_pad, engine.spec.prefill_chunk)
+    park, chunk = engine.spec.park_rows, prefill_rows_at_once(u_pad, engine.spec.prefill_chunk, engine.row_shards)
     engine._note_program(("continuous", slots, n_pad, u_pad, p, t, k, str(engine.compute_dtype))
                          + ("routing",) * routing + phases
                          + ((("park", park),) if park != defaults.PARK_ROWS else ())

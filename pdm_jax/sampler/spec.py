@@ -72,8 +72,9 @@ class EngineSpec:
         cache serves the queue; the same tokens either way (tests), fewer attention reads with mixed
         lengths (bench/bench_continuous_batching.py), ``park_rows x slots x (P + T/4)`` more cache entries.
       prefill_chunk: continuous batching prefills its prompt store this many prompts at a time (a loop over
-        chunks; 0: the whole request at once), which bounds the prefill's attention scores, f32
-        ``[prompts, heads, P, P]`` per layer (16 GiB per device for 64 prompts of 2,048 tokens, 4 heads a device).
+        chunks; 0: the whole request at once), which bounds the prefill's attention: four f32
+        ``[prompts, heads, P, P]`` buffers per layer (16 GiB per device for 64 prompts of 2,048 tokens, 4 heads a
+        device).
 
     Raises:
       ValueError: naming the field and its value: an unknown quantization or batching mode, a
@@ -107,9 +108,11 @@ class EngineSpec:
         "continuous_nopark,continuous). park_rows counts rows per slot (unit: x slots)."))
     prefill_chunk: int = _flag(defaults.PREFILL_CHUNK, "continuous batching: prompts prefilled at once into the "
                                                        "prompt store (0 = the whole request)", config=(
-        "Continuous batching prefills the prompt store this many prompts at a time (0 = the whole request at once): "
-        "the prefill's attention scores are f32 [prompts, heads, P, P] per layer, so this bounds the engine's "
-        "largest temporary (the dry run counts it); the same prompt store either way (tests). Unit: prompts."))
+        "Continuous batching prefills the prompt store this many prompts at a time (0 = the whole request at once; "
+        "rounded to a divisor of the store that the engine's data axis divides): the prefill's attention holds four "
+        "f32 [prompts, heads, P, P] buffers per layer, so this bounds the engine's largest temporary (the dry run "
+        "counts it); the same rollouts either way (bit for bit in f32 on one device, else within float rounding; "
+        "tests) (unit: prompts)."))
     mesh_data: int = _flag(1, "the sharded engine's data axis (rows); with --mesh_tensor, the first data x tensor "
                               "of this process's devices (make_sampler_mesh); 1 x 1 = one device")
     mesh_tensor: int = _flag(1, "the sharded engine's tensor axis (heads / MLP)")
