@@ -489,8 +489,8 @@ def compiled_sampler_plan(spec: RunSpec, model_cfg, sp: dict, *, devices=None) -
             if program == "main":
                 shape = cb.ContinuousShape.for_engine(  # the trainer's requests: no top-p / top-k, its park, routing
                     sc.engine, slots=slots, num_new=new, k_logprobs=rl.top_k_logprobs, cache_dtype=dtype,
-                    slice_layers_once=slice_once, may_filter=False, prefill_chunk=sp["prefill_chunk"] if sc.batching == "continuous" else 0,
-                    routing=spec.model.moe_routing_replay and model_cfg.is_moe)
+                    slice_layers_once=slice_once, may_filter=False, routing=spec.model.moe_routing_replay and
+                    model_cfg.is_moe, prefill_chunk=sp["prefill_chunk"] if sc.batching == "continuous" else 0)
                 return cb._CONTINUOUS_JIT.lower(graphdef, state, queue, shape)
             outs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), prev.out_info)
             if program == "compact":
