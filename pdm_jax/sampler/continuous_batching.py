@@ -75,8 +75,8 @@ class _Slots:
 class _Outputs:
     """The program's outputs per queue row: tokens / log mu [N, T], top-K ids / log mu [N, T x K] (flat: XLA:TPU
     lays a [N, T, K] buffer out with K = 20 as the minor dimension, padded to 128 lanes, 6.4x the bytes; `run`
-    hands out [N, T, K]), ``length``
-    and ``stopped`` [N]; ``routed`` [N, P + T, L, k] with routing replay, else None."""
+    hands out [N, T, K]), ``length`` and ``stopped`` [N]; ``routed`` [N, P + T, L, k] with routing replay, else
+    None."""
 
     tokens: jax.Array
     logp: jax.Array
