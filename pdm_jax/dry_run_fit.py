@@ -3,7 +3,7 @@
 `propose` searches the memory knobs of a config (micro-batch, loss chunk, remat, the rollout engine's mesh,
 slots and prefill chunk; `KNOBS`) for its target (``dry_run.chip`` x ``dry_run.num_devices``) against the dry
 run's ANALYTIC plan (`dry_run.analytic_plan`, `dry_run.sampler_plan`, added up as `dry_run.verdict` does; the
-engine's part calibrated on XLA:TPU's compiles, `engine_transient`) with `HEADROOM` left for what the formulas
+engine's part calibrated on XLA:TPU's compiles: its ``transient``) with `HEADROOM` left for what the formulas
 miss. What a step means (prompts x samples, lengths, delta, K, learning rate) is never searched.
 Among the settings that fit it prefers the most work per step: the most engine slots (rows decoded at
 once), then the largest micro-batch, then the least recomputation (remat), then the largest loss chunk,
@@ -37,12 +37,6 @@ _PREFILL_CHUNKS = (0, 64, 32, 16, 8, 4, 2, 1)  # sampler.prefill_chunk: prompts 
 
 class NothingFits(ValueError):
     """No setting of the memory knobs fits the slice; the message names the part that does not."""
-
-
-def engine_transient(sp: dict) -> int:
-    """The rollout engine's transient bytes per device (beyond its weights) by the analytic plan:
-    `dry_run.sampler_plan`'s ``transient``, the largest of its decode loop, its prefill and its compaction."""
-    return sp["transient"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +102,7 @@ def _sampler_candidates(spec: RunSpec, model_cfg, chip: str, num_devices: int):
                 seen.add(sp["prefill_chunk"])
                 out.append(({"sampler.mesh.data": 1, "sampler.mesh.tensor": t, "sampler.max_batch_size": slots,
                              "sampler.max_slots": 0, "sampler.park_rows": 0, "sampler.prefill_chunk": chunk},
-                            sp["weights"], engine_transient(sp), sp))
+                            sp["weights"], sp["transient"], sp))
             if refused:
                 break
             slots //= 2
